@@ -1,0 +1,877 @@
+//! The page allocator: fast path, slow path and the bulk API.
+//!
+//! Owns: the order in which memory is looked for — the thread's cache, this
+//! CPU's lists, the zone, then the slow path (wake background reclaim,
+//! direct reclaim, compaction, drain the per-CPU lists, retry as the flags
+//! say) — and the array, list and callback forms of bulk allocation.
+//! Must never: block or take a lock on the fast path, or hold any allocator
+//! lock while calling a shrinker or a caller's callback.
+//!
+//! The fast path, in full:
+//! ```text
+//! alloc_pages(gfp, order ≤ 3)  → pop from this thread's cache
+//!     empty  → refill half a cache from this CPU's list (one try-lock)
+//!              list empty → refill a batch from the zone (one zone lock)
+//! free_pages(page, order ≤ 3)  → push on this thread's cache
+//!     full   → give the older half to this CPU's list (one try-lock)
+//!              list above high → a batch back to the zone (one zone lock)
+//! ```
+
+use crate::arena::Arena;
+use crate::builder::PageAllocatorBuilder;
+use crate::compaction::{try_to_compact, CompactResult};
+use crate::error::Result;
+use crate::fault::FaultInjector;
+use crate::frame::{flags, FrameInfo, Page, MAX_ORDER, PAGE_SIZE};
+use crate::gfp::Gfp;
+use crate::pcp::{PcpGuard, PcpLimits, PcpSet, Wmark, PCP_MAX_ORDER, PCP_ORDERS};
+use crate::reclaim::ShrinkerRegistry;
+use crate::stats::{Accounting, Counters, Stats};
+use crate::tcache::{Owner, Tcache, ThreadCaches};
+use crate::zone::{Mark, Watermarks, Zone};
+use parking_lot::{Condvar, Mutex};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Rounds of reclaim without progress before a blocking allocation that is
+/// not `NOFAIL` gives up (the kernel's `MAX_RECLAIM_RETRIES`).
+pub const MAX_RECLAIM_RETRIES: u32 = 16;
+/// How long a `NOFAIL` allocation sleeps between attempts when nothing was
+/// freed, at most.
+pub const NOFAIL_WAIT: Duration = Duration::from_millis(1);
+/// Pages gathered per callback round of [`PageAllocator::alloc_pages_bulk_cb`].
+const CB_CHUNK: usize = 64;
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+thread_local! {
+    static CACHES: ThreadCaches<Core> = const { ThreadCaches::new() };
+}
+
+/// A page allocator over its own arena. Cheap to clone (the clones share
+/// the allocator); `Send` and `Sync`.
+#[derive(Clone)]
+pub struct PageAllocator {
+    core: Arc<Core>,
+}
+
+pub(crate) struct Core {
+    id: u64,
+    pub(crate) arena: Arena,
+    pub(crate) zone: Zone,
+    pub(crate) pcp: Box<[PcpSet]>,
+    pub(crate) limits: PcpLimits,
+    tcache_cap: [usize; PCP_ORDERS],
+    tcache_on: bool,
+    checks: bool,
+    pub(crate) fault: FaultInjector,
+    pub(crate) shrinkers: ShrinkerRegistry,
+    pub(crate) tcaches: Mutex<Vec<Arc<Tcache>>>,
+    pub(crate) counters: Counters,
+    waiters: AtomicUsize,
+    wait_lock: Mutex<()>,
+    wait_cv: Condvar,
+}
+
+/// Watermark rules of the fast path: stay above low.
+const FAST: Wmark = Wmark {
+    mark: Mark::Low,
+    high: false,
+    none: false,
+};
+
+impl PageAllocator {
+    /// Settings with defaults; finish with [`PageAllocatorBuilder::build`].
+    pub fn builder() -> PageAllocatorBuilder {
+        PageAllocatorBuilder::default()
+    }
+
+    /// An allocator over an arena of `size_bytes` with every other setting
+    /// at its default.
+    pub fn new(size_bytes: u64) -> Result<PageAllocator> {
+        Self::builder().size_bytes(size_bytes).build()
+    }
+
+    pub(crate) fn from_builder(b: PageAllocatorBuilder) -> Result<PageAllocator> {
+        let arena = Arena::new(b.size_bytes, b.huge_pages, b.populate)?;
+        let nr_pages = arena.nr_pages();
+        let limits = b.resolved_pcp(nr_pages);
+        let tcache_cap = b.resolved_tcache(&limits);
+        let zone = Zone::new(&arena, b.resolved_watermarks(nr_pages));
+        let pcp = (0..b.resolved_cpus()).map(|_| PcpSet::new(&limits)).collect();
+        Ok(PageAllocator {
+            core: Arc::new(Core {
+                id: NEXT_ID.fetch_add(1, Relaxed),
+                arena,
+                zone,
+                pcp,
+                limits,
+                tcache_cap,
+                tcache_on: tcache_cap[0] > 0,
+                checks: b.checks,
+                fault: FaultInjector::default(),
+                shrinkers: ShrinkerRegistry::default(),
+                tcaches: Mutex::new(Vec::new()),
+                counters: Counters::default(),
+                waiters: AtomicUsize::new(0),
+                wait_lock: Mutex::new(()),
+                wait_cv: Condvar::new(),
+            }),
+        })
+    }
+
+    /// Allocate a block of 2^`order` contiguous frames.
+    ///
+    /// **Context:** never blocks unless `gfp` may block and the fast paths
+    /// are empty; then it may run shrinkers, compaction and drains, and
+    /// (`NOFAIL`) wait for frees. **Returns:** `None` when no block could be
+    /// found under `gfp`'s rules (orders above 10 always fail).
+    #[inline]
+    pub fn alloc_pages(&self, gfp: Gfp, order: u32) -> Option<Page> {
+        let core = &*self.core;
+        if order <= PCP_MAX_ORDER && core.tcache_on && !core.fault.is_enabled() {
+            if let Ok(Some(page)) = CACHES.try_with(|c| core.tcache_alloc(c.get(&self.core), order)) {
+                return Some(core.prep_new_page(page, order, gfp));
+            }
+        }
+        core.alloc_uncached(gfp, order)
+    }
+
+    /// Free a block from [`PageAllocator::alloc_pages`] with the same order.
+    ///
+    /// **Context:** never blocks. With checks on, freeing a block that is
+    /// not allocated (a double free) panics with the frame named.
+    #[inline]
+    pub fn free_pages(&self, page: Page, order: u32) {
+        let core = &*self.core;
+        if order > 0 || core.checks {
+            core.free_prep(page, order);
+        }
+        if order <= PCP_MAX_ORDER && core.tcache_on && CACHES.try_with(|c| core.tcache_free(c.get(&self.core), page, order)).is_ok() {
+            return;
+        }
+        core.free_uncached(page, order);
+    }
+
+    /// Bulk allocation, array form: fill the empty (`None`) slots of `slots`
+    /// with order-0 pages; slots already holding a page are kept.
+    ///
+    /// Takes this thread's cache and this CPU's list once for the batch.
+    /// Falls back to allocating a single page through the full path when the
+    /// zone is below its low watermark or only one slot is empty.
+    ///
+    /// **Context:** as [`PageAllocator::alloc_pages`]. **Returns:** how many
+    /// slots hold a page now, counting those filled before the call; may be
+    /// fewer than `slots.len()`.
+    pub fn alloc_pages_bulk_array(&self, gfp: Gfp, slots: &mut [Option<Page>]) -> usize {
+        let populated = slots.iter().filter(|s| s.is_some()).count();
+        let need = slots.len() - populated;
+        if need == 0 {
+            return populated;
+        }
+        let mut empty = slots.iter_mut().filter(|s| s.is_none());
+        let got = self.bulk(gfp, need, |p| {
+            if let Some(slot) = empty.next() {
+                *slot = Some(p);
+            }
+        });
+        populated + got
+    }
+
+    /// Bulk allocation, list form: append up to `nr` order-0 pages to
+    /// `list`. **Returns:** how many were appended (may be fewer than `nr`).
+    pub fn alloc_pages_bulk_list(&self, gfp: Gfp, nr: usize, list: &mut Vec<Page>) -> usize {
+        list.reserve(nr);
+        self.bulk(gfp, nr, |p| list.push(p))
+    }
+
+    /// Bulk allocation, callback form: allocate up to `nr` order-0 pages and
+    /// hand each to `f` (to fill an I/O vector directly). `f` runs with no
+    /// allocator lock held and may itself allocate or free. If `f` panics,
+    /// the pages not yet handed over are freed.
+    ///
+    /// **Returns:** how many pages were handed to `f`.
+    pub fn alloc_pages_bulk_cb(&self, gfp: Gfp, nr: usize, mut f: impl FnMut(Page)) -> usize {
+        let mut done = 0;
+        while done < nr {
+            let mut chunk = [None; CB_CHUNK];
+            let want = (nr - done).min(CB_CHUNK);
+            let got = self.alloc_pages_bulk_array(gfp, &mut chunk[..want]);
+            let mut guard = Undelivered {
+                alloc: self,
+                pages: &chunk[..got],
+                next: 0,
+            };
+            while guard.next < got {
+                let p = guard.pages[guard.next].expect("bulk fills slots in order");
+                guard.next += 1;
+                f(p);
+            }
+            done += got;
+            if got < want {
+                break;
+            }
+        }
+        done
+    }
+
+    /// Free order-0 pages in bulk: this thread's cache takes what fits, the
+    /// rest goes to this CPU's list in one hold.
+    ///
+    /// **Context:** never blocks.
+    pub fn free_pages_bulk(&self, pages: &[Page]) {
+        let core = &*self.core;
+        if core.checks {
+            for &p in pages {
+                core.free_prep(p, 0);
+            }
+        }
+        let mut rest = pages;
+        if core.tcache_on {
+            if let Ok(r) = CACHES.try_with(|c| {
+                let tc = c.get(&self.core);
+                // SAFETY: this thread owns `tc`; one stack reference at a time.
+                let stack = unsafe { tc.stack(0) };
+                let room = (tc.cap[0] - stack.len()).min(pages.len());
+                stack.extend_from_slice(&pages[..room]);
+                tc.account(room as isize);
+                crate::pcp::bump(&tc.frees, room as u64);
+                crate::pcp::bump(&tc.bulk_frees, 1);
+                &pages[room..]
+            }) {
+                rest = r;
+            } else {
+                core.counters.bulk_frees.fetch_add(1, Relaxed);
+            }
+        } else {
+            core.counters.bulk_frees.fetch_add(1, Relaxed);
+        }
+        if !rest.is_empty() {
+            core.give(0, rest);
+        }
+    }
+
+    /// The bulk engine behind the three forms.
+    fn bulk(&self, gfp: Gfp, nr: usize, mut sink: impl FnMut(Page)) -> usize {
+        let core = &*self.core;
+        if core.fault.is_enabled() {
+            // Every page is a separate, injectable attempt, so callers see
+            // partial fills.
+            return core.bulk_one_by_one(gfp, nr, sink);
+        }
+        if nr == 1 || !core.zone.watermark_ok(nr, Mark::Low, false, false) {
+            return match self.alloc_pages(gfp, 0) {
+                Some(p) => {
+                    sink(p);
+                    1
+                }
+                None => 0,
+            };
+        }
+        let prep = gfp.contains(Gfp::ZERO) || core.checks;
+        let mut sink = |p: Page| sink(if prep { core.prep_new_page(p, 0, gfp) } else { p });
+        let mut got = 0;
+        let mut counted = false;
+        if core.tcache_on {
+            let r = CACHES.try_with(|c| {
+                let tc = c.get(&self.core);
+                // SAFETY: this thread owns `tc`; one stack reference at a time.
+                let stack = unsafe { tc.stack(0) };
+                let k = stack.len().min(nr);
+                let at = stack.len() - k;
+                for p in stack.drain(at..).rev() {
+                    sink(p);
+                }
+                tc.account(-(k as isize));
+                crate::pcp::bump(&tc.allocs, k as u64);
+                crate::pcp::bump(&tc.bulk_allocs, 1);
+                k
+            });
+            if let Ok(k) = r {
+                got = k;
+                counted = true;
+            }
+        }
+        if !counted {
+            core.counters.bulk_allocs.fetch_add(1, Relaxed);
+        }
+        if got < nr {
+            got += core.take(0, nr - got, FAST, &mut sink);
+        }
+        got
+    }
+
+    /// Allocate a block that frees itself when dropped.
+    ///
+    /// **Context / Returns:** as [`PageAllocator::alloc_pages`].
+    pub fn alloc_box(&self, gfp: Gfp, order: u32) -> Option<PageBox<'_>> {
+        self.alloc_pages(gfp, order).map(|page| PageBox { alloc: self, page, order })
+    }
+
+    /// Address of `page` in the arena's direct map.
+    #[inline]
+    pub fn page_address(&self, page: Page) -> *mut u8 {
+        self.core.arena.page_address(page)
+    }
+
+    /// The page containing `addr`, if it lies in the arena.
+    pub fn page_of_address(&self, addr: *const u8) -> Option<Page> {
+        self.core.arena.page_of_address(addr)
+    }
+
+    /// The arena (memfd, mapping, frame metadata).
+    pub fn arena(&self) -> &Arena {
+        &self.core.arena
+    }
+
+    /// A snapshot of `page`'s frame metadata.
+    pub fn frame_info(&self, page: Page) -> Option<FrameInfo> {
+        self.core.arena.frame_info(page)
+    }
+
+    /// Fault injection for this allocator (off by default).
+    pub fn fault(&self) -> &FaultInjector {
+        &self.core.fault
+    }
+
+    /// The shrinkers that direct reclaim calls.
+    pub fn shrinkers(&self) -> &ShrinkerRegistry {
+        &self.core.shrinkers
+    }
+
+    /// The zone's watermarks.
+    pub fn watermarks(&self) -> Watermarks {
+        self.core.zone.watermarks()
+    }
+
+    /// Change the watermarks.
+    ///
+    /// **Returns:** an error unless `min <= low <= high < pages in the arena`.
+    pub fn set_watermarks(&self, w: Watermarks) -> Result<()> {
+        let n = self.core.arena.nr_pages();
+        if !(w.min <= w.low && w.low <= w.high && w.high < n) {
+            return Err(crate::error::Error::setting(
+                "watermarks",
+                format!("min {} low {} high {}", w.min, w.low, w.high),
+                format!("need min <= low <= high < {n} (the arena's pages)"),
+            ));
+        }
+        self.core.zone.set_watermarks(w);
+        Ok(())
+    }
+
+    /// The per-CPU lists' `high` and `batch`.
+    pub fn pcp_limits(&self) -> PcpLimits {
+        self.core.limits
+    }
+
+    /// Number of per-CPU list sets.
+    pub fn nr_cpus(&self) -> usize {
+        self.core.pcp.len()
+    }
+
+    /// Most pages one thread's cache can hold (0 when thread caches are off).
+    pub fn thread_cache_max_pages(&self) -> usize {
+        (0..PCP_ORDERS).map(|o| self.core.tcache_cap[o] << o).sum()
+    }
+
+    /// Give this thread's cached pages back to the per-CPU lists.
+    ///
+    /// **Context:** never blocks.
+    pub fn flush_thread_cache(&self) {
+        let _ = CACHES.try_with(|c| {
+            if let Some(tc) = c.existing(self.core.id) {
+                self.core.tcache_flush_all(tc);
+            }
+        });
+    }
+
+    /// Return every page on every CPU's lists, and this thread's cache, to
+    /// the zone (the kernel's `drain_all_pages`). Other threads' caches are
+    /// not touched: they flush when their threads exit or call
+    /// [`PageAllocator::flush_thread_cache`].
+    ///
+    /// **Context:** may spin briefly for per-CPU locks held by other threads.
+    pub fn drain_all(&self) {
+        self.flush_thread_cache();
+        self.core.drain_all_pcp();
+    }
+
+    /// Where every page is right now (racy unless the allocator is quiet).
+    pub fn accounting(&self) -> Accounting {
+        self.core.accounting()
+    }
+
+    /// Check that nothing is allocated: drain this thread's cache and the
+    /// per-CPU lists, then compare the zone's free pages with the total
+    /// (minus pages that live threads' caches hold).
+    ///
+    /// **Returns:** the accounting as the error when pages are in use.
+    pub fn leak_check(&self) -> std::result::Result<Accounting, Accounting> {
+        self.drain_all();
+        let a = self.accounting();
+        if a.in_use_pages == 0 {
+            Ok(a)
+        } else {
+            Err(a)
+        }
+    }
+
+    /// Statistics: calls by path, per-CPU refills and drains, free pages by
+    /// order, failures.
+    pub fn stats(&self) -> Stats {
+        self.core.stats()
+    }
+}
+
+impl Owner for Core {
+    fn id(&self) -> u64 {
+        self.id
+    }
+    fn tcache_cap(&self) -> [usize; PCP_ORDERS] {
+        self.tcache_cap
+    }
+    fn tcache_register(&self, tc: &Arc<Tcache>) {
+        self.tcaches.lock().push(Arc::clone(tc));
+    }
+    fn tcache_retire(&self, tc: &Tcache) {
+        self.tcache_flush_all(tc);
+        self.counters.fold_tcache(tc);
+        self.tcaches.lock().retain(|t| !std::ptr::eq(&**t, tc));
+    }
+}
+
+impl Core {
+    // ---- fast path -------------------------------------------------------
+
+    #[inline]
+    fn tcache_alloc(&self, tc: &Tcache, order: u32) -> Option<Page> {
+        // SAFETY: this thread owns `tc`; one stack reference at a time.
+        let stack = unsafe { tc.stack(order) };
+        let page = match stack.pop() {
+            Some(p) => p,
+            None => self.tcache_refill(tc, order)?,
+        };
+        tc.account(-(1isize << order));
+        crate::pcp::bump(&tc.allocs, 1);
+        Some(page)
+    }
+
+    #[cold]
+    fn tcache_refill(&self, tc: &Tcache, order: u32) -> Option<Page> {
+        // SAFETY: this thread owns `tc`; the caller's reference is not used
+        // again before this returns.
+        let stack = unsafe { tc.stack(order) };
+        let want = (tc.cap[order as usize] / 2).max(1);
+        let got = self.take(order, want, FAST, |p| stack.push(p));
+        if got == 0 {
+            return None;
+        }
+        crate::pcp::bump(&tc.refills, 1);
+        tc.account((got as isize) << order);
+        stack.pop()
+    }
+
+    #[inline]
+    fn tcache_free(&self, tc: &Tcache, page: Page, order: u32) {
+        // SAFETY: this thread owns `tc`; one stack reference at a time.
+        let stack = unsafe { tc.stack(order) };
+        if stack.len() >= tc.cap[order as usize] {
+            self.tcache_flush(tc, order);
+        }
+        // SAFETY: as above; the flush's reference is gone.
+        let stack = unsafe { tc.stack(order) };
+        stack.push(page);
+        tc.account(1 << order);
+        crate::pcp::bump(&tc.frees, 1);
+    }
+
+    /// Give the older half of a full cache stack to the per-CPU list.
+    #[cold]
+    fn tcache_flush(&self, tc: &Tcache, order: u32) {
+        // SAFETY: this thread owns `tc`.
+        let stack = unsafe { tc.stack(order) };
+        let half = (stack.len() / 2).max(1);
+        self.give(order, &stack[..half]);
+        stack.drain(..half);
+        tc.account(-((half as isize) << order));
+        crate::pcp::bump(&tc.flushes, 1);
+    }
+
+    pub(crate) fn tcache_flush_all(&self, tc: &Tcache) {
+        for order in 0..=PCP_MAX_ORDER {
+            // SAFETY: called by the owning thread (or at its exit).
+            let stack = unsafe { tc.stack(order) };
+            if !stack.is_empty() {
+                self.give(order, stack);
+                tc.account(-((stack.len() as isize) << order));
+                stack.clear();
+            }
+        }
+        crate::pcp::bump(&tc.flushes, 1);
+    }
+
+    /// Prepare a page for its caller: zero it, make it compound, record it
+    /// as allocated — only what the flags and settings ask for.
+    #[inline]
+    fn prep_new_page(&self, page: Page, order: u32, gfp: Gfp) -> Page {
+        if gfp.intersects(Gfp::ZERO | Gfp::COMP) || self.checks {
+            self.prep_slow(page, order, gfp);
+        }
+        page
+    }
+
+    #[cold]
+    fn prep_slow(&self, page: Page, order: u32, gfp: Gfp) {
+        let head = self.arena.frame(page.pfn());
+        let mut fl = head.flags();
+        if self.checks {
+            assert!(
+                fl & (flags::ALLOCATED | flags::BUDDY) == 0,
+                "allocator handed out pfn {} twice (flags {fl:#x})",
+                page.pfn()
+            );
+            fl |= flags::ALLOCATED;
+        }
+        if gfp.contains(Gfp::COMP) && order > 0 {
+            fl |= flags::HEAD;
+            head.set_order(order);
+            for pfn in page.pfn() + 1..page.pfn() + (1 << order) {
+                let tail = self.arena.frame(pfn);
+                tail.set_flags(flags::TAIL);
+                tail.link_or_owner.store(page.pfn(), Relaxed);
+            }
+        }
+        head.set_flags(fl);
+        head.link_or_pins.store(0, Relaxed);
+        head.link_or_owner.store(0, Relaxed);
+        if gfp.contains(Gfp::ZERO) {
+            // SAFETY: the block is ours and lies inside the mapping.
+            unsafe { std::ptr::write_bytes(self.arena.page_address(page), 0, PAGE_SIZE << order) };
+        }
+    }
+
+    /// Undo `prep_slow` before a block goes back: check it was allocated
+    /// (with checks on) and dismantle a compound page.
+    #[cold]
+    fn free_prep(&self, page: Page, order: u32) {
+        assert!(order <= MAX_ORDER, "free_pages: order {order} is above {MAX_ORDER}");
+        assert!(
+            (page.pfn() as usize) < self.arena.nr_pages() && page.pfn() & ((1 << order) - 1) == 0,
+            "free_pages: pfn {} is not the start of an order-{order} block in this arena",
+            page.pfn()
+        );
+        let head = self.arena.frame(page.pfn());
+        let fl = head.flags();
+        if self.checks {
+            assert!(
+                fl & flags::ALLOCATED != 0,
+                "free_pages: pfn {} order {order} is not allocated (double free?), flags {fl:#x}",
+                page.pfn()
+            );
+        }
+        if fl & flags::HEAD != 0 {
+            assert_eq!(head.order(), order, "free_pages: compound pfn {} freed with the wrong order", page.pfn());
+            for pfn in page.pfn() + 1..page.pfn() + (1 << order) {
+                let tail = self.arena.frame(pfn);
+                tail.set_flags(0);
+                tail.link_or_owner.store(0, Relaxed);
+            }
+        }
+        head.set_flags(fl & !(flags::ALLOCATED | flags::HEAD));
+    }
+
+    // ---- per-CPU lists and zone ------------------------------------------
+
+    /// This CPU's list set, locked, or `None` if another thread holds it.
+    #[inline]
+    fn this_cpu(&self) -> Option<PcpGuard<'_>> {
+        // SAFETY: sched_getcpu has no preconditions.
+        let cpu = unsafe { libc::sched_getcpu() };
+        let set = &self.pcp[cpu.max(0) as usize % self.pcp.len()];
+        set.try_lock(&self.zone, &self.arena, &self.limits)
+    }
+
+    /// Take up to `nr` blocks through this CPU's list (or the zone if the
+    /// list is busy), under one hold.
+    fn take(&self, order: u32, nr: usize, wm: Wmark, mut sink: impl FnMut(Page)) -> usize {
+        if let Some(mut g) = self.this_cpu() {
+            let n = g.take(order, nr, wm, &mut sink);
+            drop(g);
+            return n;
+        }
+        if !self.zone.watermark_ok(1 << order, wm.mark, wm.high, wm.none) {
+            return 0;
+        }
+        let mut z = self.zone.lock(&self.arena);
+        let mut n = 0;
+        while n < nr {
+            match z.alloc(order) {
+                Some(pfn) => sink(Page::from_pfn(pfn)),
+                None => break,
+            }
+            n += 1;
+        }
+        drop(z);
+        self.counters.zone_allocs.fetch_add(n as u64, Relaxed);
+        n
+    }
+
+    /// Give blocks to this CPU's list (or the zone if the list is busy).
+    /// `single` counts it as one caller's free served by the list.
+    fn give_counted(&self, order: u32, pages: &[Page], single: bool) {
+        if let Some(mut g) = self.this_cpu() {
+            g.give(order, pages);
+            if single {
+                g.note(true, 1);
+            }
+        } else {
+            let mut z = self.zone.lock(&self.arena);
+            for p in pages {
+                z.free(p.pfn(), order);
+            }
+            drop(z);
+            self.counters.zone_frees.fetch_add(pages.len() as u64, Relaxed);
+        }
+        self.wake_waiters();
+    }
+
+    fn give(&self, order: u32, pages: &[Page]) {
+        self.give_counted(order, pages, false)
+    }
+
+    pub(crate) fn drain_all_pcp(&self) {
+        for set in self.pcp.iter() {
+            let mut spins = 0u32;
+            loop {
+                if let Some(mut g) = set.try_lock(&self.zone, &self.arena, &self.limits) {
+                    g.drain();
+                    break;
+                }
+                spins += 1;
+                if spins % 64 == 0 {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+        }
+        self.counters.drain_all.fetch_add(1, Relaxed);
+        self.wake_waiters();
+    }
+
+    // ---- uncached and slow paths -----------------------------------------
+
+    fn alloc_uncached(&self, gfp: Gfp, order: u32) -> Option<Page> {
+        if order > MAX_ORDER {
+            return self.fail(gfp, order);
+        }
+        if self.fault.is_enabled() && self.fault.should_fail(gfp, order) {
+            return self.fail(gfp, order);
+        }
+        let page = match self.get_page_from_freelist(order, FAST) {
+            Some(p) => p,
+            None => self.alloc_slowpath(gfp, order)?,
+        };
+        Some(self.prep_new_page(page, order, gfp))
+    }
+
+    fn get_page_from_freelist(&self, order: u32, wm: Wmark) -> Option<Page> {
+        if order <= PCP_MAX_ORDER {
+            if let Some(mut g) = self.this_cpu() {
+                let mut out = None;
+                if g.take(order, 1, wm, |p| out = Some(p)) == 1 {
+                    g.note(false, 1);
+                }
+                return out;
+            }
+        }
+        if !self.zone.watermark_ok(1 << order, wm.mark, wm.high, wm.none) {
+            return None;
+        }
+        let pfn = self.zone.lock(&self.arena).alloc(order)?;
+        self.counters.zone_allocs.fetch_add(1, Relaxed);
+        Some(Page::from_pfn(pfn))
+    }
+
+    /// The slow path: wake background reclaim, go down to the min watermark,
+    /// then (if the flags allow blocking) reclaim, compact, drain and retry.
+    #[cold]
+    fn alloc_slowpath(&self, gfp: Gfp, order: u32) -> Option<Page> {
+        let gfp = gfp.in_current_scope();
+        self.counters.slowpath.fetch_add(1, Relaxed);
+        if gfp.contains(Gfp::KSWAPD_RECLAIM) {
+            self.counters.kswapd_wakeups.fetch_add(1, Relaxed);
+        }
+        let wm = Wmark {
+            mark: Mark::Min,
+            high: gfp.contains(Gfp::HIGH),
+            none: gfp.contains(Gfp::MEMALLOC),
+        };
+        if let Some(p) = self.get_page_from_freelist(order, wm) {
+            return Some(p);
+        }
+        if !gfp.may_block() {
+            return self.fail(gfp, order);
+        }
+        let costly = order > PCP_MAX_ORDER;
+        let mut no_progress = 0u32;
+        loop {
+            let reclaimed = self.shrinkers.shrink(gfp, 1 << order);
+            self.counters.direct_reclaim.fetch_add(1, Relaxed);
+            let mut compacted = false;
+            if order > 0 && !gfp.contains(Gfp::NORETRY) {
+                self.counters.compact_calls.fetch_add(1, Relaxed);
+                compacted = try_to_compact(order) == CompactResult::Success;
+            }
+            // Pages parked on per-CPU lists are invisible to the zone; give
+            // them back before deciding there is no memory.
+            self.drain_all_pcp();
+            if let Some(p) = self.get_page_from_freelist(order, wm) {
+                return Some(p);
+            }
+            if gfp.contains(Gfp::NOFAIL) {
+                self.wait_for_frees();
+                continue;
+            }
+            if gfp.contains(Gfp::NORETRY) || (costly && !gfp.contains(Gfp::RETRY_MAYFAIL)) {
+                return self.fail(gfp, order);
+            }
+            if reclaimed > 0 || compacted {
+                no_progress = 0;
+            } else {
+                no_progress += 1;
+            }
+            if no_progress >= MAX_RECLAIM_RETRIES {
+                return self.fail(gfp, order);
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    #[cold]
+    fn fail(&self, gfp: Gfp, order: u32) -> Option<Page> {
+        self.counters.failures.fetch_add(1, Relaxed);
+        if !gfp.contains(Gfp::NOWARN) {
+            log::warn!(
+                "iopages: order-{order} allocation failed (gfp {gfp:?}): {} pages free, min watermark {}",
+                self.zone.nr_free_pages(),
+                self.zone.watermarks().min
+            );
+        }
+        None
+    }
+
+    /// Sleep until something is freed to the zone or [`NOFAIL_WAIT`] passes.
+    fn wait_for_frees(&self) {
+        self.counters.nofail_waits.fetch_add(1, Relaxed);
+        let mut g = self.wait_lock.lock();
+        self.waiters.fetch_add(1, Relaxed);
+        self.wait_cv.wait_for(&mut g, NOFAIL_WAIT);
+        self.waiters.fetch_sub(1, Relaxed);
+    }
+
+    #[inline]
+    fn wake_waiters(&self) {
+        if self.waiters.load(Relaxed) > 0 {
+            let _g = self.wait_lock.lock();
+            self.wait_cv.notify_all();
+        }
+    }
+
+    fn free_uncached(&self, page: Page, order: u32) {
+        if order <= PCP_MAX_ORDER {
+            self.give_counted(order, &[page], true);
+        } else {
+            self.zone.lock(&self.arena).free(page.pfn(), order);
+            self.counters.zone_frees.fetch_add(1, Relaxed);
+            self.wake_waiters();
+        }
+    }
+
+    #[cold]
+    fn bulk_one_by_one(&self, gfp: Gfp, nr: usize, mut sink: impl FnMut(Page)) -> usize {
+        self.counters.bulk_allocs.fetch_add(1, Relaxed);
+        for i in 0..nr {
+            match self.alloc_uncached(gfp, 0) {
+                Some(p) => sink(p),
+                None => return i,
+            }
+        }
+        nr
+    }
+}
+
+/// Frees the pages of a callback round that `f` never received (it panicked).
+struct Undelivered<'a> {
+    alloc: &'a PageAllocator,
+    pages: &'a [Option<Page>],
+    next: usize,
+}
+
+impl Drop for Undelivered<'_> {
+    fn drop(&mut self) {
+        for p in self.pages[self.next..].iter().flatten() {
+            self.alloc.free_pages(*p, 0);
+        }
+    }
+}
+
+/// An owned block of pages that is freed when dropped: the safe layer over
+/// plain [`Page`] handles.
+pub struct PageBox<'a> {
+    alloc: &'a PageAllocator,
+    page: Page,
+    order: u32,
+}
+
+impl PageBox<'_> {
+    /// The first frame.
+    pub fn page(&self) -> Page {
+        self.page
+    }
+
+    /// The block's order.
+    pub fn order(&self) -> u32 {
+        self.order
+    }
+
+    /// Bytes in the block.
+    pub fn len(&self) -> usize {
+        PAGE_SIZE << self.order
+    }
+
+    /// Always false: a block holds at least one page.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The block's bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: the block is allocated to this box for its whole life and
+        // lies inside the arena's mapping, which outlives the allocator
+        // reference the box holds.
+        unsafe { std::slice::from_raw_parts(self.alloc.page_address(self.page), self.len()) }
+    }
+
+    /// The block's bytes, writable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, and `&mut self` makes the access unique.
+        unsafe { std::slice::from_raw_parts_mut(self.alloc.page_address(self.page), self.len()) }
+    }
+
+    /// Give up ownership without freeing: the caller frees with
+    /// [`PageAllocator::free_pages`] and this order.
+    pub fn into_raw(self) -> Page {
+        let p = self.page;
+        std::mem::forget(self);
+        p
+    }
+}
+
+impl Drop for PageBox<'_> {
+    fn drop(&mut self) {
+        self.alloc.free_pages(self.page, self.order);
+    }
+}

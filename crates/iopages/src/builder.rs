@@ -1,0 +1,184 @@
+//! Settings for a page allocator, with defaults and validation.
+//!
+//! Owns: every tunable of the arena, zone, per-CPU lists and thread caches,
+//! and the rules that reject bad values with a message saying what would
+//! be accepted. Must never: build anything half-way — a refused setting
+//! leaves nothing allocated.
+
+use crate::alloc::PageAllocator;
+use crate::arena::{HugePages, ARENA_MIN_BYTES};
+use crate::error::{Error, Result};
+use crate::pcp::{PcpLimits, PCP_HIGH_MAX, PCP_ORDERS};
+use crate::zone::Watermarks;
+
+/// Default arena size: 256 MiB.
+pub const DEFAULT_ARENA_BYTES: u64 = 256 << 20;
+/// Default thread-cache capacity for order 0, in pages.
+pub const DEFAULT_THREAD_CACHE_PAGES: usize = 64;
+/// Largest thread-cache capacity accepted, in pages.
+pub const THREAD_CACHE_PAGES_MAX: usize = 4096;
+
+/// Builds a [`PageAllocator`]. Every setting has a default; see each method.
+#[derive(Clone, Debug)]
+pub struct PageAllocatorBuilder {
+    pub(crate) size_bytes: u64,
+    pub(crate) huge_pages: HugePages,
+    pub(crate) populate: bool,
+    pub(crate) watermarks: Option<Watermarks>,
+    pub(crate) pcp: Option<PcpLimits>,
+    pub(crate) nr_cpus: Option<usize>,
+    pub(crate) thread_cache_pages: usize,
+    pub(crate) checks: bool,
+}
+
+impl Default for PageAllocatorBuilder {
+    fn default() -> Self {
+        PageAllocatorBuilder {
+            size_bytes: DEFAULT_ARENA_BYTES,
+            huge_pages: HugePages::Try,
+            populate: false,
+            watermarks: None,
+            pcp: None,
+            nr_cpus: None,
+            thread_cache_pages: DEFAULT_THREAD_CACHE_PAGES,
+            checks: cfg!(debug_assertions),
+        }
+    }
+}
+
+impl PageAllocatorBuilder {
+    /// Arena size in bytes: a multiple of 4 MiB, at least 4 MiB
+    /// (default 256 MiB).
+    pub fn size_bytes(mut self, size_bytes: u64) -> Self {
+        self.size_bytes = size_bytes;
+        self
+    }
+
+    /// Huge-page policy for the arena (default [`HugePages::Try`]).
+    pub fn huge_pages(mut self, huge: HugePages) -> Self {
+        self.huge_pages = huge;
+        self
+    }
+
+    /// Fault the whole arena in at creation (default off).
+    pub fn populate(mut self, populate: bool) -> Self {
+        self.populate = populate;
+        self
+    }
+
+    /// Watermarks in pages (default: [`Watermarks::for_zone`]).
+    pub fn watermarks(mut self, w: Watermarks) -> Self {
+        self.watermarks = Some(w);
+        self
+    }
+
+    /// Per-CPU `high` and `batch` (default: [`PcpLimits::for_zone`]).
+    pub fn pcp_limits(mut self, l: PcpLimits) -> Self {
+        self.pcp = Some(l);
+        self
+    }
+
+    /// Number of per-CPU list sets (default: the CPUs the system has).
+    pub fn nr_cpus(mut self, n: usize) -> Self {
+        self.nr_cpus = Some(n);
+        self
+    }
+
+    /// Order-0 capacity of each thread's cache in pages; higher orders get
+    /// proportionally less. 0 turns thread caches off, so every allocation
+    /// goes through the per-CPU lists (default 64).
+    pub fn thread_cache_pages(mut self, pages: usize) -> Self {
+        self.thread_cache_pages = pages;
+        self
+    }
+
+    /// Track allocated frames in their metadata and catch double frees and
+    /// frees of pages never allocated (default: on in debug builds).
+    pub fn checks(mut self, on: bool) -> Self {
+        self.checks = on;
+        self
+    }
+
+    /// Create the allocator.
+    ///
+    /// **Context:** may block while the kernel maps memory. **Returns:** an
+    /// error naming the first bad setting, or the system call that failed.
+    pub fn build(self) -> Result<PageAllocator> {
+        let nr_pages_hint = (self.size_bytes / 4096) as usize;
+        if self.size_bytes >= ARENA_MIN_BYTES {
+            self.validate(nr_pages_hint)?;
+        }
+        PageAllocator::from_builder(self)
+    }
+
+    pub(crate) fn resolved_cpus(&self) -> usize {
+        self.nr_cpus.unwrap_or_else(system_cpus)
+    }
+
+    pub(crate) fn resolved_watermarks(&self, nr_pages: usize) -> Watermarks {
+        self.watermarks.unwrap_or_else(|| Watermarks::for_zone(nr_pages))
+    }
+
+    pub(crate) fn resolved_pcp(&self, nr_pages: usize) -> PcpLimits {
+        self.pcp.unwrap_or_else(|| PcpLimits::for_zone(nr_pages, self.resolved_cpus()))
+    }
+
+    /// Thread-cache capacity per order, in blocks (all zero when off).
+    pub(crate) fn resolved_tcache(&self, pcp: &PcpLimits) -> [usize; PCP_ORDERS] {
+        let n = self.thread_cache_pages;
+        std::array::from_fn(|o| {
+            if n == 0 {
+                0
+            } else if o == 0 {
+                n.min(pcp.high[0] * 2).max(2)
+            } else {
+                (n >> (o + 1)).clamp(2, pcp.high[o].max(2))
+            }
+        })
+    }
+
+    fn validate(&self, nr_pages: usize) -> Result<()> {
+        let cpus = self.resolved_cpus();
+        if cpus == 0 || cpus > 4096 {
+            return Err(Error::setting("nr_cpus", cpus, "must be between 1 and 4096"));
+        }
+        if self.thread_cache_pages > THREAD_CACHE_PAGES_MAX {
+            return Err(Error::setting(
+                "thread_cache_pages",
+                self.thread_cache_pages,
+                format!("must be at most {THREAD_CACHE_PAGES_MAX} (0 turns thread caches off)"),
+            ));
+        }
+        if let Some(w) = self.watermarks {
+            if !(w.min <= w.low && w.low <= w.high && w.high < nr_pages) {
+                return Err(Error::setting(
+                    "watermarks",
+                    format!("min {} low {} high {}", w.min, w.low, w.high),
+                    format!("need min <= low <= high < {nr_pages} (the arena's pages)"),
+                ));
+            }
+        }
+        if let Some(l) = self.pcp {
+            for o in 0..PCP_ORDERS {
+                if l.high[o] == 0 || l.high[o] > PCP_HIGH_MAX || l.batch[o] == 0 || l.batch[o] > l.high[o] {
+                    return Err(Error::setting(
+                        "pcp_limits",
+                        format!("order {o}: high {} batch {}", l.high[o], l.batch[o]),
+                        format!("need 1 <= batch <= high <= {PCP_HIGH_MAX}"),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn system_cpus() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) };
+    if n > 0 {
+        n as usize
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    }
+}

@@ -1,0 +1,80 @@
+//! # iopages — the kernel's I/O memory machinery, in userspace
+//!
+//! iopages gives userspace I/O engines (block devices, encryption layers,
+//! databases, data planes) the memory system the Linux kernel gives its own
+//! I/O paths: a page allocator with per-CPU lists and a bulk API, and — as
+//! the layers above it land — mempools that guarantee forward progress,
+//! per-CPU counters, large folios with folio-aware I/O vectors, and
+//! kvmalloc with a real fail-fast path.
+//!
+//! ## Map: kernel mechanism → module
+//!
+//! | kernel | here | file |
+//! |---|---|---|
+//! | physical memory, `struct page`, direct map | one memfd mapped once; 16-byte [`Frame`] records | `arena.rs`, `frame.rs` |
+//! | buddy allocator, watermarks (`mm/page_alloc.c`) | [`Zone`] | `zone.rs` |
+//! | `per_cpu_pages` (orders 0..=3, `high`, `batch`) | per-CPU stacks behind try-locks | `pcp.rs` |
+//! | — (userspace only) | per-thread magazines in front of the per-CPU lists | `tcache.rs` |
+//! | `alloc_pages`, `__alloc_pages_bulk`, slow path | [`PageAllocator`] | `alloc.rs` |
+//! | `gfp_t`, `memalloc_noio_save` | [`Gfp`], [`memalloc_noio_scope`] | `gfp.rs` |
+//! | shrinkers, direct reclaim | [`Shrinker`], [`ShrinkerRegistry`] | `reclaim.rs` |
+//! | compaction | entry point for the slow path | `compaction.rs` |
+//! | `fail_page_alloc` | [`FaultInjector`] | `fault.rs` |
+//! | `/proc/vmstat` | [`Stats`] | `stats.rs` |
+//!
+//! ## Implementation notes
+//!
+//! A [`Page`] is a frame number (4 bytes; `Option<Page>` too). The hot path
+//! passes these plain handles around and never touches frame metadata: a
+//! free block on a per-CPU list or in a thread cache is just its number in
+//! an array. Only the zone writes metadata (its free lists are linked
+//! through the frames), plus allocation checks, `ZERO` and `COMP` when asked.
+//!
+//! Single-page allocation pops from the calling thread's cache: no lock, no
+//! atomic read-modify-write, no CPU lookup. When the cache is empty it
+//! takes half a cache from this CPU's list under a try-lock (a thread can
+//! migrate at any instant, so "this CPU's" lock may be held by another
+//! thread; then the zone is used directly). The per-CPU list refills from
+//! the zone a batch at a time under one zone-lock hold. Frees mirror this.
+//! Bulk calls take the thread cache and the per-CPU list once per batch.
+//!
+//! ```
+//! use iopages::{Gfp, PageAllocator};
+//! let alloc = PageAllocator::new(8 << 20).unwrap();
+//! let page = alloc.alloc_pages(Gfp::KERNEL, 0).unwrap();
+//! alloc.free_pages(page, 0);
+//! let mut slots = [None; 16];
+//! assert_eq!(alloc.alloc_pages_bulk_array(Gfp::KERNEL, &mut slots), 16);
+//! let pages: Vec<_> = slots.iter().flatten().copied().collect();
+//! alloc.free_pages_bulk(&pages);
+//! assert!(alloc.leak_check().is_ok());
+//! ```
+
+#![warn(missing_docs)]
+
+mod alloc;
+pub mod arena;
+mod builder;
+mod compaction;
+mod error;
+mod fault;
+pub mod frame;
+mod gfp;
+pub mod pcp;
+mod reclaim;
+mod stats;
+mod tcache;
+pub mod zone;
+
+pub use alloc::{PageAllocator, PageBox, MAX_RECLAIM_RETRIES, NOFAIL_WAIT};
+pub use arena::{Arena, Backing, HugePages};
+pub use builder::{PageAllocatorBuilder, DEFAULT_ARENA_BYTES, DEFAULT_THREAD_CACHE_PAGES};
+pub use compaction::CompactResult;
+pub use error::{Error, Result};
+pub use fault::{FaultConfig, FaultInjector};
+pub use frame::{Frame, FrameInfo, Page, MAX_ORDER, PAGE_SIZE};
+pub use gfp::{memalloc_nofs_scope, memalloc_noio_scope, Gfp, NofsScope, NoioScope};
+pub use pcp::PcpLimits;
+pub use reclaim::{Shrinker, ShrinkerId, ShrinkerRegistry};
+pub use stats::{Accounting, Stats};
+pub use zone::{Watermarks, Zone};
