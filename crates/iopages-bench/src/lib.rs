@@ -1,1 +1,95 @@
-pub fn placeholder() {}
+//! iopages experiments: the workloads behind `iopages bench <name>`.
+//!
+//! Owns: the measurement harness (timing with the monotonic clock and the
+//! TSC, repetitions, medians), each experiment's workload, its table, JSON
+//! and SVG plot. Must never: assert a timing — benchmarks measure and report;
+//! the tests check correctness.
+//!
+//! Experiments so far:
+//! - E1 `bulk`: cost of alloc+free per page, single-page API and bulk
+//!   batches 1..256, beside the kernel's figures (seed 004).
+
+pub mod bulk;
+pub mod measure;
+pub mod plot;
+
+use std::path::PathBuf;
+
+/// Settings shared by every experiment.
+#[derive(Clone, Debug)]
+pub struct BenchOptions {
+    /// Short run (under 30 s in all) for CI and checks.
+    pub quick: bool,
+    /// Where to write the JSON report (the SVG goes beside it). `None`:
+    /// `<out_dir>/<experiment>.json`.
+    pub json: Option<PathBuf>,
+    /// Directory for reports when `json` is not given.
+    pub out_dir: PathBuf,
+}
+
+impl Default for BenchOptions {
+    fn default() -> Self {
+        BenchOptions {
+            quick: false,
+            json: None,
+            out_dir: PathBuf::from("bench-out"),
+        }
+    }
+}
+
+impl BenchOptions {
+    /// The JSON path for `experiment`, and the SVG path beside it.
+    pub fn paths(&self, experiment: &str) -> (PathBuf, PathBuf) {
+        let json = self
+            .json
+            .clone()
+            .unwrap_or_else(|| self.out_dir.join(format!("{experiment}.json")));
+        let svg = json.with_extension("svg");
+        (json, svg)
+    }
+}
+
+/// Errors of the benchmark harness.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// The allocator under test could not be built.
+    #[error("could not set up the allocator: {0}")]
+    Setup(#[from] iopages::Error),
+    /// A report could not be written.
+    #[error("could not write {path}: {source}")]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The plot could not be drawn.
+    #[error("could not draw the plot {path}: {reason}")]
+    Plot {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// A workload misbehaved (for example the allocator ran dry).
+    #[error("{0}")]
+    Workload(String),
+}
+
+/// Write `value` as pretty JSON to `path`, creating the directory.
+pub fn write_json(path: &std::path::Path, value: &serde_json::Value) -> Result<(), BenchError> {
+    let err = |source| BenchError::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(err)?;
+    }
+    let text = serde_json::to_string_pretty(value).expect("JSON values always serialize");
+    std::fs::write(path, text + "\n").map_err(err)
+}
+
+/// A line of progress on stderr (the tables go to stdout).
+pub fn progress(experiment: &str, msg: impl std::fmt::Display) {
+    eprintln!("[{experiment}] {msg}");
+}

@@ -1,1 +1,87 @@
-fn main() {}
+//! `iopages`: the command-line front end.
+//!
+//! Owns: argument parsing and exit codes. Must never: panic on bad input —
+//! every error is printed with what to do and exits non-zero.
+
+use clap::{Parser, Subcommand, ValueEnum};
+use iopages_bench::{BenchError, BenchOptions};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "iopages",
+    version,
+    about = "The kernel's I/O memory machinery in userspace: benchmarks and tools"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run experiments and write their JSON reports and SVG plots.
+    Bench {
+        /// Which experiment (default: every one that exists).
+        #[arg(value_enum, default_value_t = Experiment::All)]
+        experiment: Experiment,
+        /// A short run (under 30 s) for checks and CI.
+        #[arg(long)]
+        quick: bool,
+        /// Write the JSON report here (the SVG plot goes beside it, .svg).
+        /// Only with a single experiment.
+        #[arg(long, value_name = "PATH")]
+        json: Option<PathBuf>,
+        /// Directory for reports when --json is not given.
+        #[arg(long, value_name = "DIR", default_value = "bench-out")]
+        out_dir: PathBuf,
+    },
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Experiment {
+    /// Every experiment.
+    All,
+    /// E1: alloc+free cost per page, single and bulk batches 1..256.
+    Bulk,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("iopages: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<(), BenchError> {
+    match cli.command {
+        Command::Bench {
+            experiment,
+            quick,
+            json,
+            out_dir,
+        } => {
+            if json.is_some() && experiment == Experiment::All {
+                return Err(BenchError::Workload(
+                    "--json names one report file: give it with a single experiment (for example `iopages bench bulk --json out.json`), or use --out-dir".into(),
+                ));
+            }
+            let opts = BenchOptions {
+                quick,
+                json,
+                out_dir,
+            };
+            match experiment {
+                Experiment::All | Experiment::Bulk => {
+                    iopages_bench::bulk::run(&opts)?;
+                }
+            }
+            Ok(())
+        }
+    }
+}

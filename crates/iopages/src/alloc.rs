@@ -40,6 +40,9 @@ pub const MAX_RECLAIM_RETRIES: u32 = 16;
 /// How long a `NOFAIL` allocation sleeps between attempts when nothing was
 /// freed, at most.
 pub const NOFAIL_WAIT: Duration = Duration::from_millis(1);
+/// Up to this many pages are copied one by one rather than by `memcpy`,
+/// whose call costs more than a short loop.
+const SMALL_COPY: usize = 16;
 /// Pages gathered per callback round of [`PageAllocator::alloc_pages_bulk_cb`].
 const CB_CHUNK: usize = 64;
 
@@ -99,7 +102,9 @@ impl PageAllocator {
         let limits = b.resolved_pcp(nr_pages);
         let tcache_cap = b.resolved_tcache(&limits);
         let zone = Zone::new(&arena, b.resolved_watermarks(nr_pages));
-        let pcp = (0..b.resolved_cpus()).map(|_| PcpSet::new(&limits)).collect();
+        let pcp = (0..b.resolved_cpus())
+            .map(|_| PcpSet::new(&limits))
+            .collect();
         Ok(PageAllocator {
             core: Arc::new(Core {
                 id: NEXT_ID.fetch_add(1, Relaxed),
@@ -131,7 +136,8 @@ impl PageAllocator {
     pub fn alloc_pages(&self, gfp: Gfp, order: u32) -> Option<Page> {
         let core = &*self.core;
         if order <= PCP_MAX_ORDER && core.tcache_on && !core.fault.is_enabled() {
-            if let Ok(Some(page)) = CACHES.try_with(|c| core.tcache_alloc(c.get(&self.core), order)) {
+            if let Ok(Some(page)) = CACHES.try_with(|c| core.tcache_alloc(c.get(&self.core), order))
+            {
                 return Some(core.prep_new_page(page, order, gfp));
             }
         }
@@ -148,7 +154,12 @@ impl PageAllocator {
         if order > 0 || core.checks {
             core.free_prep(page, order);
         }
-        if order <= PCP_MAX_ORDER && core.tcache_on && CACHES.try_with(|c| core.tcache_free(c.get(&self.core), page, order)).is_ok() {
+        if order <= PCP_MAX_ORDER
+            && core.tcache_on
+            && CACHES
+                .try_with(|c| core.tcache_free(c.get(&self.core), page, order))
+                .is_ok()
+        {
             return;
         }
         core.free_uncached(page, order);
@@ -170,20 +181,26 @@ impl PageAllocator {
         if need == 0 {
             return populated;
         }
-        let mut empty = slots.iter_mut().filter(|s| s.is_none());
-        let got = self.bulk(gfp, need, |p| {
-            if let Some(slot) = empty.next() {
-                *slot = Some(p);
-            }
-        });
+        if populated == 0 {
+            return self.bulk_fill(gfp, slots);
+        }
+        // Some slots are taken: fill a dense scratch array, then scatter.
+        let mut scratch = vec![None; need];
+        let got = self.bulk_fill(gfp, &mut scratch);
+        let empty = slots.iter_mut().filter(|s| s.is_none());
+        for (slot, p) in empty.zip(&scratch[..got]) {
+            *slot = *p;
+        }
         populated + got
     }
 
     /// Bulk allocation, list form: append up to `nr` order-0 pages to
     /// `list`. **Returns:** how many were appended (may be fewer than `nr`).
     pub fn alloc_pages_bulk_list(&self, gfp: Gfp, nr: usize, list: &mut Vec<Page>) -> usize {
+        let start = list.len();
         list.reserve(nr);
-        self.bulk(gfp, nr, |p| list.push(p))
+        self.alloc_pages_bulk_cb(gfp, nr, |p| list.push(p));
+        list.len() - start
     }
 
     /// Bulk allocation, callback form: allocate up to `nr` order-0 pages and
@@ -197,14 +214,16 @@ impl PageAllocator {
         while done < nr {
             let mut chunk = [None; CB_CHUNK];
             let want = (nr - done).min(CB_CHUNK);
-            let got = self.alloc_pages_bulk_array(gfp, &mut chunk[..want]);
+            let got = self.bulk_fill(gfp, &mut chunk[..want]);
             let mut guard = Undelivered {
                 alloc: self,
-                pages: &chunk[..got],
+                pages: &mut chunk[..got],
                 next: 0,
             };
             while guard.next < got {
-                let p = guard.pages[guard.next].expect("bulk fills slots in order");
+                let p = guard.pages[guard.next]
+                    .take()
+                    .expect("bulk fills a prefix of the slots");
                 guard.next += 1;
                 f(p);
             }
@@ -221,74 +240,72 @@ impl PageAllocator {
     ///
     /// **Context:** never blocks.
     pub fn free_pages_bulk(&self, pages: &[Page]) {
-        let core = &*self.core;
-        if core.checks {
+        if let [page] = pages {
+            return self.free_pages(*page, 0);
+        }
+        if self.core.checks {
             for &p in pages {
-                core.free_prep(p, 0);
+                self.core.free_prep(p, 0);
             }
         }
-        let mut rest = pages;
-        if core.tcache_on {
-            if let Ok(r) = CACHES.try_with(|c| {
-                let tc = c.get(&self.core);
-                // SAFETY: this thread owns `tc`; one stack reference at a time.
-                let stack = unsafe { tc.stack(0) };
-                let room = (tc.cap[0] - stack.len()).min(pages.len());
-                stack.extend_from_slice(&pages[..room]);
-                tc.account(room as isize);
-                crate::pcp::bump(&tc.frees, room as u64);
-                crate::pcp::bump(&tc.bulk_frees, 1);
-                &pages[room..]
-            }) {
-                rest = r;
-            } else {
-                core.counters.bulk_frees.fetch_add(1, Relaxed);
-            }
-        } else {
-            core.counters.bulk_frees.fetch_add(1, Relaxed);
-        }
-        if !rest.is_empty() {
-            core.give(0, rest);
-        }
+        self.bulk_free(pages);
     }
 
-    /// The bulk engine behind the three forms.
-    fn bulk(&self, gfp: Gfp, nr: usize, mut sink: impl FnMut(Page)) -> usize {
+    /// Free the order-0 pages held in `slots` in bulk, leaving every slot
+    /// empty: the counterpart of [`PageAllocator::alloc_pages_bulk_array`].
+    ///
+    /// **Context:** never blocks. **Returns:** how many pages were freed.
+    pub fn free_pages_bulk_array(&self, slots: &mut [Option<Page>]) -> usize {
+        let n = slots.iter().filter(|s| s.is_some()).count();
+        if n == slots.len() {
+            // SAFETY: every slot is `Some`, and `Some(p)` has exactly `p`'s
+            // representation (`Page` is a transparent `NonZeroU32`; the
+            // standard library guarantees this for `Option`).
+            let pages = unsafe { std::slice::from_raw_parts(slots.as_ptr().cast::<Page>(), n) };
+            self.free_pages_bulk(pages);
+            slots.fill(None);
+        } else {
+            let pages: Vec<Page> = slots.iter_mut().filter_map(Option::take).collect();
+            self.free_pages_bulk(&pages);
+        }
+        n
+    }
+
+    /// The bulk allocation engine: fill `out` (every slot empty) from the
+    /// front, from this thread's cache and then this CPU's list, one hold
+    /// each. Returns how many slots were filled.
+    fn bulk_fill(&self, gfp: Gfp, out: &mut [Option<Page>]) -> usize {
         let core = &*self.core;
+        let nr = out.len();
+        debug_assert!(out.iter().all(Option::is_none));
         if core.fault.is_enabled() {
             // Every page is a separate, injectable attempt, so callers see
             // partial fills.
-            return core.bulk_one_by_one(gfp, nr, sink);
+            return core.bulk_one_by_one(gfp, out);
         }
-        if nr == 1 || !core.zone.watermark_ok(nr, Mark::Low, false, false) {
-            return match self.alloc_pages(gfp, 0) {
-                Some(p) => {
-                    sink(p);
-                    1
-                }
-                None => 0,
-            };
+        if nr <= 1 || !core.zone.watermark_ok(nr, Mark::Low, false, false) {
+            if nr == 0 {
+                return 0;
+            }
+            out[0] = self.alloc_pages(gfp, 0);
+            return out[0].is_some() as usize;
         }
-        let prep = gfp.contains(Gfp::ZERO) || core.checks;
-        let mut sink = |p: Page| sink(if prep { core.prep_new_page(p, 0, gfp) } else { p });
         let mut got = 0;
         let mut counted = false;
         if core.tcache_on {
-            let r = CACHES.try_with(|c| {
+            if let Ok(k) = CACHES.try_with(|c| {
                 let tc = c.get(&self.core);
                 // SAFETY: this thread owns `tc`; one stack reference at a time.
                 let stack = unsafe { tc.stack(0) };
                 let k = stack.len().min(nr);
                 let at = stack.len() - k;
-                for p in stack.drain(at..).rev() {
-                    sink(p);
-                }
+                copy_into(&mut out[..k], &stack[at..]);
+                stack.truncate(at);
                 tc.account(-(k as isize));
                 crate::pcp::bump(&tc.allocs, k as u64);
                 crate::pcp::bump(&tc.bulk_allocs, 1);
                 k
-            });
-            if let Ok(k) = r {
+            }) {
                 got = k;
                 counted = true;
             }
@@ -297,16 +314,67 @@ impl PageAllocator {
             core.counters.bulk_allocs.fetch_add(1, Relaxed);
         }
         if got < nr {
-            got += core.take(0, nr - got, FAST, &mut sink);
+            let rest = &mut out[got..];
+            let mut at = 0;
+            got += core.take(0, rest.len(), FAST, |run| {
+                copy_into(&mut rest[at..at + run.len()], run);
+                at += run.len();
+            });
+        }
+        if gfp.contains(Gfp::ZERO) || core.checks {
+            for p in out[..got].iter().flatten() {
+                core.prep_new_page(*p, 0, gfp);
+            }
         }
         got
+    }
+
+    /// The bulk free engine: this thread's cache takes what fits, the rest
+    /// goes to this CPU's list in one hold. Callers have run the allocation
+    /// checks already.
+    fn bulk_free(&self, pages: &[Page]) {
+        let core = &*self.core;
+        let mut rest = pages;
+        let mut counted = false;
+        if core.tcache_on {
+            if let Ok(room) = CACHES.try_with(|c| {
+                let tc = c.get(&self.core);
+                // SAFETY: this thread owns `tc`; one stack reference at a time.
+                let stack = unsafe { tc.stack(0) };
+                let room = (tc.cap[0] - stack.len()).min(pages.len());
+                if room <= SMALL_COPY {
+                    for &p in &pages[..room] {
+                        stack.push(p);
+                    }
+                } else {
+                    stack.extend_from_slice(&pages[..room]);
+                }
+                tc.account(room as isize);
+                crate::pcp::bump(&tc.frees, room as u64);
+                crate::pcp::bump(&tc.bulk_frees, 1);
+                room
+            }) {
+                rest = &pages[room..];
+                counted = true;
+            }
+        }
+        if !counted {
+            core.counters.bulk_frees.fetch_add(1, Relaxed);
+        }
+        if !rest.is_empty() {
+            core.give(0, rest.len(), rest.iter().copied());
+        }
     }
 
     /// Allocate a block that frees itself when dropped.
     ///
     /// **Context / Returns:** as [`PageAllocator::alloc_pages`].
     pub fn alloc_box(&self, gfp: Gfp, order: u32) -> Option<PageBox<'_>> {
-        self.alloc_pages(gfp, order).map(|page| PageBox { alloc: self, page, order })
+        self.alloc_pages(gfp, order).map(|page| PageBox {
+            alloc: self,
+            page,
+            order,
+        })
     }
 
     /// Address of `page` in the arena's direct map.
@@ -464,7 +532,7 @@ impl Core {
         // again before this returns.
         let stack = unsafe { tc.stack(order) };
         let want = (tc.cap[order as usize] / 2).max(1);
-        let got = self.take(order, want, FAST, |p| stack.push(p));
+        let got = self.take(order, want, FAST, |run| stack.extend_from_slice(run));
         if got == 0 {
             return None;
         }
@@ -493,7 +561,7 @@ impl Core {
         // SAFETY: this thread owns `tc`.
         let stack = unsafe { tc.stack(order) };
         let half = (stack.len() / 2).max(1);
-        self.give(order, &stack[..half]);
+        self.give(order, half, stack[..half].iter().copied());
         stack.drain(..half);
         tc.account(-((half as isize) << order));
         crate::pcp::bump(&tc.flushes, 1);
@@ -504,7 +572,7 @@ impl Core {
             // SAFETY: called by the owning thread (or at its exit).
             let stack = unsafe { tc.stack(order) };
             if !stack.is_empty() {
-                self.give(order, stack);
+                self.give(order, stack.len(), stack.iter().copied());
                 tc.account(-((stack.len() as isize) << order));
                 stack.clear();
             }
@@ -556,7 +624,10 @@ impl Core {
     /// (with checks on) and dismantle a compound page.
     #[cold]
     fn free_prep(&self, page: Page, order: u32) {
-        assert!(order <= MAX_ORDER, "free_pages: order {order} is above {MAX_ORDER}");
+        assert!(
+            order <= MAX_ORDER,
+            "free_pages: order {order} is above {MAX_ORDER}"
+        );
         assert!(
             (page.pfn() as usize) < self.arena.nr_pages() && page.pfn() & ((1 << order) - 1) == 0,
             "free_pages: pfn {} is not the start of an order-{order} block in this arena",
@@ -572,7 +643,12 @@ impl Core {
             );
         }
         if fl & flags::HEAD != 0 {
-            assert_eq!(head.order(), order, "free_pages: compound pfn {} freed with the wrong order", page.pfn());
+            assert_eq!(
+                head.order(),
+                order,
+                "free_pages: compound pfn {} freed with the wrong order",
+                page.pfn()
+            );
             for pfn in page.pfn() + 1..page.pfn() + (1 << order) {
                 let tail = self.arena.frame(pfn);
                 tail.set_flags(0);
@@ -594,21 +670,22 @@ impl Core {
     }
 
     /// Take up to `nr` blocks through this CPU's list (or the zone if the
-    /// list is busy), under one hold.
-    fn take(&self, order: u32, nr: usize, wm: Wmark, mut sink: impl FnMut(Page)) -> usize {
+    /// list is busy), under one hold; `put` receives them a run at a time.
+    fn take(&self, order: u32, nr: usize, wm: Wmark, mut put: impl FnMut(&[Page])) -> usize {
         if let Some(mut g) = self.this_cpu() {
-            let n = g.take(order, nr, wm, &mut sink);
-            drop(g);
-            return n;
+            return g.take(order, nr, wm, &mut put);
         }
-        if !self.zone.watermark_ok(1 << order, wm.mark, wm.high, wm.none) {
+        if !self
+            .zone
+            .watermark_ok(1 << order, wm.mark, wm.high, wm.none)
+        {
             return 0;
         }
         let mut z = self.zone.lock(&self.arena);
         let mut n = 0;
         while n < nr {
             match z.alloc(order) {
-                Some(pfn) => sink(Page::from_pfn(pfn)),
+                Some(pfn) => put(&[Page::from_pfn(pfn)]),
                 None => break,
             }
             n += 1;
@@ -618,27 +695,27 @@ impl Core {
         n
     }
 
-    /// Give blocks to this CPU's list (or the zone if the list is busy).
+    /// Give `n` blocks to this CPU's list (or the zone if the list is busy).
     /// `single` counts it as one caller's free served by the list.
-    fn give_counted(&self, order: u32, pages: &[Page], single: bool) {
+    fn give_counted(&self, order: u32, n: usize, pages: impl Iterator<Item = Page>, single: bool) {
         if let Some(mut g) = self.this_cpu() {
-            g.give(order, pages);
+            g.give(order, n, pages);
             if single {
                 g.note(true, 1);
             }
         } else {
             let mut z = self.zone.lock(&self.arena);
-            for p in pages {
+            for p in pages.take(n) {
                 z.free(p.pfn(), order);
             }
             drop(z);
-            self.counters.zone_frees.fetch_add(pages.len() as u64, Relaxed);
+            self.counters.zone_frees.fetch_add(n as u64, Relaxed);
         }
         self.wake_waiters();
     }
 
-    fn give(&self, order: u32, pages: &[Page]) {
-        self.give_counted(order, pages, false)
+    fn give(&self, order: u32, n: usize, pages: impl Iterator<Item = Page>) {
+        self.give_counted(order, n, pages, false)
     }
 
     pub(crate) fn drain_all_pcp(&self) {
@@ -681,13 +758,16 @@ impl Core {
         if order <= PCP_MAX_ORDER {
             if let Some(mut g) = self.this_cpu() {
                 let mut out = None;
-                if g.take(order, 1, wm, |p| out = Some(p)) == 1 {
+                if g.take(order, 1, wm, |run| out = Some(run[0])) == 1 {
                     g.note(false, 1);
                 }
                 return out;
             }
         }
-        if !self.zone.watermark_ok(1 << order, wm.mark, wm.high, wm.none) {
+        if !self
+            .zone
+            .watermark_ok(1 << order, wm.mark, wm.high, wm.none)
+        {
             return None;
         }
         let pfn = self.zone.lock(&self.arena).alloc(order)?;
@@ -782,7 +862,7 @@ impl Core {
 
     fn free_uncached(&self, page: Page, order: u32) {
         if order <= PCP_MAX_ORDER {
-            self.give_counted(order, &[page], true);
+            self.give_counted(order, 1, std::iter::once(page), true);
         } else {
             self.zone.lock(&self.arena).free(page.pfn(), order);
             self.counters.zone_frees.fetch_add(1, Relaxed);
@@ -791,30 +871,48 @@ impl Core {
     }
 
     #[cold]
-    fn bulk_one_by_one(&self, gfp: Gfp, nr: usize, mut sink: impl FnMut(Page)) -> usize {
+    fn bulk_one_by_one(&self, gfp: Gfp, out: &mut [Option<Page>]) -> usize {
         self.counters.bulk_allocs.fetch_add(1, Relaxed);
-        for i in 0..nr {
-            match self.alloc_uncached(gfp, 0) {
-                Some(p) => sink(p),
-                None => return i,
+        for (i, slot) in out.iter_mut().enumerate() {
+            *slot = self.alloc_uncached(gfp, 0);
+            if slot.is_none() {
+                return i;
             }
         }
-        nr
+        out.len()
     }
+}
+
+/// Copy pages into empty slots: a plain memory copy, because `Some(p)`
+/// has exactly `p`'s representation.
+#[inline]
+fn copy_into(out: &mut [Option<Page>], pages: &[Page]) {
+    assert_eq!(out.len(), pages.len());
+    if pages.len() <= SMALL_COPY {
+        for (slot, &p) in out.iter_mut().zip(pages) {
+            *slot = Some(p);
+        }
+        return;
+    }
+    // SAFETY: the lengths match, the two slices cannot overlap (one is
+    // borrowed mutably), and writing a valid `Page` into an `Option<Page>`
+    // makes it `Some(page)` (`Page` is a transparent `NonZeroU32`).
+    unsafe {
+        std::ptr::copy_nonoverlapping(pages.as_ptr(), out.as_mut_ptr().cast::<Page>(), pages.len())
+    };
 }
 
 /// Frees the pages of a callback round that `f` never received (it panicked).
 struct Undelivered<'a> {
     alloc: &'a PageAllocator,
-    pages: &'a [Option<Page>],
+    pages: &'a mut [Option<Page>],
     next: usize,
 }
 
 impl Drop for Undelivered<'_> {
     fn drop(&mut self) {
-        for p in self.pages[self.next..].iter().flatten() {
-            self.alloc.free_pages(*p, 0);
-        }
+        let rest = &mut self.pages[self.next..];
+        self.alloc.free_pages_bulk_array(rest);
     }
 }
 

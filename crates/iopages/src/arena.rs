@@ -80,17 +80,24 @@ impl Arena {
                 let base = map(&fd, size, populate).map_err(hugetlb_error)?;
                 (fd, base, Backing::Hugetlb)
             }
-            HugePages::Try => match memfd(true).and_then(|fd| map(&fd, size, populate).map(|b| (fd, b))) {
-                Ok((fd, base)) => (fd, base, Backing::Hugetlb),
-                Err(_) => {
-                    let fd = memfd(false)?;
-                    let base = map(&fd, size, populate)?;
-                    // SAFETY: `base..base+size` is the mapping just made.
-                    let advised = unsafe { libc::madvise(base.cast(), size, libc::MADV_HUGEPAGE) } == 0;
-                    let backing = if advised { Backing::TransparentAdvised } else { Backing::Base };
-                    (fd, base, backing)
+            HugePages::Try => {
+                match memfd(true).and_then(|fd| map(&fd, size, populate).map(|b| (fd, b))) {
+                    Ok((fd, base)) => (fd, base, Backing::Hugetlb),
+                    Err(_) => {
+                        let fd = memfd(false)?;
+                        let base = map(&fd, size, populate)?;
+                        // SAFETY: `base..base+size` is the mapping just made.
+                        let advised =
+                            unsafe { libc::madvise(base.cast(), size, libc::MADV_HUGEPAGE) } == 0;
+                        let backing = if advised {
+                            Backing::TransparentAdvised
+                        } else {
+                            Backing::Base
+                        };
+                        (fd, base, backing)
+                    }
                 }
-            },
+            }
         };
         let nr_pages = size / PAGE_SIZE;
         let frames: Box<[Frame]> = (0..nr_pages).map(|_| Frame::default()).collect();
@@ -183,7 +190,10 @@ fn check_size(size_bytes: u64) -> Result<()> {
             (size_bytes / ARENA_MIN_BYTES + 1) * 4
         ))
     } else if size_bytes > ARENA_MAX_BYTES {
-        Some(format!("the largest arena is {} GiB", ARENA_MAX_BYTES >> 30))
+        Some(format!(
+            "the largest arena is {} GiB",
+            ARENA_MAX_BYTES >> 30
+        ))
     } else {
         None
     };
@@ -246,8 +256,16 @@ mod tests {
 
     #[test]
     fn rejects_sizes_that_are_zero_small_or_unaligned() {
-        for size in [0, 4096, ARENA_MIN_BYTES - 4096, ARENA_MIN_BYTES + 4096, 6 << 20] {
-            let err = Arena::new(size, HugePages::Never, false).err().expect("size must be refused");
+        for size in [
+            0,
+            4096,
+            ARENA_MIN_BYTES - 4096,
+            ARENA_MIN_BYTES + 4096,
+            6 << 20,
+        ] {
+            let err = Arena::new(size, HugePages::Never, false)
+                .err()
+                .expect("size must be refused");
             assert!(matches!(err, Error::BadArenaSize { .. }), "{err}");
             assert!(err.to_string().contains("4 MiB"), "{err}");
         }

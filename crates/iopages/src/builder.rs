@@ -116,11 +116,13 @@ impl PageAllocatorBuilder {
     }
 
     pub(crate) fn resolved_watermarks(&self, nr_pages: usize) -> Watermarks {
-        self.watermarks.unwrap_or_else(|| Watermarks::for_zone(nr_pages))
+        self.watermarks
+            .unwrap_or_else(|| Watermarks::for_zone(nr_pages))
     }
 
     pub(crate) fn resolved_pcp(&self, nr_pages: usize) -> PcpLimits {
-        self.pcp.unwrap_or_else(|| PcpLimits::for_zone(nr_pages, self.resolved_cpus()))
+        self.pcp
+            .unwrap_or_else(|| PcpLimits::for_zone(nr_pages, self.resolved_cpus()))
     }
 
     /// Thread-cache capacity per order, in blocks (all zero when off).
@@ -140,7 +142,11 @@ impl PageAllocatorBuilder {
     fn validate(&self, nr_pages: usize) -> Result<()> {
         let cpus = self.resolved_cpus();
         if cpus == 0 || cpus > 4096 {
-            return Err(Error::setting("nr_cpus", cpus, "must be between 1 and 4096"));
+            return Err(Error::setting(
+                "nr_cpus",
+                cpus,
+                "must be between 1 and 4096",
+            ));
         }
         if self.thread_cache_pages > THREAD_CACHE_PAGES_MAX {
             return Err(Error::setting(
@@ -160,7 +166,11 @@ impl PageAllocatorBuilder {
         }
         if let Some(l) = self.pcp {
             for o in 0..PCP_ORDERS {
-                if l.high[o] == 0 || l.high[o] > PCP_HIGH_MAX || l.batch[o] == 0 || l.batch[o] > l.high[o] {
+                if l.high[o] == 0
+                    || l.high[o] > PCP_HIGH_MAX
+                    || l.batch[o] == 0
+                    || l.batch[o] > l.high[o]
+                {
                     return Err(Error::setting(
                         "pcp_limits",
                         format!("order {o}: high {} batch {}", l.high[o], l.batch[o]),

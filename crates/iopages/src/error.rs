@@ -49,7 +49,11 @@ impl Error {
         }
     }
 
-    pub(crate) fn setting(name: &'static str, value: impl ToString, reason: impl Into<String>) -> Error {
+    pub(crate) fn setting(
+        name: &'static str,
+        value: impl ToString,
+        reason: impl Into<String>,
+    ) -> Error {
         Error::BadSetting {
             name,
             value: value.to_string(),

@@ -122,7 +122,9 @@ impl FaultInjector {
             x ^= x << 25;
             x ^= x >> 27;
             s.rng = x;
-            if (x.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 32) % 1_000_000 >= s.cfg.probability_ppm as u64 {
+            if (x.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 32) % 1_000_000
+                >= s.cfg.probability_ppm as u64
+            {
                 return false;
             }
         }
@@ -180,7 +182,9 @@ mod tests {
                 probability_ppm: 250_000,
                 ..FaultConfig::default()
             });
-            (0..10_000).map(|_| f.should_fail(Gfp::NOWAIT, 0)).collect::<Vec<_>>()
+            (0..10_000)
+                .map(|_| f.should_fail(Gfp::NOWAIT, 0))
+                .collect::<Vec<_>>()
         };
         let a = run();
         assert_eq!(a, run());

@@ -64,6 +64,7 @@ pub mod pcp;
 mod reclaim;
 mod stats;
 mod tcache;
+mod trylock;
 pub mod zone;
 
 pub use alloc::{PageAllocator, PageBox, MAX_RECLAIM_RETRIES, NOFAIL_WAIT};

@@ -14,9 +14,10 @@
 
 use crate::arena::Arena;
 use crate::frame::Page;
+use crate::trylock::{Held, TryLock};
 use crate::zone::{Mark, Zone};
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 /// Orders kept on the per-CPU lists: 0..=PCP_MAX_ORDER (the kernel's
 /// `PAGE_ALLOC_COSTLY_ORDER`).
@@ -87,7 +88,7 @@ pub(crate) struct PcpCounters {
 /// One CPU's lists.
 #[repr(align(128))]
 pub(crate) struct PcpSet {
-    locked: AtomicBool,
+    lock: TryLock,
     lists: UnsafeCell<Lists>,
     /// Pages held (sum over orders of blocks << order), for accounting.
     nr_pages: AtomicUsize,
@@ -95,13 +96,13 @@ pub(crate) struct PcpSet {
 }
 
 // SAFETY: `lists` is only reached through a `PcpGuard`, which exists only
-// while `locked` is held by its creator.
+// while `lock` is held by its creator.
 unsafe impl Sync for PcpSet {}
 
 impl PcpSet {
     pub(crate) fn new(limits: &PcpLimits) -> PcpSet {
         PcpSet {
-            locked: AtomicBool::new(false),
+            lock: TryLock::new(),
             lists: UnsafeCell::new(Lists {
                 stacks: std::array::from_fn(|o| Vec::with_capacity(limits.high[o])),
             }),
@@ -112,21 +113,24 @@ impl PcpSet {
 
     /// Try to take this set's lock; `None` if another thread holds it.
     #[inline]
-    pub(crate) fn try_lock<'a>(&'a self, zone: &'a Zone, arena: &'a Arena, limits: &'a PcpLimits) -> Option<PcpGuard<'a>> {
-        if self
-            .locked
-            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
-            .is_ok()
-        {
-            Some(PcpGuard {
+    pub(crate) fn try_lock<'a>(
+        &'a self,
+        zone: &'a Zone,
+        arena: &'a Arena,
+        limits: &'a PcpLimits,
+    ) -> Option<PcpGuard<'a>> {
+        match self.lock.try_lock() {
+            Some(held) => Some(PcpGuard {
                 set: self,
                 zone,
                 arena,
                 limits,
-            })
-        } else {
-            bump(&self.counters.lock_busy, 1);
-            None
+                _held: held,
+            }),
+            None => {
+                bump(&self.counters.lock_busy, 1);
+                None
+            }
         }
     }
 
@@ -148,6 +152,7 @@ pub(crate) struct PcpGuard<'a> {
     zone: &'a Zone,
     arena: &'a Arena,
     limits: &'a PcpLimits,
+    _held: Held<'a>,
 }
 
 impl Drop for PcpGuard<'_> {
@@ -155,7 +160,7 @@ impl Drop for PcpGuard<'_> {
         let lists = self.lists();
         let pages: usize = (0..PCP_ORDERS).map(|o| lists.stacks[o].len() << o).sum();
         self.set.nr_pages.store(pages, Ordering::Relaxed);
-        self.set.locked.store(false, Ordering::Release);
+        // `_held` releases the lock after this.
     }
 }
 
@@ -168,11 +173,18 @@ impl PcpGuard<'_> {
         unsafe { &mut *self.set.lists.get() }
     }
 
-    /// Hand up to `nr` blocks of `order` to `sink`, refilling from the zone
-    /// in batches. Returns how many were handed out (fewer when the zone is
-    /// at its watermark or empty).
+    /// Take up to `nr` blocks of `order`, refilling from the zone in
+    /// batches; `put` receives them a run at a time (a slice, so callers
+    /// copy rather than push one by one). Returns how many were taken
+    /// (fewer when the zone is at its watermark or empty).
     #[inline]
-    pub(crate) fn take(&mut self, order: u32, nr: usize, wm: Wmark, mut sink: impl FnMut(Page)) -> usize {
+    pub(crate) fn take(
+        &mut self,
+        order: u32,
+        nr: usize,
+        wm: Wmark,
+        mut put: impl FnMut(&[Page]),
+    ) -> usize {
         let o = order as usize;
         let mut got = 0;
         while got < nr {
@@ -182,9 +194,8 @@ impl PcpGuard<'_> {
             let stack = &mut self.lists().stacks[o];
             let k = stack.len().min(nr - got);
             let at = stack.len() - k;
-            for p in stack.drain(at..).rev() {
-                sink(p);
-            }
+            put(&stack[at..]);
+            stack.truncate(at);
             got += k;
         }
         got
@@ -195,11 +206,17 @@ impl PcpGuard<'_> {
     #[cold]
     fn refill(&mut self, order: u32, want: usize, wm: Wmark) -> usize {
         let o = order as usize;
-        if !self.zone.watermark_ok(1 << order, wm.mark, wm.high, wm.none) {
+        if !self
+            .zone
+            .watermark_ok(1 << order, wm.mark, wm.high, wm.none)
+        {
             return 0;
         }
         let batch = self.limits.batch[o];
-        let nr = want.div_ceil(batch).saturating_mul(batch).min(self.limits.high[o]);
+        let nr = want
+            .div_ceil(batch)
+            .saturating_mul(batch)
+            .min(self.limits.high[o]);
         let stack = &mut self.lists().stacks[o];
         debug_assert!(stack.is_empty());
         let mut z = self.zone.lock(self.arena);
@@ -216,28 +233,31 @@ impl PcpGuard<'_> {
         got
     }
 
-    /// Take blocks of `order` back. Whatever would push the list past
-    /// `high` goes to the zone, oldest first, at least a batch at a time,
-    /// under one zone-lock hold.
+    /// Take `n` blocks of `order` back from `pages`. Whatever would push
+    /// the list past `high` goes to the zone, oldest first, at least a
+    /// batch at a time, under one zone-lock hold.
     #[inline]
-    pub(crate) fn give(&mut self, order: u32, pages: &[Page]) {
+    pub(crate) fn give(&mut self, order: u32, n: usize, mut pages: impl Iterator<Item = Page>) {
         let o = order as usize;
         let high = self.limits.high[o];
         let stack = &mut self.lists().stacks[o];
-        let total = stack.len() + pages.len();
+        let total = stack.len() + n;
         if total <= high {
-            stack.extend_from_slice(pages);
+            stack.extend(pages.take(n));
             return;
         }
         let excess = (total - high).max(self.limits.batch[o]).min(total);
         let from_list = excess.min(stack.len());
         let from_new = excess - from_list;
         let mut z = self.zone.lock(self.arena);
-        for p in stack.drain(..from_list).chain(pages[..from_new].iter().copied()) {
+        for p in stack
+            .drain(..from_list)
+            .chain(pages.by_ref().take(from_new))
+        {
             z.free(p.pfn(), order);
         }
         drop(z);
-        stack.extend_from_slice(&pages[from_new..]);
+        stack.extend(pages.take(n - from_new));
         debug_assert!(stack.len() <= high);
         bump(&self.set.counters.drains, 1);
         bump(&self.set.counters.drain_pages, (excess << o) as u64);
@@ -284,13 +304,22 @@ mod tests {
 
     #[test]
     fn default_limits_fit_in_an_eighth_of_the_zone() {
-        for (pages, cpus) in [(1024, 1), (1024, 64), (262_144, 2), (262_144, 16), (4 << 20, 256)] {
+        for (pages, cpus) in [
+            (1024, 1),
+            (1024, 64),
+            (262_144, 2),
+            (262_144, 16),
+            (4 << 20, 256),
+        ] {
             let l = PcpLimits::for_zone(pages, cpus);
             for o in 0..PCP_ORDERS {
                 assert!(l.batch[o] >= 1 && l.batch[o] <= l.high[o], "{l:?}");
             }
             if pages / 8 / cpus >= 64 {
-                assert!(l.max_pages_per_cpu() * cpus <= pages / 8 + cpus * 64, "{pages} {cpus} {l:?}");
+                assert!(
+                    l.max_pages_per_cpu() * cpus <= pages / 8 + cpus * 64,
+                    "{pages} {cpus} {l:?}"
+                );
             }
         }
         let big = PcpLimits::for_zone(262_144, 2);
@@ -307,13 +336,17 @@ mod tests {
         };
         let set = PcpSet::new(&limits);
         let mut g = set.try_lock(&z, &a, &limits).unwrap();
-        assert!(set.try_lock(&z, &a, &limits).is_none(), "the lock must be exclusive");
+        assert!(
+            set.try_lock(&z, &a, &limits).is_none(),
+            "the lock must be exclusive"
+        );
         let mut got = Vec::new();
-        assert_eq!(g.take(0, 1, ANY, |p| got.push(p)), 1);
+        assert_eq!(g.take(0, 1, ANY, |p| got.extend_from_slice(p)), 1);
         // One batch of 4 came from the zone, one went out.
         assert_eq!(z.nr_free_pages(), 2048 - 4);
-        assert_eq!(g.take(0, 10, ANY, |p| got.push(p)), 10);
-        g.give(0, &got);
+        assert_eq!(g.take(0, 10, ANY, |p| got.extend_from_slice(p)), 10);
+        assert_eq!(got.len(), 11);
+        g.give(0, got.len(), got.iter().copied());
         assert!(g.lists().stacks[0].len() <= 16);
         let held = 2048 - z.nr_free_pages();
         assert_eq!(g.drain(), held);
@@ -340,7 +373,7 @@ mod tests {
             high: false,
             none: false,
         };
-        assert_eq!(g.take(0, 1, low, |_| {}), 0);
+        assert_eq!(g.take(0, 1, low, |_| panic!("nothing to take")), 0);
         assert_eq!(z.nr_free_pages(), 1024);
     }
 }

@@ -84,7 +84,9 @@ impl ShrinkerRegistry {
             .list
             .read()
             .iter()
-            .filter(|(_, s)| (gfp.contains(Gfp::IO) || !s.needs_io()) && (gfp.contains(Gfp::FS) || !s.needs_fs()))
+            .filter(|(_, s)| {
+                (gfp.contains(Gfp::IO) || !s.needs_io()) && (gfp.contains(Gfp::FS) || !s.needs_fs())
+            })
             .map(|(_, s)| Arc::clone(s))
             .collect();
         self.runs.fetch_add(1, Relaxed);
@@ -137,12 +139,22 @@ mod tests {
     #[test]
     fn shrink_stops_when_enough_is_freed_and_respects_noio() {
         let r = ShrinkerRegistry::default();
-        let a = Arc::new(Cache { held: AtomicUsize::new(10), io: true });
-        let b = Arc::new(Cache { held: AtomicUsize::new(10), io: false });
+        let a = Arc::new(Cache {
+            held: AtomicUsize::new(10),
+            io: true,
+        });
+        let b = Arc::new(Cache {
+            held: AtomicUsize::new(10),
+            io: false,
+        });
         r.register(a.clone());
         let id_b = r.register(b.clone());
         assert_eq!(r.shrink(Gfp::NOIO, 5), 5);
-        assert_eq!(a.held.load(Relaxed), 10, "NOIO must skip the shrinker that needs I/O");
+        assert_eq!(
+            a.held.load(Relaxed),
+            10,
+            "NOIO must skip the shrinker that needs I/O"
+        );
         assert_eq!(b.held.load(Relaxed), 5);
         assert_eq!(r.shrink(Gfp::KERNEL, 12), 12);
         assert_eq!(a.held.load(Relaxed) + b.held.load(Relaxed), 3);

@@ -40,8 +40,10 @@ impl Counters {
         self.tc_frees.fetch_add(tc.frees.load(Relaxed), Relaxed);
         self.tc_refills.fetch_add(tc.refills.load(Relaxed), Relaxed);
         self.tc_flushes.fetch_add(tc.flushes.load(Relaxed), Relaxed);
-        self.bulk_allocs.fetch_add(tc.bulk_allocs.load(Relaxed), Relaxed);
-        self.bulk_frees.fetch_add(tc.bulk_frees.load(Relaxed), Relaxed);
+        self.bulk_allocs
+            .fetch_add(tc.bulk_allocs.load(Relaxed), Relaxed);
+        self.bulk_frees
+            .fetch_add(tc.bulk_frees.load(Relaxed), Relaxed);
     }
 }
 
@@ -65,7 +67,11 @@ impl fmt::Display for Accounting {
         write!(
             f,
             "{} pages: {} free in the zone, {} on per-CPU lists, {} in thread caches, {} in use",
-            self.total_pages, self.buddy_free_pages, self.pcp_pages, self.thread_cache_pages, self.in_use_pages
+            self.total_pages,
+            self.buddy_free_pages,
+            self.pcp_pages,
+            self.thread_cache_pages,
+            self.in_use_pages
         )
     }
 }

@@ -130,7 +130,13 @@ impl Zone {
     /// Whether taking `nr` more pages leaves the zone above `mark`, for an
     /// allocation allowed `high` (dip to half of min) or `no_watermarks`.
     #[inline]
-    pub(crate) fn watermark_ok(&self, nr: usize, mark: Mark, high: bool, no_watermarks: bool) -> bool {
+    pub(crate) fn watermark_ok(
+        &self,
+        nr: usize,
+        mark: Mark,
+        high: bool,
+        no_watermarks: bool,
+    ) -> bool {
         if no_watermarks {
             return true;
         }
@@ -161,9 +167,13 @@ pub(crate) struct Locked<'a> {
 impl Drop for Locked<'_> {
     fn drop(&mut self) {
         if self.delta >= 0 {
-            self.zone.nr_free_pages.fetch_add(self.delta as usize, Relaxed);
+            self.zone
+                .nr_free_pages
+                .fetch_add(self.delta as usize, Relaxed);
         } else {
-            self.zone.nr_free_pages.fetch_sub(self.delta.unsigned_abs(), Relaxed);
+            self.zone
+                .nr_free_pages
+                .fetch_sub(self.delta.unsigned_abs(), Relaxed);
         }
     }
 }
@@ -223,7 +233,10 @@ impl Locked<'_> {
     /// Return a block of `order` starting at `pfn`, merging with free buddies.
     pub(crate) fn free(&mut self, mut pfn: u32, mut order: u32) {
         let nr_pages = self.arena.nr_pages() as u32;
-        debug_assert!(pfn < nr_pages && pfn & ((1 << order) - 1) == 0, "bad block {pfn}/{order}");
+        debug_assert!(
+            pfn < nr_pages && pfn & ((1 << order) - 1) == 0,
+            "bad block {pfn}/{order}"
+        );
         self.delta += 1 << order;
         while order < MAX_ORDER {
             let buddy = pfn ^ (1 << order);

@@ -1,0 +1,376 @@
+//! E1 `bulk`: the cost of alloc+free per page, single-page API and bulk
+//! batches, one thread, warm caches — the table of seed 004 (page_bench04).
+//!
+//! Two iopages configurations run interleaved in the same process: the
+//! default (per-thread caches in front of the per-CPU lists) and per-CPU
+//! lists only (`thread_cache_pages(0)`), so the thread cache's effect is
+//! measured rather than assumed. The kernel's published figures are printed
+//! beside them as a reference; they were measured on other machines.
+
+use crate::measure::{time_once, tsc_ghz, Sample, Summary};
+use crate::plot::{line_plot, Series};
+use crate::{progress, write_json, BenchError, BenchOptions};
+use iopages::{Arena, Gfp, HugePages, PageAllocator};
+use serde_json::{json, Map, Value};
+use std::hint::black_box;
+use std::time::Duration;
+
+/// Batch sizes of the table.
+pub const BATCHES: [usize; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
+
+/// The seed's prototype bulk allocator (2017): (batch, cycles, ns) per page.
+pub const KERNEL_2017: [(usize, f64, f64); 9] = [
+    (1, 128.0, 32.134),
+    (2, 107.0, 26.783),
+    (4, 95.0, 23.988),
+    (8, 91.0, 22.823),
+    (16, 88.0, 22.093),
+    (32, 85.0, 21.338),
+    (64, 85.0, 21.315),
+    (128, 84.0, 21.214),
+    (256, 115.0, 28.979),
+];
+/// The prototype's single-page cost: cycles, ns.
+pub const KERNEL_2017_SINGLE: (f64, f64) = (158.0, 39.593);
+/// The allocator as merged (2021, 3.6 GHz part): single cycles, and cycles
+/// per page at 64 and 128.
+pub const KERNEL_2021_SINGLE_CYCLES: f64 = 194.0;
+/// (batch, cycles per page) published for the merged allocator.
+pub const KERNEL_2021: [(usize, f64); 2] = [(64, 97.0), (128, 99.0)];
+
+/// Targets of this experiment, in TSC cycles.
+pub const TARGET_SINGLE_CYCLES: f64 = 60.0;
+/// Bulk target at batch 64, cycles per page.
+pub const TARGET_BULK64_CYCLES: f64 = 6.0;
+
+struct Config {
+    name: &'static str,
+    key: &'static str,
+    alloc: PageAllocator,
+}
+
+/// One configuration's results: single-page and per batch.
+struct Results {
+    single: Vec<Sample>,
+    bulk: Vec<Vec<Sample>>,
+}
+
+fn single(alloc: &PageAllocator, ops: u64) -> Result<Sample, BenchError> {
+    let mut failed = false;
+    let s = time_once(ops, || {
+        for _ in 0..ops {
+            match alloc.alloc_pages(Gfp::KERNEL, 0) {
+                Some(p) => alloc.free_pages(black_box(p), 0),
+                None => failed = true,
+            }
+        }
+    });
+    if failed {
+        return Err(BenchError::Workload(
+            "single-page allocation failed in a warm arena".into(),
+        ));
+    }
+    Ok(s)
+}
+
+fn bulk(alloc: &PageAllocator, batch: usize, pages: u64) -> Result<Sample, BenchError> {
+    let rounds = (pages / batch as u64).max(1);
+    let mut slots = vec![None; batch];
+    let mut short = false;
+    let s = time_once(rounds * batch as u64, || {
+        for _ in 0..rounds {
+            let n = alloc.alloc_pages_bulk_array(Gfp::KERNEL, &mut slots);
+            short |= n != batch;
+            black_box(&mut slots);
+            alloc.free_pages_bulk_array(&mut slots);
+        }
+    });
+    if short {
+        return Err(BenchError::Workload(format!(
+            "bulk allocation of {batch} came back short"
+        )));
+    }
+    Ok(s)
+}
+
+/// Run E1 and write its report. Returns the JSON report.
+pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
+    let (runs, pages_per_run) = if opts.quick {
+        (3, 1u64 << 20)
+    } else {
+        (7, 8u64 << 20)
+    };
+    let arena_bytes = 64u64 << 20;
+    progress(
+        "bulk",
+        format!("{runs} runs of {pages_per_run} pages per workload, two configurations"),
+    );
+    let ghz = tsc_ghz(Duration::from_millis(200));
+    let build = |tc: usize| {
+        PageAllocator::builder()
+            .size_bytes(arena_bytes)
+            .huge_pages(HugePages::Try)
+            .populate(true)
+            .checks(false)
+            .thread_cache_pages(tc)
+            .build()
+    };
+    let configs = [
+        Config {
+            name: "iopages",
+            key: "default",
+            alloc: build(iopages::DEFAULT_THREAD_CACHE_PAGES)?,
+        },
+        Config {
+            name: "iopages, no thread cache",
+            key: "no_thread_cache",
+            alloc: build(0)?,
+        },
+    ];
+    let mut results: Vec<Results> = configs
+        .iter()
+        .map(|_| Results {
+            single: Vec::new(),
+            bulk: vec![Vec::new(); BATCHES.len()],
+        })
+        .collect();
+    // Warm every configuration and workload once, untimed.
+    for c in &configs {
+        single(&c.alloc, pages_per_run / 8)?;
+        for &b in &BATCHES {
+            bulk(&c.alloc, b, pages_per_run / 8)?;
+        }
+    }
+    // Interleave configurations run by run (A B A B ...).
+    for run in 0..runs {
+        for (c, r) in configs.iter().zip(results.iter_mut()) {
+            r.single.push(single(&c.alloc, pages_per_run)?);
+            for (i, &b) in BATCHES.iter().enumerate() {
+                r.bulk[i].push(bulk(&c.alloc, b, pages_per_run)?);
+            }
+        }
+        progress("bulk", format!("run {}/{runs} done", run + 1));
+    }
+    for c in &configs {
+        if let Err(a) = c.alloc.leak_check() {
+            return Err(BenchError::Workload(format!(
+                "{}: pages leaked after the benchmark: {a}",
+                c.name
+            )));
+        }
+    }
+
+    let single_sum: Vec<Summary> = results.iter().map(|r| Summary::of(&r.single)).collect();
+    let bulk_sum: Vec<Vec<Summary>> = results
+        .iter()
+        .map(|r| r.bulk.iter().map(|s| Summary::of(s)).collect())
+        .collect();
+
+    print_table(&configs, &single_sum, &bulk_sum, ghz, runs);
+
+    let per_batch = |v: &[Summary], f: fn(&Summary) -> f64| -> Map<String, Value> {
+        BATCHES
+            .iter()
+            .zip(v)
+            .map(|(b, s)| (b.to_string(), json!(round2(f(s)))))
+            .collect()
+    };
+    let def = &configs[0].alloc;
+    let mut summary = json!({
+        "single_ns": round2(single_sum[0].ns),
+        "single_cycles": round2(single_sum[0].cycles),
+        "bulk_ns_per_page": per_batch(&bulk_sum[0], |s| s.ns),
+        "bulk_cycles_per_page": per_batch(&bulk_sum[0], |s| s.cycles),
+        "metadata_bytes_per_frame": Arena::metadata_bytes_per_frame(),
+        "pcp_max_pages": def.stats().pcp_max_pages,
+        "thread_cache_max_pages": def.thread_cache_max_pages(),
+    });
+    let bulk64 = bulk_sum[0][BATCHES
+        .iter()
+        .position(|&b| b == 64)
+        .expect("64 is a batch")]
+    .cycles;
+    summary["targets"] = json!({
+        "single_cycles_max": TARGET_SINGLE_CYCLES,
+        "single_met": single_sum[0].cycles <= TARGET_SINGLE_CYCLES,
+        "bulk64_cycles_per_page_max": TARGET_BULK64_CYCLES,
+        "bulk64_met": bulk64 <= TARGET_BULK64_CYCLES,
+        "metadata_bytes_per_frame_max": 16,
+    });
+    let configs_json: Map<String, Value> = configs
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            (
+                c.key.to_string(),
+                json!({
+                    "name": c.name,
+                    "single": single_sum[i],
+                    "bulk": BATCHES.iter().zip(&bulk_sum[i]).map(|(b, s)| (b.to_string(), json!(s))).collect::<Map<_, _>>(),
+                }),
+            )
+        })
+        .collect();
+    let report = json!({
+        "experiment": "bulk",
+        "machine": machine(),
+        "settings": {
+            "quick": opts.quick,
+            "runs": runs,
+            "pages_per_run": pages_per_run,
+            "arena_bytes": arena_bytes,
+            "backing": format!("{:?}", def.arena().backing()),
+            "nr_cpus": def.nr_cpus(),
+            "pcp_high_batch_order0": [def.pcp_limits().high[0], def.pcp_limits().batch[0]],
+            "tsc_ghz": round2(ghz),
+            "gfp": "KERNEL",
+        },
+        "summary": summary,
+        "configs": configs_json,
+        "kernel_reference": {
+            "prototype_2017": {
+                "single_cycles": KERNEL_2017_SINGLE.0,
+                "single_ns": KERNEL_2017_SINGLE.1,
+                "bulk_cycles_per_page": KERNEL_2017.iter().map(|(b, c, _)| (b.to_string(), json!(c))).collect::<Map<_, _>>(),
+                "bulk_ns_per_page": KERNEL_2017.iter().map(|(b, _, n)| (b.to_string(), json!(n))).collect::<Map<_, _>>(),
+            },
+            "merged_2021": {
+                "single_cycles": KERNEL_2021_SINGLE_CYCLES,
+                "bulk_cycles_per_page": KERNEL_2021.iter().map(|(b, c)| (b.to_string(), json!(c))).collect::<Map<_, _>>(),
+            },
+        },
+    });
+    let (json_path, svg_path) = opts.paths("bulk");
+    write_json(&json_path, &report)?;
+    let mut series: Vec<Series> = configs
+        .iter()
+        .zip(&bulk_sum)
+        .map(|(c, s)| Series {
+            label: format!("{} (this machine)", c.name),
+            points: BATCHES
+                .iter()
+                .zip(s)
+                .map(|(&b, s)| (b as f64, s.cycles))
+                .collect(),
+        })
+        .collect();
+    series.push(Series {
+        label: "kernel bulk prototype, 2017 (seed 004)".into(),
+        points: KERNEL_2017.iter().map(|&(b, c, _)| (b as f64, c)).collect(),
+    });
+    line_plot(
+        &svg_path,
+        "E1: alloc+free cost per page by bulk batch size",
+        "batch size (pages)",
+        "TSC cycles per page",
+        &series,
+    )?;
+    progress(
+        "bulk",
+        format!("wrote {} and {}", json_path.display(), svg_path.display()),
+    );
+    Ok(report)
+}
+
+fn print_table(
+    configs: &[Config],
+    single: &[Summary],
+    bulk: &[Vec<Summary>],
+    ghz: f64,
+    runs: usize,
+) {
+    println!("E1 bulk: alloc+free cost per page, one thread, warm caches (median of {runs} runs, TSC {ghz:.2} GHz)");
+    let mut head = format!("{:>8}", "batch");
+    for c in configs {
+        head += &format!(" | {:>26}", c.name);
+    }
+    head += &format!(" | {:>14} | {:>12}", "kernel 2017", "kernel 2021");
+    println!("{head}");
+    let mut sub = format!("{:>8}", "");
+    for _ in configs {
+        sub += &format!(" | {:>7} {:>6} {:>11}", "cycles", "ns", "ns range");
+    }
+    sub += &format!(" | {:>6} {:>7} | {:>12}", "cycles", "ns", "cycles");
+    println!("{sub}");
+    let cell = |s: &Summary| {
+        format!(
+            " | {:>7.1} {:>6.2} {:>5.2}-{:<5.2}",
+            s.cycles, s.ns, s.ns_min, s.ns_max
+        )
+    };
+    let mut row = format!("{:>8}", "single");
+    for s in single {
+        row += &cell(s);
+    }
+    row += &format!(
+        " | {:>6.0} {:>7.2} | {:>12.0}",
+        KERNEL_2017_SINGLE.0, KERNEL_2017_SINGLE.1, KERNEL_2021_SINGLE_CYCLES
+    );
+    println!("{row}");
+    for (i, &b) in BATCHES.iter().enumerate() {
+        let mut row = format!("{b:>8}");
+        for s in bulk {
+            row += &cell(&s[i]);
+        }
+        let k17 = KERNEL_2017.iter().find(|k| k.0 == b).map(|k| (k.1, k.2));
+        let k21 = KERNEL_2021
+            .iter()
+            .find(|k| k.0 == b)
+            .map(|k| format!("{:.0}", k.1));
+        row += &match k17 {
+            Some((c, n)) => format!(" | {c:>6.0} {n:>7.2}"),
+            None => format!(" | {:>6} {:>7}", "-", "-"),
+        };
+        row += &format!(" | {:>12}", k21.unwrap_or_else(|| "-".into()));
+        println!("{row}");
+    }
+    let alloc = &configs[0].alloc;
+    println!(
+        "memory: {} metadata bytes per 4 KiB frame (kernel struct page: 64); per-CPU lists hold at most {} pages ({} CPUs); a thread cache at most {} pages",
+        Arena::metadata_bytes_per_frame(),
+        alloc.stats().pcp_max_pages,
+        alloc.nr_cpus(),
+        alloc.thread_cache_max_pages()
+    );
+    let b64 = &bulk[0][BATCHES
+        .iter()
+        .position(|&b| b == 64)
+        .expect("64 is a batch")];
+    println!(
+        "targets: single <= {TARGET_SINGLE_CYCLES} cycles: {:.1} ({}); bulk at 64 <= {TARGET_BULK64_CYCLES} cycles/page: {:.1} ({})",
+        single[0].cycles,
+        met(single[0].cycles <= TARGET_SINGLE_CYCLES),
+        b64.cycles,
+        met(b64.cycles <= TARGET_BULK64_CYCLES)
+    );
+    println!("kernel figures are the seed's and upstream's published numbers from other machines, for reference only");
+}
+
+fn met(ok: bool) -> &'static str {
+    if ok {
+        "met"
+    } else {
+        "NOT met"
+    }
+}
+
+fn round2(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}
+
+/// What the figures were measured on.
+pub fn machine() -> Value {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into());
+    json!({
+        "cpu": cpu,
+        "online_cpus": std::thread::available_parallelism().map_or(1, |n| n.get()),
+        "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").map(|s| s.trim().to_string()).unwrap_or_default(),
+    })
+}
