@@ -181,6 +181,7 @@ impl PageAllocator {
         if need == 0 {
             return populated;
         }
+        self.note_bulk(false);
         if populated == 0 {
             return self.bulk_fill(gfp, slots);
         }
@@ -197,9 +198,10 @@ impl PageAllocator {
     /// Bulk allocation, list form: append up to `nr` order-0 pages to
     /// `list`. **Returns:** how many were appended (may be fewer than `nr`).
     pub fn alloc_pages_bulk_list(&self, gfp: Gfp, nr: usize, list: &mut Vec<Page>) -> usize {
+        self.note_bulk(false);
         let start = list.len();
         list.reserve(nr);
-        self.alloc_pages_bulk_cb(gfp, nr, |p| list.push(p));
+        self.bulk_cb(gfp, nr, |p| list.push(p));
         list.len() - start
     }
 
@@ -209,7 +211,12 @@ impl PageAllocator {
     /// the pages not yet handed over are freed.
     ///
     /// **Returns:** how many pages were handed to `f`.
-    pub fn alloc_pages_bulk_cb(&self, gfp: Gfp, nr: usize, mut f: impl FnMut(Page)) -> usize {
+    pub fn alloc_pages_bulk_cb(&self, gfp: Gfp, nr: usize, f: impl FnMut(Page)) -> usize {
+        self.note_bulk(false);
+        self.bulk_cb(gfp, nr, f)
+    }
+
+    fn bulk_cb(&self, gfp: Gfp, nr: usize, mut f: impl FnMut(Page)) -> usize {
         let mut done = 0;
         while done < nr {
             let mut chunk = [None; CB_CHUNK];
@@ -240,6 +247,11 @@ impl PageAllocator {
     ///
     /// **Context:** never blocks.
     pub fn free_pages_bulk(&self, pages: &[Page]) {
+        self.note_bulk(true);
+        self.free_bulk_checked(pages);
+    }
+
+    fn free_bulk_checked(&self, pages: &[Page]) {
         if let [page] = pages {
             return self.free_pages(*page, 0);
         }
@@ -256,17 +268,22 @@ impl PageAllocator {
     ///
     /// **Context:** never blocks. **Returns:** how many pages were freed.
     pub fn free_pages_bulk_array(&self, slots: &mut [Option<Page>]) -> usize {
+        self.note_bulk(true);
+        self.free_slots(slots)
+    }
+
+    fn free_slots(&self, slots: &mut [Option<Page>]) -> usize {
         let n = slots.iter().filter(|s| s.is_some()).count();
         if n == slots.len() {
             // SAFETY: every slot is `Some`, and `Some(p)` has exactly `p`'s
             // representation (`Page` is a transparent `NonZeroU32`; the
             // standard library guarantees this for `Option`).
             let pages = unsafe { std::slice::from_raw_parts(slots.as_ptr().cast::<Page>(), n) };
-            self.free_pages_bulk(pages);
+            self.free_bulk_checked(pages);
             slots.fill(None);
         } else {
             let pages: Vec<Page> = slots.iter_mut().filter_map(Option::take).collect();
-            self.free_pages_bulk(&pages);
+            self.free_bulk_checked(&pages);
         }
         n
     }
@@ -291,7 +308,6 @@ impl PageAllocator {
             return out[0].is_some() as usize;
         }
         let mut got = 0;
-        let mut counted = false;
         if core.tcache_on {
             if let Ok(k) = CACHES.try_with(|c| {
                 let tc = c.get(&self.core);
@@ -303,15 +319,10 @@ impl PageAllocator {
                 stack.truncate(at);
                 tc.account(-(k as isize));
                 crate::pcp::bump(&tc.allocs, k as u64);
-                crate::pcp::bump(&tc.bulk_allocs, 1);
                 k
             }) {
                 got = k;
-                counted = true;
             }
-        }
-        if !counted {
-            core.counters.bulk_allocs.fetch_add(1, Relaxed);
         }
         if got < nr {
             let rest = &mut out[got..];
@@ -335,7 +346,6 @@ impl PageAllocator {
     fn bulk_free(&self, pages: &[Page]) {
         let core = &*self.core;
         let mut rest = pages;
-        let mut counted = false;
         if core.tcache_on {
             if let Ok(room) = CACHES.try_with(|c| {
                 let tc = c.get(&self.core);
@@ -351,19 +361,40 @@ impl PageAllocator {
                 }
                 tc.account(room as isize);
                 crate::pcp::bump(&tc.frees, room as u64);
-                crate::pcp::bump(&tc.bulk_frees, 1);
                 room
             }) {
                 rest = &pages[room..];
-                counted = true;
             }
-        }
-        if !counted {
-            core.counters.bulk_frees.fetch_add(1, Relaxed);
         }
         if !rest.is_empty() {
             core.give(0, rest.len(), rest.iter().copied());
         }
+    }
+
+    /// Count one bulk call, in this thread's cache when it has one (a plain
+    /// store), else in the shared counters.
+    #[inline]
+    fn note_bulk(&self, free: bool) {
+        let core = &*self.core;
+        if core.tcache_on
+            && CACHES
+                .try_with(|c| {
+                    let tc = c.get(&self.core);
+                    crate::pcp::bump(
+                        if free {
+                            &tc.bulk_frees
+                        } else {
+                            &tc.bulk_allocs
+                        },
+                        1,
+                    );
+                })
+                .is_ok()
+        {
+            return;
+        }
+        let c = &core.counters;
+        (if free { &c.bulk_frees } else { &c.bulk_allocs }).fetch_add(1, Relaxed);
     }
 
     /// Allocate a block that frees itself when dropped.
@@ -448,11 +479,7 @@ impl PageAllocator {
     ///
     /// **Context:** never blocks.
     pub fn flush_thread_cache(&self) {
-        let _ = CACHES.try_with(|c| {
-            if let Some(tc) = c.existing(self.core.id) {
-                self.core.tcache_flush_all(tc);
-            }
-        });
+        self.core.flush_own_cache();
     }
 
     /// Return every page on every CPU's lists, and this thread's cache, to
@@ -718,6 +745,15 @@ impl Core {
         self.give_counted(order, n, pages, false)
     }
 
+    /// Flush the calling thread's cache, if it has one.
+    pub(crate) fn flush_own_cache(&self) {
+        let _ = CACHES.try_with(|c| {
+            if let Some(tc) = c.existing(self.id) {
+                self.tcache_flush_all(tc);
+            }
+        });
+    }
+
     pub(crate) fn drain_all_pcp(&self) {
         for set in self.pcp.iter() {
             let mut spins = 0u32;
@@ -805,8 +841,11 @@ impl Core {
                 self.counters.compact_calls.fetch_add(1, Relaxed);
                 compacted = try_to_compact(order) == CompactResult::Success;
             }
-            // Pages parked on per-CPU lists are invisible to the zone; give
-            // them back before deciding there is no memory.
+            // Pages parked in this thread's cache and on per-CPU lists are
+            // invisible to the zone (a shrinker running here just freed into
+            // this thread's cache); give them back before deciding there is
+            // no memory.
+            self.flush_own_cache();
             self.drain_all_pcp();
             if let Some(p) = self.get_page_from_freelist(order, wm) {
                 return Some(p);
@@ -872,7 +911,6 @@ impl Core {
 
     #[cold]
     fn bulk_one_by_one(&self, gfp: Gfp, out: &mut [Option<Page>]) -> usize {
-        self.counters.bulk_allocs.fetch_add(1, Relaxed);
         for (i, slot) in out.iter_mut().enumerate() {
             *slot = self.alloc_uncached(gfp, 0);
             if slot.is_none() {
@@ -912,7 +950,9 @@ struct Undelivered<'a> {
 impl Drop for Undelivered<'_> {
     fn drop(&mut self) {
         let rest = &mut self.pages[self.next..];
-        self.alloc.free_pages_bulk_array(rest);
+        if rest.iter().any(Option::is_some) {
+            self.alloc.free_slots(rest);
+        }
     }
 }
 

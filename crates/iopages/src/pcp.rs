@@ -128,7 +128,8 @@ impl PcpSet {
                 _held: held,
             }),
             None => {
-                bump(&self.counters.lock_busy, 1);
+                // Not the holder: other failed callers may count at once.
+                self.counters.lock_busy.fetch_add(1, Ordering::Relaxed);
                 None
             }
         }
