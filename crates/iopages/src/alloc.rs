@@ -22,14 +22,15 @@ use crate::builder::PageAllocatorBuilder;
 use crate::compaction::{try_to_compact, CompactResult};
 use crate::error::Result;
 use crate::fault::FaultInjector;
-use crate::frame::{flags, FrameInfo, Page, MAX_ORDER, PAGE_SIZE};
+use crate::frame::{clear_slots, copy_pages, flags, FrameInfo, Page, MAX_ORDER, PAGE_SIZE};
 use crate::gfp::Gfp;
-use crate::pcp::{PcpGuard, PcpLimits, PcpSet, Wmark, PCP_MAX_ORDER, PCP_ORDERS};
+use crate::pcp::{bump, PcpGuard, PcpLimits, PcpSet, Wmark, PCP_MAX_ORDER, PCP_ORDERS};
 use crate::reclaim::ShrinkerRegistry;
 use crate::stats::{Accounting, Counters, Stats};
-use crate::tcache::{Owner, Tcache, ThreadCaches};
+use crate::tcache::{Owner, Tcache, ThreadCaches, LAST};
 use crate::zone::{Mark, Watermarks, Zone};
 use parking_lot::{Condvar, Mutex};
+use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
@@ -40,9 +41,6 @@ pub const MAX_RECLAIM_RETRIES: u32 = 16;
 /// How long a `NOFAIL` allocation sleeps between attempts when nothing was
 /// freed, at most.
 pub const NOFAIL_WAIT: Duration = Duration::from_millis(1);
-/// Up to this many pages are copied one by one rather than by `memcpy`,
-/// whose call costs more than a short loop.
-const SMALL_COPY: usize = 16;
 /// Pages gathered per callback round of [`PageAllocator::alloc_pages_bulk_cb`].
 const CB_CHUNK: usize = 64;
 
@@ -134,12 +132,28 @@ impl PageAllocator {
     /// found under `gfp`'s rules (orders above 10 always fail).
     #[inline]
     pub fn alloc_pages(&self, gfp: Gfp, order: u32) -> Option<Page> {
+        self.alloc_one(gfp, order, false)
+    }
+
+    /// The single-block path; `bulk_call` also counts one bulk call (a bulk
+    /// request for one page lands here).
+    #[inline(always)]
+    fn alloc_one(&self, gfp: Gfp, order: u32, bulk_call: bool) -> Option<Page> {
         let core = &*self.core;
-        if order <= PCP_MAX_ORDER && core.tcache_on && !core.fault.is_enabled() {
-            if let Ok(Some(page)) = CACHES.try_with(|c| core.tcache_alloc(c.get(&self.core), order))
-            {
-                return Some(core.prep_new_page(page, order, gfp));
+        let mut counted = false;
+        if order <= PCP_MAX_ORDER && !core.fault.is_enabled() {
+            if let Some(tc) = self.tcache() {
+                if bulk_call {
+                    bump(&tc.bulk_allocs, 1);
+                    counted = true;
+                }
+                if let Some(page) = core.tcache_alloc(tc, order) {
+                    return Some(core.prep_new_page(page, order, gfp));
+                }
             }
+        }
+        if bulk_call && !counted {
+            core.counters.bulk_allocs.fetch_add(1, Relaxed);
         }
         core.alloc_uncached(gfp, order)
     }
@@ -150,19 +164,66 @@ impl PageAllocator {
     /// not allocated (a double free) panics with the frame named.
     #[inline]
     pub fn free_pages(&self, page: Page, order: u32) {
+        self.free_one(page, order, false)
+    }
+
+    /// The single-block free; `bulk_call` also counts one bulk free call.
+    #[inline(always)]
+    fn free_one(&self, page: Page, order: u32, bulk_call: bool) {
         let core = &*self.core;
         if order > 0 || core.checks {
             core.free_prep(page, order);
         }
-        if order <= PCP_MAX_ORDER
-            && core.tcache_on
-            && CACHES
-                .try_with(|c| core.tcache_free(c.get(&self.core), page, order))
-                .is_ok()
-        {
-            return;
+        if order <= PCP_MAX_ORDER {
+            if let Some(tc) = self.tcache() {
+                if bulk_call {
+                    bump(&tc.bulk_frees, 1);
+                }
+                core.tcache_free(tc, page, order);
+                return;
+            }
+        }
+        if bulk_call {
+            core.counters.bulk_frees.fetch_add(1, Relaxed);
         }
         core.free_uncached(page, order);
+    }
+
+    /// Run `f` on this thread's cache for this allocator: `None` when
+    /// thread caches are off or the thread is exiting. One thread-local load
+    /// and one compare in the common case.
+    #[inline]
+    fn with_tcache<R>(&self, f: impl FnOnce(&Tcache) -> R) -> Option<R> {
+        self.tcache().map(f)
+    }
+
+    /// This thread's cache for this allocator: `None` when thread caches
+    /// are off or the thread is exiting. One thread-local load and one
+    /// compare in the common case. The reference must stay on this thread
+    /// (every caller uses it and drops it within the call).
+    #[inline(always)]
+    fn tcache(&self) -> Option<&Tcache> {
+        if !self.core.tcache_on {
+            return None;
+        }
+        let (id, tc) = LAST.with(Cell::get);
+        if id == self.core.id {
+            // SAFETY: `LAST` names a cache that this thread's table keeps
+            // alive until the thread exits (the table clears `LAST` before
+            // dropping it), and only this thread uses it.
+            return Some(unsafe { &*tc });
+        }
+        self.tcache_slow()
+    }
+
+    #[cold]
+    fn tcache_slow(&self) -> Option<&Tcache> {
+        let tc: *const Tcache = CACHES
+            .try_with(|c| c.get(&self.core) as *const Tcache)
+            .ok()?;
+        // SAFETY: as in `tcache`: the table keeps the cache alive until the
+        // thread exits, and the reference does not leave this thread.
+        Some(unsafe { &*tc })
     }
 
     /// Bulk allocation, array form: fill the empty (`None`) slots of `slots`
@@ -175,13 +236,41 @@ impl PageAllocator {
     /// **Context:** as [`PageAllocator::alloc_pages`]. **Returns:** how many
     /// slots hold a page now, counting those filled before the call; may be
     /// fewer than `slots.len()`.
+    #[inline]
     pub fn alloc_pages_bulk_array(&self, gfp: Gfp, slots: &mut [Option<Page>]) -> usize {
+        let core = &*self.core;
+        let nr = slots.len();
+        if let [slot @ None] = slots {
+            *slot = self.alloc_one(gfp, 0, true);
+            return slot.is_some() as usize;
+        }
+        if nr > 1 && !core.fault.is_enabled() && !core.checks && !gfp.contains(Gfp::ZERO) {
+            // Fast path: every slot empty and the whole batch in this
+            // thread's cache — one copy.
+            if let Some(tc) = self.tcache() {
+                if tc.len(0) >= nr && slots.iter().all(Option::is_none) {
+                    bump(&tc.bulk_allocs, 1);
+                    // SAFETY: this thread owns `tc`.
+                    copy_into(slots, unsafe { tc.take_top(0, nr) });
+                    bump(&tc.allocs, nr as u64);
+                    return nr;
+                }
+            }
+        }
+        self.bulk_array_slow(gfp, slots)
+    }
+
+    #[inline(never)]
+    fn bulk_array_slow(&self, gfp: Gfp, slots: &mut [Option<Page>]) -> usize {
+        if let [slot @ None] = slots {
+            *slot = self.alloc_one(gfp, 0, true);
+            return slot.is_some() as usize;
+        }
         let populated = slots.iter().filter(|s| s.is_some()).count();
         let need = slots.len() - populated;
         if need == 0 {
             return populated;
         }
-        self.note_bulk(false);
         if populated == 0 {
             return self.bulk_fill(gfp, slots);
         }
@@ -198,10 +287,9 @@ impl PageAllocator {
     /// Bulk allocation, list form: append up to `nr` order-0 pages to
     /// `list`. **Returns:** how many were appended (may be fewer than `nr`).
     pub fn alloc_pages_bulk_list(&self, gfp: Gfp, nr: usize, list: &mut Vec<Page>) -> usize {
-        self.note_bulk(false);
         let start = list.len();
         list.reserve(nr);
-        self.bulk_cb(gfp, nr, |p| list.push(p));
+        self.alloc_pages_bulk_cb(gfp, nr, |p| list.push(p));
         list.len() - start
     }
 
@@ -211,17 +299,15 @@ impl PageAllocator {
     /// the pages not yet handed over are freed.
     ///
     /// **Returns:** how many pages were handed to `f`.
-    pub fn alloc_pages_bulk_cb(&self, gfp: Gfp, nr: usize, f: impl FnMut(Page)) -> usize {
-        self.note_bulk(false);
-        self.bulk_cb(gfp, nr, f)
-    }
-
-    fn bulk_cb(&self, gfp: Gfp, nr: usize, mut f: impl FnMut(Page)) -> usize {
+    pub fn alloc_pages_bulk_cb(&self, gfp: Gfp, nr: usize, mut f: impl FnMut(Page)) -> usize {
         let mut done = 0;
+        let mut first = true;
         while done < nr {
             let mut chunk = [None; CB_CHUNK];
             let want = (nr - done).min(CB_CHUNK);
-            let got = self.bulk_fill(gfp, &mut chunk[..want]);
+            // Count the call once, not once per chunk.
+            let got = self.bulk_fill_counted(gfp, &mut chunk[..want], first);
+            first = false;
             let mut guard = Undelivered {
                 alloc: self,
                 pages: &mut chunk[..got],
@@ -247,84 +333,142 @@ impl PageAllocator {
     ///
     /// **Context:** never blocks.
     pub fn free_pages_bulk(&self, pages: &[Page]) {
-        self.note_bulk(true);
-        self.free_bulk_checked(pages);
-    }
-
-    fn free_bulk_checked(&self, pages: &[Page]) {
-        if let [page] = pages {
-            return self.free_pages(*page, 0);
-        }
         if self.core.checks {
             for &p in pages {
                 self.core.free_prep(p, 0);
             }
         }
-        self.bulk_free(pages);
+        self.bulk_free(pages, true);
     }
 
     /// Free the order-0 pages held in `slots` in bulk, leaving every slot
     /// empty: the counterpart of [`PageAllocator::alloc_pages_bulk_array`].
     ///
     /// **Context:** never blocks. **Returns:** how many pages were freed.
+    #[inline]
     pub fn free_pages_bulk_array(&self, slots: &mut [Option<Page>]) -> usize {
-        self.note_bulk(true);
-        self.free_slots(slots)
+        let nr = slots.len();
+        if let [Some(page)] = *slots {
+            slots[0] = None;
+            self.free_one(page, 0, true);
+            return 1;
+        }
+        if nr > 1 && !self.core.checks {
+            // Fast path: every slot full and room for all in this thread's
+            // cache — one copy in, one clear.
+            if let Some(tc) = self.tcache() {
+                if tc.cap[0] - tc.len(0) >= nr && slots.iter().all(Option::is_some) {
+                    bump(&tc.bulk_frees, 1);
+                    // SAFETY: every slot is `Some`, which has exactly the
+                    // page's representation; this thread owns `tc` and the
+                    // pages fit.
+                    unsafe {
+                        tc.extend(
+                            0,
+                            std::slice::from_raw_parts(slots.as_ptr().cast::<Page>(), nr),
+                        );
+                        clear_slots(slots.as_mut_ptr(), nr);
+                    }
+                    bump(&tc.frees, nr as u64);
+                    return nr;
+                }
+            }
+        }
+        self.free_slots(slots, true)
     }
 
-    fn free_slots(&self, slots: &mut [Option<Page>]) -> usize {
+    #[inline(never)]
+    fn free_slots(&self, slots: &mut [Option<Page>], count_call: bool) -> usize {
+        if let [Some(page)] = *slots {
+            slots[0] = None;
+            self.free_one(page, 0, count_call);
+            return 1;
+        }
         let n = slots.iter().filter(|s| s.is_some()).count();
+        if self.core.checks {
+            for &p in slots.iter().flatten() {
+                self.core.free_prep(p, 0);
+            }
+        }
         if n == slots.len() {
             // SAFETY: every slot is `Some`, and `Some(p)` has exactly `p`'s
             // representation (`Page` is a transparent `NonZeroU32`; the
             // standard library guarantees this for `Option`).
             let pages = unsafe { std::slice::from_raw_parts(slots.as_ptr().cast::<Page>(), n) };
-            self.free_bulk_checked(pages);
-            slots.fill(None);
+            self.bulk_free(pages, count_call);
+            // SAFETY: `slots` is valid for `n` writes.
+            unsafe { clear_slots(slots.as_mut_ptr(), n) };
         } else {
             let pages: Vec<Page> = slots.iter_mut().filter_map(Option::take).collect();
-            self.free_bulk_checked(&pages);
+            self.bulk_free(&pages, count_call);
         }
         n
     }
 
+    fn bulk_fill(&self, gfp: Gfp, out: &mut [Option<Page>]) -> usize {
+        self.bulk_fill_counted(gfp, out, true)
+    }
+
     /// The bulk allocation engine: fill `out` (every slot empty) from the
     /// front, from this thread's cache and then this CPU's list, one hold
-    /// each. Returns how many slots were filled.
-    fn bulk_fill(&self, gfp: Gfp, out: &mut [Option<Page>]) -> usize {
+    /// each. `count_call` counts one bulk call. Returns how many slots were
+    /// filled.
+    #[inline]
+    fn bulk_fill_counted(&self, gfp: Gfp, out: &mut [Option<Page>], count_call: bool) -> usize {
+        self.bulk_fill_slow(gfp, out, count_call)
+    }
+
+    /// The bulk engine when the thread cache cannot serve the whole batch.
+    #[inline(never)]
+    fn bulk_fill_slow(&self, gfp: Gfp, out: &mut [Option<Page>], count_call: bool) -> usize {
         let core = &*self.core;
         let nr = out.len();
         debug_assert!(out.iter().all(Option::is_none));
+        if nr == 0 {
+            return 0;
+        }
         if core.fault.is_enabled() {
             // Every page is a separate, injectable attempt, so callers see
             // partial fills.
+            if count_call {
+                core.counters.bulk_allocs.fetch_add(1, Relaxed);
+            }
             return core.bulk_one_by_one(gfp, out);
         }
-        if nr <= 1 || !core.zone.watermark_ok(nr, Mark::Low, false, false) {
-            if nr == 0 {
-                return 0;
+        // One page, or a zone below its low watermark: one page through the
+        // full path, as the kernel does.
+        let single = nr == 1 || !core.zone.watermark_ok(nr, Mark::Low, false, false);
+        let from_cache = self.with_tcache(|tc| {
+            if count_call {
+                bump(&tc.bulk_allocs, 1);
             }
-            out[0] = self.alloc_pages(gfp, 0);
-            return out[0].is_some() as usize;
-        }
-        let mut got = 0;
-        if core.tcache_on {
-            if let Ok(k) = CACHES.try_with(|c| {
-                let tc = c.get(&self.core);
-                // SAFETY: this thread owns `tc`; one stack reference at a time.
-                let stack = unsafe { tc.stack(0) };
-                let k = stack.len().min(nr);
-                let at = stack.len() - k;
-                copy_into(&mut out[..k], &stack[at..]);
-                stack.truncate(at);
-                tc.account(-(k as isize));
-                crate::pcp::bump(&tc.allocs, k as u64);
-                k
-            }) {
-                got = k;
+            if single {
+                return core.tcache_alloc(tc, 0).map_or(0, |p| {
+                    out[0] = Some(p);
+                    1
+                });
             }
-        }
-        if got < nr {
+            let k = tc.len(0).min(nr);
+            // SAFETY: this thread owns `tc`.
+            copy_into(&mut out[..k], unsafe { tc.take_top(0, k) });
+            bump(&tc.allocs, k as u64);
+            k
+        });
+        let mut got = match from_cache {
+            Some(k) => k,
+            None => {
+                if count_call {
+                    core.counters.bulk_allocs.fetch_add(1, Relaxed);
+                }
+                0
+            }
+        };
+        if single {
+            if got == 0 {
+                out[0] = core.alloc_uncached(gfp, 0);
+                return out[0].is_some() as usize;
+            }
+        } else if got < nr {
             let rest = &mut out[got..];
             let mut at = 0;
             got += core.take(0, rest.len(), FAST, |run| {
@@ -343,58 +487,31 @@ impl PageAllocator {
     /// The bulk free engine: this thread's cache takes what fits, the rest
     /// goes to this CPU's list in one hold. Callers have run the allocation
     /// checks already.
-    fn bulk_free(&self, pages: &[Page]) {
+    #[inline]
+    fn bulk_free(&self, pages: &[Page], count_call: bool) {
         let core = &*self.core;
-        let mut rest = pages;
-        if core.tcache_on {
-            if let Ok(room) = CACHES.try_with(|c| {
-                let tc = c.get(&self.core);
-                // SAFETY: this thread owns `tc`; one stack reference at a time.
-                let stack = unsafe { tc.stack(0) };
-                let room = (tc.cap[0] - stack.len()).min(pages.len());
-                if room <= SMALL_COPY {
-                    for &p in &pages[..room] {
-                        stack.push(p);
-                    }
-                } else {
-                    stack.extend_from_slice(&pages[..room]);
-                }
-                tc.account(room as isize);
-                crate::pcp::bump(&tc.frees, room as u64);
-                room
-            }) {
-                rest = &pages[room..];
+        let taken = self.with_tcache(|tc| {
+            if count_call {
+                bump(&tc.bulk_frees, 1);
             }
-        }
+            let room = (tc.cap[0] - tc.len(0)).min(pages.len());
+            // SAFETY: this thread owns `tc`, and `room` pages fit.
+            unsafe { tc.extend(0, &pages[..room]) };
+            bump(&tc.frees, room as u64);
+            room
+        });
+        let rest = match taken {
+            Some(room) => &pages[room..],
+            None => {
+                if count_call {
+                    core.counters.bulk_frees.fetch_add(1, Relaxed);
+                }
+                pages
+            }
+        };
         if !rest.is_empty() {
             core.give(0, rest.len(), rest.iter().copied());
         }
-    }
-
-    /// Count one bulk call, in this thread's cache when it has one (a plain
-    /// store), else in the shared counters.
-    #[inline]
-    fn note_bulk(&self, free: bool) {
-        let core = &*self.core;
-        if core.tcache_on
-            && CACHES
-                .try_with(|c| {
-                    let tc = c.get(&self.core);
-                    crate::pcp::bump(
-                        if free {
-                            &tc.bulk_frees
-                        } else {
-                            &tc.bulk_allocs
-                        },
-                        1,
-                    );
-                })
-                .is_ok()
-        {
-            return;
-        }
-        let c = &core.counters;
-        (if free { &c.bulk_frees } else { &c.bulk_allocs }).fetch_add(1, Relaxed);
     }
 
     /// Allocate a block that frees itself when dropped.
@@ -542,69 +659,75 @@ impl Core {
 
     #[inline]
     fn tcache_alloc(&self, tc: &Tcache, order: u32) -> Option<Page> {
-        // SAFETY: this thread owns `tc`; one stack reference at a time.
-        let stack = unsafe { tc.stack(order) };
-        let page = match stack.pop() {
+        // SAFETY: this thread owns `tc` (true of every `tc` below).
+        let page = match unsafe { tc.pop(order) } {
             Some(p) => p,
             None => self.tcache_refill(tc, order)?,
         };
-        tc.account(-(1isize << order));
-        crate::pcp::bump(&tc.allocs, 1);
+        bump(&tc.allocs, 1);
         Some(page)
     }
 
+    /// Refill an empty cache stack with half its capacity from this CPU's
+    /// list, and pop one.
     #[cold]
     fn tcache_refill(&self, tc: &Tcache, order: u32) -> Option<Page> {
-        // SAFETY: this thread owns `tc`; the caller's reference is not used
-        // again before this returns.
-        let stack = unsafe { tc.stack(order) };
         let want = (tc.cap[order as usize] / 2).max(1);
-        let got = self.take(order, want, FAST, |run| stack.extend_from_slice(run));
+        // SAFETY: owner thread; the stack is empty, so `want` fits.
+        let spare = unsafe { tc.spare(order) };
+        let mut at = 0;
+        let got = self.take(order, want, FAST, |run| {
+            for (d, &p) in spare[at..at + run.len()].iter_mut().zip(run) {
+                d.write(p);
+            }
+            at += run.len();
+        });
         if got == 0 {
             return None;
         }
-        crate::pcp::bump(&tc.refills, 1);
-        tc.account((got as isize) << order);
-        stack.pop()
+        bump(&tc.refills, 1);
+        // SAFETY: owner thread; `got` slots were just written.
+        unsafe {
+            tc.commit(order, got);
+            tc.pop(order)
+        }
     }
 
     #[inline]
     fn tcache_free(&self, tc: &Tcache, page: Page, order: u32) {
-        // SAFETY: this thread owns `tc`; one stack reference at a time.
-        let stack = unsafe { tc.stack(order) };
-        if stack.len() >= tc.cap[order as usize] {
+        // SAFETY: owner thread.
+        if !unsafe { tc.push(order, page) } {
             self.tcache_flush(tc, order);
+            // SAFETY: owner thread; the flush made room.
+            let pushed = unsafe { tc.push(order, page) };
+            debug_assert!(pushed);
         }
-        // SAFETY: as above; the flush's reference is gone.
-        let stack = unsafe { tc.stack(order) };
-        stack.push(page);
-        tc.account(1 << order);
-        crate::pcp::bump(&tc.frees, 1);
+        bump(&tc.frees, 1);
     }
 
     /// Give the older half of a full cache stack to the per-CPU list.
     #[cold]
     fn tcache_flush(&self, tc: &Tcache, order: u32) {
-        // SAFETY: this thread owns `tc`.
-        let stack = unsafe { tc.stack(order) };
-        let half = (stack.len() / 2).max(1);
-        self.give(order, half, stack[..half].iter().copied());
-        stack.drain(..half);
-        tc.account(-((half as isize) << order));
-        crate::pcp::bump(&tc.flushes, 1);
+        let half = (tc.len(order) / 2).max(1);
+        // SAFETY: owner thread.
+        unsafe {
+            self.give(order, half, tc.bottom(order, half).iter().copied());
+            tc.remove_bottom(order, half);
+        }
+        bump(&tc.flushes, 1);
     }
 
     pub(crate) fn tcache_flush_all(&self, tc: &Tcache) {
         for order in 0..=PCP_MAX_ORDER {
-            // SAFETY: called by the owning thread (or at its exit).
-            let stack = unsafe { tc.stack(order) };
-            if !stack.is_empty() {
-                self.give(order, stack.len(), stack.iter().copied());
-                tc.account(-((stack.len() as isize) << order));
-                stack.clear();
+            let n = tc.len(order);
+            if n > 0 {
+                // SAFETY: called by the owning thread (or at its exit).
+                unsafe {
+                    self.give(order, n, tc.take_top(order, n).iter().copied());
+                }
             }
         }
-        crate::pcp::bump(&tc.flushes, 1);
+        bump(&tc.flushes, 1);
     }
 
     /// Prepare a page for its caller: zero it, make it compound, record it
@@ -926,18 +1049,10 @@ impl Core {
 #[inline]
 fn copy_into(out: &mut [Option<Page>], pages: &[Page]) {
     assert_eq!(out.len(), pages.len());
-    if pages.len() <= SMALL_COPY {
-        for (slot, &p) in out.iter_mut().zip(pages) {
-            *slot = Some(p);
-        }
-        return;
-    }
     // SAFETY: the lengths match, the two slices cannot overlap (one is
     // borrowed mutably), and writing a valid `Page` into an `Option<Page>`
     // makes it `Some(page)` (`Page` is a transparent `NonZeroU32`).
-    unsafe {
-        std::ptr::copy_nonoverlapping(pages.as_ptr(), out.as_mut_ptr().cast::<Page>(), pages.len())
-    };
+    unsafe { copy_pages(out.as_mut_ptr().cast::<Page>(), pages.as_ptr(), pages.len()) };
 }
 
 /// Frees the pages of a callback round that `f` never received (it panicked).
@@ -951,7 +1066,7 @@ impl Drop for Undelivered<'_> {
     fn drop(&mut self) {
         let rest = &mut self.pages[self.next..];
         if rest.iter().any(Option::is_some) {
-            self.alloc.free_slots(rest);
+            self.alloc.free_slots(rest, false);
         }
     }
 }

@@ -53,6 +53,50 @@ impl std::fmt::Debug for Page {
     }
 }
 
+/// Copy `n` page handles from `src` to `dst`.
+///
+/// Short runs are the common case of small bulk calls, and a `memcpy` call
+/// costs more than moving a few words; a loop would be turned into that
+/// call by the compiler, so lengths up to 16 become copies of constant size
+/// (plain moves), longer ones one `memcpy`.
+///
+/// # Safety
+/// `src` must be valid for reading and `dst` for writing `n` handles (in the
+/// layout of `Page`, which `Option<Page>` and `MaybeUninit<Page>` share), and
+/// the ranges must not overlap.
+#[inline(always)]
+pub(crate) unsafe fn copy_pages(dst: *mut Page, src: *const Page, n: usize) {
+    macro_rules! fixed {
+        ($($k:literal)*) => {
+            match n {
+                0 => {}
+                $($k => std::ptr::copy_nonoverlapping(src.cast::<[Page; $k]>(), dst.cast::<[Page; $k]>(), 1),)*
+                _ => std::ptr::copy_nonoverlapping(src, dst, n),
+            }
+        };
+    }
+    fixed!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16);
+}
+
+/// Set `n` slots to `None` (zero bits), with constant-size stores for short
+/// runs as in [`copy_pages`].
+///
+/// # Safety
+/// `dst` must be valid for writing `n` slots.
+#[inline(always)]
+pub(crate) unsafe fn clear_slots(dst: *mut Option<Page>, n: usize) {
+    macro_rules! fixed {
+        ($($k:literal)*) => {
+            match n {
+                0 => {}
+                $($k => dst.cast::<[Option<Page>; $k]>().write([None; $k]),)*
+                _ => std::ptr::write_bytes(dst, 0, n),
+            }
+        };
+    }
+    fixed!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16);
+}
+
 /// Frame flags (bits of [`Frame::flags`]).
 pub mod flags {
     /// Head of a free block in the buddy's free lists; `order` is its order.

@@ -14,18 +14,21 @@
 //! owner frees through them, calls [`crate::PageAllocator::flush_thread_cache`],
 //! drains, or exits. The bound is published in [`crate::Stats`].
 
-use crate::frame::Page;
+use crate::frame::{copy_pages, Page};
 use crate::pcp::PCP_ORDERS;
-use std::cell::UnsafeCell;
+use std::cell::{Cell, UnsafeCell};
+use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Weak};
 
-/// One thread's cache for one allocator.
+/// One thread's cache for one allocator: a fixed-capacity stack of blocks
+/// per order. The stack lengths are atomics written only by the owner with
+/// plain stores, so other threads can count the cached pages without
+/// touching the stacks.
 pub(crate) struct Tcache {
-    stacks: [UnsafeCell<Vec<Page>>; PCP_ORDERS],
+    bufs: [UnsafeCell<Box<[MaybeUninit<Page>]>>; PCP_ORDERS],
+    lens: [AtomicUsize; PCP_ORDERS],
     pub cap: [usize; PCP_ORDERS],
-    /// Pages held, published for accounting by other threads.
-    nr_pages: AtomicUsize,
     pub allocs: AtomicU64,
     pub frees: AtomicU64,
     pub refills: AtomicU64,
@@ -34,9 +37,9 @@ pub(crate) struct Tcache {
     pub bulk_frees: AtomicU64,
 }
 
-// SAFETY: `stacks` is only touched by the owning thread (the one whose
-// thread-local table holds this cache, or whose exit is flushing it); other
-// threads read only the atomics.
+// SAFETY: the stacks are only touched by the owning thread (the one whose
+// thread-local table holds this cache, or whose exit is flushing it), as the
+// `unsafe fn`s below require; other threads read only the atomics.
 unsafe impl Sync for Tcache {}
 // SAFETY: as above; the cache moves between threads only inside an `Arc`
 // that the registry holds for reading counts.
@@ -45,9 +48,11 @@ unsafe impl Send for Tcache {}
 impl Tcache {
     pub(crate) fn new(cap: [usize; PCP_ORDERS]) -> Tcache {
         Tcache {
-            stacks: std::array::from_fn(|o| UnsafeCell::new(Vec::with_capacity(cap[o]))),
+            bufs: std::array::from_fn(|o| {
+                UnsafeCell::new((0..cap[o]).map(|_| MaybeUninit::uninit()).collect())
+            }),
+            lens: Default::default(),
             cap,
-            nr_pages: AtomicUsize::new(0),
             allocs: AtomicU64::new(0),
             frees: AtomicU64::new(0),
             refills: AtomicU64::new(0),
@@ -57,28 +62,108 @@ impl Tcache {
         }
     }
 
-    /// The owner's stack of `order`.
-    ///
-    /// # Safety
-    /// Only the owning thread may call this, and it must not keep two
-    /// results alive at once.
     #[inline]
     #[allow(clippy::mut_from_ref)]
-    pub(crate) unsafe fn stack(&self, order: u32) -> &mut Vec<Page> {
-        &mut *self.stacks[order as usize].get()
+    unsafe fn buf(&self, order: u32) -> &mut [MaybeUninit<Page>] {
+        &mut *self.bufs[order as usize].get()
     }
 
-    /// Record that the owner added (`+`) or removed (`-`) pages.
+    /// Blocks held of `order`.
     #[inline]
-    pub(crate) fn account(&self, delta_pages: isize) {
-        let v = self.nr_pages.load(Relaxed) as isize + delta_pages;
-        debug_assert!(v >= 0);
-        self.nr_pages.store(v as usize, Relaxed);
+    pub(crate) fn len(&self, order: u32) -> usize {
+        self.lens[order as usize].load(Relaxed)
     }
 
-    /// Pages held (racy snapshot).
+    #[inline]
+    fn set_len(&self, order: u32, n: usize) {
+        debug_assert!(n <= self.cap[order as usize]);
+        self.lens[order as usize].store(n, Relaxed);
+    }
+
+    /// Pop the most recently cached block.
+    ///
+    /// # Safety
+    /// Owner thread only (see the type's notes), for every `unsafe fn` here.
+    #[inline]
+    pub(crate) unsafe fn pop(&self, order: u32) -> Option<Page> {
+        let n = self.len(order);
+        if n == 0 {
+            return None;
+        }
+        self.set_len(order, n - 1);
+        // SAFETY: slots below `len` are initialised.
+        Some(self.buf(order)[n - 1].assume_init())
+    }
+
+    /// Push a block; `false` (and nothing done) when the stack is full.
+    #[inline]
+    pub(crate) unsafe fn push(&self, order: u32, page: Page) -> bool {
+        let n = self.len(order);
+        if n == self.cap[order as usize] {
+            return false;
+        }
+        self.buf(order)[n].write(page);
+        self.set_len(order, n + 1);
+        true
+    }
+
+    /// Push `pages`, which must fit.
+    #[inline]
+    pub(crate) unsafe fn extend(&self, order: u32, pages: &[Page]) {
+        let n = self.len(order);
+        let dst = &mut self.buf(order)[n..n + pages.len()];
+        // SAFETY: `MaybeUninit<Page>` has `Page`'s layout; the ranges have
+        // equal length and belong to different allocations.
+        copy_pages(dst.as_mut_ptr().cast::<Page>(), pages.as_ptr(), pages.len());
+        self.set_len(order, n + pages.len());
+    }
+
+    /// The `k` most recently cached blocks, removed from the stack. The
+    /// slice stays valid until the next push.
+    #[inline]
+    pub(crate) unsafe fn take_top(&self, order: u32, k: usize) -> &[Page] {
+        let n = self.len(order);
+        debug_assert!(k <= n);
+        self.set_len(order, n - k);
+        let run = &self.buf(order)[n - k..n];
+        // SAFETY: those slots are initialised; `MaybeUninit<Page>` has
+        // `Page`'s layout.
+        std::slice::from_raw_parts(run.as_ptr().cast::<Page>(), k)
+    }
+
+    /// The `k` oldest blocks, for handing back; remove them with
+    /// [`Tcache::remove_bottom`] once they have been given away.
+    #[inline]
+    pub(crate) unsafe fn bottom(&self, order: u32, k: usize) -> &[Page] {
+        debug_assert!(k <= self.len(order));
+        let run = &self.buf(order)[..k];
+        // SAFETY: as in `take_top`.
+        std::slice::from_raw_parts(run.as_ptr().cast::<Page>(), k)
+    }
+
+    /// Drop the `k` oldest blocks, moving the rest down.
+    pub(crate) unsafe fn remove_bottom(&self, order: u32, k: usize) {
+        let n = self.len(order);
+        self.buf(order).copy_within(k..n, 0);
+        self.set_len(order, n - k);
+    }
+
+    /// Free room for blocks of `order`, filled with [`Tcache::commit`].
+    #[inline]
+    pub(crate) unsafe fn spare(&self, order: u32) -> &mut [MaybeUninit<Page>] {
+        let n = self.len(order);
+        &mut self.buf(order)[n..]
+    }
+
+    /// Count `k` blocks written into [`Tcache::spare`] as cached.
+    #[inline]
+    pub(crate) unsafe fn commit(&self, order: u32, k: usize) {
+        self.set_len(order, self.len(order) + k);
+    }
+
+    /// Pages held (racy snapshot from other threads; exact from the owner).
     pub(crate) fn nr_pages(&self) -> usize {
-        self.nr_pages.load(Relaxed)
+        (0..PCP_ORDERS).map(|o| self.len(o as u32) << o).sum()
     }
 
     /// Most pages this cache can hold.
@@ -96,6 +181,15 @@ pub(crate) trait Owner: Send + Sync + 'static {
     /// Flush `tc` into the allocator and drop it from the registry (the
     /// owning thread is exiting).
     fn tcache_retire(&self, tc: &Tcache);
+}
+
+thread_local! {
+    /// The thread's most recently used cache: (allocator id, cache). Plain
+    /// data with no destructor, so reading it is one thread-local load with
+    /// no "initialised yet?" check; the table below keeps the cache alive
+    /// and clears this when the thread exits. Allocator ids are never
+    /// reused, so an entry for a dropped allocator is never matched again.
+    pub(crate) static LAST: Cell<(u64, *const Tcache)> = const { Cell::new((0, std::ptr::null())) };
 }
 
 struct Entry<O: Owner> {
@@ -154,7 +248,9 @@ impl<O: Owner> ThreadCaches<O> {
                 entries.swap(0, last);
             }
         }
-        &entries[0].tc
+        let tc: &Tcache = &entries[0].tc;
+        let _ = LAST.try_with(|l| l.set((id, tc)));
+        tc
     }
 
     /// This thread's cache for `owner` if it has one (never creates).
@@ -167,6 +263,7 @@ impl<O: Owner> ThreadCaches<O> {
 
 impl<O: Owner> Drop for ThreadCaches<O> {
     fn drop(&mut self) {
+        let _ = LAST.try_with(|l| l.set((0, std::ptr::null())));
         for e in self.entries.get_mut().drain(..) {
             if let Some(owner) = e.owner.upgrade() {
                 owner.tcache_retire(&e.tc);
