@@ -150,6 +150,7 @@ impl Tcache {
 
     /// Free room for blocks of `order`, filled with [`Tcache::commit`].
     #[inline]
+    #[allow(clippy::mut_from_ref)]
     pub(crate) unsafe fn spare(&self, order: u32) -> &mut [MaybeUninit<Page>] {
         let n = self.len(order);
         &mut self.buf(order)[n..]
