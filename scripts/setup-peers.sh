@@ -47,9 +47,12 @@ build tcmalloc -DPEER_TCMALLOC -ltcmalloc
 if pkg-config --exists libdpdk 2>/dev/null; then
   # shellcheck disable=SC2046
   build dpdk -DPEER_DPDK $(pkg-config --cflags libdpdk) $(pkg-config --libs libdpdk)
+  # shellcheck disable=SC2046
+  build dpdk-aligned -DPEER_DPDK_ALIGNED $(pkg-config --cflags libdpdk) $(pkg-config --libs libdpdk)
 else
-  rm -f "$out/peer-dpdk"
+  rm -f "$out/peer-dpdk" "$out/peer-dpdk-aligned"
   echo "libdpdk not found by pkg-config (package libdpdk-dev)" >"$out/peer-dpdk.err"
+  echo "libdpdk not found by pkg-config (package libdpdk-dev)" >"$out/peer-dpdk-aligned.err"
   echo "setup-peers: dpdk: libdpdk-dev missing" >&2
 fi
 exit 0

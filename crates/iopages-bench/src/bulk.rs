@@ -8,10 +8,12 @@
 //! beside them as a reference; they were measured on other machines.
 
 use crate::measure::{time_once, tsc_ghz, Sample, Summary};
+use crate::peers::{self, PeerState, PEERS};
 use crate::plot::{line_plot, Series};
 use crate::{progress, write_json, BenchError, BenchOptions};
 use iopages::{Arena, Gfp, HugePages, PageAllocator};
 use serde_json::{json, Map, Value};
+use std::collections::BTreeMap;
 use std::hint::black_box;
 use std::time::Duration;
 
@@ -37,6 +39,245 @@ pub const KERNEL_2017_SINGLE: (f64, f64) = (158.0, 39.593);
 pub const KERNEL_2021_SINGLE_CYCLES: f64 = 194.0;
 /// (batch, cycles per page) published for the merged allocator.
 pub const KERNEL_2021: [(usize, f64); 2] = [(64, 97.0), (128, 99.0)];
+
+/// Batch sizes of the multi-thread part (0 = the single-object API).
+pub const MT_BATCHES: [usize; 2] = [0, 64];
+/// Target: iopages at least this many times faster than the best peer at
+/// every batch size.
+pub const TARGET_MIN_RATIO: f64 = 1.3;
+
+/// Samples by allocator, then by (threads, batch): `None` threads is the
+/// single-thread part; batch 0 the single-object API.
+type Runs = BTreeMap<String, BTreeMap<(Option<usize>, usize), Vec<f64>>>;
+
+/// Thread counts of the multi-thread part: 2, 4, 8, … up to the CPUs.
+fn mt_thread_counts() -> Vec<usize> {
+    let cpus = std::thread::available_parallelism()
+        .map_or(2, |n| n.get())
+        .max(2);
+    let mut v: Vec<usize> = std::iter::successors(Some(2usize), |t| Some(t * 2))
+        .take_while(|&t| t <= cpus)
+        .collect();
+    if cpus % 2 == 0 && !v.contains(&cpus) {
+        v.push(cpus);
+    }
+    v
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+fn batch_key(b: usize) -> String {
+    if b == 0 {
+        "single".into()
+    } else {
+        b.to_string()
+    }
+}
+
+/// Medians of iopages and the peers, and the ratios between them.
+struct Comparison<'a> {
+    runs: &'a Runs,
+    states: &'a [(&'a str, PeerState)],
+    st_batches: &'a [usize],
+    mt_threads: &'a [usize],
+}
+
+impl<'a> Comparison<'a> {
+    fn samples(&self, who: &str, threads: Option<usize>, batch: usize) -> Option<&'a Vec<f64>> {
+        self.runs
+            .get(who)?
+            .get(&(threads, batch))
+            .filter(|v| !v.is_empty())
+    }
+
+    fn get(&self, who: &str, threads: Option<usize>, batch: usize) -> Option<f64> {
+        self.samples(who, threads, batch).map(|v| median(v))
+    }
+
+    fn range(&self, who: &str, threads: Option<usize>, batch: usize) -> Option<(f64, f64)> {
+        let v = self.samples(who, threads, batch)?;
+        Some((
+            v.iter().copied().fold(f64::INFINITY, f64::min),
+            v.iter().copied().fold(0.0, f64::max),
+        ))
+    }
+
+    fn ready_peers(&self) -> Vec<&'a str> {
+        self.states
+            .iter()
+            .filter(|(n, s)| matches!(s, PeerState::Ready(_)) && self.runs.contains_key(*n))
+            .map(|(n, _)| *n)
+            .collect()
+    }
+
+    /// (best peer, its ns) at this point.
+    fn best(&self, threads: Option<usize>, batch: usize) -> Option<(&'a str, f64)> {
+        self.ready_peers()
+            .into_iter()
+            .filter_map(|p| self.get(p, threads, batch).map(|ns| (p, ns)))
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+    }
+
+    fn ratio(&self, threads: Option<usize>, batch: usize) -> Option<f64> {
+        let ours = self.get("iopages", threads, batch)?;
+        self.best(threads, batch).map(|(_, ns)| ns / ours)
+    }
+
+    fn min_ratio(&self) -> Option<f64> {
+        self.st_batches
+            .iter()
+            .filter_map(|&b| self.ratio(None, b))
+            .min_by(f64::total_cmp)
+    }
+
+    fn everyone(&self) -> Vec<&'a str> {
+        let mut v = vec!["iopages"];
+        v.extend(self.ready_peers());
+        v
+    }
+
+    fn peers_json(&self) -> Value {
+        let mut m = Map::new();
+        for who in self.everyone() {
+            let per: Map<String, Value> = self
+                .st_batches
+                .iter()
+                .filter_map(|&b| {
+                    self.get(who, None, b)
+                        .map(|ns| (batch_key(b), json!(round2(ns))))
+                })
+                .collect();
+            m.insert(who.to_string(), Value::Object(per));
+        }
+        for (name, st) in self.states {
+            if let PeerState::Unavailable(why) = st {
+                m.insert(name.to_string(), json!({ "unavailable": why }));
+            }
+        }
+        Value::Object(m)
+    }
+
+    fn ratio_json(&self) -> Value {
+        Value::Object(
+            self.st_batches
+                .iter()
+                .filter_map(|&b| {
+                    self.ratio(None, b)
+                        .map(|r| (batch_key(b), json!(round2(r))))
+                })
+                .collect(),
+        )
+    }
+
+    fn mt_json(&self) -> Value {
+        let mut out = Map::new();
+        for &t in self.mt_threads {
+            let mut per_t = Map::new();
+            for who in self.everyone() {
+                let per: Map<String, Value> = MT_BATCHES
+                    .iter()
+                    .filter_map(|&b| {
+                        self.get(who, Some(t), b)
+                            .map(|ns| (batch_key(b), json!(round2(ns))))
+                    })
+                    .collect();
+                per_t.insert(who.to_string(), Value::Object(per));
+            }
+            let ratios: Map<String, Value> = MT_BATCHES
+                .iter()
+                .filter_map(|&b| {
+                    self.ratio(Some(t), b)
+                        .map(|r| (batch_key(b), json!(round2(r))))
+                })
+                .collect();
+            per_t.insert("ratio_vs_best_peer".into(), Value::Object(ratios));
+            out.insert(t.to_string(), Value::Object(per_t));
+        }
+        json!({ "ns_per_page_per_pair": out, "batches": MT_BATCHES.map(batch_key) })
+    }
+
+    fn series(&self) -> Vec<Series> {
+        self.everyone()
+            .into_iter()
+            .map(|who| Series {
+                label: who.to_string(),
+                points: self
+                    .st_batches
+                    .iter()
+                    .filter(|&&b| b > 0)
+                    .filter_map(|&b| self.get(who, None, b).map(|ns| (b as f64, ns)))
+                    .collect(),
+            })
+            .collect()
+    }
+
+    fn print(&self, runs: usize) {
+        let peers = self.ready_peers();
+        println!();
+        println!("E1 peers: alloc+free ns per page, first byte of each page written (median and range of {runs} runs)");
+        let mut head = format!("{:>8} | {:>17}", "batch", "iopages");
+        for p in &peers {
+            head += &format!(" | {p:>17}");
+        }
+        head += &format!(" | {:>9} | {:>5}", "best peer", "ratio");
+        println!("{head}");
+        for &b in self.st_batches {
+            let cell = |who: &str| match (self.get(who, None, b), self.range(who, None, b)) {
+                (Some(ns), Some((lo, hi))) => {
+                    format!(" | {ns:>7.2} {:>9}", format!("{lo:.1}-{hi:.1}"))
+                }
+                _ => format!(" | {:>17}", "-"),
+            };
+            let mut row = format!("{:>8}", batch_key(b));
+            row += &cell("iopages");
+            for p in &peers {
+                row += &cell(p);
+            }
+            match (self.best(None, b), self.ratio(None, b)) {
+                (Some((p, _)), Some(r)) => row += &format!(" | {p:>9} | {r:>5.2}"),
+                _ => row += &format!(" | {:>9} | {:>5}", "-", "-"),
+            }
+            println!("{row}");
+        }
+        for (name, st) in self.states {
+            if let PeerState::Unavailable(why) = st {
+                println!("{name}: unavailable - {why}");
+            }
+        }
+        match self.min_ratio() {
+            Some(r) => println!(
+                "target: iopages >= {TARGET_MIN_RATIO}x faster than the best peer at every batch: min ratio {r:.2} ({})",
+                met(r >= TARGET_MIN_RATIO)
+            ),
+            None => println!("target: no peer ran, so there is no ratio (NOT met)"),
+        }
+        println!();
+        println!("E1 multi-thread: producer/consumer pairs (allocated on one thread, freed on another), wall ns per page per pair");
+        for &t in self.mt_threads {
+            for &b in &MT_BATCHES {
+                let mut row = format!("{t:>3} threads, batch {:>6}:", batch_key(b));
+                for who in self.everyone() {
+                    if let Some(ns) = self.get(who, Some(t), b) {
+                        row += &format!("  {who} {ns:.1}");
+                    }
+                }
+                if let Some(r) = self.ratio(Some(t), b) {
+                    row += &format!("  (ratio {r:.2})");
+                }
+                println!("{row}");
+            }
+        }
+    }
+}
 
 /// Targets of this experiment, in TSC cycles.
 pub const TARGET_SINGLE_CYCLES: f64 = 60.0;
@@ -141,12 +382,84 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
             bulk(&c.alloc, b, pages_per_run / 8)?;
         }
     }
-    // Interleave configurations run by run (A B A B ...).
+    // The peer comparison: the same workloads with each page's first byte
+    // written, in-process for iopages and one process per peer per run.
+    let peer_pages: u64 = if opts.quick { 64 << 10 } else { 512 << 10 };
+    let mt_pages: u64 = if opts.quick { 64 << 10 } else { 1 << 20 };
+    let st_batches: Vec<usize> = std::iter::once(0).chain(BATCHES).collect();
+    let mt_threads = mt_thread_counts();
+    let mut peer_states: Vec<(&str, PeerState)> = if opts.peers {
+        progress(
+            "bulk",
+            format!("building peers into {}", opts.peers_dir.display()),
+        );
+        peers::setup(&opts.peers_dir)
+    } else {
+        PEERS
+            .iter()
+            .map(|&n| (n, PeerState::Unavailable("skipped (--no-peers)".into())))
+            .collect()
+    };
+    for (name, st) in &peer_states {
+        if let PeerState::Unavailable(why) = st {
+            progress("bulk", format!("peer {name} unavailable: {why}"));
+        }
+    }
+    let mut peer_runs: Runs = BTreeMap::new();
+    let touched = &configs[0].alloc;
+    for &b in &st_batches {
+        peers::iopages_st(touched, b, peer_pages / 8 + 1)?;
+    }
+
+    // Interleave configurations and peers run by run (A B A B ...).
     for run in 0..runs {
         for (c, r) in configs.iter().zip(results.iter_mut()) {
             r.single.push(single(&c.alloc, pages_per_run)?);
             for (i, &b) in BATCHES.iter().enumerate() {
                 r.bulk[i].push(bulk(&c.alloc, b, pages_per_run)?);
+            }
+        }
+        let ours = peer_runs.entry("iopages".into()).or_default();
+        for &b in &st_batches {
+            ours.entry((None, b))
+                .or_default()
+                .push(peers::iopages_st(touched, b, peer_pages)?.ns);
+        }
+        for &t in &mt_threads {
+            for &b in &MT_BATCHES {
+                ours.entry((Some(t), b))
+                    .or_default()
+                    .push(peers::iopages_mt(touched, t, b, mt_pages)?);
+            }
+        }
+        for (name, state) in peer_states.iter_mut() {
+            let PeerState::Ready(bin) = state else {
+                continue;
+            };
+            match peers::run_peer(
+                bin,
+                peer_pages,
+                mt_pages,
+                &st_batches,
+                &mt_threads,
+                &MT_BATCHES,
+            ) {
+                Ok(res) => {
+                    let m = peer_runs.entry(name.to_string()).or_default();
+                    for r in res {
+                        m.entry((r.threads, r.batch))
+                            .or_default()
+                            .push(r.ns_per_page);
+                    }
+                }
+                Err(why) => {
+                    progress(
+                        "bulk",
+                        format!("peer {name} failed in run {}: {why}", run + 1),
+                    );
+                    *state = PeerState::Unavailable(format!("failed in run {}: {why}", run + 1));
+                    peer_runs.remove(*name);
+                }
             }
         }
         progress("bulk", format!("run {}/{runs} done", run + 1));
@@ -167,6 +480,13 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
         .collect();
 
     print_table(&configs, &single_sum, &bulk_sum, ghz, runs);
+    let cmp = Comparison {
+        runs: &peer_runs,
+        states: &peer_states,
+        st_batches: &st_batches,
+        mt_threads: &mt_threads,
+    };
+    cmp.print(runs);
 
     let per_batch = |v: &[Summary], f: fn(&Summary) -> f64| -> Map<String, Value> {
         BATCHES
@@ -211,6 +531,14 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
             )
         })
         .collect();
+    summary["peers"] = cmp.peers_json();
+    summary["ratio_vs_best_peer"] = cmp.ratio_json();
+    summary["min_ratio_vs_best_peer"] = json!(cmp.min_ratio().map(round2));
+    summary["peer_target"] = json!({
+        "min_ratio_vs_best_peer_min": TARGET_MIN_RATIO,
+        "met": cmp.min_ratio().is_some_and(|r| r >= TARGET_MIN_RATIO),
+    });
+    summary["multi_thread"] = cmp.mt_json();
     let report = json!({
         "experiment": "bulk",
         "machine": machine(),
@@ -265,9 +593,28 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
         "TSC cycles per page",
         &series,
     )?;
+    let peers_svg = svg_path.with_file_name(format!(
+        "{}-peers.svg",
+        svg_path
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .unwrap_or("bulk")
+    ));
+    line_plot(
+        &peers_svg,
+        "E1: alloc+free per page (first byte written), iopages and peers",
+        "batch size (pages)",
+        "ns per page",
+        &cmp.series(),
+    )?;
     progress(
         "bulk",
-        format!("wrote {} and {}", json_path.display(), svg_path.display()),
+        format!(
+            "wrote {}, {} and {}",
+            json_path.display(),
+            svg_path.display(),
+            peers_svg.display()
+        ),
     );
     Ok(report)
 }

@@ -11,6 +11,7 @@
 
 pub mod bulk;
 pub mod measure;
+pub mod peers;
 pub mod plot;
 
 use std::path::PathBuf;
@@ -25,6 +26,10 @@ pub struct BenchOptions {
     pub json: Option<PathBuf>,
     /// Directory for reports when `json` is not given.
     pub out_dir: PathBuf,
+    /// Run the peer allocators beside iopages where an experiment has them.
+    pub peers: bool,
+    /// Where the peer harness binaries are built.
+    pub peers_dir: PathBuf,
 }
 
 impl Default for BenchOptions {
@@ -33,6 +38,8 @@ impl Default for BenchOptions {
             quick: false,
             json: None,
             out_dir: PathBuf::from("bench-out"),
+            peers: true,
+            peers_dir: PathBuf::from("target/peers"),
         }
     }
 }

@@ -15,7 +15,8 @@ pub struct Series {
     pub points: Vec<(f64, f64)>,
 }
 
-/// Draw `series` to an SVG file at `path`, x on a log2 scale.
+/// Draw `series` to an SVG file at `path`, both axes on log scales (costs
+/// here span orders of magnitude).
 pub fn line_plot(
     path: &Path,
     title: &str,
@@ -32,11 +33,9 @@ pub fn line_plot(
     }
     let xs = series.iter().flat_map(|s| s.points.iter().map(|p| p.0));
     let x_max = xs.fold(1.0f64, f64::max);
-    let y_max = series
-        .iter()
-        .flat_map(|s| s.points.iter().map(|p| p.1))
-        .fold(1.0f64, f64::max)
-        * 1.1;
+    let ys = || series.iter().flat_map(|s| s.points.iter().map(|p| p.1));
+    let y_max = ys().fold(1.0f64, f64::max) * 1.25;
+    let y_min = ys().fold(f64::INFINITY, f64::min).clamp(1e-3, y_max / 2.0) * 0.8;
     let root = SVGBackend::new(path, (900, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
     let mut chart = ChartBuilder::on(&root)
@@ -44,7 +43,7 @@ pub fn line_plot(
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(60)
-        .build_cartesian_2d((1.0f64..x_max).log_scale(), 0.0f64..y_max)
+        .build_cartesian_2d((1.0f64..x_max).log_scale(), (y_min..y_max).log_scale())
         .map_err(|e| err(&e))?;
     chart
         .configure_mesh()

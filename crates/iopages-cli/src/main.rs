@@ -36,6 +36,12 @@ enum Command {
         /// Directory for reports when --json is not given.
         #[arg(long, value_name = "DIR", default_value = "bench-out")]
         out_dir: PathBuf,
+        /// Skip the peer allocators (glibc, jemalloc, mimalloc, tcmalloc, DPDK).
+        #[arg(long)]
+        no_peers: bool,
+        /// Where the peer harness is built (by scripts/setup-peers.sh).
+        #[arg(long, value_name = "DIR", default_value = "target/peers")]
+        peers_dir: PathBuf,
     },
 }
 
@@ -65,6 +71,8 @@ fn run(cli: Cli) -> Result<(), BenchError> {
             quick,
             json,
             out_dir,
+            no_peers,
+            peers_dir,
         } => {
             if json.is_some() && experiment == Experiment::All {
                 return Err(BenchError::Workload(
@@ -75,6 +83,8 @@ fn run(cli: Cli) -> Result<(), BenchError> {
                 quick,
                 json,
                 out_dir,
+                peers: !no_peers,
+                peers_dir,
             };
             match experiment {
                 Experiment::All | Experiment::Bulk => {
