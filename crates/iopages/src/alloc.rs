@@ -99,7 +99,8 @@ impl PageAllocator {
         let nr_pages = arena.nr_pages();
         let limits = b.resolved_pcp(nr_pages);
         let tcache_cap = b.resolved_tcache(&limits);
-        let zone = Zone::new(&arena, b.resolved_watermarks(nr_pages));
+        let depot_pages = b.resolved_depot(nr_pages, &limits);
+        let zone = Zone::new(&arena, b.resolved_watermarks(nr_pages), depot_pages);
         let pcp = (0..b.resolved_cpus())
             .map(|_| PcpSet::new(&limits))
             .collect();
@@ -893,6 +894,7 @@ impl Core {
                 }
             }
         }
+        self.zone.drain_depot(&self.arena);
         self.counters.drain_all.fetch_add(1, Relaxed);
         self.wake_waiters();
     }

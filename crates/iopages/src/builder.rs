@@ -28,6 +28,7 @@ pub struct PageAllocatorBuilder {
     pub(crate) pcp: Option<PcpLimits>,
     pub(crate) nr_cpus: Option<usize>,
     pub(crate) thread_cache_pages: usize,
+    pub(crate) depot_pages: Option<usize>,
     pub(crate) checks: bool,
 }
 
@@ -41,6 +42,7 @@ impl Default for PageAllocatorBuilder {
             pcp: None,
             nr_cpus: None,
             thread_cache_pages: DEFAULT_THREAD_CACHE_PAGES,
+            depot_pages: None,
             checks: cfg!(debug_assertions),
         }
     }
@@ -92,6 +94,14 @@ impl PageAllocatorBuilder {
         self
     }
 
+    /// Most free order-0 pages parked in the depot between CPUs (default:
+    /// 1/16 of the arena, at least two order-0 batches; 0 turns it off, so
+    /// every drained batch goes back to the buddy lists).
+    pub fn depot_pages(mut self, pages: usize) -> Self {
+        self.depot_pages = Some(pages);
+        self
+    }
+
     /// Track allocated frames in their metadata and catch double frees and
     /// frees of pages never allocated (default: on in debug builds).
     pub fn checks(mut self, on: bool) -> Self {
@@ -125,6 +135,13 @@ impl PageAllocatorBuilder {
             .unwrap_or_else(|| PcpLimits::for_zone(nr_pages, self.resolved_cpus()))
     }
 
+    /// Depot capacity in pages: 1/16 of the arena, at least two order-0
+    /// batches (or as set).
+    pub(crate) fn resolved_depot(&self, nr_pages: usize, pcp: &PcpLimits) -> usize {
+        self.depot_pages
+            .unwrap_or_else(|| (nr_pages / 16).max(2 * pcp.batch[0]))
+    }
+
     /// Thread-cache capacity per order, in blocks (all zero when off).
     pub(crate) fn resolved_tcache(&self, pcp: &PcpLimits) -> [usize; PCP_ORDERS] {
         let n = self.thread_cache_pages;
@@ -154,6 +171,15 @@ impl PageAllocatorBuilder {
                 self.thread_cache_pages,
                 format!("must be at most {THREAD_CACHE_PAGES_MAX} (0 turns thread caches off)"),
             ));
+        }
+        if let Some(d) = self.depot_pages {
+            if d > nr_pages / 2 {
+                return Err(Error::setting(
+                    "depot_pages",
+                    d,
+                    format!("must be at most half the arena ({} pages)", nr_pages / 2),
+                ));
+            }
         }
         if let Some(w) = self.watermarks {
             if !(w.min <= w.low && w.low <= w.high && w.high < nr_pages) {

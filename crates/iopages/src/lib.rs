@@ -56,6 +56,7 @@ mod alloc;
 pub mod arena;
 mod builder;
 mod compaction;
+mod depot;
 mod error;
 mod fault;
 pub mod frame;

@@ -220,6 +220,11 @@ impl PcpGuard<'_> {
             .min(self.limits.high[o]);
         let stack = &mut self.lists().stacks[o];
         debug_assert!(stack.is_empty());
+        if order == 0 && self.zone.depot.take(nr, |run| stack.extend_from_slice(run)) > 0 {
+            bump(&self.set.counters.refills, 1);
+            bump(&self.set.counters.refill_pages, stack.len() as u64);
+            return stack.len();
+        }
         let mut z = self.zone.lock(self.arena);
         for _ in 0..nr {
             match z.alloc(order) {
@@ -250,14 +255,20 @@ impl PcpGuard<'_> {
         let excess = (total - high).max(self.limits.batch[o]).min(total);
         let from_list = excess.min(stack.len());
         let from_new = excess - from_list;
-        let mut z = self.zone.lock(self.arena);
-        for p in stack
-            .drain(..from_list)
-            .chain(pages.by_ref().take(from_new))
         {
-            z.free(p.pfn(), order);
+            let mut out = stack
+                .drain(..from_list)
+                .chain(pages.by_ref().take(from_new));
+            // Order-0 batches park in the depot whole when it has room, so
+            // the CPU that allocates next takes them without merging and
+            // splitting.
+            if order != 0 || !self.zone.depot.put(excess, &mut out) {
+                let mut z = self.zone.lock(self.arena);
+                for p in out {
+                    z.free(p.pfn(), order);
+                }
+            }
         }
-        drop(z);
         stack.extend(pages.take(n - from_new));
         debug_assert!(stack.len() <= high);
         bump(&self.set.counters.drains, 1);
@@ -330,7 +341,7 @@ mod tests {
     #[test]
     fn refill_and_drain_move_whole_batches_and_keep_high() {
         let a = Arena::new(8 << 20, HugePages::Never, false).unwrap();
-        let z = Zone::new(&a, Watermarks::for_zone(a.nr_pages()));
+        let z = Zone::new(&a, Watermarks::for_zone(a.nr_pages()), 0);
         let limits = PcpLimits {
             high: [16, 8, 4, 2],
             batch: [4, 2, 1, 1],
@@ -360,7 +371,7 @@ mod tests {
     #[test]
     fn refill_stops_at_the_watermark() {
         let a = Arena::new(4 << 20, HugePages::Never, false).unwrap();
-        let z = Zone::new(&a, Watermarks::for_zone(a.nr_pages()));
+        let z = Zone::new(&a, Watermarks::for_zone(a.nr_pages()), 0);
         z.set_watermarks(Watermarks {
             min: 2000,
             low: 2000,

@@ -54,6 +54,8 @@ pub struct Accounting {
     pub total_pages: usize,
     /// Free in the zone's buddy lists.
     pub buddy_free_pages: usize,
+    /// Free in the depot between the per-CPU lists and the zone.
+    pub depot_pages: usize,
     /// Free on per-CPU lists.
     pub pcp_pages: usize,
     /// Free in threads' caches.
@@ -66,9 +68,10 @@ impl fmt::Display for Accounting {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} pages: {} free in the zone, {} on per-CPU lists, {} in thread caches, {} in use",
+            "{} pages: {} free in the zone, {} in the depot, {} on per-CPU lists, {} in thread caches, {} in use",
             self.total_pages,
             self.buddy_free_pages,
+            self.depot_pages,
             self.pcp_pages,
             self.thread_cache_pages,
             self.in_use_pages
@@ -85,6 +88,10 @@ pub struct Stats {
     pub free_pages: usize,
     /// Free blocks in the zone, by order.
     pub free_blocks_by_order: [usize; NR_ORDERS],
+    /// Pages parked in the depot.
+    pub depot_pages: usize,
+    /// Most pages the depot holds.
+    pub depot_max_pages: usize,
     /// Pages on per-CPU lists.
     pub pcp_pages: usize,
     /// Pages in threads' caches.
@@ -153,14 +160,16 @@ impl Core {
     pub(crate) fn accounting(&self) -> Accounting {
         let total = self.arena.nr_pages();
         let buddy = self.zone.nr_free_pages();
+        let depot = self.zone.depot.len();
         let pcp: usize = self.pcp.iter().map(|s| s.nr_pages()).sum();
         let tc: usize = self.tcaches.lock().iter().map(|t| t.nr_pages()).sum();
         Accounting {
             total_pages: total,
             buddy_free_pages: buddy,
+            depot_pages: depot,
             pcp_pages: pcp,
             thread_cache_pages: tc,
-            in_use_pages: total.saturating_sub(buddy + pcp + tc),
+            in_use_pages: total.saturating_sub(buddy + depot + pcp + tc),
         }
     }
 
@@ -172,6 +181,8 @@ impl Core {
             total_pages: a.total_pages,
             free_pages: a.buddy_free_pages,
             free_blocks_by_order: self.zone.free_blocks_by_order(),
+            depot_pages: a.depot_pages,
+            depot_max_pages: self.zone.depot.capacity(),
             pcp_pages: a.pcp_pages,
             thread_cache_pages: a.thread_cache_pages,
             in_use_pages: a.in_use_pages,
@@ -223,9 +234,11 @@ impl Core {
 impl fmt::Display for Stats {
     /// One `name value` line per counter, like `/proc/vmstat`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let rows: [(&str, u64); 35] = [
+        let rows: [(&str, u64); 37] = [
             ("nr_pages", self.total_pages as u64),
             ("nr_free_pages", self.free_pages as u64),
+            ("nr_depot_pages", self.depot_pages as u64),
+            ("depot_max_pages", self.depot_max_pages as u64),
             ("nr_pcp_pages", self.pcp_pages as u64),
             ("nr_thread_cache_pages", self.thread_cache_pages as u64),
             ("nr_in_use_pages", self.in_use_pages as u64),

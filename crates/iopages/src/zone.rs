@@ -13,6 +13,7 @@
 //! back whenever everything is free.
 
 use crate::arena::Arena;
+use crate::depot::Depot;
 use crate::frame::{flags, MAX_ORDER, NIL, NR_ORDERS};
 use parking_lot::{Mutex, MutexGuard};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
@@ -62,11 +63,13 @@ pub struct Zone {
     nr_free_pages: AtomicUsize,
     wmark: [AtomicUsize; 3],
     nr_pages: usize,
+    /// Whole batches of free order-0 pages in transit between CPUs.
+    pub(crate) depot: Depot,
 }
 
 impl Zone {
     /// A zone whose every frame is free (as largest blocks).
-    pub(crate) fn new(arena: &Arena, wmark: Watermarks) -> Zone {
+    pub(crate) fn new(arena: &Arena, wmark: Watermarks, depot_pages: usize) -> Zone {
         let zone = Zone {
             area: Mutex::new(FreeArea {
                 head: [NIL; NR_ORDERS],
@@ -79,6 +82,7 @@ impl Zone {
                 AtomicUsize::new(wmark.high),
             ],
             nr_pages: arena.nr_pages(),
+            depot: Depot::new(depot_pages),
         };
         {
             let mut z = zone.lock(arena);
@@ -147,7 +151,21 @@ impl Zone {
         if high {
             line -= line / 2;
         }
-        self.nr_free_pages().saturating_sub(nr) >= line
+        // Pages parked in the depot are free and ready for order-0 use.
+        (self.nr_free_pages() + self.depot.len()).saturating_sub(nr) >= line
+    }
+
+    /// Return every page parked in the depot to the buddy lists.
+    pub(crate) fn drain_depot(&self, arena: &Arena) -> usize {
+        if self.depot.len() == 0 {
+            return 0;
+        }
+        let mut z = self.lock(arena);
+        self.depot.drain(|run| {
+            for p in run {
+                z.free(p.pfn(), 0);
+            }
+        })
     }
 
     /// Free blocks per order (takes the lock briefly).
@@ -275,7 +293,7 @@ mod tests {
     #[test]
     fn a_new_zone_is_all_largest_blocks() {
         let a = arena(8);
-        let z = Zone::new(&a, Watermarks::for_zone(a.nr_pages()));
+        let z = Zone::new(&a, Watermarks::for_zone(a.nr_pages()), 0);
         assert_eq!(z.nr_free_pages(), 2048);
         let by_order = z.free_blocks_by_order();
         assert_eq!(by_order[MAX_ORDER as usize], 2);
@@ -285,7 +303,7 @@ mod tests {
     #[test]
     fn split_then_free_merges_back() {
         let a = arena(4);
-        let z = Zone::new(&a, Watermarks::for_zone(a.nr_pages()));
+        let z = Zone::new(&a, Watermarks::for_zone(a.nr_pages()), 0);
         let mut l = z.lock(&a);
         let p = l.alloc(0).unwrap();
         assert_eq!(p, 0);
@@ -313,7 +331,7 @@ mod tests {
         #[test]
         fn buddy_invariants(ops in proptest::collection::vec((0u32..=MAX_ORDER, any::<bool>(), any::<prop::sample::Index>()), 1..300)) {
             let a = arena(8);
-            let z = Zone::new(&a, Watermarks::for_zone(a.nr_pages()));
+            let z = Zone::new(&a, Watermarks::for_zone(a.nr_pages()), 0);
             let total = a.nr_pages();
             let mut held: Vec<(u32, u32)> = Vec::new();
             let mut used: BTreeSet<u32> = BTreeSet::new();

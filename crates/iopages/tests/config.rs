@@ -861,3 +861,19 @@ fn nofail_waits_for_another_thread_to_free_and_then_succeeds() {
     alloc.free_pages(page, 0);
     assert_no_leaks(&alloc);
 }
+
+#[test]
+fn a_depot_larger_than_half_the_arena_is_rejected() {
+    let err = PageAllocator::builder()
+        .size_bytes(4 << 20)
+        .depot_pages(600)
+        .build()
+        .err()
+        .expect("600 of 1024 pages is more than half");
+    assert!(err.to_string().contains("depot_pages"), "{err}");
+    assert!(PageAllocator::builder()
+        .size_bytes(4 << 20)
+        .depot_pages(512)
+        .build()
+        .is_ok());
+}

@@ -181,7 +181,11 @@ fn run(builder: PageAllocatorBuilder, ops: Vec<Op>) -> Result<(), TestCaseError>
             a
         );
         prop_assert_eq!(
-            a.buddy_free_pages + a.pcp_pages + a.thread_cache_pages + a.in_use_pages,
+            a.buddy_free_pages
+                + a.depot_pages
+                + a.pcp_pages
+                + a.thread_cache_pages
+                + a.in_use_pages,
             total
         );
     }

@@ -14,11 +14,11 @@ fn builder(mib: u64) -> PageAllocatorBuilder {
 
 fn assert_adds_up(a: &Accounting) {
     assert!(
-        a.buddy_free_pages + a.pcp_pages + a.thread_cache_pages <= a.total_pages,
+        a.buddy_free_pages + a.depot_pages + a.pcp_pages + a.thread_cache_pages <= a.total_pages,
         "more free pages than the arena has: {a}"
     );
     assert_eq!(
-        a.buddy_free_pages + a.pcp_pages + a.thread_cache_pages + a.in_use_pages,
+        a.buddy_free_pages + a.depot_pages + a.pcp_pages + a.thread_cache_pages + a.in_use_pages,
         a.total_pages,
         "{a}"
     );
@@ -437,4 +437,64 @@ fn other_threads_caches_are_counted_and_their_counters_survive_exit() {
     assert_eq!(s.bulk_alloc_calls, 1);
     assert_eq!(s.bulk_free_calls, 1);
     assert_no_leaks(&alloc);
+}
+
+#[test]
+fn drained_batches_park_in_the_depot_and_come_back_without_the_buddy() {
+    let build = |depot: usize| {
+        PageAllocator::builder()
+            .size_bytes(8 << 20)
+            .nr_cpus(1)
+            .thread_cache_pages(0)
+            .pcp_limits(iopages::PcpLimits {
+                high: [8, 4, 2, 2],
+                batch: [4, 2, 1, 1],
+            })
+            .depot_pages(depot)
+            .build()
+            .unwrap()
+    };
+    let alloc = build(64);
+    let pages: Vec<_> = (0..40)
+        .map(|_| alloc.alloc_pages(Gfp::KERNEL, 0).unwrap())
+        .collect();
+    for &p in &pages {
+        alloc.free_pages(p, 0);
+    }
+    let a = alloc.accounting();
+    assert!(
+        a.depot_pages > 0,
+        "per-CPU drains must park in the depot: {a}"
+    );
+    assert!(a.depot_pages <= 64 && a.pcp_pages <= 8, "{a}");
+    assert_eq!(a.in_use_pages, 0, "{a}");
+    let buddy_before = a.buddy_free_pages;
+    // Refills take the parked batches first: the buddy lists are not touched.
+    let again: Vec<_> = (0..8)
+        .map(|_| alloc.alloc_pages(Gfp::KERNEL, 0).unwrap())
+        .collect();
+    assert_eq!(alloc.accounting().buddy_free_pages, buddy_before);
+    alloc.free_pages_bulk(&again);
+    let done = alloc.leak_check().expect("nothing in use");
+    assert_eq!(
+        done.depot_pages, 0,
+        "drain_all must empty the depot: {done}"
+    );
+    assert_eq!(
+        alloc.stats().free_blocks_by_order[10],
+        2,
+        "merges must restore the largest blocks"
+    );
+
+    let off = build(0);
+    let pages: Vec<_> = (0..40)
+        .map(|_| off.alloc_pages(Gfp::KERNEL, 0).unwrap())
+        .collect();
+    off.free_pages_bulk(&pages);
+    assert_eq!(
+        off.accounting().depot_pages,
+        0,
+        "a zero-sized depot holds nothing"
+    );
+    off.leak_check().unwrap();
 }
