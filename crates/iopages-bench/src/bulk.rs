@@ -7,7 +7,7 @@
 //! measured rather than assumed. The kernel's published figures are printed
 //! beside them as a reference; they were measured on other machines.
 
-use crate::measure::{time_once, tsc_ghz, Sample, Summary};
+use crate::measure::{median, time_once, tsc_ghz, Sample, Summary};
 use crate::peers::{self, PeerState, PEERS};
 use crate::plot::{line_plot, Series};
 use crate::{progress, write_json, BenchError, BenchOptions};
@@ -46,6 +46,10 @@ pub const MT_BATCHES: [usize; 2] = [0, 64];
 /// every batch size.
 pub const TARGET_MIN_RATIO: f64 = 1.3;
 
+/// Peers whose buffers are not page aligned (DPDK's default layout puts a
+/// 64-byte header before each 4 KiB buffer and pads for memory channels).
+const UNALIGNED_PEERS: [&str; 1] = ["dpdk"];
+
 /// Samples by allocator, then by (threads, batch): `None` threads is the
 /// single-thread part; batch 0 the single-object API.
 type Runs = BTreeMap<String, BTreeMap<(Option<usize>, usize), Vec<f64>>>;
@@ -62,17 +66,6 @@ fn mt_thread_counts() -> Vec<usize> {
         v.push(cpus);
     }
     v
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
 }
 
 fn batch_key(b: usize) -> String {
@@ -119,24 +112,44 @@ impl<'a> Comparison<'a> {
             .collect()
     }
 
-    /// (best peer, its ns) at this point.
-    fn best(&self, threads: Option<usize>, batch: usize) -> Option<(&'a str, f64)> {
+    /// (best peer, its ns) at this point; `aligned_only` leaves out the
+    /// peers whose buffers are not page aligned.
+    fn best_of(
+        &self,
+        threads: Option<usize>,
+        batch: usize,
+        aligned_only: bool,
+    ) -> Option<(&'a str, f64)> {
         self.ready_peers()
             .into_iter()
+            .filter(|p| !aligned_only || !UNALIGNED_PEERS.contains(p))
             .filter_map(|p| self.get(p, threads, batch).map(|ns| (p, ns)))
             .min_by(|a, b| a.1.total_cmp(&b.1))
     }
 
-    fn ratio(&self, threads: Option<usize>, batch: usize) -> Option<f64> {
+    fn best(&self, threads: Option<usize>, batch: usize) -> Option<(&'a str, f64)> {
+        self.best_of(threads, batch, false)
+    }
+
+    fn ratio_of(&self, threads: Option<usize>, batch: usize, aligned_only: bool) -> Option<f64> {
         let ours = self.get("iopages", threads, batch)?;
-        self.best(threads, batch).map(|(_, ns)| ns / ours)
+        self.best_of(threads, batch, aligned_only)
+            .map(|(_, ns)| ns / ours)
+    }
+
+    fn ratio(&self, threads: Option<usize>, batch: usize) -> Option<f64> {
+        self.ratio_of(threads, batch, false)
+    }
+
+    fn min_ratio_of(&self, aligned_only: bool) -> Option<f64> {
+        self.st_batches
+            .iter()
+            .filter_map(|&b| self.ratio_of(None, b, aligned_only))
+            .min_by(f64::total_cmp)
     }
 
     fn min_ratio(&self) -> Option<f64> {
-        self.st_batches
-            .iter()
-            .filter_map(|&b| self.ratio(None, b))
-            .min_by(f64::total_cmp)
+        self.min_ratio_of(false)
     }
 
     fn everyone(&self) -> Vec<&'a str> {
@@ -166,12 +179,12 @@ impl<'a> Comparison<'a> {
         Value::Object(m)
     }
 
-    fn ratio_json(&self) -> Value {
+    fn ratio_json(&self, aligned_only: bool) -> Value {
         Value::Object(
             self.st_batches
                 .iter()
                 .filter_map(|&b| {
-                    self.ratio(None, b)
+                    self.ratio_of(None, b, aligned_only)
                         .map(|r| (batch_key(b), json!(round2(r))))
                 })
                 .collect(),
@@ -252,6 +265,11 @@ impl<'a> Comparison<'a> {
             if let PeerState::Unavailable(why) = st {
                 println!("{name}: unavailable - {why}");
             }
+        }
+        if let Some(r) = self.min_ratio_of(true) {
+            println!(
+                "against page-aligned peers only (all but DPDK's default layout): min ratio {r:.2}"
+            );
         }
         match self.min_ratio() {
             Some(r) => println!(
@@ -532,7 +550,9 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
         })
         .collect();
     summary["peers"] = cmp.peers_json();
-    summary["ratio_vs_best_peer"] = cmp.ratio_json();
+    summary["ratio_vs_best_peer"] = cmp.ratio_json(false);
+    summary["ratio_vs_best_page_aligned_peer"] = cmp.ratio_json(true);
+    summary["min_ratio_vs_best_page_aligned_peer"] = json!(cmp.min_ratio_of(true).map(round2));
     summary["min_ratio_vs_best_peer"] = json!(cmp.min_ratio().map(round2));
     summary["peer_target"] = json!({
         "min_ratio_vs_best_peer_min": TARGET_MIN_RATIO,

@@ -61,6 +61,22 @@ pub fn time_once(ops: u64, mut f: impl FnMut()) -> Sample {
     }
 }
 
+/// The median of `v` (the mean of the middle two for an even count).
+///
+/// # Panics
+/// If `v` is empty.
+pub fn median(v: &[f64]) -> f64 {
+    assert!(!v.is_empty(), "no values to take the median of");
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
 /// Median and range of repeated samples.
 #[derive(Clone, Copy, Debug, serde::Serialize)]
 pub struct Summary {
@@ -80,21 +96,12 @@ impl Summary {
     /// Summarise `samples` (at least one).
     pub fn of(samples: &[Sample]) -> Summary {
         assert!(!samples.is_empty(), "no samples to summarise");
-        let med = |mut v: Vec<f64>| {
-            v.sort_by(f64::total_cmp);
-            let n = v.len();
-            if n % 2 == 1 {
-                v[n / 2]
-            } else {
-                (v[n / 2 - 1] + v[n / 2]) / 2.0
-            }
-        };
         let ns: Vec<f64> = samples.iter().map(|s| s.ns).collect();
         Summary {
-            ns: med(ns.clone()),
+            ns: median(&ns),
             ns_min: ns.iter().copied().fold(f64::INFINITY, f64::min),
             ns_max: ns.iter().copied().fold(0.0, f64::max),
-            cycles: med(samples.iter().map(|s| s.cycles).collect()),
+            cycles: median(&samples.iter().map(|s| s.cycles).collect::<Vec<_>>()),
             runs: samples.len(),
         }
     }
