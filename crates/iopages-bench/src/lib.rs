@@ -7,10 +7,17 @@
 //!
 //! Experiments so far:
 //! - E1 `bulk`: cost of alloc+free per page, single-page API and bulk
-//!   batches 1..256, beside the kernel's figures (seed 004).
+//!   batches 1..256, beside the kernel's figures (seed 004) and the peer
+//!   allocators (glibc, jemalloc, mimalloc, tcmalloc, DPDK).
+//! - `mempool`: a 1 MiB request from a mempool by a loop, in bulk and by
+//!   callback, warm and with the reserve serving.
+//! - `counter` (E3's core): a shared page limit checked exactly, roughly and
+//!   with `limited_add`, 1..N threads.
 
 pub mod bulk;
+pub mod counter;
 pub mod measure;
+pub mod mempool;
 pub mod peers;
 pub mod plot;
 

@@ -51,6 +51,12 @@ enum Experiment {
     All,
     /// E1: alloc+free cost per page, single and bulk batches 1..256.
     Bulk,
+    /// Mempool: cost per page of a request by a loop of alloc, alloc_bulk
+    /// and the callback form, warm and with the reserve serving.
+    Mempool,
+    /// E3 (core): a page limit checked exactly, roughly and with
+    /// limited_add, 1..N threads.
+    Counter,
 }
 
 fn main() -> ExitCode {
@@ -86,10 +92,15 @@ fn run(cli: Cli) -> Result<(), BenchError> {
                 peers: !no_peers,
                 peers_dir,
             };
-            match experiment {
-                Experiment::All | Experiment::Bulk => {
-                    iopages_bench::bulk::run(&opts)?;
-                }
+            let all = experiment == Experiment::All;
+            if all || experiment == Experiment::Bulk {
+                iopages_bench::bulk::run(&opts)?;
+            }
+            if all || experiment == Experiment::Mempool {
+                iopages_bench::mempool::run(&opts)?;
+            }
+            if all || experiment == Experiment::Counter {
+                iopages_bench::counter::run(&opts)?;
             }
             Ok(())
         }

@@ -97,7 +97,7 @@ pub(crate) unsafe fn clear_slots(dst: *mut Option<Page>, n: usize) {
     fixed!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16);
 }
 
-/// Frame flags (bits of [`Frame::flags`]).
+/// Frame flags (bits of a frame's flags word, see [`FrameInfo::flags`]).
 pub mod flags {
     /// Head of a free block in the buddy's free lists; `order` is its order.
     pub const BUDDY: u16 = 1 << 0;

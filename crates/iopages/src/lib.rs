@@ -2,10 +2,10 @@
 //!
 //! iopages gives userspace I/O engines (block devices, encryption layers,
 //! databases, data planes) the memory system the Linux kernel gives its own
-//! I/O paths: a page allocator with per-CPU lists and a bulk API, and — as
-//! the layers above it land — mempools that guarantee forward progress,
-//! per-CPU counters, large folios with folio-aware I/O vectors, and
-//! kvmalloc with a real fail-fast path.
+//! I/O paths: a page allocator with per-CPU lists and a bulk API, mempools
+//! that guarantee forward progress (bulk too), per-CPU counters whose rough
+//! reads never contend, and — as the layers above them land — large folios
+//! with folio-aware I/O vectors and kvmalloc with a real fail-fast path.
 //!
 //! ## Map: kernel mechanism → module
 //!
@@ -19,7 +19,10 @@
 //! | `gfp_t`, `memalloc_noio_save` | [`Gfp`], [`memalloc_noio_scope`] | `gfp.rs` |
 //! | shrinkers, direct reclaim | [`Shrinker`], [`ShrinkerRegistry`] | `reclaim.rs` |
 //! | compaction | entry point for the slow path | `compaction.rs` |
+//! | — (transfer cache) | whole order-0 batches between CPUs | `depot.rs` |
 //! | `fail_page_alloc` | [`FaultInjector`] | `fault.rs` |
+//! | `mm/mempool.c` (incl. `mempool_alloc_bulk`) | [`Mempool`], [`PagePool`], [`ElementSource`] | `mempool.rs` |
+//! | `lib/percpu_counter.c` | [`PercpuCounter`] | `percpu_counter.rs` |
 //! | `/proc/vmstat` | [`Stats`] | `stats.rs` |
 //!
 //! ## Implementation notes
@@ -61,7 +64,9 @@ mod error;
 mod fault;
 pub mod frame;
 mod gfp;
+mod mempool;
 pub mod pcp;
+mod percpu_counter;
 mod reclaim;
 mod stats;
 mod tcache;
@@ -76,7 +81,14 @@ pub use error::{Error, Result};
 pub use fault::{FaultConfig, FaultInjector};
 pub use frame::{Frame, FrameInfo, Page, MAX_ORDER, PAGE_SIZE};
 pub use gfp::{memalloc_nofs_scope, memalloc_noio_scope, Gfp, NofsScope, NoioScope};
+pub use mempool::{
+    BoxSource, ElementSource, Mempool, MempoolStats, PagePool, PageSource, MEMPOOL_MIN_NR_MAX,
+    MEMPOOL_WAIT,
+};
 pub use pcp::PcpLimits;
+pub use percpu_counter::{
+    default_batch, PercpuCounter, PercpuCounterStats, PERCPU_BATCH_MAX, PERCPU_SLOTS_MAX,
+};
 pub use reclaim::{Shrinker, ShrinkerId, ShrinkerRegistry};
 pub use stats::{Accounting, Stats};
 pub use zone::{Watermarks, Zone};
