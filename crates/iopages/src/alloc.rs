@@ -814,9 +814,7 @@ impl Core {
     /// This CPU's list set, locked, or `None` if another thread holds it.
     #[inline]
     fn this_cpu(&self) -> Option<PcpGuard<'_>> {
-        // SAFETY: sched_getcpu has no preconditions.
-        let cpu = unsafe { libc::sched_getcpu() };
-        let set = &self.pcp[cpu.max(0) as usize % self.pcp.len()];
+        let set = &self.pcp[crate::cpu::slot(self.pcp.len())];
         set.try_lock(&self.zone, &self.arena, &self.limits)
     }
 

@@ -122,7 +122,7 @@ impl PageAllocatorBuilder {
     }
 
     pub(crate) fn resolved_cpus(&self) -> usize {
-        self.nr_cpus.unwrap_or_else(system_cpus)
+        self.nr_cpus.unwrap_or_else(crate::cpu::nr_cpus)
     }
 
     pub(crate) fn resolved_watermarks(&self, nr_pages: usize) -> Watermarks {
@@ -206,15 +206,5 @@ impl PageAllocatorBuilder {
             }
         }
         Ok(())
-    }
-}
-
-fn system_cpus() -> usize {
-    // SAFETY: sysconf has no preconditions.
-    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) };
-    if n > 0 {
-        n as usize
-    } else {
-        std::thread::available_parallelism().map_or(1, |n| n.get())
     }
 }

@@ -59,6 +59,7 @@ mod alloc;
 pub mod arena;
 mod builder;
 mod compaction;
+mod cpu;
 mod depot;
 mod error;
 mod fault;

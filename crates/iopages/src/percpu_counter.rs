@@ -87,7 +87,7 @@ impl PercpuCounter {
     /// A counter starting at `initial`, with one slot per CPU the system
     /// has and the default batch ([`default_batch`]).
     pub fn new(initial: i64) -> PercpuCounter {
-        let cpus = system_cpus().clamp(1, PERCPU_SLOTS_MAX);
+        let cpus = crate::cpu::nr_cpus().clamp(1, PERCPU_SLOTS_MAX);
         PercpuCounter {
             core: Core::new(initial, cpus, default_batch(cpus)),
         }
@@ -124,8 +124,11 @@ impl PercpuCounter {
     /// then it takes the counter's lock briefly to fold it.
     #[inline]
     pub fn add(&self, amount: i64) {
-        self.core
-            .add(cpu_slot(self.core.slots.len()), amount, self.core.batch)
+        self.core.add(
+            crate::cpu::slot(self.core.slots.len()),
+            amount,
+            self.core.batch,
+        )
     }
 
     /// Add `amount`, folding this CPU's delta into the count once its
@@ -139,7 +142,7 @@ impl PercpuCounter {
     pub fn add_batch(&self, amount: i64, batch: i64) {
         let batch = batch.clamp(1, self.core.batch);
         self.core
-            .add(cpu_slot(self.core.slots.len()), amount, batch)
+            .add(crate::cpu::slot(self.core.slots.len()), amount, batch)
     }
 
     /// The global count: off from the exact total by at most
@@ -214,7 +217,7 @@ impl PercpuCounter {
             return true;
         }
         self.core
-            .limited_add(cpu_slot(self.core.slots.len()), limit, amount)
+            .limited_add(crate::cpu::slot(self.core.slots.len()), limit, amount)
     }
 
     /// Set the total to `value`, clearing every delta.
@@ -254,24 +257,6 @@ impl std::fmt::Debug for PercpuCounter {
             .field("batch", &self.batch())
             .field("nr_slots", &self.nr_slots())
             .finish()
-    }
-}
-
-/// This thread's slot: its CPU modulo the slot count.
-#[inline]
-fn cpu_slot(nr_slots: usize) -> usize {
-    // SAFETY: sched_getcpu has no preconditions (glibc serves it from rseq).
-    let cpu = unsafe { libc::sched_getcpu() };
-    cpu.max(0) as usize % nr_slots
-}
-
-fn system_cpus() -> usize {
-    // SAFETY: sysconf has no preconditions.
-    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) };
-    if n > 0 {
-        n as usize
-    } else {
-        std::thread::available_parallelism().map_or(1, |n| n.get())
     }
 }
 
