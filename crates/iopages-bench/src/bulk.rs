@@ -10,6 +10,7 @@
 use crate::measure::{median, time_once, tsc_ghz, Sample, Summary};
 use crate::peers::{self, PeerState, PEERS};
 use crate::plot::{line_plot, Series};
+use crate::{met, round2};
 use crate::{progress, write_json, BenchError, BenchOptions};
 use iopages::{Arena, Gfp, HugePages, PageAllocator};
 use serde_json::{json, Map, Value};
@@ -561,7 +562,7 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
     summary["multi_thread"] = cmp.mt_json();
     let report = json!({
         "experiment": "bulk",
-        "machine": machine(),
+        "machine": crate::machine(),
         "settings": {
             "quick": opts.quick,
             "runs": runs,
@@ -711,33 +712,4 @@ fn print_table(
         met(b64.cycles <= TARGET_BULK64_CYCLES)
     );
     println!("kernel figures are the seed's and upstream's published numbers from other machines, for reference only");
-}
-
-fn met(ok: bool) -> &'static str {
-    if ok {
-        "met"
-    } else {
-        "NOT met"
-    }
-}
-
-fn round2(x: f64) -> f64 {
-    (x * 100.0).round() / 100.0
-}
-
-/// What the figures were measured on.
-pub fn machine() -> Value {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown".into());
-    json!({
-        "cpu": cpu,
-        "online_cpus": std::thread::available_parallelism().map_or(1, |n| n.get()),
-        "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").map(|s| s.trim().to_string()).unwrap_or_default(),
-    })
 }

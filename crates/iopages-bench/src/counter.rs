@@ -15,7 +15,9 @@
 //! cost per operation is CPU time: wall time × busy threads (at most one
 //! per CPU) / operations. Thread counts and modes run interleaved.
 
+use crate::measure::median;
 use crate::plot::{line_plot, Series};
+use crate::{met, round2};
 use crate::{progress, write_json, BenchError, BenchOptions};
 use iopages::PercpuCounter;
 use serde_json::{json, Map, Value};
@@ -291,7 +293,7 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
         .collect();
     let report = json!({
         "experiment": "counter",
-        "machine": crate::bulk::machine(),
+        "machine": crate::machine(),
         "settings": {
             "quick": opts.quick,
             "runs": runs,
@@ -363,27 +365,4 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
         format!("wrote {} and {}", json_path.display(), svg_path.display()),
     );
     Ok(report)
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
-}
-
-fn met(ok: bool) -> &'static str {
-    if ok {
-        "met"
-    } else {
-        "NOT met"
-    }
-}
-
-fn round2(x: f64) -> f64 {
-    (x * 100.0).round() / 100.0
 }

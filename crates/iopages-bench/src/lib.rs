@@ -107,3 +107,36 @@ pub fn write_json(path: &std::path::Path, value: &serde_json::Value) -> Result<(
 pub fn progress(experiment: &str, msg: impl std::fmt::Display) {
     eprintln!("[{experiment}] {msg}");
 }
+
+/// "met" or "NOT met", for target lines.
+pub fn met(ok: bool) -> &'static str {
+    if ok {
+        "met"
+    } else {
+        "NOT met"
+    }
+}
+
+/// `x` rounded to two decimals, for reports.
+pub fn round2(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}
+
+/// What the figures were measured on: CPU model, online CPUs, kernel.
+pub fn machine() -> serde_json::Value {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into());
+    serde_json::json!({
+        "cpu": cpu,
+        "online_cpus": std::thread::available_parallelism().map_or(1, |n| n.get()),
+        "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default(),
+    })
+}

@@ -16,6 +16,7 @@
 
 use crate::measure::{time_once, tsc_ghz, Sample, Summary};
 use crate::plot::{line_plot, Series};
+use crate::{met, round2};
 use crate::{progress, write_json, BenchError, BenchOptions};
 use iopages::{Gfp, HugePages, Page, PageAllocator, PagePool};
 use serde_json::{json, Map, Value};
@@ -282,7 +283,7 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
         .collect();
     let report = json!({
         "experiment": "mempool",
-        "machine": crate::bulk::machine(),
+        "machine": crate::machine(),
         "settings": {
             "quick": opts.quick,
             "runs": runs,
@@ -355,16 +356,4 @@ fn print_table(sum: &[Vec<Vec<Summary>>], names: &[&str], ghz: f64, runs: usize)
             println!("{row}");
         }
     }
-}
-
-fn met(ok: bool) -> &'static str {
-    if ok {
-        "met"
-    } else {
-        "NOT met"
-    }
-}
-
-fn round2(x: f64) -> f64 {
-    (x * 100.0).round() / 100.0
 }
