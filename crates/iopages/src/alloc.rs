@@ -190,14 +190,6 @@ impl PageAllocator {
         core.free_uncached(page, order);
     }
 
-    /// Run `f` on this thread's cache for this allocator: `None` when
-    /// thread caches are off or the thread is exiting. One thread-local load
-    /// and one compare in the common case.
-    #[inline]
-    fn with_tcache<R>(&self, f: impl FnOnce(&Tcache) -> R) -> Option<R> {
-        self.tcache().map(f)
-    }
-
     /// This thread's cache for this allocator: `None` when thread caches
     /// are off or the thread is exiting. One thread-local load and one
     /// compare in the common case. The reference must stay on this thread
@@ -273,11 +265,11 @@ impl PageAllocator {
             return populated;
         }
         if populated == 0 {
-            return self.bulk_fill(gfp, slots);
+            return self.bulk_fill(gfp, slots, true);
         }
         // Some slots are taken: fill a dense scratch array, then scatter.
         let mut scratch = vec![None; need];
-        let got = self.bulk_fill(gfp, &mut scratch);
+        let got = self.bulk_fill(gfp, &mut scratch, true);
         let empty = slots.iter_mut().filter(|s| s.is_none());
         for (slot, p) in empty.zip(&scratch[..got]) {
             *slot = *p;
@@ -307,7 +299,7 @@ impl PageAllocator {
             let mut chunk = [None; CB_CHUNK];
             let want = (nr - done).min(CB_CHUNK);
             // Count the call once, not once per chunk.
-            let got = self.bulk_fill_counted(gfp, &mut chunk[..want], first);
+            let got = self.bulk_fill(gfp, &mut chunk[..want], first);
             first = false;
             let mut guard = Undelivered {
                 alloc: self,
@@ -406,22 +398,13 @@ impl PageAllocator {
         n
     }
 
-    fn bulk_fill(&self, gfp: Gfp, out: &mut [Option<Page>]) -> usize {
-        self.bulk_fill_counted(gfp, out, true)
-    }
-
-    /// The bulk allocation engine: fill `out` (every slot empty) from the
+    /// The bulk allocation engine behind every form when the inlined fast
+    /// path cannot serve the call: fill `out` (every slot empty) from the
     /// front, from this thread's cache and then this CPU's list, one hold
     /// each. `count_call` counts one bulk call. Returns how many slots were
     /// filled.
-    #[inline]
-    fn bulk_fill_counted(&self, gfp: Gfp, out: &mut [Option<Page>], count_call: bool) -> usize {
-        self.bulk_fill_slow(gfp, out, count_call)
-    }
-
-    /// The bulk engine when the thread cache cannot serve the whole batch.
     #[inline(never)]
-    fn bulk_fill_slow(&self, gfp: Gfp, out: &mut [Option<Page>], count_call: bool) -> usize {
+    fn bulk_fill(&self, gfp: Gfp, out: &mut [Option<Page>], count_call: bool) -> usize {
         let core = &*self.core;
         let nr = out.len();
         debug_assert!(out.iter().all(Option::is_none));
@@ -439,7 +422,7 @@ impl PageAllocator {
         // One page, or a zone below its low watermark: one page through the
         // full path, as the kernel does.
         let single = nr == 1 || !core.zone.watermark_ok(nr, Mark::Low, false, false);
-        let from_cache = self.with_tcache(|tc| {
+        let from_cache = self.tcache().map(|tc| {
             if count_call {
                 bump(&tc.bulk_allocs, 1);
             }
@@ -491,7 +474,7 @@ impl PageAllocator {
     #[inline]
     fn bulk_free(&self, pages: &[Page], count_call: bool) {
         let core = &*self.core;
-        let taken = self.with_tcache(|tc| {
+        let taken = self.tcache().map(|tc| {
             if count_call {
                 bump(&tc.bulk_frees, 1);
             }
