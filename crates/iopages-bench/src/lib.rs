@@ -13,6 +13,8 @@
 //!   callback, warm and with the reserve serving.
 //! - `counter` (E3's core): a shared page limit checked exactly, roughly and
 //!   with `limited_add`, 1..N threads.
+//! - `xts` (E2's cipher): AES-XTS plain64 implementations sector by sector,
+//!   beside `openssl speed`, to choose the crypt target's cipher.
 
 pub mod bulk;
 pub mod counter;
@@ -20,6 +22,7 @@ pub mod measure;
 pub mod mempool;
 pub mod peers;
 pub mod plot;
+pub mod xts;
 
 use std::path::PathBuf;
 

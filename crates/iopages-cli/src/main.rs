@@ -57,6 +57,9 @@ enum Experiment {
     /// E3 (core): a page limit checked exactly, roughly and with
     /// limited_add, 1..N threads.
     Counter,
+    /// E2's cipher: AES-XTS plain64 implementations (512/4096-byte sectors,
+    /// both key sizes) beside `openssl speed`, and the one chosen.
+    Xts,
 }
 
 fn main() -> ExitCode {
@@ -101,6 +104,9 @@ fn run(cli: Cli) -> Result<(), BenchError> {
             }
             if all || experiment == Experiment::Counter {
                 iopages_bench::counter::run(&opts)?;
+            }
+            if all || experiment == Experiment::Xts {
+                iopages_bench::xts::run(&opts)?;
             }
             Ok(())
         }

@@ -1,0 +1,68 @@
+//! # iopages-crypt — dm-crypt's cipher in userspace
+//!
+//! The encrypting block target of iopages (issue 5) encrypts every write
+//! into freshly allocated pages and decrypts every read in place, with
+//! dm-crypt's `aes-xts-plain64`: AES-XTS (IEEE 1619) over 512- or 4096-byte
+//! sectors, the tweak of each sector being its number (plus `iv_offset`) as
+//! a little-endian 64-bit value. This crate holds that cipher; the target,
+//! its page strategies and the LUKS headers come on top of it.
+//!
+//! ## Map: kernel → module
+//!
+//! | kernel | here | file |
+//! |---|---|---|
+//! | `crypto/xts.c` (`xts(aes)`) | [`XtsCipher`], backend choice [`XtsBackend`], the RustCrypto and OpenSSL backends | `xts.rs` |
+//! | `arch/x86/crypto/aes-xts-avx-x86_64.S` (VAES XTS) | the VAES kernel and its AES-NI key schedule | `vaes.rs` |
+//! | `crypt_iv_plain64_gen` in `drivers/md/dm-crypt.c` | [`plain64_iv`], [`XtsCipher::iv_sector`] | `xts.rs` |
+//! | `iv_offset`, `sector_size`, `iv_large_sectors` table options | [`XtsCipherBuilder`] | `xts.rs` |
+//! | error codes | [`Error`] | `error.rs` |
+//! | `crypt_alloc_buffer`, `crypt_page_alloc`, pages per client | [`strategy::OutAllocator`] (per-page, bulk, compound), the page limit | `strategy.rs` |
+//! | `brd` (RAM disk), the block device below | [`backend::Backend`], [`backend::RamDisk`] | `backend.rs` |
+//! | `crypt_map` write/read paths | [`target::CryptTarget`] | `target.rs` |
+//!
+//! ## Implementation notes
+//!
+//! Three backends sit behind one interface and give byte-identical output;
+//! the tests check each against the IEEE 1619 vectors and against the
+//! others (and against Python's `cryptography` where it is installed). The
+//! choice was made by measurement (`iopages bench xts`,
+//! `docs/experiments.md` (`bench xts`) and `docs/architecture.md`):
+//!
+//! - [`XtsBackend::Vaes`], the default where the CPU has AES-NI, AVX2, VAES
+//!   and VPCLMULQDQ: this crate's kernel, sixteen blocks in flight, two per
+//!   instruction. The only one faster than `openssl speed -evp aes-256-xts`
+//!   on the project's machine, which is the bar.
+//! - [`XtsBackend::RustCrypto`], the default elsewhere: RustCrypto's `aes`
+//!   with an XTS mode written here. Portable and constant-time, but the
+//!   `aes` crate's run-time-dispatched VAES code runs at half speed here.
+//! - [`XtsBackend::OpenSsl`]: OpenSSL's EVP XTS. Its context must be
+//!   re-initialised with each sector's IV, and that call costs more than a
+//!   512-byte sector's whole encryption.
+//!
+//! Keys are checked once (32 or 64 bytes, halves different, as OpenSSL
+//! insists) and expanded once; the data path never allocates and never
+//! panics on a caller's buffer.
+//!
+//! ```
+//! use iopages_crypt::XtsCipher;
+//! let key: Vec<u8> = (0u8..64).collect();
+//! let mut xts = XtsCipher::new(&key, 512, 0).unwrap();
+//! let plain = vec![7u8; 4096];
+//! let mut sealed = vec![0u8; 4096];
+//! xts.encrypt_sectors(100, &plain, &mut sealed).unwrap();
+//! xts.decrypt_sectors_in_place(100, &mut sealed).unwrap();
+//! assert_eq!(sealed, plain);
+//! ```
+
+#![warn(missing_docs)]
+
+pub mod backend;
+mod error;
+pub mod strategy;
+pub mod target;
+#[cfg(target_arch = "x86_64")]
+mod vaes;
+pub mod xts;
+
+pub use error::{Error, Result};
+pub use xts::{plain64_iv, XtsBackend, XtsCipher, XtsCipherBuilder};

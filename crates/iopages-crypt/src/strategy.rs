@@ -1,0 +1,534 @@
+//! Where a write's "out" pages come from: the three allocation strategies
+//! of the crypt target, and the per-device page limit.
+//!
+//! Owns: turning "this write needs N pages of ciphertext" into blocks of
+//! pages, by one of three strategies (switchable at run time), while
+//! keeping the mempool's forward-progress guarantee and counting every
+//! page against the device's limit. Must never: fail a blocking request,
+//! hand out a page twice, or lose count of a page (the limit counter goes
+//! back to zero when every write has completed).
+//!
+//! - `PerPage` — one mempool allocation per page (the seed's baseline).
+//! - `Bulk` — the page allocator's bulk API for as many pages as it gives,
+//!   then the mempool's bulk allocation for the rest (seed 000).
+//! - `Compound` — high-order blocks with `NORETRY | NOWARN`, stepping the
+//!   order down when one is refused, then the mempool page by page (what
+//!   upstream dm-crypt does today).
+//!
+//! The limit (2 % of the arena by default, like dm-crypt's pages per
+//! client) is a per-CPU counter. When it is reached the non-blocking
+//! attempts are refused and the mempool's reserve (or a wait for a free)
+//! serves, so writes slow down instead of failing. It is checked either
+//! exactly (`compare`, which sums every CPU's delta under a lock when close
+//! to the limit) or approximately (`read_positive`, no lock) — experiment
+//! E3 compares the two.
+
+use iopages::{
+    ElementSource, Gfp, Mempool, Page, PageAllocator, PageSource, PercpuCounter, MAX_ORDER,
+};
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+
+/// How out pages are allocated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Strategy {
+    /// One mempool allocation per page.
+    PerPage,
+    /// Bulk page allocation, then bulk mempool allocation for the rest.
+    Bulk,
+    /// High-order blocks (`NORETRY | NOWARN`, order stepping down), then
+    /// the mempool.
+    Compound,
+}
+
+impl Strategy {
+    fn to_u8(self) -> u8 {
+        match self {
+            Strategy::PerPage => 0,
+            Strategy::Bulk => 1,
+            Strategy::Compound => 2,
+        }
+    }
+
+    fn from_u8(v: u8) -> Strategy {
+        match v {
+            0 => Strategy::PerPage,
+            1 => Strategy::Bulk,
+            _ => Strategy::Compound,
+        }
+    }
+}
+
+/// How the page limit is checked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LimitCheck {
+    /// `compare`: exact near the limit (takes the counter's lock there).
+    Exact,
+    /// `read_positive`: the rough count, never a lock.
+    Approximate,
+}
+
+/// Default page limit: this share of the arena, in percent.
+pub const DEFAULT_LIMIT_PERCENT: usize = 2;
+
+/// A write's out pages: blocks of `2^order` pages that together hold at
+/// least the pages asked for, in order.
+#[derive(Debug, Default)]
+pub struct OutPages {
+    blocks: Vec<(Page, u32)>,
+    nr_pages: usize,
+}
+
+impl OutPages {
+    /// The blocks, in order: (first page, order).
+    pub fn blocks(&self) -> &[(Page, u32)] {
+        &self.blocks
+    }
+
+    /// Pages held (counting every page of every block).
+    pub fn nr_pages(&self) -> usize {
+        self.nr_pages
+    }
+
+    /// Every page, in order.
+    pub fn pages(&self) -> impl Iterator<Item = Page> + '_ {
+        self.blocks
+            .iter()
+            .flat_map(|&(p, o)| (0..1u32 << o).map(move |i| Page::from_pfn(p.pfn() + i)))
+    }
+
+    fn push(&mut self, page: Page, order: u32) {
+        self.blocks.push((page, order));
+        self.nr_pages += 1 << order;
+    }
+}
+
+/// The device's page limit: pages allocated and not yet freed (compound
+/// blocks by their size), and how the limit is checked.
+struct Limit {
+    allocated: PercpuCounter,
+    limit_pages: i64,
+    check: AtomicU8,
+}
+
+impl Limit {
+    fn check(&self) -> LimitCheck {
+        if self.check.load(Ordering::Relaxed) == LimitCheck::Exact as u8 {
+            LimitCheck::Exact
+        } else {
+            LimitCheck::Approximate
+        }
+    }
+
+    /// Whether the device is at its limit, checked as configured.
+    fn reached(&self) -> bool {
+        match self.check() {
+            LimitCheck::Exact => {
+                self.allocated.compare(self.limit_pages) != std::cmp::Ordering::Less
+            }
+            LimitCheck::Approximate => self.allocated.read_positive() >= self.limit_pages,
+        }
+    }
+}
+
+/// The page pool's source: order-0 pages from the page allocator, refused
+/// to attempts that cannot block once the device is at its limit — the
+/// gate of dm-crypt's `crypt_page_alloc`, so that the pool's reserve and
+/// waiting for frees throttle writers instead of the arena running dry.
+pub struct LimitedPageSource {
+    inner: PageSource,
+    limit: Arc<Limit>,
+}
+
+impl LimitedPageSource {
+    fn gate(&self, gfp: Gfp) -> bool {
+        gfp.may_block() || !self.limit.reached()
+    }
+}
+
+impl ElementSource for LimitedPageSource {
+    type Elem = Page;
+
+    fn alloc(&self, gfp: Gfp) -> Option<Page> {
+        if self.gate(gfp) {
+            self.inner.alloc(gfp)
+        } else {
+            None
+        }
+    }
+
+    fn free(&self, page: Page) {
+        self.inner.free(page)
+    }
+
+    fn alloc_bulk(&self, gfp: Gfp, slots: &mut [Option<Page>]) -> usize {
+        if self.gate(gfp) {
+            self.inner.alloc_bulk(gfp, slots)
+        } else {
+            slots.iter().filter(|s| s.is_some()).count()
+        }
+    }
+
+    fn free_bulk(&self, pages: &mut Vec<Page>) {
+        self.inner.free_bulk(pages)
+    }
+
+    fn free_slots(&self, slots: &mut [Option<Page>]) {
+        self.inner.free_slots(slots)
+    }
+}
+
+/// Allocates and frees out pages for one device.
+pub struct OutAllocator {
+    alloc: PageAllocator,
+    pool: Mempool<LimitedPageSource>,
+    strategy: AtomicU8,
+    limit: Arc<Limit>,
+}
+
+/// Largest order the compound strategy tries (32 pages, 128 KiB; dm-crypt
+/// caps its attempts the same way so one write does not drain the
+/// high-order blocks).
+pub const COMPOUND_MAX_ORDER: u32 = 5;
+const _: () = assert!(COMPOUND_MAX_ORDER <= MAX_ORDER);
+
+impl OutAllocator {
+    /// An allocator of out pages from `alloc`, with a mempool of `min_nr`
+    /// reserved pages and a page limit of `limit_pages` (`None`: 2 % of the
+    /// arena, at least `min_nr`).
+    ///
+    /// **Returns:** an error if the reserve cannot be filled.
+    pub fn new(
+        alloc: &PageAllocator,
+        min_nr: usize,
+        limit_pages: Option<usize>,
+        strategy: Strategy,
+        limit_check: LimitCheck,
+    ) -> iopages::Result<OutAllocator> {
+        let default_limit = (alloc.arena().nr_pages() * DEFAULT_LIMIT_PERCENT / 100).max(min_nr);
+        let limit = Arc::new(Limit {
+            allocated: PercpuCounter::new(0),
+            limit_pages: limit_pages.unwrap_or(default_limit) as i64,
+            check: AtomicU8::new(limit_check as u8),
+        });
+        let source = LimitedPageSource {
+            inner: PageSource::new(alloc.clone(), 0)?,
+            limit: Arc::clone(&limit),
+        };
+        Ok(OutAllocator {
+            alloc: alloc.clone(),
+            pool: Mempool::new(source, min_nr)?,
+            strategy: AtomicU8::new(strategy.to_u8()),
+            limit,
+        })
+    }
+
+    /// The strategy in use.
+    pub fn strategy(&self) -> Strategy {
+        Strategy::from_u8(self.strategy.load(Ordering::Relaxed))
+    }
+
+    /// Switch strategies; writes in flight finish with the old one.
+    pub fn set_strategy(&self, s: Strategy) {
+        self.strategy.store(s.to_u8(), Ordering::Relaxed);
+    }
+
+    /// How the limit is checked.
+    pub fn limit_check(&self) -> LimitCheck {
+        self.limit.check()
+    }
+
+    /// Change how the limit is checked.
+    pub fn set_limit_check(&self, c: LimitCheck) {
+        self.limit.check.store(c as u8, Ordering::Relaxed);
+    }
+
+    /// The page limit.
+    pub fn limit_pages(&self) -> usize {
+        self.limit.limit_pages as usize
+    }
+
+    /// Pages allocated and not freed (exact; takes the counter's lock).
+    pub fn allocated_pages(&self) -> i64 {
+        self.limit.allocated.sum()
+    }
+
+    /// Allocate at least `nr_pages` out pages.
+    ///
+    /// **Context:** may block (it never fails: below the limit the page
+    /// allocator serves without reclaim; at the limit, or when it is short,
+    /// the mempool's reserve serves or the call waits for a free).
+    pub fn alloc(&self, nr_pages: usize) -> OutPages {
+        let mut out = OutPages::default();
+        out.blocks.reserve(nr_pages);
+        match self.strategy() {
+            Strategy::PerPage => self.fill_per_page(&mut out, nr_pages),
+            Strategy::Bulk => self.fill_bulk(&mut out, nr_pages),
+            Strategy::Compound => self.fill_compound(&mut out, nr_pages),
+        }
+        debug_assert!(out.nr_pages >= nr_pages);
+        self.limit.allocated.add(out.nr_pages as i64);
+        out
+    }
+
+    /// Flags for the strategies' own non-blocking attempts, or `None` at
+    /// the limit (then the mempool serves, gated the same way).
+    fn source_gfp(&self) -> Option<Gfp> {
+        (!self.limit.reached()).then_some(Gfp::NOWAIT | Gfp::NOWARN)
+    }
+
+    /// One page through the mempool, blocking: its source is tried first
+    /// (refused at the limit), then the reserve, then a wait for a free.
+    fn pool_page(&self) -> Page {
+        self.pool
+            .alloc(Gfp::NOIO)
+            .expect("a blocking mempool allocation never fails")
+    }
+
+    fn fill_per_page(&self, out: &mut OutPages, nr_pages: usize) {
+        for _ in 0..nr_pages {
+            out.push(self.pool_page(), 0);
+        }
+    }
+
+    fn fill_bulk(&self, out: &mut OutPages, nr_pages: usize) {
+        let mut slots = vec![None; nr_pages];
+        let mut got = 0;
+        if let Some(g) = self.source_gfp() {
+            got = self.alloc.alloc_pages_bulk_array(g, &mut slots);
+        }
+        if got < nr_pages {
+            // The rest from the mempool in reserve-sized bites: a blocking
+            // bulk call may not ask for more than the reserve holds.
+            let bite = self.pool.min_nr().max(1);
+            let mut at = 0;
+            while at < slots.len() {
+                let end = (at + bite).min(slots.len());
+                let n = self.pool.alloc_bulk(Gfp::NOIO, &mut slots[at..end]);
+                debug_assert_eq!(n, end - at);
+                at = end;
+            }
+        }
+        for p in slots {
+            out.push(p.expect("every slot filled"), 0);
+        }
+    }
+
+    fn fill_compound(&self, out: &mut OutPages, nr_pages: usize) {
+        let mut remaining = nr_pages;
+        while remaining > 0 {
+            let Some(g) = self.source_gfp() else { break };
+            let mut order = (usize::BITS - 1 - remaining.leading_zeros()).min(COMPOUND_MAX_ORDER);
+            let mut block = None;
+            while order > 0 {
+                if let Some(p) = self.alloc.alloc_pages(g | Gfp::NORETRY | Gfp::COMP, order) {
+                    block = Some((p, order));
+                    break;
+                }
+                order -= 1;
+            }
+            match block {
+                Some((p, o)) => {
+                    out.push(p, o);
+                    remaining -= 1 << o;
+                }
+                None => break,
+            }
+        }
+        // Order-0 pages for the rest, through the mempool as dm-crypt does.
+        for _ in 0..remaining {
+            out.push(self.pool_page(), 0);
+        }
+    }
+
+    /// Free a write's out pages (the write completed). Order-0 pages go
+    /// back through the mempool (refilling its reserve first), in bulk.
+    ///
+    /// **Context:** never blocks.
+    pub fn free(&self, out: OutPages) {
+        let mut singles = Vec::with_capacity(out.blocks.len());
+        for &(p, o) in &out.blocks {
+            if o == 0 {
+                singles.push(p);
+            } else {
+                self.alloc.free_pages(p, o);
+            }
+        }
+        self.pool.free_bulk(&mut singles);
+        self.limit.allocated.add(-(out.nr_pages as i64));
+    }
+
+    /// Pages held in the mempool's reserve.
+    pub fn reserve_len(&self) -> usize {
+        self.pool.reserve_len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    fn arena(mib: u64) -> PageAllocator {
+        PageAllocator::builder()
+            .size_bytes(mib << 20)
+            .huge_pages(iopages::HugePages::Never)
+            .build()
+            .unwrap()
+    }
+
+    /// Every page of every block, checked distinct.
+    fn distinct_pages(outs: &[OutPages]) -> usize {
+        let mut seen = HashSet::new();
+        for o in outs {
+            for p in o.pages() {
+                assert!(seen.insert(p), "page {p:?} handed out twice");
+            }
+        }
+        seen.len()
+    }
+
+    #[test]
+    fn every_strategy_covers_the_request_with_distinct_pages_and_gives_them_all_back() {
+        let alloc = arena(16);
+        for s in [Strategy::PerPage, Strategy::Bulk, Strategy::Compound] {
+            for check in [LimitCheck::Exact, LimitCheck::Approximate] {
+                let out = OutAllocator::new(&alloc, 64, None, s, check).unwrap();
+                let outs: Vec<OutPages> = [1usize, 7, 32, 64, 256]
+                    .iter()
+                    .map(|&n| out.alloc(n))
+                    .collect();
+                for (o, n) in outs.iter().zip([1usize, 7, 32, 64, 256]) {
+                    assert!(o.nr_pages() >= n, "{s:?}: asked {n}, got {}", o.nr_pages());
+                    assert_eq!(o.pages().count(), o.nr_pages());
+                }
+                assert_eq!(
+                    distinct_pages(&outs),
+                    outs.iter().map(OutPages::nr_pages).sum::<usize>()
+                );
+                assert_eq!(
+                    out.allocated_pages(),
+                    outs.iter().map(|o| o.nr_pages() as i64).sum::<i64>()
+                );
+                for o in outs {
+                    out.free(o);
+                }
+                assert_eq!(
+                    out.allocated_pages(),
+                    0,
+                    "{s:?}: the page count must return to zero"
+                );
+                assert_eq!(
+                    out.reserve_len(),
+                    64,
+                    "{s:?}: the reserve must be full again"
+                );
+                drop(out);
+                alloc
+                    .leak_check()
+                    .unwrap_or_else(|a| panic!("{s:?} leaked: {a}"));
+            }
+        }
+    }
+
+    #[test]
+    fn compound_uses_high_order_blocks_and_per_page_only_single_pages() {
+        let alloc = arena(16);
+        let compound = OutAllocator::new(
+            &alloc,
+            16,
+            None,
+            Strategy::Compound,
+            LimitCheck::Approximate,
+        )
+        .unwrap();
+        let o = compound.alloc(64);
+        assert!(
+            o.blocks().iter().any(|&(_, ord)| ord > 0),
+            "{:?}",
+            o.blocks()
+        );
+        assert!(o.blocks().iter().all(|&(_, ord)| ord <= COMPOUND_MAX_ORDER));
+        assert!(o.blocks().len() < 64);
+        compound.free(o);
+        compound.set_strategy(Strategy::PerPage);
+        assert_eq!(compound.strategy(), Strategy::PerPage);
+        let o = compound.alloc(64);
+        assert_eq!(o.blocks().len(), 64);
+        assert!(o.blocks().iter().all(|&(_, ord)| ord == 0));
+        compound.free(o);
+        drop(compound);
+        alloc.leak_check().unwrap();
+    }
+
+    #[test]
+    fn at_the_limit_writes_are_served_by_the_reserve_and_never_fail() {
+        let alloc = arena(16);
+        for check in [LimitCheck::Exact, LimitCheck::Approximate] {
+            for s in [Strategy::PerPage, Strategy::Bulk, Strategy::Compound] {
+                // A limit of 40 pages with 32 in reserve: a second write of 40
+                // is over the limit and must come from the reserve (and the
+                // blocking retry of the source), not fail.
+                let out = OutAllocator::new(&alloc, 32, Some(40), s, check).unwrap();
+                let a = out.alloc(40);
+                assert!(out.allocated_pages() >= 40);
+                let b = out.alloc(24);
+                assert!(b.nr_pages() >= 24, "{s:?}/{check:?}");
+                assert!(
+                    out.reserve_len() < 32,
+                    "{s:?}/{check:?}: over the limit the reserve must serve"
+                );
+                out.free(a);
+                out.free(b);
+                assert_eq!(out.allocated_pages(), 0);
+                assert_eq!(out.reserve_len(), 32);
+                drop(out);
+                alloc.leak_check().unwrap();
+            }
+        }
+    }
+
+    #[test]
+    fn writers_at_the_limit_with_the_arena_full_wait_for_completions_instead_of_failing() {
+        let alloc = arena(8);
+        let out = Arc::new(
+            OutAllocator::new(
+                &alloc,
+                64,
+                Some(64),
+                Strategy::Bulk,
+                LimitCheck::Approximate,
+            )
+            .unwrap(),
+        );
+        // Another user takes everything else.
+        let hog: Vec<Page> =
+            std::iter::from_fn(|| alloc.alloc_pages(Gfp::NOWAIT | Gfp::MEMALLOC, 0)).collect();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let writers: Vec<_> = (0..4)
+            .map(|t| {
+                let (out, tx) = (Arc::clone(&out), tx.clone());
+                std::thread::spawn(move || {
+                    for i in 0..200 {
+                        let o = out.alloc(1 + (i + t) % 16);
+                        std::thread::yield_now();
+                        out.free(o);
+                    }
+                    tx.send(t).unwrap();
+                })
+            })
+            .collect();
+        for _ in 0..4 {
+            rx.recv_timeout(std::time::Duration::from_secs(60))
+                .expect("a writer is stuck: forward progress lost");
+        }
+        for w in writers {
+            w.join().unwrap();
+        }
+        assert_eq!(out.allocated_pages(), 0);
+        assert_eq!(out.reserve_len(), 64);
+        alloc.free_pages_bulk(&hog);
+        drop(out);
+        alloc.leak_check().unwrap();
+    }
+}
