@@ -3,14 +3,14 @@
 # benchmarks, when they are missing. Idempotent: installs nothing (and does
 # not touch the network) when everything is there.
 #
-#   libssl-dev, pkg-config  the `openssl` crate (iopages-crypt's OpenSSL
-#                           backend) links the system OpenSSL, found by
-#                           pkg-config
-#   openssl                 the `openssl speed` reference of `iopages bench xts`
+#   openssl   the `openssl speed` reference row of `iopages bench xts`
+#
+# (The `openssl` crate builds OpenSSL from source — its `vendored` feature —
+# so building and testing need no -dev package.)
 #
 # Usage: scripts/setup-debian.sh   (as root, or with the packages installed)
 set -euo pipefail
-pkgs=(libssl-dev pkg-config openssl)
+pkgs=(openssl)
 
 missing=()
 for p in "${pkgs[@]}"; do
