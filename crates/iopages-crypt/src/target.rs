@@ -327,6 +327,60 @@ mod tests {
         }
     }
 
+    /// A backend whose every I/O fails, as a dead disk would.
+    struct Failing;
+
+    impl Backend for Failing {
+        fn size_bytes(&self) -> u64 {
+            1 << 20
+        }
+        fn write_at(&self, _: u64, _: &[&[u8]]) -> io::Result<()> {
+            Err(io::Error::other("injected write error"))
+        }
+        fn read_at(&self, _: u64, _: &mut [&mut [u8]]) -> io::Result<()> {
+            Err(io::Error::other("injected read error"))
+        }
+        fn flush(&self) -> io::Result<()> {
+            Err(io::Error::other("injected flush error"))
+        }
+    }
+
+    #[test]
+    fn a_backend_error_fails_that_io_with_the_error_and_leaks_no_page() {
+        for strategy in [Strategy::PerPage, Strategy::Bulk, Strategy::Compound] {
+            let alloc = PageAllocator::builder()
+                .size_bytes(16 << 20)
+                .huge_pages(iopages::HugePages::Never)
+                .build()
+                .unwrap();
+            let cfg = TargetConfig {
+                strategy,
+                min_nr: 16,
+                ..TargetConfig::default()
+            };
+            let t = CryptTarget::new(&alloc, Tagged(512), Arc::new(Failing), cfg).unwrap();
+            for _ in 0..20 {
+                let e = t.write(4096, &[7u8; 64 * 1024]).unwrap_err();
+                assert!(e.to_string().contains("injected write error"), "{e}");
+            }
+            assert_eq!(
+                t.out_pages().allocated_pages(),
+                0,
+                "{strategy:?}: out pages must be freed on error"
+            );
+            assert_eq!(t.out_pages().reserve_len(), 16);
+            let mut buf = [0u8; 512];
+            assert!(t
+                .read(0, &mut buf)
+                .unwrap_err()
+                .to_string()
+                .contains("injected read error"));
+            assert!(t.flush().is_err());
+            drop(t);
+            alloc.leak_check().unwrap();
+        }
+    }
+
     #[test]
     fn partial_sectors_and_out_of_range_requests_are_refused_and_write_nothing() {
         let (alloc, disk, t) = target(Strategy::Bulk, 512);
