@@ -255,10 +255,6 @@ impl PageAllocator {
 
     #[inline(never)]
     fn bulk_array_slow(&self, gfp: Gfp, slots: &mut [Option<Page>]) -> usize {
-        if let [slot @ None] = slots {
-            *slot = self.alloc_one(gfp, 0, true);
-            return slot.is_some() as usize;
-        }
         let populated = slots.iter().filter(|s| s.is_some()).count();
         let need = slots.len() - populated;
         if need == 0 {

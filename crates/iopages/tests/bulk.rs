@@ -1,16 +1,10 @@
 //! The bulk allocation contract: array, list and callback forms, and bulk free.
 
-use iopages::{
-    Gfp, HugePages, Page, PageAllocator, PageAllocatorBuilder, Watermarks, MAX_ORDER, PAGE_SIZE,
-};
+mod common;
+use common::{assert_no_leaks, builder};
+use iopages::{Gfp, Page, PageAllocator, Watermarks, PAGE_SIZE};
 use std::collections::HashSet;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-
-fn builder(mib: u64) -> PageAllocatorBuilder {
-    PageAllocator::builder()
-        .size_bytes(mib << 20)
-        .huge_pages(HugePages::Never)
-}
 
 fn small(mib: u64) -> PageAllocator {
     builder(mib).build().expect("allocator")
@@ -35,19 +29,6 @@ fn variants(mib: u64) -> Vec<(&'static str, PageAllocator)> {
                 .unwrap(),
         ),
     ]
-}
-
-/// Nothing is allocated and every largest block is whole again.
-fn assert_no_leaks(alloc: &PageAllocator) {
-    let acc = alloc
-        .leak_check()
-        .unwrap_or_else(|a| panic!("pages leaked: {a}"));
-    let s = alloc.stats();
-    assert_eq!(
-        s.free_blocks_by_order[MAX_ORDER as usize],
-        acc.total_pages >> MAX_ORDER,
-        "largest blocks not restored:\n{s}"
-    );
 }
 
 fn in_use(alloc: &PageAllocator) -> usize {

@@ -1,30 +1,15 @@
 //! Configuration errors, and what each allocation flag means.
 
+mod common;
+use common::{assert_no_leaks, builder};
 use iopages::frame::flags;
 use iopages::{
-    memalloc_nofs_scope, memalloc_noio_scope, Error, Gfp, HugePages, Page, PageAllocator,
+    memalloc_nofs_scope, memalloc_noio_scope, Error, Gfp, Page, PageAllocator,
     PageAllocatorBuilder, PcpLimits, Shrinker, Watermarks, MAX_ORDER, MAX_RECLAIM_RETRIES,
     PAGE_SIZE,
 };
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
-
-fn builder(mib: u64) -> PageAllocatorBuilder {
-    PageAllocator::builder()
-        .size_bytes(mib << 20)
-        .huge_pages(HugePages::Never)
-}
-
-fn assert_no_leaks(alloc: &PageAllocator) {
-    let a = alloc
-        .leak_check()
-        .unwrap_or_else(|a| panic!("pages leaked: {a}"));
-    assert_eq!(
-        alloc.stats().free_blocks_by_order[MAX_ORDER as usize],
-        a.total_pages >> MAX_ORDER,
-        "largest blocks not restored"
-    );
-}
 
 fn build_err(b: PageAllocatorBuilder) -> Error {
     match b.build() {

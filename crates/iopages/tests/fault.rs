@@ -1,6 +1,8 @@
 //! Fault injection: every injected failure returns cleanly, leaks nothing,
 //! and the configuration's filters are observed through the public API.
 
+mod common;
+use common::assert_no_leaks;
 use iopages::{FaultConfig, Gfp, HugePages, Page, PageAllocator, MAX_ORDER};
 
 fn small() -> PageAllocator {
@@ -9,16 +11,6 @@ fn small() -> PageAllocator {
         .huge_pages(HugePages::Never)
         .build()
         .unwrap()
-}
-
-fn assert_no_leaks(alloc: &PageAllocator) {
-    let a = alloc
-        .leak_check()
-        .unwrap_or_else(|a| panic!("pages leaked: {a}"));
-    assert_eq!(
-        alloc.stats().free_blocks_by_order[MAX_ORDER as usize],
-        a.total_pages >> MAX_ORDER
-    );
 }
 
 /// Fill this thread's cache, so that a failure cannot be explained by an

@@ -1,16 +1,9 @@
 //! Statistics and accounting move as the allocator is used.
 
-use iopages::{
-    Accounting, Gfp, HugePages, Page, PageAllocator, PageAllocatorBuilder, Stats, Watermarks,
-    MAX_ORDER,
-};
+mod common;
+use common::builder;
+use iopages::{Accounting, Gfp, Page, PageAllocator, Stats, Watermarks, MAX_ORDER};
 use std::sync::{Arc, Barrier};
-
-fn builder(mib: u64) -> PageAllocatorBuilder {
-    PageAllocator::builder()
-        .size_bytes(mib << 20)
-        .huge_pages(HugePages::Never)
-}
 
 fn assert_adds_up(a: &Accounting) {
     assert!(

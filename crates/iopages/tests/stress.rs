@@ -6,7 +6,9 @@
 //! so a block handed out to two owners at once is caught even with the
 //! allocator's own checks off.
 
-use iopages::{Gfp, HugePages, Page, PageAllocator, PageAllocatorBuilder, MAX_ORDER, PAGE_SIZE};
+mod common;
+use common::builder;
+use iopages::{Gfp, Page, PageAllocator, MAX_ORDER, PAGE_SIZE};
 use std::sync::mpsc;
 use std::sync::{Arc, Barrier};
 use std::thread;
@@ -14,12 +16,6 @@ use std::thread;
 const THREADS: usize = 4;
 const ROUNDS: usize = 20_000;
 const MAX_HELD: usize = 40;
-
-fn builder(mib: u64) -> PageAllocatorBuilder {
-    PageAllocator::builder()
-        .size_bytes(mib << 20)
-        .huge_pages(HugePages::Never)
-}
 
 /// A block in flight: where it is, its order and the tag it must carry.
 #[derive(Clone, Copy, Debug)]
