@@ -569,7 +569,7 @@ impl PageAllocator {
 
     /// Most pages one thread's cache can hold (0 when thread caches are off).
     pub fn thread_cache_max_pages(&self) -> usize {
-        (0..PCP_ORDERS).map(|o| self.core.tcache_cap[o] << o).sum()
+        self.core.thread_cache_max_pages()
     }
 
     /// Give this thread's cached pages back to the per-CPU lists.
@@ -635,6 +635,11 @@ impl Owner for Core {
 }
 
 impl Core {
+    /// Most pages one thread's cache can hold (0 when caches are off).
+    pub(crate) fn thread_cache_max_pages(&self) -> usize {
+        (0..PCP_ORDERS).map(|o| self.tcache_cap[o] << o).sum()
+    }
+
     // ---- fast path -------------------------------------------------------
 
     #[inline]

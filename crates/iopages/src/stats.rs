@@ -196,7 +196,7 @@ impl Core {
             thread_cache_refills: c.tc_refills.load(Relaxed),
             thread_cache_flushes: c.tc_flushes.load(Relaxed),
             pcp_max_pages: self.limits.max_pages_per_cpu() * self.pcp.len(),
-            thread_cache_max_pages: 0,
+            thread_cache_max_pages: self.thread_cache_max_pages(),
             slowpath: c.slowpath.load(Relaxed),
             kswapd_wakeups: c.kswapd_wakeups.load(Relaxed),
             compact_calls: c.compact_calls.load(Relaxed),
@@ -219,7 +219,6 @@ impl Core {
         }
         for t in self.tcaches.lock().iter() {
             s.thread_caches += 1;
-            s.thread_cache_max_pages = t.max_pages();
             s.alloc_thread_cache += t.allocs.load(Relaxed);
             s.free_thread_cache += t.frees.load(Relaxed);
             s.thread_cache_refills += t.refills.load(Relaxed);

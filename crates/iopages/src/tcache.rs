@@ -166,11 +166,6 @@ impl Tcache {
     pub(crate) fn nr_pages(&self) -> usize {
         (0..PCP_ORDERS).map(|o| self.len(o as u32) << o).sum()
     }
-
-    /// Most pages this cache can hold.
-    pub(crate) fn max_pages(&self) -> usize {
-        (0..PCP_ORDERS).map(|o| self.cap[o] << o).sum()
-    }
 }
 
 /// Who owns a registered cache: the allocator's identity, so a cache
