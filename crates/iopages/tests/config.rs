@@ -265,18 +265,21 @@ fn exact() -> PageAllocator {
     exact_builder().thread_cache_pages(0).build().unwrap()
 }
 
+/// The same arena and watermarks with the default per-CPU limits and
+/// thread caches on.
+fn cached() -> PageAllocatorBuilder {
+    builder(4).nr_cpus(1).watermarks(Watermarks {
+        min: MIN,
+        low: 80,
+        high: 96,
+    })
+}
+
 fn exact_builder() -> PageAllocatorBuilder {
-    builder(4)
-        .nr_cpus(1)
-        .pcp_limits(PcpLimits {
-            high: [4, 2, 2, 2],
-            batch: [1, 1, 1, 1],
-        })
-        .watermarks(Watermarks {
-            min: MIN,
-            low: 80,
-            high: 96,
-        })
+    cached().pcp_limits(PcpLimits {
+        high: [4, 2, 2, 2],
+        batch: [1, 1, 1, 1],
+    })
 }
 
 /// Allocate order-0 pages with `gfp` until it fails.
@@ -570,15 +573,7 @@ fn kernel_allocation_in_an_exhausted_arena_succeeds_through_a_shrinker() {
 fn kernel_allocation_uses_pages_a_shrinker_frees_on_the_allocating_thread() {
     // Thread caches on (64 pages), default per-CPU limits: a shrinker that
     // frees 16 pages, one per reclaim round, from the allocating thread.
-    let alloc = builder(4)
-        .nr_cpus(1)
-        .watermarks(Watermarks {
-            min: MIN,
-            low: 80,
-            high: 96,
-        })
-        .build()
-        .unwrap();
+    let alloc = cached().build().unwrap();
     let (mut held, s, id) = exhausted_with_shrinker(&alloc, 16, false, false);
     let got = alloc.alloc_pages(Gfp::KERNEL, 0);
     let freed = alloc.stats().shrinker_pages_freed;
@@ -598,15 +593,7 @@ fn kernel_allocation_uses_pages_a_shrinker_frees_on_the_allocating_thread() {
 #[test]
 fn higher_order_allocation_uses_the_callers_cached_pages() {
     // Default per-CPU limits, so this thread's cache has room for 64 pages.
-    let alloc = builder(4)
-        .nr_cpus(1)
-        .watermarks(Watermarks {
-            min: MIN,
-            low: 80,
-            high: 96,
-        })
-        .build()
-        .unwrap();
+    let alloc = cached().build().unwrap();
     let mut held = exhaust(&alloc, Gfp::NOWAIT);
     // Give back 16 pairs of buddies: 32 pages that make 16 order-1 blocks.
     held.sort_by_key(|p| p.pfn());
