@@ -1,11 +1,15 @@
 //! Backends: where the crypt target's ciphertext lives.
 //!
 //! Owns: the [`Backend`] contract (positional reads and writes of whole
-//! buffers, flush) and the RAM disk, the seed's encrypted RAM device.
+//! buffers, flush) and two RAM disks: [`RamDisk`], which copies what it is
+//! given as the kernel's `brd` does, and [`PageStore`], which keeps the
+//! very pages a write hands it and gives back the pages they replace (no
+//! copy: the crypt target's out pages become the disk's pages).
 //! Must never: accept a short read or write silently — an I/O either moves
 //! every byte or returns an error, and an out-of-range request is refused
 //! before anything is touched.
 
+use iopages::{Gfp, Page, PageAllocator, PAGE_SIZE};
 use parking_lot::RwLock;
 use std::io;
 
@@ -30,6 +34,12 @@ pub trait Backend: Send + Sync {
 
     /// Make completed writes durable.
     fn flush(&self) -> io::Result<()>;
+
+    /// The page store behind this backend, if it is one: the crypt target
+    /// then hands it whole out pages instead of having them copied.
+    fn page_store(&self) -> Option<&PageStore> {
+        None
+    }
 }
 
 /// Check that `len` bytes at `offset` lie inside a device of `size` bytes.
@@ -137,6 +147,237 @@ impl Backend for RamDisk {
     }
 }
 
+/// Pages per lock stripe of the page store (64 KiB, as the RAM disk).
+const STORE_STRIPE_PAGES: usize = RAMDISK_STRIPE_BYTES / PAGE_SIZE;
+
+/// A RAM disk that stores pages of an iopages arena, one per 4 KiB block.
+///
+/// A page-aligned write of whole pages can hand its pages over
+/// ([`PageStore::store_pages`]): they are swapped into the block slots and
+/// the pages they replace come back to the writer, so encrypting into
+/// fresh out pages and storing them costs no copy. Other writes copy into
+/// the stored pages (allocating zeroed pages for blocks never written).
+/// Blocks never written read as zeros. Slots sit in 64 KiB stripes, each
+/// behind its own reader-writer lock.
+pub struct PageStore {
+    alloc: PageAllocator,
+    stripes: Box<[RwLock<Box<[Option<Page>]>>]>,
+    size_bytes: u64,
+}
+
+impl PageStore {
+    /// An empty page store of `size_bytes` (a non-zero multiple of 4096)
+    /// whose pages come from and go back to `alloc`.
+    ///
+    /// **Returns:** `InvalidInput` for a zero or unaligned size.
+    pub fn new(alloc: &PageAllocator, size_bytes: u64) -> io::Result<PageStore> {
+        if size_bytes == 0 || !size_bytes.is_multiple_of(PAGE_SIZE as u64) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("page store size {size_bytes} must be a non-zero multiple of 4096 bytes"),
+            ));
+        }
+        let nr = (size_bytes / PAGE_SIZE as u64) as usize;
+        let stripes = (0..nr.div_ceil(STORE_STRIPE_PAGES))
+            .map(|i| {
+                let len = (nr - i * STORE_STRIPE_PAGES).min(STORE_STRIPE_PAGES);
+                RwLock::new(vec![None; len].into_boxed_slice())
+            })
+            .collect();
+        Ok(PageStore {
+            alloc: alloc.clone(),
+            stripes,
+            size_bytes,
+        })
+    }
+
+    /// The allocator the stored pages belong to.
+    pub fn allocator(&self) -> &PageAllocator {
+        &self.alloc
+    }
+
+    /// Blocks that hold a page (have been written).
+    pub fn stored_pages(&self) -> usize {
+        self.stripes
+            .iter()
+            .map(|s| s.read().iter().filter(|p| p.is_some()).count())
+            .sum()
+    }
+
+    /// Take `pages` as the blocks starting at byte `offset`; the pages they
+    /// replace are pushed onto `replaced` (blocks never written replace
+    /// nothing).
+    ///
+    /// **Context:** never blocks on memory. The pages must be order-0
+    /// allocations of this store's allocator that the caller owns; they
+    /// belong to the store from here on. **Returns:** `InvalidInput`, with
+    /// nothing stored, for an offset that is not page-aligned or a range
+    /// that leaves the device.
+    pub fn store_pages<I>(&self, offset: u64, pages: I, replaced: &mut Vec<Page>) -> io::Result<()>
+    where
+        I: IntoIterator<Item = Page>,
+        I::IntoIter: ExactSizeIterator,
+    {
+        let mut pages = pages.into_iter();
+        if !offset.is_multiple_of(PAGE_SIZE as u64) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("page store: offset {offset} is not page-aligned"),
+            ));
+        }
+        check_range(offset, (pages.len() * PAGE_SIZE) as u64, self.size_bytes)?;
+        let mut block = (offset / PAGE_SIZE as u64) as usize;
+        while pages.len() > 0 {
+            let (i, at) = (block / STORE_STRIPE_PAGES, block % STORE_STRIPE_PAGES);
+            let n = (STORE_STRIPE_PAGES - at).min(pages.len());
+            let mut stripe = self.stripes[i].write();
+            for (slot, p) in stripe[at..at + n].iter_mut().zip(pages.by_ref()) {
+                if let Some(old) = slot.replace(p) {
+                    replaced.push(old);
+                }
+            }
+            drop(stripe);
+            block += n;
+        }
+        Ok(())
+    }
+
+    /// Visit the blocks covering `len` bytes at `offset` with (stripe,
+    /// slot in the stripe, byte offset in the block, bytes).
+    fn blocks(offset: u64, len: usize) -> impl Iterator<Item = (usize, usize, usize, usize)> {
+        let mut pos = offset as usize;
+        let end = pos + len;
+        std::iter::from_fn(move || {
+            if pos >= end {
+                return None;
+            }
+            let (block, off) = (pos / PAGE_SIZE, pos % PAGE_SIZE);
+            let n = (PAGE_SIZE - off).min(end - pos);
+            pos += n;
+            Some((
+                block / STORE_STRIPE_PAGES,
+                block % STORE_STRIPE_PAGES,
+                off,
+                n,
+            ))
+        })
+    }
+}
+
+impl Backend for PageStore {
+    fn size_bytes(&self) -> u64 {
+        self.size_bytes
+    }
+
+    fn write_at(&self, offset: u64, segments: &[&[u8]]) -> io::Result<()> {
+        let total: usize = segments.iter().map(|s| s.len()).sum();
+        check_range(offset, total as u64, self.size_bytes)?;
+        // Pages for the blocks never written, allocated before anything is
+        // touched so that running out of memory writes nothing.
+        let missing = Self::blocks(offset, total)
+            .filter(|&(i, at, _, _)| self.stripes[i].read()[at].is_none())
+            .count();
+        let mut spare: Vec<Page> = Vec::with_capacity(missing);
+        for _ in 0..missing {
+            match self.alloc.alloc_pages(Gfp::NOIO | Gfp::ZERO, 0) {
+                Some(p) => spare.push(p),
+                None => {
+                    self.alloc.free_pages_bulk(&spare);
+                    return Err(io::Error::new(
+                        io::ErrorKind::OutOfMemory,
+                        format!(
+                            "page store: no memory for {missing} new blocks at offset {offset}"
+                        ),
+                    ));
+                }
+            }
+        }
+        let mut at = offset;
+        for seg in segments {
+            let mut done = 0;
+            for (i, slot, off, n) in Self::blocks(at, seg.len()) {
+                let mut stripe = self.stripes[i].write();
+                let page = match stripe[slot] {
+                    Some(p) => p,
+                    None => {
+                        // Another writer may have filled a counted block
+                        // first; then allocate (rare) or use a spare.
+                        let p = match spare.pop() {
+                            Some(p) => p,
+                            None => self
+                                .alloc
+                                .alloc_pages(Gfp::NOIO | Gfp::ZERO | Gfp::NOFAIL, 0)
+                                .expect("a NOFAIL allocation never fails"),
+                        };
+                        stripe[slot] = Some(p);
+                        p
+                    }
+                };
+                // SAFETY: the page belongs to the store and the stripe's
+                // write lock excludes every other access to it.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        seg[done..].as_ptr(),
+                        self.alloc.page_address(page).add(off),
+                        n,
+                    )
+                };
+                done += n;
+            }
+            at += seg.len() as u64;
+        }
+        self.alloc.free_pages_bulk(&spare);
+        Ok(())
+    }
+
+    fn read_at(&self, offset: u64, segments: &mut [&mut [u8]]) -> io::Result<()> {
+        let total: usize = segments.iter().map(|s| s.len()).sum();
+        check_range(offset, total as u64, self.size_bytes)?;
+        let mut at = offset;
+        for seg in segments.iter_mut() {
+            let mut done = 0;
+            let len = seg.len();
+            for (i, slot, off, n) in Self::blocks(at, len) {
+                let stripe = self.stripes[i].read();
+                match stripe[slot] {
+                    // SAFETY: the page belongs to the store; the read lock
+                    // keeps writers out while it is copied.
+                    Some(p) => unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            self.alloc.page_address(p).add(off),
+                            seg[done..].as_mut_ptr(),
+                            n,
+                        )
+                    },
+                    None => seg[done..done + n].fill(0),
+                }
+                done += n;
+            }
+            at += len as u64;
+        }
+        Ok(())
+    }
+
+    fn flush(&self) -> io::Result<()> {
+        Ok(())
+    }
+
+    fn page_store(&self) -> Option<&PageStore> {
+        Some(self)
+    }
+}
+
+impl Drop for PageStore {
+    fn drop(&mut self) {
+        let pages: Vec<Page> = self
+            .stripes
+            .iter_mut()
+            .flat_map(|s| s.get_mut().iter_mut().filter_map(Option::take))
+            .collect();
+        self.alloc.free_pages_bulk(&pages);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -169,5 +410,70 @@ mod tests {
             "a refused write must not write anything"
         );
         assert!(d.read_at(u64::MAX, &mut [&mut [0u8; 1]]).is_err());
+    }
+
+    fn arena() -> PageAllocator {
+        PageAllocator::builder()
+            .size_bytes(8 << 20)
+            .huge_pages(iopages::HugePages::Never)
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn the_page_store_keeps_handed_pages_and_gives_back_the_replaced_ones() {
+        let alloc = arena();
+        let store = PageStore::new(&alloc, 1 << 20).unwrap();
+        let mut zeros = vec![1u8; 8192];
+        store.read_at(4096, &mut [&mut zeros]).unwrap();
+        assert!(
+            zeros.iter().all(|&b| b == 0),
+            "unwritten blocks read as zeros"
+        );
+        let pages: Vec<Page> = (0..20)
+            .map(|i| {
+                let p = alloc.alloc_pages(Gfp::KERNEL, 0).unwrap();
+                // SAFETY: the page is ours.
+                unsafe { std::ptr::write_bytes(alloc.page_address(p), i as u8 + 1, PAGE_SIZE) };
+                p
+            })
+            .collect();
+        let mut replaced = Vec::new();
+        store
+            .store_pages(60 << 10, pages[..10].iter().copied(), &mut replaced)
+            .unwrap();
+        assert!(replaced.is_empty());
+        // An unaligned offset is refused with nothing stored.
+        let e = store
+            .store_pages((80 << 10) + 512, pages[10..].iter().copied(), &mut replaced)
+            .unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+        // Overlap the second half: five of the first ten come back.
+        store
+            .store_pages(80 << 10, pages[10..].iter().copied(), &mut replaced)
+            .unwrap();
+        assert_eq!(replaced, pages[5..10].to_vec());
+        let mut back = vec![0u8; 15 * PAGE_SIZE];
+        store.read_at(60 << 10, &mut [&mut back]).unwrap();
+        for (i, chunk) in back.chunks(PAGE_SIZE).enumerate() {
+            let want = if i < 5 { i + 1 } else { i + 6 } as u8;
+            assert!(chunk.iter().all(|&b| b == want), "block {i}");
+        }
+        alloc.free_pages_bulk(&replaced);
+        assert_eq!(store.stored_pages(), 15);
+        // A copied, unaligned write lands in the stored pages and in new
+        // zeroed pages for blocks never written.
+        let data = vec![0xeeu8; 6000];
+        store.write_at((200 << 10) - 1000, &[&data]).unwrap();
+        let mut back = vec![0u8; 8192];
+        store.read_at((200 << 10) - 4096, &mut [&mut back]).unwrap();
+        assert!(back[..3096].iter().all(|&b| b == 0));
+        assert!(back[3096..].iter().all(|&b| b == 0xee));
+        assert!(store.write_at(1 << 20, &[&[0u8; 512]]).is_err());
+        assert!(store
+            .store_pages(1 << 20, pages[..1].iter().copied(), &mut replaced)
+            .is_err());
+        drop(store);
+        alloc.leak_check().unwrap();
     }
 }

@@ -26,8 +26,9 @@
 use iopages::{
     ElementSource, Gfp, Mempool, Page, PageAllocator, PageSource, PercpuCounter, MAX_ORDER,
 };
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// How out pages are allocated.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -109,6 +110,11 @@ struct Limit {
     allocated: PercpuCounter,
     limit_pages: i64,
     check: AtomicU8,
+    /// Whether checks are timed (off by default: it costs two clock reads).
+    timed: AtomicBool,
+    /// Checks made and nanoseconds spent in them, when timed.
+    checks: PercpuCounter,
+    check_ns: PercpuCounter,
 }
 
 impl Limit {
@@ -121,7 +127,20 @@ impl Limit {
     }
 
     /// Whether the device is at its limit, checked as configured.
+    #[inline]
     fn reached(&self) -> bool {
+        if self.timed.load(Ordering::Relaxed) {
+            let t = Instant::now();
+            let r = self.reached_untimed();
+            self.check_ns
+                .add_batch(t.elapsed().as_nanos() as i64, crate::target::TIME_BATCH);
+            self.checks.add(1);
+            return r;
+        }
+        self.reached_untimed()
+    }
+
+    fn reached_untimed(&self) -> bool {
         match self.check() {
             LimitCheck::Exact => {
                 self.allocated.compare(self.limit_pages) != std::cmp::Ordering::Less
@@ -210,6 +229,9 @@ impl OutAllocator {
             allocated: PercpuCounter::new(0),
             limit_pages: limit_pages.unwrap_or(default_limit) as i64,
             check: AtomicU8::new(limit_check as u8),
+            timed: AtomicBool::new(false),
+            checks: PercpuCounter::new(0),
+            check_ns: PercpuCounter::new(0),
         });
         let source = LimitedPageSource {
             inner: PageSource::new(alloc.clone(), 0)?,
@@ -358,9 +380,62 @@ impl OutAllocator {
         self.limit.allocated.add(-(out.nr_pages as i64));
     }
 
+    /// Split every high-order block of `out` into order-0 pages, so that
+    /// each can later be freed (or stored) on its own. The pages and their
+    /// count against the limit are unchanged.
+    pub fn split(&self, out: &mut OutPages) {
+        if out.blocks.iter().all(|&(_, o)| o == 0) {
+            return;
+        }
+        let mut singles = Vec::with_capacity(out.nr_pages);
+        for &(p, o) in &out.blocks {
+            self.alloc.split_page(p, o);
+            singles.extend((0..1u32 << o).map(|i| (Page::from_pfn(p.pfn() + i), 0)));
+        }
+        out.blocks = singles;
+    }
+
+    /// The first `nr_pages` pages of `out` (order-0 after [`Self::split`])
+    /// now belong to a backend that keeps them: they leave the device's
+    /// count; any pages past them are freed.
+    ///
+    /// **Context:** never blocks. Panics if `out` still has high-order
+    /// blocks or fewer than `nr_pages` pages.
+    pub fn hand_over(&self, mut out: OutPages, nr_pages: usize) {
+        assert!(
+            out.blocks.iter().all(|&(_, o)| o == 0) && out.nr_pages >= nr_pages,
+            "hand_over: split the out pages first and hand over no more than they hold"
+        );
+        let mut extra: Vec<Page> = out.blocks.drain(nr_pages..).map(|(p, _)| p).collect();
+        self.pool.free_bulk(&mut extra);
+        self.limit.allocated.add(-(out.nr_pages as i64));
+    }
+
+    /// Free order-0 pages a backend gave back (the pages a stored write
+    /// replaced). They refill the mempool's reserve first; they were not
+    /// counted against the limit.
+    ///
+    /// **Context:** never blocks.
+    pub fn free_replaced(&self, pages: &mut Vec<Page>) {
+        self.pool.free_bulk(pages);
+    }
+
     /// Pages held in the mempool's reserve.
     pub fn reserve_len(&self) -> usize {
         self.pool.reserve_len()
+    }
+
+    /// Time every limit check from now on (`true`) or stop (`false`).
+    pub fn set_timed_checks(&self, on: bool) {
+        self.limit.timed.store(on, Ordering::Relaxed);
+    }
+
+    /// Limit checks timed so far, and the time they took in all.
+    pub fn check_time(&self) -> (u64, Duration) {
+        (
+            self.limit.checks.sum().max(0) as u64,
+            Duration::from_nanos(self.limit.check_ns.sum().max(0) as u64),
+        )
     }
 }
 

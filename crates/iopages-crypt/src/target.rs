@@ -2,19 +2,26 @@
 //!
 //! Owns: a write — allocate the "out" pages with the device's strategy,
 //! encrypt sector by sector from the caller's plaintext into them, submit
-//! them to the backend, free them when the write completes; a read — read
-//! the ciphertext from the backend into the caller's buffer and decrypt it
-//! in place. Must never: leave out pages allocated after a write returns
-//! (success or error), or write a request that is not whole sectors.
+//! them to the backend, free them when the write completes (or, on a
+//! [`PageStore`](crate::backend::PageStore), hand them over and free the
+//! pages they replace); a read — read the ciphertext from the backend into
+//! the caller's buffer and decrypt it in place. Must never: leave out
+//! pages allocated after a write returns (success or error), or write a
+//! request that is not whole sectors.
 //!
-//! This is the synchronous core; many I/Os in flight and worker threads
-//! are layered on it.
+//! This is the synchronous core, safe to call from many threads at once;
+//! [`crate::queue::CryptQueue`] puts a queue depth and worker threads in
+//! front of it.
 
-use crate::backend::Backend;
+use crate::backend::{Backend, PageStore};
 use crate::strategy::{LimitCheck, OutAllocator, OutPages, Strategy};
-use iopages::{PageAllocator, PAGE_SIZE};
+use iopages::{Gfp, Page, PageAllocator, PercpuCounter, PAGE_SIZE};
+use parking_lot::Mutex;
+use std::cell::Cell;
 use std::io;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// Encryption of whole sectors with a per-sector IV (the sector number).
 pub trait SectorCipher: Send + Sync {
@@ -26,22 +33,97 @@ pub trait SectorCipher: Send + Sync {
     fn decrypt_sectors(&self, sector: u64, buf: &mut [u8]) -> io::Result<()>;
 }
 
+fn cipher_error(e: crate::Error) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, e.to_string())
+}
+
 /// The AES-XTS cipher behind a lock: `XtsCipher` keeps per-sector state
 /// (OpenSSL's context), so one instance serves one caller at a time. A
-/// target with many workers gives each its own `try_clone`.
-impl SectorCipher for parking_lot::Mutex<crate::XtsCipher> {
+/// target used by many threads takes a [`CipherPool`].
+impl SectorCipher for Mutex<crate::XtsCipher> {
     fn sector_size(&self) -> usize {
         self.lock().sector_size_bytes()
     }
     fn encrypt_sectors(&self, sector: u64, src: &[u8], dst: &mut [u8]) -> io::Result<()> {
         self.lock()
             .encrypt_sectors(sector, src, dst)
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))
+            .map_err(cipher_error)
     }
     fn decrypt_sectors(&self, sector: u64, buf: &mut [u8]) -> io::Result<()> {
         self.lock()
             .decrypt_sectors_in_place(sector, buf)
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))
+            .map_err(cipher_error)
+    }
+}
+
+/// One AES-XTS instance per thread that encrypts at once (dm-crypt's
+/// per-CPU cipher requests): a caller takes the instance its thread was
+/// first given, or the next free one if that is busy.
+pub struct CipherPool {
+    ciphers: Box<[Mutex<crate::XtsCipher>]>,
+    sector_size: usize,
+}
+
+static NEXT_THREAD_SLOT: AtomicUsize = AtomicUsize::new(0);
+thread_local! {
+    static THREAD_SLOT: Cell<usize> = const { Cell::new(usize::MAX) };
+}
+
+impl CipherPool {
+    /// `n` instances (at least one) of `cipher`, cloned with its keys.
+    ///
+    /// **Returns:** the cipher's error if it cannot be cloned.
+    pub fn new(cipher: crate::XtsCipher, n: usize) -> crate::Result<CipherPool> {
+        let mut v = Vec::with_capacity(n.max(1));
+        for _ in 1..n.max(1) {
+            v.push(Mutex::new(cipher.try_clone()?));
+        }
+        let sector_size = cipher.sector_size_bytes();
+        v.push(Mutex::new(cipher));
+        Ok(CipherPool {
+            ciphers: v.into_boxed_slice(),
+            sector_size,
+        })
+    }
+
+    /// Instances in the pool.
+    pub fn len(&self) -> usize {
+        self.ciphers.len()
+    }
+
+    /// Always false: a pool holds at least one instance.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    fn with<R>(&self, f: impl FnOnce(&mut crate::XtsCipher) -> R) -> R {
+        let n = self.ciphers.len();
+        let mine = THREAD_SLOT.with(|s| {
+            if s.get() == usize::MAX {
+                s.set(NEXT_THREAD_SLOT.fetch_add(1, Ordering::Relaxed));
+            }
+            s.get()
+        }) % n;
+        for i in 0..n {
+            if let Some(mut c) = self.ciphers[(mine + i) % n].try_lock() {
+                return f(&mut c);
+            }
+        }
+        f(&mut self.ciphers[mine].lock())
+    }
+}
+
+impl SectorCipher for CipherPool {
+    fn sector_size(&self) -> usize {
+        self.sector_size
+    }
+    fn encrypt_sectors(&self, sector: u64, src: &[u8], dst: &mut [u8]) -> io::Result<()> {
+        self.with(|c| c.encrypt_sectors(sector, src, dst))
+            .map_err(cipher_error)
+    }
+    fn decrypt_sectors(&self, sector: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.with(|c| c.decrypt_sectors_in_place(sector, buf))
+            .map_err(cipher_error)
     }
 }
 
@@ -69,19 +151,76 @@ impl Default for TargetConfig {
     }
 }
 
+/// What a target has done, and (when timed) where a write's time went.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TargetStats {
+    /// Writes completed successfully.
+    pub writes: u64,
+    /// Bytes of those writes.
+    pub write_bytes: u64,
+    /// Writes that failed (in the backend or the cipher).
+    pub write_errors: u64,
+    /// Reads completed successfully.
+    pub reads: u64,
+    /// Bytes of those reads.
+    pub read_bytes: u64,
+    /// Time spent allocating out pages, while timed.
+    pub alloc_time: Duration,
+    /// Time spent freeing out pages (or replaced pages), while timed.
+    pub free_time: Duration,
+    /// Time spent in whole writes, while timed.
+    pub write_time: Duration,
+}
+
+#[derive(Default)]
+struct Counters {
+    writes: PercpuCounter,
+    write_bytes: PercpuCounter,
+    write_errors: PercpuCounter,
+    reads: PercpuCounter,
+    read_bytes: PercpuCounter,
+    alloc_ns: PercpuCounter,
+    free_ns: PercpuCounter,
+    write_ns: PercpuCounter,
+}
+
+/// Starts a timed phase when timing is on.
+#[inline]
+fn now(timed: bool) -> Option<Instant> {
+    if timed {
+        Some(Instant::now())
+    } else {
+        None
+    }
+}
+
+/// Batch for time counters: nanoseconds pile up fast, and a fold under
+/// the counter's lock on every add would be the contention measured.
+pub(crate) const TIME_BATCH: i64 = 1 << 30;
+
+#[inline]
+fn account(counter: &PercpuCounter, since: Option<Instant>) {
+    if let Some(t) = since {
+        counter.add_batch(t.elapsed().as_nanos() as i64, TIME_BATCH);
+    }
+}
+
 /// An encrypting block device over `backend`.
 pub struct CryptTarget<C: SectorCipher> {
     alloc: PageAllocator,
     cipher: C,
     backend: Arc<dyn Backend>,
     out: OutAllocator,
+    timed: AtomicBool,
+    counters: Counters,
 }
 
 impl<C: SectorCipher> CryptTarget<C> {
     /// A target encrypting with `cipher` onto `backend`, its out pages from
     /// `alloc`.
     ///
-    /// **Returns:** an error if the backend's size is not whole sectors or
+    /// **Returns:** `InvalidInput` if the backend's size is not whole
+    /// sectors or it is a page store over another arena; `OutOfMemory` if
     /// the out-page reserve cannot be filled.
     pub fn new(
         alloc: &PageAllocator,
@@ -99,6 +238,14 @@ impl<C: SectorCipher> CryptTarget<C> {
                 ),
             ));
         }
+        if let Some(store) = backend.page_store() {
+            if !store.allocator().same_allocator(alloc) {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "the page store's pages come from another arena than the target's out pages",
+                ));
+            }
+        }
         let out = OutAllocator::new(
             alloc,
             cfg.min_nr,
@@ -112,6 +259,8 @@ impl<C: SectorCipher> CryptTarget<C> {
             cipher,
             backend,
             out,
+            timed: AtomicBool::new(false),
+            counters: Counters::default(),
         })
     }
 
@@ -120,9 +269,41 @@ impl<C: SectorCipher> CryptTarget<C> {
         &self.out
     }
 
+    /// The backend.
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
     /// Device size in bytes.
     pub fn size_bytes(&self) -> u64 {
         self.backend.size_bytes()
+    }
+
+    /// Bytes per sector.
+    pub fn sector_size(&self) -> usize {
+        self.cipher.sector_size()
+    }
+
+    /// Time the phases of every write from now on (`true`) or stop. Off by
+    /// default; costs a few clock reads per write.
+    pub fn set_timed(&self, on: bool) {
+        self.timed.store(on, Ordering::Relaxed);
+    }
+
+    /// Counts and (when timed) phase times so far.
+    pub fn stats(&self) -> TargetStats {
+        let c = &self.counters;
+        let n = |p: &PercpuCounter| p.sum().max(0) as u64;
+        TargetStats {
+            writes: n(&c.writes),
+            write_bytes: n(&c.write_bytes),
+            write_errors: n(&c.write_errors),
+            reads: n(&c.reads),
+            read_bytes: n(&c.read_bytes),
+            alloc_time: Duration::from_nanos(n(&c.alloc_ns)),
+            free_time: Duration::from_nanos(n(&c.free_ns)),
+            write_time: Duration::from_nanos(n(&c.write_ns)),
+        }
     }
 
     fn check(&self, offset: u64, len: usize) -> io::Result<u64> {
@@ -137,6 +318,23 @@ impl<C: SectorCipher> CryptTarget<C> {
         Ok(offset / ss)
     }
 
+    /// The page store to hand whole pages to, if the backend is one and the
+    /// request covers whole pages.
+    fn store_for(&self, offset: u64, len: usize) -> Option<&PageStore> {
+        let store = self.backend.page_store()?;
+        (offset.is_multiple_of(PAGE_SIZE as u64) && len.is_multiple_of(PAGE_SIZE)).then_some(store)
+    }
+
+    fn finish_write(&self, len: usize, result: &io::Result<()>, since: Option<Instant>) {
+        if result.is_ok() {
+            self.counters.writes.add(1);
+            self.counters.write_bytes.add(len as i64);
+        } else {
+            self.counters.write_errors.add(1);
+        }
+        account(&self.counters.write_ns, since);
+    }
+
     /// Encrypt `data` and write it at byte `offset`.
     ///
     /// **Context:** may block (out-page allocation waits at the page limit;
@@ -148,10 +346,83 @@ impl<C: SectorCipher> CryptTarget<C> {
         if data.is_empty() {
             return Ok(());
         }
-        let out = self.out.alloc(data.len().div_ceil(PAGE_SIZE));
-        let result = self.encrypt_and_submit(sector, offset, data, &out);
-        self.out.free(out);
+        let timed = self.timed.load(Ordering::Relaxed);
+        let start = now(timed);
+        let nr_pages = data.len().div_ceil(PAGE_SIZE);
+        let mut out = self.out.alloc(nr_pages);
+        account(&self.counters.alloc_ns, start);
+        let result = match self.store_for(offset, data.len()) {
+            Some(store) => self.write_to_store(store, sector, offset, data, out, timed),
+            None => {
+                let r = self.encrypt_and_submit(sector, offset, data, out.blocks().iter().copied());
+                let t = now(timed);
+                self.out.free(std::mem::take(&mut out));
+                account(&self.counters.free_ns, t);
+                r
+            }
+        };
+        self.finish_write(data.len(), &result, start);
         result
+    }
+
+    /// The page-store write: encrypt into the out pages, hand them to the
+    /// store, free the pages they replace.
+    fn write_to_store(
+        &self,
+        store: &PageStore,
+        sector: u64,
+        offset: u64,
+        data: &[u8],
+        mut out: OutPages,
+        timed: bool,
+    ) -> io::Result<()> {
+        let nr_pages = data.len() / PAGE_SIZE;
+        let encrypted = self.encrypt(sector, data, out.blocks().iter().copied(), |_| {});
+        let t = now(timed);
+        let mut result = encrypted;
+        if result.is_ok() {
+            self.out.split(&mut out);
+            let mut replaced = Vec::with_capacity(nr_pages);
+            let pages = out.blocks()[..nr_pages].iter().map(|&(p, _)| p);
+            result = store.store_pages(offset, pages, &mut replaced);
+            if result.is_ok() {
+                self.out.hand_over(out, nr_pages);
+                self.out.free_replaced(&mut replaced);
+                account(&self.counters.free_ns, t);
+                return Ok(());
+            }
+        }
+        self.out.free(out);
+        account(&self.counters.free_ns, t);
+        result
+    }
+
+    /// Encrypt `data` into `blocks` in order, passing each filled block's
+    /// bytes to `each`.
+    fn encrypt<'a>(
+        &'a self,
+        sector: u64,
+        data: &[u8],
+        blocks: impl Iterator<Item = (Page, u32)>,
+        mut each: impl FnMut(&'a [u8]),
+    ) -> io::Result<()> {
+        let ss = self.cipher.sector_size();
+        let mut done = 0;
+        for (page, order) in blocks {
+            if done == data.len() {
+                break;
+            }
+            let n = (PAGE_SIZE << order).min(data.len() - done);
+            // SAFETY: the block is allocated to this write until it is
+            // freed or handed over, and lies inside the arena's mapping.
+            let dst = unsafe { std::slice::from_raw_parts_mut(self.alloc.page_address(page), n) };
+            self.cipher
+                .encrypt_sectors(sector + (done / ss) as u64, &data[done..done + n], dst)?;
+            each(dst);
+            done += n;
+        }
+        debug_assert_eq!(done, data.len());
+        Ok(())
     }
 
     fn encrypt_and_submit(
@@ -159,27 +430,51 @@ impl<C: SectorCipher> CryptTarget<C> {
         sector: u64,
         offset: u64,
         data: &[u8],
-        out: &OutPages,
+        blocks: impl Iterator<Item = (Page, u32)>,
     ) -> io::Result<()> {
-        let ss = self.cipher.sector_size();
         // One segment per out block, trimmed to the request's length.
-        let mut segments: Vec<&[u8]> = Vec::with_capacity(out.blocks().len());
-        let mut done = 0;
-        for &(page, order) in out.blocks() {
-            if done == data.len() {
-                break;
-            }
-            let n = (PAGE_SIZE << order).min(data.len() - done);
-            // SAFETY: the block is allocated to this write until `free`,
-            // and lies inside the arena's mapping.
-            let dst = unsafe { std::slice::from_raw_parts_mut(self.alloc.page_address(page), n) };
-            self.cipher
-                .encrypt_sectors(sector + (done / ss) as u64, &data[done..done + n], dst)?;
-            segments.push(dst);
-            done += n;
-        }
-        debug_assert_eq!(done, data.len());
+        let mut segments: Vec<&[u8]> = Vec::with_capacity(data.len().div_ceil(PAGE_SIZE));
+        self.encrypt(sector, data, blocks, |seg| segments.push(seg))?;
         self.backend.write_at(offset, &segments)
+    }
+
+    /// Write through out pages the caller keeps instead of allocated ones:
+    /// the same pipeline with no allocation, the ceiling the strategies
+    /// are measured against. `buf` holds order-0 pages of this target's
+    /// arena, owned by the caller; it is topped up with fresh pages if it
+    /// holds fewer than the write needs. On a page store the pages are
+    /// handed over and the pages they replace take their place in `buf`.
+    ///
+    /// **Context / Returns:** as [`CryptTarget::write`]. The caller frees
+    /// `buf`'s pages (`free_pages_bulk`) when done with it.
+    pub fn write_with_buffer(
+        &self,
+        offset: u64,
+        data: &[u8],
+        buf: &mut Vec<Page>,
+    ) -> io::Result<()> {
+        let sector = self.check(offset, data.len())?;
+        let nr_pages = data.len().div_ceil(PAGE_SIZE);
+        let start = now(self.timed.load(Ordering::Relaxed));
+        while buf.len() < nr_pages {
+            let p = self
+                .alloc
+                .alloc_pages(Gfp::NOIO | Gfp::NOFAIL, 0)
+                .expect("a NOFAIL allocation never fails");
+            buf.push(p);
+        }
+        let blocks = buf[..nr_pages].iter().map(|&p| (p, 0));
+        let result = match self.store_for(offset, data.len()) {
+            Some(store) => self.encrypt(sector, data, blocks, |_| {}).and_then(|()| {
+                let mut replaced = Vec::with_capacity(nr_pages);
+                store.store_pages(offset, buf.drain(..nr_pages), &mut replaced)?;
+                buf.append(&mut replaced);
+                Ok(())
+            }),
+            None => self.encrypt_and_submit(sector, offset, data, blocks),
+        };
+        self.finish_write(data.len(), &result, start);
+        result
     }
 
     /// Read and decrypt `buf.len()` bytes at byte `offset`.
@@ -190,7 +485,10 @@ impl<C: SectorCipher> CryptTarget<C> {
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         let sector = self.check(offset, buf.len())?;
         self.backend.read_at(offset, &mut [buf])?;
-        self.cipher.decrypt_sectors(sector, buf)
+        self.cipher.decrypt_sectors(sector, buf)?;
+        self.counters.reads.add(1);
+        self.counters.read_bytes.add(buf.len() as i64);
+        Ok(())
     }
 
     /// Flush the backend (`fdatasync` for files).
@@ -293,7 +591,7 @@ mod tests {
                 .unwrap();
             let disk = Arc::new(RamDisk::new(1 << 20).unwrap());
             let key: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(37) ^ 0x5c).collect();
-            let cipher = parking_lot::Mutex::new(crate::XtsCipher::new(&key, ss, 0).unwrap());
+            let cipher = Mutex::new(crate::XtsCipher::new(&key, ss, 0).unwrap());
             let t = CryptTarget::new(
                 &alloc,
                 cipher,

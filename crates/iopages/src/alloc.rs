@@ -505,6 +505,33 @@ impl PageAllocator {
         })
     }
 
+    /// Split an allocated block of 2^`order` pages into 2^`order` order-0
+    /// pages, each of which is then freed on its own with
+    /// `free_pages(page, 0)` (the kernel's `split_page`; a compound block
+    /// is dismantled first, as `split_folio` would).
+    ///
+    /// **Context:** never blocks; the caller owns the block. Panics if
+    /// `page` is not the start of an order-`order` block of this arena, or
+    /// (with checks on) if it is not allocated.
+    pub fn split_page(&self, page: Page, order: u32) {
+        if order == 0 {
+            return;
+        }
+        let core = &*self.core;
+        core.free_prep(page, order);
+        if core.checks {
+            for pfn in page.pfn()..page.pfn() + (1 << order) {
+                let f = core.arena.frame(pfn);
+                f.set_flags(f.flags() | flags::ALLOCATED);
+            }
+        }
+    }
+
+    /// Whether `other` is a handle on this same allocator (same arena).
+    pub fn same_allocator(&self, other: &PageAllocator) -> bool {
+        Arc::ptr_eq(&self.core, &other.core)
+    }
+
     /// Address of `page` in the arena's direct map.
     #[inline]
     pub fn page_address(&self, page: Page) -> *mut u8 {

@@ -69,6 +69,13 @@ pub struct PercpuCounter {
     core: Core,
 }
 
+impl Default for PercpuCounter {
+    /// A counter at zero with the default settings.
+    fn default() -> Self {
+        PercpuCounter::new(0)
+    }
+}
+
 /// Counts of the counter's locked paths.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PercpuCounterStats {

@@ -636,3 +636,30 @@ fn free_pages_bulk_array_of_already_freed_pages_panics_when_checks_are_on() {
     let mut again = copy;
     alloc.free_pages_bulk_array(&mut again);
 }
+
+#[test]
+fn a_split_block_frees_page_by_page_and_merges_back() {
+    for checks in [false, true] {
+        let alloc = builder(8).checks(checks).build().unwrap();
+        for comp in [Gfp::empty(), Gfp::COMP] {
+            let head = alloc.alloc_pages(Gfp::KERNEL | comp, 4).unwrap();
+            alloc.split_page(head, 4);
+            // Free in an order that forces merging from the middle out.
+            let mut pfns: Vec<u32> = (head.pfn()..head.pfn() + 16).collect();
+            pfns.reverse();
+            pfns.swap(3, 11);
+            for pfn in pfns {
+                alloc.free_pages(Page::from_pfn(pfn), 0);
+            }
+        }
+        assert_no_leaks(&alloc);
+    }
+}
+
+#[test]
+#[should_panic(expected = "not the start of an order-3 block")]
+fn splitting_a_misaligned_block_panics_with_the_frame_named() {
+    let alloc = small(8);
+    let p = alloc.alloc_pages(Gfp::KERNEL, 3).unwrap();
+    alloc.split_page(Page::from_pfn(p.pfn() + 1), 3);
+}

@@ -1,0 +1,401 @@
+//! Many I/Os in flight: a queue of bounded depth in front of a crypt
+//! target, served by worker threads (dm-crypt's `kcryptd` workqueue).
+//!
+//! Owns: admitting at most `queue_depth` requests at a time (submitters
+//! wait for room, as a block device's tag set makes them), handing them to
+//! `workers` threads that run the target's synchronous paths, and calling
+//! each request's completion exactly once with its result. Must never:
+//! lose a request (dropping the queue completes every request already
+//! admitted before the workers exit), run a completion twice, or let a
+//! panicking completion take a worker down with requests still queued.
+//!
+//! Each worker encrypts with the target's cipher (a [`CipherPool`] gives
+//! every worker its own instance) and blocks in the backend for its
+//! request, so up to `workers` requests are at the backend at once and the
+//! rest wait, already admitted, in the queue.
+//!
+//! [`CipherPool`]: crate::target::CipherPool
+
+use crate::target::{CryptTarget, SectorCipher};
+use parking_lot::{Condvar, Mutex};
+use std::collections::VecDeque;
+use std::io;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+/// Settings of a [`CryptQueue`].
+#[derive(Clone, Copy, Debug)]
+pub struct QueueConfig {
+    /// Requests admitted at once (queued or being served). Default 128.
+    pub queue_depth: usize,
+    /// Worker threads. Default: one per core.
+    pub workers: usize,
+}
+
+impl Default for QueueConfig {
+    fn default() -> Self {
+        QueueConfig {
+            queue_depth: 128,
+            workers: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        }
+    }
+}
+
+type WriteDone = Box<dyn FnOnce(io::Result<()>) + Send>;
+type ReadDone = Box<dyn FnOnce(io::Result<Vec<u8>>) + Send>;
+
+enum Request {
+    Write {
+        offset: u64,
+        data: Arc<[u8]>,
+        done: WriteDone,
+    },
+    Read {
+        offset: u64,
+        len: usize,
+        done: ReadDone,
+    },
+    Flush {
+        done: WriteDone,
+    },
+}
+
+struct State {
+    queue: VecDeque<Request>,
+    /// Admitted and not yet completed.
+    admitted: usize,
+    shutdown: bool,
+}
+
+struct Shared<C: SectorCipher> {
+    target: Arc<CryptTarget<C>>,
+    depth: usize,
+    state: Mutex<State>,
+    /// Workers wait here for requests.
+    work: Condvar,
+    /// Submitters wait here for room, and `wait_idle` for zero.
+    room: Condvar,
+}
+
+/// A crypt target with a queue depth and worker threads.
+pub struct CryptQueue<C: SectorCipher + 'static> {
+    shared: Arc<Shared<C>>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+impl<C: SectorCipher + 'static> CryptQueue<C> {
+    /// Start `cfg.workers` threads serving `target`.
+    ///
+    /// **Returns:** `InvalidInput` for a zero queue depth or worker count,
+    /// or the error of a thread that could not be started.
+    pub fn new(target: Arc<CryptTarget<C>>, cfg: QueueConfig) -> io::Result<CryptQueue<C>> {
+        if cfg.queue_depth == 0 || cfg.workers == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "queue depth ({}) and workers ({}) must both be at least 1",
+                    cfg.queue_depth, cfg.workers
+                ),
+            ));
+        }
+        let shared = Arc::new(Shared {
+            target,
+            depth: cfg.queue_depth,
+            state: Mutex::new(State {
+                queue: VecDeque::with_capacity(cfg.queue_depth),
+                admitted: 0,
+                shutdown: false,
+            }),
+            work: Condvar::new(),
+            room: Condvar::new(),
+        });
+        let mut q = CryptQueue {
+            shared,
+            workers: Vec::with_capacity(cfg.workers),
+        };
+        for i in 0..cfg.workers {
+            let s = Arc::clone(&q.shared);
+            let h = std::thread::Builder::new()
+                .name(format!("kcryptd/{i}"))
+                .spawn(move || worker(&s))?;
+            q.workers.push(h);
+        }
+        Ok(q)
+    }
+
+    /// The target served.
+    pub fn target(&self) -> &Arc<CryptTarget<C>> {
+        &self.shared.target
+    }
+
+    /// Queue depth.
+    pub fn queue_depth(&self) -> usize {
+        self.shared.depth
+    }
+
+    /// Worker threads.
+    pub fn workers(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// Requests admitted and not yet completed.
+    pub fn in_flight(&self) -> usize {
+        self.shared.state.lock().admitted
+    }
+
+    fn submit(&self, r: Request) {
+        let s = &*self.shared;
+        let mut st = s.state.lock();
+        while st.admitted >= s.depth {
+            s.room.wait(&mut st);
+        }
+        st.admitted += 1;
+        st.queue.push_back(r);
+        drop(st);
+        s.work.notify_one();
+    }
+
+    /// Queue a write of `data` at byte `offset`; `done` gets its result on
+    /// a worker thread. A bad request completes with `InvalidInput`.
+    ///
+    /// **Context:** blocks while `queue_depth` requests are in flight.
+    pub fn submit_write(
+        &self,
+        offset: u64,
+        data: Arc<[u8]>,
+        done: impl FnOnce(io::Result<()>) + Send + 'static,
+    ) {
+        self.submit(Request::Write {
+            offset,
+            data,
+            done: Box::new(done),
+        });
+    }
+
+    /// Queue a read of `len` bytes at byte `offset`; `done` gets the
+    /// plaintext or the error on a worker thread.
+    ///
+    /// **Context:** blocks while `queue_depth` requests are in flight.
+    pub fn submit_read(
+        &self,
+        offset: u64,
+        len: usize,
+        done: impl FnOnce(io::Result<Vec<u8>>) + Send + 'static,
+    ) {
+        self.submit(Request::Read {
+            offset,
+            len,
+            done: Box::new(done),
+        });
+    }
+
+    /// Queue a flush: writes completed before it is served are made
+    /// durable.
+    ///
+    /// **Context:** blocks while `queue_depth` requests are in flight.
+    pub fn submit_flush(&self, done: impl FnOnce(io::Result<()>) + Send + 'static) {
+        self.submit(Request::Flush {
+            done: Box::new(done),
+        });
+    }
+
+    /// Wait until every admitted request has completed.
+    pub fn wait_idle(&self) {
+        let s = &*self.shared;
+        let mut st = s.state.lock();
+        while st.admitted > 0 {
+            s.room.wait(&mut st);
+        }
+    }
+
+    /// Write synchronously through the queue (submit and wait).
+    pub fn write(&self, offset: u64, data: Arc<[u8]>) -> io::Result<()> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        self.submit_write(offset, data, move |r| {
+            let _ = tx.send(r);
+        });
+        rx.recv()
+            .unwrap_or_else(|_| Err(io::Error::other("the write's completion was lost")))
+    }
+
+    /// Read synchronously through the queue (submit and wait).
+    pub fn read(&self, offset: u64, len: usize) -> io::Result<Vec<u8>> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        self.submit_read(offset, len, move |r| {
+            let _ = tx.send(r);
+        });
+        rx.recv()
+            .unwrap_or_else(|_| Err(io::Error::other("the read's completion was lost")))
+    }
+}
+
+impl<C: SectorCipher + 'static> Drop for CryptQueue<C> {
+    /// Complete every admitted request, then stop the workers.
+    fn drop(&mut self) {
+        self.shared.state.lock().shutdown = true;
+        self.shared.work.notify_all();
+        for h in self.workers.drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+fn worker<C: SectorCipher>(s: &Shared<C>) {
+    loop {
+        let mut st = s.state.lock();
+        let r = loop {
+            if let Some(r) = st.queue.pop_front() {
+                break r;
+            }
+            if st.shutdown {
+                return;
+            }
+            s.work.wait(&mut st);
+        };
+        drop(st);
+        serve(&s.target, r);
+        let mut st = s.state.lock();
+        st.admitted -= 1;
+        drop(st);
+        s.room.notify_all();
+    }
+}
+
+/// Run one request and its completion; a panicking completion is caught
+/// (and reported) so the worker goes on serving the queue.
+fn serve<C: SectorCipher>(t: &CryptTarget<C>, r: Request) {
+    let outcome = match r {
+        Request::Write { offset, data, done } => {
+            let res = t.write(offset, &data);
+            catch_unwind(AssertUnwindSafe(|| done(res)))
+        }
+        Request::Read { offset, len, done } => {
+            let mut buf = vec![0u8; len];
+            let res = t.read(offset, &mut buf).map(|()| buf);
+            catch_unwind(AssertUnwindSafe(|| done(res)))
+        }
+        Request::Flush { done } => {
+            let res = t.flush();
+            catch_unwind(AssertUnwindSafe(|| done(res)))
+        }
+    };
+    if outcome.is_err() {
+        eprintln!("iopages-crypt: a request's completion panicked; the queue goes on");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{PageStore, RamDisk};
+    use crate::strategy::Strategy;
+    use crate::target::{CipherPool, TargetConfig};
+    use iopages::PageAllocator;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    fn queue(workers: usize, depth: usize, store: bool) -> (PageAllocator, CryptQueue<CipherPool>) {
+        let alloc = PageAllocator::builder()
+            .size_bytes(64 << 20)
+            .huge_pages(iopages::HugePages::Never)
+            .build()
+            .unwrap();
+        let backend: Arc<dyn crate::backend::Backend> = if store {
+            Arc::new(PageStore::new(&alloc, 8 << 20).unwrap())
+        } else {
+            Arc::new(RamDisk::new(8 << 20).unwrap())
+        };
+        let key: Vec<u8> = (0..64u8).collect();
+        let cipher =
+            CipherPool::new(crate::XtsCipher::new(&key, 4096, 0).unwrap(), workers).unwrap();
+        let cfg = TargetConfig {
+            strategy: Strategy::Bulk,
+            min_nr: 64,
+            ..TargetConfig::default()
+        };
+        let t = Arc::new(CryptTarget::new(&alloc, cipher, backend, cfg).unwrap());
+        let q = CryptQueue::new(
+            t,
+            QueueConfig {
+                queue_depth: depth,
+                workers,
+            },
+        )
+        .unwrap();
+        (alloc, q)
+    }
+
+    #[test]
+    fn many_writes_in_flight_all_complete_once_and_read_back() {
+        for store in [false, true] {
+            let (alloc, q) = queue(3, 16, store);
+            let completed = Arc::new(AtomicUsize::new(0));
+            let max_seen = Arc::new(AtomicUsize::new(0));
+            for i in 0..256u64 {
+                let data: Arc<[u8]> = vec![i as u8; 32 << 10].into();
+                let (c, m) = (Arc::clone(&completed), Arc::clone(&max_seen));
+                q.submit_write(i % 256 * (32 << 10), data, move |r| {
+                    r.unwrap();
+                    c.fetch_add(1, Ordering::Relaxed);
+                });
+                m.fetch_max(q.in_flight(), Ordering::Relaxed);
+                assert!(q.in_flight() <= 16, "the queue depth is a bound");
+            }
+            q.wait_idle();
+            assert_eq!(completed.load(Ordering::Relaxed), 256);
+            assert!(max_seen.load(Ordering::Relaxed) > 1, "requests overlapped");
+            for i in (0..256u64).step_by(37) {
+                let back = q.read(i * (32 << 10), 32 << 10).unwrap();
+                assert!(back.iter().all(|&b| b == i as u8), "write {i}");
+            }
+            let (tx, rx) = std::sync::mpsc::channel();
+            q.submit_flush(move |r| tx.send(r.is_ok()).unwrap());
+            assert!(rx.recv().unwrap());
+            let stats = q.target().stats();
+            assert_eq!(stats.writes, 256);
+            assert_eq!(q.target().out_pages().allocated_pages(), 0);
+            drop(q);
+            alloc.leak_check().unwrap();
+        }
+    }
+
+    #[test]
+    fn bad_requests_complete_with_an_error_and_a_panicking_completion_spares_the_queue() {
+        let (alloc, q) = queue(1, 4, false);
+        let e = q.write(100, vec![0u8; 4096].into()).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+        assert!(q.read(8 << 20, 4096).is_err());
+        q.submit_write(0, vec![1u8; 4096].into(), |_| panic!("completion bug"));
+        q.write(4096, vec![2u8; 4096].into()).unwrap();
+        assert_eq!(q.read(4096, 4096).unwrap(), vec![2u8; 4096]);
+        assert!(CryptQueue::new(
+            Arc::clone(q.target()),
+            QueueConfig {
+                queue_depth: 0,
+                workers: 1
+            }
+        )
+        .is_err());
+        drop(q);
+        alloc.leak_check().unwrap();
+    }
+
+    #[test]
+    fn dropping_the_queue_completes_what_was_admitted() {
+        let (alloc, q) = queue(2, 64, true);
+        let completed = Arc::new(AtomicUsize::new(0));
+        for i in 0..64u64 {
+            let c = Arc::clone(&completed);
+            q.submit_write(i * 4096, vec![i as u8; 4096].into(), move |r| {
+                r.unwrap();
+                c.fetch_add(1, Ordering::Relaxed);
+            });
+        }
+        let t = Arc::clone(q.target());
+        drop(q);
+        assert_eq!(completed.load(Ordering::Relaxed), 64);
+        assert_eq!(t.out_pages().allocated_pages(), 0);
+        drop(t);
+        alloc.leak_check().unwrap();
+    }
+}
