@@ -60,6 +60,7 @@ pub mod backend;
 mod error;
 pub mod strategy;
 pub mod target;
+pub mod uring;
 #[cfg(target_arch = "x86_64")]
 mod vaes;
 pub mod xts;
