@@ -3,14 +3,16 @@
 # benchmarks, when they are missing. Idempotent: installs nothing (and does
 # not touch the network) when everything is there.
 #
-#   openssl   the `openssl speed` reference row of `iopages bench xts`
+#   openssl               the `openssl speed` reference row of `iopages bench xts`
+#   python3-cryptography  the outside implementation the crypt tests decrypt
+#                         the backends' ciphertext with
 #
 # (The `openssl` crate builds OpenSSL from source — its `vendored` feature —
 # so building and testing need no -dev package.)
 #
 # Usage: scripts/setup-debian.sh   (as root, or with the packages installed)
 set -euo pipefail
-pkgs=(openssl)
+pkgs=(openssl python3-cryptography)
 
 missing=()
 for p in "${pkgs[@]}"; do

@@ -15,9 +15,14 @@
 //!   with `limited_add`, 1..N threads.
 //! - `xts` (E2's cipher): AES-XTS plain64 implementations sector by sector,
 //!   beside `openssl speed`, to choose the crypt target's cipher.
+//! - E2 `crypt`: 1 MiB writes through the crypt target for each out-page
+//!   strategy, beside the bare cipher and a pipeline with no allocation;
+//!   E3 (`crypt --threads N --limit near`): the page limit checked exactly
+//!   and approximately by N writers.
 
 pub mod bulk;
 pub mod counter;
+pub mod crypt;
 pub mod measure;
 pub mod mempool;
 pub mod peers;

@@ -42,6 +42,14 @@ enum Command {
         /// Where the peer harness is built (by scripts/setup-peers.sh).
         #[arg(long, value_name = "DIR", default_value = "target/peers")]
         peers_dir: PathBuf,
+        /// crypt: run only E3, with this many writer threads (default: E2,
+        /// then E3 at 1, 2, 4, … threads up to the cores).
+        #[arg(long, value_name = "N")]
+        threads: Option<usize>,
+        /// crypt: run only E3, with the page limit near its threshold or at
+        /// its default (2 % of the arena).
+        #[arg(long, value_enum)]
+        limit: Option<Limit>,
     },
 }
 
@@ -60,6 +68,19 @@ enum Experiment {
     /// E2's cipher: AES-XTS plain64 implementations (512/4096-byte sectors,
     /// both key sizes) beside `openssl speed`, and the one chosen.
     Xts,
+    /// E2: 1 MiB writes through the crypt target for each out-page
+    /// strategy, beside the bare cipher and a pipeline with no allocation;
+    /// then E3: N writers with the page limit near its threshold, checked
+    /// exactly and approximately.
+    Crypt,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Limit {
+    /// Just above what the writers hold at once.
+    Near,
+    /// 2 % of the arena.
+    Default,
 }
 
 fn main() -> ExitCode {
@@ -82,7 +103,17 @@ fn run(cli: Cli) -> Result<(), BenchError> {
             out_dir,
             no_peers,
             peers_dir,
+            threads,
+            limit,
         } => {
+            if (threads.is_some() || limit.is_some()) && experiment != Experiment::Crypt {
+                return Err(BenchError::Workload(
+                    "--threads and --limit belong to the crypt experiment: `iopages bench crypt --threads 4 --limit near`".into(),
+                ));
+            }
+            if threads == Some(0) {
+                return Err(BenchError::Workload("--threads must be at least 1".into()));
+            }
             if json.is_some() && experiment == Experiment::All {
                 return Err(BenchError::Workload(
                     "--json names one report file: give it with a single experiment (for example `iopages bench bulk --json out.json`), or use --out-dir".into(),
@@ -107,6 +138,17 @@ fn run(cli: Cli) -> Result<(), BenchError> {
             }
             if all || experiment == Experiment::Xts {
                 iopages_bench::xts::run(&opts)?;
+            }
+            if all || experiment == Experiment::Crypt {
+                let e3_only = threads.is_some() || limit.is_some();
+                if !e3_only {
+                    iopages_bench::crypt::run(&opts)?;
+                }
+                let setting = match limit {
+                    Some(Limit::Default) => iopages_bench::crypt::LimitSetting::Default,
+                    _ => iopages_bench::crypt::LimitSetting::Near,
+                };
+                iopages_bench::crypt::run_limit(&opts, threads, setting)?;
             }
             Ok(())
         }

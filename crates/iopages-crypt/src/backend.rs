@@ -147,6 +147,9 @@ impl Backend for RamDisk {
     }
 }
 
+/// One stripe of the page store: its blocks' pages (`None`: never written).
+type Stripe = RwLock<Box<[Option<Page>]>>;
+
 /// Pages per lock stripe of the page store (64 KiB, as the RAM disk).
 const STORE_STRIPE_PAGES: usize = RAMDISK_STRIPE_BYTES / PAGE_SIZE;
 
@@ -161,7 +164,7 @@ const STORE_STRIPE_PAGES: usize = RAMDISK_STRIPE_BYTES / PAGE_SIZE;
 /// behind its own reader-writer lock.
 pub struct PageStore {
     alloc: PageAllocator,
-    stripes: Box<[RwLock<Box<[Option<Page>]>>]>,
+    stripes: Box<[Stripe]>,
     size_bytes: u64,
 }
 

@@ -58,6 +58,7 @@
 
 pub mod backend;
 mod error;
+pub mod queue;
 pub mod strategy;
 pub mod target;
 pub mod uring;

@@ -31,6 +31,11 @@ pub struct QueueConfig {
     pub queue_depth: usize,
     /// Worker threads. Default: one per core.
     pub workers: usize,
+    /// Every worker writes through its own out buffer, reused for every
+    /// write ([`CryptTarget::write_with_buffer`]) instead of allocating:
+    /// the pipeline without allocation, for measuring what allocation
+    /// costs. Default off.
+    pub preallocated_out: bool,
 }
 
 impl Default for QueueConfig {
@@ -38,6 +43,7 @@ impl Default for QueueConfig {
         QueueConfig {
             queue_depth: 128,
             workers: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            preallocated_out: false,
         }
     }
 }
@@ -71,6 +77,7 @@ struct State {
 struct Shared<C: SectorCipher> {
     target: Arc<CryptTarget<C>>,
     depth: usize,
+    preallocated_out: bool,
     state: Mutex<State>,
     /// Workers wait here for requests.
     work: Condvar,
@@ -102,6 +109,7 @@ impl<C: SectorCipher + 'static> CryptQueue<C> {
         let shared = Arc::new(Shared {
             target,
             depth: cfg.queue_depth,
+            preallocated_out: cfg.preallocated_out,
             state: Mutex::new(State {
                 queue: VecDeque::with_capacity(cfg.queue_depth),
                 admitted: 0,
@@ -242,6 +250,10 @@ impl<C: SectorCipher + 'static> Drop for CryptQueue<C> {
 }
 
 fn worker<C: SectorCipher>(s: &Shared<C>) {
+    let mut buf = OutBuffer {
+        pages: Vec::new(),
+        target: &s.target,
+    };
     loop {
         let mut st = s.state.lock();
         let r = loop {
@@ -254,7 +266,7 @@ fn worker<C: SectorCipher>(s: &Shared<C>) {
             s.work.wait(&mut st);
         };
         drop(st);
-        serve(&s.target, r);
+        serve(&s.target, r, s.preallocated_out.then_some(&mut buf.pages));
         let mut st = s.state.lock();
         st.admitted -= 1;
         drop(st);
@@ -262,12 +274,27 @@ fn worker<C: SectorCipher>(s: &Shared<C>) {
     }
 }
 
+/// A worker's own out buffer, its pages freed when the worker exits.
+struct OutBuffer<'a, C: SectorCipher> {
+    pages: Vec<iopages::Page>,
+    target: &'a CryptTarget<C>,
+}
+
+impl<C: SectorCipher> Drop for OutBuffer<'_, C> {
+    fn drop(&mut self) {
+        self.target.free_buffer(&mut self.pages);
+    }
+}
+
 /// Run one request and its completion; a panicking completion is caught
 /// (and reported) so the worker goes on serving the queue.
-fn serve<C: SectorCipher>(t: &CryptTarget<C>, r: Request) {
+fn serve<C: SectorCipher>(t: &CryptTarget<C>, r: Request, buf: Option<&mut Vec<iopages::Page>>) {
     let outcome = match r {
         Request::Write { offset, data, done } => {
-            let res = t.write(offset, &data);
+            let res = match buf {
+                Some(b) => t.write_with_buffer(offset, &data, b),
+                None => t.write(offset, &data),
+            };
             catch_unwind(AssertUnwindSafe(|| done(res)))
         }
         Request::Read { offset, len, done } => {
@@ -295,6 +322,15 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     fn queue(workers: usize, depth: usize, store: bool) -> (PageAllocator, CryptQueue<CipherPool>) {
+        queue_with(workers, depth, store, false)
+    }
+
+    fn queue_with(
+        workers: usize,
+        depth: usize,
+        store: bool,
+        preallocated_out: bool,
+    ) -> (PageAllocator, CryptQueue<CipherPool>) {
         let alloc = PageAllocator::builder()
             .size_bytes(64 << 20)
             .huge_pages(iopages::HugePages::Never)
@@ -319,6 +355,7 @@ mod tests {
             QueueConfig {
                 queue_depth: depth,
                 workers,
+                preallocated_out,
             },
         )
         .unwrap();
@@ -360,6 +397,29 @@ mod tests {
     }
 
     #[test]
+    fn workers_with_their_own_out_buffers_write_the_same_bytes_and_free_them_at_exit() {
+        for store in [false, true] {
+            let (alloc, q) = queue_with(2, 8, store, true);
+            for i in 0..64u64 {
+                q.submit_write(i * (64 << 10), vec![i as u8 ^ 0x3c; 64 << 10].into(), |r| {
+                    r.unwrap()
+                });
+            }
+            q.wait_idle();
+            for i in (0..64u64).step_by(9) {
+                let back = q.read(i * (64 << 10), 64 << 10).unwrap();
+                assert!(back.iter().all(|&b| b == i as u8 ^ 0x3c), "write {i}");
+            }
+            let t = Arc::clone(q.target());
+            assert_eq!(t.stats().writes, 64);
+            assert_eq!(t.out_pages().allocated_pages(), 0);
+            drop(q);
+            drop(t);
+            alloc.leak_check().unwrap();
+        }
+    }
+
+    #[test]
     fn bad_requests_complete_with_an_error_and_a_panicking_completion_spares_the_queue() {
         let (alloc, q) = queue(1, 4, false);
         let e = q.write(100, vec![0u8; 4096].into()).unwrap_err();
@@ -372,7 +432,7 @@ mod tests {
             Arc::clone(q.target()),
             QueueConfig {
                 queue_depth: 0,
-                workers: 1
+                ..QueueConfig::default()
             }
         )
         .is_err());

@@ -477,6 +477,13 @@ impl<C: SectorCipher> CryptTarget<C> {
         result
     }
 
+    /// Free the pages of an out buffer used with
+    /// [`CryptTarget::write_with_buffer`], leaving it empty.
+    pub fn free_buffer(&self, buf: &mut Vec<Page>) {
+        self.alloc.free_pages_bulk(buf);
+        buf.clear();
+    }
+
     /// Read and decrypt `buf.len()` bytes at byte `offset`.
     ///
     /// **Context:** may block in the backend. **Returns:** `InvalidInput`

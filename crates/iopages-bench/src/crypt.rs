@@ -1,0 +1,627 @@
+//! E2 and E3: the crypt target's write path.
+//!
+//! Owns: E2 — 1 MiB sequential writes at queue depth 256 through one
+//! worker onto the page-store RAM disk, for each out-page strategy, beside
+//! two reference rates measured in the same run (the bare AES-XTS rate over
+//! the same bytes, and the pipeline writing through a reused out buffer:
+//! no allocation at all); E3 — N writer threads with the page limit close
+//! to its threshold, the limit checked exactly and approximately. Must
+//! never: report a rate whose writes did not all succeed.
+
+use crate::measure::median;
+use crate::plot::{line_plot, Series};
+use crate::{met, progress, round2, write_json, BenchError, BenchOptions};
+use iopages::{HugePages, PageAllocator};
+use iopages_crypt::backend::{Backend, PageStore};
+use iopages_crypt::queue::{CryptQueue, QueueConfig};
+use iopages_crypt::strategy::{LimitCheck, Strategy};
+use iopages_crypt::target::{CipherPool, CryptTarget, TargetConfig, TargetStats};
+use iopages_crypt::XtsCipher;
+use serde_json::{json, Value};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const MIB: usize = 1 << 20;
+const SECTOR_BYTES: usize = 4096;
+const QUEUE_DEPTH: usize = 256;
+/// dm-crypt's page pool keeps BIO_MAX_VECS (256) pages.
+const MIN_NR: usize = 256;
+/// The seed's figures (000): fio, 1 MiB writes at depth 256 on an
+/// encrypted RAM device, before and after bulk mempool allocation.
+const SEED_PER_PAGE_MIB_S: f64 = 1301.0;
+const SEED_BULK_MIB_S: f64 = 1402.0;
+
+fn key() -> Vec<u8> {
+    (0..64u8)
+        .map(|i| i.wrapping_mul(29).wrapping_add(7))
+        .collect()
+}
+
+fn workload(e: impl std::fmt::Display) -> BenchError {
+    BenchError::Workload(e.to_string())
+}
+
+/// The rows of E2, in the order they are measured in each run.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Cipher,
+    CipherCold,
+    NoAlloc,
+    Strategy(Strategy),
+}
+
+impl Mode {
+    const ALL: [Mode; 6] = [
+        Mode::Cipher,
+        Mode::CipherCold,
+        Mode::NoAlloc,
+        Mode::Strategy(Strategy::PerPage),
+        Mode::Strategy(Strategy::Bulk),
+        Mode::Strategy(Strategy::Compound),
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Cipher => "cipher",
+            Mode::CipherCold => "cipher_cold",
+            Mode::NoAlloc => "noalloc",
+            Mode::Strategy(Strategy::PerPage) => "per_page",
+            Mode::Strategy(Strategy::Bulk) => "bulk",
+            Mode::Strategy(Strategy::Compound) => "compound",
+        }
+    }
+
+    fn describe(self) -> &'static str {
+        match self {
+            Mode::Cipher => "bare AES-XTS over the same bytes (physical limit)",
+            Mode::CipherCold => "bare AES-XTS into a disk-sized buffer, 1 MiB on each time",
+            Mode::NoAlloc => "pipeline, reused out buffer (no allocation)",
+            Mode::Strategy(Strategy::PerPage) => "per-page: mempool, one page at a time",
+            Mode::Strategy(Strategy::Bulk) => "bulk: bulk allocator, then mempool bulk",
+            Mode::Strategy(Strategy::Compound) => "compound: high order, NORETRY, stepping down",
+        }
+    }
+}
+
+/// One E2 sample.
+#[derive(Clone, Copy, Default)]
+struct Sample {
+    mib_s: f64,
+    iops: f64,
+    /// Share of the worker's write time spent allocating and freeing.
+    alloc_share: f64,
+}
+
+fn stats_delta(a: TargetStats, b: TargetStats) -> (u64, Duration, Duration) {
+    (
+        b.writes - a.writes,
+        (b.alloc_time + b.free_time).saturating_sub(a.alloc_time + a.free_time),
+        b.write_time.saturating_sub(a.write_time),
+    )
+}
+
+/// Write `n` MiB through a queue of one worker, sequentially from `*pos`
+/// (in MiB, wrapping at the disk's end).
+fn pipeline_sample(
+    target: &Arc<CryptTarget<CipherPool>>,
+    mode: Mode,
+    plain: &Arc<[u8]>,
+    n: usize,
+    pos: &mut usize,
+) -> Result<Sample, BenchError> {
+    let disk_mib = (target.size_bytes() as usize) / MIB;
+    if let Mode::Strategy(s) = mode {
+        target.out_pages().set_strategy(s);
+    }
+    let q = CryptQueue::new(
+        Arc::clone(target),
+        QueueConfig {
+            queue_depth: QUEUE_DEPTH,
+            workers: 1,
+            preallocated_out: mode == Mode::NoAlloc,
+        },
+    )
+    .map_err(workload)?;
+    let failed = Arc::new(AtomicUsize::new(0));
+    let before = target.stats();
+    let start = Instant::now();
+    for _ in 0..n {
+        let f = Arc::clone(&failed);
+        q.submit_write((*pos * MIB) as u64, Arc::clone(plain), move |r| {
+            if r.is_err() {
+                f.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        *pos = (*pos + 1) % disk_mib;
+    }
+    q.wait_idle();
+    let secs = start.elapsed().as_secs_f64();
+    drop(q);
+    let (writes, alloc, busy) = stats_delta(before, target.stats());
+    let failed = failed.load(Ordering::Relaxed);
+    if failed > 0 || writes != n as u64 {
+        return Err(workload(format!(
+            "crypt: {failed} of {n} writes failed ({writes} completed)"
+        )));
+    }
+    Ok(Sample {
+        mib_s: n as f64 / secs,
+        iops: n as f64 / secs,
+        alloc_share: if busy.is_zero() {
+            0.0
+        } else {
+            alloc.as_secs_f64() / busy.as_secs_f64()
+        },
+    })
+}
+
+/// The bare cipher over the same bytes: 1 MiB of plaintext encrypted `n`
+/// times on this thread, into `dst` a MiB at a time (a 1 MiB `dst` is
+/// reused and stays in cache; a disk-sized one is written as a RAM disk's
+/// memory is).
+fn cipher_sample(cipher: &mut XtsCipher, plain: &[u8], dst: &mut [u8], n: usize) -> Sample {
+    let slots = dst.len() / MIB;
+    let start = Instant::now();
+    for i in 0..n {
+        let out = &mut dst[(i % slots) * MIB..][..MIB];
+        cipher
+            .encrypt_sectors((i * MIB / SECTOR_BYTES) as u64, plain, out)
+            .expect("whole sectors");
+        std::hint::black_box(&mut *dst);
+    }
+    let secs = start.elapsed().as_secs_f64();
+    Sample {
+        mib_s: n as f64 / secs,
+        iops: n as f64 / secs,
+        alloc_share: 0.0,
+    }
+}
+
+/// E2. Returns the report.
+pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
+    let (runs, sample_mib, disk_mib, arena_mib) = if opts.quick {
+        (2, 64, 64, 256)
+    } else {
+        (7, 512, 256, 1024)
+    };
+    progress(
+        "crypt",
+        format!(
+            "E2: {runs} runs; each sample writes {sample_mib} MiB as 1 MiB writes at queue depth {QUEUE_DEPTH}, one worker, aes-xts-plain64 (512-bit key, {SECTOR_BYTES}-byte sectors), onto a {disk_mib} MiB page-store RAM disk in a {arena_mib} MiB arena"
+        ),
+    );
+    let alloc = PageAllocator::builder()
+        .size_bytes((arena_mib as u64) << 20)
+        .huge_pages(HugePages::Try)
+        .build()?;
+    let store: Arc<dyn Backend> =
+        Arc::new(PageStore::new(&alloc, (disk_mib as u64) << 20).map_err(workload)?);
+    let cipher = XtsCipher::new(&key(), SECTOR_BYTES, 0).map_err(workload)?;
+    let mut bare = cipher.try_clone().map_err(workload)?;
+    let cfg = TargetConfig {
+        strategy: Strategy::Bulk,
+        min_nr: MIN_NR,
+        ..TargetConfig::default()
+    };
+    let target = Arc::new(
+        CryptTarget::new(
+            &alloc,
+            CipherPool::new(cipher, 1).map_err(workload)?,
+            store,
+            cfg,
+        )
+        .map_err(workload)?,
+    );
+    target.set_timed(true);
+    let plain: Arc<[u8]> = (0..MIB).map(|i| (i * 131 % 251) as u8).collect();
+    let mut dst = vec![0u8; MIB];
+    // Touched now, so that no sample pays for faulting it in.
+    let mut cold = vec![1u8; disk_mib * MIB];
+    // Format: every block of the disk holds a page from here on, so each
+    // write replaces (and frees) as many pages as it stores.
+    let mut pos = 0;
+    pipeline_sample(
+        &target,
+        Mode::Strategy(Strategy::Bulk),
+        &plain,
+        disk_mib,
+        &mut pos,
+    )?;
+    cipher_sample(&mut bare, &plain, &mut dst, 64);
+
+    let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); Mode::ALL.len()];
+    for run in 0..runs {
+        for (i, &mode) in Mode::ALL.iter().enumerate() {
+            let s = match mode {
+                Mode::Cipher => cipher_sample(&mut bare, &plain, &mut dst, sample_mib),
+                Mode::CipherCold => cipher_sample(&mut bare, &plain, &mut cold, sample_mib),
+                _ => pipeline_sample(&target, mode, &plain, sample_mib, &mut pos)?,
+            };
+            samples[i].push(s);
+        }
+        progress("crypt", format!("E2 run {}/{runs} done", run + 1));
+    }
+    drop(target);
+    alloc
+        .leak_check()
+        .map_err(|a| workload(format!("crypt: pages leaked: {a}")))?;
+
+    let med =
+        |i: usize, f: fn(&Sample) -> f64| median(&samples[i].iter().map(f).collect::<Vec<_>>());
+    let range = |i: usize| {
+        let v: Vec<f64> = samples[i].iter().map(|s| s.mib_s).collect();
+        (
+            v.iter().cloned().fold(f64::INFINITY, f64::min),
+            v.iter().cloned().fold(0.0, f64::max),
+        )
+    };
+    let mib = |m: Mode| med(Mode::ALL.iter().position(|&x| x == m).unwrap(), |s| s.mib_s);
+    let cipher_mib_s = mib(Mode::Cipher);
+    let noalloc_mib_s = mib(Mode::NoAlloc);
+    let per_page = mib(Mode::Strategy(Strategy::PerPage));
+    let bulk = mib(Mode::Strategy(Strategy::Bulk));
+    let compound = mib(Mode::Strategy(Strategy::Compound));
+    let bulk_vs_noalloc = bulk / noalloc_mib_s;
+    let bulk_vs_cipher = bulk / cipher_mib_s;
+
+    println!();
+    println!(
+        "crypt (E2): 1 MiB sequential writes, queue depth {QUEUE_DEPTH}, one worker, page-store RAM disk; median of {runs} runs"
+    );
+    println!(
+        "{:<58} | {:>7} {:>11} | {:>6} | {:>12}",
+        "", "MiB/s", "min-max", "IOPS", "alloc+free %"
+    );
+    for (i, &m) in Mode::ALL.iter().enumerate() {
+        let (lo, hi) = range(i);
+        let share = if matches!(m, Mode::Cipher | Mode::CipherCold) {
+            "-".to_string()
+        } else {
+            format!("{:.2}", med(i, |s| s.alloc_share) * 100.0)
+        };
+        println!(
+            "{:<58} | {:>7.0} {:>11} | {:>6.0} | {:>12}",
+            format!("{} ({})", m.name(), m.describe()),
+            med(i, |s| s.mib_s),
+            format!("{lo:.0}-{hi:.0}"),
+            med(i, |s| s.iops),
+            share
+        );
+    }
+    println!(
+        "{:<58} | {:>7.0} {:>11} | {:>6.0} |",
+        "seed 000 (80 CPUs, fio on dm-crypt over a RAM device): before",
+        SEED_PER_PAGE_MIB_S,
+        "",
+        SEED_PER_PAGE_MIB_S
+    );
+    println!(
+        "{:<58} | {:>7.0} {:>11} | {:>6.0} |",
+        "seed 000: with bulk mempool allocation (the seed says ~6 %)",
+        SEED_BULK_MIB_S,
+        "",
+        SEED_BULK_MIB_S
+    );
+    println!(
+        "bulk vs per-page: ours {:+.1} %, seed {:+.1} %",
+        (bulk / per_page - 1.0) * 100.0,
+        (SEED_BULK_MIB_S / SEED_PER_PAGE_MIB_S - 1.0) * 100.0
+    );
+    println!(
+        "target bulk_vs_noalloc >= 0.97: {:.3} ({})",
+        bulk_vs_noalloc,
+        met(bulk_vs_noalloc >= 0.97)
+    );
+    println!(
+        "target bulk_vs_cipher >= 0.9: {:.3} ({})",
+        bulk_vs_cipher,
+        met(bulk_vs_cipher >= 0.9)
+    );
+    println!(
+        "target bulk and compound >= per-page: bulk {:.3}, compound {:.3} ({})",
+        bulk / per_page,
+        compound / per_page,
+        met(bulk >= per_page && compound >= per_page)
+    );
+
+    let (json_path, svg_path) = opts.paths("crypt");
+    let series: Vec<Series> = Mode::ALL
+        .iter()
+        .enumerate()
+        .map(|(i, m)| Series {
+            label: m.name().to_string(),
+            points: samples[i]
+                .iter()
+                .enumerate()
+                .map(|(r, s)| ((r + 1) as f64, s.mib_s))
+                .collect(),
+        })
+        .collect();
+    line_plot(
+        &svg_path,
+        "E2: 1 MiB writes through the crypt target, each run",
+        "run",
+        "MiB/s",
+        &series,
+    )?;
+    let rows: Value = Mode::ALL
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            (
+                m.name().to_string(),
+                json!({
+                    "describe": m.describe(),
+                    "mib_s": samples[i].iter().map(|s| round2(s.mib_s)).collect::<Vec<_>>(),
+                    "iops": samples[i].iter().map(|s| round2(s.iops)).collect::<Vec<_>>(),
+                    "alloc_share": samples[i].iter().map(|s| s.alloc_share).collect::<Vec<_>>(),
+                }),
+            )
+        })
+        .collect::<serde_json::Map<_, _>>()
+        .into();
+    let report = json!({
+        "experiment": "E2 crypt",
+        "machine": crate::machine(),
+        "settings": {
+            "runs": runs, "sample_mib": sample_mib, "write_bytes": MIB,
+            "queue_depth": QUEUE_DEPTH, "workers": 1, "disk_mib": disk_mib,
+            "arena_mib": arena_mib, "backend": "page-store RAM disk",
+            "cipher": "aes-xts-plain64, 512-bit key", "min_nr": MIN_NR,
+        },
+        "rows": rows,
+        "seed": { "per_page_mib_s": SEED_PER_PAGE_MIB_S, "bulk_mib_s": SEED_BULK_MIB_S },
+        "summary": {
+            "sector_bytes": SECTOR_BYTES,
+            "cipher_mib_s": round2(cipher_mib_s),
+            "noalloc_mib_s": round2(noalloc_mib_s),
+            "per_page_mib_s": round2(per_page),
+            "bulk_mib_s": round2(bulk),
+            "compound_mib_s": round2(compound),
+            "bulk_vs_noalloc": bulk_vs_noalloc,
+            "bulk_vs_cipher": bulk_vs_cipher,
+            "bulk_vs_per_page": bulk / per_page,
+            "compound_vs_per_page": compound / per_page,
+        },
+    });
+    write_json(&json_path, &report)?;
+    progress(
+        "crypt",
+        format!("wrote {} and {}", json_path.display(), svg_path.display()),
+    );
+    Ok(report)
+}
+
+/// How E3 sets the page limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LimitSetting {
+    /// Just above what the writers hold at once: every check is close.
+    Near,
+    /// The default, 2 % of the arena: far from the writers' use.
+    Default,
+}
+
+/// E3's write size: small writes, so the check is a visible share.
+const E3_WRITE_BYTES: usize = 16 << 10;
+const E3_REGION_BYTES: usize = 4 << 20;
+
+/// One E3 sample: `threads` writers, `writes` writes each. Returns MiB/s
+/// and, when `timed`, nanoseconds of limit checking per write.
+fn limit_sample(
+    target: &Arc<CryptTarget<CipherPool>>,
+    threads: usize,
+    writes: usize,
+    timed: bool,
+) -> Result<(f64, f64), BenchError> {
+    target.out_pages().set_timed_checks(timed);
+    let before = target.out_pages().check_time();
+    let plain: Arc<[u8]> = (0..E3_WRITE_BYTES).map(|i| (i * 7) as u8).collect();
+    let barrier = Arc::new(std::sync::Barrier::new(threads + 1));
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let (target, plain, barrier) =
+                (Arc::clone(target), Arc::clone(&plain), Arc::clone(&barrier));
+            std::thread::spawn(move || -> std::io::Result<()> {
+                let base = (t * E3_REGION_BYTES) as u64;
+                let per = E3_REGION_BYTES / E3_WRITE_BYTES;
+                barrier.wait();
+                for i in 0..writes {
+                    target.write(base + ((i % per) * E3_WRITE_BYTES) as u64, &plain)?;
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    barrier.wait();
+    let start = Instant::now();
+    for h in handles {
+        h.join()
+            .map_err(|_| workload("crypt: an E3 writer panicked"))?
+            .map_err(workload)?;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    target.out_pages().set_timed_checks(false);
+    let after = target.out_pages().check_time();
+    let total = (threads * writes) as f64;
+    let check_ns = (after.1 - before.1).as_nanos() as f64 / total;
+    Ok((total * E3_WRITE_BYTES as f64 / MIB as f64 / secs, check_ns))
+}
+
+/// E3: `threads` (or 1, 2, 4, … up to the cores) writers, limit checked
+/// exactly and approximately.
+pub fn run_limit(
+    opts: &BenchOptions,
+    threads: Option<usize>,
+    limit: LimitSetting,
+) -> Result<Value, BenchError> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let ladder: Vec<usize> = match threads {
+        Some(n) => vec![n],
+        None => {
+            let mut v = vec![1];
+            while v.last().unwrap() * 2 <= cores {
+                v.push(v.last().unwrap() * 2);
+            }
+            if *v.last().unwrap() != cores {
+                v.push(cores);
+            }
+            v
+        }
+    };
+    if ladder.contains(&0) {
+        return Err(workload("--threads must be at least 1"));
+    }
+    let (runs, writes) = if opts.quick { (2, 2_000) } else { (5, 20_000) };
+    let pages_per_write = E3_WRITE_BYTES / 4096;
+    progress(
+        "crypt",
+        format!(
+            "E3: threads {ladder:?}, {runs} runs of {writes} writes of {} KiB per thread, bulk strategy, page-store RAM disk, limit {}",
+            E3_WRITE_BYTES >> 10,
+            match limit {
+                LimitSetting::Near => "near: 1.5 × the pages the writers hold at once",
+                LimitSetting::Default => "2 % of the arena",
+            }
+        ),
+    );
+    let mut rows = Vec::new();
+    for &n in &ladder {
+        let disk = (n * E3_REGION_BYTES) as u64;
+        let alloc = PageAllocator::builder()
+            .size_bytes(disk + (256 << 20))
+            .huge_pages(HugePages::Try)
+            .build()?;
+        let store: Arc<dyn Backend> = Arc::new(PageStore::new(&alloc, disk).map_err(workload)?);
+        let limit_pages = match limit {
+            LimitSetting::Near => Some(n * pages_per_write * 3 / 2),
+            LimitSetting::Default => None,
+        };
+        let cipher = XtsCipher::new(&key(), SECTOR_BYTES, 0).map_err(workload)?;
+        let target = Arc::new(
+            CryptTarget::new(
+                &alloc,
+                CipherPool::new(cipher, n).map_err(workload)?,
+                store,
+                TargetConfig {
+                    strategy: Strategy::Bulk,
+                    limit_check: LimitCheck::Exact,
+                    min_nr: 64,
+                    limit_pages,
+                },
+            )
+            .map_err(workload)?,
+        );
+        // Format, then warm both modes.
+        limit_sample(&target, n, E3_REGION_BYTES / E3_WRITE_BYTES, false)?;
+        let mut exact = Vec::new();
+        let mut approx = Vec::new();
+        for _ in 0..runs {
+            for (check, v) in [
+                (LimitCheck::Exact, &mut exact),
+                (LimitCheck::Approximate, &mut approx),
+            ] {
+                target.out_pages().set_limit_check(check);
+                v.push(limit_sample(&target, n, writes, false)?.0);
+            }
+        }
+        let mut ns = Vec::new();
+        for check in [LimitCheck::Exact, LimitCheck::Approximate] {
+            target.out_pages().set_limit_check(check);
+            ns.push(limit_sample(&target, n, writes / 4, true)?.1);
+        }
+        let (e, a) = (median(&exact), median(&approx));
+        progress(
+            "crypt",
+            format!(
+                "E3 {n} threads: exact {e:.0} MiB/s, approximate {a:.0} MiB/s; check {:.0} / {:.0} ns per write",
+                ns[0], ns[1]
+            ),
+        );
+        rows.push(json!({
+            "threads": n,
+            "limit_pages": target.out_pages().limit_pages(),
+            "exact_mib_s": round2(e), "approx_mib_s": round2(a),
+            "exact_runs": exact, "approx_runs": approx,
+            "exact_check_ns_per_write": round2(ns[0]),
+            "approx_check_ns_per_write": round2(ns[1]),
+        }));
+        drop(target);
+        alloc
+            .leak_check()
+            .map_err(|a| workload(format!("crypt: pages leaked: {a}")))?;
+    }
+    println!();
+    println!(
+        "crypt limit (E3): {} KiB writes by N threads, page limit {}; MiB/s (median of {runs}) and time in the limit check per write (timed runs)",
+        E3_WRITE_BYTES >> 10,
+        if limit == LimitSetting::Near { "near its threshold" } else { "2 % of the arena" }
+    );
+    println!(
+        "{:>7} | {:>8} | {:>10} {:>10} | {:>13} {:>13} | {:>6}",
+        "threads", "limit", "exact", "approx", "exact ns/wr", "approx ns/wr", "ratio"
+    );
+    for r in &rows {
+        let f = |k: &str| r[k].as_f64().unwrap_or(0.0);
+        println!(
+            "{:>7} | {:>8} | {:>10.0} {:>10.0} | {:>13.1} {:>13.1} | {:>6.3}",
+            r["threads"],
+            r["limit_pages"],
+            f("exact_mib_s"),
+            f("approx_mib_s"),
+            f("exact_check_ns_per_write"),
+            f("approx_check_ns_per_write"),
+            f("approx_mib_s") / f("exact_mib_s")
+        );
+    }
+    let last = rows.last().cloned().unwrap_or(Value::Null);
+    let (json_path, svg_path) = opts.paths("crypt-limit");
+    let pts = |k: &str| -> Vec<(f64, f64)> {
+        rows.iter()
+            .map(|r| {
+                (
+                    r["threads"].as_f64().unwrap_or(1.0),
+                    r[k].as_f64().unwrap_or(0.0),
+                )
+            })
+            .collect()
+    };
+    line_plot(
+        &svg_path,
+        "E3: writes with the page limit near its threshold",
+        "writer threads",
+        "MiB/s",
+        &[
+            Series {
+                label: "exact check".into(),
+                points: pts("exact_mib_s"),
+            },
+            Series {
+                label: "approximate check".into(),
+                points: pts("approx_mib_s"),
+            },
+        ],
+    )?;
+    let report = json!({
+        "experiment": "E3 crypt limit",
+        "machine": crate::machine(),
+        "settings": {
+            "runs": runs, "writes_per_thread": writes, "write_bytes": E3_WRITE_BYTES,
+            "limit": format!("{limit:?}"), "strategy": "bulk", "backend": "page-store RAM disk",
+        },
+        "rows": rows,
+        "summary": {
+            "threads": last["threads"],
+            "exact_mib_s": last["exact_mib_s"],
+            "approx_mib_s": last["approx_mib_s"],
+            "exact_check_ns_per_write": last["exact_check_ns_per_write"],
+            "approx_check_ns_per_write": last["approx_check_ns_per_write"],
+        },
+    });
+    write_json(&json_path, &report)?;
+    progress(
+        "crypt",
+        format!("wrote {} and {}", json_path.display(), svg_path.display()),
+    );
+    Ok(report)
+}
