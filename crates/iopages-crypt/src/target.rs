@@ -397,8 +397,10 @@ impl<C: SectorCipher> CryptTarget<C> {
         result
     }
 
-    /// Encrypt `data` into `blocks` in order, passing each filled block's
-    /// bytes to `each`.
+    /// Encrypt `data` into `blocks` in order, passing each filled run's
+    /// bytes to `each`. Blocks that follow each other in the arena are
+    /// encrypted (and passed on) as one run: one cipher call and one
+    /// segment instead of one per page.
     fn encrypt<'a>(
         &'a self,
         sector: u64,
@@ -408,13 +410,27 @@ impl<C: SectorCipher> CryptTarget<C> {
     ) -> io::Result<()> {
         let ss = self.cipher.sector_size();
         let mut done = 0;
-        for (page, order) in blocks {
+        let mut blocks = blocks.peekable();
+        while let Some((page, order)) = blocks.next() {
             if done == data.len() {
                 break;
             }
-            let n = (PAGE_SIZE << order).min(data.len() - done);
-            // SAFETY: the block is allocated to this write until it is
-            // freed or handed over, and lies inside the arena's mapping.
+            let mut run = PAGE_SIZE << order;
+            let mut next_pfn = page.pfn() as usize + (1 << order);
+            while done + run < data.len() {
+                match blocks.peek() {
+                    Some(&(p, o)) if p.pfn() as usize == next_pfn => {
+                        run += PAGE_SIZE << o;
+                        next_pfn += 1 << o;
+                        blocks.next();
+                    }
+                    _ => break,
+                }
+            }
+            let n = run.min(data.len() - done);
+            // SAFETY: the run's blocks are allocated to this write until
+            // they are freed or handed over, follow each other in the
+            // arena, and lie inside its mapping.
             let dst = unsafe { std::slice::from_raw_parts_mut(self.alloc.page_address(page), n) };
             self.cipher
                 .encrypt_sectors(sector + (done / ss) as u64, &data[done..done + n], dst)?;
