@@ -183,7 +183,7 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
     let (runs, sample_mib, disk_mib, arena_mib) = if opts.quick {
         (2, 64, 64, 256)
     } else {
-        (7, 512, 256, 1024)
+        (7, 2048, 256, 1024)
     };
     progress(
         "crypt",

@@ -56,6 +56,7 @@
 
 #![warn(missing_docs)]
 
+mod admission;
 pub mod backend;
 mod error;
 pub mod queue;

@@ -16,6 +16,7 @@
 //!
 //! [`CipherPool`]: crate::target::CipherPool
 
+use crate::admission::{Admission, PlCell};
 use crate::target::{CryptTarget, SectorCipher};
 use parking_lot::{Condvar, Mutex};
 use std::collections::VecDeque;
@@ -69,20 +70,24 @@ enum Request {
 
 struct State {
     queue: VecDeque<Request>,
-    /// Admitted and not yet completed.
-    admitted: usize,
     shutdown: bool,
+}
+
+/// Completions between wake-ups of waiting submitters (the block layer's
+/// tag wake batch): a full queue is refilled a batch at a time instead of
+/// waking a submitter for every completion.
+fn wake_batch(depth: usize) -> usize {
+    (depth / 8).clamp(1, 8)
 }
 
 struct Shared<C: SectorCipher> {
     target: Arc<CryptTarget<C>>,
-    depth: usize,
     preallocated_out: bool,
+    /// At most `queue_depth` requests admitted; submitters sleep here.
+    gate: Admission<PlCell>,
     state: Mutex<State>,
     /// Workers wait here for requests.
     work: Condvar,
-    /// Submitters wait here for room, and `wait_idle` for zero.
-    room: Condvar,
 }
 
 /// A crypt target with a queue depth and worker threads.
@@ -108,15 +113,13 @@ impl<C: SectorCipher + 'static> CryptQueue<C> {
         }
         let shared = Arc::new(Shared {
             target,
-            depth: cfg.queue_depth,
             preallocated_out: cfg.preallocated_out,
+            gate: Admission::new(cfg.queue_depth, wake_batch(cfg.queue_depth)),
             state: Mutex::new(State {
                 queue: VecDeque::with_capacity(cfg.queue_depth),
-                admitted: 0,
                 shutdown: false,
             }),
             work: Condvar::new(),
-            room: Condvar::new(),
         });
         let mut q = CryptQueue {
             shared,
@@ -139,7 +142,7 @@ impl<C: SectorCipher + 'static> CryptQueue<C> {
 
     /// Queue depth.
     pub fn queue_depth(&self) -> usize {
-        self.shared.depth
+        self.shared.gate.depth()
     }
 
     /// Worker threads.
@@ -149,18 +152,13 @@ impl<C: SectorCipher + 'static> CryptQueue<C> {
 
     /// Requests admitted and not yet completed.
     pub fn in_flight(&self) -> usize {
-        self.shared.state.lock().admitted
+        self.shared.gate.admitted()
     }
 
     fn submit(&self, r: Request) {
         let s = &*self.shared;
-        let mut st = s.state.lock();
-        while st.admitted >= s.depth {
-            s.room.wait(&mut st);
-        }
-        st.admitted += 1;
-        st.queue.push_back(r);
-        drop(st);
+        s.gate.admit();
+        s.state.lock().queue.push_back(r);
         s.work.notify_one();
     }
 
@@ -210,11 +208,7 @@ impl<C: SectorCipher + 'static> CryptQueue<C> {
 
     /// Wait until every admitted request has completed.
     pub fn wait_idle(&self) {
-        let s = &*self.shared;
-        let mut st = s.state.lock();
-        while st.admitted > 0 {
-            s.room.wait(&mut st);
-        }
+        self.shared.gate.wait_idle();
     }
 
     /// Write synchronously through the queue (submit and wait).
@@ -267,10 +261,7 @@ fn worker<C: SectorCipher>(s: &Shared<C>) {
         };
         drop(st);
         serve(&s.target, r, s.preallocated_out.then_some(&mut buf.pages));
-        let mut st = s.state.lock();
-        st.admitted -= 1;
-        drop(st);
-        s.room.notify_all();
+        s.gate.complete();
     }
 }
 

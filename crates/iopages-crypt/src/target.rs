@@ -31,6 +31,11 @@ pub trait SectorCipher: Send + Sync {
     fn encrypt_sectors(&self, sector: u64, src: &[u8], dst: &mut [u8]) -> io::Result<()>;
     /// Decrypt whole sectors in place, the first being `sector`.
     fn decrypt_sectors(&self, sector: u64, buf: &mut [u8]) -> io::Result<()>;
+    /// As `encrypt_sectors`, into a destination the CPU will not read back
+    /// soon (a write's out pages): an implementation may bypass the caches.
+    fn encrypt_sectors_streaming(&self, sector: u64, src: &[u8], dst: &mut [u8]) -> io::Result<()> {
+        self.encrypt_sectors(sector, src, dst)
+    }
 }
 
 fn cipher_error(e: crate::Error) -> io::Error {
@@ -52,6 +57,11 @@ impl SectorCipher for Mutex<crate::XtsCipher> {
     fn decrypt_sectors(&self, sector: u64, buf: &mut [u8]) -> io::Result<()> {
         self.lock()
             .decrypt_sectors_in_place(sector, buf)
+            .map_err(cipher_error)
+    }
+    fn encrypt_sectors_streaming(&self, sector: u64, src: &[u8], dst: &mut [u8]) -> io::Result<()> {
+        self.lock()
+            .encrypt_sectors_streaming(sector, src, dst)
             .map_err(cipher_error)
     }
 }
@@ -123,6 +133,10 @@ impl SectorCipher for CipherPool {
     }
     fn decrypt_sectors(&self, sector: u64, buf: &mut [u8]) -> io::Result<()> {
         self.with(|c| c.decrypt_sectors_in_place(sector, buf))
+            .map_err(cipher_error)
+    }
+    fn encrypt_sectors_streaming(&self, sector: u64, src: &[u8], dst: &mut [u8]) -> io::Result<()> {
+        self.with(|c| c.encrypt_sectors_streaming(sector, src, dst))
             .map_err(cipher_error)
     }
 }
@@ -432,8 +446,11 @@ impl<C: SectorCipher> CryptTarget<C> {
             // they are freed or handed over, follow each other in the
             // arena, and lie inside its mapping.
             let dst = unsafe { std::slice::from_raw_parts_mut(self.alloc.page_address(page), n) };
-            self.cipher
-                .encrypt_sectors(sector + (done / ss) as u64, &data[done..done + n], dst)?;
+            self.cipher.encrypt_sectors_streaming(
+                sector + (done / ss) as u64,
+                &data[done..done + n],
+                dst,
+            )?;
             each(dst);
             done += n;
         }

@@ -97,7 +97,7 @@ impl VaesXts {
     /// a whole number of sectors, `src` as long as `dst`.
     pub(crate) fn crypt(
         &self,
-        decrypt: bool,
+        op: Op,
         first_iv: u64,
         iv_step: u64,
         sector_bytes: usize,
@@ -112,17 +112,34 @@ impl VaesXts {
             sector_bytes,
             src,
         };
+        // Non-temporal stores need 32-byte aligned destinations.
+        let decrypt = op == Op::Decrypt;
+        let stream = op == Op::EncryptStreaming && (dst.as_ptr() as usize).is_multiple_of(32);
+        let (enc, dec, tw) = (&self.data_enc, &self.data_dec, &self.tweak_enc);
         // SAFETY: construction checked AES-NI, AVX2, VAES and VPCLMULQDQ; the lengths
-        // are checked above.
+        // are checked above, and `stream` only with an aligned `dst`.
         unsafe {
-            match (self.rounds, decrypt) {
-                (10, false) => xts_pass::<10, false>(&self.data_enc, &self.tweak_enc, job, dst),
-                (10, true) => xts_pass::<10, true>(&self.data_dec, &self.tweak_enc, job, dst),
-                (_, false) => xts_pass::<14, false>(&self.data_enc, &self.tweak_enc, job, dst),
-                (_, true) => xts_pass::<14, true>(&self.data_dec, &self.tweak_enc, job, dst),
+            match (self.rounds, decrypt, stream) {
+                (10, false, false) => xts_pass::<10, false, false>(enc, tw, job, dst),
+                (10, false, true) => xts_pass::<10, false, true>(enc, tw, job, dst),
+                (10, true, _) => xts_pass::<10, true, false>(dec, tw, job, dst),
+                (_, false, false) => xts_pass::<14, false, false>(enc, tw, job, dst),
+                (_, false, true) => xts_pass::<14, false, true>(enc, tw, job, dst),
+                (_, true, _) => xts_pass::<14, true, false>(dec, tw, job, dst),
             }
         }
     }
+}
+
+/// What a pass does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Op {
+    /// Encrypt with ordinary stores.
+    Encrypt,
+    /// Encrypt, writing an aligned destination with non-temporal stores.
+    EncryptStreaming,
+    /// Decrypt.
+    Decrypt,
 }
 
 #[derive(Clone, Copy)]
@@ -134,14 +151,16 @@ struct Job<'a> {
 }
 
 /// One XTS pass; `NR` rounds, `DEC` for decryption (`keys` then hold the
-/// equivalent inverse cipher's round keys).
+/// equivalent inverse cipher's round keys), `NT` to write `dst` with
+/// non-temporal stores (past the caches, without first reading the lines:
+/// for destinations the CPU will not read back soon).
 ///
 /// # Safety
 /// The CPU has AES-NI, AVX2, VAES and VPCLMULQDQ. `dst.len()` is a multiple of
 /// `job.sector_bytes`, itself a multiple of [`STEP_BYTES`]; `job.src`, if
-/// any, is as long as `dst`.
+/// any, is as long as `dst`. With `NT`, `dst` is 32-byte aligned.
 #[target_feature(enable = "aes,avx2,vaes,vpclmulqdq")]
-unsafe fn xts_pass<const NR: usize, const DEC: bool>(
+unsafe fn xts_pass<const NR: usize, const DEC: bool, const NT: bool>(
     keys: &RoundKeys,
     tweak_keys: &RoundKeys,
     job: Job<'_>,
@@ -201,11 +220,20 @@ unsafe fn xts_pass<const NR: usize, const DEC: bool>(
                     } else {
                         _mm256_aesenclast_epi128(x[j], last)
                     };
-                    _mm256_storeu_si256(o.add(32 * j).cast(), y);
+                    if NT {
+                        _mm256_stream_si256(o.add(32 * j).cast(), y);
+                    } else {
+                        _mm256_storeu_si256(o.add(32 * j).cast(), y);
+                    }
                     tw[j] = mul_alpha16(tw[j]);
                 }
             }
         }
+    }
+    if NT {
+        // Order the weakly ordered stores before whatever publishes `dst`
+        // (a lock release, a queue push) to other threads.
+        _mm_sfence();
     }
     first.zeroize();
     wipe(&mut tw);
