@@ -132,8 +132,7 @@ impl Limit {
         if self.timed.load(Ordering::Relaxed) {
             let t = Instant::now();
             let r = self.reached_untimed();
-            self.check_ns
-                .add_batch(t.elapsed().as_nanos() as i64, crate::target::TIME_BATCH);
+            self.check_ns.add(t.elapsed().as_nanos() as i64);
             self.checks.add(1);
             return r;
         }
@@ -230,8 +229,8 @@ impl OutAllocator {
             limit_pages: limit_pages.unwrap_or(default_limit) as i64,
             check: AtomicU8::new(limit_check as u8),
             timed: AtomicBool::new(false),
-            checks: PercpuCounter::new(0),
-            check_ns: PercpuCounter::new(0),
+            checks: PercpuCounter::statistic(),
+            check_ns: PercpuCounter::statistic(),
         });
         let source = LimitedPageSource {
             inner: PageSource::new(alloc.clone(), 0)?,

@@ -100,6 +100,18 @@ impl PercpuCounter {
         }
     }
 
+    /// A counter for statistics that grow by large amounts (bytes,
+    /// nanoseconds) and are read exactly ([`PercpuCounter::sum`]): one slot
+    /// per CPU and the largest batch, so that an add takes the lock only
+    /// when its CPU's delta passes 2^30.
+    /// Its rough read ([`PercpuCounter::read`]) is of little use.
+    pub fn statistic() -> PercpuCounter {
+        let cpus = crate::cpu::nr_cpus().clamp(1, PERCPU_SLOTS_MAX);
+        PercpuCounter {
+            core: Core::new(0, cpus, PERCPU_BATCH_MAX),
+        }
+    }
+
     /// A counter with `nr_slots` slots (CPU `c` uses slot `c mod nr_slots`)
     /// and batch `batch`.
     ///

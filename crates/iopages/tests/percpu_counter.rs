@@ -363,3 +363,32 @@ proptest! {
         prop_assert_eq!(c.sum(), model);
     }
 }
+
+#[test]
+fn a_statistic_counter_takes_large_adds_from_many_threads_without_folding() {
+    let c = Arc::new(PercpuCounter::statistic());
+    let threads: Vec<_> = (0..4)
+        .map(|t| {
+            let c = Arc::clone(&c);
+            thread::spawn(move || {
+                for i in 0..10_000i64 {
+                    c.add(1 << 20 | (i ^ t));
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let want: i64 = (0..4i64)
+        .map(|t| (0..10_000i64).map(|i| 1 << 20 | (i ^ t)).sum::<i64>())
+        .sum();
+    assert_eq!(c.sum(), want);
+    // A slot folds only when its delta passes the batch (2^30): about
+    // once per GiB added, not once per add.
+    let folds = c.stats().folds as i64;
+    assert!(
+        folds <= want / PERCPU_BATCH_MAX + 4,
+        "{folds} folds for 40000 adds of ~1 MiB"
+    );
+}
