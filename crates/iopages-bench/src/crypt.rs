@@ -91,6 +91,8 @@ struct Sample {
     iops: f64,
     /// Share of the worker's write time spent allocating and freeing.
     alloc_share: f64,
+    /// Share of the wall time the worker spent inside writes.
+    busy: f64,
 }
 
 fn stats_delta(a: TargetStats, b: TargetStats) -> (u64, Duration, Duration) {
@@ -153,6 +155,7 @@ fn pipeline_sample(
         } else {
             alloc.as_secs_f64() / busy.as_secs_f64()
         },
+        busy: busy.as_secs_f64() / secs,
     })
 }
 
@@ -175,6 +178,7 @@ fn cipher_sample(cipher: &mut XtsCipher, plain: &[u8], dst: &mut [u8], n: usize)
         mib_s: n as f64 / secs,
         iops: n as f64 / secs,
         alloc_share: 0.0,
+        busy: 1.0,
     }
 }
 
@@ -270,8 +274,8 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
         "crypt (E2): 1 MiB sequential writes, queue depth {QUEUE_DEPTH}, one worker, page-store RAM disk; median of {runs} runs"
     );
     println!(
-        "{:<58} | {:>7} {:>11} | {:>6} | {:>12}",
-        "", "MiB/s", "min-max", "IOPS", "alloc+free %"
+        "{:<58} | {:>7} {:>11} | {:>6} | {:>12} | {:>6}",
+        "", "MiB/s", "min-max", "IOPS", "alloc+free %", "busy %"
     );
     for (i, &m) in Mode::ALL.iter().enumerate() {
         let (lo, hi) = range(i);
@@ -281,12 +285,13 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
             format!("{:.2}", med(i, |s| s.alloc_share) * 100.0)
         };
         println!(
-            "{:<58} | {:>7.0} {:>11} | {:>6.0} | {:>12}",
+            "{:<58} | {:>7.0} {:>11} | {:>6.0} | {:>12} | {:>6.1}",
             format!("{} ({})", m.name(), m.describe()),
             med(i, |s| s.mib_s),
             format!("{lo:.0}-{hi:.0}"),
             med(i, |s| s.iops),
-            share
+            share,
+            med(i, |s| s.busy) * 100.0
         );
     }
     println!(
@@ -356,6 +361,7 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
                     "mib_s": samples[i].iter().map(|s| round2(s.mib_s)).collect::<Vec<_>>(),
                     "iops": samples[i].iter().map(|s| round2(s.iops)).collect::<Vec<_>>(),
                     "alloc_share": samples[i].iter().map(|s| s.alloc_share).collect::<Vec<_>>(),
+                    "worker_busy": samples[i].iter().map(|s| s.busy).collect::<Vec<_>>(),
                 }),
             )
         })
