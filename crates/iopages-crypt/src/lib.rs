@@ -4,8 +4,9 @@
 //! into freshly allocated pages and decrypts every read in place, with
 //! dm-crypt's `aes-xts-plain64`: AES-XTS (IEEE 1619) over 512- or 4096-byte
 //! sectors, the tweak of each sector being its number (plus `iv_offset`) as
-//! a little-endian 64-bit value. This crate holds that cipher; the target,
-//! its page strategies and the LUKS headers come on top of it.
+//! a little-endian 64-bit value. This crate holds that cipher, the target
+//! with its page strategies, queue and backends; the LUKS headers come on
+//! top of it.
 //!
 //! ## Map: kernel → module
 //!
@@ -17,8 +18,10 @@
 //! | `iv_offset`, `sector_size`, `iv_large_sectors` table options | [`XtsCipherBuilder`] | `xts.rs` |
 //! | error codes | [`Error`] | `error.rs` |
 //! | `crypt_alloc_buffer`, `crypt_page_alloc`, pages per client | [`strategy::OutAllocator`] (per-page, bulk, compound), the page limit | `strategy.rs` |
-//! | `brd` (RAM disk), the block device below | [`backend::Backend`], [`backend::RamDisk`] | `backend.rs` |
-//! | `crypt_map` write/read paths | [`target::CryptTarget`] | `target.rs` |
+//! | `brd` (RAM disk), the block device below | [`backend::Backend`], [`backend::RamDisk`], [`backend::PageStore`] | `backend.rs` |
+//! | a file or block device under the target | [`uring::UringFile`] (io_uring, `O_DIRECT`, fixed buffers) | `uring.rs` |
+//! | `crypt_map` write/read paths, per-CPU transforms | [`target::CryptTarget`], [`target::CipherPool`] | `target.rs` |
+//! | `kcryptd` workqueue, the tag set's queue depth and wake batch | [`queue::CryptQueue`] | `queue.rs`, `admission.rs` |
 //!
 //! ## Implementation notes
 //!
