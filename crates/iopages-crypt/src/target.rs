@@ -3,7 +3,7 @@
 //! Owns: a write — allocate the "out" pages with the device's strategy,
 //! encrypt sector by sector from the caller's plaintext into them, submit
 //! them to the backend, free them when the write completes (or, on a
-//! [`PageStore`](crate::backend::PageStore), hand them over and free the
+//! [`PageStore`], hand them over and free the
 //! pages they replace); a read — read the ciphertext from the backend into
 //! the caller's buffer and decrypt it in place. Must never: leave out
 //! pages allocated after a write returns (success or error), or write a
