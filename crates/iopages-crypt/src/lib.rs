@@ -61,6 +61,7 @@
 
 mod admission;
 pub mod backend;
+pub mod dio;
 mod error;
 pub mod queue;
 pub mod strategy;

@@ -31,7 +31,7 @@ use crate::tcache::{Owner, Tcache, ThreadCaches, LAST};
 use crate::zone::{Mark, Watermarks, Zone};
 use parking_lot::{Condvar, Mutex};
 use std::cell::Cell;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Acquire, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -527,6 +527,12 @@ impl PageAllocator {
         }
     }
 
+    /// Whether allocation checks (double-free detection and the like) are
+    /// on.
+    pub fn checks_enabled(&self) -> bool {
+        self.core.checks
+    }
+
     /// Whether `other` is a handle on this same allocator (same arena).
     pub fn same_allocator(&self, other: &PageAllocator) -> bool {
         Arc::ptr_eq(&self.core, &other.core)
@@ -774,7 +780,7 @@ impl Core {
             }
         }
         head.set_flags(fl);
-        head.link_or_pins.store(0, Relaxed);
+        head.link_prev.store(0, Relaxed);
         head.link_or_owner.store(0, Relaxed);
         if gfp.contains(Gfp::ZERO) {
             // SAFETY: the block is ours and lies inside the mapping.
@@ -797,6 +803,12 @@ impl Core {
         );
         let head = self.arena.frame(page.pfn());
         let fl = head.flags();
+        let pins = head.pins.load(Acquire);
+        assert!(
+            pins == 0,
+            "free_pages: pfn {} is pinned ({pins} pins): a pinned frame is never freed",
+            page.pfn()
+        );
         if self.checks {
             assert!(
                 fl & flags::ALLOCATED != 0,

@@ -30,6 +30,17 @@ pub enum Error {
     /// Huge pages were required but the kernel refused them.
     #[error("huge pages were required for the arena but are not available: {0}")]
     HugePagesUnavailable(io::Error),
+    /// A folio is pinned by I/O and cannot be freed.
+    #[error("the folio at pfn {pfn} is pinned ({pins} pins) and cannot be freed until its I/O releases it")]
+    Pinned {
+        /// The folio's head frame.
+        pfn: u32,
+        /// Pins held.
+        pins: u32,
+    },
+    /// No memory for a request that may fail.
+    #[error("out of memory: {0}")]
+    NoMemory(String),
     /// A system call failed.
     #[error("{call} failed: {source}")]
     Os {

@@ -118,10 +118,11 @@ pub(crate) const NIL: u32 = u32::MAX;
 /// - `flags`, `order`: written by the zone under its lock while the frame
 ///   is free, and by the allocation path when it hands a frame out with
 ///   checks on or as a compound page.
-/// - `refcount`: users' references (folios); the allocator's plain handles
-///   do not count.
-/// - `link_or_pins`: while free in the buddy, the previous block on its free
-///   list; while allocated, the pin count.
+/// - `pins`: on a folio's head frame, the pins I/O holds on its pages
+///   (`pin_folio`); zero whenever the frame is free — a pinned folio is
+///   never freed.
+/// - `link_prev`: while free in the buddy, the previous block on its free
+///   list.
 /// - `link_or_owner`: while free in the buddy, the next block on its free
 ///   list; while allocated, an owner word for the user (or, on a compound
 ///   tail, the head's pfn).
@@ -135,8 +136,8 @@ pub struct Frame {
     pub(crate) flags: AtomicU16,
     pub(crate) order: AtomicU8,
     _reserved: u8,
-    pub(crate) refcount: AtomicU32,
-    pub(crate) link_or_pins: AtomicU32,
+    pub(crate) pins: AtomicU32,
+    pub(crate) link_prev: AtomicU32,
     pub(crate) link_or_owner: AtomicU32,
 }
 
@@ -163,7 +164,7 @@ impl Frame {
     }
     #[inline]
     pub(crate) fn prev(&self) -> u32 {
-        self.link_or_pins.load(Relaxed)
+        self.link_prev.load(Relaxed)
     }
     #[inline]
     pub(crate) fn next(&self) -> u32 {
@@ -171,7 +172,7 @@ impl Frame {
     }
     #[inline]
     pub(crate) fn set_prev(&self, v: u32) {
-        self.link_or_pins.store(v, Relaxed)
+        self.link_prev.store(v, Relaxed)
     }
     #[inline]
     pub(crate) fn set_next(&self, v: u32) {
@@ -186,9 +187,7 @@ pub struct FrameInfo {
     pub flags: u16,
     /// Order recorded on the frame (meaningful on buddy and compound heads).
     pub order: u32,
-    /// Users' reference count.
-    pub refcount: u32,
-    /// Pin count while allocated (a free-list link while free).
+    /// Pins held on the folio this frame heads.
     pub pincount: u32,
     /// Owner word while allocated (a free-list link while free).
     pub owner: u32,
@@ -199,8 +198,7 @@ impl Frame {
         FrameInfo {
             flags: self.flags(),
             order: self.order(),
-            refcount: self.refcount.load(Relaxed),
-            pincount: self.link_or_pins.load(Relaxed),
+            pincount: self.pins.load(Relaxed),
             owner: self.link_or_owner.load(Relaxed),
         }
     }

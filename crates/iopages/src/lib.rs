@@ -57,12 +57,14 @@
 
 mod alloc;
 pub mod arena;
+pub mod bio;
 mod builder;
 mod compaction;
 mod cpu;
 mod depot;
 mod error;
 mod fault;
+mod folio;
 pub mod frame;
 mod gfp;
 mod mempool;
@@ -76,10 +78,12 @@ pub mod zone;
 
 pub use alloc::{PageAllocator, PageBox, MAX_RECLAIM_RETRIES, NOFAIL_WAIT};
 pub use arena::{Arena, Backing, HugePages};
+pub use bio::{Bio, BioError, BioLimits, BioVec};
 pub use builder::{PageAllocatorBuilder, DEFAULT_ARENA_BYTES, DEFAULT_THREAD_CACHE_PAGES};
 pub use compaction::CompactResult;
 pub use error::{Error, Result};
 pub use fault::{FaultConfig, FaultInjector};
+pub use folio::{Folio, FolioBuffer};
 pub use frame::{Frame, FrameInfo, Page, MAX_ORDER, PAGE_SIZE};
 pub use gfp::{memalloc_nofs_scope, memalloc_noio_scope, Gfp, NofsScope, NoioScope};
 pub use mempool::{

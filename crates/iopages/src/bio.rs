@@ -1,0 +1,403 @@
+//! Bios: the I/O vector of one request, in multi-page segments, built
+//! folio by folio.
+//!
+//! Owns: [`Bio`] — segments of (first frame, offset, length) that may run
+//! across physically contiguous frames, bounded in count and size; merging
+//! a page or folio range into the previous segment when it continues it;
+//! building a bio from a page array folio by folio, pinning each folio
+//! once for all the pages it covers (seed 002), with the page-by-page
+//! builder kept as the baseline; releasing the pins folio by folio. Must
+//! never: cover a byte twice or skip one, exceed its limits (an add that
+//! would is refused and changes nothing), or leave pins behind on an error.
+//!
+//! The folio-aware builder trusts the page array to list each folio's
+//! frames in order, as an address range's frames are (what
+//! [`crate::FolioBuffer::pages`] returns): it checks only the last frame
+//! of each run it skips (all of them with the allocator's checks on) and
+//! falls back to one page when that check fails.
+
+use crate::alloc::PageAllocator;
+use crate::frame::{Page, PAGE_SIZE};
+
+/// One segment: `len` bytes from `offset` bytes into frame `page`,
+/// continuing into the frames after it when longer than the rest of that
+/// frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BioVec {
+    /// First frame.
+    pub page: Page,
+    /// Byte offset into the first frame (below 4096).
+    pub offset: u32,
+    /// Bytes.
+    pub len: u32,
+}
+
+impl BioVec {
+    /// Byte position of the segment's start in the arena.
+    #[inline]
+    fn start(&self) -> usize {
+        self.page.pfn() as usize * PAGE_SIZE + self.offset as usize
+    }
+
+    /// Frames the segment touches.
+    pub fn nr_pages(&self) -> usize {
+        (self.offset as usize + self.len as usize).div_ceil(PAGE_SIZE)
+    }
+}
+
+/// A bio's bounds (the block layer's `max_segments` and
+/// `max_segment_size`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BioLimits {
+    /// Most segments (default 256, the kernel's `BIO_MAX_VECS`).
+    pub max_segments: usize,
+    /// Most bytes in one segment (default 64 KiB, the block layer's
+    /// default `max_segment_size`).
+    pub max_segment_bytes: usize,
+}
+
+impl Default for BioLimits {
+    fn default() -> Self {
+        BioLimits {
+            max_segments: 256,
+            max_segment_bytes: 64 << 10,
+        }
+    }
+}
+
+/// Why a bio could not take a range.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BioError {
+    /// The range needs more segments than the limit allows.
+    #[error("the bio is full: {max_segments} segments of at most {max_segment_bytes} bytes")]
+    Full {
+        /// The segment limit.
+        max_segments: usize,
+        /// The segment size limit.
+        max_segment_bytes: usize,
+    },
+    /// The range does not fit what it was taken from.
+    #[error("{what}: {offset} + {len} bytes exceeds {limit} bytes")]
+    OutOfRange {
+        /// Which range.
+        what: &'static str,
+        /// Start of the range.
+        offset: usize,
+        /// Its length.
+        len: usize,
+        /// The size it must fit in.
+        limit: usize,
+    },
+    /// The limits themselves are unusable.
+    #[error("bio limits need at least one segment of at least one page, got {0:?}")]
+    BadLimits(BioLimits),
+}
+
+/// The I/O vector of one request.
+#[derive(Debug)]
+pub struct Bio {
+    segs: Vec<BioVec>,
+    len: usize,
+    limits: BioLimits,
+    /// Pins were taken for the segments (by a `from_pages` builder) and
+    /// are owed back by `release`.
+    pinned: bool,
+}
+
+impl Bio {
+    /// An empty bio.
+    ///
+    /// **Returns:** [`BioError::BadLimits`] for no segments or segments
+    /// smaller than a page.
+    pub fn new(limits: BioLimits) -> Result<Bio, BioError> {
+        if limits.max_segments == 0 || limits.max_segment_bytes < PAGE_SIZE {
+            return Err(BioError::BadLimits(limits));
+        }
+        Ok(Bio {
+            segs: Vec::with_capacity(limits.max_segments.min(16)),
+            len: 0,
+            limits,
+            pinned: false,
+        })
+    }
+
+    /// Bytes covered.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the bio covers nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The segments, in order.
+    pub fn segments(&self) -> &[BioVec] {
+        &self.segs
+    }
+
+    /// The limits.
+    pub fn limits(&self) -> BioLimits {
+        self.limits
+    }
+
+    /// Whether the bio holds pins that [`Bio::release`] gives back.
+    pub fn is_pinned(&self) -> bool {
+        self.pinned
+    }
+
+    fn full(&self) -> BioError {
+        BioError::Full {
+            max_segments: self.limits.max_segments,
+            max_segment_bytes: self.limits.max_segment_bytes,
+        }
+    }
+
+    /// Segments needed to add `len` bytes at arena byte `start`.
+    fn segments_needed(&self, start: usize, len: usize) -> usize {
+        let max = self.limits.max_segment_bytes;
+        let mut room = 0;
+        if let Some(last) = self.segs.last() {
+            if last.start() + last.len as usize == start {
+                room = max - last.len as usize;
+            }
+        }
+        len.saturating_sub(room).div_ceil(max)
+    }
+
+    /// Append `len` bytes starting at arena byte `start`, merging with the
+    /// last segment when it ends where this starts; nothing changes if the
+    /// segments would run out.
+    fn push(&mut self, start: usize, len: usize) -> Result<(), BioError> {
+        if len == 0 {
+            return Ok(());
+        }
+        if self.segs.len() + self.segments_needed(start, len) > self.limits.max_segments {
+            return Err(self.full());
+        }
+        let max = self.limits.max_segment_bytes;
+        let (mut start, mut left) = (start, len);
+        if let Some(last) = self.segs.last_mut() {
+            if last.start() + last.len as usize == start {
+                let n = (max - last.len as usize).min(left);
+                last.len += n as u32;
+                start += n;
+                left -= n;
+            }
+        }
+        while left > 0 {
+            let n = max.min(left);
+            self.segs.push(BioVec {
+                page: Page::from_pfn((start / PAGE_SIZE) as u32),
+                offset: (start % PAGE_SIZE) as u32,
+                len: n as u32,
+            });
+            start += n;
+            left -= n;
+        }
+        self.len += len;
+        Ok(())
+    }
+
+    /// Add `len` bytes of `page` from `offset`, merged into the last
+    /// segment when physically contiguous with it.
+    ///
+    /// **Returns:** [`BioError::OutOfRange`] past the page's end,
+    /// [`BioError::Full`] when no segment is left (the bio unchanged).
+    pub fn add_page(&mut self, page: Page, offset: usize, len: usize) -> Result<(), BioError> {
+        if !offset.checked_add(len).is_some_and(|end| end <= PAGE_SIZE) {
+            return Err(BioError::OutOfRange {
+                what: "add_page",
+                offset,
+                len,
+                limit: PAGE_SIZE,
+            });
+        }
+        self.push(page.pfn() as usize * PAGE_SIZE + offset, len)
+    }
+
+    /// Add `len` bytes of `folio` from byte `offset` in one step.
+    ///
+    /// **Returns:** as [`Bio::add_page`], against the folio's size.
+    pub fn add_folio(
+        &mut self,
+        folio: crate::Folio,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), BioError> {
+        if !offset
+            .checked_add(len)
+            .is_some_and(|end| end <= folio.size_bytes())
+        {
+            return Err(BioError::OutOfRange {
+                what: "add_folio",
+                offset,
+                len,
+                limit: folio.size_bytes(),
+            });
+        }
+        self.push(folio.page().pfn() as usize * PAGE_SIZE + offset, len)
+    }
+
+    fn check_range(pages: &[Page], offset: usize, len: usize) -> Result<(), BioError> {
+        let limit = pages.len() * PAGE_SIZE;
+        if !offset.checked_add(len).is_some_and(|end| end <= limit) {
+            return Err(BioError::OutOfRange {
+                what: "page array",
+                offset,
+                len,
+                limit,
+            });
+        }
+        Ok(())
+    }
+
+    /// Build a bio for `len` bytes from byte `offset` of the memory the
+    /// page array `pages` lists, folio by folio: each folio's part of the
+    /// range is added in one step and its pins taken with one atomic add
+    /// (one pin per page covered); the array's other pages of that folio
+    /// are skipped, not visited.
+    ///
+    /// **Returns:** [`BioError::OutOfRange`] if the range leaves the
+    /// array, [`BioError::Full`] if it needs more segments than `limits`
+    /// allow — in both cases with no pin left behind.
+    pub fn from_pages(
+        alloc: &PageAllocator,
+        pages: &[Page],
+        offset: usize,
+        len: usize,
+        limits: BioLimits,
+    ) -> Result<Bio, BioError> {
+        Self::check_range(pages, offset, len)?;
+        let mut bio = Bio::new(limits)?;
+        bio.pinned = true;
+        let checks = alloc.checks_enabled();
+        let (mut i, mut off, mut left) = (offset / PAGE_SIZE, offset % PAGE_SIZE, len);
+        while left > 0 {
+            let page = pages[i];
+            let folio = alloc.page_folio(page);
+            let idx = (page.pfn() - folio.page().pfn()) as usize;
+            let run = (folio.nr_pages() - idx).min(pages.len() - i);
+            let bytes = (run * PAGE_SIZE - off).min(left);
+            let mut n = (off + bytes).div_ceil(PAGE_SIZE);
+            let consecutive = |k: usize| pages[i + k].pfn() == page.pfn() + k as u32;
+            let ok = if checks {
+                (0..n).all(consecutive)
+            } else {
+                consecutive(n - 1)
+            };
+            let bytes = if ok {
+                bytes
+            } else {
+                n = 1;
+                (PAGE_SIZE - off).min(left)
+            };
+            if let Err(e) = bio.push(page.pfn() as usize * PAGE_SIZE + off, bytes) {
+                bio.release(alloc);
+                return Err(e);
+            }
+            alloc.pin_folio(folio, n as u32);
+            i += n;
+            off = 0;
+            left -= bytes;
+        }
+        Ok(bio)
+    }
+
+    /// The page-by-page baseline of [`Bio::from_pages`]: every page of the
+    /// range is added (and merged) and pinned on its own. Same segments,
+    /// same pins.
+    ///
+    /// **Returns:** as [`Bio::from_pages`].
+    pub fn from_pages_by_page(
+        alloc: &PageAllocator,
+        pages: &[Page],
+        offset: usize,
+        len: usize,
+        limits: BioLimits,
+    ) -> Result<Bio, BioError> {
+        Self::check_range(pages, offset, len)?;
+        let mut bio = Bio::new(limits)?;
+        bio.pinned = true;
+        let (mut i, mut off, mut left) = (offset / PAGE_SIZE, offset % PAGE_SIZE, len);
+        while left > 0 {
+            let n = (PAGE_SIZE - off).min(left);
+            if let Err(e) = bio.add_page(pages[i], off, n) {
+                bio.release_by_page(alloc);
+                return Err(e);
+            }
+            alloc.pin_page(pages[i]);
+            i += 1;
+            off = 0;
+            left -= n;
+        }
+        Ok(bio)
+    }
+
+    /// Give back the pins a `from_pages` builder took, folio by folio (one
+    /// atomic subtract per folio a segment touches). A bio built with
+    /// `add_page` / `add_folio` holds no pins; releasing it does nothing.
+    pub fn release(mut self, alloc: &PageAllocator) {
+        if !std::mem::take(&mut self.pinned) {
+            return;
+        }
+        // A page split between two segments (at a segment-size boundary)
+        // was pinned once: skip a segment's first page when the segment
+        // before ended in it.
+        let mut last_page = None;
+        for s in &self.segs {
+            let end = s.page.pfn() + s.nr_pages() as u32;
+            let mut pfn = s.page.pfn() + u32::from(last_page == Some(s.page.pfn()));
+            last_page = Some(end - 1);
+            while pfn < end {
+                let folio = alloc.page_folio(Page::from_pfn(pfn));
+                let folio_end = folio.page().pfn() + folio.nr_pages() as u32;
+                let n = folio_end.min(end) - pfn;
+                alloc.unpin_folio(folio, n);
+                pfn += n;
+            }
+        }
+    }
+
+    /// The page-by-page baseline of [`Bio::release`]: one unpin per page.
+    pub fn release_by_page(mut self, alloc: &PageAllocator) {
+        if !std::mem::take(&mut self.pinned) {
+            return;
+        }
+        let mut last_page = None;
+        for s in &self.segs {
+            let end = s.page.pfn() + s.nr_pages() as u32;
+            let first = s.page.pfn() + u32::from(last_page == Some(s.page.pfn()));
+            for pfn in first..end {
+                alloc.unpin_page(Page::from_pfn(pfn));
+            }
+            last_page = Some(end - 1);
+        }
+    }
+
+    /// The segments as (address, length) in the arena's mapping — what an
+    /// iovec array for `readv`/`writev` or io_uring holds.
+    pub fn iovecs<'a>(
+        &'a self,
+        alloc: &'a PageAllocator,
+    ) -> impl Iterator<Item = (*mut u8, usize)> + 'a {
+        self.segs.iter().map(move |s| {
+            // SAFETY (of the arithmetic): the segment lies inside the arena,
+            // so the offset stays inside its mapping.
+            let p = unsafe { alloc.page_address(s.page).add(s.offset as usize) };
+            (p, s.len as usize)
+        })
+    }
+}
+
+impl Drop for Bio {
+    fn drop(&mut self) {
+        if self.pinned && !std::thread::panicking() {
+            debug_assert!(
+                false,
+                "a bio holding pins was dropped without release(): its folios stay pinned"
+            );
+        }
+    }
+}
