@@ -19,7 +19,11 @@
 //!   strategy, beside the bare cipher and a pipeline with no allocation;
 //!   E3 (`crypt --threads N --limit near`): the page limit checked exactly
 //!   and approximately by N writers.
+//! - E4 `bio`: bios built from page arrays page by page and folio by folio
+//!   (build and release of pins), and direct I/O of folio buffers through
+//!   io_uring.
 
+pub mod bio;
 pub mod bulk;
 pub mod counter;
 pub mod crypt;

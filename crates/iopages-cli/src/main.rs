@@ -73,6 +73,9 @@ enum Experiment {
     /// then E3: N writers with the page limit near its threshold, checked
     /// exactly and approximately.
     Crypt,
+    /// E4: bios from 64 KiB folios and from single pages, built page by
+    /// page and folio by folio; direct I/O through io_uring.
+    Bio,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -138,6 +141,9 @@ fn run(cli: Cli) -> Result<(), BenchError> {
             }
             if all || experiment == Experiment::Xts {
                 iopages_bench::xts::run(&opts)?;
+            }
+            if all || experiment == Experiment::Bio {
+                iopages_bench::bio::run(&opts)?;
             }
             if all || experiment == Experiment::Crypt {
                 let e3_only = threads.is_some() || limit.is_some();

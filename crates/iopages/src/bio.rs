@@ -277,6 +277,19 @@ impl Bio {
         while left > 0 {
             let page = pages[i];
             let folio = alloc.page_folio(page);
+            if folio.order() == 0 {
+                // A single page: nothing to skip.
+                let bytes = (PAGE_SIZE - off).min(left);
+                if let Err(e) = bio.push(page.pfn() as usize * PAGE_SIZE + off, bytes) {
+                    bio.release(alloc);
+                    return Err(e);
+                }
+                alloc.pin_folio(folio, 1);
+                i += 1;
+                off = 0;
+                left -= bytes;
+                continue;
+            }
             let idx = (page.pfn() - folio.page().pfn()) as usize;
             let run = (folio.nr_pages() - idx).min(pages.len() - i);
             let bytes = (run * PAGE_SIZE - off).min(left);
