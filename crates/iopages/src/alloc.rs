@@ -31,7 +31,7 @@ use crate::tcache::{Owner, Tcache, ThreadCaches, LAST};
 use crate::zone::{Mark, Watermarks, Zone};
 use parking_lot::{Condvar, Mutex};
 use std::cell::Cell;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Acquire, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Acquire, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -73,6 +73,8 @@ pub(crate) struct Core {
     waiters: AtomicUsize,
     wait_lock: Mutex<()>,
     wait_cv: Condvar,
+    /// Background reclaim, started on first wake-up.
+    kswapd: Kswapd,
 }
 
 /// Watermark rules of the fast path: stay above low.
@@ -105,7 +107,7 @@ impl PageAllocator {
             .map(|_| PcpSet::new(&limits))
             .collect();
         Ok(PageAllocator {
-            core: Arc::new(Core {
+            core: Arc::new_cyclic(|me| Core {
                 id: NEXT_ID.fetch_add(1, Relaxed),
                 arena,
                 zone,
@@ -121,6 +123,14 @@ impl PageAllocator {
                 waiters: AtomicUsize::new(0),
                 wait_lock: Mutex::new(()),
                 wait_cv: Condvar::new(),
+                kswapd: Kswapd {
+                    started: AtomicBool::new(false),
+                    shared: Arc::new(KswapdShared {
+                        stop: AtomicBool::new(!b.background_reclaim),
+                        ..KswapdShared::default()
+                    }),
+                    core: me.clone(),
+                },
             }),
         })
     }
@@ -524,6 +534,31 @@ impl PageAllocator {
                 let f = core.arena.frame(pfn);
                 f.set_flags(f.flags() | flags::ALLOCATED);
             }
+        }
+    }
+
+    /// Background reclaim's work so far: (rounds run, pages reclaimed).
+    pub fn kswapd_stats(&self) -> (u64, u64) {
+        let k = &self.core.kswapd.shared;
+        (k.rounds.load(Relaxed), k.reclaimed.load(Relaxed))
+    }
+
+    /// Whether the background reclaim thread is running.
+    pub fn kswapd_running(&self) -> bool {
+        self.core.kswapd.started.load(Relaxed) && !self.core.kswapd.shared.stop.load(Relaxed)
+    }
+
+    /// Stop the background reclaim thread (it is started again by the
+    /// next wake-up only after [`PageAllocator::start_kswapd`]).
+    pub fn stop_kswapd(&self) {
+        self.core.kswapd.stop();
+    }
+
+    /// Allow background reclaim again after [`PageAllocator::stop_kswapd`].
+    pub fn start_kswapd(&self) {
+        let k = &self.core.kswapd;
+        if k.shared.stop.swap(false, Relaxed) {
+            k.started.store(false, Relaxed);
         }
     }
 
@@ -965,6 +1000,7 @@ impl Core {
         self.counters.slowpath.fetch_add(1, Relaxed);
         if gfp.contains(Gfp::KSWAPD_RECLAIM) {
             self.counters.kswapd_wakeups.fetch_add(1, Relaxed);
+            self.wake_kswapd();
         }
         let wm = Wmark {
             mark: Mark::Min,
@@ -1028,6 +1064,56 @@ impl Core {
         None
     }
 
+    /// Wake background reclaim (start it on first use).
+    fn wake_kswapd(&self) {
+        let k = &self.kswapd;
+        if k.shared.stop.load(Relaxed) {
+            return;
+        }
+        if !k.started.load(Relaxed) && !k.started.swap(true, Relaxed) {
+            let weak = k.core.clone();
+            let shared = Arc::clone(&k.shared);
+            let spawned = std::thread::Builder::new()
+                .name(format!("kswapd/{}", self.id))
+                .spawn(move || kswapd_main(weak, shared));
+            if spawned.is_err() {
+                // No thread: direct reclaim still works; try again later.
+                k.started.store(false, Relaxed);
+                return;
+            }
+        }
+        let mut pending = k.shared.pending.lock();
+        if !*pending {
+            *pending = true;
+            k.shared.cv.notify_one();
+        }
+    }
+
+    /// One round of background reclaim: shrink until the zone is above its
+    /// high watermark or the shrinkers free nothing more. Returns pages
+    /// reclaimed.
+    fn kswapd_round(&self) -> usize {
+        let high = self.zone.watermarks().high;
+        let mut total = 0;
+        loop {
+            let free = self.zone.nr_free_pages() + self.zone.depot.len();
+            if free >= high || self.kswapd.shared.stop.load(Relaxed) {
+                break;
+            }
+            let want = (high - free).min(KSWAPD_BATCH);
+            let got = self.shrinkers.shrink(Gfp::KERNEL, want);
+            // What the shrinkers freed sits in this thread's cache and its
+            // CPU's list: hand it to the zone, where the watermarks see it.
+            self.flush_own_cache();
+            self.drain_all_pcp();
+            total += got;
+            if got == 0 {
+                break;
+            }
+        }
+        total
+    }
+
     /// Sleep until something is freed to the zone or [`NOFAIL_WAIT`] passes.
     fn wait_for_frees(&self) {
         self.counters.nofail_waits.fetch_add(1, Relaxed);
@@ -1076,6 +1162,66 @@ fn copy_into(out: &mut [Option<Page>], pages: &[Page]) {
     // borrowed mutably), and writing a valid `Page` into an `Option<Page>`
     // makes it `Some(page)` (`Page` is a transparent `NonZeroU32`).
     unsafe { copy_pages(out.as_mut_ptr().cast::<Page>(), pages.as_ptr(), pages.len()) };
+}
+
+/// Pages background reclaim asks the shrinkers for at a time.
+const KSWAPD_BATCH: usize = 128;
+
+/// Background reclaim's shared state (the kernel's `kswapd`).
+#[derive(Default)]
+struct KswapdShared {
+    /// A wake-up not yet served.
+    pending: Mutex<bool>,
+    cv: Condvar,
+    stop: AtomicBool,
+    rounds: AtomicU64,
+    reclaimed: AtomicU64,
+}
+
+/// The background reclaim thread of one allocator: started by the first
+/// wake-up, asleep (no timer) until the next, gone when stopped or when
+/// the allocator is dropped.
+pub(crate) struct Kswapd {
+    started: AtomicBool,
+    shared: Arc<KswapdShared>,
+    /// The allocator it serves, not kept alive by it.
+    core: std::sync::Weak<Core>,
+}
+
+impl Kswapd {
+    fn stop(&self) {
+        self.shared.stop.store(true, Relaxed);
+        let _g = self.shared.pending.lock();
+        self.shared.cv.notify_all();
+    }
+}
+
+impl Drop for Kswapd {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The thread: wait for a wake-up, run a round against the allocator if
+/// it still exists, repeat.
+fn kswapd_main(core: std::sync::Weak<Core>, shared: Arc<KswapdShared>) {
+    loop {
+        {
+            let mut pending = shared.pending.lock();
+            while !*pending && !shared.stop.load(Relaxed) {
+                shared.cv.wait(&mut pending);
+            }
+            *pending = false;
+        }
+        if shared.stop.load(Relaxed) {
+            return;
+        }
+        let Some(core) = core.upgrade() else { return };
+        let got = core.kswapd_round();
+        shared.rounds.fetch_add(1, Relaxed);
+        shared.reclaimed.fetch_add(got as u64, Relaxed);
+        drop(core);
+    }
 }
 
 /// Frees the pages of a callback round that `f` never received (it panicked).

@@ -30,6 +30,7 @@ pub struct PageAllocatorBuilder {
     pub(crate) thread_cache_pages: usize,
     pub(crate) depot_pages: Option<usize>,
     pub(crate) checks: bool,
+    pub(crate) background_reclaim: bool,
 }
 
 impl Default for PageAllocatorBuilder {
@@ -44,6 +45,7 @@ impl Default for PageAllocatorBuilder {
             thread_cache_pages: DEFAULT_THREAD_CACHE_PAGES,
             depot_pages: None,
             checks: cfg!(debug_assertions),
+            background_reclaim: true,
         }
     }
 }
@@ -106,6 +108,14 @@ impl PageAllocatorBuilder {
     /// frees of pages never allocated (default: on in debug builds).
     pub fn checks(mut self, on: bool) -> Self {
         self.checks = on;
+        self
+    }
+
+    /// Run background reclaim (a `kswapd` thread, started by the first
+    /// wake-up below the low watermark) (default: on). Off, only direct
+    /// reclaim runs the shrinkers.
+    pub fn background_reclaim(mut self, on: bool) -> Self {
+        self.background_reclaim = on;
         self
     }
 

@@ -266,13 +266,18 @@ fn exact() -> PageAllocator {
 }
 
 /// The same arena and watermarks with the default per-CPU limits and
-/// thread caches on.
+/// thread caches on. Background reclaim is off: these tests pin down what
+/// direct reclaim does, and a background thread running the same
+/// shrinkers would blur it (`tests/kswapd.rs` tests that thread).
 fn cached() -> PageAllocatorBuilder {
-    builder(4).nr_cpus(1).watermarks(Watermarks {
-        min: MIN,
-        low: 80,
-        high: 96,
-    })
+    builder(4)
+        .nr_cpus(1)
+        .background_reclaim(false)
+        .watermarks(Watermarks {
+            min: MIN,
+            low: 80,
+            high: 96,
+        })
 }
 
 fn exact_builder() -> PageAllocatorBuilder {

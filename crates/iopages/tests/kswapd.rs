@@ -1,0 +1,129 @@
+//! Background reclaim: woken below the low watermark, it runs the
+//! shrinkers until the zone is above its high watermark, then sleeps with
+//! no timer; it can be stopped and started again.
+
+mod common;
+use common::builder;
+use iopages::{Gfp, Page, PageAllocator, Shrinker};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// A cache of pages that gives them back when asked.
+struct Cache {
+    alloc: PageAllocator,
+    pages: Mutex<Vec<Page>>,
+    scans: AtomicUsize,
+}
+
+impl Shrinker for Cache {
+    fn name(&self) -> &str {
+        "test-cache"
+    }
+    fn count_objects(&self) -> usize {
+        self.pages.lock().unwrap().len()
+    }
+    fn scan_objects(&self, nr: usize) -> usize {
+        self.scans.fetch_add(1, Relaxed);
+        let mut pages = self.pages.lock().unwrap();
+        let n = nr.min(pages.len());
+        let at = pages.len() - n;
+        let freed: Vec<Page> = pages.drain(at..).collect();
+        drop(pages);
+        self.alloc.free_pages_bulk(&freed);
+        n
+    }
+}
+
+/// Fill the arena with cache pages until an allocation drops the zone
+/// below its low watermark (which wakes background reclaim).
+fn fill(alloc: &PageAllocator, cache: &Cache) {
+    let low = alloc.watermarks().low;
+    while alloc.accounting().buddy_free_pages + alloc.accounting().depot_pages > low / 2 {
+        match alloc.alloc_pages(Gfp::NOWAIT, 0) {
+            Some(p) => cache.pages.lock().unwrap().push(p),
+            None => break,
+        }
+    }
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn below_low_it_reclaims_to_high_then_sleeps_and_can_be_stopped() {
+    let alloc = builder(16).build().unwrap();
+    let cache = Arc::new(Cache {
+        alloc: alloc.clone(),
+        pages: Mutex::new(Vec::new()),
+        scans: AtomicUsize::new(0),
+    });
+    let id = alloc.shrinkers().register(cache.clone());
+    assert!(!alloc.kswapd_running(), "started only by a wake-up");
+    fill(&alloc, &cache);
+    let held = cache.count_objects();
+    assert!(held > 0);
+    let high = alloc.watermarks().high;
+    wait_until("background reclaim to reach the high watermark", || {
+        let a = alloc.accounting();
+        a.buddy_free_pages + a.depot_pages >= high
+    });
+    let (rounds, reclaimed) = alloc.kswapd_stats();
+    assert!(
+        rounds >= 1 && reclaimed > 0,
+        "rounds {rounds}, reclaimed {reclaimed}"
+    );
+    assert!(cache.scans.load(Relaxed) > 0);
+    assert!(
+        (reclaimed as usize) < held,
+        "it stops near high instead of emptying the cache ({reclaimed} of {held})"
+    );
+    // Quiet when idle: no timer wakes it.
+    std::thread::sleep(Duration::from_millis(200));
+    let settled = alloc.kswapd_stats();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(alloc.kswapd_stats(), settled, "kswapd ran while idle");
+    // Stopped, it does nothing however low memory gets.
+    alloc.stop_kswapd();
+    assert!(!alloc.kswapd_running());
+    fill(&alloc, &cache);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(alloc.kswapd_stats(), settled, "a stopped kswapd ran");
+    // Started again, the next wake-up brings it back.
+    alloc.start_kswapd();
+    wait_until("a restarted kswapd to run", || {
+        // Keep allocating below low: past the thread's cache, an
+        // allocation reaches the zone, fails the low watermark and wakes
+        // background reclaim.
+        if let Some(p) = alloc.alloc_pages(Gfp::NOWAIT, 0) {
+            cache.pages.lock().unwrap().push(p);
+        }
+        alloc.kswapd_stats().0 > settled.0
+    });
+    alloc.shrinkers().unregister(id);
+    let rest = std::mem::take(&mut *cache.pages.lock().unwrap());
+    alloc.free_pages_bulk(&rest);
+    common::assert_no_leaks(&alloc);
+}
+
+#[test]
+fn an_allocator_with_a_running_kswapd_drops_cleanly() {
+    for _ in 0..20 {
+        let alloc = builder(8).build().unwrap();
+        let mut held = Vec::new();
+        while let Some(p) = alloc.alloc_pages(Gfp::NOWAIT, 0) {
+            held.push(p);
+        }
+        assert!(alloc.kswapd_running());
+        alloc.free_pages_bulk(&held);
+        drop(alloc);
+    }
+}
