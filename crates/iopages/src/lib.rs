@@ -67,6 +67,7 @@ mod fault;
 mod folio;
 pub mod frame;
 mod gfp;
+mod kvmalloc;
 mod mempool;
 pub mod pcp;
 mod percpu_counter;
@@ -74,6 +75,7 @@ mod reclaim;
 mod stats;
 mod tcache;
 mod trylock;
+mod vmalloc;
 pub mod zone;
 
 pub use alloc::{PageAllocator, PageBox, MAX_RECLAIM_RETRIES, NOFAIL_WAIT};
@@ -86,6 +88,7 @@ pub use fault::{FaultConfig, FaultInjector};
 pub use folio::{Folio, FolioBuffer};
 pub use frame::{Frame, FrameInfo, Page, MAX_ORDER, PAGE_SIZE};
 pub use gfp::{memalloc_nofs_scope, memalloc_noio_scope, Gfp, NofsScope, NoioScope};
+pub use kvmalloc::{KvBox, KvKind, KvPolicy, KvStats, Kvmalloc};
 pub use mempool::{
     BoxSource, ElementSource, Mempool, MempoolStats, PagePool, PageSource, MEMPOOL_MIN_NR_MAX,
     MEMPOOL_WAIT,
@@ -96,4 +99,8 @@ pub use percpu_counter::{
 };
 pub use reclaim::{Shrinker, ShrinkerId, ShrinkerRegistry};
 pub use stats::{Accounting, Stats};
+pub use vmalloc::{
+    VmBox, VmRun, Vmalloc, VmallocConfig, VmallocStats, DEFAULT_MAX_MAP_COUNT, GUARD_PAGES,
+    LAZY_MAX_AREAS, LAZY_MAX_PAGES, VMA_HEADROOM_DIVISOR,
+};
 pub use zone::{Watermarks, Zone};
