@@ -19,7 +19,7 @@
 
 use crate::arena::Arena;
 use crate::builder::PageAllocatorBuilder;
-use crate::compaction::{try_to_compact, CompactResult};
+use crate::compaction::{try_to_compact, CompactResult, MovableRegistry};
 use crate::error::Result;
 use crate::fault::FaultInjector;
 use crate::frame::{clear_slots, copy_pages, flags, FrameInfo, Page, MAX_ORDER, PAGE_SIZE};
@@ -28,7 +28,7 @@ use crate::pcp::{bump, PcpGuard, PcpLimits, PcpSet, Wmark, PCP_MAX_ORDER, PCP_OR
 use crate::reclaim::ShrinkerRegistry;
 use crate::stats::{Accounting, Counters, Stats};
 use crate::tcache::{Owner, Tcache, ThreadCaches, LAST};
-use crate::zone::{Mark, Watermarks, Zone};
+use crate::zone::{Mark, MigrateType, Watermarks, Zone};
 use parking_lot::{Condvar, Mutex};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Acquire, Ordering::Relaxed};
@@ -65,9 +65,11 @@ pub(crate) struct Core {
     pub(crate) limits: PcpLimits,
     tcache_cap: [usize; PCP_ORDERS],
     tcache_on: bool,
-    checks: bool,
+    pub(crate) checks: bool,
     pub(crate) fault: FaultInjector,
     pub(crate) shrinkers: ShrinkerRegistry,
+    /// Owners of movable pages and their migration callbacks.
+    pub(crate) movable: MovableRegistry,
     pub(crate) tcaches: Mutex<Vec<Arc<Tcache>>>,
     pub(crate) counters: Counters,
     waiters: AtomicUsize,
@@ -118,6 +120,7 @@ impl PageAllocator {
                 checks: b.checks,
                 fault: FaultInjector::default(),
                 shrinkers: ShrinkerRegistry::default(),
+                movable: MovableRegistry::new(nr_pages),
                 tcaches: Mutex::new(Vec::new()),
                 counters: Counters::default(),
                 waiters: AtomicUsize::new(0),
@@ -152,7 +155,8 @@ impl PageAllocator {
     fn alloc_one(&self, gfp: Gfp, order: u32, bulk_call: bool) -> Option<Page> {
         let core = &*self.core;
         let mut counted = false;
-        if order <= PCP_MAX_ORDER && !core.fault.is_enabled() {
+        // Movable pages bypass the type-agnostic caches (see compaction.rs).
+        if order <= PCP_MAX_ORDER && !core.fault.is_enabled() && !gfp.contains(Gfp::MOVABLE) {
             if let Some(tc) = self.tcache() {
                 if bulk_call {
                     bump(&tc.bulk_allocs, 1);
@@ -604,6 +608,36 @@ impl PageAllocator {
         &self.core.shrinkers
     }
 
+    /// The owners of movable pages, whose callbacks compaction uses.
+    pub fn movable_owners(&self) -> &MovableRegistry {
+        &self.core.movable
+    }
+
+    pub(crate) fn core(&self) -> &Core {
+        &self.core
+    }
+
+    /// Free order-0 pages straight to the zone, past the type-agnostic
+    /// caches, so that movable pages go back to their pageblocks' lists
+    /// instead of being handed to the next unmovable allocation.
+    pub(crate) fn free_pages_to_zone(&self, pages: &[Page]) {
+        let core = &*self.core;
+        if core.checks {
+            for &p in pages {
+                core.free_prep(p, 0);
+            }
+        }
+        let mut z = core.zone.lock(&core.arena);
+        for p in pages {
+            z.free(p.pfn(), 0);
+        }
+        drop(z);
+        core.counters
+            .zone_frees
+            .fetch_add(pages.len() as u64, Relaxed);
+        core.wake_waiters();
+    }
+
     /// The zone's watermarks.
     pub fn watermarks(&self) -> Watermarks {
         self.core.zone.watermarks()
@@ -786,7 +820,7 @@ impl Core {
     /// Prepare a page for its caller: zero it, make it compound, record it
     /// as allocated — only what the flags and settings ask for.
     #[inline]
-    fn prep_new_page(&self, page: Page, order: u32, gfp: Gfp) -> Page {
+    pub(crate) fn prep_new_page(&self, page: Page, order: u32, gfp: Gfp) -> Page {
         if gfp.intersects(Gfp::ZERO | Gfp::COMP) || self.checks {
             self.prep_slow(page, order, gfp);
         }
@@ -826,7 +860,7 @@ impl Core {
     /// Undo `prep_slow` before a block goes back: check it was allocated
     /// (with checks on) and dismantle a compound page.
     #[cold]
-    fn free_prep(&self, page: Page, order: u32) {
+    pub(crate) fn free_prep(&self, page: Page, order: u32) {
         assert!(
             order <= MAX_ORDER,
             "free_pages: order {order} is above {MAX_ORDER}"
@@ -964,15 +998,15 @@ impl Core {
         if self.fault.is_enabled() && self.fault.should_fail(gfp, order) {
             return self.fail(gfp, order);
         }
-        let page = match self.get_page_from_freelist(order, FAST) {
+        let page = match self.get_page_from_freelist(order, FAST, MigrateType::of(gfp)) {
             Some(p) => p,
             None => self.alloc_slowpath(gfp, order)?,
         };
         Some(self.prep_new_page(page, order, gfp))
     }
 
-    fn get_page_from_freelist(&self, order: u32, wm: Wmark) -> Option<Page> {
-        if order <= PCP_MAX_ORDER {
+    fn get_page_from_freelist(&self, order: u32, wm: Wmark, mt: MigrateType) -> Option<Page> {
+        if order <= PCP_MAX_ORDER && mt == MigrateType::Unmovable {
             if let Some(mut g) = self.this_cpu() {
                 let mut out = None;
                 if g.take(order, 1, wm, |run| out = Some(run[0])) == 1 {
@@ -987,7 +1021,7 @@ impl Core {
         {
             return None;
         }
-        let pfn = self.zone.lock(&self.arena).alloc(order)?;
+        let pfn = self.zone.lock(&self.arena).alloc_typed(order, mt)?;
         self.counters.zone_allocs.fetch_add(1, Relaxed);
         Some(Page::from_pfn(pfn))
     }
@@ -1007,7 +1041,8 @@ impl Core {
             high: gfp.contains(Gfp::HIGH),
             none: gfp.contains(Gfp::MEMALLOC),
         };
-        if let Some(p) = self.get_page_from_freelist(order, wm) {
+        let mt = MigrateType::of(gfp);
+        if let Some(p) = self.get_page_from_freelist(order, wm, mt) {
             return Some(p);
         }
         if !gfp.may_block() {
@@ -1020,8 +1055,7 @@ impl Core {
             self.counters.direct_reclaim.fetch_add(1, Relaxed);
             let mut compacted = false;
             if order > 0 && !gfp.contains(Gfp::NORETRY) {
-                self.counters.compact_calls.fetch_add(1, Relaxed);
-                compacted = try_to_compact(order) == CompactResult::Success;
+                compacted = try_to_compact(self, order) == CompactResult::Success;
             }
             // Pages parked in this thread's cache and on per-CPU lists are
             // invisible to the zone (a shrinker running here just freed into
@@ -1029,7 +1063,7 @@ impl Core {
             // no memory.
             self.flush_own_cache();
             self.drain_all_pcp();
-            if let Some(p) = self.get_page_from_freelist(order, wm) {
+            if let Some(p) = self.get_page_from_freelist(order, wm, mt) {
                 return Some(p);
             }
             if gfp.contains(Gfp::NOFAIL) {
@@ -1124,7 +1158,7 @@ impl Core {
     }
 
     #[inline]
-    fn wake_waiters(&self) {
+    pub(crate) fn wake_waiters(&self) {
         if self.waiters.load(Relaxed) > 0 {
             let _g = self.wait_lock.lock();
             self.wait_cv.notify_all();

@@ -18,7 +18,9 @@
 //! | `alloc_pages`, `__alloc_pages_bulk`, slow path | [`PageAllocator`] | `alloc.rs` |
 //! | `gfp_t`, `memalloc_noio_save` | [`Gfp`], [`memalloc_noio_scope`] | `gfp.rs` |
 //! | shrinkers, direct reclaim | [`Shrinker`], [`ShrinkerRegistry`] | `reclaim.rs` |
-//! | compaction | entry point for the slow path | `compaction.rs` |
+//! | compaction (`mm/compaction.c`), `movable_operations` | migrate and free scanners, [`MovableOwner`] callbacks, [`PageAllocator::compact`] | `compaction.rs` |
+//! | grouping by mobility (pageblock migratetypes, fallback stealing) | [`MigrateType`], [`PAGEBLOCK_ORDER`] | `zone.rs` |
+//! | page cache (clean pages, shrinker, movable) | [`PageCache`] | `pagecache.rs` |
 //! | — (transfer cache) | whole order-0 batches between CPUs | `depot.rs` |
 //! | `fail_page_alloc` | [`FaultInjector`] | `fault.rs` |
 //! | `mm/mempool.c` (incl. `mempool_alloc_bulk`) | [`Mempool`], [`PagePool`], [`ElementSource`] | `mempool.rs` |
@@ -69,6 +71,7 @@ pub mod frame;
 mod gfp;
 mod kvmalloc;
 mod mempool;
+mod pagecache;
 pub mod pcp;
 mod percpu_counter;
 mod reclaim;
@@ -82,7 +85,9 @@ pub use alloc::{PageAllocator, PageBox, MAX_RECLAIM_RETRIES, NOFAIL_WAIT};
 pub use arena::{Arena, Backing, HugePages};
 pub use bio::{Bio, BioError, BioLimits, BioVec};
 pub use builder::{PageAllocatorBuilder, DEFAULT_ARENA_BYTES, DEFAULT_THREAD_CACHE_PAGES};
-pub use compaction::CompactResult;
+pub use compaction::{
+    CompactResult, MovableOwner, MovableOwnerId, MovableRegistry, MAX_MOVABLE_OWNERS,
+};
 pub use error::{Error, Result};
 pub use fault::{FaultConfig, FaultInjector};
 pub use folio::{Folio, FolioBuffer};
@@ -93,6 +98,7 @@ pub use mempool::{
     BoxSource, ElementSource, Mempool, MempoolStats, PagePool, PageSource, MEMPOOL_MIN_NR_MAX,
     MEMPOOL_WAIT,
 };
+pub use pagecache::{PageCache, PageCacheConfig, PageCacheStats};
 pub use pcp::PcpLimits;
 pub use percpu_counter::{
     default_batch, PercpuCounter, PercpuCounterStats, PERCPU_BATCH_MAX, PERCPU_SLOTS_MAX,
@@ -103,4 +109,4 @@ pub use vmalloc::{
     VmBox, VmRun, Vmalloc, VmallocConfig, VmallocStats, DEFAULT_MAX_MAP_COUNT, GUARD_PAGES,
     LAZY_MAX_AREAS, LAZY_MAX_PAGES, VMA_HEADROOM_DIVISOR,
 };
-pub use zone::{Watermarks, Zone};
+pub use zone::{MigrateType, Watermarks, Zone, PAGEBLOCK_NR_PAGES, PAGEBLOCK_ORDER};

@@ -24,6 +24,15 @@ pub(crate) struct Counters {
     pub kswapd_wakeups: AtomicU64,
     pub direct_reclaim: AtomicU64,
     pub compact_calls: AtomicU64,
+    pub compact_success: AtomicU64,
+    pub compact_fail: AtomicU64,
+    pub compact_skipped: AtomicU64,
+    pub compact_migrate_scanned: AtomicU64,
+    pub compact_free_scanned: AtomicU64,
+    pub compact_isolated: AtomicU64,
+    pub compact_migrated: AtomicU64,
+    pub compact_migrate_failed: AtomicU64,
+    pub compact_ns: AtomicU64,
     pub drain_all: AtomicU64,
     pub nofail_waits: AtomicU64,
     pub failures: AtomicU64,
@@ -144,8 +153,30 @@ pub struct Stats {
     pub direct_reclaim: u64,
     /// Pages freed by shrinkers.
     pub shrinker_pages_freed: u64,
-    /// Compaction attempts.
+    /// Compaction attempts (slow path and [`crate::PageAllocator::compact`]).
     pub compact_calls: u64,
+    /// Attempts that left a free block of the asked order.
+    pub compact_success: u64,
+    /// Attempts whose scanners met without making one.
+    pub compact_fail: u64,
+    /// Attempts that did not run (nothing movable, too little free memory).
+    pub compact_skipped: u64,
+    /// Frames the migrate scanner looked at.
+    pub compact_migrate_scanned: u64,
+    /// Frames the free scanner looked at.
+    pub compact_free_scanned: u64,
+    /// Pages isolated for migration.
+    pub compact_isolated: u64,
+    /// Pages moved (the kernel's `pgmigrate_success`).
+    pub compact_migrated: u64,
+    /// Isolated pages not moved (the kernel's `pgmigrate_fail`).
+    pub compact_migrate_failed: u64,
+    /// Time spent compacting, in nanoseconds.
+    pub compact_ns: u64,
+    /// Allocations served by stealing from the other migratetype.
+    pub pageblock_steals: u64,
+    /// Pageblocks whose migratetype changed.
+    pub pageblock_conversions: u64,
     /// Drains of all per-CPU lists.
     pub drain_all: u64,
     /// Sleeps of `NOFAIL` allocations waiting for frees.
@@ -200,6 +231,15 @@ impl Core {
             slowpath: c.slowpath.load(Relaxed),
             kswapd_wakeups: c.kswapd_wakeups.load(Relaxed),
             compact_calls: c.compact_calls.load(Relaxed),
+            compact_success: c.compact_success.load(Relaxed),
+            compact_fail: c.compact_fail.load(Relaxed),
+            compact_skipped: c.compact_skipped.load(Relaxed),
+            compact_migrate_scanned: c.compact_migrate_scanned.load(Relaxed),
+            compact_free_scanned: c.compact_free_scanned.load(Relaxed),
+            compact_isolated: c.compact_isolated.load(Relaxed),
+            compact_migrated: c.compact_migrated.load(Relaxed),
+            compact_migrate_failed: c.compact_migrate_failed.load(Relaxed),
+            compact_ns: c.compact_ns.load(Relaxed),
             drain_all: c.drain_all.load(Relaxed),
             nofail_waits: c.nofail_waits.load(Relaxed),
             failures: c.failures.load(Relaxed),
@@ -207,6 +247,7 @@ impl Core {
             ..Stats::default()
         };
         (s.direct_reclaim, s.shrinker_pages_freed) = self.shrinkers.totals();
+        (s.pageblock_steals, s.pageblock_conversions) = self.zone.fallback_stats();
         for set in self.pcp.iter() {
             let k = &set.counters;
             s.pcp_refills += k.refills.load(Relaxed);
@@ -233,7 +274,7 @@ impl Core {
 impl fmt::Display for Stats {
     /// One `name value` line per counter, like `/proc/vmstat`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let rows: [(&str, u64); 37] = [
+        let rows: [(&str, u64); 48] = [
             ("nr_pages", self.total_pages as u64),
             ("nr_free_pages", self.free_pages as u64),
             ("nr_depot_pages", self.depot_pages as u64),
@@ -267,6 +308,17 @@ impl fmt::Display for Stats {
             ("direct_reclaim", self.direct_reclaim),
             ("shrinker_pages_freed", self.shrinker_pages_freed),
             ("compact_calls", self.compact_calls),
+            ("compact_success", self.compact_success),
+            ("compact_fail", self.compact_fail),
+            ("compact_skipped", self.compact_skipped),
+            ("compact_migrate_scanned", self.compact_migrate_scanned),
+            ("compact_free_scanned", self.compact_free_scanned),
+            ("compact_isolated", self.compact_isolated),
+            ("pgmigrate_success", self.compact_migrated),
+            ("pgmigrate_fail", self.compact_migrate_failed),
+            ("compact_time_ns", self.compact_ns),
+            ("pageblock_steals", self.pageblock_steals),
+            ("pageblock_conversions", self.pageblock_conversions),
             ("drain_all", self.drain_all),
             ("nofail_waits", self.nofail_waits),
             ("alloc_failures", self.failures),
