@@ -19,6 +19,9 @@
 //!   strategy, beside the bare cipher and a pipeline with no allocation;
 //!   E3 (`crypt --threads N --limit near`): the page limit checked exactly
 //!   and approximately by N writers.
+//! - E5 `kvmalloc`: the seed's log-commit workload (shadow buffers of
+//!   64 KiB–1 MiB) in a fragmented arena full of page cache, legacy
+//!   (reclaim and compaction first) against fail-fast kvmalloc.
 //! - E4 `bio`: bios built from page arrays page by page and folio by folio
 //!   (build and release of pins), and direct I/O of folio buffers through
 //!   io_uring.
@@ -27,6 +30,7 @@ pub mod bio;
 pub mod bulk;
 pub mod counter;
 pub mod crypt;
+pub mod kvmalloc;
 pub mod measure;
 pub mod mempool;
 pub mod peers;

@@ -76,6 +76,9 @@ enum Experiment {
     /// E4: bios from 64 KiB folios and from single pages, built page by
     /// page and folio by folio; direct I/O through io_uring.
     Bio,
+    /// E5: kvmalloc of log-commit shadow buffers in a fragmented arena full
+    /// of page cache, legacy (reclaim and compaction first) vs fail-fast.
+    Kvmalloc,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -144,6 +147,9 @@ fn run(cli: Cli) -> Result<(), BenchError> {
             }
             if all || experiment == Experiment::Bio {
                 iopages_bench::bio::run(&opts)?;
+            }
+            if all || experiment == Experiment::Kvmalloc {
+                iopages_bench::kvmalloc::run(&opts)?;
             }
             if all || experiment == Experiment::Crypt {
                 let e3_only = threads.is_some() || limit.is_some();

@@ -1051,10 +1051,17 @@ impl Core {
         let costly = order > PCP_MAX_ORDER;
         let mut no_progress = 0u32;
         loop {
+            let t = std::time::Instant::now();
             let reclaimed = self.shrinkers.shrink(gfp, 1 << order);
+            self.counters
+                .direct_reclaim_ns
+                .fetch_add(t.elapsed().as_nanos() as u64, Relaxed);
             self.counters.direct_reclaim.fetch_add(1, Relaxed);
             let mut compacted = false;
-            if order > 0 && !gfp.contains(Gfp::NORETRY) {
+            // As the kernel does, a `NORETRY` request still gets one round
+            // of compaction with its one round of reclaim; it only gives up
+            // sooner.
+            if order > 0 {
                 compacted = try_to_compact(self, order) == CompactResult::Success;
             }
             // Pages parked in this thread's cache and on per-CPU lists are

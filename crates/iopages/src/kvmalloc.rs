@@ -20,11 +20,10 @@
 //!           before falling back; then vmalloc(gfp)
 //! ```
 //!
-//! In this allocator `NORETRY` also rules out compaction (the slow path
-//! compacts only without it), so `Legacy`'s contiguous attempt is one round
-//! of direct reclaim (shrinkers) and a drain of the per-CPU lists, without
-//! the one async compaction pass the kernel still makes for a costly
-//! `NORETRY` allocation.
+//! As in the kernel, `NORETRY` still allows one round of direct reclaim
+//! and one of compaction in the slow path; it only gives up after them.
+//! So `Legacy`'s contiguous attempt shrinks caches and compacts before it
+//! falls back, which is the cost seed 003 removed.
 //!
 //! Buffers of more than 4 MiB (order > 10) go straight to vmalloc. A buffer
 //! of one page is a single order-0 allocation with the caller's flags and
@@ -51,7 +50,8 @@ pub enum KvPolicy {
     #[default]
     FailFast,
     /// The kernel before the fix (seed 003): the contiguous attempt runs
-    /// direct reclaim (`NORETRY`: one round) before falling back.
+    /// direct reclaim and compaction (`NORETRY`: one round) before falling
+    /// back.
     Legacy,
 }
 

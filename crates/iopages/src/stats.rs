@@ -23,6 +23,7 @@ pub(crate) struct Counters {
     pub slowpath: AtomicU64,
     pub kswapd_wakeups: AtomicU64,
     pub direct_reclaim: AtomicU64,
+    pub direct_reclaim_ns: AtomicU64,
     pub compact_calls: AtomicU64,
     pub compact_success: AtomicU64,
     pub compact_fail: AtomicU64,
@@ -151,6 +152,9 @@ pub struct Stats {
     pub kswapd_wakeups: u64,
     /// Direct reclaim rounds.
     pub direct_reclaim: u64,
+    /// Time allocating threads spent in direct reclaim (the shrinkers),
+    /// in nanoseconds.
+    pub direct_reclaim_ns: u64,
     /// Pages freed by shrinkers.
     pub shrinker_pages_freed: u64,
     /// Compaction attempts (slow path and [`crate::PageAllocator::compact`]).
@@ -240,6 +244,7 @@ impl Core {
             compact_migrated: c.compact_migrated.load(Relaxed),
             compact_migrate_failed: c.compact_migrate_failed.load(Relaxed),
             compact_ns: c.compact_ns.load(Relaxed),
+            direct_reclaim_ns: c.direct_reclaim_ns.load(Relaxed),
             drain_all: c.drain_all.load(Relaxed),
             nofail_waits: c.nofail_waits.load(Relaxed),
             failures: c.failures.load(Relaxed),
@@ -274,7 +279,7 @@ impl Core {
 impl fmt::Display for Stats {
     /// One `name value` line per counter, like `/proc/vmstat`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let rows: [(&str, u64); 48] = [
+        let rows: [(&str, u64); 49] = [
             ("nr_pages", self.total_pages as u64),
             ("nr_free_pages", self.free_pages as u64),
             ("nr_depot_pages", self.depot_pages as u64),
@@ -306,6 +311,7 @@ impl fmt::Display for Stats {
             ("slowpath", self.slowpath),
             ("kswapd_wakeups", self.kswapd_wakeups),
             ("direct_reclaim", self.direct_reclaim),
+            ("direct_reclaim_time_ns", self.direct_reclaim_ns),
             ("shrinker_pages_freed", self.shrinker_pages_freed),
             ("compact_calls", self.compact_calls),
             ("compact_success", self.compact_success),
