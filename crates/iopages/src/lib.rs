@@ -4,8 +4,9 @@
 //! databases, data planes) the memory system the Linux kernel gives its own
 //! I/O paths: a page allocator with per-CPU lists and a bulk API, mempools
 //! that guarantee forward progress (bulk too), per-CPU counters whose rough
-//! reads never contend, and — as the layers above them land — large folios
-//! with folio-aware I/O vectors and kvmalloc with a real fail-fast path.
+//! reads never contend, large folios with folio-aware I/O vectors (bios),
+//! kvmalloc with a real fail-fast path, and the reclaim (shrinkers,
+//! background reclaim) and compaction behind it.
 //!
 //! ## Map: kernel mechanism → module
 //!
@@ -18,9 +19,14 @@
 //! | `alloc_pages`, `__alloc_pages_bulk`, slow path | [`PageAllocator`] | `alloc.rs` |
 //! | `gfp_t`, `memalloc_noio_save` | [`Gfp`], [`memalloc_noio_scope`] | `gfp.rs` |
 //! | shrinkers, direct reclaim | [`Shrinker`], [`ShrinkerRegistry`] | `reclaim.rs` |
+//! | `kswapd` (background reclaim) | a thread per allocator, [`PageAllocator::kswapd_stats`] | `alloc.rs` |
 //! | compaction (`mm/compaction.c`), `movable_operations` | migrate and free scanners, [`MovableOwner`] callbacks, [`PageAllocator::compact`] | `compaction.rs` |
 //! | grouping by mobility (pageblock migratetypes, fallback stealing) | [`MigrateType`], [`PAGEBLOCK_ORDER`] | `zone.rs` |
 //! | page cache (clean pages, shrinker, movable) | [`PageCache`] | `pagecache.rs` |
+//! | folios, `_pincount`, `pin_user_pages` | [`Folio`], [`FolioBuffer`], [`PageAllocator::pin_folio`] | `folio.rs` |
+//! | `struct bio`, `bio_add_page`, `bio_iov_iter_get_pages` | [`Bio`], [`BioVec`], [`BioLimits`] | `bio.rs` |
+//! | `vmalloc`, `vmap`, lazy vunmap | [`Vmalloc`], [`VmBox`] | `vmalloc.rs` |
+//! | `kvmalloc` / `kvfree` | [`Kvmalloc`], [`KvPolicy`], [`KvBox`] | `kvmalloc.rs` |
 //! | — (transfer cache) | whole order-0 batches between CPUs | `depot.rs` |
 //! | `fail_page_alloc` | [`FaultInjector`] | `fault.rs` |
 //! | `mm/mempool.c` (incl. `mempool_alloc_bulk`) | [`Mempool`], [`PagePool`], [`ElementSource`] | `mempool.rs` |
