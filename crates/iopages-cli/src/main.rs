@@ -51,6 +51,136 @@ enum Command {
         #[arg(long, value_enum)]
         limit: Option<Limit>,
     },
+    /// Serve an encrypted volume over NBD (newstyle fixed handshake).
+    ///
+    /// With no arguments: an in-memory 256 MiB volume (aes-xts-plain64, a
+    /// random 512-bit key kept in memory only) on 127.0.0.1:10809, until
+    /// the process is stopped (Ctrl-C). Clients: `qemu-io -f raw
+    /// nbd://127.0.0.1:10809/iopages`, `qemu-img`, `nbdcopy`, `nbd-client`.
+    Serve(ServeArgs),
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// TCP address to listen on (default 127.0.0.1:10809 when --unix is
+    /// not given; port 0 picks a free port).
+    #[arg(long, value_name = "ADDR")]
+    listen: Option<std::net::SocketAddr>,
+    /// Unix socket to listen on (must not exist yet).
+    #[arg(long, value_name = "PATH")]
+    unix: Option<PathBuf>,
+    /// Volume size in bytes; K, M, G suffixes (KiB, MiB, GiB) allowed.
+    /// A multiple of 4096.
+    #[arg(long, value_name = "BYTES", default_value = "256M", value_parser = parse_size)]
+    size: u64,
+    /// Export read-only (writes get EPERM).
+    #[arg(long)]
+    read_only: bool,
+    /// Export name clients ask for.
+    #[arg(long, value_name = "NAME", default_value = "iopages")]
+    name: String,
+}
+
+/// Largest in-memory volume `serve` accepts (the RAM it takes is real).
+const MAX_SERVE_BYTES: u64 = 64 << 30;
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (num, mult) = match t.char_indices().last() {
+        Some((i, 'k' | 'K')) => (&t[..i], 1u64 << 10),
+        Some((i, 'm' | 'M')) => (&t[..i], 1 << 20),
+        Some((i, 'g' | 'G')) => (&t[..i], 1 << 30),
+        _ => (t, 1),
+    };
+    let n: u64 = num.parse().map_err(|_| {
+        format!("`{s}` is not a size: give bytes, optionally with K, M or G (for example 256M)")
+    })?;
+    let bytes = n
+        .checked_mul(mult)
+        .ok_or_else(|| format!("`{s}` is too large"))?;
+    if bytes == 0 || bytes % 4096 != 0 {
+        return Err(format!(
+            "size {bytes} must be a non-zero multiple of 4096 bytes"
+        ));
+    }
+    if bytes > MAX_SERVE_BYTES {
+        return Err(format!(
+            "size {bytes} exceeds the in-memory limit of {MAX_SERVE_BYTES} bytes"
+        ));
+    }
+    Ok(bytes)
+}
+
+/// Serve an in-memory encrypted volume until the process is stopped.
+fn serve(a: ServeArgs) -> Result<(), String> {
+    use iopages_crypt::backend::{Backend, RamDisk};
+    use iopages_crypt::queue::{CryptQueue, QueueConfig};
+    use iopages_crypt::target::{CipherPool, CryptTarget, TargetConfig};
+    use iopages_nbd::{ExportConfig, Listen, Server};
+    use std::io::Read;
+    use std::sync::Arc;
+
+    let mut listen = Vec::new();
+    if let Some(addr) = a.listen {
+        listen.push(Listen::Tcp(addr));
+    }
+    if let Some(p) = &a.unix {
+        listen.push(Listen::Unix(p.clone()));
+    }
+    if listen.is_empty() {
+        let addr = iopages_nbd::DEFAULT_LISTEN
+            .parse()
+            .map_err(|e| format!("bad default address: {e}"))?;
+        listen.push(Listen::Tcp(addr));
+    }
+    let mut key = [0u8; 64];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut key))
+        .map_err(|e| format!("cannot read a random key from /dev/urandom: {e}"))?;
+    let cipher = iopages_crypt::XtsCipher::new(&key, 512, 0);
+    key.fill(0);
+    std::hint::black_box(&key);
+    let cipher = cipher.map_err(|e| format!("cannot set up aes-xts-plain64: {e}"))?;
+    let workers = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cipher = CipherPool::new(cipher, workers)
+        .map_err(|e| format!("cannot set up the cipher pool: {e}"))?;
+    let alloc = iopages::PageAllocator::builder()
+        .size_bytes(128 << 20)
+        .build()
+        .map_err(|e| format!("cannot create the page arena (128 MiB): {e}"))?;
+    let disk: Arc<dyn Backend> =
+        Arc::new(RamDisk::new(a.size).map_err(|e| format!("cannot create the RAM disk: {e}"))?);
+    let target = CryptTarget::new(&alloc, cipher, disk, TargetConfig::default())
+        .map_err(|e| format!("cannot create the crypt target: {e}"))?;
+    let queue = CryptQueue::new(
+        Arc::new(target),
+        QueueConfig {
+            workers,
+            ..QueueConfig::default()
+        },
+    )
+    .map_err(|e| format!("cannot start the crypt queue: {e}"))?;
+    let mut export = ExportConfig::new(a.name.clone());
+    export.read_only = a.read_only;
+    let server = Server::start(Arc::new(queue), export, &listen).map_err(|e| e.to_string())?;
+    for l in server.addresses() {
+        match l {
+            Listen::Tcp(addr) => println!("serving nbd://{addr}/{}", a.name),
+            Listen::Unix(p) => println!("serving nbd+unix:///{}?socket={}", a.name, p.display()),
+        }
+    }
+    println!(
+        "export {:?}: {} bytes, aes-xts-plain64, 512-byte sectors{}",
+        a.name,
+        a.size,
+        if a.read_only { ", read-only" } else { "" }
+    );
+    println!(
+        "LUKS is not yet supported: the volume is in memory, under a random key kept in memory only (its data is gone when the server stops)"
+    );
+    println!("stop with Ctrl-C");
+    server.wait();
+    Ok(())
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -91,7 +221,11 @@ enum Limit {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    match run(cli) {
+    let result = match cli.command {
+        Command::Serve(args) => serve(args),
+        command => run(Cli { command }).map_err(|e| e.to_string()),
+    };
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("iopages: {e}");
@@ -164,5 +298,6 @@ fn run(cli: Cli) -> Result<(), BenchError> {
             }
             Ok(())
         }
+        Command::Serve(args) => serve(args).map_err(BenchError::Workload),
     }
 }

@@ -1,0 +1,211 @@
+//! The newstyle fixed handshake: greeting, client flags, option haggling.
+//!
+//! Owns: answering NBD_OPT_EXPORT_NAME, NBD_OPT_ABORT, NBD_OPT_LIST,
+//! NBD_OPT_INFO and NBD_OPT_GO for the one export, and refusing every
+//! other option with NBD_REP_ERR_UNSUP. Must never: enter transmission
+//! for an unknown export name, read an option's data without a bound, or
+//! go on after a bad magic or unknown client flags (the connection is
+//! closed).
+
+use crate::proto::*;
+use crate::stream::Stream;
+use crate::ExportInfo;
+use std::io::{self, Read, Write};
+
+/// Option data larger than this is discarded and refused (TOO_BIG).
+pub const MAX_OPTION_BYTES: u32 = 64 << 10;
+/// Option data larger than this closes the connection instead (reading
+/// it just to discard it would let a client keep the server busy).
+const MAX_DISCARD_BYTES: u32 = 16 << 20;
+
+/// How a handshake ended.
+pub(crate) enum Outcome {
+    /// Enter transmission.
+    Transmission,
+    /// Close the connection (abort, bad magic, unknown export, …).
+    Close,
+}
+
+fn read_u32(s: &mut Stream) -> io::Result<u32> {
+    let mut b = [0u8; 4];
+    s.read_exact(&mut b)?;
+    Ok(u32::from_be_bytes(b))
+}
+
+fn error_reply(s: &mut Stream, option: u32, reply: u32, msg: &str) -> io::Result<()> {
+    s.write_all(&option_reply(option, reply, msg.as_bytes()))
+}
+
+fn name_matches(export: &ExportInfo, name: &[u8]) -> bool {
+    // The empty name is the default export (the protocol's convention).
+    name.is_empty() || name == export.name.as_bytes()
+}
+
+/// Run the handshake on a fresh connection.
+///
+/// **Context:** blocks on the socket. **Returns:** what to do next, or the
+/// socket's error.
+pub(crate) fn negotiate(s: &mut Stream, export: &ExportInfo) -> io::Result<Outcome> {
+    let mut greeting = Vec::with_capacity(18);
+    greeting.extend_from_slice(&NBD_MAGIC.to_be_bytes());
+    greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    greeting.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+    s.write_all(&greeting)?;
+    let client_flags = read_u32(s)?;
+    if client_flags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
+        return Ok(Outcome::Close);
+    }
+    let no_zeroes = client_flags & FLAG_C_NO_ZEROES != 0;
+    loop {
+        let mut h = [0u8; 16];
+        s.read_exact(&mut h)?;
+        if u64::from_be_bytes(h[0..8].try_into().unwrap()) != IHAVEOPT {
+            return Ok(Outcome::Close);
+        }
+        let option = u32::from_be_bytes(h[8..12].try_into().unwrap());
+        let len = u32::from_be_bytes(h[12..16].try_into().unwrap());
+        if len > MAX_OPTION_BYTES {
+            if len > MAX_DISCARD_BYTES || option == OPT_EXPORT_NAME {
+                return Ok(Outcome::Close);
+            }
+            io::copy(&mut (&mut *s).take(len as u64), &mut io::sink())?;
+            error_reply(s, option, REP_ERR_TOO_BIG, "option data too large")?;
+            continue;
+        }
+        let mut data = vec![0u8; len as usize];
+        s.read_exact(&mut data)?;
+        match option {
+            OPT_EXPORT_NAME => {
+                if !name_matches(export, &data) {
+                    return Ok(Outcome::Close);
+                }
+                let mut v = Vec::with_capacity(134);
+                v.extend_from_slice(&export.size_bytes.to_be_bytes());
+                v.extend_from_slice(&export.transmission_flags().to_be_bytes());
+                if !no_zeroes {
+                    v.extend_from_slice(&[0u8; 124]);
+                }
+                s.write_all(&v)?;
+                return Ok(Outcome::Transmission);
+            }
+            OPT_ABORT => {
+                // The client may already have gone: ignore a failed ACK.
+                let _ = s.write_all(&option_reply(option, REP_ACK, &[]));
+                return Ok(Outcome::Close);
+            }
+            OPT_LIST => {
+                if len != 0 {
+                    error_reply(s, option, REP_ERR_INVALID, "NBD_OPT_LIST takes no data")?;
+                    continue;
+                }
+                let name = export.name.as_bytes();
+                let mut d = Vec::with_capacity(4 + name.len());
+                d.extend_from_slice(&(name.len() as u32).to_be_bytes());
+                d.extend_from_slice(name);
+                s.write_all(&option_reply(option, REP_SERVER, &d))?;
+                s.write_all(&option_reply(option, REP_ACK, &[]))?;
+            }
+            OPT_INFO | OPT_GO => {
+                let Some((name, infos)) = parse_info_request(&data) else {
+                    error_reply(s, option, REP_ERR_INVALID, "malformed NBD_OPT_INFO/GO data")?;
+                    continue;
+                };
+                if !name_matches(export, name) {
+                    error_reply(
+                        s,
+                        option,
+                        REP_ERR_UNKNOWN,
+                        &format!("no export named {:?}", String::from_utf8_lossy(name)),
+                    )?;
+                    continue;
+                }
+                send_infos(s, option, export, &infos)?;
+                s.write_all(&option_reply(option, REP_ACK, &[]))?;
+                if option == OPT_GO {
+                    return Ok(Outcome::Transmission);
+                }
+            }
+            _ => {
+                error_reply(
+                    s,
+                    option,
+                    REP_ERR_UNSUP,
+                    &format!("option {option} is not supported by this server"),
+                )?;
+            }
+        }
+    }
+}
+
+/// Split NBD_OPT_INFO/GO data into the name and the requested info types.
+fn parse_info_request(data: &[u8]) -> Option<(&[u8], Vec<u16>)> {
+    let name_len = u32::from_be_bytes(data.get(0..4)?.try_into().ok()?) as usize;
+    let name = data.get(4..4usize.checked_add(name_len)?)?;
+    let rest = &data[4 + name_len..];
+    let n = u16::from_be_bytes(rest.get(0..2)?.try_into().ok()?) as usize;
+    let list = &rest[2..];
+    if list.len() != 2 * n {
+        return None;
+    }
+    let infos = list
+        .chunks_exact(2)
+        .map(|c| u16::from_be_bytes([c[0], c[1]]))
+        .collect();
+    Some((name, infos))
+}
+
+fn send_info(s: &mut Stream, option: u32, kind: u16, payload: &[u8]) -> io::Result<()> {
+    let mut d = Vec::with_capacity(2 + payload.len());
+    d.extend_from_slice(&kind.to_be_bytes());
+    d.extend_from_slice(payload);
+    s.write_all(&option_reply(option, REP_INFO, &d))
+}
+
+/// NBD_INFO_EXPORT and NBD_INFO_BLOCK_SIZE always (the export needs whole
+/// sectors, so its block sizes are sent whether asked for or not, as the
+/// protocol allows); NAME and DESCRIPTION when requested.
+fn send_infos(s: &mut Stream, option: u32, export: &ExportInfo, infos: &[u16]) -> io::Result<()> {
+    let mut e = Vec::with_capacity(10);
+    e.extend_from_slice(&export.size_bytes.to_be_bytes());
+    e.extend_from_slice(&export.transmission_flags().to_be_bytes());
+    send_info(s, option, INFO_EXPORT, &e)?;
+    let mut b = Vec::with_capacity(12);
+    b.extend_from_slice(&export.min_block_bytes.to_be_bytes());
+    b.extend_from_slice(&export.preferred_block_bytes.to_be_bytes());
+    b.extend_from_slice(&export.max_block_bytes.to_be_bytes());
+    send_info(s, option, INFO_BLOCK_SIZE, &b)?;
+    let mut sent_name = false;
+    let mut sent_desc = false;
+    for &i in infos {
+        match i {
+            INFO_NAME if !sent_name => {
+                send_info(s, option, INFO_NAME, export.name.as_bytes())?;
+                sent_name = true;
+            }
+            INFO_DESCRIPTION if !sent_desc && !export.description.is_empty() => {
+                send_info(s, option, INFO_DESCRIPTION, export.description.as_bytes())?;
+                sent_desc = true;
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn info_requests_parse_and_malformed_ones_do_not() {
+        let mut d = vec![0, 0, 0, 3];
+        d.extend_from_slice(b"abc");
+        d.extend_from_slice(&[0, 2, 0, 3, 0, 1]);
+        let (name, infos) = parse_info_request(&d).unwrap();
+        assert_eq!(name, b"abc");
+        assert_eq!(infos, vec![INFO_BLOCK_SIZE, INFO_NAME]);
+        assert!(parse_info_request(&d[..d.len() - 1]).is_none());
+        assert!(parse_info_request(&[0xff, 0xff, 0xff, 0xff, 0, 0]).is_none());
+        assert!(parse_info_request(&[]).is_none());
+    }
+}

@@ -1,0 +1,173 @@
+//! # iopages-nbd — the crypt target over NBD
+//!
+//! An NBD server (the newstyle fixed handshake of the NBD protocol,
+//! `doc/proto.md` of the NetworkBlockDevice project) exporting one
+//! [`CryptTarget`](iopages_crypt::target::CryptTarget) through a
+//! [`CryptQueue`](iopages_crypt::queue::CryptQueue), over TCP and Unix
+//! sockets, so that the clients people already use (qemu-img, qemu-io,
+//! nbd-client, nbdcopy, fio's nbd engine) read and write the encrypted
+//! volume.
+//!
+//! Owns: the export's description ([`ExportConfig`] → what is advertised)
+//! and the crate's map. Must never: panic or hang on what a client sends;
+//! every protocol error is answered on the wire or closes that one
+//! connection.
+//!
+//! | piece | file |
+//! |---|---|
+//! | wire constants and headers | `proto.rs` |
+//! | option haggling (GO, INFO, EXPORT_NAME, LIST, ABORT) | `handshake.rs` |
+//! | transmission: requests, chunks, replies, FUA, errors | `conn.rs` |
+//! | listeners, threads, shutdown | `server.rs` |
+//! | per-command counts | `stats.rs` |
+//!
+//! What is served: READ, WRITE, FLUSH, TRIM (checked, then a no-op: the
+//! ciphertext stays), WRITE_ZEROES (encrypted zeros are written) and DISC;
+//! FUA on WRITE, WRITE_ZEROES and TRIM flushes the target after the
+//! write and before the reply. Simple replies only (NBD_OPT_STRUCTURED_REPLY
+//! is refused with NBD_REP_ERR_UNSUP, which clients accept). Many requests
+//! are in flight per connection (the reader submits to the queue; each
+//! completion sends its reply under the connection's writer lock, in
+//! completion order), and several connections share one queue
+//! (NBD_FLAG_CAN_MULTI_CONN: a flush on any covers writes completed on all).
+//!
+//! ```no_run
+//! use iopages::PageAllocator;
+//! use iopages_crypt::backend::{Backend, RamDisk};
+//! use iopages_crypt::queue::{CryptQueue, QueueConfig};
+//! use iopages_crypt::target::{CipherPool, CryptTarget, TargetConfig};
+//! use iopages_crypt::XtsCipher;
+//! use iopages_nbd::{ExportConfig, Listen, Server};
+//! use std::sync::Arc;
+//!
+//! let alloc = PageAllocator::builder().size_bytes(64 << 20).build().unwrap();
+//! let disk: Arc<dyn Backend> = Arc::new(RamDisk::new(16 << 20).unwrap());
+//! let key: Vec<u8> = (0u8..64).collect();
+//! let cipher = CipherPool::new(XtsCipher::new(&key, 512, 0).unwrap(), 2).unwrap();
+//! let target = Arc::new(CryptTarget::new(&alloc, cipher, disk, TargetConfig::default()).unwrap());
+//! let queue = Arc::new(CryptQueue::new(target, QueueConfig::default()).unwrap());
+//! let server = Server::start(
+//!     queue,
+//!     ExportConfig::new("vol"),
+//!     &[Listen::Tcp("127.0.0.1:0".parse().unwrap())],
+//! )
+//! .unwrap();
+//! println!("nbd://{}/vol", server.tcp_addr().unwrap());
+//! server.shutdown();
+//! ```
+
+#![warn(missing_docs)]
+
+mod conn;
+mod device;
+mod error;
+mod handshake;
+pub mod proto;
+mod server;
+mod stats;
+mod stream;
+
+pub use conn::{CHUNK_BYTES, MAX_BYTES_IN_FLIGHT, MAX_REQUESTS_IN_FLIGHT};
+pub use error::{Error, Result};
+pub use handshake::MAX_OPTION_BYTES;
+pub use server::{Listen, Server, DEFAULT_LISTEN, WRITE_TIMEOUT};
+pub use stats::{CommandStats, Stats};
+
+/// The default preferred block size advertised (bytes).
+pub const DEFAULT_PREFERRED_BLOCK_BYTES: u32 = 4096;
+/// The default (and largest) maximum block size advertised: 32 MiB, the
+/// largest payload a client may send or ask for in one request.
+pub const DEFAULT_MAX_BLOCK_BYTES: u32 = 32 << 20;
+
+/// What to export and how to describe it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExportConfig {
+    /// The export's name (clients ask for it; the empty name also selects
+    /// it, as the protocol's default export).
+    pub name: String,
+    /// A description sent on NBD_INFO_DESCRIPTION (empty: none).
+    pub description: String,
+    /// Refuse every write (EPERM) and advertise NBD_FLAG_READ_ONLY.
+    pub read_only: bool,
+    /// Preferred block size: a power of two, at least the sector size.
+    pub preferred_block_bytes: u32,
+    /// Maximum block size: a multiple of the sector size, at most
+    /// [`DEFAULT_MAX_BLOCK_BYTES`].
+    pub max_block_bytes: u32,
+}
+
+impl ExportConfig {
+    /// A writable export named `name` with the default block sizes
+    /// (minimum: the target's sector size; preferred 4096; maximum 32 MiB).
+    pub fn new(name: impl Into<String>) -> ExportConfig {
+        ExportConfig {
+            name: name.into(),
+            description: "iopages encrypted volume (aes-xts-plain64)".into(),
+            read_only: false,
+            preferred_block_bytes: DEFAULT_PREFERRED_BLOCK_BYTES,
+            max_block_bytes: DEFAULT_MAX_BLOCK_BYTES,
+        }
+    }
+}
+
+/// What is advertised, checked against the target.
+#[derive(Clone, Debug)]
+pub(crate) struct ExportInfo {
+    pub(crate) name: String,
+    pub(crate) description: String,
+    pub(crate) read_only: bool,
+    pub(crate) size_bytes: u64,
+    pub(crate) min_block_bytes: u32,
+    pub(crate) preferred_block_bytes: u32,
+    pub(crate) max_block_bytes: u32,
+}
+
+impl ExportInfo {
+    pub(crate) fn new(c: &ExportConfig, size_bytes: u64, sector_bytes: u32) -> Result<ExportInfo> {
+        let bad = |m: String| Err(Error::Config(m));
+        if c.name.len() > 4096 || c.name.contains('\0') {
+            return bad("the export name must be at most 4096 bytes with no NUL".into());
+        }
+        if c.description.len() > 4096 || c.description.contains('\0') {
+            return bad("the description must be at most 4096 bytes with no NUL".into());
+        }
+        if !sector_bytes.is_power_of_two() {
+            return bad(format!("sector size {sector_bytes} is not a power of two"));
+        }
+        let preferred = c.preferred_block_bytes.max(sector_bytes);
+        if !preferred.is_power_of_two() {
+            return bad(format!(
+                "preferred block size {preferred} must be a power of two"
+            ));
+        }
+        let max = c.max_block_bytes;
+        if max < preferred || !max.is_multiple_of(sector_bytes) || max > DEFAULT_MAX_BLOCK_BYTES {
+            return bad(format!(
+                "maximum block size {max} must be a multiple of the {sector_bytes}-byte sector, at least the preferred size {preferred} and at most {DEFAULT_MAX_BLOCK_BYTES}"
+            ));
+        }
+        Ok(ExportInfo {
+            name: c.name.clone(),
+            description: c.description.clone(),
+            read_only: c.read_only,
+            size_bytes,
+            min_block_bytes: sector_bytes,
+            preferred_block_bytes: preferred,
+            max_block_bytes: max,
+        })
+    }
+
+    pub(crate) fn transmission_flags(&self) -> u16 {
+        use proto::*;
+        let mut f = TFLAG_HAS_FLAGS
+            | TFLAG_SEND_FLUSH
+            | TFLAG_SEND_FUA
+            | TFLAG_SEND_TRIM
+            | TFLAG_SEND_WRITE_ZEROES
+            | TFLAG_CAN_MULTI_CONN;
+        if self.read_only {
+            f |= TFLAG_READ_ONLY;
+        }
+        f
+    }
+}

@@ -1,0 +1,677 @@
+//! A scripted NBD client against the server: handshake, every command,
+//! bad requests, read-only exports, abrupt disconnects, multi-conn, and
+//! interop with qemu's client tools.
+
+use iopages::PageAllocator;
+use iopages_crypt::backend::{Backend, RamDisk};
+use iopages_crypt::queue::{CryptQueue, QueueConfig};
+use iopages_crypt::target::{CipherPool, CryptTarget, TargetConfig};
+use iopages_crypt::XtsCipher;
+use iopages_nbd::proto::*;
+use iopages_nbd::{ExportConfig, Listen, Server};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::Duration;
+
+const DISK: u64 = 16 << 20;
+const NAME: &str = "vol";
+
+fn start(read_only: bool, sector: usize) -> (PageAllocator, Server) {
+    let alloc = PageAllocator::builder()
+        .size_bytes(64 << 20)
+        .huge_pages(iopages::HugePages::Never)
+        .build()
+        .unwrap();
+    let disk: Arc<dyn Backend> = Arc::new(RamDisk::new(DISK).unwrap());
+    let key: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(7) ^ 0x5a).collect();
+    let cipher = CipherPool::new(XtsCipher::new(&key, sector, 0).unwrap(), 2).unwrap();
+    let target = Arc::new(CryptTarget::new(&alloc, cipher, disk, TargetConfig::default()).unwrap());
+    let queue = Arc::new(
+        CryptQueue::new(
+            target,
+            QueueConfig {
+                queue_depth: 32,
+                workers: 2,
+                preallocated_out: false,
+            },
+        )
+        .unwrap(),
+    );
+    let mut cfg = ExportConfig::new(NAME);
+    cfg.read_only = read_only;
+    let server = Server::start(queue, cfg, &[Listen::Tcp("127.0.0.1:0".parse().unwrap())]).unwrap();
+    (alloc, server)
+}
+
+fn finish(alloc: PageAllocator, server: Server) {
+    server.shutdown();
+    alloc.leak_check().expect("every page freed after shutdown");
+}
+
+struct Client {
+    s: TcpStream,
+}
+
+struct OptReply {
+    option: u32,
+    kind: u32,
+    data: Vec<u8>,
+}
+
+impl Client {
+    /// Connect and read the greeting; send the client flags.
+    fn connect(server: &Server) -> Client {
+        let s = TcpStream::connect(server.tcp_addr().unwrap()).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut c = Client { s };
+        let mut g = [0u8; 18];
+        c.s.read_exact(&mut g).unwrap();
+        assert_eq!(&g[0..8], b"NBDMAGIC");
+        assert_eq!(&g[8..16], b"IHAVEOPT");
+        assert_eq!(
+            u16::from_be_bytes([g[16], g[17]]),
+            FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES
+        );
+        c.s.write_all(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes())
+            .unwrap();
+        c
+    }
+
+    fn option(&mut self, option: u32, data: &[u8]) {
+        let mut v = IHAVEOPT.to_be_bytes().to_vec();
+        v.extend_from_slice(&option.to_be_bytes());
+        v.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        v.extend_from_slice(data);
+        self.s.write_all(&v).unwrap();
+    }
+
+    fn opt_reply(&mut self) -> OptReply {
+        let mut h = [0u8; 20];
+        self.s.read_exact(&mut h).unwrap();
+        assert_eq!(
+            u64::from_be_bytes(h[0..8].try_into().unwrap()),
+            OPT_REPLY_MAGIC
+        );
+        let len = u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize;
+        let mut data = vec![0u8; len];
+        self.s.read_exact(&mut data).unwrap();
+        OptReply {
+            option: u32::from_be_bytes(h[8..12].try_into().unwrap()),
+            kind: u32::from_be_bytes(h[12..16].try_into().unwrap()),
+            data,
+        }
+    }
+
+    fn info_data(name: &str, infos: &[u16]) -> Vec<u8> {
+        let mut d = (name.len() as u32).to_be_bytes().to_vec();
+        d.extend_from_slice(name.as_bytes());
+        d.extend_from_slice(&(infos.len() as u16).to_be_bytes());
+        for i in infos {
+            d.extend_from_slice(&i.to_be_bytes());
+        }
+        d
+    }
+
+    /// NBD_OPT_GO; returns (size, flags, block sizes).
+    fn go(&mut self, name: &str) -> (u64, u16, [u32; 3]) {
+        self.option(OPT_GO, &Self::info_data(name, &[INFO_BLOCK_SIZE]));
+        let (mut size, mut flags, mut bs) = (0, 0, [0; 3]);
+        loop {
+            let r = self.opt_reply();
+            assert_eq!(r.option, OPT_GO);
+            match r.kind {
+                REP_ACK => return (size, flags, bs),
+                REP_INFO => match u16::from_be_bytes([r.data[0], r.data[1]]) {
+                    INFO_EXPORT => {
+                        size = u64::from_be_bytes(r.data[2..10].try_into().unwrap());
+                        flags = u16::from_be_bytes([r.data[10], r.data[11]]);
+                    }
+                    INFO_BLOCK_SIZE => {
+                        for (i, b) in bs.iter_mut().enumerate() {
+                            *b = u32::from_be_bytes(
+                                r.data[2 + 4 * i..6 + 4 * i].try_into().unwrap(),
+                            );
+                        }
+                    }
+                    _ => {}
+                },
+                k => panic!("unexpected reply {k:#x} to GO"),
+            }
+        }
+    }
+
+    fn send(
+        &mut self,
+        command: u16,
+        flags: u16,
+        cookie: u64,
+        offset: u64,
+        length: u32,
+        payload: &[u8],
+    ) {
+        let r = Request {
+            flags,
+            command,
+            cookie,
+            offset,
+            length,
+        };
+        let mut v = r.encode().to_vec();
+        v.extend_from_slice(payload);
+        self.s.write_all(&v).unwrap();
+    }
+
+    /// Read one simple reply: (error, cookie).
+    fn reply(&mut self) -> (u32, u64) {
+        let mut h = [0u8; 16];
+        self.s.read_exact(&mut h).unwrap();
+        assert_eq!(
+            u32::from_be_bytes(h[0..4].try_into().unwrap()),
+            SIMPLE_REPLY_MAGIC
+        );
+        (
+            u32::from_be_bytes(h[4..8].try_into().unwrap()),
+            u64::from_be_bytes(h[8..16].try_into().unwrap()),
+        )
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8], flags: u16) -> u32 {
+        self.send(CMD_WRITE, flags, 1, offset, data.len() as u32, data);
+        let (e, c) = self.reply();
+        assert_eq!(c, 1);
+        e
+    }
+
+    fn read(&mut self, offset: u64, len: u32) -> Result<Vec<u8>, u32> {
+        self.send(CMD_READ, 0, 2, offset, len, &[]);
+        let (e, c) = self.reply();
+        assert_eq!(c, 2);
+        if e != 0 {
+            return Err(e);
+        }
+        let mut v = vec![0u8; len as usize];
+        self.s.read_exact(&mut v).unwrap();
+        Ok(v)
+    }
+
+    fn simple(&mut self, command: u16, flags: u16, offset: u64, len: u32) -> u32 {
+        self.send(command, flags, 3, offset, len, &[]);
+        let (e, c) = self.reply();
+        assert_eq!(c, 3);
+        e
+    }
+
+    fn disconnect(mut self) {
+        self.send(CMD_DISC, 0, 9, 0, 0, &[]);
+        let mut b = [0u8; 1];
+        assert_eq!(
+            self.s.read(&mut b).unwrap(),
+            0,
+            "the server closes after DISC"
+        );
+    }
+
+    /// True once the server has closed the connection.
+    fn closed(&mut self) -> bool {
+        let mut b = [0u8; 1];
+        matches!(self.s.read(&mut b), Ok(0) | Err(_))
+    }
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+        .collect()
+}
+
+#[test]
+fn handshake_go_info_list_unknown_and_abort() {
+    let (alloc, server) = start(false, 512);
+    let mut c = Client::connect(&server);
+    // Unknown option: ERR_UNSUP, and the haggling goes on.
+    c.option(OPT_STRUCTURED_REPLY, &[]);
+    let r = c.opt_reply();
+    assert_eq!((r.option, r.kind), (OPT_STRUCTURED_REPLY, REP_ERR_UNSUP));
+    c.option(0x7777, b"whatever");
+    assert_eq!(c.opt_reply().kind, REP_ERR_UNSUP);
+    // LIST: one export, then ACK; LIST with data is invalid.
+    c.option(OPT_LIST, &[]);
+    let r = c.opt_reply();
+    assert_eq!(r.kind, REP_SERVER);
+    assert_eq!(&r.data[0..4], &3u32.to_be_bytes());
+    assert_eq!(&r.data[4..], NAME.as_bytes());
+    assert_eq!(c.opt_reply().kind, REP_ACK);
+    c.option(OPT_LIST, b"x");
+    assert_eq!(c.opt_reply().kind, REP_ERR_INVALID);
+    // INFO with every info type asked for.
+    c.option(
+        OPT_INFO,
+        &Client::info_data(NAME, &[INFO_NAME, INFO_DESCRIPTION, INFO_BLOCK_SIZE]),
+    );
+    let mut seen = Vec::new();
+    loop {
+        let r = c.opt_reply();
+        assert_eq!(r.option, OPT_INFO);
+        if r.kind == REP_ACK {
+            break;
+        }
+        assert_eq!(r.kind, REP_INFO);
+        let t = u16::from_be_bytes([r.data[0], r.data[1]]);
+        match t {
+            INFO_EXPORT => {
+                assert_eq!(u64::from_be_bytes(r.data[2..10].try_into().unwrap()), DISK);
+                let f = u16::from_be_bytes([r.data[10], r.data[11]]);
+                assert_eq!(f & TFLAG_READ_ONLY, 0);
+                assert_ne!(f & TFLAG_CAN_MULTI_CONN, 0);
+            }
+            INFO_NAME => assert_eq!(&r.data[2..], NAME.as_bytes()),
+            INFO_DESCRIPTION => assert!(!r.data[2..].is_empty()),
+            INFO_BLOCK_SIZE => {
+                let v: Vec<u32> = r.data[2..]
+                    .chunks(4)
+                    .map(|b| u32::from_be_bytes(b.try_into().unwrap()))
+                    .collect();
+                assert_eq!(v, vec![512, 4096, 32 << 20]);
+            }
+            _ => panic!("info type {t} not asked for"),
+        }
+        seen.push(t);
+    }
+    seen.sort();
+    assert_eq!(
+        seen,
+        vec![INFO_EXPORT, INFO_NAME, INFO_DESCRIPTION, INFO_BLOCK_SIZE]
+    );
+    // INFO for an unknown export; malformed INFO.
+    c.option(OPT_INFO, &Client::info_data("nope", &[]));
+    assert_eq!(c.opt_reply().kind, REP_ERR_UNKNOWN);
+    c.option(OPT_GO, &[0, 0, 0, 9, b'v']);
+    assert_eq!(c.opt_reply().kind, REP_ERR_INVALID);
+    // Still in the handshake: GO works, and the export serves.
+    let (size, flags, bs) = c.go(NAME);
+    assert_eq!(size, DISK);
+    assert_ne!(flags & TFLAG_SEND_FUA, 0);
+    assert_eq!(bs, [512, 4096, 32 << 20]);
+    assert_eq!(c.write(0, &[7u8; 4096], 0), 0);
+    assert_eq!(c.read(0, 4096).unwrap(), vec![7u8; 4096]);
+    c.disconnect();
+
+    // ABORT: ACK, then the server closes.
+    let mut c = Client::connect(&server);
+    c.option(OPT_ABORT, &[]);
+    assert_eq!(c.opt_reply().kind, REP_ACK);
+    assert!(c.closed());
+
+    // The default (empty) name is the export too.
+    let mut c = Client::connect(&server);
+    assert_eq!(c.go("").0, DISK);
+    c.disconnect();
+    assert!(server.stats().sessions >= 2);
+    finish(alloc, server);
+}
+
+#[test]
+fn export_name_with_and_without_zeroes_and_unknown_name_closes() {
+    let (alloc, server) = start(false, 512);
+    // Old-style EXPORT_NAME, the client asking for no zeroes.
+    let mut c = Client::connect(&server);
+    c.option(OPT_EXPORT_NAME, NAME.as_bytes());
+    let mut b = [0u8; 10];
+    c.s.read_exact(&mut b).unwrap();
+    assert_eq!(u64::from_be_bytes(b[0..8].try_into().unwrap()), DISK);
+    assert_eq!(c.write(512, &[1u8; 512], 0), 0);
+    c.disconnect();
+    // Without NO_ZEROES: 124 zero bytes follow.
+    let mut s = TcpStream::connect(server.tcp_addr().unwrap()).unwrap();
+    let mut g = [0u8; 18];
+    s.read_exact(&mut g).unwrap();
+    s.write_all(&FLAG_C_FIXED_NEWSTYLE.to_be_bytes()).unwrap();
+    let mut v = IHAVEOPT.to_be_bytes().to_vec();
+    v.extend_from_slice(&OPT_EXPORT_NAME.to_be_bytes());
+    v.extend_from_slice(&3u32.to_be_bytes());
+    v.extend_from_slice(NAME.as_bytes());
+    s.write_all(&v).unwrap();
+    let mut b = [0u8; 134];
+    s.read_exact(&mut b).unwrap();
+    assert!(b[10..].iter().all(|&x| x == 0));
+    let mut c = Client { s };
+    assert_eq!(c.read(512, 512).unwrap(), vec![1u8; 512]);
+    c.disconnect();
+    // An unknown name closes the connection.
+    let mut c = Client::connect(&server);
+    c.option(OPT_EXPORT_NAME, b"nope");
+    assert!(c.closed());
+    finish(alloc, server);
+}
+
+#[test]
+fn bad_magic_and_unknown_client_flags_close_only_that_connection() {
+    let (alloc, server) = start(false, 512);
+    // Bad option magic.
+    let mut c = Client::connect(&server);
+    c.s.write_all(&[0xde; 16]).unwrap();
+    assert!(c.closed());
+    // Unknown client flags.
+    let mut s = TcpStream::connect(server.tcp_addr().unwrap()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut g = [0u8; 18];
+    s.read_exact(&mut g).unwrap();
+    s.write_all(&0x8000_0001u32.to_be_bytes()).unwrap();
+    assert!(Client { s }.closed());
+    // Bad request magic in transmission.
+    let mut c = Client::connect(&server);
+    c.go(NAME);
+    c.s.write_all(&[0x11; 28]).unwrap();
+    assert!(c.closed());
+    // The server still serves.
+    let mut c = Client::connect(&server);
+    c.go(NAME);
+    assert_eq!(c.write(0, &[3u8; 512], 0), 0);
+    c.disconnect();
+    finish(alloc, server);
+}
+
+#[test]
+fn every_command_with_fua_and_large_requests() {
+    for sector in [512, 4096] {
+        let (alloc, server) = start(false, sector);
+        let mut c = Client::connect(&server);
+        let (_, _, bs) = c.go(NAME);
+        assert_eq!(bs[0], sector as u32);
+        let data = pattern(0x42, 64 << 10);
+        assert_eq!(c.write(8192, &data, 0), 0);
+        assert_eq!(c.write(65536 + 8192, &data, CMD_FLAG_FUA), 0);
+        assert_eq!(c.read(8192, 64 << 10).unwrap(), data);
+        assert_eq!(c.read(65536 + 8192, 64 << 10).unwrap(), data);
+        assert_eq!(c.simple(CMD_FLUSH, 0, 0, 0), 0);
+        // WRITE_ZEROES (with FUA and NO_HOLE) reads back as zeros.
+        assert_eq!(
+            c.simple(
+                CMD_WRITE_ZEROES,
+                CMD_FLAG_FUA | CMD_FLAG_NO_HOLE,
+                8192,
+                4096
+            ),
+            0
+        );
+        let back = c.read(8192, 64 << 10).unwrap();
+        assert!(back[..4096].iter().all(|&b| b == 0));
+        assert_eq!(&back[4096..], &data[4096..]);
+        // A WRITE_ZEROES longer than the maximum block size is served.
+        assert_eq!(c.simple(CMD_WRITE_ZEROES, 0, 0, DISK as u32), 0);
+        assert!(c.read(DISK - 4096, 4096).unwrap().iter().all(|&b| b == 0));
+        // TRIM is checked and then a no-op (data stays); FUA allowed.
+        assert_eq!(c.write(0, &data[..8192], 0), 0);
+        assert_eq!(c.simple(CMD_TRIM, CMD_FLAG_FUA, 0, 8192), 0);
+        assert_eq!(c.read(0, 8192).unwrap(), &data[..8192]);
+        assert_eq!(c.simple(CMD_TRIM, 0, 0, DISK as u32), 0);
+        // A 32 MiB-class request split into chunks: a 3 MiB + 4 KiB write.
+        let big = pattern(0x99, (3 << 20) + 4096);
+        assert_eq!(c.write(1 << 20, &big, CMD_FLAG_FUA), 0);
+        assert_eq!(c.read(1 << 20, big.len() as u32).unwrap(), big);
+        // Many requests in flight: send 64 writes, then read the replies.
+        for i in 0..64u64 {
+            let d = pattern(i as u8, 16 << 10);
+            c.send(
+                CMD_WRITE,
+                0,
+                100 + i,
+                (8 << 20) + i * (16 << 10),
+                d.len() as u32,
+                &d,
+            );
+        }
+        let mut cookies: Vec<u64> = (0..64)
+            .map(|_| {
+                let (e, k) = c.reply();
+                assert_eq!(e, 0);
+                k
+            })
+            .collect();
+        cookies.sort();
+        assert_eq!(cookies, (100..164).collect::<Vec<_>>());
+        for i in (0..64u64).step_by(13) {
+            assert_eq!(
+                c.read((8 << 20) + i * (16 << 10), 16 << 10).unwrap(),
+                pattern(i as u8, 16 << 10)
+            );
+        }
+        let st = server.stats();
+        assert!(st.write.requests >= 67 && st.read.requests >= 8 && st.flush.requests == 1);
+        assert!(
+            st.write.bytes >= (3 << 20) && st.trim.requests == 2 && st.write_zeroes.requests == 2
+        );
+        c.disconnect();
+        finish(alloc, server);
+    }
+}
+
+#[test]
+fn misaligned_out_of_range_and_oversize_requests_get_errors_and_the_connection_stays() {
+    let (alloc, server) = start(false, 4096);
+    let mut c = Client::connect(&server);
+    c.go(NAME);
+    // Misaligned (the target's sector is 4096).
+    assert_eq!(c.write(512, &[1u8; 4096], 0), EINVAL);
+    assert_eq!(c.write(0, &[1u8; 512], 0), EINVAL);
+    assert_eq!(c.read(100, 4096), Err(EINVAL));
+    assert_eq!(c.simple(CMD_TRIM, 0, 512, 4096), EINVAL);
+    assert_eq!(c.simple(CMD_WRITE_ZEROES, 0, 0, 100), EINVAL);
+    // Zero length.
+    assert_eq!(c.read(0, 0), Err(EINVAL));
+    // Out of range: reads EINVAL, writes ENOSPC; offset+length overflow.
+    assert_eq!(c.read(DISK, 4096), Err(EINVAL));
+    assert_eq!(c.read(u64::MAX - 4095, 8192), Err(EINVAL));
+    assert_eq!(c.write(DISK - 4096, &[1u8; 8192], 0), ENOSPC);
+    assert_eq!(c.simple(CMD_WRITE_ZEROES, 0, DISK, 4096), ENOSPC);
+    assert_eq!(c.simple(CMD_TRIM, 0, u64::MAX - 4095, 8192), ENOSPC);
+    // Oversize: a 33 MiB read and write (payload sent and discarded).
+    assert_eq!(c.read(0, 33 << 20), Err(EOVERFLOW));
+    let huge = vec![5u8; 33 << 20];
+    assert_eq!(c.write(0, &huge, 0), EOVERFLOW);
+    // Bad flags, bad flush, unknown command.
+    assert_eq!(c.simple(CMD_READ, CMD_FLAG_FUA, 0, 4096), EINVAL);
+    assert_eq!(
+        c.simple(CMD_WRITE_ZEROES, CMD_FLAG_FAST_ZERO, 0, 4096),
+        EINVAL
+    );
+    assert_eq!(c.simple(CMD_FLUSH, 0, 0, 4096), EINVAL);
+    assert_eq!(c.simple(42, 0, 0, 4096), EINVAL);
+    // The connection is still in step and usable; nothing bad was written.
+    assert_eq!(c.write(0, &[9u8; 4096], 0), 0);
+    assert_eq!(c.read(0, 4096).unwrap(), vec![9u8; 4096]);
+    assert_ne!(c.read(DISK - 8192, 4096).unwrap(), vec![1u8; 4096]);
+    assert!(server.stats().read.errors >= 4);
+    c.disconnect();
+    finish(alloc, server);
+}
+
+#[test]
+fn a_read_only_export_refuses_writes_with_eperm() {
+    let (alloc, server) = start(true, 512);
+    let mut c = Client::connect(&server);
+    let (_, flags, _) = c.go(NAME);
+    assert_ne!(flags & TFLAG_READ_ONLY, 0);
+    assert_eq!(c.write(0, &[1u8; 4096], 0), EPERM);
+    assert_eq!(c.simple(CMD_WRITE_ZEROES, 0, 0, 4096), EPERM);
+    assert_eq!(c.simple(CMD_TRIM, 0, 0, 4096), EPERM);
+    assert_eq!(c.simple(CMD_FLUSH, 0, 0, 0), 0);
+    assert_eq!(c.read(0, 4096).unwrap().len(), 4096);
+    assert_eq!(server.stats().write.requests, 0);
+    c.disconnect();
+    finish(alloc, server);
+}
+
+#[test]
+fn a_disconnect_mid_payload_loses_nothing_acknowledged_and_the_server_stays_up() {
+    let (alloc, server) = start(false, 512);
+    let mut c = Client::connect(&server);
+    c.go(NAME);
+    let a = pattern(0xa1, 1 << 20);
+    assert_eq!(c.write(0, &a, 0), 0);
+    // Requests in flight, then a write whose payload stops half way.
+    for i in 0..8u64 {
+        c.send(CMD_READ, 0, 50 + i, i * 4096, 4096, &[]);
+    }
+    c.send(CMD_WRITE, 0, 77, 0, 1 << 20, &vec![0xee; 300 << 10]);
+    drop(c);
+    // Another client sees the acknowledged write, not the partial one.
+    let mut c = Client::connect(&server);
+    c.go(NAME);
+    assert_eq!(c.read(0, 1 << 20).unwrap(), a);
+    // Disconnect without DISC, with writes in flight.
+    for i in 0..16u64 {
+        let d = pattern(i as u8, 64 << 10);
+        c.send(
+            CMD_WRITE,
+            0,
+            i,
+            (2 << 20) + i * (64 << 10),
+            d.len() as u32,
+            &d,
+        );
+    }
+    drop(c);
+    let mut c = Client::connect(&server);
+    c.go(NAME);
+    assert_eq!(c.write(4 << 20, &[1u8; 4096], 0), 0);
+    c.disconnect();
+    finish(alloc, server);
+}
+
+#[test]
+fn several_connections_at_once_share_the_volume() {
+    let (alloc, server) = start(false, 512);
+    let mut clients: Vec<Client> = (0..4).map(|_| Client::connect(&server)).collect();
+    for c in &mut clients {
+        let (_, flags, _) = c.go(NAME);
+        assert_ne!(flags & TFLAG_CAN_MULTI_CONN, 0);
+    }
+    // Writers on threads, one region each.
+    let handles: Vec<_> = clients
+        .drain(..)
+        .enumerate()
+        .map(|(i, mut c)| {
+            std::thread::spawn(move || {
+                for j in 0..16u64 {
+                    let d = pattern((i * 16) as u8 ^ j as u8, 32 << 10);
+                    let off = (i as u64) * (2 << 20) + j * (32 << 10);
+                    assert_eq!(c.write(off, &d, 0), 0);
+                }
+                c
+            })
+        })
+        .collect();
+    let mut clients: Vec<Client> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    // Flush on one connection, read every region on another.
+    assert_eq!(clients[0].simple(CMD_FLUSH, 0, 0, 0), 0);
+    for i in 0..4usize {
+        for j in (0..16u64).step_by(5) {
+            let off = (i as u64) * (2 << 20) + j * (32 << 10);
+            let reader = &mut clients[(i + 1) % 4];
+            assert_eq!(
+                reader.read(off, 32 << 10).unwrap(),
+                pattern((i * 16) as u8 ^ j as u8, 32 << 10)
+            );
+        }
+    }
+    for c in clients {
+        c.disconnect();
+    }
+    assert!(server.stats().connections >= 4);
+    finish(alloc, server);
+}
+
+#[test]
+fn unix_socket_serves_too() {
+    let alloc = PageAllocator::builder()
+        .size_bytes(32 << 20)
+        .huge_pages(iopages::HugePages::Never)
+        .build()
+        .unwrap();
+    let disk: Arc<dyn Backend> = Arc::new(RamDisk::new(1 << 20).unwrap());
+    let key: Vec<u8> = (0..32u8).collect();
+    let cipher = CipherPool::new(XtsCipher::new(&key, 512, 0).unwrap(), 1).unwrap();
+    let target = Arc::new(CryptTarget::new(&alloc, cipher, disk, TargetConfig::default()).unwrap());
+    let queue = Arc::new(CryptQueue::new(target, QueueConfig::default()).unwrap());
+    let path = std::env::temp_dir().join(format!("iopages-nbd-test-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let server = Server::start(
+        queue,
+        ExportConfig::new(NAME),
+        &[Listen::Unix(path.clone())],
+    )
+    .unwrap();
+    let mut s = std::os::unix::net::UnixStream::connect(&path).unwrap();
+    let mut g = [0u8; 18];
+    s.read_exact(&mut g).unwrap();
+    assert_eq!(&g[0..8], b"NBDMAGIC");
+    drop(s);
+    server.shutdown();
+    assert!(!path.exists(), "the socket file is removed at shutdown");
+    alloc.leak_check().unwrap();
+}
+
+/// A qemu tool, or `None` with a note (a failure when CI=true).
+fn qemu_tool(name: &str) -> Option<String> {
+    let ok = std::process::Command::new(name)
+        .arg("--version")
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if ok {
+        return Some(name.to_string());
+    }
+    if std::env::var("CI").as_deref() == Ok("true") {
+        panic!("{name} is missing and CI=true: install qemu-utils");
+    }
+    eprintln!("note: {name} not installed; skipping the qemu interop test");
+    None
+}
+
+#[test]
+fn qemu_io_and_qemu_img_interoperate() {
+    let (Some(io), Some(img)) = (qemu_tool("qemu-io"), qemu_tool("qemu-img")) else {
+        return;
+    };
+    let (alloc, server) = start(false, 512);
+    let url = format!("nbd://{}/{NAME}", server.tcp_addr().unwrap());
+    let out = std::process::Command::new(&io)
+        .args([
+            "-f",
+            "raw",
+            "-c",
+            "write -P 0xab 0 1M",
+            "-c",
+            "read -P 0xab 0 1M",
+        ])
+        .args(["-c", "write -P 0xcd 1536 3k", "-c", "read -P 0xcd 1536 3k"])
+        .arg(&url)
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "qemu-io failed: {text}");
+    assert!(!text.contains("Pattern verification failed"), "{text}");
+    let dir = std::env::temp_dir().join(format!("iopages-nbd-qemu-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let img_path = dir.join("out.img");
+    let out = std::process::Command::new(&img)
+        .args(["convert", "-f", "raw", "-O", "raw", &url])
+        .arg(&img_path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "qemu-img convert failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got = std::fs::read(&img_path).unwrap();
+    assert_eq!(got.len() as u64, DISK);
+    assert!(got[..1536].iter().all(|&b| b == 0xab));
+    assert!(got[1536..1536 + 3072].iter().all(|&b| b == 0xcd));
+    assert!(got[1536 + 3072..1 << 20].iter().all(|&b| b == 0xab));
+    std::fs::remove_dir_all(&dir).unwrap();
+    finish(alloc, server);
+}
