@@ -6,13 +6,15 @@
 #   openssl               the `openssl speed` reference row of `iopages bench xts`
 #   python3-cryptography  the outside implementation the crypt tests decrypt
 #                         the backends' ciphertext with
+#   qemu-utils            qemu-io and qemu-img, the NBD clients the server's
+#                         interop tests run
 #
 # (The `openssl` crate builds OpenSSL from source — its `vendored` feature —
 # so building and testing need no -dev package.)
 #
 # Usage: scripts/setup-debian.sh   (as root, or with the packages installed)
 set -euo pipefail
-pkgs=(openssl python3-cryptography)
+pkgs=(openssl python3-cryptography qemu-utils)
 
 missing=()
 for p in "${pkgs[@]}"; do
