@@ -132,26 +132,16 @@ impl DirectFile {
         offset: usize,
         len: usize,
     ) -> io::Result<()> {
-        self.check(file_offset, pages, offset, len)?;
-        let step = self.bio_bytes();
-        let mut done = 0;
-        while done < len {
-            let n = step.min(len - done);
-            let bio = self.build(pages, offset + done, n)?;
+        self.each_bio(file_offset, pages, offset, len, |at, bio| {
             // SAFETY: the segments lie in the arena, in pages the caller's
-            // buffer owns; they are pinned until `release` below, after the
-            // ring has reaped every completion.
+            // buffer owns; they are pinned until `each_bio` releases the
+            // bio, after the ring has reaped every completion.
             let segs: Vec<&[u8]> = bio
                 .iovecs(&self.alloc)
                 .map(|(p, l)| unsafe { std::slice::from_raw_parts(p.cast_const(), l) })
                 .collect();
-            let r = self.file.write_at(file_offset + done as u64, &segs);
-            drop(segs);
-            self.release(bio);
-            r?;
-            done += n;
-        }
-        Ok(())
+            self.file.write_at(at, &segs)
+        })
     }
 
     /// Read `len` bytes at `file_offset` into byte `offset` onwards of the
@@ -170,20 +160,35 @@ impl DirectFile {
         offset: usize,
         len: usize,
     ) -> io::Result<()> {
-        self.check(file_offset, pages, offset, len)?;
-        let step = self.bio_bytes();
-        let mut done = 0;
-        while done < len {
-            let n = step.min(len - done);
-            let bio = self.build(pages, offset + done, n)?;
+        self.each_bio(file_offset, pages, offset, len, |at, bio| {
             // SAFETY: as in `write_pages`; the caller guarantees nobody
             // else touches these bytes, and the segments do not overlap.
             let mut segs: Vec<&mut [u8]> = bio
                 .iovecs(&self.alloc)
                 .map(|(p, l)| unsafe { std::slice::from_raw_parts_mut(p, l) })
                 .collect();
-            let r = self.file.read_at(file_offset + done as u64, &mut segs);
-            drop(segs);
+            self.file.read_at(at, &mut segs)
+        })
+    }
+
+    /// Check the request, then cut it into bios: build each (pinning),
+    /// run `io` on it at its file offset, release it (unpinning) whatever
+    /// `io` returned.
+    fn each_bio(
+        &self,
+        file_offset: u64,
+        pages: &[Page],
+        offset: usize,
+        len: usize,
+        mut io: impl FnMut(u64, &Bio) -> io::Result<()>,
+    ) -> io::Result<()> {
+        self.check(file_offset, pages, offset, len)?;
+        let step = self.bio_bytes();
+        let mut done = 0;
+        while done < len {
+            let n = step.min(len - done);
+            let bio = self.build(pages, offset + done, n)?;
+            let r = io(file_offset + done as u64, &bio);
             self.release(bio);
             r?;
             done += n;
