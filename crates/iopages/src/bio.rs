@@ -355,14 +355,7 @@ impl Bio {
         if !std::mem::take(&mut self.pinned) {
             return;
         }
-        // A page split between two segments (at a segment-size boundary)
-        // was pinned once: skip a segment's first page when the segment
-        // before ended in it.
-        let mut last_page = None;
-        for s in &self.segs {
-            let end = s.page.pfn() + s.nr_pages() as u32;
-            let mut pfn = s.page.pfn() + u32::from(last_page == Some(s.page.pfn()));
-            last_page = Some(end - 1);
+        for (mut pfn, end) in self.pinned_ranges() {
             while pfn < end {
                 let folio = alloc.page_folio(Page::from_pfn(pfn));
                 let folio_end = folio.page().pfn() + folio.nr_pages() as u32;
@@ -378,15 +371,25 @@ impl Bio {
         if !std::mem::take(&mut self.pinned) {
             return;
         }
-        let mut last_page = None;
-        for s in &self.segs {
-            let end = s.page.pfn() + s.nr_pages() as u32;
-            let first = s.page.pfn() + u32::from(last_page == Some(s.page.pfn()));
+        for (first, end) in self.pinned_ranges() {
             for pfn in first..end {
                 alloc.unpin_page(Page::from_pfn(pfn));
             }
-            last_page = Some(end - 1);
         }
+    }
+
+    /// The frames each segment pinned, as pfn ranges `[first, end)`. A page
+    /// split between two segments (at a segment-size boundary) was pinned
+    /// once: a segment's first page is left out when the segment before
+    /// ended in it.
+    fn pinned_ranges(&self) -> impl Iterator<Item = (u32, u32)> + '_ {
+        let mut last_page = None;
+        self.segs.iter().map(move |s| {
+            let end = s.page.pfn() + s.nr_pages() as u32;
+            let first = s.page.pfn() + u32::from(last_page == Some(s.page.pfn()));
+            last_page = Some(end - 1);
+            (first, end)
+        })
     }
 
     /// The segments as (address, length) in the arena's mapping — what an
