@@ -53,6 +53,14 @@ pub fn check_range(offset: u64, len: u64, size: u64) -> io::Result<()> {
     }
 }
 
+/// Check that segments of `lens` bytes, back to back from `offset`, lie
+/// inside a device of `size` bytes; returns their total length.
+fn check_segments(offset: u64, lens: impl Iterator<Item = usize>, size: u64) -> io::Result<usize> {
+    let total: usize = lens.sum();
+    check_range(offset, total as u64, size)?;
+    Ok(total)
+}
+
 /// Bytes per lock stripe of the RAM disk.
 pub const RAMDISK_STRIPE_BYTES: usize = 64 << 10;
 
@@ -112,8 +120,7 @@ impl Backend for RamDisk {
     }
 
     fn write_at(&self, offset: u64, segments: &[&[u8]]) -> io::Result<()> {
-        let total: usize = segments.iter().map(|s| s.len()).sum();
-        check_range(offset, total as u64, self.size_bytes)?;
+        let total = check_segments(offset, segments.iter().map(|s| s.len()), self.size_bytes)?;
         let mut at = offset;
         for seg in segments {
             let mut done = 0;
@@ -127,8 +134,7 @@ impl Backend for RamDisk {
     }
 
     fn read_at(&self, offset: u64, segments: &mut [&mut [u8]]) -> io::Result<()> {
-        let total: usize = segments.iter().map(|s| s.len()).sum();
-        check_range(offset, total as u64, self.size_bytes)?;
+        let total = check_segments(offset, segments.iter().map(|s| s.len()), self.size_bytes)?;
         let mut at = offset;
         for seg in segments.iter_mut() {
             let mut done = 0;
@@ -273,8 +279,7 @@ impl Backend for PageStore {
     }
 
     fn write_at(&self, offset: u64, segments: &[&[u8]]) -> io::Result<()> {
-        let total: usize = segments.iter().map(|s| s.len()).sum();
-        check_range(offset, total as u64, self.size_bytes)?;
+        let total = check_segments(offset, segments.iter().map(|s| s.len()), self.size_bytes)?;
         // Pages for the blocks never written, allocated before anything is
         // touched so that running out of memory writes nothing.
         let missing = Self::blocks(offset, total)
@@ -334,8 +339,7 @@ impl Backend for PageStore {
     }
 
     fn read_at(&self, offset: u64, segments: &mut [&mut [u8]]) -> io::Result<()> {
-        let total: usize = segments.iter().map(|s| s.len()).sum();
-        check_range(offset, total as u64, self.size_bytes)?;
+        let total = check_segments(offset, segments.iter().map(|s| s.len()), self.size_bytes)?;
         let mut at = offset;
         for seg in segments.iter_mut() {
             let mut done = 0;

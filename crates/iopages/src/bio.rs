@@ -240,6 +240,20 @@ impl Bio {
         self.push(folio.page().pfn() as usize * PAGE_SIZE + offset, len)
     }
 
+    /// An empty bio that will hold pins, for a range checked against the
+    /// page array.
+    fn pinned_for(
+        pages: &[Page],
+        offset: usize,
+        len: usize,
+        limits: BioLimits,
+    ) -> Result<Bio, BioError> {
+        Self::check_range(pages, offset, len)?;
+        let mut bio = Bio::new(limits)?;
+        bio.pinned = true;
+        Ok(bio)
+    }
+
     fn check_range(pages: &[Page], offset: usize, len: usize) -> Result<(), BioError> {
         let limit = pages.len() * PAGE_SIZE;
         if !offset.checked_add(len).is_some_and(|end| end <= limit) {
@@ -269,9 +283,7 @@ impl Bio {
         len: usize,
         limits: BioLimits,
     ) -> Result<Bio, BioError> {
-        Self::check_range(pages, offset, len)?;
-        let mut bio = Bio::new(limits)?;
-        bio.pinned = true;
+        let mut bio = Self::pinned_for(pages, offset, len, limits)?;
         let checks = alloc.checks_enabled();
         let (mut i, mut off, mut left) = (offset / PAGE_SIZE, offset % PAGE_SIZE, len);
         while left > 0 {
@@ -330,9 +342,7 @@ impl Bio {
         len: usize,
         limits: BioLimits,
     ) -> Result<Bio, BioError> {
-        Self::check_range(pages, offset, len)?;
-        let mut bio = Bio::new(limits)?;
-        bio.pinned = true;
+        let mut bio = Self::pinned_for(pages, offset, len, limits)?;
         let (mut i, mut off, mut left) = (offset / PAGE_SIZE, offset % PAGE_SIZE, len);
         while left > 0 {
             let n = (PAGE_SIZE - off).min(left);
