@@ -120,7 +120,7 @@ impl Backend for RamDisk {
     }
 
     fn write_at(&self, offset: u64, segments: &[&[u8]]) -> io::Result<()> {
-        let total = check_segments(offset, segments.iter().map(|s| s.len()), self.size_bytes)?;
+        check_segments(offset, segments.iter().map(|s| s.len()), self.size_bytes)?;
         let mut at = offset;
         for seg in segments {
             let mut done = 0;
@@ -134,7 +134,7 @@ impl Backend for RamDisk {
     }
 
     fn read_at(&self, offset: u64, segments: &mut [&mut [u8]]) -> io::Result<()> {
-        let total = check_segments(offset, segments.iter().map(|s| s.len()), self.size_bytes)?;
+        check_segments(offset, segments.iter().map(|s| s.len()), self.size_bytes)?;
         let mut at = offset;
         for seg in segments.iter_mut() {
             let mut done = 0;
@@ -339,7 +339,7 @@ impl Backend for PageStore {
     }
 
     fn read_at(&self, offset: u64, segments: &mut [&mut [u8]]) -> io::Result<()> {
-        let total = check_segments(offset, segments.iter().map(|s| s.len()), self.size_bytes)?;
+        check_segments(offset, segments.iter().map(|s| s.len()), self.size_bytes)?;
         let mut at = offset;
         for seg in segments.iter_mut() {
             let mut done = 0;
