@@ -6,15 +6,24 @@
 #   openssl               the `openssl speed` reference row of `iopages bench xts`
 #   python3-cryptography  the outside implementation the crypt tests decrypt
 #                         the backends' ciphertext with
-#   qemu-utils            qemu-io and qemu-img, the NBD clients the server's
-#                         interop tests run
+#   qemu-utils            qemu-io, qemu-img and qemu-nbd: NBD clients of the
+#                         server's interop tests, and qemu's LUKS driver, a
+#                         peer of `iopages bench nbd`
+#   cryptsetup-bin        cryptsetup: formats the LUKS volumes the tests open,
+#                         and checks the ones `iopages luks format` makes
+#   nbdkit                nbdkit and its luks filter: reads our LUKS1 volumes
+#                         in the interop tests, a peer of `iopages bench nbd`
+#   libnbd-bin            nbdcopy and nbdinfo, NBD clients of the tests and
+#                         the benchmark
+#   fio                   fio's nbd engine: the verify job of the tests and
+#                         the load of `iopages bench nbd`
 #
 # (The `openssl` crate builds OpenSSL from source — its `vendored` feature —
 # so building and testing need no -dev package.)
 #
 # Usage: scripts/setup-debian.sh   (as root, or with the packages installed)
 set -euo pipefail
-pkgs=(openssl python3-cryptography qemu-utils)
+pkgs=(openssl python3-cryptography qemu-utils cryptsetup-bin nbdkit libnbd-bin fio)
 
 missing=()
 for p in "${pkgs[@]}"; do
