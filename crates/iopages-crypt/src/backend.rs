@@ -4,7 +4,9 @@
 //! buffers, flush) and two RAM disks: [`RamDisk`], which copies what it is
 //! given as the kernel's `brd` does, and [`PageStore`], which keeps the
 //! very pages a write hands it and gives back the pages they replace (no
-//! copy: the crypt target's out pages become the disk's pages).
+//! copy: the crypt target's out pages become the disk's pages); and
+//! [`Window`], a byte range of another backend (a LUKS volume's payload
+//! after its header, as dm-crypt's table starts at the payload offset).
 //! Must never: accept a short read or write silently — an I/O either moves
 //! every byte or returns an error, and an out-of-range request is refused
 //! before anything is touched.
@@ -385,9 +387,91 @@ impl Drop for PageStore {
     }
 }
 
+/// A window of `len` bytes at `start` of another backend: offset 0 here
+/// is byte `start` there, and nothing outside the window can be reached
+/// (a LUKS payload behind its header).
+pub struct Window {
+    inner: std::sync::Arc<dyn Backend>,
+    start: u64,
+    len: u64,
+}
+
+impl Window {
+    /// The window `start..start + len` of `inner`.
+    ///
+    /// **Returns:** `InvalidInput` if the window is empty or leaves
+    /// `inner`.
+    pub fn new(inner: std::sync::Arc<dyn Backend>, start: u64, len: u64) -> io::Result<Window> {
+        if len == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "an empty window at byte {start} of a {}-byte device",
+                    inner.size_bytes()
+                ),
+            ));
+        }
+        check_range(start, len, inner.size_bytes())?;
+        Ok(Window { inner, start, len })
+    }
+
+    /// Where the window starts in the backend below.
+    pub fn start(&self) -> u64 {
+        self.start
+    }
+}
+
+impl Backend for Window {
+    fn size_bytes(&self) -> u64 {
+        self.len
+    }
+
+    fn write_at(&self, offset: u64, segments: &[&[u8]]) -> io::Result<()> {
+        check_segments(offset, segments.iter().map(|s| s.len()), self.len)?;
+        self.inner.write_at(self.start + offset, segments)
+    }
+
+    fn read_at(&self, offset: u64, segments: &mut [&mut [u8]]) -> io::Result<()> {
+        check_segments(offset, segments.iter().map(|s| s.len()), self.len)?;
+        self.inner.read_at(self.start + offset, segments)
+    }
+
+    fn flush(&self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_window_shifts_offsets_and_keeps_inside() {
+        let d: std::sync::Arc<dyn Backend> = std::sync::Arc::new(RamDisk::new(64 << 10).unwrap());
+        assert!(Window::new(d.clone(), 4096, 0).is_err());
+        assert!(Window::new(d.clone(), 60 << 10, 8 << 10).is_err());
+        let w = Window::new(d.clone(), 4096, 16 << 10).unwrap();
+        assert_eq!(w.size_bytes(), 16 << 10);
+        w.write_at(512, &[&[7u8; 1024]]).unwrap();
+        let mut below = vec![0u8; 2048];
+        d.read_at(4096, &mut [&mut below]).unwrap();
+        assert!(below[..512].iter().all(|&b| b == 0));
+        assert!(below[512..1536].iter().all(|&b| b == 7));
+        assert!(below[1536..].iter().all(|&b| b == 0));
+        let e = w.write_at((16 << 10) - 512, &[&[1u8; 1024]]).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+        let mut after = vec![9u8; 1024];
+        d.read_at(4096 + (16 << 10) - 512, &mut [&mut after])
+            .unwrap();
+        assert!(
+            after.iter().all(|&b| b == 0),
+            "a refused write touched the device"
+        );
+        let mut back = vec![0u8; 1024];
+        w.read_at(512, &mut [&mut back]).unwrap();
+        assert!(back.iter().all(|&b| b == 7));
+        assert!(w.read_at(16 << 10, &mut [&mut back]).is_err());
+    }
 
     #[test]
     fn writes_across_stripes_read_back() {

@@ -51,11 +51,19 @@ impl Default for QueueConfig {
 
 type WriteDone = Box<dyn FnOnce(io::Result<()>) + Send>;
 type ReadDone = Box<dyn FnOnce(io::Result<Vec<u8>>) + Send>;
+/// A read into a caller's buffer: runs the target's read on its buffer and
+/// hands both to the caller's completion.
+type ReadInto = Box<dyn FnOnce(&mut dyn FnMut(u64, &mut [u8]) -> io::Result<()>) + Send>;
+
+/// A write's payload: any bytes the queue may hold until the write has
+/// completed (a heap buffer, or pages of the arena such as a
+/// [`KvBox`](iopages::KvBox)). Dropped on the worker after the completion.
+pub type Payload = Box<dyn AsRef<[u8]> + Send>;
 
 enum Request {
     Write {
         offset: u64,
-        data: Arc<[u8]>,
+        data: Payload,
         done: WriteDone,
     },
     Read {
@@ -63,6 +71,7 @@ enum Request {
         len: usize,
         done: ReadDone,
     },
+    ReadInto(ReadInto),
     Flush {
         done: WriteDone,
     },
@@ -172,11 +181,44 @@ impl<C: SectorCipher + 'static> CryptQueue<C> {
         data: Arc<[u8]>,
         done: impl FnOnce(io::Result<()>) + Send + 'static,
     ) {
+        self.submit_write_buf(offset, Box::new(data), done);
+    }
+
+    /// Queue a write of the bytes of `data` (any buffer, for instance
+    /// arena pages a payload was received into) at byte `offset`; `data`
+    /// is dropped on the worker once `done` has run.
+    ///
+    /// **Context:** blocks while `queue_depth` requests are in flight.
+    pub fn submit_write_buf(
+        &self,
+        offset: u64,
+        data: Payload,
+        done: impl FnOnce(io::Result<()>) + Send + 'static,
+    ) {
         self.submit(Request::Write {
             offset,
             data,
             done: Box::new(done),
         });
+    }
+
+    /// Queue a read of `buf.as_mut().len()` bytes at byte `offset` into
+    /// `buf`; `done` gets the result and the buffer back on a worker
+    /// thread (on an error the buffer's contents are unspecified).
+    ///
+    /// **Context:** blocks while `queue_depth` requests are in flight.
+    pub fn submit_read_into<B: AsMut<[u8]> + Send + 'static>(
+        &self,
+        offset: u64,
+        buf: B,
+        done: impl FnOnce(io::Result<()>, B) + Send + 'static,
+    ) {
+        let run = move |read: &mut dyn FnMut(u64, &mut [u8]) -> io::Result<()>| {
+            let mut buf = buf;
+            let r = read(offset, buf.as_mut());
+            done(r, buf);
+        };
+        self.submit(Request::ReadInto(Box::new(run)));
     }
 
     /// Queue a read of `len` bytes at byte `offset`; `done` gets the
@@ -283,10 +325,15 @@ fn serve<C: SectorCipher>(t: &CryptTarget<C>, r: Request, buf: Option<&mut Vec<i
     let outcome = match r {
         Request::Write { offset, data, done } => {
             let res = match buf {
-                Some(b) => t.write_with_buffer(offset, &data, b),
-                None => t.write(offset, &data),
+                Some(b) => t.write_with_buffer(offset, (*data).as_ref(), b),
+                None => t.write(offset, (*data).as_ref()),
             };
-            catch_unwind(AssertUnwindSafe(|| done(res)))
+            let outcome = catch_unwind(AssertUnwindSafe(|| done(res)));
+            drop(data);
+            outcome
+        }
+        Request::ReadInto(run) => {
+            catch_unwind(AssertUnwindSafe(|| run(&mut |off, b| t.read(off, b))))
         }
         Request::Read { offset, len, done } => {
             let mut buf = vec![0u8; len];
@@ -385,6 +432,49 @@ mod tests {
             drop(q);
             alloc.leak_check().unwrap();
         }
+    }
+
+    #[test]
+    fn arena_payloads_write_and_reads_land_in_the_callers_buffer() {
+        let (alloc, q) = queue(2, 8, false);
+        let kv = iopages::Kvmalloc::new(&alloc).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        for i in 0..16u64 {
+            let mut b = kv
+                .kvmalloc(64 << 10, iopages::Gfp::KERNEL, iopages::KvPolicy::FailFast)
+                .unwrap();
+            b.as_mut_slice().fill(i as u8 + 1);
+            let tx = tx.clone();
+            q.submit_write_buf(i * (64 << 10), Box::new(b), move |r| tx.send(r).unwrap());
+        }
+        for _ in 0..16 {
+            rx.recv().unwrap().unwrap();
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        for i in 0..16u64 {
+            let b = kv
+                .kvmalloc(64 << 10, iopages::Gfp::KERNEL, iopages::KvPolicy::FailFast)
+                .unwrap();
+            let tx = tx.clone();
+            q.submit_read_into(i * (64 << 10), b, move |r, b| {
+                tx.send((i, r, b)).unwrap();
+            });
+        }
+        for _ in 0..16 {
+            let (i, r, b) = rx.recv().unwrap();
+            r.unwrap();
+            assert!(b.as_slice().iter().all(|&x| x == i as u8 + 1), "read {i}");
+        }
+        // An out-of-range read completes with the error and the buffer.
+        let (tx, rx) = std::sync::mpsc::channel();
+        q.submit_read_into(64 << 20, vec![0u8; 4096], move |r, b| {
+            tx.send((r.map_err(|e| e.kind()), b.len())).unwrap();
+        });
+        assert_eq!(rx.recv().unwrap(), (Err(io::ErrorKind::InvalidInput), 4096));
+        q.wait_idle();
+        drop(q);
+        drop(kv);
+        alloc.leak_check().unwrap();
     }
 
     #[test]

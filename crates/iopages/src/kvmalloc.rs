@@ -374,6 +374,18 @@ impl std::fmt::Debug for KvBox {
     }
 }
 
+impl AsRef<[u8]> for KvBox {
+    fn as_ref(&self) -> &[u8] {
+        self.as_slice()
+    }
+}
+
+impl AsMut<[u8]> for KvBox {
+    fn as_mut(&mut self) -> &mut [u8] {
+        self.as_mut_slice()
+    }
+}
+
 impl Drop for KvBox {
     fn drop(&mut self) {
         if let Repr::Contiguous { alloc, page, order } = &self.repr {
