@@ -286,6 +286,11 @@ impl<C: SectorCipher> CryptTarget<C> {
         })
     }
 
+    /// The page allocator the out pages come from.
+    pub fn allocator(&self) -> &PageAllocator {
+        &self.alloc
+    }
+
     /// The out-page allocator (strategy, limit, counters).
     pub fn out_pages(&self) -> &OutAllocator {
         &self.out

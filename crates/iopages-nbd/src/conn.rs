@@ -20,6 +20,7 @@
 //! stays; a trim is advisory in the protocol, as dm-crypt without
 //! `allow_discards`); NBD_CMD_WRITE_ZEROES writes encrypted zeros.
 
+use crate::buffers::{Buf, Buffers};
 use crate::device::{Device, Flusher};
 use crate::proto::*;
 use crate::stats::Counters;
@@ -63,19 +64,24 @@ struct Conn {
 }
 
 impl Conn {
-    fn reply(&self, error: u32, cookie: u64, data: &[u8]) {
+    /// Send a simple reply with `data` (the pieces back to back).
+    fn reply(&self, error: u32, cookie: u64, data: &[&[u8]]) {
         let mut w = self.writer.lock();
         if self.dead.load(Ordering::Relaxed) {
             return;
         }
         let hdr = simple_reply(error, cookie);
-        let r = if data.len() <= 64 << 10 {
-            let mut v = Vec::with_capacity(hdr.len() + data.len());
+        let total: usize = data.iter().map(|d| d.len()).sum();
+        let r = if total <= 64 << 10 {
+            let mut v = Vec::with_capacity(hdr.len() + total);
             v.extend_from_slice(&hdr);
-            v.extend_from_slice(data);
+            for d in data {
+                v.extend_from_slice(d);
+            }
             w.write_all(&v)
         } else {
-            w.write_all(&hdr).and_then(|()| w.write_all(data))
+            w.write_all(&hdr)
+                .and_then(|()| data.iter().try_for_each(|d| w.write_all(d)))
         };
         if r.is_err() {
             // The client is gone or stuck: stop answering it; the reader
@@ -121,7 +127,8 @@ struct Pending {
     /// Chunks not yet completed, plus one held by the submitter.
     remaining: AtomicUsize,
     error: AtomicU32,
-    read: Mutex<Vec<u8>>,
+    /// A read's chunks, in order, as they complete.
+    read: Mutex<Vec<Option<Buf>>>,
 }
 
 impl Pending {
@@ -143,20 +150,28 @@ impl Pending {
                 error = errno(&e);
             }
         }
-        {
-            let data = self.read.lock();
-            let payload: &[u8] = if error == 0 && self.command == CMD_READ {
-                &data
-            } else {
-                &[]
-            };
-            self.conn.reply(error, self.cookie, payload);
+        let chunks = std::mem::take(&mut *self.read.lock());
+        if error == 0 && self.command == CMD_READ {
+            let parts: Option<Vec<&[u8]>> = chunks
+                .iter()
+                .map(|c| c.as_ref().map(|b| b.as_ref()))
+                .collect();
+            match parts {
+                Some(parts) => self.conn.reply(0, self.cookie, &parts),
+                // Every chunk completed without error, so each is here.
+                None => {
+                    error = EIO;
+                    self.conn.reply(EIO, self.cookie, &[]);
+                }
+            }
+        } else {
+            self.conn.reply(error, self.cookie, &[]);
         }
+        drop(chunks);
         self.conn
             .counters
             .command(self.command)
             .done(self.length, error);
-        *self.read.lock() = Vec::new();
         self.conn.release(self.held_bytes);
     }
 }
@@ -169,6 +184,7 @@ pub(crate) fn transmit(
     export: &ExportInfo,
     device: &Arc<dyn Device>,
     counters: &Arc<Counters>,
+    buffers: &Buffers,
 ) {
     let Ok(writer) = stream.try_clone() else {
         return;
@@ -186,6 +202,7 @@ pub(crate) fn transmit(
         export,
         device,
         conn: &conn,
+        buffers,
         zeros: std::iter::repeat_n(0u8, CHUNK_BYTES).collect(),
     };
     let _ = reader.run();
@@ -198,7 +215,17 @@ struct Reader<'a> {
     export: &'a ExportInfo,
     device: &'a Arc<dyn Device>,
     conn: &'a Arc<Conn>,
+    buffers: &'a Buffers,
     zeros: Arc<[u8]>,
+}
+
+/// The first `.1` bytes of a shared buffer of zeros.
+struct Zeros(Arc<[u8]>, usize);
+
+impl AsRef<[u8]> for Zeros {
+    fn as_ref(&self) -> &[u8] {
+        &self.0[..self.1]
+    }
 }
 
 /// The chunks of `len` bytes at `offset`: (offset, length) pairs.
@@ -305,11 +332,12 @@ impl Reader<'_> {
             CMD_WRITE => {
                 // The whole payload first: a client gone mid-payload has
                 // nothing of this write submitted.
+                // Straight into arena pages (dropped, and so freed, if
+                // the client goes away mid-payload).
                 let mut bufs = Vec::with_capacity(len.div_ceil(CHUNK_BYTES as u64) as usize);
                 for (off, n) in chunks(req.offset, len) {
-                    let mut buf: Arc<[u8]> = std::iter::repeat_n(0u8, n).collect();
-                    let slot = Arc::get_mut(&mut buf).expect("a fresh buffer is not shared");
-                    self.stream.read_exact(slot)?;
+                    let mut buf = self.buffers.get(n);
+                    self.stream.read_exact(buf.as_mut())?;
                     bufs.push((off, buf));
                 }
                 self.conn.acquire(len);
@@ -318,7 +346,7 @@ impl Reader<'_> {
                     let p = Arc::clone(&p);
                     self.device.submit_write(
                         off,
-                        buf,
+                        Box::new(buf),
                         Box::new(move |r| p.chunk_done(r.err().map_or(0, |e| errno(&e)))),
                     );
                 }
@@ -330,14 +358,9 @@ impl Reader<'_> {
                 let p = self.pending(&req, n, 0);
                 for (off, n) in chunks(req.offset, len) {
                     let p = Arc::clone(&p);
-                    let data: Arc<[u8]> = if n == CHUNK_BYTES {
-                        Arc::clone(&self.zeros)
-                    } else {
-                        Arc::from(&self.zeros[..n])
-                    };
                     self.device.submit_write(
                         off,
-                        data,
+                        Box::new(Zeros(Arc::clone(&self.zeros), n)),
                         Box::new(move |r| p.chunk_done(r.err().map_or(0, |e| errno(&e)))),
                     );
                 }
@@ -347,26 +370,22 @@ impl Reader<'_> {
                 self.conn.acquire(len);
                 let n = chunks(req.offset, len).count();
                 let p = self.pending(&req, n, len);
-                if n > 1 {
-                    *p.read.lock() = vec![0u8; len as usize];
-                }
-                for (off, n_bytes) in chunks(req.offset, len) {
+                p.read.lock().resize_with(n, || None);
+                for (i, (off, n_bytes)) in chunks(req.offset, len).enumerate() {
                     let p = Arc::clone(&p);
-                    let at = (off - req.offset) as usize;
-                    let single = n == 1;
+                    let buf = self.buffers.get(n_bytes);
                     self.device.submit_read(
                         off,
-                        n_bytes,
-                        Box::new(move |r| match r {
-                            Ok(v) => {
-                                if single {
-                                    *p.read.lock() = v;
-                                } else {
-                                    p.read.lock()[at..at + v.len()].copy_from_slice(&v);
-                                }
+                        buf,
+                        Box::new(move |r, buf| match r {
+                            Ok(()) => {
+                                p.read.lock()[i] = Some(buf);
                                 p.chunk_done(0);
                             }
-                            Err(e) => p.chunk_done(errno(&e)),
+                            Err(e) => {
+                                drop(buf);
+                                p.chunk_done(errno(&e))
+                            }
                         }),
                     );
                 }

@@ -6,15 +6,17 @@
 //! completion (a completion holding the last reference would drop the
 //! queue on its own worker thread, which joins itself).
 
-use iopages_crypt::queue::CryptQueue;
+use crate::buffers::Buf;
+use iopages::PageAllocator;
+use iopages_crypt::queue::{CryptQueue, Payload};
 use iopages_crypt::target::{CryptTarget, SectorCipher};
 use std::io;
 use std::sync::Arc;
 
 /// A write's or flush's completion.
 pub(crate) type Done = Box<dyn FnOnce(io::Result<()>) + Send>;
-/// A read's completion.
-pub(crate) type ReadDone = Box<dyn FnOnce(io::Result<Vec<u8>>) + Send>;
+/// A read's completion: the result and the buffer read into.
+pub(crate) type ReadDone = Box<dyn FnOnce(io::Result<()>, Buf) + Send>;
 /// Flushes the target synchronously (for FUA, on a worker thread).
 pub(crate) type Flusher = Arc<dyn Fn() -> io::Result<()> + Send + Sync>;
 
@@ -22,8 +24,10 @@ pub(crate) type Flusher = Arc<dyn Fn() -> io::Result<()> + Send + Sync>;
 pub(crate) trait Device: Send + Sync {
     fn size_bytes(&self) -> u64;
     fn sector_bytes(&self) -> u32;
-    fn submit_write(&self, offset: u64, data: Arc<[u8]>, done: Done);
-    fn submit_read(&self, offset: u64, len: usize, done: ReadDone);
+    /// The arena the target's out pages come from (payload buffers too).
+    fn allocator(&self) -> PageAllocator;
+    fn submit_write(&self, offset: u64, data: Payload, done: Done);
+    fn submit_read(&self, offset: u64, buf: Buf, done: ReadDone);
     fn submit_flush(&self, done: Done);
     fn flusher(&self) -> Flusher;
 }
@@ -35,11 +39,14 @@ impl<C: SectorCipher + 'static> Device for CryptQueue<C> {
     fn sector_bytes(&self) -> u32 {
         self.target().sector_size() as u32
     }
-    fn submit_write(&self, offset: u64, data: Arc<[u8]>, done: Done) {
-        CryptQueue::submit_write(self, offset, data, done);
+    fn allocator(&self) -> PageAllocator {
+        self.target().allocator().clone()
     }
-    fn submit_read(&self, offset: u64, len: usize, done: ReadDone) {
-        CryptQueue::submit_read(self, offset, len, done);
+    fn submit_write(&self, offset: u64, data: Payload, done: Done) {
+        CryptQueue::submit_write_buf(self, offset, data, done);
+    }
+    fn submit_read(&self, offset: u64, buf: Buf, done: ReadDone) {
+        CryptQueue::submit_read_into(self, offset, buf, done);
     }
     fn submit_flush(&self, done: Done) {
         CryptQueue::submit_flush(self, done);

@@ -58,6 +58,7 @@
 
 #![warn(missing_docs)]
 
+mod buffers;
 mod conn;
 mod device;
 mod error;
@@ -67,10 +68,11 @@ mod server;
 mod stats;
 mod stream;
 
+pub use buffers::BufferStats;
 pub use conn::{CHUNK_BYTES, MAX_BYTES_IN_FLIGHT, MAX_REQUESTS_IN_FLIGHT};
 pub use error::{Error, Result};
 pub use handshake::MAX_OPTION_BYTES;
-pub use server::{Listen, Server, DEFAULT_LISTEN, WRITE_TIMEOUT};
+pub use server::{Listen, Server, DEFAULT_LISTEN, HANDSHAKE_TIMEOUT, WRITE_TIMEOUT};
 pub use stats::{CommandStats, Stats};
 
 /// The default preferred block size advertised (bytes).
@@ -89,6 +91,9 @@ pub struct ExportConfig {
     pub description: String,
     /// Refuse every write (EPERM) and advertise NBD_FLAG_READ_ONLY.
     pub read_only: bool,
+    /// A client that has not finished the handshake after this long is
+    /// disconnected. Default [`HANDSHAKE_TIMEOUT`].
+    pub handshake_timeout: std::time::Duration,
     /// Preferred block size: a power of two, at least the sector size.
     pub preferred_block_bytes: u32,
     /// Maximum block size: a multiple of the sector size, at most
@@ -104,6 +109,7 @@ impl ExportConfig {
             name: name.into(),
             description: "iopages encrypted volume (aes-xts-plain64)".into(),
             read_only: false,
+            handshake_timeout: HANDSHAKE_TIMEOUT,
             preferred_block_bytes: DEFAULT_PREFERRED_BLOCK_BYTES,
             max_block_bytes: DEFAULT_MAX_BLOCK_BYTES,
         }
@@ -116,6 +122,7 @@ pub(crate) struct ExportInfo {
     pub(crate) name: String,
     pub(crate) description: String,
     pub(crate) read_only: bool,
+    pub(crate) handshake_timeout: std::time::Duration,
     pub(crate) size_bytes: u64,
     pub(crate) min_block_bytes: u32,
     pub(crate) preferred_block_bytes: u32,
@@ -150,6 +157,7 @@ impl ExportInfo {
             name: c.name.clone(),
             description: c.description.clone(),
             read_only: c.read_only,
+            handshake_timeout: c.handshake_timeout,
             size_bytes,
             min_block_bytes: sector_bytes,
             preferred_block_bytes: preferred,

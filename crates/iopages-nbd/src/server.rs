@@ -8,6 +8,7 @@
 //! [`Server::shutdown`] returns, or stop serving other clients because one
 //! misbehaved.
 
+use crate::buffers::Buffers;
 use crate::conn;
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -30,6 +31,9 @@ use std::time::Duration;
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:10809";
 /// A reply that cannot be written for this long ends the connection.
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(60);
+/// A client that has not finished the handshake after this long is
+/// disconnected (a connection that says nothing holds no thread forever).
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Where to listen.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -63,6 +67,7 @@ struct Shared {
     export: ExportInfo,
     device: Arc<dyn Device>,
     counters: Arc<Counters>,
+    buffers: Buffers,
     stopping: AtomicBool,
     conns: Mutex<Vec<ConnEntry>>,
 }
@@ -95,6 +100,7 @@ impl Server {
             return Err(Error::Config("no address to listen on".into()));
         }
         let device: Arc<dyn Device> = queue;
+        let device_alloc = device.allocator();
         let info = ExportInfo::new(&export, device.size_bytes(), device.sector_bytes())?;
         let mut bound = Vec::with_capacity(listen.len());
         let mut acceptors = Vec::with_capacity(listen.len());
@@ -120,6 +126,7 @@ impl Server {
             export: info,
             device,
             counters: Arc::new(Counters::default()),
+            buffers: Buffers::new(&device_alloc),
             stopping: AtomicBool::new(false),
             conns: Mutex::new(Vec::new()),
         });
@@ -156,9 +163,12 @@ impl Server {
         &self.shared.export.name
     }
 
-    /// Requests and bytes per command so far.
+    /// Requests and bytes per command so far, and where payload buffers
+    /// came from.
     pub fn stats(&self) -> Stats {
-        self.shared.counters.snapshot()
+        let mut s = self.shared.counters.snapshot();
+        s.buffers = self.shared.buffers.stats();
+        s
     }
 
     /// Block until the server is shut down from another thread (never, in
@@ -269,13 +279,19 @@ fn accept_loop(s: &Arc<Shared>, a: Acceptor) {
 
 fn serve_connection(s: &Shared, mut stream: Stream) {
     let _ = stream.set_write_timeout(Some(WRITE_TIMEOUT));
+    let _ = stream.set_read_timeout(Some(s.export.handshake_timeout));
     if s.stopping.load(Ordering::SeqCst) {
         return;
     }
     match handshake::negotiate(&mut stream, &s.export) {
         Ok(Outcome::Transmission) => {
+            // Idle clients are fine once in transmission.
+            if stream.set_read_timeout(None).is_err() {
+                stream.shutdown();
+                return;
+            }
             s.counters.sessions.fetch_add(1, Ordering::Relaxed);
-            conn::transmit(stream, &s.export, &s.device, &s.counters);
+            conn::transmit(stream, &s.export, &s.device, &s.counters, &s.buffers);
         }
         Ok(Outcome::Close) | Err(_) => stream.shutdown(),
     }

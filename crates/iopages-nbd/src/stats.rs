@@ -35,6 +35,8 @@ pub struct Stats {
     pub write_zeroes: CommandStats,
     /// Requests with an unknown command.
     pub other: CommandStats,
+    /// Where payload buffers came from.
+    pub buffers: crate::BufferStats,
 }
 
 #[derive(Default)]
@@ -96,6 +98,7 @@ impl Counters {
             trim: self.trim.get(),
             write_zeroes: self.write_zeroes.get(),
             other: self.other.get(),
+            buffers: crate::BufferStats::default(),
         }
     }
 }

@@ -442,6 +442,14 @@ fn every_command_with_fua_and_large_requests() {
         assert!(
             st.write.bytes >= (3 << 20) && st.trim.requests == 2 && st.write_zeroes.requests == 2
         );
+        // Payloads and read replies went through arena pages: single
+        // blocks for the small ones, vmalloc areas or blocks for 1 MiB.
+        assert_eq!(st.buffers.heap, 0, "{:?}", st.buffers);
+        assert!(
+            st.buffers.arena_contiguous + st.buffers.arena_vmalloc >= 67 + 8,
+            "{:?}",
+            st.buffers
+        );
         c.disconnect();
         finish(alloc, server);
     }
@@ -499,6 +507,68 @@ fn a_read_only_export_refuses_writes_with_eperm() {
     assert_eq!(c.simple(CMD_FLUSH, 0, 0, 0), 0);
     assert_eq!(c.read(0, 4096).unwrap().len(), 4096);
     assert_eq!(server.stats().write.requests, 0);
+    c.disconnect();
+    finish(alloc, server);
+}
+
+#[test]
+fn a_client_silent_in_the_handshake_is_disconnected_after_the_timeout() {
+    let alloc = PageAllocator::builder()
+        .size_bytes(16 << 20)
+        .huge_pages(iopages::HugePages::Never)
+        .build()
+        .unwrap();
+    let disk: Arc<dyn Backend> = Arc::new(RamDisk::new(1 << 20).unwrap());
+    let cipher = CipherPool::new(
+        XtsCipher::new(
+            &[3u8; 32]
+                .iter()
+                .enumerate()
+                .map(|(i, b)| b ^ i as u8)
+                .collect::<Vec<_>>(),
+            512,
+            0,
+        )
+        .unwrap(),
+        1,
+    )
+    .unwrap();
+    let target = Arc::new(CryptTarget::new(&alloc, cipher, disk, TargetConfig::default()).unwrap());
+    let queue = Arc::new(
+        CryptQueue::new(
+            target,
+            QueueConfig {
+                queue_depth: 4,
+                workers: 1,
+                preallocated_out: false,
+            },
+        )
+        .unwrap(),
+    );
+    let mut cfg = ExportConfig::new(NAME);
+    cfg.handshake_timeout = Duration::from_millis(300);
+    let server = Server::start(queue, cfg, &[Listen::Tcp("127.0.0.1:0".parse().unwrap())]).unwrap();
+    let mut s = std::net::TcpStream::connect(server.tcp_addr().unwrap()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let t0 = std::time::Instant::now();
+    let mut greeting = [0u8; 18];
+    s.read_exact(&mut greeting).unwrap();
+    // Say nothing: the server gives up and closes.
+    let mut rest = Vec::new();
+    let n = s
+        .read_to_end(&mut rest)
+        .expect("the server closes the connection");
+    assert_eq!(n, 0);
+    let waited = t0.elapsed();
+    assert!(
+        waited >= Duration::from_millis(250),
+        "closed after {waited:?}"
+    );
+    assert!(waited < Duration::from_secs(9), "not closed: {waited:?}");
+    // The server still serves others.
+    let mut c = Client::connect(&server);
+    c.go(NAME);
+    assert_eq!(c.write(0, &[5u8; 4096], 0), 0);
     c.disconnect();
     finish(alloc, server);
 }
