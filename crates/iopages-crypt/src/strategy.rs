@@ -202,6 +202,43 @@ pub struct OutAllocator {
     pool: Mempool<LimitedPageSource>,
     strategy: AtomicU8,
     limit: Arc<Limit>,
+    /// Pages the strategy's own attempt served (bulk array or compound
+    /// blocks), without the mempool.
+    direct_pages: PercpuCounter,
+    /// Compound blocks among them.
+    compound_blocks: PercpuCounter,
+    /// Pages served through the mempool (its source, its reserve, or a
+    /// wait for a free).
+    pool_pages: PercpuCounter,
+}
+
+/// Where a device's out pages came from (see [`OutAllocator::stats`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OutStats {
+    /// Pages the strategy's own non-blocking attempt served: the bulk
+    /// array call, or compound blocks.
+    pub direct_pages: u64,
+    /// Compound blocks among them.
+    pub compound_blocks: u64,
+    /// Pages served through the mempool (per-page strategy, the rest of a
+    /// short attempt, or anything at the limit).
+    pub pool_pages: u64,
+    /// Of those, pages the mempool took from its reserve.
+    pub reserve_pages: u64,
+    /// Sleeps of writers that found the reserve empty.
+    pub waits: u64,
+}
+
+impl OutStats {
+    /// Share of pages the strategy's own attempt served (0 with none yet).
+    pub fn direct_hit_rate(&self) -> f64 {
+        let all = self.direct_pages + self.pool_pages;
+        if all == 0 {
+            0.0
+        } else {
+            self.direct_pages as f64 / all as f64
+        }
+    }
 }
 
 /// Largest order the compound strategy tries (32 pages, 128 KiB; dm-crypt
@@ -241,7 +278,23 @@ impl OutAllocator {
             pool: Mempool::new(source, min_nr)?,
             strategy: AtomicU8::new(strategy.to_u8()),
             limit,
+            direct_pages: PercpuCounter::statistic(),
+            compound_blocks: PercpuCounter::statistic(),
+            pool_pages: PercpuCounter::statistic(),
         })
+    }
+
+    /// Where out pages came from so far (approximate sums of per-CPU
+    /// counters; exact once writes have stopped).
+    pub fn stats(&self) -> OutStats {
+        let m = self.pool.stats();
+        OutStats {
+            direct_pages: self.direct_pages.sum().max(0) as u64,
+            compound_blocks: self.compound_blocks.sum().max(0) as u64,
+            pool_pages: self.pool_pages.sum().max(0) as u64,
+            reserve_pages: m.reserve_allocs,
+            waits: m.waits,
+        }
     }
 
     /// The strategy in use.
@@ -301,6 +354,7 @@ impl OutAllocator {
     /// One page through the mempool, blocking: its source is tried first
     /// (refused at the limit), then the reserve, then a wait for a free.
     fn pool_page(&self) -> Page {
+        self.pool_pages.add(1);
         self.pool
             .alloc(Gfp::NOIO)
             .expect("a blocking mempool allocation never fails")
@@ -317,8 +371,10 @@ impl OutAllocator {
         let mut got = 0;
         if let Some(g) = self.source_gfp() {
             got = self.alloc.alloc_pages_bulk_array(g, &mut slots);
+            self.direct_pages.add(got as i64);
         }
         if got < nr_pages {
+            self.pool_pages.add((nr_pages - got) as i64);
             // The rest from the mempool in reserve-sized bites: a blocking
             // bulk call may not ask for more than the reserve holds.
             let bite = self.pool.min_nr().max(1);
@@ -352,6 +408,8 @@ impl OutAllocator {
                 Some((p, o)) => {
                     out.push(p, o);
                     remaining -= 1 << o;
+                    self.direct_pages.add(1 << o);
+                    self.compound_blocks.add(1);
                 }
                 None => break,
             }
@@ -524,12 +582,29 @@ mod tests {
         );
         assert!(o.blocks().iter().all(|&(_, ord)| ord <= COMPOUND_MAX_ORDER));
         assert!(o.blocks().len() < 64);
+        let st = compound.stats();
+        let high = o.blocks().iter().filter(|&&(_, ord)| ord > 0).count() as u64;
+        assert_eq!(st.compound_blocks, high, "{st:?}");
+        assert_eq!(st.direct_pages + st.pool_pages, 64, "{st:?}");
         compound.free(o);
         compound.set_strategy(Strategy::PerPage);
         assert_eq!(compound.strategy(), Strategy::PerPage);
         let o = compound.alloc(64);
         assert_eq!(o.blocks().len(), 64);
         assert!(o.blocks().iter().all(|&(_, ord)| ord == 0));
+        let st2 = compound.stats();
+        assert_eq!(
+            st2.pool_pages,
+            st.pool_pages + 64,
+            "per-page goes through the mempool"
+        );
+        assert_eq!(st2.direct_pages, st.direct_pages);
+        compound.free(o);
+        compound.set_strategy(Strategy::Bulk);
+        let o = compound.alloc(64);
+        let st3 = compound.stats();
+        assert_eq!(st3.direct_pages, st2.direct_pages + 64, "{st3:?}");
+        assert!(st3.direct_hit_rate() > 0.0 && st3.direct_hit_rate() < 1.0);
         compound.free(o);
         drop(compound);
         alloc.leak_check().unwrap();
@@ -552,6 +627,7 @@ mod tests {
                     out.reserve_len() < 32,
                     "{s:?}/{check:?}: over the limit the reserve must serve"
                 );
+                assert!(out.stats().reserve_pages > 0, "{:?}", out.stats());
                 out.free(a);
                 out.free(b);
                 assert_eq!(out.allocated_pages(), 0);
