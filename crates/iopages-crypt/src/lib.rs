@@ -21,6 +21,7 @@
 //! | `brd` (RAM disk), the block device below | [`backend::Backend`], [`backend::RamDisk`], [`backend::PageStore`] | `backend.rs` |
 //! | a file or block device under the target | [`uring::UringFile`] (io_uring, `O_DIRECT`, fixed buffers) | `uring.rs` |
 //! | `crypt_map` write/read paths, per-CPU transforms | [`target::CryptTarget`], [`target::CipherPool`] | `target.rs` |
+//! | cryptsetup's LUKS1/LUKS2 headers, keyslots, AF splitter, PBKDF2/Argon2 (userspace, not kernel) | [`luks::open`], [`luks::format`], [`luks::LuksVolume`] | `luks/` |
 //! | `kcryptd` workqueue, the tag set's queue depth and wake batch | [`queue::CryptQueue`] | `queue.rs`, `admission.rs` |
 //!
 //! ## Implementation notes
@@ -63,6 +64,7 @@ mod admission;
 pub mod backend;
 pub mod dio;
 mod error;
+pub mod luks;
 pub mod queue;
 pub mod strategy;
 pub mod target;

@@ -1,0 +1,463 @@
+//! LUKS1: the 592-byte `phdr` of the LUKS On-Disk Format Specification
+//! 1.2.3, its eight keyslots, and cryptsetup 2.x's layout for new volumes.
+//!
+//! Owns: parsing the header into a slot plan (magic, version, cipher,
+//! hash spec, key size, payload offset, keyslot states and areas, all
+//! checked), serialising a header, and formatting a volume. Must never:
+//! trust a field before checking it (an offset, stripe count or iteration
+//! count of 0 or past the device is an error), or write past the payload
+//! offset.
+//!
+//! Layout (big-endian): `magic[6] version:u16 cipher-name[32]
+//! cipher-mode[32] hash-spec[32] payload-offset:u32 key-bytes:u32
+//! mk-digest[20] mk-digest-salt[32] mk-digest-iter:u32 uuid[40]`, then 8 ×
+//! `active:u32 iterations:u32 salt[32] key-material-offset:u32
+//! stripes:u32`. Offsets are in 512-byte sectors.
+
+use super::kdf::{Hash, Pbkdf};
+use super::FormatOptions;
+use super::{
+    af, check_device_size, formatted_volume, random, random_master_key, random_uuid, round_up,
+    seal_keyslot, Dev, Digest, KeyslotInfo, LuksError, LuksInfo, LuksVersion, Parsed, SlotPlan,
+    CIPHER_SPEC, DIGEST_ITERATIONS, MAGIC,
+};
+
+/// Header length in bytes.
+pub const HEADER_BYTES: usize = 592;
+/// Keyslots in a LUKS1 header.
+pub const KEY_SLOTS: usize = 8;
+/// `active` value of an enabled keyslot.
+pub const SLOT_ACTIVE: u32 = 0x00AC_71F3;
+/// `active` value of a disabled keyslot.
+pub const SLOT_DISABLED: u32 = 0x0000_DEAD;
+const SECTOR: u64 = 512;
+const SALT_BYTES: usize = 32;
+const DIGEST_BYTES: usize = 20;
+/// Keyslot areas start here and are aligned to this (sectors).
+const SLOT_ALIGN_SECTORS: u64 = 8;
+/// Payload alignment (sectors): cryptsetup's default 1 MiB.
+const PAYLOAD_ALIGN_SECTORS: u64 = 2048;
+
+/// One LUKS1 keyslot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Slot {
+    pub active: u32,
+    pub iterations: u32,
+    pub salt: [u8; SALT_BYTES],
+    pub key_material_offset: u32,
+    pub stripes: u32,
+}
+
+/// A LUKS1 `phdr`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Header {
+    pub cipher_name: String,
+    pub cipher_mode: String,
+    pub hash_spec: String,
+    pub payload_offset: u32,
+    pub key_bytes: u32,
+    pub mk_digest: [u8; DIGEST_BYTES],
+    pub mk_digest_salt: [u8; SALT_BYTES],
+    pub mk_digest_iter: u32,
+    pub uuid: String,
+    pub slots: [Slot; KEY_SLOTS],
+}
+
+fn be32(b: &[u8], at: usize) -> u32 {
+    u32::from_be_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+/// A NUL-terminated text field.
+fn text(b: &[u8], at: usize, len: usize, name: &str) -> Result<String, LuksError> {
+    let field = &b[at..at + len];
+    let end = field.iter().position(|&c| c == 0).unwrap_or(len);
+    let s = std::str::from_utf8(&field[..end])
+        .map_err(|_| LuksError::Corrupt(format!("LUKS1 {name} field is not text")))?;
+    if s.chars().any(|c| c.is_control()) {
+        return Err(LuksError::Corrupt(format!(
+            "LUKS1 {name} field holds control characters"
+        )));
+    }
+    Ok(s.to_string())
+}
+
+fn put_text(b: &mut [u8], at: usize, len: usize, s: &str) {
+    let n = s.len().min(len - 1);
+    b[at..at + n].copy_from_slice(&s.as_bytes()[..n]);
+}
+
+impl Header {
+    /// Decode 592 bytes. Checks the magic and version only; the meaning
+    /// of the fields is checked by [`plan`].
+    pub fn decode(b: &[u8; HEADER_BYTES]) -> Result<Header, LuksError> {
+        if b[..6] != MAGIC {
+            return Err(LuksError::Corrupt(format!(
+                "bad magic {:02x?}: not a LUKS header",
+                &b[..6]
+            )));
+        }
+        let version = u16::from_be_bytes([b[6], b[7]]);
+        if version != 1 {
+            return Err(LuksError::Corrupt(format!(
+                "LUKS version {version} where 1 was expected"
+            )));
+        }
+        let mut slots = Vec::with_capacity(KEY_SLOTS);
+        for i in 0..KEY_SLOTS {
+            let at = 208 + 48 * i;
+            let mut salt = [0u8; SALT_BYTES];
+            salt.copy_from_slice(&b[at + 8..at + 40]);
+            slots.push(Slot {
+                active: be32(b, at),
+                iterations: be32(b, at + 4),
+                salt,
+                key_material_offset: be32(b, at + 40),
+                stripes: be32(b, at + 44),
+            });
+        }
+        let mut mk_digest = [0u8; DIGEST_BYTES];
+        mk_digest.copy_from_slice(&b[112..132]);
+        let mut mk_digest_salt = [0u8; SALT_BYTES];
+        mk_digest_salt.copy_from_slice(&b[132..164]);
+        Ok(Header {
+            cipher_name: text(b, 8, 32, "cipher-name")?,
+            cipher_mode: text(b, 40, 32, "cipher-mode")?,
+            hash_spec: text(b, 72, 32, "hash-spec")?,
+            payload_offset: be32(b, 104),
+            key_bytes: be32(b, 108),
+            mk_digest,
+            mk_digest_salt,
+            mk_digest_iter: be32(b, 164),
+            uuid: text(b, 168, 40, "uuid")?,
+            slots: slots
+                .try_into()
+                .map_err(|_| LuksError::Corrupt("LUKS1 keyslot table is incomplete".to_string()))?,
+        })
+    }
+
+    /// Encode to 592 bytes.
+    pub fn encode(&self) -> [u8; HEADER_BYTES] {
+        let mut b = [0u8; HEADER_BYTES];
+        b[..6].copy_from_slice(&MAGIC);
+        b[6..8].copy_from_slice(&1u16.to_be_bytes());
+        put_text(&mut b, 8, 32, &self.cipher_name);
+        put_text(&mut b, 40, 32, &self.cipher_mode);
+        put_text(&mut b, 72, 32, &self.hash_spec);
+        b[104..108].copy_from_slice(&self.payload_offset.to_be_bytes());
+        b[108..112].copy_from_slice(&self.key_bytes.to_be_bytes());
+        b[112..132].copy_from_slice(&self.mk_digest);
+        b[132..164].copy_from_slice(&self.mk_digest_salt);
+        b[164..168].copy_from_slice(&self.mk_digest_iter.to_be_bytes());
+        put_text(&mut b, 168, 40, &self.uuid);
+        for (i, s) in self.slots.iter().enumerate() {
+            let at = 208 + 48 * i;
+            b[at..at + 4].copy_from_slice(&s.active.to_be_bytes());
+            b[at + 4..at + 8].copy_from_slice(&s.iterations.to_be_bytes());
+            b[at + 8..at + 40].copy_from_slice(&s.salt);
+            b[at + 40..at + 44].copy_from_slice(&s.key_material_offset.to_be_bytes());
+            b[at + 44..at + 48].copy_from_slice(&s.stripes.to_be_bytes());
+        }
+        b
+    }
+}
+
+/// Check a decoded header and turn it into a slot plan.
+pub(crate) fn plan(h: &Header) -> Result<Parsed, LuksError> {
+    let spec = format!("{}-{}", h.cipher_name, h.cipher_mode);
+    if !h.cipher_name.eq_ignore_ascii_case("aes") || h.cipher_mode != "xts-plain64" {
+        return Err(LuksError::UnsupportedCipher(format!(
+            "{spec:?} (LUKS1 header)"
+        )));
+    }
+    let key_bytes = h.key_bytes as usize;
+    if key_bytes != 32 && key_bytes != 64 {
+        return Err(LuksError::UnsupportedCipher(format!(
+            "aes-xts-plain64 with a {}-bit key",
+            u64::from(h.key_bytes) * 8
+        )));
+    }
+    let hash = Hash::from_name(&h.hash_spec).ok_or_else(|| {
+        LuksError::UnsupportedKdf(format!(
+            "LUKS1 hash spec {:?}: only sha1, sha256 and sha512 are supported",
+            h.hash_spec
+        ))
+    })?;
+    if h.mk_digest_iter == 0 {
+        return Err(LuksError::Corrupt("LUKS1 mk-digest-iter is 0".to_string()));
+    }
+    if h.payload_offset == 0 {
+        return Err(LuksError::Unsupported(
+            "LUKS1 payload offset 0: a detached header".to_string(),
+        ));
+    }
+    let data_offset = u64::from(h.payload_offset) * SECTOR;
+    let digest = || Digest {
+        hash,
+        iterations: h.mk_digest_iter,
+        salt: h.mk_digest_salt.to_vec(),
+        value: h.mk_digest.to_vec(),
+    };
+    let mut slots = Vec::new();
+    let mut infos = Vec::new();
+    for (i, s) in h.slots.iter().enumerate() {
+        match s.active {
+            SLOT_DISABLED => continue,
+            SLOT_ACTIVE => {}
+            other => {
+                return Err(LuksError::Corrupt(format!(
+                "LUKS1 keyslot {i} has state {other:#010x}, neither active ({SLOT_ACTIVE:#010x}) \
+                     nor disabled ({SLOT_DISABLED:#010x})"
+            )))
+            }
+        }
+        if s.iterations == 0 {
+            return Err(LuksError::Corrupt(format!(
+                "LUKS1 keyslot {i}: iteration count 0"
+            )));
+        }
+        let af_bytes = af::split_len(key_bytes, s.stripes)
+            .filter(|_| s.stripes > 0)
+            .ok_or_else(|| {
+                LuksError::Corrupt(format!("LUKS1 keyslot {i}: stripe count {}", s.stripes))
+            })?;
+        let area_len = round_up(af_bytes as u64, SECTOR).unwrap_or(u64::MAX);
+        let area_offset = u64::from(s.key_material_offset) * SECTOR;
+        if area_offset < HEADER_BYTES as u64 {
+            return Err(LuksError::Corrupt(format!(
+                "LUKS1 keyslot {i}: key material at sector {} overlaps the header",
+                s.key_material_offset
+            )));
+        }
+        if area_offset.saturating_add(area_len) > data_offset {
+            return Err(LuksError::Corrupt(format!(
+                "LUKS1 keyslot {i}: key material (sector {}, {} stripes) runs past the payload \
+                 offset (sector {})",
+                s.key_material_offset, s.stripes, h.payload_offset
+            )));
+        }
+        let pbkdf = Pbkdf::Pbkdf2 {
+            hash,
+            iterations: s.iterations,
+        };
+        infos.push(KeyslotInfo {
+            index: i,
+            pbkdf: Some(pbkdf),
+            problem: None,
+        });
+        slots.push(Ok(SlotPlan {
+            index: i,
+            pbkdf,
+            salt: s.salt.to_vec(),
+            area_offset,
+            area_len,
+            area_key_bytes: key_bytes,
+            af_hash: hash,
+            stripes: s.stripes,
+            key_bytes,
+            digest: digest(),
+        }));
+    }
+    Ok(Parsed {
+        info: LuksInfo {
+            version: LuksVersion::Luks1,
+            uuid: h.uuid.clone(),
+            label: None,
+            cipher_spec: CIPHER_SPEC.to_string(),
+            key_bytes,
+            sector_size: SECTOR as usize,
+            data_offset_bytes: data_offset,
+            data_size_bytes: None,
+            keyslots: infos,
+            used_secondary_header: false,
+        },
+        iv_tweak: 0,
+        slots,
+    })
+}
+
+/// Read and plan the LUKS1 header of `dev`.
+pub(crate) fn parse(dev: &Dev<'_>) -> Result<Parsed, LuksError> {
+    let mut b = [0u8; HEADER_BYTES];
+    dev.read_at(0, &mut b)?;
+    plan(&Header::decode(&b)?)
+}
+
+/// The layout cryptsetup 2.x gives a LUKS1 volume: keyslot `i` at sector
+/// `8 + i × a` where `a` is the AF material's sectors rounded up to 8;
+/// payload at the end of the last area rounded up to 1 MiB (4096 sectors,
+/// 2 MiB, for both key sizes).
+pub(crate) fn layout(key_bytes: usize) -> ([u32; KEY_SLOTS], u32) {
+    let af_sectors = (key_bytes as u64 * u64::from(af::STRIPES)).div_ceil(SECTOR);
+    let step = af_sectors.div_ceil(SLOT_ALIGN_SECTORS) * SLOT_ALIGN_SECTORS;
+    let mut offsets = [0u32; KEY_SLOTS];
+    for (i, o) in offsets.iter_mut().enumerate() {
+        *o = (SLOT_ALIGN_SECTORS + i as u64 * step) as u32;
+    }
+    let end = SLOT_ALIGN_SECTORS + KEY_SLOTS as u64 * step;
+    let payload = end.div_ceil(PAYLOAD_ALIGN_SECTORS) * PAYLOAD_ALIGN_SECTORS;
+    (offsets, payload as u32)
+}
+
+/// Format `dev` as LUKS1 (options already checked).
+pub(crate) fn format(
+    dev: &Dev<'_>,
+    passphrase: &[u8],
+    opts: &FormatOptions,
+) -> Result<super::LuksVolume, LuksError> {
+    let Pbkdf::Pbkdf2 { hash, iterations } = opts.pbkdf else {
+        return Err(LuksError::InvalidOptions(
+            "LUKS1 keyslots use PBKDF2 only".to_string(),
+        ));
+    };
+    let (offsets, payload) = layout(opts.key_bytes);
+    let data_offset = u64::from(payload) * SECTOR;
+    check_device_size(dev.size(), data_offset, 512, LuksVersion::Luks1)?;
+
+    let key = random_master_key(opts.key_bytes)?;
+    let mut mk_digest_salt = [0u8; SALT_BYTES];
+    random(&mut mk_digest_salt)?;
+    let mut mk_digest = [0u8; DIGEST_BYTES];
+    super::kdf::pbkdf2(
+        hash,
+        key.as_slice(),
+        &mk_digest_salt,
+        DIGEST_ITERATIONS,
+        &mut mk_digest,
+    )?;
+    let mut salt0 = [0u8; SALT_BYTES];
+    random(&mut salt0)?;
+    let area = seal_keyslot(key.as_slice(), passphrase, &opts.pbkdf, &salt0, hash)?;
+
+    let slots: [Slot; KEY_SLOTS] = std::array::from_fn(|i| Slot {
+        active: if i == 0 { SLOT_ACTIVE } else { SLOT_DISABLED },
+        iterations: if i == 0 { iterations } else { 0 },
+        salt: if i == 0 { salt0 } else { [0; SALT_BYTES] },
+        key_material_offset: offsets[i],
+        stripes: af::STRIPES,
+    });
+    let uuid = random_uuid()?;
+    let header = Header {
+        cipher_name: "aes".to_string(),
+        cipher_mode: "xts-plain64".to_string(),
+        hash_spec: hash.name().to_string(),
+        payload_offset: payload,
+        key_bytes: opts.key_bytes as u32,
+        mk_digest,
+        mk_digest_salt,
+        mk_digest_iter: DIGEST_ITERATIONS,
+        uuid: uuid.clone(),
+        slots,
+    };
+    dev.zero(0, data_offset)?;
+    dev.write_at(u64::from(offsets[0]) * SECTOR, area.as_slice())?;
+    dev.write_at(0, &header.encode())?;
+    Ok(formatted_volume(
+        LuksInfo {
+            version: LuksVersion::Luks1,
+            uuid,
+            label: None,
+            cipher_spec: CIPHER_SPEC.to_string(),
+            key_bytes: opts.key_bytes,
+            sector_size: 512,
+            data_offset_bytes: data_offset,
+            data_size_bytes: None,
+            keyslots: vec![KeyslotInfo {
+                index: 0,
+                pbkdf: Some(opts.pbkdf),
+                problem: None,
+            }],
+            used_secondary_header: false,
+        },
+        key,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_matches_cryptsetup_2() {
+        // cryptsetup 2.x: 512-bit keys → slots every 504 sectors from 8,
+        // 256-bit keys → every 256 sectors; payload 4096 for both.
+        let (o, p) = layout(64);
+        assert_eq!(o[0], 8);
+        assert_eq!(o[1], 512);
+        assert_eq!(o[7], 8 + 7 * 504);
+        assert_eq!(p, 4096);
+        let (o, p) = layout(32);
+        assert_eq!(o[1], 264);
+        assert_eq!(p, 4096);
+    }
+
+    #[test]
+    fn header_round_trips() {
+        let h = Header {
+            cipher_name: "aes".into(),
+            cipher_mode: "xts-plain64".into(),
+            hash_spec: "sha256".into(),
+            payload_offset: 4096,
+            key_bytes: 64,
+            mk_digest: [1; 20],
+            mk_digest_salt: [2; 32],
+            mk_digest_iter: 1000,
+            uuid: "0b1c5a3e-1111-4222-8333-444455556666".into(),
+            slots: std::array::from_fn(|i| Slot {
+                active: if i == 3 { SLOT_ACTIVE } else { SLOT_DISABLED },
+                iterations: i as u32,
+                salt: [i as u8; 32],
+                key_material_offset: 8 + 504 * i as u32,
+                stripes: 4000,
+            }),
+        };
+        let b = h.encode();
+        assert_eq!(Header::decode(&b).unwrap(), h);
+        let p = plan(&h).unwrap();
+        assert_eq!(p.slots.len(), 1);
+        assert_eq!(p.info.data_offset_bytes, 4096 * 512);
+    }
+
+    #[test]
+    fn checks_name_what_is_wrong() {
+        let (o, _) = layout(32);
+        let mut h = Header {
+            cipher_name: "twofish".into(),
+            cipher_mode: "cbc-essiv:sha256".into(),
+            hash_spec: "sha1".into(),
+            payload_offset: 4096,
+            key_bytes: 32,
+            mk_digest: [0; 20],
+            mk_digest_salt: [0; 32],
+            mk_digest_iter: 1000,
+            uuid: String::new(),
+            slots: std::array::from_fn(|i| Slot {
+                active: SLOT_DISABLED,
+                iterations: 0,
+                salt: [0; 32],
+                key_material_offset: o[i],
+                stripes: 4000,
+            }),
+        };
+        let e = plan(&h).err().unwrap();
+        assert!(
+            matches!(&e, LuksError::UnsupportedCipher(s) if s.contains("twofish-cbc-essiv:sha256")),
+            "{e}"
+        );
+        h.cipher_name = "aes".into();
+        h.cipher_mode = "xts-plain64".into();
+        h.hash_spec = "whirlpool".into();
+        assert!(matches!(plan(&h), Err(LuksError::UnsupportedKdf(_))));
+        h.hash_spec = "sha1".into();
+        h.slots[2].active = 0x1234;
+        assert!(matches!(plan(&h), Err(LuksError::Corrupt(s)) if s.contains("keyslot 2")));
+        h.slots[2].active = SLOT_ACTIVE;
+        h.slots[2].iterations = 1000;
+        h.slots[2].stripes = u32::MAX;
+        assert!(matches!(plan(&h), Err(LuksError::Corrupt(s)) if s.contains("payload offset")));
+        h.slots[2].stripes = 4000;
+        h.slots[2].key_material_offset = 0;
+        assert!(
+            matches!(plan(&h), Err(LuksError::Corrupt(s)) if s.contains("overlaps the header"))
+        );
+    }
+}

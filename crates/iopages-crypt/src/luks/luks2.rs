@@ -1,0 +1,932 @@
+//! LUKS2: two binary headers with JSON metadata (LUKS2 On-Disk Format
+//! Specification, cryptsetup `docs/on-disk-format-luks2.pdf`), and the
+//! default layout cryptsetup gives new volumes.
+//!
+//! Owns: the 4096-byte binary header (encode, decode, checksum), finding
+//! and choosing a valid header copy (primary at 0, secondary at
+//! `hdr_size`; when the primary is damaged the secondary is searched for
+//! at every offset the spec allows), the JSON metadata's `keyslots`,
+//! `segments`, `digests` and `config` objects, checked field by field into
+//! a slot plan, and formatting. Must never: use metadata whose checksum
+//! does not match, trust a JSON number or string before checking its type
+//! and range, or panic on any JSON (every shape is matched, never
+//! indexed).
+//!
+//! Binary header (big-endian): `magic[6]` ("LUKS\xba\xbe", secondary
+//! "SKUL\xba\xbe") `version:u16 hdr_size:u64 seqid:u64 label[48]
+//! checksum_alg[32] salt[64] uuid[40] subsystem[48] hdr_offset:u64
+//! _pad[184] csum[64] _pad[7×512]`. The checksum is `checksum_alg` over
+//! the whole `hdr_size` bytes (binary header and JSON area) with `csum`
+//! zeroed. The JSON text follows at byte 4096, NUL-terminated.
+
+use super::kdf::{Hash, Pbkdf};
+use super::{
+    af, check_device_size, formatted_volume, kdf, random, random_master_key, random_uuid, round_up,
+    seal_keyslot, Dev, Digest, FormatOptions, KeyslotInfo, LuksError, LuksInfo, LuksVersion,
+    LuksVolume, Parsed, SlotPlan, CIPHER_SPEC, DIGEST_ITERATIONS, MAGIC,
+};
+use base64::Engine as _;
+use serde_json::{json, Map, Value};
+
+/// Secondary header magic.
+pub const MAGIC_SECONDARY: [u8; 6] = [b'S', b'K', b'U', b'L', 0xba, 0xbe];
+/// Binary header length.
+pub const BIN_HEADER_BYTES: usize = 4096;
+/// The header-area sizes the spec allows (binary header + JSON area); the
+/// secondary copy sits at one of these offsets.
+pub const HDR_SIZES: [u64; 9] = [
+    16 << 10,
+    32 << 10,
+    64 << 10,
+    128 << 10,
+    256 << 10,
+    512 << 10,
+    1 << 20,
+    2 << 20,
+    4 << 20,
+];
+/// Header-area size [`format`] writes (cryptsetup's default).
+pub const FORMAT_HDR_SIZE: u64 = 16 << 10;
+/// Where [`format`] puts keyslot 0's area: after both header copies.
+pub const FORMAT_KEYSLOTS_OFFSET: u64 = 2 * FORMAT_HDR_SIZE;
+/// Where [`format`] puts the data segment (cryptsetup's default 16 MiB).
+pub const FORMAT_DATA_OFFSET: u64 = 16 << 20;
+/// Keyslot areas are aligned to 4 KiB.
+const AREA_ALIGN: u64 = 4096;
+
+const OFF_VERSION: usize = 6;
+const OFF_HDR_SIZE: usize = 8;
+const OFF_SEQID: usize = 16;
+const OFF_LABEL: usize = 24;
+const OFF_CSUM_ALG: usize = 72;
+const OFF_SALT: usize = 104;
+const OFF_UUID: usize = 168;
+const OFF_SUBSYSTEM: usize = 208;
+const OFF_HDR_OFFSET: usize = 256;
+const OFF_CSUM: usize = 448;
+const CSUM_BYTES: usize = 64;
+
+/// One LUKS2 binary header.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct BinHeader {
+    pub secondary: bool,
+    pub hdr_size: u64,
+    pub seqid: u64,
+    pub label: String,
+    pub checksum_alg: String,
+    pub salt: [u8; 64],
+    pub uuid: String,
+    pub subsystem: String,
+    pub hdr_offset: u64,
+}
+
+fn be64(b: &[u8], at: usize) -> u64 {
+    let mut x = [0u8; 8];
+    x.copy_from_slice(&b[at..at + 8]);
+    u64::from_be_bytes(x)
+}
+
+fn text(b: &[u8], at: usize, len: usize, what: &str) -> Result<String, LuksError> {
+    let field = &b[at..at + len];
+    let end = field.iter().position(|&c| c == 0).unwrap_or(len);
+    std::str::from_utf8(&field[..end])
+        .map(str::to_string)
+        .map_err(|_| LuksError::Corrupt(format!("{what} field is not UTF-8 text")))
+}
+
+fn put_text(b: &mut [u8], at: usize, len: usize, s: &str) {
+    let n = s.len().min(len - 1);
+    b[at..at + n].copy_from_slice(&s.as_bytes()[..n]);
+}
+
+/// The checksum of a header area whose `csum` field is zeroed, or an error
+/// naming an algorithm this crate does not compute.
+fn checksum(alg: &str, area: &[u8]) -> Result<([u8; 64], usize), LuksError> {
+    let hash = Hash::from_name(alg).ok_or_else(|| {
+        LuksError::Unsupported(format!("LUKS2 header checksum algorithm {alg:?}"))
+    })?;
+    let mut out = [0u8; 64];
+    hash.digest_into(&[area], &mut out);
+    Ok((out, hash.digest_len()))
+}
+
+impl BinHeader {
+    /// The whole header area: this binary header, `json` (NUL-padded to
+    /// `hdr_size - 4096`) and the checksum.
+    pub fn encode(&self, json: &[u8]) -> Result<Vec<u8>, LuksError> {
+        let size = self.hdr_size as usize;
+        if json.len() >= size - BIN_HEADER_BYTES {
+            return Err(LuksError::InvalidOptions(format!(
+                "LUKS2 metadata of {} bytes does not fit the {}-byte JSON area",
+                json.len(),
+                size - BIN_HEADER_BYTES
+            )));
+        }
+        let mut b = vec![0u8; size];
+        b[..6].copy_from_slice(if self.secondary {
+            &MAGIC_SECONDARY
+        } else {
+            &MAGIC
+        });
+        b[OFF_VERSION..OFF_VERSION + 2].copy_from_slice(&2u16.to_be_bytes());
+        b[OFF_HDR_SIZE..OFF_HDR_SIZE + 8].copy_from_slice(&self.hdr_size.to_be_bytes());
+        b[OFF_SEQID..OFF_SEQID + 8].copy_from_slice(&self.seqid.to_be_bytes());
+        put_text(&mut b, OFF_LABEL, 48, &self.label);
+        put_text(&mut b, OFF_CSUM_ALG, 32, &self.checksum_alg);
+        b[OFF_SALT..OFF_SALT + 64].copy_from_slice(&self.salt);
+        put_text(&mut b, OFF_UUID, 40, &self.uuid);
+        put_text(&mut b, OFF_SUBSYSTEM, 48, &self.subsystem);
+        b[OFF_HDR_OFFSET..OFF_HDR_OFFSET + 8].copy_from_slice(&self.hdr_offset.to_be_bytes());
+        b[BIN_HEADER_BYTES..BIN_HEADER_BYTES + json.len()].copy_from_slice(json);
+        let (sum, n) = checksum(&self.checksum_alg, &b)?;
+        b[OFF_CSUM..OFF_CSUM + n].copy_from_slice(&sum[..n]);
+        Ok(b)
+    }
+}
+
+/// Read and check the header copy at `offset`: magic, version, size,
+/// offset, checksum, JSON.
+fn read_copy(dev: &Dev<'_>, offset: u64, secondary: bool) -> Result<(BinHeader, Value), LuksError> {
+    let which = if secondary { "secondary" } else { "primary" };
+    let what =
+        |m: String| LuksError::Corrupt(format!("LUKS2 {which} header at offset {offset}: {m}"));
+    let mut b = vec![0u8; BIN_HEADER_BYTES];
+    dev.read_at(offset, &mut b)?;
+    let magic = if secondary { MAGIC_SECONDARY } else { MAGIC };
+    if b[..6] != magic {
+        return Err(what(format!(
+            "bad magic {:02x?} (expected {:02x?})",
+            &b[..6],
+            magic
+        )));
+    }
+    let version = u16::from_be_bytes([b[OFF_VERSION], b[OFF_VERSION + 1]]);
+    if version != 2 {
+        return Err(what(format!("version {version} where 2 was expected")));
+    }
+    let hdr_size = be64(&b, OFF_HDR_SIZE);
+    if !HDR_SIZES.contains(&hdr_size) {
+        return Err(what(format!(
+            "header size {hdr_size} is not one the spec allows (16 KiB to 4 MiB, a power of two)"
+        )));
+    }
+    let hdr_offset = be64(&b, OFF_HDR_OFFSET);
+    if hdr_offset != offset {
+        return Err(what(format!("it says it lives at offset {hdr_offset}")));
+    }
+    let checksum_alg = text(&b, OFF_CSUM_ALG, 32, "checksum_alg")?;
+    let mut area = vec![0u8; hdr_size as usize];
+    area[..BIN_HEADER_BYTES].copy_from_slice(&b);
+    dev.read_at(
+        offset + BIN_HEADER_BYTES as u64,
+        &mut area[BIN_HEADER_BYTES..],
+    )?;
+    let mut stored = [0u8; CSUM_BYTES];
+    stored.copy_from_slice(&area[OFF_CSUM..OFF_CSUM + CSUM_BYTES]);
+    area[OFF_CSUM..OFF_CSUM + CSUM_BYTES].fill(0);
+    let (sum, n) = checksum(&checksum_alg, &area)?;
+    if sum[..n] != stored[..n] {
+        return Err(what(format!(
+            "bad checksum ({checksum_alg} over the {hdr_size}-byte header area does not match)"
+        )));
+    }
+    let json_area = &area[BIN_HEADER_BYTES..];
+    let end = json_area
+        .iter()
+        .position(|&c| c == 0)
+        .ok_or_else(|| what("the JSON area is not NUL-terminated".to_string()))?;
+    let text_json = std::str::from_utf8(&json_area[..end])
+        .map_err(|e| what(format!("bad JSON: not UTF-8 ({e})")))?;
+    let json: Value =
+        serde_json::from_str(text_json).map_err(|e| what(format!("bad JSON: {e}")))?;
+    let header = BinHeader {
+        secondary,
+        hdr_size,
+        seqid: be64(&b, OFF_SEQID),
+        label: text(&b, OFF_LABEL, 48, "label")?,
+        checksum_alg,
+        salt: {
+            let mut s = [0u8; 64];
+            s.copy_from_slice(&b[OFF_SALT..OFF_SALT + 64]);
+            s
+        },
+        uuid: text(&b, OFF_UUID, 40, "uuid")?,
+        subsystem: text(&b, OFF_SUBSYSTEM, 48, "subsystem")?,
+        hdr_offset,
+    };
+    // config.json_size must describe this header's JSON area.
+    let json_size = json
+        .get("config")
+        .and_then(|c| c.get("json_size"))
+        .and_then(Value::as_str)
+        .and_then(|s| s.parse::<u64>().ok());
+    if json_size != Some(hdr_size - BIN_HEADER_BYTES as u64) {
+        return Err(what(format!(
+            "config.json_size {json_size:?} does not match the header size {hdr_size}"
+        )));
+    }
+    Ok((header, json))
+}
+
+/// Find the header copy to use. Returns it, its JSON, and whether it is
+/// the secondary.
+pub(crate) fn load(dev: &Dev<'_>) -> Result<(BinHeader, Value, bool), LuksError> {
+    let primary = read_copy(dev, 0, false);
+    let offsets: Vec<u64> = match &primary {
+        Ok((h, _)) => vec![h.hdr_size],
+        Err(_) => HDR_SIZES.to_vec(),
+    };
+    let mut secondary = None;
+    let mut secondary_error = None;
+    for off in offsets {
+        let mut magic = [0u8; 6];
+        if dev.read_at(off, &mut magic).is_err() || magic != MAGIC_SECONDARY {
+            continue;
+        }
+        match read_copy(dev, off, true) {
+            Ok(s) => {
+                secondary = Some(s);
+                break;
+            }
+            Err(e) => {
+                secondary_error.get_or_insert(e);
+            }
+        }
+    }
+    match (primary, secondary) {
+        (Ok((p, pj)), Some((s, sj))) => {
+            if s.seqid > p.seqid {
+                Ok((s, sj, true))
+            } else {
+                Ok((p, pj, false))
+            }
+        }
+        (Ok((p, pj)), None) => Ok((p, pj, false)),
+        (Err(_), Some((s, sj))) => Ok((s, sj, true)),
+        (Err(LuksError::Corrupt(m)), None) => {
+            let second = match secondary_error {
+                Some(e) => format!("secondary header: {e}"),
+                None => "no LUKS2 secondary header found either".to_string(),
+            };
+            Err(LuksError::Corrupt(format!("{m}; {second}")))
+        }
+        (Err(e), None) => Err(e),
+    }
+}
+
+/// Read, choose and plan the LUKS2 header of `dev`.
+pub(crate) fn parse(dev: &Dev<'_>) -> Result<Parsed, LuksError> {
+    let (h, json, used_secondary) = load(dev)?;
+    plan(&h, &json, used_secondary)
+}
+
+// ---- JSON access, every shape checked -------------------------------
+
+fn corrupt(path: &str, m: &str) -> LuksError {
+    LuksError::Corrupt(format!("LUKS2 metadata: {path} {m}"))
+}
+
+fn obj<'a>(v: &'a Value, path: &str) -> Result<&'a Map<String, Value>, LuksError> {
+    v.as_object()
+        .ok_or_else(|| corrupt(path, "is not an object"))
+}
+
+fn field<'a>(m: &'a Map<String, Value>, key: &str, path: &str) -> Result<&'a Value, LuksError> {
+    m.get(key).ok_or_else(|| {
+        if path.is_empty() {
+            corrupt(key, "is missing")
+        } else {
+            corrupt(&format!("{path}.{key}"), "is missing")
+        }
+    })
+}
+
+fn str_of<'a>(m: &'a Map<String, Value>, key: &str, path: &str) -> Result<&'a str, LuksError> {
+    field(m, key, path)?
+        .as_str()
+        .ok_or_else(|| corrupt(&format!("{path}.{key}"), "is not a string"))
+}
+
+/// A u64 the spec writes as a decimal string (offsets, sizes).
+fn u64_str(m: &Map<String, Value>, key: &str, path: &str) -> Result<u64, LuksError> {
+    let s = str_of(m, key, path)?;
+    s.parse::<u64>()
+        .map_err(|_| corrupt(&format!("{path}.{key}"), &format!("{s:?} is not a number")))
+}
+
+/// A number the spec writes as a JSON integer.
+fn num(m: &Map<String, Value>, key: &str, path: &str) -> Result<u64, LuksError> {
+    field(m, key, path)?
+        .as_u64()
+        .ok_or_else(|| corrupt(&format!("{path}.{key}"), "is not a non-negative integer"))
+}
+
+fn num_u32(m: &Map<String, Value>, key: &str, path: &str) -> Result<u32, LuksError> {
+    u32::try_from(num(m, key, path)?)
+        .map_err(|_| corrupt(&format!("{path}.{key}"), "is out of range"))
+}
+
+fn b64(m: &Map<String, Value>, key: &str, path: &str) -> Result<Vec<u8>, LuksError> {
+    let s = str_of(m, key, path)?;
+    base64::engine::general_purpose::STANDARD
+        .decode(s)
+        .map_err(|e| corrupt(&format!("{path}.{key}"), &format!("is not base64 ({e})")))
+}
+
+fn hash_of(m: &Map<String, Value>, key: &str, path: &str) -> Result<Hash, LuksError> {
+    let s = str_of(m, key, path)?;
+    Hash::from_name(s).ok_or_else(|| {
+        LuksError::UnsupportedKdf(format!(
+            "{path}.{key} is {s:?}: only sha1, sha256 and sha512 are supported"
+        ))
+    })
+}
+
+fn id_of(key: &str, path: &str) -> Result<u32, LuksError> {
+    key.parse::<u32>()
+        .map_err(|_| corrupt(path, &format!("has a key {key:?} that is not a number")))
+}
+
+fn id_list(m: &Map<String, Value>, key: &str, path: &str) -> Result<Vec<u32>, LuksError> {
+    let arr = field(m, key, path)?
+        .as_array()
+        .ok_or_else(|| corrupt(&format!("{path}.{key}"), "is not an array"))?;
+    arr.iter()
+        .map(|v| {
+            v.as_str()
+                .ok_or_else(|| corrupt(&format!("{path}.{key}"), "holds a non-string"))
+                .and_then(|s| id_of(s, &format!("{path}.{key}")))
+        })
+        .collect()
+}
+
+struct SegmentJson {
+    id: u32,
+    offset: u64,
+    size: Option<u64>,
+    iv_tweak: u64,
+    sector_size: usize,
+}
+
+fn parse_segment(json: &Map<String, Value>, hdr_size: u64) -> Result<SegmentJson, LuksError> {
+    let segs = obj(field(json, "segments", "")?, "segments")?;
+    if segs.is_empty() {
+        return Err(corrupt("segments", "is empty: no data segment"));
+    }
+    if segs.len() > 1 {
+        return Err(LuksError::Unsupported(format!(
+            "{} data segments (an interrupted reencryption?); only one is supported",
+            segs.len()
+        )));
+    }
+    let (key, v) = segs
+        .iter()
+        .next()
+        .ok_or_else(|| corrupt("segments", "is empty"))?;
+    let path = format!("segments.{key}");
+    let id = id_of(key, "segments")?;
+    let s = obj(v, &path)?;
+    let ty = str_of(s, "type", &path)?;
+    if ty != "crypt" {
+        return Err(LuksError::Unsupported(format!("segment type {ty:?}")));
+    }
+    if s.contains_key("integrity") {
+        return Err(LuksError::Unsupported(
+            "LUKS2 integrity protection (dm-integrity)".to_string(),
+        ));
+    }
+    let enc = str_of(s, "encryption", &path)?;
+    if enc != CIPHER_SPEC {
+        return Err(LuksError::UnsupportedCipher(format!(
+            "{enc:?} (LUKS2 {path})"
+        )));
+    }
+    let sector = num(s, "sector_size", &path)?;
+    if sector != 512 && sector != 4096 {
+        return Err(LuksError::Unsupported(format!(
+            "sector size {sector} bytes (only 512 and 4096 are supported)"
+        )));
+    }
+    let offset = u64_str(s, "offset", &path)?;
+    if offset < 2 * hdr_size {
+        return Err(corrupt(
+            &format!("{path}.offset"),
+            &format!("{offset} overlaps the two {hdr_size}-byte header copies"),
+        ));
+    }
+    if !offset.is_multiple_of(sector) {
+        return Err(corrupt(
+            &format!("{path}.offset"),
+            &format!("{offset} is not a multiple of the {sector}-byte sector"),
+        ));
+    }
+    let size = match str_of(s, "size", &path)? {
+        "dynamic" => None,
+        _ => Some(u64_str(s, "size", &path)?),
+    };
+    Ok(SegmentJson {
+        id,
+        offset,
+        size,
+        iv_tweak: u64_str(s, "iv_tweak", &path)?,
+        sector_size: sector as usize,
+    })
+}
+
+struct DigestJson {
+    keyslots: Vec<u32>,
+    segments: Vec<u32>,
+    digest: Result<Digest, LuksError>,
+}
+
+fn parse_digests(json: &Map<String, Value>) -> Result<Vec<DigestJson>, LuksError> {
+    let ds = obj(field(json, "digests", "")?, "digests")?;
+    let mut out = Vec::new();
+    for (key, v) in ds {
+        let path = format!("digests.{key}");
+        id_of(key, "digests")?;
+        let d = obj(v, &path)?;
+        let keyslots = id_list(d, "keyslots", &path)?;
+        let segments = id_list(d, "segments", &path)?;
+        let ty = str_of(d, "type", &path)?;
+        let digest = if ty != "pbkdf2" {
+            Err(LuksError::UnsupportedKdf(format!("{path} has type {ty:?}")))
+        } else {
+            (|| {
+                let value = b64(d, "digest", &path)?;
+                if value.is_empty() || value.len() > 64 {
+                    return Err(corrupt(&format!("{path}.digest"), "has a bad length"));
+                }
+                Ok(Digest {
+                    hash: hash_of(d, "hash", &path)?,
+                    iterations: num_u32(d, "iterations", &path)?,
+                    salt: b64(d, "salt", &path)?,
+                    value,
+                })
+            })()
+        };
+        out.push(DigestJson {
+            keyslots,
+            segments,
+            digest,
+        });
+    }
+    Ok(out)
+}
+
+fn parse_kdf(k: &Map<String, Value>, path: &str) -> Result<(Pbkdf, Vec<u8>), LuksError> {
+    let ty = str_of(k, "type", path)?;
+    let pbkdf = match ty {
+        "pbkdf2" => Pbkdf::Pbkdf2 {
+            hash: hash_of(k, "hash", path)?,
+            iterations: num_u32(k, "iterations", path)?,
+        },
+        "argon2i" | "argon2id" => {
+            let time = num_u32(k, "time", path)?;
+            let memory_kib = num_u32(k, "memory", path)?;
+            let parallel = num_u32(k, "cpus", path)?;
+            if ty == "argon2i" {
+                Pbkdf::Argon2i {
+                    time,
+                    memory_kib,
+                    parallel,
+                }
+            } else {
+                Pbkdf::Argon2id {
+                    time,
+                    memory_kib,
+                    parallel,
+                }
+            }
+        }
+        other => {
+            return Err(LuksError::UnsupportedKdf(format!(
+                "{path}.type {other:?} (pbkdf2, argon2i and argon2id are supported)"
+            )))
+        }
+    };
+    Ok((pbkdf, b64(k, "salt", path)?))
+}
+
+fn key_bytes_ok(n: u64, what: &str) -> Result<usize, LuksError> {
+    if n == 32 || n == 64 {
+        Ok(n as usize)
+    } else {
+        Err(LuksError::UnsupportedCipher(format!(
+            "aes-xts-plain64 with a {}-bit key ({what})",
+            n.saturating_mul(8)
+        )))
+    }
+}
+
+/// One keyslot's plan; `seg` is the data segment, `digests` all digests.
+fn plan_keyslot(
+    id: u32,
+    k: &Map<String, Value>,
+    seg: &SegmentJson,
+    digests: &[DigestJson],
+    hdr_size: u64,
+) -> Result<SlotPlan, LuksError> {
+    let path = format!("keyslots.{id}");
+    let ty = str_of(k, "type", &path)?;
+    if ty != "luks2" {
+        return Err(LuksError::Unsupported(format!(
+            "keyslot {id} of type {ty:?}"
+        )));
+    }
+    let key_bytes = key_bytes_ok(num(k, "key_size", &path)?, &format!("{path}.key_size"))?;
+    let af_path = format!("{path}.af");
+    let afj = obj(field(k, "af", &path)?, &af_path)?;
+    let af_ty = str_of(afj, "type", &af_path)?;
+    if af_ty != "luks1" {
+        return Err(LuksError::Unsupported(format!(
+            "{af_path}.type {af_ty:?} (only the luks1 AF splitter exists)"
+        )));
+    }
+    let stripes = num_u32(afj, "stripes", &af_path)?;
+    let af_hash = hash_of(afj, "hash", &af_path)?;
+    let area_path = format!("{path}.area");
+    let area = obj(field(k, "area", &path)?, &area_path)?;
+    let area_ty = str_of(area, "type", &area_path)?;
+    if area_ty != "raw" {
+        return Err(LuksError::Unsupported(format!(
+            "{area_path}.type {area_ty:?} (only raw keyslot areas are supported)"
+        )));
+    }
+    let enc = str_of(area, "encryption", &area_path)?;
+    if enc != CIPHER_SPEC {
+        return Err(LuksError::UnsupportedCipher(format!(
+            "{enc:?} ({area_path}.encryption)"
+        )));
+    }
+    let area_key_bytes = key_bytes_ok(
+        num(area, "key_size", &area_path)?,
+        &format!("{area_path}.key_size"),
+    )?;
+    let area_offset = u64_str(area, "offset", &area_path)?;
+    let area_size = u64_str(area, "size", &area_path)?;
+    let af_bytes = af::split_len(key_bytes, stripes)
+        .filter(|_| stripes > 0)
+        .ok_or_else(|| corrupt(&format!("{af_path}.stripes"), "is 0"))?;
+    let area_len = round_up(af_bytes as u64, 512).unwrap_or(u64::MAX);
+    if area_size < area_len {
+        return Err(corrupt(
+            &format!("{area_path}.size"),
+            &format!("{area_size} cannot hold {stripes} stripes of {key_bytes} bytes"),
+        ));
+    }
+    if area_offset < 2 * hdr_size || area_offset.saturating_add(area_len) > seg.offset {
+        return Err(corrupt(
+            &format!("{area_path}.offset"),
+            &format!(
+                "{area_offset} puts the keyslot outside the keyslots area (between the header \
+                 copies and the data at {})",
+                seg.offset
+            ),
+        ));
+    }
+    let (pbkdf, salt) = parse_kdf(
+        obj(field(k, "kdf", &path)?, &format!("{path}.kdf"))?,
+        &format!("{path}.kdf"),
+    )?;
+    let d = digests
+        .iter()
+        .find(|d| d.keyslots.contains(&id))
+        .ok_or_else(|| corrupt(&path, "is not referenced by any digest"))?;
+    if !d.segments.contains(&seg.id) {
+        return Err(LuksError::Unsupported(format!(
+            "keyslot {id} is not bound to the data segment (an unbound key)"
+        )));
+    }
+    let digest = match &d.digest {
+        Ok(x) => Digest {
+            hash: x.hash,
+            iterations: x.iterations,
+            salt: x.salt.clone(),
+            value: x.value.clone(),
+        },
+        Err(e) => return Err(LuksError::Corrupt(format!("digest of keyslot {id}: {e}"))),
+    };
+    Ok(SlotPlan {
+        index: id as usize,
+        pbkdf,
+        salt,
+        area_offset,
+        area_len,
+        area_key_bytes,
+        af_hash,
+        stripes,
+        key_bytes,
+        digest,
+    })
+}
+
+/// Check the metadata and turn it into a slot plan.
+pub(crate) fn plan(h: &BinHeader, json: &Value, used_secondary: bool) -> Result<Parsed, LuksError> {
+    let root = obj(json, "the top level")?;
+    let config = obj(field(root, "config", "")?, "config")?;
+    if let Some(req) = config.get("requirements") {
+        let mandatory = obj(req, "config.requirements")?
+            .get("mandatory")
+            .and_then(Value::as_array)
+            .map(|a| a.iter().filter_map(Value::as_str).collect::<Vec<_>>())
+            .unwrap_or_default();
+        if !mandatory.is_empty() {
+            return Err(LuksError::Unsupported(format!(
+                "LUKS2 requirements {mandatory:?}"
+            )));
+        }
+    }
+    let seg = parse_segment(root, h.hdr_size)?;
+    let digests = parse_digests(root)?;
+    let keyslots = obj(field(root, "keyslots", "")?, "keyslots")?;
+    // (priority, id, slot): priority 2 (high) first, then 1 (normal);
+    // 0 (ignore) is never tried, as in cryptsetup.
+    let mut order = Vec::new();
+    let mut key_bytes = None;
+    for (key, v) in keyslots {
+        let id = id_of(key, "keyslots")?;
+        let path = format!("keyslots.{id}");
+        let k = obj(v, &path)?;
+        let priority = match k.get("priority") {
+            None => 1,
+            Some(p) => p
+                .as_u64()
+                .filter(|&p| p <= 2)
+                .ok_or_else(|| corrupt(&format!("{path}.priority"), "is not 0, 1 or 2"))?,
+        };
+        let plan = plan_keyslot(id, k, &seg, &digests, h.hdr_size);
+        if let Ok(p) = &plan {
+            key_bytes.get_or_insert(p.key_bytes);
+        }
+        order.push((priority, id, plan));
+    }
+    order.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+    let mut infos = Vec::new();
+    let mut slots = Vec::new();
+    for (priority, id, plan) in order {
+        let (pbkdf, problem) = match &plan {
+            Ok(p) if priority == 0 => (
+                Some(p.pbkdf),
+                Some("priority 0 (ignore): not tried".to_string()),
+            ),
+            Ok(p) => (Some(p.pbkdf), None),
+            Err(e) => (None, Some(e.to_string())),
+        };
+        infos.push(KeyslotInfo {
+            index: id as usize,
+            pbkdf,
+            problem,
+        });
+        if priority > 0 {
+            slots.push(plan);
+        }
+    }
+    Ok(Parsed {
+        info: LuksInfo {
+            version: LuksVersion::Luks2,
+            uuid: h.uuid.clone(),
+            label: (!h.label.is_empty()).then(|| h.label.clone()),
+            cipher_spec: CIPHER_SPEC.to_string(),
+            key_bytes: key_bytes.unwrap_or(0),
+            sector_size: seg.sector_size,
+            data_offset_bytes: seg.offset,
+            data_size_bytes: seg.size,
+            keyslots: infos,
+            used_secondary_header: used_secondary,
+        },
+        iv_tweak: seg.iv_tweak,
+        slots,
+    })
+}
+
+fn b64e(b: &[u8]) -> String {
+    base64::engine::general_purpose::STANDARD.encode(b)
+}
+
+/// Format `dev` as LUKS2 (options already checked).
+pub(crate) fn format(
+    dev: &Dev<'_>,
+    passphrase: &[u8],
+    opts: &FormatOptions,
+) -> Result<LuksVolume, LuksError> {
+    check_device_size(
+        dev.size(),
+        FORMAT_DATA_OFFSET,
+        opts.sector_size,
+        LuksVersion::Luks2,
+    )?;
+    let key = random_master_key(opts.key_bytes)?;
+    let af_hash = Hash::Sha256;
+
+    let mut digest_salt = [0u8; 32];
+    random(&mut digest_salt)?;
+    let mut digest = [0u8; 32];
+    kdf::pbkdf2(
+        Hash::Sha256,
+        key.as_slice(),
+        &digest_salt,
+        DIGEST_ITERATIONS,
+        &mut digest,
+    )?;
+
+    let mut slot_salt = [0u8; 32];
+    random(&mut slot_salt)?;
+    let area = seal_keyslot(key.as_slice(), passphrase, &opts.pbkdf, &slot_salt, af_hash)?;
+    let area_size = round_up(area.len() as u64, AREA_ALIGN).unwrap_or(u64::MAX);
+
+    let kdf_json = match opts.pbkdf {
+        Pbkdf::Pbkdf2 { hash, iterations } => json!({
+            "type": "pbkdf2",
+            "hash": hash.name(),
+            "iterations": iterations,
+            "salt": b64e(&slot_salt),
+        }),
+        Pbkdf::Argon2i {
+            time,
+            memory_kib,
+            parallel,
+        }
+        | Pbkdf::Argon2id {
+            time,
+            memory_kib,
+            parallel,
+        } => json!({
+            "type": opts.pbkdf.name(),
+            "time": time,
+            "memory": memory_kib,
+            "cpus": parallel,
+            "salt": b64e(&slot_salt),
+        }),
+    };
+    let metadata = json!({
+        "keyslots": {
+            "0": {
+                "type": "luks2",
+                "key_size": opts.key_bytes,
+                "af": { "type": "luks1", "stripes": af::STRIPES, "hash": af_hash.name() },
+                "area": {
+                    "type": "raw",
+                    "offset": FORMAT_KEYSLOTS_OFFSET.to_string(),
+                    "size": area_size.to_string(),
+                    "encryption": CIPHER_SPEC,
+                    "key_size": opts.key_bytes,
+                },
+                "kdf": kdf_json,
+            }
+        },
+        "tokens": {},
+        "segments": {
+            "0": {
+                "type": "crypt",
+                "offset": FORMAT_DATA_OFFSET.to_string(),
+                "size": "dynamic",
+                "iv_tweak": "0",
+                "encryption": CIPHER_SPEC,
+                "sector_size": opts.sector_size,
+            }
+        },
+        "digests": {
+            "0": {
+                "type": "pbkdf2",
+                "keyslots": ["0"],
+                "segments": ["0"],
+                "hash": "sha256",
+                "iterations": DIGEST_ITERATIONS,
+                "salt": b64e(&digest_salt),
+                "digest": b64e(&digest),
+            }
+        },
+        "config": {
+            "json_size": (FORMAT_HDR_SIZE - BIN_HEADER_BYTES as u64).to_string(),
+            "keyslots_size": (FORMAT_DATA_OFFSET - FORMAT_KEYSLOTS_OFFSET).to_string(),
+        }
+    });
+    let text = serde_json::to_vec(&metadata)
+        .map_err(|e| LuksError::Io(std::io::Error::other(format!("JSON: {e}"))))?;
+    let uuid = random_uuid()?;
+    let label = opts.label.clone().unwrap_or_default();
+    let header = |secondary: bool| -> Result<Vec<u8>, LuksError> {
+        let mut salt = [0u8; 64];
+        random(&mut salt)?;
+        BinHeader {
+            secondary,
+            hdr_size: FORMAT_HDR_SIZE,
+            seqid: 1,
+            label: label.clone(),
+            checksum_alg: "sha256".to_string(),
+            salt,
+            uuid: uuid.clone(),
+            subsystem: String::new(),
+            hdr_offset: if secondary { FORMAT_HDR_SIZE } else { 0 },
+        }
+        .encode(&text)
+    };
+    let primary = header(false)?;
+    let secondary = header(true)?;
+
+    dev.zero(0, FORMAT_DATA_OFFSET)?;
+    dev.write_at(FORMAT_KEYSLOTS_OFFSET, area.as_slice())?;
+    dev.write_at(FORMAT_HDR_SIZE, &secondary)?;
+    dev.write_at(0, &primary)?;
+    Ok(formatted_volume(
+        LuksInfo {
+            version: LuksVersion::Luks2,
+            uuid,
+            label: opts.label.clone(),
+            cipher_spec: CIPHER_SPEC.to_string(),
+            key_bytes: opts.key_bytes,
+            sector_size: opts.sector_size,
+            data_offset_bytes: FORMAT_DATA_OFFSET,
+            data_size_bytes: None,
+            keyslots: vec![KeyslotInfo {
+                index: 0,
+                pbkdf: Some(opts.pbkdf),
+                problem: None,
+            }],
+            used_secondary_header: false,
+        },
+        key,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(secondary: bool) -> BinHeader {
+        BinHeader {
+            secondary,
+            hdr_size: FORMAT_HDR_SIZE,
+            seqid: 7,
+            label: "lbl".into(),
+            checksum_alg: "sha256".into(),
+            salt: [3; 64],
+            uuid: "u".into(),
+            subsystem: String::new(),
+            hdr_offset: if secondary { FORMAT_HDR_SIZE } else { 0 },
+        }
+    }
+
+    #[test]
+    fn encoded_header_has_the_spec_offsets_and_a_checksum_over_the_area() {
+        let b = header(false).encode(br#"{"config":{}}"#).unwrap();
+        assert_eq!(b.len(), 16384);
+        assert_eq!(&b[..6], &MAGIC);
+        assert_eq!(u16::from_be_bytes([b[6], b[7]]), 2);
+        assert_eq!(be64(&b, 8), 16384);
+        assert_eq!(be64(&b, 16), 7);
+        assert_eq!(&b[24..27], b"lbl");
+        assert_eq!(&b[72..78], b"sha256");
+        assert_eq!(&b[4096..4096 + 13], br#"{"config":{}}"#);
+        let mut z = b.clone();
+        z[448..512].fill(0);
+        assert_eq!(&b[448..480], &openssl::sha::sha256(&z)[..]);
+        assert!(b[480..512].iter().all(|&x| x == 0));
+        let s = header(true).encode(b"{}").unwrap();
+        assert_eq!(&s[..6], &MAGIC_SECONDARY);
+        assert_eq!(be64(&s, 256), 16384);
+    }
+
+    #[test]
+    fn oversized_json_is_refused() {
+        let big = vec![b' '; 12288];
+        assert!(matches!(
+            header(false).encode(&big),
+            Err(LuksError::InvalidOptions(_))
+        ));
+    }
+
+    #[test]
+    fn unsupported_json_shapes_are_named() {
+        let h = header(false);
+        let base = json!({
+            "keyslots": {}, "tokens": {}, "digests": {},
+            "segments": {"0": {"type": "crypt", "offset": "16777216", "size": "dynamic",
+                               "iv_tweak": "0", "encryption": "serpent-xts-plain64", "sector_size": 512}},
+            "config": {"json_size": "12288", "keyslots_size": "16744448"}
+        });
+        assert!(
+            matches!(plan(&h, &base, false), Err(LuksError::UnsupportedCipher(s)) if s.contains("serpent"))
+        );
+        let mut j = base.clone();
+        j["segments"]["0"]["encryption"] = json!("aes-xts-plain64");
+        j["segments"]["0"]["sector_size"] = json!(2048);
+        assert!(matches!(
+            plan(&h, &j, false),
+            Err(LuksError::Unsupported(_))
+        ));
+        j["segments"]["0"]["sector_size"] = json!("512");
+        assert!(
+            matches!(plan(&h, &j, false), Err(LuksError::Corrupt(s)) if s.contains("sector_size"))
+        );
+        j["segments"]["0"]["sector_size"] = json!(512);
+        j["config"]["requirements"] = json!({"mandatory": ["online-reencrypt"]});
+        assert!(
+            matches!(plan(&h, &j, false), Err(LuksError::Unsupported(s)) if s.contains("online-reencrypt"))
+        );
+        for bad in [json!([]), json!(null), json!({"segments": 3})] {
+            assert!(matches!(plan(&h, &bad, false), Err(LuksError::Corrupt(_))));
+        }
+    }
+}
