@@ -53,37 +53,30 @@ enum Command {
     },
     /// Serve an encrypted volume over NBD (newstyle fixed handshake).
     ///
-    /// With no arguments: an in-memory 256 MiB volume (aes-xts-plain64, a
-    /// random 512-bit key kept in memory only) on 127.0.0.1:10809, until
-    /// the process is stopped (Ctrl-C). Clients: `qemu-io -f raw
-    /// nbd://127.0.0.1:10809/iopages`, `qemu-img`, `nbdcopy`, `nbd-client`.
-    Serve(ServeArgs),
+    /// With no arguments: an in-memory 256 MiB LUKS2 volume
+    /// (aes-xts-plain64, 512-bit key, 4096-byte sectors) under a generated
+    /// passphrase printed once, on 127.0.0.1:10809, until stopped (Ctrl-C
+    /// or SIGTERM; SIGUSR1 prints statistics). With --image: a LUKS1 or
+    /// LUKS2 file or block device. Clients: `nbdcopy`, `qemu-img`,
+    /// `qemu-io -f raw nbd://127.0.0.1:10809/iopages`, fio's nbd engine,
+    /// `nbd-client`.
+    Serve(serve::ServeArgs),
+    /// LUKS tools: format a volume, check a passphrase, decrypt offline.
+    Luks {
+        #[command(subcommand)]
+        command: luks_cmd::LuksCommand,
+    },
 }
 
-#[derive(clap::Args)]
-struct ServeArgs {
-    /// TCP address to listen on (default 127.0.0.1:10809 when --unix is
-    /// not given; port 0 picks a free port).
-    #[arg(long, value_name = "ADDR")]
-    listen: Option<std::net::SocketAddr>,
-    /// Unix socket to listen on (must not exist yet).
-    #[arg(long, value_name = "PATH")]
-    unix: Option<PathBuf>,
-    /// Volume size in bytes; K, M, G suffixes (KiB, MiB, GiB) allowed.
-    /// A multiple of 4096.
-    #[arg(long, value_name = "BYTES", default_value = "256M", value_parser = parse_size)]
-    size: u64,
-    /// Export read-only (writes get EPERM).
-    #[arg(long)]
-    read_only: bool,
-    /// Export name clients ask for.
-    #[arg(long, value_name = "NAME", default_value = "iopages")]
-    name: String,
-}
+mod luks_cmd;
+mod passphrase;
+mod serve;
 
-/// Largest in-memory volume `serve` accepts (the RAM it takes is real).
-const MAX_SERVE_BYTES: u64 = 64 << 30;
+/// Largest size the command line accepts (1 PiB).
+const MAX_SIZE_BYTES: u64 = 1 << 50;
 
+/// Bytes from a size argument: a number with an optional K, M or G suffix
+/// (KiB, MiB, GiB), a non-zero multiple of 4096.
 fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let (num, mult) = match t.char_indices().last() {
@@ -103,84 +96,12 @@ fn parse_size(s: &str) -> Result<u64, String> {
             "size {bytes} must be a non-zero multiple of 4096 bytes"
         ));
     }
-    if bytes > MAX_SERVE_BYTES {
+    if bytes > MAX_SIZE_BYTES {
         return Err(format!(
-            "size {bytes} exceeds the in-memory limit of {MAX_SERVE_BYTES} bytes"
+            "size {bytes} is larger than {MAX_SIZE_BYTES} bytes"
         ));
     }
     Ok(bytes)
-}
-
-/// Serve an in-memory encrypted volume until the process is stopped.
-fn serve(a: ServeArgs) -> Result<(), String> {
-    use iopages_crypt::backend::{Backend, RamDisk};
-    use iopages_crypt::queue::{CryptQueue, QueueConfig};
-    use iopages_crypt::target::{CipherPool, CryptTarget, TargetConfig};
-    use iopages_nbd::{ExportConfig, Listen, Server};
-    use std::io::Read;
-    use std::sync::Arc;
-
-    let mut listen = Vec::new();
-    if let Some(addr) = a.listen {
-        listen.push(Listen::Tcp(addr));
-    }
-    if let Some(p) = &a.unix {
-        listen.push(Listen::Unix(p.clone()));
-    }
-    if listen.is_empty() {
-        let addr = iopages_nbd::DEFAULT_LISTEN
-            .parse()
-            .map_err(|e| format!("bad default address: {e}"))?;
-        listen.push(Listen::Tcp(addr));
-    }
-    let mut key = [0u8; 64];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut key))
-        .map_err(|e| format!("cannot read a random key from /dev/urandom: {e}"))?;
-    let cipher = iopages_crypt::XtsCipher::new(&key, 512, 0);
-    key.fill(0);
-    std::hint::black_box(&key);
-    let cipher = cipher.map_err(|e| format!("cannot set up aes-xts-plain64: {e}"))?;
-    let workers = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let cipher = CipherPool::new(cipher, workers)
-        .map_err(|e| format!("cannot set up the cipher pool: {e}"))?;
-    let alloc = iopages::PageAllocator::builder()
-        .size_bytes(128 << 20)
-        .build()
-        .map_err(|e| format!("cannot create the page arena (128 MiB): {e}"))?;
-    let disk: Arc<dyn Backend> =
-        Arc::new(RamDisk::new(a.size).map_err(|e| format!("cannot create the RAM disk: {e}"))?);
-    let target = CryptTarget::new(&alloc, cipher, disk, TargetConfig::default())
-        .map_err(|e| format!("cannot create the crypt target: {e}"))?;
-    let queue = CryptQueue::new(
-        Arc::new(target),
-        QueueConfig {
-            workers,
-            ..QueueConfig::default()
-        },
-    )
-    .map_err(|e| format!("cannot start the crypt queue: {e}"))?;
-    let mut export = ExportConfig::new(a.name.clone());
-    export.read_only = a.read_only;
-    let server = Server::start(Arc::new(queue), export, &listen).map_err(|e| e.to_string())?;
-    for l in server.addresses() {
-        match l {
-            Listen::Tcp(addr) => println!("serving nbd://{addr}/{}", a.name),
-            Listen::Unix(p) => println!("serving nbd+unix:///{}?socket={}", a.name, p.display()),
-        }
-    }
-    println!(
-        "export {:?}: {} bytes, aes-xts-plain64, 512-byte sectors{}",
-        a.name,
-        a.size,
-        if a.read_only { ", read-only" } else { "" }
-    );
-    println!(
-        "LUKS is not yet supported: the volume is in memory, under a random key kept in memory only (its data is gone when the server stops)"
-    );
-    println!("stop with Ctrl-C");
-    server.wait();
-    Ok(())
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -209,6 +130,9 @@ enum Experiment {
     /// E5: kvmalloc of log-commit shadow buffers in a fragmented arena full
     /// of page cache, legacy (reclaim and compaction first) vs fail-fast.
     Kvmalloc,
+    /// E6: one LUKS1 image served by iopages, nbdkit's luks filter and
+    /// qemu-nbd; fio and nbdcopy as the clients.
+    Nbd,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -222,7 +146,8 @@ enum Limit {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Serve(args) => serve(args),
+        Command::Serve(args) => serve::serve(args),
+        Command::Luks { command } => luks_cmd::run(command),
         command => run(Cli { command }).map_err(|e| e.to_string()),
     };
     match result {
@@ -296,8 +221,18 @@ fn run(cli: Cli) -> Result<(), BenchError> {
                 };
                 iopages_bench::crypt::run_limit(&opts, threads, setting)?;
             }
+            if all || experiment == Experiment::Nbd {
+                let me = std::env::current_exe().map_err(|e| {
+                    BenchError::Workload(format!(
+                        "cannot find the iopages binary to serve with: {e}"
+                    ))
+                })?;
+                iopages_bench::nbd::run(&opts, &me)?;
+            }
             Ok(())
         }
-        Command::Serve(args) => serve(args).map_err(BenchError::Workload),
+        Command::Serve(_) | Command::Luks { .. } => Err(BenchError::Workload(
+            "serve and luks are not benchmarks".into(),
+        )),
     }
 }

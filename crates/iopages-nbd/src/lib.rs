@@ -67,6 +67,7 @@ pub mod proto;
 mod server;
 mod stats;
 mod stream;
+pub mod volume;
 
 pub use buffers::BufferStats;
 pub use conn::{CHUNK_BYTES, MAX_BYTES_IN_FLIGHT, MAX_REQUESTS_IN_FLIGHT};

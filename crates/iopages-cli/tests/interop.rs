@@ -1,0 +1,726 @@
+//! `iopages serve` and `iopages luks` against the tools people use:
+//! cryptsetup (formats volumes we open, checks volumes we make), nbdkit's
+//! luks filter (reads back what we wrote, as a second LUKS
+//! implementation), nbdcopy, qemu-io, qemu-img and fio's nbd engine as
+//! clients.
+//!
+//! Every server is a real `iopages serve` process on a Unix socket,
+//! stopped with SIGTERM (which must flush and exit 0). Where a tool is
+//! missing the test says so and returns, except under `CI=true`, where
+//! scripts/setup-debian.sh has installed them all and a missing one fails.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_iopages");
+
+fn have(tool: &str) -> bool {
+    let found = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "command -v {tool} >/dev/null 2>&1 || test -x /usr/sbin/{tool}"
+        ))
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if !found {
+        if std::env::var("CI").as_deref() == Ok("true") {
+            panic!("{tool} is missing under CI=true: scripts/setup-debian.sh installs it");
+        }
+        eprintln!("skipped: {tool} is not installed (scripts/setup-debian.sh installs it)");
+    }
+    found
+}
+
+fn tools(list: &[&str]) -> bool {
+    list.iter().all(|t| have(t))
+}
+
+fn cryptsetup() -> Command {
+    let p = if Path::new("/usr/sbin/cryptsetup").exists() {
+        "/usr/sbin/cryptsetup"
+    } else {
+        "cryptsetup"
+    };
+    Command::new(p)
+}
+
+fn run(cmd: &mut Command) -> String {
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed ({}):\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+struct Dir(PathBuf);
+
+impl Dir {
+    fn new(tag: &str) -> Dir {
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let p =
+            std::env::temp_dir().join(format!("iopages-interop-{tag}-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&p).unwrap();
+        Dir(p)
+    }
+    fn join(&self, n: &str) -> PathBuf {
+        self.0.join(n)
+    }
+}
+
+impl Drop for Dir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A running `iopages serve`; killed if the test fails before stopping it.
+struct Served {
+    child: Option<Child>,
+    lines: mpsc::Receiver<String>,
+    uri: String,
+    banner: Vec<String>,
+    stderr: PathBuf,
+}
+
+impl Served {
+    fn start(args: &[&str], sock: &Path, stderr: PathBuf) -> Served {
+        let mut cmd = Command::new(BIN);
+        cmd.arg("serve")
+            .args(args)
+            .arg("--unix")
+            .arg(sock)
+            .arg("--arena")
+            .arg("128M")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&stderr).unwrap());
+        let mut child = cmd.spawn().expect("iopages serve starts");
+        let out = child.stdout.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines() {
+                let Ok(l) = l else { break };
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut s = Served {
+            child: Some(child),
+            lines: rx,
+            uri: String::new(),
+            banner: Vec::new(),
+            stderr,
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            match s.lines.recv_timeout(Duration::from_millis(200)) {
+                Ok(l) => {
+                    if let Some(u) = l.strip_prefix("serving ") {
+                        s.uri = u.to_string();
+                    }
+                    let done = l.starts_with("statistics:");
+                    s.banner.push(l);
+                    if done {
+                        break;
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    if let Some(st) = s.child.as_mut().unwrap().try_wait().unwrap() {
+                        panic!("iopages serve exited ({st}): {}", s.stderr_text());
+                    }
+                    assert!(
+                        Instant::now() < deadline,
+                        "iopages serve did not start: {:?}",
+                        s.banner
+                    );
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    let st = s.child.as_mut().unwrap().wait().unwrap();
+                    panic!("iopages serve exited ({st}): {}", s.stderr_text());
+                }
+            }
+        }
+        assert!(s.uri.starts_with("nbd+unix:///"), "{:?}", s.banner);
+        s
+    }
+
+    fn stderr_text(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    fn pid(&self) -> i32 {
+        self.child.as_ref().unwrap().id() as i32
+    }
+
+    fn line_within(&self, d: Duration) -> Option<String> {
+        self.lines.recv_timeout(d).ok()
+    }
+
+    /// SIGTERM, then the exit status must be success; returns the lines
+    /// printed after the banner.
+    fn stop(mut self) -> Vec<String> {
+        let mut child = self.child.take().unwrap();
+        // SAFETY: signalling our own child process.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let status = loop {
+            if let Some(st) = child.try_wait().unwrap() {
+                break st;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "iopages serve did not stop on SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let rest: Vec<String> = self.lines.try_iter().collect();
+        assert!(
+            status.success(),
+            "iopages serve exited with {status}: {}\n{rest:?}",
+            self.stderr_text()
+        );
+        assert!(rest.iter().any(|l| l == "stopped"), "{rest:?}");
+        rest
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Bytes that differ at every 512-byte sector.
+fn pattern(seed: u32, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(2654435761).wrapping_add(1);
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x as u8
+        })
+        .collect()
+}
+
+fn write_pass(dir: &Dir, name: &str, pass: &[u8]) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, pass).unwrap();
+    p
+}
+
+fn luks1_by_cryptsetup(dir: &Dir, size: u64, pass: &Path) -> PathBuf {
+    let img = dir.join("luks1.img");
+    std::fs::File::create(&img).unwrap().set_len(size).unwrap();
+    run(cryptsetup()
+        .args([
+            "luksFormat",
+            "-q",
+            "--type",
+            "luks1",
+            "--cipher",
+            "aes-xts-plain64",
+        ])
+        .args([
+            "--key-size",
+            "512",
+            "--hash",
+            "sha256",
+            "--pbkdf-force-iterations",
+            "1000",
+        ])
+        .arg("--key-file")
+        .arg(pass)
+        .arg(&img));
+    img
+}
+
+/// Copy `src` into the export with nbdcopy.
+fn nbdcopy_in(src: &Path, uri: &str) {
+    run(Command::new("nbdcopy").arg(src).arg(uri));
+}
+
+/// The whole export through nbdkit's luks filter over `img`.
+fn read_through_nbdkit(dir: &Dir, img: &Path, pass: &Path) -> Vec<u8> {
+    let out = dir.join("nbdkit.raw");
+    run(Command::new("nbdkit")
+        .args(["-U", "-", "--filter=luks", "file"])
+        .arg(img)
+        .arg(format!("passphrase=+{}", pass.display()))
+        .arg("--run")
+        .arg(format!("nbdcopy \"$uri\" {}", out.display())));
+    std::fs::read(out).unwrap()
+}
+
+fn decrypt_offline(dir: &Dir, img: &Path, pass: &Path) -> Vec<u8> {
+    let out = dir.join("offline.raw");
+    run(Command::new(BIN)
+        .args(["luks", "decrypt", "--yes"])
+        .arg(img)
+        .arg(&out)
+        .arg("--passphrase-file")
+        .arg(pass));
+    std::fs::read(out).unwrap()
+}
+
+#[test]
+fn cryptsetup_luks1_written_by_nbdcopy_reads_back_through_nbdkit_and_offline() {
+    if !tools(&["cryptsetup", "nbdkit", "nbdcopy"]) {
+        return;
+    }
+    let dir = Dir::new("luks1");
+    let pass = write_pass(&dir, "pass", b"correct horse battery staple");
+    let img = luks1_by_cryptsetup(&dir, 24 << 20, &pass);
+    let before = std::fs::read(&img).unwrap();
+    let srv = Served::start(
+        &[
+            "--image",
+            img.to_str().unwrap(),
+            "--passphrase-file",
+            pass.to_str().unwrap(),
+        ],
+        &dir.join("sock"),
+        dir.join("serve.err"),
+    );
+    assert!(
+        srv.banner
+            .iter()
+            .any(|l| l.contains("LUKS1 aes-xts-plain64, 512-bit key, 512-byte sectors")),
+        "{:?}",
+        srv.banner
+    );
+    // The payload: 24 MiB minus the 2 MiB header.
+    let payload = (24 << 20) - 4096 * 512;
+    let data = pattern(1, payload);
+    let src = dir.join("data.raw");
+    std::fs::write(&src, &data).unwrap();
+    nbdcopy_in(&src, &srv.uri);
+    srv.stop();
+    let after = std::fs::read(&img).unwrap();
+    assert_eq!(
+        &after[..4096 * 512],
+        &before[..4096 * 512],
+        "the header and key slots are untouched"
+    );
+    assert_ne!(
+        &after[4096 * 512..4096 * 512 + 4096],
+        &data[..4096],
+        "the payload is encrypted"
+    );
+    let outside = read_through_nbdkit(&dir, &img, &pass);
+    assert_eq!(outside.len(), data.len());
+    assert!(
+        outside == data,
+        "nbdkit's luks filter reads what was written through iopages"
+    );
+    assert!(
+        decrypt_offline(&dir, &img, &pass) == data,
+        "the offline reader agrees"
+    );
+}
+
+#[test]
+fn cryptsetup_luks2_argon2id_4k_sectors_round_trip_through_qemu_io_and_offline() {
+    if !tools(&["cryptsetup", "qemu-io", "nbdcopy"]) {
+        return;
+    }
+    let dir = Dir::new("luks2");
+    let pass = write_pass(&dir, "pass", b"luks2 passphrase");
+    let img = dir.join("luks2.img");
+    std::fs::File::create(&img)
+        .unwrap()
+        .set_len(24 << 20)
+        .unwrap();
+    run(cryptsetup()
+        .args([
+            "luksFormat",
+            "-q",
+            "--type",
+            "luks2",
+            "--cipher",
+            "aes-xts-plain64",
+        ])
+        .args([
+            "--key-size",
+            "256",
+            "--sector-size",
+            "4096",
+            "--pbkdf",
+            "argon2id",
+        ])
+        .args(["--pbkdf-memory", "32", "--pbkdf-force-iterations", "4"])
+        .arg("--key-file")
+        .arg(&pass)
+        .arg(&img));
+    let srv = Served::start(
+        &[
+            "--image",
+            img.to_str().unwrap(),
+            "--passphrase-file",
+            pass.to_str().unwrap(),
+        ],
+        &dir.join("sock"),
+        dir.join("serve.err"),
+    );
+    assert!(
+        srv.banner
+            .iter()
+            .any(|l| l.contains("LUKS2 aes-xts-plain64, 256-bit key, 4096-byte sectors")),
+        "{:?}",
+        srv.banner
+    );
+    // qemu-io writes two patterns, FUA on one, and reads them back.
+    let uri = srv.uri.clone();
+    let out = run(Command::new("qemu-io")
+        .arg("--image-opts")
+        .arg(format!(
+            "driver=nbd,server.type=unix,server.path={},export=iopages",
+            dir.join("sock").display()
+        ))
+        .args([
+            "-c",
+            "write -P 0x5a 0 1M",
+            "-c",
+            "write -f -P 0xa5 4M 256k",
+            "-c",
+            "read -P 0x5a 0 1M",
+            "-c",
+            "read -P 0xa5 4M 256k",
+            "-c",
+            "flush",
+        ]));
+    assert!(!out.contains("Pattern verification failed"), "{out}");
+    // And qemu-img convert reads the whole export.
+    let raw = dir.join("export.raw");
+    run(Command::new("qemu-img")
+        .args(["convert", "-f", "raw", "-O", "raw"])
+        .arg(&uri)
+        .arg(&raw));
+    let got = std::fs::read(&raw).unwrap();
+    srv.stop();
+    let offline = decrypt_offline(&dir, &img, &pass);
+    assert_eq!(got.len(), offline.len());
+    assert!(
+        got == offline,
+        "qemu-img through the server and the offline reader agree"
+    );
+    assert!(offline[..1 << 20].iter().all(|&b| b == 0x5a));
+    assert!(offline[4 << 20..(4 << 20) + (256 << 10)]
+        .iter()
+        .all(|&b| b == 0xa5));
+}
+
+#[test]
+fn volumes_made_by_iopages_luks_format_open_in_cryptsetup_and_nbdkit() {
+    if !tools(&["cryptsetup", "nbdkit", "nbdcopy"]) {
+        return;
+    }
+    let dir = Dir::new("format");
+    let pass = write_pass(&dir, "pass", b"made here");
+    let wrong = write_pass(&dir, "wrong", b"made elsewhere");
+    for (name, args) in [
+        (
+            "l1.img",
+            vec![
+                "--type",
+                "luks1",
+                "--pbkdf",
+                "pbkdf2",
+                "--iterations",
+                "1000",
+            ],
+        ),
+        (
+            "l2.img",
+            vec![
+                "--type",
+                "luks2",
+                "--pbkdf",
+                "argon2id",
+                "--iterations",
+                "4",
+                "--memory",
+                "64",
+                "--sector-size",
+                "4096",
+            ],
+        ),
+        (
+            "l2p.img",
+            vec![
+                "--type",
+                "luks2",
+                "--pbkdf",
+                "pbkdf2",
+                "--hash",
+                "sha1",
+                "--iterations",
+                "1000",
+                "--key-size",
+                "256",
+            ],
+        ),
+    ] {
+        let img = dir.join(name);
+        let out = run(Command::new(BIN)
+            .args(["luks", "format"])
+            .arg(&img)
+            .args(["--size", "4M", "--passphrase-file"])
+            .arg(&pass)
+            .args(&args));
+        assert!(out.contains("aes-xts-plain64"), "{out}");
+        // Refused without --yes the second time: the data would be lost.
+        let again = Command::new(BIN)
+            .args(["luks", "format"])
+            .arg(&img)
+            .args(["--size", "4M", "--passphrase-file"])
+            .arg(&pass)
+            .output()
+            .unwrap();
+        assert!(!again.status.success());
+        assert!(String::from_utf8_lossy(&again.stderr).contains("--yes"));
+        run(cryptsetup().arg("luksDump").arg(&img));
+        run(cryptsetup()
+            .args(["open", "--test-passphrase", "--key-file"])
+            .arg(&pass)
+            .arg(&img));
+        let bad = cryptsetup()
+            .args(["open", "--test-passphrase", "--key-file"])
+            .arg(&wrong)
+            .arg(&img)
+            .output()
+            .unwrap();
+        assert!(
+            !bad.status.success(),
+            "cryptsetup must refuse the wrong passphrase"
+        );
+        // Written through our server: LUKS1 is read back by nbdkit.
+        let sock = dir.join(&format!("{name}.sock"));
+        let srv = Served::start(
+            &[
+                "--image",
+                img.to_str().unwrap(),
+                "--passphrase-file",
+                pass.to_str().unwrap(),
+            ],
+            &sock,
+            dir.join("serve.err"),
+        );
+        let data = pattern(7, 4 << 20);
+        let src = dir.join("data.raw");
+        std::fs::write(&src, &data).unwrap();
+        nbdcopy_in(&src, &srv.uri);
+        srv.stop();
+        if name == "l1.img" {
+            assert!(
+                read_through_nbdkit(&dir, &img, &pass) == data,
+                "nbdkit reads our LUKS1 volume"
+            );
+        }
+        assert!(decrypt_offline(&dir, &img, &pass) == data);
+    }
+}
+
+#[test]
+fn the_default_in_memory_volume_serves_fio_verify_and_prints_statistics() {
+    if !tools(&["fio", "nbdcopy", "cryptsetup"]) {
+        return;
+    }
+    let dir = Dir::new("default");
+    let srv = Served::start(&["--size", "64M"], &dir.join("sock"), dir.join("serve.err"));
+    let pass_line = srv
+        .banner
+        .iter()
+        .find_map(|l| l.strip_prefix("passphrase (shown once): "))
+        .expect("the generated passphrase is printed")
+        .to_string();
+    assert_eq!(pass_line.len(), 24);
+    assert!(
+        srv.banner
+            .iter()
+            .any(|l| l.contains("LUKS2 aes-xts-plain64, 512-bit key, 4096-byte sectors")),
+        "{:?}",
+        srv.banner
+    );
+    let uri = srv.uri.clone();
+    // fio's nbd engine: random writes with checksums, then reads them back.
+    let out = run(Command::new("fio")
+        .args([
+            "--name=verify",
+            "--ioengine=nbd",
+            "--rw=randwrite",
+            "--bs=4k",
+            "--size=16M",
+        ])
+        .args([
+            "--iodepth=16",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_fatal=1",
+            "--output-format=json",
+        ])
+        .arg(format!("--uri={uri}")));
+    let json_at = out.find('{').expect("fio printed JSON");
+    let v: serde_json::Value = serde_json::from_str(&out[json_at..]).expect("fio's JSON");
+    let job = &v["jobs"][0];
+    assert_eq!(job["error"], 0, "{job}");
+    assert!(
+        job["write"]["io_bytes"].as_u64().unwrap() >= 16 << 20,
+        "{job}"
+    );
+    assert!(
+        job["read"]["io_bytes"].as_u64().unwrap() >= 16 << 20,
+        "fio read everything back to verify: {job}"
+    );
+    // SIGUSR1: a statistics line.
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(srv.pid(), libc::SIGUSR1) };
+    let line = srv
+        .line_within(Duration::from_secs(10))
+        .expect("a statistics line");
+    assert!(
+        line.contains("write ") && line.contains("out pages") && line.contains("payload buffers"),
+        "{line}"
+    );
+    let rest = srv.stop();
+    assert!(
+        rest.iter().any(|l| l.contains("out pages")),
+        "final statistics: {rest:?}"
+    );
+}
+
+#[test]
+fn bad_passphrases_and_images_are_refused_with_clear_errors() {
+    if !tools(&["cryptsetup"]) {
+        return;
+    }
+    let dir = Dir::new("bad");
+    let pass = write_pass(&dir, "pass", b"right");
+    let wrong = write_pass(&dir, "wrong", b"wrong");
+    let img = luks1_by_cryptsetup(&dir, 4 << 20, &pass);
+    let fail = |args: &[&str]| -> String {
+        let out = Command::new(BIN)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} must fail");
+        String::from_utf8_lossy(&out.stderr).to_lowercase()
+    };
+    let e = fail(&[
+        "serve",
+        "--image",
+        img.to_str().unwrap(),
+        "--passphrase-file",
+        wrong.to_str().unwrap(),
+        "--unix",
+        dir.join("s1").to_str().unwrap(),
+    ]);
+    assert!(e.contains("passphrase"), "{e}");
+    let e = fail(&[
+        "serve",
+        "--image",
+        img.to_str().unwrap(),
+        "--unix",
+        dir.join("s2").to_str().unwrap(),
+    ]);
+    assert!(e.contains("--passphrase-file"), "{e}");
+    let missing = dir.join("missing.img");
+    let e = fail(&[
+        "serve",
+        "--image",
+        missing.to_str().unwrap(),
+        "--passphrase-file",
+        pass.to_str().unwrap(),
+    ]);
+    assert!(e.contains("missing.img"), "{e}");
+    let plain = dir.join("plain.img");
+    std::fs::write(&plain, vec![0u8; 1 << 20]).unwrap();
+    let e = fail(&[
+        "serve",
+        "--image",
+        plain.to_str().unwrap(),
+        "--passphrase-file",
+        pass.to_str().unwrap(),
+    ]);
+    assert!(e.contains("luks") && e.contains("plain.img"), "{e}");
+    let e = fail(&[
+        "luks",
+        "check",
+        img.to_str().unwrap(),
+        "--passphrase-file",
+        wrong.to_str().unwrap(),
+    ]);
+    assert!(e.contains("passphrase"), "{e}");
+    let ok = run(Command::new(BIN)
+        .args(["luks", "check"])
+        .arg(&img)
+        .arg("--passphrase-file")
+        .arg(&pass));
+    assert!(ok.contains("LUKS1") && ok.contains("key slot 0"), "{ok}");
+    // A failed decrypt leaves no output behind.
+    let out = dir.join("never.raw");
+    fail(&[
+        "luks",
+        "decrypt",
+        img.to_str().unwrap(),
+        out.to_str().unwrap(),
+        "--passphrase-file",
+        wrong.to_str().unwrap(),
+    ]);
+    assert!(!out.exists());
+    let e = fail(&[
+        "luks",
+        "format",
+        dir.join("x.img").to_str().unwrap(),
+        "--size",
+        "4M",
+        "--passphrase-file",
+        pass.to_str().unwrap(),
+        "--key-size",
+        "128",
+    ]);
+    assert!(e.contains("key-size"), "{e}");
+    let mut stdin_pass = Command::new(BIN)
+        .args(["luks", "check"])
+        .arg(&img)
+        .args(["--passphrase-file", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    stdin_pass
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"right\n")
+        .unwrap();
+    let mut s = String::new();
+    stdin_pass
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut s)
+        .unwrap();
+    assert!(
+        stdin_pass.wait().unwrap().success(),
+        "a passphrase line on stdin opens it"
+    );
+    assert!(s.contains("LUKS1"));
+}

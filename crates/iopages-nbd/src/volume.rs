@@ -1,0 +1,325 @@
+//! A served volume: a LUKS image (file or block device), or an in-memory
+//! LUKS2 volume made at start, set up as the crypt stack the server
+//! exports.
+//!
+//! Owns: opening the LUKS header with a passphrase, and building the
+//! stack under it: the page arena, the `aes-xts-plain64` cipher per
+//! worker from the volume's key (sector size and IV numbering as
+//! cryptsetup would set dm-crypt up), an io_uring file over the image
+//! with the arena as its fixed buffers, the payload window after the
+//! header ([`Window`]), the crypt target and its queue. Must never: serve
+//! a volume whose key failed the header's digest check, or write anywhere
+//! outside the payload (the header and key slots cannot be reached through
+//! the export).
+//!
+//! The in-memory volume is a LUKS2 image in a memfd: a real header with
+//! one Argon2id key slot under a generated passphrase (shown once), so
+//! what is served by default is the same thing a file would hold.
+
+use iopages::PageAllocator;
+use iopages_crypt::backend::{Backend, Window};
+use iopages_crypt::luks::{self, FormatOptions, LuksVersion, LuksVolume, Pbkdf};
+use iopages_crypt::queue::{CryptQueue, QueueConfig};
+use iopages_crypt::strategy::Strategy;
+use iopages_crypt::target::{CipherPool, CryptTarget, TargetConfig};
+use iopages_crypt::uring::{UringFile, UringOptions};
+use std::fs::File;
+use std::io;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use zeroize::Zeroizing;
+
+/// The default page arena of a served volume (out pages, payload
+/// buffers, bounce buffers).
+pub const DEFAULT_ARENA_BYTES: u64 = 512 << 20;
+
+/// How to build the stack under a volume.
+#[derive(Clone, Debug)]
+pub struct VolumeOptions {
+    /// Page arena size in bytes. Default [`DEFAULT_ARENA_BYTES`].
+    pub arena_bytes: u64,
+    /// Crypt worker threads (default: one per core).
+    pub workers: usize,
+    /// Requests admitted to the crypt queue at once. Default 128.
+    pub queue_depth: usize,
+    /// Out-page strategy. Default compound.
+    pub strategy: Strategy,
+    /// Open the image read-only.
+    pub read_only: bool,
+}
+
+impl Default for VolumeOptions {
+    fn default() -> Self {
+        let q = QueueConfig::default();
+        VolumeOptions {
+            arena_bytes: DEFAULT_ARENA_BYTES,
+            workers: q.workers,
+            queue_depth: q.queue_depth,
+            strategy: TargetConfig::default().strategy,
+            read_only: false,
+        }
+    }
+}
+
+/// What a served volume is.
+#[derive(Clone, Debug)]
+pub struct VolumeInfo {
+    /// LUKS1 or LUKS2.
+    pub version: LuksVersion,
+    /// The header's UUID.
+    pub uuid: String,
+    /// The cipher (always `aes-xts-plain64` here).
+    pub cipher: String,
+    /// Key size in bits.
+    pub key_bits: usize,
+    /// Encryption sector size in bytes.
+    pub sector_size: usize,
+    /// Where the payload starts in the image.
+    pub data_offset: u64,
+    /// Payload bytes (what the export's size is).
+    pub size_bytes: u64,
+    /// The key slot the passphrase opened.
+    pub keyslot: usize,
+    /// The image (`None`: in memory).
+    pub image: Option<PathBuf>,
+    /// How the image is read and written (O_DIRECT or buffered, fixed
+    /// buffers, and any fallback taken).
+    pub io: String,
+}
+
+/// An opened volume: its crypt queue, ready to be served.
+pub struct Volume {
+    /// The queue the server submits to.
+    pub queue: Arc<CryptQueue<CipherPool>>,
+    /// The arena everything comes from.
+    pub alloc: PageAllocator,
+    /// What was opened.
+    pub info: VolumeInfo,
+    /// The image file (for its I/O statistics).
+    pub file: Arc<UringFile>,
+}
+
+fn invalid(m: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, m)
+}
+
+/// Open the LUKS volume at `path` (a file or block device) with
+/// `passphrase` and build its stack.
+///
+/// **Returns:** the LUKS error (wrong passphrase, unsupported cipher,
+/// corrupted or truncated header) as an `io::Error` naming the image, or
+/// the error of whatever could not be set up.
+pub fn open_image(path: &Path, passphrase: &[u8], opts: &VolumeOptions) -> io::Result<Volume> {
+    let f = File::open(path)
+        .map_err(|e| io::Error::new(e.kind(), format!("cannot open {}: {e}", path.display())))?;
+    let luks = luks::open(&f, passphrase).map_err(|e| {
+        let e: io::Error = e.into();
+        io::Error::new(e.kind(), format!("{}: {e}", path.display()))
+    })?;
+    drop(f);
+    build(path, Some(path.to_path_buf()), &luks, opts)
+}
+
+/// Parameters of the in-memory volume's key slot: Argon2id with a small
+/// memory cost. The passphrase is generated with 143 bits of entropy, so
+/// the key derivation's cost adds nothing to its strength; it only delays
+/// the start.
+pub fn in_memory_format_options() -> FormatOptions {
+    FormatOptions {
+        version: LuksVersion::Luks2,
+        key_bytes: 64,
+        sector_size: 4096,
+        pbkdf: Pbkdf::Argon2id {
+            time: 4,
+            memory_kib: 32 << 10,
+            parallel: 2,
+        },
+        label: Some("iopages".into()),
+    }
+}
+
+/// A passphrase of 24 characters from 62, drawn from the kernel's random
+/// source (143 bits).
+pub fn generate_passphrase() -> io::Result<Zeroizing<String>> {
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+    let mut out = Zeroizing::new(String::with_capacity(24));
+    let mut raw = Zeroizing::new([0u8; 64]);
+    let mut filled = 0;
+    while out.len() < 24 {
+        if filled == 0 {
+            fill_random(&mut raw[..])?;
+            filled = raw.len();
+        }
+        filled -= 1;
+        let b = raw[filled];
+        // Rejection sampling: 248 = 4 × 62 keeps the draw uniform.
+        if b < 248 {
+            out.push(ALPHABET[(b % 62) as usize] as char);
+        }
+    }
+    Ok(out)
+}
+
+fn fill_random(buf: &mut [u8]) -> io::Result<()> {
+    let mut at = 0;
+    while at < buf.len() {
+        // SAFETY: the pointer and length describe the unfilled tail of
+        // `buf`, which is valid for writes.
+        let n = unsafe { libc::getrandom(buf[at..].as_mut_ptr().cast(), buf.len() - at, 0) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        at += n as usize;
+    }
+    Ok(())
+}
+
+/// Make an in-memory LUKS2 volume of `size_bytes` payload under a
+/// generated passphrase, and build its stack. Returns the volume and the
+/// passphrase (shown once by the caller; nothing else keeps it).
+pub fn in_memory(size_bytes: u64, opts: &VolumeOptions) -> io::Result<(Volume, Zeroizing<String>)> {
+    let fmt = in_memory_format_options();
+    if size_bytes == 0 || !size_bytes.is_multiple_of(fmt.sector_size as u64) {
+        return Err(invalid(format!(
+            "volume size {size_bytes} must be a non-zero multiple of {} bytes",
+            fmt.sector_size
+        )));
+    }
+    let name = c"iopages-volume";
+    // SAFETY: `name` is a NUL-terminated string; the flags are valid.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::Other,
+            format!("memfd_create: {}", io::Error::last_os_error()),
+        ));
+    }
+    // SAFETY: `fd` was just created and is owned by nothing else.
+    let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    let pass = generate_passphrase()?;
+    // Room for any header (LUKS2 puts the payload at 16 MiB), then the
+    // file is cut to the header plus exactly `size_bytes` of payload.
+    file.set_len((32 << 20) + size_bytes)?;
+    let made = luks::format(&file, pass.as_bytes(), &fmt).map_err(io::Error::from)?;
+    file.set_len(made.data_offset_bytes() + size_bytes)?;
+    drop(made);
+    let luks = luks::open(&file, pass.as_bytes()).map_err(io::Error::from)?;
+    let path = PathBuf::from(format!("/proc/self/fd/{fd}"));
+    let vol = build(&path, None, &luks, opts)?;
+    // The UringFile opened its own descriptor of the memfd; the memory
+    // lives as long as it does.
+    drop(file);
+    Ok((vol, pass))
+}
+
+fn build(
+    path: &Path,
+    image: Option<PathBuf>,
+    luks: &LuksVolume,
+    opts: &VolumeOptions,
+) -> io::Result<Volume> {
+    if luks.cipher_spec() != "aes-xts-plain64" {
+        return Err(invalid(format!(
+            "cipher {} is not supported (only aes-xts-plain64)",
+            luks.cipher_spec()
+        )));
+    }
+    let alloc = PageAllocator::builder()
+        .size_bytes(opts.arena_bytes)
+        .build()
+        .map_err(|e| {
+            io::Error::new(
+                io::ErrorKind::OutOfMemory,
+                format!(
+                    "cannot create the page arena ({} bytes): {e}",
+                    opts.arena_bytes
+                ),
+            )
+        })?;
+    let file = Arc::new(UringFile::open(
+        path,
+        UringOptions::default()
+            .arena(alloc.clone())
+            .rings(opts.workers.max(1))
+            .read_only(opts.read_only),
+    )?);
+    let device = file.size_bytes();
+    let size = luks.data_size_bytes(device);
+    let ss = luks.sector_size() as u64;
+    if size == 0 || luks.data_offset_bytes() >= device {
+        return Err(invalid(format!(
+            "the image ({device} bytes) has no payload after its header (payload offset {})",
+            luks.data_offset_bytes()
+        )));
+    }
+    // A payload that is not whole sectors is served up to its last whole
+    // sector, as dm-crypt maps only whole sectors.
+    let size = size - size % ss;
+    let backend: Arc<dyn Backend> = Arc::new(Window::new(
+        Arc::clone(&file) as Arc<dyn Backend>,
+        luks.data_offset_bytes(),
+        size,
+    )?);
+    let cipher = luks
+        .xts_cipher()
+        .map_err(|e| invalid(format!("cannot set up aes-xts-plain64: {e}")))?;
+    let cipher = CipherPool::new(cipher, opts.workers.max(1))
+        .map_err(|e| invalid(format!("cannot set up the cipher pool: {e}")))?;
+    let target = CryptTarget::new(
+        &alloc,
+        cipher,
+        backend,
+        TargetConfig {
+            strategy: opts.strategy,
+            ..TargetConfig::default()
+        },
+    )?;
+    let queue = CryptQueue::new(
+        Arc::new(target),
+        QueueConfig {
+            queue_depth: opts.queue_depth,
+            workers: opts.workers.max(1),
+            preallocated_out: false,
+        },
+    )?;
+    let mut io = format!(
+        "{}{}",
+        if file.direct_io() {
+            "O_DIRECT"
+        } else {
+            "buffered"
+        },
+        if file.fixed_buffers() {
+            ", arena as fixed buffers"
+        } else {
+            ""
+        }
+    );
+    for f in file.fallbacks() {
+        io.push_str("; ");
+        io.push_str(f);
+    }
+    let info = VolumeInfo {
+        version: luks.version(),
+        uuid: luks.uuid().to_string(),
+        cipher: luks.cipher_spec().to_string(),
+        key_bits: luks.master_key().len() * 8,
+        sector_size: luks.sector_size(),
+        data_offset: luks.data_offset_bytes(),
+        size_bytes: size,
+        keyslot: luks.keyslot(),
+        image,
+        io,
+    };
+    Ok(Volume {
+        queue: Arc::new(queue),
+        alloc,
+        info,
+        file,
+    })
+}
