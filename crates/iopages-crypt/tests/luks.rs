@@ -397,6 +397,16 @@ fn check_cryptsetup_volume(cs: &Path, case: &Case) {
     assert_eq!(vol2.master_key(), &want_key[..]);
     assert_eq!(luks::open_path(&img, PASS).unwrap().keyslot(), 0);
     assert!(matches!(open_err(&img, WRONG), LuksError::WrongPassphrase));
+
+    if case.version == LuksVersion::Luks2 {
+        // cryptsetup's secondary header copy, when its primary is damaged.
+        let f = std::fs::OpenOptions::new().write(true).open(&img).unwrap();
+        f.write_all_at(b"\xff", 4096 + 10).unwrap();
+        drop(f);
+        let v = luks::open_path(&img, PASS2).unwrap();
+        assert!(v.used_secondary_header(), "{}", case.name);
+        assert_eq!(v.master_key(), &want_key[..]);
+    }
 }
 
 #[test]
@@ -480,6 +490,7 @@ fn our_volumes_pass_cryptsetup() {
     };
     let dir = Dir::new("ours");
     let pass = dir.file("pass", PASS);
+    let pass2 = dir.file("pass2", PASS2);
     let wrong = dir.file("wrong", WRONG);
     for (name, opts) in our_cases() {
         let img = dir.path(&format!("{name}.img"));
@@ -543,6 +554,21 @@ fn our_volumes_pass_cryptsetup() {
         let again = luks::open_path(&img, PASS).unwrap();
         assert_eq!(again.master_key(), vol.master_key());
         assert_eq!(again.label(), opts.label.as_deref());
+
+        // cryptsetup can add a keyslot to our header (rewriting it), and
+        // the result still opens here with either passphrase.
+        run_ok(
+            Command::new(&cs)
+                .args(["luksAddKey", "-q", "--key-file"])
+                .arg(&pass)
+                .args(PBKDF2_1000)
+                .arg(&img)
+                .arg(&pass2),
+        );
+        let second = luks::open_path(&img, PASS2).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(second.keyslot(), 1, "{name}");
+        assert_eq!(second.master_key(), vol.master_key());
+        assert_eq!(luks::open_path(&img, PASS).unwrap().keyslot(), 0);
     }
 }
 

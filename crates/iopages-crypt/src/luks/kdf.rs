@@ -1,7 +1,7 @@
 //! Hashes and passphrase-based key derivation for LUKS keyslots and
 //! volume-key digests.
 //!
-//! Owns: [`Hash`] (the hash specs LUKS names: `sha1`, `sha256`, `sha512`),
+//! Owns: [`enum@Hash`] (the hash specs LUKS names: `sha1`, `sha256`, `sha512`),
 //! one-shot hashing for the AF diffuser and the LUKS2 header checksum,
 //! PBKDF2-HMAC (OpenSSL's `PKCS5_PBKDF2_HMAC`), Argon2i / Argon2id version
 //! 0x13 (RustCrypto's `argon2`, memory allocated and wiped here), the
@@ -151,8 +151,11 @@ pub enum Pbkdf {
 impl Pbkdf {
     /// The default PBKDF2 (LUKS1, or LUKS2 when asked): HMAC-SHA256 with
     /// 600 000 iterations, OWASP's 2023 figure for PBKDF2-HMAC-SHA256 —
-    /// a fixed count instead of cryptsetup's two-second benchmark, about
-    /// 0.3 s per 32 bytes of key on a current x86 core.
+    /// a fixed count instead of cryptsetup's two-second benchmark. On the
+    /// project's machine (`cryptsetup benchmark`: 2.8 M PBKDF2-SHA256
+    /// iterations/s) that is about 0.2 s per 32 bytes of derived key, so
+    /// 0.4 s for a 512-bit LUKS1 keyslot (SHA-1 needs two or four blocks
+    /// and runs at half the speed).
     pub const fn pbkdf2_default() -> Pbkdf {
         Pbkdf::Pbkdf2 {
             hash: Hash::Sha256,
@@ -163,7 +166,8 @@ impl Pbkdf {
     /// The default Argon2id: RFC 9106's second recommended option (time
     /// 3 is raised to cryptsetup's minimum of 4): 64 MiB, 4 passes, 4
     /// lanes. Far below cryptsetup's benchmarked default (up to 1 GiB and
-    /// 2 s) but quick for an interactive tool: about 0.2–0.4 s here.
+    /// 2 s) but quick for an interactive tool: 0.2 s in a release build on
+    /// the project's machine, lanes computed one after another.
     pub const fn argon2id_default() -> Pbkdf {
         Pbkdf::Argon2id {
             time: 4,

@@ -1,7 +1,7 @@
 //! LUKS1 and LUKS2 volumes: open what `cryptsetup luksFormat` makes, and
 //! make what cryptsetup opens, for `aes-xts-plain64`.
 //!
-//! Owns: the public API ([`open`], [`format`], [`inspect`], [`is_luks`],
+//! Owns: the public API ([`open`], [`format()`], [`inspect`], [`is_luks`],
 //! [`LuksVolume`], [`FormatOptions`], [`LuksError`]), reading and writing
 //! the device through positioned I/O (`pread`/`pwrite` on a shared
 //! `&File`), the keyslot loop common to both versions (read area → derive
@@ -9,7 +9,7 @@
 //! Must never: panic on any byte of a device (every length and offset read
 //! from a header is checked, every failure is a [`LuksError`]), allocate
 //! from an unchecked header length, keep key material outside
-//! [`key::SecretBuf`], or write anything when opening.
+//! `key::SecretBuf`, or write anything when opening.
 //!
 //! ```
 //! use iopages_crypt::luks::{self, FormatOptions, LuksVersion};
@@ -31,13 +31,13 @@
 //!
 //! | on disk (spec) | here | file |
 //! |---|---|---|
-//! | LUKS1 `phdr` (592 bytes, big-endian; spec 1.2.3 §2.4) | `luks1::Header`, parse and serialise | `luks1.rs` |
+//! | LUKS1 `phdr` (592 bytes, big-endian; spec 1.2.3 §2.4) | `luks1::Header` (decode, encode), `luks1::plan`, `luks1::layout` | `luks1.rs` |
 //! | LUKS1 `key-slot` (48 bytes × 8) | `luks1::Slot` | `luks1.rs` |
 //! | LUKS1 `mk-digest` (PBKDF2, 20 bytes) | `Digest` in the slot plan | `luks1.rs`, this file |
 //! | LUKS2 binary header (4096 bytes ×2, spec §2) and its checksum | `luks2::BinHeader`, `luks2::load` (primary at 0, secondary at `hdr_size`, newest valid `seqid` wins) | `luks2.rs` |
-//! | LUKS2 JSON area: `keyslots`, `segments`, `digests`, `config` | `luks2::parse_json` (serde_json `Value`, checked field by field) | `luks2.rs` |
+//! | LUKS2 JSON area: `keyslots`, `segments`, `digests`, `config` | `luks2::plan` (serde_json `Value`, checked field by field into a slot plan) | `luks2.rs` |
 //! | AF splitter, diffuse `H` (LUKS1 §2.4; LUKS2 `af.type = "luks1"`) | `af::split`, `af::merge` | `af.rs` |
-//! | PBKDF2 (`hash-spec`, `kdf.type = "pbkdf2"`), Argon2i/Argon2id | [`Pbkdf`], [`Hash`] | `kdf.rs` |
+//! | PBKDF2 (`hash-spec`, `kdf.type = "pbkdf2"`), Argon2i/Argon2id | [`Pbkdf`], [`enum@Hash`] | `kdf.rs` |
 //! | keyslot area cipher (`aes-xts-plain64`, 512-byte sectors, IV from 0) | `area_cipher` | this file |
 //! | `struct volume_key`, wiped and locked | [`MasterKey`], `SecretBuf` | `key.rs` |
 //! | dm-crypt table cryptsetup would load | [`LuksVolume::xts_cipher`] | this file |
@@ -47,9 +47,11 @@
 //! dm-crypt numbers IVs in 512-byte units unless the table carries
 //! `iv_large_sectors`, and cryptsetup never sets that option for LUKS
 //! volumes: cryptsetup-open(8) of 2.6.1 says `--iv-large-sectors` "can be
-//! used only with plain device type", and GRUB's LUKS2 reader (commit
-//! "cryptodisk: Support encryption sector sizes", G. Washburn, 2020) counts
-//! the IV of 4096-byte sectors in 512-byte units for the same reason. So a
+//! used only with plain device type", and the GRUB commit that taught its
+//! LUKS2 reader larger sectors (cf3a3acff057, G. Washburn, 2020) counts
+//! their IV in 512-byte units, noting that cryptsetup supports
+//! `--iv-large-sectors` "not with LUKS headers (only with --type plain)"
+//! and that keyslot areas stay in 512-byte sectors. So a
 //! LUKS2 volume with 4096-byte sectors gives sector `s` the IV `8·s +
 //! iv_tweak`, and [`LuksVolume::xts_cipher`] builds its cipher with
 //! `iv_large_sectors(false)`. Keyslot areas are always encrypted with
@@ -66,7 +68,7 @@
 //!   volume-key digest uses PBKDF2 with 1000 iterations (cryptsetup's
 //!   minimum): the key it protects is random, so more iterations buy
 //!   nothing.
-//! - [`format`] writes one keyslot (slot 0). The LUKS1 layout is
+//! - [`format()`] writes one keyslot (slot 0). The LUKS1 layout is
 //!   cryptsetup 2.x's (keyslots at 4 KiB boundaries from sector 8, payload
 //!   at 2 MiB); LUKS2's is its default (16 KiB header copies, keyslots
 //!   from 32 KiB, data at 16 MiB).
@@ -100,7 +102,7 @@ pub const CIPHER_SPEC: &str = "aes-xts-plain64";
 /// Key-area sector size: keyslot material is always encrypted in
 /// 512-byte sectors.
 const AREA_SECTOR: usize = 512;
-/// Iterations of the PBKDF2 volume-key digest written by [`format`].
+/// Iterations of the PBKDF2 volume-key digest written by [`format()`].
 pub const DIGEST_ITERATIONS: u32 = 1000;
 /// Largest anti-forensic material accepted from a header (cryptsetup
 /// writes 64 × 4000 = 256 000 bytes at most).
@@ -191,7 +193,7 @@ impl From<LuksError> for std::io::Error {
     }
 }
 
-/// What [`format`] makes.
+/// What [`format()`] makes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FormatOptions {
     /// LUKS1 or LUKS2.
@@ -406,7 +408,7 @@ impl LuksVolume {
             .build()
     }
 
-    /// The keyslot that opened (or, after [`format`], was written).
+    /// The keyslot that opened (or, after [`format()`], was written).
     pub fn keyslot(&self) -> usize {
         self.keyslot
     }
@@ -827,7 +829,7 @@ pub fn format(
     Ok(vol)
 }
 
-/// [`format`] the file or block device at `path`. With `size_bytes`, a
+/// [`format()`] the file or block device at `path`. With `size_bytes`, a
 /// regular file is created if missing and set to that size first.
 pub fn format_path(
     path: impl AsRef<Path>,
