@@ -25,6 +25,9 @@
 //! - E4 `bio`: bios built from page arrays page by page and folio by folio
 //!   (build and release of pins), and direct I/O of folio buffers through
 //!   io_uring.
+//! - E6 `nbd`: one LUKS1 image served over NBD by `iopages serve --image`,
+//!   nbdkit's luks filter and qemu-nbd's LUKS driver in turn, under fio's
+//!   nbd engine (1 MiB sequential, 4 KiB random) and nbdcopy.
 
 pub mod bio;
 pub mod bulk;
@@ -33,6 +36,7 @@ pub mod crypt;
 pub mod kvmalloc;
 pub mod measure;
 pub mod mempool;
+pub mod nbd;
 pub mod peers;
 pub mod plot;
 pub mod xts;
