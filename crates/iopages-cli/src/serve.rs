@@ -52,10 +52,25 @@ pub struct ServeArgs {
     /// Out-page allocation strategy.
     #[arg(long, value_enum, default_value_t = StrategyArg::Compound)]
     strategy: StrategyArg,
+    /// How the image is read and written: O_DIRECT where the file system
+    /// takes it (auto), O_DIRECT or fail (direct), or through the page
+    /// cache (buffered).
+    #[arg(long, value_enum, default_value_t = IoArg::Auto)]
+    io: IoArg,
     /// Print a statistics line every SECS seconds (0: only on SIGUSR1 and
     /// at exit).
     #[arg(long, value_name = "SECS", default_value_t = 0)]
     stats_interval: u64,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum IoArg {
+    /// O_DIRECT, falling back to buffered I/O where refused.
+    Auto,
+    /// O_DIRECT or fail.
+    Direct,
+    /// Buffered, through the page cache.
+    Buffered,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -189,6 +204,11 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
     let mut opts = VolumeOptions {
         arena_bytes: a.arena,
         read_only: a.read_only,
+        direct: match a.io {
+            IoArg::Auto => iopages_crypt::uring::DirectIo::Auto,
+            IoArg::Direct => iopages_crypt::uring::DirectIo::Require,
+            IoArg::Buffered => iopages_crypt::uring::DirectIo::Off,
+        },
         strategy: match a.strategy {
             StrategyArg::PerPage => Strategy::PerPage,
             StrategyArg::Bulk => Strategy::Bulk,

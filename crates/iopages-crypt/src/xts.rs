@@ -153,11 +153,14 @@ impl<'k> XtsCipherBuilder<'k> {
     }
 
     /// `true` (default): the IV counts this cipher's sectors, as dm-crypt
-    /// does with its `iv_large_sectors` option and as cryptsetup sets up
-    /// LUKS2 volumes with 4096-byte sectors. `false`: the IV counts
+    /// does with its `iv_large_sectors` option (which cryptsetup sets only
+    /// for plain devices, `--iv-large-sectors`). `false`: the IV counts
     /// 512-byte units even for 4096-byte sectors (dm-crypt's default table
-    /// without the option), so sector `s` gets IV `s * 8 + iv_offset`.
-    /// The two agree for 512-byte sectors.
+    /// without the option, and what cryptsetup sets up for every LUKS
+    /// volume, LUKS2 with 4096-byte sectors included — use
+    /// [`LuksVolume::xts_cipher`](crate::luks::LuksVolume::xts_cipher)),
+    /// so sector `s` gets IV `s * 8 + iv_offset`. The two agree for
+    /// 512-byte sectors.
     pub fn iv_large_sectors(mut self, large: bool) -> Self {
         self.iv_large_sectors = large;
         self

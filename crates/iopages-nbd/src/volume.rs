@@ -22,7 +22,7 @@ use iopages_crypt::luks::{self, FormatOptions, LuksVersion, LuksVolume, Pbkdf};
 use iopages_crypt::queue::{CryptQueue, QueueConfig};
 use iopages_crypt::strategy::Strategy;
 use iopages_crypt::target::{CipherPool, CryptTarget, TargetConfig};
-use iopages_crypt::uring::{UringFile, UringOptions};
+use iopages_crypt::uring::{DirectIo, UringFile, UringOptions};
 use std::fs::File;
 use std::io;
 use std::os::fd::{FromRawFd, OwnedFd};
@@ -47,6 +47,9 @@ pub struct VolumeOptions {
     pub strategy: Strategy,
     /// Open the image read-only.
     pub read_only: bool,
+    /// `O_DIRECT` (with a fallback), required, or buffered through the
+    /// page cache. Default [`DirectIo::Auto`].
+    pub direct: DirectIo,
 }
 
 impl Default for VolumeOptions {
@@ -58,6 +61,7 @@ impl Default for VolumeOptions {
             queue_depth: q.queue_depth,
             strategy: TargetConfig::default().strategy,
             read_only: false,
+            direct: DirectIo::Auto,
         }
     }
 }
@@ -246,6 +250,7 @@ fn build(
         UringOptions::default()
             .arena(alloc.clone())
             .rings(opts.workers.max(1))
+            .direct(opts.direct)
             .read_only(opts.read_only),
     )?);
     let device = file.size_bytes();
