@@ -207,6 +207,9 @@ pub struct UringStats {
     pub short_resubmissions: u64,
     /// Entries resubmitted after `EINTR` / `EAGAIN`.
     pub retries: u64,
+    /// `preadv` / `pwritev` calls (buffered I/O does not go through the
+    /// rings; see [`DirectIo::Off`]).
+    pub sync_calls: u64,
 }
 
 #[derive(Default)]
@@ -216,6 +219,7 @@ struct Counters {
     bounced_segments: AtomicU64,
     short_resubmissions: AtomicU64,
     retries: AtomicU64,
+    sync_calls: AtomicU64,
 }
 
 /// The registered arena: the allocator (which keeps the mapping alive) and
@@ -542,6 +546,7 @@ impl UringFile {
             bounced_segments: c.bounced_segments.load(Relaxed),
             short_resubmissions: c.short_resubmissions.load(Relaxed),
             retries: c.retries.load(Relaxed),
+            sync_calls: c.sync_calls.load(Relaxed),
         }
     }
 
@@ -648,6 +653,100 @@ impl UringFile {
         })
     }
 
+    /// Buffered I/O ([`DirectIo::Off`], or the fallback where `O_DIRECT` is
+    /// refused): `preadv` / `pwritev` on the calling thread. Through
+    /// io_uring a buffered write to ext4 cannot complete without blocking,
+    /// so the kernel hands every one to an io-wq worker thread: two more
+    /// context switches per I/O, which cost more than the copy into the
+    /// page cache (measured with 4 KiB random writes, `docs/experiments.md`
+    /// E6). Short transfers continue where they stopped; `EINTR` retries.
+    fn io_sync(&self, segs: &[Seg], write: bool) -> io::Result<()> {
+        const MAX_IOV: usize = 1024; // IOV_MAX
+        let fd = self.file.as_raw_fd();
+        let cap = match self.short_io.load(Relaxed) {
+            0 => usize::MAX,
+            n => n,
+        };
+        let mut i = 0; // first segment not fully done
+        let mut done_in_first = 0usize; // bytes of segs[i] already moved
+        while i < segs.len() {
+            let mut iov: Vec<libc::iovec> = Vec::with_capacity((segs.len() - i).min(MAX_IOV));
+            let mut asked = 0usize;
+            for (k, s) in segs[i..].iter().take(MAX_IOV).enumerate() {
+                let skip = if k == 0 { done_in_first } else { 0 };
+                let len = (s.len - skip).min(cap - asked);
+                iov.push(libc::iovec {
+                    iov_base: s.ptr.wrapping_add(skip).cast(),
+                    iov_len: len,
+                });
+                asked += len;
+                if asked == cap {
+                    break;
+                }
+            }
+            let off = segs[i].off + done_in_first as u64;
+            self.counters.sync_calls.fetch_add(1, Relaxed);
+            // SAFETY: every iovec describes (the rest of) a caller's segment,
+            // valid for the call: readable for a write, writable for a read.
+            let n = unsafe {
+                if write {
+                    libc::pwritev(
+                        fd,
+                        iov.as_ptr(),
+                        iov.len() as libc::c_int,
+                        off as libc::off_t,
+                    )
+                } else {
+                    libc::preadv(
+                        fd,
+                        iov.as_ptr(),
+                        iov.len() as libc::c_int,
+                        off as libc::off_t,
+                    )
+                }
+            };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    self.counters.retries.fetch_add(1, Relaxed);
+                    continue;
+                }
+                let what = if write { "pwritev" } else { "preadv" };
+                return Err(self.err(e.kind(), format!("{what} at offset {off}: {e}")));
+            }
+            if n == 0 {
+                return Err(self.err(
+                    if write {
+                        io::ErrorKind::WriteZero
+                    } else {
+                        io::ErrorKind::UnexpectedEof
+                    },
+                    format!(
+                        "{} moved no bytes at offset {off} (end of file)",
+                        if write { "pwritev" } else { "preadv" }
+                    ),
+                ));
+            }
+            let mut left = n as usize;
+            while left > 0 {
+                let rest = segs[i].len - done_in_first;
+                if left >= rest {
+                    left -= rest;
+                    i += 1;
+                    done_in_first = 0;
+                } else {
+                    done_in_first += left;
+                    left = 0;
+                    self.counters.short_resubmissions.fetch_add(1, Relaxed);
+                }
+            }
+            while i < segs.len() && segs[i].len == 0 {
+                i += 1;
+            }
+        }
+        Ok(())
+    }
+
     /// The whole of one read or write call.
     fn io(&self, offset: u64, segs: &[Seg], write: bool) -> io::Result<()> {
         let total = segs
@@ -657,6 +756,9 @@ impl UringFile {
         check_range(offset, total, self.size).map_err(|e| self.err(e.kind(), e))?;
         if total == 0 {
             return Ok(());
+        }
+        if !self.direct {
+            return self.io_sync(segs, write);
         }
         let block = self.io_align as u64;
         let chunk = BOUNCE_CHUNK_BYTES.max(self.io_align);
