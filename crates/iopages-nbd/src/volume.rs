@@ -198,10 +198,8 @@ pub fn in_memory(size_bytes: u64, opts: &VolumeOptions) -> io::Result<(Volume, Z
     // SAFETY: `name` is a NUL-terminated string; the flags are valid.
     let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
     if fd < 0 {
-        return Err(io::Error::new(
-            io::ErrorKind::Other,
-            format!("memfd_create: {}", io::Error::last_os_error()),
-        ));
+        let e = io::Error::last_os_error();
+        return Err(io::Error::new(e.kind(), format!("memfd_create: {e}")));
     }
     // SAFETY: `fd` was just created and is owned by nothing else.
     let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
