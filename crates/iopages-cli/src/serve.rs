@@ -263,6 +263,9 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
         i.keyslot,
         i.uuid
     );
+    if !i.keys_locked {
+        println!("warning: the cipher keys could not be locked in memory (RLIMIT_MEMLOCK): they may be swapped out");
+    }
     match &i.image {
         Some(p) => println!("image: {} ({})", p.display(), i.io),
         None => {

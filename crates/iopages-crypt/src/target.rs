@@ -72,6 +72,7 @@ impl SectorCipher for Mutex<crate::XtsCipher> {
 pub struct CipherPool {
     ciphers: Box<[Mutex<crate::XtsCipher>]>,
     sector_size: usize,
+    locked: bool,
 }
 
 static NEXT_THREAD_SLOT: AtomicUsize = AtomicUsize::new(0);
@@ -90,10 +91,25 @@ impl CipherPool {
         }
         let sector_size = cipher.sector_size_bytes();
         v.push(Mutex::new(cipher));
+        let ciphers = v.into_boxed_slice();
+        // Keep the expanded keys (held inline by each instance) out of
+        // swap, best effort: a refusal (RLIMIT_MEMLOCK) is reported by
+        // `keys_locked`. The pages are not unlocked on drop (`munlock` is
+        // not counted per buffer and could unlock another secret sharing
+        // the page); the keys are wiped on drop either way.
+        let bytes = std::mem::size_of_val(&*ciphers);
+        // SAFETY: the range is the boxed slice's own memory.
+        let locked = unsafe { libc::mlock(ciphers.as_ptr().cast(), bytes) } == 0;
         Ok(CipherPool {
-            ciphers: v.into_boxed_slice(),
+            ciphers,
             sector_size,
+            locked,
         })
+    }
+
+    /// Whether the instances' memory (their expanded keys) was `mlock`ed.
+    pub fn keys_locked(&self) -> bool {
+        self.locked
     }
 
     /// Instances in the pool.
@@ -594,6 +610,25 @@ mod tests {
         };
         let t = CryptTarget::new(&alloc, Tagged(ss), disk.clone(), cfg).unwrap();
         (alloc, disk, t)
+    }
+
+    #[test]
+    fn a_cipher_pool_locks_its_keys_in_memory_where_the_limit_allows() {
+        let key: Vec<u8> = (0..64u8).collect();
+        let pool = CipherPool::new(crate::XtsCipher::new(&key, 512, 0).unwrap(), 3).unwrap();
+        assert_eq!(pool.len(), 3);
+        // The pool's memory is a few hundred bytes per instance: far
+        // below the smallest default RLIMIT_MEMLOCK (64 KiB), so it locks
+        // unless the limit was set to zero.
+        let mut lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: `lim` is a valid out-parameter.
+        assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) }, 0);
+        if lim.rlim_cur >= 64 << 10 {
+            assert!(pool.keys_locked());
+        }
     }
 
     #[test]

@@ -90,6 +90,9 @@ pub struct VolumeInfo {
     /// How the image is read and written (O_DIRECT or buffered, fixed
     /// buffers, and any fallback taken).
     pub io: String,
+    /// Whether the ciphers' expanded keys are locked in memory (out of
+    /// swap). The volume key itself is wiped once they are built.
+    pub keys_locked: bool,
 }
 
 /// An opened volume: its crypt queue, ready to be served.
@@ -273,6 +276,7 @@ fn build(
         .map_err(|e| invalid(format!("cannot set up aes-xts-plain64: {e}")))?;
     let cipher = CipherPool::new(cipher, opts.workers.max(1))
         .map_err(|e| invalid(format!("cannot set up the cipher pool: {e}")))?;
+    let keys_locked = cipher.keys_locked();
     let target = CryptTarget::new(
         &alloc,
         cipher,
@@ -318,6 +322,7 @@ fn build(
         keyslot: luks.keyslot(),
         image,
         io,
+        keys_locked,
     };
     Ok(Volume {
         queue: Arc::new(queue),
