@@ -529,7 +529,10 @@ fn server_command(s: Server, tools: &Tools, ours: &Path, f: &Files, sock: &Path)
                 .arg("--unix")
                 .arg(sock)
                 .arg("--name")
-                .arg(OUR_EXPORT);
+                .arg(OUR_EXPORT)
+                // Through the page cache, as both peers read and write it.
+                .arg("--io")
+                .arg("buffered");
         }
         Server::Nbdkit => {
             cmd = Command::new(&tools.nbdkit);
