@@ -36,6 +36,9 @@ use std::sync::Arc;
 /// mempool reserve holds (256 pages by default), which keeps a 32 MiB write
 /// from waiting for pages only it could free.
 pub const CHUNK_BYTES: usize = 1 << 20;
+/// The connection's read buffer: request headers (and small payloads)
+/// are read in batches through it.
+const READ_BUFFER_BYTES: usize = 64 << 10;
 /// Requests of one connection received and not yet answered, at most.
 pub const MAX_REQUESTS_IN_FLIGHT: usize = 128;
 /// Payload bytes (read buffers and write payloads) of one connection held
@@ -54,8 +57,24 @@ fn errno(e: &io::Error) -> u32 {
 }
 
 /// The reply side and the in-flight bound, shared with completions.
+/// A reply waiting to be sent, holding its data.
+struct Reply {
+    hdr: [u8; SIMPLE_REPLY_BYTES],
+    data: Vec<Buf>,
+    /// The request's bytes in the in-flight bound, released once sent.
+    held_bytes: u64,
+}
+
+/// Replies waiting for the sender, and whether a thread is sending.
+#[derive(Default)]
+struct Outbox {
+    queue: Vec<Reply>,
+    sending: bool,
+}
+
 struct Conn {
     writer: Mutex<Stream>,
+    outbox: Mutex<Outbox>,
     dead: AtomicBool,
     gate: Mutex<(usize, u64)>,
     gate_cv: Condvar,
@@ -64,24 +83,70 @@ struct Conn {
 }
 
 impl Conn {
-    /// Send a simple reply with `data` (the pieces back to back).
-    fn reply(&self, error: u32, cookie: u64, data: &[&[u8]]) {
+    /// Queue a simple reply with `data` (a read's chunks, back to back);
+    /// the request's place in the in-flight bound (`held_bytes`) is
+    /// released once the reply has been sent (or dropped, the client being
+    /// gone), so a client that stops reading cannot make replies pile up.
+    ///
+    /// Replies are sent in batches: the first completion to find nobody
+    /// sending becomes the sender and writes every queued reply with
+    /// vectored writes until the queue is empty; completions meanwhile
+    /// only queue theirs. Under load one `writev` carries many replies.
+    fn reply(&self, error: u32, cookie: u64, data: Vec<Buf>, held_bytes: u64) {
+        let mut ob = self.outbox.lock();
+        ob.queue.push(Reply {
+            hdr: simple_reply(error, cookie),
+            data,
+            held_bytes,
+        });
+        if ob.sending {
+            return;
+        }
+        ob.sending = true;
+        loop {
+            let batch = std::mem::take(&mut ob.queue);
+            if batch.is_empty() {
+                ob.sending = false;
+                return;
+            }
+            drop(ob);
+            self.send(&batch);
+            for r in batch {
+                let held = r.held_bytes;
+                drop(r);
+                self.release(held);
+            }
+            ob = self.outbox.lock();
+        }
+    }
+
+    /// Write `batch` in order, as few `writev` calls as the iovec limit
+    /// allows. On an error the connection is marked dead and shut down.
+    fn send(&self, batch: &[Reply]) {
+        const MAX_IOV: usize = 1024;
         let mut w = self.writer.lock();
         if self.dead.load(Ordering::Relaxed) {
             return;
         }
-        let hdr = simple_reply(error, cookie);
-        let total: usize = data.iter().map(|d| d.len()).sum();
-        let r = if total <= 64 << 10 {
-            let mut v = Vec::with_capacity(hdr.len() + total);
-            v.extend_from_slice(&hdr);
-            for d in data {
-                v.extend_from_slice(d);
+        let mut slices: Vec<io::IoSlice<'_>> = Vec::with_capacity(batch.len() * 2);
+        for r in batch {
+            slices.push(io::IoSlice::new(&r.hdr));
+            for d in &r.data {
+                slices.push(io::IoSlice::new(d.as_ref()));
             }
-            w.write_all(&v)
-        } else {
-            w.write_all(&hdr)
-                .and_then(|()| data.iter().try_for_each(|d| w.write_all(d)))
+        }
+        let mut rest: &mut [io::IoSlice<'_>] = &mut slices;
+        let r = loop {
+            if rest.is_empty() {
+                break Ok(());
+            }
+            let n = rest.len().min(MAX_IOV);
+            match w.write_vectored(&rest[..n]) {
+                Ok(0) => break Err(io::Error::from(io::ErrorKind::WriteZero)),
+                Ok(k) => io::IoSlice::advance_slices(&mut rest, k),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => break Err(e),
+            }
         };
         if r.is_err() {
             // The client is gone or stuck: stop answering it; the reader
@@ -151,28 +216,23 @@ impl Pending {
             }
         }
         let chunks = std::mem::take(&mut *self.read.lock());
-        if error == 0 && self.command == CMD_READ {
-            let parts: Option<Vec<&[u8]>> = chunks
-                .iter()
-                .map(|c| c.as_ref().map(|b| b.as_ref()))
-                .collect();
-            match parts {
-                Some(parts) => self.conn.reply(0, self.cookie, &parts),
+        let data = if error == 0 && self.command == CMD_READ {
+            match chunks.into_iter().collect::<Option<Vec<Buf>>>() {
+                Some(d) => d,
                 // Every chunk completed without error, so each is here.
                 None => {
                     error = EIO;
-                    self.conn.reply(EIO, self.cookie, &[]);
+                    Vec::new()
                 }
             }
         } else {
-            self.conn.reply(error, self.cookie, &[]);
-        }
-        drop(chunks);
+            Vec::new()
+        };
         self.conn
             .counters
             .command(self.command)
             .done(self.length, error);
-        self.conn.release(self.held_bytes);
+        self.conn.reply(error, self.cookie, data, self.held_bytes);
     }
 }
 
@@ -191,6 +251,7 @@ pub(crate) fn transmit(
     };
     let conn = Arc::new(Conn {
         writer: Mutex::new(writer),
+        outbox: Mutex::new(Outbox::default()),
         dead: AtomicBool::new(false),
         gate: Mutex::new((0, 0)),
         gate_cv: Condvar::new(),
@@ -198,7 +259,10 @@ pub(crate) fn transmit(
         flusher: device.flusher(),
     });
     let mut reader = Reader {
-        stream,
+        // Headers of pipelined requests arrive together: one read takes
+        // several. A payload larger than the buffer bypasses it and lands
+        // in its arena buffer directly.
+        stream: io::BufReader::with_capacity(READ_BUFFER_BYTES, stream),
         export,
         device,
         conn: &conn,
@@ -207,11 +271,11 @@ pub(crate) fn transmit(
     };
     let _ = reader.run();
     conn.wait_idle();
-    reader.stream.shutdown();
+    reader.stream.get_ref().shutdown();
 }
 
 struct Reader<'a> {
-    stream: Stream,
+    stream: io::BufReader<Stream>,
     export: &'a ExportInfo,
     device: &'a Arc<dyn Device>,
     conn: &'a Arc<Conn>,
@@ -325,7 +389,8 @@ impl Reader<'_> {
                 }
             }
             self.conn.counters.command(req.command).done(0, error);
-            self.conn.reply(error, req.cookie, &[]);
+            self.conn.acquire(0);
+            self.conn.reply(error, req.cookie, Vec::new(), 0);
             return Ok(());
         }
         match req.command {
