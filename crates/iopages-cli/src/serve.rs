@@ -13,6 +13,22 @@ use iopages_nbd::{ExportConfig, Listen, Server};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+/// Requests served on the connection's thread by default, for fast
+/// backends: the hand-off to a worker costs more than a small request
+/// (4 KiB random I/O through the page cache: about 100 000 IOPS inline vs
+/// 75 000 through the workers here), while large requests gain from
+/// several workers encrypting at once (1 MiB writes: ~750 MiB/s inline vs
+/// 1100–1600 MiB/s through the workers).
+const DEFAULT_INLINE_MAX_BYTES: u32 = 64 << 10;
+
+fn parse_inline(s: &str) -> Result<u32, String> {
+    if s.trim() == "0" {
+        return Ok(0);
+    }
+    let b = crate::parse_size(s)?;
+    u32::try_from(b).map_err(|_| format!("{s} is larger than a request can be"))
+}
+
 /// Largest in-memory volume `serve` accepts (the RAM it takes is real).
 pub const MAX_MEMORY_BYTES: u64 = 64 << 30;
 
@@ -57,6 +73,12 @@ pub struct ServeArgs {
     /// cache (buffered).
     #[arg(long, value_enum, default_value_t = IoArg::Auto)]
     io: IoArg,
+    /// Serve requests up to this size on their connection's thread instead
+    /// of the crypt workers (dm-crypt's no_read_workqueue /
+    /// no_write_workqueue, by size); 0: never. Default: 64K when the
+    /// volume is in memory or served --io buffered, 0 with O_DIRECT.
+    #[arg(long, value_name = "BYTES", value_parser = parse_inline)]
+    inline_max: Option<u32>,
     /// Print a statistics line every SECS seconds (0: only on SIGUSR1 and
     /// at exit).
     #[arg(long, value_name = "SECS", default_value_t = 0)]
@@ -239,6 +261,13 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
     };
     let mut export = ExportConfig::new(a.name.clone());
     export.read_only = a.read_only;
+    export.inline_max_bytes =
+        a.inline_max
+            .unwrap_or(if vol.info.image.is_none() || !vol.file.direct_io() {
+                DEFAULT_INLINE_MAX_BYTES
+            } else {
+                0
+            });
     export.description = format!(
         "iopages {} volume ({})",
         match vol.info.version {

@@ -56,3 +56,50 @@ impl<C: SectorCipher + 'static> Device for CryptQueue<C> {
         Arc::new(move || t.flush())
     }
 }
+
+/// A queue's target served on the submitting thread: each request runs
+/// (encrypts or decrypts, and does its backend I/O) on the connection's
+/// own thread, and its completion runs there too — dm-crypt's
+/// `no_read_workqueue` and `no_write_workqueue` flags, which skip the
+/// kcryptd hand-off for devices fast enough that the hand-off costs more
+/// than the work (a page-cache file, memory).
+///
+/// Only requests of at most `max_bytes` are served inline; larger ones go
+/// to the queue, whose workers encrypt several at once.
+pub(crate) struct Inline<C: SectorCipher + 'static> {
+    pub(crate) queue: Arc<CryptQueue<C>>,
+    pub(crate) max_bytes: usize,
+}
+
+impl<C: SectorCipher + 'static> Device for Inline<C> {
+    fn size_bytes(&self) -> u64 {
+        self.queue.target().size_bytes()
+    }
+    fn sector_bytes(&self) -> u32 {
+        self.queue.target().sector_size() as u32
+    }
+    fn allocator(&self) -> PageAllocator {
+        self.queue.target().allocator().clone()
+    }
+    fn submit_write(&self, offset: u64, data: Payload, done: Done) {
+        if (*data).as_ref().len() > self.max_bytes {
+            return Device::submit_write(&*self.queue, offset, data, done);
+        }
+        let r = self.queue.target().write(offset, (*data).as_ref());
+        drop(data);
+        done(r);
+    }
+    fn submit_read(&self, offset: u64, mut buf: Buf, done: ReadDone) {
+        if buf.as_ref().len() > self.max_bytes {
+            return Device::submit_read(&*self.queue, offset, buf, done);
+        }
+        let r = self.queue.target().read(offset, buf.as_mut());
+        done(r, buf);
+    }
+    fn submit_flush(&self, done: Done) {
+        done(self.queue.target().flush());
+    }
+    fn flusher(&self) -> Flusher {
+        self.queue.flusher()
+    }
+}

@@ -95,6 +95,14 @@ pub struct ExportConfig {
     /// A client that has not finished the handshake after this long is
     /// disconnected. Default [`HANDSHAKE_TIMEOUT`].
     pub handshake_timeout: std::time::Duration,
+    /// Serve requests of at most this many bytes on their connection's
+    /// thread instead of handing them to the crypt queue's workers
+    /// (dm-crypt's `no_read_workqueue` / `no_write_workqueue`, by size):
+    /// no hand-off per request, but one such request at a time per
+    /// connection. For backends fast enough that the hand-off costs more
+    /// than the I/O (memory, the page cache); larger requests still go to
+    /// the workers, which encrypt several at once. 0 (default): never.
+    pub inline_max_bytes: u32,
     /// Preferred block size: a power of two, at least the sector size.
     pub preferred_block_bytes: u32,
     /// Maximum block size: a multiple of the sector size, at most
@@ -111,6 +119,7 @@ impl ExportConfig {
             description: "iopages encrypted volume (aes-xts-plain64)".into(),
             read_only: false,
             handshake_timeout: HANDSHAKE_TIMEOUT,
+            inline_max_bytes: 0,
             preferred_block_bytes: DEFAULT_PREFERRED_BLOCK_BYTES,
             max_block_bytes: DEFAULT_MAX_BLOCK_BYTES,
         }

@@ -99,7 +99,14 @@ impl Server {
         if listen.is_empty() {
             return Err(Error::Config("no address to listen on".into()));
         }
-        let device: Arc<dyn Device> = queue;
+        let device: Arc<dyn Device> = if export.inline_max_bytes > 0 {
+            Arc::new(crate::device::Inline {
+                queue,
+                max_bytes: export.inline_max_bytes as usize,
+            })
+        } else {
+            queue
+        };
         let device_alloc = device.allocator();
         let info = ExportInfo::new(&export, device.size_bytes(), device.sector_bytes())?;
         let mut bound = Vec::with_capacity(listen.len());
