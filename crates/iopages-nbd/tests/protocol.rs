@@ -18,6 +18,10 @@ const DISK: u64 = 16 << 20;
 const NAME: &str = "vol";
 
 fn start(read_only: bool, sector: usize) -> (PageAllocator, Server) {
+    start_with(read_only, sector, 0)
+}
+
+fn start_with(read_only: bool, sector: usize, inline_max_bytes: u32) -> (PageAllocator, Server) {
     let alloc = PageAllocator::builder()
         .size_bytes(64 << 20)
         .huge_pages(iopages::HugePages::Never)
@@ -40,6 +44,7 @@ fn start(read_only: bool, sector: usize) -> (PageAllocator, Server) {
     );
     let mut cfg = ExportConfig::new(NAME);
     cfg.read_only = read_only;
+    cfg.inline_max_bytes = inline_max_bytes;
     let server = Server::start(queue, cfg, &[Listen::Tcp("127.0.0.1:0".parse().unwrap())]).unwrap();
     (alloc, server)
 }
@@ -374,8 +379,10 @@ fn bad_magic_and_unknown_client_flags_close_only_that_connection() {
 
 #[test]
 fn every_command_with_fua_and_large_requests() {
-    for sector in [512, 4096] {
-        let (alloc, server) = start(false, sector);
+    // Through the workers, and with requests up to 64 KiB served on the
+    // connection's thread (larger ones still through the workers).
+    for (sector, inline) in [(512, 0), (4096, 0), (512, 64 << 10), (4096, 64 << 10)] {
+        let (alloc, server) = start_with(false, sector, inline);
         let mut c = Client::connect(&server);
         let (_, _, bs) = c.go(NAME);
         assert_eq!(bs[0], sector as u32);
@@ -575,39 +582,41 @@ fn a_client_silent_in_the_handshake_is_disconnected_after_the_timeout() {
 
 #[test]
 fn a_disconnect_mid_payload_loses_nothing_acknowledged_and_the_server_stays_up() {
-    let (alloc, server) = start(false, 512);
-    let mut c = Client::connect(&server);
-    c.go(NAME);
-    let a = pattern(0xa1, 1 << 20);
-    assert_eq!(c.write(0, &a, 0), 0);
-    // Requests in flight, then a write whose payload stops half way.
-    for i in 0..8u64 {
-        c.send(CMD_READ, 0, 50 + i, i * 4096, 4096, &[]);
+    for inline in [0, 64 << 10] {
+        let (alloc, server) = start_with(false, 512, inline);
+        let mut c = Client::connect(&server);
+        c.go(NAME);
+        let a = pattern(0xa1, 1 << 20);
+        assert_eq!(c.write(0, &a, 0), 0);
+        // Requests in flight, then a write whose payload stops half way.
+        for i in 0..8u64 {
+            c.send(CMD_READ, 0, 50 + i, i * 4096, 4096, &[]);
+        }
+        c.send(CMD_WRITE, 0, 77, 0, 1 << 20, &vec![0xee; 300 << 10]);
+        drop(c);
+        // Another client sees the acknowledged write, not the partial one.
+        let mut c = Client::connect(&server);
+        c.go(NAME);
+        assert_eq!(c.read(0, 1 << 20).unwrap(), a);
+        // Disconnect without DISC, with writes in flight.
+        for i in 0..16u64 {
+            let d = pattern(i as u8, 64 << 10);
+            c.send(
+                CMD_WRITE,
+                0,
+                i,
+                (2 << 20) + i * (64 << 10),
+                d.len() as u32,
+                &d,
+            );
+        }
+        drop(c);
+        let mut c = Client::connect(&server);
+        c.go(NAME);
+        assert_eq!(c.write(4 << 20, &[1u8; 4096], 0), 0);
+        c.disconnect();
+        finish(alloc, server);
     }
-    c.send(CMD_WRITE, 0, 77, 0, 1 << 20, &vec![0xee; 300 << 10]);
-    drop(c);
-    // Another client sees the acknowledged write, not the partial one.
-    let mut c = Client::connect(&server);
-    c.go(NAME);
-    assert_eq!(c.read(0, 1 << 20).unwrap(), a);
-    // Disconnect without DISC, with writes in flight.
-    for i in 0..16u64 {
-        let d = pattern(i as u8, 64 << 10);
-        c.send(
-            CMD_WRITE,
-            0,
-            i,
-            (2 << 20) + i * (64 << 10),
-            d.len() as u32,
-            &d,
-        );
-    }
-    drop(c);
-    let mut c = Client::connect(&server);
-    c.go(NAME);
-    assert_eq!(c.write(4 << 20, &[1u8; 4096], 0), 0);
-    c.disconnect();
-    finish(alloc, server);
 }
 
 #[test]
