@@ -56,7 +56,15 @@ fn errno(e: &io::Error) -> u32 {
     }
 }
 
-/// The reply side and the in-flight bound, shared with completions.
+thread_local! {
+    /// Set on a connection's reader thread while further requests are
+    /// already in its buffer: replies completed on that thread (requests
+    /// served inline) are queued rather than sent, and leave in one
+    /// vectored write when the buffer runs dry (or before the reader waits
+    /// for room in the in-flight bound).
+    static DEFER_REPLIES: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 /// A reply waiting to be sent, holding its data.
 struct Reply {
     hdr: [u8; SIMPLE_REPLY_BYTES],
@@ -72,6 +80,7 @@ struct Outbox {
     sending: bool,
 }
 
+/// The reply side and the in-flight bound, shared with completions.
 struct Conn {
     writer: Mutex<Stream>,
     outbox: Mutex<Outbox>,
@@ -99,9 +108,23 @@ impl Conn {
             data,
             held_bytes,
         });
-        if ob.sending {
+        if ob.sending || DEFER_REPLIES.with(|d| d.get()) {
             return;
         }
+        self.drain(ob);
+    }
+
+    /// Send whatever replies are queued, unless a thread is sending.
+    fn flush_replies(&self) {
+        let ob = self.outbox.lock();
+        if ob.sending || ob.queue.is_empty() {
+            return;
+        }
+        self.drain(ob);
+    }
+
+    /// Become the sender: send batches until the queue is empty.
+    fn drain<'a>(&'a self, mut ob: parking_lot::MutexGuard<'a, Outbox>) {
         ob.sending = true;
         loop {
             let batch = std::mem::take(&mut ob.queue);
@@ -157,8 +180,18 @@ impl Conn {
     }
 
     fn acquire(&self, bytes: u64) {
+        let full = |g: &(usize, u64)| {
+            g.0 >= MAX_REQUESTS_IN_FLIGHT || (g.0 > 0 && g.1 + bytes > MAX_BYTES_IN_FLIGHT)
+        };
         let mut g = self.gate.lock();
-        while g.0 >= MAX_REQUESTS_IN_FLIGHT || (g.0 > 0 && g.1 + bytes > MAX_BYTES_IN_FLIGHT) {
+        while full(&g) {
+            // Replies deferred on this thread hold slots: send them first.
+            drop(g);
+            self.flush_replies();
+            g = self.gate.lock();
+            if !full(&g) {
+                break;
+            }
             self.gate_cv.wait(&mut g);
         }
         g.0 += 1;
@@ -270,6 +303,8 @@ pub(crate) fn transmit(
         zeros: std::iter::repeat_n(0u8, CHUNK_BYTES).collect(),
     };
     let _ = reader.run();
+    DEFER_REPLIES.with(|d| d.set(false));
+    conn.flush_replies();
     conn.wait_idle();
     reader.stream.get_ref().shutdown();
 }
@@ -309,6 +344,14 @@ fn chunks(offset: u64, len: u64) -> impl Iterator<Item = (u64, usize)> {
 impl Reader<'_> {
     fn run(&mut self) -> io::Result<()> {
         loop {
+            // Another request already buffered: replies of requests served
+            // on this thread wait and go out together; before a read that
+            // may block, they are sent.
+            let more = self.stream.buffer().len() >= REQUEST_BYTES;
+            DEFER_REPLIES.with(|d| d.set(more));
+            if !more {
+                self.conn.flush_replies();
+            }
             let mut h = [0u8; REQUEST_BYTES];
             self.stream.read_exact(&mut h)?;
             let Some(req) = Request::decode(&h) else {
