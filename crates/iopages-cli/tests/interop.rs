@@ -368,12 +368,16 @@ fn cryptsetup_luks2_argon2id_4k_sectors_round_trip_through_qemu_io_and_offline()
         .arg("--key-file")
         .arg(&pass)
         .arg(&img));
+    // Through the page cache: small requests inline, large reads
+    // decrypted straight from the mapped file.
     let srv = Served::start(
         &[
             "--image",
             img.to_str().unwrap(),
             "--passphrase-file",
             pass.to_str().unwrap(),
+            "--io",
+            "buffered",
         ],
         &dir.join("sock"),
         dir.join("serve.err"),
@@ -382,6 +386,11 @@ fn cryptsetup_luks2_argon2id_4k_sectors_round_trip_through_qemu_io_and_offline()
         srv.banner
             .iter()
             .any(|l| l.contains("LUKS2 aes-xts-plain64, 256-bit key, 4096-byte sectors")),
+        "{:?}",
+        srv.banner
+    );
+    assert!(
+        srv.banner.iter().any(|l| l.contains("(buffered")),
         "{:?}",
         srv.banner
     );

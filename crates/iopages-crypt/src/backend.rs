@@ -42,6 +42,14 @@ pub trait Backend: Send + Sync {
     fn page_store(&self) -> Option<&PageStore> {
         None
     }
+
+    /// `len` bytes at `offset` readable in place (a file's mapped page
+    /// cache), if this backend can offer them: the crypt target then
+    /// decrypts straight from them instead of reading a copy first.
+    /// `None` (default): read with [`Backend::read_at`].
+    fn mapped(&self, _offset: u64, _len: usize) -> Option<&[u8]> {
+        None
+    }
 }
 
 /// Check that `len` bytes at `offset` lie inside a device of `size` bytes.
@@ -438,6 +446,11 @@ impl Backend for Window {
 
     fn flush(&self) -> io::Result<()> {
         self.inner.flush()
+    }
+
+    fn mapped(&self, offset: u64, len: usize) -> Option<&[u8]> {
+        check_range(offset, len as u64, self.len).ok()?;
+        self.inner.mapped(self.start + offset, len)
     }
 }
 

@@ -31,6 +31,21 @@ pub trait SectorCipher: Send + Sync {
     fn encrypt_sectors(&self, sector: u64, src: &[u8], dst: &mut [u8]) -> io::Result<()>;
     /// Decrypt whole sectors in place, the first being `sector`.
     fn decrypt_sectors(&self, sector: u64, buf: &mut [u8]) -> io::Result<()>;
+    /// Decrypt whole sectors of `src` into `dst`, the first being `sector`.
+    fn decrypt_sectors_from(&self, sector: u64, src: &[u8], dst: &mut [u8]) -> io::Result<()> {
+        if src.len() != dst.len() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "source of {} bytes, destination of {}",
+                    src.len(),
+                    dst.len()
+                ),
+            ));
+        }
+        dst.copy_from_slice(src);
+        self.decrypt_sectors(sector, dst)
+    }
     /// As `encrypt_sectors`, into a destination the CPU will not read back
     /// soon (a write's out pages): an implementation may bypass the caches.
     fn encrypt_sectors_streaming(&self, sector: u64, src: &[u8], dst: &mut [u8]) -> io::Result<()> {
@@ -151,6 +166,10 @@ impl SectorCipher for CipherPool {
         self.with(|c| c.decrypt_sectors_in_place(sector, buf))
             .map_err(cipher_error)
     }
+    fn decrypt_sectors_from(&self, sector: u64, src: &[u8], dst: &mut [u8]) -> io::Result<()> {
+        self.with(|c| c.decrypt_sectors(sector, src, dst))
+            .map_err(cipher_error)
+    }
     fn encrypt_sectors_streaming(&self, sector: u64, src: &[u8], dst: &mut [u8]) -> io::Result<()> {
         self.with(|c| c.encrypt_sectors_streaming(sector, src, dst))
             .map_err(cipher_error)
@@ -233,6 +252,11 @@ fn account(counter: &PercpuCounter, since: Option<Instant>) {
         counter.add(t.elapsed().as_nanos() as i64);
     }
 }
+
+/// Reads at least this large decrypt straight from a backend's mapping
+/// when it offers one ([`Backend::mapped`]); below it the `fstat` that
+/// guards the mapping costs more than the copy it saves.
+pub const MAPPED_READ_MIN_BYTES: usize = 64 << 10;
 
 /// An encrypting block device over `backend`.
 pub struct CryptTarget<C: SectorCipher> {
@@ -553,8 +577,20 @@ impl<C: SectorCipher> CryptTarget<C> {
     /// backend's error.
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         let sector = self.check(offset, buf.len())?;
-        self.backend.read_at(offset, &mut [buf])?;
-        self.cipher.decrypt_sectors(sector, buf)?;
+        let mapped = if buf.len() >= MAPPED_READ_MIN_BYTES {
+            self.backend.mapped(offset, buf.len())
+        } else {
+            None
+        };
+        match mapped {
+            // Straight out of the page cache: one pass instead of a copy
+            // and a pass.
+            Some(src) => self.cipher.decrypt_sectors_from(sector, src, buf)?,
+            None => {
+                self.backend.read_at(offset, &mut [buf])?;
+                self.cipher.decrypt_sectors(sector, buf)?;
+            }
+        }
         self.counters.reads.add(1);
         self.counters.read_bytes.add(buf.len() as i64);
         Ok(())
@@ -625,7 +661,10 @@ mod tests {
             rlim_max: 0,
         };
         // SAFETY: `lim` is a valid out-parameter.
-        assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) }, 0);
+        assert_eq!(
+            unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) },
+            0
+        );
         if lim.rlim_cur >= 64 << 10 {
             assert!(pool.keys_locked());
         }

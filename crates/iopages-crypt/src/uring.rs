@@ -120,6 +120,11 @@ pub struct UringOptions {
     pub create_size: Option<u64>,
     /// Open read-only: writes fail (with the kernel's error).
     pub read_only: bool,
+    /// Under buffered I/O, also map the file read-only so that large reads
+    /// can be decrypted straight out of the page cache
+    /// ([`Backend::mapped`]) instead of copied out of it first. Default
+    /// on; ignored under `O_DIRECT`.
+    pub map_reads: bool,
     /// Tests only: behave as if the file system refused `O_DIRECT` at open
     /// (`EINVAL`), so the fallback path runs where it does accept it.
     #[doc(hidden)]
@@ -135,6 +140,7 @@ impl Default for UringOptions {
             ring_entries: 256,
             create_size: None,
             read_only: false,
+            map_reads: true,
             refuse_direct_for_tests: false,
         }
     }
@@ -210,6 +216,8 @@ pub struct UringStats {
     /// `preadv` / `pwritev` calls (buffered I/O does not go through the
     /// rings; see [`DirectIo::Off`]).
     pub sync_calls: u64,
+    /// Reads served from the file's mapping ([`Backend::mapped`]).
+    pub mapped_reads: u64,
 }
 
 #[derive(Default)]
@@ -220,6 +228,58 @@ struct Counters {
     short_resubmissions: AtomicU64,
     retries: AtomicU64,
     sync_calls: AtomicU64,
+    mapped_reads: AtomicU64,
+}
+
+/// A read-only shared mapping of the whole file: the page cache's pages
+/// themselves, for reads that decrypt straight out of them.
+struct FileMap {
+    ptr: *mut u8,
+    len: usize,
+    /// A regular file (which can shrink under us; a block device cannot).
+    regular: bool,
+}
+
+// SAFETY: the mapping is read-only and shared by design; it is only read,
+// through `&self`, and unmapped once, in `Drop`.
+unsafe impl Send for FileMap {}
+// SAFETY: as above.
+unsafe impl Sync for FileMap {}
+
+impl FileMap {
+    /// `None` when the file cannot be mapped (the caller reads with
+    /// `preadv` then).
+    fn new(file: &File, size: u64, is_block: bool) -> Option<FileMap> {
+        let len = usize::try_from(size).ok()?;
+        // SAFETY: a fresh read-only shared mapping of `len` bytes of an
+        // open file; the kernel picks the address.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return None;
+        }
+        Some(FileMap {
+            ptr: ptr.cast(),
+            len,
+            regular: !is_block,
+        })
+    }
+}
+
+impl Drop for FileMap {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the mapping made in `new`; no borrow of
+        // it outlives `&self` of the file that owns it.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
 }
 
 /// The registered arena: the allocator (which keeps the mapping alive) and
@@ -242,6 +302,8 @@ pub struct UringFile {
     file: File,
     path: PathBuf,
     size: u64,
+    /// The file mapped read-only (buffered I/O with `map_reads`).
+    map: Option<FileMap>,
     read_only: bool,
     direct: bool,
     fixed: bool,
@@ -479,7 +541,14 @@ impl UringFile {
             }
         }
 
+        let map = if !direct && opts.map_reads && size > 0 {
+            FileMap::new(&file, size, is_block)
+        } else {
+            None
+        };
+
         Ok(UringFile {
+            map,
             rings: rings.into_iter().map(Mutex::new).collect(),
             next_ring: AtomicUsize::new(0),
             arena,
@@ -547,6 +616,7 @@ impl UringFile {
             short_resubmissions: c.short_resubmissions.load(Relaxed),
             retries: c.retries.load(Relaxed),
             sync_calls: c.sync_calls.load(Relaxed),
+            mapped_reads: c.mapped_reads.load(Relaxed),
         }
     }
 
@@ -1085,6 +1155,33 @@ impl UringFile {
 impl Backend for UringFile {
     fn size_bytes(&self) -> u64 {
         self.size
+    }
+
+    /// The bytes at `offset` in the page cache, when the file is mapped
+    /// (buffered I/O) and still holds them. A regular file is checked
+    /// with `fstat` first: if it has been cut shorter, `None` sends the
+    /// read to `preadv`, which reports the end of file (a mapping would
+    /// fault). A truncation racing with the copy itself is not covered.
+    fn mapped(&self, offset: u64, len: usize) -> Option<&[u8]> {
+        let m = self.map.as_ref()?;
+        let end = offset.checked_add(len as u64)?;
+        if end > self.size || end > m.len as u64 {
+            return None;
+        }
+        if m.regular {
+            // SAFETY: `st` is a valid out-parameter for fstat.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            // SAFETY: as above, on our own open descriptor.
+            if unsafe { libc::fstat(self.file.as_raw_fd(), &mut st) } != 0
+                || (st.st_size as u64) < end
+            {
+                return None;
+            }
+        }
+        self.counters.mapped_reads.fetch_add(1, Relaxed);
+        // SAFETY: `offset..end` lies inside the mapping (checked above),
+        // which lives as long as `self`; it is only read.
+        Some(unsafe { std::slice::from_raw_parts(m.ptr.add(offset as usize), len) })
     }
 
     fn write_at(&self, offset: u64, segments: &[&[u8]]) -> io::Result<()> {

@@ -616,6 +616,39 @@ fn flush_is_fdatasync_and_succeeds() {
 }
 
 #[test]
+fn buffered_files_offer_their_page_cache_for_reads_and_it_follows_writes() {
+    let t = TempFile::new(&target_tmp(), "mapped");
+    let f = UringFile::open(
+        t.path(),
+        UringOptions::default()
+            .create_size(1 << 20)
+            .direct(DirectIo::Off),
+    )
+    .unwrap();
+    let data: Vec<u8> = (0..256 << 10).map(|i: u32| (i * 31 + 7) as u8).collect();
+    f.write_at(128 << 10, &[&data]).unwrap();
+    assert_eq!(f.mapped(128 << 10, data.len()).unwrap(), &data[..]);
+    // Later writes show through the mapping (one page cache).
+    f.write_at(128 << 10, &[&[9u8; 4096]]).unwrap();
+    assert!(f.mapped(128 << 10, 4096).unwrap().iter().all(|&b| b == 9));
+    // Out of range: none.
+    assert!(f.mapped((1 << 20) - 4096, 8192).is_none());
+    assert!(f.mapped(u64::MAX, 1).is_none());
+    assert!(f.stats().mapped_reads >= 2);
+    // Not under O_DIRECT, and not when turned off.
+    let d = UringFile::open(t.path(), UringOptions::default().direct(DirectIo::Auto)).unwrap();
+    if d.direct_io() {
+        assert!(d.mapped(0, 4096).is_none());
+    }
+    let mut o = UringOptions::default().direct(DirectIo::Off);
+    o.map_reads = false;
+    assert!(UringFile::open(t.path(), o)
+        .unwrap()
+        .mapped(0, 4096)
+        .is_none());
+}
+
+#[test]
 fn a_file_truncated_underneath_is_an_error_not_a_short_read() {
     for direct in [DirectIo::Auto, DirectIo::Off] {
         let t = TempFile::new(&target_tmp(), "trunc");
@@ -642,10 +675,17 @@ fn a_file_truncated_underneath_is_an_error_not_a_short_read() {
             let m = e.to_string();
             assert!(m.contains(&t.path().display().to_string()) && m.contains("offset"));
         }
+        // The mapping (buffered I/O) is not offered past the new end: a
+        // read there goes to preadv and gets the error, never a fault.
+        assert!(f.mapped(8192, 4096).is_none());
+        assert!(f.mapped(0, 16384).is_none());
         // What is still there reads back.
         let mut head = vec![0u8; 8192];
         f.read_at(0, &mut [&mut head]).unwrap();
         assert!(head.iter().all(|&x| x == 5));
+        if direct == DirectIo::Off {
+            assert_eq!(f.mapped(0, 8192).unwrap(), &head[..]);
+        }
     }
 }
 
