@@ -582,6 +582,8 @@ fn the_default_in_memory_volume_serves_fio_verify_and_prints_statistics() {
             "--verify=crc32c",
             "--do_verify=1",
             "--verify_fatal=1",
+            // No state file left in the working directory.
+            "--verify_state_save=0",
             "--output-format=json",
         ])
         .arg(format!("--uri={uri}")));
