@@ -64,11 +64,23 @@ impl<C: SectorCipher + 'static> Device for CryptQueue<C> {
 /// kcryptd hand-off for devices fast enough that the hand-off costs more
 /// than the work (a page-cache file, memory).
 ///
-/// Only requests of at most `max_bytes` are served inline; larger ones go
-/// to the queue, whose workers encrypt several at once.
+/// Requests of at most `max_bytes` are served inline. Larger ones go to
+/// the queue, whose workers encrypt several at once — unless at least as
+/// many connections are in transmission as there are workers: then the
+/// connections' own threads already keep every core busy, and the
+/// hand-off would only add switches.
 pub(crate) struct Inline<C: SectorCipher + 'static> {
     pub(crate) queue: Arc<CryptQueue<C>>,
     pub(crate) max_bytes: usize,
+    /// Connections in transmission now.
+    pub(crate) active: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl<C: SectorCipher + 'static> Inline<C> {
+    fn here(&self, len: usize) -> bool {
+        len <= self.max_bytes
+            || self.active.load(std::sync::atomic::Ordering::Relaxed) >= self.queue.workers()
+    }
 }
 
 impl<C: SectorCipher + 'static> Device for Inline<C> {
@@ -82,7 +94,7 @@ impl<C: SectorCipher + 'static> Device for Inline<C> {
         self.queue.target().allocator().clone()
     }
     fn submit_write(&self, offset: u64, data: Payload, done: Done) {
-        if (*data).as_ref().len() > self.max_bytes {
+        if !self.here((*data).as_ref().len()) {
             return Device::submit_write(&*self.queue, offset, data, done);
         }
         let r = self.queue.target().write(offset, (*data).as_ref());
@@ -90,7 +102,7 @@ impl<C: SectorCipher + 'static> Device for Inline<C> {
         done(r);
     }
     fn submit_read(&self, offset: u64, mut buf: Buf, done: ReadDone) {
-        if buf.as_ref().len() > self.max_bytes {
+        if !self.here(buf.as_ref().len()) {
             return Device::submit_read(&*self.queue, offset, buf, done);
         }
         let r = self.queue.target().read(offset, buf.as_mut());

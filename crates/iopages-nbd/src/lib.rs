@@ -101,7 +101,10 @@ pub struct ExportConfig {
     /// no hand-off per request, but one such request at a time per
     /// connection. For backends fast enough that the hand-off costs more
     /// than the I/O (memory, the page cache); larger requests still go to
-    /// the workers, which encrypt several at once. 0 (default): never.
+    /// the workers, which encrypt several at once — unless at least as
+    /// many connections are in transmission as the queue has workers, when
+    /// every request is served inline (the connections' threads already
+    /// use every core). 0 (default): never inline.
     pub inline_max_bytes: u32,
     /// Preferred block size: a power of two, at least the sector size.
     pub preferred_block_bytes: u32,

@@ -22,7 +22,7 @@ use parking_lot::Mutex;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -68,6 +68,8 @@ struct Shared {
     device: Arc<dyn Device>,
     counters: Arc<Counters>,
     buffers: Buffers,
+    /// Connections in transmission now.
+    active: Arc<AtomicUsize>,
     stopping: AtomicBool,
     conns: Mutex<Vec<ConnEntry>>,
 }
@@ -99,10 +101,12 @@ impl Server {
         if listen.is_empty() {
             return Err(Error::Config("no address to listen on".into()));
         }
+        let active = Arc::new(AtomicUsize::new(0));
         let device: Arc<dyn Device> = if export.inline_max_bytes > 0 {
             Arc::new(crate::device::Inline {
                 queue,
                 max_bytes: export.inline_max_bytes as usize,
+                active: Arc::clone(&active),
             })
         } else {
             queue
@@ -134,6 +138,7 @@ impl Server {
             device,
             counters: Arc::new(Counters::default()),
             buffers: Buffers::new(&device_alloc),
+            active,
             stopping: AtomicBool::new(false),
             conns: Mutex::new(Vec::new()),
         });
@@ -298,7 +303,9 @@ fn serve_connection(s: &Shared, mut stream: Stream) {
                 return;
             }
             s.counters.sessions.fetch_add(1, Ordering::Relaxed);
+            s.active.fetch_add(1, Ordering::Relaxed);
             conn::transmit(stream, &s.export, &s.device, &s.counters, &s.buffers);
+            s.active.fetch_sub(1, Ordering::Relaxed);
         }
         Ok(Outcome::Close) | Err(_) => stream.shutdown(),
     }

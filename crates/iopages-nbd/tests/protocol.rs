@@ -621,45 +621,54 @@ fn a_disconnect_mid_payload_loses_nothing_acknowledged_and_the_server_stays_up()
 
 #[test]
 fn several_connections_at_once_share_the_volume() {
-    let (alloc, server) = start(false, 512);
-    let mut clients: Vec<Client> = (0..4).map(|_| Client::connect(&server)).collect();
-    for c in &mut clients {
-        let (_, flags, _) = c.go(NAME);
-        assert_ne!(flags & TFLAG_CAN_MULTI_CONN, 0);
-    }
-    // Writers on threads, one region each.
-    let handles: Vec<_> = clients
-        .drain(..)
-        .enumerate()
-        .map(|(i, mut c)| {
-            std::thread::spawn(move || {
-                for j in 0..16u64 {
-                    let d = pattern((i * 16) as u8 ^ j as u8, 32 << 10);
-                    let off = (i as u64) * (2 << 20) + j * (32 << 10);
-                    assert_eq!(c.write(off, &d, 0), 0);
-                }
-                c
-            })
-        })
-        .collect();
-    let mut clients: Vec<Client> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-    // Flush on one connection, read every region on another.
-    assert_eq!(clients[0].simple(CMD_FLUSH, 0, 0, 0), 0);
-    for i in 0..4usize {
-        for j in (0..16u64).step_by(5) {
-            let off = (i as u64) * (2 << 20) + j * (32 << 10);
-            let reader = &mut clients[(i + 1) % 4];
-            assert_eq!(
-                reader.read(off, 32 << 10).unwrap(),
-                pattern((i * 16) as u8 ^ j as u8, 32 << 10)
-            );
+    // With 4 connections and 2 workers, inline mode serves every
+    // request on the connections' threads, large ones included.
+    for inline in [0, 64 << 10] {
+        let (alloc, server) = start_with(false, 512, inline);
+        let mut clients: Vec<Client> = (0..4).map(|_| Client::connect(&server)).collect();
+        for c in &mut clients {
+            let (_, flags, _) = c.go(NAME);
+            assert_ne!(flags & TFLAG_CAN_MULTI_CONN, 0);
         }
+        // Writers on threads, one region each.
+        let handles: Vec<_> = clients
+            .drain(..)
+            .enumerate()
+            .map(|(i, mut c)| {
+                std::thread::spawn(move || {
+                    for j in 0..16u64 {
+                        let d = pattern((i * 16) as u8 ^ j as u8, 32 << 10);
+                        let off = (i as u64) * (2 << 20) + j * (32 << 10);
+                        assert_eq!(c.write(off, &d, 0), 0);
+                    }
+                    c
+                })
+            })
+            .collect();
+        let mut clients: Vec<Client> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        // Flush on one connection, read every region on another.
+        assert_eq!(clients[0].simple(CMD_FLUSH, 0, 0, 0), 0);
+        for i in 0..4usize {
+            for j in (0..16u64).step_by(5) {
+                let off = (i as u64) * (2 << 20) + j * (32 << 10);
+                let reader = &mut clients[(i + 1) % 4];
+                assert_eq!(
+                    reader.read(off, 32 << 10).unwrap(),
+                    pattern((i * 16) as u8 ^ j as u8, 32 << 10)
+                );
+            }
+        }
+        // A large request with all four connections open: inline mode
+        // serves it on the connection's thread.
+        let big = pattern(0x77, 1 << 20);
+        assert_eq!(clients[2].write(8 << 20, &big, CMD_FLAG_FUA), 0);
+        assert_eq!(clients[3].read(8 << 20, 1 << 20).unwrap(), big);
+        for c in clients {
+            c.disconnect();
+        }
+        assert!(server.stats().connections >= 4);
+        finish(alloc, server);
     }
-    for c in clients {
-        c.disconnect();
-    }
-    assert!(server.stats().connections >= 4);
-    finish(alloc, server);
 }
 
 #[test]
