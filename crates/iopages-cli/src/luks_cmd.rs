@@ -183,7 +183,8 @@ fn format(a: FormatArgs) -> Result<(), String> {
             },
             iterations: a.iterations.unwrap_or(match Pbkdf::pbkdf2_default() {
                 Pbkdf::Pbkdf2 { iterations, .. } => iterations,
-                _ => unreachable!("the PBKDF2 default is PBKDF2"),
+                // Not reached: the PBKDF2 default is PBKDF2.
+                _ => 600_000,
             }),
         },
         PbkdfArg::Argon2i | PbkdfArg::Argon2id => {

@@ -29,6 +29,9 @@ fn parse_inline(s: &str) -> Result<u32, String> {
     u32::try_from(b).map_err(|_| format!("{s} is larger than a request can be"))
 }
 
+/// The in-memory volume's payload when `--size` is not given.
+const DEFAULT_MEMORY_BYTES: u64 = 256 << 20;
+
 /// Largest in-memory volume `serve` accepts (the RAM it takes is real).
 pub const MAX_MEMORY_BYTES: u64 = 64 << 30;
 
@@ -49,10 +52,11 @@ pub struct ServeArgs {
     /// --key-file), or `-` for one line from standard input.
     #[arg(long, value_name = "FILE")]
     passphrase_file: Option<PathBuf>,
-    /// Size of the in-memory volume's payload; K, M, G suffixes (KiB, MiB,
-    /// GiB). A multiple of 4096.
-    #[arg(long, value_name = "BYTES", default_value = "256M", value_parser = crate::parse_size)]
-    size: u64,
+    /// Size of the in-memory volume's payload (default 256M); K, M, G
+    /// suffixes (KiB, MiB, GiB). A multiple of 4096. Not with --image (an
+    /// image's payload is what its header says).
+    #[arg(long, value_name = "BYTES", value_parser = crate::parse_size)]
+    size: Option<u64>,
     /// Export read-only (writes get EPERM; the image is opened read-only).
     #[arg(long)]
     read_only: bool,
@@ -210,10 +214,16 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
     if a.workers == Some(0) {
         return Err("--workers must be at least 1".into());
     }
-    if a.image.is_none() && a.size > MAX_MEMORY_BYTES {
+    if a.image.is_some() && a.size.is_some() {
+        return Err(
+            "--size is the in-memory volume's; an --image's payload size is what its header says"
+                .into(),
+        );
+    }
+    let size = a.size.unwrap_or(DEFAULT_MEMORY_BYTES);
+    if size > MAX_MEMORY_BYTES {
         return Err(format!(
-            "--size {} exceeds the in-memory limit of {MAX_MEMORY_BYTES} bytes",
-            a.size
+            "--size {size} exceeds the in-memory limit of {MAX_MEMORY_BYTES} bytes"
         ));
     }
     if a.image.is_none() && a.passphrase_file.is_some() {
@@ -254,7 +264,7 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
             (v, None)
         }
         None => {
-            let (v, p) = volume::in_memory(a.size, &opts)
+            let (v, p) = volume::in_memory(size, &opts)
                 .map_err(|e| format!("cannot make the in-memory LUKS2 volume: {e}"))?;
             (v, Some(p))
         }

@@ -652,6 +652,16 @@ fn bad_passphrases_and_images_are_refused_with_clear_errors() {
         dir.join("s2").to_str().unwrap(),
     ]);
     assert!(e.contains("--passphrase-file"), "{e}");
+    let e = fail(&[
+        "serve",
+        "--image",
+        img.to_str().unwrap(),
+        "--passphrase-file",
+        pass.to_str().unwrap(),
+        "--size",
+        "8M",
+    ]);
+    assert!(e.contains("--size"), "{e}");
     let missing = dir.join("missing.img");
     let e = fail(&[
         "serve",
