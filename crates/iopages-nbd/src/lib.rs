@@ -17,19 +17,24 @@
 //! |---|---|
 //! | wire constants and headers | `proto.rs` |
 //! | option haggling (GO, INFO, EXPORT_NAME, LIST, ABORT) | `handshake.rs` |
-//! | transmission: requests, chunks, replies, FUA, errors | `conn.rs` |
+//! | transmission: requests, chunks, batched replies, FUA, errors | `conn.rs` |
+//! | payload buffers in the target's arena (kvmalloc) | `buffers.rs` |
+//! | the queue, or inline service on the connection's thread | `device.rs` |
 //! | listeners, threads, shutdown | `server.rs` |
 //! | per-command counts | `stats.rs` |
+//! | LUKS images and the in-memory LUKS2 volume, set up as crypt stacks | `volume.rs` |
 //!
 //! What is served: READ, WRITE, FLUSH, TRIM (checked, then a no-op: the
 //! ciphertext stays), WRITE_ZEROES (encrypted zeros are written) and DISC;
 //! FUA on WRITE, WRITE_ZEROES and TRIM flushes the target after the
 //! write and before the reply. Simple replies only (NBD_OPT_STRUCTURED_REPLY
 //! is refused with NBD_REP_ERR_UNSUP, which clients accept). Many requests
-//! are in flight per connection (the reader submits to the queue; each
-//! completion sends its reply under the connection's writer lock, in
-//! completion order), and several connections share one queue
+//! are in flight per connection (the reader submits to the queue, or
+//! serves small requests itself with [`ExportConfig::inline_max_bytes`];
+//! completions queue their replies, which leave in batches of vectored
+//! writes, in completion order), and several connections share one queue
 //! (NBD_FLAG_CAN_MULTI_CONN: a flush on any covers writes completed on all).
+//! Write payloads are received straight into pages of the target's arena.
 //!
 //! ```no_run
 //! use iopages::PageAllocator;
