@@ -441,7 +441,13 @@ impl Reader<'_> {
                 // The whole payload first: a client gone mid-payload has
                 // nothing of this write submitted.
                 // Straight into arena pages (dropped, and so freed, if
-                // the client goes away mid-payload).
+                // the client goes away mid-payload). A payload not yet
+                // all buffered may mean a wait on the socket: deferred
+                // replies go out first, whatever the client waits for.
+                if self.stream.buffer().len() < len as usize {
+                    DEFER_REPLIES.with(|d| d.set(false));
+                    self.conn.flush_replies();
+                }
                 let mut bufs = Vec::with_capacity(len.div_ceil(CHUNK_BYTES as u64) as usize);
                 for (off, n) in chunks(req.offset, len) {
                     let mut buf = self.buffers.get(n);

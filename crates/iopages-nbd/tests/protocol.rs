@@ -519,6 +519,54 @@ fn a_read_only_export_refuses_writes_with_eperm() {
 }
 
 #[test]
+fn a_client_that_waits_for_a_reply_in_the_middle_of_a_payload_gets_it() {
+    // Inline mode defers replies while more requests are buffered; a
+    // write whose payload is not all there yet must not keep them back.
+    let (alloc, server) = start_with(false, 512, 64 << 10);
+    let mut c = Client::connect(&server);
+    c.go(NAME);
+    assert_eq!(c.write(0, &[3u8; 4096], 0), 0);
+    c.s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    // Two reads, and in the same segment a write's header with half its
+    // payload; then wait for the reads' replies before sending the rest.
+    // (The first read is served before the reader knows more is
+    // buffered; the second one's reply is the one that may be deferred.)
+    let mut bytes = Vec::new();
+    for (command, cookie, offset, length) in [
+        (CMD_READ, 1u64, 0u64, 4096u32),
+        (CMD_READ, 3, 0, 4096),
+        (CMD_WRITE, 2, 8192, 8192),
+    ] {
+        let r = Request {
+            flags: 0,
+            command,
+            cookie,
+            offset,
+            length,
+        };
+        bytes.extend_from_slice(&r.encode());
+    }
+    bytes.extend_from_slice(&[9u8; 4096]);
+    c.s.write_all(&bytes).unwrap();
+    for want in [1, 3] {
+        let (e, cookie) = c.reply();
+        assert_eq!(
+            (e, cookie),
+            (0, want),
+            "the reads' replies come while the write's payload is short"
+        );
+        let mut data = vec![0u8; 4096];
+        c.s.read_exact(&mut data).unwrap();
+        assert!(data.iter().all(|&b| b == 3));
+    }
+    c.s.write_all(&[9u8; 4096]).unwrap();
+    assert_eq!(c.reply(), (0, 2));
+    assert_eq!(c.read(8192, 8192).unwrap(), vec![9u8; 8192]);
+    c.disconnect();
+    finish(alloc, server);
+}
+
+#[test]
 fn a_client_silent_in_the_handshake_is_disconnected_after_the_timeout() {
     let alloc = PageAllocator::builder()
         .size_bytes(16 << 20)
