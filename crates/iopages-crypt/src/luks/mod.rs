@@ -747,21 +747,7 @@ pub fn open(dev: &File, passphrase: &[u8]) -> Result<LuksVolume, LuksError> {
             try_slot(&dev, &s, passphrase).map(|k| k.map(|k| (s.index, k)))
         });
         match outcome {
-            Ok(Some((index, key))) => {
-                return Ok(LuksVolume {
-                    version: info.version,
-                    uuid: info.uuid,
-                    label: info.label,
-                    cipher_spec: info.cipher_spec,
-                    key: MasterKey::from_secret(key),
-                    sector_size: info.sector_size,
-                    data_offset: info.data_offset_bytes,
-                    data_size: info.data_size_bytes,
-                    iv_tweak,
-                    keyslot: index,
-                    used_secondary: info.used_secondary_header,
-                });
-            }
+            Ok(Some((index, key))) => return Ok(volume(info, key, index, iv_tweak)),
             Ok(None) => {}
             Err(e @ LuksError::Io(_)) => return Err(e),
             Err(
@@ -858,6 +844,12 @@ pub fn format_path(
 
 /// Build a [`LuksVolume`] for a freshly formatted volume.
 pub(crate) fn formatted_volume(info: LuksInfo, key: SecretBuf) -> LuksVolume {
+    volume(info, key, 0, 0)
+}
+
+/// The opened volume: the header's description, the volume key that
+/// `keyslot` gave, and the data segment's IV tweak.
+fn volume(info: LuksInfo, key: SecretBuf, keyslot: usize, iv_tweak: u64) -> LuksVolume {
     LuksVolume {
         version: info.version,
         uuid: info.uuid,
@@ -867,9 +859,9 @@ pub(crate) fn formatted_volume(info: LuksInfo, key: SecretBuf) -> LuksVolume {
         sector_size: info.sector_size,
         data_offset: info.data_offset_bytes,
         data_size: info.data_size_bytes,
-        iv_tweak: 0,
-        keyslot: 0,
-        used_secondary: false,
+        iv_tweak,
+        keyslot,
+        used_secondary: info.used_secondary_header,
     }
 }
 
