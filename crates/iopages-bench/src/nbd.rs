@@ -641,19 +641,27 @@ struct Plan {
 }
 
 impl Plan {
-    fn fio_args(&self, uri: &str, load: Load) -> Vec<OsString> {
-        let mut a = vec![
+    /// What every fio job of E6 starts with: JSON out, threads, the nbd
+    /// engine on `uri`, the job's name.
+    fn fio_common(uri: &str, name: &str) -> Vec<String> {
+        vec![
             "--output-format=json".to_string(),
             "--eta=never".into(),
             "--thread".into(),
             "--ioengine=nbd".into(),
             format!("--uri={uri}"),
-            format!("--name=e6-{}", load.key()),
+            format!("--name=e6-{name}"),
+        ]
+    }
+
+    fn fio_args(&self, uri: &str, load: Load) -> Vec<OsString> {
+        let mut a = Self::fio_common(uri, load.key());
+        a.extend([
             format!("--size={}", self.dev),
             "--group_reporting".into(),
             "--time_based".into(),
             format!("--runtime={}ms", self.fio_ms),
-        ];
+        ]);
         match load {
             Load::SeqWrite | Load::SeqRead => a.extend([
                 format!(
@@ -684,13 +692,8 @@ impl Plan {
     /// `only`, the check alone (of what an earlier run of the job wrote,
     /// through another server).
     fn verify_args(&self, uri: &str, only: bool) -> Vec<OsString> {
-        let mut a = vec![
-            "--output-format=json".to_string(),
-            "--eta=never".into(),
-            "--thread".into(),
-            "--ioengine=nbd".into(),
-            format!("--uri={uri}"),
-            "--name=e6-verify".into(),
+        let mut a = Self::fio_common(uri, "verify");
+        a.extend([
             "--rw=write".into(),
             "--bs=64k".into(),
             "--iodepth=8".into(),
@@ -701,7 +704,7 @@ impl Plan {
             "--verify_fatal=1".into(),
             "--verify_state_save=0".into(),
             "--randrepeat=1".into(),
-        ];
+        ]);
         if only {
             a.push("--verify_only".into());
         }

@@ -188,37 +188,21 @@ fn format(a: FormatArgs) -> Result<(), String> {
             }),
         },
         PbkdfArg::Argon2i | PbkdfArg::Argon2id => {
-            let (t, m, p) = match Pbkdf::argon2id_default() {
-                Pbkdf::Argon2id {
-                    time,
-                    memory_kib,
-                    parallel,
-                }
-                | Pbkdf::Argon2i {
-                    time,
-                    memory_kib,
-                    parallel,
-                } => (time, memory_kib, parallel),
-                Pbkdf::Pbkdf2 { .. } => (4, 1 << 20, 4),
+            let (t, m, p) = Pbkdf::argon2id_default()
+                .argon2_params()
+                .unwrap_or((4, 64 << 10, 4));
+            let name = if pbkdf_kind == PbkdfArg::Argon2i {
+                "argon2i"
+            } else {
+                "argon2id"
             };
-            let (time, memory_kib, parallel) = (
+            Pbkdf::argon2(
+                name,
                 a.iterations.unwrap_or(t),
                 a.memory.unwrap_or(m),
                 a.parallel.unwrap_or(p),
-            );
-            if pbkdf_kind == PbkdfArg::Argon2i {
-                Pbkdf::Argon2i {
-                    time,
-                    memory_kib,
-                    parallel,
-                }
-            } else {
-                Pbkdf::Argon2id {
-                    time,
-                    memory_kib,
-                    parallel,
-                }
-            }
+            )
+            .ok_or_else(|| format!("{name} is not an Argon2 variant"))?
         }
     };
     let opts = FormatOptions {

@@ -176,6 +176,41 @@ impl Pbkdf {
         }
     }
 
+    /// An Argon2 KDF by its LUKS2 `kdf.type` name (`"argon2i"` or
+    /// `"argon2id"`); `None` for any other name.
+    pub fn argon2(name: &str, time: u32, memory_kib: u32, parallel: u32) -> Option<Pbkdf> {
+        match name {
+            "argon2i" => Some(Pbkdf::Argon2i {
+                time,
+                memory_kib,
+                parallel,
+            }),
+            "argon2id" => Some(Pbkdf::Argon2id {
+                time,
+                memory_kib,
+                parallel,
+            }),
+            _ => None,
+        }
+    }
+
+    /// `(time, memory_kib, parallel)` of an Argon2 KDF; `None` for PBKDF2.
+    pub fn argon2_params(&self) -> Option<(u32, u32, u32)> {
+        match *self {
+            Pbkdf::Pbkdf2 { .. } => None,
+            Pbkdf::Argon2i {
+                time,
+                memory_kib,
+                parallel,
+            }
+            | Pbkdf::Argon2id {
+                time,
+                memory_kib,
+                parallel,
+            } => Some((time, memory_kib, parallel)),
+        }
+    }
+
     /// The LUKS2 `kdf.type` name.
     pub fn name(&self) -> &'static str {
         match self {

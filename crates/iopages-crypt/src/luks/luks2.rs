@@ -485,19 +485,8 @@ fn parse_kdf(k: &Map<String, Value>, path: &str) -> Result<(Pbkdf, Vec<u8>), Luk
             let time = num_u32(k, "time", path)?;
             let memory_kib = num_u32(k, "memory", path)?;
             let parallel = num_u32(k, "cpus", path)?;
-            if ty == "argon2i" {
-                Pbkdf::Argon2i {
-                    time,
-                    memory_kib,
-                    parallel,
-                }
-            } else {
-                Pbkdf::Argon2id {
-                    time,
-                    memory_kib,
-                    parallel,
-                }
-            }
+            Pbkdf::argon2(ty, time, memory_kib, parallel)
+                .ok_or_else(|| LuksError::UnsupportedKdf(format!("{path}: kdf type {ty}")))?
         }
         other => {
             return Err(LuksError::UnsupportedKdf(format!(
