@@ -24,11 +24,11 @@ use crate::error::Result;
 use crate::fault::FaultInjector;
 use crate::frame::{clear_slots, copy_pages, flags, FrameInfo, Page, MAX_ORDER, PAGE_SIZE};
 use crate::gfp::Gfp;
-use crate::pcp::{bump, PcpGuard, PcpLimits, PcpSet, Wmark, PCP_MAX_ORDER, PCP_ORDERS};
+use crate::pcp::{bump, PcpGuard, PcpLimits, PcpSet, PCP_MAX_ORDER, PCP_ORDERS};
 use crate::reclaim::ShrinkerRegistry;
 use crate::stats::{Accounting, Counters, Stats};
 use crate::tcache::{Owner, Tcache, ThreadCaches, LAST};
-use crate::zone::{Mark, MigrateType, Watermarks, Zone};
+use crate::zone::{AllocFlags, MigrateType, Watermarks, Zone};
 use parking_lot::{Condvar, Mutex};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Acquire, Ordering::Relaxed};
@@ -80,11 +80,7 @@ pub(crate) struct Core {
 }
 
 /// Watermark rules of the fast path: stay above low.
-const FAST: Wmark = Wmark {
-    mark: Mark::Low,
-    high: false,
-    none: false,
-};
+const FAST: AllocFlags = AllocFlags::WMARK_LOW;
 
 impl PageAllocator {
     /// Settings with defaults; finish with [`PageAllocatorBuilder::build`].
@@ -104,7 +100,19 @@ impl PageAllocator {
         let limits = b.resolved_pcp(nr_pages);
         let tcache_cap = b.resolved_tcache(&limits);
         let depot_pages = b.resolved_depot(nr_pages, &limits);
-        let zone = Zone::new(&arena, b.resolved_watermarks(nr_pages), depot_pages);
+        // A magazine is what a full thread cache hands over (half of it),
+        // or a per-CPU batch when thread caches are off.
+        let magazine = if tcache_cap[0] >= 2 {
+            tcache_cap[0] / 2
+        } else {
+            limits.batch[0]
+        };
+        let zone = Zone::new(
+            &arena,
+            b.resolved_watermarks(nr_pages),
+            depot_pages,
+            magazine,
+        );
         let pcp = (0..b.resolved_cpus())
             .map(|_| PcpSet::new(&limits))
             .collect();
@@ -146,31 +154,37 @@ impl PageAllocator {
     /// found under `gfp`'s rules (orders above 10 always fail).
     #[inline]
     pub fn alloc_pages(&self, gfp: Gfp, order: u32) -> Option<Page> {
-        self.alloc_one(gfp, order, false)
-    }
-
-    /// The single-block path; `bulk_call` also counts one bulk call (a bulk
-    /// request for one page lands here).
-    #[inline(always)]
-    fn alloc_one(&self, gfp: Gfp, order: u32, bulk_call: bool) -> Option<Page> {
         let core = &*self.core;
-        let mut counted = false;
         // Movable pages bypass the type-agnostic caches (see compaction.rs).
         if order <= PCP_MAX_ORDER && !core.fault.is_enabled() && !gfp.contains(Gfp::MOVABLE) {
             if let Some(tc) = self.tcache() {
-                if bulk_call {
-                    bump(&tc.bulk_allocs, 1);
-                    counted = true;
-                }
                 if let Some(page) = core.tcache_alloc(tc, order) {
                     return Some(core.prep_new_page(page, order, gfp));
                 }
             }
         }
-        if bulk_call && !counted {
-            core.counters.bulk_allocs.fetch_add(1, Relaxed);
-        }
         core.alloc_uncached(gfp, order)
+    }
+
+    /// Count one bulk call (`frees`: a bulk free) in this thread's cache's
+    /// counters, or the shared ones when the thread has no cache.
+    #[inline]
+    fn count_bulk(&self, frees: bool) {
+        match self.tcache() {
+            Some(tc) => bump(
+                if frees {
+                    &tc.bulk_frees
+                } else {
+                    &tc.bulk_allocs
+                },
+                1,
+            ),
+            None => {
+                let c = &self.core.counters;
+                let c = if frees { &c.bulk_frees } else { &c.bulk_allocs };
+                c.fetch_add(1, Relaxed);
+            }
+        }
     }
 
     /// Free a block from [`PageAllocator::alloc_pages`] with the same order.
@@ -179,27 +193,15 @@ impl PageAllocator {
     /// not allocated (a double free) panics with the frame named.
     #[inline]
     pub fn free_pages(&self, page: Page, order: u32) {
-        self.free_one(page, order, false)
-    }
-
-    /// The single-block free; `bulk_call` also counts one bulk free call.
-    #[inline(always)]
-    fn free_one(&self, page: Page, order: u32, bulk_call: bool) {
         let core = &*self.core;
         if order > 0 || core.checks {
             core.free_prep(page, order);
         }
         if order <= PCP_MAX_ORDER {
             if let Some(tc) = self.tcache() {
-                if bulk_call {
-                    bump(&tc.bulk_frees, 1);
-                }
                 core.tcache_free(tc, page, order);
                 return;
             }
-        }
-        if bulk_call {
-            core.counters.bulk_frees.fetch_add(1, Relaxed);
         }
         core.free_uncached(page, order);
     }
@@ -248,7 +250,8 @@ impl PageAllocator {
         let core = &*self.core;
         let nr = slots.len();
         if let [slot @ None] = slots {
-            *slot = self.alloc_one(gfp, 0, true);
+            self.count_bulk(false);
+            *slot = self.alloc_pages(gfp, 0);
             return slot.is_some() as usize;
         }
         if nr > 1 && !core.fault.is_enabled() && !core.checks && !gfp.contains(Gfp::ZERO) {
@@ -353,7 +356,8 @@ impl PageAllocator {
         let nr = slots.len();
         if let [Some(page)] = *slots {
             slots[0] = None;
-            self.free_one(page, 0, true);
+            self.count_bulk(true);
+            self.free_pages(page, 0);
             return 1;
         }
         if nr > 1 && !self.core.checks {
@@ -384,7 +388,10 @@ impl PageAllocator {
     fn free_slots(&self, slots: &mut [Option<Page>], count_call: bool) -> usize {
         if let [Some(page)] = *slots {
             slots[0] = None;
-            self.free_one(page, 0, count_call);
+            if count_call {
+                self.count_bulk(true);
+            }
+            self.free_pages(page, 0);
             return 1;
         }
         let n = slots.iter().filter(|s| s.is_some()).count();
@@ -431,7 +438,7 @@ impl PageAllocator {
         }
         // One page, or a zone below its low watermark: one page through the
         // full path, as the kernel does.
-        let single = nr == 1 || !core.zone.watermark_ok(nr, Mark::Low, false, false);
+        let single = nr == 1 || !core.zone.watermark_ok(nr, FAST);
         let from_cache = self.tcache().map(|tc| {
             if count_call {
                 bump(&tc.bulk_allocs, 1);
@@ -745,7 +752,7 @@ impl Core {
     // ---- fast path -------------------------------------------------------
 
     #[inline]
-    fn tcache_alloc(&self, tc: &Tcache, order: u32) -> Option<Page> {
+    pub(crate) fn tcache_alloc(&self, tc: &Tcache, order: u32) -> Option<Page> {
         // SAFETY: this thread owns `tc` (true of every `tc` below).
         let page = match unsafe { tc.pop(order) } {
             Some(p) => p,
@@ -755,13 +762,30 @@ impl Core {
         Some(page)
     }
 
-    /// Refill an empty cache stack with half its capacity from this CPU's
-    /// list, and pop one.
+    /// Refill an empty cache stack with half its capacity — a magazine
+    /// from the depot for order 0 (what other threads freed), else from
+    /// this CPU's list — and pop one.
     #[cold]
-    fn tcache_refill(&self, tc: &Tcache, order: u32) -> Option<Page> {
+    pub(crate) fn tcache_refill(&self, tc: &Tcache, order: u32) -> Option<Page> {
         let want = (tc.cap[order as usize] / 2).max(1);
         // SAFETY: owner thread; the stack is empty, so `want` fits.
         let spare = unsafe { tc.spare(order) };
+        if order == 0 && self.zone.depot.magazine() <= spare.len() {
+            let mut got = 0;
+            if self.zone.depot.take(|m| {
+                for (d, &p) in spare.iter_mut().zip(m) {
+                    d.write(p);
+                }
+                got = m.len();
+            }) {
+                bump(&tc.refills, 1);
+                // SAFETY: owner thread; `got` slots were just written.
+                unsafe {
+                    tc.commit(0, got);
+                    return tc.pop(0);
+                }
+            }
+        }
         let mut at = 0;
         let got = self.take(order, want, FAST, |run| {
             for (d, &p) in spare[at..at + run.len()].iter_mut().zip(run) {
@@ -781,7 +805,7 @@ impl Core {
     }
 
     #[inline]
-    fn tcache_free(&self, tc: &Tcache, page: Page, order: u32) {
+    pub(crate) fn tcache_free(&self, tc: &Tcache, page: Page, order: u32) {
         // SAFETY: owner thread.
         if !unsafe { tc.push(order, page) } {
             self.tcache_flush(tc, order);
@@ -792,10 +816,19 @@ impl Core {
         bump(&tc.frees, 1);
     }
 
-    /// Give the older half of a full cache stack to the per-CPU list.
+    /// Give the older half of a full cache stack away: to the depot as one
+    /// magazine for order 0 (another thread will take it whole), else to
+    /// the per-CPU list.
     #[cold]
-    fn tcache_flush(&self, tc: &Tcache, order: u32) {
+    pub(crate) fn tcache_flush(&self, tc: &Tcache, order: u32) {
         let half = (tc.len(order) / 2).max(1);
+        let mag = self.zone.depot.magazine();
+        // SAFETY: owner thread (every call below).
+        if order == 0 && tc.len(0) >= mag && self.zone.depot.put(unsafe { tc.bottom(0, mag) }) {
+            unsafe { tc.remove_bottom(0, mag) };
+            bump(&tc.flushes, 1);
+            return;
+        }
         // SAFETY: owner thread.
         unsafe {
             self.give(order, half, tc.bottom(order, half).iter().copied());
@@ -912,14 +945,11 @@ impl Core {
 
     /// Take up to `nr` blocks through this CPU's list (or the zone if the
     /// list is busy), under one hold; `put` receives them a run at a time.
-    fn take(&self, order: u32, nr: usize, wm: Wmark, mut put: impl FnMut(&[Page])) -> usize {
+    fn take(&self, order: u32, nr: usize, wm: AllocFlags, mut put: impl FnMut(&[Page])) -> usize {
         if let Some(mut g) = self.this_cpu() {
             return g.take(order, nr, wm, &mut put);
         }
-        if !self
-            .zone
-            .watermark_ok(1 << order, wm.mark, wm.high, wm.none)
-        {
+        if !self.zone.watermark_ok(1 << order, wm) {
             return 0;
         }
         let mut z = self.zone.lock(&self.arena);
@@ -959,6 +989,21 @@ impl Core {
         self.give_counted(order, n, pages, false)
     }
 
+    /// Give `pages` (blocks of `order`) to this CPU's list, or the zone.
+    pub(crate) fn give_pages(&self, order: u32, pages: &[Page]) {
+        self.give(order, pages.len(), pages.iter().copied())
+    }
+
+    /// Take up to `nr` blocks of `order` through this CPU's list under the
+    /// fast path's watermark, when the zone stays above it with all of
+    /// them gone; `put` receives them a run at a time.
+    pub(crate) fn take_fast(&self, order: u32, nr: usize, put: impl FnMut(&[Page])) -> usize {
+        if !self.zone.watermark_ok(nr << order, FAST) {
+            return 0;
+        }
+        self.take(order, nr, FAST, put)
+    }
+
     /// Flush the calling thread's cache, if it has one.
     pub(crate) fn flush_own_cache(&self) {
         let _ = CACHES.try_with(|c| {
@@ -991,7 +1036,7 @@ impl Core {
 
     // ---- uncached and slow paths -----------------------------------------
 
-    fn alloc_uncached(&self, gfp: Gfp, order: u32) -> Option<Page> {
+    pub(crate) fn alloc_uncached(&self, gfp: Gfp, order: u32) -> Option<Page> {
         if order > MAX_ORDER {
             return self.fail(gfp, order);
         }
@@ -1005,7 +1050,7 @@ impl Core {
         Some(self.prep_new_page(page, order, gfp))
     }
 
-    fn get_page_from_freelist(&self, order: u32, wm: Wmark, mt: MigrateType) -> Option<Page> {
+    fn get_page_from_freelist(&self, order: u32, wm: AllocFlags, mt: MigrateType) -> Option<Page> {
         if order <= PCP_MAX_ORDER && mt == MigrateType::Unmovable {
             if let Some(mut g) = self.this_cpu() {
                 let mut out = None;
@@ -1015,10 +1060,7 @@ impl Core {
                 return out;
             }
         }
-        if !self
-            .zone
-            .watermark_ok(1 << order, wm.mark, wm.high, wm.none)
-        {
+        if !self.zone.watermark_ok(1 << order, wm) {
             return None;
         }
         let pfn = self.zone.lock(&self.arena).alloc_typed(order, mt)?;
@@ -1036,11 +1078,9 @@ impl Core {
             self.counters.kswapd_wakeups.fetch_add(1, Relaxed);
             self.wake_kswapd();
         }
-        let wm = Wmark {
-            mark: Mark::Min,
-            high: gfp.contains(Gfp::HIGH),
-            none: gfp.contains(Gfp::MEMALLOC),
-        };
+        let wm = AllocFlags::WMARK_MIN
+            .with_if(gfp.contains(Gfp::HIGH), AllocFlags::HIGH)
+            .with_if(gfp.contains(Gfp::MEMALLOC), AllocFlags::NO_WATERMARKS);
         let mt = MigrateType::of(gfp);
         if let Some(p) = self.get_page_from_freelist(order, wm, mt) {
             return Some(p);
@@ -1172,7 +1212,7 @@ impl Core {
         }
     }
 
-    fn free_uncached(&self, page: Page, order: u32) {
+    pub(crate) fn free_uncached(&self, page: Page, order: u32) {
         if order <= PCP_MAX_ORDER {
             self.give_counted(order, 1, std::iter::once(page), true);
         } else {

@@ -76,6 +76,7 @@ mod folio;
 pub mod frame;
 mod gfp;
 mod kvmalloc;
+mod local;
 mod mempool;
 mod pagecache;
 pub mod pcp;
@@ -100,6 +101,7 @@ pub use folio::{Folio, FolioBuffer};
 pub use frame::{Frame, FrameInfo, Page, MAX_ORDER, PAGE_SIZE};
 pub use gfp::{memalloc_nofs_scope, memalloc_noio_scope, Gfp, NofsScope, NoioScope};
 pub use kvmalloc::{KvBox, KvKind, KvPolicy, KvStats, Kvmalloc};
+pub use local::LocalAllocator;
 pub use mempool::{
     BoxSource, ElementSource, Mempool, MempoolStats, PagePool, PageSource, MEMPOOL_MIN_NR_MAX,
     MEMPOOL_WAIT,

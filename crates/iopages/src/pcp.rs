@@ -15,7 +15,7 @@
 use crate::arena::Arena;
 use crate::frame::Page;
 use crate::trylock::{Held, TryLock};
-use crate::zone::{Mark, Zone};
+use crate::zone::{AllocFlags, Zone};
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
@@ -61,16 +61,11 @@ impl PcpLimits {
     }
 }
 
-/// How an allocation may use the zone when a list must be refilled.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Wmark {
-    pub mark: Mark,
-    pub high: bool,
-    pub none: bool,
-}
-
 struct Lists {
     stacks: [Vec<Page>; PCP_ORDERS],
+    /// Order-0 pages on their way out, gathered into whole magazines for
+    /// the depot.
+    outgoing: Vec<Page>,
 }
 
 /// Statistics of one CPU's lists, written under its lock.
@@ -105,6 +100,7 @@ impl PcpSet {
             lock: TryLock::new(),
             lists: UnsafeCell::new(Lists {
                 stacks: std::array::from_fn(|o| Vec::with_capacity(limits.high[o])),
+                outgoing: Vec::new(),
             }),
             nr_pages: AtomicUsize::new(0),
             counters: PcpCounters::default(),
@@ -183,7 +179,7 @@ impl PcpGuard<'_> {
         &mut self,
         order: u32,
         nr: usize,
-        wm: Wmark,
+        wm: AllocFlags,
         mut put: impl FnMut(&[Page]),
     ) -> usize {
         let o = order as usize;
@@ -205,12 +201,9 @@ impl PcpGuard<'_> {
     /// Refill an empty list with at least a batch (more if `want` is larger,
     /// up to `high`) under one zone-lock hold.
     #[cold]
-    fn refill(&mut self, order: u32, want: usize, wm: Wmark) -> usize {
+    fn refill(&mut self, order: u32, want: usize, wm: AllocFlags) -> usize {
         let o = order as usize;
-        if !self
-            .zone
-            .watermark_ok(1 << order, wm.mark, wm.high, wm.none)
-        {
+        if !self.zone.watermark_ok(1 << order, wm) {
             return 0;
         }
         let batch = self.limits.batch[o];
@@ -220,7 +213,15 @@ impl PcpGuard<'_> {
             .min(self.limits.high[o]);
         let stack = &mut self.lists().stacks[o];
         debug_assert!(stack.is_empty());
-        if order == 0 && self.zone.depot.take(nr, |run| stack.extend_from_slice(run)) > 0 {
+        if order == 0 {
+            // Whole magazines from the depot first, as many as fit.
+            let mag = self.zone.depot.magazine();
+            while stack.len() < nr
+                && stack.len() + mag <= self.limits.high[0].max(mag)
+                && self.zone.depot.take(|m| stack.extend_from_slice(m))
+            {}
+        }
+        if !stack.is_empty() {
             bump(&self.set.counters.refills, 1);
             bump(&self.set.counters.refill_pages, stack.len() as u64);
             return stack.len();
@@ -255,20 +256,39 @@ impl PcpGuard<'_> {
         let excess = (total - high).max(self.limits.batch[o]).min(total);
         let from_list = excess.min(stack.len());
         let from_new = excess - from_list;
-        {
-            let mut out = stack
-                .drain(..from_list)
-                .chain(pages.by_ref().take(from_new));
-            // Order-0 batches park in the depot whole when it has room, so
-            // the CPU that allocates next takes them without merging and
-            // splitting.
-            if order != 0 || !self.zone.depot.put(excess, &mut out) {
+        if order == 0 {
+            // Order-0 pages park in the depot as whole magazines when it has
+            // room, so the CPU that allocates next takes them without
+            // merging and splitting; only what does not fit goes to the
+            // zone.
+            let lists = self.lists();
+            let out = &mut lists.outgoing;
+            out.clear();
+            out.extend(lists.stacks[0].drain(..from_list));
+            out.extend(pages.by_ref().take(from_new));
+            let mut parked = 0;
+            for m in out.chunks_exact(self.zone.depot.magazine()) {
+                if !self.zone.depot.put(m) {
+                    break;
+                }
+                parked += m.len();
+            }
+            if parked < out.len() {
                 let mut z = self.zone.lock(self.arena);
-                for p in out {
-                    z.free(p.pfn(), order);
+                for p in &out[parked..] {
+                    z.free(p.pfn(), 0);
                 }
             }
+        } else {
+            let mut z = self.zone.lock(self.arena);
+            for p in stack
+                .drain(..from_list)
+                .chain(pages.by_ref().take(from_new))
+            {
+                z.free(p.pfn(), order);
+            }
         }
+        let stack = &mut self.lists().stacks[o];
         stack.extend(pages.take(n - from_new));
         debug_assert!(stack.len() <= high);
         bump(&self.set.counters.drains, 1);
@@ -308,11 +328,7 @@ mod tests {
     use crate::arena::HugePages;
     use crate::zone::Watermarks;
 
-    const ANY: Wmark = Wmark {
-        mark: Mark::Min,
-        high: false,
-        none: true,
-    };
+    const ANY: AllocFlags = AllocFlags::WMARK_MIN.with(AllocFlags::NO_WATERMARKS);
 
     #[test]
     fn default_limits_fit_in_an_eighth_of_the_zone() {
@@ -341,7 +357,7 @@ mod tests {
     #[test]
     fn refill_and_drain_move_whole_batches_and_keep_high() {
         let a = Arena::new(8 << 20, HugePages::Never, false).unwrap();
-        let z = Zone::new(&a, Watermarks::for_zone(a.nr_pages()), 0);
+        let z = Zone::new(&a, Watermarks::for_zone(a.nr_pages()), 0, 1);
         let limits = PcpLimits {
             high: [16, 8, 4, 2],
             batch: [4, 2, 1, 1],
@@ -371,7 +387,7 @@ mod tests {
     #[test]
     fn refill_stops_at_the_watermark() {
         let a = Arena::new(4 << 20, HugePages::Never, false).unwrap();
-        let z = Zone::new(&a, Watermarks::for_zone(a.nr_pages()), 0);
+        let z = Zone::new(&a, Watermarks::for_zone(a.nr_pages()), 0, 1);
         z.set_watermarks(Watermarks {
             min: 2000,
             low: 2000,
@@ -380,11 +396,7 @@ mod tests {
         let limits = PcpLimits::for_zone(a.nr_pages(), 1);
         let set = PcpSet::new(&limits);
         let mut g = set.try_lock(&z, &a, &limits).unwrap();
-        let low = Wmark {
-            mark: Mark::Low,
-            high: false,
-            none: false,
-        };
+        let low = AllocFlags::WMARK_LOW;
         assert_eq!(g.take(0, 1, low, |_| panic!("nothing to take")), 0);
         assert_eq!(z.nr_free_pages(), 1024);
     }

@@ -119,11 +119,44 @@ impl Watermarks {
     }
 }
 
-/// Which watermark an allocation must keep the zone above.
+/// How an allocation may use the zone's reserves, as one bit set passed
+/// down the allocation path (the kernel's `alloc_flags`): which watermark
+/// it must keep the zone above, whether it may dip below it (`HIGH`), or
+/// ignore watermarks altogether (`NO_WATERMARKS`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Mark {
-    Min,
-    Low,
+pub(crate) struct AllocFlags(u8);
+
+impl AllocFlags {
+    /// Keep the zone above its min watermark.
+    pub(crate) const WMARK_MIN: AllocFlags = AllocFlags(0);
+    /// Keep the zone above its low watermark (the fast path's rule).
+    pub(crate) const WMARK_LOW: AllocFlags = AllocFlags(1);
+    const WMARK_MASK: u8 = 3;
+    /// May go down to half the watermark (`Gfp::HIGH`).
+    pub(crate) const HIGH: AllocFlags = AllocFlags(4);
+    /// Ignores watermarks (`Gfp::MEMALLOC`).
+    pub(crate) const NO_WATERMARKS: AllocFlags = AllocFlags(8);
+
+    /// Both sets.
+    #[inline]
+    pub(crate) const fn with(self, other: AllocFlags) -> AllocFlags {
+        AllocFlags(self.0 | other.0)
+    }
+
+    /// `other` added when `on`.
+    #[inline]
+    pub(crate) const fn with_if(self, on: bool, other: AllocFlags) -> AllocFlags {
+        if on {
+            self.with(other)
+        } else {
+            self
+        }
+    }
+
+    #[inline]
+    const fn has(self, bit: AllocFlags) -> bool {
+        self.0 & bit.0 != 0
+    }
 }
 
 /// The free lists, guarded by the zone lock.
@@ -146,14 +179,21 @@ pub struct Zone {
     steals: AtomicU64,
     /// Pageblocks whose type changed.
     conversions: AtomicU64,
-    /// Whole batches of free order-0 pages in transit between CPUs.
+    /// Full magazines of free order-0 pages in transit between CPUs.
     pub(crate) depot: Depot,
 }
 
 impl Zone {
     /// A zone whose every frame is free (as largest blocks), every
     /// pageblock movable.
-    pub(crate) fn new(arena: &Arena, wmark: Watermarks, depot_pages: usize) -> Zone {
+    /// `depot_pages` is the depot's capacity, in magazines of
+    /// `depot_magazine` pages.
+    pub(crate) fn new(
+        arena: &Arena,
+        wmark: Watermarks,
+        depot_pages: usize,
+        depot_magazine: usize,
+    ) -> Zone {
         let nr_pageblocks = arena.nr_pages().div_ceil(PAGEBLOCK_NR_PAGES);
         let zone = Zone {
             area: Mutex::new(FreeArea {
@@ -172,7 +212,7 @@ impl Zone {
                 .collect(),
             steals: AtomicU64::new(0),
             conversions: AtomicU64::new(0),
-            depot: Depot::new(depot_pages),
+            depot: Depot::new(depot_pages, depot_magazine),
         };
         {
             let mut z = zone.lock(arena);
@@ -221,24 +261,15 @@ impl Zone {
         self.wmark[2].store(w.high, Relaxed);
     }
 
-    /// Whether taking `nr` more pages leaves the zone above `mark`, for an
-    /// allocation allowed `high` (dip to half of min) or `no_watermarks`.
+    /// Whether taking `nr` more pages leaves the zone above the watermark
+    /// `flags` names, by `flags`' rules.
     #[inline]
-    pub(crate) fn watermark_ok(
-        &self,
-        nr: usize,
-        mark: Mark,
-        high: bool,
-        no_watermarks: bool,
-    ) -> bool {
-        if no_watermarks {
+    pub(crate) fn watermark_ok(&self, nr: usize, flags: AllocFlags) -> bool {
+        if flags.has(AllocFlags::NO_WATERMARKS) {
             return true;
         }
-        let mut line = match mark {
-            Mark::Min => self.wmark[0].load(Relaxed),
-            Mark::Low => self.wmark[1].load(Relaxed),
-        };
-        if high {
+        let mut line = self.wmark[(flags.0 & AllocFlags::WMARK_MASK) as usize].load(Relaxed);
+        if flags.has(AllocFlags::HIGH) {
             line -= line / 2;
         }
         // Pages parked in the depot are free and ready for order-0 use.
@@ -604,7 +635,7 @@ mod tests {
     #[test]
     fn a_new_zone_is_all_largest_blocks() {
         let a = arena(8);
-        let z = Zone::new(&a, Watermarks::for_zone(a.nr_pages()), 0);
+        let z = Zone::new(&a, Watermarks::for_zone(a.nr_pages()), 0, 1);
         assert_eq!(z.nr_free_pages(), 2048);
         let by_order = z.free_blocks_by_order();
         assert_eq!(by_order[MAX_ORDER as usize], 2);
@@ -614,7 +645,7 @@ mod tests {
     #[test]
     fn split_then_free_merges_back() {
         let a = arena(4);
-        let z = Zone::new(&a, Watermarks::for_zone(a.nr_pages()), 0);
+        let z = Zone::new(&a, Watermarks::for_zone(a.nr_pages()), 0, 1);
         let mut l = z.lock(&a);
         let p = l.alloc(0).unwrap();
         assert_eq!(p, 0);
@@ -639,7 +670,7 @@ mod tests {
     #[test]
     fn movable_and_unmovable_allocations_use_separate_pageblocks() {
         let a = arena(8);
-        let z = Zone::new(&a, Watermarks::for_zone(a.nr_pages()), 0);
+        let z = Zone::new(&a, Watermarks::for_zone(a.nr_pages()), 0, 1);
         assert_eq!(
             z.pageblocks_by_type(),
             (0, 4),
@@ -676,7 +707,7 @@ mod tests {
     #[test]
     fn a_small_steal_converts_only_a_mostly_free_pageblock() {
         let a = arena(4);
-        let z = Zone::new(&a, Watermarks::for_zone(a.nr_pages()), 0);
+        let z = Zone::new(&a, Watermarks::for_zone(a.nr_pages()), 0, 1);
         let mut l = z.lock(&a);
         // Fill the lower pageblock with movable pages and the upper one with
         // unmovable pages (stolen, converted), then free 8 movable pages:
@@ -712,7 +743,7 @@ mod tests {
     #[test]
     fn isolate_free_range_takes_only_small_free_blocks() {
         let a = arena(4);
-        let z = Zone::new(&a, Watermarks::for_zone(a.nr_pages()), 0);
+        let z = Zone::new(&a, Watermarks::for_zone(a.nr_pages()), 0, 1);
         let mut l = z.lock(&a);
         let p = l.alloc_typed(0, MigrateType::Movable).unwrap();
         assert_eq!(p, 0);
@@ -739,7 +770,7 @@ mod tests {
         #[test]
         fn buddy_invariants(ops in proptest::collection::vec((0u32..=MAX_ORDER, any::<bool>(), any::<prop::sample::Index>(), any::<bool>()), 1..300)) {
             let a = arena(8);
-            let z = Zone::new(&a, Watermarks::for_zone(a.nr_pages()), 0);
+            let z = Zone::new(&a, Watermarks::for_zone(a.nr_pages()), 0, 1);
             let total = a.nr_pages();
             let mut held: Vec<(u32, u32)> = Vec::new();
             let mut used: BTreeSet<u32> = BTreeSet::new();

@@ -1,0 +1,346 @@
+//! The per-thread handle (`LocalAllocator`) and the depot between threads.
+//!
+//! Contracts: a handle's pages are counted while it holds them and come
+//! back when it is flushed or dropped; every path (cache, depot, per-CPU
+//! list, zone, slow path, fault injection) hands a page to one owner at a
+//! time; nothing leaks. The 16-thread test passes pages between threads
+//! through handles and the shared API at once, with a tag in every page.
+
+mod common;
+use common::{assert_no_leaks, builder};
+use iopages::{FaultConfig, Gfp, Page, PageAllocator, PAGE_SIZE};
+use std::sync::{mpsc, Arc, Barrier};
+use std::thread;
+
+fn write_tag(alloc: &PageAllocator, p: Page, tag: u64) {
+    let base = alloc.page_address(p);
+    // SAFETY: the page is allocated to the caller and lies in the arena.
+    unsafe {
+        base.cast::<u64>().write_volatile(tag);
+        base.add(PAGE_SIZE - 8).cast::<u64>().write_volatile(!tag);
+    }
+}
+
+fn check_tag(alloc: &PageAllocator, p: Page, tag: u64) {
+    let base = alloc.page_address(p);
+    // SAFETY: as in `write_tag`.
+    let got = unsafe {
+        (
+            base.cast::<u64>().read_volatile(),
+            base.add(PAGE_SIZE - 8).cast::<u64>().read_volatile(),
+        )
+    };
+    assert_eq!(
+        got,
+        (tag, !tag),
+        "pfn {}: tag overwritten, the page had two owners",
+        p.pfn()
+    );
+}
+
+#[test]
+fn a_handle_counts_its_cached_pages_and_gives_them_back_on_drop() {
+    let alloc = builder(8).checks(true).build().unwrap();
+    let mut local = alloc.local();
+    let mut batch = Vec::new();
+    assert_eq!(local.alloc_bulk(Gfp::KERNEL, 48, &mut batch), 48);
+    let mut seen = batch.clone();
+    seen.sort_by_key(|p| p.pfn());
+    seen.dedup();
+    assert_eq!(seen.len(), 48, "a bulk allocation handed a page out twice");
+    assert_eq!(alloc.accounting().in_use_pages, 48);
+    local.free_bulk(&mut batch);
+    assert!(batch.is_empty(), "free_bulk empties the vector");
+    let a = alloc.accounting();
+    assert_eq!(a.in_use_pages, 0, "cached pages are free: {a}");
+    assert!(local.cached_pages() > 0);
+    assert_eq!(a.thread_cache_pages, local.cached_pages());
+    let single = local.alloc_pages(Gfp::KERNEL, 0).unwrap();
+    let order2 = local.alloc_pages(Gfp::KERNEL, 2).unwrap();
+    let big = local.alloc_pages(Gfp::KERNEL, 6).unwrap();
+    assert_eq!(order2.pfn() % 4, 0);
+    assert_eq!(alloc.accounting().in_use_pages, 1 + 4 + 64);
+    local.free_pages(single, 0);
+    local.free_pages(order2, 2);
+    local.free_pages(big, 6);
+    drop(local);
+    assert_eq!(alloc.accounting().thread_cache_pages, 0);
+    assert_no_leaks(&alloc);
+}
+
+#[test]
+fn a_handle_double_free_is_caught_with_checks_on() {
+    let alloc = builder(4).checks(true).build().unwrap();
+    let mut local = alloc.local();
+    let p = local.alloc_pages(Gfp::KERNEL, 0).unwrap();
+    local.free_pages(p, 0);
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| local.free_pages(p, 0)));
+    assert!(r.is_err(), "a double free through a handle must panic");
+}
+
+#[test]
+fn batches_larger_than_the_cache_and_the_arena_are_served_then_cut_short() {
+    for checks in [false, true] {
+        let alloc = builder(4).checks(checks).build().unwrap();
+        let total = alloc.accounting().total_pages;
+        let mut local = alloc.local();
+        let mut v = Vec::new();
+        for nr in [1, 63, 64, 65, 256, 1000] {
+            assert_eq!(local.alloc_bulk(Gfp::KERNEL, nr, &mut v), nr);
+            for (i, &p) in v.iter().enumerate() {
+                write_tag(&alloc, p, i as u64);
+            }
+            for (i, &p) in v.iter().enumerate() {
+                check_tag(&alloc, p, i as u64);
+            }
+            local.free_bulk(&mut v);
+        }
+        // More than the arena holds: a short count, every page distinct,
+        // nothing lost when they are freed.
+        let got = local.alloc_bulk(Gfp::KERNEL | Gfp::NOWARN, total + 10, &mut v);
+        assert!(got < total && got > total / 2, "got {got} of {total}");
+        let mut s = v.clone();
+        s.sort_by_key(|p| p.pfn());
+        s.dedup();
+        assert_eq!(s.len(), got);
+        local.free_bulk(&mut v);
+        drop(local);
+        assert_no_leaks(&alloc);
+    }
+}
+
+#[test]
+fn fault_injection_reaches_the_handle_and_partial_fills_leak_nothing() {
+    let alloc = builder(8).build().unwrap();
+    let mut local = alloc.local();
+    // Warm the cache so that the fast path would serve everything.
+    let mut v = Vec::new();
+    local.alloc_bulk(Gfp::KERNEL, 64, &mut v);
+    local.free_bulk(&mut v);
+    alloc.fault().enable(FaultConfig {
+        probability_ppm: 300_000,
+        ..FaultConfig::default()
+    });
+    let (mut short, mut none) = (0, 0);
+    for _ in 0..200 {
+        let got = local.alloc_bulk(Gfp::KERNEL | Gfp::NOWARN, 16, &mut v);
+        short += (got < 16) as u32;
+        local.free_bulk(&mut v);
+        match local.alloc_pages(Gfp::KERNEL | Gfp::NOWARN, 0) {
+            Some(p) => local.free_pages(p, 0),
+            None => none += 1,
+        }
+    }
+    alloc.fault().disable();
+    assert!(
+        short > 0 && none > 0,
+        "injected failures must reach the handle"
+    );
+    drop(local);
+    assert_no_leaks(&alloc);
+}
+
+#[test]
+fn zeroed_and_movable_requests_take_the_careful_path() {
+    let alloc = builder(8).checks(false).build().unwrap();
+    let mut local = alloc.local();
+    let mut v = Vec::new();
+    local.alloc_bulk(Gfp::KERNEL, 8, &mut v);
+    for &p in &v {
+        write_tag(&alloc, p, 0xdead);
+    }
+    local.free_bulk(&mut v);
+    // The dirty pages are cached; ZERO must still hand out zeroes.
+    assert_eq!(local.alloc_bulk(Gfp::KERNEL | Gfp::ZERO, 8, &mut v), 8);
+    for &p in &v {
+        // SAFETY: allocated to this thread.
+        let bytes = unsafe { std::slice::from_raw_parts(alloc.page_address(p), PAGE_SIZE) };
+        assert!(bytes.iter().all(|&b| b == 0), "Gfp::ZERO page not zeroed");
+    }
+    local.free_bulk(&mut v);
+    let p = local.alloc_pages(Gfp::ZERO, 0).unwrap();
+    // SAFETY: as above.
+    assert_eq!(unsafe { *alloc.page_address(p) }, 0);
+    local.free_pages(p, 0);
+    drop(local);
+    assert_no_leaks(&alloc);
+}
+
+#[test]
+fn handles_work_with_thread_caches_off() {
+    let alloc = builder(8)
+        .thread_cache_pages(0)
+        .checks(true)
+        .build()
+        .unwrap();
+    let mut local = alloc.local();
+    let mut v = Vec::new();
+    assert_eq!(local.alloc_bulk(Gfp::KERNEL, 100, &mut v), 100);
+    assert_eq!(local.cached_pages(), 0);
+    local.free_bulk(&mut v);
+    let p = local.alloc_pages(Gfp::KERNEL, 1).unwrap();
+    local.free_pages(p, 1);
+    drop(local);
+    assert_no_leaks(&alloc);
+}
+
+#[test]
+fn a_handle_moves_to_another_thread() {
+    let alloc = builder(8).build().unwrap();
+    let mut local = alloc.local();
+    let mut v = Vec::new();
+    local.alloc_bulk(Gfp::KERNEL, 32, &mut v);
+    let h = thread::spawn(move || {
+        local.free_bulk(&mut v);
+        local
+    });
+    let mut local = h.join().unwrap();
+    local.flush();
+    assert_eq!(local.cached_pages(), 0);
+    drop(local);
+    assert_no_leaks(&alloc);
+}
+
+#[test]
+fn pages_cross_threads_through_the_depot_as_whole_magazines() {
+    // A producer allocates, a consumer frees: the consumer's full cache
+    // parks magazines in the depot and the producer takes them, so the
+    // zone sees few refills.
+    let alloc = builder(16).checks(false).build().unwrap();
+    let (tx, rx) = mpsc::sync_channel::<Vec<Page>>(4);
+    let prod = {
+        let a = alloc.clone();
+        thread::spawn(move || {
+            let mut local = a.local();
+            for i in 0..4000u64 {
+                let mut v = Vec::with_capacity(64);
+                assert_eq!(local.alloc_bulk(Gfp::KERNEL, 64, &mut v), 64);
+                for &p in &v {
+                    write_tag(&a, p, i << 32 | u64::from(p.pfn()));
+                }
+                tx.send(v).unwrap();
+            }
+        })
+    };
+    let cons = {
+        let a = alloc.clone();
+        thread::spawn(move || {
+            let mut local = a.local();
+            let mut i = 0u64;
+            for mut v in rx {
+                for &p in &v {
+                    check_tag(&a, p, i << 32 | u64::from(p.pfn()));
+                }
+                local.free_bulk(&mut v);
+                i += 1;
+            }
+        })
+    };
+    prod.join().unwrap();
+    cons.join().unwrap();
+    let s = alloc.stats();
+    assert!(
+        s.alloc_zone < 4000 * 64 / 4,
+        "most pages should have come back through the depot, not the zone:\n{s}"
+    );
+    assert_no_leaks(&alloc);
+}
+
+/// 16 threads in a ring: each allocates (handle or shared API, single or
+/// bulk), tags, sends to the next thread, which checks and frees (again
+/// through a handle or the shared API). On 2 cores this oversubscribes.
+fn ring_stress(alloc: PageAllocator) {
+    const THREADS: usize = 16;
+    const ROUNDS: u64 = 1500;
+    let (txs, rxs): (Vec<_>, Vec<_>) = (0..THREADS)
+        .map(|_| mpsc::sync_channel::<Vec<(Page, u64)>>(8))
+        .unzip();
+    let mut rxs: Vec<_> = rxs.into_iter().map(Some).collect();
+    let start = Arc::new(Barrier::new(THREADS));
+    let hs: Vec<_> = txs
+        .into_iter()
+        .enumerate()
+        .map(|(id, tx)| {
+            let rx = rxs[(id + THREADS - 1) % THREADS].take().unwrap();
+            let (a, start) = (alloc.clone(), start.clone());
+            thread::spawn(move || {
+                let mut local = a.local();
+                let use_handle = id % 2 == 0;
+                let mut sent = 0u64;
+                let mut freed = 0u64;
+                let mut free_batch =
+                    |batch: Vec<(Page, u64)>, local: &mut iopages::LocalAllocator, i: u64| {
+                        for &(p, t) in &batch {
+                            check_tag(&a, p, t);
+                        }
+                        freed += batch.len() as u64;
+                        let mut pages: Vec<Page> = batch.iter().map(|&(p, _)| p).collect();
+                        if i % 3 == 0 {
+                            for p in pages {
+                                local.free_pages(p, 0);
+                            }
+                        } else if use_handle {
+                            local.free_bulk(&mut pages);
+                        } else {
+                            a.free_pages_bulk(&pages);
+                        }
+                    };
+                start.wait();
+                for i in 0..ROUNDS {
+                    let nr = 1 + (i as usize * 7 + id) % 64;
+                    let mut pages = Vec::new();
+                    if use_handle {
+                        local.alloc_bulk(Gfp::KERNEL | Gfp::NOWARN, nr, &mut pages);
+                    } else {
+                        a.alloc_pages_bulk_list(Gfp::KERNEL | Gfp::NOWARN, nr, &mut pages);
+                    }
+                    let batch: Vec<(Page, u64)> = pages
+                        .into_iter()
+                        .map(|p| {
+                            let t = (id as u64) << 48 | i << 16 | u64::from(p.pfn() & 0xffff);
+                            write_tag(&a, p, t);
+                            (p, t)
+                        })
+                        .collect();
+                    sent += batch.len() as u64;
+                    tx.send(batch).unwrap();
+                    while let Ok(b) = rx.try_recv() {
+                        free_batch(b, &mut local, i);
+                    }
+                }
+                drop(tx);
+                for b in rx.iter() {
+                    free_batch(b, &mut local, 0);
+                }
+                (sent, freed)
+            })
+        })
+        .collect();
+    let (mut sent, mut freed) = (0, 0);
+    for h in hs {
+        let (s, f) = h.join().expect("a stress thread panicked");
+        sent += s;
+        freed += f;
+    }
+    assert_eq!(sent, freed, "every page sent must be freed");
+    assert!(sent > 16 * 1500, "too few pages moved: {sent}");
+    assert_eq!(alloc.accounting().thread_cache_pages, 0);
+    assert_no_leaks(&alloc);
+}
+
+#[test]
+fn sixteen_threads_pass_pages_around_with_checks_on() {
+    ring_stress(builder(32).checks(true).build().unwrap());
+}
+
+#[test]
+fn sixteen_threads_pass_pages_around_with_checks_off() {
+    ring_stress(builder(32).checks(false).build().unwrap());
+}
+
+#[test]
+fn sixteen_threads_in_a_tight_arena_with_a_small_depot() {
+    // 8 MiB for 16 threads: allocations come back short, the depot fills,
+    // the per-CPU lists and the zone take the overflow.
+    ring_stress(builder(8).depot_pages(128).nr_cpus(2).build().unwrap());
+}
