@@ -64,6 +64,8 @@ pub(crate) struct Core {
     pub(crate) pcp: Box<[PcpSet]>,
     pub(crate) limits: PcpLimits,
     tcache_cap: [usize; PCP_ORDERS],
+    /// Capacity of a [`crate::LocalAllocator`]'s cache.
+    local_cap: [usize; PCP_ORDERS],
     tcache_on: bool,
     pub(crate) checks: bool,
     pub(crate) fault: FaultInjector,
@@ -99,6 +101,7 @@ impl PageAllocator {
         let nr_pages = arena.nr_pages();
         let limits = b.resolved_pcp(nr_pages);
         let tcache_cap = b.resolved_tcache(&limits);
+        let local_cap = b.resolved_local(&tcache_cap, nr_pages);
         let depot_pages = b.resolved_depot(nr_pages, &limits);
         // A magazine is what a full thread cache hands over (half of it),
         // or a per-CPU batch when thread caches are off.
@@ -124,6 +127,7 @@ impl PageAllocator {
                 pcp,
                 limits,
                 tcache_cap,
+                local_cap,
                 tcache_on: tcache_cap[0] > 0,
                 checks: b.checks,
                 fault: FaultInjector::default(),
@@ -744,6 +748,11 @@ impl Owner for Core {
 }
 
 impl Core {
+    /// Blocks per order a [`crate::LocalAllocator`]'s cache holds.
+    pub(crate) fn local_cap(&self) -> [usize; PCP_ORDERS] {
+        self.local_cap
+    }
+
     /// Most pages one thread's cache can hold (0 when caches are off).
     pub(crate) fn thread_cache_max_pages(&self) -> usize {
         (0..PCP_ORDERS).map(|o| self.tcache_cap[o] << o).sum()
@@ -770,14 +779,19 @@ impl Core {
         let want = (tc.cap[order as usize] / 2).max(1);
         // SAFETY: owner thread; the stack is empty, so `want` fits.
         let spare = unsafe { tc.spare(order) };
-        if order == 0 && self.zone.depot.magazine() <= spare.len() {
+        if order == 0 {
+            // Whole magazines, as many as half the cache holds.
+            let mag = self.zone.depot.magazine();
             let mut got = 0;
-            if self.zone.depot.take(|m| {
-                for (d, &p) in spare.iter_mut().zip(m) {
-                    d.write(p);
-                }
-                got = m.len();
-            }) {
+            while got + mag <= want.max(mag).min(spare.len())
+                && self.zone.depot.take(|m| {
+                    for (d, &p) in spare[got..].iter_mut().zip(m) {
+                        d.write(p);
+                    }
+                    got += m.len();
+                })
+            {}
+            if got > 0 {
                 bump(&tc.refills, 1);
                 // SAFETY: owner thread; `got` slots were just written.
                 unsafe {
@@ -816,24 +830,28 @@ impl Core {
         bump(&tc.frees, 1);
     }
 
-    /// Give the older half of a full cache stack away: to the depot as one
-    /// magazine for order 0 (another thread will take it whole), else to
-    /// the per-CPU list.
+    /// Give the older half of a full cache stack away: order-0 pages to the
+    /// depot as whole magazines (another thread takes them whole), the rest
+    /// to the per-CPU list.
     #[cold]
     pub(crate) fn tcache_flush(&self, tc: &Tcache, order: u32) {
         let half = (tc.len(order) / 2).max(1);
-        let mag = self.zone.depot.magazine();
-        // SAFETY: owner thread (every call below).
-        if order == 0 && tc.len(0) >= mag && self.zone.depot.put(unsafe { tc.bottom(0, mag) }) {
-            unsafe { tc.remove_bottom(0, mag) };
-            bump(&tc.flushes, 1);
-            return;
+        // SAFETY: owner thread (here and below).
+        let old = unsafe { tc.bottom(order, half) };
+        let mut parked = 0;
+        if order == 0 {
+            for m in old.chunks_exact(self.zone.depot.magazine()) {
+                if !self.zone.depot.put(m) {
+                    break;
+                }
+                parked += m.len();
+            }
         }
-        // SAFETY: owner thread.
-        unsafe {
-            self.give(order, half, tc.bottom(order, half).iter().copied());
-            tc.remove_bottom(order, half);
+        if parked < half {
+            self.give(order, half - parked, old[parked..].iter().copied());
         }
+        // SAFETY: as above; the `half` oldest blocks have been given away.
+        unsafe { tc.remove_bottom(order, half) };
         bump(&tc.flushes, 1);
     }
 

@@ -15,6 +15,9 @@ use crate::zone::Watermarks;
 pub const DEFAULT_ARENA_BYTES: u64 = 256 << 20;
 /// Default thread-cache capacity for order 0, in pages.
 pub const DEFAULT_THREAD_CACHE_PAGES: usize = 64;
+/// Default order-0 capacity of a [`crate::LocalAllocator`]'s cache, in
+/// pages (DPDK's largest per-lcore mempool cache).
+pub const DEFAULT_LOCAL_CACHE_PAGES: usize = 512;
 /// Largest thread-cache capacity accepted, in pages.
 pub const THREAD_CACHE_PAGES_MAX: usize = 4096;
 
@@ -28,6 +31,7 @@ pub struct PageAllocatorBuilder {
     pub(crate) pcp: Option<PcpLimits>,
     pub(crate) nr_cpus: Option<usize>,
     pub(crate) thread_cache_pages: usize,
+    pub(crate) local_cache_pages: usize,
     pub(crate) depot_pages: Option<usize>,
     pub(crate) checks: bool,
     pub(crate) background_reclaim: bool,
@@ -43,6 +47,7 @@ impl Default for PageAllocatorBuilder {
             pcp: None,
             nr_cpus: None,
             thread_cache_pages: DEFAULT_THREAD_CACHE_PAGES,
+            local_cache_pages: DEFAULT_LOCAL_CACHE_PAGES,
             depot_pages: None,
             checks: cfg!(debug_assertions),
             background_reclaim: true,
@@ -93,6 +98,16 @@ impl PageAllocatorBuilder {
     /// goes through the per-CPU lists (default 64).
     pub fn thread_cache_pages(mut self, pages: usize) -> Self {
         self.thread_cache_pages = pages;
+        self
+    }
+
+    /// Order-0 capacity of each [`crate::LocalAllocator`]'s cache in pages
+    /// (default 512, at most 1/16 of the arena, at least a thread cache's);
+    /// higher orders get what a thread cache gets. A handle is created on
+    /// purpose by a worker that allocates in batches, so it may keep more
+    /// than the implicit per-thread cache.
+    pub fn local_cache_pages(mut self, pages: usize) -> Self {
+        self.local_cache_pages = pages;
         self
     }
 
@@ -166,6 +181,20 @@ impl PageAllocatorBuilder {
         })
     }
 
+    /// A handle's cache capacity per order, in blocks (all zero when
+    /// thread caches are off).
+    pub(crate) fn resolved_local(
+        &self,
+        tcache: &[usize; PCP_ORDERS],
+        nr_pages: usize,
+    ) -> [usize; PCP_ORDERS] {
+        let mut cap = *tcache;
+        if cap[0] > 0 {
+            cap[0] = self.local_cache_pages.min(nr_pages / 16).max(cap[0]);
+        }
+        cap
+    }
+
     fn validate(&self, nr_pages: usize) -> Result<()> {
         let cpus = self.resolved_cpus();
         if cpus == 0 || cpus > 4096 {
@@ -180,6 +209,13 @@ impl PageAllocatorBuilder {
                 "thread_cache_pages",
                 self.thread_cache_pages,
                 format!("must be at most {THREAD_CACHE_PAGES_MAX} (0 turns thread caches off)"),
+            ));
+        }
+        if self.local_cache_pages > THREAD_CACHE_PAGES_MAX {
+            return Err(Error::setting(
+                "local_cache_pages",
+                self.local_cache_pages,
+                format!("must be at most {THREAD_CACHE_PAGES_MAX}"),
             ));
         }
         if let Some(d) = self.depot_pages {

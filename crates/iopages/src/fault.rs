@@ -91,6 +91,11 @@ impl FaultInjector {
         self.enabled.load(Relaxed)
     }
 
+    /// The switch itself, for a handle that reads it on its fast path.
+    pub(crate) fn enabled_flag(&self) -> *const AtomicBool {
+        &self.enabled
+    }
+
     /// Failures injected since the allocator was created.
     pub fn injected(&self) -> u64 {
         self.injected.load(Relaxed)

@@ -91,7 +91,10 @@ pub mod zone;
 pub use alloc::{PageAllocator, PageBox, MAX_RECLAIM_RETRIES, NOFAIL_WAIT};
 pub use arena::{Arena, Backing, HugePages};
 pub use bio::{Bio, BioError, BioLimits, BioVec};
-pub use builder::{PageAllocatorBuilder, DEFAULT_ARENA_BYTES, DEFAULT_THREAD_CACHE_PAGES};
+pub use builder::{
+    PageAllocatorBuilder, DEFAULT_ARENA_BYTES, DEFAULT_LOCAL_CACHE_PAGES,
+    DEFAULT_THREAD_CACHE_PAGES,
+};
 pub use compaction::{
     CompactResult, MovableOwner, MovableOwnerId, MovableRegistry, MAX_MOVABLE_OWNERS,
 };

@@ -18,10 +18,11 @@
 //! switch; statistics are per-handle counters, summed when read.
 
 use crate::alloc::PageAllocator;
-use crate::frame::Page;
+use crate::frame::{copy_pages, Page};
 use crate::gfp::Gfp;
 use crate::pcp::{bump, PCP_MAX_ORDER};
 use crate::tcache::{Owner, Tcache};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 /// A handle that owns a page cache: allocate and free in loops without a
@@ -43,13 +44,32 @@ use std::sync::Arc;
 /// assert!(alloc.leak_check().is_ok());
 /// ```
 pub struct LocalAllocator {
-    alloc: PageAllocator,
-    tc: Arc<Tcache>,
+    /// The order-0 stack of `tc`, held here as plain state so that a loop
+    /// keeps it in registers: `buf[..len]` are cached pages. Every change
+    /// is mirrored into `tc` with plain stores (no read-modify-write), so
+    /// other threads' accounting and statistics stay exact.
+    buf: *mut Page,
+    len: usize,
+    cap: usize,
+    /// Counts, mirrored into `tc` likewise.
+    allocs: u64,
+    frees: u64,
+    bulk_allocs: u64,
+    bulk_frees: u64,
     /// Flags that need the careful path: `ZERO`, `COMP` and `MOVABLE`, or
     /// every flag when allocation checks are on.
     careful: Gfp,
     checks: bool,
+    /// The allocator's fault-injection switch (kept alive by `alloc`).
+    fault_on: *const AtomicBool,
+    tc: Arc<Tcache>,
+    alloc: PageAllocator,
 }
+
+// SAFETY: the raw pointers point into `tc` and the allocator, which the
+// handle keeps alive wherever it goes; `tc` is used only through
+// `&mut self` (one caller at a time), which is the cache's ownership rule.
+unsafe impl Send for LocalAllocator {}
 
 impl PageAllocator {
     /// A handle with its own page cache, for a worker that allocates and
@@ -60,18 +80,27 @@ impl PageAllocator {
     /// **Context:** takes the allocator's registry lock once.
     pub fn local(&self) -> LocalAllocator {
         let core = self.core();
-        let tc = Arc::new(Tcache::new(core.tcache_cap()));
+        let tc = Arc::new(Tcache::new(core.local_cap()));
         core.tcache_register(&tc);
         let checks = self.checks_enabled();
         LocalAllocator {
-            alloc: self.clone(),
-            tc,
+            // SAFETY: the handle owns the new cache.
+            buf: unsafe { tc.raw(0) },
+            len: 0,
+            cap: tc.cap[0],
+            allocs: 0,
+            frees: 0,
+            bulk_allocs: 0,
+            bulk_frees: 0,
             careful: if checks {
                 Gfp::all()
             } else {
                 Gfp::ZERO | Gfp::COMP | Gfp::MOVABLE
             },
             checks,
+            fault_on: self.fault().enabled_flag(),
+            tc,
+            alloc: self.clone(),
         }
     }
 }
@@ -89,7 +118,31 @@ impl LocalAllocator {
 
     #[inline(always)]
     fn fast(&self, gfp: Gfp) -> bool {
-        !gfp.intersects(self.careful) && !self.alloc.fault().is_enabled()
+        // SAFETY: the switch lives in the allocator, which `alloc` keeps.
+        !gfp.intersects(self.careful) && !unsafe { &*self.fault_on }.load(Relaxed)
+    }
+
+    /// Mirror the order-0 length and the counts into the shared record.
+    #[inline(always)]
+    fn publish(&self) {
+        self.tc.set_len(0, self.len);
+    }
+
+    /// Before a shared-path call: the shared record is current already
+    /// (every change is mirrored). After it: take its state back.
+    #[inline]
+    fn reload(&mut self) {
+        self.len = self.tc.len(0);
+        self.allocs = self.tc.allocs.load(Relaxed);
+        self.frees = self.tc.frees.load(Relaxed);
+        self.bulk_allocs = self.tc.bulk_allocs.load(Relaxed);
+        self.bulk_frees = self.tc.bulk_frees.load(Relaxed);
+    }
+
+    #[inline(always)]
+    fn count(c: &mut u64, shared: &AtomicU64, n: u64) {
+        *c += n;
+        shared.store(*c, Relaxed);
     }
 
     /// Allocate a block of 2^`order` frames (as
@@ -98,12 +151,14 @@ impl LocalAllocator {
     /// **Context / Returns:** as [`PageAllocator::alloc_pages`].
     #[inline]
     pub fn alloc_pages(&mut self, gfp: Gfp, order: u32) -> Option<Page> {
-        if order <= PCP_MAX_ORDER && self.fast(gfp) {
-            // SAFETY: `&mut self` makes this caller the cache's only user.
-            if let Some(p) = unsafe { self.tc.pop(order) } {
-                bump(&self.tc.allocs, 1);
-                return Some(p);
-            }
+        if order == 0 && self.len > 0 && self.fast(gfp) {
+            self.len -= 1;
+            // SAFETY: slots below the old `len` are initialised, and the
+            // handle is the cache's only user.
+            let p = unsafe { self.buf.add(self.len).read() };
+            self.publish();
+            Self::count(&mut self.allocs, &self.tc.allocs, 1);
+            return Some(p);
         }
         self.alloc_pages_slow(gfp, order)
     }
@@ -112,16 +167,19 @@ impl LocalAllocator {
     #[inline(never)]
     fn alloc_pages_slow(&mut self, gfp: Gfp, order: u32) -> Option<Page> {
         let core = self.alloc.core();
-        if order <= PCP_MAX_ORDER
-            && self.tc.cap[0] > 0
+        let p = if order <= PCP_MAX_ORDER
+            && self.cap > 0
             && !self.alloc.fault().is_enabled()
             && !gfp.contains(Gfp::MOVABLE)
         {
-            if let Some(p) = core.tcache_alloc(&self.tc, order) {
-                return Some(core.prep_new_page(p, order, gfp));
-            }
-        }
-        core.alloc_uncached(gfp, order)
+            core.tcache_alloc(&self.tc, order)
+                .map(|p| core.prep_new_page(p, order, gfp))
+                .or_else(|| core.alloc_uncached(gfp, order))
+        } else {
+            core.alloc_uncached(gfp, order)
+        };
+        self.reload();
+        p
     }
 
     /// Free a block allocated with this order (by this handle, another
@@ -130,12 +188,14 @@ impl LocalAllocator {
     /// **Context:** never blocks. With checks on, a double free panics.
     #[inline]
     pub fn free_pages(&mut self, page: Page, order: u32) {
-        if order == 0 && !self.checks {
-            // SAFETY: as in `alloc_pages`.
-            if unsafe { self.tc.push(0, page) } {
-                bump(&self.tc.frees, 1);
-                return;
-            }
+        if order == 0 && !self.checks && self.len < self.cap {
+            // SAFETY: the slot is inside the buffer; the handle is the
+            // cache's only user.
+            unsafe { self.buf.add(self.len).write(page) };
+            self.len += 1;
+            self.publish();
+            Self::count(&mut self.frees, &self.tc.frees, 1);
+            return;
         }
         self.free_pages_slow(page, order)
     }
@@ -147,11 +207,12 @@ impl LocalAllocator {
         if order > 0 || self.checks {
             core.free_prep(page, order);
         }
-        if order <= PCP_MAX_ORDER && self.tc.cap[0] > 0 {
+        if order <= PCP_MAX_ORDER && self.cap > 0 {
             core.tcache_free(&self.tc, page, order);
         } else {
             core.free_uncached(page, order);
         }
+        self.reload();
     }
 
     /// Append `nr` order-0 pages to `out` (DPDK's `rte_mempool_get_bulk`,
@@ -161,12 +222,19 @@ impl LocalAllocator {
     /// were appended.
     #[inline]
     pub fn alloc_bulk(&mut self, gfp: Gfp, nr: usize, out: &mut Vec<Page>) -> usize {
-        if nr <= self.tc.len(0) && self.fast(gfp) {
-            // SAFETY: as in `alloc_pages`; the slice is copied out before the
-            // cache is touched again.
-            out.extend_from_slice(unsafe { self.tc.take_top(0, nr) });
-            bump(&self.tc.allocs, nr as u64);
-            bump(&self.tc.bulk_allocs, 1);
+        if nr <= self.len && self.fast(gfp) {
+            out.reserve(nr);
+            let at = self.len - nr;
+            // SAFETY: slots `at..len` are initialised; `out` has room for
+            // `nr` more; the two buffers are different allocations.
+            unsafe {
+                copy_pages(out.as_mut_ptr().add(out.len()), self.buf.add(at), nr);
+                out.set_len(out.len() + nr);
+            }
+            self.len = at;
+            self.publish();
+            Self::count(&mut self.allocs, &self.tc.allocs, nr as u64);
+            Self::count(&mut self.bulk_allocs, &self.tc.bulk_allocs, 1);
             return nr;
         }
         self.alloc_bulk_slow(gfp, nr, out)
@@ -175,12 +243,12 @@ impl LocalAllocator {
     #[cold]
     #[inline(never)]
     fn alloc_bulk_slow(&mut self, gfp: Gfp, nr: usize, out: &mut Vec<Page>) -> usize {
-        bump(&self.tc.bulk_allocs, 1);
+        Self::count(&mut self.bulk_allocs, &self.tc.bulk_allocs, 1);
         let start = out.len();
-        if !self.fast(gfp) || self.tc.cap[0] == 0 {
+        out.reserve(nr);
+        if !self.fast(gfp) || self.cap == 0 {
             // Every page a separate attempt with every check: callers see
             // partial fills under fault injection.
-            out.reserve(nr);
             while out.len() - start < nr {
                 match self.alloc_pages(gfp, 0) {
                     Some(p) => out.push(p),
@@ -190,29 +258,25 @@ impl LocalAllocator {
             return out.len() - start;
         }
         let core = self.alloc.core();
-        out.reserve(nr);
+        let tc = &*self.tc;
         // What the cache holds, then whole batches: a magazine from the
         // depot or a refill from this CPU's list for small requests, one
         // hold of the list for large ones.
-        let mut tries = 0;
-        while out.len() - start < nr {
+        for _ in 0..3 {
             let want = nr - (out.len() - start);
-            let k = self.tc.len(0).min(want);
-            // SAFETY: as in `alloc_bulk`.
-            out.extend_from_slice(unsafe { self.tc.take_top(0, k) });
-            bump(&self.tc.allocs, k as u64);
+            let k = tc.len(0).min(want);
+            // SAFETY: the handle is the cache's only user; the slice is
+            // copied out before the cache is touched again.
+            out.extend_from_slice(unsafe { tc.take_top(0, k) });
+            bump(&tc.allocs, k as u64);
             if k == want {
                 break;
             }
             let rest = want - k;
-            if rest > self.tc.cap[0] / 2 {
+            if rest > self.cap / 2 {
                 core.take_fast(0, rest, |run| out.extend_from_slice(run));
-            } else if let Some(p) = core.tcache_refill(&self.tc, 0) {
+            } else if let Some(p) = core.tcache_refill(tc, 0) {
                 out.push(p);
-            }
-            tries += 1;
-            if tries > 2 {
-                break;
             }
         }
         // Whatever is still missing, one page at a time through the full
@@ -223,6 +287,7 @@ impl LocalAllocator {
                 None => break,
             }
         }
+        self.reload();
         out.len() - start
     }
 
@@ -233,11 +298,14 @@ impl LocalAllocator {
     #[inline]
     pub fn free_bulk(&mut self, pages: &mut Vec<Page>) {
         let n = pages.len();
-        if !self.checks && n <= self.tc.cap[0] - self.tc.len(0) {
-            // SAFETY: as in `alloc_pages`; the pages fit.
-            unsafe { self.tc.extend(0, pages) };
-            bump(&self.tc.frees, n as u64);
-            bump(&self.tc.bulk_frees, 1);
+        if !self.checks && n <= self.cap - self.len {
+            // SAFETY: the pages fit above `len`; the buffers are different
+            // allocations; the handle is the cache's only user.
+            unsafe { copy_pages(self.buf.add(self.len), pages.as_ptr(), n) };
+            self.len += n;
+            self.publish();
+            Self::count(&mut self.frees, &self.tc.frees, n as u64);
+            Self::count(&mut self.bulk_frees, &self.tc.bulk_frees, 1);
             pages.clear();
             return;
         }
@@ -247,32 +315,34 @@ impl LocalAllocator {
     #[cold]
     #[inline(never)]
     fn free_bulk_slow(&mut self, pages: &mut Vec<Page>) {
-        bump(&self.tc.bulk_frees, 1);
+        Self::count(&mut self.bulk_frees, &self.tc.bulk_frees, 1);
         let core = self.alloc.core();
+        let tc = &*self.tc;
         if self.checks {
             for &p in pages.iter() {
                 core.free_prep(p, 0);
             }
         }
-        let room = (self.tc.cap[0] - self.tc.len(0)).min(pages.len());
-        // SAFETY: as in `alloc_pages`; `room` pages fit.
-        unsafe { self.tc.extend(0, &pages[..room]) };
-        bump(&self.tc.frees, room as u64);
+        let room = (self.cap - tc.len(0)).min(pages.len());
+        // SAFETY: the handle is the cache's only user; `room` pages fit.
+        unsafe { tc.extend(0, &pages[..room]) };
+        bump(&tc.frees, room as u64);
         let rest = &pages[room..];
         if !rest.is_empty() {
-            if rest.len() <= self.tc.cap[0] / 2 {
+            if rest.len() <= self.cap / 2 {
                 // Make room by handing the oldest half on (a magazine to the
                 // depot), then cache the rest: the next allocation finds
                 // them warm.
-                core.tcache_flush(&self.tc, 0);
+                core.tcache_flush(tc, 0);
                 // SAFETY: as above; the flush freed half the cache.
-                unsafe { self.tc.extend(0, rest) };
-                bump(&self.tc.frees, rest.len() as u64);
+                unsafe { tc.extend(0, rest) };
+                bump(&tc.frees, rest.len() as u64);
             } else {
                 core.give_pages(0, rest);
             }
         }
         pages.clear();
+        self.reload();
     }
 
     /// Give every cached page back to the per-CPU lists.
@@ -280,6 +350,7 @@ impl LocalAllocator {
     /// **Context:** never blocks.
     pub fn flush(&mut self) {
         self.alloc.core().tcache_flush_all(&self.tc);
+        self.reload();
     }
 }
 

@@ -75,9 +75,19 @@ impl Tcache {
     }
 
     #[inline]
-    fn set_len(&self, order: u32, n: usize) {
+    pub(crate) fn set_len(&self, order: u32, n: usize) {
         debug_assert!(n <= self.cap[order as usize]);
         self.lens[order as usize].store(n, Relaxed);
+    }
+
+    /// The stack of `order` as a raw pointer to its first slot (the buffer
+    /// never moves while the cache lives).
+    ///
+    /// # Safety
+    /// Owner only; writes through it must keep `len` slots initialised.
+    #[inline]
+    pub(crate) unsafe fn raw(&self, order: u32) -> *mut Page {
+        self.buf(order).as_mut_ptr().cast::<Page>()
     }
 
     /// Pop the most recently cached block.

@@ -29,7 +29,7 @@ fn assert_consistent(s: &Stats) {
         "free blocks by order must add up to the zone's free pages"
     );
     assert_eq!(
-        s.free_pages + s.pcp_pages + s.thread_cache_pages + s.in_use_pages,
+        s.free_pages + s.depot_pages + s.pcp_pages + s.thread_cache_pages + s.in_use_pages,
         s.total_pages
     );
 }
