@@ -6,10 +6,19 @@
  * 4 KiB buffers, the first byte of each written, LIFO reuse, warm caches —
  * single-threaded at each batch size and multi-threaded with producer /
  * consumer pairs (allocated on one thread, freed on another). Must never:
- * report a figure it did not time; it prints one JSON object per result.
+ * report a figure it did not time, or a multi-thread figure whose clock
+ * failed its check without saying so; it prints one JSON object per result.
+ *
+ * Multi-thread clock: every worker reads the monotonic clock and its own
+ * thread CPU time right after the start barrier and again when it is done.
+ * The interval is the latest end minus the earliest start. The main thread
+ * takes no time itself: with as many threads as cores it may not run again
+ * until the workers are nearly done, and would time the wrong interval.
  *
  * Usage: peer-NAME PAGES_PER_RUN MT_PAGES_PER_PAIR "b1,b2,..." "t1,t2,..." "mb1,mb2,..."
- * Batch 0 means the single-object API.
+ * Batch 0 means the single-object API. Multi-thread lines carry
+ * ns_per_page (wall per page per pair), pages_per_s (all pairs together),
+ * cpu_ns_per_page (the workers' CPU time per page) and clock_check.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -20,10 +29,15 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #define PAGE 4096
 #define MAX_BATCH 1024
 #define RING 1024 /* slots per producer/consumer ring, a power of two */
+#define MAX_LIST 32 /* entries of each comma list on the command line */
+/* How far the workers' CPU time may exceed threads x interval before the
+ * clock is called wrong (clock granularity, a worker's last slice). */
+#define CLOCK_SLACK 1.10
 
 #if defined(PEER_GLIBC)
 #define PEER_NAME "glibc"
@@ -58,6 +72,19 @@ static void peer_free(void *p) { tc_free(p); }
 #endif
 #define PEER_BULK 1
 static struct rte_mempool *mp;
+/* Objects the pool needs: every ring full, a batch in each worker's hands,
+ * and a full per-lcore cache (at most twice its size) for every thread. */
+static unsigned pool_need(unsigned max_threads, unsigned max_batch) {
+    unsigned b = max_batch ? max_batch : 1;
+    return max_threads / 2 * (RING + 2 * b) + (max_threads + 1) * 2 * RTE_MEMPOOL_CACHE_MAX_SIZE;
+}
+/* The smallest 2^q - 1 (the size DPDK advises) holding at least `floor`
+ * and `need` objects. */
+static unsigned pool_size(unsigned floor, unsigned need) {
+    unsigned n = floor;
+    while (n < need) n = 2 * n + 1;
+    return n;
+}
 static void *peer_alloc(void) { void *p; return rte_mempool_get(mp, &p) ? NULL : p; }
 static void peer_free(void *p) { rte_mempool_put(mp, p); }
 static int peer_alloc_bulk(void **v, unsigned n) { return rte_mempool_get_bulk(mp, v, n); }
@@ -88,29 +115,41 @@ static void peer_free_bulk(void **v, unsigned n) {
  * give: 8 KiB strides (a 64-byte header, then the buffer on a page
  * boundary), no spreading padding, over memory we place ourselves. */
 #define ALIGNED_N 8191
-static struct rte_mempool *aligned_pool_at(size_t shift) {
+#define PROBE_N 63
+static struct rte_mempool *aligned_pool_at(unsigned n, size_t shift, char **mem_out, size_t *len_out) {
     static int gen;
     char name[32];
     snprintf(name, sizeof name, "peer-aligned-%d", gen++);
-    struct rte_mempool *p = rte_mempool_create_empty(name, ALIGNED_N, 2 * PAGE - 64, RTE_MEMPOOL_CACHE_MAX_SIZE, 0,
-                                                     SOCKET_ID_ANY,
+    /* The probe is too small for a cache (DPDK wants n >= 1.5 x cache). */
+    unsigned cache = n == PROBE_N ? 0 : RTE_MEMPOOL_CACHE_MAX_SIZE;
+    struct rte_mempool *p = rte_mempool_create_empty(name, n, 2 * PAGE - 64, cache, 0, SOCKET_ID_ANY,
                                                      RTE_MEMPOOL_F_NO_SPREAD | RTE_MEMPOOL_F_NO_IOVA_CONTIG);
     if (!p || rte_mempool_set_ops_byname(p, "ring_mp_mc", NULL)) return NULL;
-    size_t len = (size_t)(ALIGNED_N + 2) * 2 * PAGE;
+    size_t len = (size_t)(n + 2) * 2 * PAGE;
     char *mem = mmap(NULL, len + PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
     if (mem == MAP_FAILED) return NULL;
-    if (rte_mempool_populate_iova(p, mem + shift, RTE_BAD_IOVA, len, NULL, NULL) < (int)ALIGNED_N) return NULL;
+    if (rte_mempool_populate_iova(p, mem + shift, RTE_BAD_IOVA, len, NULL, NULL) < (int)n) return NULL;
+    if (mem_out) {
+        *mem_out = mem;
+        *len_out = len + PAGE;
+    }
     return p;
 }
-static struct rte_mempool *aligned_pool(void) {
-    /* Find where DPDK puts the first buffer relative to the memory given,
-     * then build the pool shifted so that buffers start on pages. */
-    struct rte_mempool *probe = aligned_pool_at(0);
+static struct rte_mempool *aligned_pool(unsigned n) {
+    /* Find where DPDK puts the first buffer relative to the memory given
+     * (the same for any pool size: one header, then the object), then build
+     * the pool shifted so that buffers start on pages. The probe is small
+     * and freed, so only the real pool's memory stays populated. */
+    char *probe_mem;
+    size_t probe_len;
+    struct rte_mempool *probe = aligned_pool_at(PROBE_N, 0, &probe_mem, &probe_len);
     void *obj;
     if (!probe || rte_mempool_get(probe, &obj)) return NULL;
     size_t off = (uintptr_t)obj % PAGE;
     rte_mempool_put(probe, obj);
-    struct rte_mempool *p = aligned_pool_at(off ? PAGE - off : 0);
+    rte_mempool_free(probe);
+    munmap(probe_mem, probe_len);
+    struct rte_mempool *p = aligned_pool_at(n, off ? PAGE - off : 0, NULL, NULL);
     if (!p || rte_mempool_get(p, &obj)) return NULL;
     if ((uintptr_t)obj % PAGE) {
         fprintf(stderr, "could not page-align DPDK buffers (offset %zu)\n", (size_t)((uintptr_t)obj % PAGE));
@@ -131,15 +170,32 @@ static void thread_init(void) {
 #endif
 }
 
-static double now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e9 + ts.tv_nsec;
+/* A worker's goodbye, after its timed span. DPDK keeps an lcore id and its
+ * cache after the thread exits: without this, every pass would strand up to
+ * a cache of buffers per thread and use up the lcore ids. */
+static void thread_exit(void) {
+#if defined(PEER_DPDK)
+    rte_mempool_cache_flush(NULL, mp);
+    rte_thread_unregister();
+#endif
 }
+
+static uint64_t clock_ns(clockid_t clock) {
+    struct timespec ts;
+    clock_gettime(clock, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static double now_ns(void) { return (double)clock_ns(CLOCK_MONOTONIC); }
 
 static void die(const char *what) {
     fprintf(stderr, "%s: %s failed\n", PEER_NAME, what);
     exit(2);
+}
+
+static void bad_arg(const char *why) {
+    fprintf(stderr, "%s: %s\n", PEER_NAME, why);
+    exit(64);
 }
 
 /* One timed single-thread pass; returns ns per page. */
@@ -172,11 +228,29 @@ struct ring {
     _Alignas(64) void *slot[RING];
 };
 
+/* One worker's clocks over its timed span: monotonic start and end, and its
+ * own CPU time in between (read inside the wall span, so never longer). */
+struct span {
+    uint64_t start, end, cpu;
+    uint64_t cpu0; /* private: CPU clock at the start */
+};
+
+static void span_begin(struct span *s) {
+    s->start = clock_ns(CLOCK_MONOTONIC);
+    s->cpu0 = clock_ns(CLOCK_THREAD_CPUTIME_ID);
+}
+
+static void span_end(struct span *s) {
+    s->cpu = clock_ns(CLOCK_THREAD_CPUTIME_ID) - s->cpu0;
+    s->end = clock_ns(CLOCK_MONOTONIC);
+}
+
 struct pair {
     struct ring ring;
     unsigned batch;
     uint64_t pages;
     pthread_barrier_t *start;
+    struct span producer, consumer;
 };
 
 static void *producer(void *arg) {
@@ -185,6 +259,7 @@ static void *producer(void *arg) {
     unsigned b = pp->batch ? pp->batch : 1;
     thread_init();
     pthread_barrier_wait(pp->start);
+    span_begin(&pp->producer);
     uint64_t head = 0;
     for (uint64_t done = 0; done < pp->pages; done += b) {
         if (pp->batch == 0) {
@@ -199,6 +274,8 @@ static void *producer(void *arg) {
         head += b;
         atomic_store_explicit(&pp->ring.head, head, memory_order_release);
     }
+    span_end(&pp->producer);
+    thread_exit();
     return NULL;
 }
 
@@ -208,6 +285,7 @@ static void *consumer(void *arg) {
     unsigned b = pp->batch ? pp->batch : 1;
     thread_init();
     pthread_barrier_wait(pp->start);
+    span_begin(&pp->consumer);
     uint64_t tail = 0;
     for (uint64_t done = 0; done < pp->pages; done += b) {
         while (atomic_load_explicit(&pp->ring.head, memory_order_acquire) - tail < b) sched_yield();
@@ -219,11 +297,46 @@ static void *consumer(void *arg) {
         else
             peer_free_bulk(v, b);
     }
+    span_end(&pp->consumer);
+    thread_exit();
     return NULL;
 }
 
-/* One timed multi-thread pass with threads/2 pairs; returns wall ns per page per pair. */
-static double run_mt(unsigned threads, unsigned batch, uint64_t pages) {
+struct mt_result {
+    double ns_per_page;     /* interval / pages per pair */
+    double pages_per_s;     /* pairs x pages per pair / interval */
+    double cpu_ns_per_page; /* the workers' CPU time / pages of all pairs */
+    double busy_cpus;       /* the workers' CPU time / interval */
+    unsigned cpu_bound;     /* min(threads, online CPUs) */
+    int clock_ok;           /* busy_cpus <= cpu_bound x CLOCK_SLACK */
+};
+
+/* The figures of one pass from its workers' spans. */
+static struct mt_result mt_figures(unsigned threads, uint64_t pages, const struct pair *pp, unsigned pairs) {
+    uint64_t first = UINT64_MAX, last = 0;
+    double cpu = 0;
+    for (unsigned i = 0; i < pairs; i++) {
+        const struct span *s[2] = {&pp[i].producer, &pp[i].consumer};
+        for (int k = 0; k < 2; k++) {
+            if (s[k]->start < first) first = s[k]->start;
+            if (s[k]->end > last) last = s[k]->end;
+            cpu += (double)s[k]->cpu;
+        }
+    }
+    double interval = last > first ? (double)(last - first) : 1.0;
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    struct mt_result r;
+    r.ns_per_page = interval / (double)pages;
+    r.pages_per_s = (double)pairs * (double)pages / interval * 1e9;
+    r.cpu_ns_per_page = cpu / ((double)pairs * (double)pages);
+    r.busy_cpus = cpu / interval;
+    r.cpu_bound = online > 0 && (unsigned long)online < threads ? (unsigned)online : threads;
+    r.clock_ok = r.busy_cpus <= r.cpu_bound * CLOCK_SLACK;
+    return r;
+}
+
+/* One timed multi-thread pass with threads/2 pairs. */
+static struct mt_result run_mt(unsigned threads, unsigned batch, uint64_t pages) {
     unsigned pairs = threads / 2;
     unsigned b = batch ? batch : 1;
     pages = pages / b * b;
@@ -231,7 +344,8 @@ static double run_mt(unsigned threads, unsigned batch, uint64_t pages) {
     pthread_t *tid = calloc(2 * pairs, sizeof(pthread_t));
     pthread_barrier_t start;
     if (!pp || !tid) die("malloc");
-    pthread_barrier_init(&start, NULL, 2 * pairs + 1);
+    /* Only the workers meet at the barrier: each starts its own clock. */
+    pthread_barrier_init(&start, NULL, 2 * pairs);
     for (unsigned i = 0; i < pairs; i++) {
         memset(&pp[i], 0, sizeof pp[i]);
         pp[i].batch = batch;
@@ -240,21 +354,26 @@ static double run_mt(unsigned threads, unsigned batch, uint64_t pages) {
         pthread_create(&tid[2 * i], NULL, producer, &pp[i]);
         pthread_create(&tid[2 * i + 1], NULL, consumer, &pp[i]);
     }
-    pthread_barrier_wait(&start);
-    double t0 = now_ns();
     for (unsigned i = 0; i < 2 * pairs; i++) pthread_join(tid[i], NULL);
-    double ns = now_ns() - t0;
+    struct mt_result r = mt_figures(threads, pages, pp, pairs);
     pthread_barrier_destroy(&start);
     free(tid);
     free(pp);
-    return ns / (double)pages;
+    if (!r.clock_ok)
+        fprintf(stderr,
+                "%s: WARNING: clock check FAILED at %u threads, batch %u: the workers were busy %.2f CPUs "
+                "on average, more than the %u that can run them (+10%%); these figures are wrong\n",
+                PEER_NAME, threads, batch, r.busy_cpus, r.cpu_bound);
+    return r;
 }
 
 static unsigned parse_list(const char *s, unsigned *out, unsigned max) {
     unsigned n = 0;
     char *copy = strdup(s), *save = NULL;
-    for (char *tok = strtok_r(copy, ",", &save); tok && n < max; tok = strtok_r(NULL, ",", &save))
+    for (char *tok = strtok_r(copy, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        if (n == max) bad_arg("a list has more than 32 entries"); /* never drop entries silently */
         out[n++] = (unsigned)strtoul(tok, NULL, 10);
+    }
     free(copy);
     return n;
 }
@@ -265,26 +384,50 @@ int main(int argc, char **argv) {
         return 64;
     }
     uint64_t pages = strtoull(argv[1], NULL, 10), mt_pages = strtoull(argv[2], NULL, 10);
-    unsigned batches[32], threads[32], mt_batches[32];
-    unsigned nb = parse_list(argv[3], batches, 32), nt = parse_list(argv[4], threads, 32),
-             nmb = parse_list(argv[5], mt_batches, 32);
+    unsigned batches[MAX_LIST], threads[MAX_LIST], mt_batches[MAX_LIST];
+    unsigned nb = parse_list(argv[3], batches, MAX_LIST), nt = parse_list(argv[4], threads, MAX_LIST),
+             nmb = parse_list(argv[5], mt_batches, MAX_LIST);
+    unsigned max_threads = 0, max_mt_batch = 0;
     for (unsigned i = 0; i < nb; i++)
-        if (batches[i] > MAX_BATCH) die("batch size above 1024");
+        if (batches[i] > MAX_BATCH) bad_arg("batch size above 1024");
+    for (unsigned i = 0; i < nmb; i++) {
+        if (mt_batches[i] > MAX_BATCH) bad_arg("batch size above 1024");
+        if (mt_batches[i] > max_mt_batch) max_mt_batch = mt_batches[i];
+    }
+    for (unsigned i = 0; i < nt; i++) {
+        if (threads[i] < 2 || threads[i] % 2) bad_arg("thread counts must be even (producer/consumer pairs)");
+        if (threads[i] > max_threads) max_threads = threads[i];
+    }
+    (void)max_threads, (void)max_mt_batch; /* only DPDK sizes its pool */
 #if defined(PEER_DPDK)
-    char *eal[] = {"peer-dpdk", "--no-huge", "--no-pci", "--no-shconf", "--no-telemetry", "-m", "512",
+    /* A pool that cannot hold what the largest pass keeps in flight would
+     * run dry and end the process: size it for the thread counts asked. */
+    unsigned need = pool_need(max_threads, max_mt_batch);
+#if defined(PEER_DPDK_ALIGNED)
+    unsigned pool_n = pool_size(ALIGNED_N, need);
+    unsigned eal_mb = 512; /* the aligned pool lives in memory we map */
+#else
+    unsigned pool_n = pool_size(16383, need);
+    /* EAL memory for the pool's objects (4 KiB, header and padding). */
+    unsigned eal_mb = (unsigned)((uint64_t)pool_n * 5 * 1024 / (1 << 20)) + 256;
+    if (eal_mb < 512) eal_mb = 512;
+#endif
+    char eal_m[16];
+    snprintf(eal_m, sizeof eal_m, "%u", eal_mb);
+    char *eal[] = {"peer-dpdk", "--no-huge", "--no-pci", "--no-shconf", "--no-telemetry", "-m", eal_m,
                    "-l", "0", "--log-level", "lib.eal:error", NULL};
     if (rte_eal_init((int)(sizeof eal / sizeof eal[0]) - 1, eal) < 0) {
         fprintf(stderr, "rte_eal_init: %s\n", rte_strerror(rte_errno));
         return 3;
     }
 #if defined(PEER_DPDK_ALIGNED)
-    mp = aligned_pool();
+    mp = aligned_pool(pool_n);
 #else
-    /* 16Ki buffers of 4 KiB with the largest per-lcore cache DPDK allows.
-     * DPDK places each object after a 64-byte header and pads objects so
-     * they spread over memory channels: the buffers are cache-line aligned,
-     * not page aligned. */
-    mp = rte_mempool_create("peer", 16383, PAGE, RTE_MEMPOOL_CACHE_MAX_SIZE, 0, NULL, NULL, NULL, NULL,
+    /* 16Ki buffers of 4 KiB (more where the thread counts need them) with
+     * the largest per-lcore cache DPDK allows. DPDK places each object
+     * after a 64-byte header and pads objects so they spread over memory
+     * channels: the buffers are cache-line aligned, not page aligned. */
+    mp = rte_mempool_create("peer", pool_n, PAGE, RTE_MEMPOOL_CACHE_MAX_SIZE, 0, NULL, NULL, NULL, NULL,
                             SOCKET_ID_ANY, 0);
 #endif
     if (!mp) {
@@ -299,9 +442,13 @@ int main(int argc, char **argv) {
         printf("{\"peer\":\"%s\",\"mode\":\"st\",\"batch\":%u,\"ns_per_page\":%.4f}\n", PEER_NAME, batches[i],
                run_st(batches[i], pages));
     for (unsigned t = 0; t < nt; t++)
-        for (unsigned i = 0; i < nmb; i++)
-            printf("{\"peer\":\"%s\",\"mode\":\"mt\",\"threads\":%u,\"batch\":%u,\"ns_per_page\":%.4f}\n", PEER_NAME,
-                   threads[t], mt_batches[i], run_mt(threads[t], mt_batches[i], mt_pages));
+        for (unsigned i = 0; i < nmb; i++) {
+            struct mt_result r = run_mt(threads[t], mt_batches[i], mt_pages);
+            printf("{\"peer\":\"%s\",\"mode\":\"mt\",\"threads\":%u,\"batch\":%u,\"ns_per_page\":%.4f,"
+                   "\"pages_per_s\":%.1f,\"cpu_ns_per_page\":%.4f,\"clock_check\":\"%s\"}\n",
+                   PEER_NAME, threads[t], mt_batches[i], r.ns_per_page, r.pages_per_s, r.cpu_ns_per_page,
+                   r.clock_ok ? "ok" : "failed");
+        }
     fflush(stdout);
     return 0;
 }

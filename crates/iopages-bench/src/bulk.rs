@@ -6,9 +6,17 @@
 //! lists only (`thread_cache_pages(0)`), so the thread cache's effect is
 //! measured rather than assumed. The kernel's published figures are printed
 //! beside them as a reference; they were measured on other machines.
+//!
+//! Then the peers (see `peers`): the same workloads with each page's first
+//! byte written, one thread at every batch, and producer/consumer pairs
+//! across threads (2, 4, 8, 16 by default, more threads than cores on
+//! purpose) at the single-object API and batch 64. Each multi-thread point
+//! has three figures — wall ns per page per pair, aggregate pages/s and CPU
+//! ns per page — and a clock check. Must never: hide a failed clock check,
+//! or assert a timing; targets are reported as met or not.
 
 use crate::measure::{median, time_once, tsc_ghz, Sample, Summary};
-use crate::peers::{self, PeerState, PEERS};
+use crate::peers::{self, PeerResult, PeerState, PEERS};
 use crate::plot::{line_plot, Series};
 use crate::{met, round2};
 use crate::{progress, write_json, BenchError, BenchOptions};
@@ -43,30 +51,125 @@ pub const KERNEL_2021: [(usize, f64); 2] = [(64, 97.0), (128, 99.0)];
 
 /// Batch sizes of the multi-thread part (0 = the single-object API).
 pub const MT_BATCHES: [usize; 2] = [0, 64];
+/// Thread counts of the multi-thread part unless `--threads` says: the
+/// same on every machine, so more threads than cores where there are fewer
+/// than 16 (the oversubscribed case is one the allocator must handle).
+pub const DEFAULT_MT_THREADS: [usize; 4] = [2, 4, 8, 16];
+/// Most threads one multi-thread point may have.
+pub const MAX_MT_THREADS: usize = 1024;
+/// Most thread counts in one run (the C harness reads at most 32).
+pub const MAX_MT_THREAD_COUNTS: usize = 32;
 /// Target: iopages at least this many times faster than the best peer at
 /// every batch size.
 pub const TARGET_MIN_RATIO: f64 = 1.3;
+/// Target: iopages at least as fast as the best page-aligned peer at every
+/// batch, one thread; the moonshot is [`MOONSHOT_MIN_RATIO_PAGE_ALIGNED`].
+pub const TARGET_MIN_RATIO_PAGE_ALIGNED: f64 = 1.0;
+/// Moonshot for the ratio vs the best page-aligned peer.
+pub const MOONSHOT_MIN_RATIO_PAGE_ALIGNED: f64 = 1.3;
+/// Target: the single-page API this many times faster than the best peer's
+/// single-object API, one thread.
+pub const TARGET_SINGLE_PAGE_RATIO: f64 = 1.3;
+/// Target: one producer/consumer pair at least as fast as DPDK's mempool
+/// with page-aligned buffers, single and batch 64.
+pub const TARGET_CROSS_THREAD_VS_DPDK_ALIGNED: f64 = 1.0;
+/// Target: aggregate pages/s at [`SCALING_TARGET_THREADS`] threads at
+/// least this fraction of that at 2 threads, on a machine with fewer CPUs
+/// than threads (oversubscribed: the total cannot grow, it must not fall).
+pub const TARGET_AGGREGATE_SCALING: f64 = 0.8;
+/// The thread count of the scaling target.
+pub const SCALING_TARGET_THREADS: usize = 16;
+/// The peer of the cross-thread target.
+const DPDK_ALIGNED: &str = "dpdk-aligned";
 
 /// Peers whose buffers are not page aligned (DPDK's default layout puts a
 /// 64-byte header before each 4 KiB buffer and pads for memory channels).
 const UNALIGNED_PEERS: [&str; 1] = ["dpdk"];
 
+/// The runs of one point: ns per page (multi-thread: wall per page per
+/// pair) and, multi-thread only, aggregate pages/s, CPU ns per page and how
+/// many runs failed the clock check.
+#[derive(Default)]
+struct Samples {
+    ns: Vec<f64>,
+    pages_per_s: Vec<f64>,
+    cpu_ns_per_page: Vec<f64>,
+    clock_failed: usize,
+}
+
 /// Samples by allocator, then by (threads, batch): `None` threads is the
 /// single-thread part; batch 0 the single-object API.
-type Runs = BTreeMap<String, BTreeMap<(Option<usize>, usize), Vec<f64>>>;
+type Runs = BTreeMap<String, BTreeMap<(Option<usize>, usize), Samples>>;
 
-/// Thread counts of the multi-thread part: 2, 4, 8, … up to the CPUs.
-fn mt_thread_counts() -> Vec<usize> {
-    let cpus = std::thread::available_parallelism()
-        .map_or(2, |n| n.get())
-        .max(2);
-    let mut v: Vec<usize> = std::iter::successors(Some(2usize), |t| Some(t * 2))
-        .take_while(|&t| t <= cpus)
-        .collect();
-    if cpus % 2 == 0 && !v.contains(&cpus) {
-        v.push(cpus);
+/// Add one result of `who` to `runs`; a failed clock check is said aloud
+/// at once (and kept, for the table and the JSON).
+fn record(runs: &mut Runs, who: &str, r: &PeerResult, online: usize) {
+    let s = runs
+        .entry(who.to_string())
+        .or_default()
+        .entry((r.threads, r.batch))
+        .or_default();
+    s.ns.push(r.ns_per_page);
+    let Some(mt) = r.mt else {
+        return;
+    };
+    s.pages_per_s.push(mt.pages_per_s);
+    s.cpu_ns_per_page.push(mt.cpu_ns_per_page);
+    if !mt.clock_ok {
+        s.clock_failed += 1;
+        let t = r.threads.unwrap_or(0);
+        progress(
+            "bulk",
+            format!(
+                "WARNING: CLOCK CHECK FAILED: {who} at {t} threads, batch {}: the workers were busy {:.2} CPUs on average, more than min({t} threads, {online} CPUs online) allows (+10%); this point's interval is wrong",
+                batch_key(r.batch),
+                mt.busy_cpus()
+            ),
+        );
     }
-    v
+}
+
+/// The thread counts of the multi-thread part: `asked` (from `--threads`)
+/// or [`DEFAULT_MT_THREADS`], sorted, each even (threads come in
+/// producer/consumer pairs).
+pub fn mt_threads(asked: Option<&[usize]>) -> Result<Vec<usize>, BenchError> {
+    let mut v = asked.map_or_else(|| DEFAULT_MT_THREADS.to_vec(), <[usize]>::to_vec);
+    let example = "for example `iopages bench bulk --threads 2,4,8,16`";
+    if v.is_empty() {
+        return Err(BenchError::Workload(format!(
+            "--threads needs at least one thread count ({example})"
+        )));
+    }
+    if let Some(&odd) = v.iter().find(|&&t| t % 2 == 1 || t == 0) {
+        return Err(BenchError::Workload(format!(
+            "bulk runs producer/consumer pairs, so every --threads count must be even and at least 2, not {odd} ({example})"
+        )));
+    }
+    if let Some(&big) = v.iter().find(|&&t| t > MAX_MT_THREADS) {
+        return Err(BenchError::Workload(format!(
+            "--threads {big} is more than bulk runs ({MAX_MT_THREADS} at most)"
+        )));
+    }
+    v.sort_unstable();
+    v.dedup();
+    if v.len() > MAX_MT_THREAD_COUNTS {
+        return Err(BenchError::Workload(format!(
+            "--threads gives {} thread counts; bulk runs at most {MAX_MT_THREAD_COUNTS}",
+            v.len()
+        )));
+    }
+    Ok(v)
+}
+
+/// Arena size for the iopages configurations: 64 MiB, or more where the
+/// largest multi-thread point would otherwise run the arena dry (every ring
+/// full, a batch in each worker's hands, and each thread's cache), with
+/// room to spare for the per-CPU lists, the depot and the watermarks.
+fn arena_bytes_for(max_threads: usize) -> u64 {
+    const STEP: u64 = 64 << 20;
+    let in_flight = peers::mt_pages_in_flight(max_threads, *MT_BATCHES.iter().max().unwrap_or(&1))
+        + max_threads as u64 * 256;
+    (2 * in_flight * 4096).div_ceil(STEP).max(1) * STEP
 }
 
 fn batch_key(b: usize) -> String {
@@ -77,12 +180,62 @@ fn batch_key(b: usize) -> String {
     }
 }
 
+/// Medians of one multi-thread point over its runs.
+#[derive(Clone, Copy, Debug)]
+struct MtPoint {
+    /// Wall ns per page per pair.
+    ns: f64,
+    /// Aggregate pages/s (all pairs).
+    pages_per_s: f64,
+    /// The workers' CPU ns per page.
+    cpu_ns_per_page: f64,
+    /// Runs that failed the clock check.
+    clock_failed: usize,
+    runs: usize,
+}
+
+impl MtPoint {
+    fn clock(&self) -> &'static str {
+        if self.clock_failed == 0 {
+            "ok"
+        } else {
+            "failed"
+        }
+    }
+
+    fn json(&self) -> Value {
+        let mut m = json!({
+            "ns_per_page_per_pair": round2(self.ns),
+            "pages_per_s": self.pages_per_s.round(),
+            "cpu_ns_per_page": round2(self.cpu_ns_per_page),
+            "clock_check": self.clock(),
+        });
+        if self.clock_failed > 0 {
+            m["clock_check_failed_runs"] = json!(format!("{} of {}", self.clock_failed, self.runs));
+        }
+        m
+    }
+}
+
 /// Medians of iopages and the peers, and the ratios between them.
 struct Comparison<'a> {
     runs: &'a Runs,
     states: &'a [(&'a str, PeerState)],
     st_batches: &'a [usize],
     mt_threads: &'a [usize],
+    mt_pages: u64,
+    online: usize,
+}
+
+/// `f` for each multi-thread batch, as {"single": x, "64": y} (null where
+/// there is no figure).
+fn per_mt_batch(f: impl Fn(usize) -> Option<f64>) -> Value {
+    Value::Object(
+        MT_BATCHES
+            .iter()
+            .map(|&b| (batch_key(b), json!(f(b).map(round2))))
+            .collect(),
+    )
 }
 
 impl<'a> Comparison<'a> {
@@ -90,6 +243,7 @@ impl<'a> Comparison<'a> {
         self.runs
             .get(who)?
             .get(&(threads, batch))
+            .map(|s| &s.ns)
             .filter(|v| !v.is_empty())
     }
 
@@ -103,6 +257,21 @@ impl<'a> Comparison<'a> {
             v.iter().copied().fold(f64::INFINITY, f64::min),
             v.iter().copied().fold(0.0, f64::max),
         ))
+    }
+
+    /// The multi-thread point of `who`, medians of its runs.
+    fn mt(&self, who: &str, threads: usize, batch: usize) -> Option<MtPoint> {
+        let s = self.runs.get(who)?.get(&(Some(threads), batch))?;
+        if s.ns.is_empty() || s.pages_per_s.is_empty() || s.cpu_ns_per_page.is_empty() {
+            return None;
+        }
+        Some(MtPoint {
+            ns: median(&s.ns),
+            pages_per_s: median(&s.pages_per_s),
+            cpu_ns_per_page: median(&s.cpu_ns_per_page),
+            clock_failed: s.clock_failed,
+            runs: s.ns.len(),
+        })
     }
 
     fn ready_peers(&self) -> Vec<&'a str> {
@@ -140,6 +309,28 @@ impl<'a> Comparison<'a> {
 
     fn ratio(&self, threads: Option<usize>, batch: usize) -> Option<f64> {
         self.ratio_of(threads, batch, false)
+    }
+
+    /// How many times faster iopages is than `peer` at this point (the
+    /// peer's ns over iopages').
+    fn ratio_vs(&self, peer: &str, threads: Option<usize>, batch: usize) -> Option<f64> {
+        Some(self.get(peer, threads, batch)? / self.get("iopages", threads, batch)?)
+    }
+
+    /// Cross-thread, one pair (2 threads): dpdk-aligned's wall ns per page
+    /// per pair over iopages'.
+    fn cross_thread_vs_dpdk_aligned(&self, batch: usize) -> Option<f64> {
+        self.ratio_vs(DPDK_ALIGNED, Some(2), batch)
+    }
+
+    /// Aggregate pages/s of `who` at `threads` over that at 2 threads.
+    fn scaling_at(&self, who: &str, threads: usize, batch: usize) -> Option<f64> {
+        Some(self.mt(who, threads, batch)?.pages_per_s / self.mt(who, 2, batch)?.pages_per_s)
+    }
+
+    /// The same at the largest thread count of this run.
+    fn scaling(&self, who: &str, batch: usize) -> Option<f64> {
+        self.scaling_at(who, *self.mt_threads.last()?, batch)
     }
 
     fn min_ratio_of(&self, aligned_only: bool) -> Option<f64> {
@@ -192,31 +383,122 @@ impl<'a> Comparison<'a> {
         )
     }
 
+    /// Every multi-thread point: each allocator's three figures and clock
+    /// check, and iopages' ratios.
     fn mt_json(&self) -> Value {
-        let mut out = Map::new();
+        let mut points = Map::new();
         for &t in self.mt_threads {
             let mut per_t = Map::new();
-            for who in self.everyone() {
-                let per: Map<String, Value> = MT_BATCHES
-                    .iter()
-                    .filter_map(|&b| {
-                        self.get(who, Some(t), b)
-                            .map(|ns| (batch_key(b), json!(round2(ns))))
-                    })
-                    .collect();
-                per_t.insert(who.to_string(), Value::Object(per));
+            for &b in &MT_BATCHES {
+                let mut per_b = Map::new();
+                for who in self.everyone() {
+                    if let Some(p) = self.mt(who, t, b) {
+                        per_b.insert(who.to_string(), p.json());
+                    }
+                }
+                per_b.insert(
+                    "ratio_vs_dpdk_aligned".into(),
+                    json!(self.ratio_vs(DPDK_ALIGNED, Some(t), b).map(round2)),
+                );
+                per_b.insert(
+                    "ratio_vs_best_peer".into(),
+                    json!(self.ratio(Some(t), b).map(round2)),
+                );
+                per_b.insert(
+                    "best_peer".into(),
+                    json!(self.best(Some(t), b).map(|(p, _)| p)),
+                );
+                per_t.insert(batch_key(b), Value::Object(per_b));
             }
-            let ratios: Map<String, Value> = MT_BATCHES
-                .iter()
-                .filter_map(|&b| {
-                    self.ratio(Some(t), b)
-                        .map(|r| (batch_key(b), json!(round2(r))))
-                })
-                .collect();
-            per_t.insert("ratio_vs_best_peer".into(), Value::Object(ratios));
-            out.insert(t.to_string(), Value::Object(per_t));
+            points.insert(t.to_string(), Value::Object(per_t));
         }
-        json!({ "ns_per_page_per_pair": out, "batches": MT_BATCHES.map(batch_key) })
+        let failed: Vec<Value> = self
+            .mt_failures()
+            .into_iter()
+            .map(|(who, t, b)| json!({ "allocator": who, "threads": t, "batch": batch_key(b) }))
+            .collect();
+        json!({
+            "threads": self.mt_threads,
+            "batches": MT_BATCHES.map(batch_key),
+            "pages_per_pair": self.mt_pages,
+            "online_cpus": self.online,
+            "clock": "each worker's own CLOCK_MONOTONIC start (after the barrier) and end; interval = latest end - earliest start; CPU = the workers' CLOCK_THREAD_CPUTIME_ID over the same spans",
+            "clock_check": format!("the workers' CPU time <= min(threads, online CPUs) x interval x {}", peers::CLOCK_SLACK),
+            "clock_check_failed": failed,
+            "points": points,
+        })
+    }
+
+    /// (allocator, threads, batch) of every point whose clock check failed.
+    fn mt_failures(&self) -> Vec<(&'a str, usize, usize)> {
+        let mut v = Vec::new();
+        for &t in self.mt_threads {
+            for &b in &MT_BATCHES {
+                for who in self.everyone() {
+                    if self.mt(who, t, b).is_some_and(|p| p.clock_failed > 0) {
+                        v.push((who, t, b));
+                    }
+                }
+            }
+        }
+        v
+    }
+
+    /// `summary.targets` entries of the issue's targets, each with its
+    /// figure and whether it is met.
+    fn targets_json(&self) -> Map<String, Value> {
+        let mut m = Map::new();
+        let page_aligned = self.min_ratio_of(true);
+        m.insert(
+            "min_ratio_vs_best_page_aligned_peer".into(),
+            json!({
+                "what": "one thread, every batch: the best page-aligned peer's ns per page over iopages'",
+                "min": TARGET_MIN_RATIO_PAGE_ALIGNED,
+                "moonshot": MOONSHOT_MIN_RATIO_PAGE_ALIGNED,
+                "figure": page_aligned.map(round2),
+                "met": page_aligned.is_some_and(|r| r >= TARGET_MIN_RATIO_PAGE_ALIGNED),
+                "moonshot_met": page_aligned.is_some_and(|r| r >= MOONSHOT_MIN_RATIO_PAGE_ALIGNED),
+            }),
+        );
+        let single = self.ratio(None, 0);
+        m.insert(
+            "single_page_ratio_vs_best_peer".into(),
+            json!({
+                "what": "one thread, single-page API: the best peer's ns per page over iopages'",
+                "min": TARGET_SINGLE_PAGE_RATIO,
+                "figure": single.map(round2),
+                "met": single.is_some_and(|r| r >= TARGET_SINGLE_PAGE_RATIO),
+            }),
+        );
+        let mut cross = json!({
+            "what": "one producer/consumer pair (2 threads): dpdk-aligned's wall ns per page per pair over iopages'",
+            "min": TARGET_CROSS_THREAD_VS_DPDK_ALIGNED,
+        });
+        for &b in &MT_BATCHES {
+            let r = self.cross_thread_vs_dpdk_aligned(b);
+            cross[batch_key(b)] = json!({
+                "figure": r.map(round2),
+                "met": r.is_some_and(|r| r >= TARGET_CROSS_THREAD_VS_DPDK_ALIGNED),
+            });
+        }
+        m.insert("cross_thread_vs_dpdk_aligned".into(), cross);
+        let t = SCALING_TARGET_THREADS;
+        let oversubscribed = self.online < t;
+        let mut scaling = json!({
+            "what": format!("iopages' aggregate pages/s at {t} threads over that at 2 threads, when the machine has fewer than {t} CPUs"),
+            "threads": t,
+            "min": TARGET_AGGREGATE_SCALING,
+            "online_cpus": self.online,
+            "oversubscribed": oversubscribed,
+        });
+        for &b in &MT_BATCHES {
+            let r = self.scaling_at("iopages", t, b);
+            // With 16 CPUs or more the target does not apply: met is null.
+            let met = oversubscribed.then(|| r.is_some_and(|r| r >= TARGET_AGGREGATE_SCALING));
+            scaling[batch_key(b)] = json!({ "figure": r.map(round2), "met": met });
+        }
+        m.insert("aggregate_scaling".into(), scaling);
+        m
     }
 
     fn series(&self) -> Vec<Series> {
@@ -279,22 +561,160 @@ impl<'a> Comparison<'a> {
             ),
             None => println!("target: no peer ran, so there is no ratio (NOT met)"),
         }
+        self.print_mt(runs);
+        self.print_targets();
+    }
+
+    fn print_mt(&self, runs: usize) {
         println!();
-        println!("E1 multi-thread: producer/consumer pairs (allocated on one thread, freed on another), wall ns per page per pair");
+        println!(
+            "E1 multi-thread: producer/consumer pairs (allocated on one thread, freed on another), {} pages per pair, {} CPUs online (median of {runs} runs)",
+            self.mt_pages, self.online
+        );
+        println!("each worker times itself: wall = latest end - earliest start; CPU = the workers' own CPU time; ratio = that allocator's wall ns over iopages'");
+        println!(
+            "{:>7} {:>6}  {:<12} {:>17} {:>9} {:>11} {:>6} {:>9}",
+            "threads",
+            "batch",
+            "allocator",
+            "wall ns/page/pair",
+            "Mpages/s",
+            "CPU ns/page",
+            "clock",
+            "ratio"
+        );
         for &t in self.mt_threads {
             for &b in &MT_BATCHES {
-                let mut row = format!("{t:>3} threads, batch {:>6}:", batch_key(b));
+                let mut first = true;
                 for who in self.everyone() {
-                    if let Some(ns) = self.get(who, Some(t), b) {
-                        row += &format!("  {who} {ns:.1}");
-                    }
+                    let Some(p) = self.mt(who, t, b) else {
+                        continue;
+                    };
+                    let (tc, bc) = if first {
+                        (t.to_string(), batch_key(b))
+                    } else {
+                        (String::new(), String::new())
+                    };
+                    first = false;
+                    let ratio = if who == "iopages" {
+                        String::new()
+                    } else {
+                        self.ratio_vs(who, Some(t), b)
+                            .map_or_else(|| "-".into(), |r| format!("{r:.2}"))
+                    };
+                    let clock = if p.clock_failed > 0 { "FAILED" } else { "ok" };
+                    let row = format!(
+                        "{tc:>7} {bc:>6}  {who:<12} {:>17.2} {:>9.2} {:>11.2} {clock:>6} {ratio:>9}",
+                        p.ns,
+                        p.pages_per_s / 1e6,
+                        p.cpu_ns_per_page
+                    );
+                    println!("{}", row.trim_end());
                 }
-                if let Some(r) = self.ratio(Some(t), b) {
-                    row += &format!("  (ratio {r:.2})");
+                // The ratios, where any peer ran at this point.
+                if self.best(Some(t), b).is_none() {
+                    continue;
                 }
-                println!("{row}");
+                let vs_dpdk = self
+                    .ratio_vs(DPDK_ALIGNED, Some(t), b)
+                    .map_or_else(|| "- (did not run)".into(), |r| format!("{r:.2}"));
+                let vs_best = match (self.best(Some(t), b), self.ratio(Some(t), b)) {
+                    (Some((p, _)), Some(r)) => format!("{r:.2} ({p})"),
+                    _ => "- (no peer ran)".into(),
+                };
+                println!(
+                    "{:>16}iopages vs dpdk-aligned {vs_dpdk}, vs best peer {vs_best}",
+                    ""
+                );
             }
         }
+        let failed = self.mt_failures();
+        if failed.is_empty() {
+            println!(
+                "clock check: every point's CPU time fits min(threads, {} CPUs) x interval (+10%)",
+                self.online
+            );
+        } else {
+            println!("!!! CLOCK CHECK FAILED at {} point(s): the workers' CPU time exceeds min(threads, {} CPUs) x interval (+10%), so those intervals are wrong:", failed.len(), self.online);
+            for (who, t, b) in failed {
+                println!("!!!   {who} at {t} threads, batch {}", batch_key(b));
+            }
+        }
+        let scaling = |who: &str| {
+            MT_BATCHES
+                .iter()
+                .map(|&b| {
+                    let r = self
+                        .scaling(who, b)
+                        .map_or_else(|| "-".into(), |r| format!("{r:.2}"));
+                    format!("{} {r}", batch_key(b))
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        if let Some(&top) = self.mt_threads.last() {
+            println!("aggregate scaling, pages/s at {top} threads over 2 threads:");
+            for who in self.everyone() {
+                println!("  {who:<12} {}", scaling(who));
+            }
+        }
+    }
+
+    fn print_targets(&self) {
+        let fig = |r: Option<f64>| r.map_or_else(|| "-".into(), |r| format!("{r:.2}"));
+        println!();
+        println!("issue targets (timings are reported, never asserted):");
+        let pa = self.min_ratio_of(true);
+        println!(
+            "  min ratio vs best page-aligned peer, one thread, every batch >= {TARGET_MIN_RATIO_PAGE_ALIGNED:.1} (moonshot {MOONSHOT_MIN_RATIO_PAGE_ALIGNED:.1}): {} ({}; moonshot {})",
+            fig(pa),
+            met(pa.is_some_and(|r| r >= TARGET_MIN_RATIO_PAGE_ALIGNED)),
+            met(pa.is_some_and(|r| r >= MOONSHOT_MIN_RATIO_PAGE_ALIGNED))
+        );
+        let single = self.ratio(None, 0);
+        println!(
+            "  single-page API vs best peer, one thread >= {TARGET_SINGLE_PAGE_RATIO:.1}: {} ({})",
+            fig(single),
+            met(single.is_some_and(|r| r >= TARGET_SINGLE_PAGE_RATIO))
+        );
+        let cross: Vec<String> = MT_BATCHES
+            .iter()
+            .map(|&b| {
+                let r = self.cross_thread_vs_dpdk_aligned(b);
+                format!(
+                    "{} {} ({})",
+                    batch_key(b),
+                    fig(r),
+                    met(r.is_some_and(|r| r >= TARGET_CROSS_THREAD_VS_DPDK_ALIGNED))
+                )
+            })
+            .collect();
+        println!(
+            "  cross-thread, one pair, vs dpdk-aligned >= {TARGET_CROSS_THREAD_VS_DPDK_ALIGNED:.1}: {}",
+            cross.join(", ")
+        );
+        let t = SCALING_TARGET_THREADS;
+        let scaling: Vec<String> = MT_BATCHES
+            .iter()
+            .map(|&b| {
+                let r = self.scaling_at("iopages", t, b);
+                let verdict = if self.online < t {
+                    met(r.is_some_and(|r| r >= TARGET_AGGREGATE_SCALING))
+                } else {
+                    "does not apply"
+                };
+                format!("{} {} ({verdict})", batch_key(b), fig(r))
+            })
+            .collect();
+        let how = if self.online < t {
+            format!("oversubscribed: {} CPUs", self.online)
+        } else {
+            format!("{} CPUs, not oversubscribed", self.online)
+        };
+        println!(
+            "  aggregate scaling, iopages' pages/s at {t} threads over 2 threads >= {TARGET_AGGREGATE_SCALING:.1} ({how}): {}",
+            scaling.join(", ")
+        );
     }
 }
 
@@ -353,14 +773,25 @@ fn bulk(alloc: &PageAllocator, batch: usize, pages: u64) -> Result<Sample, Bench
     Ok(s)
 }
 
-/// Run E1 and write its report. Returns the JSON report.
+/// Run E1 with the default thread counts and write its report. Returns the
+/// JSON report.
 pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
+    run_with_threads(opts, None)
+}
+
+/// Run E1 with the multi-thread part at `threads` (see [`mt_threads`];
+/// `None`: [`DEFAULT_MT_THREADS`]) and write its report.
+pub fn run_with_threads(
+    opts: &BenchOptions,
+    threads: Option<&[usize]>,
+) -> Result<Value, BenchError> {
+    let mt_threads = mt_threads(threads)?;
     let (runs, pages_per_run) = if opts.quick {
         (3, 1u64 << 20)
     } else {
         (7, 8u64 << 20)
     };
-    let arena_bytes = 64u64 << 20;
+    let arena_bytes = arena_bytes_for(*mt_threads.last().expect("at least one thread count"));
     progress(
         "bulk",
         format!("{runs} runs of {pages_per_run} pages per workload, two configurations"),
@@ -404,9 +835,11 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
     // The peer comparison: the same workloads with each page's first byte
     // written, in-process for iopages and one process per peer per run.
     let peer_pages: u64 = if opts.quick { 64 << 10 } else { 512 << 10 };
-    let mt_pages: u64 = if opts.quick { 64 << 10 } else { 1 << 20 };
+    // Pages per pair: every pair moves the same number, so a point with
+    // more threads does proportionally more work.
+    let mt_pages: u64 = if opts.quick { 32 << 10 } else { 1 << 20 };
     let st_batches: Vec<usize> = std::iter::once(0).chain(BATCHES).collect();
-    let mt_threads = mt_thread_counts();
+    let online = peers::online_cpus();
     let mut peer_states: Vec<(&str, PeerState)> = if opts.peers {
         progress(
             "bulk",
@@ -426,8 +859,11 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
     }
     let mut peer_runs: Runs = BTreeMap::new();
     let touched = &configs[0].alloc;
+    // The single-thread peer workloads run through one handle, the API a
+    // worker loop calls (`LocalAllocator`), kept warm across runs.
+    let mut local = touched.local();
     for &b in &st_batches {
-        peers::iopages_st(touched, b, peer_pages / 8 + 1)?;
+        peers::iopages_st(&mut local, b, peer_pages / 8 + 1)?;
     }
 
     // Interleave configurations and peers run by run (A B A B ...).
@@ -438,17 +874,20 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
                 r.bulk[i].push(bulk(&c.alloc, b, pages_per_run)?);
             }
         }
-        let ours = peer_runs.entry("iopages".into()).or_default();
         for &b in &st_batches {
-            ours.entry((None, b))
-                .or_default()
-                .push(peers::iopages_st(touched, b, peer_pages)?.ns);
+            let ns = peers::iopages_st(&mut local, b, peer_pages)?.ns;
+            let r = PeerResult {
+                threads: None,
+                batch: b,
+                ns_per_page: ns,
+                mt: None,
+            };
+            record(&mut peer_runs, "iopages", &r, online);
         }
         for &t in &mt_threads {
             for &b in &MT_BATCHES {
-                ours.entry((Some(t), b))
-                    .or_default()
-                    .push(peers::iopages_mt(touched, t, b, mt_pages)?);
+                let r = peers::iopages_mt(touched, t, b, mt_pages)?;
+                record(&mut peer_runs, "iopages", &r, online);
             }
         }
         for (name, state) in peer_states.iter_mut() {
@@ -464,11 +903,8 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
                 &MT_BATCHES,
             ) {
                 Ok(res) => {
-                    let m = peer_runs.entry(name.to_string()).or_default();
-                    for r in res {
-                        m.entry((r.threads, r.batch))
-                            .or_default()
-                            .push(r.ns_per_page);
+                    for r in &res {
+                        record(&mut peer_runs, name, r, online);
                     }
                 }
                 Err(why) => {
@@ -504,6 +940,8 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
         states: &peer_states,
         st_batches: &st_batches,
         mt_threads: &mt_threads,
+        mt_pages,
+        online,
     };
     cmp.print(runs);
 
@@ -529,13 +967,18 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
         .position(|&b| b == 64)
         .expect("64 is a batch")]
     .cycles;
-    summary["targets"] = json!({
+    let mut targets = json!({
         "single_cycles_max": TARGET_SINGLE_CYCLES,
         "single_met": single_sum[0].cycles <= TARGET_SINGLE_CYCLES,
         "bulk64_cycles_per_page_max": TARGET_BULK64_CYCLES,
         "bulk64_met": bulk64 <= TARGET_BULK64_CYCLES,
         "metadata_bytes_per_frame_max": 16,
     });
+    // The issue's targets beside the seed's (each: figure, met).
+    for (k, v) in cmp.targets_json() {
+        targets[k] = v;
+    }
+    summary["targets"] = targets;
     let configs_json: Map<String, Value> = configs
         .iter()
         .enumerate()
@@ -559,6 +1002,15 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
         "min_ratio_vs_best_peer_min": TARGET_MIN_RATIO,
         "met": cmp.min_ratio().is_some_and(|r| r >= TARGET_MIN_RATIO),
     });
+    summary["cross_thread_ratio_vs_dpdk_aligned"] =
+        per_mt_batch(|b| cmp.cross_thread_vs_dpdk_aligned(b));
+    summary["aggregate_scaling"] = per_mt_batch(|b| cmp.scaling("iopages", b));
+    summary["aggregate_scaling_by_peer"] = Value::Object(
+        cmp.ready_peers()
+            .into_iter()
+            .map(|p| (p.to_string(), per_mt_batch(|b| cmp.scaling(p, b))))
+            .collect(),
+    );
     summary["multi_thread"] = cmp.mt_json();
     let report = json!({
         "experiment": "bulk",
@@ -570,6 +1022,8 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
             "arena_bytes": arena_bytes,
             "backing": format!("{:?}", def.arena().backing()),
             "nr_cpus": def.nr_cpus(),
+            "mt_threads": mt_threads,
+            "mt_pages_per_pair": mt_pages,
             "pcp_high_batch_order0": [def.pcp_limits().high[0], def.pcp_limits().batch[0]],
             "tsc_ghz": round2(ghz),
             "gfp": "KERNEL",
@@ -712,4 +1166,100 @@ fn print_table(
         met(b64.cycles <= TARGET_BULK64_CYCLES)
     );
     println!("kernel figures are the seed's and upstream's published numbers from other machines, for reference only");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn thread_counts_are_even_sorted_and_default_to_2_to_16() {
+        assert_eq!(mt_threads(None).unwrap(), vec![2, 4, 8, 16]);
+        assert_eq!(mt_threads(Some(&[8, 2, 8])).unwrap(), vec![2, 8]);
+        for bad in [&[2, 3][..], &[0], &[1], &[]] {
+            let e = mt_threads(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("--threads"), "{e}");
+        }
+        assert!(mt_threads(Some(&[3]))
+            .unwrap_err()
+            .to_string()
+            .contains("must be even"));
+        assert!(mt_threads(Some(&[2048])).is_err());
+        let many: Vec<usize> = (1..=33).map(|i| 2 * i).collect();
+        assert!(mt_threads(Some(&many)).is_err());
+    }
+
+    #[test]
+    fn the_arena_grows_with_the_largest_thread_count() {
+        assert_eq!(arena_bytes_for(2), 64 << 20);
+        assert!(arena_bytes_for(16) >= 2 * peers::mt_pages_in_flight(16, 64) * 4096);
+        assert_eq!(arena_bytes_for(16) % (64 << 20), 0);
+    }
+
+    fn point(threads: usize, batch: usize, ns: f64, pages_per_s: f64, ok: bool) -> PeerResult {
+        PeerResult {
+            threads: Some(threads),
+            batch,
+            ns_per_page: ns,
+            mt: Some(peers::MtFigures {
+                pages_per_s,
+                cpu_ns_per_page: 10.0,
+                clock_ok: ok,
+            }),
+        }
+    }
+
+    #[test]
+    fn multi_thread_summary_ratios_scaling_and_a_failed_clock() {
+        let mut runs = Runs::new();
+        for (t, pps) in [(2, 100e6), (16, 90e6)] {
+            for b in MT_BATCHES {
+                record(&mut runs, "iopages", &point(t, b, 20.0, pps, true), 2);
+                record(&mut runs, DPDK_ALIGNED, &point(t, b, 30.0, 50e6, true), 2);
+            }
+        }
+        // One of three runs of one point fails its clock check.
+        for ok in [true, false, true] {
+            record(&mut runs, "glibc", &point(16, 64, 900.0, 1e6, ok), 2);
+        }
+        let states = [
+            ("glibc", PeerState::Ready("g".into())),
+            (DPDK_ALIGNED, PeerState::Ready("d".into())),
+            ("dpdk", PeerState::Unavailable("not built".into())),
+        ];
+        let cmp = Comparison {
+            runs: &runs,
+            states: &states,
+            st_batches: &[0],
+            mt_threads: &[2, 16],
+            mt_pages: 1000,
+            online: 2,
+        };
+        assert_eq!(cmp.cross_thread_vs_dpdk_aligned(0), Some(1.5));
+        assert_eq!(cmp.scaling("iopages", 64), Some(0.9));
+        assert_eq!(cmp.scaling(DPDK_ALIGNED, 0), Some(1.0));
+        assert_eq!(
+            cmp.scaling("glibc", 64),
+            None,
+            "glibc never ran at 2 threads"
+        );
+        let mt = cmp.mt_json();
+        let glibc = &mt["points"]["16"]["64"]["glibc"];
+        assert_eq!(glibc["clock_check"], "failed");
+        assert_eq!(glibc["clock_check_failed_runs"], "1 of 3");
+        assert_eq!(mt["points"]["16"]["64"]["iopages"]["clock_check"], "ok");
+        assert_eq!(mt["clock_check_failed"][0]["allocator"], "glibc");
+        assert_eq!(mt["points"]["2"]["single"]["ratio_vs_dpdk_aligned"], 1.5);
+        let targets = cmp.targets_json();
+        assert_eq!(targets["cross_thread_vs_dpdk_aligned"]["64"]["met"], true);
+        assert_eq!(targets["aggregate_scaling"]["single"]["figure"], 0.9);
+        assert_eq!(targets["aggregate_scaling"]["single"]["met"], true);
+        assert_eq!(targets["aggregate_scaling"]["oversubscribed"], true);
+        // No single-thread figures: those targets have no figure, not met.
+        assert_eq!(targets["single_page_ratio_vs_best_peer"]["met"], false);
+        assert!(targets["single_page_ratio_vs_best_peer"]["figure"].is_null());
+        // A machine with 16 CPUs is not oversubscribed: the target does not apply.
+        let big = Comparison { online: 16, ..cmp };
+        assert!(big.targets_json()["aggregate_scaling"]["64"]["met"].is_null());
+    }
 }

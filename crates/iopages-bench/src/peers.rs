@@ -6,14 +6,23 @@
 //! versions of the peer workloads (first byte of each page written, LIFO
 //! reuse; producer/consumer pairs for the multi-thread part). Must never:
 //! drop a peer silently — a peer that cannot be built or started is reported
-//! with its reason and the others still run.
+//! with its reason and the others still run — nor time a multi-thread pass
+//! from the main thread.
+//!
+//! Multi-thread clock (the same in the C harness): each worker reads the
+//! monotonic clock and its own thread CPU time right after the start
+//! barrier and again when it is done; the interval is the latest end minus
+//! the earliest start. A main thread that starts a clock after the barrier
+//! and stops it after joining may not run at all, with as many threads as
+//! cores, until the workers are nearly done. The workers' CPU time is the
+//! check: it cannot exceed min(threads, online CPUs) × the interval.
 
 use crate::measure::{time_once, Sample};
 use crate::BenchError;
-use iopages::{Gfp, Page, PageAllocator};
+use iopages::{Gfp, LocalAllocator, Page, PageAllocator};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
@@ -50,6 +59,121 @@ pub struct PeerResult {
     pub batch: usize,
     /// ns per page (multi-thread: wall time per page and pair).
     pub ns_per_page: f64,
+    /// The rest of a multi-thread result (`None` for single-thread).
+    pub mt: Option<MtFigures>,
+}
+
+/// What a multi-thread pass gives besides wall ns per page per pair.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MtFigures {
+    /// Pages allocated and freed per second by all pairs together.
+    pub pages_per_s: f64,
+    /// The workers' CPU time (producers and consumers) per page.
+    pub cpu_ns_per_page: f64,
+    /// Whether the clock passed its check (see [`clock_check`]).
+    pub clock_ok: bool,
+}
+
+impl MtFigures {
+    /// CPUs the workers kept busy on average over the interval.
+    pub fn busy_cpus(&self) -> f64 {
+        self.cpu_ns_per_page * self.pages_per_s / 1e9
+    }
+}
+
+/// How far the workers' CPU time may exceed the physical bound before the
+/// clock is called wrong (clock granularity, a worker's last slice).
+pub const CLOCK_SLACK: f64 = 1.10;
+
+/// CPUs online, as the C harness counts them (`_SC_NPROCESSORS_ONLN`).
+pub fn online_cpus() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    usize::try_from(n).ok().filter(|&n| n > 0).unwrap_or(1)
+}
+
+/// The physical bound: `threads` workers on `online` CPUs keep at most
+/// min(threads, online) CPUs busy, so CPU time over the interval above that
+/// (with [`CLOCK_SLACK`]) means the interval is too short.
+pub fn clock_check(busy_cpus: f64, threads: usize, online: usize) -> bool {
+    busy_cpus <= threads.min(online).max(1) as f64 * CLOCK_SLACK
+}
+
+/// One worker's clocks over its timed span: monotonic start and end, and
+/// its own CPU time in between.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct WorkerClock {
+    /// `CLOCK_MONOTONIC` right after the start barrier, ns.
+    pub start_ns: u64,
+    /// `CLOCK_MONOTONIC` when the worker was done, ns.
+    pub end_ns: u64,
+    /// `CLOCK_THREAD_CPUTIME_ID` consumed between the two, ns.
+    pub cpu_ns: u64,
+}
+
+fn clock_ns(clock: libc::clockid_t) -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec for the call to write.
+    let rc = unsafe { libc::clock_gettime(clock, &mut ts) };
+    assert_eq!(rc, 0, "clock_gettime({clock}) failed");
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// A worker's span being timed: begun right after the barrier.
+struct Span {
+    start_ns: u64,
+    cpu0: u64,
+}
+
+impl Span {
+    fn begin() -> Span {
+        let start_ns = clock_ns(libc::CLOCK_MONOTONIC);
+        Span {
+            start_ns,
+            cpu0: clock_ns(libc::CLOCK_THREAD_CPUTIME_ID),
+        }
+    }
+
+    /// The CPU clock is read inside the wall span, so it is never longer.
+    fn end(self) -> WorkerClock {
+        let cpu_ns = clock_ns(libc::CLOCK_THREAD_CPUTIME_ID) - self.cpu0;
+        WorkerClock {
+            start_ns: self.start_ns,
+            end_ns: clock_ns(libc::CLOCK_MONOTONIC),
+            cpu_ns,
+        }
+    }
+}
+
+/// The result of a multi-thread pass of `threads / 2` pairs that moved
+/// `pages_per_pair` pages each, from its workers' clocks: the interval runs
+/// from the earliest start to the latest end.
+pub fn mt_result(
+    threads: usize,
+    batch: usize,
+    pages_per_pair: u64,
+    clocks: &[WorkerClock],
+    online: usize,
+) -> PeerResult {
+    let pairs = (threads / 2).max(1) as f64;
+    let first = clocks.iter().map(|c| c.start_ns).min().unwrap_or(0);
+    let last = clocks.iter().map(|c| c.end_ns).max().unwrap_or(0);
+    let interval = last.saturating_sub(first).max(1) as f64;
+    let cpu: f64 = clocks.iter().map(|c| c.cpu_ns as f64).sum();
+    let pages = pages_per_pair.max(1) as f64;
+    PeerResult {
+        threads: Some(threads),
+        batch,
+        ns_per_page: interval / pages,
+        mt: Some(MtFigures {
+            pages_per_s: pairs * pages / interval * 1e9,
+            cpu_ns_per_page: cpu / (pairs * pages),
+            clock_ok: clock_check(cpu / interval, threads, online),
+        }),
+    }
 }
 
 /// The scripts directory of this source tree.
@@ -141,10 +265,31 @@ pub fn run_peer(
         let (Some(batch), Some(ns)) = (num("batch"), num("ns_per_page")) else {
             return Err(format!("output line without batch or ns_per_page: {line}"));
         };
+        let threads = num("threads").map(|t| t as usize);
+        let mt = match threads {
+            None => None,
+            Some(_) => {
+                let check = v.get("clock_check").and_then(serde_json::Value::as_str);
+                let (Some(pages_per_s), Some(cpu_ns_per_page), Some("ok" | "failed")) =
+                    (num("pages_per_s"), num("cpu_ns_per_page"), check)
+                else {
+                    return Err(format!(
+                        "multi-thread line without pages_per_s, cpu_ns_per_page or clock_check \
+                         (an old harness? rebuild it with scripts/setup-peers.sh): {line}"
+                    ));
+                };
+                Some(MtFigures {
+                    pages_per_s,
+                    cpu_ns_per_page,
+                    clock_ok: check == Some("ok"),
+                })
+            }
+        };
         results.push(PeerResult {
-            threads: num("threads").map(|t| t as usize),
+            threads,
             batch: batch as usize,
             ns_per_page: ns,
+            mt,
         });
     }
     let expected = batches.len() + threads.len() * mt_batches.len();
@@ -165,15 +310,20 @@ fn touch(alloc: &PageAllocator, p: Page) {
 
 /// iopages, single thread, first byte of each page written: batch 0 is the
 /// single-page API, others the bulk array API.
-pub fn iopages_st(alloc: &PageAllocator, batch: usize, pages: u64) -> Result<Sample, BenchError> {
+pub fn iopages_st(
+    local: &mut LocalAllocator,
+    batch: usize,
+    pages: u64,
+) -> Result<Sample, BenchError> {
+    let alloc = local.allocator().clone();
     let mut short = false;
     let s = if batch == 0 {
         time_once(pages, || {
             for _ in 0..pages {
-                match alloc.alloc_pages(Gfp::KERNEL, 0) {
+                match local.alloc_pages(Gfp::KERNEL, 0) {
                     Some(p) => {
-                        touch(alloc, p);
-                        alloc.free_pages(p, 0);
+                        touch(&alloc, p);
+                        local.free_pages(p, 0);
                     }
                     None => short = true,
                 }
@@ -181,14 +331,14 @@ pub fn iopages_st(alloc: &PageAllocator, batch: usize, pages: u64) -> Result<Sam
         })
     } else {
         let rounds = (pages / batch as u64).max(1);
-        let mut slots = vec![None; batch];
+        let mut v = Vec::with_capacity(batch);
         time_once(rounds * batch as u64, || {
             for _ in 0..rounds {
-                short |= alloc.alloc_pages_bulk_array(Gfp::KERNEL, &mut slots) != batch;
-                for p in slots.iter().flatten() {
-                    touch(alloc, *p);
+                short |= local.alloc_bulk(Gfp::KERNEL, batch, &mut v) != batch;
+                for &p in &v {
+                    touch(&alloc, p);
                 }
-                alloc.free_pages_bulk_array(&mut slots);
+                local.free_bulk(&mut v);
             }
         })
     };
@@ -201,122 +351,223 @@ pub fn iopages_st(alloc: &PageAllocator, batch: usize, pages: u64) -> Result<Sam
 }
 
 /// A single-producer single-consumer ring of pages, the same algorithm as
-/// the C harness's.
+/// the C harness's: plain slots, published by the release store of `head`
+/// and handed back by the release store of `tail`, so the harness costs
+/// what the C one costs and the comparison measures the allocators.
 struct Ring {
     head: crossbeam_utils::CachePadded<AtomicU64>,
     tail: crossbeam_utils::CachePadded<AtomicU64>,
-    slots: Box<[std::sync::atomic::AtomicU32]>,
+    slots: Box<[std::cell::UnsafeCell<Page>]>,
+}
+
+// SAFETY: slot `i` is written only by the producer while `i - tail <
+// RING` and read only by the consumer while `i < head`; `head` and `tail`
+// are stored with release and loaded with acquire, so each slot has one
+// writer or one reader at a time and the reader sees the write.
+unsafe impl Sync for Ring {}
+
+impl Ring {
+    fn new() -> Ring {
+        Ring {
+            head: Default::default(),
+            tail: Default::default(),
+            slots: (0..RING)
+                .map(|_| std::cell::UnsafeCell::new(Page::from_pfn(0)))
+                .collect(),
+        }
+    }
+
+    /// The slots as plain memory (`UnsafeCell<Page>` has `Page`'s layout).
+    fn base(&self) -> *mut Page {
+        self.slots.as_ptr().cast::<Page>().cast_mut()
+    }
+
+    /// Producer: write `pages` at `at` (the slots are free), as at most two
+    /// copies around the wrap.
+    #[inline]
+    fn write(&self, at: u64, pages: &[Page]) {
+        let i = (at % RING) as usize;
+        let first = pages.len().min(RING as usize - i);
+        // SAFETY: see the `Sync` impl; the producer owns these slots, and
+        // both ranges lie inside the ring.
+        unsafe {
+            std::ptr::copy_nonoverlapping(pages.as_ptr(), self.base().add(i), first);
+            std::ptr::copy_nonoverlapping(
+                pages.as_ptr().add(first),
+                self.base(),
+                pages.len() - first,
+            );
+        }
+    }
+
+    /// Consumer: append the `n` pages at `at` to `out` (they are
+    /// published), as at most two copies.
+    #[inline]
+    fn read(&self, at: u64, n: u64, out: &mut Vec<Page>) {
+        let (i, n) = ((at % RING) as usize, n as usize);
+        let first = n.min(RING as usize - i);
+        out.reserve(n);
+        // SAFETY: see the `Sync` impl; the consumer owns these slots; `out`
+        // has room for `n` more.
+        unsafe {
+            let dst = out.as_mut_ptr().add(out.len());
+            std::ptr::copy_nonoverlapping(self.base().add(i), dst, first);
+            std::ptr::copy_nonoverlapping(self.base(), dst.add(first), n - first);
+            out.set_len(out.len() + n);
+        }
+    }
 }
 
 const RING: u64 = 1024;
+/// Set in `head` by a producer that is done: the consumer drains and stops.
+const FINISHED: u64 = 1 << 63;
+
+/// Pages a multi-thread pass of `threads` keeps out of the allocator at
+/// most: every ring full and a batch in each worker's hands.
+pub fn mt_pages_in_flight(threads: usize, batch: usize) -> u64 {
+    (threads / 2).max(1) as u64 * (RING + 2 * batch.max(1) as u64)
+}
+
+// The allocator calls of the multi-thread workers, and nothing else: one
+// producer-side and one consumer-side function, so that the allocator API
+// they use can change in one place (to a per-thread handle, for one).
+
+/// Producer side: fill `buf` (`batch` slots, one for batch 0) with pages,
+/// batch 0 through the single-page API and any other through the bulk
+/// array API. A short batch is given back whole: returns false.
+#[inline]
+fn mt_alloc_batch(local: &mut LocalAllocator, batch: usize, buf: &mut Vec<Page>) -> bool {
+    let want = batch.max(1);
+    let got = if batch == 0 {
+        match local.alloc_pages(Gfp::KERNEL, 0) {
+            Some(p) => {
+                buf.push(p);
+                1
+            }
+            None => 0,
+        }
+    } else {
+        local.alloc_bulk(Gfp::KERNEL, batch, buf)
+    };
+    if got == want {
+        return true;
+    }
+    local.free_bulk(buf);
+    false
+}
+
+/// Consumer side: free a batch received from the producer (one page for
+/// batch 0, through the single-page call), leaving `pages` empty.
+#[inline]
+fn mt_free_batch(local: &mut LocalAllocator, batch: usize, pages: &mut Vec<Page>) {
+    if batch == 0 {
+        local.free_pages(pages[0], 0);
+        pages.clear();
+    } else {
+        local.free_bulk(pages);
+    }
+}
+
+fn producer(
+    alloc: &PageAllocator,
+    ring: &Ring,
+    start: &Barrier,
+    failed: &AtomicBool,
+    batch: usize,
+    pages: u64,
+) -> WorkerClock {
+    let b = batch.max(1);
+    let mut buf = Vec::with_capacity(b);
+    let mut local = alloc.local();
+    start.wait();
+    let span = Span::begin();
+    let mut head = 0u64;
+    while head < pages {
+        if !mt_alloc_batch(&mut local, batch, &mut buf) {
+            failed.store(true, Ordering::Relaxed);
+            break;
+        }
+        for &p in &buf {
+            touch(alloc, p);
+        }
+        while head + b as u64 - ring.tail.load(Ordering::Acquire) > RING {
+            std::thread::yield_now();
+        }
+        ring.write(head, &buf);
+        buf.clear();
+        head += b as u64;
+        ring.head.store(head, Ordering::Release);
+    }
+    // Tell the consumer how far it will get.
+    ring.head.store(head | FINISHED, Ordering::Release);
+    span.end()
+}
+
+fn consumer(alloc: &PageAllocator, ring: &Ring, start: &Barrier, batch: usize) -> WorkerClock {
+    let b = batch.max(1) as u64;
+    let mut v: Vec<Page> = Vec::with_capacity(b as usize);
+    let mut local = alloc.local();
+    start.wait();
+    let span = Span::begin();
+    let mut tail = 0u64;
+    loop {
+        let h = ring.head.load(Ordering::Acquire);
+        let (head, finished) = (h & !FINISHED, h & FINISHED != 0);
+        if head - tail < b {
+            if finished && head == tail {
+                break;
+            }
+            std::thread::yield_now();
+            continue;
+        }
+        ring.read(tail, b, &mut v);
+        tail += b;
+        ring.tail.store(tail, Ordering::Release);
+        mt_free_batch(&mut local, batch, &mut v);
+    }
+    span.end()
+}
 
 /// iopages, multi-thread: `threads / 2` producer/consumer pairs; each
 /// producer allocates (batch 0: single-page API, else bulk) and writes the
-/// first byte, each consumer frees what it receives. Returns wall ns per
-/// page per pair.
+/// first byte, each consumer frees what it receives. Each worker times
+/// itself (see the module header); the result carries wall ns per page per
+/// pair, aggregate pages/s, CPU ns per page and the clock check.
 pub fn iopages_mt(
     alloc: &PageAllocator,
     threads: usize,
     batch: usize,
     pages: u64,
-) -> Result<f64, BenchError> {
+) -> Result<PeerResult, BenchError> {
     let pairs = (threads / 2).max(1);
-    let b = batch.max(1);
-    let pages = pages / b as u64 * b as u64;
-    let start = Arc::new(Barrier::new(2 * pairs + 1));
-    let failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let mut handles = Vec::new();
+    let b = batch.max(1) as u64;
+    let pages = (pages / b).max(1) * b;
+    // Only the workers meet here: the main thread takes no time.
+    let start = Arc::new(Barrier::new(2 * pairs));
+    let failed = Arc::new(AtomicBool::new(false));
+    let mut handles = Vec::with_capacity(2 * pairs);
     for _ in 0..pairs {
-        let ring = Arc::new(Ring {
-            head: Default::default(),
-            tail: Default::default(),
-            slots: (0..RING).map(|_| Default::default()).collect(),
-        });
-        {
-            let (alloc, ring, start, failed) =
-                (alloc.clone(), ring.clone(), start.clone(), failed.clone());
-            handles.push(std::thread::spawn(move || {
-                let mut v = vec![None; b];
-                start.wait();
-                let mut head = 0u64;
-                let mut done = 0;
-                while done < pages {
-                    let got = if batch == 0 {
-                        v[0] = alloc.alloc_pages(Gfp::KERNEL, 0);
-                        v[0].is_some() as usize
-                    } else {
-                        alloc.alloc_pages_bulk_array(Gfp::KERNEL, &mut v)
-                    };
-                    if got != b {
-                        failed.store(true, Ordering::Relaxed);
-                        alloc.free_pages_bulk_array(&mut v);
-                        break;
-                    }
-                    for p in v.iter().flatten() {
-                        touch(&alloc, *p);
-                    }
-                    while head + b as u64 - ring.tail.load(Ordering::Acquire) > RING {
-                        std::thread::yield_now();
-                    }
-                    for (i, p) in v.iter_mut().enumerate() {
-                        let p = p.take().expect("filled above");
-                        ring.slots[((head + i as u64) % RING) as usize]
-                            .store(p.pfn(), Ordering::Relaxed);
-                    }
-                    head += b as u64;
-                    ring.head.store(head, Ordering::Release);
-                    done += b as u64;
-                }
-                // Tell the consumer how far it will get.
-                ring.head.store(head | 1 << 63, Ordering::Release);
-            }));
-        }
-        {
-            let (alloc, ring, start) = (alloc.clone(), ring.clone(), start.clone());
-            handles.push(std::thread::spawn(move || {
-                let mut v: Vec<Page> = Vec::with_capacity(b);
-                start.wait();
-                let mut tail = 0u64;
-                loop {
-                    let h = ring.head.load(Ordering::Acquire);
-                    let (head, finished) = (h & !(1 << 63), h >> 63 == 1);
-                    if head - tail < b as u64 {
-                        if finished && head == tail {
-                            break;
-                        }
-                        std::thread::yield_now();
-                        continue;
-                    }
-                    v.clear();
-                    for i in 0..b as u64 {
-                        v.push(Page::from_pfn(
-                            ring.slots[((tail + i) % RING) as usize].load(Ordering::Relaxed),
-                        ));
-                    }
-                    tail += b as u64;
-                    ring.tail.store(tail, Ordering::Release);
-                    if batch == 0 {
-                        alloc.free_pages(v[0], 0);
-                    } else {
-                        alloc.free_pages_bulk(&v);
-                    }
-                }
-            }));
-        }
+        let ring = Arc::new(Ring::new());
+        let (a, r, s, f) = (alloc.clone(), ring.clone(), start.clone(), failed.clone());
+        handles.push(std::thread::spawn(move || {
+            producer(&a, &r, &s, &f, batch, pages)
+        }));
+        let (a, r, s) = (alloc.clone(), ring, start.clone());
+        handles.push(std::thread::spawn(move || consumer(&a, &r, &s, batch)));
     }
-    start.wait();
-    let t0 = Instant::now();
+    let mut clocks = Vec::with_capacity(handles.len());
     for h in handles {
-        h.join()
-            .map_err(|_| BenchError::Workload("a multi-thread worker panicked".into()))?;
+        clocks.push(
+            h.join()
+                .map_err(|_| BenchError::Workload("a multi-thread worker panicked".into()))?,
+        );
     }
-    let ns = t0.elapsed().as_nanos() as f64;
     if failed.load(Ordering::Relaxed) {
         return Err(BenchError::Workload(format!(
             "iopages ran dry with {threads} threads at batch {batch}"
         )));
     }
-    Ok(ns / pages as f64)
+    Ok(mt_result(threads, batch, pages, &clocks, online_cpus()))
 }
 
 #[cfg(test)]
@@ -369,26 +620,112 @@ mod tests {
     fn peer_output_is_parsed_and_counted() {
         let (_d, bin) = script(
             r#"echo '{"peer":"x","mode":"st","batch":0,"ns_per_page":5.5}'
-echo '{"peer":"x","mode":"mt","threads":2,"batch":64,"ns_per_page":20}'"#,
+echo '{"peer":"x","mode":"mt","threads":2,"batch":64,"ns_per_page":20,"pages_per_s":50000000.0,"cpu_ns_per_page":38.5,"clock_check":"ok"}'
+echo '{"peer":"x","mode":"mt","threads":4,"batch":64,"ns_per_page":30,"pages_per_s":66666666.7,"cpu_ns_per_page":60,"clock_check":"failed"}'"#,
         );
-        let r = run_peer(&bin, 1, 1, &[0], &[2], &[64]).unwrap();
+        let r = run_peer(&bin, 1, 1, &[0], &[2, 4], &[64]).unwrap();
         assert_eq!(
             r,
             vec![
                 PeerResult {
                     threads: None,
                     batch: 0,
-                    ns_per_page: 5.5
+                    ns_per_page: 5.5,
+                    mt: None,
                 },
                 PeerResult {
                     threads: Some(2),
                     batch: 64,
-                    ns_per_page: 20.0
+                    ns_per_page: 20.0,
+                    mt: Some(MtFigures {
+                        pages_per_s: 50e6,
+                        cpu_ns_per_page: 38.5,
+                        clock_ok: true,
+                    }),
+                },
+                PeerResult {
+                    threads: Some(4),
+                    batch: 64,
+                    ns_per_page: 30.0,
+                    mt: Some(MtFigures {
+                        pages_per_s: 66666666.7,
+                        cpu_ns_per_page: 60.0,
+                        clock_ok: false,
+                    }),
                 },
             ]
         );
-        let short = run_peer(&bin, 1, 1, &[0, 1], &[2], &[64]).unwrap_err();
-        assert!(short.contains("expected 3"), "{short}");
+        let short = run_peer(&bin, 1, 1, &[0, 1], &[2, 4], &[64]).unwrap_err();
+        assert!(short.contains("expected 4"), "{short}");
+    }
+
+    #[test]
+    fn a_multi_thread_line_without_the_new_figures_is_refused() {
+        let (_d, bin) =
+            script(r#"echo '{"peer":"x","mode":"mt","threads":2,"batch":0,"ns_per_page":20}'"#);
+        let err = run_peer(&bin, 1, 1, &[], &[2], &[0]).unwrap_err();
+        assert!(err.contains("setup-peers.sh"), "{err}");
+        let (_d, bin) = script(
+            r#"echo '{"peer":"x","mode":"mt","threads":2,"batch":0,"ns_per_page":20,"pages_per_s":1,"cpu_ns_per_page":1,"clock_check":"maybe"}'"#,
+        );
+        let err = run_peer(&bin, 1, 1, &[], &[2], &[0]).unwrap_err();
+        assert!(err.contains("clock_check"), "{err}");
+    }
+
+    fn clock(start_ns: u64, end_ns: u64, cpu_ns: u64) -> WorkerClock {
+        WorkerClock {
+            start_ns,
+            end_ns,
+            cpu_ns,
+        }
+    }
+
+    #[test]
+    fn the_interval_runs_from_the_earliest_start_to_the_latest_end() {
+        // Two pairs of 1000 pages; workers start and end at different times.
+        let clocks = [
+            clock(1_000, 41_000, 30_000),
+            clock(2_000, 42_000, 30_000),
+            clock(11_000, 50_000, 20_000),
+            clock(5_000, 21_000, 16_000),
+        ];
+        let r = mt_result(4, 64, 1000, &clocks, 8);
+        let mt = r.mt.unwrap();
+        // Interval 49 000 ns: wall per page per pair, pages/s of both pairs.
+        assert_eq!(r.ns_per_page, 49.0);
+        assert!((mt.pages_per_s - 2000.0 / 49_000.0 * 1e9).abs() < 1e-3);
+        // 96 000 ns of CPU over 2000 pages.
+        assert_eq!(mt.cpu_ns_per_page, 48.0);
+        assert!((mt.busy_cpus() - 96.0 / 49.0).abs() < 1e-9);
+        assert!(mt.clock_ok);
+        assert_eq!((r.threads, r.batch), (Some(4), 64));
+    }
+
+    #[test]
+    fn the_clock_check_fails_past_the_physical_bound() {
+        // Four workers busy for the whole 1000 ns on 2 CPUs: impossible.
+        let clocks = [clock(0, 1000, 1000); 4];
+        assert!(!mt_result(4, 0, 10, &clocks, 2).mt.unwrap().clock_ok);
+        // The same on 4 CPUs is possible.
+        assert!(mt_result(4, 0, 10, &clocks, 4).mt.unwrap().clock_ok);
+        // 10 % slack over min(threads, CPUs), and no more.
+        assert!(clock_check(2.2, 2, 16));
+        assert!(!clock_check(2.21, 2, 16));
+        assert!(clock_check(1.1, 16, 1));
+        assert!(!clock_check(1.2, 16, 1));
+    }
+
+    #[test]
+    fn worker_clocks_are_monotonic_and_cpu_fits_the_wall_span() {
+        let span = Span::begin();
+        let mut x = 0u64;
+        for i in 0..100_000u64 {
+            x = std::hint::black_box(x.wrapping_add(i));
+        }
+        let c = span.end();
+        assert!(c.end_ns > c.start_ns, "{c:?}");
+        assert!(c.cpu_ns <= c.end_ns - c.start_ns, "{c:?}");
+        assert!(online_cpus() >= 1);
     }
 
     #[test]
@@ -398,10 +735,13 @@ echo '{"peer":"x","mode":"mt","threads":2,"batch":64,"ns_per_page":20}'"#,
             .build()
             .unwrap();
         for b in [0, 1, 2, 64, 256] {
-            assert!(iopages_st(&alloc, b, 4096).unwrap().ns > 0.0);
+            assert!(iopages_st(&mut alloc.local(), b, 4096).unwrap().ns > 0.0);
         }
-        for b in [0, 64] {
-            assert!(iopages_mt(&alloc, 2, b, 8192).unwrap() > 0.0);
+        for (t, b) in [(2, 0), (2, 64), (4, 0), (4, 64)] {
+            let r = iopages_mt(&alloc, t, b, 8192).unwrap();
+            let mt = r.mt.unwrap();
+            assert!(r.ns_per_page > 0.0 && mt.pages_per_s > 0.0 && mt.cpu_ns_per_page > 0.0);
+            assert_eq!((r.threads, r.batch), (Some(t), b));
         }
         alloc
             .leak_check()

@@ -43,9 +43,12 @@ enum Command {
         #[arg(long, value_name = "DIR", default_value = "target/peers")]
         peers_dir: PathBuf,
         /// crypt: run only E3, with this many writer threads (default: E2,
-        /// then E3 at 1, 2, 4, … threads up to the cores).
-        #[arg(long, value_name = "N")]
-        threads: Option<usize>,
+        /// then E3 at 1, 2, 4, … threads up to the cores). bulk: the thread
+        /// counts of the multi-thread part, even (producer/consumer pairs)
+        /// and comma-separated (default 2,4,8,16 on every machine, more
+        /// threads than cores on purpose).
+        #[arg(long, value_name = "N[,N...]", value_parser = parse_threads)]
+        threads: Option<ThreadCounts>,
         /// crypt: run only E3, with the page limit near its threshold or at
         /// its default (2 % of the arena).
         #[arg(long, value_enum)]
@@ -104,11 +107,37 @@ fn parse_size(s: &str) -> Result<u64, String> {
     Ok(bytes)
 }
 
+/// The thread counts of `--threads`: one number, or a comma list for bulk.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct ThreadCounts(Vec<usize>);
+
+/// Thread counts from `--threads`: numbers separated by commas, each at
+/// least 1 (whether a list is allowed, and odd counts, is the experiment's
+/// to say).
+fn parse_threads(s: &str) -> Result<ThreadCounts, String> {
+    let v = s
+        .split(',')
+        .map(|t| {
+            let t = t.trim();
+            match t.parse::<usize>() {
+                Ok(0) => Err("--threads must be at least 1".to_string()),
+                Ok(n) => Ok(n),
+                Err(_) => Err(format!(
+                    "`{t}` is not a thread count: give a number, or for bulk a comma list such as 2,4,8,16"
+                )),
+            }
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(ThreadCounts(v))
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Experiment {
     /// Every experiment.
     All,
-    /// E1: alloc+free cost per page, single and bulk batches 1..256.
+    /// E1: alloc+free cost per page, single and bulk batches 1..256, beside
+    /// the peer allocators; then producer/consumer pairs across threads
+    /// (--threads, default 2,4,8,16).
     Bulk,
     /// Mempool: cost per page of a request by a loop of alloc, alloc_bulk
     /// and the callback form, warm and with the reserve serving.
@@ -171,13 +200,32 @@ fn run(cli: Cli) -> Result<(), BenchError> {
             threads,
             limit,
         } => {
-            if (threads.is_some() || limit.is_some()) && experiment != Experiment::Crypt {
+            if limit.is_some() && experiment != Experiment::Crypt {
                 return Err(BenchError::Workload(
-                    "--threads and --limit belong to the crypt experiment: `iopages bench crypt --threads 4 --limit near`".into(),
+                    "--limit belongs to the crypt experiment: `iopages bench crypt --threads 4 --limit near`".into(),
                 ));
             }
-            if threads == Some(0) {
-                return Err(BenchError::Workload("--threads must be at least 1".into()));
+            if threads.is_some() && !matches!(experiment, Experiment::Crypt | Experiment::Bulk) {
+                return Err(BenchError::Workload(
+                    "--threads belongs to the crypt and bulk experiments: `iopages bench crypt --threads 4` or `iopages bench bulk --threads 2,4,8,16`".into(),
+                ));
+            }
+            // crypt's E3 runs one thread count; bulk checks its list itself
+            // (even counts) before it starts.
+            let crypt_threads = match (&threads, experiment) {
+                (Some(ThreadCounts(v)), Experiment::Crypt) => match v[..] {
+                    [n] => Some(n),
+                    _ => {
+                        return Err(BenchError::Workload(
+                            "crypt takes one thread count: `iopages bench crypt --threads 4` (a list such as 2,4,8,16 is for bulk)".into(),
+                        ))
+                    }
+                },
+                _ => None,
+            };
+            let bulk_threads = threads.as_ref().map(|t| t.0.as_slice());
+            if experiment == Experiment::Bulk {
+                iopages_bench::bulk::mt_threads(bulk_threads)?;
             }
             if json.is_some() && experiment == Experiment::All {
                 return Err(BenchError::Workload(
@@ -193,7 +241,7 @@ fn run(cli: Cli) -> Result<(), BenchError> {
             };
             let all = experiment == Experiment::All;
             if all || experiment == Experiment::Bulk {
-                iopages_bench::bulk::run(&opts)?;
+                iopages_bench::bulk::run_with_threads(&opts, bulk_threads)?;
             }
             if all || experiment == Experiment::Mempool {
                 iopages_bench::mempool::run(&opts)?;
@@ -211,7 +259,7 @@ fn run(cli: Cli) -> Result<(), BenchError> {
                 iopages_bench::kvmalloc::run(&opts)?;
             }
             if all || experiment == Experiment::Crypt {
-                let e3_only = threads.is_some() || limit.is_some();
+                let e3_only = crypt_threads.is_some() || limit.is_some();
                 if !e3_only {
                     iopages_bench::crypt::run(&opts)?;
                 }
@@ -219,7 +267,7 @@ fn run(cli: Cli) -> Result<(), BenchError> {
                     Some(Limit::Default) => iopages_bench::crypt::LimitSetting::Default,
                     _ => iopages_bench::crypt::LimitSetting::Near,
                 };
-                iopages_bench::crypt::run_limit(&opts, threads, setting)?;
+                iopages_bench::crypt::run_limit(&opts, crypt_threads, setting)?;
             }
             if all || experiment == Experiment::Nbd {
                 let me = std::env::current_exe().map_err(|e| {
@@ -234,5 +282,47 @@ fn run(cli: Cli) -> Result<(), BenchError> {
         Command::Serve(_) | Command::Luks { .. } => Err(BenchError::Workload(
             "serve and luks are not benchmarks".into(),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn threads_take_one_number_or_a_comma_list() {
+        assert_eq!(parse_threads("4"), Ok(ThreadCounts(vec![4])));
+        assert_eq!(
+            parse_threads("2,4, 8,16"),
+            Ok(ThreadCounts(vec![2, 4, 8, 16]))
+        );
+        assert_eq!(
+            parse_threads("0").unwrap_err(),
+            "--threads must be at least 1"
+        );
+        assert!(parse_threads("2,x")
+            .unwrap_err()
+            .contains("`x` is not a thread count"));
+        assert!(parse_threads("2,,4").is_err());
+    }
+
+    fn bench(args: &[&str]) -> Result<(), String> {
+        let cli = Cli::try_parse_from(["iopages", "bench"].iter().chain(args))
+            .map_err(|e| e.to_string())?;
+        run(cli).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn thread_lists_are_refused_where_they_do_not_belong() {
+        let e = bench(&["crypt", "--threads", "2,4"]).unwrap_err();
+        assert!(e.contains("crypt takes one thread count"), "{e}");
+        let e = bench(&["bulk", "--threads", "2,3"]).unwrap_err();
+        assert!(e.contains("must be even"), "{e}");
+        let e = bench(&["xts", "--threads", "4"]).unwrap_err();
+        assert!(e.contains("crypt and bulk"), "{e}");
+        let e = bench(&["bulk", "--limit", "near"]).unwrap_err();
+        assert!(e.contains("--limit belongs to the crypt experiment"), "{e}");
+        let e = bench(&["crypt", "--threads", "0"]).unwrap_err();
+        assert!(e.contains("at least 1"), "{e}");
     }
 }

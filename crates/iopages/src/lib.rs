@@ -16,6 +16,7 @@
 //! | buddy allocator, watermarks (`mm/page_alloc.c`) | [`Zone`] | `zone.rs` |
 //! | `per_cpu_pages` (orders 0..=3, `high`, `batch`) | per-CPU stacks behind try-locks | `pcp.rs` |
 //! | — (userspace only) | per-thread magazines in front of the per-CPU lists | `tcache.rs` |
+//! | — (DPDK's per-lcore cache, SPDK's iobuf channel) | [`LocalAllocator`]: a handle that owns its magazine | `local.rs` |
 //! | `alloc_pages`, `__alloc_pages_bulk`, slow path | [`PageAllocator`] | `alloc.rs` |
 //! | `gfp_t`, `memalloc_noio_save` | [`Gfp`], [`memalloc_noio_scope`] | `gfp.rs` |
 //! | shrinkers, direct reclaim | [`Shrinker`], [`ShrinkerRegistry`] | `reclaim.rs` |
@@ -27,7 +28,7 @@
 //! | `struct bio`, `bio_add_page`, `bio_iov_iter_get_pages` | [`Bio`], [`BioVec`], [`BioLimits`] | `bio.rs` |
 //! | `vmalloc`, `vmap`, lazy vunmap | [`Vmalloc`], [`VmBox`] | `vmalloc.rs` |
 //! | `kvmalloc` / `kvfree` | [`Kvmalloc`], [`KvPolicy`], [`KvBox`] | `kvmalloc.rs` |
-//! | — (transfer cache) | whole order-0 batches between CPUs | `depot.rs` |
+//! | — (transfer cache) | a lock-free ring of order-0 magazines between threads | `depot.rs` |
 //! | `fail_page_alloc` | [`FaultInjector`] | `fault.rs` |
 //! | `mm/mempool.c` (incl. `mempool_alloc_bulk`) | [`Mempool`], [`PagePool`], [`ElementSource`] | `mempool.rs` |
 //! | `lib/percpu_counter.c` | [`PercpuCounter`] | `percpu_counter.rs` |
@@ -40,6 +41,12 @@
 //! free block on a per-CPU list or in a thread cache is just its number in
 //! an array. Only the zone writes metadata (its free lists are linked
 //! through the frames), plus allocation checks, `ZERO` and `COMP` when asked.
+//!
+//! A worker that allocates in a loop holds a [`LocalAllocator`] (from
+//! [`PageAllocator::local`]): its own cache, no thread-local lookup, the
+//! per-call checks folded into one mask, so the fast path is a length check
+//! and a copy. Freed pages travel between threads' caches as whole
+//! magazines through a lock-free depot (one compare-and-swap per batch).
 //!
 //! Single-page allocation pops from the calling thread's cache: no lock, no
 //! atomic read-modify-write, no CPU lookup. When the cache is empty it
@@ -58,6 +65,11 @@
 //! assert_eq!(alloc.alloc_pages_bulk_array(Gfp::KERNEL, &mut slots), 16);
 //! let pages: Vec<_> = slots.iter().flatten().copied().collect();
 //! alloc.free_pages_bulk(&pages);
+//! let mut local = alloc.local();
+//! let mut batch = Vec::with_capacity(32);
+//! assert_eq!(local.alloc_bulk(Gfp::KERNEL, 32, &mut batch), 32);
+//! local.free_bulk(&mut batch);
+//! drop(local);
 //! assert!(alloc.leak_check().is_ok());
 //! ```
 

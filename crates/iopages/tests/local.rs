@@ -226,13 +226,11 @@ fn pages_cross_threads_through_the_depot_as_whole_magazines() {
         let a = alloc.clone();
         thread::spawn(move || {
             let mut local = a.local();
-            let mut i = 0u64;
-            for mut v in rx {
+            for (i, mut v) in rx.into_iter().enumerate() {
                 for &p in &v {
-                    check_tag(&a, p, i << 32 | u64::from(p.pfn()));
+                    check_tag(&a, p, (i as u64) << 32 | u64::from(p.pfn()));
                 }
                 local.free_bulk(&mut v);
-                i += 1;
             }
         })
     };
