@@ -160,11 +160,26 @@ static struct rte_mempool *aligned_pool(unsigned n) {
 }
 #endif
 
+#if defined(PEER_DPDK)
+/* The CPUs the process may run on before EAL pins the main thread to
+ * lcore 0 ("-l 0"). Threads the workers create inherit that pin: without
+ * giving them this set back, every producer and consumer would share CPU 0,
+ * and DPDK's multi-thread figures would be one core's (a pair on one core
+ * also hands pages over in that core's caches). */
+static cpu_set_t all_cpus;
+#endif
+static pthread_t main_thread;
+
 static void thread_init(void) {
 #if defined(PEER_DPDK)
     /* Non-EAL threads need an lcore id to get a per-lcore mempool cache. */
     if (rte_lcore_id() == LCORE_ID_ANY && rte_thread_register() != 0) {
         fprintf(stderr, "rte_thread_register: %s\n", rte_strerror(rte_errno));
+        exit(3);
+    }
+    if (!pthread_equal(pthread_self(), main_thread) &&
+        pthread_setaffinity_np(pthread_self(), sizeof all_cpus, &all_cpus) != 0) {
+        fprintf(stderr, "pthread_setaffinity_np failed\n");
         exit(3);
     }
 #endif
@@ -379,6 +394,7 @@ static unsigned parse_list(const char *s, unsigned *out, unsigned max) {
 }
 
 int main(int argc, char **argv) {
+    main_thread = pthread_self();
     if (argc != 6) {
         fprintf(stderr, "usage: %s PAGES MT_PAGES BATCHES THREADS MT_BATCHES\n", argv[0]);
         return 64;
@@ -414,6 +430,7 @@ int main(int argc, char **argv) {
 #endif
     char eal_m[16];
     snprintf(eal_m, sizeof eal_m, "%u", eal_mb);
+    if (sched_getaffinity(0, sizeof all_cpus, &all_cpus) != 0) die("sched_getaffinity");
     char *eal[] = {"peer-dpdk", "--no-huge", "--no-pci", "--no-shconf", "--no-telemetry", "-m", eal_m,
                    "-l", "0", "--log-level", "lib.eal:error", NULL};
     if (rte_eal_init((int)(sizeof eal / sizeof eal[0]) - 1, eal) < 0) {

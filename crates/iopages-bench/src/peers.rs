@@ -382,42 +382,30 @@ impl Ring {
         self.slots.as_ptr().cast::<Page>().cast_mut()
     }
 
-    /// Producer: write `pages` at `at` (the slots are free), as at most two
-    /// copies around the wrap.
+    /// Producer: write `pages` at `at` (the slots are free).
     #[inline]
     fn write(&self, at: u64, pages: &[Page]) {
-        let i = (at % RING) as usize;
-        let first = pages.len().min(RING as usize - i);
-        // SAFETY: see the `Sync` impl; the producer owns these slots, and
-        // both ranges lie inside the ring.
-        unsafe {
-            std::ptr::copy_nonoverlapping(pages.as_ptr(), self.base().add(i), first);
-            std::ptr::copy_nonoverlapping(
-                pages.as_ptr().add(first),
-                self.base(),
-                pages.len() - first,
-            );
+        let base = self.base();
+        for (i, &p) in pages.iter().enumerate() {
+            // SAFETY: see the `Sync` impl; the producer owns these slots, and
+            // the index is masked into the ring.
+            unsafe { *base.add(((at + i as u64) & (RING - 1)) as usize) = p };
         }
     }
 
     /// Consumer: append the `n` pages at `at` to `out` (they are
-    /// published), as at most two copies.
+    /// published).
     #[inline]
     fn read(&self, at: u64, n: u64, out: &mut Vec<Page>) {
-        let (i, n) = ((at % RING) as usize, n as usize);
-        let first = n.min(RING as usize - i);
-        out.reserve(n);
-        // SAFETY: see the `Sync` impl; the consumer owns these slots; `out`
-        // has room for `n` more.
-        unsafe {
-            let dst = out.as_mut_ptr().add(out.len());
-            std::ptr::copy_nonoverlapping(self.base().add(i), dst, first);
-            std::ptr::copy_nonoverlapping(self.base(), dst.add(first), n - first);
-            out.set_len(out.len() + n);
-        }
+        let base = self.base();
+        out.extend((at..at + n).map(|i| {
+            // SAFETY: see the `Sync` impl; the consumer owns these slots.
+            unsafe { *base.add((i & (RING - 1)) as usize) }
+        }));
     }
 }
 
+/// Slots per ring, a power of two.
 const RING: u64 = 1024;
 /// Set in `head` by a producer that is done: the consumer drains and stops.
 const FINISHED: u64 = 1 << 63;

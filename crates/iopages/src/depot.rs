@@ -30,7 +30,6 @@
 
 use crossbeam_utils::CachePadded;
 use std::cell::UnsafeCell;
-use std::marker::PhantomData;
 use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -91,29 +90,77 @@ impl<T: Send> SlotCell<T> for StdCell<T> {
     }
 }
 
-struct Slot<T, W, C> {
+struct Slot<W, C> {
     /// `pos` when free for the put at `pos`; `pos + 1` once that put has
     /// published its magazine; `pos + slots` once the take at `pos` has
     /// copied it out (free for the next lap).
     seq: W,
-    mag: C,
-    _t: PhantomData<T>,
+    /// Held (`with_mut`) for exactly the window in which the slot's
+    /// magazine is written or read: nothing in production, the access that
+    /// `loom` checks for overlaps in the model.
+    claim: C,
 }
+
+/// Bytes a magazine's storage is rounded up to, and aligned on: two cache
+/// lines, so neighbouring magazines never share a line (one may be written
+/// while the next is read), and a run of magazines is one contiguous
+/// stretch of memory that the hardware prefetcher streams.
+const MAG_ALIGN: usize = 128;
 
 /// A bounded multi-producer multi-consumer ring of magazines of `mag`
-/// items each.
-pub(crate) struct MagazineRing<T, W = AtomicUsize, C = StdCell<Box<[MaybeUninit<T>]>>> {
+/// items each. The slots' sequence numbers are cache-padded; the magazines
+/// themselves lie in one contiguous block, slot after slot.
+pub(crate) struct MagazineRing<T, W = AtomicUsize, C = StdCell<()>> {
     enq: CachePadded<W>,
     deq: CachePadded<W>,
-    slots: Box<[CachePadded<Slot<T, W, C>>]>,
+    slots: Box<[CachePadded<Slot<W, C>>]>,
     mag: usize,
+    /// Items from one magazine's start to the next's.
+    stride: usize,
+    data: *mut MaybeUninit<T>,
+    layout: std::alloc::Layout,
 }
 
-impl<T: Copy + Send, W: Word, C: SlotCell<Box<[MaybeUninit<T>]>>> MagazineRing<T, W, C> {
+// SAFETY: `data` is owned by the ring; a magazine in it is touched only
+// inside its slot's claimed window (see `put` and `take`), by one thread.
+unsafe impl<T: Send, W: Send, C: Send> Send for MagazineRing<T, W, C> {}
+// SAFETY: as above.
+unsafe impl<T: Send, W: Sync, C: Sync> Sync for MagazineRing<T, W, C> {}
+
+impl<T, W, C> Drop for MagazineRing<T, W, C> {
+    fn drop(&mut self) {
+        if self.layout.size() > 0 {
+            // SAFETY: allocated in `new` with this layout (items are `Copy`
+            // and need no drop).
+            unsafe { std::alloc::dealloc(self.data.cast(), self.layout) };
+        }
+    }
+}
+
+impl<T: Copy + Send, W: Word, C: SlotCell<()>> MagazineRing<T, W, C> {
     /// A ring of `slots` magazines of `mag` items (no slots: always full
     /// and always empty).
     pub(crate) fn new(slots: usize, mag: usize) -> Self {
         assert!(mag > 0, "a magazine holds at least one item");
+        let size = std::mem::size_of::<T>().max(1);
+        let stride = if MAG_ALIGN % size == 0 {
+            mag.next_multiple_of(MAG_ALIGN / size)
+        } else {
+            mag
+        };
+        let layout = std::alloc::Layout::array::<T>(slots * stride)
+            .and_then(|l| l.align_to(MAG_ALIGN))
+            .expect("the depot fits in memory");
+        let data = if layout.size() == 0 {
+            std::ptr::NonNull::<MaybeUninit<T>>::dangling().as_ptr()
+        } else {
+            // SAFETY: the layout has a non-zero size.
+            let p = unsafe { std::alloc::alloc(layout) }.cast::<MaybeUninit<T>>();
+            if p.is_null() {
+                std::alloc::handle_alloc_error(layout);
+            }
+            p
+        };
         MagazineRing {
             enq: CachePadded::new(W::new(0)),
             deq: CachePadded::new(W::new(0)),
@@ -121,13 +168,22 @@ impl<T: Copy + Send, W: Word, C: SlotCell<Box<[MaybeUninit<T>]>>> MagazineRing<T
                 .map(|i| {
                     CachePadded::new(Slot {
                         seq: W::new(i),
-                        mag: C::new((0..mag).map(|_| MaybeUninit::uninit()).collect()),
-                        _t: PhantomData,
+                        claim: C::new(()),
                     })
                 })
                 .collect(),
             mag,
+            stride,
+            data,
+            layout,
         }
+    }
+
+    /// The storage of slot `i`'s magazine.
+    #[inline]
+    fn magazine_at(&self, i: usize) -> *mut MaybeUninit<T> {
+        // SAFETY: `i` < slots, so the offset stays inside the block.
+        unsafe { self.data.add(i * self.stride) }
     }
 
     /// Items per magazine.
@@ -167,14 +223,17 @@ impl<T: Copy + Send, W: Word, C: SlotCell<Box<[MaybeUninit<T>]>>> MagazineRing<T
             if dif == 0 {
                 match self.enq.cas(pos, pos.wrapping_add(1)) {
                     Ok(_) => {
+                        let dst = self.magazine_at(pos % n);
                         // SAFETY: the compare-and-swap claimed the slot for
-                        // this put alone until the store below publishes it.
+                        // this put alone until the store below publishes it;
+                        // the magazine's storage holds `mag` items.
                         unsafe {
-                            slot.mag.with_mut(|m| {
-                                let m = &mut *m;
-                                for (d, s) in m.iter_mut().zip(items) {
-                                    d.write(*s);
-                                }
+                            slot.claim.with_mut(|_| {
+                                std::ptr::copy_nonoverlapping(
+                                    items.as_ptr(),
+                                    dst.cast::<T>(),
+                                    self.mag,
+                                )
                             })
                         };
                         slot.seq.store(pos.wrapping_add(1), Ordering::Release);
@@ -207,13 +266,13 @@ impl<T: Copy + Send, W: Word, C: SlotCell<Box<[MaybeUninit<T>]>>> MagazineRing<T
             if dif == 0 {
                 match self.deq.cas(pos, pos.wrapping_add(1)) {
                     Ok(_) => {
+                        let src = self.magazine_at(pos % n);
                         // SAFETY: claimed as in `put`; the acquire load of
                         // `seq` saw the put's release store, so all `mag`
                         // items are initialised.
                         unsafe {
-                            slot.mag.with_mut(|m| {
-                                let m = &*m;
-                                f(std::slice::from_raw_parts(m.as_ptr().cast::<T>(), m.len()))
+                            slot.claim.with_mut(|_| {
+                                f(std::slice::from_raw_parts(src.cast::<T>(), self.mag))
                             })
                         };
                         slot.seq.store(pos.wrapping_add(n), Ordering::Release);
@@ -375,7 +434,6 @@ mod tests {
         use super::super::{MagazineRing, SlotCell, Word};
         use loom::sync::atomic::AtomicUsize;
         use loom::sync::Arc;
-        use std::mem::MaybeUninit;
         use std::sync::atomic::Ordering;
 
         impl Word for AtomicUsize {
@@ -405,7 +463,7 @@ mod tests {
             }
         }
 
-        type Ring = MagazineRing<u32, AtomicUsize, LoomCell<Box<[MaybeUninit<u32>]>>>;
+        type Ring = MagazineRing<u32, AtomicUsize, LoomCell<()>>;
 
         /// Every interleaving with up to three preemptions: enough for a
         /// two-slot ring, and seconds rather than minutes.
