@@ -31,8 +31,8 @@ use std::sync::{Arc, Weak};
 /// and stacks in a page-aligned block that starts one line in. Workloads
 /// that write the first bytes of many pages (block headers, the E1 peer
 /// workload) fill that set, and a cache length or stack slot that lived
-/// there was evicted on every round trip: E1's single-thread figures moved
-/// by up to 2× with where the heap happened to put the cache.
+/// there could be evicted on every round trip (E1's single-thread figures
+/// move by up to 2× with where the heap puts the loop's memory).
 #[repr(C, align(4096))]
 pub(crate) struct Tcache {
     _set0: [u8; 64],
