@@ -21,7 +21,7 @@
 //! once did, a batch-of-one round trip cost 7.9 ns instead of 5.
 
 use crate::alloc::PageAllocator;
-use crate::frame::{copy_pages, Page};
+use crate::frame::{copy_pages, copy_pages_rev, Page};
 use crate::gfp::Gfp;
 use crate::pcp::{bump, PCP_MAX_ORDER};
 use crate::tcache::{Owner, Tcache};
@@ -231,7 +231,7 @@ impl LocalAllocator {
             // SAFETY: slots `at..len` are initialised; `out` has room for
             // `nr` more; the two buffers are different allocations.
             unsafe {
-                copy_pages(out.as_mut_ptr().add(out.len()), self.buf.add(at), nr);
+                copy_pages_rev(out.as_mut_ptr().add(out.len()), self.buf.add(at), nr);
                 out.set_len(out.len() + nr);
             }
             self.len = at;
@@ -270,7 +270,7 @@ impl LocalAllocator {
             let k = tc.len(0).min(want);
             // SAFETY: the handle is the cache's only user; the slice is
             // copied out before the cache is touched again.
-            out.extend_from_slice(unsafe { tc.take_top(0, k) });
+            out.extend(unsafe { tc.take_top(0, k) }.iter().rev());
             bump(&tc.allocs, k as u64);
             if k == want {
                 break;

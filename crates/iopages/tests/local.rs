@@ -69,6 +69,28 @@ fn a_handle_counts_its_cached_pages_and_gives_them_back_on_drop() {
 }
 
 #[test]
+fn a_batch_comes_back_most_recently_freed_first() {
+    let alloc = builder(8).checks(false).build().unwrap();
+    let mut local = alloc.local();
+    let mut v = Vec::new();
+    assert_eq!(local.alloc_bulk(Gfp::KERNEL, 16, &mut v), 16);
+    let freed = v.clone();
+    local.free_bulk(&mut v);
+    assert_eq!(local.alloc_bulk(Gfp::KERNEL, 16, &mut v), 16);
+    let mut reversed = freed.clone();
+    reversed.reverse();
+    assert_eq!(
+        v, reversed,
+        "the last page freed must be the first handed out"
+    );
+    local.free_bulk(&mut v);
+    assert_eq!(local.alloc_pages(Gfp::KERNEL, 0), Some(freed[0]));
+    local.free_pages(freed[0], 0);
+    drop(local);
+    assert_no_leaks(&alloc);
+}
+
+#[test]
 fn a_handle_double_free_is_caught_with_checks_on() {
     let alloc = builder(4).checks(true).build().unwrap();
     let mut local = alloc.local();
