@@ -393,6 +393,13 @@ impl Ring {
         }
     }
 
+    /// Consumer: the page at `at` (published).
+    #[inline]
+    fn one(&self, at: u64) -> Page {
+        // SAFETY: see the `Sync` impl; the consumer owns this slot.
+        unsafe { *self.base().add((at & (RING - 1)) as usize) }
+    }
+
     /// Consumer: append the `n` pages at `at` to `out` (they are
     /// published).
     #[inline]
@@ -416,44 +423,20 @@ pub fn mt_pages_in_flight(threads: usize, batch: usize) -> u64 {
     (threads / 2).max(1) as u64 * (RING + 2 * batch.max(1) as u64)
 }
 
-// The allocator calls of the multi-thread workers, and nothing else: one
-// producer-side and one consumer-side function, so that the allocator API
-// they use can change in one place (to a per-thread handle, for one).
+// The multi-thread workers call the allocator through a `LocalAllocator`
+// handle each, the API a worker loop uses. Batches of one page (the
+// single-page API, "batch 0") hold the page in a local, as the C harness
+// does; larger batches move through a vector.
 
-/// Producer side: fill `buf` (`batch` slots, one for batch 0) with pages,
-/// batch 0 through the single-page API and any other through the bulk
-/// array API. A short batch is given back whole: returns false.
+/// Producer side, batches: append `batch` pages to `buf` (empty). A short
+/// batch is given back whole: returns false.
 #[inline]
 fn mt_alloc_batch(local: &mut LocalAllocator, batch: usize, buf: &mut Vec<Page>) -> bool {
-    let want = batch.max(1);
-    let got = if batch == 0 {
-        match local.alloc_pages(Gfp::KERNEL, 0) {
-            Some(p) => {
-                buf.push(p);
-                1
-            }
-            None => 0,
-        }
-    } else {
-        local.alloc_bulk(Gfp::KERNEL, batch, buf)
-    };
-    if got == want {
+    if local.alloc_bulk(Gfp::KERNEL, batch, buf) == batch {
         return true;
     }
     local.free_bulk(buf);
     false
-}
-
-/// Consumer side: free a batch received from the producer (one page for
-/// batch 0, through the single-page call), leaving `pages` empty.
-#[inline]
-fn mt_free_batch(local: &mut LocalAllocator, batch: usize, pages: &mut Vec<Page>) {
-    if batch == 0 {
-        local.free_pages(pages[0], 0);
-        pages.clear();
-    } else {
-        local.free_bulk(pages);
-    }
 }
 
 fn producer(
@@ -470,6 +453,22 @@ fn producer(
     start.wait();
     let span = Span::begin();
     let mut head = 0u64;
+    if batch == 0 {
+        // One page at a time, held in a local as the C harness holds it.
+        while head < pages {
+            let Some(p) = local.alloc_pages(Gfp::KERNEL, 0) else {
+                failed.store(true, Ordering::Relaxed);
+                break;
+            };
+            touch(alloc, p);
+            while head + 1 - ring.tail.load(Ordering::Acquire) > RING {
+                std::thread::yield_now();
+            }
+            ring.write(head, &[p]);
+            head += 1;
+            ring.head.store(head, Ordering::Release);
+        }
+    }
     while head < pages {
         if !mt_alloc_batch(&mut local, batch, &mut buf) {
             failed.store(true, Ordering::Relaxed);
@@ -508,10 +507,17 @@ fn consumer(alloc: &PageAllocator, ring: &Ring, start: &Barrier, batch: usize) -
             std::thread::yield_now();
             continue;
         }
+        if batch == 0 {
+            let p = ring.one(tail);
+            tail += 1;
+            ring.tail.store(tail, Ordering::Release);
+            local.free_pages(p, 0);
+            continue;
+        }
         ring.read(tail, b, &mut v);
         tail += b;
         ring.tail.store(tail, Ordering::Release);
-        mt_free_batch(&mut local, batch, &mut v);
+        local.free_bulk(&mut v);
     }
     span.end()
 }
