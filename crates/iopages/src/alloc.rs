@@ -158,16 +158,7 @@ impl PageAllocator {
     /// found under `gfp`'s rules (orders above 10 always fail).
     #[inline]
     pub fn alloc_pages(&self, gfp: Gfp, order: u32) -> Option<Page> {
-        let core = &*self.core;
-        // Movable pages bypass the type-agnostic caches (see compaction.rs).
-        if order <= PCP_MAX_ORDER && !core.fault.is_enabled() && !gfp.contains(Gfp::MOVABLE) {
-            if let Some(tc) = self.tcache() {
-                if let Some(page) = core.tcache_alloc(tc, order) {
-                    return Some(core.prep_new_page(page, order, gfp));
-                }
-            }
-        }
-        core.alloc_uncached(gfp, order)
+        self.core.alloc_cached(gfp, order, || self.tcache())
     }
 
     /// Count one bulk call (`frees`: a bulk free) in this thread's cache's
@@ -197,17 +188,7 @@ impl PageAllocator {
     /// not allocated (a double free) panics with the frame named.
     #[inline]
     pub fn free_pages(&self, page: Page, order: u32) {
-        let core = &*self.core;
-        if order > 0 || core.checks {
-            core.free_prep(page, order);
-        }
-        if order <= PCP_MAX_ORDER {
-            if let Some(tc) = self.tcache() {
-                core.tcache_free(tc, page, order);
-                return;
-            }
-        }
-        core.free_uncached(page, order);
+        self.core.free_cached(page, order, || self.tcache())
     }
 
     /// This thread's cache for this allocator: `None` when thread caches
@@ -759,6 +740,48 @@ impl Core {
     }
 
     // ---- fast path -------------------------------------------------------
+
+    /// One block through a page cache (`cache()`: the caller's thread
+    /// cache or handle, asked only when a cache may serve), else the
+    /// uncached path. Movable pages bypass the type-agnostic caches (see
+    /// compaction.rs), and fault injection sees every attempt.
+    #[inline(always)]
+    pub(crate) fn alloc_cached<'t>(
+        &self,
+        gfp: Gfp,
+        order: u32,
+        cache: impl FnOnce() -> Option<&'t Tcache>,
+    ) -> Option<Page> {
+        if order <= PCP_MAX_ORDER && !self.fault.is_enabled() && !gfp.contains(Gfp::MOVABLE) {
+            if let Some(tc) = cache() {
+                if let Some(page) = self.tcache_alloc(tc, order) {
+                    return Some(self.prep_new_page(page, order, gfp));
+                }
+            }
+        }
+        self.alloc_uncached(gfp, order)
+    }
+
+    /// Free one block through a page cache (as [`Core::alloc_cached`]),
+    /// after the allocation checks.
+    #[inline(always)]
+    pub(crate) fn free_cached<'t>(
+        &self,
+        page: Page,
+        order: u32,
+        cache: impl FnOnce() -> Option<&'t Tcache>,
+    ) {
+        if order > 0 || self.checks {
+            self.free_prep(page, order);
+        }
+        if order <= PCP_MAX_ORDER {
+            if let Some(tc) = cache() {
+                self.tcache_free(tc, page, order);
+                return;
+            }
+        }
+        self.free_uncached(page, order);
+    }
 
     #[inline]
     pub(crate) fn tcache_alloc(&self, tc: &Tcache, order: u32) -> Option<Page> {

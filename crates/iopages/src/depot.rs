@@ -205,48 +205,56 @@ impl<T: Copy + Send, W: Word, C: SlotCell<()>> MagazineRing<T, W, C> {
         enq.saturating_sub(deq).min(self.slots.len())
     }
 
+    /// Claim the next position of `at` (`enq` for a put, `deq` for a
+    /// take) whose slot is ready for it: its sequence is the position plus
+    /// `ahead` (0: free for a put, 1: published for a take). `None` when the
+    /// ring is full or empty there, or the slot is still being emptied or
+    /// written.
+    #[inline]
+    fn claim(&self, at: &W, ahead: usize) -> Option<usize> {
+        let n = self.slots.len();
+        if n == 0 {
+            return None;
+        }
+        let mut pos = at.load(Ordering::Relaxed);
+        loop {
+            let seq = self.slots[pos % n].seq.load(Ordering::Acquire);
+            let dif = seq.wrapping_sub(pos.wrapping_add(ahead)) as isize;
+            if dif == 0 {
+                match at.cas(pos, pos.wrapping_add(1)) {
+                    Ok(_) => return Some(pos),
+                    Err(now) => pos = now,
+                }
+            } else if dif < 0 {
+                return None;
+            } else {
+                pos = at.load(Ordering::Relaxed);
+            }
+        }
+    }
+
     /// Park one magazine: `items` must hold exactly [`Self::magazine`]
     /// items. `false` (nothing taken) when the ring is full or the next
     /// slot is still being emptied.
     #[inline]
     pub(crate) fn put(&self, items: &[T]) -> bool {
         assert_eq!(items.len(), self.mag, "a magazine is put whole");
-        let n = self.slots.len();
-        if n == 0 {
+        let Some(pos) = self.claim(&self.enq, 0) else {
             return false;
-        }
-        let mut pos = self.enq.load(Ordering::Relaxed);
-        loop {
-            let slot = &self.slots[pos % n];
-            let seq = slot.seq.load(Ordering::Acquire);
-            let dif = seq.wrapping_sub(pos) as isize;
-            if dif == 0 {
-                match self.enq.cas(pos, pos.wrapping_add(1)) {
-                    Ok(_) => {
-                        let dst = self.magazine_at(pos % n);
-                        // SAFETY: the compare-and-swap claimed the slot for
-                        // this put alone until the store below publishes it;
-                        // the magazine's storage holds `mag` items.
-                        unsafe {
-                            slot.claim.with_mut(|_| {
-                                std::ptr::copy_nonoverlapping(
-                                    items.as_ptr(),
-                                    dst.cast::<T>(),
-                                    self.mag,
-                                )
-                            })
-                        };
-                        slot.seq.store(pos.wrapping_add(1), Ordering::Release);
-                        return true;
-                    }
-                    Err(now) => pos = now,
-                }
-            } else if dif < 0 {
-                return false;
-            } else {
-                pos = self.enq.load(Ordering::Relaxed);
-            }
-        }
+        };
+        let i = pos % self.slots.len();
+        let dst = self.magazine_at(i);
+        // SAFETY: the claim gave this put the slot alone until the store
+        // below publishes it; the magazine's storage holds `mag` items.
+        unsafe {
+            self.slots[i].claim.with_mut(|_| {
+                std::ptr::copy_nonoverlapping(items.as_ptr(), dst.cast::<T>(), self.mag)
+            })
+        };
+        self.slots[i]
+            .seq
+            .store(pos.wrapping_add(1), Ordering::Release);
+        true
     }
 
     /// Take one magazine and hand its items to `f` (keep `f` short: the
@@ -254,38 +262,23 @@ impl<T: Copy + Send, W: Word, C: SlotCell<()>> MagazineRing<T, W, C> {
     /// or the oldest magazine is still being written.
     #[inline]
     pub(crate) fn take(&self, f: impl FnOnce(&[T])) -> bool {
-        let n = self.slots.len();
-        if n == 0 {
+        let Some(pos) = self.claim(&self.deq, 1) else {
             return false;
-        }
-        let mut pos = self.deq.load(Ordering::Relaxed);
-        loop {
-            let slot = &self.slots[pos % n];
-            let seq = slot.seq.load(Ordering::Acquire);
-            let dif = seq.wrapping_sub(pos.wrapping_add(1)) as isize;
-            if dif == 0 {
-                match self.deq.cas(pos, pos.wrapping_add(1)) {
-                    Ok(_) => {
-                        let src = self.magazine_at(pos % n);
-                        // SAFETY: claimed as in `put`; the acquire load of
-                        // `seq` saw the put's release store, so all `mag`
-                        // items are initialised.
-                        unsafe {
-                            slot.claim.with_mut(|_| {
-                                f(std::slice::from_raw_parts(src.cast::<T>(), self.mag))
-                            })
-                        };
-                        slot.seq.store(pos.wrapping_add(n), Ordering::Release);
-                        return true;
-                    }
-                    Err(now) => pos = now,
-                }
-            } else if dif < 0 {
-                return false;
-            } else {
-                pos = self.deq.load(Ordering::Relaxed);
-            }
-        }
+        };
+        let n = self.slots.len();
+        let src = self.magazine_at(pos % n);
+        // SAFETY: claimed as in `put`; the acquire load of `seq` in the
+        // claim saw the put's release store, so all `mag` items are
+        // initialised.
+        unsafe {
+            self.slots[pos % n]
+                .claim
+                .with_mut(|_| f(std::slice::from_raw_parts(src.cast::<T>(), self.mag)))
+        };
+        self.slots[pos % n]
+            .seq
+            .store(pos.wrapping_add(n), Ordering::Release);
+        true
     }
 }
 

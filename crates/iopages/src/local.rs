@@ -23,7 +23,7 @@
 use crate::alloc::PageAllocator;
 use crate::frame::{copy_pages, copy_pages_rev, Page};
 use crate::gfp::Gfp;
-use crate::pcp::{bump, PCP_MAX_ORDER};
+use crate::pcp::bump;
 use crate::tcache::{Owner, Tcache};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -169,20 +169,16 @@ impl LocalAllocator {
     #[cold]
     #[inline(never)]
     fn alloc_pages_slow(&mut self, gfp: Gfp, order: u32) -> Option<Page> {
-        let core = self.alloc.core();
-        let p = if order <= PCP_MAX_ORDER
-            && self.cap > 0
-            && !self.alloc.fault().is_enabled()
-            && !gfp.contains(Gfp::MOVABLE)
-        {
-            core.tcache_alloc(&self.tc, order)
-                .map(|p| core.prep_new_page(p, order, gfp))
-                .or_else(|| core.alloc_uncached(gfp, order))
-        } else {
-            core.alloc_uncached(gfp, order)
-        };
+        let p = self.alloc.core().alloc_cached(gfp, order, || self.cache());
         self.reload();
         p
+    }
+
+    /// The handle's cache for the shared paths (none when thread caches
+    /// are off).
+    #[inline]
+    fn cache(&self) -> Option<&Tcache> {
+        (self.cap > 0).then_some(&*self.tc)
     }
 
     /// Free a block allocated with this order (by this handle, another
@@ -206,15 +202,7 @@ impl LocalAllocator {
     #[cold]
     #[inline(never)]
     fn free_pages_slow(&mut self, page: Page, order: u32) {
-        let core = self.alloc.core();
-        if order > 0 || self.checks {
-            core.free_prep(page, order);
-        }
-        if order <= PCP_MAX_ORDER && self.cap > 0 {
-            core.tcache_free(&self.tc, page, order);
-        } else {
-            core.free_uncached(page, order);
-        }
+        self.alloc.core().free_cached(page, order, || self.cache());
         self.reload();
     }
 

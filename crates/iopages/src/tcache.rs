@@ -25,18 +25,8 @@ use std::sync::{Arc, Weak};
 /// per order. The stack lengths are atomics written only by the owner with
 /// plain stores, so other threads can count the cached pages without
 /// touching the stacks.
-///
-/// Placed so that its hot lines never share an L1 cache set with the first
-/// line of a page: a page-aligned record whose first line is left empty,
-/// and stacks in a page-aligned block that starts one line in. Workloads
-/// that write the first bytes of many pages (block headers, the E1 peer
-/// workload) fill that set, and a cache length or stack slot that lived
-/// there could be evicted on every round trip (E1's single-thread figures
-/// move by up to 2× with where the heap puts the loop's memory).
-#[repr(C, align(4096))]
 pub(crate) struct Tcache {
-    _set0: [u8; 64],
-    stacks: Stacks,
+    bufs: [UnsafeCell<Box<[MaybeUninit<Page>]>>; PCP_ORDERS],
     lens: [AtomicUsize; PCP_ORDERS],
     pub cap: [usize; PCP_ORDERS],
     pub allocs: AtomicU64,
@@ -58,8 +48,9 @@ unsafe impl Send for Tcache {}
 impl Tcache {
     pub(crate) fn new(cap: [usize; PCP_ORDERS]) -> Tcache {
         Tcache {
-            _set0: [0; 64],
-            stacks: Stacks::new(&cap),
+            bufs: std::array::from_fn(|o| {
+                UnsafeCell::new((0..cap[o]).map(|_| MaybeUninit::uninit()).collect())
+            }),
             lens: Default::default(),
             cap,
             allocs: AtomicU64::new(0),
@@ -74,7 +65,7 @@ impl Tcache {
     #[inline]
     #[allow(clippy::mut_from_ref)]
     unsafe fn buf(&self, order: u32) -> &mut [MaybeUninit<Page>] {
-        self.stacks.get(order, self.cap[order as usize])
+        &mut *self.bufs[order as usize].get()
     }
 
     /// Blocks held of `order`.
@@ -184,58 +175,6 @@ impl Tcache {
     /// Pages held (racy snapshot from other threads; exact from the owner).
     pub(crate) fn nr_pages(&self) -> usize {
         (0..PCP_ORDERS).map(|o| self.len(o as u32) << o).sum()
-    }
-}
-
-/// The stacks' storage: one page-aligned allocation whose first cache line
-/// stays unused (see [`Tcache`]), the orders' stacks one after another.
-struct Stacks {
-    base: *mut MaybeUninit<Page>,
-    layout: std::alloc::Layout,
-    start: [usize; PCP_ORDERS],
-}
-
-/// Slots skipped at the start of the block: one cache line.
-const SKIP: usize = 64 / std::mem::size_of::<Page>();
-
-impl Stacks {
-    fn new(cap: &[usize; PCP_ORDERS]) -> Stacks {
-        let mut start = [0; PCP_ORDERS];
-        let mut at = SKIP;
-        for o in 0..PCP_ORDERS {
-            start[o] = at;
-            at += cap[o];
-        }
-        let layout = std::alloc::Layout::array::<Page>(at)
-            .and_then(|l| l.align_to(4096))
-            .expect("cache stacks fit in memory");
-        // SAFETY: the layout has a non-zero size (SKIP > 0).
-        let base = unsafe { std::alloc::alloc(layout) }.cast::<MaybeUninit<Page>>();
-        if base.is_null() {
-            std::alloc::handle_alloc_error(layout);
-        }
-        Stacks {
-            base,
-            layout,
-            start,
-        }
-    }
-
-    /// The stack of `order`, `cap` slots.
-    ///
-    /// # Safety
-    /// Owner only; `cap` is the order's capacity.
-    #[inline]
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn get(&self, order: u32, cap: usize) -> &mut [MaybeUninit<Page>] {
-        std::slice::from_raw_parts_mut(self.base.add(self.start[order as usize]), cap)
-    }
-}
-
-impl Drop for Stacks {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout.
-        unsafe { std::alloc::dealloc(self.base.cast(), self.layout) };
     }
 }
 
