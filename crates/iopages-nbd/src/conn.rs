@@ -1,35 +1,52 @@
 //! Transmission on one connection: requests in, replies out, many in
-//! flight.
+//! flight, and nothing any other thread waits on.
 //!
-//! Owns: the reader loop (it reads each request and its payload, checks it
-//! and submits it to the crypt queue in chunks), the reply side (a
-//! completion sends its simple reply under the connection's writer lock,
-//! in completion order), FUA (the target is flushed after the write and
-//! before the reply) and the per-connection bound on requests and bytes in
-//! flight. Must never: reply before every chunk of a request has
+//! Owns: the connection's thread (it reads each request and its payload,
+//! checks it and submits it to the crypt queue in chunks, and is the only
+//! thread that ever waits on the socket), the reply side (a completion
+//! queues its simple reply and, if nobody is sending, tries to send the
+//! queue without blocking; what the socket does not take stays queued,
+//! and the connection's thread sends it as the socket drains), FUA (the
+//! target is flushed after the write and before the reply), the
+//! per-connection bound on requests and bytes in flight and the server's
+//! byte budget, and the deadlines: a reply must be taken by the client
+//! within the reply timeout of being queued, a request's payload must
+//! arrive within it of its header, and a connection with nothing in
+//! flight that sends nothing for the idle timeout is closed. Must never:
+//! block a crypt worker on a client (a worker only ever tries a
+//! non-blocking send), reply before every chunk of a request has
 //! completed, reply to a request twice, submit a write whose payload was
-//! not received whole, leave requests in flight when the connection's
-//! thread returns, or panic on what a client sends.
+//! not received whole, allocate a payload buffer before the request holds
+//! its bytes of the budget, leave requests in flight when the
+//! connection's thread returns, or panic on what a client sends.
 //!
-//! Errors: EINVAL for malformed or misaligned requests (not whole sectors
-//! of the target) and out-of-range reads; ENOSPC for writes, trims and
-//! write-zeroes beyond the end; EOVERFLOW for a read or write longer than
-//! the maximum block size (a write's payload is read and discarded, so the
-//! connection stays usable); EPERM for anything that writes to a read-only
-//! export. NBD_CMD_TRIM is checked and then does nothing (the ciphertext
-//! stays; a trim is advisory in the protocol, as dm-crypt without
-//! `allow_discards`); NBD_CMD_WRITE_ZEROES writes encrypted zeros.
+//! Errors (NBD's `proto.md`): EINVAL for unknown commands or flags,
+//! misaligned requests (not whole sectors of the target), reads and trims
+//! beyond the end, and reads or writes longer than the maximum block size
+//! (a write's payload is read and discarded, so the connection stays
+//! usable; a length beyond 32 MiB, which the protocol lets a server treat
+//! as an attack, closes the connection); ENOSPC for writes and
+//! write-zeroes beyond the end; EPERM for anything that writes to a
+//! read-only export; ENOMEM when the server's byte budget stays exhausted
+//! for the budget wait. The checks run in that order: flags, read-only,
+//! bounds, alignment, size. NBD_CMD_FLAG_FUA is accepted on every command
+//! (READ and FLUSH ignore it: they write nothing). NBD_CMD_TRIM is checked
+//! and then does nothing (the ciphertext stays; a trim is advisory in the
+//! protocol, as dm-crypt without `allow_discards`); NBD_CMD_WRITE_ZEROES
+//! writes encrypted zeros.
 
 use crate::buffers::{Buf, Buffers};
 use crate::device::{Device, Flusher};
 use crate::proto::*;
 use crate::stats::Counters;
-use crate::stream::Stream;
+use crate::transport::{Io, Transport};
 use crate::ExportInfo;
-use parking_lot::{Condvar, Mutex};
-use std::io::{self, Read, Write};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use parking_lot::Mutex;
+use std::collections::VecDeque;
+use std::io::{self, Read};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// Bytes per request submitted to the crypt queue: a longer NBD request is
 /// split so one submission never needs more out pages than the target's
@@ -44,6 +61,86 @@ pub const MAX_REQUESTS_IN_FLIGHT: usize = 128;
 /// Payload bytes (read buffers and write payloads) of one connection held
 /// at once, at most (a single larger request is still admitted alone).
 pub const MAX_BYTES_IN_FLIGHT: u64 = 64 << 20;
+/// A request length beyond this closes the connection (`proto.md` lets a
+/// server treat payloads over 2^25 bytes as an attack): reading and
+/// discarding gigabytes just to answer EINVAL would keep the server busy.
+const MAX_DISCARD_BYTES: u64 = 32 << 20;
+/// How often a request waiting for the server's byte budget looks again.
+const BUDGET_POLL: Duration = Duration::from_millis(5);
+
+/// The server's byte budget for payloads in flight, over all connections
+/// (arena and heap buffers alike).
+pub(crate) struct Budget {
+    used: AtomicU64,
+    limit: u64,
+}
+
+impl Budget {
+    pub(crate) fn new(limit: u64) -> Budget {
+        Budget {
+            used: AtomicU64::new(0),
+            limit,
+        }
+    }
+
+    fn try_acquire(&self, bytes: u64) -> bool {
+        if bytes == 0 {
+            return true;
+        }
+        let mut cur = self.used.load(Ordering::Relaxed);
+        loop {
+            if cur + bytes > self.limit {
+                return false;
+            }
+            match self.used.compare_exchange_weak(
+                cur,
+                cur + bytes,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return true,
+                Err(c) => cur = c,
+            }
+        }
+    }
+
+    fn release(&self, bytes: u64) {
+        if bytes > 0 {
+            self.used.fetch_sub(bytes, Ordering::AcqRel);
+        }
+    }
+
+    /// Bytes held now.
+    pub(crate) fn used(&self) -> u64 {
+        self.used.load(Ordering::Relaxed)
+    }
+}
+
+/// The deadlines and limits a connection runs under.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ConnLimits {
+    /// A reply not taken by the client this long after it was queued ends
+    /// the connection; so does a payload not received this long after its
+    /// header.
+    pub(crate) reply_timeout: Duration,
+    /// A connection with nothing in flight that sends nothing for this long
+    /// is closed (`None`: never).
+    pub(crate) idle_timeout: Option<Duration>,
+    /// How long a request waits for the server's byte budget before it is
+    /// answered ENOMEM.
+    pub(crate) budget_wait: Duration,
+}
+
+/// What a connection shares with the rest of the server.
+pub(crate) struct ConnEnv<'a> {
+    pub(crate) export: &'a ExportInfo,
+    pub(crate) device: &'a Arc<dyn Device>,
+    pub(crate) counters: &'a Arc<Counters>,
+    pub(crate) buffers: &'a Buffers,
+    pub(crate) budget: &'a Arc<Budget>,
+    pub(crate) zeros: &'a Arc<[u8]>,
+    pub(crate) limits: ConnLimits,
+}
 
 /// Map a target error to the protocol's error code.
 fn errno(e: &io::Error) -> u32 {
@@ -57,11 +154,10 @@ fn errno(e: &io::Error) -> u32 {
 }
 
 thread_local! {
-    /// Set on a connection's reader thread while further requests are
-    /// already in its buffer: replies completed on that thread (requests
-    /// served inline) are queued rather than sent, and leave in one
-    /// vectored write when the buffer runs dry (or before the reader waits
-    /// for room in the in-flight bound).
+    /// Set on a connection's thread while further requests are already in
+    /// its buffer: replies completed on that thread (requests served
+    /// inline) are queued rather than sent, and leave in one vectored
+    /// write before the thread next waits on anything.
     static DEFER_REPLIES: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
@@ -69,52 +165,79 @@ thread_local! {
 struct Reply {
     hdr: [u8; SIMPLE_REPLY_BYTES],
     data: Vec<Buf>,
-    /// The request's bytes in the in-flight bound, released once sent.
+    /// The request's bytes in the in-flight bounds, released once sent.
     held_bytes: u64,
+    /// When it was queued: the client must have taken it by
+    /// `queued + reply_timeout`.
+    queued: Instant,
 }
 
-/// Replies waiting for the sender, and whether a thread is sending.
+impl Reply {
+    fn len(&self) -> usize {
+        SIMPLE_REPLY_BYTES + self.data.iter().map(|d| d.as_ref().len()).sum::<usize>()
+    }
+}
+
+/// Replies waiting to be sent, in order.
 #[derive(Default)]
 struct Outbox {
-    queue: Vec<Reply>,
+    queue: VecDeque<Reply>,
+    /// Bytes of the first reply already sent.
+    front_sent: usize,
+    /// A thread is sending (it holds the front of the queue).
     sending: bool,
 }
 
-/// The reply side and the in-flight bound, shared with completions.
+/// The reply side and the in-flight bounds, shared with completions.
 struct Conn {
-    writer: Mutex<Stream>,
+    t: Arc<Transport>,
     outbox: Mutex<Outbox>,
+    /// The connection has been given up: nothing more is sent.
     dead: AtomicBool,
+    /// Requests and bytes in flight on this connection.
     gate: Mutex<(usize, u64)>,
-    gate_cv: Condvar,
+    /// The connection's thread is (about to be) waiting in `poll`: a
+    /// release must kick it.
+    parked: AtomicBool,
     counters: Arc<Counters>,
+    budget: Arc<Budget>,
     flusher: Flusher,
+    limits: ConnLimits,
 }
 
 impl Conn {
     /// Queue a simple reply with `data` (a read's chunks, back to back);
-    /// the request's place in the in-flight bound (`held_bytes`) is
-    /// released once the reply has been sent (or dropped, the client being
-    /// gone), so a client that stops reading cannot make replies pile up.
+    /// the request's place in the in-flight bounds (`held_bytes`) is
+    /// released once the reply has been sent (or dropped, the connection
+    /// being given up), so a client that stops reading cannot make
+    /// replies pile up past them.
     ///
-    /// Replies are sent in batches: the first completion to find nobody
-    /// sending becomes the sender and writes every queued reply with
-    /// vectored writes until the queue is empty; completions meanwhile
-    /// only queue theirs. Under load one `writev` carries many replies.
+    /// The first completion to find nobody sending becomes the sender and
+    /// writes every queued reply it can without blocking; completions
+    /// meanwhile only queue theirs. Under load one `writev` carries many
+    /// replies. What the socket does not take is left for the
+    /// connection's thread.
     fn reply(&self, error: u32, cookie: u64, data: Vec<Buf>, held_bytes: u64) {
-        let mut ob = self.outbox.lock();
-        ob.queue.push(Reply {
+        let r = Reply {
             hdr: simple_reply(error, cookie),
             data,
             held_bytes,
-        });
+            queued: Instant::now(),
+        };
+        if self.dead.load(Ordering::Acquire) {
+            drop(r);
+            self.release(held_bytes);
+            return;
+        }
+        let mut ob = self.outbox.lock();
+        ob.queue.push_back(r);
         if ob.sending || DEFER_REPLIES.with(|d| d.get()) {
             return;
         }
         self.drain(ob);
     }
 
-    /// Send whatever replies are queued, unless a thread is sending.
+    /// Send what is queued without blocking, unless a thread is sending.
     fn flush_replies(&self) {
         let ob = self.outbox.lock();
         if ob.sending || ob.queue.is_empty() {
@@ -123,93 +246,275 @@ impl Conn {
         self.drain(ob);
     }
 
-    /// Become the sender: send batches until the queue is empty.
+    /// Become the sender: send until the queue is empty or the socket is
+    /// full; in the second case the connection's thread is kicked so it
+    /// waits for the socket to drain.
     fn drain<'a>(&'a self, mut ob: parking_lot::MutexGuard<'a, Outbox>) {
         ob.sending = true;
         loop {
-            let batch = std::mem::take(&mut ob.queue);
-            if batch.is_empty() {
+            if ob.queue.is_empty() {
                 ob.sending = false;
                 return;
             }
+            let mut batch = std::mem::take(&mut ob.queue);
+            let mut sent = std::mem::take(&mut ob.front_sent);
             drop(ob);
-            self.send(&batch);
-            for r in batch {
+            let r = self.send(&mut batch, &mut sent);
+            ob = self.outbox.lock();
+            if !batch.is_empty() {
+                // What is left goes back ahead of what arrived meanwhile.
+                batch.append(&mut ob.queue);
+                ob.queue = batch;
+                ob.front_sent = sent;
+            }
+            match r {
+                Ok(true) => continue,
+                Ok(false) => {
+                    ob.sending = false;
+                    drop(ob);
+                    self.t.kick();
+                    return;
+                }
+                Err(_) => {
+                    ob.sending = false;
+                    drop(ob);
+                    self.kill();
+                    self.discard_if_dead();
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Write `batch` in order without blocking, `sent` bytes of its first
+    /// reply being gone already; every reply sent whole leaves `batch` and
+    /// releases its bytes. `Ok(true)`: all sent; `Ok(false)`: the socket
+    /// is full.
+    fn send(&self, batch: &mut VecDeque<Reply>, sent: &mut usize) -> io::Result<bool> {
+        const MAX_IOV: usize = 1024;
+        if self.dead.load(Ordering::Acquire) {
+            return Err(io::ErrorKind::BrokenPipe.into());
+        }
+        loop {
+            if batch.is_empty() {
+                return Ok(true);
+            }
+            let n = {
+                let mut slices: Vec<io::IoSlice<'_>> = Vec::with_capacity(MAX_IOV);
+                let mut skip = *sent;
+                'fill: for r in batch.iter() {
+                    for part in std::iter::once(&r.hdr[..]).chain(r.data.iter().map(|d| d.as_ref()))
+                    {
+                        if skip >= part.len() {
+                            skip -= part.len();
+                            continue;
+                        }
+                        slices.push(io::IoSlice::new(&part[skip..]));
+                        skip = 0;
+                        if slices.len() == MAX_IOV {
+                            break 'fill;
+                        }
+                    }
+                }
+                match self.t.try_write(&slices)? {
+                    Io::Done(n) => n,
+                    Io::Blocked { .. } => return Ok(false),
+                }
+            };
+            let mut left = *sent + n;
+            while let Some(front) = batch.front() {
+                let len = front.len();
+                if left < len {
+                    break;
+                }
+                left -= len;
+                let r = batch.pop_front().expect("front exists");
                 let held = r.held_bytes;
                 drop(r);
                 self.release(held);
             }
-            ob = self.outbox.lock();
+            *sent = left;
         }
     }
 
-    /// Write `batch` in order, as few `writev` calls as the iovec limit
-    /// allows. On an error the connection is marked dead and shut down.
-    fn send(&self, batch: &[Reply]) {
-        const MAX_IOV: usize = 1024;
-        let mut w = self.writer.lock();
-        if self.dead.load(Ordering::Relaxed) {
+    /// Give the connection up: shut the socket, drop the queued replies
+    /// (releasing their bytes); completions still to come release theirs
+    /// as they arrive.
+    fn kill(&self) {
+        if self.dead.swap(true, Ordering::AcqRel) {
             return;
         }
-        let mut slices: Vec<io::IoSlice<'_>> = Vec::with_capacity(batch.len() * 2);
-        for r in batch {
-            slices.push(io::IoSlice::new(&r.hdr));
-            for d in &r.data {
-                slices.push(io::IoSlice::new(d.as_ref()));
-            }
+        self.t.shutdown();
+        let mut ob = self.outbox.lock();
+        if ob.sending {
+            // The sender puts its batch back and finds the socket shut.
+            return;
         }
-        let mut rest: &mut [io::IoSlice<'_>] = &mut slices;
-        let r = loop {
-            if rest.is_empty() {
-                break Ok(());
-            }
-            let n = rest.len().min(MAX_IOV);
-            match w.write_vectored(&rest[..n]) {
-                Ok(0) => break Err(io::Error::from(io::ErrorKind::WriteZero)),
-                Ok(k) => io::IoSlice::advance_slices(&mut rest, k),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => break Err(e),
-            }
-        };
-        if r.is_err() {
-            // The client is gone or stuck: stop answering it; the reader
-            // sees the shutdown and ends the connection.
-            self.dead.store(true, Ordering::Relaxed);
-            w.shutdown();
+        let q = std::mem::take(&mut ob.queue);
+        ob.front_sent = 0;
+        drop(ob);
+        for r in q {
+            let held = r.held_bytes;
+            drop(r);
+            self.release(held);
         }
     }
 
-    fn acquire(&self, bytes: u64) {
-        let full = |g: &(usize, u64)| {
-            g.0 >= MAX_REQUESTS_IN_FLIGHT || (g.0 > 0 && g.1 + bytes > MAX_BYTES_IN_FLIGHT)
-        };
-        let mut g = self.gate.lock();
-        while full(&g) {
-            // Replies deferred on this thread hold slots: send them first.
-            drop(g);
-            self.flush_replies();
-            g = self.gate.lock();
-            if !full(&g) {
-                break;
-            }
-            self.gate_cv.wait(&mut g);
+    /// Drop replies queued on a dead connection (a sender that found the
+    /// socket shut leaves them).
+    fn discard_if_dead(&self) {
+        if !self.dead.load(Ordering::Acquire) {
+            return;
         }
-        g.0 += 1;
-        g.1 += bytes;
+        let mut ob = self.outbox.lock();
+        if ob.sending {
+            return;
+        }
+        let q = std::mem::take(&mut ob.queue);
+        ob.front_sent = 0;
+        drop(ob);
+        for r in q {
+            let held = r.held_bytes;
+            drop(r);
+            self.release(held);
+        }
+    }
+
+    /// Wait (on the connection's thread only) until the socket is
+    /// readable (`read`) or writable (`write`), a release or a backlog
+    /// kicks the thread, or `deadline` passes; meanwhile queued replies
+    /// are sent as the socket drains, and a reply older than the reply
+    /// timeout gives the connection up. `ready` is checked after the
+    /// thread is marked parked, so a release just before cannot be
+    /// missed.
+    fn pump(
+        &self,
+        read: bool,
+        write: bool,
+        deadline: Option<Instant>,
+        ready: impl Fn() -> bool,
+    ) -> io::Result<()> {
+        self.flush_replies();
+        self.discard_if_dead();
+        let dead = self.dead.load(Ordering::Acquire);
+        let (backlog, oldest) = {
+            let ob = self.outbox.lock();
+            (!ob.queue.is_empty(), ob.queue.front().map(|r| r.queued))
+        };
+        let now = Instant::now();
+        let mut until = deadline;
+        if let (false, Some(q)) = (dead, oldest) {
+            let due = q + self.limits.reply_timeout;
+            if now >= due {
+                self.counters.reply_timeouts.fetch_add(1, Ordering::Relaxed);
+                self.kill();
+                return Ok(());
+            }
+            until = Some(until.map_or(due, |u| u.min(due)));
+        }
+        self.parked.store(true, Ordering::SeqCst);
+        if ready() {
+            self.parked.store(false, Ordering::SeqCst);
+            return Ok(());
+        }
+        let timeout = until.map(|u| u.saturating_duration_since(now));
+        let r = self
+            .t
+            .wait(read && !dead, (write || backlog) && !dead, timeout);
+        self.parked.store(false, Ordering::SeqCst);
+        let r = r?;
+        if r.writable && backlog {
+            self.flush_replies();
+        }
+        Ok(())
+    }
+
+    fn full(&self, g: &(usize, u64), bytes: u64) -> bool {
+        g.0 >= MAX_REQUESTS_IN_FLIGHT || (g.0 > 0 && g.1 + bytes > MAX_BYTES_IN_FLIGHT)
+    }
+
+    /// Take a place in flight for a request of `bytes` payload bytes:
+    /// first in this connection's bounds, then in the server's budget.
+    /// `Ok(false)`: the budget stayed exhausted for the budget wait (the
+    /// request is answered ENOMEM and holds nothing).
+    fn acquire(&self, bytes: u64) -> io::Result<bool> {
+        loop {
+            {
+                let mut g = self.gate.lock();
+                if !self.full(&g, bytes) {
+                    g.0 += 1;
+                    g.1 += bytes;
+                    break;
+                }
+            }
+            if self.dead.load(Ordering::Acquire) {
+                return Err(io::ErrorKind::BrokenPipe.into());
+            }
+            self.pump(false, false, None, || !self.full(&self.gate.lock(), bytes))?;
+        }
+        if self.budget.try_acquire(bytes) {
+            return Ok(true);
+        }
+        self.counters.budget_waits.fetch_add(1, Ordering::Relaxed);
+        let give_up = Instant::now() + self.limits.budget_wait;
+        loop {
+            let now = Instant::now();
+            if now >= give_up || self.dead.load(Ordering::Acquire) {
+                let mut g = self.gate.lock();
+                g.0 -= 1;
+                g.1 -= bytes;
+                drop(g);
+                self.counters
+                    .budget_refusals
+                    .fetch_add(1, Ordering::Relaxed);
+                if self.dead.load(Ordering::Acquire) {
+                    return Err(io::ErrorKind::BrokenPipe.into());
+                }
+                return Ok(false);
+            }
+            self.pump(false, false, Some((now + BUDGET_POLL).min(give_up)), || {
+                false
+            })?;
+            if self.budget.try_acquire(bytes) {
+                return Ok(true);
+            }
+        }
     }
 
     fn release(&self, bytes: u64) {
-        let mut g = self.gate.lock();
-        g.0 -= 1;
-        g.1 -= bytes;
-        drop(g);
-        self.gate_cv.notify_all();
+        {
+            let mut g = self.gate.lock();
+            g.0 -= 1;
+            g.1 -= bytes;
+        }
+        self.budget.release(bytes);
+        if self.parked.load(Ordering::SeqCst) {
+            self.t.kick();
+        }
     }
 
+    fn in_flight(&self) -> usize {
+        self.gate.lock().0
+    }
+
+    /// Wait until every request in flight has completed and its reply has
+    /// been sent (or dropped with the connection).
     fn wait_idle(&self) {
-        let mut g = self.gate.lock();
-        while g.0 > 0 {
-            self.gate_cv.wait(&mut g);
+        loop {
+            self.discard_if_dead();
+            let idle = || self.in_flight() == 0;
+            if idle() {
+                return;
+            }
+            if self.pump(false, false, None, idle).is_err() {
+                // poll itself failed: give up on the client, then wait
+                // for the completions to release their places.
+                self.kill();
+                while self.in_flight() > 0 {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                return;
+            }
         }
     }
 }
@@ -269,53 +574,113 @@ impl Pending {
     }
 }
 
+/// Where the connection's thread is in reading the stream.
+#[derive(Clone, Copy)]
+enum Phase {
+    /// Waiting for a request header: the idle timeout applies while
+    /// nothing is in flight.
+    Header { since: Instant },
+    /// Receiving a payload: it must be whole by the deadline.
+    Payload { by: Instant },
+}
+
+/// The connection's reading side: every wait goes through the pump, so
+/// replies keep leaving while the thread waits for the client.
+struct ConnRead {
+    conn: Arc<Conn>,
+    phase: Phase,
+}
+
+impl Read for ConnRead {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        loop {
+            if self.conn.dead.load(Ordering::Acquire) {
+                return Err(io::ErrorKind::BrokenPipe.into());
+            }
+            let write = match self.conn.t.try_read(buf)? {
+                Io::Done(n) => return Ok(n),
+                Io::Blocked { write } => write,
+            };
+            let now = Instant::now();
+            let deadline = match &mut self.phase {
+                Phase::Payload { by } => Some(*by),
+                Phase::Header { since } => match self.conn.limits.idle_timeout {
+                    Some(idle) => {
+                        let busy = self.conn.in_flight() > 0;
+                        if busy {
+                            *since = now;
+                            None
+                        } else {
+                            Some(*since + idle)
+                        }
+                    }
+                    None => None,
+                },
+            };
+            if let Some(d) = deadline {
+                if now >= d {
+                    if matches!(self.phase, Phase::Header { .. }) {
+                        self.conn
+                            .counters
+                            .idle_closes
+                            .fetch_add(1, Ordering::Relaxed);
+                    } else {
+                        self.conn
+                            .counters
+                            .payload_timeouts
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                    return Err(io::ErrorKind::TimedOut.into());
+                }
+            }
+            self.conn.pump(!write, write, deadline, || false)?;
+        }
+    }
+}
+
 /// Serve transmission until the client disconnects, sends NBD_CMD_DISC,
-/// breaks the protocol or the socket is shut down; then wait for every
-/// request in flight to complete.
-pub(crate) fn transmit(
-    stream: Stream,
-    export: &ExportInfo,
-    device: &Arc<dyn Device>,
-    counters: &Arc<Counters>,
-    buffers: &Buffers,
-) {
-    let Ok(writer) = stream.try_clone() else {
-        return;
-    };
+/// breaks the protocol, misses a deadline or the socket is shut down;
+/// then wait for every request in flight to complete.
+pub(crate) fn transmit(t: Arc<Transport>, env: &ConnEnv<'_>) {
     let conn = Arc::new(Conn {
-        writer: Mutex::new(writer),
+        t,
         outbox: Mutex::new(Outbox::default()),
         dead: AtomicBool::new(false),
         gate: Mutex::new((0, 0)),
-        gate_cv: Condvar::new(),
-        counters: Arc::clone(counters),
-        flusher: device.flusher(),
+        parked: AtomicBool::new(false),
+        counters: Arc::clone(env.counters),
+        budget: Arc::clone(env.budget),
+        flusher: env.device.flusher(),
+        limits: env.limits,
     });
     let mut reader = Reader {
         // Headers of pipelined requests arrive together: one read takes
         // several. A payload larger than the buffer bypasses it and lands
         // in its arena buffer directly.
-        stream: io::BufReader::with_capacity(READ_BUFFER_BYTES, stream),
-        export,
-        device,
+        stream: io::BufReader::with_capacity(
+            READ_BUFFER_BYTES,
+            ConnRead {
+                conn: Arc::clone(&conn),
+                phase: Phase::Header {
+                    since: Instant::now(),
+                },
+            },
+        ),
+        env,
         conn: &conn,
-        buffers,
-        zeros: std::iter::repeat_n(0u8, CHUNK_BYTES).collect(),
     };
     let _ = reader.run();
     DEFER_REPLIES.with(|d| d.set(false));
     conn.flush_replies();
     conn.wait_idle();
-    reader.stream.get_ref().shutdown();
+    conn.t.close_tls();
+    conn.t.shutdown();
 }
 
-struct Reader<'a> {
-    stream: io::BufReader<Stream>,
-    export: &'a ExportInfo,
-    device: &'a Arc<dyn Device>,
+struct Reader<'a, 'e> {
+    stream: io::BufReader<ConnRead>,
+    env: &'a ConnEnv<'e>,
     conn: &'a Arc<Conn>,
-    buffers: &'a Buffers,
-    zeros: Arc<[u8]>,
 }
 
 /// The first `.1` bytes of a shared buffer of zeros.
@@ -341,17 +706,64 @@ fn chunks(offset: u64, len: u64) -> impl Iterator<Item = (u64, usize)> {
     })
 }
 
-impl Reader<'_> {
+/// The error a request gets before anything is done (0: none), checked
+/// in `proto.md`'s terms: flags, read-only, bounds, alignment, size.
+pub(crate) fn check_request(e: &ExportInfo, req: &Request) -> u32 {
+    let len = req.length as u64;
+    // FUA is valid on every command once NBD_FLAG_SEND_FUA is advertised.
+    let allowed = match req.command {
+        CMD_READ | CMD_WRITE | CMD_FLUSH | CMD_TRIM => CMD_FLAG_FUA,
+        CMD_WRITE_ZEROES => CMD_FLAG_FUA | CMD_FLAG_NO_HOLE,
+        _ => return EINVAL,
+    };
+    if req.flags & !allowed != 0 {
+        return EINVAL;
+    }
+    if req.command == CMD_FLUSH {
+        return if req.offset == 0 && req.length == 0 {
+            0
+        } else {
+            EINVAL
+        };
+    }
+    let writes = req.command != CMD_READ;
+    if writes && e.read_only {
+        return EPERM;
+    }
+    match req.offset.checked_add(len) {
+        Some(end) if end <= e.size_bytes => {}
+        _ => {
+            return if matches!(req.command, CMD_WRITE | CMD_WRITE_ZEROES) {
+                ENOSPC
+            } else {
+                EINVAL
+            }
+        }
+    }
+    let ss = e.min_block_bytes as u64;
+    if len == 0 || !req.offset.is_multiple_of(ss) || !len.is_multiple_of(ss) {
+        return EINVAL;
+    }
+    if matches!(req.command, CMD_READ | CMD_WRITE) && req.length > e.max_block_bytes {
+        return EINVAL;
+    }
+    0
+}
+
+impl Reader<'_, '_> {
     fn run(&mut self) -> io::Result<()> {
         loop {
             // Another request already buffered: replies of requests served
-            // on this thread wait and go out together; before a read that
-            // may block, they are sent.
+            // on this thread wait and go out together; before anything
+            // may wait, the pump sends them.
             let more = self.stream.buffer().len() >= REQUEST_BYTES;
             DEFER_REPLIES.with(|d| d.set(more));
             if !more {
                 self.conn.flush_replies();
             }
+            self.stream.get_mut().phase = Phase::Header {
+                since: Instant::now(),
+            };
             let mut h = [0u8; REQUEST_BYTES];
             self.stream.read_exact(&mut h)?;
             let Some(req) = Request::decode(&h) else {
@@ -362,44 +774,6 @@ impl Reader<'_> {
             }
             self.request(req)?;
         }
-    }
-
-    /// The error a request gets before anything is done, if any.
-    fn check(&self, req: &Request) -> u32 {
-        let e = self.export;
-        let len = req.length as u64;
-        let allowed = match req.command {
-            CMD_READ | CMD_FLUSH => 0,
-            CMD_WRITE | CMD_TRIM => CMD_FLAG_FUA,
-            CMD_WRITE_ZEROES => CMD_FLAG_FUA | CMD_FLAG_NO_HOLE,
-            _ => return EINVAL,
-        };
-        if req.flags & !allowed != 0 {
-            return EINVAL;
-        }
-        if req.command == CMD_FLUSH {
-            return if req.offset == 0 && req.length == 0 {
-                0
-            } else {
-                EINVAL
-            };
-        }
-        let writes = req.command != CMD_READ;
-        if matches!(req.command, CMD_READ | CMD_WRITE) && req.length > e.max_block_bytes {
-            return EOVERFLOW;
-        }
-        if writes && e.read_only {
-            return EPERM;
-        }
-        match req.offset.checked_add(len) {
-            Some(end) if end <= e.size_bytes => {}
-            _ => return if writes { ENOSPC } else { EINVAL },
-        }
-        let ss = e.min_block_bytes as u64;
-        if len == 0 || !req.offset.is_multiple_of(ss) || !len.is_multiple_of(ss) {
-            return EINVAL;
-        }
-        0
     }
 
     fn pending(&self, req: &Request, chunks: usize, held_bytes: u64) -> Arc<Pending> {
@@ -413,52 +787,88 @@ impl Reader<'_> {
                 req.length as u64
             },
             held_bytes,
-            fua: req.flags & CMD_FLAG_FUA != 0,
+            fua: req.flags & CMD_FLAG_FUA != 0 && req.command != CMD_READ,
             remaining: AtomicUsize::new(chunks + 1),
             error: AtomicU32::new(0),
             read: Mutex::new(Vec::new()),
         })
     }
 
-    fn request(&mut self, req: Request) -> io::Result<()> {
-        let error = self.check(&req);
-        let len = req.length as u64;
-        if error != 0 {
-            if req.command == CMD_WRITE {
-                // Keep the stream in step: read the payload and drop it.
-                let n = io::copy(&mut (&mut self.stream).take(len), &mut io::sink())?;
-                if n != len {
-                    return Err(io::ErrorKind::UnexpectedEof.into());
-                }
-            }
-            self.conn.counters.command(req.command).done(0, error);
-            self.conn.acquire(0);
-            self.conn.reply(error, req.cookie, Vec::new(), 0);
-            return Ok(());
+    /// From now, the payload must be whole within the reply timeout.
+    fn payload_due(&mut self) {
+        self.stream.get_mut().phase = Phase::Payload {
+            by: Instant::now() + self.env.limits.reply_timeout,
+        };
+    }
+
+    /// Read and drop a write's payload of `len` bytes.
+    fn discard(&mut self, len: u64) -> io::Result<()> {
+        self.payload_due();
+        if len > MAX_DISCARD_BYTES {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "request length beyond 32 MiB",
+            ));
         }
+        let n = io::copy(&mut (&mut self.stream).take(len), &mut io::sink())?;
+        if n != len {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        Ok(())
+    }
+
+    /// Answer `req` with `error` at once (nothing held, nothing done).
+    fn refuse(&mut self, req: &Request, error: u32) -> io::Result<()> {
+        if req.command == CMD_WRITE {
+            // Keep the stream in step: read the payload and drop it.
+            self.discard(req.length as u64)?;
+        }
+        self.conn.counters.command(req.command).done(0, error);
+        self.conn.acquire(0)?;
+        self.conn.reply(error, req.cookie, Vec::new(), 0);
+        Ok(())
+    }
+
+    fn request(&mut self, req: Request) -> io::Result<()> {
+        let error = check_request(self.env.export, &req);
+        if error != 0 {
+            return self.refuse(&req, error);
+        }
+        let len = req.length as u64;
+        let payload = if matches!(req.command, CMD_READ | CMD_WRITE) {
+            len
+        } else {
+            0
+        };
+        // The request's place (and its payload bytes in the budget) before
+        // any buffer is allocated.
+        if !self.conn.acquire(payload)? {
+            return self.refuse(&req, ENOMEM);
+        }
+        let device = self.env.device;
         match req.command {
             CMD_WRITE => {
                 // The whole payload first: a client gone mid-payload has
-                // nothing of this write submitted.
-                // Straight into arena pages (dropped, and so freed, if
-                // the client goes away mid-payload). A payload not yet
-                // all buffered may mean a wait on the socket: deferred
-                // replies go out first, whatever the client waits for.
-                if self.stream.buffer().len() < len as usize {
-                    DEFER_REPLIES.with(|d| d.set(false));
-                    self.conn.flush_replies();
-                }
+                // nothing of this write submitted. Straight into arena
+                // pages (dropped, and so freed, if the client goes away
+                // mid-payload). A wait on the socket sends the deferred
+                // replies first (the pump), whatever the client waits for.
+                self.payload_due();
                 let mut bufs = Vec::with_capacity(len.div_ceil(CHUNK_BYTES as u64) as usize);
                 for (off, n) in chunks(req.offset, len) {
-                    let mut buf = self.buffers.get(n);
-                    self.stream.read_exact(buf.as_mut())?;
+                    let mut buf = self.env.buffers.get(n);
+                    if let Err(e) = self.stream.read_exact(buf.as_mut()) {
+                        drop(bufs);
+                        drop(buf);
+                        self.conn.release(len);
+                        return Err(e);
+                    }
                     bufs.push((off, buf));
                 }
-                self.conn.acquire(len);
                 let p = self.pending(&req, bufs.len(), len);
                 for (off, buf) in bufs {
                     let p = Arc::clone(&p);
-                    self.device.submit_write(
+                    device.submit_write(
                         off,
                         Box::new(buf),
                         Box::new(move |r| p.chunk_done(r.err().map_or(0, |e| errno(&e)))),
@@ -467,28 +877,26 @@ impl Reader<'_> {
                 p.chunk_done(0);
             }
             CMD_WRITE_ZEROES => {
-                self.conn.acquire(0);
                 let n = chunks(req.offset, len).count();
                 let p = self.pending(&req, n, 0);
                 for (off, n) in chunks(req.offset, len) {
                     let p = Arc::clone(&p);
-                    self.device.submit_write(
+                    device.submit_write(
                         off,
-                        Box::new(Zeros(Arc::clone(&self.zeros), n)),
+                        Box::new(Zeros(Arc::clone(self.env.zeros), n)),
                         Box::new(move |r| p.chunk_done(r.err().map_or(0, |e| errno(&e)))),
                     );
                 }
                 p.chunk_done(0);
             }
             CMD_READ => {
-                self.conn.acquire(len);
                 let n = chunks(req.offset, len).count();
                 let p = self.pending(&req, n, len);
                 p.read.lock().resize_with(n, || None);
                 for (i, (off, n_bytes)) in chunks(req.offset, len).enumerate() {
                     let p = Arc::clone(&p);
-                    let buf = self.buffers.get(n_bytes);
-                    self.device.submit_read(
+                    let buf = self.env.buffers.get(n_bytes);
+                    device.submit_read(
                         off,
                         buf,
                         Box::new(move |r, buf| match r {
@@ -506,21 +914,19 @@ impl Reader<'_> {
                 p.chunk_done(0);
             }
             CMD_FLUSH => {
-                self.conn.acquire(0);
                 let p = self.pending(&req, 1, 0);
                 let q = Arc::clone(&p);
-                self.device.submit_flush(Box::new(move |r| {
+                device.submit_flush(Box::new(move |r| {
                     q.chunk_done(r.err().map_or(0, |e| errno(&e)))
                 }));
                 p.chunk_done(0);
             }
             CMD_TRIM => {
                 // Checked, then nothing to do; FUA still flushes.
-                self.conn.acquire(0);
                 let p = self.pending(&req, 0, 0);
                 p.chunk_done(0);
             }
-            _ => unreachable!("check() refuses unknown commands"),
+            _ => unreachable!("check_request() refuses unknown commands"),
         }
         Ok(())
     }

@@ -1,22 +1,31 @@
 //! The newstyle fixed handshake: greeting, client flags, option haggling.
 //!
-//! Owns: answering NBD_OPT_EXPORT_NAME, NBD_OPT_ABORT, NBD_OPT_LIST,
-//! NBD_OPT_INFO and NBD_OPT_GO for the one export, and refusing every
-//! other option with NBD_REP_ERR_UNSUP. Must never: enter transmission
-//! for an unknown export name, read an option's data without a bound, or
-//! go on after a bad magic or unknown client flags (the connection is
-//! closed).
+//! Owns: answering NBD_OPT_STARTTLS (upgrading the session to TLS when
+//! the server has credentials), NBD_OPT_EXPORT_NAME, NBD_OPT_ABORT,
+//! NBD_OPT_LIST, NBD_OPT_INFO and NBD_OPT_GO for the one export, and
+//! refusing every other option with NBD_REP_ERR_UNSUP. Must never: enter
+//! transmission for an unknown export name or, when TLS is required,
+//! without TLS; read an option's data without a bound; take longer than
+//! the handshake deadline in all (one deadline for the whole handshake,
+//! however slowly the client sends); quote more than a short, escaped
+//! prefix of a client's export name back; or go on after a bad magic or
+//! unknown client flags (the connection is closed).
 
 use crate::proto::*;
-use crate::stream::Stream;
+use crate::tls::{TlsConfig, TlsMode};
+use crate::transport::Transport;
 use crate::ExportInfo;
 use std::io::{self, Read, Write};
+use std::time::Instant;
 
 /// Option data larger than this is discarded and refused (TOO_BIG).
 pub const MAX_OPTION_BYTES: u32 = 64 << 10;
 /// Option data larger than this closes the connection instead (reading
 /// it just to discard it would let a client keep the server busy).
 const MAX_DISCARD_BYTES: u32 = 16 << 20;
+/// At most this many bytes of a client's export name are quoted back in
+/// an error message.
+const MAX_QUOTED_NAME_BYTES: usize = 64;
 
 /// How a handshake ended.
 pub(crate) enum Outcome {
@@ -26,13 +35,51 @@ pub(crate) enum Outcome {
     Close,
 }
 
-fn read_u32(s: &mut Stream) -> io::Result<u32> {
+/// The handshake's view of the transport: blocking reads and writes that
+/// all end by one deadline (the handshake's total time, not a timeout per
+/// byte).
+struct Hs<'a> {
+    t: &'a Transport,
+    deadline: Instant,
+}
+
+impl Read for Hs<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        loop {
+            match self.t.try_read(buf)? {
+                crate::transport::Io::Done(n) => return Ok(n),
+                crate::transport::Io::Blocked { write } => {
+                    let left = self.deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(io::ErrorKind::TimedOut.into());
+                    }
+                    self.t.wait(!write, write, Some(left))?;
+                }
+            }
+        }
+    }
+}
+
+impl Write for Hs<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.t.write_all_by(buf, self.deadline)?;
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+fn read_u32(s: &mut Hs<'_>) -> io::Result<u32> {
     let mut b = [0u8; 4];
     s.read_exact(&mut b)?;
     Ok(u32::from_be_bytes(b))
 }
 
-fn error_reply(s: &mut Stream, option: u32, reply: u32, msg: &str) -> io::Result<()> {
+fn error_reply(s: &mut Hs<'_>, option: u32, reply: u32, msg: &str) -> io::Result<()> {
     s.write_all(&option_reply(option, reply, msg.as_bytes()))
 }
 
@@ -41,11 +88,34 @@ fn name_matches(export: &ExportInfo, name: &[u8]) -> bool {
     name.is_empty() || name == export.name.as_bytes()
 }
 
-/// Run the handshake on a fresh connection.
+/// A client's export name, cut short and escaped, for a message.
+fn quoted(name: &[u8]) -> String {
+    let cut = &name[..name.len().min(MAX_QUOTED_NAME_BYTES)];
+    let mut q = format!("{:?}", String::from_utf8_lossy(cut));
+    if cut.len() < name.len() {
+        q.push_str(&format!(
+            " (first {MAX_QUOTED_NAME_BYTES} of {} bytes)",
+            name.len()
+        ));
+    }
+    q
+}
+
+/// Run the handshake on a fresh connection, all of it before `deadline`.
+/// With `tls`, NBD_OPT_STARTTLS upgrades the session (and with
+/// [`TlsMode::Require`] nothing but STARTTLS and ABORT is answered
+/// before it).
 ///
-/// **Context:** blocks on the socket. **Returns:** what to do next, or the
-/// socket's error.
-pub(crate) fn negotiate(s: &mut Stream, export: &ExportInfo) -> io::Result<Outcome> {
+/// **Context:** waits on the socket (the connection's own thread).
+/// **Returns:** what to do next, or the socket's error (a missed
+/// deadline is `TimedOut`, a failed TLS handshake `PermissionDenied`).
+pub(crate) fn negotiate(
+    t: &Transport,
+    export: &ExportInfo,
+    tls: Option<&TlsConfig>,
+    deadline: Instant,
+) -> io::Result<Outcome> {
+    let s = &mut Hs { t, deadline };
     let mut greeting = Vec::with_capacity(18);
     greeting.extend_from_slice(&NBD_MAGIC.to_be_bytes());
     greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());
@@ -55,6 +125,7 @@ pub(crate) fn negotiate(s: &mut Stream, export: &ExportInfo) -> io::Result<Outco
     if client_flags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
         return Ok(Outcome::Close);
     }
+    let fixed = client_flags & FLAG_C_FIXED_NEWSTYLE != 0;
     let no_zeroes = client_flags & FLAG_C_NO_ZEROES != 0;
     loop {
         let mut h = [0u8; 16];
@@ -64,6 +135,11 @@ pub(crate) fn negotiate(s: &mut Stream, export: &ExportInfo) -> io::Result<Outco
         }
         let option = u32::from_be_bytes(h[8..12].try_into().unwrap());
         let len = u32::from_be_bytes(h[12..16].try_into().unwrap());
+        let tls_missing = matches!(tls, Some(c) if c.mode == TlsMode::Require) && !t.is_tls();
+        if tls_missing && option == OPT_EXPORT_NAME {
+            // It cannot be answered with an error: the protocol says close.
+            return Ok(Outcome::Close);
+        }
         if len > MAX_OPTION_BYTES {
             if len > MAX_DISCARD_BYTES || option == OPT_EXPORT_NAME {
                 return Ok(Outcome::Close);
@@ -74,7 +150,39 @@ pub(crate) fn negotiate(s: &mut Stream, export: &ExportInfo) -> io::Result<Outco
         }
         let mut data = vec![0u8; len as usize];
         s.read_exact(&mut data)?;
+        if tls_missing && !matches!(option, OPT_STARTTLS | OPT_ABORT) {
+            error_reply(
+                s,
+                option,
+                REP_ERR_TLS_REQD,
+                "this server requires TLS: send NBD_OPT_STARTTLS first",
+            )?;
+            continue;
+        }
         match option {
+            OPT_STARTTLS => {
+                let Some(cfg) = tls else {
+                    error_reply(
+                        s,
+                        option,
+                        REP_ERR_POLICY,
+                        "TLS is not enabled on this server",
+                    )?;
+                    continue;
+                };
+                if t.is_tls() {
+                    error_reply(s, option, REP_ERR_INVALID, "TLS is already running")?;
+                    continue;
+                }
+                if len != 0 || !fixed {
+                    error_reply(s, option, REP_ERR_INVALID, "NBD_OPT_STARTTLS takes no data")?;
+                    continue;
+                }
+                s.write_all(&option_reply(option, REP_ACK, &[]))?;
+                // Past the ACK there is no way back to plaintext: a failed
+                // handshake ends the connection.
+                t.start_tls(&cfg.acceptor, deadline)?;
+            }
             OPT_EXPORT_NAME => {
                 if !name_matches(export, &data) {
                     return Ok(Outcome::Close);
@@ -115,7 +223,7 @@ pub(crate) fn negotiate(s: &mut Stream, export: &ExportInfo) -> io::Result<Outco
                         s,
                         option,
                         REP_ERR_UNKNOWN,
-                        &format!("no export named {:?}", String::from_utf8_lossy(name)),
+                        &format!("no export named {}", quoted(name)),
                     )?;
                     continue;
                 }
@@ -154,7 +262,7 @@ fn parse_info_request(data: &[u8]) -> Option<(&[u8], Vec<u16>)> {
     Some((name, infos))
 }
 
-fn send_info(s: &mut Stream, option: u32, kind: u16, payload: &[u8]) -> io::Result<()> {
+fn send_info(s: &mut Hs<'_>, option: u32, kind: u16, payload: &[u8]) -> io::Result<()> {
     let mut d = Vec::with_capacity(2 + payload.len());
     d.extend_from_slice(&kind.to_be_bytes());
     d.extend_from_slice(payload);
@@ -164,7 +272,7 @@ fn send_info(s: &mut Stream, option: u32, kind: u16, payload: &[u8]) -> io::Resu
 /// NBD_INFO_EXPORT and NBD_INFO_BLOCK_SIZE always (the export needs whole
 /// sectors, so its block sizes are sent whether asked for or not, as the
 /// protocol allows); NAME and DESCRIPTION when requested.
-fn send_infos(s: &mut Stream, option: u32, export: &ExportInfo, infos: &[u16]) -> io::Result<()> {
+fn send_infos(s: &mut Hs<'_>, option: u32, export: &ExportInfo, infos: &[u16]) -> io::Result<()> {
     let mut e = Vec::with_capacity(10);
     e.extend_from_slice(&export.size_bytes.to_be_bytes());
     e.extend_from_slice(&export.transmission_flags().to_be_bytes());

@@ -72,14 +72,20 @@ pub mod proto;
 mod server;
 mod stats;
 mod stream;
+mod tls;
+mod transport;
 pub mod volume;
 
 pub use buffers::BufferStats;
 pub use conn::{CHUNK_BYTES, MAX_BYTES_IN_FLIGHT, MAX_REQUESTS_IN_FLIGHT};
 pub use error::{Error, Result};
 pub use handshake::MAX_OPTION_BYTES;
-pub use server::{Listen, Server, DEFAULT_LISTEN, HANDSHAKE_TIMEOUT, WRITE_TIMEOUT};
+pub use server::{
+    Listen, Server, ServerOptions, DEFAULT_IDLE_TIMEOUT, DEFAULT_LISTEN, DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_INFLIGHT_BYTES, HANDSHAKE_TIMEOUT, REPLY_TIMEOUT,
+};
 pub use stats::{CommandStats, Stats};
+pub use tls::{TlsConfig, TlsMode};
 
 /// The default preferred block size advertised (bytes).
 pub const DEFAULT_PREFERRED_BLOCK_BYTES: u32 = 4096;

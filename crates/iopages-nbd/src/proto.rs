@@ -35,7 +35,7 @@ pub const OPT_EXPORT_NAME: u32 = 1;
 pub const OPT_ABORT: u32 = 2;
 /// Option: list the exports.
 pub const OPT_LIST: u32 = 3;
-/// Option: start TLS (not supported here).
+/// Option: start TLS.
 pub const OPT_STARTTLS: u32 = 5;
 /// Option: describe an export.
 pub const OPT_INFO: u32 = 6;
@@ -58,6 +58,8 @@ pub const REP_ERR_UNSUP: u32 = REP_FLAG_ERROR | 1;
 pub const REP_ERR_POLICY: u32 = REP_FLAG_ERROR | 2;
 /// Error: the option is malformed.
 pub const REP_ERR_INVALID: u32 = REP_FLAG_ERROR | 3;
+/// Error: TLS is required first (NBD_OPT_STARTTLS).
+pub const REP_ERR_TLS_REQD: u32 = REP_FLAG_ERROR | 5;
 /// Error: no such export.
 pub const REP_ERR_UNKNOWN: u32 = REP_FLAG_ERROR | 6;
 /// Error: the server is shutting down.
@@ -119,7 +121,8 @@ pub const ENOMEM: u32 = 12;
 pub const EINVAL: u32 = 22;
 /// Error: no space (a write beyond the end of the export).
 pub const ENOSPC: u32 = 28;
-/// Error: the request is larger than the maximum block size.
+/// Error: value too large (`proto.md` reserves it for DF reads and
+/// oversize commands without payload; this server does not send it).
 pub const EOVERFLOW: u32 = 75;
 /// Error: not supported.
 pub const ENOTSUP: u32 = 95;

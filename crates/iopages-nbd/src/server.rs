@@ -1,20 +1,25 @@
 //! The server: listeners, connection threads, shutdown.
 //!
-//! Owns: binding TCP and Unix listeners, one accepting thread per
-//! listener, one thread per connection (handshake, then transmission),
-//! and shutting all of it down in order: stop accepting, shut every
-//! connection's socket, wait for their requests in flight to complete,
-//! join every thread. Must never: leave a thread or a request behind after
-//! [`Server::shutdown`] returns, or stop serving other clients because one
-//! misbehaved.
+//! Owns: binding TCP and Unix listeners (Unix sockets owner-only), one
+//! accepting thread per listener, one thread per connection (handshake,
+//! then transmission), the server-wide limits ([`ServerOptions`]: open
+//! connections, payload bytes in flight, the deadlines), and shutting all
+//! of it down in order: stop accepting, shut every connection's socket,
+//! wait for their requests in flight to complete, join every thread. Must
+//! never: leave a thread or a request behind after [`Server::shutdown`]
+//! returns, hold more connections than `max_connections` (one more is
+//! closed at once, and counted), or stop serving other clients because
+//! one misbehaved.
 
 use crate::buffers::Buffers;
-use crate::conn;
+use crate::conn::{self, Budget, ConnEnv, ConnLimits};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::handshake::{self, Outcome};
 use crate::stats::{Counters, Stats};
 use crate::stream::Stream;
+use crate::tls::TlsConfig;
+use crate::transport::Transport;
 use crate::{ExportConfig, ExportInfo};
 use iopages_crypt::queue::CryptQueue;
 use iopages_crypt::target::SectorCipher;
@@ -29,11 +34,55 @@ use std::time::Duration;
 
 /// The default TCP address: loopback, the NBD port.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:10809";
-/// A reply that cannot be written for this long ends the connection.
-pub const WRITE_TIMEOUT: Duration = Duration::from_secs(60);
-/// A client that has not finished the handshake after this long is
-/// disconnected (a connection that says nothing holds no thread forever).
+/// A reply the client has not taken this long after it was queued ends
+/// that client's connection (and only that one); so does a request
+/// payload that has not arrived this long after its header.
+pub const REPLY_TIMEOUT: Duration = Duration::from_secs(60);
+/// A client that has not finished the handshake this long after it
+/// connected is disconnected (one deadline for the whole handshake,
+/// however slowly the client sends).
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Connections open at once (handshake or transmission), by default.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 64;
+/// Payload bytes in flight over all connections, by default (arena and
+/// heap buffers alike).
+pub const DEFAULT_MAX_INFLIGHT_BYTES: u64 = 256 << 20;
+/// A connection with nothing in flight that sends nothing this long is
+/// closed, by default.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// Server-wide limits and TLS.
+#[derive(Clone, Debug)]
+pub struct ServerOptions {
+    /// Connections open at once; one more is closed as soon as it is
+    /// accepted (and counted in [`Stats::refused_connections`]).
+    pub max_connections: usize,
+    /// Payload bytes (read buffers and write payloads) in flight over all
+    /// connections: a request that would pass it waits for others to
+    /// finish, up to the reply timeout, then gets ENOMEM. At least the
+    /// export's maximum block size.
+    pub max_inflight_bytes: u64,
+    /// Close a connection with nothing in flight that sends nothing for
+    /// this long (`None`: never).
+    pub idle_timeout: Option<Duration>,
+    /// See [`REPLY_TIMEOUT`].
+    pub reply_timeout: Duration,
+    /// TLS credentials and mode (`None`: plaintext only; NBD_OPT_STARTTLS
+    /// is refused with NBD_REP_ERR_POLICY).
+    pub tls: Option<TlsConfig>,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        ServerOptions {
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_inflight_bytes: DEFAULT_MAX_INFLIGHT_BYTES,
+            idle_timeout: Some(DEFAULT_IDLE_TIMEOUT),
+            reply_timeout: REPLY_TIMEOUT,
+            tls: None,
+        }
+    }
+}
 
 /// Where to listen.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -59,7 +108,7 @@ enum Acceptor {
 }
 
 struct ConnEntry {
-    stream: Stream,
+    t: Arc<Transport>,
     thread: JoinHandle<()>,
 }
 
@@ -68,6 +117,11 @@ struct Shared {
     device: Arc<dyn Device>,
     counters: Arc<Counters>,
     buffers: Buffers,
+    budget: Arc<Budget>,
+    zeros: Arc<[u8]>,
+    opts: ServerOptions,
+    /// When a refused connection was last reported (rate-limits the line).
+    refused_said: Mutex<Option<std::time::Instant>>,
     /// Connections in transmission now.
     active: Arc<AtomicUsize>,
     stopping: AtomicBool,
@@ -98,8 +152,35 @@ impl Server {
         export: ExportConfig,
         listen: &[Listen],
     ) -> Result<Server> {
+        Server::start_with(queue, export, ServerOptions::default(), listen)
+    }
+
+    /// [`Server::start`] with server-wide limits and TLS.
+    ///
+    /// **Returns:** also [`Error::Config`] for a zero connection limit or a
+    /// byte budget below the export's maximum block size.
+    pub fn start_with<C: SectorCipher + 'static>(
+        queue: Arc<CryptQueue<C>>,
+        export: ExportConfig,
+        opts: ServerOptions,
+        listen: &[Listen],
+    ) -> Result<Server> {
         if listen.is_empty() {
             return Err(Error::Config("no address to listen on".into()));
+        }
+        if opts.max_connections == 0 {
+            return Err(Error::Config(
+                "the connection limit must be at least 1".into(),
+            ));
+        }
+        if opts.max_inflight_bytes < export.max_block_bytes as u64 {
+            return Err(Error::Config(format!(
+                "the in-flight byte budget {} must be at least the maximum block size {}",
+                opts.max_inflight_bytes, export.max_block_bytes
+            )));
+        }
+        if opts.reply_timeout.is_zero() || opts.idle_timeout.is_some_and(|t| t.is_zero()) {
+            return Err(Error::Config("timeouts must be longer than 0".into()));
         }
         let active = Arc::new(AtomicUsize::new(0));
         let device: Arc<dyn Device> = if export.inline_max_bytes > 0 {
@@ -127,7 +208,18 @@ impl Server {
                     acceptors.push(Acceptor::Tcp(t));
                 }
                 Listen::Unix(p) => {
-                    let u = UnixListener::bind(p).map_err(err)?;
+                    // Owner-only from the start: the socket is created
+                    // under a umask that leaves group and others out.
+                    let u = {
+                        let _g = UMASK.lock();
+                        // SAFETY: umask only swaps the process's mask;
+                        // UMASK serialises our own changes.
+                        let old = unsafe { libc::umask(0o077) };
+                        let r = UnixListener::bind(p);
+                        // SAFETY: as above.
+                        unsafe { libc::umask(old) };
+                        r.map_err(err)?
+                    };
                     bound.push(Listen::Unix(p.clone()));
                     acceptors.push(Acceptor::Unix(u));
                 }
@@ -138,6 +230,10 @@ impl Server {
             device,
             counters: Arc::new(Counters::default()),
             buffers: Buffers::new(&device_alloc),
+            budget: Arc::new(Budget::new(opts.max_inflight_bytes)),
+            zeros: std::iter::repeat_n(0u8, conn::CHUNK_BYTES).collect(),
+            opts,
+            refused_said: Mutex::new(None),
             active,
             stopping: AtomicBool::new(false),
             conns: Mutex::new(Vec::new()),
@@ -180,6 +276,7 @@ impl Server {
     pub fn stats(&self) -> Stats {
         let mut s = self.shared.counters.snapshot();
         s.buffers = self.shared.buffers.stats();
+        s.budget_used_bytes = self.shared.budget.used();
         s
     }
 
@@ -227,7 +324,7 @@ impl Server {
         }
         let conns = std::mem::take(&mut *self.shared.conns.lock());
         for c in &conns {
-            c.stream.shutdown();
+            c.t.shutdown();
         }
         for c in conns {
             let _ = c.thread.join();
@@ -240,6 +337,9 @@ impl Drop for Server {
         self.stop();
     }
 }
+
+/// Serialises the process umask changes around Unix socket creation.
+static UMASK: Mutex<()> = Mutex::new(());
 
 fn accept_loop(s: &Arc<Shared>, a: Acceptor) {
     loop {
@@ -262,12 +362,30 @@ fn accept_loop(s: &Arc<Shared>, a: Acceptor) {
                 continue;
             }
         };
-        s.counters
-            .connections
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let Ok(handle) = stream.try_clone() else {
+        s.counters.connections.fetch_add(1, Ordering::Relaxed);
+        let max = s.opts.max_connections as u64;
+        if s.counters.open.load(Ordering::Relaxed) >= max {
+            // Over the limit: closed at once, before the greeting (the
+            // client sees the connection end), and said once a second.
+            s.counters.refused.fetch_add(1, Ordering::Relaxed);
+            stream.shutdown();
+            drop(stream);
+            let now = std::time::Instant::now();
+            let mut said = s.refused_said.lock();
+            if said.is_none_or(|t| now.duration_since(t) >= Duration::from_secs(1)) {
+                *said = Some(now);
+                eprintln!("iopages-nbd: refusing connections: {max} are open (--max-connections)");
+            }
             continue;
+        }
+        let t = match Transport::new(stream) {
+            Ok(t) => Arc::new(t),
+            Err(e) => {
+                eprintln!("iopages-nbd: cannot set up a connection: {e}");
+                continue;
+            }
         };
+        s.counters.open.fetch_add(1, Ordering::Relaxed);
         let mut conns = s.conns.lock();
         // Join the connections that have ended.
         let (done, live): (Vec<_>, Vec<_>) = conns.drain(..).partition(|c| c.thread.is_finished());
@@ -276,37 +394,67 @@ fn accept_loop(s: &Arc<Shared>, a: Acceptor) {
             let _ = c.thread.join();
         }
         let s2 = Arc::clone(s);
+        let t2 = Arc::clone(&t);
         match std::thread::Builder::new()
             .name("nbd-conn".into())
-            .spawn(move || serve_connection(&s2, stream))
-        {
-            Ok(thread) => conns.push(ConnEntry {
-                stream: handle,
-                thread,
-            }),
-            Err(e) => eprintln!("iopages-nbd: cannot start a connection thread: {e}"),
+            .spawn(move || {
+                serve_connection(&s2, &t2);
+                s2.counters.open.fetch_sub(1, Ordering::Relaxed);
+            }) {
+            Ok(thread) => conns.push(ConnEntry { t, thread }),
+            Err(e) => {
+                s.counters.open.fetch_sub(1, Ordering::Relaxed);
+                eprintln!("iopages-nbd: cannot start a connection thread: {e}");
+            }
         }
     }
 }
 
-fn serve_connection(s: &Shared, mut stream: Stream) {
-    let _ = stream.set_write_timeout(Some(WRITE_TIMEOUT));
-    let _ = stream.set_read_timeout(Some(s.export.handshake_timeout));
+fn serve_connection(s: &Shared, t: &Arc<Transport>) {
     if s.stopping.load(Ordering::SeqCst) {
         return;
     }
-    match handshake::negotiate(&mut stream, &s.export) {
+    let deadline = std::time::Instant::now() + s.export.handshake_timeout;
+    match handshake::negotiate(t, &s.export, s.opts.tls.as_ref(), deadline) {
         Ok(Outcome::Transmission) => {
-            // Idle clients are fine once in transmission.
-            if stream.set_read_timeout(None).is_err() {
-                stream.shutdown();
-                return;
+            if t.is_tls() {
+                s.counters.tls_sessions.fetch_add(1, Ordering::Relaxed);
             }
             s.counters.sessions.fetch_add(1, Ordering::Relaxed);
             s.active.fetch_add(1, Ordering::Relaxed);
-            conn::transmit(stream, &s.export, &s.device, &s.counters, &s.buffers);
+            let env = ConnEnv {
+                export: &s.export,
+                device: &s.device,
+                counters: &s.counters,
+                buffers: &s.buffers,
+                budget: &s.budget,
+                zeros: &s.zeros,
+                limits: ConnLimits {
+                    reply_timeout: s.opts.reply_timeout,
+                    idle_timeout: s.opts.idle_timeout,
+                    budget_wait: s.opts.reply_timeout,
+                },
+            };
+            conn::transmit(Arc::clone(t), &env);
             s.active.fetch_sub(1, Ordering::Relaxed);
         }
-        Ok(Outcome::Close) | Err(_) => stream.shutdown(),
+        Ok(Outcome::Close) => {
+            t.close_tls();
+            t.shutdown();
+        }
+        Err(e) => {
+            match e.kind() {
+                std::io::ErrorKind::TimedOut => {
+                    s.counters
+                        .handshake_timeouts
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                std::io::ErrorKind::PermissionDenied => {
+                    s.counters.tls_failures.fetch_add(1, Ordering::Relaxed);
+                }
+                _ => {}
+            }
+            t.shutdown();
+        }
     }
 }

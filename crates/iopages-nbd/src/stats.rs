@@ -37,6 +37,29 @@ pub struct Stats {
     pub other: CommandStats,
     /// Where payload buffers came from.
     pub buffers: crate::BufferStats,
+    /// Connections open now (handshake or transmission).
+    pub open_connections: u64,
+    /// Connections closed at once because `max_connections` were open.
+    pub refused_connections: u64,
+    /// Handshakes that missed the handshake deadline.
+    pub handshake_timeouts: u64,
+    /// Sessions upgraded to TLS.
+    pub tls_sessions: u64,
+    /// TLS handshakes that failed (wrong key or certificate, …).
+    pub tls_failures: u64,
+    /// Connections given up because a reply was not taken within the
+    /// reply timeout.
+    pub reply_timeouts: u64,
+    /// Connections closed because a payload did not arrive in time.
+    pub payload_timeouts: u64,
+    /// Connections closed after the idle timeout.
+    pub idle_closes: u64,
+    /// Requests that waited for the server's byte budget.
+    pub budget_waits: u64,
+    /// Requests answered ENOMEM: the budget stayed exhausted.
+    pub budget_refusals: u64,
+    /// Payload bytes in flight now, over all connections.
+    pub budget_used_bytes: u64,
 }
 
 #[derive(Default)]
@@ -74,6 +97,16 @@ pub(crate) struct Counters {
     pub(crate) trim: Counter,
     pub(crate) write_zeroes: Counter,
     pub(crate) other: Counter,
+    pub(crate) open: AtomicU64,
+    pub(crate) refused: AtomicU64,
+    pub(crate) handshake_timeouts: AtomicU64,
+    pub(crate) tls_sessions: AtomicU64,
+    pub(crate) tls_failures: AtomicU64,
+    pub(crate) reply_timeouts: AtomicU64,
+    pub(crate) payload_timeouts: AtomicU64,
+    pub(crate) idle_closes: AtomicU64,
+    pub(crate) budget_waits: AtomicU64,
+    pub(crate) budget_refusals: AtomicU64,
 }
 
 impl Counters {
@@ -99,6 +132,17 @@ impl Counters {
             write_zeroes: self.write_zeroes.get(),
             other: self.other.get(),
             buffers: crate::BufferStats::default(),
+            open_connections: self.open.load(Ordering::Relaxed),
+            refused_connections: self.refused.load(Ordering::Relaxed),
+            handshake_timeouts: self.handshake_timeouts.load(Ordering::Relaxed),
+            tls_sessions: self.tls_sessions.load(Ordering::Relaxed),
+            tls_failures: self.tls_failures.load(Ordering::Relaxed),
+            reply_timeouts: self.reply_timeouts.load(Ordering::Relaxed),
+            payload_timeouts: self.payload_timeouts.load(Ordering::Relaxed),
+            idle_closes: self.idle_closes.load(Ordering::Relaxed),
+            budget_waits: self.budget_waits.load(Ordering::Relaxed),
+            budget_refusals: self.budget_refusals.load(Ordering::Relaxed),
+            budget_used_bytes: 0,
         }
     }
 }

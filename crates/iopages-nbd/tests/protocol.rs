@@ -480,13 +480,24 @@ fn misaligned_out_of_range_and_oversize_requests_get_errors_and_the_connection_s
     assert_eq!(c.read(u64::MAX - 4095, 8192), Err(EINVAL));
     assert_eq!(c.write(DISK - 4096, &[1u8; 8192], 0), ENOSPC);
     assert_eq!(c.simple(CMD_WRITE_ZEROES, 0, DISK, 4096), ENOSPC);
-    assert_eq!(c.simple(CMD_TRIM, 0, u64::MAX - 4095, 8192), ENOSPC);
-    // Oversize: a 33 MiB read and write (payload sent and discarded).
-    assert_eq!(c.read(0, 33 << 20), Err(EOVERFLOW));
-    let huge = vec![5u8; 33 << 20];
-    assert_eq!(c.write(0, &huge, 0), EOVERFLOW);
-    // Bad flags, bad flush, unknown command.
-    assert_eq!(c.simple(CMD_READ, CMD_FLAG_FUA, 0, 4096), EINVAL);
+    // A trim past the end is EINVAL (proto.md: reads and trims EINVAL,
+    // writes ENOSPC).
+    assert_eq!(c.simple(CMD_TRIM, 0, u64::MAX - 4095, 8192), EINVAL);
+    assert_eq!(c.simple(CMD_TRIM, 0, DISK, 4096), EINVAL);
+    // Bounds before alignment: a misaligned write past the end is ENOSPC.
+    assert_eq!(c.write(DISK + 512, &[1u8; 4096], 0), ENOSPC);
+    // Oversize: a 33 MiB read is EINVAL (not EOVERFLOW, which proto.md
+    // keeps for DF reads and commands without payload).
+    assert_eq!(c.read(0, 33 << 20), Err(EINVAL));
+    // FUA is valid on every command once advertised: READ and FLUSH
+    // accept it (they write nothing).
+    assert_eq!(c.simple(CMD_READ, CMD_FLAG_FUA, 0, 4096), 0);
+    let mut data = vec![0u8; 4096];
+    c.s.read_exact(&mut data).unwrap();
+    assert_eq!(c.simple(CMD_FLUSH, CMD_FLAG_FUA, 0, 0), 0);
+    // Flags a command does not take, and flags never advertised.
+    assert_eq!(c.simple(CMD_READ, CMD_FLAG_NO_HOLE, 0, 4096), EINVAL);
+    assert_eq!(c.simple(CMD_READ, 1 << 2, 0, 4096), EINVAL); // DF
     assert_eq!(
         c.simple(CMD_WRITE_ZEROES, CMD_FLAG_FAST_ZERO, 0, 4096),
         EINVAL
@@ -499,6 +510,31 @@ fn misaligned_out_of_range_and_oversize_requests_get_errors_and_the_connection_s
     assert_ne!(c.read(DISK - 8192, 4096).unwrap(), vec![1u8; 4096]);
     assert!(server.stats().read.errors >= 4);
     c.disconnect();
+    // A write longer than 32 MiB (2^25, what proto.md says a server may
+    // treat as an attack) closes that connection instead of making the
+    // server read and discard it; other connections are untouched.
+    let mut c2 = Client::connect(&server);
+    c2.go(NAME);
+    let r = Request {
+        flags: 0,
+        command: CMD_WRITE,
+        cookie: 7,
+        offset: 0,
+        length: (32 << 20) + 4096,
+    };
+    c2.s.write_all(&r.encode()).unwrap();
+    c2.s.set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let mut b = [0u8; 1];
+    assert_eq!(
+        c2.s.read(&mut b).unwrap_or(0),
+        0,
+        "the connection is closed"
+    );
+    let mut c3 = Client::connect(&server);
+    c3.go(NAME);
+    assert_eq!(c3.read(0, 4096).unwrap(), vec![9u8; 4096]);
+    c3.disconnect();
     finish(alloc, server);
 }
 

@@ -1,0 +1,323 @@
+//! A connection's transport: a non-blocking socket, optionally under TLS,
+//! and a wake-up descriptor.
+//!
+//! Owns: trying reads and writes without ever blocking (plain or through
+//! OpenSSL after NBD_OPT_STARTTLS), waiting for readiness with `poll(2)`
+//! up to a deadline, the TLS handshake under a deadline, and the eventfd
+//! other threads use to wake the connection's own thread. Must never:
+//! block a thread other than the connection's own (crypt workers call
+//! [`Transport::try_write`] and must get `Blocked` back instead of
+//! waiting), or let two threads drive the TLS session at once (one lock
+//! around it; nobody waits while holding it).
+
+use crate::stream::Stream;
+use openssl::ssl::{ErrorCode, HandshakeError, Ssl, SslAcceptor, SslStream};
+use parking_lot::Mutex;
+use std::io::{self, IoSlice, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// The outcome of a non-blocking attempt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Io {
+    /// This many bytes moved (0 on a read: end of stream).
+    Done(usize),
+    /// Nothing can move until the socket is ready: readable (`false`) or
+    /// writable (`true`). A TLS session may need either for either.
+    Blocked { write: bool },
+}
+
+/// What a wait found.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Ready {
+    pub(crate) readable: bool,
+    pub(crate) writable: bool,
+    /// The socket was shut down or failed (reads now end).
+    pub(crate) hangup: bool,
+    /// Another thread kicked the wake-up descriptor.
+    pub(crate) woken: bool,
+}
+
+/// Bytes staged per TLS write: records are sealed from one contiguous
+/// buffer (OpenSSL has no vectored write).
+const TLS_STAGE_BYTES: usize = 256 << 10;
+
+struct Tls {
+    ssl: SslStream<Stream>,
+    stage: Vec<u8>,
+}
+
+/// A connection's transport.
+pub(crate) struct Transport {
+    sock: Stream,
+    tls: OnceLock<Mutex<Tls>>,
+    wake: OwnedFd,
+}
+
+fn ssl_err(e: openssl::ssl::Error) -> io::Error {
+    match e.into_io_error() {
+        Ok(io) => io,
+        Err(e) => io::Error::other(format!("TLS: {e}")),
+    }
+}
+
+impl Transport {
+    /// Take `sock` over: it is made non-blocking.
+    pub(crate) fn new(sock: Stream) -> io::Result<Transport> {
+        sock.set_nonblocking(true)?;
+        // SAFETY: plain syscall; the descriptor is owned below.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Transport {
+            sock,
+            tls: OnceLock::new(),
+            // SAFETY: `fd` is a fresh descriptor nobody else owns.
+            wake: unsafe { OwnedFd::from_raw_fd(fd) },
+        })
+    }
+
+    /// Whether the session runs under TLS.
+    pub(crate) fn is_tls(&self) -> bool {
+        self.tls.get().is_some()
+    }
+
+    /// Shut both directions down: a thread waiting on it wakes up, and
+    /// every later read or write fails.
+    pub(crate) fn shutdown(&self) {
+        self.sock.shutdown();
+    }
+
+    /// Wake the connection's thread from [`Transport::wait`].
+    pub(crate) fn kick(&self) {
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a local to our own eventfd. A full
+        // counter (EAGAIN) already means "woken".
+        unsafe {
+            libc::write(
+                self.wake.as_raw_fd(),
+                (&one as *const u64).cast(),
+                std::mem::size_of::<u64>(),
+            );
+        }
+    }
+
+    /// Try to read into `buf` without blocking.
+    pub(crate) fn try_read(&self, buf: &mut [u8]) -> io::Result<Io> {
+        if buf.is_empty() {
+            return Ok(Io::Done(0));
+        }
+        if let Some(tls) = self.tls.get() {
+            let mut t = tls.lock();
+            return match t.ssl.ssl_read(buf) {
+                Ok(n) => Ok(Io::Done(n)),
+                Err(e) => match e.code() {
+                    ErrorCode::WANT_READ => Ok(Io::Blocked { write: false }),
+                    ErrorCode::WANT_WRITE => Ok(Io::Blocked { write: true }),
+                    // A close_notify, or the peer gone without one: the
+                    // end of the stream either way.
+                    ErrorCode::ZERO_RETURN => Ok(Io::Done(0)),
+                    ErrorCode::SYSCALL if e.io_error().is_none() => Ok(Io::Done(0)),
+                    _ => Err(ssl_err(e)),
+                },
+            };
+        }
+        loop {
+            match (&self.sock).read(buf) {
+                Ok(n) => return Ok(Io::Done(n)),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    return Ok(Io::Blocked { write: false })
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Try to write a prefix of `bufs` without blocking. Under TLS the
+    /// first [`TLS_STAGE_BYTES`] are copied into one buffer and sealed;
+    /// a retry after `Blocked` must offer the same bytes again (the
+    /// caller keeps unsent data in order, so it does).
+    pub(crate) fn try_write(&self, bufs: &[IoSlice<'_>]) -> io::Result<Io> {
+        if let Some(tls) = self.tls.get() {
+            let mut t = tls.lock();
+            let Tls { ssl, stage } = &mut *t;
+            stage.clear();
+            for b in bufs {
+                let room = TLS_STAGE_BYTES - stage.len();
+                if room == 0 {
+                    break;
+                }
+                stage.extend_from_slice(&b[..b.len().min(room)]);
+            }
+            if stage.is_empty() {
+                return Ok(Io::Done(0));
+            }
+            return match ssl.ssl_write(stage) {
+                Ok(n) => Ok(Io::Done(n)),
+                Err(e) => match e.code() {
+                    ErrorCode::WANT_WRITE => Ok(Io::Blocked { write: true }),
+                    ErrorCode::WANT_READ => Ok(Io::Blocked { write: false }),
+                    _ => Err(ssl_err(e)),
+                },
+            };
+        }
+        loop {
+            match (&self.sock).write_vectored(bufs) {
+                Ok(0) if bufs.iter().any(|b| !b.is_empty()) => {
+                    return Err(io::ErrorKind::WriteZero.into())
+                }
+                Ok(n) => return Ok(Io::Done(n)),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    return Ok(Io::Blocked { write: true })
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Wait until the socket is readable (`read`), writable (`write`),
+    /// the wake-up descriptor is kicked, or `timeout` passes (`None`:
+    /// no limit). A kick is consumed.
+    pub(crate) fn wait(
+        &self,
+        read: bool,
+        write: bool,
+        timeout: Option<Duration>,
+    ) -> io::Result<Ready> {
+        let mut events = 0;
+        if read {
+            events |= libc::POLLIN;
+        }
+        if write {
+            events |= libc::POLLOUT;
+        }
+        let mut fds = [
+            libc::pollfd {
+                fd: self.sock.as_raw_fd(),
+                events,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: self.wake.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        let ms = match timeout {
+            None => -1,
+            // Round up: a wait never ends before its deadline.
+            Some(t) => t.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32,
+        };
+        // SAFETY: `fds` is a valid array of two pollfds for the call.
+        let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                return Ok(Ready::default());
+            }
+            return Err(e);
+        }
+        let s = fds[0].revents;
+        let mut ready = Ready {
+            readable: s & libc::POLLIN != 0,
+            writable: s & libc::POLLOUT != 0,
+            hangup: s & (libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0,
+            woken: fds[1].revents & libc::POLLIN != 0,
+        };
+        if ready.hangup {
+            // Let the caller's next attempt see the end or the error.
+            ready.readable = read;
+            ready.writable = write;
+        }
+        if ready.woken {
+            let mut v: u64 = 0;
+            // SAFETY: reads 8 bytes into a local from our own eventfd.
+            unsafe {
+                libc::read(
+                    self.wake.as_raw_fd(),
+                    (&mut v as *mut u64).cast(),
+                    std::mem::size_of::<u64>(),
+                );
+            }
+        }
+        Ok(ready)
+    }
+
+    /// Write all of `buf`, waiting up to `deadline` in all.
+    pub(crate) fn write_all_by(&self, mut buf: &[u8], deadline: Instant) -> io::Result<()> {
+        while !buf.is_empty() {
+            match self.try_write(&[IoSlice::new(buf)])? {
+                Io::Done(n) => buf = &buf[n..],
+                Io::Blocked { write } => self.wait_by(!write, write, deadline)?,
+            }
+        }
+        Ok(())
+    }
+
+    fn wait_by(&self, read: bool, write: bool, deadline: Instant) -> io::Result<()> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the deadline passed",
+            ));
+        }
+        self.wait(read, write, Some(left)).map(|_| ())
+    }
+
+    /// Run the server side of a TLS handshake on the socket, all of it
+    /// before `deadline`; from then on every read and write goes through
+    /// the session.
+    pub(crate) fn start_tls(&self, acceptor: &SslAcceptor, deadline: Instant) -> io::Result<()> {
+        if self.is_tls() {
+            return Err(io::Error::other("TLS is already running"));
+        }
+        let ssl = Ssl::new(acceptor.context()).map_err(io::Error::other)?;
+        let mut mid = match ssl.accept(self.sock.try_clone()?) {
+            Ok(s) => return self.set_tls(s),
+            Err(HandshakeError::WouldBlock(m)) => m,
+            Err(HandshakeError::SetupFailure(e)) => return Err(io::Error::other(e)),
+            Err(HandshakeError::Failure(m)) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    format!("TLS handshake failed: {}", m.error()),
+                ))
+            }
+        };
+        loop {
+            let write = mid.error().code() == ErrorCode::WANT_WRITE;
+            self.wait_by(!write, write, deadline)?;
+            match mid.handshake() {
+                Ok(s) => return self.set_tls(s),
+                Err(HandshakeError::WouldBlock(m)) => mid = m,
+                Err(HandshakeError::SetupFailure(e)) => return Err(io::Error::other(e)),
+                Err(HandshakeError::Failure(m)) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::PermissionDenied,
+                        format!("TLS handshake failed: {}", m.error()),
+                    ))
+                }
+            }
+        }
+    }
+
+    fn set_tls(&self, ssl: SslStream<Stream>) -> io::Result<()> {
+        self.tls
+            .set(Mutex::new(Tls {
+                ssl,
+                stage: Vec::with_capacity(TLS_STAGE_BYTES),
+            }))
+            .map_err(|_| io::Error::other("TLS is already running"))
+    }
+
+    /// Send TLS's close_notify, if it can leave without waiting.
+    pub(crate) fn close_tls(&self) {
+        if let Some(tls) = self.tls.get() {
+            let _ = tls.lock().ssl.shutdown();
+        }
+    }
+}
