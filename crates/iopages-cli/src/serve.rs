@@ -9,7 +9,7 @@
 use crate::passphrase::read_passphrase;
 use iopages_crypt::strategy::Strategy;
 use iopages_nbd::volume::{self, Volume, VolumeOptions};
-use iopages_nbd::{ExportConfig, Listen, Server};
+use iopages_nbd::{ExportConfig, Listen, Server, ServerOptions, TlsConfig, TlsMode};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -87,6 +87,128 @@ pub struct ServeArgs {
     /// at exit).
     #[arg(long, value_name = "SECS", default_value_t = 0)]
     stats_interval: u64,
+    /// TLS (NBD's STARTTLS): off; on (offered, plaintext clients still
+    /// served); require (nothing but STARTTLS before TLS). Needs
+    /// --tls-certificates or --tls-psk.
+    #[arg(long, value_enum, default_value_t = TlsArg::Off)]
+    tls: TlsArg,
+    /// X.509 credentials: DIR/server-cert.pem and DIR/server-key.pem (and
+    /// DIR/ca-cert.pem with --tls-verify-peer), as qemu and nbdkit lay
+    /// them out.
+    #[arg(long, value_name = "DIR")]
+    tls_certificates: Option<PathBuf>,
+    /// Require a client certificate signed by DIR/ca-cert.pem.
+    #[arg(long)]
+    tls_verify_peer: bool,
+    /// Pre-shared keys instead of certificates: psktool's format, one
+    /// `identity:hexkey` per line.
+    #[arg(long, value_name = "FILE")]
+    tls_psk: Option<PathBuf>,
+    /// Allow serving plaintext on a TCP address that is not loopback
+    /// (otherwise refused: the decrypted volume would cross the network in
+    /// clear; use --tls require).
+    #[arg(long)]
+    allow_plaintext: bool,
+    /// Connections open at once; one more is closed as soon as it is
+    /// accepted.
+    #[arg(long, value_name = "N", default_value_t = iopages_nbd::DEFAULT_MAX_CONNECTIONS)]
+    max_connections: usize,
+    /// Payload bytes in flight over all connections (read buffers and
+    /// write payloads); past it, requests wait up to --reply-timeout, then
+    /// get ENOMEM. K, M, G suffixes; at least 32M (the largest request).
+    #[arg(long, value_name = "BYTES", default_value = "256M", value_parser = crate::parse_size)]
+    max_inflight: u64,
+    /// Close a connection with nothing in flight that sends nothing for
+    /// SECS seconds (0: never).
+    #[arg(long, value_name = "SECS", default_value_t = iopages_nbd::DEFAULT_IDLE_TIMEOUT.as_secs())]
+    idle_timeout: u64,
+    /// A client that has not taken a reply SECS seconds after it was ready
+    /// (or not sent a payload SECS seconds after its header) loses its
+    /// connection.
+    #[arg(long, value_name = "SECS", default_value_t = iopages_nbd::REPLY_TIMEOUT.as_secs())]
+    reply_timeout: u64,
+    /// A client that has not finished the handshake SECS seconds after it
+    /// connected is disconnected.
+    #[arg(long, value_name = "SECS", default_value_t = iopages_nbd::HANDSHAKE_TIMEOUT.as_secs())]
+    handshake_timeout: u64,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum TlsArg {
+    /// Plaintext only.
+    Off,
+    /// TLS offered; plaintext clients still served.
+    On,
+    /// TLS required before anything else.
+    Require,
+}
+
+/// The server-wide limits and TLS from the command line.
+fn server_options(a: &ServeArgs, listen: &[Listen]) -> Result<ServerOptions, String> {
+    let secs = |name: &str, v: u64| {
+        if v == 0 {
+            Err(format!("--{name} must be at least 1 second"))
+        } else {
+            Ok(Duration::from_secs(v))
+        }
+    };
+    if a.max_connections == 0 {
+        return Err("--max-connections must be at least 1".into());
+    }
+    if a.max_inflight < iopages_nbd::DEFAULT_MAX_BLOCK_BYTES as u64 {
+        return Err(format!(
+            "--max-inflight {} is below the largest request ({} bytes)",
+            a.max_inflight,
+            iopages_nbd::DEFAULT_MAX_BLOCK_BYTES
+        ));
+    }
+    let mode = match a.tls {
+        TlsArg::Off => None,
+        TlsArg::On => Some(TlsMode::On),
+        TlsArg::Require => Some(TlsMode::Require),
+    };
+    let tls = match (mode, &a.tls_certificates, &a.tls_psk) {
+        (None, None, None) => None,
+        (None, _, _) => {
+            return Err("--tls-certificates and --tls-psk need --tls on or --tls require".into())
+        }
+        (Some(_), Some(_), Some(_)) => {
+            return Err("give --tls-certificates or --tls-psk, not both".into())
+        }
+        (Some(_), None, None) => {
+            return Err("--tls on|require needs --tls-certificates DIR or --tls-psk FILE".into())
+        }
+        (Some(m), Some(dir), None) => {
+            Some(TlsConfig::x509(dir, a.tls_verify_peer, m).map_err(|e| e.to_string())?)
+        }
+        (Some(m), None, Some(f)) => {
+            if a.tls_verify_peer {
+                return Err("--tls-verify-peer goes with --tls-certificates".into());
+            }
+            Some(TlsConfig::psk(f, m).map_err(|e| e.to_string())?)
+        }
+    };
+    if a.tls_verify_peer && a.tls_certificates.is_none() {
+        return Err("--tls-verify-peer goes with --tls-certificates".into());
+    }
+    if mode != Some(TlsMode::Require) && !a.allow_plaintext {
+        for l in listen {
+            if let Listen::Tcp(addr) = l {
+                if !addr.ip().is_loopback() {
+                    return Err(format!(
+                        "{addr} is not a loopback address: clients would read the decrypted volume in clear. Use --tls require (with --tls-certificates or --tls-psk), or pass --allow-plaintext"
+                    ));
+                }
+            }
+        }
+    }
+    Ok(ServerOptions {
+        max_connections: a.max_connections,
+        max_inflight_bytes: a.max_inflight,
+        idle_timeout: (a.idle_timeout > 0).then(|| Duration::from_secs(a.idle_timeout)),
+        reply_timeout: secs("reply-timeout", a.reply_timeout)?,
+        tls,
+    })
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -156,6 +278,8 @@ fn mib(bytes: u64) -> f64 {
 
 /// Statistics since the last line.
 struct Progress {
+    max_connections: usize,
+    max_inflight: u64,
     start: Instant,
     last: Instant,
     last_read: u64,
@@ -169,7 +293,7 @@ impl Progress {
         let s = server.stats();
         let out = vol.queue.target().out_pages().stats();
         let line = format!(
-            "[{:>7.1}s] write {:.1} MiB/s ({:.1} MiB, {} req, {} err) | read {:.1} MiB/s ({:.1} MiB, {} req, {} err) | flush {} | out pages: {:.1}% by the strategy ({} compound blocks), {} via mempool ({} from reserve, {} waits) | payload buffers: {} arena blocks, {} vmalloc, {} heap | connections {}",
+            "[{:>7.1}s] write {:.1} MiB/s ({:.1} MiB, {} req, {} err) | read {:.1} MiB/s ({:.1} MiB, {} req, {} err) | flush {} | out pages: {:.1}% by the strategy ({} compound blocks), {} via mempool ({} from reserve, {} waits) | payload buffers: {} arena blocks, {} vmalloc, {} heap | sessions {} ({} TLS, {} TLS failed) | open {}/{} ({} refused) | timeouts: {} handshake, {} reply, {} payload, {} idle | in flight {:.1}/{:.0} MiB ({} waits, {} ENOMEM)",
             now.duration_since(self.start).as_secs_f64(),
             mib(s.write.bytes - self.last_write) / dt,
             mib(s.write.bytes),
@@ -189,6 +313,19 @@ impl Progress {
             s.buffers.arena_vmalloc,
             s.buffers.heap,
             s.sessions,
+            s.tls_sessions,
+            s.tls_failures,
+            s.open_connections,
+            self.max_connections,
+            s.refused_connections,
+            s.handshake_timeouts,
+            s.reply_timeouts,
+            s.payload_timeouts,
+            s.idle_closes,
+            mib(s.budget_used_bytes),
+            mib(self.max_inflight),
+            s.budget_waits,
+            s.budget_refusals,
         );
         self.last = now;
         self.last_read = s.read.bytes;
@@ -232,6 +369,10 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
                 .into(),
         );
     }
+    let server_opts = server_options(&a, &listen)?;
+    if a.handshake_timeout == 0 {
+        return Err("--handshake-timeout must be at least 1 second".into());
+    }
     let signals = block_signals();
     let mut opts = VolumeOptions {
         arena_bytes: a.arena,
@@ -251,26 +392,48 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
     if let Some(w) = a.workers {
         opts.workers = w;
     }
-    let (vol, generated) = match &a.image {
-        Some(path) => {
-            let Some(pf) = &a.passphrase_file else {
-                return Err(format!(
-                    "--image {} needs --passphrase-file FILE (or - to read one line from standard input)",
-                    path.display()
-                ));
-            };
-            let pass = read_passphrase(pf)?;
-            let v = volume::open_image(path, &pass, &opts).map_err(|e| e.to_string())?;
-            (v, None)
-        }
-        None => {
-            let (v, p) = volume::in_memory(size, &opts)
-                .map_err(|e| format!("cannot make the in-memory LUKS2 volume: {e}"))?;
-            (v, Some(p))
-        }
+    // The key derivation may take long (a header's KDF costs are bounded,
+    // but a slow one still takes seconds): it runs on its own thread so a
+    // SIGINT or SIGTERM meanwhile stops the process at once (nothing has
+    // been written yet).
+    let image = a.image.clone();
+    let pass = match (&image, &a.passphrase_file) {
+        (Some(_), Some(pf)) => Some(read_passphrase(pf)?),
+        (Some(path), None) => return Err(format!(
+            "--image {} needs --passphrase-file FILE (or - to read one line from standard input)",
+            path.display()
+        )),
+        _ => None,
     };
+    let opening = std::thread::Builder::new()
+        .name("open-volume".into())
+        .spawn(move || match (&image, pass) {
+            (Some(path), Some(pass)) => volume::open_image(path, &pass, &opts)
+                .map(|v| (v, None))
+                .map_err(|e| e.to_string()),
+            _ => volume::in_memory(size, &opts)
+                .map(|(v, p)| (v, Some(p)))
+                .map_err(|e| format!("cannot make the in-memory LUKS2 volume: {e}")),
+        })
+        .map_err(|e| format!("cannot start the thread that opens the volume: {e}"))?;
+    while !opening.is_finished() {
+        if let Some(sig) = wait_signal(&signals, Some(Duration::from_millis(50))) {
+            if sig == libc::SIGINT || sig == libc::SIGTERM {
+                eprintln!(
+                    "signal {}: stopped while opening the volume (nothing was written)",
+                    if sig == libc::SIGINT { "INT" } else { "TERM" }
+                );
+                std::process::exit(128 + sig);
+            }
+        }
+    }
+    let (vol, generated) = opening
+        .join()
+        .map_err(|_| "the thread that opens the volume panicked".to_string())??;
     let mut export = ExportConfig::new(a.name.clone());
     export.read_only = a.read_only;
+    export.handshake_timeout = Duration::from_secs(a.handshake_timeout);
+    let tls = server_opts.tls.as_ref().map(|t| (t.mode(), t.kind()));
     export.inline_max_bytes =
         a.inline_max
             .unwrap_or(if vol.info.image.is_none() || !vol.file.direct_io() {
@@ -286,7 +449,8 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
         },
         vol.info.cipher
     );
-    let server = Server::start(vol.queue.clone(), export, &listen).map_err(|e| e.to_string())?;
+    let server = Server::start_with(vol.queue.clone(), export, server_opts, &listen)
+        .map_err(|e| e.to_string())?;
     let i = &vol.info;
     println!(
         "volume: {} {}, {}-bit key, {}-byte sectors, payload {} bytes at offset {}, key slot {}, uuid {}",
@@ -314,10 +478,26 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
             }
         }
     }
+    // nbds:// when TLS is required; with --tls on both schemes work.
+    let s = if matches!(tls, Some((TlsMode::Require, _))) {
+        "s"
+    } else {
+        ""
+    };
+    if let Some((mode, kind)) = tls {
+        println!(
+            "tls: {} ({kind})",
+            if mode == TlsMode::Require {
+                "required"
+            } else {
+                "offered"
+            }
+        );
+    }
     for l in server.addresses() {
         match l {
-            Listen::Tcp(addr) => println!("serving nbd://{addr}/{}", a.name),
-            Listen::Unix(p) => println!("serving nbd+unix:///{}?socket={}", a.name, p.display()),
+            Listen::Tcp(addr) => println!("serving nbd{s}://{addr}/{}", a.name),
+            Listen::Unix(p) => println!("serving nbd{s}+unix:///{}?socket={}", a.name, p.display()),
         }
     }
     println!(
@@ -334,6 +514,8 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
     drop(generated);
     let now = Instant::now();
     let mut progress = Progress {
+        max_connections: a.max_connections,
+        max_inflight: a.max_inflight,
         start: now,
         last: now,
         last_read: 0,
