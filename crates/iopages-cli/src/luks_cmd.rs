@@ -2,15 +2,28 @@
 //! volume's plaintext offline.
 //!
 //! Owns: the command line of the LUKS tools. Must never: overwrite a
-//! non-empty file without `--yes`, or leave a half-written output behind
-//! (a failed `decrypt` removes what it wrote).
+//! non-empty file without `--yes`, leave a half-written output behind
+//! (a failed `decrypt` removes what it wrote), write plaintext that others
+//! can read or through a symbolic link, or print a header's strings
+//! unescaped.
 
 use crate::passphrase::read_passphrase;
-use iopages_crypt::luks::{self, FormatOptions, Hash, LuksVersion, Pbkdf};
+use iopages_crypt::luks::{self, FormatOptions, Hash, KdfLimits, LuksVersion, Pbkdf};
 use std::io::Write;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
+
+/// The key derivation limits for `--max-kdf-memory BYTES` (`None`: the
+/// default 1 GiB of Argon2 memory per key slot, cryptsetup's own default
+/// for new key slots; at most 4 GiB, cryptsetup's maximum). For every
+/// command that opens a volume with a passphrase (`serve --image` too).
+pub(crate) fn kdf_limits(max_kdf_memory: Option<u64>) -> KdfLimits {
+    match max_kdf_memory {
+        Some(bytes) => KdfLimits::default().with_max_argon2_memory_bytes(bytes),
+        None => KdfLimits::default(),
+    }
+}
 
 #[derive(clap::Subcommand)]
 pub enum LuksCommand {
@@ -24,21 +37,31 @@ pub enum LuksCommand {
         /// standard input.
         #[arg(long, value_name = "FILE")]
         passphrase_file: PathBuf,
+        /// Most Argon2 memory a key slot may ask for (K, M, G suffixes;
+        /// default 1G, at most 4G): a key slot asking more is not tried.
+        #[arg(long, value_name = "BYTES", value_parser = crate::parse_size)]
+        max_kdf_memory: Option<u64>,
     },
     /// Decrypt a volume's whole payload into a raw file (offline, no
     /// server).
     Decrypt {
         /// The LUKS image (file or block device).
         image: PathBuf,
-        /// Where the plaintext goes (must not exist, unless --yes).
+        /// Where the plaintext goes: created with mode 0600 (must not
+        /// exist, unless --yes; never a symbolic link).
         output: PathBuf,
         /// The passphrase: the file's exact bytes, or `-` for one line of
         /// standard input.
         #[arg(long, value_name = "FILE")]
         passphrase_file: PathBuf,
-        /// Overwrite OUTPUT if it exists.
+        /// Overwrite OUTPUT if it exists (a regular file is then set to
+        /// mode 0600).
         #[arg(long)]
         yes: bool,
+        /// Most Argon2 memory a key slot may ask for (K, M, G suffixes;
+        /// default 1G, at most 4G): a key slot asking more is not tried.
+        #[arg(long, value_name = "BYTES", value_parser = crate::parse_size)]
+        max_kdf_memory: Option<u64>,
     },
 }
 
@@ -118,10 +141,11 @@ pub fn run(cmd: LuksCommand) -> Result<(), String> {
         LuksCommand::Check {
             image,
             passphrase_file,
+            max_kdf_memory,
         } => {
             let pass = read_passphrase(&passphrase_file)?;
-            let v =
-                luks::open_path(&image, &pass).map_err(|e| format!("{}: {e}", image.display()))?;
+            let v = luks::open_path_with(&image, &pass, &kdf_limits(max_kdf_memory))
+                .map_err(|e| open_error(&image, e))?;
             let dev = device_bytes(&image)?;
             println!(
                 "{}: {} {}, {}-bit key, {}-byte sectors, payload {} bytes at offset {}, key slot {} opened{}, uuid {}",
@@ -138,7 +162,7 @@ pub fn run(cmd: LuksCommand) -> Result<(), String> {
                 } else {
                     ""
                 },
-                v.uuid()
+                luks::printable(v.uuid())
             );
             Ok(())
         }
@@ -147,8 +171,27 @@ pub fn run(cmd: LuksCommand) -> Result<(), String> {
             output,
             passphrase_file,
             yes,
-        } => decrypt(&image, &output, &passphrase_file, yes),
+            max_kdf_memory,
+        } => decrypt(
+            &image,
+            &output,
+            &passphrase_file,
+            yes,
+            &kdf_limits(max_kdf_memory),
+        ),
     }
+}
+
+/// An open error for the command line: a key slot over the memory limit
+/// names the flag that raises it.
+fn open_error(image: &Path, e: luks::LuksError) -> String {
+    let hint = match &e {
+        luks::LuksError::OverLimit(m) if m.contains("max_argon2_memory_kib") => {
+            " [--max-kdf-memory raises the memory limit]"
+        }
+        _ => "",
+    };
+    format!("{}: {e}{hint}", image.display())
 }
 
 fn device_bytes(path: &Path) -> Result<u64, String> {
@@ -262,31 +305,84 @@ fn format(a: FormatArgs) -> Result<(), String> {
         vol.sector_size(),
         vol.data_size_bytes(dev),
         vol.data_offset_bytes(),
-        vol.uuid(),
+        luks::printable(vol.uuid()),
         t0.elapsed().as_secs_f64()
     );
     Ok(())
 }
 
-fn decrypt(image: &Path, output: &Path, passphrase_file: &Path, yes: bool) -> Result<(), String> {
+/// Create (or with `yes` truncate) the plaintext output: mode 0600,
+/// never through a symbolic link (`O_NOFOLLOW`), never over an existing
+/// file without `yes` (`O_EXCL`). An existing regular file taken over
+/// with `yes` is set to 0600 before anything is written to it.
+fn create_output(output: &Path, yes: bool) -> Result<std::fs::File, String> {
+    let mut o = std::fs::OpenOptions::new();
+    o.write(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC);
+    if yes {
+        o.create(true).truncate(true);
+    } else {
+        o.create_new(true);
+    }
+    let out = o.open(output).map_err(|e| {
+        if e.raw_os_error() == Some(libc::ELOOP) || is_symlink(output) {
+            format!(
+                "{} is a symbolic link: plaintext is never written through one",
+                output.display()
+            )
+        } else if e.kind() == std::io::ErrorKind::AlreadyExists {
+            format!("{} exists: add --yes to overwrite it", output.display())
+        } else {
+            format!("cannot create {}: {e}", output.display())
+        }
+    })?;
+    let meta = out
+        .metadata()
+        .map_err(|e| format!("cannot stat {}: {e}", output.display()))?;
+    if meta.is_file() && meta.permissions().mode() & 0o7777 != 0o600 {
+        out.set_permissions(std::fs::Permissions::from_mode(0o600))
+            .map_err(|e| format!("cannot make {} private (0600): {e}", output.display()))?;
+    }
+    Ok(out)
+}
+
+fn is_symlink(p: &Path) -> bool {
+    std::fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_symlink())
+}
+
+fn decrypt(
+    image: &Path,
+    output: &Path,
+    passphrase_file: &Path,
+    yes: bool,
+    limits: &KdfLimits,
+) -> Result<(), String> {
+    // Refused early, before the slow key derivation (and again, without a
+    // race, when the output is created).
+    if is_symlink(output) {
+        return Err(format!(
+            "{} is a symbolic link: plaintext is never written through one",
+            output.display()
+        ));
+    }
+    if !yes && std::fs::symlink_metadata(output).is_ok() {
+        return Err(format!(
+            "{} exists: add --yes to overwrite it",
+            output.display()
+        ));
+    }
     let pass = read_passphrase(passphrase_file)?;
     let src =
         std::fs::File::open(image).map_err(|e| format!("cannot open {}: {e}", image.display()))?;
-    let vol = luks::open(&src, &pass).map_err(|e| format!("{}: {e}", image.display()))?;
+    let vol = luks::open_with(&src, &pass, limits).map_err(|e| open_error(image, e))?;
     let dev = device_bytes(image)?;
     let ss = vol.sector_size() as u64;
     let size = vol.data_size_bytes(dev) / ss * ss;
     let mut cipher = vol
         .xts_cipher()
         .map_err(|e| format!("cannot set up {}: {e}", vol.cipher_spec()))?;
-    if output.exists() && !yes {
-        return Err(format!(
-            "{} exists: add --yes to overwrite it",
-            output.display()
-        ));
-    }
-    let out = std::fs::File::create(output)
-        .map_err(|e| format!("cannot create {}: {e}", output.display()))?;
+    let out = create_output(output, yes)?;
     let result = (|| -> Result<(), String> {
         let mut buf = vec![0u8; 1 << 20];
         let mut at = 0u64;
@@ -323,9 +419,15 @@ fn decrypt(image: &Path, output: &Path, passphrase_file: &Path, yes: bool) -> Re
         Ok(())
     })();
     if let Err(e) = result {
+        // Only a regular file is removed (never a device node given as
+        // the output with --yes).
+        let regular = out.metadata().is_ok_and(|m| m.is_file());
         drop(out);
-        let _ = std::fs::remove_file(output);
-        return Err(format!("{e} ({} removed)", output.display()));
+        if regular {
+            let _ = std::fs::remove_file(output);
+            return Err(format!("{e} ({} removed)", output.display()));
+        }
+        return Err(e);
     }
     println!(
         "{}: {} bytes of plaintext from {} ({})",
@@ -335,4 +437,115 @@ fn decrypt(image: &Path, output: &Path, passphrase_file: &Path, yes: bool) -> Re
         version_name(vol.version())
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    struct Dir(PathBuf);
+
+    impl Dir {
+        fn new(name: &str) -> Dir {
+            let d = std::env::temp_dir()
+                .join(format!("iopages-luks-cmd-{name}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&d);
+            std::fs::create_dir_all(&d).unwrap();
+            Dir(d)
+        }
+    }
+
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// A LUKS1 image with 8 KiB of payload, and its passphrase file.
+    fn volume(dir: &Dir) -> (PathBuf, PathBuf) {
+        let img = dir.0.join("v.img");
+        luks::format_path(
+            &img,
+            Some((2 << 20) + 8192),
+            b"pw",
+            &FormatOptions::fast_for_tests(LuksVersion::Luks1),
+        )
+        .unwrap();
+        let pass = dir.0.join("pass");
+        std::fs::write(&pass, b"pw").unwrap();
+        (img, pass)
+    }
+
+    #[test]
+    fn decrypt_output_is_private_and_never_a_symlink_or_an_existing_file() {
+        let dir = Dir::new("decrypt");
+        let (img, pass) = volume(&dir);
+        let limits = KdfLimits::default();
+        let out = dir.0.join("plain");
+        decrypt(&img, &out, &pass, false, &limits).unwrap();
+        let m = std::fs::metadata(&out).unwrap();
+        assert_eq!(m.mode() & 0o777, 0o600);
+        assert_eq!(m.len(), 8192);
+
+        // Existing file without --yes: refused, untouched.
+        std::fs::write(&out, b"keep").unwrap();
+        let e = decrypt(&img, &out, &pass, false, &limits).unwrap_err();
+        assert!(e.contains("exists: add --yes"), "{e}");
+        assert_eq!(std::fs::read(&out).unwrap(), b"keep");
+        // With --yes a world-readable file is taken over and made 0600.
+        std::fs::set_permissions(&out, std::fs::Permissions::from_mode(0o644)).unwrap();
+        decrypt(&img, &out, &pass, true, &limits).unwrap();
+        let m = std::fs::metadata(&out).unwrap();
+        assert_eq!((m.mode() & 0o777, m.len()), (0o600, 8192));
+
+        // A symbolic link at the output: refused, with or without --yes,
+        // dangling or not; its target is untouched.
+        let target = dir.0.join("target");
+        std::fs::write(&target, b"target").unwrap();
+        let link = dir.0.join("link");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let dangling = dir.0.join("dangling");
+        std::os::unix::fs::symlink(dir.0.join("nowhere"), &dangling).unwrap();
+        for (l, yes) in [
+            (&link, false),
+            (&link, true),
+            (&dangling, false),
+            (&dangling, true),
+        ] {
+            let e = decrypt(&img, l, &pass, yes, &limits).unwrap_err();
+            assert!(e.contains("is a symbolic link"), "{e}");
+        }
+        assert_eq!(std::fs::read(&target).unwrap(), b"target");
+        assert!(!dir.0.join("nowhere").exists());
+        // The race-free check at creation holds on its own too.
+        for yes in [false, true] {
+            let e = create_output(&link, yes).unwrap_err();
+            assert!(e.contains("is a symbolic link"), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_key_slot_over_the_memory_limit_names_the_flag() {
+        let dir = Dir::new("limit");
+        let (img, pass) = volume(&dir);
+        // LUKS1 is PBKDF2: the memory flag does not refuse it.
+        let out = dir.0.join("plain");
+        decrypt(&img, &out, &pass, false, &kdf_limits(Some(4096))).unwrap();
+        assert_eq!(kdf_limits(Some(16 << 20)).max_argon2_memory_kib, 16 << 10);
+        assert_eq!(
+            kdf_limits(None).max_argon2_memory_kib,
+            KdfLimits::default().max_argon2_memory_kib
+        );
+        let e = luks::LuksError::OverLimit(
+            "keyslot 0: argon2id memory 4194304 KiB (keyslots.0.kdf.memory) is over the limit of \
+             1048576 KiB (KdfLimits::max_argon2_memory_kib)"
+                .into(),
+        );
+        let m = open_error(Path::new("v.img"), e);
+        assert!(
+            m.ends_with("[--max-kdf-memory raises the memory limit]"),
+            "{m}"
+        );
+    }
 }

@@ -124,6 +124,14 @@ pub struct UringOptions {
     /// can be decrypted straight out of the page cache
     /// ([`Backend::mapped`]) instead of copied out of it first. Default
     /// on; ignored under `O_DIRECT`.
+    ///
+    /// Turn it off for a file another process may cut shorter (an image
+    /// file, a block device that can be resized): a read that copies out
+    /// of the mapping while the file shrinks under it touches pages past
+    /// the new end and the process gets `SIGBUS`. The size check before
+    /// each mapped read narrows that window but cannot close it. Safe to
+    /// leave on for a memfd sealed with `F_SEAL_SHRINK` (what the served
+    /// in-memory volume is) or a file nothing else can open for writing.
     pub map_reads: bool,
     /// Tests only: behave as if the file system refused `O_DIRECT` at open
     /// (`EINVAL`), so the fallback path runs where it does accept it.

@@ -8,9 +8,10 @@
 //! cryptsetup would set dm-crypt up), an io_uring file over the image
 //! with the arena as its fixed buffers, the payload window after the
 //! header ([`Window`]), the crypt target and its queue. Must never: serve
-//! a volume whose key failed the header's digest check, or write anywhere
+//! a volume whose key failed the header's digest check, write anywhere
 //! outside the payload (the header and key slots cannot be reached through
-//! the export).
+//! the export), or map an image file another process could cut shorter
+//! (a read through the mapping would then raise `SIGBUS`).
 //!
 //! The in-memory volume is a LUKS2 image in a memfd: a real header with
 //! one Argon2id key slot under a generated passphrase (shown once), so
@@ -18,7 +19,7 @@
 
 use iopages::PageAllocator;
 use iopages_crypt::backend::{Backend, Window};
-use iopages_crypt::luks::{self, FormatOptions, LuksVersion, LuksVolume, Pbkdf};
+use iopages_crypt::luks::{self, FormatOptions, KdfLimits, LuksVersion, LuksVolume, Pbkdf};
 use iopages_crypt::queue::{CryptQueue, QueueConfig};
 use iopages_crypt::strategy::Strategy;
 use iopages_crypt::target::{CipherPool, CryptTarget, TargetConfig};
@@ -50,6 +51,9 @@ pub struct VolumeOptions {
     /// `O_DIRECT` (with a fallback), required, or buffered through the
     /// page cache. Default [`DirectIo::Auto`].
     pub direct: DirectIo,
+    /// What opening the image's header may spend on key derivation (and
+    /// its cancel flag). Default [`KdfLimits::default`].
+    pub kdf_limits: KdfLimits,
 }
 
 impl Default for VolumeOptions {
@@ -62,6 +66,7 @@ impl Default for VolumeOptions {
             strategy: TargetConfig::default().strategy,
             read_only: false,
             direct: DirectIo::Auto,
+            kdf_limits: KdfLimits::default(),
         }
     }
 }
@@ -112,15 +117,16 @@ fn invalid(m: String) -> io::Error {
 }
 
 /// Open the LUKS volume at `path` (a file or block device) with
-/// `passphrase` and build its stack.
+/// `passphrase`, within `opts.kdf_limits`, and build its stack.
 ///
 /// **Returns:** the LUKS error (wrong passphrase, unsupported cipher,
-/// corrupted or truncated header) as an `io::Error` naming the image, or
-/// the error of whatever could not be set up.
+/// corrupted or truncated header, a key slot over the KDF limits, a
+/// cancelled open) as an `io::Error` naming the image, or the error of
+/// whatever could not be set up.
 pub fn open_image(path: &Path, passphrase: &[u8], opts: &VolumeOptions) -> io::Result<Volume> {
     let f = File::open(path)
         .map_err(|e| io::Error::new(e.kind(), format!("cannot open {}: {e}", path.display())))?;
-    let luks = luks::open(&f, passphrase).map_err(|e| {
+    let luks = luks::open_with(&f, passphrase, &opts.kdf_limits).map_err(|e| {
         let e: io::Error = e.into();
         io::Error::new(e.kind(), format!("{}: {e}", path.display()))
     })?;
@@ -199,7 +205,8 @@ pub fn in_memory(size_bytes: u64, opts: &VolumeOptions) -> io::Result<(Volume, Z
     }
     let name = c"iopages-volume";
     // SAFETY: `name` is a NUL-terminated string; the flags are valid.
-    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    let fd =
+        unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
     if fd < 0 {
         let e = io::Error::last_os_error();
         return Err(io::Error::new(e.kind(), format!("memfd_create: {e}")));
@@ -213,7 +220,16 @@ pub fn in_memory(size_bytes: u64, opts: &VolumeOptions) -> io::Result<(Volume, Z
     let made = luks::format(&file, pass.as_bytes(), &fmt).map_err(io::Error::from)?;
     file.set_len(made.data_offset_bytes() + size_bytes)?;
     drop(made);
-    let luks = luks::open(&file, pass.as_bytes()).map_err(io::Error::from)?;
+    // Nothing can cut the memfd shorter from now on, so its read-only
+    // mapping (buffered reads decrypt straight out of it) can never
+    // fault past the end of the file (SIGBUS).
+    // SAFETY: F_ADD_SEALS on our own memfd, with valid seal flags.
+    if unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } != 0 {
+        let e = io::Error::last_os_error();
+        return Err(io::Error::new(e.kind(), format!("sealing the memfd: {e}")));
+    }
+    let luks =
+        luks::open_with(&file, pass.as_bytes(), &opts.kdf_limits).map_err(io::Error::from)?;
     let path = PathBuf::from(format!("/proc/self/fd/{fd}"));
     let vol = build(&path, None, &luks, opts)?;
     // The UringFile opened its own descriptor of the memfd; the memory
@@ -246,15 +262,33 @@ fn build(
                 ),
             )
         })?;
-    let file = Arc::new(UringFile::open(
-        path,
-        UringOptions::default()
-            .arena(alloc.clone())
-            .rings(opts.workers.max(1))
-            .direct(opts.direct)
-            .read_only(opts.read_only),
-    )?);
+    let mut uring = UringOptions::default()
+        .arena(alloc.clone())
+        .rings(opts.workers.max(1))
+        .direct(opts.direct)
+        .read_only(opts.read_only);
+    // An image file (or block device) is never mapped: another process
+    // can cut it shorter at any time, and a read copying out of a mapping
+    // past the new end raises SIGBUS, which would kill the server. Reads
+    // of an image go through `preadv`, which reports the end of file as
+    // an error instead. Only the in-memory volume, a memfd sealed against
+    // shrinking, keeps the mapping.
+    uring.map_reads = image.is_none();
+    let file = Arc::new(UringFile::open(path, uring)?);
     let device = file.size_bytes();
+    if let Some(seg) = luks.segment_size_bytes() {
+        let end = luks.data_offset_bytes().checked_add(seg);
+        if end.is_none_or(|end| end > device) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "the data segment's size {seg} at offset {} runs past the end of the \
+                     {device}-byte image",
+                    luks.data_offset_bytes()
+                ),
+            ));
+        }
+    }
     let size = luks.data_size_bytes(device);
     let ss = luks.sector_size() as u64;
     if size == 0 || luks.data_offset_bytes() >= device {
@@ -330,4 +364,77 @@ fn build(
         info,
         file,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn small() -> VolumeOptions {
+        VolumeOptions {
+            arena_bytes: 16 << 20,
+            workers: 1,
+            direct: DirectIo::Off,
+            ..VolumeOptions::default()
+        }
+    }
+
+    /// An image file is never mapped (a file cut shorter underneath would
+    /// turn a mapped read into SIGBUS); reads past a truncation are
+    /// errors. The sealed in-memory volume keeps its mapping.
+    #[test]
+    fn image_files_are_read_with_preadv_and_only_the_sealed_memfd_is_mapped() {
+        let dir = std::env::temp_dir().join(format!("iopages-volume-map-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let img = dir.join("v.img");
+        luks::format_path(
+            &img,
+            Some((2 << 20) + (1 << 20)),
+            b"pw",
+            &FormatOptions::fast_for_tests(LuksVersion::Luks1),
+        )
+        .unwrap();
+        let vol = open_image(&img, b"pw", &small()).unwrap();
+        assert!(!vol.file.direct_io());
+        assert!(vol.file.mapped(0, 256 << 10).is_none());
+        // Cut the image under the open volume: a read is an error.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&img)
+            .unwrap()
+            .set_len(2 << 20)
+            .unwrap();
+        let mut buf = vec![0u8; 256 << 10];
+        assert!(vol.queue.target().read(0, &mut buf).is_err());
+        drop(vol);
+
+        let (mem, _pass) = in_memory(1 << 20, &small()).unwrap();
+        assert!(mem.file.mapped(0, 256 << 10).is_some());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_kdf_limits_reach_the_open() {
+        let dir = std::env::temp_dir().join(format!("iopages-volume-kdf-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let img = dir.join("v.img");
+        luks::format_path(
+            &img,
+            Some((2 << 20) + (1 << 20)),
+            b"pw",
+            &FormatOptions::fast_for_tests(LuksVersion::Luks1),
+        )
+        .unwrap();
+        let opts = VolumeOptions {
+            kdf_limits: KdfLimits {
+                max_pbkdf2_iterations: 999,
+                ..KdfLimits::default()
+            },
+            ..small()
+        };
+        let e = open_image(&img, b"pw", &opts).err().unwrap();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+        assert!(e.to_string().contains("max_pbkdf2_iterations"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

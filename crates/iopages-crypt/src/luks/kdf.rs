@@ -326,6 +326,21 @@ pub(crate) fn pbkdf2(
     if out.is_empty() {
         return Ok(());
     }
+    // OpenSSL takes C ints; the crate's wrapper panics on larger values.
+    const C_INT_MAX: usize = i32::MAX as usize;
+    if iterations as usize > C_INT_MAX {
+        return Err(LuksError::Corrupt(format!(
+            "PBKDF2 iteration count {iterations} is over {C_INT_MAX}, the most OpenSSL computes"
+        )));
+    }
+    if passphrase.len() > C_INT_MAX || salt.len() > C_INT_MAX || out.len() > C_INT_MAX {
+        return Err(LuksError::Corrupt(format!(
+            "PBKDF2 input of {} / {} / {} bytes (passphrase / salt / output) is over {C_INT_MAX}",
+            passphrase.len(),
+            salt.len(),
+            out.len()
+        )));
+    }
     openssl::pkcs5::pbkdf2_hmac(
         passphrase,
         salt,
@@ -548,6 +563,11 @@ mod tests {
             Pbkdf::Pbkdf2 {
                 hash: Hash::Sha256,
                 iterations: 0,
+            },
+            // Over OpenSSL's C int: an error, not the wrapper's panic.
+            Pbkdf::Pbkdf2 {
+                hash: Hash::Sha1,
+                iterations: u32::MAX,
             },
             Pbkdf::Argon2id {
                 time: 0,

@@ -192,6 +192,7 @@ pub(crate) fn plan(h: &Header) -> Result<Parsed, LuksError> {
     }
     let data_offset = u64::from(h.payload_offset) * SECTOR;
     let digest = || Digest {
+        field: "mk-digest-iter".to_string(),
         hash,
         iterations: h.mk_digest_iter,
         salt: h.mk_digest_salt.to_vec(),
@@ -247,6 +248,7 @@ pub(crate) fn plan(h: &Header) -> Result<Parsed, LuksError> {
         slots.push(Ok(SlotPlan {
             index: i,
             pbkdf,
+            kdf_field: format!("key-slot {i} "),
             salt: s.salt.to_vec(),
             area_offset,
             area_len,

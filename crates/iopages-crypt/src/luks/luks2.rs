@@ -275,9 +275,9 @@ pub(crate) fn load(dev: &Dev<'_>) -> Result<(BinHeader, Value, bool), LuksError>
 }
 
 /// Read, choose and plan the LUKS2 header of `dev`.
-pub(crate) fn parse(dev: &Dev<'_>) -> Result<Parsed, LuksError> {
+pub(crate) fn parse(dev: &Dev<'_>, max_keyslots: usize) -> Result<Parsed, LuksError> {
     let (h, json, used_secondary) = load(dev)?;
-    plan(&h, &json, used_secondary)
+    plan(&h, &json, used_secondary, max_keyslots)
 }
 
 // ---- JSON access, every shape checked -------------------------------
@@ -458,6 +458,7 @@ fn parse_digests(json: &Map<String, Value>) -> Result<Vec<DigestJson>, LuksError
                     return Err(corrupt(&format!("{path}.digest"), "has a bad length"));
                 }
                 Ok(Digest {
+                    field: format!("{path}.iterations"),
                     hash: hash_of(d, "hash", &path)?,
                     iterations: num_u32(d, "iterations", &path)?,
                     salt: b64(d, "salt", &path)?,
@@ -589,6 +590,7 @@ fn plan_keyslot(
     }
     let digest = match &d.digest {
         Ok(x) => Digest {
+            field: x.field.clone(),
             hash: x.hash,
             iterations: x.iterations,
             salt: x.salt.clone(),
@@ -599,6 +601,7 @@ fn plan_keyslot(
     Ok(SlotPlan {
         index: id as usize,
         pbkdf,
+        kdf_field: format!("{path}.kdf."),
         salt,
         area_offset,
         area_len,
@@ -610,25 +613,59 @@ fn plan_keyslot(
     })
 }
 
-/// Check the metadata and turn it into a slot plan.
-pub(crate) fn plan(h: &BinHeader, json: &Value, used_secondary: bool) -> Result<Parsed, LuksError> {
+/// `config.requirements`, as cryptsetup reads it: an object whose
+/// `mandatory` member, if present, is an array of strings. This crate
+/// implements none of the requirements (online reencryption, ...), so any
+/// mandatory one makes the volume unsupported, as an unknown one does in
+/// cryptsetup. Other members (`optional`...) are ignored, as there.
+fn check_requirements(config: &Map<String, Value>) -> Result<(), LuksError> {
+    let Some(req) = config.get("requirements") else {
+        return Ok(());
+    };
+    let req = obj(req, "config.requirements")?;
+    let Some(mandatory) = req.get("mandatory") else {
+        return Ok(());
+    };
+    let path = "config.requirements.mandatory";
+    let list = mandatory
+        .as_array()
+        .ok_or_else(|| corrupt(path, "is not an array"))?
+        .iter()
+        .map(|v| {
+            v.as_str()
+                .ok_or_else(|| corrupt(path, "holds something that is not a string"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    if !list.is_empty() {
+        return Err(LuksError::Unsupported(format!(
+            "LUKS2 mandatory requirements {list:?} ({path}): none is implemented here"
+        )));
+    }
+    Ok(())
+}
+
+/// Check the metadata and turn it into a slot plan; a header with more
+/// than `max_keyslots` keyslots is refused before any is planned.
+pub(crate) fn plan(
+    h: &BinHeader,
+    json: &Value,
+    used_secondary: bool,
+    max_keyslots: usize,
+) -> Result<Parsed, LuksError> {
     let root = obj(json, "the top level")?;
     let config = obj(field(root, "config", "")?, "config")?;
-    if let Some(req) = config.get("requirements") {
-        let mandatory = obj(req, "config.requirements")?
-            .get("mandatory")
-            .and_then(Value::as_array)
-            .map(|a| a.iter().filter_map(Value::as_str).collect::<Vec<_>>())
-            .unwrap_or_default();
-        if !mandatory.is_empty() {
-            return Err(LuksError::Unsupported(format!(
-                "LUKS2 requirements {mandatory:?}"
-            )));
-        }
-    }
+    check_requirements(config)?;
     let seg = parse_segment(root, h.hdr_size)?;
     let digests = parse_digests(root)?;
     let keyslots = obj(field(root, "keyslots", "")?, "keyslots")?;
+    if keyslots.len() > max_keyslots {
+        return Err(LuksError::OverLimit(format!(
+            "the LUKS2 header has {} keyslots, over the limit of {max_keyslots} \
+             (KdfLimits::max_keyslots; cryptsetup's LUKS2_KEYSLOTS_MAX is {})",
+            keyslots.len(),
+            super::LUKS2_KEYSLOTS_MAX
+        )));
+    }
     // (priority, id, slot): priority 2 (high) first, then 1 (normal);
     // 0 (ignore) is never tried, as in cryptsetup.
     let mut order = Vec::new();
@@ -896,26 +933,29 @@ mod tests {
             "config": {"json_size": "12288", "keyslots_size": "16744448"}
         });
         assert!(
-            matches!(plan(&h, &base, false), Err(LuksError::UnsupportedCipher(s)) if s.contains("serpent"))
+            matches!(plan(&h, &base, false, 32), Err(LuksError::UnsupportedCipher(s)) if s.contains("serpent"))
         );
         let mut j = base.clone();
         j["segments"]["0"]["encryption"] = json!("aes-xts-plain64");
         j["segments"]["0"]["sector_size"] = json!(2048);
         assert!(matches!(
-            plan(&h, &j, false),
+            plan(&h, &j, false, 32),
             Err(LuksError::Unsupported(_))
         ));
         j["segments"]["0"]["sector_size"] = json!("512");
         assert!(
-            matches!(plan(&h, &j, false), Err(LuksError::Corrupt(s)) if s.contains("sector_size"))
+            matches!(plan(&h, &j, false, 32), Err(LuksError::Corrupt(s)) if s.contains("sector_size"))
         );
         j["segments"]["0"]["sector_size"] = json!(512);
         j["config"]["requirements"] = json!({"mandatory": ["online-reencrypt"]});
         assert!(
-            matches!(plan(&h, &j, false), Err(LuksError::Unsupported(s)) if s.contains("online-reencrypt"))
+            matches!(plan(&h, &j, false, 32), Err(LuksError::Unsupported(s)) if s.contains("online-reencrypt"))
         );
         for bad in [json!([]), json!(null), json!({"segments": 3})] {
-            assert!(matches!(plan(&h, &bad, false), Err(LuksError::Corrupt(_))));
+            assert!(matches!(
+                plan(&h, &bad, false, 32),
+                Err(LuksError::Corrupt(_))
+            ));
         }
     }
 }

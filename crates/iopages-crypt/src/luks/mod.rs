@@ -1,15 +1,17 @@
 //! LUKS1 and LUKS2 volumes: open what `cryptsetup luksFormat` makes, and
 //! make what cryptsetup opens, for `aes-xts-plain64`.
 //!
-//! Owns: the public API ([`open`], [`format()`], [`inspect`], [`is_luks`],
-//! [`LuksVolume`], [`FormatOptions`], [`LuksError`]), reading and writing
+//! Owns: the public API ([`open`], [`open_with`] and its [`KdfLimits`],
+//! [`format()`], [`inspect`], [`is_luks`], [`LuksVolume`],
+//! [`FormatOptions`], [`LuksError`], [`printable`]), reading and writing
 //! the device through positioned I/O (`pread`/`pwrite` on a shared
 //! `&File`), the keyslot loop common to both versions (read area → derive
 //! → decrypt → AF merge → check digest) and the keyslot-area cipher.
 //! Must never: panic on any byte of a device (every length and offset read
 //! from a header is checked, every failure is a [`LuksError`]), allocate
-//! from an unchecked header length, keep key material outside
-//! `key::SecretBuf`, or write anything when opening.
+//! from an unchecked header length, run a key derivation whose costs were
+//! not first checked against the caller's [`KdfLimits`], keep key
+//! material outside `key::SecretBuf`, or write anything when opening.
 //!
 //! ```
 //! use iopages_crypt::luks::{self, FormatOptions, LuksVersion};
@@ -38,6 +40,7 @@
 //! | LUKS2 JSON area: `keyslots`, `segments`, `digests`, `config` | `luks2::plan` (serde_json `Value`, checked field by field into a slot plan) | `luks2.rs` |
 //! | AF splitter, diffuse `H` (LUKS1 §2.4; LUKS2 `af.type = "luks1"`) | `af::split`, `af::merge` | `af.rs` |
 //! | PBKDF2 (`hash-spec`, `kdf.type = "pbkdf2"`), Argon2i/Argon2id | [`Pbkdf`], [`enum@Hash`] | `kdf.rs` |
+//! | limits on KDF costs and keyslot count (cryptsetup's `crypt_pbkdf_get_limits`, `LUKS2_KEYSLOTS_MAX`) | [`KdfLimits`] | `limits.rs` |
 //! | keyslot area cipher (`aes-xts-plain64`, 512-byte sectors, IV from 0) | `area_cipher` | this file |
 //! | `struct volume_key`, wiped and locked | [`MasterKey`], `SecretBuf` | `key.rs` |
 //! | dm-crypt table cryptsetup would load | [`LuksVolume::xts_cipher`] | this file |
@@ -72,6 +75,12 @@
 //!   cryptsetup 2.x's (keyslots at 4 KiB boundaries from sector 8, payload
 //!   at 2 MiB); LUKS2's is its default (16 KiB header copies, keyslots
 //!   from 32 KiB, data at 16 MiB).
+//! - Opening bounds what a header may cost ([`KdfLimits`]): by default
+//!   1 GiB of Argon2 memory per keyslot (cryptsetup accepts up to 4 GiB),
+//!   50 M PBKDF2 iterations (cryptsetup: 2^32 - 1), 16 lanes, 64 GiB-passes
+//!   of Argon2 work, 32 keyslots (as cryptsetup). A keyslot over a limit
+//!   is not tried. A fixed data segment running past the device is
+//!   refused (dm-crypt would refuse the table).
 //! - Argon2 lanes are computed one after another, not in threads.
 //! - The volume key is `mlock`ed alone, not the whole process
 //!   (cryptsetup's `mlockall`).
@@ -79,6 +88,7 @@
 mod af;
 mod kdf;
 mod key;
+mod limits;
 mod luks1;
 mod luks2;
 
@@ -88,9 +98,11 @@ pub use kdf::{
     ARGON2_MIN_TIME, PBKDF2_MIN_ITERATIONS,
 };
 pub use key::MasterKey;
+pub use limits::{KdfLimits, LUKS2_KEYSLOTS_MAX};
 
 use crate::XtsCipher;
 use key::SecretBuf;
+use std::borrow::Cow;
 use std::fs::File;
 use std::os::unix::fs::{FileExt, FileTypeExt};
 use std::path::Path;
@@ -167,13 +179,23 @@ pub enum LuksError {
     /// cryptsetup accepts.
     #[error("invalid format options: {0}")]
     InvalidOptions(String),
+    /// A keyslot's key derivation (or its volume-key digest), or the
+    /// number of keyslots, is over the [`KdfLimits`] the open was given;
+    /// nothing was derived for it. The message names the keyslot, the
+    /// header field, its value and the limit.
+    #[error("{0}: refused before deriving anything (raise the limit if the volume is genuine)")]
+    OverLimit(String),
+    /// The open was cancelled through [`KdfLimits::cancel`].
+    #[error("opening the volume was cancelled")]
+    Cancelled,
 }
 
 impl From<LuksError> for std::io::Error {
     /// `Io` unwrapped; wrong passphrase and no keyslot as
     /// `PermissionDenied`; unsupported features as `Unsupported`; a corrupt
-    /// header as `InvalidData`; truncation as `UnexpectedEof`; bad options
-    /// as `InvalidInput`.
+    /// header and a cost over the limits as `InvalidData`; truncation as
+    /// `UnexpectedEof`; bad options as `InvalidInput`; cancellation as
+    /// `Other`.
     fn from(e: LuksError) -> std::io::Error {
         use std::io::ErrorKind;
         let kind = match &e {
@@ -182,9 +204,10 @@ impl From<LuksError> for std::io::Error {
             LuksError::UnsupportedCipher(_)
             | LuksError::UnsupportedKdf(_)
             | LuksError::Unsupported(_) => ErrorKind::Unsupported,
-            LuksError::Corrupt(_) => ErrorKind::InvalidData,
+            LuksError::Corrupt(_) | LuksError::OverLimit(_) => ErrorKind::InvalidData,
             LuksError::Truncated { .. } => ErrorKind::UnexpectedEof,
             LuksError::InvalidOptions(_) => ErrorKind::InvalidInput,
+            LuksError::Cancelled => ErrorKind::Other,
         };
         match e {
             LuksError::Io(inner) => inner,
@@ -381,11 +404,19 @@ impl LuksVolume {
 
     /// Payload length on a device of `device_bytes`: to the device's end
     /// (LUKS1, LUKS2 `"dynamic"`) or the segment's fixed size, whichever
-    /// is shorter, rounded down to whole sectors.
+    /// is shorter, rounded down to whole sectors. ([`open`] refuses a
+    /// fixed size that runs past the device it opened; a caller handing
+    /// in another size checks [`Self::segment_size_bytes`] itself.)
     pub fn data_size_bytes(&self, device_bytes: u64) -> u64 {
         let to_end = device_bytes.saturating_sub(self.data_offset);
         let len = self.data_size.map_or(to_end, |s| s.min(to_end));
         len - len % self.sector_size as u64
+    }
+
+    /// The data segment's fixed size in bytes (LUKS2), or `None` when it
+    /// runs to the end of the device (LUKS1, LUKS2 `"dynamic"`).
+    pub fn segment_size_bytes(&self) -> Option<u64> {
+        self.data_size
     }
 
     /// dm-crypt's `iv_offset` for the segment (LUKS2 `iv_tweak`, in
@@ -459,6 +490,9 @@ pub struct LuksInfo {
 
 /// How to check a candidate volume key.
 pub(crate) struct Digest {
+    /// The header field of `iterations`, for messages
+    /// (`mk-digest-iter`, `digests.0.iterations`).
+    pub field: String,
     pub hash: Hash,
     pub iterations: u32,
     pub salt: Vec<u8>,
@@ -469,6 +503,9 @@ pub(crate) struct Digest {
 pub(crate) struct SlotPlan {
     pub index: usize,
     pub pbkdf: Pbkdf,
+    /// Prefix of the KDF's header fields, for messages (`key-slot 0 `,
+    /// `keyslots.0.kdf.`).
+    pub kdf_field: String,
     pub salt: Vec<u8>,
     /// Byte offset and length (whole 512-byte sectors) of the area.
     pub area_offset: u64,
@@ -652,7 +689,11 @@ fn try_slot(
     dev: &Dev<'_>,
     slot: &SlotPlan,
     passphrase: &[u8],
+    limits: &KdfLimits,
 ) -> Result<Option<SecretBuf>, LuksError> {
+    // Every cost is checked before anything is read, allocated or derived.
+    limits.check_slot(slot)?;
+    limits.check_cancel()?;
     if slot.area_len > MAX_AF_BYTES {
         return Err(LuksError::Corrupt(format!(
             "keyslot {}: area of {} bytes is larger than any LUKS keyslot",
@@ -676,6 +717,7 @@ fn try_slot(
         .map_err(|e| LuksError::Io(std::io::Error::other(format!("keyslot cipher: {e}"))))?;
     drop(cipher);
     let key = af::merge(area.as_slice(), slot.key_bytes, slot.stripes, slot.af_hash)?;
+    limits.check_cancel()?;
     let got = digest_of(key.as_slice(), &slot.digest)?;
     if kdf::ct_eq(&got, &slot.digest.value) {
         Ok(Some(key))
@@ -684,7 +726,7 @@ fn try_slot(
     }
 }
 
-fn parse(dev: &Dev<'_>) -> Result<Parsed, LuksError> {
+fn parse(dev: &Dev<'_>, max_keyslots: usize) -> Result<Parsed, LuksError> {
     let mut head = [0u8; 8];
     match dev.read_at(0, &mut head) {
         Ok(()) => {}
@@ -699,7 +741,7 @@ fn parse(dev: &Dev<'_>) -> Result<Parsed, LuksError> {
     }
     if head[..6] == MAGIC && version != 2 {
         // A damaged LUKS2 primary may still have a good secondary copy.
-        return luks2::parse(dev).map_err(|e| match e {
+        return luks2::parse(dev, max_keyslots).map_err(|e| match e {
             LuksError::Corrupt(m) => LuksError::Corrupt(format!(
                 "LUKS version {version} at offset 0: only versions 1 and 2 exist ({m})"
             )),
@@ -707,7 +749,7 @@ fn parse(dev: &Dev<'_>) -> Result<Parsed, LuksError> {
         });
     }
     // LUKS2, or a damaged primary header whose secondary copy may live on.
-    luks2::parse(dev)
+    luks2::parse(dev, max_keyslots)
 }
 
 /// Read a volume's header without a passphrase.
@@ -715,41 +757,77 @@ fn parse(dev: &Dev<'_>) -> Result<Parsed, LuksError> {
 /// **Returns:** the header's description, or the error [`open`] would give
 /// before trying any passphrase.
 pub fn inspect(dev: &File) -> Result<LuksInfo, LuksError> {
-    Ok(parse(&Dev::new(dev)?)?.info)
+    Ok(parse(&Dev::new(dev)?, LUKS2_KEYSLOTS_MAX)?.info)
+}
+
+/// Open a LUKS1 or LUKS2 volume with the default [`KdfLimits`]: see
+/// [`open_with`].
+pub fn open(dev: &File, passphrase: &[u8]) -> Result<LuksVolume, LuksError> {
+    open_with(dev, passphrase, &KdfLimits::default())
 }
 
 /// Open a LUKS1 or LUKS2 volume: try every usable keyslot with
 /// `passphrase` (LUKS2 in priority order) until one's digest checks.
+/// Each keyslot's KDF costs (and its digest's iterations) are checked
+/// against `limits` before anything is derived for it, and the keyslot
+/// count when the header is parsed; the cancel flag in `limits` is looked
+/// at before every derivation.
 ///
 /// Reads only, with positioned reads, so a `&File` shared with other
 /// readers works; block devices and regular files alike.
 ///
 /// **Returns:** [`LuksError::WrongPassphrase`] when no slot opens,
-/// [`LuksError::NoKeyslot`] when none is active, the slot's own error when
-/// no slot could even be tried (unsupported KDF...), and header errors
-/// ([`LuksError::Corrupt`], [`LuksError::Truncated`],
+/// [`LuksError::NoKeyslot`] when none is active,
+/// [`LuksError::OverLimit`] when no slot opens and one was not tried for
+/// its cost (or the header has too many keyslots),
+/// [`LuksError::Cancelled`] once cancelled, the slot's own error when no
+/// slot could even be tried (unsupported KDF...), and header errors
+/// ([`LuksError::Corrupt`] — among them a fixed data segment running
+/// past the end of the device —, [`LuksError::Truncated`],
 /// [`LuksError::UnsupportedCipher`]...) before any KDF runs.
-pub fn open(dev: &File, passphrase: &[u8]) -> Result<LuksVolume, LuksError> {
+pub fn open_with(
+    dev: &File,
+    passphrase: &[u8],
+    limits: &KdfLimits,
+) -> Result<LuksVolume, LuksError> {
     let dev = Dev::new(dev)?;
     let Parsed {
         info,
         iv_tweak,
         slots,
-    } = parse(&dev)?;
-    // Damage (a truncated or corrupt slot) outranks a wrong passphrase,
-    // which outranks a slot this crate cannot use.
+    } = parse(&dev, limits.max_keyslots)?;
+    limits.check_keyslot_count(info.version, info.keyslots.len())?;
+    if let Some(size) = info.data_size_bytes {
+        let end = info.data_offset_bytes.checked_add(size);
+        if end.is_none_or(|end| end > dev.size()) {
+            return Err(LuksError::Corrupt(format!(
+                "the data segment's size {size} at offset {} runs past the end of the \
+                 {}-byte device (a truncated image, or a bad size field)",
+                info.data_offset_bytes,
+                dev.size()
+            )));
+        }
+    }
+    // Damage (a truncated or corrupt slot) outranks a slot over the
+    // limits (the passphrase may be its), which outranks a wrong
+    // passphrase, which outranks a slot this crate cannot use.
     let mut damage = None;
+    let mut over = None;
     let mut unsupported = None;
     let mut tried = 0usize;
     for slot in slots {
+        limits.check_cancel()?;
         let outcome = slot.and_then(|s| {
             tried += 1;
-            try_slot(&dev, &s, passphrase).map(|k| k.map(|k| (s.index, k)))
+            try_slot(&dev, &s, passphrase, limits).map(|k| k.map(|k| (s.index, k)))
         });
         match outcome {
             Ok(Some((index, key))) => return Ok(volume(info, key, index, iv_tweak)),
             Ok(None) => {}
-            Err(e @ LuksError::Io(_)) => return Err(e),
+            Err(e @ (LuksError::Io(_) | LuksError::Cancelled)) => return Err(e),
+            Err(e @ LuksError::OverLimit(_)) => {
+                over.get_or_insert(e);
+            }
             Err(
                 e @ (LuksError::UnsupportedCipher(_)
                 | LuksError::UnsupportedKdf(_)
@@ -762,7 +840,7 @@ pub fn open(dev: &File, passphrase: &[u8]) -> Result<LuksVolume, LuksError> {
             }
         }
     }
-    if let Some(e) = damage {
+    if let Some(e) = damage.or(over) {
         return Err(e);
     }
     if tried > 0 {
@@ -773,8 +851,43 @@ pub fn open(dev: &File, passphrase: &[u8]) -> Result<LuksVolume, LuksError> {
 
 /// [`open`] the file or block device at `path`, read-only.
 pub fn open_path(path: impl AsRef<Path>, passphrase: &[u8]) -> Result<LuksVolume, LuksError> {
+    open_path_with(path, passphrase, &KdfLimits::default())
+}
+
+/// [`open_with`] the file or block device at `path`, read-only.
+pub fn open_path_with(
+    path: impl AsRef<Path>,
+    passphrase: &[u8],
+    limits: &KdfLimits,
+) -> Result<LuksVolume, LuksError> {
     let f = File::open(path.as_ref())?;
-    open(&f, passphrase)
+    open_with(&f, passphrase, limits)
+}
+
+/// `s` safe to print on a terminal: control characters (C0, DEL, C1 —
+/// terminal escapes among them), the Unicode bidirectional overrides and
+/// isolates (which reorder what follows them) and backslashes are
+/// escaped Rust-style (`\u{1b}`, `\n`, `\\`); anything else is kept.
+/// Borrowed when there is nothing to escape. For header strings
+/// (UUID, label, subsystem) before they are shown.
+pub fn printable(s: &str) -> Cow<'_, str> {
+    fn risky(c: char) -> bool {
+        c.is_control()
+            || c == '\\'
+            || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+    }
+    if !s.chars().any(risky) {
+        return Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        if risky(c) {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
 }
 
 /// Whether `dev` starts with a LUKS1 or LUKS2 primary header magic and
