@@ -1,0 +1,786 @@
+//! Clients that try to stall or exhaust the server: one that never reads
+//! its replies, one that dribbles its handshake, one that idles, too many
+//! connections, too many bytes in flight; and TLS (STARTTLS with PSK and
+//! X.509, refused keys, the protocol's FORCEDTLS rules) driven by an
+//! OpenSSL client. Bounds here are correctness bounds (seconds, far from
+//! the milliseconds these take), never speed targets.
+
+use iopages::PageAllocator;
+use iopages_crypt::backend::{Backend, RamDisk};
+use iopages_crypt::queue::{CryptQueue, QueueConfig};
+use iopages_crypt::target::{CipherPool, CryptTarget, TargetConfig};
+use iopages_crypt::XtsCipher;
+use iopages_nbd::proto::*;
+use iopages_nbd::{ExportConfig, Listen, Server, ServerOptions, TlsConfig, TlsMode};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const DISK: u64 = 64 << 20;
+const NAME: &str = "vol";
+
+fn start(opts: ServerOptions, export: impl FnOnce(&mut ExportConfig)) -> (PageAllocator, Server) {
+    let alloc = PageAllocator::builder()
+        .size_bytes(128 << 20)
+        .huge_pages(iopages::HugePages::Never)
+        .build()
+        .unwrap();
+    let disk: Arc<dyn Backend> = Arc::new(RamDisk::new(DISK).unwrap());
+    let key: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(3) ^ 0x11).collect();
+    let cipher = CipherPool::new(XtsCipher::new(&key, 512, 0).unwrap(), 2).unwrap();
+    let target = Arc::new(CryptTarget::new(&alloc, cipher, disk, TargetConfig::default()).unwrap());
+    let queue = Arc::new(
+        CryptQueue::new(
+            target,
+            QueueConfig {
+                queue_depth: 32,
+                workers: 2,
+                preallocated_out: false,
+            },
+        )
+        .unwrap(),
+    );
+    let mut cfg = ExportConfig::new(NAME);
+    export(&mut cfg);
+    let server = Server::start_with(
+        queue,
+        cfg,
+        opts,
+        &[Listen::Tcp("127.0.0.1:0".parse().unwrap())],
+    )
+    .unwrap();
+    (alloc, server)
+}
+
+fn finish(alloc: PageAllocator, server: Server) {
+    // Clients just dropped: their connections wind down, then every byte
+    // of the budget must be back.
+    let t = Instant::now();
+    while (server.stats().open_connections > 0 || server.stats().budget_used_bytes > 0)
+        && t.elapsed() < Duration::from_secs(30)
+    {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let st = server.stats();
+    server.shutdown();
+    assert_eq!(st.open_connections, 0, "every connection ended");
+    assert_eq!(st.budget_used_bytes, 0, "no payload bytes left held");
+    alloc.leak_check().expect("every page freed after shutdown");
+}
+
+/// A raw client over any byte stream.
+struct Client<S: Read + Write> {
+    s: S,
+}
+
+fn greet(s: &mut TcpStream) {
+    let mut g = [0u8; 18];
+    s.read_exact(&mut g).unwrap();
+    assert_eq!(&g[0..8], b"NBDMAGIC");
+    s.write_all(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes())
+        .unwrap();
+}
+
+fn connect(server: &Server) -> Client<TcpStream> {
+    let mut s = TcpStream::connect(server.tcp_addr().unwrap()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    greet(&mut s);
+    Client { s }
+}
+
+impl<S: Read + Write> Client<S> {
+    fn option(&mut self, option: u32, data: &[u8]) {
+        let mut v = IHAVEOPT.to_be_bytes().to_vec();
+        v.extend_from_slice(&option.to_be_bytes());
+        v.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        v.extend_from_slice(data);
+        self.s.write_all(&v).unwrap();
+    }
+
+    /// The next option reply: (option, reply type, data).
+    fn opt_reply(&mut self) -> (u32, u32, Vec<u8>) {
+        let mut h = [0u8; 20];
+        self.s.read_exact(&mut h).unwrap();
+        assert_eq!(
+            u64::from_be_bytes(h[0..8].try_into().unwrap()),
+            OPT_REPLY_MAGIC
+        );
+        let len = u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize;
+        let mut data = vec![0u8; len];
+        self.s.read_exact(&mut data).unwrap();
+        (
+            u32::from_be_bytes(h[8..12].try_into().unwrap()),
+            u32::from_be_bytes(h[12..16].try_into().unwrap()),
+            data,
+        )
+    }
+
+    /// NBD_OPT_GO for the export; the replies up to the ACK.
+    fn go(&mut self) {
+        let mut d = (NAME.len() as u32).to_be_bytes().to_vec();
+        d.extend_from_slice(NAME.as_bytes());
+        d.extend_from_slice(&0u16.to_be_bytes());
+        self.option(OPT_GO, &d);
+        loop {
+            let (_, kind, _) = self.opt_reply();
+            match kind {
+                REP_INFO => {}
+                REP_ACK => return,
+                k => panic!("GO refused: {k:#x}"),
+            }
+        }
+    }
+
+    fn send(&mut self, command: u16, cookie: u64, offset: u64, length: u32) {
+        let r = Request {
+            flags: 0,
+            command,
+            cookie,
+            offset,
+            length,
+        };
+        self.s.write_all(&r.encode()).unwrap();
+    }
+
+    /// The next simple reply: (error, cookie).
+    fn reply(&mut self) -> (u32, u64) {
+        let mut h = [0u8; SIMPLE_REPLY_BYTES];
+        self.s.read_exact(&mut h).unwrap();
+        assert_eq!(
+            u32::from_be_bytes(h[0..4].try_into().unwrap()),
+            SIMPLE_REPLY_MAGIC
+        );
+        (
+            u32::from_be_bytes(h[4..8].try_into().unwrap()),
+            u64::from_be_bytes(h[8..16].try_into().unwrap()),
+        )
+    }
+
+    fn read(&mut self, offset: u64, len: u32) -> Result<Vec<u8>, u32> {
+        self.send(CMD_READ, 1, offset, len);
+        let (e, c) = self.reply();
+        assert_eq!(c, 1);
+        if e != 0 {
+            return Err(e);
+        }
+        let mut d = vec![0u8; len as usize];
+        self.s.read_exact(&mut d).unwrap();
+        Ok(d)
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) -> u32 {
+        self.send(CMD_WRITE, 2, offset, data.len() as u32);
+        self.s.write_all(data).unwrap();
+        let (e, c) = self.reply();
+        assert_eq!(c, 2);
+        e
+    }
+}
+
+/// True once the peer has closed (EOF or reset) within `within`.
+fn closed_within(s: &mut TcpStream, within: Duration) -> bool {
+    s.set_read_timeout(Some(within)).unwrap();
+    let mut b = [0u8; 4096];
+    let until = Instant::now() + within;
+    loop {
+        match s.read(&mut b) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+            Err(e) => {
+                eprintln!("closed_within: {e}");
+                return false;
+            }
+        }
+        if Instant::now() >= until {
+            return false;
+        }
+    }
+}
+
+fn tiny_socket_buffers(s: &TcpStream) {
+    // A small receive buffer makes "stops reading" bite at once.
+    let fd = std::os::fd::AsRawFd::as_raw_fd(s);
+    let v: libc::c_int = 4096;
+    // SAFETY: setsockopt on our own socket with a valid int.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUF,
+            (&v as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+    }
+}
+
+#[test]
+fn clients_that_never_read_cannot_delay_another_clients_reply() {
+    // Two crypt workers, two clients each with 8 x 1 MiB reads queued that
+    // they never read: before, the workers blocked in their sends and a
+    // third client's 4 KiB read waited for the write timeout (121 s).
+    let (alloc, server) = start(ServerOptions::default(), |_| {});
+    let mut stuck = Vec::new();
+    for _ in 0..2 {
+        let mut c = connect(&server);
+        tiny_socket_buffers(&c.s);
+        c.go();
+        for i in 0..8u64 {
+            c.send(CMD_READ, i, i << 20, 1 << 20);
+        }
+        stuck.push(c);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let mut ok = connect(&server);
+    ok.go();
+    for _ in 0..20 {
+        let t = Instant::now();
+        assert_eq!(ok.read(0, 4096).unwrap().len(), 4096);
+        let took = t.elapsed();
+        assert!(
+            took < Duration::from_secs(5),
+            "another client's read took {took:?}"
+        );
+    }
+    assert_eq!(ok.write(8192, &[7u8; 4096]), 0);
+    drop(stuck);
+    drop(ok);
+    finish(alloc, server);
+}
+
+#[test]
+fn a_client_that_stops_reading_loses_its_own_connection_after_the_reply_timeout() {
+    let opts = ServerOptions {
+        reply_timeout: Duration::from_secs(1),
+        ..ServerOptions::default()
+    };
+    let (alloc, server) = start(opts, |_| {});
+    let mut c = connect(&server);
+    tiny_socket_buffers(&c.s);
+    c.go();
+    for i in 0..8u64 {
+        c.send(CMD_READ, i, i << 20, 1 << 20);
+    }
+    // Not reading: the replies stay queued past the timeout, then the
+    // connection is given up and its bytes released.
+    let t = Instant::now();
+    while server.stats().reply_timeouts == 0 && t.elapsed() < Duration::from_secs(15) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(server.stats().reply_timeouts, 1);
+    let t = Instant::now();
+    while server.stats().budget_used_bytes > 0 && t.elapsed() < Duration::from_secs(15) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(server.stats().budget_used_bytes, 0);
+    // Its connection is gone on the server's side (the client, reading
+    // through a tiny window, would take long to see the end).
+    let t = Instant::now();
+    while server.stats().open_connections > 0 && t.elapsed() < Duration::from_secs(15) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(server.stats().open_connections, 0);
+    drop(c);
+    // The server serves others as before.
+    let mut ok = connect(&server);
+    ok.go();
+    assert_eq!(ok.read(0, 4096).unwrap().len(), 4096);
+    drop(ok);
+    finish(alloc, server);
+}
+
+#[test]
+fn the_handshake_has_one_deadline_however_slowly_bytes_come() {
+    let (alloc, server) = start(ServerOptions::default(), |e| {
+        e.handshake_timeout = Duration::from_secs(2)
+    });
+    let mut s = TcpStream::connect(server.tcp_addr().unwrap()).unwrap();
+    let mut g = [0u8; 18];
+    s.read_exact(&mut g).unwrap();
+    // One byte every 300 ms: each restarted a per-byte timeout before.
+    let t = Instant::now();
+    let mut sent = 0;
+    let flags = (FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes();
+    let mut opt = IHAVEOPT.to_be_bytes().to_vec();
+    opt.extend_from_slice(&OPT_LIST.to_be_bytes());
+    opt.extend_from_slice(&0u32.to_be_bytes());
+    let bytes: Vec<u8> = flags.iter().chain(opt.iter()).copied().collect();
+    for &b in bytes.iter().cycle().take(100) {
+        if s.write_all(&[b]).is_err() {
+            break;
+        }
+        sent += 1;
+        std::thread::sleep(Duration::from_millis(300));
+        if t.elapsed() > Duration::from_secs(8) {
+            break;
+        }
+    }
+    assert!(closed_within(&mut s, Duration::from_secs(5)));
+    let took = t.elapsed();
+    assert!(
+        took < Duration::from_secs(8),
+        "closed after {took:?} ({sent} bytes)"
+    );
+    assert_eq!(server.stats().handshake_timeouts, 1);
+    finish(alloc, server);
+}
+
+#[test]
+fn an_idle_connection_is_closed_and_a_busy_one_is_not() {
+    let opts = ServerOptions {
+        idle_timeout: Some(Duration::from_secs(1)),
+        ..ServerOptions::default()
+    };
+    let (alloc, server) = start(opts, |_| {});
+    let mut idle = connect(&server);
+    idle.go();
+    let mut busy = connect(&server);
+    busy.go();
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_millis(2500) {
+        assert_eq!(busy.read(0, 4096).unwrap().len(), 4096);
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(closed_within(&mut idle.s, Duration::from_secs(5)));
+    assert_eq!(busy.read(0, 4096).unwrap().len(), 4096);
+    assert_eq!(server.stats().idle_closes, 1);
+    drop(busy);
+    finish(alloc, server);
+}
+
+#[test]
+fn connections_past_the_limit_are_closed_at_once_and_counted() {
+    let opts = ServerOptions {
+        max_connections: 3,
+        ..ServerOptions::default()
+    };
+    let (alloc, server) = start(opts, |_| {});
+    let mut held: Vec<_> = (0..3).map(|_| connect(&server)).collect();
+    for c in &mut held {
+        c.go();
+    }
+    for _ in 0..5 {
+        let mut s = TcpStream::connect(server.tcp_addr().unwrap()).unwrap();
+        assert!(
+            closed_within(&mut s, Duration::from_secs(5)),
+            "a connection past the limit is closed"
+        );
+    }
+    let st = server.stats();
+    assert_eq!(st.refused_connections, 5);
+    assert_eq!(st.open_connections, 3);
+    // One leaves; a new one is served.
+    drop(held.pop());
+    let t = Instant::now();
+    while server.stats().open_connections > 2 && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut c = connect(&server);
+    c.go();
+    assert_eq!(c.read(0, 4096).unwrap().len(), 4096);
+    drop(held);
+    drop(c);
+    finish(alloc, server);
+}
+
+#[test]
+fn the_byte_budget_bounds_payloads_in_flight_across_connections() {
+    // 40 connections each asking for 4 x 8 MiB and reading nothing: the
+    // payload bytes held never pass the budget (before: 1.14 GB of RSS
+    // for 4 x 32 MiB each), the others wait or get ENOMEM, and a polite
+    // client is answered once the budget frees.
+    let budget: u64 = 48 << 20;
+    let opts = ServerOptions {
+        max_inflight_bytes: budget,
+        reply_timeout: Duration::from_secs(2),
+        ..ServerOptions::default()
+    };
+    let (alloc, server) = start(opts, |e| e.max_block_bytes = 8 << 20);
+    let mut hogs = Vec::new();
+    for _ in 0..40 {
+        let mut c = connect(&server);
+        tiny_socket_buffers(&c.s);
+        c.go();
+        for i in 0..4u64 {
+            c.send(CMD_READ, i, i << 23, 8 << 20);
+        }
+        hogs.push(c);
+    }
+    let t = Instant::now();
+    let mut peak = 0;
+    while t.elapsed() < Duration::from_millis(1500) {
+        peak = peak.max(server.stats().budget_used_bytes);
+        assert!(peak <= budget, "{peak} bytes held, budget {budget}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(peak > 0);
+    assert!(server.stats().budget_waits > 0);
+    // A polite client: answered (data or ENOMEM, never a hang).
+    let mut ok = connect(&server);
+    ok.go();
+    let got = ok.read(0, 4096);
+    assert!(matches!(got, Ok(_) | Err(ENOMEM)), "{got:?}");
+    drop(hogs);
+    let t = Instant::now();
+    while server.stats().budget_used_bytes > 0 && t.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(ok.read(0, 4096).unwrap().len(), 4096);
+    drop(ok);
+    finish(alloc, server);
+}
+
+#[test]
+fn a_long_export_name_is_not_echoed_back_whole() {
+    let (alloc, server) = start(ServerOptions::default(), |_| {});
+    let mut c = connect(&server);
+    let name = vec![b'x'; 60_000];
+    let mut d = (name.len() as u32).to_be_bytes().to_vec();
+    d.extend_from_slice(&name);
+    d.extend_from_slice(&0u16.to_be_bytes());
+    c.option(OPT_INFO, &d);
+    let (_, kind, msg) = c.opt_reply();
+    assert_eq!(kind, REP_ERR_UNKNOWN);
+    assert!(msg.len() < 256, "{} bytes of message", msg.len());
+    assert!(String::from_utf8_lossy(&msg).contains("60000 bytes"));
+    drop(c);
+    finish(alloc, server);
+}
+
+// ---- TLS ----
+
+use openssl::asn1::Asn1Time;
+use openssl::hash::MessageDigest;
+use openssl::pkey::{PKey, Private};
+use openssl::ssl::{SslConnector, SslMethod, SslStream, SslVerifyMode};
+use openssl::x509::extension::{
+    BasicConstraints, ExtendedKeyUsage, KeyUsage, SubjectAlternativeName,
+};
+use openssl::x509::{X509NameBuilder, X509};
+
+struct TmpDir(std::path::PathBuf);
+
+impl TmpDir {
+    fn new(tag: &str) -> TmpDir {
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let p =
+            std::env::temp_dir().join(format!("iopages-hostile-{tag}-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&p).unwrap();
+        TmpDir(p)
+    }
+}
+
+impl Drop for TmpDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn key() -> PKey<Private> {
+    let ec = openssl::ec::EcKey::generate(
+        &openssl::ec::EcGroup::from_curve_name(openssl::nid::Nid::X9_62_PRIME256V1).unwrap(),
+    )
+    .unwrap();
+    PKey::from_ec_key(ec).unwrap()
+}
+
+fn cert(
+    cn: &str,
+    key: &PKey<Private>,
+    issuer: Option<(&X509, &PKey<Private>)>,
+    ca: bool,
+    server: bool,
+) -> X509 {
+    let mut name = X509NameBuilder::new().unwrap();
+    name.append_entry_by_text("CN", cn).unwrap();
+    let name = name.build();
+    let mut b = X509::builder().unwrap();
+    b.set_version(2).unwrap();
+    let serial = openssl::bn::BigNum::from_u32(rand_u32()).unwrap();
+    b.set_serial_number(&serial.to_asn1_integer().unwrap())
+        .unwrap();
+    b.set_subject_name(&name).unwrap();
+    b.set_issuer_name(issuer.map_or(&name, |(c, _)| c.subject_name()))
+        .unwrap();
+    b.set_pubkey(key).unwrap();
+    b.set_not_before(&Asn1Time::days_from_now(0).unwrap())
+        .unwrap();
+    b.set_not_after(&Asn1Time::days_from_now(30).unwrap())
+        .unwrap();
+    if ca {
+        b.append_extension(BasicConstraints::new().critical().ca().build().unwrap())
+            .unwrap();
+        b.append_extension(
+            KeyUsage::new()
+                .critical()
+                .key_cert_sign()
+                .crl_sign()
+                .build()
+                .unwrap(),
+        )
+        .unwrap();
+    } else {
+        b.append_extension(
+            KeyUsage::new()
+                .critical()
+                .digital_signature()
+                .build()
+                .unwrap(),
+        )
+        .unwrap();
+        let mut eku = ExtendedKeyUsage::new();
+        if server {
+            eku.server_auth();
+            let san = SubjectAlternativeName::new()
+                .dns("localhost")
+                .ip("127.0.0.1")
+                .build(&b.x509v3_context(issuer.map(|(c, _)| &**c), None))
+                .unwrap();
+            b.append_extension(san).unwrap();
+        } else {
+            eku.client_auth();
+        }
+        b.append_extension(eku.build().unwrap()).unwrap();
+    }
+    b.sign(issuer.map_or(key, |(_, k)| k), MessageDigest::sha256())
+        .unwrap();
+    b.build()
+}
+
+fn rand_u32() -> u32 {
+    let mut b = [0u8; 4];
+    openssl::rand::rand_bytes(&mut b).unwrap();
+    u32::from_ne_bytes(b) & 0x7fff_ffff
+}
+
+/// A CA, a server certificate and a client certificate: the server's
+/// directory (server-cert.pem, server-key.pem, ca-cert.pem) and the
+/// client's pieces.
+struct Pki {
+    dir: TmpDir,
+    ca: X509,
+    client: (X509, PKey<Private>),
+}
+
+fn pki() -> Pki {
+    let dir = TmpDir::new("pki");
+    let ca_key = key();
+    let ca = cert("iopages test CA", &ca_key, None, true, false);
+    let sk = key();
+    let sc = cert("localhost", &sk, Some((&ca, &ca_key)), false, true);
+    let ck = key();
+    let cc = cert("client", &ck, Some((&ca, &ca_key)), false, false);
+    std::fs::write(dir.0.join("ca-cert.pem"), ca.to_pem().unwrap()).unwrap();
+    std::fs::write(dir.0.join("server-cert.pem"), sc.to_pem().unwrap()).unwrap();
+    std::fs::write(
+        dir.0.join("server-key.pem"),
+        sk.private_key_to_pem_pkcs8().unwrap(),
+    )
+    .unwrap();
+    Pki {
+        dir,
+        ca,
+        client: (cc, ck),
+    }
+}
+
+/// Send STARTTLS, expect the ACK, and run the client side of TLS.
+fn starttls(
+    mut c: Client<TcpStream>,
+    connector: SslConnector,
+) -> Result<Client<SslStream<TcpStream>>, String> {
+    c.option(OPT_STARTTLS, &[]);
+    let (opt, kind, _) = c.opt_reply();
+    assert_eq!((opt, kind), (OPT_STARTTLS, REP_ACK));
+    let mut cfg = connector.configure().unwrap();
+    cfg.set_verify_hostname(true);
+    cfg.connect("localhost", c.s)
+        .map(|s| Client { s })
+        .map_err(|e| e.to_string())
+}
+
+fn psk_connector(identity: &'static [u8], key: Vec<u8>) -> SslConnector {
+    let mut b = SslConnector::builder(SslMethod::tls_client()).unwrap();
+    b.set_verify(SslVerifyMode::NONE);
+    b.set_psk_client_callback(move |_, _hint, id, psk| {
+        id[..identity.len()].copy_from_slice(identity);
+        id[identity.len()] = 0;
+        psk[..key.len()].copy_from_slice(&key);
+        Ok(key.len())
+    });
+    b.build()
+}
+
+#[test]
+fn psk_sessions_serve_and_a_wrong_key_or_identity_is_refused() {
+    let dir = TmpDir::new("psk");
+    let file = dir.0.join("keys.psk");
+    let key: Vec<u8> = (0..32u8).collect();
+    let hex: String = key.iter().map(|b| format!("{b:02x}")).collect();
+    std::fs::write(&file, format!("alice:{hex}\n")).unwrap();
+    let opts = ServerOptions {
+        tls: Some(TlsConfig::psk(&file, TlsMode::Require).unwrap()),
+        ..ServerOptions::default()
+    };
+    let (alloc, server) = start(opts, |_| {});
+    let mut c = starttls(connect(&server), psk_connector(b"alice", key.clone())).unwrap();
+    c.go();
+    let data: Vec<u8> = (0..1 << 20).map(|i| (i * 7 % 251) as u8).collect();
+    assert_eq!(c.write(1 << 20, &data), 0);
+    assert_eq!(c.read(1 << 20, 1 << 20).unwrap(), data);
+    drop(c);
+    let mut wrong = key.clone();
+    wrong[0] ^= 1;
+    assert!(starttls(connect(&server), psk_connector(b"alice", wrong)).is_err());
+    assert!(starttls(connect(&server), psk_connector(b"mallory", key)).is_err());
+    let t = Instant::now();
+    while server.stats().tls_failures < 2 && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let st = server.stats();
+    assert_eq!((st.tls_sessions, st.tls_failures), (1, 2));
+    finish(alloc, server);
+}
+
+fn x509_connector(ca: &X509, client: Option<&(X509, PKey<Private>)>) -> SslConnector {
+    let mut b = SslConnector::builder(SslMethod::tls_client()).unwrap();
+    b.cert_store_mut().add_cert(ca.clone()).unwrap();
+    if let Some((c, k)) = client {
+        b.set_certificate(c).unwrap();
+        b.set_private_key(k).unwrap();
+    }
+    b.build()
+}
+
+#[test]
+fn x509_sessions_verify_the_server_and_the_client() {
+    let p = pki();
+    let opts = ServerOptions {
+        tls: Some(TlsConfig::x509(&p.dir.0, true, TlsMode::Require).unwrap()),
+        ..ServerOptions::default()
+    };
+    let (alloc, server) = start(opts, |_| {});
+    let mut c = starttls(connect(&server), x509_connector(&p.ca, Some(&p.client))).unwrap();
+    c.go();
+    assert_eq!(c.write(0, &[0x42u8; 65536]), 0);
+    assert_eq!(c.read(0, 65536).unwrap(), vec![0x42u8; 65536]);
+    drop(c);
+    // No client certificate: refused (the failure shows on the first read
+    // under TLS 1.3, when the server's alert arrives).
+    let refused = match starttls(connect(&server), x509_connector(&p.ca, None)) {
+        Err(_) => true,
+        Ok(mut c) => {
+            let mut d = (NAME.len() as u32).to_be_bytes().to_vec();
+            d.extend_from_slice(NAME.as_bytes());
+            d.extend_from_slice(&0u16.to_be_bytes());
+            let mut v = IHAVEOPT.to_be_bytes().to_vec();
+            v.extend_from_slice(&OPT_GO.to_be_bytes());
+            v.extend_from_slice(&(d.len() as u32).to_be_bytes());
+            v.extend_from_slice(&d);
+            let _ = c.s.write_all(&v);
+            let mut b = [0u8; 1];
+            !matches!(c.s.read(&mut b), Ok(1))
+        }
+    };
+    assert!(refused, "a client without a certificate is refused");
+    // A client that trusts another CA refuses the server.
+    let other = pki();
+    assert!(starttls(connect(&server), x509_connector(&other.ca, Some(&p.client))).is_err());
+    finish(alloc, server);
+}
+
+#[test]
+fn forced_tls_refuses_options_before_starttls_and_starttls_rules_hold() {
+    let p = pki();
+    let opts = ServerOptions {
+        tls: Some(TlsConfig::x509(&p.dir.0, false, TlsMode::Require).unwrap()),
+        ..ServerOptions::default()
+    };
+    let (alloc, server) = start(opts, |_| {});
+    // Before TLS: LIST, INFO, GO and unknown options get TLS_REQD.
+    let mut c = connect(&server);
+    for opt in [OPT_LIST, OPT_GO, OPT_INFO, 99] {
+        let data = if opt == OPT_LIST {
+            Vec::new()
+        } else {
+            let mut d = (NAME.len() as u32).to_be_bytes().to_vec();
+            d.extend_from_slice(NAME.as_bytes());
+            d.extend_from_slice(&0u16.to_be_bytes());
+            d
+        };
+        c.option(opt, &data);
+        let (o, kind, _) = c.opt_reply();
+        assert_eq!((o, kind), (opt, REP_ERR_TLS_REQD));
+    }
+    // STARTTLS with data is invalid; then a proper one works; a second
+    // one under TLS is invalid too.
+    c.option(OPT_STARTTLS, &[1]);
+    assert_eq!(c.opt_reply().1, REP_ERR_INVALID);
+    let mut t = starttls(c, x509_connector(&p.ca, None)).unwrap();
+    t.option(OPT_STARTTLS, &[]);
+    assert_eq!(t.opt_reply().1, REP_ERR_INVALID);
+    t.go();
+    assert_eq!(t.read(0, 4096).unwrap().len(), 4096);
+    drop(t);
+    // EXPORT_NAME before TLS cannot be refused: the server closes.
+    let mut c = connect(&server);
+    c.option(OPT_EXPORT_NAME, NAME.as_bytes());
+    assert!(closed_within(&mut c.s, Duration::from_secs(5)));
+    // ABORT before TLS is answered.
+    let mut c = connect(&server);
+    c.option(OPT_ABORT, &[]);
+    assert_eq!(c.opt_reply().1, REP_ACK);
+    finish(alloc, server);
+}
+
+#[test]
+fn starttls_without_tls_is_refused_by_policy_and_tls_on_serves_both() {
+    let (alloc, server) = start(ServerOptions::default(), |_| {});
+    let mut c = connect(&server);
+    c.option(OPT_STARTTLS, &[]);
+    assert_eq!(c.opt_reply().1, REP_ERR_POLICY);
+    c.go();
+    assert_eq!(c.read(0, 512).unwrap().len(), 512);
+    drop(c);
+    finish(alloc, server);
+
+    let p = pki();
+    let opts = ServerOptions {
+        tls: Some(TlsConfig::x509(&p.dir.0, false, TlsMode::On).unwrap()),
+        ..ServerOptions::default()
+    };
+    let (alloc, server) = start(opts, |_| {});
+    let mut plain = connect(&server);
+    plain.go();
+    assert_eq!(plain.read(0, 512).unwrap().len(), 512);
+    let mut t = starttls(connect(&server), x509_connector(&p.ca, None)).unwrap();
+    t.go();
+    assert_eq!(t.read(0, 512).unwrap().len(), 512);
+    drop((plain, t));
+    finish(alloc, server);
+}
+
+#[test]
+fn bad_tls_credentials_are_clear_errors() {
+    let dir = TmpDir::new("bad");
+    let e = TlsConfig::x509(&dir.0, false, TlsMode::Require).unwrap_err();
+    assert!(e.to_string().contains("server-cert.pem is missing"), "{e}");
+    let p = pki();
+    std::fs::write(
+        p.dir.0.join("server-key.pem"),
+        key().private_key_to_pem_pkcs8().unwrap(),
+    )
+    .unwrap();
+    let e = TlsConfig::x509(&p.dir.0, false, TlsMode::Require).unwrap_err();
+    let e = e.to_string();
+    assert!(
+        e.contains("server-key.pem") && e.contains("mismatch"),
+        "{e}"
+    );
+    let f = dir.0.join("keys.psk");
+    std::fs::write(&f, "alice:xyz\n").unwrap();
+    let e = TlsConfig::psk(&f, TlsMode::Require).unwrap_err();
+    assert!(e.to_string().contains("line 1"), "{e}");
+}
