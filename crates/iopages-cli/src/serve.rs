@@ -87,6 +87,11 @@ pub struct ServeArgs {
     /// at exit).
     #[arg(long, value_name = "SECS", default_value_t = 0)]
     stats_interval: u64,
+    /// Largest Argon2 memory a key slot of the --image may ask for (K, M,
+    /// G suffixes; default 1G, at most 4G); a slot over it, or over the
+    /// other key-derivation limits, is refused before deriving anything.
+    #[arg(long, value_name = "BYTES", value_parser = crate::parse_size)]
+    max_kdf_memory: Option<u64>,
     /// TLS (NBD's STARTTLS): off; on (offered, plaintext clients still
     /// served); require (nothing but STARTTLS before TLS). Needs
     /// --tls-certificates or --tls-psk.
@@ -392,6 +397,7 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
     if let Some(w) = a.workers {
         opts.workers = w;
     }
+    opts.kdf_limits = crate::luks_cmd::kdf_limits(a.max_kdf_memory);
     // The key derivation may take long (a header's KDF costs are bounded,
     // but a slow one still takes seconds): it runs on its own thread so a
     // SIGINT or SIGTERM meanwhile stops the process at once (nothing has
@@ -464,7 +470,7 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
         i.size_bytes,
         i.data_offset,
         i.keyslot,
-        i.uuid
+        iopages_crypt::luks::printable(&i.uuid)
     );
     if !i.keys_locked {
         println!("warning: the cipher keys could not be locked in memory (RLIMIT_MEMLOCK): they may be swapped out");
