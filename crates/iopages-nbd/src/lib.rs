@@ -16,11 +16,13 @@
 //! | piece | file |
 //! |---|---|
 //! | wire constants and headers | `proto.rs` |
-//! | option haggling (GO, INFO, EXPORT_NAME, LIST, ABORT) | `handshake.rs` |
-//! | transmission: requests, chunks, batched replies, FUA, errors | `conn.rs` |
+//! | option haggling (STARTTLS, GO, INFO, EXPORT_NAME, LIST, ABORT) | `handshake.rs` |
+//! | transmission: requests, chunks, non-blocking batched replies, FUA, errors, deadlines, byte budget | `conn.rs` |
+//! | the non-blocking socket, TLS sessions, `poll` and the wake-up eventfd | `transport.rs` |
+//! | TLS credentials (X.509 directory, psktool key file) | `tls.rs` |
 //! | payload buffers in the target's arena (kvmalloc) | `buffers.rs` |
 //! | the queue, or inline service on the connection's thread | `device.rs` |
-//! | listeners, threads, shutdown | `server.rs` |
+//! | listeners, threads, server-wide limits, shutdown | `server.rs` |
 //! | per-command counts | `stats.rs` |
 //! | LUKS images and the in-memory LUKS2 volume, set up as crypt stacks | `volume.rs` |
 //!
@@ -35,6 +37,15 @@
 //! writes, in completion order), and several connections share one queue
 //! (NBD_FLAG_CAN_MULTI_CONN: a flush on any covers writes completed on all).
 //! Write payloads are received straight into pages of the target's arena.
+//!
+//! Against hostile clients ([`ServerOptions`]): a crypt worker never waits
+//! on a socket (it tries a non-blocking send; the connection's own thread
+//! sends the rest as the client reads), so a client that stops reading
+//! delays only itself, and loses its connection once a reply has waited
+//! for the reply timeout; the handshake has one deadline in all; idle
+//! connections close; open connections and payload bytes in flight over
+//! all connections are capped. TLS (NBD_OPT_STARTTLS, X.509 or PSK, offered
+//! or required) runs over the same non-blocking transport.
 //!
 //! ```no_run
 //! use iopages::PageAllocator;
