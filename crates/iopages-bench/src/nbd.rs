@@ -52,16 +52,26 @@ fn workload(e: impl std::fmt::Display) -> BenchError {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Server {
     Ours,
+    /// With `--tls`: ours again without TLS, for TLS's cost side by side.
+    OursPlain,
     Nbdkit,
     Qemu,
 }
 
 impl Server {
     const ALL: [Server; 3] = [Server::Ours, Server::Nbdkit, Server::Qemu];
+    /// With `--tls`: every server with TLS, and ours also without.
+    const ALL_TLS: [Server; 4] = [
+        Server::Ours,
+        Server::OursPlain,
+        Server::Nbdkit,
+        Server::Qemu,
+    ];
 
     fn key(self) -> &'static str {
         match self {
             Server::Ours => "ours",
+            Server::OursPlain => "ours_plaintext",
             Server::Nbdkit => "nbdkit",
             Server::Qemu => "qemu",
         }
@@ -70,14 +80,82 @@ impl Server {
     fn label(self) -> &'static str {
         match self {
             Server::Ours => "iopages serve",
+            Server::OursPlain => "iopages serve, no TLS",
             Server::Nbdkit => "nbdkit luks filter",
             Server::Qemu => "qemu-nbd luks driver",
         }
     }
 
-    fn uri(self, sock: &Path) -> String {
-        let name = if self == Server::Ours { OUR_EXPORT } else { "" };
-        format!("nbd+unix:///{name}?socket={}", sock.display())
+    fn is_ours(self) -> bool {
+        matches!(self, Server::Ours | Server::OursPlain)
+    }
+
+    /// With TLS in a `--tls` run (all but `OursPlain`).
+    fn tls(self, tls: Option<&TlsSetup>) -> Option<&TlsSetup> {
+        tls.filter(|_| self != Server::OursPlain)
+    }
+
+    /// The URI nbdinfo and nbdcopy connect to: with TLS, `nbds+unix` and
+    /// the client's certificate directory.
+    fn uri(self, sock: &Path, tls: Option<&TlsSetup>) -> String {
+        let name = if self.is_ours() { OUR_EXPORT } else { "" };
+        match self.tls(tls) {
+            None => format!("nbd+unix:///{name}?socket={}", sock.display()),
+            Some(t) => format!(
+                "nbds+unix:///{name}?socket={}&tls-certificates={}",
+                sock.display(),
+                t.pki.client.display()
+            ),
+        }
+    }
+
+    /// The URI fio's nbd engine connects to. fio 3.33 does not let libnbd
+    /// read files the URI names (no nbd_set_uri_allow_local_file: "local
+    /// file access (tls-certificates) is not allowed"), so with TLS it names
+    /// none: libnbd takes its default certificate directory
+    /// (`$HOME/.pki/libnbd`, which `TlsSetup::home` provides; root's is
+    /// /etc/pki/libnbd, which the bench leaves alone) or the system's CAs.
+    /// Over a Unix socket libnbd does not check the server's certificate,
+    /// and no server asks for the client's (`TLS_VERIFY_PEER`).
+    fn fio_uri(self, sock: &Path, tls: Option<&TlsSetup>) -> String {
+        let name = if self.is_ours() { OUR_EXPORT } else { "" };
+        let scheme = if self.tls(tls).is_some() {
+            "nbds+unix"
+        } else {
+            "nbd+unix"
+        };
+        format!("{scheme}:///{name}?socket={}", sock.display())
+    }
+}
+
+/// The certificates of a `--tls` run.
+pub struct TlsSetup {
+    /// The servers', the clients' (and unused others).
+    pki: Pki,
+    /// `HOME` for fio: `.pki/libnbd` holds the client's certificates.
+    home: PathBuf,
+}
+
+/// Whether the servers ask for the client's certificate: no, as fio (run
+/// by root) can present none (see `Server::fio_uri`). The check costs one
+/// signature per connection's handshake, nothing per request.
+const TLS_VERIFY_PEER: bool = false;
+/// TLS target: ours with TLS at least this fraction of ours without.
+const TLS_TARGET_FRACTION: f64 = 0.85;
+
+impl TlsSetup {
+    /// Certificates under `dir`, and fio's `HOME` with the client's.
+    fn make(dir: &Path) -> Result<TlsSetup, String> {
+        let pki = write_pki(dir)?;
+        let home = dir.join("home");
+        let libnbd = home.join(".pki/libnbd");
+        std::fs::create_dir_all(&libnbd)
+            .map_err(|e| format!("cannot create {}: {e}", libnbd.display()))?;
+        for f in ["ca-cert.pem", "client-cert.pem", "client-key.pem"] {
+            std::fs::copy(pki.client.join(f), libnbd.join(f))
+                .map_err(|e| format!("cannot copy {f} into {}: {e}", libnbd.display()))?;
+        }
+        Ok(TlsSetup { pki, home })
     }
 }
 
@@ -294,8 +372,22 @@ fn run_tool(
     dir: &Path,
     timeout: Duration,
 ) -> Result<Ran, String> {
+    run_tool_home(program, args, dir, timeout, None)
+}
+
+/// `run_tool`, with `HOME` set to `home` where given.
+fn run_tool_home(
+    program: &Path,
+    args: &[OsString],
+    dir: &Path,
+    timeout: Duration,
+    home: Option<&Path>,
+) -> Result<Ran, String> {
     let name = program.display().to_string();
     let mut cmd = Command::new(program);
+    if let Some(h) = home {
+        cmd.env("HOME", h);
+    }
     cmd.args(args)
         .current_dir(dir)
         .stdin(Stdio::null())
@@ -440,6 +532,10 @@ struct Running {
     server: Server,
     child: Option<Child>,
     uri: String,
+    /// fio's URI (see `Server::fio_uri`).
+    fio_uri: String,
+    /// fio's `HOME` with TLS.
+    home: Option<PathBuf>,
     err_log: PathBuf,
 }
 
@@ -502,6 +598,8 @@ struct Files {
     image: PathBuf,
     pass: PathBuf,
     source: PathBuf,
+    /// With `--tls`.
+    tls: Option<TlsSetup>,
 }
 
 /// Removes the directories it holds when dropped.
@@ -518,8 +616,9 @@ impl Drop for RemoveDirs {
 /// How a server is started.
 fn server_command(s: Server, tools: &Tools, ours: &Path, f: &Files, sock: &Path) -> Command {
     let mut cmd;
+    let tls = s.tls(f.tls.as_ref());
     match s {
-        Server::Ours => {
+        Server::Ours | Server::OursPlain => {
             cmd = Command::new(ours);
             cmd.arg("serve")
                 .arg("--image")
@@ -533,20 +632,44 @@ fn server_command(s: Server, tools: &Tools, ours: &Path, f: &Files, sock: &Path)
                 // Through the page cache, as both peers read and write it.
                 .arg("--io")
                 .arg("buffered");
+            if let Some(t) = tls {
+                cmd.args(["--tls", "require", "--tls-certificates"])
+                    .arg(&t.pki.server);
+                if TLS_VERIFY_PEER {
+                    cmd.arg("--tls-verify-peer");
+                }
+            }
         }
         Server::Nbdkit => {
             cmd = Command::new(&tools.nbdkit);
             cmd.arg("--foreground")
                 .arg("--exit-with-parent")
                 .arg("--unix")
-                .arg(sock)
-                .arg("--filter=luks")
+                .arg(sock);
+            if let Some(t) = tls {
+                cmd.arg("--tls=require")
+                    .arg(format!("--tls-certificates={}", t.pki.server.display()));
+                if TLS_VERIFY_PEER {
+                    cmd.arg("--tls-verify-peer");
+                }
+            }
+            cmd.arg("--filter=luks")
                 .arg("file")
                 .arg(format!("file={}", f.image.display()))
                 .arg(format!("passphrase=+{}", f.pass.display()));
         }
         Server::Qemu => {
             cmd = Command::new(&tools.qemu_nbd);
+            if let Some(t) = tls {
+                cmd.arg("--object")
+                    .arg(format!(
+                        "tls-creds-x509,id=tls0,dir={},endpoint=server,verify-peer={}",
+                        qemu_escape(&t.pki.server),
+                        if TLS_VERIFY_PEER { "on" } else { "off" }
+                    ))
+                    .arg("--tls-creds")
+                    .arg("tls0");
+            }
             cmd.arg("--object")
                 .arg(format!("secret,id=sec0,file={}", qemu_escape(&f.pass)))
                 .arg("--image-opts")
@@ -603,7 +726,9 @@ fn start_server(
     let mut r = Running {
         server: s,
         child: Some(child),
-        uri: s.uri(&sock),
+        uri: s.uri(&sock, f.tls.as_ref()),
+        fio_uri: s.fio_uri(&sock, f.tls.as_ref()),
+        home: s.tls(f.tls.as_ref()).map(|t| t.home.clone()),
         err_log,
     };
     let t = Instant::now();
@@ -712,9 +837,22 @@ impl Plan {
     }
 }
 
-/// Run fio, check its exit status and every job's error field.
-fn fio(tools: &Tools, dir: &Path, args: Vec<OsString>, ms: u64) -> Result<FioFigures, String> {
-    let r = run_tool(&tools.fio, &args, dir, Duration::from_millis(ms + 120_000))?;
+/// Run fio (with `HOME` at `home` where given), check its exit status and
+/// every job's error field.
+fn fio(
+    tools: &Tools,
+    dir: &Path,
+    home: Option<&Path>,
+    args: Vec<OsString>,
+    ms: u64,
+) -> Result<FioFigures, String> {
+    let r = run_tool_home(
+        &tools.fio,
+        &args,
+        dir,
+        Duration::from_millis(ms + 120_000),
+        home,
+    )?;
     let parsed = parse_fio(&r.stdout);
     match (r.status.success(), parsed) {
         (true, Ok(f)) => Ok(f),
@@ -769,7 +907,13 @@ fn measure(
     }
     let mut on_previous = None;
     if let Some(p) = previous {
-        let v = fio(tools, &f.work, plan.verify_args(&r.uri, true), 10_000);
+        let v = fio(
+            tools,
+            &f.work,
+            r.home.as_deref(),
+            plan.verify_args(&r.fio_uri, true),
+            10_000,
+        );
         let v = v.and_then(|v| {
             (v.read_bytes == VERIFY_BYTES)
                 .then_some(())
@@ -784,7 +928,7 @@ fn measure(
             // The peers agree with cryptsetup; a disagreement that involves
             // ours is put on ours. When that is the previous server, this
             // one goes on.
-            if p == Server::Ours {
+            if p.is_ours() {
                 on_previous = Some(Failure { server: p, why });
             } else {
                 return Err(fail(why));
@@ -795,8 +939,14 @@ fn measure(
     for load in Load::ALL {
         let sample = match load {
             Load::SeqWrite | Load::SeqRead | Load::RandRw => {
-                let v = fio(tools, &f.work, plan.fio_args(&r.uri, load), plan.fio_ms)
-                    .map_err(|e| fail(format!("{}: {e}", load.label())))?;
+                let v = fio(
+                    tools,
+                    &f.work,
+                    r.home.as_deref(),
+                    plan.fio_args(&r.fio_uri, load),
+                    plan.fio_ms,
+                )
+                .map_err(|e| fail(format!("{}: {e}", load.label())))?;
                 let (bytes, bw, iops) = match load {
                     Load::SeqWrite => (v.write_bytes, v.write_bw, v.write_iops),
                     Load::SeqRead => (v.read_bytes, v.read_bw, v.read_iops),
@@ -842,8 +992,14 @@ fn measure(
             .map_err(|e| fail(format!("after {}: {e}", load.label())))?;
         out.push(sample);
     }
-    let v = fio(tools, &f.work, plan.verify_args(&r.uri, false), 10_000)
-        .map_err(|e| fail(format!("read-back of its own writes (fio verify): {e}")))?;
+    let v = fio(
+        tools,
+        &f.work,
+        r.home.as_deref(),
+        plan.verify_args(&r.fio_uri, false),
+        10_000,
+    )
+    .map_err(|e| fail(format!("read-back of its own writes (fio verify): {e}")))?;
     if v.read_bytes != VERIFY_BYTES {
         return Err(fail(format!(
             "read-back of its own writes checked {} of {VERIFY_BYTES} bytes",
@@ -927,23 +1083,36 @@ impl Results {
 /// Returns the report; a server that fails is reported (table and JSON)
 /// and then returned as an error.
 pub fn run(opts: &BenchOptions, iopages_bin: &Path) -> Result<Value, BenchError> {
+    run_with(opts, iopages_bin, false)
+}
+
+/// The servers of a run, in table order.
+fn servers_of(peers: bool, tls: bool) -> Vec<Server> {
+    match (peers, tls) {
+        (true, false) => Server::ALL.to_vec(),
+        (false, false) => vec![Server::Ours],
+        (true, true) => Server::ALL_TLS.to_vec(),
+        (false, true) => vec![Server::Ours, Server::OursPlain],
+    }
+}
+
+/// E6, with `tls`: TLS (X.509) on every server — `iopages serve --tls require`, nbdkit `--tls=require`,
+/// qemu-nbd `--tls-creds` — and ours also without TLS, side by side; the
+/// report goes to `nbd-tls.json` unless `--json` names one.
+pub fn run_with(opts: &BenchOptions, iopages_bin: &Path, tls: bool) -> Result<Value, BenchError> {
     let (runs, payload, fio_ms) = if opts.quick {
         (1usize, 128 * MIB, 1500u64)
     } else {
         (3, 1024 * MIB, 5000)
     };
-    let servers: Vec<Server> = if opts.peers {
-        Server::ALL.to_vec()
-    } else {
-        vec![Server::Ours]
-    };
+    let servers = servers_of(opts.peers, tls);
     if !iopages_bin.is_file() {
         return Err(workload(format!(
             "{} not found: build it (cargo build --release -p iopages-cli)",
             iopages_bin.display()
         )));
     }
-    let (json_path, svg_path) = opts.paths("nbd");
+    let (json_path, svg_path) = opts.paths(if tls { "nbd-tls" } else { "nbd" });
     let report_dir = json_path
         .parent()
         .filter(|d| !d.as_os_str().is_empty())
@@ -965,19 +1134,26 @@ pub fn run(opts: &BenchOptions, iopages_bin: &Path) -> Result<Value, BenchError>
     mk(&socks)?;
     let work = work.canonicalize().unwrap_or(work);
     let tools = Tools::find(&work, opts.peers)?;
+    let tls = if tls {
+        Some(TlsSetup::make(&work.join("tls")).map_err(workload)?)
+    } else {
+        None
+    };
     let f = Files {
         image: work.join("luks1.img"),
         pass: work.join("passphrase"),
         source: work.join("source.bin"),
         work: work.clone(),
         socks,
+        tls,
     };
     let fs = fs_type(&work);
     progress(
         "nbd",
         format!(
-            "E6: {} served in turn over Unix sockets, {runs} run(s); one LUKS1 image (aes-xts-plain64, 512-bit key, sha256) of {} MiB payload on {fs} under {}; fio {} s per load",
+            "E6: {} served in turn over Unix sockets{}, {runs} run(s); one LUKS1 image (aes-xts-plain64, 512-bit key, sha256) of {} MiB payload on {fs} under {}; fio {} s per load",
             servers.iter().map(|s| s.label()).collect::<Vec<_>>().join(", "),
+            if f.tls.is_some() { " with TLS (X.509)" } else { "" },
             payload / MIB,
             work.display(),
             fio_ms as f64 / 1000.0
@@ -1133,7 +1309,15 @@ pub fn run(opts: &BenchOptions, iopages_bin: &Path) -> Result<Value, BenchError>
     }
 
     report(
-        opts, &servers, &results, &plan, runs, &fs, &json_path, &svg_path,
+        opts,
+        &servers,
+        &results,
+        &plan,
+        runs,
+        &fs,
+        f.tls.is_some(),
+        &json_path,
+        &svg_path,
     )
 }
 
@@ -1155,6 +1339,7 @@ fn report(
     plan: &Plan,
     runs: usize,
     fs: &str,
+    tls: bool,
     json_path: &Path,
     svg_path: &Path,
 ) -> Result<Value, BenchError> {
@@ -1162,8 +1347,13 @@ fn report(
     let fig = |s: Server, load: Load| res(s).and_then(|r| figure(r, load));
     println!();
     println!(
-        "nbd (E6): one LUKS1 image (aes-xts-plain64, 512-bit key), {} MiB payload on {fs}, served over a Unix socket; median of {runs} run(s)",
-        plan.dev / MIB
+        "nbd (E6): one LUKS1 image (aes-xts-plain64, 512-bit key), {} MiB payload on {fs}, served over a Unix socket{}; median of {runs} run(s)",
+        plan.dev / MIB,
+        if tls {
+            " with TLS (X.509; ours also without TLS)"
+        } else {
+            ""
+        }
     );
     println!(
         "{:<22} | {:<24} | {:>8} {:>13} | {:>8}",
@@ -1227,8 +1417,41 @@ fn report(
         min_ratio.map_or_else(|| "-".into(), |m| format!("{m:.2}")),
         met(target_met)
     );
+    // With --tls: ours with TLS over ours without, per load.
+    let tls_ratios: Vec<(Load, Option<f64>)> = Load::ALL
+        .iter()
+        .map(|&l| {
+            let r = match (fig(Server::Ours, l), fig(Server::OursPlain, l)) {
+                (Some(t), Some(p)) if p > 0.0 => Some(t / p),
+                _ => None,
+            };
+            (l, r)
+        })
+        .collect();
+    let min_tls_ratio = tls_ratios
+        .iter()
+        .map(|(_, r)| *r)
+        .try_fold(f64::INFINITY, |m, r| r.map(|x| m.min(x)));
+    let tls_target_met = min_tls_ratio.is_some_and(|m| m >= TLS_TARGET_FRACTION);
+    if tls {
+        for (l, r) in &tls_ratios {
+            match r {
+                Some(x) => println!("ratio ours TLS / ours plaintext, {}: {x:.2}", l.short()),
+                None => println!(
+                    "ratio ours TLS / ours plaintext, {}: - (no figure)",
+                    l.short()
+                ),
+            }
+        }
+        println!(
+            "target TLS within {:.0} % of plaintext (every ratio >= {TLS_TARGET_FRACTION}): min {} ({})",
+            (1.0 - TLS_TARGET_FRACTION) * 100.0,
+            min_tls_ratio.map_or_else(|| "-".into(), |m| format!("{m:.2}")),
+            met(tls_target_met)
+        );
+    }
 
-    bar_plot(svg_path, servers, results)?;
+    bar_plot(svg_path, servers, results, tls)?;
 
     let rows: Vec<Value> = servers
         .iter()
@@ -1276,7 +1499,8 @@ fn report(
         (Load::CopyRead, "nbdcopy_read", "mib_s"),
         (Load::CopyWrite, "nbdcopy_write", "mib_s"),
     ] {
-        for s in Server::ALL {
+        let keyed: &[Server] = if tls { &Server::ALL_TLS } else { &Server::ALL };
+        for &s in keyed {
             put(
                 &mut summary,
                 format!("{}_{name}_{unit}", s.key()),
@@ -1294,6 +1518,28 @@ fn report(
     summary.insert("min_ratio_vs_best_peer".into(), min_ratio.into());
     summary.insert("target_ratio".into(), TARGET_RATIO.into());
     summary.insert("target_met".into(), target_met.into());
+    if tls {
+        summary.insert("tls".into(), true.into());
+        for (load, name) in [
+            (Load::SeqWrite, "write"),
+            (Load::SeqRead, "read"),
+            (Load::RandRw, "randrw_iops"),
+            (Load::CopyRead, "nbdcopy_read"),
+            (Load::CopyWrite, "nbdcopy_write"),
+        ] {
+            let r = tls_ratios
+                .iter()
+                .find(|(l, _)| *l == load)
+                .and_then(|x| x.1);
+            summary.insert(format!("{name}_ratio_tls_vs_plaintext"), r.into());
+        }
+        summary.insert("min_ratio_tls_vs_plaintext".into(), min_tls_ratio.into());
+        summary.insert(
+            "tls_target_min_ratio_vs_plaintext".into(),
+            TLS_TARGET_FRACTION.into(),
+        );
+        summary.insert("tls_target_met".into(), tls_target_met.into());
+    }
     let failed: serde_json::Map<String, Value> = servers
         .iter()
         .enumerate()
@@ -1305,7 +1551,7 @@ fn report(
         })
         .collect();
     summary.insert("failed".into(), failed.clone().into());
-    let report = json!({
+    let mut report = json!({
         "experiment": "E6 nbd",
         "machine": crate::machine(),
         "settings": {
@@ -1330,6 +1576,18 @@ fn report(
         "rows": rows,
         "summary": summary,
     });
+    if tls {
+        report["tls"] = true.into();
+        report["settings"]["tls"] = json!({
+            "credentials": "X.509: a CA, a server certificate (RSA 2048, SHA-256, SAN localhost and 127.0.0.1) and a client certificate, made for the run",
+            "client_certificate_checked": TLS_VERIFY_PEER,
+            "ours": "iopages serve --tls require --tls-certificates DIR",
+            "nbdkit": "nbdkit --tls=require --tls-certificates=DIR",
+            "qemu": "qemu-nbd --object tls-creds-x509,id=tls0,dir=DIR,endpoint=server,verify-peer=off --tls-creds tls0",
+            "ours_plaintext": "iopages serve without TLS, in the same runs, for the TLS cost",
+            "clients": "nbdinfo and nbdcopy: nbds+unix:///NAME?socket=S&tls-certificates=DIR; fio's nbd engine: nbds+unix:///NAME?socket=S (fio does not let libnbd read files the URI names; HOME holds .pki/libnbd for a non-root run). Over a Unix socket libnbd does not check the server's certificate",
+        });
+    }
     write_json(json_path, &report)?;
     progress(
         "nbd",
@@ -1352,7 +1610,12 @@ fn report(
 
 /// Grouped bars: MiB/s of the four bandwidth loads on the left, randrw
 /// IOPS on the right, one bar per server. Failed servers have no bars.
-fn bar_plot(path: &Path, servers: &[Server], results: &[Results]) -> Result<(), BenchError> {
+fn bar_plot(
+    path: &Path,
+    servers: &[Server],
+    results: &[Results],
+    tls: bool,
+) -> Result<(), BenchError> {
     let err = |e: &dyn std::fmt::Display| BenchError::Plot {
         path: path.to_path_buf(),
         reason: e.to_string(),
@@ -1360,12 +1623,16 @@ fn bar_plot(path: &Path, servers: &[Server], results: &[Results]) -> Result<(), 
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(|e| err(&e))?;
     }
-    let colors = [BLUE, RED, GREEN];
+    let colors = [BLUE, RED, GREEN, CYAN];
     let root = SVGBackend::new(path, (1000, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
     let root = root
         .titled(
-            "E6: one LUKS1 image served over NBD (median)",
+            if tls {
+                "E6: one LUKS1 image served over NBD with TLS (median)"
+            } else {
+                "E6: one LUKS1 image served over NBD (median)"
+            },
             ("sans-serif", 20),
         )
         .map_err(|e| err(&e))?;
@@ -1448,6 +1715,213 @@ fn bar_plot(path: &Path, servers: &[Server], results: &[Results]) -> Result<(), 
     }
     root.present().map_err(|e| err(&e))?;
     Ok(())
+}
+
+/// The X.509 files of a TLS run, each directory in the layout qemu, nbdkit,
+/// libnbd and `iopages serve --tls-certificates` read: `ca-cert.pem`, and
+/// `server-cert.pem`/`server-key.pem` or `client-cert.pem`/`client-key.pem`.
+#[derive(Clone, Debug)]
+pub struct Pki {
+    /// The server's: its certificate (CN and SAN localhost, SAN IP
+    /// 127.0.0.1, serverAuth), its key and the CA's certificate.
+    pub server: PathBuf,
+    /// A client's: the CA's certificate and a client certificate
+    /// (clientAuth) with its key.
+    pub client: PathBuf,
+    /// The CA's certificate only: a client that checks the server but has
+    /// no certificate of its own.
+    pub client_no_cert: PathBuf,
+    /// Another CA's certificate, and a client certificate that CA signed:
+    /// the server's certificate does not verify against it, and a server
+    /// checking its clients refuses its certificate.
+    pub foreign: PathBuf,
+}
+
+/// Make a CA, a server and a client certificate (and a second, unrelated
+/// CA with a client of its own) under `dir`, in the directories of [`Pki`].
+/// RSA 2048 keys, SHA-256 signatures, valid from a day ago for a year; the
+/// extensions GnuTLS and qemu insist on (CA:TRUE and keyCertSign on the CA;
+/// digitalSignature, keyEncipherment and serverAuth / clientAuth on the
+/// leaves). Private keys are written 0600.
+pub fn write_pki(dir: &Path) -> Result<Pki, String> {
+    let ca = Issued::ca("iopages test CA")?;
+    let foreign_ca = Issued::ca("iopages unrelated CA")?;
+    let server = Issued::leaf(&ca, "localhost", true)?;
+    let client = Issued::leaf(&ca, "iopages client", false)?;
+    let foreign_client = Issued::leaf(&foreign_ca, "iopages client", false)?;
+    let pki = Pki {
+        server: dir.join("server"),
+        client: dir.join("client"),
+        client_no_cert: dir.join("client-no-cert"),
+        foreign: dir.join("foreign"),
+    };
+    ca.write_cert(&pki.server, "ca-cert.pem")?;
+    server.write_cert(&pki.server, "server-cert.pem")?;
+    server.write_key(&pki.server, "server-key.pem")?;
+    ca.write_cert(&pki.client, "ca-cert.pem")?;
+    client.write_cert(&pki.client, "client-cert.pem")?;
+    client.write_key(&pki.client, "client-key.pem")?;
+    ca.write_cert(&pki.client_no_cert, "ca-cert.pem")?;
+    foreign_ca.write_cert(&pki.foreign, "ca-cert.pem")?;
+    foreign_client.write_cert(&pki.foreign, "client-cert.pem")?;
+    foreign_client.write_key(&pki.foreign, "client-key.pem")?;
+    Ok(pki)
+}
+
+/// Write a PSK file in psktool's format (`identity:hexkey`, one line) with
+/// a fresh random 256-bit key; returns the key's hex.
+pub fn write_psk(path: &Path, identity: &str) -> Result<String, String> {
+    let mut key = [0u8; 32];
+    openssl::rand::rand_bytes(&mut key).map_err(|e| format!("no random bytes: {e}"))?;
+    let hex: String = key.iter().map(|b| format!("{b:02x}")).collect();
+    write_private(path, format!("{identity}:{hex}\n").as_bytes())?;
+    Ok(hex)
+}
+
+fn write_private(path: &Path, bytes: &[u8]) -> Result<(), String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    if let Some(d) = path.parent() {
+        std::fs::create_dir_all(d).map_err(|e| format!("cannot create {}: {e}", d.display()))?;
+    }
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .and_then(|mut f| f.write_all(bytes))
+        .map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
+
+/// A key and the certificate issued for it.
+struct Issued {
+    key: openssl::pkey::PKey<openssl::pkey::Private>,
+    cert: openssl::x509::X509,
+}
+
+impl Issued {
+    fn new_key() -> Result<openssl::pkey::PKey<openssl::pkey::Private>, openssl::error::ErrorStack>
+    {
+        openssl::pkey::PKey::from_rsa(openssl::rsa::Rsa::generate(2048)?)
+    }
+
+    /// A builder with the common fields: version 3, random serial, validity
+    /// from a day ago for a year, subject CN, the public key.
+    fn builder(
+        cn: &str,
+        key: &openssl::pkey::PKey<openssl::pkey::Private>,
+    ) -> Result<(openssl::x509::X509Builder, openssl::x509::X509Name), openssl::error::ErrorStack>
+    {
+        use openssl::asn1::{Asn1Integer, Asn1Time};
+        use openssl::bn::{BigNum, MsbOption};
+        let mut name = openssl::x509::X509NameBuilder::new()?;
+        name.append_entry_by_nid(openssl::nid::Nid::COMMONNAME, cn)?;
+        let name = name.build();
+        let mut b = openssl::x509::X509Builder::new()?;
+        b.set_version(2)?;
+        let mut serial = BigNum::new()?;
+        serial.rand(120, MsbOption::MAYBE_ZERO, false)?;
+        b.set_serial_number(Asn1Integer::from_bn(&serial)?.as_ref())?;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()) as libc::time_t;
+        b.set_not_before(Asn1Time::from_unix(now - 86_400)?.as_ref())?;
+        b.set_not_after(Asn1Time::days_from_now(365)?.as_ref())?;
+        b.set_subject_name(&name)?;
+        b.set_pubkey(key)?;
+        Ok((b, name))
+    }
+
+    fn ca(cn: &str) -> Result<Issued, String> {
+        use openssl::x509::extension::{BasicConstraints, KeyUsage, SubjectKeyIdentifier};
+        let make = || -> Result<Issued, openssl::error::ErrorStack> {
+            let key = Self::new_key()?;
+            let (mut b, name) = Self::builder(cn, &key)?;
+            b.set_issuer_name(&name)?;
+            b.append_extension(BasicConstraints::new().critical().ca().build()?)?;
+            b.append_extension(
+                KeyUsage::new()
+                    .critical()
+                    .key_cert_sign()
+                    .crl_sign()
+                    .build()?,
+            )?;
+            let ski = SubjectKeyIdentifier::new().build(&b.x509v3_context(None, None))?;
+            b.append_extension(ski)?;
+            b.sign(&key, openssl::hash::MessageDigest::sha256())?;
+            Ok(Issued {
+                key,
+                cert: b.build(),
+            })
+        };
+        make().map_err(|e| format!("cannot make the CA certificate: {e}"))
+    }
+
+    /// A server (serverAuth, SAN DNS:localhost and IP:127.0.0.1) or client
+    /// (clientAuth) certificate signed by `ca`.
+    fn leaf(ca: &Issued, cn: &str, server: bool) -> Result<Issued, String> {
+        use openssl::x509::extension::{
+            AuthorityKeyIdentifier, BasicConstraints, ExtendedKeyUsage, KeyUsage,
+            SubjectAlternativeName, SubjectKeyIdentifier,
+        };
+        let make = || -> Result<Issued, openssl::error::ErrorStack> {
+            let key = Self::new_key()?;
+            let (mut b, _) = Self::builder(cn, &key)?;
+            b.set_issuer_name(ca.cert.subject_name())?;
+            b.append_extension(BasicConstraints::new().critical().build()?)?;
+            b.append_extension(
+                KeyUsage::new()
+                    .critical()
+                    .digital_signature()
+                    .key_encipherment()
+                    .build()?,
+            )?;
+            let mut eku = ExtendedKeyUsage::new();
+            if server {
+                eku.server_auth();
+            } else {
+                eku.client_auth();
+            }
+            b.append_extension(eku.build()?)?;
+            if server {
+                let san = SubjectAlternativeName::new()
+                    .dns("localhost")
+                    .ip("127.0.0.1")
+                    .build(&b.x509v3_context(Some(&ca.cert), None))?;
+                b.append_extension(san)?;
+            }
+            let ski = SubjectKeyIdentifier::new().build(&b.x509v3_context(Some(&ca.cert), None))?;
+            b.append_extension(ski)?;
+            let aki = AuthorityKeyIdentifier::new()
+                .keyid(true)
+                .build(&b.x509v3_context(Some(&ca.cert), None))?;
+            b.append_extension(aki)?;
+            b.sign(&ca.key, openssl::hash::MessageDigest::sha256())?;
+            Ok(Issued {
+                key,
+                cert: b.build(),
+            })
+        };
+        make().map_err(|e| format!("cannot make the {cn} certificate: {e}"))
+    }
+
+    fn write_cert(&self, dir: &Path, name: &str) -> Result<(), String> {
+        let pem = self
+            .cert
+            .to_pem()
+            .map_err(|e| format!("cannot encode {name}: {e}"))?;
+        std::fs::create_dir_all(dir)
+            .and_then(|_| std::fs::write(dir.join(name), pem))
+            .map_err(|e| format!("cannot write {}: {e}", dir.join(name).display()))
+    }
+
+    fn write_key(&self, dir: &Path, name: &str) -> Result<(), String> {
+        let pem = self
+            .key
+            .private_key_to_pem_pkcs8()
+            .map_err(|e| format!("cannot encode {name}: {e}"))?;
+        write_private(&dir.join(name), &pem)
+    }
 }
 
 #[cfg(test)]
@@ -1553,5 +2027,307 @@ mod tests {
         assert_eq!(parse_size("134217728\n"), Some(134_217_728));
         assert_eq!(parse_size("nbdinfo: error\n"), None);
         assert_eq!(qemu_escape(Path::new("/a,b/img")), "/a,,b/img");
+    }
+
+    /// A directory under the temporary one, removed when dropped.
+    fn scratch(tag: &str) -> RemoveDirs {
+        let d = std::env::temp_dir().join(format!("iopages-nbd-test-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        RemoveDirs(vec![d])
+    }
+
+    fn fake_tls() -> TlsSetup {
+        let d = PathBuf::from("/t");
+        TlsSetup {
+            pki: Pki {
+                server: d.join("server"),
+                client: d.join("client"),
+                client_no_cert: d.join("client-no-cert"),
+                foreign: d.join("foreign"),
+            },
+            home: d.join("home"),
+        }
+    }
+
+    #[test]
+    fn tls_runs_every_server_with_tls_and_ours_also_without() {
+        assert_eq!(servers_of(true, false), Server::ALL.to_vec());
+        assert_eq!(servers_of(false, false), vec![Server::Ours]);
+        assert_eq!(
+            servers_of(true, true),
+            vec![
+                Server::Ours,
+                Server::OursPlain,
+                Server::Nbdkit,
+                Server::Qemu
+            ]
+        );
+        assert_eq!(
+            servers_of(false, true),
+            vec![Server::Ours, Server::OursPlain]
+        );
+        let t = fake_tls();
+        let sock = Path::new("/s/x.sock");
+        assert_eq!(
+            Server::Ours.uri(sock, Some(&t)),
+            "nbds+unix:///iopages?socket=/s/x.sock&tls-certificates=/t/client"
+        );
+        assert_eq!(
+            Server::Qemu.uri(sock, Some(&t)),
+            "nbds+unix:///?socket=/s/x.sock&tls-certificates=/t/client"
+        );
+        assert_eq!(
+            Server::OursPlain.uri(sock, Some(&t)),
+            "nbd+unix:///iopages?socket=/s/x.sock"
+        );
+        assert_eq!(
+            Server::Ours.uri(sock, None),
+            "nbd+unix:///iopages?socket=/s/x.sock"
+        );
+        // fio's URI names no file: libnbd finds the certificates in HOME.
+        assert_eq!(
+            Server::Nbdkit.fio_uri(sock, Some(&t)),
+            "nbds+unix:///?socket=/s/x.sock"
+        );
+        assert_eq!(
+            Server::OursPlain.fio_uri(sock, Some(&t)),
+            "nbd+unix:///iopages?socket=/s/x.sock"
+        );
+        assert_eq!(
+            Server::Ours.fio_uri(sock, None),
+            Server::Ours.uri(sock, None)
+        );
+        assert!(Server::OursPlain.is_ours() && !Server::Qemu.is_ours());
+    }
+
+    #[test]
+    fn tls_server_command_lines() {
+        let tools = Tools {
+            cryptsetup: "cryptsetup".into(),
+            fio: "fio".into(),
+            nbdcopy: "nbdcopy".into(),
+            nbdinfo: "nbdinfo".into(),
+            nbdkit: "nbdkit".into(),
+            qemu_nbd: "qemu-nbd".into(),
+        };
+        let mut f = Files {
+            work: "/w".into(),
+            socks: "/s".into(),
+            image: "/w/luks1.img".into(),
+            pass: "/w/passphrase".into(),
+            source: "/w/source.bin".into(),
+            tls: Some(fake_tls()),
+        };
+        let sock = Path::new("/s/x.sock");
+        let line = |s: Server, f: &Files| {
+            command_line(&server_command(
+                s,
+                &tools,
+                Path::new("/bin/iopages"),
+                f,
+                sock,
+            ))
+        };
+        assert_eq!(
+            line(Server::Ours, &f),
+            "/bin/iopages serve --image /w/luks1.img --passphrase-file /w/passphrase --unix /s/x.sock --name iopages --io buffered --tls require --tls-certificates /t/server"
+        );
+        assert_eq!(
+            line(Server::OursPlain, &f),
+            "/bin/iopages serve --image /w/luks1.img --passphrase-file /w/passphrase --unix /s/x.sock --name iopages --io buffered"
+        );
+        assert_eq!(
+            line(Server::Nbdkit, &f),
+            "nbdkit --foreground --exit-with-parent --unix /s/x.sock --tls=require --tls-certificates=/t/server --filter=luks file file=/w/luks1.img passphrase=+/w/passphrase"
+        );
+        let q = line(Server::Qemu, &f);
+        assert!(
+            q.starts_with("qemu-nbd --object tls-creds-x509,id=tls0,dir=/t/server,endpoint=server,verify-peer=off --tls-creds tls0 --object secret,id=sec0,"),
+            "{q}"
+        );
+        // Without --tls: the command lines of the plaintext E6.
+        f.tls = None;
+        assert_eq!(
+            line(Server::Ours, &f),
+            "/bin/iopages serve --image /w/luks1.img --passphrase-file /w/passphrase --unix /s/x.sock --name iopages --io buffered"
+        );
+        assert!(!line(Server::Nbdkit, &f).contains("tls"));
+        assert!(line(Server::Qemu, &f).starts_with("qemu-nbd --object secret,id=sec0,"));
+    }
+
+    #[test]
+    fn pki_chains_to_its_ca_only_and_has_the_usages_gnutls_wants() {
+        use openssl::stack::Stack;
+        use openssl::x509::store::X509StoreBuilder;
+        use openssl::x509::{X509StoreContext, X509};
+        let dir = scratch("pki");
+        let pki = write_pki(&dir.0[0]).unwrap();
+        let cert = |d: &Path, n: &str| X509::from_pem(&std::fs::read(d.join(n)).unwrap()).unwrap();
+        let verifies = |ca: &X509, leaf: &X509| {
+            let mut b = X509StoreBuilder::new().unwrap();
+            b.add_cert(ca.clone()).unwrap();
+            let store = b.build();
+            let mut ctx = X509StoreContext::new().unwrap();
+            ctx.init(&store, leaf, &Stack::new().unwrap(), |c| c.verify_cert())
+                .unwrap()
+        };
+        let ca = cert(&pki.server, "ca-cert.pem");
+        let server = cert(&pki.server, "server-cert.pem");
+        let client = cert(&pki.client, "client-cert.pem");
+        let foreign_ca = cert(&pki.foreign, "ca-cert.pem");
+        let foreign_client = cert(&pki.foreign, "client-cert.pem");
+        assert!(verifies(&ca, &server));
+        assert!(verifies(&ca, &client));
+        assert!(verifies(&foreign_ca, &foreign_client));
+        assert!(!verifies(&foreign_ca, &server));
+        assert!(!verifies(&ca, &foreign_client));
+        assert_eq!(
+            cert(&pki.client_no_cert, "ca-cert.pem").to_pem().unwrap(),
+            ca.to_pem().unwrap()
+        );
+        assert!(!pki.client_no_cert.join("client-cert.pem").exists());
+        let text = |c: &X509| String::from_utf8(c.to_text().unwrap()).unwrap();
+        let (ca_t, server_t, client_t) = (text(&ca), text(&server), text(&client));
+        assert!(
+            ca_t.contains("CA:TRUE") && ca_t.contains("Certificate Sign"),
+            "{ca_t}"
+        );
+        assert!(
+            server_t.contains("TLS Web Server Authentication"),
+            "{server_t}"
+        );
+        assert!(server_t.contains("DNS:localhost") && server_t.contains("IP Address:127.0.0.1"));
+        assert!(server_t.contains("Key Encipherment") && server_t.contains("sha256"));
+        assert!(
+            client_t.contains("TLS Web Client Authentication"),
+            "{client_t}"
+        );
+        // The keys match their certificates and are private to us.
+        use std::os::unix::fs::PermissionsExt;
+        for (d, c, k) in [
+            (&pki.server, &server, "server-key.pem"),
+            (&pki.client, &client, "client-key.pem"),
+        ] {
+            let key = openssl::pkey::PKey::private_key_from_pem(&std::fs::read(d.join(k)).unwrap())
+                .unwrap();
+            assert!(c.public_key().unwrap().public_eq(&key));
+            assert_eq!(
+                std::fs::metadata(d.join(k)).unwrap().permissions().mode() & 0o777,
+                0o600
+            );
+        }
+        // psktool's format: identity:hex, one line.
+        let psk = dir.0[0].join("keys.psk");
+        let hex = write_psk(&psk, "alice").unwrap();
+        assert_eq!(hex.len(), 64);
+        assert_eq!(
+            std::fs::read_to_string(&psk).unwrap(),
+            format!("alice:{hex}\n")
+        );
+        assert_ne!(write_psk(&psk, "alice").unwrap(), hex);
+    }
+
+    fn results_of(per_server: &[[f64; 5]]) -> Vec<Results> {
+        per_server
+            .iter()
+            .map(|v| Results {
+                samples: v
+                    .iter()
+                    .enumerate()
+                    .map(|(l, &x)| {
+                        vec![Sample {
+                            mib_s: x,
+                            iops: (l <= 2).then_some(x * 10.0),
+                        }]
+                    })
+                    .collect(),
+                failed: None,
+                command: String::new(),
+                stops: Vec::new(),
+                multi_conn: Some(true),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn tls_report_has_the_marker_and_both_ratios() {
+        let dir = scratch("report");
+        let opts = BenchOptions {
+            quick: true,
+            ..BenchOptions::default()
+        };
+        let plan = Plan {
+            dev: 128 * MIB,
+            fio_ms: 1500,
+        };
+        let json = dir.0[0].join("nbd-tls.json");
+        let svg = json.with_extension("svg");
+        let servers = servers_of(true, true);
+        // ours TLS, ours plaintext, nbdkit, qemu.
+        let results = results_of(&[
+            [900.0, 1000.0, 90.0, 800.0, 700.0],
+            [1000.0, 1000.0, 100.0, 1000.0, 700.0],
+            [300.0, 400.0, 30.0, 500.0, 200.0],
+            [450.0, 200.0, 45.0, 100.0, 350.0],
+        ]);
+        let r = report(
+            &opts, &servers, &results, &plan, 1, "tmpfs", true, &json, &svg,
+        )
+        .unwrap();
+        assert_eq!(r["tls"], true);
+        assert!(r["settings"]["tls"]["qemu"]
+            .as_str()
+            .unwrap()
+            .contains("tls-creds-x509"));
+        let s = &r["summary"];
+        assert_eq!(s["tls"], true);
+        assert_eq!(s["write_ratio_vs_best_peer"], 2.0);
+        assert_eq!(s["read_ratio_vs_best_peer"], 2.5);
+        assert_eq!(s["randrw_iops_ratio_vs_best_peer"], 2.0);
+        assert_eq!(s["nbdcopy_read_ratio_vs_best_peer"], 1.6);
+        assert_eq!(s["nbdcopy_write_ratio_vs_best_peer"], 2.0);
+        assert_eq!(s["min_ratio_vs_best_peer"], 1.6);
+        assert_eq!(s["target_met"], false);
+        assert_eq!(s["write_ratio_tls_vs_plaintext"], 0.9);
+        assert_eq!(s["read_ratio_tls_vs_plaintext"], 1.0);
+        assert_eq!(s["randrw_iops_ratio_tls_vs_plaintext"], 0.9);
+        assert_eq!(s["nbdcopy_read_ratio_tls_vs_plaintext"], 0.8);
+        assert_eq!(s["min_ratio_tls_vs_plaintext"], 0.8);
+        assert_eq!(s["tls_target_min_ratio_vs_plaintext"], 0.85);
+        assert_eq!(s["tls_target_met"], false);
+        assert_eq!(s["ours_plaintext_write_mib_s"], 1000.0);
+        assert_eq!(s["ours_write_mib_s"], 900.0);
+        let on_disk: Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        assert_eq!(on_disk, r);
+        assert!(svg.exists());
+
+        // Without --tls: no marker, no plaintext column, no TLS ratios.
+        let plain = report(
+            &opts,
+            &servers_of(true, false),
+            &results_of(&[
+                [1000.0, 1000.0, 100.0, 1000.0, 700.0],
+                [300.0, 400.0, 30.0, 500.0, 200.0],
+                [450.0, 200.0, 45.0, 100.0, 350.0],
+            ]),
+            &plan,
+            1,
+            "tmpfs",
+            false,
+            &dir.0[0].join("nbd.json"),
+            &dir.0[0].join("nbd.svg"),
+        )
+        .unwrap();
+        assert!(plain.get("tls").is_none() && plain["settings"].get("tls").is_none());
+        let s = plain["summary"].as_object().unwrap();
+        assert!(
+            !s.keys()
+                .any(|k| k.contains("tls") || k.contains("plaintext")),
+            "{s:?}"
+        );
+        let w = s["write_ratio_vs_best_peer"].as_f64().unwrap();
+        assert!((w - 1000.0 / 450.0).abs() < 1e-9, "{w}");
     }
 }

@@ -53,6 +53,10 @@ enum Command {
         /// its default (2 % of the arena).
         #[arg(long, value_enum)]
         limit: Option<Limit>,
+        /// nbd: TLS (X.509) on every server, and ours also without TLS in
+        /// the same runs (report: nbd-tls.json).
+        #[arg(long)]
+        tls: bool,
     },
     /// Serve an encrypted volume over NBD (newstyle fixed handshake).
     ///
@@ -199,10 +203,16 @@ fn run(cli: Cli) -> Result<(), BenchError> {
             peers_dir,
             threads,
             limit,
+            tls,
         } => {
             if limit.is_some() && experiment != Experiment::Crypt {
                 return Err(BenchError::Workload(
                     "--limit belongs to the crypt experiment: `iopages bench crypt --threads 4 --limit near`".into(),
+                ));
+            }
+            if tls && experiment != Experiment::Nbd {
+                return Err(BenchError::Workload(
+                    "--tls belongs to the nbd experiment: `iopages bench nbd --tls`".into(),
                 ));
             }
             if threads.is_some() && !matches!(experiment, Experiment::Crypt | Experiment::Bulk) {
@@ -275,7 +285,7 @@ fn run(cli: Cli) -> Result<(), BenchError> {
                         "cannot find the iopages binary to serve with: {e}"
                     ))
                 })?;
-                iopages_bench::nbd::run(&opts, &me)?;
+                iopages_bench::nbd::run_with(&opts, &me, tls)?;
             }
             Ok(())
         }
@@ -324,5 +334,7 @@ mod tests {
         assert!(e.contains("--limit belongs to the crypt experiment"), "{e}");
         let e = bench(&["crypt", "--threads", "0"]).unwrap_err();
         assert!(e.contains("at least 1"), "{e}");
+        let e = bench(&["xts", "--tls"]).unwrap_err();
+        assert!(e.contains("--tls belongs to the nbd experiment"), "{e}");
     }
 }
