@@ -39,13 +39,86 @@ pub(crate) struct Ready {
     pub(crate) woken: bool,
 }
 
-/// Bytes staged per TLS write: records are sealed from one contiguous
-/// buffer (OpenSSL has no vectored write).
-const TLS_STAGE_BYTES: usize = 256 << 10;
+/// A TLS record's largest plaintext: small pieces (reply headers, small
+/// reads) are gathered into one record's worth before sealing; a piece at
+/// least this large is sealed straight from where it lies.
+const TLS_RECORD_BYTES: usize = 16 << 10;
 
 struct Tls {
     ssl: SslStream<Stream>,
+    /// Small pieces gathered for one record (OpenSSL has no vectored
+    /// write), and how much of it OpenSSL has taken.
     stage: Vec<u8>,
+    staged_sent: usize,
+}
+
+impl Tls {
+    /// Seal and send a prefix of `bufs` without blocking.
+    ///
+    /// The caller keeps unsent bytes in order and offers them again, from
+    /// the first byte not reported written: so staged bytes not yet taken
+    /// are the front of `bufs`, and are sent from the stage without a
+    /// second copy; and after `WANT_WRITE` OpenSSL gets the same bytes
+    /// again (at least as many), as it requires of a retried write.
+    fn write(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<Io> {
+        let mut done = 0usize;
+        loop {
+            let r = if self.staged_sent < self.stage.len() {
+                let r = self.ssl.ssl_write(&self.stage[self.staged_sent..]);
+                if let Ok(n) = r {
+                    self.staged_sent += n;
+                }
+                r
+            } else {
+                // The front: `done` bytes into `bufs`.
+                let mut skip = done;
+                let mut at = None;
+                for (i, b) in bufs.iter().enumerate() {
+                    if skip < b.len() {
+                        at = Some((i, skip));
+                        break;
+                    }
+                    skip -= b.len();
+                }
+                let Some((i, off)) = at else {
+                    return Ok(Io::Done(done));
+                };
+                if bufs[i].len() - off >= TLS_RECORD_BYTES {
+                    self.ssl.ssl_write(&bufs[i][off..])
+                } else {
+                    self.stage.clear();
+                    self.staged_sent = 0;
+                    let mut off = off;
+                    for b in &bufs[i..] {
+                        let room = TLS_RECORD_BYTES - self.stage.len();
+                        if room == 0 {
+                            break;
+                        }
+                        let piece = &b[off..];
+                        self.stage
+                            .extend_from_slice(&piece[..piece.len().min(room)]);
+                        off = 0;
+                    }
+                    continue;
+                }
+            };
+            match r {
+                Ok(n) => done += n,
+                Err(e) => {
+                    let write = match e.code() {
+                        ErrorCode::WANT_WRITE => true,
+                        ErrorCode::WANT_READ => false,
+                        _ => return Err(ssl_err(e)),
+                    };
+                    return Ok(if done > 0 {
+                        Io::Done(done)
+                    } else {
+                        Io::Blocked { write }
+                    });
+                }
+            }
+        }
+    }
 }
 
 /// A connection's transport.
@@ -136,33 +209,13 @@ impl Transport {
         }
     }
 
-    /// Try to write a prefix of `bufs` without blocking. Under TLS the
-    /// first [`TLS_STAGE_BYTES`] are copied into one buffer and sealed;
-    /// a retry after `Blocked` must offer the same bytes again (the
-    /// caller keeps unsent data in order, so it does).
+    /// Try to write a prefix of `bufs` without blocking. After `Blocked`
+    /// or a short write, the next call must offer the unsent bytes again,
+    /// in order, from the first one not reported written (the outbox does):
+    /// under TLS, sealed or staged bytes are pending on them.
     pub(crate) fn try_write(&self, bufs: &[IoSlice<'_>]) -> io::Result<Io> {
         if let Some(tls) = self.tls.get() {
-            let mut t = tls.lock();
-            let Tls { ssl, stage } = &mut *t;
-            stage.clear();
-            for b in bufs {
-                let room = TLS_STAGE_BYTES - stage.len();
-                if room == 0 {
-                    break;
-                }
-                stage.extend_from_slice(&b[..b.len().min(room)]);
-            }
-            if stage.is_empty() {
-                return Ok(Io::Done(0));
-            }
-            return match ssl.ssl_write(stage) {
-                Ok(n) => Ok(Io::Done(n)),
-                Err(e) => match e.code() {
-                    ErrorCode::WANT_WRITE => Ok(Io::Blocked { write: true }),
-                    ErrorCode::WANT_READ => Ok(Io::Blocked { write: false }),
-                    _ => Err(ssl_err(e)),
-                },
-            };
+            return tls.lock().write(bufs);
         }
         loop {
             match (&self.sock).write_vectored(bufs) {
@@ -309,7 +362,8 @@ impl Transport {
         self.tls
             .set(Mutex::new(Tls {
                 ssl,
-                stage: Vec::with_capacity(TLS_STAGE_BYTES),
+                stage: Vec::with_capacity(TLS_RECORD_BYTES),
+                staged_sent: 0,
             }))
             .map_err(|_| io::Error::other("TLS is already running"))
     }
