@@ -1,0 +1,174 @@
+//! `iopages serve` refusing what it should before it serves: a signal
+//! during a slow key derivation ends it at once, a plaintext listener on a
+//! non-loopback address needs `--allow-plaintext`, and bad TLS or limit
+//! flags are clear errors.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_iopages");
+
+struct Dir(PathBuf);
+
+impl Dir {
+    fn new(tag: &str) -> Dir {
+        let p = std::env::temp_dir().join(format!("iopages-serve-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&p).unwrap();
+        Dir(p)
+    }
+}
+
+impl Drop for Dir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn serve_fails(args: &[&str], want: &str) {
+    let out = Command::new(BIN)
+        .arg("serve")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "serve {args:?} should fail");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(want), "serve {args:?}: {err}");
+}
+
+#[test]
+fn sigint_during_a_slow_key_derivation_stops_serve_at_once() {
+    let d = Dir::new("kdf");
+    let img = d.0.join("v.img");
+    let pass = d.0.join("pass");
+    std::fs::write(&pass, b"correct horse").unwrap();
+    let out = Command::new(BIN)
+        .args([
+            "luks",
+            "format",
+            "--type",
+            "luks1",
+            "--size",
+            "1M",
+            "--iterations",
+            "1000",
+        ])
+        .arg("--passphrase-file")
+        .arg(&pass)
+        .arg(&img)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Make key slot 0 slow (LUKS1 has no header checksum): 40 M PBKDF2
+    // iterations, under the 50 M limit, tens of seconds of derivation.
+    let mut h = std::fs::read(&img).unwrap();
+    h[212..216].copy_from_slice(&40_000_000u32.to_be_bytes());
+    std::fs::write(&img, &h).unwrap();
+    let mut child = Command::new(BIN)
+        .arg("serve")
+        .arg("--image")
+        .arg(&img)
+        .arg("--passphrase-file")
+        .arg(&pass)
+        .args(["--listen", "127.0.0.1:0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(800));
+    let t = Instant::now();
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if t.elapsed() > Duration::from_secs(10) {
+            let _ = child.kill();
+            panic!("serve still deriving 10 s after SIGINT");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    assert_eq!(status.code(), Some(128 + libc::SIGINT));
+    let mut err = String::new();
+    for l in BufReader::new(child.stderr.take().unwrap()).lines() {
+        err.push_str(&l.unwrap());
+    }
+    assert!(err.contains("stopped while opening the volume"), "{err}");
+}
+
+#[test]
+fn a_slot_over_the_kdf_limits_is_refused_before_deriving() {
+    let d = Dir::new("limit");
+    let img = d.0.join("v.img");
+    let pass = d.0.join("pass");
+    std::fs::write(&pass, b"pw").unwrap();
+    let out = Command::new(BIN)
+        .args([
+            "luks",
+            "format",
+            "--type",
+            "luks1",
+            "--size",
+            "1M",
+            "--iterations",
+            "1000",
+        ])
+        .arg("--passphrase-file")
+        .arg(&pass)
+        .arg(&img)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let mut h = std::fs::read(&img).unwrap();
+    h[212..216].copy_from_slice(&u32::MAX.to_be_bytes());
+    std::fs::write(&img, &h).unwrap();
+    let t = Instant::now();
+    serve_fails(
+        &[
+            "--image",
+            img.to_str().unwrap(),
+            "--passphrase-file",
+            pass.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+        ],
+        "is over the limit",
+    );
+    assert!(t.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
+fn plaintext_off_loopback_and_bad_tls_flags_are_refused_clearly() {
+    serve_fails(&["--listen", "0.0.0.0:0"], "--allow-plaintext");
+    serve_fails(
+        &[
+            "--listen",
+            "0.0.0.0:0",
+            "--tls",
+            "on",
+            "--tls-psk",
+            "/nonexistent",
+        ],
+        "PSK file",
+    );
+    serve_fails(
+        &["--tls", "require"],
+        "--tls-certificates DIR or --tls-psk FILE",
+    );
+    serve_fails(&["--tls-psk", "x"], "need --tls on or --tls require");
+    serve_fails(
+        &["--tls", "on", "--tls-certificates", "/nonexistent"],
+        "missing",
+    );
+    serve_fails(&["--max-connections", "0"], "--max-connections");
+    serve_fails(&["--max-inflight", "1M"], "--max-inflight");
+    serve_fails(&["--reply-timeout", "0"], "--reply-timeout");
+}
