@@ -405,10 +405,12 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
     let image = a.image.clone();
     let pass = match (&image, &a.passphrase_file) {
         (Some(_), Some(pf)) => Some(read_passphrase(pf)?),
-        (Some(path), None) => return Err(format!(
+        (Some(path), None) => {
+            return Err(format!(
             "--image {} needs --passphrase-file FILE (or - to read one line from standard input)",
             path.display()
-        )),
+        ))
+        }
         _ => None,
     };
     let opening = std::thread::Builder::new()
