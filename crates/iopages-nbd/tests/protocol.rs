@@ -775,6 +775,10 @@ fn unix_socket_serves_too() {
         &[Listen::Unix(path.clone())],
     )
     .unwrap();
+    // Owner-only: no other local user can connect to the plaintext volume.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+    assert_eq!(mode & 0o077, 0, "socket mode {mode:o}");
     let mut s = std::os::unix::net::UnixStream::connect(&path).unwrap();
     let mut g = [0u8; 18];
     s.read_exact(&mut g).unwrap();
