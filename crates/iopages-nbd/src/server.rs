@@ -364,7 +364,10 @@ fn accept_loop(s: &Arc<Shared>, a: Acceptor) {
         };
         s.counters.connections.fetch_add(1, Ordering::Relaxed);
         let max = s.opts.max_connections as u64;
-        if s.counters.open.load(Ordering::Relaxed) >= max {
+        // Taken before anything else, so listeners accepting at once
+        // cannot pass the limit together.
+        if s.counters.open.fetch_add(1, Ordering::AcqRel) >= max {
+            s.counters.open.fetch_sub(1, Ordering::AcqRel);
             // Over the limit: closed at once, before the greeting (the
             // client sees the connection end), and said once a second.
             s.counters.refused.fetch_add(1, Ordering::Relaxed);
@@ -374,18 +377,20 @@ fn accept_loop(s: &Arc<Shared>, a: Acceptor) {
             let mut said = s.refused_said.lock();
             if said.is_none_or(|t| now.duration_since(t) >= Duration::from_secs(1)) {
                 *said = Some(now);
-                eprintln!("iopages-nbd: refusing connections: {max} are open (--max-connections)");
+                eprintln!(
+                    "iopages-nbd: refusing connections: {max} are open (--max-connections)"
+                );
             }
             continue;
         }
         let t = match Transport::new(stream) {
             Ok(t) => Arc::new(t),
             Err(e) => {
+                s.counters.open.fetch_sub(1, Ordering::AcqRel);
                 eprintln!("iopages-nbd: cannot set up a connection: {e}");
                 continue;
             }
         };
-        s.counters.open.fetch_add(1, Ordering::Relaxed);
         let mut conns = s.conns.lock();
         // Join the connections that have ended.
         let (done, live): (Vec<_>, Vec<_>) = conns.drain(..).partition(|c| c.thread.is_finished());
