@@ -377,9 +377,7 @@ fn accept_loop(s: &Arc<Shared>, a: Acceptor) {
             let mut said = s.refused_said.lock();
             if said.is_none_or(|t| now.duration_since(t) >= Duration::from_secs(1)) {
                 *said = Some(now);
-                eprintln!(
-                    "iopages-nbd: refusing connections: {max} are open (--max-connections)"
-                );
+                eprintln!("iopages-nbd: refusing connections: {max} are open (--max-connections)");
             }
             continue;
         }
