@@ -1,0 +1,24 @@
+//! NBD transmission: a valid handshake (client flags, NBD_OPT_GO "vol") is
+//! sent first, then the input as the request stream (headers, write
+//! payloads, whatever). Replies are read until the server closes; a
+//! server that neither answers nor closes is a hang. Every input is also
+//! cut into 28-byte headers for `proto::Request::decode`, which must
+//! round-trip through `encode`. A well-formed session is checked every 256
+//! runs.
+#![no_main]
+
+use iopages_nbd::proto::{Request, REQUEST_BYTES};
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    for chunk in data.chunks_exact(REQUEST_BYTES) {
+        let b: &[u8; REQUEST_BYTES] = chunk.try_into().unwrap();
+        if let Some(r) = Request::decode(b) {
+            assert_eq!(&r.encode(), b, "Request encode(decode(b)) != b");
+        }
+    }
+    iopages_fuzz::maybe_health_check(256);
+    let mut v = iopages_fuzz::go_prefix();
+    v.extend_from_slice(data);
+    let _ = iopages_fuzz::nbd_exchange(&v);
+});
