@@ -254,6 +254,13 @@ impl Conn {
         loop {
             if ob.queue.is_empty() {
                 ob.sending = false;
+                drop(ob);
+                // Everything is sealed, but the socket may not have taken
+                // the last records: the connection's thread sends them as
+                // it drains.
+                if self.t.pending_out() {
+                    self.t.kick();
+                }
                 return;
             }
             let mut batch = std::mem::take(&mut ob.queue);
@@ -397,10 +404,12 @@ impl Conn {
         self.flush_replies();
         self.discard_if_dead();
         let dead = self.dead.load(Ordering::Acquire);
-        let (backlog, oldest) = {
+        let (queued, oldest) = {
             let ob = self.outbox.lock();
             (!ob.queue.is_empty(), ob.queue.front().map(|r| r.queued))
         };
+        // Sealed TLS records the socket has not taken yet count as backlog.
+        let backlog = queued || self.t.pending_out();
         let now = Instant::now();
         let mut until = deadline;
         if let (false, Some(q)) = (dead, oldest) {
@@ -424,6 +433,10 @@ impl Conn {
         self.parked.store(false, Ordering::SeqCst);
         let r = r?;
         if r.writable && backlog {
+            if self.t.push_out().is_err() {
+                self.kill();
+                return Ok(());
+            }
             self.flush_replies();
         }
         Ok(())

@@ -52,11 +52,7 @@ impl Read for Hs<'_> {
             match self.t.try_read(buf)? {
                 crate::transport::Io::Done(n) => return Ok(n),
                 crate::transport::Io::Blocked { write } => {
-                    let left = self.deadline.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        return Err(io::ErrorKind::TimedOut.into());
-                    }
-                    self.t.wait(!write, write, Some(left))?;
+                    self.t.wait_by(!write, write, self.deadline)?;
                 }
             }
         }

@@ -64,6 +64,9 @@ fn acceptor() -> crate::Result<SslAcceptorBuilder> {
     let mut b = SslAcceptor::mozilla_intermediate_v5(SslMethod::tls_server())
         .map_err(|e| err(format!("TLS: {e}")))?;
     b.set_options(SslOptions::CIPHER_SERVER_PREFERENCE);
+    // Read whatever has arrived into the record buffer at once, not a
+    // record's header and then its body (two system calls per record).
+    b.set_read_ahead(true);
     Ok(b)
 }
 

@@ -44,8 +44,77 @@ pub(crate) struct Ready {
 /// least this large is sealed straight from where it lies.
 const TLS_RECORD_BYTES: usize = 16 << 10;
 
+/// Sealed records waiting for the socket, at most (past it, OpenSSL is
+/// told to retry: the session's writes stop until the socket drains).
+const TLS_OUT_BYTES: usize = 256 << 10;
+
+/// The socket as OpenSSL sees it: records it seals are gathered here and
+/// leave in one `send` of up to [`TLS_OUT_BYTES`] instead of one system
+/// call per 16 KiB record (which cost the server and the client a wake-up
+/// each). Reads go straight to the socket (OpenSSL reads ahead).
+struct SealedOut {
+    sock: Stream,
+    out: Vec<u8>,
+    sent: usize,
+}
+
+impl SealedOut {
+    fn pending(&self) -> usize {
+        self.out.len() - self.sent
+    }
+
+    /// Send what is gathered, without blocking; `Ok` even when the socket
+    /// takes only part (the rest waits for the next call).
+    fn push(&mut self) -> io::Result<()> {
+        while self.sent < self.out.len() {
+            match (&self.sock).write(&self.out[self.sent..]) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => self.sent += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        if self.sent == self.out.len() {
+            self.out.clear();
+            self.sent = 0;
+        }
+        Ok(())
+    }
+}
+
+impl Read for SealedOut {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        (&self.sock).read(buf)
+    }
+}
+
+impl Write for SealedOut {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        if self.pending() + buf.len() > TLS_OUT_BYTES {
+            self.push()?;
+            if self.pending() + buf.len() > TLS_OUT_BYTES && self.pending() > 0 {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+        }
+        if self.sent > 0 && self.sent == self.out.len() {
+            self.out.clear();
+            self.sent = 0;
+        }
+        self.out.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    /// OpenSSL flushes at the end of each handshake flight: send what the
+    /// socket takes now; the rest goes as the caller waits for the socket
+    /// (every wait includes "writable" while records are pending).
+    fn flush(&mut self) -> io::Result<()> {
+        self.push()
+    }
+}
+
 struct Tls {
-    ssl: SslStream<Stream>,
+    ssl: SslStream<SealedOut>,
     /// Small pieces gathered for one record (OpenSSL has no vectored
     /// write), and how much of it OpenSSL has taken.
     stage: Vec<u8>,
@@ -61,6 +130,17 @@ impl Tls {
     /// second copy; and after `WANT_WRITE` OpenSSL gets the same bytes
     /// again (at least as many), as it requires of a retried write.
     fn write(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<Io> {
+        let r = self.seal(bufs);
+        self.ssl.get_mut().push()?;
+        r
+    }
+
+    /// Sealed records not yet taken by the socket.
+    fn pending(&self) -> bool {
+        self.ssl.get_ref().pending() > 0
+    }
+
+    fn seal(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<Io> {
         let mut done = 0usize;
         loop {
             let r = if self.staged_sent < self.stage.len() {
@@ -155,6 +235,21 @@ impl Transport {
     /// Whether the session runs under TLS.
     pub(crate) fn is_tls(&self) -> bool {
         self.tls.get().is_some()
+    }
+
+    /// Whether sealed TLS records wait for the socket (the connection's
+    /// thread then waits for "writable" too, and calls
+    /// [`Transport::push_out`]).
+    pub(crate) fn pending_out(&self) -> bool {
+        self.tls.get().is_some_and(|t| t.lock().pending())
+    }
+
+    /// Send sealed TLS records waiting for the socket, without blocking.
+    pub(crate) fn push_out(&self) -> io::Result<()> {
+        match self.tls.get() {
+            Some(t) => t.lock().ssl.get_mut().push(),
+            None => Ok(()),
+        }
     }
 
     /// Shut both directions down: a thread waiting on it wakes up, and
@@ -311,7 +406,10 @@ impl Transport {
         Ok(())
     }
 
-    fn wait_by(&self, read: bool, write: bool, deadline: Instant) -> io::Result<()> {
+    /// Wait for the socket up to `deadline`; records pending in the TLS
+    /// session's buffer are sent as the socket drains meanwhile.
+    pub(crate) fn wait_by(&self, read: bool, write: bool, deadline: Instant) -> io::Result<()> {
+        self.push_out()?;
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(io::Error::new(
@@ -319,7 +417,12 @@ impl Transport {
                 "the deadline passed",
             ));
         }
-        self.wait(read, write, Some(left)).map(|_| ())
+        let write = write || self.pending_out();
+        let r = self.wait(read, write, Some(left))?;
+        if r.writable {
+            self.push_out()?;
+        }
+        Ok(())
     }
 
     /// Run the server side of a TLS handshake on the socket, all of it
@@ -330,35 +433,55 @@ impl Transport {
             return Err(io::Error::other("TLS is already running"));
         }
         let ssl = Ssl::new(acceptor.context()).map_err(io::Error::other)?;
-        let mut mid = match ssl.accept(self.sock.try_clone()?) {
+        let sock = SealedOut {
+            sock: self.sock.try_clone()?,
+            out: Vec::new(),
+            sent: 0,
+        };
+        let mut mid = match ssl.accept(sock) {
             Ok(s) => return self.set_tls(s),
             Err(HandshakeError::WouldBlock(m)) => m,
             Err(HandshakeError::SetupFailure(e)) => return Err(io::Error::other(e)),
-            Err(HandshakeError::Failure(m)) => {
+            Err(HandshakeError::Failure(mut m)) => {
+                // The alert, so the client learns why.
+                let _ = m.get_mut().push();
                 return Err(io::Error::new(
                     io::ErrorKind::PermissionDenied,
                     format!("TLS handshake failed: {}", m.error()),
-                ))
+                ));
             }
         };
         loop {
-            let write = mid.error().code() == ErrorCode::WANT_WRITE;
-            self.wait_by(!write, write, deadline)?;
+            // Records of the last flight may still be gathered: wait for
+            // the socket to take them as well as for the client's answer.
+            mid.get_mut().push()?;
+            let write = mid.error().code() == ErrorCode::WANT_WRITE || mid.get_ref().pending() > 0;
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the deadline passed",
+                ));
+            }
+            self.wait(true, write, Some(left))?;
+            mid.get_mut().push()?;
             match mid.handshake() {
                 Ok(s) => return self.set_tls(s),
                 Err(HandshakeError::WouldBlock(m)) => mid = m,
                 Err(HandshakeError::SetupFailure(e)) => return Err(io::Error::other(e)),
-                Err(HandshakeError::Failure(m)) => {
+                Err(HandshakeError::Failure(mut m)) => {
+                    let _ = m.get_mut().push();
                     return Err(io::Error::new(
                         io::ErrorKind::PermissionDenied,
                         format!("TLS handshake failed: {}", m.error()),
-                    ))
+                    ));
                 }
             }
         }
     }
 
-    fn set_tls(&self, ssl: SslStream<Stream>) -> io::Result<()> {
+    fn set_tls(&self, mut ssl: SslStream<SealedOut>) -> io::Result<()> {
+        ssl.get_mut().push()?;
         self.tls
             .set(Mutex::new(Tls {
                 ssl,
@@ -368,10 +491,13 @@ impl Transport {
             .map_err(|_| io::Error::other("TLS is already running"))
     }
 
-    /// Send TLS's close_notify, if it can leave without waiting.
+    /// Send TLS's close_notify (and whatever is still gathered), if it
+    /// can leave without waiting.
     pub(crate) fn close_tls(&self) {
         if let Some(tls) = self.tls.get() {
-            let _ = tls.lock().ssl.shutdown();
+            let mut t = tls.lock();
+            let _ = t.ssl.shutdown();
+            let _ = t.ssl.get_mut().push();
         }
     }
 }
