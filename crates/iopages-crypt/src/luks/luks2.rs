@@ -145,8 +145,15 @@ impl BinHeader {
 }
 
 /// Read and check the header copy at `offset`: magic, version, size,
-/// offset, checksum, JSON.
-fn read_copy(dev: &Dev<'_>, offset: u64, secondary: bool) -> Result<(BinHeader, Value), LuksError> {
+/// offset, checksum, the JSON area's framing, and the metadata rules
+/// cryptsetup checks before it uses a copy ([`validate`]). A copy that
+/// fails any of them is not used (the other copy may be).
+fn read_copy(
+    dev: &Dev<'_>,
+    offset: u64,
+    secondary: bool,
+    max_keyslots: usize,
+) -> Result<(BinHeader, Value), LuksError> {
     let which = if secondary { "secondary" } else { "primary" };
     let what =
         |m: String| LuksError::Corrupt(format!("LUKS2 {which} header at offset {offset}: {m}"));
@@ -170,6 +177,12 @@ fn read_copy(dev: &Dev<'_>, offset: u64, secondary: bool) -> Result<(BinHeader, 
             "header size {hdr_size} is not one the spec allows (16 KiB to 4 MiB, a power of two)"
         )));
     }
+    if secondary && hdr_size != offset {
+        return Err(what(format!(
+            "header size {hdr_size} does not match its offset (the secondary copy sits right \
+             after a primary of the same size)"
+        )));
+    }
     let hdr_offset = be64(&b, OFF_HDR_OFFSET);
     if hdr_offset != offset {
         return Err(what(format!("it says it lives at offset {hdr_offset}")));
@@ -190,15 +203,7 @@ fn read_copy(dev: &Dev<'_>, offset: u64, secondary: bool) -> Result<(BinHeader, 
             "bad checksum ({checksum_alg} over the {hdr_size}-byte header area does not match)"
         )));
     }
-    let json_area = &area[BIN_HEADER_BYTES..];
-    let end = json_area
-        .iter()
-        .position(|&c| c == 0)
-        .ok_or_else(|| what("the JSON area is not NUL-terminated".to_string()))?;
-    let text_json = std::str::from_utf8(&json_area[..end])
-        .map_err(|e| what(format!("bad JSON: not UTF-8 ({e})")))?;
-    let json: Value =
-        serde_json::from_str(text_json).map_err(|e| what(format!("bad JSON: {e}")))?;
+    let json = json_text(&area[BIN_HEADER_BYTES..]).map_err(what)?;
     let header = BinHeader {
         secondary,
         hdr_size,
@@ -214,24 +219,144 @@ fn read_copy(dev: &Dev<'_>, offset: u64, secondary: bool) -> Result<(BinHeader, 
         subsystem: text(&b, OFF_SUBSYSTEM, 48, "subsystem")?,
         hdr_offset,
     };
-    // config.json_size must describe this header's JSON area.
-    let json_size = json
-        .get("config")
-        .and_then(|c| c.get("json_size"))
-        .and_then(Value::as_str)
-        .and_then(|s| s.parse::<u64>().ok());
-    if json_size != Some(hdr_size - BIN_HEADER_BYTES as u64) {
-        return Err(what(format!(
-            "config.json_size {json_size:?} does not match the header size {hdr_size}"
-        )));
-    }
+    validate(&json, hdr_size, max_keyslots).map_err(|e| match e {
+        LuksError::Corrupt(m) => what(m.strip_prefix("LUKS2 ").unwrap_or(&m).to_string()),
+        other => other,
+    })?;
     Ok((header, json))
 }
 
+/// The JSON area's framing, as cryptsetup reads it: the text starts at
+/// the area's first byte with `{`, is one JSON object, and every byte
+/// after it to the end of the area is zero (so the text is
+/// NUL-terminated and nothing hides behind it).
+fn json_text(json_area: &[u8]) -> Result<Value, String> {
+    let first = json_area.first().copied().unwrap_or(0);
+    if first != b'{' {
+        return Err(format!(
+            "the JSON area starts with byte 0x{first:02x}: the metadata must start at its first \
+             byte with '{{'"
+        ));
+    }
+    let nul = json_area
+        .iter()
+        .position(|&c| c == 0)
+        .ok_or_else(|| "the JSON area is not NUL-terminated".to_string())?;
+    let mut stream = serde_json::Deserializer::from_slice(&json_area[..nul]).into_iter::<Value>();
+    let json = match stream.next() {
+        Some(Ok(v)) => v,
+        Some(Err(e)) => return Err(format!("bad JSON: {e}")),
+        None => return Err("bad JSON: empty".to_string()),
+    };
+    let end = stream.byte_offset();
+    if let Some(p) = json_area[end..].iter().position(|&c| c != 0) {
+        return Err(format!(
+            "byte 0x{:02x} at offset {} of the JSON area, after the JSON text (which ends at \
+             {end}): every byte after the JSON text must be zero",
+            json_area[end + p],
+            end + p
+        ));
+    }
+    Ok(json)
+}
+
+/// What the primary header area holds when it is not a LUKS2 header:
+/// other formats' signatures, each named with its offset (empty when
+/// there is none: a merely damaged or wiped primary). The probes are
+/// blkid's magics for the formats that replace a LUKS volume most often.
+fn foreign_signatures(dev: &Dev<'_>) -> Vec<String> {
+    let rd = |off: u64, len: usize| -> Option<Vec<u8>> {
+        let mut b = vec![0u8; len];
+        dev.read_at(off, &mut b).ok().map(|()| b)
+    };
+    let is = |off: u64, magic: &[u8]| rd(off, magic.len()).is_some_and(|b| b == magic);
+    let mut found = Vec::new();
+    let head = rd(0, 8).unwrap_or_default();
+    // A damaged LUKS2 primary keeps its magic; its first 512 bytes are
+    // header fields and checksum, not another format's boot sector.
+    let luks2_primary = head.len() == 8 && head[..6] == MAGIC && head[6..8] == [0, 2];
+    if head.len() == 8 && head[..6] == MAGIC && head[6..8] == [0, 1] {
+        found.push("a LUKS1 header (\"LUKS\\xba\\xbe\" version 1 at offset 0)".to_string());
+    }
+    if is(0, b"XFSB") {
+        found.push("an XFS superblock (\"XFSB\" at offset 0)".to_string());
+    }
+    for sector in 0..4u64 {
+        let at = sector * 512;
+        if let Some(b) = rd(at, 32) {
+            if &b[..8] == b"LABELONE" && &b[24..32] == b"LVM2 001" {
+                found.push(format!(
+                    "an LVM2 physical volume label (\"LABELONE\" at offset {at}, type \"LVM2 001\" \
+                     at offset {})",
+                    at + 24
+                ));
+            }
+        }
+    }
+    if is(1024 + 56, &[0x53, 0xef]) {
+        found.push("an ext2/ext3/ext4 superblock (magic 0xEF53 at offset 1080)".to_string());
+    }
+    for page in [4096u64, 8192, 16384, 65536] {
+        for magic in [&b"SWAPSPACE2"[..], b"SWAP-SPACE"] {
+            if is(page - 10, magic) {
+                found.push(format!(
+                    "a swap signature (\"{}\" at offset {})",
+                    String::from_utf8_lossy(magic),
+                    page - 10
+                ));
+            }
+        }
+    }
+    if is(65536 + 64, b"_BHRfS_M") {
+        found.push("a btrfs superblock (\"_BHRfS_M\" at offset 65600)".to_string());
+    }
+    const MD_MAGIC: [u8; 4] = [0xfc, 0x4e, 0x2b, 0xa9];
+    let size = dev.size();
+    let mut md = vec![(0u64, "1.1"), (4096, "1.2")];
+    if size >= 65536 * 2 {
+        md.push(((size & !65535) - 65536, "0.90"));
+    }
+    if size >= 8192 * 2 {
+        md.push(((size - 8192) & !4095, "1.0"));
+    }
+    for (at, v) in md {
+        if is(at, &MD_MAGIC) {
+            found.push(format!(
+                "an MD RAID superblock (version {v}, magic 0xa92b4efc at offset {at})"
+            ));
+        }
+    }
+    if is(512, b"EFI PART") {
+        found.push("a GPT partition table (\"EFI PART\" at offset 512)".to_string());
+    }
+    if !luks2_primary {
+        if is(3, b"NTFS    ") {
+            found.push("an NTFS boot sector (\"NTFS\" at offset 3)".to_string());
+        }
+        if is(510, &[0x55, 0xaa]) {
+            let fat = is(82, b"FAT32") || is(54, b"FAT12") || is(54, b"FAT16") || is(54, b"FAT  ");
+            found.push(if fat {
+                "a FAT filesystem boot sector (0x55AA at offset 510, \"FAT\" type)".to_string()
+            } else {
+                "a DOS/MBR boot signature (0x55AA at offset 510: a partition table or boot \
+                 sector)"
+                    .to_string()
+            });
+        }
+    }
+    found
+}
+
 /// Find the header copy to use. Returns it, its JSON, and whether it is
-/// the secondary.
-pub(crate) fn load(dev: &Dev<'_>) -> Result<(BinHeader, Value, bool), LuksError> {
-    let primary = read_copy(dev, 0, false);
+/// the secondary. The secondary is used when it is newer, or when the
+/// primary is unusable and its area carries no other format's signature
+/// (or `allow_secondary_header` says to use it anyway).
+pub(crate) fn load(
+    dev: &Dev<'_>,
+    max_keyslots: usize,
+    allow_secondary_header: bool,
+) -> Result<(BinHeader, Value, bool), LuksError> {
+    let primary = read_copy(dev, 0, false, max_keyslots);
     let offsets: Vec<u64> = match &primary {
         Ok((h, _)) => vec![h.hdr_size],
         Err(_) => HDR_SIZES.to_vec(),
@@ -243,7 +368,7 @@ pub(crate) fn load(dev: &Dev<'_>) -> Result<(BinHeader, Value, bool), LuksError>
         if dev.read_at(off, &mut magic).is_err() || magic != MAGIC_SECONDARY {
             continue;
         }
-        match read_copy(dev, off, true) {
+        match read_copy(dev, off, true, max_keyslots) {
             Ok(s) => {
                 secondary = Some(s);
                 break;
@@ -262,9 +387,27 @@ pub(crate) fn load(dev: &Dev<'_>) -> Result<(BinHeader, Value, bool), LuksError>
             }
         }
         (Ok((p, pj)), None) => Ok((p, pj, false)),
-        (Err(_), Some((s, sj))) => Ok((s, sj, true)),
+        (Err(pe), Some((s, sj))) => {
+            let found = foreign_signatures(dev);
+            if found.is_empty() || allow_secondary_header {
+                return Ok((s, sj, true));
+            }
+            Err(LuksError::AmbiguousSignatures(format!(
+                "the LUKS2 primary header is not usable ({pe}) and the primary header area now \
+                 holds {}: the device was probably reformatted. Not falling back to the old \
+                 LUKS2 secondary header at offset {} (cryptsetup refuses too: \"Device contains \
+                 ambiguous signatures, cannot auto-recover LUKS2\"): writing through it would \
+                 overwrite the other format's data. To use the LUKS2 volume on purpose, open it \
+                 with LuksOpenOptions::allow_secondary_header, or remove the other signature \
+                 (wipefs) and let `cryptsetup repair` rewrite the primary header from the \
+                 secondary",
+                found.join(" and "),
+                s.hdr_offset
+            )))
+        }
         (Err(LuksError::Corrupt(m)), None) => {
             let second = match secondary_error {
+                Some(LuksError::Corrupt(m2)) => m2,
                 Some(e) => format!("secondary header: {e}"),
                 None => "no LUKS2 secondary header found either".to_string(),
             };
@@ -274,10 +417,363 @@ pub(crate) fn load(dev: &Dev<'_>) -> Result<(BinHeader, Value, bool), LuksError>
     }
 }
 
-/// Read, choose and plan the LUKS2 header of `dev`.
-pub(crate) fn parse(dev: &Dev<'_>, max_keyslots: usize) -> Result<Parsed, LuksError> {
-    let (h, json, used_secondary) = load(dev)?;
-    plan(&h, &json, used_secondary, max_keyslots)
+/// Read, choose and plan the LUKS2 header of `dev`; a device too short
+/// for both header copies and the whole keyslots area is refused.
+pub(crate) fn parse(
+    dev: &Dev<'_>,
+    max_keyslots: usize,
+    allow_secondary_header: bool,
+) -> Result<Parsed, LuksError> {
+    let (h, json, used_secondary) = load(dev, max_keyslots, allow_secondary_header)?;
+    let parsed = plan(&h, &json, used_secondary, max_keyslots)?;
+    // validate() checked that keyslots_size is a number of at most 128 MiB.
+    let keyslots_size = json
+        .get("config")
+        .and_then(|c| c.get("keyslots_size"))
+        .and_then(Value::as_str)
+        .and_then(decimal)
+        .unwrap_or(0);
+    let needed = 2 * h.hdr_size + keyslots_size;
+    if dev.size() < needed {
+        return Err(LuksError::Truncated {
+            needed,
+            have: dev.size(),
+        });
+    }
+    Ok(parsed)
+}
+
+// ---- cryptsetup's metadata rules (LUKS2_hdr_validate) ----------------
+
+/// Largest `config.keyslots_size` cryptsetup accepts (128 MiB).
+const MAX_KEYSLOTS_SIZE: u64 = 128 << 20;
+
+/// A decimal number as the spec writes offsets and sizes: ASCII digits
+/// only (no sign, no space), within u64.
+fn decimal(s: &str) -> Option<u64> {
+    if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    s.parse().ok()
+}
+
+/// An object key that must be a number ("0", "1"...): digits only, no
+/// leading zero.
+fn numbered(key: &str, section: &str) -> Result<u32, LuksError> {
+    let ok = decimal(key).is_some() && (key == "0" || !key.starts_with('0'));
+    match key.parse::<u32>() {
+        Ok(n) if ok => Ok(n),
+        _ => Err(corrupt(
+            section,
+            &format!("has a key {key:?} that is not a number (0, 1, 2...)"),
+        )),
+    }
+}
+
+/// `m[key]` is an array of strings, each naming a member of `section`.
+fn refs(
+    m: &Map<String, Value>,
+    key: &str,
+    path: &str,
+    section: &Map<String, Value>,
+    section_name: &str,
+) -> Result<(), LuksError> {
+    let p = format!("{path}.{key}");
+    let arr = field(m, key, path)?
+        .as_array()
+        .ok_or_else(|| corrupt(&p, "is not an array"))?;
+    for (i, v) in arr.iter().enumerate() {
+        let name = v
+            .as_str()
+            .ok_or_else(|| corrupt(&format!("{p}[{i}]"), &format!("{v} is not a string")))?;
+        if !section.get(name).is_some_and(Value::is_object) {
+            return Err(corrupt(
+                &format!("{p}[{i}]"),
+                &format!("names {section_name} {name:?}, which does not exist"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// An optional member that, when present, is an array of strings.
+fn string_array_opt(m: &Map<String, Value>, key: &str, path: &str) -> Result<(), LuksError> {
+    let Some(v) = m.get(key) else {
+        return Ok(());
+    };
+    let p = format!("{path}.{key}");
+    let arr = v.as_array().ok_or_else(|| corrupt(&p, "is not an array"))?;
+    for (i, x) in arr.iter().enumerate() {
+        if !x.is_string() {
+            return Err(corrupt(
+                &p,
+                &format!("holds something that is not a string ({x} at index {i})"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Whether `digests` lists `name` under `member` (`keyslots`,
+/// `segments`), and how many do.
+fn listing(digests: &Map<String, Value>, member: &str, name: &str) -> usize {
+    digests
+        .values()
+        .filter(|d| {
+            d.get(member)
+                .and_then(Value::as_array)
+                .is_some_and(|a| a.iter().any(|x| x.as_str() == Some(name)))
+        })
+        .count()
+}
+
+/// The metadata rules cryptsetup checks on a header copy before it uses
+/// it (its `LUKS2_hdr_validate` and the keyslot validation after it):
+/// section shapes, numbered keys, references between sections, segment
+/// offsets and sizes, `config` (json_size, keyslots_size), and keyslot
+/// areas inside the keyslots area without overlap. What a valid header
+/// may hold that this crate does not implement (ciphers, KDFs, segment
+/// types...) is left to [`plan`]. More than `max_keyslots` keyslots is
+/// refused first, before any is looked at.
+fn validate(json: &Value, hdr_size: u64, max_keyslots: usize) -> Result<(), LuksError> {
+    let root = obj(json, "the top level")?;
+    let keyslots = obj(field(root, "keyslots", "")?, "keyslots")?;
+    check_keyslot_count(keyslots.len(), max_keyslots)?;
+    let tokens = obj(field(root, "tokens", "")?, "tokens")?;
+    let digests = obj(field(root, "digests", "")?, "digests")?;
+    let segments = obj(field(root, "segments", "")?, "segments")?;
+    let config = obj(field(root, "config", "")?, "config")?;
+
+    for (key, t) in tokens {
+        numbered(key, "tokens")?;
+        let path = format!("tokens.{key}");
+        let t = obj(t, &path)?;
+        str_of(t, "type", &path)?;
+        refs(t, "keyslots", &path, keyslots, "keyslot")?;
+    }
+
+    for (key, d) in digests {
+        numbered(key, "digests")?;
+        let path = format!("digests.{key}");
+        let d = obj(d, &path)?;
+        str_of(d, "type", &path)?;
+        refs(d, "keyslots", &path, keyslots, "keyslot")?;
+        refs(d, "segments", &path, segments, "segment")?;
+    }
+
+    if segments.is_empty() {
+        return Err(corrupt("segments", "is empty: no data segment"));
+    }
+    // The lowest crypt segment offset; 0 (a detached header) ends the
+    // search, as in cryptsetup.
+    let mut data_offset: Option<u64> = None;
+    for (key, s) in segments {
+        numbered(key, "segments")?;
+        let path = format!("segments.{key}");
+        let s = obj(s, &path)?;
+        let ty = str_of(s, "type", &path)?;
+        let offset = u64_str(s, "offset", &path)?;
+        let size = match str_of(s, "size", &path)? {
+            "dynamic" => None,
+            _ => Some(u64_str(s, "size", &path)?),
+        };
+        if !offset.is_multiple_of(512) {
+            return Err(corrupt(
+                &format!("{path}.offset"),
+                &format!("{offset} is not aligned to 512-byte sectors"),
+            ));
+        }
+        if let Some(size) = size {
+            if size == 0 || !size.is_multiple_of(512) {
+                return Err(corrupt(
+                    &format!("{path}.size"),
+                    &format!("{size} is not a positive multiple of 512 bytes"),
+                ));
+            }
+        }
+        string_array_opt(s, "flags", &path)?;
+        if ty == "crypt" {
+            let tweak = str_of(s, "iv_tweak", &path)?;
+            if decimal(tweak).is_none() {
+                return Err(corrupt(
+                    &format!("{path}.iv_tweak"),
+                    &format!("{tweak:?} is not a decimal number"),
+                ));
+            }
+            str_of(s, "encryption", &path)?;
+            let sector = num_u32(s, "sector_size", &path)?;
+            if sector == 0 || !sector.is_multiple_of(512) {
+                return Err(corrupt(
+                    &format!("{path}.sector_size"),
+                    &format!("{sector} is not a positive multiple of 512"),
+                ));
+            }
+            if let Some(size) = size {
+                if !size.is_multiple_of(u64::from(sector)) {
+                    return Err(corrupt(
+                        &format!("{path}.size"),
+                        &format!("{size} is not a multiple of the {sector}-byte sector size"),
+                    ));
+                }
+            }
+            if listing(digests, "segments", key) == 0 {
+                return Err(corrupt(&path, "is not assigned to any digest"));
+            }
+            if data_offset != Some(0) {
+                data_offset = Some(data_offset.map_or(offset, |o| o.min(offset)));
+            }
+        }
+    }
+
+    for (key, k) in keyslots {
+        numbered(key, "keyslots")?;
+        let path = format!("keyslots.{key}");
+        let k = obj(k, &path)?;
+        let ty = str_of(k, "type", &path)?;
+        num_u32(k, "key_size", &path)?;
+        if ty != "luks2" {
+            continue;
+        }
+        let kdf_path = format!("{path}.kdf");
+        let kdf = obj(field(k, "kdf", &path)?, &kdf_path)?;
+        match str_of(kdf, "type", &kdf_path)? {
+            "pbkdf2" => {
+                str_of(kdf, "hash", &kdf_path)?;
+                num_u32(kdf, "iterations", &kdf_path)?;
+                str_of(kdf, "salt", &kdf_path)?;
+            }
+            "argon2i" | "argon2id" => {
+                num_u32(kdf, "time", &kdf_path)?;
+                num_u32(kdf, "memory", &kdf_path)?;
+                num_u32(kdf, "cpus", &kdf_path)?;
+                str_of(kdf, "salt", &kdf_path)?;
+            }
+            _ => {}
+        }
+        let af_path = format!("{path}.af");
+        let af = obj(field(k, "af", &path)?, &af_path)?;
+        let af_ty = str_of(af, "type", &af_path)?;
+        if af_ty != "luks1" {
+            return Err(corrupt(
+                &format!("{af_path}.type"),
+                &format!("{af_ty:?} is not an AF type (only \"luks1\" exists)"),
+            ));
+        }
+        str_of(af, "hash", &af_path)?;
+        num_u32(af, "stripes", &af_path)?;
+        let area_path = format!("{path}.area");
+        let area = obj(field(k, "area", &path)?, &area_path)?;
+        let area_ty = str_of(area, "type", &area_path)?;
+        if area_ty != "raw" {
+            return Err(corrupt(
+                &format!("{area_path}.type"),
+                &format!("{area_ty:?} is not a luks2 keyslot area type (only \"raw\")"),
+            ));
+        }
+        str_of(area, "encryption", &area_path)?;
+        num_u32(area, "key_size", &area_path)?;
+        let n = listing(digests, "keyslots", key);
+        if n != 1 {
+            return Err(corrupt(
+                &path,
+                &format!("is assigned to {n} digests: a keyslot belongs to exactly one digest"),
+            ));
+        }
+    }
+
+    let json_size = u64_str(config, "json_size", "config")?;
+    if json_size != hdr_size - BIN_HEADER_BYTES as u64 {
+        return Err(corrupt(
+            "config.json_size",
+            &format!(
+                "{json_size} does not match the binary header's hdr_size {hdr_size} (json_size \
+                 must be hdr_size - 4096 = {})",
+                hdr_size - BIN_HEADER_BYTES as u64
+            ),
+        ));
+    }
+    let keyslots_size = u64_str(config, "keyslots_size", "config")?;
+    if !keyslots_size.is_multiple_of(4096) || keyslots_size > MAX_KEYSLOTS_SIZE {
+        return Err(corrupt(
+            "config.keyslots_size",
+            &format!(
+                "{keyslots_size} is not a multiple of 4096 bytes of at most {MAX_KEYSLOTS_SIZE}"
+            ),
+        ));
+    }
+    let areas_start = 2 * hdr_size;
+    let areas_end = areas_start + keyslots_size;
+    if let Some(off) = data_offset.filter(|&o| o != 0) {
+        if off < areas_end {
+            return Err(corrupt(
+                "config.keyslots_size",
+                &format!(
+                    "{keyslots_size}: the keyslots area [{areas_start}, {areas_end}) after the two \
+                     {hdr_size}-byte header copies runs past the data segment at offset {off}"
+                ),
+            ));
+        }
+    }
+    string_array_opt(config, "flags", "config")?;
+    if let Some(req) = config.get("requirements") {
+        let req = obj(req, "config.requirements")?;
+        string_array_opt(req, "mandatory", "config.requirements")?;
+    }
+
+    // Keyslot areas: inside [2 × hdr_size, 2 × hdr_size + keyslots_size),
+    // not empty, not overlapping.
+    let mut areas = Vec::with_capacity(keyslots.len());
+    for (key, k) in keyslots {
+        let path = format!("keyslots.{key}.area");
+        let area = obj(
+            field(obj(k, &path)?, "area", &format!("keyslots.{key}"))?,
+            &path,
+        )?;
+        let offset = u64_str(area, "offset", &path)?;
+        let size = u64_str(area, "size", &path)?;
+        if offset < areas_start {
+            return Err(corrupt(
+                &format!("{path}.offset"),
+                &format!(
+                    "{offset} is inside the two {hdr_size}-byte header copies (the keyslots area \
+                     starts at {areas_start})"
+                ),
+            ));
+        }
+        if size == 0 {
+            return Err(corrupt(
+                &format!("{path}.size"),
+                "is 0: an area cannot be empty",
+            ));
+        }
+        let end = offset.checked_add(size).ok_or_else(|| {
+            corrupt(
+                &format!("{path}.size"),
+                &format!("{size} at offset {offset}: the area's end overflows"),
+            )
+        })?;
+        if end > areas_end {
+            return Err(corrupt(
+                &path,
+                &format!(
+                    "[{offset}, {end}) runs past the end of the keyslots area at {areas_end} \
+                     (2 × hdr_size {hdr_size} + config.keyslots_size {keyslots_size})"
+                ),
+            ));
+        }
+        areas.push((offset, end, key.as_str()));
+    }
+    areas.sort_unstable();
+    for w in areas.windows(2) {
+        let ((a0, a1, ak), (b0, b1, bk)) = (w[0], w[1]);
+        if b0 < a1 {
+            return Err(corrupt(
+                &format!("keyslots.{ak}.area"),
+                &format!("[{a0}, {a1}) overlaps keyslots.{bk}.area [{b0}, {b1})"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 // ---- JSON access, every shape checked -------------------------------
@@ -310,8 +806,12 @@ fn str_of<'a>(m: &'a Map<String, Value>, key: &str, path: &str) -> Result<&'a st
 /// A u64 the spec writes as a decimal string (offsets, sizes).
 fn u64_str(m: &Map<String, Value>, key: &str, path: &str) -> Result<u64, LuksError> {
     let s = str_of(m, key, path)?;
-    s.parse::<u64>()
-        .map_err(|_| corrupt(&format!("{path}.{key}"), &format!("{s:?} is not a number")))
+    decimal(s).ok_or_else(|| {
+        corrupt(
+            &format!("{path}.{key}"),
+            &format!("{s:?} is not a number (decimal digits, at most 2^64 - 1)"),
+        )
+    })
 }
 
 /// A number the spec writes as a JSON integer.
@@ -343,8 +843,7 @@ fn hash_of(m: &Map<String, Value>, key: &str, path: &str) -> Result<Hash, LuksEr
 }
 
 fn id_of(key: &str, path: &str) -> Result<u32, LuksError> {
-    key.parse::<u32>()
-        .map_err(|_| corrupt(path, &format!("has a key {key:?} that is not a number")))
+    numbered(key, path)
 }
 
 fn id_list(m: &Map<String, Value>, key: &str, path: &str) -> Result<Vec<u32>, LuksError> {
@@ -408,6 +907,12 @@ fn parse_segment(json: &Map<String, Value>, hdr_size: u64) -> Result<SegmentJson
         )));
     }
     let offset = u64_str(s, "offset", &path)?;
+    if offset == 0 {
+        return Err(LuksError::Unsupported(format!(
+            "detached header: {path}.offset is 0, so the data lives on another device than \
+             this header (cryptsetup --header); detached LUKS2 headers are not supported"
+        )));
+    }
     if offset < 2 * hdr_size {
         return Err(corrupt(
             &format!("{path}.offset"),
@@ -562,7 +1067,10 @@ fn plan_keyslot(
     if area_size < area_len {
         return Err(corrupt(
             &format!("{area_path}.size"),
-            &format!("{area_size} cannot hold {stripes} stripes of {key_bytes} bytes"),
+            &format!(
+                "{area_size} cannot hold the AF-split key material: {stripes} stripes of \
+                 {key_bytes} bytes need {area_len} bytes (whole 512-byte sectors)"
+            ),
         ));
     }
     if area_offset < 2 * hdr_size || area_offset.saturating_add(area_len) > seg.offset {
@@ -644,6 +1152,17 @@ fn check_requirements(config: &Map<String, Value>) -> Result<(), LuksError> {
     Ok(())
 }
 
+fn check_keyslot_count(n: usize, max_keyslots: usize) -> Result<(), LuksError> {
+    if n > max_keyslots {
+        return Err(LuksError::OverLimit(format!(
+            "the LUKS2 header has {n} keyslots, over the limit of {max_keyslots} \
+             (KdfLimits::max_keyslots; cryptsetup's LUKS2_KEYSLOTS_MAX is {})",
+            super::LUKS2_KEYSLOTS_MAX
+        )));
+    }
+    Ok(())
+}
+
 /// Check the metadata and turn it into a slot plan; a header with more
 /// than `max_keyslots` keyslots is refused before any is planned.
 pub(crate) fn plan(
@@ -658,14 +1177,7 @@ pub(crate) fn plan(
     let seg = parse_segment(root, h.hdr_size)?;
     let digests = parse_digests(root)?;
     let keyslots = obj(field(root, "keyslots", "")?, "keyslots")?;
-    if keyslots.len() > max_keyslots {
-        return Err(LuksError::OverLimit(format!(
-            "the LUKS2 header has {} keyslots, over the limit of {max_keyslots} \
-             (KdfLimits::max_keyslots; cryptsetup's LUKS2_KEYSLOTS_MAX is {})",
-            keyslots.len(),
-            super::LUKS2_KEYSLOTS_MAX
-        )));
-    }
+    check_keyslot_count(keyslots.len(), max_keyslots)?;
     // (priority, id, slot): priority 2 (high) first, then 1 (normal);
     // 0 (ignore) is never tried, as in cryptsetup.
     let mut order = Vec::new();

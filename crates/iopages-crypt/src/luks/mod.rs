@@ -188,6 +188,14 @@ pub enum LuksError {
     /// The open was cancelled through [`KdfLimits::cancel`].
     #[error("opening the volume was cancelled")]
     Cancelled,
+    /// The LUKS2 primary header is unusable and its area now carries
+    /// another format's signature (an LVM label, a filesystem...): the
+    /// device was probably reformatted, so the old secondary header is
+    /// not used (cryptsetup refuses too). The message names what was found
+    /// and how to recover on purpose
+    /// ([`LuksOpenOptions::allow_secondary_header`]).
+    #[error("ambiguous signatures: {0}")]
+    AmbiguousSignatures(String),
 }
 
 impl From<LuksError> for std::io::Error {
@@ -204,7 +212,9 @@ impl From<LuksError> for std::io::Error {
             LuksError::UnsupportedCipher(_)
             | LuksError::UnsupportedKdf(_)
             | LuksError::Unsupported(_) => ErrorKind::Unsupported,
-            LuksError::Corrupt(_) | LuksError::OverLimit(_) => ErrorKind::InvalidData,
+            LuksError::Corrupt(_) | LuksError::OverLimit(_) | LuksError::AmbiguousSignatures(_) => {
+                ErrorKind::InvalidData
+            }
             LuksError::Truncated { .. } => ErrorKind::UnexpectedEof,
             LuksError::InvalidOptions(_) => ErrorKind::InvalidInput,
             LuksError::Cancelled => ErrorKind::Other,
@@ -726,7 +736,7 @@ fn try_slot(
     }
 }
 
-fn parse(dev: &Dev<'_>, max_keyslots: usize) -> Result<Parsed, LuksError> {
+fn parse(dev: &Dev<'_>, max_keyslots: usize, opts: &LuksOpenOptions) -> Result<Parsed, LuksError> {
     let mut head = [0u8; 8];
     match dev.read_at(0, &mut head) {
         Ok(()) => {}
@@ -741,7 +751,7 @@ fn parse(dev: &Dev<'_>, max_keyslots: usize) -> Result<Parsed, LuksError> {
     }
     if head[..6] == MAGIC && version != 2 {
         // A damaged LUKS2 primary may still have a good secondary copy.
-        return luks2::parse(dev, max_keyslots).map_err(|e| match e {
+        return luks2::parse(dev, max_keyslots, opts.allow_secondary_header).map_err(|e| match e {
             LuksError::Corrupt(m) => LuksError::Corrupt(format!(
                 "LUKS version {version} at offset 0: only versions 1 and 2 exist ({m})"
             )),
@@ -749,7 +759,38 @@ fn parse(dev: &Dev<'_>, max_keyslots: usize) -> Result<Parsed, LuksError> {
         });
     }
     // LUKS2, or a damaged primary header whose secondary copy may live on.
-    luks2::parse(dev, max_keyslots)
+    luks2::parse(dev, max_keyslots, opts.allow_secondary_header)
+}
+
+/// How to open (or inspect) a volume, beyond the passphrase and the
+/// [`KdfLimits`]. `LuksOpenOptions::default()` is what [`open_with`] and
+/// [`inspect`] use.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LuksOpenOptions {
+    /// Use the LUKS2 secondary header even when the primary header area
+    /// carries another format's signature (an LVM2 label, an ext4, XFS or
+    /// btrfs superblock, swap, MD RAID, a partition table...). Off by
+    /// default: such a device was most likely reformatted, and serving
+    /// the old LUKS volume would write over the new format's data, so the
+    /// open fails with [`LuksError::AmbiguousSignatures`] (cryptsetup
+    /// refuses likewise). A primary that is merely damaged or wiped (no
+    /// other signature) falls back to the secondary whatever this says.
+    /// Turn it on only to recover the LUKS2 volume on purpose.
+    pub allow_secondary_header: bool,
+}
+
+impl LuksOpenOptions {
+    /// The defaults: no secondary header over another format's signature.
+    pub fn new() -> Self {
+        LuksOpenOptions::default()
+    }
+
+    /// Set [`Self::allow_secondary_header`].
+    pub fn allow_secondary_header(mut self, yes: bool) -> Self {
+        self.allow_secondary_header = yes;
+        self
+    }
 }
 
 /// Read a volume's header without a passphrase.
@@ -757,7 +798,12 @@ fn parse(dev: &Dev<'_>, max_keyslots: usize) -> Result<Parsed, LuksError> {
 /// **Returns:** the header's description, or the error [`open`] would give
 /// before trying any passphrase.
 pub fn inspect(dev: &File) -> Result<LuksInfo, LuksError> {
-    Ok(parse(&Dev::new(dev)?, LUKS2_KEYSLOTS_MAX)?.info)
+    inspect_with_options(dev, &LuksOpenOptions::default())
+}
+
+/// [`inspect`] with [`LuksOpenOptions`].
+pub fn inspect_with_options(dev: &File, opts: &LuksOpenOptions) -> Result<LuksInfo, LuksError> {
+    Ok(parse(&Dev::new(dev)?, LUKS2_KEYSLOTS_MAX, opts)?.info)
 }
 
 /// Open a LUKS1 or LUKS2 volume with the default [`KdfLimits`]: see
@@ -790,13 +836,39 @@ pub fn open_with(
     passphrase: &[u8],
     limits: &KdfLimits,
 ) -> Result<LuksVolume, LuksError> {
+    open_with_options(dev, passphrase, limits, &LuksOpenOptions::default())
+}
+
+/// [`open_with`] with [`LuksOpenOptions`] (e.g. to open through the LUKS2
+/// secondary header on purpose when the primary area carries another
+/// format's signature).
+pub fn open_with_options(
+    dev: &File,
+    passphrase: &[u8],
+    limits: &KdfLimits,
+    opts: &LuksOpenOptions,
+) -> Result<LuksVolume, LuksError> {
     let dev = Dev::new(dev)?;
     let Parsed {
         info,
         iv_tweak,
         slots,
-    } = parse(&dev, limits.max_keyslots)?;
+    } = parse(&dev, limits.max_keyslots, opts)?;
     limits.check_keyslot_count(info.version, info.keyslots.len())?;
+    if info.version == LuksVersion::Luks2 {
+        // As cryptsetup's activation ("Device is too small"): a LUKS2
+        // volume whose device ends at or before its data offset has no
+        // payload to serve (a truncated image).
+        let needed = info
+            .data_offset_bytes
+            .saturating_add(info.sector_size as u64);
+        if dev.size() < needed {
+            return Err(LuksError::Truncated {
+                needed,
+                have: dev.size(),
+            });
+        }
+    }
     if let Some(size) = info.data_size_bytes {
         let end = info.data_offset_bytes.checked_add(size);
         if end.is_none_or(|end| end > dev.size()) {
@@ -860,8 +932,18 @@ pub fn open_path_with(
     passphrase: &[u8],
     limits: &KdfLimits,
 ) -> Result<LuksVolume, LuksError> {
+    open_path_with_options(path, passphrase, limits, &LuksOpenOptions::default())
+}
+
+/// [`open_with_options`] the file or block device at `path`, read-only.
+pub fn open_path_with_options(
+    path: impl AsRef<Path>,
+    passphrase: &[u8],
+    limits: &KdfLimits,
+    opts: &LuksOpenOptions,
+) -> Result<LuksVolume, LuksError> {
     let f = File::open(path.as_ref())?;
-    open_with(&f, passphrase, limits)
+    open_with_options(&f, passphrase, limits, opts)
 }
 
 /// `s` safe to print on a terminal: control characters (C0, DEL, C1 —
