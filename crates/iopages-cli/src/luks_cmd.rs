@@ -8,7 +8,7 @@
 //! unescaped.
 
 use crate::passphrase::read_passphrase;
-use iopages_crypt::luks::{self, FormatOptions, Hash, KdfLimits, LuksVersion, Pbkdf};
+use iopages_crypt::luks::{self, FormatOptions, Hash, KdfKind, KdfLimits, KdfTarget, LuksVersion};
 use std::io::Write;
 use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -86,19 +86,28 @@ pub struct FormatArgs {
     /// Encryption sector size (4096 only with LUKS2).
     #[arg(long, value_name = "BYTES", default_value_t = 512)]
     sector_size: usize,
-    /// Key derivation of the key slot (LUKS1: pbkdf2 only).
+    /// Key derivation of the key slot (default: argon2id for LUKS2,
+    /// pbkdf2 for LUKS1, which has no other).
     #[arg(long, value_enum)]
     pbkdf: Option<PbkdfArg>,
     /// PBKDF2's hash (and LUKS1's hash spec).
     #[arg(long, value_enum, default_value_t = HashArg::Sha256)]
     hash: HashArg,
-    /// PBKDF2 iterations, or Argon2 passes (time cost).
+    /// Unlock time to aim for, in milliseconds, as cryptsetup's
+    /// --iter-time: the key derivation is benchmarked on this machine and
+    /// its costs scaled to take about this long (Argon2: memory first, up
+    /// to 1 GiB and half the available memory, then passes). Costs given
+    /// with --iterations, --memory or --parallel are kept as given.
+    #[arg(long, value_name = "MS", default_value_t = 2000)]
+    iter_time: u64,
+    /// PBKDF2 iterations, or Argon2 passes (time cost); skips their
+    /// benchmark.
     #[arg(long, value_name = "N")]
     iterations: Option<u32>,
-    /// Argon2 memory cost in KiB.
+    /// Argon2 memory cost in KiB; skips its benchmark.
     #[arg(long, value_name = "KIB")]
     memory: Option<u32>,
-    /// Argon2 lanes.
+    /// Argon2 lanes (default 4, or one per CPU on fewer CPUs).
     #[arg(long, value_name = "N")]
     parallel: Option<u32>,
     /// A label (LUKS2).
@@ -218,41 +227,36 @@ fn format(a: FormatArgs) -> Result<(), String> {
         LuksVersion::Luks1 => PbkdfArg::Pbkdf2,
         LuksVersion::Luks2 => PbkdfArg::Argon2id,
     });
-    let pbkdf = match pbkdf_kind {
-        PbkdfArg::Pbkdf2 => Pbkdf::Pbkdf2 {
-            hash: match a.hash {
+    let kind = match pbkdf_kind {
+        PbkdfArg::Pbkdf2 => {
+            if a.memory.is_some() || a.parallel.is_some() {
+                return Err(
+                    "--memory and --parallel are Argon2 costs: PBKDF2 has --iterations only".into(),
+                );
+            }
+            KdfKind::Pbkdf2(match a.hash {
                 HashArg::Sha1 => Hash::Sha1,
                 HashArg::Sha256 => Hash::Sha256,
-            },
-            iterations: a.iterations.unwrap_or(match Pbkdf::pbkdf2_default() {
-                Pbkdf::Pbkdf2 { iterations, .. } => iterations,
-                // Not reached: the PBKDF2 default is PBKDF2.
-                _ => 600_000,
-            }),
-        },
-        PbkdfArg::Argon2i | PbkdfArg::Argon2id => {
-            let (t, m, p) = Pbkdf::argon2id_default()
-                .argon2_params()
-                .unwrap_or((4, 64 << 10, 4));
-            let name = if pbkdf_kind == PbkdfArg::Argon2i {
-                "argon2i"
-            } else {
-                "argon2id"
-            };
-            Pbkdf::argon2(
-                name,
-                a.iterations.unwrap_or(t),
-                a.memory.unwrap_or(m),
-                a.parallel.unwrap_or(p),
-            )
-            .ok_or_else(|| format!("{name} is not an Argon2 variant"))?
+            })
         }
+        PbkdfArg::Argon2i => KdfKind::Argon2i,
+        PbkdfArg::Argon2id => KdfKind::Argon2id,
     };
-    let opts = FormatOptions {
+    if a.iter_time == 0 {
+        return Err("--iter-time 0: give the unlock time to aim for, in milliseconds".into());
+    }
+    let target = KdfTarget {
+        iterations: a.iterations,
+        memory_kib: a.memory,
+        parallel: a.parallel,
+        ..KdfTarget::new(kind, std::time::Duration::from_millis(a.iter_time))
+    };
+    let base = FormatOptions {
         version,
         key_bytes: a.key_size / 8,
         sector_size: a.sector_size,
-        pbkdf,
+        // Replaced by the calibrated (or given) costs below.
+        pbkdf: FormatOptions::fast_for_tests(version).pbkdf,
         label: a.label.clone(),
     };
     let pass = read_passphrase(&a.passphrase_file)?;
@@ -267,6 +271,12 @@ fn format(a: FormatArgs) -> Result<(), String> {
             ));
         }
     }
+    // Benchmarked only once the image may be written: a refusal above
+    // costs no benchmark.
+    let (opts, chosen) = base
+        .with_calibrated_kdf(&target)
+        .map_err(|e| format!("{}: {e}", a.image.display()))?;
+    println!("key slot 0: {chosen}");
     let t0 = Instant::now();
     let vol = match a.size {
         Some(size) => {
@@ -523,6 +533,80 @@ mod tests {
             let e = create_output(&link, yes).unwrap_err();
             assert!(e.contains("is a symbolic link"), "{e}");
         }
+    }
+
+    fn format_args(image: PathBuf, pass: PathBuf) -> FormatArgs {
+        FormatArgs {
+            image,
+            passphrase_file: pass,
+            size: Some(8192),
+            version: VersionArg::Luks1,
+            key_size: 512,
+            sector_size: 512,
+            pbkdf: None,
+            hash: HashArg::Sha256,
+            iter_time: 100,
+            iterations: None,
+            memory: None,
+            parallel: None,
+            label: None,
+            yes: false,
+        }
+    }
+
+    #[test]
+    fn format_calibrates_for_iter_time_and_refuses_argon2_costs_for_pbkdf2() {
+        let dir = Dir::new("format");
+        let pass = dir.0.join("pass");
+        std::fs::write(&pass, b"pw").unwrap();
+        // --iter-time 100: a benchmarked PBKDF2 count, and the volume opens.
+        let img = dir.0.join("l1.img");
+        format(format_args(img.clone(), pass.clone())).unwrap();
+        let v = luks::open_path(&img, b"pw").unwrap();
+        let info = luks::inspect(&std::fs::File::open(&img).unwrap()).unwrap();
+        match info.keyslots[0].pbkdf {
+            Some(luks::Pbkdf::Pbkdf2 { iterations, .. }) => assert!(iterations >= 1000),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(v.version(), LuksVersion::Luks1);
+        // Memory or lanes for PBKDF2: refused, nothing written.
+        let img2 = dir.0.join("l1b.img");
+        for (memory, parallel) in [(Some(1024), None), (None, Some(2))] {
+            let e = format(FormatArgs {
+                memory,
+                parallel,
+                ..format_args(img2.clone(), pass.clone())
+            })
+            .unwrap_err();
+            assert!(e.contains("Argon2 costs"), "{e}");
+        }
+        assert!(!img2.exists());
+        let e = format(FormatArgs {
+            iter_time: 0,
+            ..format_args(img2.clone(), pass.clone())
+        })
+        .unwrap_err();
+        assert!(e.contains("--iter-time 0"), "{e}");
+        // Every Argon2 cost given: kept as given.
+        let img3 = dir.0.join("l2.img");
+        format(FormatArgs {
+            version: VersionArg::Luks2,
+            size: Some(4096),
+            iterations: Some(4),
+            memory: Some(64),
+            parallel: Some(1),
+            ..format_args(img3.clone(), pass.clone())
+        })
+        .unwrap();
+        let info = luks::inspect(&std::fs::File::open(&img3).unwrap()).unwrap();
+        assert_eq!(
+            info.keyslots[0].pbkdf,
+            Some(luks::Pbkdf::Argon2id {
+                time: 4,
+                memory_kib: 64,
+                parallel: 1
+            })
+        );
     }
 
     #[test]

@@ -151,7 +151,8 @@ pub enum Pbkdf {
 impl Pbkdf {
     /// The default PBKDF2 (LUKS1, or LUKS2 when asked): HMAC-SHA256 with
     /// 600 000 iterations, OWASP's 2023 figure for PBKDF2-HMAC-SHA256 —
-    /// a fixed count instead of cryptsetup's two-second benchmark. On the
+    /// a fixed count for [`super::FormatOptions::luks1`]; `iopages luks
+    /// format` benchmarks instead, as cryptsetup does ([`Pbkdf::calibrate`]). On the
     /// project's machine (`cryptsetup benchmark`: 2.8 M PBKDF2-SHA256
     /// iterations/s) that is about 0.2 s per 32 bytes of derived key, so
     /// 0.4 s for a 512-bit LUKS1 keyslot (SHA-1 needs two or four blocks
@@ -167,13 +168,28 @@ impl Pbkdf {
     /// 3 is raised to cryptsetup's minimum of 4): 64 MiB, 4 passes, 4
     /// lanes. Far below cryptsetup's benchmarked default (up to 1 GiB and
     /// 2 s) but quick for an interactive tool: 0.2 s in a release build on
-    /// the project's machine, lanes computed one after another.
+    /// the project's machine, lanes computed one after another. `iopages
+    /// luks format` benchmarks instead, as cryptsetup does
+    /// ([`Pbkdf::calibrate`]).
     pub const fn argon2id_default() -> Pbkdf {
         Pbkdf::Argon2id {
             time: 4,
             memory_kib: 64 * 1024,
             parallel: 4,
         }
+    }
+
+    /// The costs of `kind` for `iter_time` of unlock time on this machine,
+    /// chosen as cryptsetup's benchmark does (this machine's memory and
+    /// CPUs bound Argon2; nothing fixed): see [`super::calibrate()`] and
+    /// [`super::KdfTarget`] to fix some costs. `key_bytes` is the volume
+    /// key's length (PBKDF2's cost depends on it).
+    pub fn calibrate(
+        kind: super::KdfKind,
+        iter_time: std::time::Duration,
+        key_bytes: usize,
+    ) -> Result<super::Calibrated, LuksError> {
+        super::calibrate(&super::KdfTarget::new(kind, iter_time), key_bytes)
     }
 
     /// An Argon2 KDF by its LUKS2 `kdf.type` name (`"argon2i"` or

@@ -17,9 +17,9 @@
 use super::kdf::{Hash, Pbkdf};
 use super::FormatOptions;
 use super::{
-    af, check_device_size, formatted_volume, random, random_master_key, random_uuid, round_up,
-    seal_keyslot, Dev, Digest, KeyslotInfo, LuksError, LuksInfo, LuksVersion, Parsed, SlotPlan,
-    CIPHER_SPEC, DIGEST_ITERATIONS, MAGIC,
+    af, check_device_size, formatted_volume, random, random_master_key, random_uuid, seal_keyslot,
+    Dev, Digest, KeyslotInfo, LuksError, LuksInfo, LuksVersion, Parsed, SlotPlan, CIPHER_SPEC,
+    DIGEST_ITERATIONS, MAGIC,
 };
 
 /// Header length in bytes.
@@ -67,10 +67,12 @@ fn be32(b: &[u8], at: usize) -> u32 {
     u32::from_be_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
 }
 
-/// A NUL-terminated text field.
+/// A NUL-terminated text field of `len` bytes. As cryptsetup, the last
+/// byte is taken as the terminator: a field with no NUL is read as its
+/// first `len - 1` bytes.
 fn text(b: &[u8], at: usize, len: usize, name: &str) -> Result<String, LuksError> {
-    let field = &b[at..at + len];
-    let end = field.iter().position(|&c| c == 0).unwrap_or(len);
+    let field = &b[at..at + len - 1];
+    let end = field.iter().position(|&c| c == 0).unwrap_or(len - 1);
     let s = std::str::from_utf8(&field[..end])
         .map_err(|_| LuksError::Corrupt(format!("LUKS1 {name} field is not text")))?;
     if s.chars().any(|c| c.is_control()) {
@@ -161,36 +163,144 @@ impl Header {
     }
 }
 
-/// Check a decoded header and turn it into a slot plan.
+/// The hash named by `hash-spec`, checked as cryptsetup checks it: a
+/// hash whose digest is shorter than the 20-byte `mk-digest` (or that no
+/// one knows) makes the header invalid; a real hash other than sha1,
+/// sha256 and sha512 is valid LUKS1 that this crate does not do.
+fn hash_spec(name: &str) -> Result<Hash, LuksError> {
+    if let Some(h) = Hash::from_name(name) {
+        return Ok(h);
+    }
+    let lower = name.to_ascii_lowercase();
+    match openssl::hash::MessageDigest::from_name(&lower) {
+        Some(md) if md.size() >= DIGEST_BYTES && !lower.is_empty() => {
+            Err(LuksError::UnsupportedKdf(format!(
+                "LUKS1 hash-spec {name:?}: a hash cryptsetup knows, but only sha1, sha256 and \
+                 sha512 are supported here"
+            )))
+        }
+        Some(md) => Err(LuksError::Corrupt(format!(
+            "LUKS1 hash-spec {name:?}: its digest is {} bytes, shorter than the {DIGEST_BYTES}-byte \
+             mk-digest (LUKS1 needs a hash of at least {DIGEST_BYTES} bytes)",
+            md.size()
+        ))),
+        None => Err(LuksError::Corrupt(format!(
+            "LUKS1 hash-spec {name:?}: not the name of a hash (LUKS1 needs a hash with a digest \
+             of at least {DIGEST_BYTES} bytes, such as sha1 or sha256)"
+        ))),
+    }
+}
+
+/// Sectors of one key-material area: the AF-split key (`key_bytes` ×
+/// 4000 stripes) rounded up to whole 512-byte sectors.
+fn area_sectors(key_bytes: u32) -> u64 {
+    (u64::from(key_bytes) * u64::from(af::STRIPES)).div_ceil(SECTOR)
+}
+
+/// The key-slot rules cryptsetup applies to every LUKS1 header it loads
+/// (`LUKS_check_keyslots`), for all eight slots whether enabled or not:
+/// a known `active` value, 4000 stripes, key material after the header
+/// and wholly before the payload, and no two areas overlapping.
+fn check_key_slots(h: &Header, sectors: u64) -> Result<(), LuksError> {
+    let payload = u64::from(h.payload_offset);
+    for (i, s) in h.slots.iter().enumerate() {
+        if s.active != SLOT_ACTIVE && s.active != SLOT_DISABLED {
+            return Err(LuksError::Corrupt(format!(
+                "LUKS1 keyslot {i}: active field {:#010x} is neither enabled ({SLOT_ACTIVE:#010x}) \
+                 nor disabled ({SLOT_DISABLED:#010x})",
+                s.active
+            )));
+        }
+        if s.stripes != af::STRIPES {
+            return Err(LuksError::Corrupt(format!(
+                "LUKS1 keyslot {i}: stripes {} where LUKS1 requires {} (every key slot, enabled \
+                 or not)",
+                s.stripes,
+                af::STRIPES
+            )));
+        }
+        let offset = u64::from(s.key_material_offset);
+        if offset * SECTOR < HEADER_BYTES as u64 {
+            return Err(LuksError::Corrupt(format!(
+                "LUKS1 keyslot {i}: key-material-offset {offset} (byte {}) overlaps the header: \
+                 key material must start at or after byte {HEADER_BYTES}",
+                offset * SECTOR
+            )));
+        }
+        let end = offset + sectors;
+        if end > u64::from(u32::MAX) {
+            return Err(LuksError::Corrupt(format!(
+                "LUKS1 keyslot {i}: key material at key-material-offset {offset} ({sectors} \
+                 sectors) ends at sector {end}, which overflows the 32-bit sector fields"
+            )));
+        }
+        if end > payload {
+            return Err(LuksError::Corrupt(format!(
+                "LUKS1 keyslot {i}: key material at key-material-offset {offset} ({sectors} \
+                 sectors, to sector {end}) runs past the payload offset (payload-offset \
+                 {payload}): key material must end at or before the payload"
+            )));
+        }
+    }
+    let mut order: [usize; KEY_SLOTS] = std::array::from_fn(|i| i);
+    order.sort_by_key(|&i| (h.slots[i].key_material_offset, i));
+    for w in order.windows(2) {
+        let (a, b) = (w[0], w[1]);
+        let a_start = u64::from(h.slots[a].key_material_offset);
+        let b_start = u64::from(h.slots[b].key_material_offset);
+        if b_start < a_start + sectors {
+            return Err(LuksError::Corrupt(format!(
+                "LUKS1 keyslot {a} and keyslot {b}: key-material areas overlap (keyslot {a} at \
+                 key-material-offset {a_start} runs to sector {}, keyslot {b} starts at \
+                 key-material-offset {b_start}): key-material areas must not overlap",
+                a_start + sectors
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Check a decoded header and turn it into a slot plan. Applies every
+/// check cryptsetup makes when it loads a LUKS1 header, and refuses
+/// what this crate does not do (ciphers other than `aes-xts-plain64`,
+/// hashes other than sha1/sha256/sha512, detached headers); the device
+/// size is checked by [`parse`].
 pub(crate) fn plan(h: &Header) -> Result<Parsed, LuksError> {
+    let hash = hash_spec(&h.hash_spec)?;
+    if h.key_bytes == 0 {
+        return Err(LuksError::Corrupt(
+            "LUKS1 key-bytes 0: a volume key has at least one byte".to_string(),
+        ));
+    }
+    let key_bytes = h.key_bytes as usize;
+    if key_bytes != 32 && key_bytes != 64 {
+        return Err(LuksError::UnsupportedCipher(format!(
+            "aes-xts-plain64 with a {}-bit key (LUKS1 key-bytes {})",
+            u64::from(h.key_bytes) * 8,
+            h.key_bytes
+        )));
+    }
+    if h.mk_digest_iter == 0 {
+        return Err(LuksError::Corrupt(
+            "LUKS1 mk-digest-iter 0: the volume-key digest needs at least 1 PBKDF2 iteration"
+                .to_string(),
+        ));
+    }
+    if h.payload_offset == 0 {
+        return Err(LuksError::Unsupported(
+            "LUKS1 payload-offset 0: a detached header".to_string(),
+        ));
+    }
+    let sectors = area_sectors(h.key_bytes);
+    check_key_slots(h, sectors)?;
     let spec = format!("{}-{}", h.cipher_name, h.cipher_mode);
     if !h.cipher_name.eq_ignore_ascii_case("aes") || h.cipher_mode != "xts-plain64" {
         return Err(LuksError::UnsupportedCipher(format!(
             "{spec:?} (LUKS1 header)"
         )));
     }
-    let key_bytes = h.key_bytes as usize;
-    if key_bytes != 32 && key_bytes != 64 {
-        return Err(LuksError::UnsupportedCipher(format!(
-            "aes-xts-plain64 with a {}-bit key",
-            u64::from(h.key_bytes) * 8
-        )));
-    }
-    let hash = Hash::from_name(&h.hash_spec).ok_or_else(|| {
-        LuksError::UnsupportedKdf(format!(
-            "LUKS1 hash spec {:?}: only sha1, sha256 and sha512 are supported",
-            h.hash_spec
-        ))
-    })?;
-    if h.mk_digest_iter == 0 {
-        return Err(LuksError::Corrupt("LUKS1 mk-digest-iter is 0".to_string()));
-    }
-    if h.payload_offset == 0 {
-        return Err(LuksError::Unsupported(
-            "LUKS1 payload offset 0: a detached header".to_string(),
-        ));
-    }
     let data_offset = u64::from(h.payload_offset) * SECTOR;
+    let area_len = sectors * SECTOR;
     let digest = || Digest {
         field: "mk-digest-iter".to_string(),
         hash,
@@ -201,39 +311,12 @@ pub(crate) fn plan(h: &Header) -> Result<Parsed, LuksError> {
     let mut slots = Vec::new();
     let mut infos = Vec::new();
     for (i, s) in h.slots.iter().enumerate() {
-        match s.active {
-            SLOT_DISABLED => continue,
-            SLOT_ACTIVE => {}
-            other => {
-                return Err(LuksError::Corrupt(format!(
-                "LUKS1 keyslot {i} has state {other:#010x}, neither active ({SLOT_ACTIVE:#010x}) \
-                     nor disabled ({SLOT_DISABLED:#010x})"
-            )))
-            }
+        if s.active != SLOT_ACTIVE {
+            continue;
         }
         if s.iterations == 0 {
             return Err(LuksError::Corrupt(format!(
-                "LUKS1 keyslot {i}: iteration count 0"
-            )));
-        }
-        let af_bytes = af::split_len(key_bytes, s.stripes)
-            .filter(|_| s.stripes > 0)
-            .ok_or_else(|| {
-                LuksError::Corrupt(format!("LUKS1 keyslot {i}: stripe count {}", s.stripes))
-            })?;
-        let area_len = round_up(af_bytes as u64, SECTOR).unwrap_or(u64::MAX);
-        let area_offset = u64::from(s.key_material_offset) * SECTOR;
-        if area_offset < HEADER_BYTES as u64 {
-            return Err(LuksError::Corrupt(format!(
-                "LUKS1 keyslot {i}: key material at sector {} overlaps the header",
-                s.key_material_offset
-            )));
-        }
-        if area_offset.saturating_add(area_len) > data_offset {
-            return Err(LuksError::Corrupt(format!(
-                "LUKS1 keyslot {i}: key material (sector {}, {} stripes) runs past the payload \
-                 offset (sector {})",
-                s.key_material_offset, s.stripes, h.payload_offset
+                "LUKS1 keyslot {i}: iterations 0 in an enabled key slot (PBKDF2 needs at least 1)"
             )));
         }
         let pbkdf = Pbkdf::Pbkdf2 {
@@ -250,7 +333,7 @@ pub(crate) fn plan(h: &Header) -> Result<Parsed, LuksError> {
             pbkdf,
             kdf_field: format!("key-slot {i} "),
             salt: s.salt.to_vec(),
-            area_offset,
+            area_offset: u64::from(s.key_material_offset) * SECTOR,
             area_len,
             area_key_bytes: key_bytes,
             af_hash: hash,
@@ -277,11 +360,36 @@ pub(crate) fn plan(h: &Header) -> Result<Parsed, LuksError> {
     })
 }
 
-/// Read and plan the LUKS1 header of `dev`.
+/// Bytes a device needs for the header `h` (already planned): all eight
+/// key-material areas and the payload offset, plus one payload sector —
+/// a volume with no payload at all is a truncated image.
+fn device_bytes_needed(h: &Header) -> u64 {
+    let sectors = area_sectors(h.key_bytes);
+    let areas_end = h
+        .slots
+        .iter()
+        .map(|s| u64::from(s.key_material_offset) + sectors)
+        .max()
+        .unwrap_or(0);
+    areas_end.max(u64::from(h.payload_offset) + 1) * SECTOR
+}
+
+/// Read and plan the LUKS1 header of `dev`, and check that the device
+/// holds all eight key-material areas and at least one sector of payload
+/// ([`LuksError::Truncated`] names the bytes needed and present).
 pub(crate) fn parse(dev: &Dev<'_>) -> Result<Parsed, LuksError> {
     let mut b = [0u8; HEADER_BYTES];
     dev.read_at(0, &mut b)?;
-    plan(&Header::decode(&b)?)
+    let h = Header::decode(&b)?;
+    let parsed = plan(&h)?;
+    let needed = device_bytes_needed(&h);
+    if dev.size() < needed {
+        return Err(LuksError::Truncated {
+            needed,
+            have: dev.size(),
+        });
+    }
+    Ok(parsed)
 }
 
 /// The layout cryptsetup 2.x gives a LUKS1 volume: keyslot `i` at sector
@@ -447,19 +555,45 @@ mod tests {
         );
         h.cipher_name = "aes".into();
         h.cipher_mode = "xts-plain64".into();
-        h.hash_spec = "whirlpool".into();
+        h.hash_spec = "sha384".into();
         assert!(matches!(plan(&h), Err(LuksError::UnsupportedKdf(_))));
-        h.hash_spec = "sha1".into();
+        h.hash_spec = "md5".into();
+        assert!(matches!(plan(&h), Err(LuksError::Corrupt(s)) if s.contains("shorter")));
+        h.hash_spec = "nonsense".into();
+        assert!(matches!(plan(&h), Err(LuksError::Corrupt(s)) if s.contains("hash-spec")));
+        h.hash_spec = "SHA1".into();
         h.slots[2].active = 0x1234;
         assert!(matches!(plan(&h), Err(LuksError::Corrupt(s)) if s.contains("keyslot 2")));
         h.slots[2].active = SLOT_ACTIVE;
         h.slots[2].iterations = 1000;
         h.slots[2].stripes = u32::MAX;
-        assert!(matches!(plan(&h), Err(LuksError::Corrupt(s)) if s.contains("payload offset")));
+        assert!(matches!(plan(&h), Err(LuksError::Corrupt(s)) if s.contains("stripes")));
         h.slots[2].stripes = 4000;
         h.slots[2].key_material_offset = 0;
         assert!(
             matches!(plan(&h), Err(LuksError::Corrupt(s)) if s.contains("overlaps the header"))
         );
+        h.slots[2].key_material_offset = u32::MAX - 10;
+        assert!(matches!(plan(&h), Err(LuksError::Corrupt(s)) if s.contains("overflows")));
+        h.slots[2].key_material_offset = 4090;
+        assert!(matches!(plan(&h), Err(LuksError::Corrupt(s)) if s.contains("payload offset")));
+        h.slots[2].key_material_offset = o[3] - 1;
+        assert!(
+            matches!(plan(&h), Err(LuksError::Corrupt(s)) if s.contains("keyslot 2 and keyslot 3"))
+        );
+        h.slots[2].key_material_offset = o[2];
+        h.slots[2].iterations = 0;
+        assert!(matches!(plan(&h), Err(LuksError::Corrupt(s)) if s.contains("iterations 0")));
+        h.slots[2].active = SLOT_DISABLED;
+        h.mk_digest_iter = 0;
+        assert!(matches!(plan(&h), Err(LuksError::Corrupt(s)) if s.contains("mk-digest-iter")));
+        h.mk_digest_iter = 1;
+        h.key_bytes = 0;
+        assert!(matches!(plan(&h), Err(LuksError::Corrupt(s)) if s.contains("key-bytes 0")));
+        h.key_bytes = 32;
+        let p = plan(&h).unwrap();
+        assert!(p.slots.is_empty());
+        // Truncated at the payload offset: no payload sector.
+        assert_eq!(device_bytes_needed(&h), (4096 + 1) * 512);
     }
 }

@@ -86,6 +86,7 @@
 //!   (cryptsetup's `mlockall`).
 
 mod af;
+mod calibrate;
 mod kdf;
 mod key;
 mod limits;
@@ -93,6 +94,10 @@ mod luks1;
 mod luks2;
 
 pub use af::STRIPES;
+pub use calibrate::{
+    argon2_memory_cap, available_memory_kib, calibrate, default_lanes, Calibrated, KdfKind,
+    KdfTarget, DEFAULT_ARGON2_MEMORY_CAP_KIB, DEFAULT_ITER_TIME,
+};
 pub use kdf::{
     Hash, Pbkdf, ARGON2_MAX_MEMORY_KIB, ARGON2_MAX_PARALLEL_FORMAT, ARGON2_MIN_MEMORY_KIB,
     ARGON2_MIN_TIME, PBKDF2_MIN_ITERATIONS,
@@ -285,6 +290,52 @@ impl FormatOptions {
             pbkdf,
             ..FormatOptions::default()
         }
+    }
+
+    /// cryptsetup's defaults for `version` with the keyslot's key
+    /// derivation calibrated for `iter_time` of unlock time on this
+    /// machine (see [`calibrate()`]): LUKS1 PBKDF2-SHA256, LUKS2 Argon2id
+    /// (memory up to 1 GiB and half the available memory, 4 lanes or one
+    /// per CPU). The benchmark takes a fraction of `iter_time`.
+    ///
+    /// **Returns:** the options and what the calibration chose (print it:
+    /// `Calibrated` displays as `argon2id, 1048576 KiB, 5 passes, 4
+    /// lanes (about 2.0 s to unlock, benchmarked)`).
+    pub fn calibrated(
+        version: LuksVersion,
+        iter_time: std::time::Duration,
+    ) -> Result<(FormatOptions, Calibrated), LuksError> {
+        let (opts, kind) = match version {
+            LuksVersion::Luks1 => (FormatOptions::luks1(), KdfKind::Pbkdf2(Hash::Sha256)),
+            LuksVersion::Luks2 => (FormatOptions::default(), KdfKind::Argon2id),
+        };
+        opts.with_calibrated_kdf(&KdfTarget::new(kind, iter_time))
+    }
+
+    /// These options with the keyslot's key derivation chosen by
+    /// [`calibrate()`] for `target` (costs fixed in `target` are kept; a
+    /// PBKDF2 target is calibrated for this key size). A KDF the version
+    /// cannot have (Argon2 in LUKS1) is refused before benchmarking.
+    pub fn with_calibrated_kdf(
+        mut self,
+        target: &KdfTarget,
+    ) -> Result<(FormatOptions, Calibrated), LuksError> {
+        if self.version == LuksVersion::Luks1 && !matches!(target.kind, KdfKind::Pbkdf2(_)) {
+            return Err(LuksError::InvalidOptions(format!(
+                "{}: LUKS1 keyslots use PBKDF2 only",
+                target.kind.name()
+            )));
+        }
+        // Everything but the KDF is checked before the benchmark runs.
+        FormatOptions {
+            pbkdf: FormatOptions::fast_for_tests(self.version).pbkdf,
+            ..self.clone()
+        }
+        .check()?;
+        let c = calibrate::calibrate(target, self.key_bytes)?;
+        self.pbkdf = c.pbkdf;
+        self.check()?;
+        Ok((self, c))
     }
 
     /// Check everything that does not depend on the device.
