@@ -161,7 +161,14 @@ fn limited_add_never_overshoots_with_racing_adds_and_releases() {
                 rng ^= rng << 17;
                 let a = 1 + (rng % 20) as i64;
                 if c.limited_add(LIMIT, a) {
-                    held.fetch_add(a, SeqCst);
+                    // `held` trails the counter's exact total (added after
+                    // a grant, taken before a release), so it is never
+                    // above the limit either. The workers record its peak
+                    // themselves: on a loaded machine the watcher may
+                    // hardly run.
+                    let now = held.fetch_add(a, SeqCst) + a;
+                    assert!(now <= LIMIT, "the exact total reached {now} > {LIMIT}");
+                    seen_max.fetch_max(now, SeqCst);
                     mine.push(a);
                 }
                 if mine.len() > 15 || (rng >> 40) % 3 == 0 {
