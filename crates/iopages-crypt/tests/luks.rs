@@ -744,11 +744,16 @@ fn luks1_corruption_and_truncation_name_what_is_wrong() {
             other => panic!("truncated at {len}: {other}"),
         }
     }
-    // The header and key material are whole: it opens, with no payload.
-    let p = with_bytes(&dir, "short", &orig[..area_end]);
-    let v = luks::open_path(&p, PASS).unwrap();
-    assert_eq!(v.master_key(), vol.master_key());
-    assert_eq!(v.data_size_bytes(area_end as u64), 0);
+    // The header and key slot 0's material are whole, but a LUKS1 device
+    // must hold all eight key-material areas and a payload sector (as
+    // cryptsetup requires): refused, never opened with no payload.
+    match check("short", orig[..area_end].to_vec()) {
+        LuksError::Truncated { needed, have } => {
+            assert_eq!(have, area_end as u64);
+            assert_eq!(needed, (2 << 20) + 512);
+        }
+        other => panic!("short: {other}"),
+    }
 
     // io::Error conversion keeps the meaning.
     let e: std::io::Error = LuksError::WrongPassphrase.into();
@@ -916,8 +921,16 @@ fn luks2_corruption_falls_back_to_the_secondary_header_and_names_what_is_wrong()
             other => panic!("truncated at {len}: {other}"),
         }
     }
-    let v = open_ok("short", &orig[..32_768 + 256_000]);
-    assert_eq!(v.master_key(), vol.master_key());
+    // Key slot 0's area is whole but the keyslots area and the data are
+    // not: refused (cryptsetup: the device must hold both header copies,
+    // the keyslots area and a data sector).
+    match check("short", orig[..32_768 + 256_000].to_vec()) {
+        LuksError::Truncated { needed, have } => {
+            assert_eq!(have, (32_768 + 256_000) as u64);
+            assert!(needed >= 16 << 20, "{needed}");
+        }
+        other => panic!("short: {other}"),
+    }
 }
 
 #[test]
@@ -1046,14 +1059,9 @@ mod never_panic {
         cell.get_or_init(|| {
             let dir = Dir::new(&format!("tmpl-{version}"));
             let img = dir.path("t.img");
-            let size = if version == LuksVersion::Luks1 {
-                (2 << 20) + 512
-            } else {
-                (16 << 20) + 512
-            };
             luks::format_path(
                 &img,
-                Some(size),
+                Some(device_len(version)),
                 PASS,
                 &FormatOptions::fast_for_tests(version),
             )
@@ -1074,9 +1082,27 @@ mod never_panic {
             || (208..592).contains(&at) && (at - 208) % 48 >= 4 && (at - 208) % 48 < 8
     }
 
-    fn run_case(name: &str, bytes: &[u8], run_open: bool) {
+    /// The template's whole device size: the template keeps only the
+    /// headers and key slot 0's material; the rest of the device (other
+    /// key-material areas, the payload) reads as zeros (a sparse tail).
+    fn device_len(version: LuksVersion) -> u64 {
+        if version == LuksVersion::Luks1 {
+            (2 << 20) + 512
+        } else {
+            (16 << 20) + 512
+        }
+    }
+
+    /// Run one case: `bytes`, then (unless it was cut) zeros up to the
+    /// template's device size, so the size checks pass and the mutated
+    /// fields are what is tested.
+    fn run_case(name: &str, bytes: &[u8], full_len: Option<u64>, run_open: bool) {
         let dir = Dir::new(name);
         let p = with_bytes(&dir, "m.img", bytes);
+        if let Some(len) = full_len {
+            let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+            f.set_len(len.max(bytes.len() as u64)).unwrap();
+        }
         let f = File::open(&p).unwrap();
         let _ = luks::is_luks(&f);
         let _ = luks::inspect(&f);
@@ -1116,8 +1142,11 @@ mod never_panic {
         ) {
             let mut b = template(LuksVersion::Luks2).to_vec();
             for (at, v) in muts { b[at] = v; }
-            if let Some(c) = cut { b.truncate(c); }
-            run_case("mut2", &b, true);
+            let full = match cut {
+                Some(c) => { b.truncate(c); None }
+                None => Some(device_len(LuksVersion::Luks2)),
+            };
+            run_case("mut2", &b, full, true);
         }
 
         #[test]
@@ -1131,8 +1160,11 @@ mod never_panic {
                 slow |= is_luks1_iteration_field(at) && b[at] != v;
                 b[at] = v;
             }
-            if let Some(c) = cut { b.truncate(c); }
-            run_case("mut1", &b, !slow);
+            let full = match cut {
+                Some(c) => { b.truncate(c); None }
+                None => Some(device_len(LuksVersion::Luks1)),
+            };
+            run_case("mut1", &b, full, !slow);
         }
     }
 }

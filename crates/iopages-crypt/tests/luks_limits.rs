@@ -219,12 +219,17 @@ fn argon2_time_lanes_and_work_are_bounded() {
 fn a_slot_over_the_limits_is_skipped_when_another_opens() {
     let dir = Dir::new("skip");
     let mut b = fresh(&dir, LuksVersion::Luks2);
-    // Keyslot 1: a copy of 0 (same area, so the same passphrase) with an
-    // absurd cost, tried first (priority 2).
+    // Keyslot 1: a copy of 0 (its key material copied into an area of its
+    // own — areas may not overlap — so the same passphrase opens it) with
+    // an absurd cost, tried first (priority 2).
+    let (from, len, to) = (32_768usize, 258_048usize, 32_768usize + 258_048);
+    let material = b[from..from + len].to_vec();
+    b[to..to + len].copy_from_slice(&material);
     edit_luks2(&mut b, |j| {
         let mut k = j["keyslots"]["0"].clone();
         k["kdf"]["memory"] = json!(4u64 << 20);
         k["priority"] = json!(2);
+        k["area"]["offset"] = json!(to.to_string());
         j["keyslots"]["1"] = k;
         j["digests"]["0"]["keyslots"] = json!(["0", "1"]);
     });
@@ -246,11 +251,18 @@ fn more_than_32_luks2_keyslots_are_refused_at_parse_time() {
     let orig = fresh(&dir, LuksVersion::Luks2);
     let with_slots = |n: usize| {
         let mut b = orig.clone();
-        // The extra slots are never planned: the count is checked first.
+        // Valid extra slots (copies of 0 in areas of their own, with no key
+        // material: they never open); with too many, the count is checked
+        // before any is planned.
         edit_luks2(&mut b, |j| {
+            let mut ids = vec![json!("0")];
             for i in 1..n {
-                j["keyslots"][i.to_string()] = json!({"type": "luks2"});
+                let mut k = j["keyslots"]["0"].clone();
+                k["area"]["offset"] = json!((32_768 + i * 258_048).to_string());
+                j["keyslots"][i.to_string()] = k;
+                ids.push(json!(i.to_string()));
             }
+            j["digests"]["0"]["keyslots"] = json!(ids);
         });
         b
     };
