@@ -8,7 +8,9 @@
 //! unescaped.
 
 use crate::passphrase::read_passphrase;
-use iopages_crypt::luks::{self, FormatOptions, Hash, KdfKind, KdfLimits, KdfTarget, LuksVersion};
+use iopages_crypt::luks::{
+    self, FormatOptions, Hash, KdfKind, KdfLimits, KdfTarget, LuksOpenOptions, LuksVersion,
+};
 use std::io::Write;
 use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -41,6 +43,11 @@ pub enum LuksCommand {
         /// default 1G, at most 4G): a key slot asking more is not tried.
         #[arg(long, value_name = "BYTES", value_parser = crate::parse_size)]
         max_kdf_memory: Option<u64>,
+        /// Use the LUKS2 secondary header even though the primary header
+        /// area now carries another format's signature (the device was
+        /// probably reformatted: only to recover the old volume on purpose).
+        #[arg(long)]
+        allow_secondary_header: bool,
     },
     /// Decrypt a volume's whole payload into a raw file (offline, no
     /// server).
@@ -62,6 +69,11 @@ pub enum LuksCommand {
         /// default 1G, at most 4G): a key slot asking more is not tried.
         #[arg(long, value_name = "BYTES", value_parser = crate::parse_size)]
         max_kdf_memory: Option<u64>,
+        /// Use the LUKS2 secondary header even though the primary header
+        /// area now carries another format's signature (the device was
+        /// probably reformatted: only to recover the old volume on purpose).
+        #[arg(long)]
+        allow_secondary_header: bool,
     },
 }
 
@@ -151,10 +163,16 @@ pub fn run(cmd: LuksCommand) -> Result<(), String> {
             image,
             passphrase_file,
             max_kdf_memory,
+            allow_secondary_header,
         } => {
             let pass = read_passphrase(&passphrase_file)?;
-            let v = luks::open_path_with(&image, &pass, &kdf_limits(max_kdf_memory))
-                .map_err(|e| open_error(&image, e))?;
+            let v = luks::open_path_with_options(
+                &image,
+                &pass,
+                &kdf_limits(max_kdf_memory),
+                &LuksOpenOptions::new().allow_secondary_header(allow_secondary_header),
+            )
+            .map_err(|e| open_error(&image, e))?;
             let dev = device_bytes(&image)?;
             println!(
                 "{}: {} {}, {}-bit key, {}-byte sectors, payload {} bytes at offset {}, key slot {} opened{}, uuid {}",
@@ -181,12 +199,14 @@ pub fn run(cmd: LuksCommand) -> Result<(), String> {
             passphrase_file,
             yes,
             max_kdf_memory,
+            allow_secondary_header,
         } => decrypt(
             &image,
             &output,
             &passphrase_file,
             yes,
             &kdf_limits(max_kdf_memory),
+            &LuksOpenOptions::new().allow_secondary_header(allow_secondary_header),
         ),
     }
 }
@@ -197,6 +217,9 @@ fn open_error(image: &Path, e: luks::LuksError) -> String {
     let hint = match &e {
         luks::LuksError::OverLimit(m) if m.contains("max_argon2_memory_kib") => {
             " [--max-kdf-memory raises the memory limit]"
+        }
+        luks::LuksError::AmbiguousSignatures(_) => {
+            " [--allow-secondary-header opens the old volume on purpose]"
         }
         _ => "",
     };
@@ -367,6 +390,7 @@ fn decrypt(
     passphrase_file: &Path,
     yes: bool,
     limits: &KdfLimits,
+    open: &LuksOpenOptions,
 ) -> Result<(), String> {
     // Refused early, before the slow key derivation (and again, without a
     // race, when the output is created).
@@ -385,7 +409,8 @@ fn decrypt(
     let pass = read_passphrase(passphrase_file)?;
     let src =
         std::fs::File::open(image).map_err(|e| format!("cannot open {}: {e}", image.display()))?;
-    let vol = luks::open_with(&src, &pass, limits).map_err(|e| open_error(image, e))?;
+    let vol =
+        luks::open_with_options(&src, &pass, limits, open).map_err(|e| open_error(image, e))?;
     let dev = device_bytes(image)?;
     let ss = vol.sector_size() as u64;
     let size = vol.data_size_bytes(dev) / ss * ss;
@@ -493,19 +518,19 @@ mod tests {
         let (img, pass) = volume(&dir);
         let limits = KdfLimits::default();
         let out = dir.0.join("plain");
-        decrypt(&img, &out, &pass, false, &limits).unwrap();
+        decrypt(&img, &out, &pass, false, &limits, &LuksOpenOptions::new()).unwrap();
         let m = std::fs::metadata(&out).unwrap();
         assert_eq!(m.mode() & 0o777, 0o600);
         assert_eq!(m.len(), 8192);
 
         // Existing file without --yes: refused, untouched.
         std::fs::write(&out, b"keep").unwrap();
-        let e = decrypt(&img, &out, &pass, false, &limits).unwrap_err();
+        let e = decrypt(&img, &out, &pass, false, &limits, &LuksOpenOptions::new()).unwrap_err();
         assert!(e.contains("exists: add --yes"), "{e}");
         assert_eq!(std::fs::read(&out).unwrap(), b"keep");
         // With --yes a world-readable file is taken over and made 0600.
         std::fs::set_permissions(&out, std::fs::Permissions::from_mode(0o644)).unwrap();
-        decrypt(&img, &out, &pass, true, &limits).unwrap();
+        decrypt(&img, &out, &pass, true, &limits, &LuksOpenOptions::new()).unwrap();
         let m = std::fs::metadata(&out).unwrap();
         assert_eq!((m.mode() & 0o777, m.len()), (0o600, 8192));
 
@@ -523,7 +548,7 @@ mod tests {
             (&dangling, false),
             (&dangling, true),
         ] {
-            let e = decrypt(&img, l, &pass, yes, &limits).unwrap_err();
+            let e = decrypt(&img, l, &pass, yes, &limits, &LuksOpenOptions::new()).unwrap_err();
             assert!(e.contains("is a symbolic link"), "{e}");
         }
         assert_eq!(std::fs::read(&target).unwrap(), b"target");
@@ -615,7 +640,15 @@ mod tests {
         let (img, pass) = volume(&dir);
         // LUKS1 is PBKDF2: the memory flag does not refuse it.
         let out = dir.0.join("plain");
-        decrypt(&img, &out, &pass, false, &kdf_limits(Some(4096))).unwrap();
+        decrypt(
+            &img,
+            &out,
+            &pass,
+            false,
+            &kdf_limits(Some(4096)),
+            &LuksOpenOptions::new(),
+        )
+        .unwrap();
         assert_eq!(kdf_limits(Some(16 << 20)).max_argon2_memory_kib, 16 << 10);
         assert_eq!(
             kdf_limits(None).max_argon2_memory_kib,

@@ -92,6 +92,12 @@ pub struct ServeArgs {
     /// other key-derivation limits, is refused before deriving anything.
     #[arg(long, value_name = "BYTES", value_parser = crate::parse_size)]
     max_kdf_memory: Option<u64>,
+    /// Serve a LUKS2 --image through its secondary header even though the
+    /// primary header area now carries another format's signature (the
+    /// device was probably reformatted: only to recover the old volume on
+    /// purpose; writes would land in the other format's data).
+    #[arg(long)]
+    allow_secondary_header: bool,
     /// TLS (NBD's STARTTLS): off; on (offered, plaintext clients still
     /// served); require (nothing but STARTTLS before TLS). Needs
     /// --tls-certificates or --tls-psk.
@@ -398,6 +404,7 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
         opts.workers = w;
     }
     opts.kdf_limits = crate::luks_cmd::kdf_limits(a.max_kdf_memory);
+    opts.allow_secondary_header = a.allow_secondary_header;
     // The key derivation may take long (a header's KDF costs are bounded,
     // but a slow one still takes seconds): it runs on its own thread so a
     // SIGINT or SIGTERM meanwhile stops the process at once (nothing has
@@ -418,7 +425,14 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
         .spawn(move || match (&image, pass) {
             (Some(path), Some(pass)) => volume::open_image(path, &pass, &opts)
                 .map(|v| (v, None))
-                .map_err(|e| e.to_string()),
+                .map_err(|e| {
+                    let m = e.to_string();
+                    if m.contains("ambiguous signatures") {
+                        format!("{m} [--allow-secondary-header serves the old volume on purpose]")
+                    } else {
+                        m
+                    }
+                }),
             _ => volume::in_memory(size, &opts)
                 .map(|(v, p)| (v, Some(p)))
                 .map_err(|e| format!("cannot make the in-memory LUKS2 volume: {e}")),

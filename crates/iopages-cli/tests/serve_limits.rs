@@ -172,3 +172,75 @@ fn plaintext_off_loopback_and_bad_tls_flags_are_refused_clearly() {
     serve_fails(&["--max-inflight", "1M"], "--max-inflight");
     serve_fails(&["--reply-timeout", "0"], "--reply-timeout");
 }
+
+#[test]
+fn a_luks2_image_reformatted_as_lvm_is_refused_unless_recovered_on_purpose() {
+    let d = Dir::new("lvm");
+    let img = d.0.join("v.img");
+    let pass = d.0.join("pass");
+    std::fs::write(&pass, b"pw").unwrap();
+    let out = Command::new(BIN)
+        .args(["luks", "format", "--type", "luks2", "--size", "1M"])
+        .args([
+            "--pbkdf",
+            "argon2id",
+            "--iterations",
+            "4",
+            "--memory",
+            "32",
+            "--parallel",
+            "1",
+        ])
+        .arg("--passphrase-file")
+        .arg(&pass)
+        .arg(&img)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // What pvcreate writes in the second sector: the primary LUKS2 header
+    // is no longer valid, and the area now says "LVM physical volume".
+    let mut b = std::fs::read(&img).unwrap();
+    b[512..520].copy_from_slice(b"LABELONE");
+    b[536..544].copy_from_slice(b"LVM2 001");
+    std::fs::write(&img, &b).unwrap();
+    let check = |extra: &[&str]| {
+        Command::new(BIN)
+            .args(["luks", "check"])
+            .arg(&img)
+            .arg("--passphrase-file")
+            .arg(&pass)
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = check(&[]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("ambiguous signatures"), "{err}");
+    assert!(err.contains("LVM2"), "{err}");
+    assert!(err.contains("--allow-secondary-header"), "{err}");
+    // serve refuses it the same way.
+    serve_fails(
+        &[
+            "--image",
+            img.to_str().unwrap(),
+            "--passphrase-file",
+            pass.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+        ],
+        "ambiguous signatures",
+    );
+    let out = check(&["--allow-secondary-header"]);
+    let so = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(so.contains("secondary copy was used"), "{so}");
+}

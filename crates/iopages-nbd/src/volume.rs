@@ -54,6 +54,10 @@ pub struct VolumeOptions {
     /// What opening the image's header may spend on key derivation (and
     /// its cancel flag). Default [`KdfLimits::default`].
     pub kdf_limits: KdfLimits,
+    /// Use a LUKS2 image's secondary header even when the primary header
+    /// area carries another format's signature (see
+    /// [`luks::LuksOpenOptions::allow_secondary_header`]). Default off.
+    pub allow_secondary_header: bool,
 }
 
 impl Default for VolumeOptions {
@@ -67,6 +71,7 @@ impl Default for VolumeOptions {
             read_only: false,
             direct: DirectIo::Auto,
             kdf_limits: KdfLimits::default(),
+            allow_secondary_header: false,
         }
     }
 }
@@ -126,7 +131,8 @@ fn invalid(m: String) -> io::Error {
 pub fn open_image(path: &Path, passphrase: &[u8], opts: &VolumeOptions) -> io::Result<Volume> {
     let f = File::open(path)
         .map_err(|e| io::Error::new(e.kind(), format!("cannot open {}: {e}", path.display())))?;
-    let luks = luks::open_with(&f, passphrase, &opts.kdf_limits).map_err(|e| {
+    let open = luks::LuksOpenOptions::new().allow_secondary_header(opts.allow_secondary_header);
+    let luks = luks::open_with_options(&f, passphrase, &opts.kdf_limits, &open).map_err(|e| {
         let e: io::Error = e.into();
         io::Error::new(e.kind(), format!("{}: {e}", path.display()))
     })?;
