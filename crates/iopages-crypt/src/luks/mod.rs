@@ -65,12 +65,31 @@
 //! - Only `aes-xts-plain64` with 32- or 64-byte keys, for data and
 //!   keyslots; other ciphers are refused with [`LuksError::UnsupportedCipher`].
 //!   No detached headers, no LUKS2 integrity, no online-reencryption
-//!   segments, no tokens (they are ignored when opening).
-//! - Fixed KDF costs instead of cryptsetup's benchmark: see
-//!   [`Pbkdf::pbkdf2_default`] and [`Pbkdf::argon2id_default`]. The
-//!   volume-key digest uses PBKDF2 with 1000 iterations (cryptsetup's
-//!   minimum): the key it protects is random, so more iterations buy
-//!   nothing.
+//!   segments; tokens are validated (shape, keyslots they name) but not
+//!   used.
+//! - Validation follows cryptsetup's metadata rules for every field read:
+//!   LUKS1 (every slot's state, stripes and key-material area, no
+//!   overlaps, the device holding all eight areas and a payload sector)
+//!   and LUKS2 (the JSON area's framing, `keyslots_size` and every area
+//!   inside it without overlaps, digests/keyslots/segments/tokens
+//!   referring to each other, segment alignment and flags, the device
+//!   holding both header copies, the keyslots area and a data sector).
+//!   The LUKS2 secondary header is never used when the primary area holds
+//!   another format's signature (LVM2, ext4, XFS, btrfs, swap, MD RAID,
+//!   partition tables, LUKS1): [`LuksError::AmbiguousSignatures`], unless
+//!   [`LuksOpenOptions::allow_secondary_header`]. Stricter than cryptsetup
+//!   in a few places (a bad LUKS1 `active` value refuses the header where
+//!   cryptsetup skips the slot; zero iteration counts are refused at load).
+//! - KDF costs: `iopages luks format` benchmarks them as cryptsetup does
+//!   (`calibrate`: a target unlock time, 2 s by default; Argon2 memory up
+//!   to 1 GiB and half the available memory, then more passes; PBKDF2
+//!   iterations from a timed run), lowered to fit the open-side
+//!   [`KdfLimits`]. [`FormatOptions::default`] and the library keep fixed
+//!   costs ([`Pbkdf::pbkdf2_default`], [`Pbkdf::argon2id_default`]) unless
+//!   asked to calibrate ([`FormatOptions::calibrated`]). The volume-key
+//!   digest uses PBKDF2 with 1000 iterations (cryptsetup's minimum, where
+//!   cryptsetup spends ~125 ms): the key it protects is random, so more
+//!   iterations buy nothing.
 //! - [`format()`] writes one keyslot (slot 0). The LUKS1 layout is
 //!   cryptsetup 2.x's (keyslots at 4 KiB boundaries from sector 8, payload
 //!   at 2 MiB); LUKS2's is its default (16 KiB header copies, keyslots
