@@ -220,6 +220,15 @@ fn check_key_slots(h: &Header, sectors: u64) -> Result<(), LuksError> {
             )));
         }
         let offset = u64::from(s.key_material_offset);
+        // cryptsetup computes the byte offset in 32 bits: an offset of
+        // 2^23 sectors or more wraps, and a wrapped value inside the header
+        // is refused there; refused here too, so both accept the same.
+        let wrapped = s.key_material_offset.wrapping_mul(SECTOR as u32);
+        if offset >= 1 << 23 && (wrapped as usize) < HEADER_BYTES {
+            return Err(LuksError::Corrupt(format!(
+                "LUKS1 keyslot {i}: key-material-offset {offset} times 512 wraps to byte                  {wrapped} in 32 bits, inside the header (cryptsetup computes the byte offset                  in 32 bits and refuses it)"
+            )));
+        }
         if offset * SECTOR < HEADER_BYTES as u64 {
             return Err(LuksError::Corrupt(format!(
                 "LUKS1 keyslot {i}: key-material-offset {offset} (byte {}) overlaps the header: \
@@ -575,6 +584,9 @@ mod tests {
         );
         h.slots[2].key_material_offset = u32::MAX - 10;
         assert!(matches!(plan(&h), Err(LuksError::Corrupt(s)) if s.contains("overflows")));
+        // 2^23 sectors × 512 wraps to 0 in 32 bits: cryptsetup refuses it.
+        h.slots[2].key_material_offset = 1 << 23;
+        assert!(matches!(plan(&h), Err(LuksError::Corrupt(s)) if s.contains("wraps")));
         h.slots[2].key_material_offset = 4090;
         assert!(matches!(plan(&h), Err(LuksError::Corrupt(s)) if s.contains("payload offset")));
         h.slots[2].key_material_offset = o[3] - 1;
