@@ -30,7 +30,9 @@ enum Command {
         #[arg(long)]
         quick: bool,
         /// Write the JSON report here (the SVG plot goes beside it, .svg).
-        /// Only with a single experiment.
+        /// Only with a single experiment. `crypt` writes two reports: E2
+        /// to PATH and E3 beside it as PATH's stem + "-limit.json" (E3
+        /// alone, with --threads or --limit, writes PATH).
         #[arg(long, value_name = "PATH")]
         json: Option<PathBuf>,
         /// Directory for reports when --json is not given.
@@ -277,7 +279,15 @@ fn run(cli: Cli) -> Result<(), BenchError> {
                     Some(Limit::Default) => iopages_bench::crypt::LimitSetting::Default,
                     _ => iopages_bench::crypt::LimitSetting::Near,
                 };
-                iopages_bench::crypt::run_limit(&opts, crypt_threads, setting)?;
+                // E2 and E3 are two reports: with --json PATH, E2 goes to
+                // PATH and E3 beside it (PATH's stem + "-limit"), as
+                // --out-dir names them crypt.json and crypt-limit.json.
+                // Run alone (--threads/--limit), E3 takes PATH itself.
+                let mut e3_opts = opts.clone();
+                if let (false, Some(p)) = (e3_only, &opts.json) {
+                    e3_opts.json = Some(e3_beside(p));
+                }
+                iopages_bench::crypt::run_limit(&e3_opts, crypt_threads, setting)?;
             }
             if all || experiment == Experiment::Nbd {
                 let me = std::env::current_exe().map_err(|e| {
@@ -295,8 +305,30 @@ fn run(cli: Cli) -> Result<(), BenchError> {
     }
 }
 
+/// Where E3's report goes when `bench crypt --json PATH` writes E2's to
+/// PATH: beside it, PATH's stem + "-limit.json".
+fn e3_beside(p: &std::path::Path) -> std::path::PathBuf {
+    let stem = p
+        .file_stem()
+        .map_or_else(|| "crypt".to_string(), |s| s.to_string_lossy().into_owned());
+    p.with_file_name(format!("{stem}-limit.json"))
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn crypt_json_keeps_e2_and_puts_e3_beside_it() {
+        use std::path::Path;
+        assert_eq!(
+            super::e3_beside(Path::new("/r/e2.json")),
+            Path::new("/r/e2-limit.json")
+        );
+        assert_eq!(
+            super::e3_beside(Path::new("out")),
+            Path::new("out-limit.json")
+        );
+    }
+
     use super::*;
 
     #[test]
