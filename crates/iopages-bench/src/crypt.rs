@@ -112,6 +112,20 @@ fn pipeline_sample(
     n: usize,
     pos: &mut usize,
 ) -> Result<Sample, BenchError> {
+    pipeline_sample_workers(target, mode, plain, n, pos, 1)
+}
+
+/// [`pipeline_sample`] through a queue of `workers` workers. The clock runs
+/// on the submitting thread from before the first submission to after the
+/// queue is idle, so it covers every write (it can only under-report).
+fn pipeline_sample_workers(
+    target: &Arc<CryptTarget<CipherPool>>,
+    mode: Mode,
+    plain: &Arc<[u8]>,
+    n: usize,
+    pos: &mut usize,
+    workers: usize,
+) -> Result<Sample, BenchError> {
     let disk_mib = (target.size_bytes() as usize) / MIB;
     if let Mode::Strategy(s) = mode {
         target.out_pages().set_strategy(s);
@@ -120,7 +134,7 @@ fn pipeline_sample(
         Arc::clone(target),
         QueueConfig {
             queue_depth: QUEUE_DEPTH,
-            workers: 1,
+            workers,
             preallocated_out: mode == Mode::NoAlloc,
         },
     )
@@ -182,8 +196,56 @@ fn cipher_sample(cipher: &mut XtsCipher, plain: &[u8], dst: &mut [u8], n: usize)
     }
 }
 
-/// E2. Returns the report.
+/// E2 with one worker, then the bulk pipeline at 1, 2, 4, … workers up to
+/// the cores. Returns the report.
 pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
+    run_with_workers(opts, None)
+}
+
+/// E2's scaling part: the bulk pipeline with `n` workers (its own target
+/// with `n` cipher instances), median of `runs` samples of `sample_mib`.
+fn workers_sample(n: usize, runs: usize, sample_mib: usize) -> Result<f64, BenchError> {
+    let disk_mib = 256;
+    let alloc = PageAllocator::builder()
+        .size_bytes(1 << 30)
+        .huge_pages(HugePages::Try)
+        .build()?;
+    let store: Arc<dyn Backend> =
+        Arc::new(PageStore::new(&alloc, (disk_mib as u64) << 20).map_err(workload)?);
+    let cipher = XtsCipher::new(&key(), SECTOR_BYTES, 0).map_err(workload)?;
+    let target = Arc::new(
+        CryptTarget::new(
+            &alloc,
+            CipherPool::new(cipher, n).map_err(workload)?,
+            store,
+            TargetConfig {
+                strategy: Strategy::Bulk,
+                min_nr: MIN_NR,
+                ..TargetConfig::default()
+            },
+        )
+        .map_err(workload)?,
+    );
+    let plain: Arc<[u8]> = (0..MIB).map(|i| (i * 131 % 251) as u8).collect();
+    let mut pos = 0;
+    let bulk = Mode::Strategy(Strategy::Bulk);
+    pipeline_sample_workers(&target, bulk, &plain, disk_mib, &mut pos, n)?;
+    let mut v = Vec::new();
+    for _ in 0..runs {
+        v.push(pipeline_sample_workers(&target, bulk, &plain, sample_mib, &mut pos, n)?.mib_s);
+    }
+    drop(target);
+    alloc
+        .leak_check()
+        .map_err(|a| workload(format!("crypt: pages leaked: {a}")))?;
+    Ok(median(&v))
+}
+
+/// E2, with the scaling part at `workers` (default 1, 2, 4, … cores).
+pub fn run_with_workers(
+    opts: &BenchOptions,
+    workers: Option<&[usize]>,
+) -> Result<Value, BenchError> {
     // `--quick` runs E2 whole: the full run takes under ten seconds, and
     // every shorter version tried reported other ratios than it (64 MiB
     // samples on a 64 MiB disk: bulk_vs_cipher 0.53-0.56 against 0.88;
@@ -272,6 +334,51 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
     let bulk_vs_noalloc = bulk / noalloc_mib_s;
     let bulk_vs_cipher = bulk / cipher_mib_s;
 
+    // Scaling: the bulk pipeline with more workers, against the physical
+    // bound min(workers, cores) × the one-core cipher rate of this run.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let ladder: Vec<usize> = match workers {
+        Some(v) => v.to_vec(),
+        None => {
+            let mut v = vec![1];
+            while v.last().unwrap() * 2 <= cores {
+                v.push(v.last().unwrap() * 2);
+            }
+            if *v.last().unwrap() != cores {
+                v.push(cores);
+            }
+            v
+        }
+    };
+    if ladder.contains(&0) {
+        return Err(workload("--workers must be at least 1"));
+    }
+    let mut scaling = Vec::new();
+    for &n in &ladder {
+        let mib_s = workers_sample(n, 3, sample_mib)?;
+        let bound = n.min(cores) as f64 * cipher_mib_s;
+        if mib_s > bound * 1.1 {
+            return Err(workload(format!(
+                "crypt: E2 with {n} workers measured {mib_s:.0} MiB/s, over the physical bound of {bound:.0} MiB/s (min(workers, cores) × the bare cipher's rate in this run): refusing to report it"
+            )));
+        }
+        progress(
+            "crypt",
+            format!(
+                "E2 {n} workers: bulk {mib_s:.0} MiB/s = {:.2} × min(workers, cores) × the one-core cipher",
+                mib_s / bound
+            ),
+        );
+        scaling.push(json!({
+            "workers": n, "bulk_mib_s": round2(mib_s),
+            "bound_mib_s": round2(bound), "vs_bound": mib_s / bound,
+        }));
+    }
+    let at_cores = scaling
+        .iter()
+        .find(|r| r["workers"].as_u64() == Some(cores as u64))
+        .map(|r| r["vs_bound"].as_f64().unwrap_or(0.0));
+
     println!();
     println!(
         "crypt (E2): 1 MiB sequential writes, queue depth {QUEUE_DEPTH}, one worker, page-store RAM disk; median of {runs} runs"
@@ -326,6 +433,21 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
         bulk_vs_cipher,
         met(bulk_vs_cipher >= 0.9)
     );
+    for r in &scaling {
+        println!(
+            "workers {:>2}: bulk {:>7.0} MiB/s, {:.2} × min(workers, cores) × the one-core cipher",
+            r["workers"],
+            r["bulk_mib_s"].as_f64().unwrap_or(0.0),
+            r["vs_bound"].as_f64().unwrap_or(0.0)
+        );
+    }
+    match at_cores {
+        Some(x) => println!(
+            "target with workers = cores ({cores}) >= 0.8 × cores × the one-core cipher: {x:.3} ({})",
+            met(x >= 0.8)
+        ),
+        None => println!("target with workers = cores: not measured (--workers did not include {cores})"),
+    }
     println!(
         "target bulk and compound >= per-page: bulk {:.3}, compound {:.3} ({})",
         bulk / per_page,
@@ -392,6 +514,10 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
             "bulk_vs_cipher": bulk_vs_cipher,
             "bulk_vs_per_page": bulk / per_page,
             "compound_vs_per_page": compound / per_page,
+            "workers_scaling": scaling,
+            "cores": cores,
+            "workers_eq_cores_vs_bound": at_cores,
+            "target_workers_eq_cores_min": 0.8,
         },
     });
     write_json(&json_path, &report)?;

@@ -51,6 +51,10 @@ enum Command {
         /// threads than cores on purpose).
         #[arg(long, value_name = "N[,N...]", value_parser = parse_threads)]
         threads: Option<ThreadCounts>,
+        /// crypt: E2's scaling part, the bulk pipeline with these worker
+        /// counts (comma-separated; default 1, 2, 4, … up to the cores).
+        #[arg(long, value_name = "N[,N...]", value_parser = parse_threads)]
+        workers: Option<ThreadCounts>,
         /// crypt: run only E3, with the page limit near its threshold or at
         /// its default (2 % of the arena).
         #[arg(long, value_enum)]
@@ -204,9 +208,15 @@ fn run(cli: Cli) -> Result<(), BenchError> {
             no_peers,
             peers_dir,
             threads,
+            workers,
             limit,
             tls,
         } => {
+            if workers.is_some() && experiment != Experiment::Crypt {
+                return Err(BenchError::Workload(
+                    "--workers belongs to the crypt experiment: `iopages bench crypt --workers 1,2,4`".into(),
+                ));
+            }
             if limit.is_some() && experiment != Experiment::Crypt {
                 return Err(BenchError::Workload(
                     "--limit belongs to the crypt experiment: `iopages bench crypt --threads 4 --limit near`".into(),
@@ -273,7 +283,10 @@ fn run(cli: Cli) -> Result<(), BenchError> {
             if all || experiment == Experiment::Crypt {
                 let e3_only = crypt_threads.is_some() || limit.is_some();
                 if !e3_only {
-                    iopages_bench::crypt::run(&opts)?;
+                    iopages_bench::crypt::run_with_workers(
+                        &opts,
+                        workers.as_ref().map(|w| w.0.as_slice()),
+                    )?;
                 }
                 let setting = match limit {
                     Some(Limit::Default) => iopages_bench::crypt::LimitSetting::Default,
