@@ -9,35 +9,14 @@
 //! missing the test says so and returns, except under `CI=true`, where
 //! scripts/setup-debian.sh has installed them all and a missing one fails.
 
-use std::io::{BufRead, BufReader, Read, Write};
+mod common;
+
+use common::{pattern, sigterm_and_wait, succeeded, tools, wait_for_banner, Dir, BIN};
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
-
-const BIN: &str = env!("CARGO_BIN_EXE_iopages");
-
-fn have(tool: &str) -> bool {
-    let found = Command::new("sh")
-        .arg("-c")
-        .arg(format!(
-            "command -v {tool} >/dev/null 2>&1 || test -x /usr/sbin/{tool}"
-        ))
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false);
-    if !found {
-        if std::env::var("CI").as_deref() == Ok("true") {
-            panic!("{tool} is missing under CI=true: scripts/setup-debian.sh installs it");
-        }
-        eprintln!("skipped: {tool} is not installed (scripts/setup-debian.sh installs it)");
-    }
-    found
-}
-
-fn tools(list: &[&str]) -> bool {
-    list.iter().all(|t| have(t))
-}
+use std::time::Duration;
 
 fn cryptsetup() -> Command {
     let p = if Path::new("/usr/sbin/cryptsetup").exists() {
@@ -53,36 +32,7 @@ fn run(cmd: &mut Command) -> String {
         .stdin(Stdio::null())
         .output()
         .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed ({}):\n{}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-struct Dir(PathBuf);
-
-impl Dir {
-    fn new(tag: &str) -> Dir {
-        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let p =
-            std::env::temp_dir().join(format!("iopages-interop-{tag}-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&p).unwrap();
-        Dir(p)
-    }
-    fn join(&self, n: &str) -> PathBuf {
-        self.0.join(n)
-    }
-}
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+    succeeded(cmd, &out)
 }
 
 /// A running `iopages serve`; killed if the test fails before stopping it.
@@ -107,52 +57,21 @@ impl Served {
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&stderr).unwrap());
         let mut child = cmd.spawn().expect("iopages serve starts");
-        let out = child.stdout.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines() {
-                let Ok(l) = l else { break };
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
+        let lines = common::lines_of(child.stdout.take().unwrap());
         let mut s = Served {
             child: Some(child),
-            lines: rx,
+            lines,
             uri: String::new(),
             banner: Vec::new(),
             stderr,
         };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            match s.lines.recv_timeout(Duration::from_millis(200)) {
-                Ok(l) => {
-                    if let Some(u) = l.strip_prefix("serving ") {
-                        s.uri = u.to_string();
-                    }
-                    let done = l.starts_with("statistics:");
-                    s.banner.push(l);
-                    if done {
-                        break;
-                    }
-                }
-                Err(mpsc::RecvTimeoutError::Timeout) => {
-                    if let Some(st) = s.child.as_mut().unwrap().try_wait().unwrap() {
-                        panic!("iopages serve exited ({st}): {}", s.stderr_text());
-                    }
-                    assert!(
-                        Instant::now() < deadline,
-                        "iopages serve did not start: {:?}",
-                        s.banner
-                    );
-                }
-                Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    let st = s.child.as_mut().unwrap().wait().unwrap();
-                    panic!("iopages serve exited ({st}): {}", s.stderr_text());
-                }
+        let mut uri = String::new();
+        s.banner = wait_for_banner(s.child.as_mut().unwrap(), &s.lines, &s.stderr, |l| {
+            if let Some(u) = l.strip_prefix("serving ") {
+                uri = u.to_string();
             }
-        }
+        });
+        s.uri = uri;
         assert!(s.uri.starts_with("nbd+unix:///"), "{:?}", s.banner);
         s
     }
@@ -173,19 +92,7 @@ impl Served {
     /// printed after the banner.
     fn stop(mut self) -> Vec<String> {
         let mut child = self.child.take().unwrap();
-        // SAFETY: signalling our own child process.
-        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let status = loop {
-            if let Some(st) = child.try_wait().unwrap() {
-                break st;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "iopages serve did not stop on SIGTERM"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        };
+        let status = sigterm_and_wait(&mut child, "iopages serve");
         let rest: Vec<String> = self.lines.try_iter().collect();
         assert!(
             status.success(),
@@ -204,19 +111,6 @@ impl Drop for Served {
             let _ = c.wait();
         }
     }
-}
-
-/// Bytes that differ at every 512-byte sector.
-fn pattern(seed: u32, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(2654435761).wrapping_add(1);
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            x as u8
-        })
-        .collect()
 }
 
 fn write_pass(dir: &Dir, name: &str, pass: &[u8]) -> PathBuf {

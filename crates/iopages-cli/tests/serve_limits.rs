@@ -3,27 +3,35 @@
 //! non-loopback address needs `--allow-plaintext`, and bad TLS or limit
 //! flags are clear errors.
 
+mod common;
+
+use common::{Dir, BIN};
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-const BIN: &str = env!("CARGO_BIN_EXE_iopages");
-
-struct Dir(PathBuf);
-
-impl Dir {
-    fn new(tag: &str) -> Dir {
-        let p = std::env::temp_dir().join(format!("iopages-serve-{tag}-{}", std::process::id()));
-        std::fs::create_dir_all(&p).unwrap();
-        Dir(p)
-    }
-}
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+/// `iopages luks format --type TYPE --size 1M EXTRA...` makes `DIR/v.img`
+/// with the passphrase `pass` (in `DIR/pass`): the image and the
+/// passphrase file.
+fn format_image(d: &Dir, luks_type: &str, pass: &[u8], extra: &[&str]) -> (PathBuf, PathBuf) {
+    let img = d.join("v.img");
+    let pass_file = d.join("pass");
+    std::fs::write(&pass_file, pass).unwrap();
+    let out = Command::new(BIN)
+        .args(["luks", "format", "--type", luks_type, "--size", "1M"])
+        .args(extra)
+        .arg("--passphrase-file")
+        .arg(&pass_file)
+        .arg(&img)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (img, pass_file)
 }
 
 fn serve_fails(args: &[&str], want: &str) {
@@ -41,30 +49,7 @@ fn serve_fails(args: &[&str], want: &str) {
 #[test]
 fn sigint_during_a_slow_key_derivation_stops_serve_at_once() {
     let d = Dir::new("kdf");
-    let img = d.0.join("v.img");
-    let pass = d.0.join("pass");
-    std::fs::write(&pass, b"correct horse").unwrap();
-    let out = Command::new(BIN)
-        .args([
-            "luks",
-            "format",
-            "--type",
-            "luks1",
-            "--size",
-            "1M",
-            "--iterations",
-            "1000",
-        ])
-        .arg("--passphrase-file")
-        .arg(&pass)
-        .arg(&img)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (img, pass) = format_image(&d, "luks1", b"correct horse", &["--iterations", "1000"]);
     // Make key slot 0 slow (LUKS1 has no header checksum): 40 M PBKDF2
     // iterations, under the 50 M limit, tens of seconds of derivation.
     let mut h = std::fs::read(&img).unwrap();
@@ -107,26 +92,7 @@ fn sigint_during_a_slow_key_derivation_stops_serve_at_once() {
 #[test]
 fn a_slot_over_the_kdf_limits_is_refused_before_deriving() {
     let d = Dir::new("limit");
-    let img = d.0.join("v.img");
-    let pass = d.0.join("pass");
-    std::fs::write(&pass, b"pw").unwrap();
-    let out = Command::new(BIN)
-        .args([
-            "luks",
-            "format",
-            "--type",
-            "luks1",
-            "--size",
-            "1M",
-            "--iterations",
-            "1000",
-        ])
-        .arg("--passphrase-file")
-        .arg(&pass)
-        .arg(&img)
-        .output()
-        .unwrap();
-    assert!(out.status.success());
+    let (img, pass) = format_image(&d, "luks1", b"pw", &["--iterations", "1000"]);
     let mut h = std::fs::read(&img).unwrap();
     h[212..216].copy_from_slice(&u32::MAX.to_be_bytes());
     std::fs::write(&img, &h).unwrap();
@@ -176,12 +142,11 @@ fn plaintext_off_loopback_and_bad_tls_flags_are_refused_clearly() {
 #[test]
 fn a_luks2_image_reformatted_as_lvm_is_refused_unless_recovered_on_purpose() {
     let d = Dir::new("lvm");
-    let img = d.0.join("v.img");
-    let pass = d.0.join("pass");
-    std::fs::write(&pass, b"pw").unwrap();
-    let out = Command::new(BIN)
-        .args(["luks", "format", "--type", "luks2", "--size", "1M"])
-        .args([
+    let (img, pass) = format_image(
+        &d,
+        "luks2",
+        b"pw",
+        &[
             "--pbkdf",
             "argon2id",
             "--iterations",
@@ -190,16 +155,7 @@ fn a_luks2_image_reformatted_as_lvm_is_refused_unless_recovered_on_purpose() {
             "32",
             "--parallel",
             "1",
-        ])
-        .arg("--passphrase-file")
-        .arg(&pass)
-        .arg(&img)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+        ],
     );
     // What pvcreate writes in the second sector: the primary LUKS2 header
     // is no longer valid, and the area now says "LVM physical volume".

@@ -18,14 +18,14 @@
 //! against `nbdkit memory` with the equivalent TLS flags instead: a check of
 //! the clients' side independent of ours.
 
+mod common;
+
+use common::{have, pattern, sigterm_and_wait, succeeded, wait_for_banner, Dir, BIN};
 use iopages_bench::nbd::{write_pki, write_psk, Pki};
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
-
-const BIN: &str = env!("CARGO_BIN_EXE_iopages");
 /// The export's name (nbdkit serves any name it is asked for).
 const EXPORT: &str = "iopages";
 /// The in-memory volume's size.
@@ -36,27 +36,9 @@ const USER: &str = "alice";
 /// No client may take longer than this.
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(120);
 
-fn have(tool: &str) -> bool {
-    let found = Command::new("sh")
-        .arg("-c")
-        .arg(format!(
-            "command -v {tool} >/dev/null 2>&1 || test -x /usr/sbin/{tool}"
-        ))
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false);
-    if !found {
-        if std::env::var("CI").as_deref() == Ok("true") {
-            panic!("{tool} is missing under CI=true: scripts/setup-debian.sh installs it");
-        }
-        eprintln!("skipped: {tool} is not installed (scripts/setup-debian.sh installs it)");
-    }
-    found
-}
-
 /// Every tool in `list`, and nbdkit when it stands in for our server.
 fn tools(list: &[&str]) -> bool {
-    list.iter().all(|t| have(t)) && (kind() == Kind::Iopages || have("nbdkit"))
+    common::tools(list) && (kind() == Kind::Iopages || have("nbdkit"))
 }
 
 /// Run `cmd` to its end (killed after `CLIENT_TIMEOUT`).
@@ -98,14 +80,7 @@ fn exec(cmd: &mut Command) -> Output {
 /// `cmd` must succeed; its stdout.
 fn run(cmd: &mut Command) -> String {
     let out = exec(cmd);
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed ({}):\n{}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    succeeded(cmd, &out)
 }
 
 /// `cmd` must fail; its stdout and stderr together.
@@ -118,40 +93,6 @@ fn refused(cmd: &mut Command) -> String {
     );
     assert!(!out.status.success(), "{cmd:?} must fail, but:\n{text}");
     text
-}
-
-struct Dir(PathBuf);
-
-impl Dir {
-    fn new(tag: &str) -> Dir {
-        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let p = std::env::temp_dir().join(format!("iopages-tls-{tag}-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&p).unwrap();
-        Dir(p)
-    }
-    fn join(&self, n: &str) -> PathBuf {
-        self.0.join(n)
-    }
-}
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// Bytes that differ at every 512-byte sector.
-fn pattern(seed: u32, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(2654435761).wrapping_add(1);
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            x as u8
-        })
-        .collect()
 }
 
 /// Which server the clients talk to.
@@ -234,67 +175,36 @@ impl Served {
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&stderr).unwrap());
         let mut child = cmd.spawn().expect("iopages serve starts");
-        let out = child.stdout.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines() {
-                let Ok(l) = l else { break };
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
+        let lines = common::lines_of(child.stdout.take().unwrap());
         let mut s = Served {
             kind: Kind::Iopages,
             child: Some(child),
             tcp_child: None,
-            lines: Some(rx),
+            lines: Some(lines),
             uri: String::new(),
             sock,
             tcp: None,
             stderr,
         };
-        let mut banner = Vec::new();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            match s
-                .lines
-                .as_ref()
-                .unwrap()
-                .recv_timeout(Duration::from_millis(200))
-            {
-                Ok(l) => {
-                    if let Some(u) = l.strip_prefix("serving ") {
-                        if u.starts_with("nbds+unix:") || u.starts_with("nbd+unix:") {
-                            s.uri = u.to_string();
-                        } else if let Some(rest) = u
-                            .strip_prefix("nbds://")
-                            .or_else(|| u.strip_prefix("nbd://"))
-                        {
-                            s.tcp = rest.split('/').next().map(str::to_string);
-                        }
-                    }
-                    let done = l.starts_with("statistics:");
-                    banner.push(l);
-                    if done {
-                        break;
+        let (mut uri, mut tcp) = (String::new(), None);
+        let banner = wait_for_banner(
+            s.child.as_mut().unwrap(),
+            s.lines.as_ref().unwrap(),
+            &s.stderr,
+            |l| {
+                if let Some(u) = l.strip_prefix("serving ") {
+                    if u.starts_with("nbds+unix:") || u.starts_with("nbd+unix:") {
+                        uri = u.to_string();
+                    } else if let Some(rest) = u
+                        .strip_prefix("nbds://")
+                        .or_else(|| u.strip_prefix("nbd://"))
+                    {
+                        tcp = rest.split('/').next().map(str::to_string);
                     }
                 }
-                Err(mpsc::RecvTimeoutError::Timeout) => {
-                    if let Some(st) = s.child.as_mut().unwrap().try_wait().unwrap() {
-                        panic!("iopages serve exited ({st}): {}", s.stderr_text());
-                    }
-                    assert!(
-                        Instant::now() < deadline,
-                        "iopages serve did not start: {banner:?}"
-                    );
-                }
-                Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    let st = s.child.as_mut().unwrap().wait().unwrap();
-                    panic!("iopages serve exited ({st}): {}", s.stderr_text());
-                }
-            }
-        }
+            },
+        );
+        (s.uri, s.tcp) = (uri, tcp);
         let want = format!("nbds+unix:///{EXPORT}?socket={}", s.sock.display());
         if tls.mode == "require" {
             assert_eq!(s.uri, want, "the TLS URI is printed: {banner:?}");
@@ -444,19 +354,7 @@ impl Served {
     /// SIGTERM; the exit status must be success (and ours says "stopped").
     fn stop(mut self) {
         let mut child = self.child.take().unwrap();
-        // SAFETY: signalling our own child process.
-        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let status = loop {
-            if let Some(st) = child.try_wait().unwrap() {
-                break st;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the server did not stop on SIGTERM"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        };
+        let status = sigterm_and_wait(&mut child, "the server");
         assert!(
             status.success(),
             "the server exited with {status}: {}",
@@ -589,6 +487,19 @@ fn arg(k: &str, p: &Path) -> String {
     format!("{k}={}", p.display())
 }
 
+/// A `--tls require` server with the X.509 certificates in `server`.
+fn x509_server(dir: &Dir, server: &Path, verify_peer: bool, tcp: bool) -> Served {
+    Served::start(
+        dir,
+        &Tls {
+            mode: "require",
+            creds: Creds::X509(server),
+            verify_peer,
+            tcp,
+        },
+    )
+}
+
 #[test]
 fn x509_nbdinfo_and_nbdcopy_round_trip_and_refusals() {
     if !tools(&["nbdinfo", "nbdcopy"]) {
@@ -596,15 +507,7 @@ fn x509_nbdinfo_and_nbdcopy_round_trip_and_refusals() {
     }
     let dir = Dir::new("x509-libnbd");
     let pki = write_pki(&dir.join("pki")).unwrap();
-    let srv = Served::start(
-        &dir,
-        &Tls {
-            mode: "require",
-            creds: Creds::X509(&pki.server),
-            verify_peer: false,
-            tcp: true,
-        },
-    );
+    let srv = x509_server(&dir, &pki.server, false, true);
     let uri = srv.x509_uri(&pki.client);
     assert_eq!(nbdinfo_size(&uri), SIZE_BYTES as u64);
     let info = run(Command::new("nbdinfo").arg(&uri));
@@ -636,15 +539,7 @@ fn x509_qemu_img_round_trip_and_an_unrelated_ca_refused() {
     }
     let dir = Dir::new("x509-qemu");
     let pki = write_pki(&dir.join("pki")).unwrap();
-    let srv = Served::start(
-        &dir,
-        &Tls {
-            mode: "require",
-            creds: Creds::X509(&pki.server),
-            verify_peer: false,
-            tcp: false,
-        },
-    );
+    let srv = x509_server(&dir, &pki.server, false, false);
     let opts = srv.qemu_opts(Some("x509"));
     let info = run(Command::new("qemu-img")
         .args(["info", "--object", &qemu_x509(&pki.client), "--image-opts"])
@@ -674,15 +569,7 @@ fn x509_nbdkit_nbd_plugin_as_client_round_trip_and_an_unrelated_ca_refused() {
     }
     let dir = Dir::new("x509-nbdkit");
     let pki = write_pki(&dir.join("pki")).unwrap();
-    let srv = Served::start(
-        &dir,
-        &Tls {
-            mode: "require",
-            creds: Creds::X509(&pki.server),
-            verify_peer: false,
-            tcp: true,
-        },
-    );
+    let srv = x509_server(&dir, &pki.server, false, true);
     nbdkit_round_trip(&dir, &srv, &[arg("tls-certificates", &pki.client)], 3);
     // Like libnbd, whose it is, the plugin checks the server's certificate
     // where it has a host name: over TCP.
@@ -708,15 +595,7 @@ fn x509_verify_peer_refuses_clients_without_a_certificate_from_its_ca() {
     }
     let dir = Dir::new("x509-peer");
     let pki = write_pki(&dir.join("pki")).unwrap();
-    let srv = Served::start(
-        &dir,
-        &Tls {
-            mode: "require",
-            creds: Creds::X509(&pki.server),
-            verify_peer: true,
-            tcp: false,
-        },
-    );
+    let srv = x509_server(&dir, &pki.server, true, false);
     // With the client certificate: all three get in.
     let uri = srv.x509_uri(&pki.client);
     nbdcopy_round_trip(&dir, &uri, 4);

@@ -1,0 +1,160 @@
+//! Helpers shared by the CLI's integration tests (`mod common;` in each):
+//! finding the tools a test needs, running commands, a temporary
+//! directory, test data, and starting and stopping an `iopages serve`
+//! process (its stdout lines, its banner up to `statistics:`, SIGTERM).
+//! Not every test file uses every helper.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Command, ExitStatus, Output};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_iopages");
+
+/// Whether `tool` is installed; says so when it is not, and fails under
+/// `CI=true`, where scripts/setup-debian.sh has installed them all.
+pub fn have(tool: &str) -> bool {
+    let found = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "command -v {tool} >/dev/null 2>&1 || test -x /usr/sbin/{tool}"
+        ))
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if !found {
+        if std::env::var("CI").as_deref() == Ok("true") {
+            panic!("{tool} is missing under CI=true: scripts/setup-debian.sh installs it");
+        }
+        eprintln!("skipped: {tool} is not installed (scripts/setup-debian.sh installs it)");
+    }
+    found
+}
+
+/// Every tool in `list` (each one checked, so each missing one is named).
+pub fn tools(list: &[&str]) -> bool {
+    list.iter().all(|t| have(t))
+}
+
+/// `out`, what `cmd` gave, must be a success; its stdout.
+pub fn succeeded(cmd: &Command, out: &Output) -> String {
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed ({}):\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A directory of its own under the temporary directory, removed when
+/// dropped: `iopages-TESTFILE-TAG-PID-N`.
+pub struct Dir(pub PathBuf);
+
+impl Dir {
+    pub fn new(tag: &str) -> Dir {
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let p = std::env::temp_dir().join(format!(
+            "iopages-{}-{tag}-{}-{n}",
+            env!("CARGO_CRATE_NAME"),
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&p).unwrap();
+        Dir(p)
+    }
+    pub fn join(&self, n: &str) -> PathBuf {
+        self.0.join(n)
+    }
+}
+
+impl Drop for Dir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Bytes that differ at every 512-byte sector.
+pub fn pattern(seed: u32, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(2654435761).wrapping_add(1);
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x as u8
+        })
+        .collect()
+}
+
+/// A server's stdout, line by line, read on a thread of its own.
+pub fn lines_of(out: ChildStdout) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for l in BufReader::new(out).lines() {
+            let Ok(l) = l else { break };
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// The banner `iopages serve` prints as it starts, up to and including its
+/// `statistics:` line, each line also given to `seen`. Fails if the
+/// process exits first (with its stderr, from the file `stderr`) or prints
+/// no such line within 60 s.
+pub fn wait_for_banner(
+    child: &mut Child,
+    lines: &mpsc::Receiver<String>,
+    stderr: &Path,
+    mut seen: impl FnMut(&str),
+) -> Vec<String> {
+    let stderr_text = || std::fs::read_to_string(stderr).unwrap_or_default();
+    let mut banner = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match lines.recv_timeout(Duration::from_millis(200)) {
+            Ok(l) => {
+                seen(&l);
+                let done = l.starts_with("statistics:");
+                banner.push(l);
+                if done {
+                    return banner;
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                if let Some(st) = child.try_wait().unwrap() {
+                    panic!("iopages serve exited ({st}): {}", stderr_text());
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "iopages serve did not start: {banner:?}"
+                );
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                let st = child.wait().unwrap();
+                panic!("iopages serve exited ({st}): {}", stderr_text());
+            }
+        }
+    }
+}
+
+/// SIGTERM to `child`, and its exit status once it has exited; fails if
+/// it has not within 60 s (`what` names the server in that message).
+pub fn sigterm_and_wait(child: &mut Child, what: &str) -> ExitStatus {
+    // SAFETY: signalling our own child process.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            return st;
+        }
+        assert!(Instant::now() < deadline, "{what} did not stop on SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
