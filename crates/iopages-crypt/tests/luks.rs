@@ -17,63 +17,14 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+mod common;
+use common::{need, Dir};
+
 const PASS: &[u8] = b"correct horse battery staple";
 const PASS2: &[u8] = b"second passphrase";
 const WRONG: &[u8] = b"not the passphrase";
 
 // ---- helpers ---------------------------------------------------------
-
-struct Dir(PathBuf);
-
-impl Dir {
-    fn new(name: &str) -> Dir {
-        let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-            .join(format!("luks-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        Dir(d)
-    }
-
-    fn path(&self, f: &str) -> PathBuf {
-        self.0.join(f)
-    }
-
-    /// A file holding `bytes` (a passphrase file: no newline).
-    fn file(&self, f: &str, bytes: &[u8]) -> PathBuf {
-        let p = self.path(f);
-        std::fs::write(&p, bytes).unwrap();
-        p
-    }
-}
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn find_tool(name: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain(["/usr/sbin", "/sbin", "/usr/bin"].map(PathBuf::from))
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
-}
-
-/// The tool's path; `None` (after a skip line) when it is missing outside
-/// CI; a failure when it is missing under `CI=true`.
-fn need(name: &str, test: &str) -> Option<PathBuf> {
-    match find_tool(name) {
-        Some(p) => Some(p),
-        None if std::env::var("CI").as_deref() == Ok("true") => {
-            panic!("{name} is not installed (CI=true): run scripts/setup-debian.sh")
-        }
-        None => {
-            eprintln!("skip {test}: {name} is not installed (scripts/setup-debian.sh installs it)");
-            None
-        }
-    }
-}
 
 fn run(cmd: &mut Command) -> Output {
     let out = cmd
@@ -346,7 +297,7 @@ fn cryptsetup_format(cs: &Path, dir: &Dir, case: &Case, pass_file: &Path) -> Pat
 }
 
 fn check_cryptsetup_volume(cs: &Path, case: &Case) {
-    let dir = Dir::new(case.name);
+    let dir = Dir::new("luks", case.name);
     let pass = dir.file("pass", PASS);
     let pass2 = dir.file("pass2", PASS2);
     let img = cryptsetup_format(cs, &dir, case, &pass);
@@ -488,7 +439,7 @@ fn our_volumes_pass_cryptsetup() {
     let Some(cs) = need("cryptsetup", "our_volumes_pass_cryptsetup") else {
         return;
     };
-    let dir = Dir::new("ours");
+    let dir = Dir::new("luks", "ours");
     let pass = dir.file("pass", PASS);
     let pass2 = dir.file("pass2", PASS2);
     let wrong = dir.file("wrong", WRONG);
@@ -628,7 +579,7 @@ fn our_ciphertext_reads_back_through_nbdkit_luks_filter() {
     if need("nbdcopy", "nbdkit_luks_filter").is_none() {
         return;
     }
-    let dir = Dir::new("nbdkit");
+    let dir = Dir::new("luks", "nbdkit");
     let pass = dir.file("pass", PASS);
     // A volume cryptsetup made...
     let img = cryptsetup_format(&cs, &dir, &CASES[0], &pass);
@@ -670,7 +621,7 @@ fn flipped(orig: &[u8], at: usize) -> Vec<u8> {
 
 #[test]
 fn luks1_corruption_and_truncation_name_what_is_wrong() {
-    let dir = Dir::new("corrupt1");
+    let dir = Dir::new("luks", "corrupt1");
     let img = dir.path("v.img");
     let vol = luks::format_path(
         &img,
@@ -780,7 +731,7 @@ fn rewrite_luks2_json(b: &mut [u8], edit: impl Fn(&mut serde_json::Value)) {
 
 #[test]
 fn luks2_corruption_falls_back_to_the_secondary_header_and_names_what_is_wrong() {
-    let dir = Dir::new("corrupt2");
+    let dir = Dir::new("luks", "corrupt2");
     let img = dir.path("v.img");
     let vol = luks::format_path(
         &img,
@@ -935,7 +886,7 @@ fn luks2_corruption_falls_back_to_the_secondary_header_and_names_what_is_wrong()
 
 #[test]
 fn formatting_refuses_what_cryptsetup_would() {
-    let dir = Dir::new("opts");
+    let dir = Dir::new("luks", "opts");
     let img = dir.path("v.img");
     let l1 = FormatOptions::fast_for_tests(LuksVersion::Luks1);
     let l2 = FormatOptions::fast_for_tests(LuksVersion::Luks2);
@@ -1012,7 +963,7 @@ fn formatting_refuses_what_cryptsetup_would() {
 
 #[test]
 fn is_luks_and_inspect_need_no_passphrase() {
-    let dir = Dir::new("inspect");
+    let dir = Dir::new("luks", "inspect");
     let img = dir.path("v.img");
     let opts = FormatOptions {
         label: Some("data".into()),
@@ -1057,7 +1008,7 @@ mod never_panic {
             &L2
         };
         cell.get_or_init(|| {
-            let dir = Dir::new(&format!("tmpl-{version}"));
+            let dir = Dir::new("luks", &format!("tmpl-{version}"));
             let img = dir.path("t.img");
             luks::format_path(
                 &img,
@@ -1097,7 +1048,7 @@ mod never_panic {
     /// template's device size, so the size checks pass and the mutated
     /// fields are what is tested.
     fn run_case(name: &str, bytes: &[u8], full_len: Option<u64>, run_open: bool) {
-        let dir = Dir::new(name);
+        let dir = Dir::new("luks", name);
         let p = with_bytes(&dir, "m.img", bytes);
         if let Some(len) = full_len {
             let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
@@ -1117,7 +1068,7 @@ mod never_panic {
 
         #[test]
         fn random_bytes_are_errors(bytes in proptest::collection::vec(any::<u8>(), 0..70_000)) {
-            let dir = Dir::new("rand");
+            let dir = Dir::new("luks", "rand");
             let p = with_bytes(&dir, "r.img", &bytes);
             prop_assert!(luks::open_path(&p, PASS).is_err());
         }
@@ -1130,7 +1081,7 @@ mod never_panic {
             let mut bytes = b"LUKS\xba\xbe".to_vec();
             bytes.extend_from_slice(&version.to_be_bytes());
             bytes.extend_from_slice(&rest);
-            let dir = Dir::new("magic");
+            let dir = Dir::new("luks", "magic");
             let p = with_bytes(&dir, "r.img", &bytes);
             prop_assert!(luks::open_path(&p, PASS).is_err());
         }

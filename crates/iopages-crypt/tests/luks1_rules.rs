@@ -13,6 +13,9 @@ use iopages_crypt::luks::{self, FormatOptions, LuksError, LuksVersion};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+mod common;
+use common::{find_tool, Dir};
+
 const PASS: &[u8] = b"luks1 rules passphrase";
 /// The image: the 2 MiB of header and key material, then 1 MiB of payload.
 const SIZE: u64 = 3 << 20;
@@ -34,36 +37,6 @@ const ACTIVE: usize = 0;
 const ITERATIONS: usize = 4;
 const KEY_MATERIAL_OFFSET: usize = 40;
 const STRIPES: usize = 44;
-
-struct Dir(PathBuf);
-
-impl Dir {
-    fn new(name: &str) -> Dir {
-        let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-            .join(format!("luks1-rules-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        Dir(d)
-    }
-
-    fn path(&self, f: &str) -> PathBuf {
-        self.0.join(f)
-    }
-}
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn find_tool(name: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain(["/usr/sbin", "/sbin", "/usr/bin"].map(PathBuf::from))
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
-}
 
 /// A fresh LUKS1 image of `SIZE` bytes with key slot 0 for `PASS`, made
 /// by cryptsetup (or here, where cryptsetup is missing outside CI).
@@ -192,7 +165,7 @@ fn corrupt_with(
 
 #[test]
 fn rule1_active_field_must_be_enabled_or_disabled_in_every_slot() {
-    let dir = Dir::new("active");
+    let dir = Dir::new("luks1-rules", "active");
     let orig = volume(&dir, "rule1_active");
     // Slot 3 is disabled: its state word is checked all the same.
     // (cryptsetup loads such a header and only skips the slot: stricter
@@ -221,7 +194,7 @@ fn rule1_active_field_must_be_enabled_or_disabled_in_every_slot() {
 
 #[test]
 fn rule1_stripes_must_be_4000_in_every_slot() {
-    let dir = Dir::new("stripes");
+    let dir = Dir::new("luks1-rules", "stripes");
     let orig = volume(&dir, "rule1_stripes");
     for (slot, stripes) in [(5usize, 3999u32), (7, 0), (0, 8000), (2, u32::MAX)] {
         corrupt(
@@ -239,7 +212,7 @@ fn rule1_stripes_must_be_4000_in_every_slot() {
 
 #[test]
 fn rule1_disabled_slots_key_material_offsets_are_checked() {
-    let dir = Dir::new("disabled-offset");
+    let dir = Dir::new("luks1-rules", "disabled-offset");
     let orig = volume(&dir, "rule1_disabled_offsets");
     // Disabled slot 6 pointing into the header, into the payload, and
     // onto slot 5's area: each refused though no passphrase uses it.
@@ -274,7 +247,7 @@ fn rule1_disabled_slots_key_material_offsets_are_checked() {
 
 #[test]
 fn rule2_key_material_must_lie_after_the_header() {
-    let dir = Dir::new("after-header");
+    let dir = Dir::new("luks1-rules", "after-header");
     let orig = volume(&dir, "rule2_after_header");
     // Sector 1 is byte 512, inside the 592-byte header; sector 2 would be
     // after it (but then overlaps nothing only if moved alone).
@@ -293,7 +266,7 @@ fn rule2_key_material_must_lie_after_the_header() {
 
 #[test]
 fn rule2_key_material_must_end_before_the_payload() {
-    let dir = Dir::new("before-payload");
+    let dir = Dir::new("luks1-rules", "before-payload");
     let orig = volume(&dir, "rule2_before_payload");
     // Slot 7's area (500 sectors) one sector past the payload offset.
     let late = (PAYLOAD - AREA + 1) as u32;
@@ -329,7 +302,7 @@ fn rule2_key_material_must_end_before_the_payload() {
 
 #[test]
 fn rule2_key_material_areas_must_not_overlap() {
-    let dir = Dir::new("overlap");
+    let dir = Dir::new("luks1-rules", "overlap");
     let orig = volume(&dir, "rule2_overlap");
     let three = 8 + 3 * SLOT_STEP as u32;
     corrupt(
@@ -370,7 +343,7 @@ fn rule2_key_material_areas_must_not_overlap() {
 
 #[test]
 fn rule2_key_material_offset_must_not_overflow() {
-    let dir = Dir::new("overflow");
+    let dir = Dir::new("luks1-rules", "overflow");
     let orig = volume(&dir, "rule2_overflow");
     // offset + 500 sectors wraps a 32-bit sector count (cryptsetup's own
     // arithmetic would wrap here; this does not).
@@ -392,7 +365,7 @@ fn rule2_key_material_offset_must_not_overflow() {
 
 #[test]
 fn rule3_truncation_at_every_structural_boundary_is_an_error() {
-    let dir = Dir::new("truncated");
+    let dir = Dir::new("luks1-rules", "truncated");
     let orig = volume(&dir, "rule3_truncation");
     let need = (PAYLOAD + 1) * 512;
     // The header itself.
@@ -439,7 +412,7 @@ fn rule3_areas_after_the_payload_offset_are_refused_not_read_short() {
     // A disabled slot whose area lies past the others but still before
     // the payload: the device must hold it too (cryptsetup's
     // LUKS_device_sectors takes the last area's end).
-    let dir = Dir::new("last-area");
+    let dir = Dir::new("luks1-rules", "last-area");
     let orig = volume(&dir, "rule3_last_area");
     let mut b = orig.clone();
     put32(&mut b, PAYLOAD_OFFSET, 8192);
@@ -461,7 +434,7 @@ fn rule3_areas_after_the_payload_offset_are_refused_not_read_short() {
 
 #[test]
 fn rule4_mk_digest_iterations_must_be_at_least_1() {
-    let dir = Dir::new("mkdigest");
+    let dir = Dir::new("luks1-rules", "mkdigest");
     let orig = volume(&dir, "rule4_mk_digest_iter");
     // (cryptsetup loads it and fails only when deriving.)
     corrupt_with(
@@ -476,7 +449,7 @@ fn rule4_mk_digest_iterations_must_be_at_least_1() {
 
 #[test]
 fn rule4_enabled_slot_iterations_must_be_at_least_1() {
-    let dir = Dir::new("slotiter");
+    let dir = Dir::new("luks1-rules", "slotiter");
     let orig = volume(&dir, "rule4_slot_iterations");
     corrupt_with(
         &dir,
@@ -494,7 +467,7 @@ fn rule4_enabled_slot_iterations_must_be_at_least_1() {
 
 #[test]
 fn rule4_hash_spec_must_name_a_hash_of_at_least_20_bytes() {
-    let dir = Dir::new("hash");
+    let dir = Dir::new("luks1-rules", "hash");
     let orig = volume(&dir, "rule4_hash_spec");
     let with_hash = |name: &str| {
         let mut b = orig.clone();
@@ -528,7 +501,7 @@ fn rule4_hash_spec_must_name_a_hash_of_at_least_20_bytes() {
 
 #[test]
 fn rule4_key_bytes_and_payload_offset() {
-    let dir = Dir::new("keybytes");
+    let dir = Dir::new("luks1-rules", "keybytes");
     let orig = volume(&dir, "rule4_key_bytes");
     corrupt(
         &dir,
@@ -562,7 +535,7 @@ fn rule4_key_bytes_and_payload_offset() {
 fn rule4_text_fields_end_where_cryptsetup_ends_them() {
     // cryptsetup takes the last byte of a text field as its terminator: a
     // UUID field of 40 bytes with no NUL reads as its first 39.
-    let dir = Dir::new("uuid");
+    let dir = Dir::new("luks1-rules", "uuid");
     let orig = volume(&dir, "rule4_text_fields");
     let mut b = orig.clone();
     b[UUID..UUID + 40].fill(b'a');
@@ -574,7 +547,7 @@ fn rule4_text_fields_end_where_cryptsetup_ends_them() {
 fn valid_volumes_keep_opening() {
     // The header as cryptsetup made it, with a second keyslot added by
     // cryptsetup (enabled slots 0 and 1, six disabled).
-    let dir = Dir::new("valid");
+    let dir = Dir::new("luks1-rules", "valid");
     let orig = volume(&dir, "valid_volumes_keep_opening");
     let v = open(&dir, "plain", &orig).unwrap();
     assert_eq!(v.data_size_bytes(SIZE), SIZE - PAYLOAD * 512);

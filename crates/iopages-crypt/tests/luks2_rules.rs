@@ -12,9 +12,12 @@ use iopages_crypt::luks::{self, KdfLimits, LuksError, LuksOpenOptions, LuksVolum
 use serde_json::{json, Value};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
+
+mod common;
+use common::find_tool;
 
 const PASS: &[u8] = b"correct horse battery staple";
 const PASS2: &[u8] = b"second passphrase";
@@ -25,14 +28,6 @@ const HDR: usize = 16384;
 const DATA_OFFSET: u64 = 16 << 20;
 
 // ---- helpers ---------------------------------------------------------
-
-fn find_tool(name: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain(["/usr/sbin", "/sbin", "/usr/bin"].map(PathBuf::from))
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
-}
 
 /// cryptsetup's path; `None` (after a skip line) when it is missing
 /// outside CI; a failure when it is missing under `CI=true`.
@@ -65,6 +60,22 @@ fn run_ok(cmd: &mut Command) {
     );
 }
 
+/// `cryptsetup <verb...>` with the cheap KDF every volume here uses
+/// (PBKDF2, 1000 iterations), batch mode, and `--key-file` last: the
+/// caller appends the key file and the rest.
+fn cryptsetup_fast(cs: &Path, verb: &[&str]) -> Command {
+    let mut cmd = Command::new(cs);
+    cmd.args(verb).args([
+        "--pbkdf",
+        "pbkdf2",
+        "--pbkdf-force-iterations",
+        "1000",
+        "--batch-mode",
+        "--key-file",
+    ]);
+    cmd
+}
+
 /// A LUKS2 volume made by cryptsetup (PBKDF2, 1000 iterations) with
 /// keyslot 0 for `PASS` and keyslot 1 for `PASS2`, its bytes and volume
 /// key. Made once per test process.
@@ -86,32 +97,12 @@ fn base(test: &str) -> Option<&'static Base> {
         std::fs::write(&pass2, PASS2).unwrap();
         File::create(&img).unwrap().set_len(SIZE).unwrap();
         run_ok(
-            Command::new(&cs)
-                .args([
-                    "luksFormat",
-                    "--type",
-                    "luks2",
-                    "--pbkdf",
-                    "pbkdf2",
-                    "--pbkdf-force-iterations",
-                    "1000",
-                    "--batch-mode",
-                    "--key-file",
-                ])
+            cryptsetup_fast(&cs, &["luksFormat", "--type", "luks2"])
                 .arg(&pass)
                 .arg(&img),
         );
         run_ok(
-            Command::new(&cs)
-                .args([
-                    "luksAddKey",
-                    "--pbkdf",
-                    "pbkdf2",
-                    "--pbkdf-force-iterations",
-                    "1000",
-                    "--batch-mode",
-                    "--key-file",
-                ])
+            cryptsetup_fast(&cs, &["luksAddKey"])
                 .arg(&pass)
                 .arg(&img)
                 .arg(&pass2),
@@ -740,18 +731,7 @@ fn rule6_detached_header_is_unsupported() {
     std::fs::write(&pass, PASS).unwrap();
     File::create(&data).unwrap().set_len(4 << 20).unwrap();
     run_ok(
-        Command::new(&cs)
-            .args([
-                "luksFormat",
-                "--type",
-                "luks2",
-                "--pbkdf",
-                "pbkdf2",
-                "--pbkdf-force-iterations",
-                "1000",
-                "--batch-mode",
-                "--key-file",
-            ])
+        cryptsetup_fast(&cs, &["luksFormat", "--type", "luks2"])
             .arg(&pass)
             .arg("--header")
             .arg(&hdr)

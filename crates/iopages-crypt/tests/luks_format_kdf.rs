@@ -17,6 +17,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+mod common;
+use common::{need, Dir};
+
 const PASS: &[u8] = b"calibrated passphrase";
 
 /// The tests here time key derivations: one at a time, so that one
@@ -27,51 +30,6 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 const TARGET: Duration = Duration::from_millis(200);
-
-struct Dir(PathBuf);
-
-impl Dir {
-    fn new(name: &str) -> Dir {
-        let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-            .join(format!("luks-kdf-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        Dir(d)
-    }
-
-    fn path(&self, f: &str) -> PathBuf {
-        self.0.join(f)
-    }
-}
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn find_tool(name: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain(["/usr/sbin", "/sbin", "/usr/bin"].map(PathBuf::from))
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
-}
-
-/// The tool's path; `None` (after a skip line) when it is missing outside
-/// CI; a failure when it is missing under `CI=true`.
-fn need(name: &str, test: &str) -> Option<PathBuf> {
-    match find_tool(name) {
-        Some(p) => Some(p),
-        None if std::env::var("CI").as_deref() == Ok("true") => {
-            panic!("{name} is not installed (CI=true): run scripts/setup-debian.sh")
-        }
-        None => {
-            eprintln!("skip {test}: {name} is not installed (scripts/setup-debian.sh installs it)");
-            None
-        }
-    }
-}
 
 /// The limits every calibrated cost must pass: `KdfLimits::default()`.
 fn assert_opens_under_default_limits(p: &Pbkdf) {
@@ -150,7 +108,7 @@ fn assert_roughly(name: &str, c: &Calibrated, took: Duration) {
 #[test]
 fn calibration_hits_roughly_the_target_time_and_the_result_opens() {
     let _serial = serial();
-    let dir = Dir::new("target");
+    let dir = Dir::new("luks-kdf", "target");
     for (name, version, kind) in [
         (
             "luks1-pbkdf2-sha256",
@@ -300,7 +258,7 @@ fn explicit_costs_are_kept_and_skip_their_calibration() {
     };
     assert_eq!((time, parallel), (6, 1));
     assert!(c.benchmarked && memory_kib >= 32, "{c}");
-    let dir = Dir::new("explicit");
+    let dir = Dir::new("luks-kdf", "explicit");
     let opts = FormatOptions {
         pbkdf: c.pbkdf,
         ..FormatOptions::fast_for_tests(LuksVersion::Luks2)
@@ -488,7 +446,7 @@ fn calibrated_volumes_pass_cryptsetup() {
     let Some(cs) = need("cryptsetup", "calibrated_volumes_pass_cryptsetup") else {
         return;
     };
-    let dir = Dir::new("cryptsetup");
+    let dir = Dir::new("luks-kdf", "cryptsetup");
     let pass_file = dir.path("pass");
     std::fs::write(&pass_file, PASS).unwrap();
     for version in [LuksVersion::Luks1, LuksVersion::Luks2] {

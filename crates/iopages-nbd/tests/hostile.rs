@@ -6,41 +6,21 @@
 //! the milliseconds these take), never speed targets.
 
 use iopages::PageAllocator;
-use iopages_crypt::backend::{Backend, RamDisk};
-use iopages_crypt::queue::{CryptQueue, QueueConfig};
-use iopages_crypt::target::{CipherPool, CryptTarget, TargetConfig};
-use iopages_crypt::XtsCipher;
 use iopages_nbd::proto::*;
 use iopages_nbd::{ExportConfig, Listen, Server, ServerOptions, TlsConfig, TlsMode};
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+mod common;
+use common::{crypt_queue, info_data, read_opt_reply, read_simple_reply, send_option};
 
 const DISK: u64 = 64 << 20;
 const NAME: &str = "vol";
 
 fn start(opts: ServerOptions, export: impl FnOnce(&mut ExportConfig)) -> (PageAllocator, Server) {
-    let alloc = PageAllocator::builder()
-        .size_bytes(128 << 20)
-        .huge_pages(iopages::HugePages::Never)
-        .build()
-        .unwrap();
-    let disk: Arc<dyn Backend> = Arc::new(RamDisk::new(DISK).unwrap());
     let key: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(3) ^ 0x11).collect();
-    let cipher = CipherPool::new(XtsCipher::new(&key, 512, 0).unwrap(), 2).unwrap();
-    let target = Arc::new(CryptTarget::new(&alloc, cipher, disk, TargetConfig::default()).unwrap());
-    let queue = Arc::new(
-        CryptQueue::new(
-            target,
-            QueueConfig {
-                queue_depth: 32,
-                workers: 2,
-                preallocated_out: false,
-            },
-        )
-        .unwrap(),
-    );
+    let (alloc, queue) = crypt_queue(128 << 20, DISK, &key, 512);
     let mut cfg = ExportConfig::new(NAME);
     export(&mut cfg);
     let server = Server::start_with(
@@ -91,37 +71,17 @@ fn connect(server: &Server) -> Client<TcpStream> {
 
 impl<S: Read + Write> Client<S> {
     fn option(&mut self, option: u32, data: &[u8]) {
-        let mut v = IHAVEOPT.to_be_bytes().to_vec();
-        v.extend_from_slice(&option.to_be_bytes());
-        v.extend_from_slice(&(data.len() as u32).to_be_bytes());
-        v.extend_from_slice(data);
-        self.s.write_all(&v).unwrap();
+        send_option(&mut self.s, option, data);
     }
 
     /// The next option reply: (option, reply type, data).
     fn opt_reply(&mut self) -> (u32, u32, Vec<u8>) {
-        let mut h = [0u8; 20];
-        self.s.read_exact(&mut h).unwrap();
-        assert_eq!(
-            u64::from_be_bytes(h[0..8].try_into().unwrap()),
-            OPT_REPLY_MAGIC
-        );
-        let len = u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize;
-        let mut data = vec![0u8; len];
-        self.s.read_exact(&mut data).unwrap();
-        (
-            u32::from_be_bytes(h[8..12].try_into().unwrap()),
-            u32::from_be_bytes(h[12..16].try_into().unwrap()),
-            data,
-        )
+        read_opt_reply(&mut self.s)
     }
 
     /// NBD_OPT_GO for the export; the replies up to the ACK.
     fn go(&mut self) {
-        let mut d = (NAME.len() as u32).to_be_bytes().to_vec();
-        d.extend_from_slice(NAME.as_bytes());
-        d.extend_from_slice(&0u16.to_be_bytes());
-        self.option(OPT_GO, &d);
+        self.option(OPT_GO, &info_data(NAME, &[]));
         loop {
             let (_, kind, _) = self.opt_reply();
             match kind {
@@ -145,16 +105,7 @@ impl<S: Read + Write> Client<S> {
 
     /// The next simple reply: (error, cookie).
     fn reply(&mut self) -> (u32, u64) {
-        let mut h = [0u8; SIMPLE_REPLY_BYTES];
-        self.s.read_exact(&mut h).unwrap();
-        assert_eq!(
-            u32::from_be_bytes(h[0..4].try_into().unwrap()),
-            SIMPLE_REPLY_MAGIC
-        );
-        (
-            u32::from_be_bytes(h[4..8].try_into().unwrap()),
-            u64::from_be_bytes(h[8..16].try_into().unwrap()),
-        )
+        read_simple_reply(&mut self.s)
     }
 
     fn read(&mut self, offset: u64, len: u32) -> Result<Vec<u8>, u32> {

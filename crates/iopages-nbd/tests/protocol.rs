@@ -14,6 +14,9 @@ use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::Duration;
 
+mod common;
+use common::{crypt_queue, info_data, read_opt_reply, read_simple_reply, send_option};
+
 const DISK: u64 = 16 << 20;
 const NAME: &str = "vol";
 
@@ -22,26 +25,8 @@ fn start(read_only: bool, sector: usize) -> (PageAllocator, Server) {
 }
 
 fn start_with(read_only: bool, sector: usize, inline_max_bytes: u32) -> (PageAllocator, Server) {
-    let alloc = PageAllocator::builder()
-        .size_bytes(64 << 20)
-        .huge_pages(iopages::HugePages::Never)
-        .build()
-        .unwrap();
-    let disk: Arc<dyn Backend> = Arc::new(RamDisk::new(DISK).unwrap());
     let key: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(7) ^ 0x5a).collect();
-    let cipher = CipherPool::new(XtsCipher::new(&key, sector, 0).unwrap(), 2).unwrap();
-    let target = Arc::new(CryptTarget::new(&alloc, cipher, disk, TargetConfig::default()).unwrap());
-    let queue = Arc::new(
-        CryptQueue::new(
-            target,
-            QueueConfig {
-                queue_depth: 32,
-                workers: 2,
-                preallocated_out: false,
-            },
-        )
-        .unwrap(),
-    );
+    let (alloc, queue) = crypt_queue(64 << 20, DISK, &key, sector);
     let mut cfg = ExportConfig::new(NAME);
     cfg.read_only = read_only;
     cfg.inline_max_bytes = inline_max_bytes;
@@ -84,38 +69,16 @@ impl Client {
     }
 
     fn option(&mut self, option: u32, data: &[u8]) {
-        let mut v = IHAVEOPT.to_be_bytes().to_vec();
-        v.extend_from_slice(&option.to_be_bytes());
-        v.extend_from_slice(&(data.len() as u32).to_be_bytes());
-        v.extend_from_slice(data);
-        self.s.write_all(&v).unwrap();
+        send_option(&mut self.s, option, data);
     }
 
     fn opt_reply(&mut self) -> OptReply {
-        let mut h = [0u8; 20];
-        self.s.read_exact(&mut h).unwrap();
-        assert_eq!(
-            u64::from_be_bytes(h[0..8].try_into().unwrap()),
-            OPT_REPLY_MAGIC
-        );
-        let len = u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize;
-        let mut data = vec![0u8; len];
-        self.s.read_exact(&mut data).unwrap();
-        OptReply {
-            option: u32::from_be_bytes(h[8..12].try_into().unwrap()),
-            kind: u32::from_be_bytes(h[12..16].try_into().unwrap()),
-            data,
-        }
+        let (option, kind, data) = read_opt_reply(&mut self.s);
+        OptReply { option, kind, data }
     }
 
     fn info_data(name: &str, infos: &[u16]) -> Vec<u8> {
-        let mut d = (name.len() as u32).to_be_bytes().to_vec();
-        d.extend_from_slice(name.as_bytes());
-        d.extend_from_slice(&(infos.len() as u16).to_be_bytes());
-        for i in infos {
-            d.extend_from_slice(&i.to_be_bytes());
-        }
-        d
+        info_data(name, infos)
     }
 
     /// NBD_OPT_GO; returns (size, flags, block sizes).
@@ -169,16 +132,7 @@ impl Client {
 
     /// Read one simple reply: (error, cookie).
     fn reply(&mut self) -> (u32, u64) {
-        let mut h = [0u8; 16];
-        self.s.read_exact(&mut h).unwrap();
-        assert_eq!(
-            u32::from_be_bytes(h[0..4].try_into().unwrap()),
-            SIMPLE_REPLY_MAGIC
-        );
-        (
-            u32::from_be_bytes(h[4..8].try_into().unwrap()),
-            u64::from_be_bytes(h[8..16].try_into().unwrap()),
-        )
+        read_simple_reply(&mut self.s)
     }
 
     fn write(&mut self, offset: u64, data: &[u8], flags: u16) -> u32 {

@@ -1,0 +1,96 @@
+//! Helpers shared by the NBD test files: the volume a test server
+//! serves (an arena, a RAM disk, an XTS cipher pool, the target and its
+//! queue) and the raw client's wire helpers.
+
+use iopages::PageAllocator;
+use iopages_crypt::backend::{Backend, RamDisk};
+use iopages_crypt::queue::{CryptQueue, QueueConfig};
+use iopages_crypt::target::{CipherPool, CryptTarget, TargetConfig};
+use iopages_crypt::XtsCipher;
+use iopages_nbd::proto::*;
+use std::io::{Read, Write};
+use std::sync::Arc;
+
+/// An arena of `arena_bytes` (no huge pages) and a queue (depth 32, two
+/// workers) over an encrypted RAM disk of `disk_bytes`: XTS with `key`
+/// and `sector`-byte sectors, two ciphers in the pool.
+pub fn crypt_queue(
+    arena_bytes: u64,
+    disk_bytes: u64,
+    key: &[u8],
+    sector: usize,
+) -> (PageAllocator, Arc<CryptQueue<CipherPool>>) {
+    let alloc = PageAllocator::builder()
+        .size_bytes(arena_bytes)
+        .huge_pages(iopages::HugePages::Never)
+        .build()
+        .unwrap();
+    let disk: Arc<dyn Backend> = Arc::new(RamDisk::new(disk_bytes).unwrap());
+    let cipher = CipherPool::new(XtsCipher::new(key, sector, 0).unwrap(), 2).unwrap();
+    let target = Arc::new(CryptTarget::new(&alloc, cipher, disk, TargetConfig::default()).unwrap());
+    let queue = Arc::new(
+        CryptQueue::new(
+            target,
+            QueueConfig {
+                queue_depth: 32,
+                workers: 2,
+                preallocated_out: false,
+            },
+        )
+        .unwrap(),
+    );
+    (alloc, queue)
+}
+
+/// Send one option: IHAVEOPT, the option, the data's length, the data.
+pub fn send_option(s: &mut impl Write, option: u32, data: &[u8]) {
+    let mut v = IHAVEOPT.to_be_bytes().to_vec();
+    v.extend_from_slice(&option.to_be_bytes());
+    v.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    v.extend_from_slice(data);
+    s.write_all(&v).unwrap();
+}
+
+/// The next option reply: (option, reply type, data).
+pub fn read_opt_reply(s: &mut impl Read) -> (u32, u32, Vec<u8>) {
+    let mut h = [0u8; 20];
+    s.read_exact(&mut h).unwrap();
+    assert_eq!(
+        u64::from_be_bytes(h[0..8].try_into().unwrap()),
+        OPT_REPLY_MAGIC
+    );
+    let len = u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize;
+    let mut data = vec![0u8; len];
+    s.read_exact(&mut data).unwrap();
+    (
+        u32::from_be_bytes(h[8..12].try_into().unwrap()),
+        u32::from_be_bytes(h[12..16].try_into().unwrap()),
+        data,
+    )
+}
+
+/// The data of NBD_OPT_GO / NBD_OPT_INFO: the export name and the
+/// information requests.
+pub fn info_data(name: &str, infos: &[u16]) -> Vec<u8> {
+    let mut d = (name.len() as u32).to_be_bytes().to_vec();
+    d.extend_from_slice(name.as_bytes());
+    d.extend_from_slice(&(infos.len() as u16).to_be_bytes());
+    for i in infos {
+        d.extend_from_slice(&i.to_be_bytes());
+    }
+    d
+}
+
+/// The next simple reply: (error, cookie).
+pub fn read_simple_reply(s: &mut impl Read) -> (u32, u64) {
+    let mut h = [0u8; SIMPLE_REPLY_BYTES];
+    s.read_exact(&mut h).unwrap();
+    assert_eq!(
+        u32::from_be_bytes(h[0..4].try_into().unwrap()),
+        SIMPLE_REPLY_MAGIC
+    );
+    (
+        u32::from_be_bytes(h[4..8].try_into().unwrap()),
+        u64::from_be_bytes(h[8..16].try_into().unwrap()),
+    )
+}
