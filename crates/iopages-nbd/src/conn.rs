@@ -225,8 +225,7 @@ impl Conn {
             queued: Instant::now(),
         };
         if self.dead.load(Ordering::Acquire) {
-            drop(r);
-            self.release(held_bytes);
+            self.retire(r);
             return;
         }
         let mut ob = self.outbox.lock();
@@ -336,9 +335,7 @@ impl Conn {
                 }
                 left -= len;
                 let r = batch.pop_front().expect("front exists");
-                let held = r.held_bytes;
-                drop(r);
-                self.release(held);
+                self.retire(r);
             }
             *sent = left;
         }
@@ -352,19 +349,9 @@ impl Conn {
             return;
         }
         self.t.shutdown();
-        let mut ob = self.outbox.lock();
-        if ob.sending {
-            // The sender puts its batch back and finds the socket shut.
-            return;
-        }
-        let q = std::mem::take(&mut ob.queue);
-        ob.front_sent = 0;
-        drop(ob);
-        for r in q {
-            let held = r.held_bytes;
-            drop(r);
-            self.release(held);
-        }
+        // A sender holding a batch puts it back and finds the socket shut;
+        // then it discards what is left itself.
+        self.discard_if_dead();
     }
 
     /// Drop replies queued on a dead connection (a sender that found the
@@ -381,10 +368,16 @@ impl Conn {
         ob.front_sent = 0;
         drop(ob);
         for r in q {
-            let held = r.held_bytes;
-            drop(r);
-            self.release(held);
+            self.retire(r);
         }
+    }
+
+    /// A reply is sent or dropped: free its buffers, then its place in the
+    /// in-flight bounds.
+    fn retire(&self, r: Reply) {
+        let held = r.held_bytes;
+        drop(r);
+        self.release(held);
     }
 
     /// Wait (on the connection's thread only) until the socket is

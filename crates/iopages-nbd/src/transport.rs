@@ -410,13 +410,7 @@ impl Transport {
     /// session's buffer are sent as the socket drains meanwhile.
     pub(crate) fn wait_by(&self, read: bool, write: bool, deadline: Instant) -> io::Result<()> {
         self.push_out()?;
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "the deadline passed",
-            ));
-        }
+        let left = time_left(deadline)?;
         let write = write || self.pending_out();
         let r = self.wait(read, write, Some(left))?;
         if r.writable {
@@ -438,45 +432,28 @@ impl Transport {
             out: Vec::new(),
             sent: 0,
         };
-        let mut mid = match ssl.accept(sock) {
-            Ok(s) => return self.set_tls(s),
-            Err(HandshakeError::WouldBlock(m)) => m,
-            Err(HandshakeError::SetupFailure(e)) => return Err(io::Error::other(e)),
-            Err(HandshakeError::Failure(mut m)) => {
-                // The alert, so the client learns why.
-                let _ = m.get_mut().push();
-                return Err(io::Error::new(
-                    io::ErrorKind::PermissionDenied,
-                    format!("TLS handshake failed: {}", m.error()),
-                ));
-            }
-        };
+        let mut step = ssl.accept(sock);
         loop {
-            // Records of the last flight may still be gathered: wait for
-            // the socket to take them as well as for the client's answer.
-            mid.get_mut().push()?;
-            let write = mid.error().code() == ErrorCode::WANT_WRITE || mid.get_ref().pending() > 0;
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "the deadline passed",
-                ));
-            }
-            self.wait(true, write, Some(left))?;
-            mid.get_mut().push()?;
-            match mid.handshake() {
+            let mut mid = match step {
                 Ok(s) => return self.set_tls(s),
-                Err(HandshakeError::WouldBlock(m)) => mid = m,
+                Err(HandshakeError::WouldBlock(m)) => m,
                 Err(HandshakeError::SetupFailure(e)) => return Err(io::Error::other(e)),
                 Err(HandshakeError::Failure(mut m)) => {
+                    // The alert, so the client learns why.
                     let _ = m.get_mut().push();
                     return Err(io::Error::new(
                         io::ErrorKind::PermissionDenied,
                         format!("TLS handshake failed: {}", m.error()),
                     ));
                 }
-            }
+            };
+            // Records of the last flight may still be gathered: wait for
+            // the socket to take them as well as for the client's answer.
+            mid.get_mut().push()?;
+            let write = mid.error().code() == ErrorCode::WANT_WRITE || mid.get_ref().pending() > 0;
+            self.wait(true, write, Some(time_left(deadline)?))?;
+            mid.get_mut().push()?;
+            step = mid.handshake();
         }
     }
 
@@ -500,4 +477,16 @@ impl Transport {
             let _ = t.ssl.get_mut().push();
         }
     }
+}
+
+/// Time until `deadline`, or `TimedOut` once it has passed.
+fn time_left(deadline: Instant) -> io::Result<Duration> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "the deadline passed",
+        ));
+    }
+    Ok(left)
 }
