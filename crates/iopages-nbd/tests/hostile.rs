@@ -403,14 +403,9 @@ fn a_long_export_name_is_not_echoed_back_whole() {
 
 // ---- TLS ----
 
-use openssl::asn1::Asn1Time;
-use openssl::hash::MessageDigest;
 use openssl::pkey::{PKey, Private};
 use openssl::ssl::{SslConnector, SslMethod, SslStream, SslVerifyMode};
-use openssl::x509::extension::{
-    BasicConstraints, ExtendedKeyUsage, KeyUsage, SubjectAlternativeName,
-};
-use openssl::x509::{X509NameBuilder, X509};
+use openssl::x509::X509;
 
 struct TmpDir(std::path::PathBuf);
 
@@ -431,111 +426,35 @@ impl Drop for TmpDir {
     }
 }
 
-fn key() -> PKey<Private> {
-    let ec = openssl::ec::EcKey::generate(
-        &openssl::ec::EcGroup::from_curve_name(openssl::nid::Nid::X9_62_PRIME256V1).unwrap(),
-    )
-    .unwrap();
-    PKey::from_ec_key(ec).unwrap()
-}
-
-fn cert(
-    cn: &str,
-    key: &PKey<Private>,
-    issuer: Option<(&X509, &PKey<Private>)>,
-    ca: bool,
-    server: bool,
-) -> X509 {
-    let mut name = X509NameBuilder::new().unwrap();
-    name.append_entry_by_text("CN", cn).unwrap();
-    let name = name.build();
-    let mut b = X509::builder().unwrap();
-    b.set_version(2).unwrap();
-    let serial = openssl::bn::BigNum::from_u32(rand_u32()).unwrap();
-    b.set_serial_number(&serial.to_asn1_integer().unwrap())
-        .unwrap();
-    b.set_subject_name(&name).unwrap();
-    b.set_issuer_name(issuer.map_or(&name, |(c, _)| c.subject_name()))
-        .unwrap();
-    b.set_pubkey(key).unwrap();
-    b.set_not_before(&Asn1Time::days_from_now(0).unwrap())
-        .unwrap();
-    b.set_not_after(&Asn1Time::days_from_now(30).unwrap())
-        .unwrap();
-    if ca {
-        b.append_extension(BasicConstraints::new().critical().ca().build().unwrap())
-            .unwrap();
-        b.append_extension(
-            KeyUsage::new()
-                .critical()
-                .key_cert_sign()
-                .crl_sign()
-                .build()
-                .unwrap(),
-        )
-        .unwrap();
-    } else {
-        b.append_extension(
-            KeyUsage::new()
-                .critical()
-                .digital_signature()
-                .build()
-                .unwrap(),
-        )
-        .unwrap();
-        let mut eku = ExtendedKeyUsage::new();
-        if server {
-            eku.server_auth();
-            let san = SubjectAlternativeName::new()
-                .dns("localhost")
-                .ip("127.0.0.1")
-                .build(&b.x509v3_context(issuer.map(|(c, _)| &**c), None))
-                .unwrap();
-            b.append_extension(san).unwrap();
-        } else {
-            eku.client_auth();
-        }
-        b.append_extension(eku.build().unwrap()).unwrap();
-    }
-    b.sign(issuer.map_or(key, |(_, k)| k), MessageDigest::sha256())
-        .unwrap();
-    b.build()
-}
-
-fn rand_u32() -> u32 {
-    let mut b = [0u8; 4];
-    openssl::rand::rand_bytes(&mut b).unwrap();
-    u32::from_ne_bytes(b) & 0x7fff_ffff
-}
-
-/// A CA, a server certificate and a client certificate: the server's
-/// directory (server-cert.pem, server-key.pem, ca-cert.pem) and the
-/// client's pieces.
+/// A CA, a server certificate and a client certificate, from the
+/// benchmark's generator (`iopages_bench::nbd::write_pki`, the files
+/// `bench nbd --tls` serves with): the server's directory
+/// (server-cert.pem, server-key.pem, ca-cert.pem) and the client's pieces.
 struct Pki {
-    dir: TmpDir,
+    _tmp: TmpDir,
+    server: std::path::PathBuf,
     ca: X509,
     client: (X509, PKey<Private>),
+    /// A client certificate's key from another CA (matches no server
+    /// certificate).
+    foreign_key: std::path::PathBuf,
 }
 
 fn pki() -> Pki {
-    let dir = TmpDir::new("pki");
-    let ca_key = key();
-    let ca = cert("iopages test CA", &ca_key, None, true, false);
-    let sk = key();
-    let sc = cert("localhost", &sk, Some((&ca, &ca_key)), false, true);
-    let ck = key();
-    let cc = cert("client", &ck, Some((&ca, &ca_key)), false, false);
-    std::fs::write(dir.0.join("ca-cert.pem"), ca.to_pem().unwrap()).unwrap();
-    std::fs::write(dir.0.join("server-cert.pem"), sc.to_pem().unwrap()).unwrap();
-    std::fs::write(
-        dir.0.join("server-key.pem"),
-        sk.private_key_to_pem_pkcs8().unwrap(),
-    )
-    .unwrap();
+    let tmp = TmpDir::new("pki");
+    let files = iopages_bench::nbd::write_pki(&tmp.0).unwrap();
+    let read = |d: &std::path::Path, f: &str| std::fs::read(d.join(f)).unwrap();
+    let ca = X509::from_pem(&read(&files.server, "ca-cert.pem")).unwrap();
+    let client = (
+        X509::from_pem(&read(&files.client, "client-cert.pem")).unwrap(),
+        PKey::private_key_from_pem(&read(&files.client, "client-key.pem")).unwrap(),
+    );
     Pki {
-        dir,
+        _tmp: tmp,
+        server: files.server,
         ca,
-        client: (cc, ck),
+        client,
+        foreign_key: files.foreign.join("client-key.pem"),
     }
 }
 
@@ -611,7 +530,7 @@ fn x509_connector(ca: &X509, client: Option<&(X509, PKey<Private>)>) -> SslConne
 fn x509_sessions_verify_the_server_and_the_client() {
     let p = pki();
     let opts = ServerOptions {
-        tls: Some(TlsConfig::x509(&p.dir.0, true, TlsMode::Require).unwrap()),
+        tls: Some(TlsConfig::x509(&p.server, true, TlsMode::Require).unwrap()),
         ..ServerOptions::default()
     };
     let (alloc, server) = start(opts, |_| {});
@@ -648,7 +567,7 @@ fn x509_sessions_verify_the_server_and_the_client() {
 fn forced_tls_refuses_options_before_starttls_and_starttls_rules_hold() {
     let p = pki();
     let opts = ServerOptions {
-        tls: Some(TlsConfig::x509(&p.dir.0, false, TlsMode::Require).unwrap()),
+        tls: Some(TlsConfig::x509(&p.server, false, TlsMode::Require).unwrap()),
         ..ServerOptions::default()
     };
     let (alloc, server) = start(opts, |_| {});
@@ -701,7 +620,7 @@ fn starttls_without_tls_is_refused_by_policy_and_tls_on_serves_both() {
 
     let p = pki();
     let opts = ServerOptions {
-        tls: Some(TlsConfig::x509(&p.dir.0, false, TlsMode::On).unwrap()),
+        tls: Some(TlsConfig::x509(&p.server, false, TlsMode::On).unwrap()),
         ..ServerOptions::default()
     };
     let (alloc, server) = start(opts, |_| {});
@@ -721,12 +640,8 @@ fn bad_tls_credentials_are_clear_errors() {
     let e = TlsConfig::x509(&dir.0, false, TlsMode::Require).unwrap_err();
     assert!(e.to_string().contains("server-cert.pem is missing"), "{e}");
     let p = pki();
-    std::fs::write(
-        p.dir.0.join("server-key.pem"),
-        key().private_key_to_pem_pkcs8().unwrap(),
-    )
-    .unwrap();
-    let e = TlsConfig::x509(&p.dir.0, false, TlsMode::Require).unwrap_err();
+    std::fs::copy(&p.foreign_key, p.server.join("server-key.pem")).unwrap();
+    let e = TlsConfig::x509(&p.server, false, TlsMode::Require).unwrap_err();
     let e = e.to_string();
     assert!(
         e.contains("server-key.pem") && e.contains("mismatch"),
