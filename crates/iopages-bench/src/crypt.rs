@@ -225,6 +225,7 @@ fn e2_target(
     let alloc = PageAllocator::builder()
         .size_bytes((arena_mib as u64) << 20)
         .huge_pages(HugePages::Try)
+        .populate(true)
         .build()?;
     let store: Arc<dyn Backend> =
         Arc::new(PageStore::new(&alloc, (disk_mib as u64) << 20).map_err(workload)?);
@@ -331,10 +332,27 @@ pub fn run_with_workers(
     let cipher_mib_s = mib(Mode::Cipher);
     let noalloc_mib_s = mib(Mode::NoAlloc);
     let per_page = mib(Mode::Strategy(Strategy::PerPage));
-    let bulk = mib(Mode::Strategy(Strategy::Bulk));
     let compound = mib(Mode::Strategy(Strategy::Compound));
-    let bulk_vs_noalloc = bulk / noalloc_mib_s;
-    let bulk_vs_cipher = bulk / cipher_mib_s;
+    // The verdicts compare samples taken side by side: the median over runs
+    // of each run's ratio, so a slow second on a shared machine lowers both
+    // sides of one ratio instead of one side of the medians.
+    let paired = |a: Mode, b: Mode| {
+        let (ia, ib) = (
+            Mode::ALL.iter().position(|&x| x == a).unwrap(),
+            Mode::ALL.iter().position(|&x| x == b).unwrap(),
+        );
+        let r: Vec<f64> = samples[ia]
+            .iter()
+            .zip(&samples[ib])
+            .map(|(x, y)| x.mib_s / y.mib_s)
+            .collect();
+        median(&r)
+    };
+    let bulk = Mode::Strategy(Strategy::Bulk);
+    let bulk_vs_noalloc = paired(bulk, Mode::NoAlloc);
+    let bulk_vs_cipher = paired(bulk, Mode::Cipher);
+    let bulk_vs_cipher_cold = paired(bulk, Mode::CipherCold);
+    let bulk = mib(bulk);
 
     // Scaling: the bulk pipeline with more workers, against the physical
     // bound min(workers, cores) × the one-core cipher rate of this run.
@@ -415,10 +433,13 @@ pub fn run_with_workers(
         met(bulk_vs_noalloc >= 0.97)
     );
     println!(
-        "target bulk_vs_cipher >= 0.9: {:.3} ({})",
+        "target bulk_vs_cipher >= 0.9: {:.3} ({}); into cold memory as the pipeline writes: {:.3}",
         bulk_vs_cipher,
-        met(bulk_vs_cipher >= 0.9)
+        met(bulk_vs_cipher >= 0.9),
+        bulk_vs_cipher_cold
     );
+    println!("(ratios: median over runs of each run's ratio; of the medians: bulk/noalloc {:.3}, bulk/cipher {:.3})",
+        bulk / noalloc_mib_s, bulk / cipher_mib_s);
     for r in &scaling {
         println!(
             "workers {:>2}: bulk {:>7.0} MiB/s, {:.2} × min(workers, cores) × the one-core cipher",
@@ -498,6 +519,10 @@ pub fn run_with_workers(
             "compound_mib_s": round2(compound),
             "bulk_vs_noalloc": bulk_vs_noalloc,
             "bulk_vs_cipher": bulk_vs_cipher,
+            "bulk_vs_cipher_cold": bulk_vs_cipher_cold,
+            "ratios": "median over runs of each run's ratio",
+            "bulk_vs_noalloc_of_medians": bulk / noalloc_mib_s,
+            "bulk_vs_cipher_of_medians": bulk / cipher_mib_s,
             "bulk_vs_per_page": bulk / per_page,
             "compound_vs_per_page": compound / per_page,
             "workers_scaling": scaling,

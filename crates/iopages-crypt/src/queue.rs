@@ -86,7 +86,7 @@ struct State {
 /// tag wake batch): a full queue is refilled a batch at a time instead of
 /// waking a submitter for every completion.
 fn wake_batch(depth: usize) -> usize {
-    (depth / 8).clamp(1, 8)
+    (depth / 8).clamp(1, 32)
 }
 
 struct Shared<C: SectorCipher> {
