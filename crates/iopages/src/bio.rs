@@ -16,8 +16,7 @@
 //! of each run it skips (all of them with the allocator's checks on) and
 //! falls back to one page when that check fails.
 
-use crate::alloc::PageAllocator;
-use crate::frame::{Page, PAGE_SIZE};
+use crate::{Page, PageAllocator, PAGE_SIZE};
 
 /// One segment: `len` bytes from `offset` bytes into frame `page`,
 /// continuing into the frames after it when longer than the rest of that

@@ -16,10 +16,7 @@
 //! fast path with checks off, which never reads a frame — free folios with
 //! `folio_put`.
 
-use crate::alloc::PageAllocator;
-use crate::error::{Error, Result};
-use crate::frame::{flags, Page, MAX_ORDER, PAGE_SIZE};
-use crate::gfp::Gfp;
+use crate::{flags, Error, Gfp, Page, PageAllocator, Result, MAX_ORDER, PAGE_SIZE};
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed};
 
 /// A folio: 2^order contiguous frames allocated as one compound unit

@@ -34,11 +34,7 @@
 //! vmalloc most of the time; dropping direct reclaim from the contiguous
 //! attempt cut the CPU cost per costly allocation about five times.
 
-use crate::alloc::PageAllocator;
-use crate::error::{Error, Result};
-use crate::frame::{Page, MAX_ORDER, PAGE_SIZE};
-use crate::gfp::Gfp;
-use crate::vmalloc::{VmBox, Vmalloc};
+use crate::{Error, Gfp, Page, PageAllocator, Result, VmBox, Vmalloc, MAX_ORDER, PAGE_SIZE};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Instant;
 
@@ -403,7 +399,7 @@ fn ceil_log2(n: usize) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::arena::HugePages;
+    use crate::HugePages;
 
     #[test]
     fn ceil_log2_rounds_up() {

@@ -75,61 +75,56 @@
 
 #![warn(missing_docs)]
 
-mod alloc;
-pub mod arena;
-pub mod bio;
-mod builder;
-mod compaction;
-mod cpu;
-mod depot;
+// Foundations: used by every layer, use none.
 mod error;
 mod fault;
-mod folio;
-pub mod frame;
 mod gfp;
+
+// The allocator's layers, bottom to top: buddy, percpu, reclaim,
+// page_alloc (see the map above and docs/architecture.md). Each names only
+// the layers below it.
+mod buddy;
+mod page_alloc;
+mod percpu;
+mod reclaim;
+
+// Consumers: built on the public API only.
+mod bio;
+mod folio;
 mod kvmalloc;
-mod local;
 mod mempool;
 mod pagecache;
-pub mod pcp;
 mod percpu_counter;
-mod reclaim;
-mod stats;
-mod tcache;
-mod trylock;
 mod vmalloc;
-pub mod zone;
 
-pub use alloc::{PageAllocator, PageBox, MAX_RECLAIM_RETRIES, NOFAIL_WAIT};
-pub use arena::{Arena, Backing, HugePages};
 pub use bio::{Bio, BioError, BioLimits, BioVec};
-pub use builder::{
-    PageAllocatorBuilder, DEFAULT_ARENA_BYTES, DEFAULT_LOCAL_CACHE_PAGES,
-    DEFAULT_THREAD_CACHE_PAGES,
-};
-pub use compaction::{
-    CompactResult, MovableOwner, MovableOwnerId, MovableRegistry, MAX_MOVABLE_OWNERS,
-};
+pub use buddy::arena::{Arena, Backing, HugePages};
+pub use buddy::frame::{flags, Frame, FrameInfo, Page, MAX_ORDER, PAGE_SIZE};
+pub use buddy::zone::{MigrateType, Watermarks, Zone, PAGEBLOCK_NR_PAGES, PAGEBLOCK_ORDER};
 pub use error::{Error, Result};
 pub use fault::{FaultConfig, FaultInjector};
 pub use folio::{Folio, FolioBuffer};
-pub use frame::{Frame, FrameInfo, Page, MAX_ORDER, PAGE_SIZE};
 pub use gfp::{memalloc_nofs_scope, memalloc_noio_scope, Gfp, NofsScope, NoioScope};
 pub use kvmalloc::{KvBox, KvKind, KvPolicy, KvStats, Kvmalloc};
-pub use local::LocalAllocator;
 pub use mempool::{
     BoxSource, ElementSource, Mempool, MempoolStats, PagePool, PageSource, MEMPOOL_MIN_NR_MAX,
     MEMPOOL_WAIT,
 };
+pub use page_alloc::{
+    Accounting, LocalAllocator, PageAllocator, PageAllocatorBuilder, PageBox, Stats,
+    DEFAULT_ARENA_BYTES, DEFAULT_LOCAL_CACHE_PAGES, DEFAULT_THREAD_CACHE_PAGES,
+    MAX_RECLAIM_RETRIES, NOFAIL_WAIT,
+};
 pub use pagecache::{PageCache, PageCacheConfig, PageCacheStats};
-pub use pcp::PcpLimits;
+pub use percpu::pcp::PcpLimits;
 pub use percpu_counter::{
     default_batch, PercpuCounter, PercpuCounterStats, PERCPU_BATCH_MAX, PERCPU_SLOTS_MAX,
 };
-pub use reclaim::{Shrinker, ShrinkerId, ShrinkerRegistry};
-pub use stats::{Accounting, Stats};
+pub use reclaim::compaction::{
+    CompactResult, MovableOwner, MovableOwnerId, MovableRegistry, MAX_MOVABLE_OWNERS,
+};
+pub use reclaim::shrinker::{Shrinker, ShrinkerId, ShrinkerRegistry};
 pub use vmalloc::{
     VmBox, VmRun, Vmalloc, VmallocConfig, VmallocStats, DEFAULT_MAX_MAP_COUNT, GUARD_PAGES,
     LAZY_MAX_AREAS, LAZY_MAX_PAGES, VMA_HEADROOM_DIVISOR,
 };
-pub use zone::{MigrateType, Watermarks, Zone, PAGEBLOCK_NR_PAGES, PAGEBLOCK_ORDER};

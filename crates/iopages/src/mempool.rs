@@ -29,10 +29,7 @@
 //! `loom`: a free that refills the reserve always wakes a caller that found
 //! it short, whatever the interleaving.
 
-use crate::error::{Error, Result};
-use crate::frame::{Page, MAX_ORDER};
-use crate::gfp::Gfp;
-use crate::PageAllocator;
+use crate::{Error, Gfp, Page, PageAllocator, Result, MAX_ORDER};
 use std::marker::PhantomData;
 use std::ops::DerefMut;
 use std::sync::atomic::{AtomicUsize, Ordering};

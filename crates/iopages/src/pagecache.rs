@@ -22,12 +22,10 @@
 //! goes to a fresh page), and the isolated page is freed when compaction
 //! gives it back.
 
-use crate::alloc::PageAllocator;
-use crate::compaction::{MovableOwner, MovableOwnerId};
-use crate::error::{Error, Result};
-use crate::frame::{Page, PAGE_SIZE};
-use crate::gfp::Gfp;
-use crate::reclaim::{Shrinker, ShrinkerId};
+use crate::{
+    Error, Gfp, MovableOwner, MovableOwnerId, Page, PageAllocator, Result, Shrinker, ShrinkerId,
+    PAGE_SIZE,
+};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
@@ -207,7 +205,7 @@ impl Shared {
         for &p in pages {
             self.alloc.movable_owners().clear_owner(p);
         }
-        self.alloc.free_pages_to_zone(pages);
+        self.alloc.free_movable_pages(pages);
     }
 
     fn shrink(&self, nr: usize) -> usize {
@@ -328,7 +326,7 @@ impl PageCache {
             }
         };
         if let Some(p) = spare {
-            s.alloc.free_pages_to_zone(&[p]);
+            s.alloc.free_movable_pages(&[p]);
         }
         Ok(())
     }
@@ -575,8 +573,7 @@ impl MovableOwner for Hook {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::arena::HugePages;
-    use crate::compaction::CompactResult;
+    use crate::{CompactResult, HugePages};
 
     fn alloc() -> PageAllocator {
         PageAllocator::builder()

@@ -94,7 +94,7 @@ impl PercpuCounter {
     /// A counter starting at `initial`, with one slot per CPU the system
     /// has and the default batch ([`default_batch`]).
     pub fn new(initial: i64) -> PercpuCounter {
-        let cpus = crate::cpu::nr_cpus().clamp(1, PERCPU_SLOTS_MAX);
+        let cpus = crate::percpu::cpu::nr_cpus().clamp(1, PERCPU_SLOTS_MAX);
         PercpuCounter {
             core: Core::new(initial, cpus, default_batch(cpus)),
         }
@@ -106,7 +106,7 @@ impl PercpuCounter {
     /// when its CPU's delta passes 2^30.
     /// Its rough read ([`PercpuCounter::read`]) is of little use.
     pub fn statistic() -> PercpuCounter {
-        let cpus = crate::cpu::nr_cpus().clamp(1, PERCPU_SLOTS_MAX);
+        let cpus = crate::percpu::cpu::nr_cpus().clamp(1, PERCPU_SLOTS_MAX);
         PercpuCounter {
             core: Core::new(0, cpus, PERCPU_BATCH_MAX),
         }
@@ -144,7 +144,7 @@ impl PercpuCounter {
     #[inline]
     pub fn add(&self, amount: i64) {
         self.core.add(
-            crate::cpu::slot(self.core.slots.len()),
+            crate::percpu::cpu::slot(self.core.slots.len()),
             amount,
             self.core.batch,
         )
@@ -160,8 +160,11 @@ impl PercpuCounter {
     #[inline]
     pub fn add_batch(&self, amount: i64, batch: i64) {
         let batch = batch.clamp(1, self.core.batch);
-        self.core
-            .add(crate::cpu::slot(self.core.slots.len()), amount, batch)
+        self.core.add(
+            crate::percpu::cpu::slot(self.core.slots.len()),
+            amount,
+            batch,
+        )
     }
 
     /// The global count: off from the exact total by at most
@@ -235,8 +238,11 @@ impl PercpuCounter {
         if amount == 0 {
             return true;
         }
-        self.core
-            .limited_add(crate::cpu::slot(self.core.slots.len()), limit, amount)
+        self.core.limited_add(
+            crate::percpu::cpu::slot(self.core.slots.len()),
+            limit,
+            amount,
+        )
     }
 
     /// Set the total to `value`, clearing every delta.

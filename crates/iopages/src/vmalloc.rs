@@ -44,12 +44,9 @@
 //! (count = cached pages, scan = unmap and free, oldest first), the VMA
 //! budget purges it before refusing, and [`Vmalloc::purge`] empties it.
 
-use crate::alloc::PageAllocator;
-use crate::arena::Backing;
-use crate::error::{Error, Result};
-use crate::frame::{Page, MAX_ORDER, PAGE_SIZE};
-use crate::gfp::Gfp;
-use crate::reclaim::{Shrinker, ShrinkerId};
+use crate::{
+    Backing, Error, Gfp, Page, PageAllocator, Result, Shrinker, ShrinkerId, MAX_ORDER, PAGE_SIZE,
+};
 use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::io;
@@ -1010,7 +1007,7 @@ fn count_lines(b: &[u8]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::arena::HugePages;
+    use crate::HugePages;
 
     fn alloc(mib: u64) -> PageAllocator {
         PageAllocator::builder()

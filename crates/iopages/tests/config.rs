@@ -2,7 +2,7 @@
 
 mod common;
 use common::{assert_no_leaks, builder};
-use iopages::frame::flags;
+use iopages::flags;
 use iopages::{
     memalloc_nofs_scope, memalloc_noio_scope, Error, Gfp, Page, PageAllocator,
     PageAllocatorBuilder, PcpLimits, Shrinker, Watermarks, MAX_ORDER, MAX_RECLAIM_RETRIES,

@@ -1,5 +1,10 @@
 //! Compaction: making high-order blocks by moving in-use movable pages.
 //!
+//! It sees the allocator only through [`CompactTarget`] (isolate free
+//! frames, migrate a page, put frames back, free moved-from frames), which
+//! the allocator implements; this module sits below `page_alloc` and does
+//! not name it.
+//!
 //! Owns: the registry of [`MovableOwner`]s (who owns each movable frame,
 //! and the isolate / migrate / put-back callbacks), and compaction itself —
 //! the kernel's two scanners: a migrate scanner walking the arena from the
@@ -35,10 +40,10 @@
 //! from unmovable pageblocks): `MOVABLE` allocations of any order bypass
 //! them and take the zone lock (a page cache insert copies 4 KiB and
 //! updates a map anyway), and owners free movable pages straight to the
-//! zone as well. The consequences: bulk allocations ignore `MOVABLE`, and a
-//! movable page freed with the plain `free_pages` goes through the caches
-//! and may be handed to an unmovable allocation — correct, but it mixes
-//! types. In the E5 benchmark's arena (unmovable allocations scattered over
+//! zone as well, with `PageAllocator::free_movable_pages`. The consequences:
+//! bulk allocations ignore `MOVABLE`, and a movable page freed with the
+//! plain `free_pages` goes through the caches and may be handed to an
+//! unmovable allocation — correct, but it mixes types. In the E5 benchmark's arena (unmovable allocations scattered over
 //! many pageblocks, the rest cache pages), compaction succeeds in every
 //! order-aligned chunk holding only free and cache pages, and skips a chunk
 //! at its first unmovable or pinned frame without moving anything (the
@@ -49,15 +54,13 @@
 //! pages stay grouped. Compactions may run concurrently (each isolates
 //! through the owners and takes free frames under the zone lock).
 
-use crate::alloc::{Core, PageAllocator};
+use crate::buddy::arena::Arena;
+use crate::buddy::frame::{flags, Page, MAX_ORDER};
+use crate::buddy::zone::{MigrateType, PAGEBLOCK_NR_PAGES};
 use crate::error::{Error, Result};
-use crate::frame::{flags, Page, MAX_ORDER, PAGE_SIZE};
-use crate::gfp::Gfp;
-use crate::zone::{MigrateType, PAGEBLOCK_NR_PAGES};
 use parking_lot::RwLock;
 use std::sync::atomic::{AtomicU8, Ordering::Acquire, Ordering::Relaxed};
 use std::sync::Arc;
-use std::time::Instant;
 
 /// What a compaction attempt achieved.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -198,41 +201,63 @@ impl MovableRegistry {
     }
 }
 
-impl PageAllocator {
-    /// Compact the arena until a free block of `order` exists (the
-    /// kernel's `compact_zone` for one order), draining the per-CPU lists
-    /// first so that their pages count.
-    ///
-    /// **Context:** may block (owners' callbacks take their locks); never
-    /// call it from a [`MovableOwner`] callback.
-    pub fn compact(&self, order: u32) -> CompactResult {
-        try_to_compact(self.core(), order)
-    }
-
-    /// The migratetype of the pageblock holding `page` (a debugging aid).
-    ///
-    /// # Panics
-    /// If `page` is outside the arena.
-    pub fn pageblock_migratetype(&self, page: Page) -> MigrateType {
-        assert!((page.pfn() as usize) < self.core().arena.nr_pages());
-        self.core().zone.pageblock_type(page.pfn())
-    }
-
-    /// Pageblocks of each type right now: (unmovable, movable).
-    pub fn pageblocks_by_type(&self) -> (usize, usize) {
-        self.core().zone.pageblocks_by_type()
-    }
+/// What compaction needs of the allocator: reads of the buddy layer, and
+/// the moves that change who holds a frame — take free frames out of the
+/// buddy lists (isolate), copy a page into one and hand it over (migrate),
+/// and give frames back (put back, free the moved-from frames). The
+/// allocator implements it; compaction never sees its caches, counters or
+/// locks.
+pub(crate) trait CompactTarget {
+    /// Frame metadata (read only here), addresses and the arena's size.
+    fn arena(&self) -> &Arena;
+    /// The owners of movable pages.
+    fn movable(&self) -> &MovableRegistry;
+    /// Give pages parked on per-CPU lists and in caches back to the zone,
+    /// so that they count and merge.
+    fn drain_to_zone(&self);
+    /// Whether the zone has a free block of `order` or larger.
+    fn has_free_block(&self, order: u32) -> bool;
+    /// Whether `nr_pages` more pages fit in the zone's free pages with the
+    /// zone still above its min watermark.
+    fn room_above_min(&self, nr_pages: usize) -> bool;
+    /// The migratetype of the pageblock holding `pfn`.
+    fn pageblock_type(&self, pfn: u32) -> MigrateType;
+    /// Take the free order-0 frames of `[start, end)` out of the buddy
+    /// lists into `out` (skipping blocks of `order` or larger), under one
+    /// zone-lock hold. Returns how many were scanned.
+    fn isolate_free(&self, start: u32, end: u32, order: u32, out: &mut Vec<Page>) -> usize;
+    /// Whether fault injection fails this target allocation.
+    fn inject_failure(&self) -> bool;
+    /// Copy isolated `old` into isolated free frame `new` and make `new`
+    /// an allocated page.
+    fn migrate_page(&self, old: Page, new: Page);
+    /// Undo [`CompactTarget::migrate_page`]'s allocation of `new` (the
+    /// owner refused it); `new` is a free target again.
+    fn unmigrate(&self, new: Page);
+    /// Return unused free targets to the buddy lists.
+    fn put_back_free(&self, pages: &mut Vec<Page>);
+    /// Free the allocated frames pages were moved out of.
+    fn free_moved(&self, pages: &[Page]);
 }
 
-/// Try to make a free block of `order`, counting the attempt and its time.
+/// One compaction attempt's result and work, for the allocator's counters.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CompactRun {
+    pub(crate) result: CompactResult,
+    pub(crate) migrate_scanned: u64,
+    pub(crate) free_scanned: u64,
+    pub(crate) isolated: u64,
+    pub(crate) migrated: u64,
+    pub(crate) failed: u64,
+}
+
+/// Try to make a free block of `order`.
 ///
-/// **Context:** may block; called without allocator locks held.
-pub(crate) fn try_to_compact(core: &Core, order: u32) -> CompactResult {
-    let c = &core.counters;
-    c.compact_calls.fetch_add(1, Relaxed);
-    let t0 = Instant::now();
+/// **Context:** may block (owners' callbacks); called without allocator
+/// locks held. **Returns:** the result and the work done.
+pub(crate) fn try_to_compact(target: &dyn CompactTarget, order: u32) -> CompactRun {
     let mut cc = Compaction {
-        core,
+        target,
         order,
         chunk: 1 << order.min(MAX_ORDER),
         targets: Vec::new(),
@@ -246,25 +271,19 @@ pub(crate) fn try_to_compact(core: &Core, order: u32) -> CompactResult {
     };
     let result = cc.run();
     cc.release_targets();
-    c.compact_migrate_scanned
-        .fetch_add(cc.migrate_scanned, Relaxed);
-    c.compact_free_scanned.fetch_add(cc.free_scanned, Relaxed);
-    c.compact_isolated.fetch_add(cc.isolated, Relaxed);
-    c.compact_migrated.fetch_add(cc.migrated, Relaxed);
-    c.compact_migrate_failed.fetch_add(cc.failed, Relaxed);
-    match result {
-        CompactResult::Success => c.compact_success.fetch_add(1, Relaxed),
-        CompactResult::Failed => c.compact_fail.fetch_add(1, Relaxed),
-        CompactResult::Skipped => c.compact_skipped.fetch_add(1, Relaxed),
-    };
-    c.compact_ns
-        .fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
-    result
+    CompactRun {
+        result,
+        migrate_scanned: cc.migrate_scanned,
+        free_scanned: cc.free_scanned,
+        isolated: cc.isolated,
+        migrated: cc.migrated,
+        failed: cc.failed,
+    }
 }
 
 /// One compaction run's state (the kernel's `compact_control`).
 struct Compaction<'a> {
-    core: &'a Core,
+    target: &'a dyn CompactTarget,
     order: u32,
     /// Frames in the blocks the migrate scanner empties: 2^order.
     chunk: u32,
@@ -292,25 +311,23 @@ enum Chunk {
 
 impl Compaction<'_> {
     fn run(&mut self) -> CompactResult {
-        let core = self.core;
-        if self.order == 0 || self.order > MAX_ORDER || core.movable.is_empty() {
+        let t = self.target;
+        if self.order == 0 || self.order > MAX_ORDER || t.movable().is_empty() {
             return CompactResult::Skipped;
         }
         // Free pages on per-CPU lists and in the depot are invisible to
         // the zone and cannot merge: give them back first.
-        core.flush_own_cache();
-        core.drain_all_pcp();
-        if core.zone.has_free_block(self.order) {
+        t.drain_to_zone();
+        if t.has_free_block(self.order) {
             return CompactResult::Success;
         }
         // The kernel's `compaction_suitable`: the block must fit in the free
         // pages with the zone still above its min watermark, or the
         // allocation fails anyway and reclaim has to come first.
-        let needed = core.zone.watermarks().min + self.chunk as usize;
-        if core.zone.nr_free_pages() < needed {
+        if !t.room_above_min(self.chunk as usize) {
             return CompactResult::Skipped;
         }
-        let nr_pages = core.arena.nr_pages() as u32;
+        let nr_pages = t.arena().nr_pages() as u32;
         self.free_pfn = nr_pages;
         let mut start = 0u32;
         while start + self.chunk <= self.free_pfn {
@@ -323,7 +340,7 @@ impl Compaction<'_> {
                 }
             };
             let outcome = self.migrate_chunk(&cands);
-            if core.zone.has_free_block(self.order) {
+            if t.has_free_block(self.order) {
                 return CompactResult::Success;
             }
             if let Chunk::OutOfTargets = outcome {
@@ -331,7 +348,7 @@ impl Compaction<'_> {
             }
             start += self.chunk;
         }
-        if core.zone.has_free_block(self.order) {
+        if t.has_free_block(self.order) {
             CompactResult::Success
         } else {
             CompactResult::Failed
@@ -343,13 +360,13 @@ impl Compaction<'_> {
     /// frame that can never move (unmovable, compound, pinned, or free but
     /// outside the buddy).
     fn scan_chunk(&mut self, start: u32) -> Option<Vec<Page>> {
-        let core = self.core;
+        let t = self.target;
         let end = start + self.chunk;
         let mut cands = Vec::new();
         let mut pfn = start;
         while pfn < end {
             self.migrate_scanned += 1;
-            let f = core.arena.frame(pfn);
+            let f = t.arena().frame(pfn);
             let fl = f.flags();
             if fl & flags::BUDDY != 0 {
                 pfn += 1 << f.order().min(MAX_ORDER);
@@ -358,7 +375,7 @@ impl Compaction<'_> {
             let page = Page::from_pfn(pfn);
             if fl & (flags::HEAD | flags::TAIL) != 0
                 || f.pins.load(Acquire) != 0
-                || core.movable.owner_of(page).is_none()
+                || t.movable().owner_of(page).is_none()
             {
                 return None;
             }
@@ -371,12 +388,12 @@ impl Compaction<'_> {
     /// Isolate every candidate of a chunk, then move them one by one. Any
     /// refusal gives up on the chunk (it could not become free).
     fn migrate_chunk(&mut self, cands: &[Page]) -> Chunk {
-        let core = self.core;
+        let t = self.target;
         let mut isolated: Vec<(Page, u8, Arc<dyn MovableOwner>)> = Vec::with_capacity(cands.len());
         for &page in cands {
-            let ok = core.movable.owner_of(page).and_then(|id| {
-                let owner = core.movable.get(id.0)?;
-                if core.arena.frame(page.pfn()).pins.load(Acquire) != 0 || !owner.isolate(page) {
+            let ok = t.movable().owner_of(page).and_then(|id| {
+                let owner = t.movable().get(id.0)?;
+                if t.arena().frame(page.pfn()).pins.load(Acquire) != 0 || !owner.isolate(page) {
                     return None;
                 }
                 Some((page, id.0, owner))
@@ -396,7 +413,7 @@ impl Compaction<'_> {
         while let Some((old, id, owner)) = rest.next() {
             // Fault injection stands for the target allocation failing:
             // this chunk is given up, the run goes on.
-            if core.fault.is_enabled() && core.fault.should_fail(Gfp::NOWAIT | Gfp::MOVABLE, 0) {
+            if t.inject_failure() {
                 self.failed += 1;
                 owner.putback(old);
                 putback(rest.collect());
@@ -409,34 +426,22 @@ impl Compaction<'_> {
                 putback(rest.collect());
                 break;
             };
-            if core.arena.frame(old.pfn()).pins.load(Acquire) != 0 {
+            if t.arena().frame(old.pfn()).pins.load(Acquire) != 0 {
                 self.targets.push(new);
                 self.failed += 1;
                 owner.putback(old);
                 putback(rest.collect());
                 break;
             }
-            // SAFETY: `old` is isolated (its owner neither writes nor
-            // frees it) and `new` was taken off the free lists by this
-            // run; both are distinct whole frames inside the mapping.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    core.arena.page_address(old),
-                    core.arena.page_address(new),
-                    PAGE_SIZE,
-                );
-            }
-            core.prep_new_page(new, 0, Gfp::empty());
-            core.movable.owner_of[new.pfn() as usize].store(id, Relaxed);
+            t.migrate_page(old, new);
+            t.movable().set_owner(new, MovableOwnerId(id));
             if owner.migrate(old, new) {
-                core.movable.clear_owner(old);
+                t.movable().clear_owner(old);
                 freed.push(old);
                 self.migrated += 1;
             } else {
-                core.movable.clear_owner(new);
-                if core.checks {
-                    core.free_prep(new, 0);
-                }
+                t.movable().clear_owner(new);
+                t.unmigrate(new);
                 self.targets.push(new);
                 self.failed += 1;
                 owner.putback(old);
@@ -453,37 +458,29 @@ impl Compaction<'_> {
         if pages.is_empty() {
             return;
         }
-        let core = self.core;
+        let t = self.target;
         let mut ok = Vec::with_capacity(pages.len());
         for &p in pages {
             // A pin taken behind the owner's back while the page moved:
             // the frame cannot be freed; leave it allocated (leaked) rather
             // than free memory that I/O still uses.
-            if core.arena.frame(p.pfn()).pins.load(Acquire) != 0 {
+            if t.arena().frame(p.pfn()).pins.load(Acquire) != 0 {
                 log::warn!(
                     "compaction: pfn {} was pinned while it moved; left allocated",
                     p.pfn()
                 );
                 continue;
             }
-            if core.checks {
-                core.free_prep(p, 0);
-            }
             ok.push(p);
         }
-        let mut z = core.zone.lock(&core.arena);
-        for p in ok {
-            z.free(p.pfn(), 0);
-        }
-        drop(z);
-        core.wake_waiters();
+        t.free_moved(&ok);
     }
 
     /// A free frame to move a page into, scanning further pageblocks down
     /// from the top when the stock is empty; `None` when the free scanner
     /// reaches the migrate scanner.
     fn next_target(&mut self) -> Option<Page> {
-        let core = self.core;
+        let t = self.target;
         let pb = PAGEBLOCK_NR_PAGES as u32;
         loop {
             if let Some(p) = self.targets.pop() {
@@ -493,17 +490,15 @@ impl Compaction<'_> {
                 return None;
             }
             self.free_pfn -= pb;
-            if core.zone.pageblock_type(self.free_pfn) != MigrateType::Movable {
+            if t.pageblock_type(self.free_pfn) != MigrateType::Movable {
                 continue;
             }
-            let mut z = core.zone.lock(&core.arena);
-            let n = z.isolate_free_range(
+            let n = t.isolate_free(
                 self.free_pfn,
                 self.free_pfn + pb,
                 self.order,
                 &mut self.targets,
             );
-            drop(z);
             self.free_scanned += n as u64;
             // Use the lowest frames last: the stock is a stack.
             self.targets.reverse();
@@ -515,11 +510,7 @@ impl Compaction<'_> {
         if self.targets.is_empty() {
             return;
         }
-        let core = self.core;
-        let mut z = core.zone.lock(&core.arena);
-        for p in self.targets.drain(..) {
-            z.free(p.pfn(), 0);
-        }
+        self.target.put_back_free(&mut self.targets);
     }
 }
 
@@ -533,7 +524,7 @@ fn putback(isolated: Vec<(Page, u8, Arc<dyn MovableOwner>)>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::arena::HugePages;
+    use crate::{Gfp, HugePages, PageAllocator};
     use parking_lot::Mutex;
     use std::collections::HashMap;
 
@@ -589,7 +580,7 @@ mod tests {
         let mut kept = Vec::new();
         for p in all {
             if p.pfn() % 2 == 0 {
-                a.free_pages_to_zone(&[p]);
+                a.free_movable_pages(&[p]);
             } else {
                 // SAFETY: the page is ours.
                 unsafe { a.page_address(p).cast::<u64>().write(p.pfn() as u64) };
@@ -611,7 +602,7 @@ mod tests {
         for &p in &pages {
             a.movable_owners().clear_owner(p);
         }
-        a.free_pages_to_zone(&pages);
+        a.free_movable_pages(&pages);
     }
 
     #[test]

@@ -5,11 +5,11 @@
 //! be accepted. Must never: build anything half-way — a refused setting
 //! leaves nothing allocated.
 
-use crate::alloc::PageAllocator;
-use crate::arena::{HugePages, ARENA_MIN_BYTES};
+use crate::buddy::arena::{HugePages, ARENA_MIN_BYTES};
+use crate::buddy::zone::Watermarks;
 use crate::error::{Error, Result};
-use crate::pcp::{PcpLimits, PCP_HIGH_MAX, PCP_ORDERS};
-use crate::zone::Watermarks;
+use crate::page_alloc::PageAllocator;
+use crate::percpu::pcp::{PcpLimits, PCP_HIGH_MAX, PCP_ORDERS};
 
 /// Default arena size: 256 MiB.
 pub const DEFAULT_ARENA_BYTES: u64 = 256 << 20;
@@ -146,29 +146,29 @@ impl PageAllocatorBuilder {
         PageAllocator::from_builder(self)
     }
 
-    pub(crate) fn resolved_cpus(&self) -> usize {
-        self.nr_cpus.unwrap_or_else(crate::cpu::nr_cpus)
+    pub(super) fn resolved_cpus(&self) -> usize {
+        self.nr_cpus.unwrap_or_else(crate::percpu::cpu::nr_cpus)
     }
 
-    pub(crate) fn resolved_watermarks(&self, nr_pages: usize) -> Watermarks {
+    pub(super) fn resolved_watermarks(&self, nr_pages: usize) -> Watermarks {
         self.watermarks
             .unwrap_or_else(|| Watermarks::for_zone(nr_pages))
     }
 
-    pub(crate) fn resolved_pcp(&self, nr_pages: usize) -> PcpLimits {
+    pub(super) fn resolved_pcp(&self, nr_pages: usize) -> PcpLimits {
         self.pcp
             .unwrap_or_else(|| PcpLimits::for_zone(nr_pages, self.resolved_cpus()))
     }
 
     /// Depot capacity in pages: 1/16 of the arena, at least two order-0
     /// batches (or as set).
-    pub(crate) fn resolved_depot(&self, nr_pages: usize, pcp: &PcpLimits) -> usize {
+    pub(super) fn resolved_depot(&self, nr_pages: usize, pcp: &PcpLimits) -> usize {
         self.depot_pages
             .unwrap_or_else(|| (nr_pages / 16).max(2 * pcp.batch[0]))
     }
 
     /// Thread-cache capacity per order, in blocks (all zero when off).
-    pub(crate) fn resolved_tcache(&self, pcp: &PcpLimits) -> [usize; PCP_ORDERS] {
+    pub(super) fn resolved_tcache(&self, pcp: &PcpLimits) -> [usize; PCP_ORDERS] {
         let n = self.thread_cache_pages;
         std::array::from_fn(|o| {
             if n == 0 {
@@ -183,7 +183,7 @@ impl PageAllocatorBuilder {
 
     /// A handle's cache capacity per order, in blocks (all zero when
     /// thread caches are off).
-    pub(crate) fn resolved_local(
+    pub(super) fn resolved_local(
         &self,
         tcache: &[usize; PCP_ORDERS],
         nr_pages: usize,
@@ -195,7 +195,7 @@ impl PageAllocatorBuilder {
         cap
     }
 
-    fn validate(&self, nr_pages: usize) -> Result<()> {
+    pub(super) fn validate(&self, nr_pages: usize) -> Result<()> {
         let cpus = self.resolved_cpus();
         if cpus == 0 || cpus > 4096 {
             return Err(Error::setting(

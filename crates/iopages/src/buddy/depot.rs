@@ -284,7 +284,7 @@ impl<T: Copy + Send, W: Word, C: SlotCell<()>> MagazineRing<T, W, C> {
 
 /// Free order-0 pages in transit between CPUs, a magazine at a time.
 pub(crate) struct Depot {
-    ring: MagazineRing<crate::frame::Page>,
+    ring: MagazineRing<crate::buddy::frame::Page>,
 }
 
 impl Depot {
@@ -312,20 +312,20 @@ impl Depot {
     /// Park one magazine (exactly [`Depot::magazine`] pages); `false` when
     /// full.
     #[inline]
-    pub(crate) fn put(&self, pages: &[crate::frame::Page]) -> bool {
+    pub(crate) fn put(&self, pages: &[crate::buddy::frame::Page]) -> bool {
         self.ring.put(pages)
     }
 
     /// Take one magazine into `f`; `false` when empty.
     #[inline]
-    pub(crate) fn take(&self, f: impl FnOnce(&[crate::frame::Page])) -> bool {
+    pub(crate) fn take(&self, f: impl FnOnce(&[crate::buddy::frame::Page])) -> bool {
         self.ring.take(f)
     }
 
     /// Empty the depot into `free` (the buddy lists), a magazine at a time.
     /// Returns pages drained. A magazine still being written when this runs
     /// stays for the next drain.
-    pub(crate) fn drain(&self, mut free: impl FnMut(&[crate::frame::Page])) -> usize {
+    pub(crate) fn drain(&self, mut free: impl FnMut(&[crate::buddy::frame::Page])) -> usize {
         let mut n = 0;
         while self.ring.take(|m| {
             free(m);
@@ -343,7 +343,7 @@ impl Depot {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::frame::Page;
+    use crate::buddy::frame::Page;
 
     fn pages(r: std::ops::Range<u32>) -> Vec<Page> {
         r.map(Page::from_pfn).collect()

@@ -6,8 +6,8 @@
 //! whose flags (after the thread's NOIO/NOFS scope) forbid it, or call one
 //! while holding an allocator lock.
 //!
-//! The background reclaimer (woken below the low watermark) builds on this
-//! registry; today a wake-up is counted and direct reclaim does the work.
+//! Background reclaim (`kswapd.rs`, woken below the low watermark) calls
+//! the same registry from its own thread.
 
 use crate::gfp::Gfp;
 use parking_lot::RwLock;

@@ -6,10 +6,10 @@
 //! and per-CPU counters are written only by their owner (or lock holder)
 //! with plain stores and summed here.
 
-use crate::alloc::Core;
-use crate::frame::NR_ORDERS;
-use crate::tcache::Tcache;
-use crate::zone::Watermarks;
+use crate::buddy::frame::NR_ORDERS;
+use crate::buddy::zone::Watermarks;
+use crate::page_alloc::Core;
+use crate::percpu::tcache::Tcache;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
@@ -45,7 +45,7 @@ pub(crate) struct Counters {
 }
 
 impl Counters {
-    pub(crate) fn fold_tcache(&self, tc: &Tcache) {
+    pub(super) fn fold_tcache(&self, tc: &Tcache) {
         self.tc_allocs.fetch_add(tc.allocs.load(Relaxed), Relaxed);
         self.tc_frees.fetch_add(tc.frees.load(Relaxed), Relaxed);
         self.tc_refills.fetch_add(tc.refills.load(Relaxed), Relaxed);
@@ -192,7 +192,7 @@ pub struct Stats {
 }
 
 impl Core {
-    pub(crate) fn accounting(&self) -> Accounting {
+    pub(super) fn accounting(&self) -> Accounting {
         let total = self.arena.nr_pages();
         let buddy = self.zone.nr_free_pages();
         let depot = self.zone.depot.len();
@@ -208,7 +208,7 @@ impl Core {
         }
     }
 
-    pub(crate) fn stats(&self) -> Stats {
+    pub(super) fn stats(&self) -> Stats {
         let a = self.accounting();
         let c = &self.counters;
         let w: Watermarks = self.zone.watermarks();

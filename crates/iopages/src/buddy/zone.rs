@@ -38,9 +38,9 @@
 //! path) prefers unmovable pageblocks; only the allocator's `MOVABLE` path
 //! asks for movable ones (see `alloc.rs`).
 
-use crate::arena::Arena;
-use crate::depot::Depot;
-use crate::frame::{flags, Page, MAX_ORDER, NIL, NR_ORDERS};
+use crate::buddy::arena::Arena;
+use crate::buddy::depot::Depot;
+use crate::buddy::frame::{flags, Page, MAX_ORDER, NIL, NR_ORDERS};
 use crate::gfp::Gfp;
 use parking_lot::{Mutex, MutexGuard};
 use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering::Relaxed};
@@ -624,7 +624,7 @@ impl Locked<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::arena::HugePages;
+    use crate::buddy::arena::HugePages;
     use proptest::prelude::*;
     use std::collections::BTreeSet;
 

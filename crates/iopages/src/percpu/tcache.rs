@@ -14,8 +14,8 @@
 //! owner frees through them, calls [`crate::PageAllocator::flush_thread_cache`],
 //! drains, or exits. The bound is published in [`crate::Stats`].
 
-use crate::frame::{copy_pages, Page};
-use crate::pcp::PCP_ORDERS;
+use crate::buddy::frame::{copy_pages, Page};
+use crate::percpu::pcp::PCP_ORDERS;
 use std::cell::{Cell, UnsafeCell};
 use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};

@@ -12,10 +12,10 @@
 //! giving a batch is a copy, and a block in a list is never touched through
 //! its frame metadata.
 
-use crate::arena::Arena;
-use crate::frame::Page;
-use crate::trylock::{Held, TryLock};
-use crate::zone::{AllocFlags, Zone};
+use crate::buddy::arena::Arena;
+use crate::buddy::frame::Page;
+use crate::buddy::zone::{AllocFlags, Zone};
+use crate::percpu::trylock::{Held, TryLock};
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
@@ -325,8 +325,8 @@ impl PcpGuard<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::arena::HugePages;
-    use crate::zone::Watermarks;
+    use crate::buddy::arena::HugePages;
+    use crate::buddy::zone::Watermarks;
 
     const ANY: AllocFlags = AllocFlags::WMARK_MIN.with(AllocFlags::NO_WATERMARKS);
 

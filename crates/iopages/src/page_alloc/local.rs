@@ -20,11 +20,11 @@
 //! header): called out of line from a large function, as the E1 harness
 //! once did, a batch-of-one round trip cost 7.9 ns instead of 5.
 
-use crate::alloc::PageAllocator;
-use crate::frame::{copy_pages, copy_pages_rev, Page};
+use crate::buddy::frame::{copy_pages, copy_pages_rev, Page};
 use crate::gfp::Gfp;
-use crate::pcp::bump;
-use crate::tcache::{Owner, Tcache};
+use crate::page_alloc::PageAllocator;
+use crate::percpu::pcp::bump;
+use crate::percpu::tcache::{Owner, Tcache};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
@@ -120,21 +120,21 @@ impl LocalAllocator {
     }
 
     #[inline(always)]
-    fn fast(&self, gfp: Gfp) -> bool {
+    pub(super) fn fast(&self, gfp: Gfp) -> bool {
         // SAFETY: the switch lives in the allocator, which `alloc` keeps.
         !gfp.intersects(self.careful) && !unsafe { &*self.fault_on }.load(Relaxed)
     }
 
     /// Mirror the order-0 length and the counts into the shared record.
     #[inline(always)]
-    fn publish(&self) {
+    pub(super) fn publish(&self) {
         self.tc.set_len(0, self.len);
     }
 
     /// Before a shared-path call: the shared record is current already
     /// (every change is mirrored). After it: take its state back.
     #[inline]
-    fn reload(&mut self) {
+    pub(super) fn reload(&mut self) {
         self.len = self.tc.len(0);
         self.allocs = self.tc.allocs.load(Relaxed);
         self.frees = self.tc.frees.load(Relaxed);
@@ -143,7 +143,7 @@ impl LocalAllocator {
     }
 
     #[inline(always)]
-    fn count(c: &mut u64, shared: &AtomicU64, n: u64) {
+    pub(super) fn count(c: &mut u64, shared: &AtomicU64, n: u64) {
         *c += n;
         shared.store(*c, Relaxed);
     }
@@ -168,7 +168,7 @@ impl LocalAllocator {
 
     #[cold]
     #[inline(never)]
-    fn alloc_pages_slow(&mut self, gfp: Gfp, order: u32) -> Option<Page> {
+    pub(super) fn alloc_pages_slow(&mut self, gfp: Gfp, order: u32) -> Option<Page> {
         let p = self.alloc.core().alloc_cached(gfp, order, || self.cache());
         self.reload();
         p
@@ -177,7 +177,7 @@ impl LocalAllocator {
     /// The handle's cache for the shared paths (none when thread caches
     /// are off).
     #[inline]
-    fn cache(&self) -> Option<&Tcache> {
+    pub(super) fn cache(&self) -> Option<&Tcache> {
         (self.cap > 0).then_some(&*self.tc)
     }
 
@@ -201,7 +201,7 @@ impl LocalAllocator {
 
     #[cold]
     #[inline(never)]
-    fn free_pages_slow(&mut self, page: Page, order: u32) {
+    pub(super) fn free_pages_slow(&mut self, page: Page, order: u32) {
         self.alloc.core().free_cached(page, order, || self.cache());
         self.reload();
     }
@@ -233,7 +233,7 @@ impl LocalAllocator {
 
     #[cold]
     #[inline(never)]
-    fn alloc_bulk_slow(&mut self, gfp: Gfp, nr: usize, out: &mut Vec<Page>) -> usize {
+    pub(super) fn alloc_bulk_slow(&mut self, gfp: Gfp, nr: usize, out: &mut Vec<Page>) -> usize {
         Self::count(&mut self.bulk_allocs, &self.tc.bulk_allocs, 1);
         let start = out.len();
         out.reserve(nr);
@@ -305,7 +305,7 @@ impl LocalAllocator {
 
     #[cold]
     #[inline(never)]
-    fn free_bulk_slow(&mut self, pages: &mut Vec<Page>) {
+    pub(super) fn free_bulk_slow(&mut self, pages: &mut Vec<Page>) {
         Self::count(&mut self.bulk_frees, &self.tc.bulk_frees, 1);
         let core = self.alloc.core();
         let tc = &*self.tc;

@@ -9,8 +9,8 @@
 //! maps runs of its frames a second time elsewhere, and io_uring can register
 //! the whole mapping as fixed buffers.
 
+use crate::buddy::frame::{Frame, FrameInfo, Page, MAX_ORDER_NR_PAGES, PAGE_SHIFT, PAGE_SIZE};
 use crate::error::{Error, Result};
-use crate::frame::{Frame, FrameInfo, Page, MAX_ORDER_NR_PAGES, PAGE_SHIFT, PAGE_SIZE};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 /// The smallest arena accepted: one largest block (4 MiB).

@@ -1,0 +1,127 @@
+//! Moving blocks between the layers: caches, per-CPU lists, depot, zone.
+//!
+//! Owns: taking blocks through this CPU's list (or the zone when the list
+//! is busy), giving them back the same way, and the drains (the calling
+//! thread's cache, every CPU's list, the depot). Must never: wait for a
+//! per-CPU lock except in a drain, and there only a bounded number of
+//! tries; or hold a per-CPU lock and the zone lock in the other order.
+
+use super::{Core, CACHES, FAST};
+use crate::buddy::frame::Page;
+use crate::buddy::zone::AllocFlags;
+use crate::percpu::pcp::PcpGuard;
+use std::sync::atomic::Ordering::Relaxed;
+
+impl Core {
+    // ---- per-CPU lists and zone ------------------------------------------
+
+    /// This CPU's list set, locked, or `None` if another thread holds it.
+    #[inline]
+    pub(super) fn this_cpu(&self) -> Option<PcpGuard<'_>> {
+        let set = &self.pcp[crate::percpu::cpu::slot(self.pcp.len())];
+        set.try_lock(&self.zone, &self.arena, &self.limits)
+    }
+
+    /// Take up to `nr` blocks through this CPU's list (or the zone if the
+    /// list is busy), under one hold; `put` receives them a run at a time.
+    pub(super) fn take(
+        &self,
+        order: u32,
+        nr: usize,
+        wm: AllocFlags,
+        mut put: impl FnMut(&[Page]),
+    ) -> usize {
+        if let Some(mut g) = self.this_cpu() {
+            return g.take(order, nr, wm, &mut put);
+        }
+        if !self.zone.watermark_ok(1 << order, wm) {
+            return 0;
+        }
+        let mut z = self.zone.lock(&self.arena);
+        let mut n = 0;
+        while n < nr {
+            match z.alloc(order) {
+                Some(pfn) => put(&[Page::from_pfn(pfn)]),
+                None => break,
+            }
+            n += 1;
+        }
+        drop(z);
+        self.counters.zone_allocs.fetch_add(n as u64, Relaxed);
+        n
+    }
+
+    /// Give `n` blocks to this CPU's list (or the zone if the list is busy).
+    /// `single` counts it as one caller's free served by the list.
+    pub(super) fn give_counted(
+        &self,
+        order: u32,
+        n: usize,
+        pages: impl Iterator<Item = Page>,
+        single: bool,
+    ) {
+        if let Some(mut g) = self.this_cpu() {
+            g.give(order, n, pages);
+            if single {
+                g.note(true, 1);
+            }
+        } else {
+            let mut z = self.zone.lock(&self.arena);
+            for p in pages.take(n) {
+                z.free(p.pfn(), order);
+            }
+            drop(z);
+            self.counters.zone_frees.fetch_add(n as u64, Relaxed);
+        }
+        self.wake_waiters();
+    }
+
+    pub(super) fn give(&self, order: u32, n: usize, pages: impl Iterator<Item = Page>) {
+        self.give_counted(order, n, pages, false)
+    }
+
+    /// Give `pages` (blocks of `order`) to this CPU's list, or the zone.
+    pub(super) fn give_pages(&self, order: u32, pages: &[Page]) {
+        self.give(order, pages.len(), pages.iter().copied())
+    }
+
+    /// Take up to `nr` blocks of `order` through this CPU's list under the
+    /// fast path's watermark, when the zone stays above it with all of
+    /// them gone; `put` receives them a run at a time.
+    pub(super) fn take_fast(&self, order: u32, nr: usize, put: impl FnMut(&[Page])) -> usize {
+        if !self.zone.watermark_ok(nr << order, FAST) {
+            return 0;
+        }
+        self.take(order, nr, FAST, put)
+    }
+
+    /// Flush the calling thread's cache, if it has one.
+    pub(super) fn flush_own_cache(&self) {
+        let _ = CACHES.try_with(|c| {
+            if let Some(tc) = c.existing(self.id) {
+                self.tcache_flush_all(tc);
+            }
+        });
+    }
+
+    pub(super) fn drain_all_pcp(&self) {
+        for set in self.pcp.iter() {
+            let mut spins = 0u32;
+            loop {
+                if let Some(mut g) = set.try_lock(&self.zone, &self.arena, &self.limits) {
+                    g.drain();
+                    break;
+                }
+                spins += 1;
+                if spins % 64 == 0 {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+        }
+        self.zone.drain_depot(&self.arena);
+        self.counters.drain_all.fetch_add(1, Relaxed);
+        self.wake_waiters();
+    }
+}
