@@ -79,6 +79,7 @@
 mod error;
 mod fault;
 mod gfp;
+mod sync;
 
 // The allocator's layers, bottom to top: buddy, percpu, reclaim,
 // page_alloc (see the map above and docs/architecture.md). Each names only

@@ -29,9 +29,9 @@
 //! `loom`: a free that refills the reserve always wakes a caller that found
 //! it short, whatever the interleaving.
 
+use crate::sync::{ParkingWait, SeqWord, WaitLock};
 use crate::{Error, Gfp, Page, PageAllocator, Result, MAX_ORDER};
 use std::marker::PhantomData;
-use std::ops::DerefMut;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
@@ -680,84 +680,6 @@ impl<S: ElementSource> Drop for Undelivered<'_, S> {
 
 // ---- the wait/wake core ----------------------------------------------------
 
-/// A mutex with a condition variable: what the reserve needs to let callers
-/// sleep until an element is freed.
-pub(crate) trait WaitLock<T> {
-    /// Proof of holding the lock; gives access to the data.
-    type Guard<'a>: DerefMut<Target = T>
-    where
-        Self: 'a;
-    /// An unlocked lock around `value`.
-    fn new(value: T) -> Self;
-    /// Take the lock, sleeping while another thread holds it.
-    fn lock(&self) -> Self::Guard<'_>;
-    /// Release the lock, sleep until notified (or `timeout` passes; a model
-    /// checker may ignore it), and take the lock again. Releasing and
-    /// starting to sleep are one step: a notification after the release
-    /// wakes this sleeper.
-    fn wait<'a>(&'a self, guard: Self::Guard<'a>, timeout: Duration) -> Self::Guard<'a>;
-    /// Wake every sleeper.
-    fn notify_all(&self);
-}
-
-/// The production lock: parking_lot's mutex and condition variable.
-pub(crate) struct ParkingWait<T> {
-    mutex: parking_lot::Mutex<T>,
-    cv: parking_lot::Condvar,
-}
-
-impl<T> WaitLock<T> for ParkingWait<T> {
-    type Guard<'a>
-        = parking_lot::MutexGuard<'a, T>
-    where
-        Self: 'a;
-
-    fn new(value: T) -> Self {
-        ParkingWait {
-            mutex: parking_lot::Mutex::new(value),
-            cv: parking_lot::Condvar::new(),
-        }
-    }
-
-    #[inline]
-    fn lock(&self) -> Self::Guard<'_> {
-        self.mutex.lock()
-    }
-
-    fn wait<'a>(&'a self, mut guard: Self::Guard<'a>, timeout: Duration) -> Self::Guard<'a> {
-        self.cv.wait_for(&mut guard, timeout);
-        guard
-    }
-
-    fn notify_all(&self) {
-        self.cv.notify_all();
-    }
-}
-
-/// A word read without the lock (the reserve's length, its keep limit).
-pub(crate) trait Word {
-    fn new(v: usize) -> Self;
-    fn get(&self) -> usize;
-    fn set(&self, v: usize);
-}
-
-impl Word for AtomicUsize {
-    fn new(v: usize) -> Self {
-        AtomicUsize::new(v)
-    }
-    // Sequentially consistent: a free that reads the reserve as full and
-    // sends its element to the source must be ordered against the take that
-    // emptied it (which then finds the element's owner still counted).
-    #[inline]
-    fn get(&self) -> usize {
-        self.load(Ordering::SeqCst)
-    }
-    #[inline]
-    fn set(&self, v: usize) {
-        self.store(v, Ordering::SeqCst)
-    }
-}
-
 /// What a caller does when the reserve cannot serve it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum OnShort {
@@ -796,7 +718,7 @@ impl<E> ReserveState<E> {
 pub(crate) struct Reserve<E, L = ParkingWait<ReserveState<E>>, W = AtomicUsize>
 where
     L: WaitLock<ReserveState<E>>,
-    W: Word,
+    W: SeqWord,
 {
     lock: L,
     len: W,
@@ -804,7 +726,7 @@ where
     _elem: PhantomData<fn() -> E>,
 }
 
-impl<E, L: WaitLock<ReserveState<E>>, W: Word> Reserve<E, L, W> {
+impl<E, L: WaitLock<ReserveState<E>>, W: SeqWord> Reserve<E, L, W> {
     pub(crate) fn new(elems: Vec<E>, min_nr: usize) -> Self {
         let len = elems.len();
         let state = ReserveState {
@@ -963,49 +885,9 @@ impl<E, L: WaitLock<ReserveState<E>>, W: Word> Reserve<E, L, W> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sync::loom_impls::LoomWait;
     use loom::sync::atomic::AtomicUsize as LoomUsize;
     use loom::sync::Arc;
-
-    struct LoomWait<T> {
-        mutex: loom::sync::Mutex<T>,
-        cv: loom::sync::Condvar,
-    }
-
-    impl<T> WaitLock<T> for LoomWait<T> {
-        type Guard<'a>
-            = loom::sync::MutexGuard<'a, T>
-        where
-            Self: 'a;
-        fn new(value: T) -> Self {
-            LoomWait {
-                mutex: loom::sync::Mutex::new(value),
-                cv: loom::sync::Condvar::new(),
-            }
-        }
-        fn lock(&self) -> Self::Guard<'_> {
-            self.mutex.lock().unwrap()
-        }
-        // loom's timed wait never times out: a lost wake-up is a deadlock
-        // that the model reports.
-        fn wait<'a>(&'a self, guard: Self::Guard<'a>, timeout: Duration) -> Self::Guard<'a> {
-            self.cv.wait_timeout(guard, timeout).unwrap().0
-        }
-        fn notify_all(&self) {
-            self.cv.notify_all();
-        }
-    }
-
-    impl Word for LoomUsize {
-        fn new(v: usize) -> Self {
-            LoomUsize::new(v)
-        }
-        fn get(&self) -> usize {
-            self.load(Ordering::SeqCst)
-        }
-        fn set(&self, v: usize) {
-            self.store(v, Ordering::SeqCst)
-        }
-    }
 
     type LoomReserve = Reserve<u32, LoomWait<ReserveState<u32>>, LoomUsize>;
 

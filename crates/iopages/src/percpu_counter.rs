@@ -28,10 +28,10 @@
 //! The synchronisation core is generic over its atomic word and lock, so
 //! the unit tests model-check folds and limited adds with `loom`.
 
-use crate::error::{Error, Result};
+use crate::sync::{Atom64, Lock};
+use crate::{Error, Result};
 use crossbeam_utils::CachePadded;
 use std::cmp::Ordering as Cmp;
-use std::ops::DerefMut;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Largest batch accepted (deltas are stored in 32 bits).
@@ -319,72 +319,6 @@ fn next_generation(g: u32) -> u32 {
 
 // ---- the synchronisation core ------------------------------------------------
 
-/// The 64-bit atomic operations the counter needs.
-pub(crate) trait Atom64 {
-    fn new(v: u64) -> Self;
-    fn load(&self, o: Ordering) -> u64;
-    fn store(&self, v: u64, o: Ordering);
-    fn swap(&self, v: u64, o: Ordering) -> u64;
-    fn compare_exchange(
-        &self,
-        cur: u64,
-        new: u64,
-        ok: Ordering,
-        err: Ordering,
-    ) -> std::result::Result<u64, u64>;
-}
-
-impl Atom64 for AtomicU64 {
-    fn new(v: u64) -> Self {
-        AtomicU64::new(v)
-    }
-    #[inline]
-    fn load(&self, o: Ordering) -> u64 {
-        AtomicU64::load(self, o)
-    }
-    #[inline]
-    fn store(&self, v: u64, o: Ordering) {
-        AtomicU64::store(self, v, o)
-    }
-    #[inline]
-    fn swap(&self, v: u64, o: Ordering) -> u64 {
-        AtomicU64::swap(self, v, o)
-    }
-    #[inline]
-    fn compare_exchange(
-        &self,
-        cur: u64,
-        new: u64,
-        ok: Ordering,
-        err: Ordering,
-    ) -> std::result::Result<u64, u64> {
-        AtomicU64::compare_exchange(self, cur, new, ok, err)
-    }
-}
-
-/// A mutex around the locked paths' statistics.
-pub(crate) trait Lock<T> {
-    type Guard<'a>: DerefMut<Target = T>
-    where
-        Self: 'a;
-    fn new(v: T) -> Self;
-    fn lock(&self) -> Self::Guard<'_>;
-}
-
-impl<T> Lock<T> for parking_lot::Mutex<T> {
-    type Guard<'a>
-        = parking_lot::MutexGuard<'a, T>
-    where
-        Self: 'a;
-    fn new(v: T) -> Self {
-        parking_lot::Mutex::new(v)
-    }
-    #[inline]
-    fn lock(&self) -> Self::Guard<'_> {
-        parking_lot::Mutex::lock(self)
-    }
-}
-
 /// What the lock guards: statistics and the generation counter.
 #[derive(Default)]
 pub(crate) struct Locked {
@@ -626,43 +560,6 @@ mod tests {
     use super::*;
     use loom::sync::atomic::AtomicU64 as LoomU64;
     use loom::sync::Arc;
-
-    impl Atom64 for LoomU64 {
-        fn new(v: u64) -> Self {
-            LoomU64::new(v)
-        }
-        fn load(&self, o: Ordering) -> u64 {
-            LoomU64::load(self, o)
-        }
-        fn store(&self, v: u64, o: Ordering) {
-            LoomU64::store(self, v, o)
-        }
-        fn swap(&self, v: u64, o: Ordering) -> u64 {
-            LoomU64::swap(self, v, o)
-        }
-        fn compare_exchange(
-            &self,
-            cur: u64,
-            new: u64,
-            ok: Ordering,
-            err: Ordering,
-        ) -> std::result::Result<u64, u64> {
-            LoomU64::compare_exchange(self, cur, new, ok, err)
-        }
-    }
-
-    impl<T> Lock<T> for loom::sync::Mutex<T> {
-        type Guard<'a>
-            = loom::sync::MutexGuard<'a, T>
-        where
-            Self: 'a;
-        fn new(v: T) -> Self {
-            loom::sync::Mutex::new(v)
-        }
-        fn lock(&self) -> Self::Guard<'_> {
-            loom::sync::Mutex::lock(self).unwrap()
-        }
-    }
 
     type LoomCore = Core<LoomU64, loom::sync::Mutex<Locked>>;
 

@@ -821,7 +821,13 @@ fn nofail_waits_for_another_thread_to_free_and_then_succeeds() {
         let alloc = alloc.clone();
         let held = held.clone();
         std::thread::spawn(move || {
-            std::thread::sleep(std::time::Duration::from_millis(30));
+            // Hand-off: free only once the allocating thread has gone to
+            // sleep waiting for frees (no sleep-ordered guess).
+            let t = std::time::Instant::now();
+            while alloc.stats().nofail_waits == 0 {
+                assert!(t.elapsed().as_secs() < 20, "NOFAIL never waited");
+                std::thread::yield_now();
+            }
             for p in held {
                 alloc.free_pages(p, 0);
             }

@@ -1,6 +1,10 @@
 //! Background reclaim: woken below the low watermark, it runs the
 //! shrinkers until the zone is above its high watermark, then sleeps with
 //! no timer; it can be stopped and started again.
+//!
+//! The test orders itself on the thread's state, never on sleeps: it waits
+//! for `kswapd_idle()` (asleep, no wake-up pending) before it reads
+//! settled statistics.
 
 mod common;
 use common::builder;
@@ -47,6 +51,8 @@ fn fill(alloc: &PageAllocator, cache: &Cache) {
     }
 }
 
+/// Poll `f` (yielding between tries) until it holds; a bound, not an
+/// ordering: the test fails if it takes longer than 20 s.
 fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
     let t = Instant::now();
     while !f() {
@@ -54,7 +60,7 @@ fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
             t.elapsed() < Duration::from_secs(20),
             "timed out waiting for {what}"
         );
-        std::thread::sleep(Duration::from_millis(5));
+        std::thread::yield_now();
     }
 }
 
@@ -86,16 +92,26 @@ fn below_low_it_reclaims_to_high_then_sleeps_and_can_be_stopped() {
         (reclaimed as usize) < held,
         "it stops near high instead of emptying the cache ({reclaimed} of {held})"
     );
-    // Quiet when idle: no timer wakes it.
-    std::thread::sleep(Duration::from_millis(200));
+    // Quiet when idle: once asleep with no wake-up pending, work that
+    // stays above the low watermark does not wake it (no timer does).
+    wait_until("background reclaim to go to sleep", || alloc.kswapd_idle());
     let settled = alloc.kswapd_stats();
-    std::thread::sleep(Duration::from_millis(300));
+    for _ in 0..64 {
+        let p = alloc.alloc_pages(Gfp::NOWAIT, 0).expect("above high");
+        alloc.free_pages(p, 0);
+    }
+    assert!(
+        alloc.kswapd_idle(),
+        "kswapd woke while memory was plentiful"
+    );
     assert_eq!(alloc.kswapd_stats(), settled, "kswapd ran while idle");
-    // Stopped, it does nothing however low memory gets.
+    // Stopped, it does nothing however low memory gets: the stop flag is
+    // set before the wake-ups, and a round starts only after the thread
+    // has seen the flag clear, so no round can begin from here on.
     alloc.stop_kswapd();
     assert!(!alloc.kswapd_running());
+    assert!(alloc.kswapd_idle());
     fill(&alloc, &cache);
-    std::thread::sleep(Duration::from_millis(200));
     assert_eq!(alloc.kswapd_stats(), settled, "a stopped kswapd ran");
     // Started again, the next wake-up brings it back.
     alloc.start_kswapd();

@@ -28,67 +28,10 @@
 //! Generic over the atomic and cell types so that the same code is
 //! model-checked with `loom` in the tests.
 
+use crate::sync::{RingWord, SlotCell, StdCell};
 use crossbeam_utils::CachePadded;
-use std::cell::UnsafeCell;
 use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicUsize, Ordering};
-
-/// The atomic word operations the ring needs.
-pub(crate) trait Word: Send + Sync {
-    fn new(v: usize) -> Self;
-    fn load(&self, o: Ordering) -> usize;
-    fn store(&self, v: usize, o: Ordering);
-    /// Replace `cur` with `new` (relaxed); the value found on failure.
-    fn cas(&self, cur: usize, new: usize) -> Result<usize, usize>;
-}
-
-impl Word for AtomicUsize {
-    fn new(v: usize) -> Self {
-        AtomicUsize::new(v)
-    }
-    #[inline]
-    fn load(&self, o: Ordering) -> usize {
-        AtomicUsize::load(self, o)
-    }
-    #[inline]
-    fn store(&self, v: usize, o: Ordering) {
-        AtomicUsize::store(self, v, o)
-    }
-    #[inline]
-    fn cas(&self, cur: usize, new: usize) -> Result<usize, usize> {
-        self.compare_exchange_weak(cur, new, Ordering::Relaxed, Ordering::Relaxed)
-    }
-}
-
-/// A cell whose contents the ring's protocol, not the type system, keeps
-/// exclusive.
-pub(crate) trait SlotCell<T>: Send + Sync {
-    fn new(v: T) -> Self;
-    /// Run `f` on the contents.
-    ///
-    /// # Safety
-    /// The caller has claimed the slot (no other access can overlap).
-    unsafe fn with_mut<R>(&self, f: impl FnOnce(*mut T) -> R) -> R;
-}
-
-/// The production cell.
-pub(crate) struct StdCell<T>(UnsafeCell<T>);
-
-// SAFETY: the ring touches a slot's cell only between claiming the slot
-// (a successful compare-and-swap on a position whose sequence matched) and
-// publishing it (the release store of the next sequence); the protocol
-// gives one thread at a time that window.
-unsafe impl<T: Send> Sync for StdCell<T> {}
-
-impl<T: Send> SlotCell<T> for StdCell<T> {
-    fn new(v: T) -> Self {
-        StdCell(UnsafeCell::new(v))
-    }
-    #[inline]
-    unsafe fn with_mut<R>(&self, f: impl FnOnce(*mut T) -> R) -> R {
-        f(self.0.get())
-    }
-}
 
 struct Slot<W, C> {
     /// `pos` when free for the put at `pos`; `pos + 1` once that put has
@@ -137,7 +80,7 @@ impl<T, W, C> Drop for MagazineRing<T, W, C> {
     }
 }
 
-impl<T: Copy + Send, W: Word, C: SlotCell<()>> MagazineRing<T, W, C> {
+impl<T: Copy + Send, W: RingWord, C: SlotCell<()>> MagazineRing<T, W, C> {
     /// A ring of `slots` magazines of `mag` items (no slots: always full
     /// and always empty).
     pub(crate) fn new(slots: usize, mag: usize) -> Self {
@@ -424,37 +367,10 @@ mod tests {
         //! a drain on a two-slot ring: no item is lost, none is handed out
         //! twice, and no slot is read while it is written (loom's cell
         //! reports any overlapping access).
-        use super::super::{MagazineRing, SlotCell, Word};
+        use super::super::MagazineRing;
+        use crate::sync::loom_impls::LoomCell;
         use loom::sync::atomic::AtomicUsize;
         use loom::sync::Arc;
-        use std::sync::atomic::Ordering;
-
-        impl Word for AtomicUsize {
-            fn new(v: usize) -> Self {
-                AtomicUsize::new(v)
-            }
-            fn load(&self, o: Ordering) -> usize {
-                AtomicUsize::load(self, o)
-            }
-            fn store(&self, v: usize, o: Ordering) {
-                AtomicUsize::store(self, v, o)
-            }
-            fn cas(&self, cur: usize, new: usize) -> Result<usize, usize> {
-                self.compare_exchange_weak(cur, new, Ordering::Relaxed, Ordering::Relaxed)
-            }
-        }
-
-        struct LoomCell<T>(loom::cell::UnsafeCell<T>);
-        // SAFETY: loom checks the exclusivity the ring promises.
-        unsafe impl<T: Send> Sync for LoomCell<T> {}
-        impl<T: Send> SlotCell<T> for LoomCell<T> {
-            fn new(v: T) -> Self {
-                LoomCell(loom::cell::UnsafeCell::new(v))
-            }
-            unsafe fn with_mut<R>(&self, f: impl FnOnce(*mut T) -> R) -> R {
-                self.0.with_mut(f)
-            }
-        }
 
         type Ring = MagazineRing<u32, AtomicUsize, LoomCell<()>>;
 

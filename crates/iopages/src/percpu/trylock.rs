@@ -8,32 +8,8 @@
 //! Generic over the flag type so that the same code is model-checked with
 //! `loom` in the tests.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-
-/// The atomic flag operations the lock needs.
-pub(crate) trait Flag {
-    /// An unlocked flag.
-    fn unlocked() -> Self;
-    /// Set the flag if clear, with acquire ordering; whether it was set.
-    fn try_set(&self) -> bool;
-    /// Clear the flag with release ordering.
-    fn clear(&self);
-}
-
-impl Flag for AtomicBool {
-    fn unlocked() -> Self {
-        AtomicBool::new(false)
-    }
-    #[inline]
-    fn try_set(&self) -> bool {
-        self.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
-            .is_ok()
-    }
-    #[inline]
-    fn clear(&self) {
-        self.store(false, Ordering::Release)
-    }
-}
+use crate::sync::Flag;
+use std::sync::atomic::AtomicBool;
 
 /// A try-only lock. It guards nothing by itself: the owner pairs it with
 /// an `UnsafeCell` and touches the cell only while [`TryLock::try_lock`]'s
@@ -77,19 +53,6 @@ impl<F: Flag> Drop for Held<'_, F> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    impl Flag for loom::sync::atomic::AtomicBool {
-        fn unlocked() -> Self {
-            loom::sync::atomic::AtomicBool::new(false)
-        }
-        fn try_set(&self) -> bool {
-            self.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
-                .is_ok()
-        }
-        fn clear(&self) {
-            self.store(false, Ordering::Release)
-        }
-    }
 
     struct Guarded {
         lock: TryLock<loom::sync::atomic::AtomicBool>,
