@@ -146,6 +146,20 @@ impl Arena {
         unsafe { self.base.add(pfn << PAGE_SHIFT) }
     }
 
+    /// Assert that `page` starts a block of `order` inside the arena: in
+    /// range and aligned to its order. `boundary` names where it is
+    /// checked, for the panic message (allocation checks call this at
+    /// every layer boundary).
+    #[cold]
+    pub(crate) fn check_block(&self, page: Page, order: u32, boundary: &str) {
+        let pfn = page.pfn();
+        assert!(
+            (pfn as usize) < self.frames.len() && pfn & ((1 << order) - 1) == 0,
+            "{boundary}: pfn {pfn} is not an order-{order} block of this arena ({} frames)",
+            self.frames.len()
+        );
+    }
+
     /// The page containing `addr`, if `addr` lies in the direct map.
     pub fn page_of_address(&self, addr: *const u8) -> Option<Page> {
         let off = (addr as usize).checked_sub(self.base as usize)?;

@@ -598,7 +598,8 @@ impl Locked<'_> {
 
     /// Walk every free list: each block is a free head of its list's
     /// order, on the list of its pageblocks' type, and the counts add up.
-    #[cfg(test)]
+    /// Allocation checks run it at drain points; it costs a walk of every
+    /// free block.
     pub(crate) fn check_lists(&self) {
         for (t, lists) in self.area.head.iter().enumerate() {
             for (o, &first) in lists.iter().enumerate() {

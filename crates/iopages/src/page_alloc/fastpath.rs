@@ -154,10 +154,10 @@ impl Core {
             if got > 0 {
                 bump(&tc.refills, 1);
                 // SAFETY: owner thread; `got` slots were just written.
-                unsafe {
-                    tc.commit(0, got);
-                    return tc.pop(0);
-                }
+                unsafe { tc.commit(0, got) };
+                self.check_tcache(tc);
+                // SAFETY: owner thread.
+                return unsafe { tc.pop(0) };
             }
         }
         let mut at = 0;
@@ -172,10 +172,10 @@ impl Core {
         }
         bump(&tc.refills, 1);
         // SAFETY: owner thread; `got` slots were just written.
-        unsafe {
-            tc.commit(order, got);
-            tc.pop(order)
-        }
+        unsafe { tc.commit(order, got) };
+        self.check_tcache(tc);
+        // SAFETY: owner thread.
+        unsafe { tc.pop(order) }
     }
 
     #[inline]
@@ -212,6 +212,7 @@ impl Core {
         }
         // SAFETY: as above; the `half` oldest blocks have been given away.
         unsafe { tc.remove_bottom(order, half) };
+        self.check_tcache(tc);
         bump(&tc.flushes, 1);
     }
 
@@ -228,6 +229,16 @@ impl Core {
         bump(&tc.flushes, 1);
     }
 
+    /// With checks on, assert `tc`'s invariants (see [`Tcache::check`]).
+    /// `tc` is the calling thread's (or the handle's) own cache.
+    #[inline]
+    pub(super) fn check_tcache(&self, tc: &Tcache) {
+        if self.checks {
+            // SAFETY: every caller passes its own cache.
+            unsafe { tc.check(&self.arena) };
+        }
+    }
+
     /// Prepare a page for its caller: zero it, make it compound, record it
     /// as allocated — only what the flags and settings ask for.
     #[inline]
@@ -240,6 +251,9 @@ impl Core {
 
     #[cold]
     pub(super) fn prep_slow(&self, page: Page, order: u32, gfp: Gfp) {
+        if self.checks {
+            self.arena.check_block(page, order, "handed to the caller");
+        }
         let head = self.arena.frame(page.pfn());
         let mut fl = head.flags();
         if self.checks {

@@ -12,6 +12,11 @@ use crate::buddy::zone::AllocFlags;
 use crate::percpu::pcp::PcpGuard;
 use std::sync::atomic::Ordering::Relaxed;
 
+/// Tries per CPU's lock before a drain gives up on that CPU's lists: about
+/// a thousand yields, far longer than any holder's critical section (a
+/// batch moved under one zone-lock hold) unless the holder is descheduled.
+pub(super) const DRAIN_TRIES_MAX: u32 = 1 << 16;
+
 impl Core {
     // ---- per-CPU lists and zone ------------------------------------------
 
@@ -31,8 +36,33 @@ impl Core {
         wm: AllocFlags,
         mut put: impl FnMut(&[Page]),
     ) -> usize {
+        if self.checks {
+            let mut checked = |run: &[Page]| {
+                for &p in run {
+                    self.arena
+                        .check_block(p, order, "taken from the per-CPU list");
+                }
+                put(run)
+            };
+            return self.take_unchecked(order, nr, wm, &mut checked);
+        }
+        self.take_unchecked(order, nr, wm, put)
+    }
+
+    #[inline]
+    fn take_unchecked(
+        &self,
+        order: u32,
+        nr: usize,
+        wm: AllocFlags,
+        mut put: impl FnMut(&[Page]),
+    ) -> usize {
         if let Some(mut g) = self.this_cpu() {
-            return g.take(order, nr, wm, &mut put);
+            let got = g.take(order, nr, wm, &mut put);
+            if self.checks {
+                g.check();
+            }
+            return got;
         }
         if !self.zone.watermark_ok(1 << order, wm) {
             return 0;
@@ -60,10 +90,20 @@ impl Core {
         pages: impl Iterator<Item = Page>,
         single: bool,
     ) {
+        let checks = self.checks;
+        let pages = pages.inspect(move |&p| {
+            if checks {
+                self.arena
+                    .check_block(p, order, "given to the per-CPU list");
+            }
+        });
         if let Some(mut g) = self.this_cpu() {
             g.give(order, n, pages);
             if single {
                 g.note(true, 1);
+            }
+            if checks {
+                g.check();
             }
         } else {
             let mut z = self.zone.lock(&self.arena);
@@ -104,16 +144,28 @@ impl Core {
         });
     }
 
+    /// Return every CPU's lists and the depot to the zone (the kernel's
+    /// `drain_all_pages`). A set whose lock stays held for
+    /// [`DRAIN_TRIES_MAX`] tries is skipped (its holder is inside a short
+    /// critical section that gives back what exceeds `high` itself), so a
+    /// drain always ends. With checks on, the zone's lists are walked
+    /// afterwards.
     pub(super) fn drain_all_pcp(&self) {
-        for set in self.pcp.iter() {
-            let mut spins = 0u32;
+        for (cpu, set) in self.pcp.iter().enumerate() {
+            let mut tries = 0u32;
             loop {
                 if let Some(mut g) = set.try_lock(&self.zone, &self.arena, &self.limits) {
                     g.drain();
                     break;
                 }
-                spins += 1;
-                if spins % 64 == 0 {
+                tries += 1;
+                if tries >= DRAIN_TRIES_MAX {
+                    log::warn!(
+                        "iopages: drain skipped CPU {cpu}'s lists: still locked after {tries} tries"
+                    );
+                    break;
+                }
+                if tries % 64 == 0 {
                     std::thread::yield_now();
                 } else {
                     std::hint::spin_loop();
@@ -121,6 +173,9 @@ impl Core {
             }
         }
         self.zone.drain_depot(&self.arena);
+        if self.checks {
+            self.zone.lock(&self.arena).check_lists();
+        }
         self.counters.drain_all.fetch_add(1, Relaxed);
         self.wake_waiters();
     }

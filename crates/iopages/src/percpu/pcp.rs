@@ -295,6 +295,24 @@ impl PcpGuard<'_> {
         bump(&self.set.counters.drain_pages, (excess << o) as u64);
     }
 
+    /// Assert the lists' invariants (allocation checks run this at the
+    /// boundary with the caches): no list above `high`, every block in the
+    /// arena and aligned to its order.
+    #[cold]
+    pub(crate) fn check(&self) {
+        for (o, stack) in self.lists().stacks.iter().enumerate() {
+            assert!(
+                stack.len() <= self.limits.high[o],
+                "per-CPU list of order {o} holds {} blocks, above high {}",
+                stack.len(),
+                self.limits.high[o]
+            );
+            for &p in stack {
+                self.arena.check_block(p, o as u32, "per-CPU list");
+            }
+        }
+    }
+
     /// Count single allocations (`frees == false`) or frees served here.
     #[inline]
     pub(crate) fn note(&self, frees: bool, n: u64) {

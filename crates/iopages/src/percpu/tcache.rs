@@ -14,6 +14,7 @@
 //! owner frees through them, calls [`crate::PageAllocator::flush_thread_cache`],
 //! drains, or exits. The bound is published in [`crate::Stats`].
 
+use crate::buddy::arena::Arena;
 use crate::buddy::frame::{copy_pages, Page};
 use crate::percpu::pcp::PCP_ORDERS;
 use std::cell::{Cell, UnsafeCell};
@@ -170,6 +171,29 @@ impl Tcache {
     #[inline]
     pub(crate) unsafe fn commit(&self, order: u32, k: usize) {
         self.set_len(order, self.len(order) + k);
+    }
+
+    /// Assert the stacks' invariants (allocation checks run this where the
+    /// cache meets the per-CPU lists and the depot): no stack above its
+    /// capacity, every block in the arena and aligned to its order.
+    ///
+    /// # Safety
+    /// Owner thread only.
+    #[cold]
+    pub(crate) unsafe fn check(&self, arena: &Arena) {
+        for order in 0..PCP_ORDERS as u32 {
+            let n = self.len(order);
+            assert!(
+                n <= self.cap[order as usize],
+                "thread cache of order {order} holds {n} blocks, above its capacity {}",
+                self.cap[order as usize]
+            );
+            // SAFETY: owner thread (the caller's promise); `n` slots are
+            // initialised.
+            for &p in unsafe { self.bottom(order, n) } {
+                arena.check_block(p, order, "thread cache");
+            }
+        }
     }
 
     /// Pages held (racy snapshot from other threads; exact from the owner).
