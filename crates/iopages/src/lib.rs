@@ -10,29 +10,52 @@
 //!
 //! ## Map: kernel mechanism → module
 //!
+//! Every module, by layer from the bottom (each names only the layers
+//! below it; `docs/architecture.md` has the rule and what enforces it).
+//!
 //! | kernel | here | file |
 //! |---|---|---|
-//! | physical memory, `struct page`, direct map | one memfd mapped once; 16-byte [`Frame`] records | `arena.rs`, `frame.rs` |
-//! | buddy allocator, watermarks (`mm/page_alloc.c`) | [`Zone`] | `zone.rs` |
-//! | `per_cpu_pages` (orders 0..=3, `high`, `batch`) | per-CPU stacks behind try-locks | `pcp.rs` |
-//! | — (userspace only) | per-thread magazines in front of the per-CPU lists | `tcache.rs` |
-//! | — (DPDK's per-lcore cache, SPDK's iobuf channel) | [`LocalAllocator`]: a handle that owns its magazine | `local.rs` |
-//! | `alloc_pages`, `__alloc_pages_bulk`, slow path | [`PageAllocator`] | `alloc.rs` |
+//! | *foundations* | | |
 //! | `gfp_t`, `memalloc_noio_save` | [`Gfp`], [`memalloc_noio_scope`] | `gfp.rs` |
-//! | shrinkers, direct reclaim | [`Shrinker`], [`ShrinkerRegistry`] | `reclaim.rs` |
-//! | `kswapd` (background reclaim) | a thread per allocator, [`PageAllocator::kswapd_stats`] | `alloc.rs` |
-//! | compaction (`mm/compaction.c`), `movable_operations` | migrate and free scanners, [`MovableOwner`] callbacks, [`PageAllocator::compact`] | `compaction.rs` |
-//! | grouping by mobility (pageblock migratetypes, fallback stealing) | [`MigrateType`], [`PAGEBLOCK_ORDER`] | `zone.rs` |
+//! | `fail_page_alloc` | [`FaultInjector`] | `fault.rs` |
+//! | — (errors that name the setting and what would work) | [`Error`] | `error.rs` |
+//! | — (loom shims: every trait a concurrent core is generic over) | | `sync.rs` |
+//! | *buddy: physical memory and the buddy allocator* | | `buddy/` |
+//! | physical memory, direct map | one memfd mapped once ([`Arena`]) | `buddy/arena.rs` |
+//! | `struct page` | 16-byte [`Frame`] records, [`Page`] handles, [`flags`] | `buddy/frame.rs` |
+//! | buddy allocator, watermarks, grouping by mobility (`mm/page_alloc.c`) | [`Zone`], [`Watermarks`], [`MigrateType`] | `buddy/zone.rs` |
+//! | — (transfer cache) | a lock-free ring of order-0 magazines between threads | `buddy/depot.rs` |
+//! | *percpu: caches in front of the zone* | | `percpu/` |
+//! | `per_cpu_pages` (orders 0..=3, `high`, `batch`) | per-CPU stacks, [`PcpLimits`] | `percpu/pcp.rs` |
+//! | the per-CPU lists' lock (try-only since Linux 6.0) | a compare-and-swap try-lock | `percpu/trylock.rs` |
+//! | — (userspace only) | per-thread magazines in front of the per-CPU lists | `percpu/tcache.rs` |
+//! | `smp_processor_id`, `nr_cpu_ids` | which CPU, how many | `percpu/cpu.rs` |
+//! | *reclaim: getting memory back* | | `reclaim/` |
+//! | shrinkers, direct reclaim | [`Shrinker`], [`ShrinkerRegistry`] | `reclaim/shrinker.rs` |
+//! | `kswapd` (background reclaim) | a thread per allocator, [`PageAllocator::kswapd_stats`] | `reclaim/kswapd.rs` |
+//! | compaction (`mm/compaction.c`), `movable_operations` | migrate and free scanners, [`MovableOwner`] callbacks, [`PageAllocator::compact`] | `reclaim/compaction.rs` |
+//! | *page_alloc: the allocator* | | `page_alloc/` |
+//! | `alloc_pages`, `free_pages` (the handle, its state) | [`PageAllocator`] | `page_alloc/mod.rs` |
+//! | the per-CPU fast path, `prep_new_page`, `free_pages_prepare` | | `page_alloc/fastpath.rs` |
+//! | `rmqueue_bulk`, `free_pcppages_bulk`, `drain_all_pages` | | `page_alloc/lists.rs` |
+//! | `__alloc_pages_bulk` | the array, list and callback forms | `page_alloc/bulk.rs` |
+//! | `get_page_from_freelist`, `__alloc_pages_slowpath` | | `page_alloc/slowpath.rs` |
+//! | — (safe owner of a block) | [`PageBox`] | `page_alloc/pagebox.rs` |
+//! | — (DPDK's per-lcore cache, SPDK's iobuf channel) | [`LocalAllocator`] | `page_alloc/local.rs` |
+//! | boot-time sizing (`setup_per_zone_wmarks`, `pcp` high/batch) | [`PageAllocatorBuilder`] | `page_alloc/builder.rs` |
+//! | `/proc/vmstat` | [`Stats`], [`Accounting`] | `page_alloc/stats.rs` |
+//! | *consumers: the public API only* | | |
 //! | page cache (clean pages, shrinker, movable) | [`PageCache`] | `pagecache.rs` |
 //! | folios, `_pincount`, `pin_user_pages` | [`Folio`], [`FolioBuffer`], [`PageAllocator::pin_folio`] | `folio.rs` |
 //! | `struct bio`, `bio_add_page`, `bio_iov_iter_get_pages` | [`Bio`], [`BioVec`], [`BioLimits`] | `bio.rs` |
+//! | `memcpy_to_page`, `memcpy_from_page` | bounds-checked copies into a [`PageBox`] | `page_io.rs` |
 //! | `vmalloc`, `vmap`, lazy vunmap | [`Vmalloc`], [`VmBox`] | `vmalloc.rs` |
 //! | `kvmalloc` / `kvfree` | [`Kvmalloc`], [`KvPolicy`], [`KvBox`] | `kvmalloc.rs` |
-//! | — (transfer cache) | a lock-free ring of order-0 magazines between threads | `depot.rs` |
-//! | `fail_page_alloc` | [`FaultInjector`] | `fault.rs` |
 //! | `mm/mempool.c` (incl. `mempool_alloc_bulk`) | [`Mempool`], [`PagePool`], [`ElementSource`] | `mempool.rs` |
 //! | `lib/percpu_counter.c` | [`PercpuCounter`] | `percpu_counter.rs` |
-//! | `/proc/vmstat` | [`Stats`] | `stats.rs` |
+//!
+//! Public paths: every public item is reached from the crate root
+//! (`iopages::PageBox`); the modules are private.
 //!
 //! ## Implementation notes
 //!

@@ -81,7 +81,7 @@ pub enum CompactResult {
 ///
 /// **Context:** every method is called with no allocator lock held, from
 /// the thread running compaction (an allocating thread or a caller of
-/// [`PageAllocator::compact`]); implementations may take their own locks
+/// [`crate::PageAllocator::compact`]); implementations may take their own locks
 /// but must not allocate with an order above 0 and `DIRECT_RECLAIM`.
 pub trait MovableOwner: Send + Sync {
     /// A name for logs.
