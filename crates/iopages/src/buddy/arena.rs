@@ -138,10 +138,20 @@ impl Arena {
     }
 
     /// Address of `page` in the direct map.
+    ///
+    /// # Panics
+    /// If `page` is outside the arena (in release builds too).
     #[inline]
     pub fn page_address(&self, page: Page) -> *mut u8 {
         let pfn = page.pfn() as usize;
-        debug_assert!(pfn < self.frames.len(), "pfn {pfn} outside the arena");
+        // Checked in release builds too: a `Page` is a plain number anyone
+        // can make, and this is what keeps every address this crate hands
+        // out inside the mapping. One compare, predicted.
+        assert!(
+            pfn < self.frames.len(),
+            "page_address: pfn {pfn} outside the arena ({} frames)",
+            self.frames.len()
+        );
         // SAFETY: pfn < nr_pages, so the offset stays inside the mapping.
         unsafe { self.base.add(pfn << PAGE_SHIFT) }
     }
@@ -296,10 +306,10 @@ mod tests {
             assert_eq!(a.page_of_address(addr), Some(p));
             // SAFETY: addr is inside the live mapping.
             unsafe { addr.add(4095).write(0xa5) };
-            assert_eq!(a.page_of_address(unsafe { addr.add(4095) }), Some(p));
+            assert_eq!(a.page_of_address(addr.wrapping_add(4095)), Some(p));
         }
         assert_eq!(a.page_of_address(std::ptr::null()), None);
-        assert_eq!(a.page_of_address(unsafe { a.base().add(8 << 20) }), None);
+        assert_eq!(a.page_of_address(a.base().wrapping_add(8 << 20)), None);
     }
 
     #[test]

@@ -70,8 +70,12 @@ pub(crate) unsafe fn copy_pages(dst: *mut Page, src: *const Page, n: usize) {
         ($($k:literal)*) => {
             match n {
                 0 => {}
-                $($k => std::ptr::copy_nonoverlapping(src.cast::<[Page; $k]>(), dst.cast::<[Page; $k]>(), 1),)*
-                _ => std::ptr::copy_nonoverlapping(src, dst, n),
+                // SAFETY: the caller's promise: `n` handles readable at
+                // `src`, writable at `dst`, no overlap (`[Page; k]` has
+                // alignment 4, as `Page` has).
+                $($k => unsafe { std::ptr::copy_nonoverlapping(src.cast::<[Page; $k]>(), dst.cast::<[Page; $k]>(), 1) },)*
+                // SAFETY: as above.
+                _ => unsafe { std::ptr::copy_nonoverlapping(src, dst, n) },
             }
         };
     }
@@ -96,13 +100,18 @@ pub(crate) unsafe fn copy_pages_rev(dst: *mut Page, src: *const Page, n: usize) 
             match n {
                 0 => {}
                 $($k => {
-                    let mut run = src.cast::<[Page; $k]>().read_unaligned();
+                    // SAFETY: the caller's promise: `n` handles readable at
+                    // `src` and writable at `dst`.
+                    let mut run = unsafe { src.cast::<[Page; $k]>().read_unaligned() };
                     run.reverse();
-                    dst.cast::<[Page; $k]>().write_unaligned(run);
+                    // SAFETY: as above.
+                    unsafe { dst.cast::<[Page; $k]>().write_unaligned(run) };
                 })*
                 _ => {
                     for i in 0..n {
-                        dst.add(i).write(src.add(n - 1 - i).read());
+                        // SAFETY: `i` and `n - 1 - i` are below `n`, inside
+                        // both ranges the caller vouches for.
+                        unsafe { dst.add(i).write(src.add(n - 1 - i).read()) };
                     }
                 }
             }
@@ -122,8 +131,10 @@ pub(crate) unsafe fn clear_slots(dst: *mut Option<Page>, n: usize) {
         ($($k:literal)*) => {
             match n {
                 0 => {}
-                $($k => dst.cast::<[Option<Page>; $k]>().write([None; $k]),)*
-                _ => std::ptr::write_bytes(dst, 0, n),
+                // SAFETY: the caller's promise: `n` slots writable at `dst`.
+                $($k => unsafe { dst.cast::<[Option<Page>; $k]>().write([None; $k]) },)*
+                // SAFETY: as above; all-zero bits are `None`.
+                _ => unsafe { std::ptr::write_bytes(dst, 0, n) },
             }
         };
     }

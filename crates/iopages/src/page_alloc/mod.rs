@@ -224,7 +224,12 @@ impl PageAllocator {
         Arc::ptr_eq(&self.core, &other.core)
     }
 
-    /// Address of `page` in the arena's direct map.
+    /// Address of `page` in the arena's direct map. Reading or writing
+    /// through it is the caller's business (and `unsafe`); a [`PageBox`]
+    /// gives the same bytes as slices.
+    ///
+    /// # Panics
+    /// If `page` is outside the arena (in release builds too).
     #[inline]
     pub fn page_address(&self, page: Page) -> *mut u8 {
         self.core.arena.page_address(page)

@@ -63,10 +63,19 @@ impl Tcache {
         }
     }
 
+    /// The stack buffer of `order`.
+    ///
+    /// # Safety
+    /// Owner thread only (see the type's notes), and no other reference
+    /// from `buf` for the same order may be alive. Every `unsafe fn` below
+    /// has the same owner-thread precondition; the others each one states
+    /// are also `debug_assert`ed.
     #[inline]
     #[allow(clippy::mut_from_ref)]
     unsafe fn buf(&self, order: u32) -> &mut [MaybeUninit<Page>] {
-        &mut *self.bufs[order as usize].get()
+        // SAFETY: only the owner thread touches the stacks, and it keeps
+        // one reference per order at a time (the caller's promise).
+        unsafe { &mut *self.bufs[order as usize].get() }
     }
 
     /// Blocks held of `order`.
@@ -88,13 +97,14 @@ impl Tcache {
     /// Owner only; writes through it must keep `len` slots initialised.
     #[inline]
     pub(crate) unsafe fn raw(&self, order: u32) -> *mut Page {
-        self.buf(order).as_mut_ptr().cast::<Page>()
+        // SAFETY: owner thread (the caller's promise).
+        unsafe { self.buf(order) }.as_mut_ptr().cast::<Page>()
     }
 
     /// Pop the most recently cached block.
     ///
     /// # Safety
-    /// Owner thread only (see the type's notes), for every `unsafe fn` here.
+    /// Owner thread only.
     #[inline]
     pub(crate) unsafe fn pop(&self, order: u32) -> Option<Page> {
         let n = self.len(order);
@@ -102,74 +112,112 @@ impl Tcache {
             return None;
         }
         self.set_len(order, n - 1);
-        // SAFETY: slots below `len` are initialised.
-        Some(self.buf(order)[n - 1].assume_init())
+        // SAFETY: owner thread; slots below the old `len` are initialised.
+        Some(unsafe { self.buf(order)[n - 1].assume_init() })
     }
 
     /// Push a block; `false` (and nothing done) when the stack is full.
+    ///
+    /// # Safety
+    /// Owner thread only.
     #[inline]
     pub(crate) unsafe fn push(&self, order: u32, page: Page) -> bool {
         let n = self.len(order);
         if n == self.cap[order as usize] {
             return false;
         }
-        self.buf(order)[n].write(page);
+        // SAFETY: owner thread.
+        let buf = unsafe { self.buf(order) };
+        buf[n].write(page);
         self.set_len(order, n + 1);
         true
     }
 
-    /// Push `pages`, which must fit.
+    /// Push `pages`.
+    ///
+    /// # Safety
+    /// Owner thread only; `pages` must fit (`len + pages.len() <= cap`,
+    /// asserted in debug builds; slicing panics otherwise).
     #[inline]
     pub(crate) unsafe fn extend(&self, order: u32, pages: &[Page]) {
         let n = self.len(order);
-        let dst = &mut self.buf(order)[n..n + pages.len()];
+        debug_assert!(n + pages.len() <= self.cap[order as usize]);
+        // SAFETY: owner thread.
+        let dst = &mut unsafe { self.buf(order) }[n..n + pages.len()];
         // SAFETY: `MaybeUninit<Page>` has `Page`'s layout; the ranges have
         // equal length and belong to different allocations.
-        copy_pages(dst.as_mut_ptr().cast::<Page>(), pages.as_ptr(), pages.len());
+        unsafe { copy_pages(dst.as_mut_ptr().cast::<Page>(), pages.as_ptr(), pages.len()) };
         self.set_len(order, n + pages.len());
     }
 
     /// The `k` most recently cached blocks, removed from the stack. The
     /// slice stays valid until the next push.
+    ///
+    /// # Safety
+    /// Owner thread only; `k <= len` (asserted in debug builds); the slice
+    /// must be dropped before the next write to this order's stack.
     #[inline]
     pub(crate) unsafe fn take_top(&self, order: u32, k: usize) -> &[Page] {
         let n = self.len(order);
         debug_assert!(k <= n);
         self.set_len(order, n - k);
-        let run = &self.buf(order)[n - k..n];
+        // SAFETY: owner thread.
+        let run = &unsafe { self.buf(order) }[n - k..n];
         // SAFETY: those slots are initialised; `MaybeUninit<Page>` has
         // `Page`'s layout.
-        std::slice::from_raw_parts(run.as_ptr().cast::<Page>(), k)
+        unsafe { std::slice::from_raw_parts(run.as_ptr().cast::<Page>(), k) }
     }
 
     /// The `k` oldest blocks, for handing back; remove them with
     /// [`Tcache::remove_bottom`] once they have been given away.
+    ///
+    /// # Safety
+    /// Owner thread only; `k <= len` (asserted in debug builds); the slice
+    /// must be dropped before the next write to this order's stack.
     #[inline]
     pub(crate) unsafe fn bottom(&self, order: u32, k: usize) -> &[Page] {
         debug_assert!(k <= self.len(order));
-        let run = &self.buf(order)[..k];
+        // SAFETY: owner thread.
+        let run = &unsafe { self.buf(order) }[..k];
         // SAFETY: as in `take_top`.
-        std::slice::from_raw_parts(run.as_ptr().cast::<Page>(), k)
+        unsafe { std::slice::from_raw_parts(run.as_ptr().cast::<Page>(), k) }
     }
 
     /// Drop the `k` oldest blocks, moving the rest down.
+    ///
+    /// # Safety
+    /// Owner thread only; `k <= len` (asserted in debug builds).
     pub(crate) unsafe fn remove_bottom(&self, order: u32, k: usize) {
         let n = self.len(order);
-        self.buf(order).copy_within(k..n, 0);
+        debug_assert!(k <= n);
+        // SAFETY: owner thread.
+        let buf = unsafe { self.buf(order) };
+        buf.copy_within(k..n, 0);
         self.set_len(order, n - k);
     }
 
     /// Free room for blocks of `order`, filled with [`Tcache::commit`].
+    ///
+    /// # Safety
+    /// Owner thread only; the slice must be dropped before any other call
+    /// on this order's stack.
     #[inline]
     #[allow(clippy::mut_from_ref)]
     pub(crate) unsafe fn spare(&self, order: u32) -> &mut [MaybeUninit<Page>] {
         let n = self.len(order);
-        &mut self.buf(order)[n..]
+        // SAFETY: owner thread.
+        let buf = unsafe { self.buf(order) };
+        &mut buf[n..]
     }
 
     /// Count `k` blocks written into [`Tcache::spare`] as cached.
+    ///
+    /// # Safety
+    /// Owner thread only; the first `k` slots of [`Tcache::spare`] have been
+    /// written, and `len + k <= cap` (asserted in debug builds).
     #[inline]
     pub(crate) unsafe fn commit(&self, order: u32, k: usize) {
+        debug_assert!(self.len(order) + k <= self.cap[order as usize]);
         self.set_len(order, self.len(order) + k);
     }
 

@@ -76,6 +76,7 @@ mod tests {
                     let g = g.clone();
                     loom::thread::spawn(move || match g.lock.try_lock() {
                         Some(_held) => {
+                            // SAFETY: the lock is held (what loom checks).
                             g.data.with_mut(|d| unsafe { *d += 1 });
                             1
                         }
@@ -85,6 +86,7 @@ mod tests {
                 .collect();
             let mine = match g.lock.try_lock() {
                 Some(_held) => {
+                    // SAFETY: the lock is held (what loom checks).
                     g.data.with_mut(|d| unsafe { *d += 1 });
                     1
                 }
@@ -94,6 +96,7 @@ mod tests {
             assert!(total >= 1, "someone must get a free lock");
             let _held = g.lock.try_lock().expect("free after everyone released");
             assert_eq!(
+                // SAFETY: the lock is held (what loom checks).
                 g.data.with(|d| unsafe { *d }),
                 total,
                 "a holder's write was lost"
