@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 mod common;
-use common::{find_tool, Dir};
+use common::{ci, find_tool, Dir};
 
 const PASS: &[u8] = b"luks1 rules passphrase";
 /// The image: the 2 MiB of header and key material, then 1 MiB of payload.
@@ -73,7 +73,7 @@ fn volume(dir: &Dir, test: &str) -> Vec<u8> {
                 String::from_utf8_lossy(&out.stderr)
             );
         }
-        None if std::env::var("CI").as_deref() == Ok("true") => {
+        None if ci() => {
             panic!("cryptsetup is not installed (CI=true): run scripts/setup-debian.sh")
         }
         None => {

@@ -22,18 +22,7 @@ const SIZE: u64 = 17 << 20;
 const HDR: usize = 16384;
 
 fn cryptsetup() -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    let found = std::env::split_paths(&path)
-        .chain(["/usr/sbin", "/sbin", "/usr/bin"].map(PathBuf::from))
-        .map(|d| d.join("cryptsetup"))
-        .find(|p| p.is_file());
-    if found.is_none() {
-        if std::env::var("CI").as_deref() == Ok("true") {
-            panic!("cryptsetup is not installed (CI=true): run scripts/setup-debian.sh");
-        }
-        eprintln!("skip luks2_props: cryptsetup is not installed");
-    }
-    found
+    iopages_testkit::need_tool("cryptsetup", "luks2_props")
 }
 
 fn dir() -> PathBuf {

@@ -17,7 +17,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 mod common;
-use common::find_tool;
+use common::need;
 
 const PASS: &[u8] = b"correct horse battery staple";
 const PASS2: &[u8] = b"second passphrase";
@@ -32,16 +32,7 @@ const DATA_OFFSET: u64 = 16 << 20;
 /// cryptsetup's path; `None` (after a skip line) when it is missing
 /// outside CI; a failure when it is missing under `CI=true`.
 fn cryptsetup(test: &str) -> Option<PathBuf> {
-    match find_tool("cryptsetup") {
-        Some(p) => Some(p),
-        None if std::env::var("CI").as_deref() == Ok("true") => {
-            panic!("cryptsetup is not installed (CI=true): run scripts/setup-debian.sh")
-        }
-        None => {
-            eprintln!("skip {test}: cryptsetup is not installed");
-            None
-        }
-    }
+    need("cryptsetup", test)
 }
 
 fn dir() -> PathBuf {

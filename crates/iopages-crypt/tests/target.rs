@@ -121,7 +121,7 @@ fn outside_decrypt(key: &[u8], ss: usize, first: u64, sealed: &[u8]) -> Option<V
             .collect();
     }
     assert!(
-        std::env::var_os("CI").is_none(),
+        !iopages_testkit::ci(),
         "CI must check the ciphertext against Python's cryptography (scripts/setup-debian.sh installs it)"
     );
     eprintln!("note: Python's cryptography is missing; the outside check is skipped");

@@ -745,19 +745,7 @@ fn unix_socket_serves_too() {
 
 /// A qemu tool, or `None` with a note (a failure when CI=true).
 fn qemu_tool(name: &str) -> Option<String> {
-    let ok = std::process::Command::new(name)
-        .arg("--version")
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
-    if ok {
-        return Some(name.to_string());
-    }
-    if std::env::var("CI").as_deref() == Ok("true") {
-        panic!("{name} is missing and CI=true: install qemu-utils");
-    }
-    eprintln!("note: {name} not installed; skipping the qemu interop test");
-    None
+    iopages_testkit::need_tool(name, "the qemu interop test").map(|p| p.display().to_string())
 }
 
 #[test]

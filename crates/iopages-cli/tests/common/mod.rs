@@ -2,35 +2,27 @@
 //! finding the tools a test needs, running commands, a temporary
 //! directory, test data, and starting and stopping an `iopages serve`
 //! process (its stdout lines, its banner up to `statistics:`, SIGTERM).
-//! Not every test file uses every helper.
+//! Not every test file uses every helper. Tools, directories and child
+//! processes come from `iopages-testkit` (shared with the other crates'
+//! tests and the benchmarks).
 #![allow(dead_code)]
 
-use std::io::{BufRead, BufReader};
+use iopages_testkit::TempDir;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdout, Command, ExitStatus, Output};
+use std::process::{Child, Command, ExitStatus, Output};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
+
+#[allow(unused_imports)]
+pub use iopages_testkit::lines_of;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_iopages");
 
 /// Whether `tool` is installed; says so when it is not, and fails under
-/// `CI=true`, where scripts/setup-debian.sh has installed them all.
+/// `CI=true`, where scripts/setup-debian.sh has installed them all (the
+/// one rule, `iopages_testkit::need_tool`).
 pub fn have(tool: &str) -> bool {
-    let found = Command::new("sh")
-        .arg("-c")
-        .arg(format!(
-            "command -v {tool} >/dev/null 2>&1 || test -x /usr/sbin/{tool}"
-        ))
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false);
-    if !found {
-        if std::env::var("CI").as_deref() == Ok("true") {
-            panic!("{tool} is missing under CI=true: scripts/setup-debian.sh installs it");
-        }
-        eprintln!("skipped: {tool} is not installed (scripts/setup-debian.sh installs it)");
-    }
-    found
+    iopages_testkit::need_tool(tool, env!("CARGO_CRATE_NAME")).is_some()
 }
 
 /// Every tool in `list` (each one checked, so each missing one is named).
@@ -52,28 +44,15 @@ pub fn succeeded(cmd: &Command, out: &Output) -> String {
 
 /// A directory of its own under the temporary directory, removed when
 /// dropped: `iopages-TESTFILE-TAG-PID-N`.
-pub struct Dir(pub PathBuf);
+pub struct Dir(pub PathBuf, TempDir);
 
 impl Dir {
     pub fn new(tag: &str) -> Dir {
-        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let p = std::env::temp_dir().join(format!(
-            "iopages-{}-{tag}-{}-{n}",
-            env!("CARGO_CRATE_NAME"),
-            std::process::id()
-        ));
-        std::fs::create_dir_all(&p).unwrap();
-        Dir(p)
+        let t = TempDir::new(&format!("iopages-{}-{tag}", env!("CARGO_CRATE_NAME")));
+        Dir(t.path().to_path_buf(), t)
     }
     pub fn join(&self, n: &str) -> PathBuf {
         self.0.join(n)
-    }
-}
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 
@@ -88,20 +67,6 @@ pub fn pattern(seed: u32, len: usize) -> Vec<u8> {
             x as u8
         })
         .collect()
-}
-
-/// A server's stdout, line by line, read on a thread of its own.
-pub fn lines_of(out: ChildStdout) -> mpsc::Receiver<String> {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for l in BufReader::new(out).lines() {
-            let Ok(l) = l else { break };
-            if tx.send(l).is_err() {
-                break;
-            }
-        }
-    });
-    rx
 }
 
 /// The banner `iopages serve` prints as it starts, up to and including its
@@ -147,8 +112,7 @@ pub fn wait_for_banner(
 /// SIGTERM to `child`, and its exit status once it has exited; fails if
 /// it has not within 60 s (`what` names the server in that message).
 pub fn sigterm_and_wait(child: &mut Child, what: &str) -> ExitStatus {
-    // SAFETY: signalling our own child process.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    iopages_testkit::signal(child, libc::SIGTERM);
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         if let Some(st) = child.try_wait().unwrap() {

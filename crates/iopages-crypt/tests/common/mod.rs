@@ -1,22 +1,27 @@
 //! Helpers shared by the LUKS test files: a temporary directory under
 //! the target's temp dir, and finding outside tools (cryptsetup, nbdkit)
-//! with the skip-unless-CI rule.
+//! with the skip-unless-CI rule — both from `iopages-testkit`, shared with
+//! the other crates' tests and the benchmarks.
 
+use iopages_testkit::TempDir;
 use std::path::PathBuf;
 
-/// A fresh directory `<prefix>-<name>-<pid>` under `CARGO_TARGET_TMPDIR`,
-/// removed on drop.
+#[allow(unused_imports)]
+pub use iopages_testkit::{ci, find_tool};
+
+/// A fresh directory `<prefix>-<name>-<pid>-<n>` under
+/// `CARGO_TARGET_TMPDIR`, removed on drop.
 #[allow(dead_code)]
-pub struct Dir(pub PathBuf);
+pub struct Dir(pub PathBuf, TempDir);
 
 #[allow(dead_code)]
 impl Dir {
     pub fn new(prefix: &str, name: &str) -> Dir {
-        let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-            .join(format!("{prefix}-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        Dir(d)
+        let t = TempDir::new_in(
+            std::path::Path::new(env!("CARGO_TARGET_TMPDIR")),
+            &format!("{prefix}-{name}"),
+        );
+        Dir(t.path().to_path_buf(), t)
     }
 
     pub fn path(&self, f: &str) -> PathBuf {
@@ -31,33 +36,9 @@ impl Dir {
     }
 }
 
-impl Drop for Dir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// The tool on `PATH`, or in /usr/sbin, /sbin or /usr/bin.
-pub fn find_tool(name: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain(["/usr/sbin", "/sbin", "/usr/bin"].map(PathBuf::from))
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
-}
-
 /// The tool's path; `None` (after a skip line) when it is missing outside
 /// CI; a failure when it is missing under `CI=true`.
 #[allow(dead_code)]
 pub fn need(name: &str, test: &str) -> Option<PathBuf> {
-    match find_tool(name) {
-        Some(p) => Some(p),
-        None if std::env::var("CI").as_deref() == Ok("true") => {
-            panic!("{name} is not installed (CI=true): run scripts/setup-debian.sh")
-        }
-        None => {
-            eprintln!("skip {test}: {name} is not installed (scripts/setup-debian.sh installs it)");
-            None
-        }
-    }
+    iopages_testkit::need_tool(name, test)
 }
