@@ -1403,8 +1403,9 @@ fn check_direct(file: &File, is_block: bool, size: u64) -> Result<(usize, usize)
     Ok((mem_align, io_align))
 }
 
-/// The size of a block device in bytes.
-fn block_device_size(file: &File) -> io::Result<u64> {
+/// The size of a block device in bytes (`BLKGETSIZE64`; the LUKS
+/// header code asks the same way).
+pub(crate) fn block_device_size(file: &File) -> io::Result<u64> {
     // _IOR(0x12, 114, size_t)
     #[cfg(any(
         target_arch = "powerpc",

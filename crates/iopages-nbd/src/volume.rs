@@ -180,22 +180,10 @@ pub fn generate_passphrase() -> io::Result<Zeroizing<String>> {
     Ok(out)
 }
 
+/// Random bytes from OpenSSL's CSPRNG, the one source of randomness the
+/// LUKS code and the TLS setup use too.
 fn fill_random(buf: &mut [u8]) -> io::Result<()> {
-    let mut at = 0;
-    while at < buf.len() {
-        // SAFETY: the pointer and length describe the unfilled tail of
-        // `buf`, which is valid for writes.
-        let n = unsafe { libc::getrandom(buf[at..].as_mut_ptr().cast(), buf.len() - at, 0) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        at += n as usize;
-    }
-    Ok(())
+    openssl::rand::rand_bytes(buf).map_err(|e| io::Error::other(format!("OpenSSL random: {e}")))
 }
 
 /// Make an in-memory LUKS2 volume of `size_bytes` payload under a

@@ -669,41 +669,9 @@ impl<'a> Dev<'a> {
     }
 }
 
-/// `BLKGETSIZE64` (`_IOR(0x12, 114, size_t)`), encoded for the
-/// architectures with the generic ioctl layout.
-#[cfg(any(
-    target_arch = "x86_64",
-    target_arch = "x86",
-    target_arch = "aarch64",
-    target_arch = "arm",
-    target_arch = "riscv64"
-))]
+/// A block device's size: `BLKGETSIZE64`, as the io_uring backend asks it.
 fn block_device_size(file: &File) -> Result<u64, LuksError> {
-    use std::os::fd::AsRawFd;
-    const BLKGETSIZE64: libc::c_ulong = (2 << 30)
-        | ((std::mem::size_of::<libc::size_t>() as libc::c_ulong) << 16)
-        | (0x12 << 8)
-        | 114;
-    let mut size: u64 = 0;
-    // SAFETY: BLKGETSIZE64 writes one u64 through the pointer.
-    let rc = unsafe { libc::ioctl(file.as_raw_fd(), BLKGETSIZE64 as _, &mut size as *mut u64) };
-    if rc != 0 {
-        return Err(LuksError::Io(std::io::Error::last_os_error()));
-    }
-    Ok(size)
-}
-
-#[cfg(not(any(
-    target_arch = "x86_64",
-    target_arch = "x86",
-    target_arch = "aarch64",
-    target_arch = "arm",
-    target_arch = "riscv64"
-)))]
-fn block_device_size(file: &File) -> Result<u64, LuksError> {
-    use std::io::{Seek, SeekFrom};
-    // Moves the descriptor's offset; positioned I/O elsewhere ignores it.
-    Ok((&*file).seek(SeekFrom::End(0))?)
+    Ok(crate::uring::block_device_size(file)?)
 }
 
 /// The keyslot-area cipher: `aes-xts-plain64`, 512-byte sectors, IV 0 at
