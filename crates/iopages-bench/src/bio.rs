@@ -7,12 +7,14 @@
 //! run checks they produce the same segments), or leave pins or pages
 //! behind.
 
-use crate::plot::{line_plot, Series};
-use crate::{met, progress, round2, write_json, BenchError, BenchOptions};
+use crate::harness::{interleave, Plot, PlotFile, Report, Table};
+use crate::plot::Series;
+use crate::{met, progress, round2, BenchError, BenchOptions};
 use iopages::{Bio, BioLimits, FolioBuffer, Gfp, HugePages, Page, PageAllocator};
 use iopages_crypt::dio::DirectFile;
 use iopages_crypt::uring::{UringFile, UringOptions};
-use serde_json::{json, Value};
+use serde::Serialize;
+use serde_json::Value;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -122,33 +124,114 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
         .alloc_buffer(Gfp::KERNEL, big, FOLIO_ORDER)
         .map_err(workload)?;
     let page_buf = alloc.alloc_buffer(Gfp::KERNEL, big, 0).map_err(workload)?;
-    let bufs = [("folio64k", folio_buf.pages()), ("pages", page_buf.pages())];
+    let bufs = [folio_buf.pages(), page_buf.pages()];
 
-    // (buffer, builder, size) → samples of ns.
-    let mut ns: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); SIZES.len()]; 4];
-    for run in 0..runs {
-        for (b, (_, pages)) in bufs.iter().enumerate() {
-            for (s, &size) in SIZES.iter().enumerate() {
-                let iters = (budget_pages / (size / 4096)).max(100);
-                for folio_aware in [false, true] {
-                    let v = build_sample(&alloc, pages, size, folio_aware, iters)?;
-                    ns[b * 2 + folio_aware as usize][s].push(v);
-                }
-            }
-        }
-        progress("bio", format!("build run {}/{runs} done", run + 1));
+    // Configurations (buffer, size, folio-aware), the builder inner; the
+    // samples land in ns[buffer * 2 + folio-aware][size].
+    let configs: Vec<(usize, usize, bool)> = (0..bufs.len())
+        .flat_map(|b| (0..SIZES.len()).flat_map(move |s| [(b, s, false), (b, s, true)]))
+        .collect();
+    let samples = interleave(
+        "bio",
+        configs.len(),
+        runs,
+        &mut (),
+        |_, _| Ok(()),
+        |_, c| {
+            let (b, s, folio_aware) = configs[c];
+            let iters = (budget_pages / (SIZES[s] / 4096)).max(100);
+            build_sample(&alloc, &bufs[b], SIZES[s], folio_aware, iters)
+        },
+    )?;
+    let mut ns = vec![Vec::new(); 4];
+    for (&(b, _, folio_aware), v) in configs.iter().zip(samples) {
+        ns[b * 2 + folio_aware as usize].push(median(v));
     }
-    let med = |row: usize, s: usize| median(ns[row][s].clone());
     let mut seg = Vec::new();
-    for (_, pages) in &bufs {
-        let mut row = Vec::new();
-        for &size in &SIZES {
-            row.push(segments(&alloc, pages, size)?);
-        }
-        seg.push(row);
+    for pages in &bufs {
+        let row: Result<Vec<_>, _> = SIZES
+            .iter()
+            .map(|&size| segments(&alloc, pages, size))
+            .collect();
+        seg.push(row?);
     }
+    let (direct, e2e) = direct_io(opts, &alloc, runs, file_mib)?;
+    drop(folio_buf);
+    drop(page_buf);
+    alloc
+        .leak_check()
+        .map_err(|a| workload(format!("bio: pages leaked: {a}")))?;
 
-    // End to end: direct I/O through io_uring on a file.
+    let f = Figures { ns, seg };
+    table(&f, runs, direct, &e2e).print();
+    let labels = [
+        "64K folios, page by page",
+        "64K folios, folio-aware",
+        "single pages, page by page",
+        "single pages, folio-aware",
+    ];
+    let series: Vec<Series> = (0..4)
+        .map(|row| Series {
+            label: labels[row].into(),
+            points: SIZES
+                .iter()
+                .enumerate()
+                .map(|(s, &size)| ((size >> 10) as f64, f.ns[row][s]))
+                .collect(),
+        })
+        .collect();
+    let plot = Plot::lines(
+        PlotFile::Main,
+        "E4: build a bio and release its pins",
+        "I/O size (KiB)",
+        "ns per bio",
+        series,
+    );
+    let settings = Settings {
+        runs,
+        folio_bytes: 4096 << FOLIO_ORDER,
+        limits: "256 segments × 64 KiB",
+        file_mib,
+        o_direct: direct,
+    };
+    Report::new("E4 bio", settings, body(&f, e2e))
+        .stem("bio")
+        .emit(opts, &[plot])
+}
+
+/// Medians of the build runs, `ns[buffer * 2 + folio-aware][size]`, and
+/// (segments, pages) per bio, `seg[buffer][size]`.
+struct Figures {
+    ns: Vec<Vec<f64>>,
+    seg: Vec<Vec<(usize, usize)>>,
+}
+
+impl Figures {
+    /// Page by page over folio by folio, 64 KiB folios, at `size`.
+    fn speedup(&self, size: usize) -> f64 {
+        let s = SIZES.iter().position(|&x| x == size).expect("a size");
+        self.ns[0][s] / self.ns[1][s]
+    }
+}
+
+/// One direct-I/O figure: a buffer layout and builder at one I/O size.
+#[derive(Serialize)]
+struct DirectIoRow {
+    io_bytes: usize,
+    buffer: &'static str,
+    folio_aware: bool,
+    write_mb_s: f64,
+    read_mb_s: f64,
+}
+
+/// End to end: direct I/O through io_uring on a file of `file_mib` MiB
+/// beside the report. Returns whether O_DIRECT was honoured and the rows.
+fn direct_io(
+    opts: &BenchOptions,
+    alloc: &PageAllocator,
+    runs: usize,
+    file_mib: u64,
+) -> Result<(bool, Vec<DirectIoRow>), BenchError> {
     let dir = opts
         .json
         .as_ref()
@@ -175,10 +258,9 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
     let direct = file.direct_io();
     let mut e2e = Vec::new();
     for &io in &[128usize << 10, 1 << 20] {
-        for (name, order) in [("folio64k", FOLIO_ORDER), ("pages", 0)] {
+        for (buffer, order) in [("folio64k", FOLIO_ORDER), ("pages", 0)] {
             for folio_aware in [false, true] {
-                let dio =
-                    DirectFile::new(Arc::clone(&file), &alloc).with_page_by_page(!folio_aware);
+                let dio = DirectFile::new(Arc::clone(&file), alloc).with_page_by_page(!folio_aware);
                 let mut buf = alloc
                     .alloc_buffer(Gfp::KERNEL, io, order)
                     .map_err(workload)?;
@@ -188,31 +270,30 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
                     w.push(a);
                     r.push(b);
                 }
-                e2e.push(json!({
-                    "io_bytes": io, "buffer": name, "folio_aware": folio_aware,
-                    "write_mb_s": round2(median(w)), "read_mb_s": round2(median(r)),
-                }));
+                e2e.push(DirectIoRow {
+                    io_bytes: io,
+                    buffer,
+                    folio_aware,
+                    write_mb_s: round2(median(w)),
+                    read_mb_s: round2(median(r)),
+                });
             }
         }
         progress("bio", format!("direct I/O of {} KiB done", io >> 10));
     }
     drop(file);
     let _ = std::fs::remove_file(&path);
-    drop(bufs);
-    drop(folio_buf);
-    drop(page_buf);
-    alloc
-        .leak_check()
-        .map_err(|a| workload(format!("bio: pages leaked: {a}")))?;
+    Ok((direct, e2e))
+}
 
-    let idx = |size: usize| SIZES.iter().position(|&s| s == size).unwrap();
-    let speedup = |size: usize| med(0, idx(size)) / med(1, idx(size));
-    let (s128, s1m) = (speedup(128 << 10), speedup(1 << 20));
-    println!();
-    println!(
+fn table(f: &Figures, runs: usize, direct: bool, e2e: &[DirectIoRow]) -> Table {
+    let (ns, seg) = (&f.ns, &f.seg);
+    let (s128, s1m) = (f.speedup(128 << 10), f.speedup(1 << 20));
+    let mut t = Table::new("");
+    t.line(format!(
         "bio (E4): ns to build a bio from a page array and release its pins (median of {runs} runs); segments per bio (default limits: 256 × 64 KiB)"
-    );
-    println!(
+    ));
+    t.line(format!(
         "{:>8} | {:>12} {:>12} {:>7} {:>5} | {:>12} {:>12} {:>7} {:>5}",
         "I/O",
         "64K folios:",
@@ -223,111 +304,129 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
         "page-by-page",
         "folio",
         "segs"
-    );
+    ));
     for (s, &size) in SIZES.iter().enumerate() {
-        println!(
+        t.line(format!(
             "{:>7}K | {:>12} {:>12.0} {:>7.0} {:>5} | {:>12} {:>12.0} {:>7.0} {:>5}",
             size >> 10,
-            format!("{:.1}×", med(0, s) / med(1, s)),
-            med(0, s),
-            med(1, s),
+            format!("{:.1}×", ns[0][s] / ns[1][s]),
+            ns[0][s],
+            ns[1][s],
             seg[0][s].0,
-            format!("{:.1}×", med(2, s) / med(3, s)),
-            med(2, s),
-            med(3, s),
+            format!("{:.1}×", ns[2][s] / ns[3][s]),
+            ns[2][s],
+            ns[3][s],
             seg[1][s].0,
-        );
+        ));
     }
-    println!(
+    t.line(format!(
         "seed 002 (kernel, fio direct I/O on large folios): bio_iov_iter_get_pages {SEED_BEFORE_PCT} % → {SEED_AFTER_PCT} % of cycles ({:.1}× less)",
         SEED_BEFORE_PCT / SEED_AFTER_PCT
-    );
-    println!(
+    ));
+    t.line(format!(
         "target build_speedup_128k >= {TARGET_SPEEDUP_128K}: {s128:.2} ({}); 1 MiB: {s1m:.2}",
         met(s128 >= TARGET_SPEEDUP_128K)
-    );
-    println!(
+    ));
+    t.line(format!(
         "direct I/O through io_uring ({}), MB/s write / read:",
         if direct {
             "O_DIRECT"
         } else {
             "buffered: the file system refused O_DIRECT"
         }
-    );
-    for r in &e2e {
-        println!(
+    ));
+    for r in e2e {
+        t.line(format!(
             "  {:>5} KiB, {:>8}, {:>12}: {:>7.0} / {:>7.0}",
-            r["io_bytes"].as_u64().unwrap_or(0) >> 10,
-            r["buffer"].as_str().unwrap_or(""),
-            if r["folio_aware"].as_bool().unwrap_or(false) {
+            r.io_bytes >> 10,
+            r.buffer,
+            if r.folio_aware {
                 "folio-aware"
             } else {
                 "page-by-page"
             },
-            r["write_mb_s"].as_f64().unwrap_or(0.0),
-            r["read_mb_s"].as_f64().unwrap_or(0.0)
-        );
+            r.write_mb_s,
+            r.read_mb_s
+        ));
     }
+    t
+}
 
-    let (json_path, svg_path) = opts.paths("bio");
-    let labels = [
-        "64K folios, page by page",
-        "64K folios, folio-aware",
-        "single pages, page by page",
-        "single pages, folio-aware",
-    ];
-    let series: Vec<Series> = (0..4)
-        .map(|row| Series {
-            label: labels[row].into(),
-            points: SIZES
-                .iter()
-                .enumerate()
-                .map(|(s, &size)| ((size >> 10) as f64, med(row, s)))
-                .collect(),
-        })
-        .collect();
-    line_plot(
-        &svg_path,
-        "E4: build a bio and release its pins",
-        "I/O size (KiB)",
-        "ns per bio",
-        &series,
-    )?;
-    let rows: Vec<Value> = SIZES
-        .iter()
-        .enumerate()
-        .map(|(s, &size)| {
-            json!({
-                "io_bytes": size,
-                "folio64k_page_by_page_ns": round2(med(0, s)),
-                "folio64k_folio_aware_ns": round2(med(1, s)),
-                "pages_page_by_page_ns": round2(med(2, s)),
-                "pages_folio_aware_ns": round2(med(3, s)),
-                "segments_folio64k": seg[0][s].0,
-                "segments_pages": seg[1][s].0,
-                "pages": seg[0][s].1,
+#[derive(Serialize)]
+struct Settings {
+    runs: usize,
+    folio_bytes: usize,
+    limits: &'static str,
+    file_mib: u64,
+    o_direct: bool,
+}
+
+/// One I/O size's build figures.
+#[derive(Serialize)]
+struct Row {
+    io_bytes: usize,
+    folio64k_page_by_page_ns: f64,
+    folio64k_folio_aware_ns: f64,
+    pages_page_by_page_ns: f64,
+    pages_folio_aware_ns: f64,
+    segments_folio64k: usize,
+    segments_pages: usize,
+    pages: usize,
+}
+
+#[derive(Serialize)]
+struct Seed {
+    before_pct: f64,
+    after_pct: f64,
+}
+
+#[derive(Serialize)]
+struct Summary {
+    build_speedup_128k: f64,
+    build_speedup_1m: f64,
+    segments_per_bio_128k_folio: usize,
+    target_build_speedup_128k: f64,
+    target_met: bool,
+}
+
+#[derive(Serialize)]
+struct Body {
+    rows: Vec<Row>,
+    direct_io: Vec<DirectIoRow>,
+    seed: Seed,
+    summary: Summary,
+}
+
+fn body(f: &Figures, direct_io: Vec<DirectIoRow>) -> Body {
+    let (ns, seg) = (&f.ns, &f.seg);
+    let s128 = f.speedup(128 << 10);
+    let i128 = SIZES.iter().position(|&x| x == 128 << 10).expect("a size");
+    Body {
+        rows: SIZES
+            .iter()
+            .enumerate()
+            .map(|(s, &io_bytes)| Row {
+                io_bytes,
+                folio64k_page_by_page_ns: round2(ns[0][s]),
+                folio64k_folio_aware_ns: round2(ns[1][s]),
+                pages_page_by_page_ns: round2(ns[2][s]),
+                pages_folio_aware_ns: round2(ns[3][s]),
+                segments_folio64k: seg[0][s].0,
+                segments_pages: seg[1][s].0,
+                pages: seg[0][s].1,
             })
-        })
-        .collect();
-    let report = json!({
-        "experiment": "E4 bio",
-        "machine": crate::machine(),
-        "settings": { "runs": runs, "folio_bytes": 4096 << FOLIO_ORDER, "limits": "256 segments × 64 KiB", "file_mib": file_mib, "o_direct": direct },
-        "rows": rows,
-        "direct_io": e2e,
-        "seed": { "before_pct": SEED_BEFORE_PCT, "after_pct": SEED_AFTER_PCT },
-        "summary": {
-            "build_speedup_128k": s128,
-            "build_speedup_1m": s1m,
-            "segments_per_bio_128k_folio": seg[0][idx(128 << 10)].0,
-            "target_build_speedup_128k": TARGET_SPEEDUP_128K,
-            "target_met": s128 >= TARGET_SPEEDUP_128K,
+            .collect(),
+        direct_io,
+        seed: Seed {
+            before_pct: SEED_BEFORE_PCT,
+            after_pct: SEED_AFTER_PCT,
         },
-    });
-    write_json(&json_path, &report)?;
-    progress(
-        "bio",
-        format!("wrote {} and {}", json_path.display(), svg_path.display()),
-    );
-    Ok(report)
+        summary: Summary {
+            build_speedup_128k: s128,
+            build_speedup_1m: f.speedup(1 << 20),
+            segments_per_bio_128k_folio: seg[0][i128].0,
+            target_build_speedup_128k: TARGET_SPEEDUP_128K,
+            target_met: s128 >= TARGET_SPEEDUP_128K,
+        },
+    }
 }

@@ -15,13 +15,15 @@
 //! cost per operation is CPU time: wall time × busy threads (at most one
 //! per CPU) / operations. Thread counts and modes run interleaved.
 
+use crate::harness::{interleave, Plot, PlotFile, Report, Table};
 use crate::measure::median;
-use crate::plot::{line_plot, Series};
-use crate::{met, round2};
-use crate::{progress, write_json, BenchError, BenchOptions};
+use crate::plot::Series;
+use crate::{met, progress, round2, BenchError, BenchOptions};
 use iopages::PercpuCounter;
-use serde_json::{json, Map, Value};
+use serde::Serialize;
+use serde_json::{json, Value};
 use std::cmp::Ordering;
+use std::collections::BTreeMap;
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
@@ -158,7 +160,54 @@ fn measure(mode: Mode, threads: usize, ops: u64) -> Result<(f64, f64), BenchErro
     ))
 }
 
-/// Run the experiment and write its report. Returns the JSON report.
+/// The figures of one (mode, thread count): medians over the runs.
+#[derive(Clone, Copy)]
+struct Point {
+    ops_s: f64,
+    ns: f64,
+    ns_min: f64,
+    ns_max: f64,
+}
+
+impl Point {
+    fn of(v: &[(f64, f64)]) -> Point {
+        let ns: Vec<f64> = v.iter().map(|x| x.1).collect();
+        Point {
+            ops_s: median(&v.iter().map(|x| x.0).collect::<Vec<_>>()),
+            ns: median(&ns),
+            ns_min: ns.iter().copied().fold(f64::INFINITY, f64::min),
+            ns_max: ns.iter().copied().fold(0.0, f64::max),
+        }
+    }
+}
+
+/// `per[mode][thread count]`, and where the counts stop fitting the CPUs.
+struct Figures {
+    counts: Vec<usize>,
+    per: Vec<Vec<Point>>,
+    /// The largest count that is not oversubscribed.
+    last: usize,
+    /// The oversubscribed count.
+    over: usize,
+}
+
+impl Figures {
+    fn ops_s(&self, mi: usize, ci: usize) -> f64 {
+        self.per[mi][ci].ops_s
+    }
+    fn ns(&self, mi: usize, ci: usize) -> f64 {
+        self.per[mi][ci].ns
+    }
+    /// Slowest over fastest cost of mode `mi` from 1 to `last` threads.
+    fn spread(&self, mi: usize) -> f64 {
+        let v: Vec<f64> = (0..=self.last).map(|ci| self.ns(mi, ci)).collect();
+        v.iter().copied().fold(0.0, f64::max) / v.iter().copied().fold(f64::INFINITY, f64::min)
+    }
+    fn exact_growth(&self) -> f64 {
+        self.ns(0, self.last) / self.ns(0, 0)
+    }
+}
+
 pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
     let (runs, ops) = if opts.quick {
         (3, 300_000u64)
@@ -176,193 +225,224 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
             probe.error_bound()
         ),
     );
-    // per[mode][count] = [(ops/s, ns/op)] over runs
-    let mut per: Vec<Vec<Vec<(f64, f64)>>> = vec![vec![Vec::new(); counts.len()]; MODES.len()];
-    for &(m, _, _) in &MODES {
-        measure(m, 1, ops / 10)?;
-    }
-    for run in 0..runs {
-        for (ci, &t) in counts.iter().enumerate() {
-            for (mi, &(m, _, _)) in MODES.iter().enumerate() {
-                per[mi][ci].push(measure(m, t, ops)?);
-            }
-        }
-        progress("counter", format!("run {}/{runs} done", run + 1));
-    }
-    let med =
-        |v: &[(f64, f64)], f: fn(&(f64, f64)) -> f64| median(&v.iter().map(f).collect::<Vec<_>>());
-    let ops_s = |mi: usize, ci: usize| med(&per[mi][ci], |x| x.0);
-    let ns = |mi: usize, ci: usize| med(&per[mi][ci], |x| x.1);
-    let range = |mi: usize, ci: usize| {
-        let v: Vec<f64> = per[mi][ci].iter().map(|x| x.1).collect();
-        (
-            v.iter().copied().fold(f64::INFINITY, f64::min),
-            v.iter().copied().fold(0.0, f64::max),
-        )
-    };
-    // The largest count that is not oversubscribed.
-    let last = counts.len() - 2;
-    let over = counts.len() - 1;
-    let spread = |mi: usize, upto: usize| {
-        let v: Vec<f64> = (0..=upto).map(|ci| ns(mi, ci)).collect();
-        v.iter().copied().fold(0.0, f64::max) / v.iter().copied().fold(f64::INFINITY, f64::min)
-    };
-    let approx_flat = spread(1, last);
-    let exact_growth = ns(0, last) / ns(0, 0);
-
-    println!(
-        "E3 counter: check a page limit near its threshold, then add 1 and subtract 1 (median of {runs} runs; CPU ns per operation, range; millions of operations per second)"
-    );
-    println!(
-        "counter: {} slots, batch {}, error bound {} pages; limit {LIMIT}",
-        probe.nr_slots(),
-        probe.batch(),
-        probe.error_bound()
-    );
-    let mut head = format!("{:>7}", "threads");
-    for &(_, _, name) in &MODES {
-        head += &format!(" | {:>31}", name);
-    }
-    println!("{head}");
-    for (ci, &t) in counts.iter().enumerate() {
-        let mut row = if ci == over {
-            format!("{:>7}", format!("{t}*"))
-        } else {
-            format!("{t:>7}")
-        };
-        for mi in 0..MODES.len() {
-            let (lo, hi) = range(mi, ci);
-            row += &format!(
-                " | {:>7.1} ns ({:>6.1}-{:<6.1}) {:>6.1} M/s",
-                ns(mi, ci),
-                lo,
-                hi,
-                ops_s(mi, ci) / 1e6
-            );
-        }
-        println!("{row}");
-    }
-    println!(
-        "at {} threads: read_positive {:.1}x the operations per second of compare",
-        counts[last],
-        ops_s(1, last) / ops_s(0, last)
-    );
-    println!(
-        "target: read_positive cost flat within {TARGET_FLAT_FACTOR}x across thread counts: {:.2}x ({}); compare grows {:.2}x from 1 to {} threads",
-        approx_flat,
-        met(approx_flat <= TARGET_FLAT_FACTOR),
-        exact_growth,
-        counts[last]
-    );
-    println!(
-        "* oversubscribed ({} threads on {} CPUs): read_positive {:.2}x its 1-thread cost, compare {:.2}x",
-        counts[over],
-        cpus(),
-        ns(1, over) / ns(1, 0),
-        ns(0, over) / ns(0, 0)
-    );
-    if counts.len() < 4 {
-        println!(
-            "note: this machine has {} CPUs; contention on the exact path grows with the CPU count (seed 001 measured 96)",
-            counts[last]
-        );
-    }
-    println!("seed 001 (96 CPUs, kernel): %sys 35 -> 7, mempool_alloc 62 % -> 8 % of the profile, 2.0 -> 2.7 GB/s, exact -> rough check");
-
-    let per_mode: Map<String, Value> = MODES
-        .iter()
-        .enumerate()
-        .map(|(mi, &(_, key, name))| {
-            let rows: Vec<Value> = counts
-                .iter()
-                .enumerate()
-                .map(|(ci, &t)| {
-                    let (lo, hi) = range(mi, ci);
-                    json!({
-                        "threads": t,
-                        "oversubscribed": ci == over,
-                        "ops_per_s": ops_s(mi, ci).round(),
-                        "ns_per_op": round2(ns(mi, ci)),
-                        "ns_per_op_min": round2(lo),
-                        "ns_per_op_max": round2(hi),
-                    })
-                })
-                .collect();
-            (key.to_string(), json!({ "name": name, "by_threads": rows }))
-        })
+    // Configurations: (thread count, mode), modes inner; the first
+    // MODES.len() are one thread, where each mode warms up.
+    let configs: Vec<(usize, usize)> = (0..counts.len())
+        .flat_map(|ci| (0..MODES.len()).map(move |mi| (ci, mi)))
         .collect();
-    let report = json!({
-        "experiment": "counter",
-        "machine": crate::machine(),
-        "settings": {
-            "quick": opts.quick,
-            "runs": runs,
-            "ops_per_thread": ops,
-            "thread_counts": counts,
-            "limit": LIMIT,
-            "nr_slots": probe.nr_slots(),
-            "batch": probe.batch(),
-            "error_bound": probe.error_bound(),
-            "operation": "check the limit; if allowed add 1 and subtract 1 (limited_add: add 1 if within the limit, subtract 1)",
-            "unit": "ns_per_op is CPU time: wall time x busy threads (at most one per CPU) / operations",
+    let samples = interleave(
+        "counter",
+        configs.len(),
+        runs,
+        &mut (),
+        |_, c| match MODES.get(c) {
+            Some(&(m, _, _)) => measure(m, 1, ops / 10).map(|_| ()),
+            None => Ok(()),
         },
-        "summary": {
-            "threads": counts[last],
-            "exact_ops_per_s": ops_s(0, last).round(),
-            "approx_ops_per_s": ops_s(1, last).round(),
-            "limited_ops_per_s": ops_s(2, last).round(),
-            "limited_far_ops_per_s": ops_s(3, last).round(),
-            "approx_speedup": round2(ops_s(1, last) / ops_s(0, last)),
-            "exact_ns_per_op": round2(ns(0, last)),
-            "approx_ns_per_op": round2(ns(1, last)),
-            "approx_cost_spread": round2(approx_flat),
-            "exact_cost_growth": round2(exact_growth),
-            "oversubscribed": {
-                "threads": counts[over],
-                "exact_ops_per_s": ops_s(0, over).round(),
-                "approx_ops_per_s": ops_s(1, over).round(),
-                "approx_cost_vs_1_thread": round2(ns(1, over) / ns(1, 0)),
-                "exact_cost_vs_1_thread": round2(ns(0, over) / ns(0, 0)),
-            },
-            "targets": {
-                "approx_flat_within": TARGET_FLAT_FACTOR,
-                "approx_flat_met": approx_flat <= TARGET_FLAT_FACTOR,
-                "exact_degrades": exact_growth > approx_flat,
-            },
-        },
-        "modes": per_mode,
-        "seed_reference": {
-            "seed": "001 (Arne Welzel, dm-crypt page limit via percpu_counter_read_positive)",
-            "cpus": 96,
-            "sys_percent": [35, 7],
-            "mempool_alloc_profile_percent": [62, 8],
-            "write_gb_per_s": [2.0, 2.7],
-        },
-    });
-    let (json_path, svg_path) = opts.paths("counter");
-    write_json(&json_path, &report)?;
+        |_, c| measure(MODES[configs[c].1].0, counts[configs[c].0], ops),
+    )?;
+    let mut per = vec![Vec::new(); MODES.len()];
+    for (&(_, mi), v) in configs.iter().zip(&samples) {
+        per[mi].push(Point::of(v));
+    }
+    let f = Figures {
+        last: counts.len() - 2,
+        over: counts.len() - 1,
+        counts,
+        per,
+    };
+    table(&f, &probe, runs).print();
+    let settings = Settings {
+        quick: opts.quick,
+        runs,
+        ops_per_thread: ops,
+        thread_counts: f.counts.clone(),
+        limit: LIMIT,
+        nr_slots: probe.nr_slots(),
+        batch: probe.batch(),
+        error_bound: probe.error_bound(),
+        operation: "check the limit; if allowed add 1 and subtract 1 (limited_add: add 1 if within the limit, subtract 1)",
+        unit: "ns_per_op is CPU time: wall time x busy threads (at most one per CPU) / operations",
+    };
     let series: Vec<Series> = MODES
         .iter()
         .enumerate()
         .map(|(mi, &(_, _, name))| Series {
             label: name.to_string(),
-            points: counts
-                .iter()
-                .enumerate()
-                .map(|(ci, &t)| (t as f64, ns(mi, ci)))
+            points: (0..f.counts.len())
+                .map(|ci| (f.counts[ci] as f64, f.ns(mi, ci)))
                 .collect(),
         })
         .collect();
-    line_plot(
-        &svg_path,
+    let plot = Plot::lines(
+        PlotFile::Main,
         "E3: cost of a limit check + add/sub per operation, by threads",
         "threads",
         "CPU ns per operation",
-        &series,
-    )?;
-    progress(
-        "counter",
-        format!("wrote {} and {}", json_path.display(), svg_path.display()),
+        series,
     );
-    Ok(report)
+    Report::new("counter", settings, body(&f)).emit(opts, &[plot])
+}
+
+/// The table and the lines under it.
+fn table(f: &Figures, probe: &PercpuCounter, runs: usize) -> Table {
+    let (last, over) = (f.last, f.over);
+    let mut t = Table::new(format!(
+        "E3 counter: check a page limit near its threshold, then add 1 and subtract 1 (median of {runs} runs; CPU ns per operation, range; millions of operations per second)"
+    ));
+    t.line(format!(
+        "counter: {} slots, batch {}, error bound {} pages; limit {LIMIT}",
+        probe.nr_slots(),
+        probe.batch(),
+        probe.error_bound()
+    ));
+    let mut head = vec![format!("{:>7}", "threads")];
+    head.extend(MODES.iter().map(|&(_, _, name)| format!("{name:>31}")));
+    t.row(head);
+    for (ci, &n) in f.counts.iter().enumerate() {
+        let mut row = vec![if ci == over {
+            format!("{:>7}", format!("{n}*"))
+        } else {
+            format!("{n:>7}")
+        }];
+        row.extend(f.per.iter().map(|per| {
+            let p = per[ci];
+            format!(
+                "{:>7.1} ns ({:>6.1}-{:<6.1}) {:>6.1} M/s",
+                p.ns,
+                p.ns_min,
+                p.ns_max,
+                p.ops_s / 1e6
+            )
+        }));
+        t.row(row);
+    }
+    let approx_flat = f.spread(1);
+    t.line(format!(
+        "at {} threads: read_positive {:.1}x the operations per second of compare",
+        f.counts[last],
+        f.ops_s(1, last) / f.ops_s(0, last)
+    ));
+    t.line(format!(
+        "target: read_positive cost flat within {TARGET_FLAT_FACTOR}x across thread counts: {:.2}x ({}); compare grows {:.2}x from 1 to {} threads",
+        approx_flat,
+        met(approx_flat <= TARGET_FLAT_FACTOR),
+        f.exact_growth(),
+        f.counts[last]
+    ));
+    t.line(format!(
+        "* oversubscribed ({} threads on {} CPUs): read_positive {:.2}x its 1-thread cost, compare {:.2}x",
+        f.counts[over],
+        cpus(),
+        f.ns(1, over) / f.ns(1, 0),
+        f.ns(0, over) / f.ns(0, 0)
+    ));
+    if f.counts.len() < 4 {
+        t.line(format!(
+            "note: this machine has {} CPUs; contention on the exact path grows with the CPU count (seed 001 measured 96)",
+            f.counts[last]
+        ));
+    }
+    t.line("seed 001 (96 CPUs, kernel): %sys 35 -> 7, mempool_alloc 62 % -> 8 % of the profile, 2.0 -> 2.7 GB/s, exact -> rough check");
+    t
+}
+
+#[derive(Serialize)]
+struct Settings {
+    quick: bool,
+    runs: usize,
+    ops_per_thread: u64,
+    thread_counts: Vec<usize>,
+    limit: i64,
+    nr_slots: usize,
+    batch: i64,
+    error_bound: i64,
+    operation: &'static str,
+    unit: &'static str,
+}
+
+#[derive(Serialize)]
+struct Body {
+    summary: Value,
+    modes: BTreeMap<&'static str, ModeReport>,
+    seed_reference: Value,
+}
+
+#[derive(Serialize)]
+struct ModeReport {
+    name: &'static str,
+    by_threads: Vec<ThreadsRow>,
+}
+
+#[derive(Serialize)]
+struct ThreadsRow {
+    threads: usize,
+    oversubscribed: bool,
+    ops_per_s: f64,
+    ns_per_op: f64,
+    ns_per_op_min: f64,
+    ns_per_op_max: f64,
+}
+
+/// The report's summary, per-mode rows and the seed's figures.
+fn body(f: &Figures) -> Body {
+    let (last, over) = (f.last, f.over);
+    let (ops_s, ns) = (|mi, ci| f.ops_s(mi, ci), |mi, ci| f.ns(mi, ci));
+    let (approx_flat, exact_growth) = (f.spread(1), f.exact_growth());
+    let summary = json!({
+        "threads": f.counts[last],
+        "exact_ops_per_s": ops_s(0, last).round(),
+        "approx_ops_per_s": ops_s(1, last).round(),
+        "limited_ops_per_s": ops_s(2, last).round(),
+        "limited_far_ops_per_s": ops_s(3, last).round(),
+        "approx_speedup": round2(ops_s(1, last) / ops_s(0, last)),
+        "exact_ns_per_op": round2(ns(0, last)),
+        "approx_ns_per_op": round2(ns(1, last)),
+        "approx_cost_spread": round2(approx_flat),
+        "exact_cost_growth": round2(exact_growth),
+        "oversubscribed": {
+            "threads": f.counts[over],
+            "exact_ops_per_s": ops_s(0, over).round(),
+            "approx_ops_per_s": ops_s(1, over).round(),
+            "approx_cost_vs_1_thread": round2(ns(1, over) / ns(1, 0)),
+            "exact_cost_vs_1_thread": round2(ns(0, over) / ns(0, 0)),
+        },
+        "targets": {
+            "approx_flat_within": TARGET_FLAT_FACTOR,
+            "approx_flat_met": approx_flat <= TARGET_FLAT_FACTOR,
+            "exact_degrades": exact_growth > approx_flat,
+        },
+    });
+    let modes = MODES
+        .iter()
+        .zip(&f.per)
+        .map(|(&(_, key, name), per)| {
+            let by_threads = f
+                .counts
+                .iter()
+                .zip(per)
+                .enumerate()
+                .map(|(ci, (&threads, p))| ThreadsRow {
+                    threads,
+                    oversubscribed: ci == over,
+                    ops_per_s: p.ops_s.round(),
+                    ns_per_op: round2(p.ns),
+                    ns_per_op_min: round2(p.ns_min),
+                    ns_per_op_max: round2(p.ns_max),
+                })
+                .collect();
+            (key, ModeReport { name, by_threads })
+        })
+        .collect();
+    Body {
+        summary,
+        modes,
+        seed_reference: json!({
+            "seed": "001 (Arne Welzel, dm-crypt page limit via percpu_counter_read_positive)",
+            "cpus": 96,
+            "sys_percent": [35, 7],
+            "mempool_alloc_profile_percent": [62, 8],
+            "write_gb_per_s": [2.0, 2.7],
+        }),
+    }
 }

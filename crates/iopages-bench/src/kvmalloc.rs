@@ -10,13 +10,15 @@
 //! slow either side down on purpose — every cost is the allocator's own
 //! work (shrinker scans, compaction scans and copies, mmap calls).
 
-use crate::plot::{line_plot, Series};
-use crate::{met, progress, round2, write_json, BenchError, BenchOptions};
+use crate::harness::{interleave, Plot, PlotFile, Report, Table};
+use crate::plot::Series;
+use crate::{met, progress, round2, BenchError, BenchOptions};
 use iopages::{
     Gfp, HugePages, KvPolicy, Kvmalloc, Page, PageAllocator, PageCache, PageCacheConfig, Vmalloc,
     VmallocConfig, PAGE_SIZE,
 };
-use serde_json::{json, Value};
+use serde::Serialize;
+use serde_json::Value;
 use std::time::{Duration, Instant};
 
 /// The seed's figures (003, XFS CIL shadow buffers): kvmalloc's share of
@@ -272,33 +274,90 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
             sizes.iter().map(|s| s >> 10).collect::<Vec<_>>()
         ),
     );
-    let modes = [
-        ("legacy", KvPolicy::Legacy, true),
-        ("failfast", KvPolicy::FailFast, true),
-        ("failfast, no area cache", KvPolicy::FailFast, false),
-    ];
-    let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); modes.len()];
+    // Fragmentation (unmovable pageblocks, pageblocks) of the last run.
     let mut spread = (0, 1);
-    for run in 0..runs {
-        for (i, &(_, policy, cache)) in modes.iter().enumerate() {
+    let samples = interleave(
+        "kvmalloc",
+        MODES.len(),
+        runs,
+        &mut spread,
+        |_, _| Ok(()),
+        |spread, i| {
+            let (_, policy, cache) = MODES[i];
             let (s, sp) = run_policy(mib, policy, cache, commits, &sizes)?;
-            samples[i].push(s);
-            spread = sp;
-        }
-        progress("kvmalloc", format!("run {}/{runs} done", run + 1));
-    }
-    let med = |i: usize, f: fn(&Sample) -> f64| median(samples[i].iter().map(f).collect());
-    let (legacy_cpu, failfast_cpu) = (med(0, |s| s.cpu_us), med(1, |s| s.cpu_us));
-    let (legacy_rate, failfast_rate) = (med(0, |s| s.commits_s), med(1, |s| s.commits_s));
-    let cpu_ratio = legacy_cpu / failfast_cpu;
-    let commit_ratio = failfast_rate / legacy_rate;
+            *spread = sp;
+            Ok(s)
+        },
+    )?;
+    let f = Figures { samples };
+    table(&f, commits, runs, spread).print();
+    let settings = Settings {
+        runs,
+        commits,
+        arena_mib: mib,
+        sizes_kib: sizes.iter().map(|s| s >> 10).collect(),
+        unmovable_stride: UNMOVABLE_STRIDE,
+        unmovable_pageblocks: spread.0,
+        pageblocks: spread.1,
+    };
+    let series: Vec<Series> = MODES
+        .iter()
+        .zip(&f.samples)
+        .map(|((n, _, _), v)| Series {
+            label: format!("{n}: caller CPU µs per kvmalloc+kvfree"),
+            points: v
+                .iter()
+                .enumerate()
+                .map(|(r, s)| ((r + 1) as f64, s.cpu_us))
+                .collect(),
+        })
+        .collect();
+    let plot = Plot::lines(
+        PlotFile::Main,
+        "E5: kvmalloc in a fragmented arena full of cache, each run",
+        "run",
+        "µs per kvmalloc+kvfree",
+        series,
+    );
+    Report::new("E5 kvmalloc", settings, body(&f))
+        .stem("kvmalloc")
+        .emit(opts, &[plot])
+}
 
-    println!();
-    println!(
+/// The policies compared: name, policy, vmalloc's area cache on.
+const MODES: [(&str, KvPolicy, bool); 3] = [
+    ("legacy", KvPolicy::Legacy, true),
+    ("failfast", KvPolicy::FailFast, true),
+    ("failfast, no area cache", KvPolicy::FailFast, false),
+];
+
+/// Every run's sample of each policy, `[policy][run]`.
+struct Figures {
+    samples: Vec<Vec<Sample>>,
+}
+
+impl Figures {
+    fn med(&self, i: usize, f: fn(&Sample) -> f64) -> f64 {
+        median(self.samples[i].iter().map(f).collect())
+    }
+    /// Legacy's caller CPU per allocation over policy `i`'s.
+    fn cpu_ratio(&self, i: usize) -> f64 {
+        self.med(0, |s| s.cpu_us) / self.med(i, |s| s.cpu_us)
+    }
+    /// Policy `i`'s commit rate over legacy's.
+    fn commit_ratio(&self, i: usize) -> f64 {
+        self.med(i, |s| s.commits_s) / self.med(0, |s| s.commits_s)
+    }
+}
+
+fn table(f: &Figures, commits: usize, runs: usize, spread: (usize, usize)) -> Table {
+    let (cpu_ratio, commit_ratio) = (f.cpu_ratio(1), f.commit_ratio(1));
+    let mut t = Table::new("");
+    t.line(format!(
         "kvmalloc (E5): {commits} commits per run, median of {runs} runs; unmovable pages in {} of {} pageblocks",
         spread.0, spread.1
-    );
-    println!(
+    ));
+    t.line(format!(
         "{:>23} | {:>18} | {:>18} | {:>10} | {:>9} | {:>9} | {:>9} | {:>9} | {:>9} | {:>9}",
         "policy",
         "caller CPU µs/alloc",
@@ -310,98 +369,129 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
         "contig. %",
         "maps/com",
         "hits/com"
-    );
-    for (i, (name, _, _)) in modes.iter().enumerate() {
-        println!(
+    ));
+    for (i, (name, _, _)) in MODES.iter().enumerate() {
+        let m = |g: fn(&Sample) -> f64| f.med(i, g);
+        t.line(format!(
             "{:>23} | {:>18.1} | {:>18.1} | {:>10.0} | {:>9.1} | {:>9.1} | {:>9.1} | {:>9.1} | {:>9.2} | {:>9.2}",
             name,
-            med(i, |s| s.cpu_us),
-            med(i, |s| s.process_cpu_us),
-            med(i, |s| s.commits_s),
-            med(i, |s| s.reclaim_share) * 100.0,
-            med(i, |s| s.compact_share) * 100.0,
-            med(i, |s| s.map_share) * 100.0,
-            med(i, |s| s.contiguous_share) * 100.0,
-            med(i, |s| s.maps_per_commit),
-            med(i, |s| s.cache_hits_per_commit),
-        );
+            m(|s| s.cpu_us),
+            m(|s| s.process_cpu_us),
+            m(|s| s.commits_s),
+            m(|s| s.reclaim_share) * 100.0,
+            m(|s| s.compact_share) * 100.0,
+            m(|s| s.map_share) * 100.0,
+            m(|s| s.contiguous_share) * 100.0,
+            m(|s| s.maps_per_commit),
+            m(|s| s.cache_hits_per_commit),
+        ));
     }
-    println!(
+    t.line(format!(
         "seed 003 (XFS CIL, kernel): ~{SEED_CPU_PER_ALLOC_RATIO}× less CPU per costly kvmalloc, commit rate more than {SEED_COMMIT_RATIO}× (kvmalloc 31.6 % of CPU before)"
-    );
-    println!(
+    ));
+    t.line(format!(
         "without vmalloc's area cache, fail-fast against legacy: CPU {:.2}×, commits {:.2}×",
-        legacy_cpu / med(2, |s| s.cpu_us),
-        med(2, |s| s.commits_s) / legacy_rate
-    );
-    println!(
+        f.cpu_ratio(2),
+        f.commit_ratio(2)
+    ));
+    t.line(format!(
         "target cpu_ratio >= 5: {cpu_ratio:.2} ({}); target commit_ratio >= 2: {commit_ratio:.2} ({})",
         met(cpu_ratio >= 5.0),
         met(commit_ratio >= 2.0)
-    );
+    ));
+    t
+}
 
-    let (json_path, svg_path) = opts.paths("kvmalloc");
-    let series: Vec<Series> = modes
-        .iter()
-        .enumerate()
-        .map(|(i, (n, _, _))| Series {
-            label: format!("{n}: caller CPU µs per kvmalloc+kvfree"),
-            points: samples[i]
-                .iter()
-                .enumerate()
-                .map(|(r, s)| ((r + 1) as f64, s.cpu_us))
-                .collect(),
-        })
-        .collect();
-    line_plot(
-        &svg_path,
-        "E5: kvmalloc in a fragmented arena full of cache, each run",
-        "run",
-        "µs per kvmalloc+kvfree",
-        &series,
-    )?;
-    let rows = |i: usize| {
-        json!({
-            "cpu_us_per_alloc": samples[i].iter().map(|s| round2(s.cpu_us)).collect::<Vec<_>>(),
-            "process_cpu_us_per_commit": samples[i].iter().map(|s| round2(s.process_cpu_us)).collect::<Vec<_>>(),
-            "commits_per_s": samples[i].iter().map(|s| round2(s.commits_s)).collect::<Vec<_>>(),
-            "reclaim_share": samples[i].iter().map(|s| s.reclaim_share).collect::<Vec<_>>(),
-            "compact_share": samples[i].iter().map(|s| s.compact_share).collect::<Vec<_>>(),
-            "contiguous_share": samples[i].iter().map(|s| s.contiguous_share).collect::<Vec<_>>(),
-            "maps_per_commit": samples[i].iter().map(|s| s.maps_per_commit).collect::<Vec<_>>(),
-            "cache_hits_per_commit": samples[i].iter().map(|s| s.cache_hits_per_commit).collect::<Vec<_>>(),
-            "mmap_share": samples[i].iter().map(|s| s.map_share).collect::<Vec<_>>(),
-        })
-    };
-    let report = json!({
-        "experiment": "E5 kvmalloc",
-        "machine": crate::machine(),
-        "settings": {
-            "runs": runs, "commits": commits, "arena_mib": mib,
-            "sizes_kib": sizes.iter().map(|s| s >> 10).collect::<Vec<_>>(),
-            "unmovable_stride": UNMOVABLE_STRIDE,
-            "unmovable_pageblocks": spread.0, "pageblocks": spread.1,
+#[derive(Serialize)]
+struct Settings {
+    runs: usize,
+    commits: usize,
+    arena_mib: u64,
+    sizes_kib: Vec<usize>,
+    unmovable_stride: u32,
+    unmovable_pageblocks: usize,
+    pageblocks: usize,
+}
+
+/// One policy's figures, run by run.
+#[derive(Serialize)]
+struct Rows {
+    cpu_us_per_alloc: Vec<f64>,
+    process_cpu_us_per_commit: Vec<f64>,
+    commits_per_s: Vec<f64>,
+    reclaim_share: Vec<f64>,
+    compact_share: Vec<f64>,
+    contiguous_share: Vec<f64>,
+    maps_per_commit: Vec<f64>,
+    cache_hits_per_commit: Vec<f64>,
+    mmap_share: Vec<f64>,
+}
+
+impl Rows {
+    fn of(v: &[Sample]) -> Rows {
+        let col = |f: fn(&Sample) -> f64| v.iter().map(f).collect::<Vec<_>>();
+        Rows {
+            cpu_us_per_alloc: col(|s| round2(s.cpu_us)),
+            process_cpu_us_per_commit: col(|s| round2(s.process_cpu_us)),
+            commits_per_s: col(|s| round2(s.commits_s)),
+            reclaim_share: col(|s| s.reclaim_share),
+            compact_share: col(|s| s.compact_share),
+            contiguous_share: col(|s| s.contiguous_share),
+            maps_per_commit: col(|s| s.maps_per_commit),
+            cache_hits_per_commit: col(|s| s.cache_hits_per_commit),
+            mmap_share: col(|s| s.map_share),
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct Seed {
+    cpu_per_alloc_ratio: f64,
+    commit_ratio: f64,
+}
+
+#[derive(Serialize)]
+struct Summary {
+    cpu_ratio: f64,
+    commit_ratio: f64,
+    legacy_cpu_us_per_alloc: f64,
+    failfast_cpu_us_per_alloc: f64,
+    legacy_commits_per_s: f64,
+    failfast_commits_per_s: f64,
+    cpu_ratio_without_area_cache: f64,
+    commit_ratio_without_area_cache: f64,
+    targets_met: bool,
+}
+
+#[derive(Serialize)]
+struct Body {
+    legacy: Rows,
+    failfast: Rows,
+    failfast_no_area_cache: Rows,
+    seed: Seed,
+    summary: Summary,
+}
+
+fn body(f: &Figures) -> Body {
+    let (cpu_ratio, commit_ratio) = (f.cpu_ratio(1), f.commit_ratio(1));
+    Body {
+        legacy: Rows::of(&f.samples[0]),
+        failfast: Rows::of(&f.samples[1]),
+        failfast_no_area_cache: Rows::of(&f.samples[2]),
+        seed: Seed {
+            cpu_per_alloc_ratio: SEED_CPU_PER_ALLOC_RATIO,
+            commit_ratio: SEED_COMMIT_RATIO,
         },
-        "legacy": rows(0),
-        "failfast": rows(1),
-        "failfast_no_area_cache": rows(2),
-        "seed": { "cpu_per_alloc_ratio": SEED_CPU_PER_ALLOC_RATIO, "commit_ratio": SEED_COMMIT_RATIO },
-        "summary": {
-            "cpu_ratio": cpu_ratio,
-            "commit_ratio": commit_ratio,
-            "legacy_cpu_us_per_alloc": round2(legacy_cpu),
-            "failfast_cpu_us_per_alloc": round2(failfast_cpu),
-            "legacy_commits_per_s": round2(legacy_rate),
-            "failfast_commits_per_s": round2(failfast_rate),
-            "cpu_ratio_without_area_cache": legacy_cpu / med(2, |s| s.cpu_us),
-            "commit_ratio_without_area_cache": med(2, |s| s.commits_s) / legacy_rate,
-            "targets_met": cpu_ratio >= 5.0 && commit_ratio >= 2.0,
+        summary: Summary {
+            cpu_ratio,
+            commit_ratio,
+            legacy_cpu_us_per_alloc: round2(f.med(0, |s| s.cpu_us)),
+            failfast_cpu_us_per_alloc: round2(f.med(1, |s| s.cpu_us)),
+            legacy_commits_per_s: round2(f.med(0, |s| s.commits_s)),
+            failfast_commits_per_s: round2(f.med(1, |s| s.commits_s)),
+            cpu_ratio_without_area_cache: f.cpu_ratio(2),
+            commit_ratio_without_area_cache: f.commit_ratio(2),
+            targets_met: cpu_ratio >= 5.0 && commit_ratio >= 2.0,
         },
-    });
-    write_json(&json_path, &report)?;
-    progress(
-        "kvmalloc",
-        format!("wrote {} and {}", json_path.display(), svg_path.display()),
-    );
-    Ok(report)
+    }
 }

@@ -1,8 +1,9 @@
 //! iopages experiments: the workloads behind `iopages bench <name>`.
 //!
-//! Owns: the measurement harness (timing with the monotonic clock and the
-//! TSC, repetitions, medians), each experiment's workload, its table, JSON
-//! and SVG plot. Must never: assert a timing — benchmarks measure and report;
+//! Owns: the measurement harness (`measure`: timing with the monotonic
+//! clock and the TSC, medians; `harness`: configurations warmed up and run
+//! interleaved, the typed report written, printed and plotted once), each
+//! experiment's workload, its table, JSON and SVG plot. Must never: assert a timing — benchmarks measure and report;
 //! the tests check correctness.
 //!
 //! Experiments so far:
@@ -33,6 +34,7 @@ pub mod bio;
 pub mod bulk;
 pub mod counter;
 pub mod crypt;
+pub mod harness;
 pub mod kvmalloc;
 pub mod measure;
 pub mod mempool;
@@ -142,21 +144,8 @@ pub fn round2(x: f64) -> f64 {
     (x * 100.0).round() / 100.0
 }
 
-/// What the figures were measured on: CPU model, online CPUs, kernel.
+/// What the figures were measured on: CPU model, online CPUs, kernel (as
+/// JSON; `harness::Machine` is the typed form).
 pub fn machine() -> serde_json::Value {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown".into());
-    serde_json::json!({
-        "cpu": cpu,
-        "online_cpus": std::thread::available_parallelism().map_or(1, |n| n.get()),
-        "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease")
-            .map(|s| s.trim().to_string())
-            .unwrap_or_default(),
-    })
+    serde_json::to_value(harness::Machine::this()).expect("strings and a number serialize")
 }

@@ -14,12 +14,14 @@
 //! was allocated; the figure is ns per page for the pair. Workloads run
 //! interleaved run by run, after one untimed warm-up each.
 
+use crate::harness::{run_interleaved, summarise, Experiment, Plot, PlotFile, Report, Table};
 use crate::measure::{time_once, tsc_ghz, Sample, Summary};
-use crate::plot::{line_plot, Series};
-use crate::{met, round2};
-use crate::{progress, write_json, BenchError, BenchOptions};
+use crate::plot::Series;
+use crate::{met, progress, round2, BenchError, BenchOptions};
 use iopages::{Gfp, HugePages, Page, PageAllocator, PagePool};
-use serde_json::{json, Map, Value};
+use serde::Serialize;
+use serde_json::Value;
+use std::collections::BTreeMap;
 use std::hint::black_box;
 use std::time::Duration;
 
@@ -142,52 +144,59 @@ fn scenarios() -> Result<Vec<Scenario>, BenchError> {
     ])
 }
 
-/// Run the experiment and write its report. Returns the JSON report.
-pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
-    let (runs, pages_per_run) = if opts.quick {
-        (3, 1u64 << 19)
-    } else {
-        (7, 1u64 << 22)
-    };
-    progress(
-        "mempool",
-        format!(
-            "{runs} runs of {pages_per_run} pages per workload; requests of {REQUEST_PAGES:?} pages; two scenarios"
-        ),
-    );
-    let ghz = tsc_ghz(Duration::from_millis(200));
-    let scen = scenarios()?;
-    // samples[scenario][method][size]
-    let mut samples: Vec<Vec<Vec<Vec<Sample>>>> =
-        vec![vec![vec![Vec::new(); REQUEST_PAGES.len()]; METHODS.len()]; scen.len()];
-    let rounds = |pages: usize, total: u64| (total / pages as u64).max(1);
-    for s in &scen {
-        for &(m, _, _) in &METHODS {
-            for &n in &REQUEST_PAGES {
-                workload(&s.pool, m, n, rounds(n, pages_per_run / 16))?;
-            }
-        }
+/// One configuration: (request size index, scenario, method index).
+type Config = (usize, usize, usize);
+
+/// The mempool measurement: every request size, scenario and method.
+struct Mempool {
+    scen: Vec<Scenario>,
+    configs: Vec<Config>,
+    pages_per_run: u64,
+}
+
+/// Rounds of `pages`-page requests that make `total` pages (at least one).
+fn rounds(pages: usize, total: u64) -> u64 {
+    (total / pages as u64).max(1)
+}
+
+impl Experiment for Mempool {
+    type Config = Config;
+
+    fn name(&self) -> &'static str {
+        "mempool"
     }
-    for run in 0..runs {
-        for &n in &REQUEST_PAGES {
-            for (si, s) in scen.iter().enumerate() {
-                for (mi, &(m, _, _)) in METHODS.iter().enumerate() {
-                    let size_i = REQUEST_PAGES.iter().position(|&x| x == n).expect("a size");
-                    samples[si][mi][size_i].push(workload(
-                        &s.pool,
-                        m,
-                        n,
-                        rounds(n, pages_per_run),
-                    )?);
-                }
-            }
-        }
-        progress("mempool", format!("run {}/{runs} done", run + 1));
+
+    fn configs(&self) -> &[Config] {
+        &self.configs
     }
-    let stats: Vec<_> = scen.iter().map(|s| s.pool.stats()).collect();
-    let keys: Vec<&str> = scen.iter().map(|s| s.key).collect();
-    let backing = format!("{:?}", scen[0].alloc.arena().backing());
-    let names: Vec<&str> = scen.iter().map(|s| s.name).collect();
+
+    fn warm_up(&mut self, c: usize) -> Result<(), BenchError> {
+        let (ni, si, mi) = self.configs[c];
+        let n = REQUEST_PAGES[ni];
+        workload(
+            &self.scen[si].pool,
+            METHODS[mi].0,
+            n,
+            rounds(n, self.pages_per_run / 16),
+        )
+        .map(|_| ())
+    }
+
+    fn measure(&mut self, c: usize) -> Result<Sample, BenchError> {
+        let (ni, si, mi) = self.configs[c];
+        let n = REQUEST_PAGES[ni];
+        workload(
+            &self.scen[si].pool,
+            METHODS[mi].0,
+            n,
+            rounds(n, self.pages_per_run),
+        )
+    }
+}
+
+/// Check the reserve is full again, give back the hog's pages and check
+/// nothing leaked.
+fn tear_down(scen: Vec<Scenario>) -> Result<(), BenchError> {
     for s in scen {
         if s.pool.reserve_len() != MIN_NR {
             return Err(BenchError::Workload(format!(
@@ -205,105 +214,193 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
             )));
         }
     }
+    Ok(())
+}
 
-    let sum: Vec<Vec<Vec<Summary>>> = samples
-        .iter()
-        .map(|per_m| {
-            per_m
-                .iter()
-                .map(|per_n| per_n.iter().map(|v| Summary::of(v)).collect())
-                .collect()
+/// How the experiment ran.
+#[derive(Serialize)]
+struct Settings {
+    quick: bool,
+    runs: usize,
+    pages_per_run: u64,
+    arena_bytes: u64,
+    backing: String,
+    min_nr: usize,
+    gfp: &'static str,
+    tsc_ghz: f64,
+    unit: &'static str,
+}
+
+/// The headline figures, at [`HEADLINE_PAGES`].
+#[derive(Serialize)]
+struct Headline {
+    request_pages: usize,
+    loop_ns_per_page: f64,
+    bulk_ns_per_page: f64,
+    cb_ns_per_page: f64,
+    bulk_speedup: f64,
+    cb_speedup: f64,
+    reserve_loop_ns_per_page: f64,
+    reserve_bulk_ns_per_page: f64,
+    reserve_cb_ns_per_page: f64,
+    reserve_bulk_speedup: f64,
+    targets: Targets,
+}
+
+#[derive(Serialize)]
+struct Targets {
+    bulk_speedup_min: f64,
+    bulk_speedup_met: bool,
+    reserve_bulk_speedup_met: bool,
+}
+
+/// The mempool's counters after the runs.
+#[derive(Serialize)]
+struct PoolStats {
+    reserve_allocs: u64,
+    reserve_frees: u64,
+    waits: u64,
+    failures: u64,
+}
+
+/// One scenario's figures: method → request size → summary.
+#[derive(Serialize)]
+struct ScenarioReport {
+    name: &'static str,
+    ns_per_page: BTreeMap<&'static str, BTreeMap<String, Summary>>,
+    pool_stats: PoolStats,
+}
+
+#[derive(Serialize)]
+struct SeedReference {
+    seed: &'static str,
+    dm_crypt_1mib_write_mib_per_s_per_page_vs_bulk: [u32; 2],
+}
+
+#[derive(Serialize)]
+struct Body {
+    summary: Headline,
+    scenarios: BTreeMap<&'static str, ScenarioReport>,
+    seed_reference: SeedReference,
+}
+
+/// Run the experiment and write its report. Returns the JSON report.
+pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
+    let (runs, pages_per_run) = if opts.quick {
+        (3, 1u64 << 19)
+    } else {
+        (7, 1u64 << 22)
+    };
+    progress(
+        "mempool",
+        format!(
+            "{runs} runs of {pages_per_run} pages per workload; requests of {REQUEST_PAGES:?} pages; two scenarios"
+        ),
+    );
+    let ghz = tsc_ghz(Duration::from_millis(200));
+    let scen = scenarios()?;
+    let configs = (0..REQUEST_PAGES.len())
+        .flat_map(|ni| {
+            (0..scen.len()).flat_map(move |si| (0..METHODS.len()).map(move |mi| (ni, si, mi)))
         })
         .collect();
+    let mut exp = Mempool {
+        scen,
+        configs,
+        pages_per_run,
+    };
+    let samples = run_interleaved(&mut exp, runs)?;
+    let Mempool { scen, configs, .. } = exp;
+    // sum[scenario][method][size]
+    let mut sum = vec![vec![Vec::new(); METHODS.len()]; scen.len()];
+    for (&(_, si, mi), s) in configs.iter().zip(summarise(&samples)) {
+        sum[si][mi].push(s);
+    }
+    let stats: Vec<_> = scen.iter().map(|s| s.pool.stats()).collect();
+    let backing = format!("{:?}", scen[0].alloc.arena().backing());
+    let names: Vec<&'static str> = scen.iter().map(|s| s.name).collect();
+    let keys: Vec<&'static str> = scen.iter().map(|s| s.key).collect();
+    tear_down(scen)?;
+
     let head = REQUEST_PAGES
         .iter()
         .position(|&n| n == HEADLINE_PAGES)
         .expect("256 is a request size");
     let at = |si: usize, mi: usize| sum[si][mi][head].ns;
     let speedup = |si: usize| at(si, 0) / at(si, 1);
-    print_table(&sum, &names, ghz, runs);
-    println!(
+    let mut table = print_table(&sum, &names, ghz, runs);
+    table.line(format!(
         "target: alloc_bulk >= {TARGET_BULK_SPEEDUP}x faster per page than a loop of alloc at {HEADLINE_PAGES} pages, warm lists: {:.1}x ({}); with the reserve serving: {:.1}x",
         speedup(0),
         met(speedup(0) >= TARGET_BULK_SPEEDUP),
         speedup(1),
-    );
-    println!(
+    ));
+    table.line(format!(
         "reserve use in the failing scenario: {} pages from the reserve, {} sleeps, {} failures",
         stats[1].reserve_allocs, stats[1].waits, stats[1].failures
-    );
+    ));
+    table.print();
 
-    let summary = json!({
-        "request_pages": HEADLINE_PAGES,
-        "loop_ns_per_page": round2(at(0, 0)),
-        "bulk_ns_per_page": round2(at(0, 1)),
-        "cb_ns_per_page": round2(at(0, 2)),
-        "bulk_speedup": round2(speedup(0)),
-        "cb_speedup": round2(at(0, 0) / at(0, 2)),
-        "reserve_loop_ns_per_page": round2(at(1, 0)),
-        "reserve_bulk_ns_per_page": round2(at(1, 1)),
-        "reserve_cb_ns_per_page": round2(at(1, 2)),
-        "reserve_bulk_speedup": round2(speedup(1)),
-        "targets": {
-            "bulk_speedup_min": TARGET_BULK_SPEEDUP,
-            "bulk_speedup_met": speedup(0) >= TARGET_BULK_SPEEDUP,
-            "reserve_bulk_speedup_met": speedup(1) >= TARGET_BULK_SPEEDUP,
+    let summary = Headline {
+        request_pages: HEADLINE_PAGES,
+        loop_ns_per_page: round2(at(0, 0)),
+        bulk_ns_per_page: round2(at(0, 1)),
+        cb_ns_per_page: round2(at(0, 2)),
+        bulk_speedup: round2(speedup(0)),
+        cb_speedup: round2(at(0, 0) / at(0, 2)),
+        reserve_loop_ns_per_page: round2(at(1, 0)),
+        reserve_bulk_ns_per_page: round2(at(1, 1)),
+        reserve_cb_ns_per_page: round2(at(1, 2)),
+        reserve_bulk_speedup: round2(speedup(1)),
+        targets: Targets {
+            bulk_speedup_min: TARGET_BULK_SPEEDUP,
+            bulk_speedup_met: speedup(0) >= TARGET_BULK_SPEEDUP,
+            reserve_bulk_speedup_met: speedup(1) >= TARGET_BULK_SPEEDUP,
         },
-    });
-    let detail: Map<String, Value> = keys
-        .iter()
-        .enumerate()
-        .map(|(si, k)| {
-            let per_method: Map<String, Value> = METHODS
-                .iter()
-                .enumerate()
-                .map(|(mi, &(_, mk, _))| {
-                    let per_size: Map<String, Value> = REQUEST_PAGES
-                        .iter()
-                        .enumerate()
-                        .map(|(ni, n)| (n.to_string(), json!(sum[si][mi][ni])))
-                        .collect();
-                    (mk.to_string(), Value::Object(per_size))
-                })
-                .collect();
-            (
-                k.to_string(),
-                json!({
-                    "name": names[si],
-                    "ns_per_page": per_method,
-                    "pool_stats": {
-                        "reserve_allocs": stats[si].reserve_allocs,
-                        "reserve_frees": stats[si].reserve_frees,
-                        "waits": stats[si].waits,
-                        "failures": stats[si].failures,
-                    },
-                }),
-            )
-        })
-        .collect();
-    let report = json!({
-        "experiment": "mempool",
-        "machine": crate::machine(),
-        "settings": {
-            "quick": opts.quick,
-            "runs": runs,
-            "pages_per_run": pages_per_run,
-            "arena_bytes": 64u64 << 20,
-            "backing": backing,
-            "min_nr": MIN_NR,
-            "gfp": "NOIO",
-            "tsc_ghz": round2(ghz),
-            "unit": "ns per page, alloc + free, median of the runs (ns_min/ns_max: range)",
+    };
+    let scenario = |si: usize| ScenarioReport {
+        name: names[si],
+        ns_per_page: METHODS
+            .iter()
+            .zip(&sum[si])
+            .map(|(&(_, mk, _), per_n)| {
+                let per_size = REQUEST_PAGES
+                    .iter()
+                    .map(|n| n.to_string())
+                    .zip(per_n.iter().copied());
+                (mk, per_size.collect())
+            })
+            .collect(),
+        pool_stats: PoolStats {
+            reserve_allocs: stats[si].reserve_allocs,
+            reserve_frees: stats[si].reserve_frees,
+            waits: stats[si].waits,
+            failures: stats[si].failures,
         },
-        "summary": summary,
-        "scenarios": detail,
-        "seed_reference": {
-            "seed": "000 (Yang Shi, mempool bulk page allocation for dm-crypt)",
-            "dm_crypt_1mib_write_mib_per_s_per_page_vs_bulk": [1301, 1402],
+    };
+    let settings = Settings {
+        quick: opts.quick,
+        runs,
+        pages_per_run,
+        arena_bytes: 64u64 << 20,
+        backing,
+        min_nr: MIN_NR,
+        gfp: "NOIO",
+        tsc_ghz: round2(ghz),
+        unit: "ns per page, alloc + free, median of the runs (ns_min/ns_max: range)",
+    };
+    let body = Body {
+        summary,
+        scenarios: keys
+            .iter()
+            .enumerate()
+            .map(|(si, &k)| (k, scenario(si)))
+            .collect(),
+        seed_reference: SeedReference {
+            seed: "000 (Yang Shi, mempool bulk page allocation for dm-crypt)",
+            dm_crypt_1mib_write_mib_per_s_per_page_vs_bulk: [1301, 1402],
         },
-    });
-    let (json_path, svg_path) = opts.paths("mempool");
-    write_json(&json_path, &report)?;
+    };
     let series: Vec<Series> = (0..names.len())
         .flat_map(|si| {
             let (sum, names) = (&sum, &names);
@@ -320,40 +417,35 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
                 })
         })
         .collect();
-    line_plot(
-        &svg_path,
+    let plot = Plot::lines(
+        PlotFile::Main,
         "mempool: alloc+free cost per page by request size",
         "pages per request",
         "ns per page",
-        &series,
-    )?;
-    progress(
-        "mempool",
-        format!("wrote {} and {}", json_path.display(), svg_path.display()),
+        series,
     );
-    Ok(report)
+    Report::new("mempool", settings, body).emit(opts, &[plot])
 }
 
-fn print_table(sum: &[Vec<Vec<Summary>>], names: &[&str], ghz: f64, runs: usize) {
-    println!(
+fn print_table(sum: &[Vec<Vec<Summary>>], names: &[&str], ghz: f64, runs: usize) -> Table {
+    let mut t = Table::new(format!(
         "mempool: alloc+free per page, one thread, GFP NOIO (median of {runs} runs, ns; TSC {ghz:.2} GHz)"
-    );
+    ));
     for (si, name) in names.iter().enumerate() {
-        println!("{name}:");
-        let mut head = format!("{:>6}", "pages");
-        for &(_, _, mn) in &METHODS {
-            head += &format!(" | {:>24}", mn);
-        }
-        head += &format!(" | {:>13}", "loop / bulk");
-        println!("{head}");
+        t.line(format!("{name}:"));
+        let mut head = vec![format!("{:>6}", "pages")];
+        head.extend(METHODS.iter().map(|&(_, _, mn)| format!("{mn:>24}")));
+        head.push(format!("{:>13}", "loop / bulk"));
+        t.row(head);
         for (ni, n) in REQUEST_PAGES.iter().enumerate() {
-            let mut row = format!("{n:>6}");
-            for per_method in &sum[si] {
+            let mut row = vec![format!("{n:>6}")];
+            row.extend(sum[si].iter().map(|per_method| {
                 let s = &per_method[ni];
-                row += &format!(" | {:>7.2} ({:>6.2}-{:<6.2})", s.ns, s.ns_min, s.ns_max);
-            }
-            row += &format!(" | {:>12.1}x", sum[si][0][ni].ns / sum[si][1][ni].ns);
-            println!("{row}");
+                format!("{:>7.2} ({:>6.2}-{:<6.2})", s.ns, s.ns_min, s.ns_max)
+            }));
+            row.push(format!("{:>12.1}x", sum[si][0][ni].ns / sum[si][1][ni].ns));
+            t.row(row);
         }
     }
+    t
 }

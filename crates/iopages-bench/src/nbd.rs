@@ -12,16 +12,17 @@
 //! the report is written; nor leave a child process or a temporary file
 //! behind, on any path.
 
+use crate::harness::{Chart, Plot, PlotFile};
 use crate::measure::median;
+use crate::plot::{BarPanel, Bars};
 use crate::{met, progress, round2, write_json, BenchError, BenchOptions};
-use plotters::prelude::*;
+use iopages_testkit::{die_with_parent, find_tool, run_tool, stop, tail_lines, wait_for_socket};
 use serde_json::{json, Value};
 use std::ffi::OsString;
-use std::io::{Read, Write};
-use std::os::unix::process::CommandExt;
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
 
 const MIB: u64 = 1 << 20;
 /// The volume's passphrase (the file holds exactly these bytes, no newline:
@@ -306,139 +307,11 @@ fn qemu_escape(p: &Path) -> String {
 /// The last lines of a log file, for error messages.
 fn tail(path: &Path) -> String {
     let s = std::fs::read_to_string(path).unwrap_or_default();
-    let t = text_tail(&s);
+    let t = tail_lines(&s);
     if t.is_empty() {
         "(nothing on stderr)".into()
     } else {
         t
-    }
-}
-
-/// The last few lines of a tool's output, shortened, for error messages.
-fn text_tail(s: &str) -> String {
-    let lines: Vec<&str> = s.lines().filter(|l| !l.trim().is_empty()).collect();
-    lines[lines.len().saturating_sub(3)..]
-        .iter()
-        .map(|l| match l.char_indices().nth(200) {
-            Some((i, _)) => format!("{}…", &l[..i]),
-            None => l.to_string(),
-        })
-        .collect::<Vec<_>>()
-        .join(" | ")
-}
-
-/// Children get `sig` if this thread goes away without stopping them.
-fn die_with_parent(cmd: &mut Command, sig: libc::c_int) {
-    // SAFETY: prctl is async-signal-safe and touches no memory of ours.
-    unsafe {
-        cmd.pre_exec(move || {
-            libc::prctl(libc::PR_SET_PDEATHSIG, sig as libc::c_ulong, 0, 0, 0);
-            Ok(())
-        });
-    }
-}
-
-fn signal(child: &Child, sig: libc::c_int) {
-    // SAFETY: kill(2) on our own, not yet reaped, child's id.
-    unsafe {
-        libc::kill(child.id() as libc::pid_t, sig);
-    }
-}
-
-/// Kills and reaps the child when dropped, unless it was reaped already.
-struct Reaped(Child);
-
-impl Drop for Reaped {
-    fn drop(&mut self) {
-        if matches!(self.0.try_wait(), Ok(None)) {
-            signal(&self.0, libc::SIGKILL);
-            let _ = self.0.wait();
-        }
-    }
-}
-
-/// A tool's run: its status, output and wall time.
-struct Ran {
-    status: ExitStatus,
-    stdout: String,
-    stderr: String,
-    secs: f64,
-}
-
-/// Run `program args` in `dir` to completion, killing it after `timeout`.
-fn run_tool(
-    program: &Path,
-    args: &[OsString],
-    dir: &Path,
-    timeout: Duration,
-) -> Result<Ran, String> {
-    run_tool_home(program, args, dir, timeout, None)
-}
-
-/// `run_tool`, with `HOME` set to `home` where given.
-fn run_tool_home(
-    program: &Path,
-    args: &[OsString],
-    dir: &Path,
-    timeout: Duration,
-    home: Option<&Path>,
-) -> Result<Ran, String> {
-    let name = program.display().to_string();
-    let mut cmd = Command::new(program);
-    if let Some(h) = home {
-        cmd.env("HOME", h);
-    }
-    cmd.args(args)
-        .current_dir(dir)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    die_with_parent(&mut cmd, libc::SIGKILL);
-    let start = Instant::now();
-    let mut child = Reaped(
-        cmd.spawn()
-            .map_err(|e| format!("cannot start {name}: {e}"))?,
-    );
-    let reader = |r: Option<Box<dyn Read + Send>>| {
-        std::thread::spawn(move || {
-            let mut buf = Vec::new();
-            if let Some(mut r) = r {
-                let _ = r.read_to_end(&mut buf);
-            }
-            String::from_utf8_lossy(&buf).into_owned()
-        })
-    };
-    let out = reader(child.0.stdout.take().map(|r| Box::new(r) as _));
-    let err = reader(child.0.stderr.take().map(|r| Box::new(r) as _));
-    let status = loop {
-        match child.0.try_wait() {
-            Ok(Some(s)) => break Some(s),
-            Ok(None) if start.elapsed() > timeout => break None,
-            Ok(None) => std::thread::sleep(Duration::from_millis(1)),
-            Err(e) => return Err(format!("cannot wait for {name}: {e}")),
-        }
-    };
-    let secs = start.elapsed().as_secs_f64();
-    if status.is_none() {
-        signal(&child.0, libc::SIGKILL);
-        let _ = child.0.wait();
-    }
-    let (stdout, stderr) = (
-        out.join().unwrap_or_default(),
-        err.join().unwrap_or_default(),
-    );
-    match status {
-        Some(status) => Ok(Ran {
-            status,
-            stdout,
-            stderr,
-            secs,
-        }),
-        None => Err(format!(
-            "{name} did not finish in {} s (killed); stderr: {}",
-            timeout.as_secs(),
-            text_tail(&stderr)
-        )),
     }
 }
 
@@ -454,19 +327,6 @@ struct Tools {
     nbdinfo: PathBuf,
     nbdkit: PathBuf,
     qemu_nbd: PathBuf,
-}
-
-fn find_tool(name: &str) -> Option<PathBuf> {
-    use std::os::unix::fs::PermissionsExt;
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain(["/usr/sbin", "/sbin", "/usr/local/sbin"].map(PathBuf::from))
-        .map(|d| d.join(name))
-        .find(|p| {
-            p.metadata()
-                .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-                .unwrap_or(false)
-        })
 }
 
 impl Tools {
@@ -499,7 +359,7 @@ impl Tools {
             )?,
         };
         let probe = |prog: &Path, args: Vec<OsString>, what: &str| {
-            let ok = run_tool(prog, &args, dir, Duration::from_secs(30))
+            let ok = run_tool(prog, &args, dir, Duration::from_secs(30), &[])
                 .map(|r| r.status.success())
                 .unwrap_or(false);
             if ok {
@@ -556,29 +416,9 @@ impl Running {
 
     /// SIGTERM, wait, SIGKILL if it lingers. Says how it ended.
     fn stop(&mut self) -> String {
-        let Some(mut child) = self.child.take() else {
-            return "not running".into();
-        };
-        if let Ok(Some(s)) = child.try_wait() {
-            return format!("had exited before the stop: {s}");
-        }
-        signal(&child, libc::SIGTERM);
-        let t = Instant::now();
-        loop {
-            match child.try_wait() {
-                Ok(Some(s)) => return format!("{s} after SIGTERM"),
-                Ok(None) if t.elapsed() < STOP_TIMEOUT => {
-                    std::thread::sleep(Duration::from_millis(10))
-                }
-                _ => {
-                    signal(&child, libc::SIGKILL);
-                    let _ = child.wait();
-                    return format!(
-                        "killed: still running {} s after SIGTERM",
-                        STOP_TIMEOUT.as_secs()
-                    );
-                }
-            }
+        match self.child.take() {
+            Some(mut child) => stop(&mut child, STOP_TIMEOUT),
+            None => "not running".into(),
         }
     }
 }
@@ -731,30 +571,18 @@ fn start_server(
         home: s.tls(f.tls.as_ref()).map(|t| t.home.clone()),
         err_log,
     };
-    let t = Instant::now();
-    loop {
-        if let Err(e) = r.alive() {
-            return Err(workload(format!(
-                "{} did not start: {e} (command: {line})",
-                s.label()
-            )));
-        }
-        if std::os::unix::net::UnixStream::connect(&sock).is_ok() {
-            return Ok((r, line));
-        }
-        if t.elapsed() > START_TIMEOUT {
-            let why = format!(
-                "{} did not listen on {} within {} s; stderr: {} (command: {line})",
-                s.label(),
-                sock.display(),
-                START_TIMEOUT.as_secs(),
-                tail(&r.err_log)
-            );
-            r.stop();
-            return Err(workload(why));
-        }
-        std::thread::sleep(Duration::from_millis(20));
+    let sock_wait = wait_for_socket(&sock, START_TIMEOUT, || r.alive());
+    if let Err(e) = sock_wait {
+        // An exit's reason carries the stderr already; a silent server's not.
+        let stderr = match e.starts_with("did not listen") {
+            true => format!("; stderr: {}", tail(&r.err_log)),
+            false => String::new(),
+        };
+        let why = format!("{} did not start: {e}{stderr} (command: {line})", s.label());
+        r.stop();
+        return Err(workload(why));
     }
+    Ok((r, line))
 }
 
 /// Settings of the loads.
@@ -846,12 +674,13 @@ fn fio(
     args: Vec<OsString>,
     ms: u64,
 ) -> Result<FioFigures, String> {
-    let r = run_tool_home(
+    let env: Vec<(&str, &Path)> = home.map(|h| ("HOME", h)).into_iter().collect();
+    let r = run_tool(
         &tools.fio,
         &args,
         dir,
         Duration::from_millis(ms + 120_000),
-        home,
+        &env,
     )?;
     let parsed = parse_fio(&r.stdout);
     match (r.status.success(), parsed) {
@@ -859,12 +688,12 @@ fn fio(
         (_, Err(e)) => Err(format!(
             "{e}; fio {}; stderr: {}",
             r.status,
-            text_tail(&r.stderr)
+            tail_lines(&r.stderr)
         )),
         (false, Ok(_)) => Err(format!(
             "fio {}; stderr: {}",
             r.status,
-            text_tail(&r.stderr)
+            tail_lines(&r.stderr)
         )),
     }
 }
@@ -892,6 +721,7 @@ fn measure(
         &os(&[&"--size", &r.uri]),
         &f.work,
         Duration::from_secs(30),
+        &[],
     )
     .map_err(fail)?;
     let size = parse_size(&info.stdout);
@@ -902,7 +732,7 @@ fn measure(
             size,
             info.status,
             plan.dev,
-            text_tail(&info.stderr)
+            tail_lines(&info.stderr)
         )));
     }
     let mut on_previous = None;
@@ -972,14 +802,14 @@ fn measure(
                     os(&[&f.source, &r.uri])
                 };
                 let timeout = Duration::from_secs(60 + plan.dev / (4 * MIB));
-                let c = run_tool(&tools.nbdcopy, &args, &f.work, timeout)
+                let c = run_tool(&tools.nbdcopy, &args, &f.work, timeout, &[])
                     .map_err(|e| fail(format!("{}: {e}", load.label())))?;
                 if !c.status.success() {
                     return Err(fail(format!(
                         "{}: nbdcopy {}; stderr: {}",
                         load.label(),
                         c.status,
-                        text_tail(&c.stderr)
+                        tail_lines(&c.stderr)
                     )));
                 }
                 Sample {
@@ -1193,13 +1023,14 @@ pub fn run_with(opts: &BenchOptions, iopages_bin: &Path, tls: bool) -> Result<Va
         ]),
         &work,
         Duration::from_secs(120),
+        &[],
     )
     .map_err(workload)?;
     if !fmt.status.success() {
         return Err(workload(format!(
             "cryptsetup luksFormat {}: {}",
             fmt.status,
-            text_tail(&fmt.stderr)
+            tail_lines(&fmt.stderr)
         )));
     }
     let dump = run_tool(
@@ -1207,6 +1038,7 @@ pub fn run_with(opts: &BenchOptions, iopages_bin: &Path, tls: bool) -> Result<Va
         &os(&[&"luksDump", &f.image]),
         &work,
         Duration::from_secs(60),
+        &[],
     )
     .map_err(workload)?;
     let offset = parse_payload_offset(&dump.stdout)
@@ -1247,6 +1079,7 @@ pub fn run_with(opts: &BenchOptions, iopages_bin: &Path, tls: bool) -> Result<Va
                     &os(&[&"--can", &"multi-conn", &r.uri]),
                     &work,
                     Duration::from_secs(30),
+                    &[],
                 )
                 .ok()
                 .and_then(|c| match c.status.code() {
@@ -1451,7 +1284,18 @@ fn report(
         );
     }
 
-    bar_plot(svg_path, servers, results, tls)?;
+    let title = if tls {
+        "E6: one LUKS1 image served over NBD with TLS (median)"
+    } else {
+        "E6: one LUKS1 image served over NBD (median)"
+    };
+    let chart = Chart::Bars(bars(servers, results));
+    Plot {
+        file: PlotFile::Main,
+        title: title.into(),
+        chart,
+    }
+    .draw(svg_path)?;
 
     let rows: Vec<Value> = servers
         .iter()
@@ -1608,113 +1452,33 @@ fn report(
     Ok(report)
 }
 
-/// Grouped bars: MiB/s of the four bandwidth loads on the left, randrw
-/// IOPS on the right, one bar per server. Failed servers have no bars.
-fn bar_plot(
-    path: &Path,
-    servers: &[Server],
-    results: &[Results],
-    tls: bool,
-) -> Result<(), BenchError> {
-    let err = |e: &dyn std::fmt::Display| BenchError::Plot {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
+/// E6's bars: MiB/s of the sequential and copy loads, IOPS of the random
+/// one, a bar per server.
+fn bars(servers: &[Server], results: &[Results]) -> Bars {
+    let panel = |loads: &[Load], y_label: &str, width_px| BarPanel {
+        y_label: y_label.into(),
+        width_px,
+        categories: loads.iter().map(|l| l.short().to_string()).collect(),
+        values: (0..servers.len())
+            .map(|i| loads.iter().map(|&l| figure(&results[i], l)).collect())
+            .collect(),
     };
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|e| err(&e))?;
+    Bars {
+        series: servers.iter().map(|s| s.label().to_string()).collect(),
+        panels: vec![
+            panel(
+                &[
+                    Load::SeqWrite,
+                    Load::SeqRead,
+                    Load::CopyRead,
+                    Load::CopyWrite,
+                ],
+                "MiB/s",
+                760,
+            ),
+            panel(&[Load::RandRw], "IOPS (4 KiB, 50 % reads)", 240),
+        ],
     }
-    let colors = [BLUE, RED, GREEN, CYAN];
-    let root = SVGBackend::new(path, (1000, 560)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| err(&e))?;
-    let root = root
-        .titled(
-            if tls {
-                "E6: one LUKS1 image served over NBD with TLS (median)"
-            } else {
-                "E6: one LUKS1 image served over NBD (median)"
-            },
-            ("sans-serif", 20),
-        )
-        .map_err(|e| err(&e))?;
-    let (left, right) = root.split_horizontally(760);
-    let panels: [(&[Load], &str, _); 2] = [
-        (
-            &[
-                Load::SeqWrite,
-                Load::SeqRead,
-                Load::CopyRead,
-                Load::CopyWrite,
-            ],
-            "MiB/s",
-            left,
-        ),
-        (&[Load::RandRw], "IOPS (4 KiB, 50 % reads)", right),
-    ];
-    for (pi, (loads, y_desc, area)) in panels.iter().enumerate() {
-        let value = |i: usize, load: Load| figure(&results[i], load);
-        let y_max = loads
-            .iter()
-            .flat_map(|&l| (0..servers.len()).filter_map(move |i| value(i, l)))
-            .fold(1.0f64, f64::max)
-            * 1.35;
-        let n = loads.len() as f64;
-        let mut chart = ChartBuilder::on(area)
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(70)
-            .build_cartesian_2d(-0.5f64..n - 0.5, 0.0..y_max)
-            .map_err(|e| err(&e))?;
-        let names: Vec<&str> = loads.iter().map(|l| l.short()).collect();
-        chart
-            .configure_mesh()
-            .disable_x_mesh()
-            .x_labels(loads.len())
-            .x_label_formatter(&|x| {
-                let i = x.round();
-                if (x - i).abs() < 1e-6 && i >= 0.0 && (i as usize) < names.len() {
-                    names[i as usize].to_string()
-                } else {
-                    String::new()
-                }
-            })
-            .y_label_formatter(&|y| format!("{y:.0}"))
-            .y_desc(*y_desc)
-            .draw()
-            .map_err(|e| err(&e))?;
-        let width = 0.8 / servers.len() as f64;
-        for (si, &s) in servers.iter().enumerate() {
-            let color = colors[si % colors.len()];
-            let bars: Vec<Rectangle<(f64, f64)>> = loads
-                .iter()
-                .enumerate()
-                .filter_map(|(li, &l)| {
-                    let v = value(si, l)?;
-                    let x0 = li as f64 - 0.4 + si as f64 * width;
-                    Some(Rectangle::new(
-                        [(x0, 0.0), (x0 + width * 0.9, v)],
-                        color.filled(),
-                    ))
-                })
-                .collect();
-            let drawn = chart.draw_series(bars).map_err(|e| err(&e))?;
-            if pi == 0 {
-                drawn.label(s.label()).legend(move |(x, y)| {
-                    Rectangle::new([(x, y - 5), (x + 14, y + 5)], color.filled())
-                });
-            }
-        }
-        if pi == 0 {
-            chart
-                .configure_series_labels()
-                .position(SeriesLabelPosition::UpperRight)
-                .background_style(WHITE.mix(0.85))
-                .border_style(BLACK)
-                .draw()
-                .map_err(|e| err(&e))?;
-        }
-    }
-    root.present().map_err(|e| err(&e))?;
-    Ok(())
 }
 
 /// The X.509 files of a TLS run, each directory in the layout qemu, nbdkit,
