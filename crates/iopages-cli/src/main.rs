@@ -3,6 +3,9 @@
 //! Owns: argument parsing and exit codes. Must never: panic on bad input —
 //! every error is printed with what to do and exits non-zero.
 
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
+
 use clap::{Parser, Subcommand, ValueEnum};
 use iopages_bench::{BenchError, BenchOptions};
 use std::path::PathBuf;

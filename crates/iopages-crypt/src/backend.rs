@@ -9,9 +9,12 @@
 //! after its header, as dm-crypt's table starts at the payload offset).
 //! Must never: accept a short read or write silently — an I/O either moves
 //! every byte or returns an error, and an out-of-range request is refused
-//! before anything is touched.
+//! before anything is touched; or reach a stored page's bytes through an
+//! address: each stripe's pages are owned by a [`FolioBuffer`], which
+//! hands out their bytes and moves pages in and out (this file has no
+//! `unsafe`).
 
-use iopages::{Gfp, Page, PageAllocator, PAGE_SIZE};
+use iopages::{FolioBuffer, Gfp, PageAllocator, PAGE_SIZE};
 use parking_lot::RwLock;
 use std::io;
 
@@ -163,8 +166,22 @@ impl Backend for RamDisk {
     }
 }
 
-/// One stripe of the page store: its blocks' pages (`None`: never written).
-type Stripe = RwLock<Box<[Option<Page>]>>;
+/// One stripe of the page store: its blocks' pages, owned by one buffer,
+/// and where each block's page sits in it ([`NO_PAGE`]: never written).
+struct StripePages {
+    pages: FolioBuffer,
+    slots: Box<[u32]>,
+}
+
+type Stripe = RwLock<StripePages>;
+
+/// A block never written: it reads as zeros.
+const NO_PAGE: u32 = u32::MAX;
+
+/// A folio move the page store checked beforehand failed anyway.
+fn move_error(e: iopages::Error) -> io::Error {
+    io::Error::other(format!("page store: {e}"))
+}
 
 /// Pages per lock stripe of the page store (64 KiB, as the RAM disk).
 const STORE_STRIPE_PAGES: usize = RAMDISK_STRIPE_BYTES / PAGE_SIZE;
@@ -200,7 +217,10 @@ impl PageStore {
         let stripes = (0..nr.div_ceil(STORE_STRIPE_PAGES))
             .map(|i| {
                 let len = (nr - i * STORE_STRIPE_PAGES).min(STORE_STRIPE_PAGES);
-                RwLock::new(vec![None; len].into_boxed_slice())
+                RwLock::new(StripePages {
+                    pages: FolioBuffer::with_capacity(alloc, len),
+                    slots: vec![NO_PAGE; len].into_boxed_slice(),
+                })
             })
             .collect();
         Ok(PageStore {
@@ -219,44 +239,62 @@ impl PageStore {
     pub fn stored_pages(&self) -> usize {
         self.stripes
             .iter()
-            .map(|s| s.read().iter().filter(|p| p.is_some()).count())
+            .map(|s| s.read().slots.iter().filter(|&&k| k != NO_PAGE).count())
             .sum()
     }
 
-    /// Take `pages` as the blocks starting at byte `offset`; the pages they
-    /// replace are pushed onto `replaced` (blocks never written replace
-    /// nothing).
+    /// Take the pages of `pages` as the blocks starting at byte `offset`,
+    /// moving them out of it (it is left empty); the pages they replace
+    /// move into `replaced` (blocks never written replace nothing).
     ///
-    /// **Context:** never blocks on memory. The pages must be order-0
-    /// allocations of this store's allocator that the caller owns; they
-    /// belong to the store from here on. **Returns:** `InvalidInput`, with
-    /// nothing stored, for an offset that is not page-aligned or a range
-    /// that leaves the device.
-    pub fn store_pages<I>(&self, offset: u64, pages: I, replaced: &mut Vec<Page>) -> io::Result<()>
-    where
-        I: IntoIterator<Item = Page>,
-        I::IntoIter: ExactSizeIterator,
-    {
-        let mut pages = pages.into_iter();
+    /// **Context:** never blocks on memory. **Returns:** `InvalidInput`,
+    /// with nothing moved, for an offset that is not page-aligned, a range
+    /// that leaves the device, a buffer of another arena, or one that holds
+    /// a compound folio (split it first).
+    pub fn store_pages(
+        &self,
+        offset: u64,
+        pages: &mut FolioBuffer,
+        replaced: &mut FolioBuffer,
+    ) -> io::Result<()> {
+        let bad = |msg: String| Err(io::Error::new(io::ErrorKind::InvalidInput, msg));
         if !offset.is_multiple_of(PAGE_SIZE as u64) {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("page store: offset {offset} is not page-aligned"),
-            ));
+            return bad(format!("page store: offset {offset} is not page-aligned"));
         }
-        check_range(offset, (pages.len() * PAGE_SIZE) as u64, self.size_bytes)?;
-        let mut block = (offset / PAGE_SIZE as u64) as usize;
-        while pages.len() > 0 {
-            let (i, at) = (block / STORE_STRIPE_PAGES, block % STORE_STRIPE_PAGES);
-            let n = (STORE_STRIPE_PAGES - at).min(pages.len());
+        let n = pages.folios().len();
+        check_range(offset, (n * PAGE_SIZE) as u64, self.size_bytes)?;
+        if !pages.allocator().same_allocator(&self.alloc)
+            || !replaced.allocator().same_allocator(&self.alloc)
+        {
+            return bad("page store: pages of another arena".into());
+        }
+        if pages.folios().iter().any(|f| f.order() > 0) {
+            return bad(
+                "page store: compound folios are stored as single pages (split them)".into(),
+            );
+        }
+        // Last page first: `push_from` moves a buffer's last folio.
+        let first = (offset / PAGE_SIZE as u64) as usize;
+        let mut block = first + n;
+        while block > first {
+            let i = (block - 1) / STORE_STRIPE_PAGES;
+            let low = (i * STORE_STRIPE_PAGES).max(first);
             let mut stripe = self.stripes[i].write();
-            for (slot, p) in stripe[at..at + n].iter_mut().zip(pages.by_ref()) {
-                if let Some(old) = slot.replace(p) {
-                    replaced.push(old);
+            let StripePages { pages: held, slots } = &mut *stripe;
+            for b in (low..block).rev() {
+                let slot = &mut slots[b % STORE_STRIPE_PAGES];
+                if *slot == NO_PAGE {
+                    let k = held.push_from(pages).map_err(move_error)?;
+                    *slot = k.expect("one page per block") as u32;
+                } else {
+                    let last = pages.folios().len() - 1;
+                    held.swap_folio(*slot as usize, pages, last)
+                        .map_err(move_error)?;
+                    replaced.push_from(pages).map_err(move_error)?;
                 }
             }
             drop(stripe);
-            block += n;
+            block = low;
         }
         Ok(())
     }
@@ -293,21 +331,15 @@ impl Backend for PageStore {
         // Pages for the blocks never written, allocated before anything is
         // touched so that running out of memory writes nothing.
         let missing = Self::blocks(offset, total)
-            .filter(|&(i, at, _, _)| self.stripes[i].read()[at].is_none())
+            .filter(|&(i, at, _, _)| self.stripes[i].read().slots[at] == NO_PAGE)
             .count();
-        let mut spare: Vec<Page> = Vec::with_capacity(missing);
+        let mut spare = FolioBuffer::with_capacity(&self.alloc, missing);
         for _ in 0..missing {
-            match self.alloc.alloc_pages(Gfp::NOIO | Gfp::ZERO, 0) {
-                Some(p) => spare.push(p),
-                None => {
-                    self.alloc.free_pages_bulk(&spare);
-                    return Err(io::Error::new(
-                        io::ErrorKind::OutOfMemory,
-                        format!(
-                            "page store: no memory for {missing} new blocks at offset {offset}"
-                        ),
-                    ));
-                }
+            if !spare.push_alloc(Gfp::NOIO | Gfp::ZERO, 0) {
+                return Err(io::Error::new(
+                    io::ErrorKind::OutOfMemory,
+                    format!("page store: no memory for {missing} new blocks at offset {offset}"),
+                ));
             }
         }
         let mut at = offset;
@@ -315,36 +347,24 @@ impl Backend for PageStore {
             let mut done = 0;
             for (i, slot, off, n) in Self::blocks(at, seg.len()) {
                 let mut stripe = self.stripes[i].write();
-                let page = match stripe[slot] {
-                    Some(p) => p,
-                    None => {
-                        // Another writer may have filled a counted block
-                        // first; then allocate (rare) or use a spare.
-                        let p = match spare.pop() {
-                            Some(p) => p,
-                            None => self
-                                .alloc
-                                .alloc_pages(Gfp::NOIO | Gfp::ZERO | Gfp::NOFAIL, 0)
-                                .expect("a NOFAIL allocation never fails"),
-                        };
-                        stripe[slot] = Some(p);
-                        p
+                let StripePages { pages, slots } = &mut *stripe;
+                if slots[slot] == NO_PAGE {
+                    // Another writer may have filled a counted block
+                    // first; then allocate (rare) or use a spare.
+                    if spare.folios().is_empty() {
+                        let got = spare.push_alloc(Gfp::NOIO | Gfp::ZERO | Gfp::NOFAIL, 0);
+                        assert!(got, "a NOFAIL allocation never fails");
                     }
-                };
-                // SAFETY: the page belongs to the store and the stripe's
-                // write lock excludes every other access to it.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        seg[done..].as_ptr(),
-                        self.alloc.page_address(page).add(off),
-                        n,
-                    )
-                };
+                    let k = pages.push_from(&mut spare).map_err(move_error)?;
+                    slots[slot] = k.expect("a spare page") as u32;
+                }
+                // The stripe's write lock excludes every other access.
+                pages.folio_bytes_mut(slots[slot] as usize)[off..off + n]
+                    .copy_from_slice(&seg[done..done + n]);
                 done += n;
             }
             at += seg.len() as u64;
         }
-        self.alloc.free_pages_bulk(&spare);
         Ok(())
     }
 
@@ -355,18 +375,12 @@ impl Backend for PageStore {
             let mut done = 0;
             let len = seg.len();
             for (i, slot, off, n) in Self::blocks(at, len) {
+                // The read lock keeps writers out while the page is copied.
                 let stripe = self.stripes[i].read();
-                match stripe[slot] {
-                    // SAFETY: the page belongs to the store; the read lock
-                    // keeps writers out while it is copied.
-                    Some(p) => unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            self.alloc.page_address(p).add(off),
-                            seg[done..].as_mut_ptr(),
-                            n,
-                        )
-                    },
-                    None => seg[done..done + n].fill(0),
+                let dst = &mut seg[done..done + n];
+                match stripe.slots[slot] {
+                    NO_PAGE => dst.fill(0),
+                    k => dst.copy_from_slice(&stripe.pages.folio_bytes(k as usize)[off..off + n]),
                 }
                 done += n;
             }
@@ -381,17 +395,6 @@ impl Backend for PageStore {
 
     fn page_store(&self) -> Option<&PageStore> {
         Some(self)
-    }
-}
-
-impl Drop for PageStore {
-    fn drop(&mut self) {
-        let pages: Vec<Page> = self
-            .stripes
-            .iter_mut()
-            .flat_map(|s| s.get_mut().iter_mut().filter_map(Option::take))
-            .collect();
-        self.alloc.free_pages_bulk(&pages);
     }
 }
 
@@ -534,36 +537,41 @@ mod tests {
             zeros.iter().all(|&b| b == 0),
             "unwritten blocks read as zeros"
         );
-        let pages: Vec<Page> = (0..20)
-            .map(|i| {
-                let p = alloc.alloc_pages(Gfp::KERNEL, 0).unwrap();
-                // SAFETY: the page is ours.
-                unsafe { std::ptr::write_bytes(alloc.page_address(p), i as u8 + 1, PAGE_SIZE) };
-                p
-            })
-            .collect();
-        let mut replaced = Vec::new();
+        let mut pages = FolioBuffer::new(&alloc);
+        for i in 0..20 {
+            assert!(pages.push_alloc(Gfp::KERNEL, 0));
+            pages.folio_bytes_mut(i).fill(i as u8 + 1);
+        }
+        let all = pages.pages();
+        let mut second = pages.split_off(10);
+        let mut replaced = FolioBuffer::new(&alloc);
         store
-            .store_pages(60 << 10, pages[..10].iter().copied(), &mut replaced)
+            .store_pages(60 << 10, &mut pages, &mut replaced)
             .unwrap();
-        assert!(replaced.is_empty());
-        // An unaligned offset is refused with nothing stored.
+        assert!(replaced.folios().is_empty() && pages.folios().is_empty());
+        // An unaligned offset is refused with nothing stored or moved.
         let e = store
-            .store_pages((80 << 10) + 512, pages[10..].iter().copied(), &mut replaced)
+            .store_pages((80 << 10) + 512, &mut second, &mut replaced)
             .unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+        assert_eq!(second.folios().len(), 10);
         // Overlap the second half: five of the first ten come back.
         store
-            .store_pages(80 << 10, pages[10..].iter().copied(), &mut replaced)
+            .store_pages(80 << 10, &mut second, &mut replaced)
             .unwrap();
-        assert_eq!(replaced, pages[5..10].to_vec());
+        assert!(second.folios().is_empty());
+        let mut back_pages = replaced.pages();
+        back_pages.sort_by_key(|p| p.pfn());
+        let mut want = all[5..10].to_vec();
+        want.sort_by_key(|p| p.pfn());
+        assert_eq!(back_pages, want);
         let mut back = vec![0u8; 15 * PAGE_SIZE];
         store.read_at(60 << 10, &mut [&mut back]).unwrap();
         for (i, chunk) in back.chunks(PAGE_SIZE).enumerate() {
             let want = if i < 5 { i + 1 } else { i + 6 } as u8;
             assert!(chunk.iter().all(|&b| b == want), "block {i}");
         }
-        alloc.free_pages_bulk(&replaced);
+        drop(replaced);
         assert_eq!(store.stored_pages(), 15);
         // A copied, unaligned write lands in the stored pages and in new
         // zeroed pages for blocks never written.
@@ -574,9 +582,34 @@ mod tests {
         assert!(back[..3096].iter().all(|&b| b == 0));
         assert!(back[3096..].iter().all(|&b| b == 0xee));
         assert!(store.write_at(1 << 20, &[&[0u8; 512]]).is_err());
-        assert!(store
-            .store_pages(1 << 20, pages[..1].iter().copied(), &mut replaced)
-            .is_err());
+        // Past the end, a compound folio, or another arena's page: refused,
+        // nothing moved.
+        let mut replaced = FolioBuffer::new(&alloc);
+        let mut one = FolioBuffer::new(&alloc);
+        assert!(one.push_alloc(Gfp::KERNEL, 0));
+        assert!(store.store_pages(1 << 20, &mut one, &mut replaced).is_err());
+        let mut big = FolioBuffer::new(&alloc);
+        assert!(big.push_alloc(Gfp::KERNEL, 1));
+        let e = store.store_pages(0, &mut big, &mut replaced).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+        let other = arena();
+        let mut foreign = FolioBuffer::new(&other);
+        assert!(foreign.push_alloc(Gfp::KERNEL, 0));
+        let e = store
+            .store_pages(0, &mut foreign, &mut replaced)
+            .unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+        assert_eq!(
+            (
+                one.folios().len(),
+                big.folios().len(),
+                foreign.folios().len()
+            ),
+            (1, 1, 1)
+        );
+        assert!(replaced.folios().is_empty());
+        drop((one, big, foreign, replaced));
+        other.leak_check().unwrap();
         drop(store);
         alloc.leak_check().unwrap();
     }

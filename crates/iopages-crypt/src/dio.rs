@@ -5,15 +5,22 @@
 //! Owns: checking a request's alignment before anything is pinned,
 //! pinning exactly the pages an I/O covers for exactly as long as the
 //! kernel may touch them, and turning the bio into the iovecs the ring
-//! takes. Must never: return with pins held (success or error), or hand
+//! takes. Must never: return with pins held (success or error), hand
 //! the ring a misaligned O_DIRECT request — those are refused with a clear
-//! `InvalidInput`, or bounced by [`UringFile`] when bouncing is allowed.
+//! `InvalidInput`, or bounced by [`UringFile`] when bouncing is allowed —
+//! or reach a buffer's bytes other than through the buffer: a bio's
+//! segments become slices with [`iopages::Bio::slices`], borrowed from
+//! the [`FolioBuffer`] that owns them, so this file has no `unsafe`.
 
 use crate::backend::{check_range, Backend};
 use crate::uring::UringFile;
 use iopages::{Bio, BioLimits, FolioBuffer, Page, PageAllocator};
 use std::io;
 use std::sync::Arc;
+
+fn invalid(e: iopages::BioError) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, e.to_string())
+}
 
 /// Direct I/O between folio buffers of one arena and a file.
 pub struct DirectFile {
@@ -99,7 +106,7 @@ impl DirectFile {
         } else {
             Bio::from_pages_by_page(&self.alloc, pages, offset, len, self.limits)
         };
-        b.map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))
+        b.map_err(invalid)
     }
 
     fn release(&self, bio: Bio) {
@@ -115,60 +122,6 @@ impl DirectFile {
         let b = self.limits.max_segments * self.limits.max_segment_bytes;
         // Whole pages, so that every bio but the last stays aligned.
         (b / iopages::PAGE_SIZE * iopages::PAGE_SIZE).max(iopages::PAGE_SIZE)
-    }
-
-    /// Write `len` bytes from byte `offset` of the memory `pages` lists
-    /// (each folio's frames in order, as [`FolioBuffer::pages`] returns)
-    /// to the file at `file_offset`.
-    ///
-    /// **Context:** blocks until the I/O completes. **Returns:**
-    /// `InvalidInput` before anything is pinned for a range outside the
-    /// buffer or the file, or misaligned for O_DIRECT; the file's error
-    /// otherwise. No pin is left either way.
-    pub fn write_pages(
-        &self,
-        file_offset: u64,
-        pages: &[Page],
-        offset: usize,
-        len: usize,
-    ) -> io::Result<()> {
-        self.each_bio(file_offset, pages, offset, len, |at, bio| {
-            // SAFETY: the segments lie in the arena, in pages the caller's
-            // buffer owns; they are pinned until `each_bio` releases the
-            // bio, after the ring has reaped every completion.
-            let segs: Vec<&[u8]> = bio
-                .iovecs(&self.alloc)
-                .map(|(p, l)| unsafe { std::slice::from_raw_parts(p.cast_const(), l) })
-                .collect();
-            self.file.write_at(at, &segs)
-        })
-    }
-
-    /// Read `len` bytes at `file_offset` into byte `offset` onwards of the
-    /// memory `pages` lists.
-    ///
-    /// **Context / Returns:** as [`DirectFile::write_pages`].
-    ///
-    /// # Safety
-    /// Nothing else may read or write those bytes during the call (the
-    /// kernel writes them). [`DirectFile::read`] guarantees it with
-    /// `&mut FolioBuffer`.
-    pub unsafe fn read_pages(
-        &self,
-        file_offset: u64,
-        pages: &[Page],
-        offset: usize,
-        len: usize,
-    ) -> io::Result<()> {
-        self.each_bio(file_offset, pages, offset, len, |at, bio| {
-            // SAFETY: as in `write_pages`; the caller guarantees nobody
-            // else touches these bytes, and the segments do not overlap.
-            let mut segs: Vec<&mut [u8]> = bio
-                .iovecs(&self.alloc)
-                .map(|(p, l)| unsafe { std::slice::from_raw_parts_mut(p, l) })
-                .collect();
-            self.file.read_at(at, &mut segs)
-        })
     }
 
     /// Check the request, then cut it into bios: build each (pinning),
@@ -196,9 +149,15 @@ impl DirectFile {
         Ok(())
     }
 
-    /// Write `buf[range]` to the file at `file_offset`.
+    /// Write `buf[range]` to the file at `file_offset`: the buffer's
+    /// pages are pinned, built into bios folio by folio, and the bios'
+    /// segments handed to the ring as slices borrowed from `buf`.
     ///
-    /// **Context / Returns:** as [`DirectFile::write_pages`].
+    /// **Context:** blocks until the I/O completes. **Returns:**
+    /// `InvalidInput` before anything is pinned for a range outside the
+    /// buffer or the file, a buffer of another arena, or a request
+    /// misaligned for O_DIRECT; the file's error otherwise. No pin is left
+    /// either way.
     pub fn write(
         &self,
         file_offset: u64,
@@ -206,12 +165,17 @@ impl DirectFile {
         range: std::ops::Range<usize>,
     ) -> io::Result<()> {
         self.check_buffer(buf, &range)?;
-        self.write_pages(file_offset, &buf.pages(), range.start, range.len())
+        let pages = buf.pages();
+        self.each_bio(file_offset, &pages, range.start, range.len(), |at, bio| {
+            let segs = bio.slices(buf).map_err(invalid)?;
+            self.file.write_at(at, &segs)
+        })
     }
 
-    /// Read the file at `file_offset` into `buf[range]`.
+    /// Read the file at `file_offset` into `buf[range]`; `&mut buf` keeps
+    /// every other access to those bytes out while the kernel writes them.
     ///
-    /// **Context / Returns:** as [`DirectFile::write_pages`].
+    /// **Context / Returns:** as [`DirectFile::write`].
     pub fn read(
         &self,
         file_offset: u64,
@@ -220,8 +184,10 @@ impl DirectFile {
     ) -> io::Result<()> {
         self.check_buffer(buf, &range)?;
         let pages = buf.pages();
-        // SAFETY: `&mut buf` excludes every other access to its bytes.
-        unsafe { self.read_pages(file_offset, &pages, range.start, range.len()) }
+        self.each_bio(file_offset, &pages, range.start, range.len(), |at, bio| {
+            let mut segs = bio.slices_mut(buf).map_err(invalid)?;
+            self.file.read_at(at, &mut segs)
+        })
     }
 
     fn check_buffer(&self, buf: &FolioBuffer, range: &std::ops::Range<usize>) -> io::Result<()> {

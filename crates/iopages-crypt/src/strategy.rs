@@ -8,6 +8,11 @@
 //! hand out a page twice, or lose count of a page (the limit counter goes
 //! back to zero when every write has completed).
 //!
+//! A write's pages are owned by the [`FolioBuffer`] inside its
+//! [`OutPages`], which hands out their bytes; the only `unsafe` here is
+//! where a page the mempool or the bulk call returned as a plain
+//! [`Page`] passes into that buffer's ownership (`push_raw`).
+//!
 //! - `PerPage` — one mempool allocation per page (the seed's baseline).
 //! - `Bulk` — the page allocator's bulk API for as many pages as it gives,
 //!   then the mempool's bulk allocation for the rest (seed 000).
@@ -24,7 +29,8 @@
 //! E3 compares the two.
 
 use iopages::{
-    ElementSource, Gfp, Mempool, Page, PageAllocator, PageSource, PercpuCounter, MAX_ORDER,
+    ElementSource, FolioBuffer, Gfp, Mempool, Page, PageAllocator, PageSource, PercpuCounter,
+    MAX_ORDER,
 };
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Arc;
@@ -73,34 +79,92 @@ pub enum LimitCheck {
 pub const DEFAULT_LIMIT_PERCENT: usize = 2;
 
 /// A write's out pages: blocks of `2^order` pages that together hold at
-/// least the pages asked for, in order.
-#[derive(Debug, Default)]
+/// least the pages asked for, in order, owned by a [`FolioBuffer`] (which
+/// hands out their bytes) and counted against the device's limit until
+/// [`OutAllocator::free`] or [`OutAllocator::hand_over`].
 pub struct OutPages {
-    blocks: Vec<(Page, u32)>,
+    buf: FolioBuffer,
+    /// Pages counted against the limit for this write.
     nr_pages: usize,
 }
 
 impl OutPages {
     /// The blocks, in order: (first page, order).
-    pub fn blocks(&self) -> &[(Page, u32)] {
-        &self.blocks
+    pub fn blocks(&self) -> Vec<(Page, u32)> {
+        self.buf
+            .folios()
+            .iter()
+            .map(|f| (f.page(), f.order()))
+            .collect()
     }
 
-    /// Pages held (counting every page of every block).
+    /// Pages counted for this write (every page of every block).
     pub fn nr_pages(&self) -> usize {
         self.nr_pages
     }
 
     /// Every page, in order.
-    pub fn pages(&self) -> impl Iterator<Item = Page> + '_ {
-        self.blocks
-            .iter()
-            .flat_map(|&(p, o)| (0..1u32 << o).map(move |i| Page::from_pfn(p.pfn() + i)))
+    pub fn pages(&self) -> impl Iterator<Item = Page> {
+        self.buf.pages().into_iter()
     }
 
-    fn push(&mut self, page: Page, order: u32) {
-        self.blocks.push((page, order));
+    /// The buffer that owns the pages: their bytes (`runs_mut`), and the
+    /// pages themselves for a backend that keeps them (moved out with
+    /// `push_from`, before [`OutAllocator::hand_over`]). Only the target
+    /// moves pages out, so the count stays right.
+    pub(crate) fn buffer_mut(&mut self) -> &mut FolioBuffer {
+        &mut self.buf
+    }
+
+    /// Move the blocks past the first `nr_pages` pages to a new
+    /// `OutPages` (each keeps counting its own pages). `nr_pages` must
+    /// fall on a block boundary (split first).
+    ///
+    /// **Context:** never blocks. Panics if it does not.
+    pub fn split_off(&mut self, nr_pages: usize) -> OutPages {
+        let mut pages = 0;
+        let at = self
+            .buf
+            .folios()
+            .iter()
+            .position(|f| {
+                let here = pages;
+                pages += f.nr_pages();
+                here >= nr_pages
+            })
+            .unwrap_or(self.buf.folios().len());
+        let tail = self.buf.split_off(at);
+        let moved: usize = tail.folios().iter().map(|f| f.nr_pages()).sum();
+        assert_eq!(
+            self.nr_pages - moved,
+            nr_pages.min(self.nr_pages),
+            "split_off: page {nr_pages} is inside a block (split first)"
+        );
+        self.nr_pages -= moved;
+        OutPages {
+            buf: tail,
+            nr_pages: moved,
+        }
+    }
+
+    /// Take ownership of a page of the device's arena.
+    ///
+    /// # Safety
+    /// As [`FolioBuffer::push_raw`]: the caller owns the block and gives
+    /// it up.
+    unsafe fn push_raw(&mut self, page: Page, order: u32) {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.buf.push_raw(page, order) };
         self.nr_pages += 1 << order;
+    }
+}
+
+impl std::fmt::Debug for OutPages {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OutPages")
+            .field("blocks", &self.blocks())
+            .field("nr_pages", &self.nr_pages)
+            .finish()
     }
 }
 
@@ -333,14 +397,18 @@ impl OutAllocator {
     /// allocator serves without reclaim; at the limit, or when it is short,
     /// the mempool's reserve serves or the call waits for a free).
     pub fn alloc(&self, nr_pages: usize) -> OutPages {
-        let mut out = OutPages::default();
-        out.blocks.reserve(nr_pages);
+        let mut out = OutPages {
+            buf: FolioBuffer::with_capacity(&self.alloc, nr_pages),
+            nr_pages: 0,
+        };
         match self.strategy() {
             Strategy::PerPage => self.fill_per_page(&mut out, nr_pages),
             Strategy::Bulk => self.fill_bulk(&mut out, nr_pages),
             Strategy::Compound => self.fill_compound(&mut out, nr_pages),
         }
-        debug_assert!(out.nr_pages >= nr_pages);
+        debug_assert!(
+            out.nr_pages >= nr_pages && out.nr_pages * iopages::PAGE_SIZE == out.buf.len()
+        );
         self.limit.allocated.add(out.nr_pages as i64);
         out
     }
@@ -362,7 +430,10 @@ impl OutAllocator {
 
     fn fill_per_page(&self, out: &mut OutPages, nr_pages: usize) {
         for _ in 0..nr_pages {
-            out.push(self.pool_page(), 0);
+            let p = self.pool_page();
+            // SAFETY: the mempool handed the page to this call alone; its
+            // source allocates order-0 pages of `self.alloc`.
+            unsafe { out.push_raw(p, 0) };
         }
     }
 
@@ -387,7 +458,10 @@ impl OutAllocator {
             }
         }
         for p in slots {
-            out.push(p.expect("every slot filled"), 0);
+            // SAFETY: each slot was filled by this call, by the bulk
+            // allocator or the mempool (order-0 pages of `self.alloc`),
+            // and nobody else saw the page.
+            unsafe { out.push_raw(p.expect("every slot filled"), 0) };
         }
     }
 
@@ -396,17 +470,18 @@ impl OutAllocator {
         while remaining > 0 {
             let Some(g) = self.source_gfp() else { break };
             let mut order = (usize::BITS - 1 - remaining.leading_zeros()).min(COMPOUND_MAX_ORDER);
-            let mut block = None;
+            let mut got = None;
             while order > 0 {
-                if let Some(p) = self.alloc.alloc_pages(g | Gfp::NORETRY | Gfp::COMP, order) {
-                    block = Some((p, order));
+                // A folio: a compound block (`Gfp::COMP`).
+                if out.buf.push_alloc(g | Gfp::NORETRY, order) {
+                    got = Some(order);
                     break;
                 }
                 order -= 1;
             }
-            match block {
-                Some((p, o)) => {
-                    out.push(p, o);
+            match got {
+                Some(o) => {
+                    out.nr_pages += 1 << o;
                     remaining -= 1 << o;
                     self.direct_pages.add(1 << o);
                     self.compound_blocks.add(1);
@@ -415,9 +490,7 @@ impl OutAllocator {
             }
         }
         // Order-0 pages for the rest, through the mempool as dm-crypt does.
-        for _ in 0..remaining {
-            out.push(self.pool_page(), 0);
-        }
+        self.fill_per_page(out, remaining);
     }
 
     /// Free a write's out pages (the write completed). Order-0 pages go
@@ -425,46 +498,42 @@ impl OutAllocator {
     ///
     /// **Context:** never blocks.
     pub fn free(&self, out: OutPages) {
-        let mut singles = Vec::with_capacity(out.blocks.len());
-        for &(p, o) in &out.blocks {
-            if o == 0 {
-                singles.push(p);
+        assert!(
+            out.buf.allocator().same_allocator(&self.alloc),
+            "free: out pages of another device's arena"
+        );
+        let nr_pages = out.nr_pages;
+        let folios = out.buf.into_raw();
+        let mut singles = Vec::with_capacity(folios.len());
+        for f in folios {
+            if f.order() == 0 {
+                singles.push(f.page());
             } else {
-                self.alloc.free_pages(p, o);
+                self.alloc.free_pages(f.page(), f.order());
             }
         }
         self.pool.free_bulk(&mut singles);
-        self.limit.allocated.add(-(out.nr_pages as i64));
+        self.limit.allocated.add(-(nr_pages as i64));
     }
 
     /// Split every high-order block of `out` into order-0 pages, so that
     /// each can later be freed (or stored) on its own. The pages and their
     /// count against the limit are unchanged.
     pub fn split(&self, out: &mut OutPages) {
-        if out.blocks.iter().all(|&(_, o)| o == 0) {
-            return;
-        }
-        let mut singles = Vec::with_capacity(out.nr_pages);
-        for &(p, o) in &out.blocks {
-            self.alloc.split_page(p, o);
-            singles.extend((0..1u32 << o).map(|i| (Page::from_pfn(p.pfn() + i), 0)));
-        }
-        out.blocks = singles;
+        out.buf.split_folios();
     }
 
-    /// The first `nr_pages` pages of `out` (order-0 after [`Self::split`])
-    /// now belong to a backend that keeps them: they leave the device's
-    /// count; any pages past them are freed.
+    /// A backend took every page out of `out`'s buffer and keeps them:
+    /// they leave the device's count.
     ///
-    /// **Context:** never blocks. Panics if `out` still has high-order
-    /// blocks or fewer than `nr_pages` pages.
-    pub fn hand_over(&self, mut out: OutPages, nr_pages: usize) {
+    /// **Context:** never blocks. Panics if the buffer still holds a page
+    /// (free those with [`Self::free`] instead).
+    pub fn hand_over(&self, out: OutPages) {
         assert!(
-            out.blocks.iter().all(|&(_, o)| o == 0) && out.nr_pages >= nr_pages,
-            "hand_over: split the out pages first and hand over no more than they hold"
+            out.buf.folios().is_empty(),
+            "hand_over: {} blocks are still in the out buffer",
+            out.buf.folios().len()
         );
-        let mut extra: Vec<Page> = out.blocks.drain(nr_pages..).map(|(p, _)| p).collect();
-        self.pool.free_bulk(&mut extra);
         self.limit.allocated.add(-(out.nr_pages as i64));
     }
 
@@ -473,8 +542,18 @@ impl OutAllocator {
     /// counted against the limit.
     ///
     /// **Context:** never blocks.
-    pub fn free_replaced(&self, pages: &mut Vec<Page>) {
-        self.pool.free_bulk(pages);
+    pub fn free_replaced(&self, replaced: FolioBuffer) {
+        assert!(
+            replaced.allocator().same_allocator(&self.alloc),
+            "free_replaced: pages of another arena"
+        );
+        let folios = replaced.into_raw();
+        assert!(
+            folios.iter().all(|f| f.order() == 0),
+            "free_replaced: a stored page is always order-0"
+        );
+        let mut pages: Vec<Page> = folios.iter().map(|f| f.page()).collect();
+        self.pool.free_bulk(&mut pages);
     }
 
     /// Pages held in the mempool's reserve.

@@ -6,8 +6,12 @@
 //! [`PageStore`], hand them over and free the
 //! pages they replace); a read — read the ciphertext from the backend into
 //! the caller's buffer and decrypt it in place. Must never: leave out
-//! pages allocated after a write returns (success or error), or write a
-//! request that is not whole sectors.
+//! pages allocated after a write returns (success or error), write a
+//! request that is not whole sectors, or reach page memory through an
+//! address: the out pages' bytes come from the [`iopages::FolioBuffer`]
+//! that owns them (`runs_mut`). The one page-related `unsafe` left is
+//! [`CryptTarget::write_with_buffer`], which lends a caller's plain pages
+//! to such a buffer on the strength of its documented contract.
 //!
 //! This is the synchronous core, safe to call from many threads at once;
 //! [`crate::queue::CryptQueue`] puts a queue depth and worker threads in
@@ -15,7 +19,7 @@
 
 use crate::backend::{Backend, PageStore};
 use crate::strategy::{LimitCheck, OutAllocator, OutPages, Strategy};
-use iopages::{Gfp, Page, PageAllocator, PercpuCounter, PAGE_SIZE};
+use iopages::{FolioBuffer, Gfp, Page, PageAllocator, PercpuCounter, PAGE_SIZE};
 use parking_lot::Mutex;
 use std::cell::Cell;
 use std::io;
@@ -51,6 +55,10 @@ pub trait SectorCipher: Send + Sync {
     fn encrypt_sectors_streaming(&self, sector: u64, src: &[u8], dst: &mut [u8]) -> io::Result<()> {
         self.encrypt_sectors(sector, src, dst)
     }
+}
+
+fn other(e: iopages::Error) -> io::Error {
+    io::Error::other(e.to_string())
 }
 
 fn cipher_error(e: crate::Error) -> io::Error {
@@ -421,9 +429,9 @@ impl<C: SectorCipher> CryptTarget<C> {
         let result = match self.store_for(offset, data.len()) {
             Some(store) => self.write_to_store(store, sector, offset, data, out, timed),
             None => {
-                let r = self.encrypt_and_submit(sector, offset, data, out.blocks().iter().copied());
+                let r = self.encrypt_and_submit(sector, offset, data, out.buffer_mut());
                 let t = now(timed);
-                self.out.free(std::mem::take(&mut out));
+                self.out.free(out);
                 account(&self.counters.free_ns, t);
                 r
             }
@@ -444,17 +452,17 @@ impl<C: SectorCipher> CryptTarget<C> {
         timed: bool,
     ) -> io::Result<()> {
         let nr_pages = data.len() / PAGE_SIZE;
-        let encrypted = self.encrypt(sector, data, out.blocks().iter().copied(), |_| {});
+        let encrypted = self.encrypt(sector, data, out.buffer_mut(), |_| {});
         let t = now(timed);
         let mut result = encrypted;
         if result.is_ok() {
             self.out.split(&mut out);
-            let mut replaced = Vec::with_capacity(nr_pages);
-            let pages = out.blocks()[..nr_pages].iter().map(|&(p, _)| p);
-            result = store.store_pages(offset, pages, &mut replaced);
+            self.out.free(out.split_off(nr_pages));
+            let mut replaced = FolioBuffer::with_capacity(&self.alloc, nr_pages);
+            result = store.store_pages(offset, out.buffer_mut(), &mut replaced);
             if result.is_ok() {
-                self.out.hand_over(out, nr_pages);
-                self.out.free_replaced(&mut replaced);
+                self.out.hand_over(out);
+                self.out.free_replaced(replaced);
                 account(&self.counters.free_ns, t);
                 return Ok(());
             }
@@ -464,45 +472,30 @@ impl<C: SectorCipher> CryptTarget<C> {
         result
     }
 
-    /// Encrypt `data` into `blocks` in order, passing each filled run's
-    /// bytes to `each`. Blocks that follow each other in the arena are
-    /// encrypted (and passed on) as one run: one cipher call and one
+    /// Encrypt `data` into the first bytes of `out`, passing each filled
+    /// run's bytes to `each`. Pages that follow each other in the arena
+    /// are encrypted (and passed on) as one run: one cipher call and one
     /// segment instead of one per page.
-    fn encrypt<'a>(
-        &'a self,
+    fn encrypt<'o>(
+        &self,
         sector: u64,
         data: &[u8],
-        blocks: impl Iterator<Item = (Page, u32)>,
-        mut each: impl FnMut(&'a [u8]),
+        out: &'o mut FolioBuffer,
+        mut each: impl FnMut(&'o [u8]),
     ) -> io::Result<()> {
+        debug_assert!(out.len() >= data.len());
         let ss = self.cipher.sector_size();
         let mut done = 0;
-        let mut blocks = blocks.peekable();
-        while let Some((page, order)) = blocks.next() {
+        for run in out.runs_mut() {
             if done == data.len() {
                 break;
             }
-            let mut run = PAGE_SIZE << order;
-            let mut next_pfn = page.pfn() as usize + (1 << order);
-            while done + run < data.len() {
-                match blocks.peek() {
-                    Some(&(p, o)) if p.pfn() as usize == next_pfn => {
-                        run += PAGE_SIZE << o;
-                        next_pfn += 1 << o;
-                        blocks.next();
-                    }
-                    _ => break,
-                }
-            }
-            let n = run.min(data.len() - done);
-            // SAFETY: the run's blocks are allocated to this write until
-            // they are freed or handed over, follow each other in the
-            // arena, and lie inside its mapping.
-            let dst = unsafe { std::slice::from_raw_parts_mut(self.alloc.page_address(page), n) };
+            let n = run.len().min(data.len() - done);
+            let dst = run.split_at_mut(n).0;
             self.cipher.encrypt_sectors_streaming(
                 sector + (done / ss) as u64,
                 &data[done..done + n],
-                dst,
+                &mut *dst,
             )?;
             each(dst);
             done += n;
@@ -516,50 +509,82 @@ impl<C: SectorCipher> CryptTarget<C> {
         sector: u64,
         offset: u64,
         data: &[u8],
-        blocks: impl Iterator<Item = (Page, u32)>,
+        out: &mut FolioBuffer,
     ) -> io::Result<()> {
-        // One segment per out block, trimmed to the request's length.
+        // One segment per run of out pages, trimmed to the request's length.
         let mut segments: Vec<&[u8]> = Vec::with_capacity(data.len().div_ceil(PAGE_SIZE));
-        self.encrypt(sector, data, blocks, |seg| segments.push(seg))?;
+        self.encrypt(sector, data, out, |seg| segments.push(seg))?;
         self.backend.write_at(offset, &segments)
     }
 
     /// Write through out pages the caller keeps instead of allocated ones:
     /// the same pipeline with no allocation, the ceiling the strategies
-    /// are measured against. `buf` holds order-0 pages of this target's
-    /// arena, owned by the caller; it is topped up with fresh pages if it
-    /// holds fewer than the write needs. On a page store the pages are
-    /// handed over and the pages they replace take their place in `buf`.
+    /// are measured against. `buf` holds order-0 folios of this target's
+    /// arena; it is topped up with fresh pages if it holds fewer than the
+    /// write needs. On a page store the pages are handed over and the
+    /// pages they replace take their place in `buf`.
     ///
-    /// **Context / Returns:** as [`CryptTarget::write`]. The caller frees
-    /// `buf`'s pages (`free_pages_bulk`) when done with it.
+    /// **Context / Returns:** as [`CryptTarget::write`]; `InvalidInput`
+    /// (nothing written) for a buffer of another arena.
+    pub fn write_with_folios(
+        &self,
+        offset: u64,
+        data: &[u8],
+        buf: &mut FolioBuffer,
+    ) -> io::Result<()> {
+        let sector = self.check(offset, data.len())?;
+        if !buf.allocator().same_allocator(&self.alloc) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "the out buffer belongs to another arena than the target's",
+            ));
+        }
+        let nr_pages = data.len().div_ceil(PAGE_SIZE);
+        let start = now(self.timed.load(Ordering::Relaxed));
+        while buf.folios().len() < nr_pages {
+            let got = buf.push_alloc(Gfp::NOIO | Gfp::NOFAIL, 0);
+            assert!(got, "a NOFAIL allocation never fails");
+        }
+        // The pages past this write's wait aside, and go back after it.
+        let mut rest = buf.split_off(nr_pages);
+        let result = match self.store_for(offset, data.len()) {
+            Some(store) => self.encrypt(sector, data, buf, |_| {}).and_then(|()| {
+                let mut replaced = FolioBuffer::with_capacity(&self.alloc, nr_pages);
+                store.store_pages(offset, buf, &mut replaced)?;
+                buf.append(&mut replaced).map_err(other)
+            }),
+            None => self.encrypt_and_submit(sector, offset, data, buf),
+        };
+        buf.append(&mut rest)
+            .expect("the pages set aside are of the buffer's own arena");
+        self.finish_write(data.len(), &result, start);
+        result
+    }
+
+    /// [`CryptTarget::write_with_folios`] for a buffer kept as plain
+    /// pages: `buf` must hold order-0 pages of this target's arena that the
+    /// caller owns and lends to the write (nothing else touches or frees
+    /// them during the call). Prefer `write_with_folios`, whose buffer
+    /// proves that ownership.
+    ///
+    /// **Context / Returns:** as [`CryptTarget::write_with_folios`]. The
+    /// caller frees `buf`'s pages ([`CryptTarget::free_buffer`]) when done
+    /// with it.
     pub fn write_with_buffer(
         &self,
         offset: u64,
         data: &[u8],
         buf: &mut Vec<Page>,
     ) -> io::Result<()> {
-        let sector = self.check(offset, data.len())?;
-        let nr_pages = data.len().div_ceil(PAGE_SIZE);
-        let start = now(self.timed.load(Ordering::Relaxed));
-        while buf.len() < nr_pages {
-            let p = self
-                .alloc
-                .alloc_pages(Gfp::NOIO | Gfp::NOFAIL, 0)
-                .expect("a NOFAIL allocation never fails");
-            buf.push(p);
+        let mut folios = FolioBuffer::with_capacity(&self.alloc, buf.len());
+        for p in buf.drain(..) {
+            // SAFETY: this function's contract: `buf` holds order-0 pages
+            // of this arena that the caller owns and lends to the call; the
+            // buffer gives them back below, without freeing them.
+            unsafe { folios.push_raw(p, 0) };
         }
-        let blocks = buf[..nr_pages].iter().map(|&p| (p, 0));
-        let result = match self.store_for(offset, data.len()) {
-            Some(store) => self.encrypt(sector, data, blocks, |_| {}).and_then(|()| {
-                let mut replaced = Vec::with_capacity(nr_pages);
-                store.store_pages(offset, buf.drain(..nr_pages), &mut replaced)?;
-                buf.append(&mut replaced);
-                Ok(())
-            }),
-            None => self.encrypt_and_submit(sector, offset, data, blocks),
-        };
-        self.finish_write(data.len(), &result, start);
+        let result = self.write_with_folios(offset, data, &mut folios);
+        buf.extend(folios.into_raw().iter().map(|f| f.page()));
         result
     }
 
@@ -605,7 +630,7 @@ impl<C: SectorCipher> CryptTarget<C> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::RamDisk;
+    use crate::backend::{PageStore, RamDisk};
 
     /// A stand-in cipher for the target's own logic: each byte XORed with
     /// its sector number and position, so misplaced sectors show up. The
@@ -661,10 +686,8 @@ mod tests {
             rlim_max: 0,
         };
         // SAFETY: `lim` is a valid out-parameter.
-        assert_eq!(
-            unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) },
-            0
-        );
+        let rc = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) };
+        assert_eq!(rc, 0);
         if lim.rlim_cur >= 64 << 10 {
             assert!(pool.keys_locked());
         }
@@ -706,6 +729,69 @@ mod tests {
                 alloc.leak_check().unwrap();
             }
         }
+    }
+
+    #[test]
+    fn writes_through_a_kept_out_buffer_read_back_and_leave_only_its_pages() {
+        let alloc = PageAllocator::builder()
+            .size_bytes(32 << 20)
+            .huge_pages(iopages::HugePages::Never)
+            .build()
+            .unwrap();
+        let ram: Arc<dyn Backend> = Arc::new(RamDisk::new(1 << 20).unwrap());
+        let store: Arc<dyn Backend> = Arc::new(PageStore::new(&alloc, 1 << 20).unwrap());
+        for backend in [ram, store] {
+            let t =
+                CryptTarget::new(&alloc, Tagged(512), backend, TargetConfig::default()).unwrap();
+            let mut folios = FolioBuffer::new(&alloc);
+            let mut pages = Vec::new();
+            let mut model = vec![0u8; 1 << 20];
+            // Start from a device of encrypted zeros, as after a format.
+            t.write(0, &model).unwrap();
+            // Page-aligned (handed to a page store) and not, longer and
+            // shorter than the buffers, through both kinds of buffer.
+            let writes = [
+                (0, 8192),
+                (4096, 3 * 4096),
+                (512, 1536),
+                (65536, 20 * 4096),
+                (8192, 4096),
+            ];
+            for (k, &(offset, len)) in writes.iter().enumerate() {
+                let data: Vec<u8> = (0..len).map(|i| (i * 7 + k) as u8).collect();
+                if k % 2 == 0 {
+                    t.write_with_folios(offset as u64, &data, &mut folios)
+                        .unwrap();
+                } else {
+                    t.write_with_buffer(offset as u64, &data, &mut pages)
+                        .unwrap();
+                }
+                model[offset..offset + len].copy_from_slice(&data);
+            }
+            let mut back = vec![0u8; 1 << 20];
+            t.read(0, &mut back).unwrap();
+            assert!(back == model, "read-back differs");
+            assert!(
+                folios.len() >= 8192 && !pages.is_empty(),
+                "the buffers are kept"
+            );
+            // A buffer of another arena is refused before anything moves.
+            let other = PageAllocator::builder()
+                .size_bytes(8 << 20)
+                .huge_pages(iopages::HugePages::Never)
+                .build()
+                .unwrap();
+            let mut foreign = FolioBuffer::new(&other);
+            let e = t
+                .write_with_folios(0, &[0; 4096], &mut foreign)
+                .unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+            drop(foreign);
+            other.leak_check().unwrap();
+            t.free_buffer(&mut pages);
+            drop((folios, t));
+        }
+        alloc.leak_check().unwrap();
     }
 
     #[test]

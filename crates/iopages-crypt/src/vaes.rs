@@ -169,8 +169,16 @@ unsafe fn xts_pass<const NR: usize, const DEC: bool, const NT: bool>(
     let mut k = [_mm256_setzero_si256(); 15];
     let mut kt = [_mm256_setzero_si256(); 15];
     for r in 0..=NR {
-        k[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128(keys[r].as_ptr().cast()));
-        kt[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128(tweak_keys[r].as_ptr().cast()));
+        // SAFETY: each round key is 16 readable bytes; `loadu` needs no
+        // alignment.
+        let (kr, ktr) = unsafe {
+            (
+                _mm_loadu_si128(keys[r].as_ptr().cast()),
+                _mm_loadu_si128(tweak_keys[r].as_ptr().cast()),
+            )
+        };
+        k[r] = _mm256_broadcastsi128_si256(kr);
+        kt[r] = _mm256_broadcastsi128_si256(ktr);
     }
     let batch_bytes = job.sector_bytes * FIRST_TWEAK_BATCH;
     let mut first = [0u8; 16 * FIRST_TWEAK_BATCH];
@@ -185,9 +193,12 @@ unsafe fn xts_pass<const NR: usize, const DEC: bool, const NT: bool>(
             iv[..8].copy_from_slice(&sector.to_le_bytes());
             iv[8..].fill(0);
         }
-        encrypt_16::<NR>(&kt, &mut first);
+        // SAFETY: this function's caller promised AES-NI, AVX2 and VAES.
+        unsafe { encrypt_16::<NR>(&kt, &mut first) };
         for (s, out) in out_batch.chunks_exact_mut(job.sector_bytes).enumerate() {
-            let t = _mm_loadu_si128(first.as_ptr().add(16 * s).cast());
+            // SAFETY: a batch holds at most FIRST_TWEAK_BATCH sectors, so
+            // the 16 bytes at `16 * s` lie inside `first`.
+            let t = unsafe { _mm_loadu_si128(first[16 * s..16 * s + 16].as_ptr().cast()) };
             tw = first_tweaks(t);
             let offset = b * batch_bytes + s * job.sector_bytes;
             for (c, step) in out.chunks_exact_mut(STEP_BYTES).enumerate() {
@@ -198,7 +209,10 @@ unsafe fn xts_pass<const NR: usize, const DEC: bool, const NT: bool>(
                 };
                 let mut x = [_mm256_setzero_si256(); 8];
                 for j in 0..8 {
-                    let p = _mm256_loadu_si256(i.add(32 * j).cast());
+                    // SAFETY: `i` starts STEP_BYTES (256) readable bytes,
+                    // of `src` or of this step of `dst`; `loadu` needs no
+                    // alignment.
+                    let p = unsafe { _mm256_loadu_si256(i.add(32 * j).cast()) };
                     x[j] = _mm256_xor_si256(p, _mm256_xor_si256(tw[j], k[0]));
                 }
                 for kr in &k[1..NR] {
@@ -220,10 +234,15 @@ unsafe fn xts_pass<const NR: usize, const DEC: bool, const NT: bool>(
                     } else {
                         _mm256_aesenclast_epi128(x[j], last)
                     };
-                    if NT {
-                        _mm256_stream_si256(o.add(32 * j).cast(), y);
-                    } else {
-                        _mm256_storeu_si256(o.add(32 * j).cast(), y);
+                    // SAFETY: `o` starts this step's 256 writable bytes of
+                    // `dst`; with `NT` the caller promised `dst` 32-byte
+                    // aligned, and steps and offsets are multiples of 32.
+                    unsafe {
+                        if NT {
+                            _mm256_stream_si256(o.add(32 * j).cast(), y);
+                        } else {
+                            _mm256_storeu_si256(o.add(32 * j).cast(), y);
+                        }
                     }
                     tw[j] = mul_alpha16(tw[j]);
                 }
@@ -250,7 +269,9 @@ unsafe fn encrypt_16<const NR: usize>(k: &[__m256i; 15], blocks: &mut [u8; 256])
     let p = blocks.as_mut_ptr();
     let mut x = [_mm256_setzero_si256(); 8];
     for (j, xj) in x.iter_mut().enumerate() {
-        *xj = _mm256_xor_si256(_mm256_loadu_si256(p.add(32 * j).cast()), k[0]);
+        // SAFETY: `32 * j + 32 <= 256`, inside `blocks`; `loadu` needs no
+        // alignment.
+        *xj = _mm256_xor_si256(unsafe { _mm256_loadu_si256(p.add(32 * j).cast()) }, k[0]);
     }
     for kr in &k[1..NR] {
         for xj in &mut x {
@@ -259,7 +280,9 @@ unsafe fn encrypt_16<const NR: usize>(k: &[__m256i; 15], blocks: &mut [u8; 256])
         round_barrier(&mut x);
     }
     for (j, xj) in x.iter().enumerate() {
-        _mm256_storeu_si256(p.add(32 * j).cast(), _mm256_aesenclast_epi128(*xj, k[NR]));
+        let y = _mm256_aesenclast_epi128(*xj, k[NR]);
+        // SAFETY: as the loads above, into the exclusively borrowed array.
+        unsafe { _mm256_storeu_si256(p.add(32 * j).cast(), y) };
     }
 }
 
@@ -353,8 +376,11 @@ fn wipe<const N: usize>(regs: &mut [__m256i; N]) {
 #[target_feature(enable = "aes")]
 unsafe fn expand_key(key: &[u8], out: &mut RoundKeys) {
     let mut rk = [_mm_setzero_si128(); 15];
+    assert!(key.len() == 16 || key.len() == 32);
     if key.len() == 16 {
-        rk[0] = _mm_loadu_si128(key.as_ptr().cast());
+        // SAFETY: the key holds 16 readable bytes; `loadu` needs no
+        // alignment.
+        rk[0] = unsafe { _mm_loadu_si128(key.as_ptr().cast()) };
         macro_rules! step {
             ($i:expr, $rcon:expr) => {
                 rk[$i] = expand_step(rk[$i - 1], _mm_aeskeygenassist_si128::<$rcon>(rk[$i - 1]));
@@ -371,8 +397,10 @@ unsafe fn expand_key(key: &[u8], out: &mut RoundKeys) {
         step!(9, 0x1b);
         step!(10, 0x36);
     } else {
-        rk[0] = _mm_loadu_si128(key.as_ptr().cast());
-        rk[1] = _mm_loadu_si128(key.as_ptr().add(16).cast());
+        // SAFETY: the key holds 32 readable bytes.
+        rk[0] = unsafe { _mm_loadu_si128(key[..16].as_ptr().cast()) };
+        // SAFETY: as above, its second half.
+        rk[1] = unsafe { _mm_loadu_si128(key[16..].as_ptr().cast()) };
         // Even round keys: RotWord+SubWord of the previous key's last
         // word, with the round constant.
         macro_rules! even {
@@ -403,10 +431,13 @@ unsafe fn expand_key(key: &[u8], out: &mut RoundKeys) {
         even!(14, 0x40);
     }
     for (o, r) in out.iter_mut().zip(rk.iter()) {
-        _mm_storeu_si128(o.as_mut_ptr().cast(), *r);
+        // SAFETY: each round key is 16 writable bytes; `storeu` needs no
+        // alignment.
+        unsafe { _mm_storeu_si128(o.as_mut_ptr().cast(), *r) };
     }
     for r in rk.iter_mut() {
-        core::ptr::write_volatile(r, _mm_setzero_si128());
+        // SAFETY: `r` is a valid, aligned, exclusive reference.
+        unsafe { core::ptr::write_volatile(r, _mm_setzero_si128()) };
     }
 }
 
@@ -437,12 +468,15 @@ fn expand_mix(prev: __m128i, g: __m128i) -> __m128i {
 #[target_feature(enable = "aes")]
 unsafe fn invert_keys(enc: &RoundKeys, rounds: usize, dec: &mut RoundKeys) {
     for r in 0..=rounds {
-        let k = _mm_loadu_si128(enc[rounds - r].as_ptr().cast());
+        // SAFETY: each round key is 16 readable bytes (`rounds` is 10 or
+        // 14, below the 15 keys); `loadu` needs no alignment.
+        let k = unsafe { _mm_loadu_si128(enc[rounds - r].as_ptr().cast()) };
         let k = if r == 0 || r == rounds {
             k
         } else {
             _mm_aesimc_si128(k)
         };
-        _mm_storeu_si128(dec[r].as_mut_ptr().cast(), k);
+        // SAFETY: as the load, into the exclusively borrowed keys.
+        unsafe { _mm_storeu_si128(dec[r].as_mut_ptr().cast(), k) };
     }
 }

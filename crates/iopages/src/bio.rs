@@ -6,9 +6,14 @@
 //! a page or folio range into the previous segment when it continues it;
 //! building a bio from a page array folio by folio, pinning each folio
 //! once for all the pages it covers (seed 002), with the page-by-page
-//! builder kept as the baseline; releasing the pins folio by folio. Must
-//! never: cover a byte twice or skip one, exceed its limits (an add that
-//! would is refused and changes nothing), or leave pins behind on an error.
+//! builder kept as the baseline; releasing the pins folio by folio; and
+//! the segments as slices borrowed from the [`crate::FolioBuffer`] that
+//! owns their memory (for `readv`/`writev` and the backends), checked to
+//! lie inside it. Must never: cover a byte twice or skip one, exceed its
+//! limits (an add that would is refused and changes nothing), leave pins
+//! behind on an error, or turn a segment into a slice of memory the
+//! buffer it is given does not own (this file has no `unsafe`: the buffer
+//! makes the slices).
 //!
 //! The folio-aware builder trusts the page array to list each folio's
 //! frames in order, as an address range's frames are (what
@@ -16,7 +21,8 @@
 //! of each run it skips (all of them with the allocator's checks on) and
 //! falls back to one page when that check fails.
 
-use crate::{Page, PageAllocator, PAGE_SIZE};
+use crate::{FolioBuffer, Page, PageAllocator, PAGE_SIZE};
+use std::io::{IoSlice, IoSliceMut};
 
 /// One segment: `len` bytes from `offset` bytes into frame `page`,
 /// continuing into the frames after it when longer than the rest of that
@@ -87,6 +93,18 @@ pub enum BioError {
         len: usize,
         /// The size it must fit in.
         limit: usize,
+    },
+    /// A segment is not memory of the buffer its bytes were asked from.
+    #[error("segment {index} (arena byte {start}, {len} bytes): {why}")]
+    NotInBuffer {
+        /// The segment's index.
+        index: usize,
+        /// Its first byte, counted from the arena's start.
+        start: usize,
+        /// Its length.
+        len: usize,
+        /// What is wrong with it.
+        why: &'static str,
     },
     /// The limits themselves are unusable.
     #[error("bio limits need at least one segment of at least one page, got {0:?}")]
@@ -402,17 +420,86 @@ impl Bio {
     }
 
     /// The segments as (address, length) in the arena's mapping — what an
-    /// iovec array for `readv`/`writev` or io_uring holds.
+    /// iovec array for io_uring holds. Only addresses: reaching the bytes
+    /// takes [`Bio::slices`] / [`Bio::slices_mut`] and the buffer that owns
+    /// them.
     pub fn iovecs<'a>(
         &'a self,
         alloc: &'a PageAllocator,
     ) -> impl Iterator<Item = (*mut u8, usize)> + 'a {
         self.segs.iter().map(move |s| {
-            // SAFETY (of the arithmetic): the segment lies inside the arena,
-            // so the offset stays inside its mapping.
-            let p = unsafe { alloc.page_address(s.page).add(s.offset as usize) };
+            let p = alloc.page_address(s.page).wrapping_add(s.offset as usize);
             (p, s.len as usize)
         })
+    }
+
+    /// The segments as byte slices of `buf`, the buffer whose memory the
+    /// bio was built over, in order: what `write_at` of a backend or
+    /// `writev` takes. The slices borrow `buf`.
+    ///
+    /// **Returns:** [`BioError::NotInBuffer`] when a segment leaves the
+    /// buffer's folios (a bio built over other memory).
+    pub fn slices<'b>(&self, buf: &'b FolioBuffer) -> Result<Vec<&'b [u8]>, BioError> {
+        let ranges = self.arena_ranges();
+        buf.arena_slices(&ranges)
+            .map_err(|k| self.outside(k, "not in the buffer's folios"))
+    }
+
+    /// The segments as writable byte slices of `buf`, in order: what
+    /// `read_at` of a backend or `readv` fills. The slices borrow `buf`
+    /// mutably, so nothing else touches those bytes while they live.
+    ///
+    /// **Returns:** [`BioError::NotInBuffer`] when a segment leaves the
+    /// buffer's folios or overlaps another segment (one byte cannot be
+    /// filled twice through two slices).
+    pub fn slices_mut<'b>(&self, buf: &'b mut FolioBuffer) -> Result<Vec<&'b mut [u8]>, BioError> {
+        let ranges = self.arena_ranges();
+        buf.arena_slices_mut(&ranges).map_err(|k| {
+            self.outside(
+                k,
+                "not in the buffer's folios, or overlapping another segment",
+            )
+        })
+    }
+
+    /// [`Bio::slices`] as [`IoSlice`]s, for `write_vectored` / `writev`.
+    ///
+    /// **Returns:** as [`Bio::slices`].
+    pub fn io_slices<'b>(&self, buf: &'b FolioBuffer) -> Result<Vec<IoSlice<'b>>, BioError> {
+        Ok(self.slices(buf)?.into_iter().map(IoSlice::new).collect())
+    }
+
+    /// [`Bio::slices_mut`] as [`IoSliceMut`]s, for `read_vectored` /
+    /// `readv`.
+    ///
+    /// **Returns:** as [`Bio::slices_mut`].
+    pub fn io_slices_mut<'b>(
+        &self,
+        buf: &'b mut FolioBuffer,
+    ) -> Result<Vec<IoSliceMut<'b>>, BioError> {
+        Ok(self
+            .slices_mut(buf)?
+            .into_iter()
+            .map(IoSliceMut::new)
+            .collect())
+    }
+
+    /// Each segment as (arena byte, length).
+    fn arena_ranges(&self) -> Vec<(usize, usize)> {
+        self.segs
+            .iter()
+            .map(|s| (s.start(), s.len as usize))
+            .collect()
+    }
+
+    fn outside(&self, index: usize, why: &'static str) -> BioError {
+        let s = self.segs[index];
+        BioError::NotInBuffer {
+            index,
+            start: s.start(),
+            len: s.len as usize,
+            why,
+        }
     }
 }
 

@@ -5,16 +5,28 @@
 //! folio (a tail frame's owner word names its head), pin counts kept on the
 //! head frame (one atomic add of N pins N pages, as the kernel's
 //! `_pincount`), and [`FolioBuffer`]: N bytes as large folios, preferring a
-//! configured size and falling back to smaller ones. Must never: free a
-//! pinned folio ([`PageAllocator::folio_put`] refuses with
-//! [`Error::Pinned`]), or let an unpin take more pins than were taken (it
-//! panics, naming the frame).
+//! configured size and falling back to smaller ones; the buffer is the
+//! owner of its folios, so it alone hands out their bytes — per folio, per
+//! physically contiguous run, or per arena range (what a bio's segments
+//! name) — and it alone moves a folio to another buffer of the same arena.
+//! Must never: free a pinned folio ([`PageAllocator::folio_put`] refuses
+//! with [`Error::Pinned`]), let an unpin take more pins than were taken (it
+//! panics, naming the frame), or hand out a view of bytes it does not own
+//! or two views of the same bytes of which one is writable.
 //!
 //! Pins are valid for every allocated frame: they are zero whenever a
 //! frame is free, and only this module changes them. The raw
 //! [`PageAllocator::free_pages`] checks them too, except on the order-0
 //! fast path with checks off, which never reads a frame — free folios with
 //! `folio_put`.
+//!
+//! The `unsafe` here is all of one kind: turning folios the buffer owns
+//! into slices of the arena's mapping. It rests on one invariant of
+//! [`FolioBuffer`]: every folio in it lies inside the arena, is owned by
+//! this buffer alone (allocated here, moved in from another buffer of the
+//! same arena, or handed in through the `unsafe` [`FolioBuffer::push_raw`])
+//! and appears once — so distinct folios never overlap, and a borrow of
+//! the buffer is a borrow of their bytes.
 
 use crate::{flags, Error, Gfp, Page, PageAllocator, Result, MAX_ORDER, PAGE_SIZE};
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed};
@@ -201,6 +213,7 @@ impl PageAllocator {
             alloc: self.clone(),
             folios: Vec::new(),
             len: len_bytes,
+            held: 0,
         };
         let mut left = len_bytes.div_ceil(PAGE_SIZE);
         while left > 0 {
@@ -226,6 +239,7 @@ impl PageAllocator {
                 )));
             };
             left -= folio.nr_pages();
+            buf.held += folio.size_bytes();
             buf.folios.push(folio);
         }
         Ok(buf)
@@ -239,6 +253,8 @@ pub struct FolioBuffer {
     alloc: PageAllocator,
     folios: Vec<Folio>,
     len: usize,
+    /// Bytes of all the folios (`len` rounded up to the last folio's end).
+    held: usize,
 }
 
 impl FolioBuffer {
@@ -345,8 +361,396 @@ impl FolioBuffer {
         while let Some(&f) = self.folios.last() {
             self.alloc.folio_put(f)?;
             self.folios.pop();
+            self.held -= f.size_bytes();
+            self.len = self.len.min(self.held);
         }
         Ok(())
+    }
+}
+
+/// Ownership moves and borrowed views: everything a consumer needs to use
+/// a buffer's bytes without touching an address.
+impl FolioBuffer {
+    /// An empty buffer of `alloc`'s folios, filled with
+    /// [`FolioBuffer::push_alloc`], [`FolioBuffer::push_from`] or
+    /// [`FolioBuffer::push_raw`].
+    ///
+    /// **Context:** never blocks; allocates nothing but the handle.
+    pub fn new(alloc: &PageAllocator) -> FolioBuffer {
+        FolioBuffer {
+            alloc: alloc.clone(),
+            folios: Vec::new(),
+            len: 0,
+            held: 0,
+        }
+    }
+
+    /// An empty buffer with room for `nr_folios` folios before its list
+    /// grows.
+    ///
+    /// **Context:** never blocks.
+    pub fn with_capacity(alloc: &PageAllocator, nr_folios: usize) -> FolioBuffer {
+        let mut b = FolioBuffer::new(alloc);
+        b.folios.reserve(nr_folios);
+        b
+    }
+
+    /// Append a folio the caller already owns; the buffer grows to its
+    /// end (a partial last folio becomes whole first).
+    ///
+    /// **Context:** never blocks. Panics if the block leaves the arena.
+    ///
+    /// # Safety
+    /// The block of 2^`order` frames at `page` must have been allocated
+    /// from this buffer's allocator (compound when `order > 0`, as
+    /// [`PageAllocator::folio_alloc`] makes it), be owned by the caller,
+    /// and be neither freed nor read or written by anyone else from here
+    /// on: the buffer owns it, hands out its bytes and frees it.
+    pub unsafe fn push_raw(&mut self, page: Page, order: u32) {
+        let end = page.pfn() as usize + (1usize << order);
+        assert!(
+            order <= MAX_ORDER && end <= self.alloc.arena().nr_pages(),
+            "push_raw: pfn {} order {order} is not a block of this arena",
+            page.pfn()
+        );
+        self.push(Folio { head: page, order });
+    }
+
+    /// Allocate a folio of 2^`order` frames and append it.
+    ///
+    /// **Context / Returns:** as [`PageAllocator::folio_alloc`]; `false`
+    /// (the buffer unchanged) where that returns `None`.
+    pub fn push_alloc(&mut self, gfp: Gfp, order: u32) -> bool {
+        match self.alloc.folio_alloc(gfp, order) {
+            Some(f) => {
+                self.push(f);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Move `other`'s last folio to the end of this buffer.
+    ///
+    /// **Context:** never blocks. **Returns:** the folio's index here,
+    /// `None` (nothing moved) when `other` is empty; `BadSetting` when the
+    /// buffers belong to different arenas.
+    pub fn push_from(&mut self, other: &mut FolioBuffer) -> Result<Option<usize>> {
+        self.check_same(other)?;
+        let Some(f) = other.folios.pop() else {
+            return Ok(None);
+        };
+        other.held -= f.size_bytes();
+        other.len = other.len.min(other.held);
+        self.push(f);
+        Ok(Some(self.folios.len() - 1))
+    }
+
+    /// Move all of `other`'s folios, in order, to the end of this buffer.
+    ///
+    /// **Context:** never blocks. **Returns:** `BadSetting` (nothing
+    /// moved) when the buffers belong to different arenas.
+    pub fn append(&mut self, other: &mut FolioBuffer) -> Result<()> {
+        self.check_same(other)?;
+        for f in std::mem::take(&mut other.folios) {
+            self.push(f);
+        }
+        other.len = 0;
+        other.held = 0;
+        Ok(())
+    }
+
+    /// Exchange folio `i` of this buffer with folio `j` of `other` (same
+    /// order), each buffer keeping its length.
+    ///
+    /// **Context:** never blocks. **Returns:** `BadSetting` (nothing
+    /// moved) for buffers of different arenas or folios of different
+    /// orders. Panics if an index is out of range.
+    pub fn swap_folio(&mut self, i: usize, other: &mut FolioBuffer, j: usize) -> Result<()> {
+        self.check_same(other)?;
+        let (a, b) = (self.folios[i], other.folios[j]);
+        if a.order != b.order {
+            return Err(Error::setting(
+                "swap_folio",
+                format!("orders {} and {}", a.order, b.order),
+                "only folios of one order can be exchanged",
+            ));
+        }
+        std::mem::swap(&mut self.folios[i], &mut other.folios[j]);
+        Ok(())
+    }
+
+    /// Move folios `at..` to a new buffer; this one keeps `..at` and its
+    /// length shrinks to their end at most.
+    ///
+    /// **Context:** never blocks. Panics if `at` is past the last folio.
+    pub fn split_off(&mut self, at: usize) -> FolioBuffer {
+        let folios = self.folios.split_off(at);
+        let moved: usize = folios.iter().map(|f| f.size_bytes()).sum();
+        self.held -= moved;
+        let len = self.len.saturating_sub(self.held).min(moved);
+        self.len = self.len.min(self.held);
+        FolioBuffer {
+            alloc: self.alloc.clone(),
+            folios,
+            len,
+            held: moved,
+        }
+    }
+
+    /// Split every compound folio into order-0 folios (the kernel's
+    /// `split_folio`), in place: the same frames and bytes, each frame now
+    /// a folio of its own that can move to another buffer alone.
+    ///
+    /// **Context:** never blocks. Panics if a compound folio is pinned.
+    pub fn split_folios(&mut self) {
+        if self.folios.iter().all(|f| f.order == 0) {
+            return;
+        }
+        let mut singles = Vec::with_capacity(self.held / PAGE_SIZE);
+        for &f in &self.folios {
+            if f.order > 0 {
+                assert_eq!(
+                    self.alloc.folio_pins(f),
+                    0,
+                    "split_folios: pfn {} is pinned",
+                    f.head.pfn()
+                );
+                self.alloc.split_page(f.head, f.order);
+            }
+            singles.extend((0..f.nr_pages()).map(|i| Folio {
+                head: f.page_at(i),
+                order: 0,
+            }));
+        }
+        self.folios = singles;
+    }
+
+    /// Give up ownership of the folios without freeing them: the caller
+    /// frees them ([`PageAllocator::folio_put`], or the mempool they came
+    /// from).
+    pub fn into_raw(mut self) -> Vec<Folio> {
+        self.len = 0;
+        self.held = 0;
+        std::mem::take(&mut self.folios)
+    }
+
+    /// The whole of folio `i`'s bytes (past `len()` too, for the last).
+    ///
+    /// **Context:** never blocks. Panics if `i` is out of range.
+    pub fn folio_bytes(&self, i: usize) -> &[u8] {
+        let f = self.folios[i];
+        // SAFETY: by the buffer's invariant (module docs) the folio lies in
+        // the arena's mapping, which `self.alloc` keeps alive, and only
+        // `&mut self` writes it; `&self` is borrowed for the slice's life.
+        unsafe { std::slice::from_raw_parts(self.alloc.page_address(f.head), f.size_bytes()) }
+    }
+
+    /// The whole of folio `i`'s bytes, writable.
+    ///
+    /// **Context:** never blocks. Panics if `i` is out of range.
+    pub fn folio_bytes_mut(&mut self, i: usize) -> &mut [u8] {
+        let f = self.folios[i];
+        // SAFETY: as in `folio_bytes`; `&mut self`, borrowed for the
+        // slice's life, makes it the only view of the buffer's bytes.
+        unsafe { std::slice::from_raw_parts_mut(self.alloc.page_address(f.head), f.size_bytes()) }
+    }
+
+    /// The buffer's `len()` bytes as writable runs: folios that follow
+    /// each other in the arena make one slice (one cipher call, one I/O
+    /// segment), in order.
+    pub fn runs_mut(&mut self) -> impl Iterator<Item = &mut [u8]> + '_ {
+        let (alloc, folios) = (&self.alloc, &self.folios[..]);
+        let (mut left, mut i) = (self.len, 0);
+        std::iter::from_fn(move || {
+            if left == 0 || i == folios.len() {
+                return None;
+            }
+            let first = folios[i];
+            let (mut bytes, mut end) = (first.size_bytes(), first.head.pfn() + (1 << first.order));
+            i += 1;
+            while bytes < left && i < folios.len() && folios[i].head.pfn() == end {
+                bytes += folios[i].size_bytes();
+                end += 1 << folios[i].order;
+                i += 1;
+            }
+            let n = bytes.min(left);
+            left -= n;
+            // SAFETY: the run is folios `first..i` of this buffer, which
+            // follow each other in the arena (each starts where the one
+            // before ends), so `n` bytes from the first are one range of
+            // the mapping that the buffer alone owns (module docs); every
+            // run covers other folios, and `&mut self` is borrowed for as
+            // long as any of them lives.
+            Some(unsafe { std::slice::from_raw_parts_mut(alloc.page_address(first.head), n) })
+        })
+    }
+
+    /// Copy `src` into the buffer from byte `offset` on.
+    ///
+    /// **Context:** never blocks. **Returns:** `BadSetting` (nothing
+    /// copied) when the range leaves `len()`.
+    pub fn write_at(&mut self, offset: usize, src: &[u8]) -> Result<()> {
+        self.check_range("write_at", offset, src.len())?;
+        let (mut pos, mut done) = (0, 0);
+        for chunk in self.chunks_mut() {
+            if done == src.len() {
+                break;
+            }
+            let at = offset + done;
+            if at < pos + chunk.len() {
+                let from = at - pos;
+                let n = (chunk.len() - from).min(src.len() - done);
+                chunk[from..from + n].copy_from_slice(&src[done..done + n]);
+                done += n;
+            }
+            pos += chunk.len();
+        }
+        Ok(())
+    }
+
+    /// Copy bytes from `offset` on into `dst`.
+    ///
+    /// **Context:** never blocks. **Returns:** `BadSetting` (nothing
+    /// copied) when the range leaves `len()`.
+    pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.check_range("read_at", offset, dst.len())?;
+        let (mut pos, mut done) = (0, 0);
+        for chunk in self.chunks() {
+            if done == dst.len() {
+                break;
+            }
+            let at = offset + done;
+            if at < pos + chunk.len() {
+                let from = at - pos;
+                let n = (chunk.len() - from).min(dst.len() - done);
+                dst[done..done + n].copy_from_slice(&chunk[from..from + n]);
+                done += n;
+            }
+            pos += chunk.len();
+        }
+        Ok(())
+    }
+
+    /// Views of arena byte ranges `(start, len)` (what bio segments name),
+    /// each of which must lie inside this buffer's folios.
+    ///
+    /// **Returns:** the index of the first range that does not.
+    pub(crate) fn arena_slices(
+        &self,
+        ranges: &[(usize, usize)],
+    ) -> std::result::Result<Vec<&[u8]>, usize> {
+        let runs = self.arena_runs();
+        let base = self.alloc.page_address(Page::from_pfn(0));
+        let mut out = Vec::with_capacity(ranges.len());
+        for (k, &(start, len)) in ranges.iter().enumerate() {
+            if !Self::covered(&runs, start, len) {
+                return Err(k);
+            }
+            // SAFETY: the range lies inside folios this buffer owns
+            // (checked just above against them), so inside the mapping that
+            // starts at pfn 0's address; only `&mut self` writes them and
+            // `&self` is borrowed for the slices' life.
+            out.push(unsafe { std::slice::from_raw_parts(base.add(start).cast_const(), len) });
+        }
+        Ok(out)
+    }
+
+    /// Writable views of arena byte ranges, which must lie inside this
+    /// buffer's folios and not overlap one another.
+    ///
+    /// **Returns:** the index of the first range that leaves the buffer
+    /// or overlaps another.
+    pub(crate) fn arena_slices_mut(
+        &mut self,
+        ranges: &[(usize, usize)],
+    ) -> std::result::Result<Vec<&mut [u8]>, usize> {
+        let runs = self.arena_runs();
+        if let Some(k) = ranges
+            .iter()
+            .position(|&(s, l)| !Self::covered(&runs, s, l))
+        {
+            return Err(k);
+        }
+        let mut order: Vec<usize> = (0..ranges.len()).collect();
+        order.sort_unstable_by_key(|&k| ranges[k].0);
+        for w in order.windows(2) {
+            let (a, b) = (ranges[w[0]], ranges[w[1]]);
+            if a.1 > 0 && b.1 > 0 && a.0 + a.1 > b.0 {
+                return Err(w[1]);
+            }
+        }
+        let base = self.alloc.page_address(Page::from_pfn(0));
+        Ok(ranges
+            .iter()
+            .map(|&(start, len)| {
+                // SAFETY: as in `arena_slices`, and the ranges were checked
+                // not to overlap, so with `&mut self` borrowed for their
+                // life each is the only view of its bytes.
+                unsafe { std::slice::from_raw_parts_mut(base.add(start), len) }
+            })
+            .collect())
+    }
+
+    fn push(&mut self, f: Folio) {
+        self.len = self.held + f.size_bytes();
+        self.held = self.len;
+        self.folios.push(f);
+    }
+
+    fn check_same(&self, other: &FolioBuffer) -> Result<()> {
+        if self.alloc.same_allocator(&other.alloc) {
+            Ok(())
+        } else {
+            Err(Error::setting(
+                "other",
+                "a buffer of another arena",
+                "folios move only between buffers of one arena",
+            ))
+        }
+    }
+
+    fn check_range(&self, what: &'static str, offset: usize, len: usize) -> Result<()> {
+        if offset.checked_add(len).is_some_and(|end| end <= self.len) {
+            Ok(())
+        } else {
+            Err(Error::setting(
+                what,
+                format!("{len} bytes at {offset}"),
+                format!("the buffer holds {} bytes", self.len),
+            ))
+        }
+    }
+
+    /// The folios as arena byte ranges `[start, end)`, sorted, adjacent
+    /// ones merged.
+    fn arena_runs(&self) -> Vec<(usize, usize)> {
+        let mut v: Vec<(usize, usize)> = self
+            .folios
+            .iter()
+            .map(|f| {
+                let s = f.head.pfn() as usize * PAGE_SIZE;
+                (s, s + f.size_bytes())
+            })
+            .collect();
+        v.sort_unstable();
+        v.dedup_by(|b, a| {
+            if a.1 == b.0 {
+                a.1 = b.1;
+                true
+            } else {
+                false
+            }
+        });
+        v
+    }
+
+    fn covered(runs: &[(usize, usize)], start: usize, len: usize) -> bool {
+        let Some(end) = start.checked_add(len) else {
+            return false;
+        };
+        let i = runs.partition_point(|r| r.0 <= start);
+        i > 0 && end <= runs[i - 1].1
     }
 }
 
@@ -357,7 +761,9 @@ impl Drop for FolioBuffer {
         while !self.folios.is_empty() {
             if let Err(e) = self.release() {
                 eprintln!("iopages: dropping a FolioBuffer: {e}; the folio is leaked");
-                self.folios.pop();
+                if let Some(f) = self.folios.pop() {
+                    self.held -= f.size_bytes();
+                }
             }
         }
     }
@@ -384,7 +790,7 @@ mod tests {
                 let p = f.page_at(i);
                 assert_eq!(a.page_folio(p), f, "order {order} frame {i}");
                 assert_eq!(f.index_of(p), Some(i));
-                let addr = unsafe { a.page_address(p).add(100) };
+                let addr = a.page_address(p).wrapping_add(100).cast_const();
                 assert_eq!(a.folio_of_address(addr), Some((f, i * PAGE_SIZE + 100)));
             }
             assert_eq!(
@@ -501,5 +907,125 @@ mod tests {
             }
         }
         a.leak_check().unwrap();
+    }
+
+    #[test]
+    fn folios_move_between_buffers_of_one_arena_and_are_freed_once() {
+        let a = arena();
+        let mut x = FolioBuffer::with_capacity(&a, 4);
+        let mut y = FolioBuffer::new(&a);
+        assert!(x.is_empty() && x.push_alloc(Gfp::KERNEL, 0) && x.push_alloc(Gfp::KERNEL, 2));
+        assert!(y.push_alloc(Gfp::KERNEL, 0));
+        assert_eq!(x.len(), 5 * PAGE_SIZE);
+        x.folio_bytes_mut(0).fill(1);
+        y.folio_bytes_mut(0).fill(2);
+        // A swap exchanges ownership, bytes and all; lengths stay.
+        x.swap_folio(0, &mut y, 0).unwrap();
+        assert!(x.folio_bytes(0).iter().all(|&b| b == 2));
+        assert!(y.folio_bytes(0).iter().all(|&b| b == 1));
+        assert!(x.swap_folio(1, &mut y, 0).is_err(), "orders 2 and 0");
+        // Moves take the last folio; an empty source moves nothing.
+        assert_eq!(y.push_from(&mut x).unwrap(), Some(1));
+        assert_eq!((x.len(), y.len()), (PAGE_SIZE, 5 * PAGE_SIZE));
+        let mut tail = y.split_off(1);
+        assert_eq!((y.folios().len(), tail.folios().len()), (1, 1));
+        assert_eq!((y.len(), tail.len()), (PAGE_SIZE, 4 * PAGE_SIZE));
+        tail.append(&mut y).unwrap();
+        assert!(y.folios().is_empty() && y.is_empty());
+        assert_eq!(y.push_from(&mut FolioBuffer::new(&a)).unwrap(), None);
+        // Another arena's buffer is refused, nothing moved.
+        let b = arena();
+        let mut z = FolioBuffer::new(&b);
+        assert!(z.push_alloc(Gfp::KERNEL, 0));
+        assert!(z.push_from(&mut x).is_err() && x.push_from(&mut z).is_err());
+        assert!(x.append(&mut z).is_err() && x.swap_folio(0, &mut z, 0).is_err());
+        assert_eq!((x.folios().len(), z.folios().len()), (1, 1));
+        drop(z);
+        b.leak_check().unwrap();
+        // Given up, the folios are the caller's to free.
+        for f in tail.into_raw() {
+            a.folio_put(f).unwrap();
+        }
+        drop(x);
+        a.leak_check().unwrap();
+    }
+
+    #[test]
+    fn runs_join_folios_that_follow_each_other_and_cover_exactly_len() {
+        let a = arena();
+        let mut b = FolioBuffer::new(&a);
+        assert!(b.push_alloc(Gfp::KERNEL, 2));
+        b.split_folios();
+        assert_eq!(b.folios().len(), 4);
+        assert!(b.folios().iter().all(|f| f.order() == 0));
+        assert_eq!(
+            b.runs_mut().map(|r| r.len()).collect::<Vec<_>>(),
+            [4 * PAGE_SIZE]
+        );
+        // Reordered: [2, 3, 0, 1] is two runs of two frames.
+        let mut c = b.split_off(2);
+        c.append(&mut b).unwrap();
+        for (i, r) in c.runs_mut().enumerate() {
+            assert_eq!(r.len(), 2 * PAGE_SIZE);
+            r.fill(i as u8 + 1);
+        }
+        let v = c.to_vec();
+        assert!(v[..2 * PAGE_SIZE].iter().all(|&x| x == 1));
+        assert!(v[2 * PAGE_SIZE..].iter().all(|&x| x == 2));
+        // A buffer shorter than its folios: the runs stop at its length.
+        let mut d = a.alloc_buffer(Gfp::KERNEL, 3 * PAGE_SIZE + 100, 0).unwrap();
+        assert_eq!(
+            d.runs_mut().map(|r| r.len()).sum::<usize>(),
+            3 * PAGE_SIZE + 100
+        );
+        drop((c, d));
+        a.leak_check().unwrap();
+    }
+
+    #[test]
+    fn byte_copies_cross_folios_and_refuse_ranges_past_the_length() {
+        let a = arena();
+        let len = 3 * PAGE_SIZE + 100;
+        let mut b = a.alloc_buffer(Gfp::KERNEL | Gfp::ZERO, len, 1).unwrap();
+        let data: Vec<u8> = (0..5000u32).map(|i| (i % 251) as u8).collect();
+        for offset in [0, PAGE_SIZE - 1, 2 * PAGE_SIZE - 2500, len - data.len()] {
+            b.write_at(offset, &data).unwrap();
+            let mut back = vec![0; data.len()];
+            b.read_at(offset, &mut back).unwrap();
+            assert_eq!(back, data, "offset {offset}");
+            assert_eq!(b.to_vec()[offset..offset + data.len()], data[..]);
+        }
+        let before = b.to_vec();
+        for (offset, n) in [(len - 1, 2), (len + 1, 0), (usize::MAX, 1)] {
+            assert!(b.write_at(offset, &vec![9; n]).is_err(), "{offset}+{n}");
+            assert!(b.read_at(offset, &mut vec![0; n]).is_err());
+        }
+        assert_eq!(b.to_vec(), before, "a refused copy writes nothing");
+        b.write_at(len, &[]).unwrap();
+        drop(b);
+        a.leak_check().unwrap();
+    }
+
+    #[test]
+    fn a_raw_block_handed_in_is_owned_and_freed_by_the_buffer() {
+        let a = arena();
+        let mut b = FolioBuffer::new(&a);
+        let p = a.alloc_pages(Gfp::KERNEL, 0).unwrap();
+        // SAFETY: the page was just allocated here and is given up.
+        unsafe { b.push_raw(p, 0) };
+        b.folio_bytes_mut(0)[7] = 7;
+        assert_eq!(b.to_vec()[7], 7);
+        drop(b);
+        a.leak_check().unwrap();
+    }
+
+    #[test]
+    #[should_panic(expected = "is not a block of this arena")]
+    fn a_raw_block_outside_the_arena_is_refused() {
+        let a = arena();
+        let mut b = FolioBuffer::new(&a);
+        let past = Page::from_pfn(a.arena().nr_pages() as u32);
+        // SAFETY: refused before the buffer takes it.
+        unsafe { b.push_raw(past, 0) };
     }
 }

@@ -117,6 +117,7 @@ mod bio;
 mod folio;
 mod kvmalloc;
 mod mempool;
+mod page_io;
 mod pagecache;
 mod percpu_counter;
 mod vmalloc;

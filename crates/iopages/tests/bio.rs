@@ -211,3 +211,105 @@ fn a_folio_pinned_by_a_bio_cannot_be_freed_until_the_bio_is_released() {
     }
     assert_no_leaks(&alloc);
 }
+
+#[test]
+fn a_bios_segments_are_slices_of_the_buffer_that_owns_them_in_order() {
+    let alloc = builder(8).build().unwrap();
+    let mut buf = alloc.alloc_buffer(Gfp::KERNEL, 200 << 10, 2).unwrap();
+    let data: Vec<u8> = (0..200u32 << 10)
+        .map(|i| (i * 13 + i / 4096) as u8)
+        .collect();
+    buf.copy_from(&data).unwrap();
+    let pages = buf.pages();
+    let (offset, len) = (1000, 150 << 10);
+    let limits = BioLimits {
+        max_segments: 64,
+        max_segment_bytes: 8 << 10,
+    };
+    let bio = Bio::from_pages(&alloc, &pages, offset, len, limits).unwrap();
+    let read: Vec<u8> = bio.slices(&buf).unwrap().concat();
+    assert_eq!(read, data[offset..offset + len]);
+    let io = bio.io_slices(&buf).unwrap();
+    assert_eq!(io.len(), bio.segments().len());
+    assert_eq!(io.iter().map(|s| s.len()).sum::<usize>(), len);
+    // Writable slices fill exactly the bio's range of the buffer.
+    for s in bio.slices_mut(&mut buf).unwrap() {
+        s.fill(0xa5);
+    }
+    let after = buf.to_vec();
+    assert_eq!(after[..offset], data[..offset]);
+    assert!(after[offset..offset + len].iter().all(|&b| b == 0xa5));
+    assert_eq!(after[offset + len..], data[offset + len..]);
+    let total: usize = bio
+        .io_slices_mut(&mut buf)
+        .unwrap()
+        .iter()
+        .map(|s| s.len())
+        .sum();
+    assert_eq!(total, len);
+    bio.release(&alloc);
+    drop(buf);
+    assert_no_leaks(&alloc);
+}
+
+#[test]
+fn a_bio_over_other_memory_or_overlapping_itself_gets_no_slices() {
+    let alloc = builder(8).build().unwrap();
+    let mut buf = alloc.alloc_buffer(Gfp::KERNEL, 4 * PAGE_SIZE, 0).unwrap();
+    let stranger = alloc.folio_alloc(Gfp::KERNEL, 0).unwrap();
+    // One segment in the buffer, one in a folio it does not own.
+    let mut bio = Bio::new(BioLimits::default()).unwrap();
+    bio.add_folio(buf.folios()[1], 0, 100).unwrap();
+    bio.add_folio(stranger, 0, 100).unwrap();
+    for e in [
+        bio.slices(&buf).map(|_| ()).unwrap_err(),
+        bio.slices_mut(&mut buf).map(|_| ()).unwrap_err(),
+    ] {
+        assert!(
+            matches!(
+                e,
+                BioError::NotInBuffer {
+                    index: 1,
+                    len: 100,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+    bio.release(&alloc);
+    // The same bytes twice: readable twice, never writable twice.
+    let mut bio = Bio::new(BioLimits::default()).unwrap();
+    let f = buf.folios()[2];
+    bio.add_folio(f, 0, 100).unwrap();
+    bio.add_folio(f, 50, 100).unwrap();
+    assert_eq!(bio.slices(&buf).unwrap().len(), 2);
+    let e = bio.slices_mut(&mut buf).map(|_| ()).unwrap_err();
+    assert!(matches!(e, BioError::NotInBuffer { index: 1, .. }), "{e}");
+    // Touching (not overlapping) segments are fine.
+    let mut bio = Bio::new(BioLimits {
+        max_segments: 4,
+        max_segment_bytes: PAGE_SIZE,
+    })
+    .unwrap();
+    bio.add_folio(f, 100, 100).unwrap();
+    bio.add_folio(f, 0, 100).unwrap();
+    assert_eq!(bio.slices_mut(&mut buf).unwrap().len(), 2);
+    // A segment running past the buffer's last folio is refused.
+    let last = *buf.folios().last().unwrap();
+    let mut bio = Bio::new(BioLimits::default()).unwrap();
+    bio.add_page(last.page(), PAGE_SIZE - 10, 10).unwrap();
+    bio.add_page(Page::from_pfn(last.page().pfn() + 1), 0, 10)
+        .unwrap();
+    assert_eq!(bio.segments().len(), 1, "merged across the frame boundary");
+    if buf
+        .folios()
+        .iter()
+        .all(|f| f.page().pfn() != last.page().pfn() + 1)
+    {
+        assert!(bio.slices(&buf).is_err());
+    }
+    alloc.folio_put(stranger).unwrap();
+    drop(buf);
+    assert_no_leaks(&alloc);
+}
