@@ -15,11 +15,12 @@
 //! ns per page — and a clock check. Must never: hide a failed clock check,
 //! or assert a timing; targets are reported as met or not.
 
+use crate::harness::{Plot, PlotFile, Report};
 use crate::measure::{median, time_once, tsc_ghz, Sample, Summary};
 use crate::peers::{self, PeerResult, PeerState, PEERS};
-use crate::plot::{line_plot, Series};
+use crate::plot::Series;
 use crate::{met, round2};
-use crate::{progress, write_json, BenchError, BenchOptions};
+use crate::{progress, BenchError, BenchOptions};
 use iopages::{Arena, Gfp, HugePages, PageAllocator};
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
@@ -779,24 +780,23 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
     run_with_threads(opts, None)
 }
 
-/// Run E1 with the multi-thread part at `threads` (see [`mt_threads`];
-/// `None`: [`DEFAULT_MT_THREADS`]) and write its report.
-pub fn run_with_threads(
-    opts: &BenchOptions,
-    threads: Option<&[usize]>,
-) -> Result<Value, BenchError> {
-    let mt_threads = mt_threads(threads)?;
-    let (runs, pages_per_run) = if opts.quick {
-        (3, 1u64 << 20)
-    } else {
-        (7, 8u64 << 20)
-    };
-    let arena_bytes = arena_bytes_for(*mt_threads.last().expect("at least one thread count"));
-    progress(
-        "bulk",
-        format!("{runs} runs of {pages_per_run} pages per workload, two configurations"),
-    );
-    let ghz = tsc_ghz(Duration::from_millis(200));
+/// The peer comparison's sizes: the same workloads with each page's
+/// first byte written, in-process for iopages and one process per peer per
+/// run.
+struct PeerPlan {
+    /// Pages per single-thread workload.
+    peer_pages: u64,
+    /// Pages per pair: every pair moves the same number, so a point with
+    /// more threads does proportionally more work.
+    mt_pages: u64,
+    /// 0 (the single-object API), then [`BATCHES`].
+    st_batches: Vec<usize>,
+    mt_threads: Vec<usize>,
+    online: usize,
+}
+
+/// The two iopages configurations, each in an arena of `arena_bytes`.
+fn build_configs(arena_bytes: u64) -> Result<[Config; 2], BenchError> {
     let build = |tc: usize| {
         PageAllocator::builder()
             .size_bytes(arena_bytes)
@@ -806,7 +806,7 @@ pub fn run_with_threads(
             .thread_cache_pages(tc)
             .build()
     };
-    let configs = [
+    Ok([
         Config {
             name: "iopages",
             key: "default",
@@ -817,30 +817,13 @@ pub fn run_with_threads(
             key: "no_thread_cache",
             alloc: build(0)?,
         },
-    ];
-    let mut results: Vec<Results> = configs
-        .iter()
-        .map(|_| Results {
-            single: Vec::new(),
-            bulk: vec![Vec::new(); BATCHES.len()],
-        })
-        .collect();
-    // Warm every configuration and workload once, untimed.
-    for c in &configs {
-        single(&c.alloc, pages_per_run / 8)?;
-        for &b in &BATCHES {
-            bulk(&c.alloc, b, pages_per_run / 8)?;
-        }
-    }
-    // The peer comparison: the same workloads with each page's first byte
-    // written, in-process for iopages and one process per peer per run.
-    let peer_pages: u64 = if opts.quick { 64 << 10 } else { 512 << 10 };
-    // Pages per pair: every pair moves the same number, so a point with
-    // more threads does proportionally more work.
-    let mt_pages: u64 = if opts.quick { 32 << 10 } else { 1 << 20 };
-    let st_batches: Vec<usize> = std::iter::once(0).chain(BATCHES).collect();
-    let online = peers::online_cpus();
-    let mut peer_states: Vec<(&str, PeerState)> = if opts.peers {
+    ])
+}
+
+/// The peers, built (`--peers`) or each marked skipped; says which are
+/// unavailable.
+fn peer_states(opts: &BenchOptions) -> Vec<(&'static str, PeerState)> {
+    let states: Vec<(&'static str, PeerState)> = if opts.peers {
         progress(
             "bulk",
             format!("building peers into {}", opts.peers_dir.display()),
@@ -852,21 +835,46 @@ pub fn run_with_threads(
             .map(|&n| (n, PeerState::Unavailable("skipped (--no-peers)".into())))
             .collect()
     };
-    for (name, st) in &peer_states {
+    for (name, st) in &states {
         if let PeerState::Unavailable(why) = st {
             progress("bulk", format!("peer {name} unavailable: {why}"));
         }
     }
+    states
+}
+
+/// Warm every workload once, then `runs` runs interleaving the
+/// configurations and the peers (A B A B …). A peer that fails is marked
+/// unavailable and its figures dropped.
+fn measure_runs(
+    configs: &[Config],
+    plan: &PeerPlan,
+    peer_states: &mut [(&'static str, PeerState)],
+    runs: usize,
+    pages_per_run: u64,
+) -> Result<(Vec<Results>, Runs), BenchError> {
+    let mut results: Vec<Results> = configs
+        .iter()
+        .map(|_| Results {
+            single: Vec::new(),
+            bulk: vec![Vec::new(); BATCHES.len()],
+        })
+        .collect();
+    for c in configs {
+        single(&c.alloc, pages_per_run / 8)?;
+        for &b in &BATCHES {
+            bulk(&c.alloc, b, pages_per_run / 8)?;
+        }
+    }
+    let (peer_pages, mt_pages, online) = (plan.peer_pages, plan.mt_pages, plan.online);
     let mut peer_runs: Runs = BTreeMap::new();
     let touched = &configs[0].alloc;
     // The single-thread peer workloads run through one handle, the API a
     // worker loop calls (`LocalAllocator`), kept warm across runs.
     let mut local = touched.local();
-    for &b in &st_batches {
+    for &b in &plan.st_batches {
         peers::iopages_st(&mut local, b, peer_pages / 8 + 1)?;
     }
-
-    // Interleave configurations and peers run by run (A B A B ...).
     for run in 0..runs {
         for (c, r) in configs.iter().zip(results.iter_mut()) {
             r.single.push(single(&c.alloc, pages_per_run)?);
@@ -874,7 +882,7 @@ pub fn run_with_threads(
                 r.bulk[i].push(bulk(&c.alloc, b, pages_per_run)?);
             }
         }
-        for &b in &st_batches {
+        for &b in &plan.st_batches {
             let ns = peers::iopages_st(&mut local, b, peer_pages)?.ns;
             let r = PeerResult {
                 threads: None,
@@ -884,7 +892,7 @@ pub fn run_with_threads(
             };
             record(&mut peer_runs, "iopages", &r, online);
         }
-        for &t in &mt_threads {
+        for &t in &plan.mt_threads {
             for &b in &MT_BATCHES {
                 let r = peers::iopages_mt(touched, t, b, mt_pages)?;
                 record(&mut peer_runs, "iopages", &r, online);
@@ -898,8 +906,8 @@ pub fn run_with_threads(
                 bin,
                 peer_pages,
                 mt_pages,
-                &st_batches,
-                &mt_threads,
+                &plan.st_batches,
+                &plan.mt_threads,
                 &MT_BATCHES,
             ) {
                 Ok(res) => {
@@ -919,7 +927,7 @@ pub fn run_with_threads(
         }
         progress("bulk", format!("run {}/{runs} done", run + 1));
     }
-    for c in &configs {
+    for c in configs {
         if let Err(a) = c.alloc.leak_check() {
             return Err(BenchError::Workload(format!(
                 "{}: pages leaked after the benchmark: {a}",
@@ -927,7 +935,38 @@ pub fn run_with_threads(
             )));
         }
     }
+    Ok((results, peer_runs))
+}
 
+/// Run E1 with the multi-thread part at `threads` (see [`mt_threads`];
+/// `None`: [`DEFAULT_MT_THREADS`]) and write its report.
+pub fn run_with_threads(
+    opts: &BenchOptions,
+    threads: Option<&[usize]>,
+) -> Result<Value, BenchError> {
+    let mt_threads = mt_threads(threads)?;
+    let (runs, pages_per_run) = if opts.quick {
+        (3, 1u64 << 20)
+    } else {
+        (7, 8u64 << 20)
+    };
+    let arena_bytes = arena_bytes_for(*mt_threads.last().expect("at least one thread count"));
+    progress(
+        "bulk",
+        format!("{runs} runs of {pages_per_run} pages per workload, two configurations"),
+    );
+    let ghz = tsc_ghz(Duration::from_millis(200));
+    let configs = build_configs(arena_bytes)?;
+    let plan = PeerPlan {
+        peer_pages: if opts.quick { 64 << 10 } else { 512 << 10 },
+        mt_pages: if opts.quick { 32 << 10 } else { 1 << 20 },
+        st_batches: std::iter::once(0).chain(BATCHES).collect(),
+        mt_threads,
+        online: peers::online_cpus(),
+    };
+    let mut peer_states = peer_states(opts);
+    let (results, peer_runs) =
+        measure_runs(&configs, &plan, &mut peer_states, runs, pages_per_run)?;
     let single_sum: Vec<Summary> = results.iter().map(|r| Summary::of(&r.single)).collect();
     let bulk_sum: Vec<Vec<Summary>> = results
         .iter()
@@ -938,38 +977,70 @@ pub fn run_with_threads(
     let cmp = Comparison {
         runs: &peer_runs,
         states: &peer_states,
-        st_batches: &st_batches,
-        mt_threads: &mt_threads,
-        mt_pages,
-        online,
+        st_batches: &plan.st_batches,
+        mt_threads: &plan.mt_threads,
+        mt_pages: plan.mt_pages,
+        online: plan.online,
     };
     cmp.print(runs);
+    let def = &configs[0].alloc;
+    let settings = json!({
+        "quick": opts.quick,
+        "runs": runs,
+        "pages_per_run": pages_per_run,
+        "arena_bytes": arena_bytes,
+        "backing": format!("{:?}", def.arena().backing()),
+        "nr_cpus": def.nr_cpus(),
+        "mt_threads": plan.mt_threads,
+        "mt_pages_per_pair": plan.mt_pages,
+        "pcp_high_batch_order0": [def.pcp_limits().high[0], def.pcp_limits().batch[0]],
+        "tsc_ghz": round2(ghz),
+        "gfp": "KERNEL",
+    });
+    let body = Body {
+        summary: summary(def, &single_sum[0], &bulk_sum[0], &cmp),
+        configs: configs_json(&configs, &single_sum, &bulk_sum),
+        kernel_reference: kernel_reference(),
+    };
+    let plots = plots(&configs, &bulk_sum, &cmp);
+    Report::new("bulk", settings, body).emit(opts, &plots)
+}
 
-    let per_batch = |v: &[Summary], f: fn(&Summary) -> f64| -> Map<String, Value> {
+/// The report's fields beside `settings`.
+#[derive(serde::Serialize)]
+struct Body {
+    summary: Value,
+    configs: Value,
+    kernel_reference: Value,
+}
+
+/// The summary: the default configuration's figures, the seed's and the
+/// issue's targets, and the peer comparison.
+fn summary(def: &PageAllocator, single: &Summary, bulk: &[Summary], cmp: &Comparison) -> Value {
+    let per_batch = |f: fn(&Summary) -> f64| -> Map<String, Value> {
         BATCHES
             .iter()
-            .zip(v)
+            .zip(bulk)
             .map(|(b, s)| (b.to_string(), json!(round2(f(s)))))
             .collect()
     };
-    let def = &configs[0].alloc;
     let mut summary = json!({
-        "single_ns": round2(single_sum[0].ns),
-        "single_cycles": round2(single_sum[0].cycles),
-        "bulk_ns_per_page": per_batch(&bulk_sum[0], |s| s.ns),
-        "bulk_cycles_per_page": per_batch(&bulk_sum[0], |s| s.cycles),
+        "single_ns": round2(single.ns),
+        "single_cycles": round2(single.cycles),
+        "bulk_ns_per_page": per_batch(|s| s.ns),
+        "bulk_cycles_per_page": per_batch(|s| s.cycles),
         "metadata_bytes_per_frame": Arena::metadata_bytes_per_frame(),
         "pcp_max_pages": def.stats().pcp_max_pages,
         "thread_cache_max_pages": def.thread_cache_max_pages(),
     });
-    let bulk64 = bulk_sum[0][BATCHES
+    let bulk64 = bulk[BATCHES
         .iter()
         .position(|&b| b == 64)
         .expect("64 is a batch")]
     .cycles;
     let mut targets = json!({
         "single_cycles_max": TARGET_SINGLE_CYCLES,
-        "single_met": single_sum[0].cycles <= TARGET_SINGLE_CYCLES,
+        "single_met": single.cycles <= TARGET_SINGLE_CYCLES,
         "bulk64_cycles_per_page_max": TARGET_BULK64_CYCLES,
         "bulk64_met": bulk64 <= TARGET_BULK64_CYCLES,
         "metadata_bytes_per_frame_max": 16,
@@ -979,20 +1050,6 @@ pub fn run_with_threads(
         targets[k] = v;
     }
     summary["targets"] = targets;
-    let configs_json: Map<String, Value> = configs
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            (
-                c.key.to_string(),
-                json!({
-                    "name": c.name,
-                    "single": single_sum[i],
-                    "bulk": BATCHES.iter().zip(&bulk_sum[i]).map(|(b, s)| (b.to_string(), json!(s))).collect::<Map<_, _>>(),
-                }),
-            )
-        })
-        .collect();
     summary["peers"] = cmp.peers_json();
     summary["ratio_vs_best_peer"] = cmp.ratio_json(false);
     summary["ratio_vs_best_page_aligned_peer"] = cmp.ratio_json(true);
@@ -1012,42 +1069,49 @@ pub fn run_with_threads(
             .collect(),
     );
     summary["multi_thread"] = cmp.mt_json();
-    let report = json!({
-        "experiment": "bulk",
-        "machine": crate::machine(),
-        "settings": {
-            "quick": opts.quick,
-            "runs": runs,
-            "pages_per_run": pages_per_run,
-            "arena_bytes": arena_bytes,
-            "backing": format!("{:?}", def.arena().backing()),
-            "nr_cpus": def.nr_cpus(),
-            "mt_threads": mt_threads,
-            "mt_pages_per_pair": mt_pages,
-            "pcp_high_batch_order0": [def.pcp_limits().high[0], def.pcp_limits().batch[0]],
-            "tsc_ghz": round2(ghz),
-            "gfp": "KERNEL",
+    summary
+}
+
+/// Each configuration's single-page and per-batch summaries.
+fn configs_json(configs: &[Config], single: &[Summary], bulk: &[Vec<Summary>]) -> Value {
+    let m: Map<String, Value> = configs
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            (
+                c.key.to_string(),
+                json!({
+                    "name": c.name,
+                    "single": single[i],
+                    "bulk": BATCHES.iter().zip(&bulk[i]).map(|(b, s)| (b.to_string(), json!(s))).collect::<Map<_, _>>(),
+                }),
+            )
+        })
+        .collect();
+    Value::Object(m)
+}
+
+/// The kernel's published figures (seed 004 and the merged allocator).
+fn kernel_reference() -> Value {
+    json!({
+        "prototype_2017": {
+            "single_cycles": KERNEL_2017_SINGLE.0,
+            "single_ns": KERNEL_2017_SINGLE.1,
+            "bulk_cycles_per_page": KERNEL_2017.iter().map(|(b, c, _)| (b.to_string(), json!(c))).collect::<Map<_, _>>(),
+            "bulk_ns_per_page": KERNEL_2017.iter().map(|(b, _, n)| (b.to_string(), json!(n))).collect::<Map<_, _>>(),
         },
-        "summary": summary,
-        "configs": configs_json,
-        "kernel_reference": {
-            "prototype_2017": {
-                "single_cycles": KERNEL_2017_SINGLE.0,
-                "single_ns": KERNEL_2017_SINGLE.1,
-                "bulk_cycles_per_page": KERNEL_2017.iter().map(|(b, c, _)| (b.to_string(), json!(c))).collect::<Map<_, _>>(),
-                "bulk_ns_per_page": KERNEL_2017.iter().map(|(b, _, n)| (b.to_string(), json!(n))).collect::<Map<_, _>>(),
-            },
-            "merged_2021": {
-                "single_cycles": KERNEL_2021_SINGLE_CYCLES,
-                "bulk_cycles_per_page": KERNEL_2021.iter().map(|(b, c)| (b.to_string(), json!(c))).collect::<Map<_, _>>(),
-            },
+        "merged_2021": {
+            "single_cycles": KERNEL_2021_SINGLE_CYCLES,
+            "bulk_cycles_per_page": KERNEL_2021.iter().map(|(b, c)| (b.to_string(), json!(c))).collect::<Map<_, _>>(),
         },
-    });
-    let (json_path, svg_path) = opts.paths("bulk");
-    write_json(&json_path, &report)?;
+    })
+}
+
+/// The cycles-per-page plot beside the kernel's, and the peers' plot.
+fn plots(configs: &[Config], bulk: &[Vec<Summary>], cmp: &Comparison) -> [Plot; 2] {
     let mut series: Vec<Series> = configs
         .iter()
-        .zip(&bulk_sum)
+        .zip(bulk)
         .map(|(c, s)| Series {
             label: format!("{} (this machine)", c.name),
             points: BATCHES
@@ -1061,37 +1125,22 @@ pub fn run_with_threads(
         label: "kernel bulk prototype, 2017 (seed 004)".into(),
         points: KERNEL_2017.iter().map(|&(b, c, _)| (b as f64, c)).collect(),
     });
-    line_plot(
-        &svg_path,
-        "E1: alloc+free cost per page by bulk batch size",
-        "batch size (pages)",
-        "TSC cycles per page",
-        &series,
-    )?;
-    let peers_svg = svg_path.with_file_name(format!(
-        "{}-peers.svg",
-        svg_path
-            .file_stem()
-            .and_then(|s| s.to_str())
-            .unwrap_or("bulk")
-    ));
-    line_plot(
-        &peers_svg,
-        "E1: alloc+free per page (first byte written), iopages and peers",
-        "batch size (pages)",
-        "ns per page",
-        &cmp.series(),
-    )?;
-    progress(
-        "bulk",
-        format!(
-            "wrote {}, {} and {}",
-            json_path.display(),
-            svg_path.display(),
-            peers_svg.display()
+    [
+        Plot::lines(
+            PlotFile::Main,
+            "E1: alloc+free cost per page by bulk batch size",
+            "batch size (pages)",
+            "TSC cycles per page",
+            series,
         ),
-    );
-    Ok(report)
+        Plot::lines(
+            PlotFile::Suffix("peers"),
+            "E1: alloc+free per page (first byte written), iopages and peers",
+            "batch size (pages)",
+            "ns per page",
+            cmp.series(),
+        ),
+    ]
 }
 
 fn print_table(

@@ -15,12 +15,14 @@
 //! cost — the fastest this machine's OpenSSL goes, and the bar the chosen
 //! implementation must reach (512-bit key, 4096-byte sectors).
 
-use crate::plot::{line_plot, Series};
-use crate::{met, round2};
-use crate::{progress, write_json, BenchError, BenchOptions};
+use crate::harness::{interleave, Plot, PlotFile, Report, Table};
+use crate::plot::Series;
+use crate::{met, progress, round2, BenchError, BenchOptions};
 use aes::cipher::{BlockCipherEncrypt, KeyInit};
 use iopages_crypt::{XtsBackend, XtsCipher};
-use serde_json::{json, Map, Value};
+use serde::Serialize;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
 use std::hint::black_box;
 use std::process::Command;
 use std::time::Instant;
@@ -248,13 +250,131 @@ fn stats(v: &[f64]) -> (f64, f64, f64) {
     )
 }
 
-/// Results by candidate name, then (key bytes, sector bytes): MB/s per run.
-type Samples = Map<String, Value>;
+/// Results by candidate name, then "key bytes/sector bytes": MB/s per run.
+type Samples = BTreeMap<String, BTreeMap<String, Vec<f64>>>;
 
-/// Run the experiment and write its report. Returns the JSON report.
-pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
-    let (runs, calls, speed_seconds) = if opts.quick { (3, 24, 1) } else { (7, 96, 2) };
-    let chosen = XtsBackend::default();
+/// One configuration of a run, in the order a run visits them.
+#[derive(Clone, Copy)]
+enum Point {
+    /// `Ctx::runners[i]`.
+    Runner(usize),
+    /// The `aes` crate's ECB over the buffer, AES alone, at this key size.
+    Ecb(usize),
+    /// `openssl speed` at every key and sector size (once with --quick).
+    Speed,
+}
+
+/// What the runs need and what they found.
+struct Ctx {
+    /// Every (candidate, key bytes, sector bytes) built once.
+    runners: Vec<(Candidate, usize, usize, Runner)>,
+    src: Vec<u8>,
+    dst: Vec<u8>,
+    ecb_buf: Vec<u8>,
+    calls: usize,
+    speed_seconds: u32,
+    quick: bool,
+    samples: Samples,
+    speed_failed: Option<String>,
+    speed_runs: usize,
+}
+
+impl Ctx {
+    fn push(&mut self, name: &str, key_len: usize, sector: usize, v: f64) {
+        self.samples
+            .entry(name.to_string())
+            .or_default()
+            .entry(format!("{key_len}/{sector}"))
+            .or_default()
+            .push(v);
+    }
+
+    fn measure(&mut self, p: Point) -> Result<(), BenchError> {
+        match p {
+            Point::Runner(i) => {
+                let (c, key_len, sector, r) = &mut self.runners[i];
+                let v = sample(r, *sector, self.calls, &self.src, &mut self.dst)?;
+                let (name, key_len, sector) = (c.name(), *key_len, *sector);
+                self.push(name, key_len, sector, v);
+            }
+            Point::Ecb(key_len) => {
+                let v = sample_aes_ecb(key_len, self.calls, &mut self.ecb_buf);
+                self.push("aes-ecb", key_len, 0, v);
+            }
+            Point::Speed => {
+                let run = self.speed_runs;
+                self.speed_runs += 1;
+                if self.speed_failed.is_some() || (run > 0 && self.quick) {
+                    return Ok(());
+                }
+                for &(key_len, cipher) in &KEYS {
+                    for &sector in &SECTORS {
+                        match openssl_speed(cipher, sector, self.speed_seconds) {
+                            Ok(v) => self.push("openssl-speed", key_len, sector, v),
+                            Err(why) => {
+                                progress("xts", format!("openssl speed unavailable: {why}"));
+                                self.speed_failed = Some(why);
+                                return Ok(());
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The figures of one run of the experiment, read back by name.
+struct Figures {
+    candidates: Vec<Candidate>,
+    unavailable: Vec<(String, String)>,
+    chosen: XtsBackend,
+    samples: Samples,
+    speed_failed: Option<String>,
+}
+
+/// The point of the target: a 512-bit key, 4096-byte sectors.
+const TARGET_KEY: usize = 64;
+const TARGET_SECTOR: usize = 4096;
+
+impl Figures {
+    /// (median, min, max) MB/s of `name` at this point.
+    fn get(&self, name: &str, key_len: usize, sector: usize) -> Option<(f64, f64, f64)> {
+        let v = self
+            .samples
+            .get(name)?
+            .get(&format!("{key_len}/{sector}"))?;
+        (!v.is_empty()).then(|| stats(v))
+    }
+    fn chosen_mb_s(&self) -> Option<f64> {
+        self.get(self.chosen.name(), TARGET_KEY, TARGET_SECTOR)
+            .map(|s| s.0)
+    }
+    fn speed_mb_s(&self) -> Option<f64> {
+        self.get("openssl-speed", TARGET_KEY, TARGET_SECTOR)
+            .map(|s| s.0)
+    }
+    fn ratio(&self) -> Option<f64> {
+        match (self.chosen_mb_s(), self.speed_mb_s()) {
+            (Some(c), Some(s)) if s > 0.0 => Some(c / s),
+            _ => None,
+        }
+    }
+    fn fastest(&self) -> Option<&'static str> {
+        self.candidates
+            .iter()
+            .filter_map(|c| {
+                self.get(c.name(), TARGET_KEY, TARGET_SECTOR)
+                    .map(|s| (c.name(), s.0))
+            })
+            .max_by(|a, b| a.1.total_cmp(&b.1))
+            .map(|(n, _)| n)
+    }
+}
+
+/// The candidates this CPU can run, and those it cannot with why.
+fn candidates() -> (Vec<Candidate>, Vec<(String, String)>) {
     let mut candidates: Vec<Candidate> = Vec::new();
     let mut unavailable: Vec<(String, String)> = Vec::new();
     for b in XtsBackend::ALL {
@@ -265,6 +385,13 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
         }
     }
     candidates.push(Candidate::XtsMode);
+    (candidates, unavailable)
+}
+
+/// Run the experiment and write its report. Returns the JSON report.
+pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
+    let (runs, calls, speed_seconds) = if opts.quick { (3, 24, 1) } else { (7, 96, 2) };
+    let (candidates, unavailable) = candidates();
     progress(
         "xts",
         format!(
@@ -280,289 +407,275 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
             .collect()
     };
     let src: Vec<u8> = (0..BUFFER_BYTES).map(|i| (i * 131 % 251) as u8).collect();
-    let mut dst = vec![0u8; BUFFER_BYTES];
-
-    // Build every (candidate, key, sector) once, and warm it.
-    let mut runners: Vec<(Candidate, usize, usize, Runner)> = Vec::new();
+    // Build every (candidate, key, sector) once; the harness warms each.
+    let mut runners = Vec::new();
     for &c in &candidates {
         for &(key_len, _) in &KEYS {
             for &sector in &SECTORS {
-                let mut r = Runner::new(c, &key_of(key_len), sector)
+                let r = Runner::new(c, &key_of(key_len), sector)
                     .map_err(|e| BenchError::Workload(format!("{}: {e}", c.name())))?;
-                sample(&mut r, sector, 2, &src, &mut dst)?;
                 runners.push((c, key_len, sector, r));
             }
         }
     }
-    let mut samples: Samples = Map::new();
-    let mut push = |name: &str, key_len: usize, sector: usize, v: f64| {
-        let per = samples
-            .entry(name.to_string())
-            .or_insert_with(|| json!({}))
-            .as_object_mut()
-            .expect("object");
-        let k = format!("{key_len}/{sector}");
-        per.entry(k)
-            .or_insert_with(|| json!([]))
-            .as_array_mut()
-            .expect("array")
-            .push(json!(v));
+    let mut points: Vec<Point> = (0..runners.len()).map(Point::Runner).collect();
+    points.extend(KEYS.iter().map(|&(k, _)| Point::Ecb(k)));
+    points.push(Point::Speed);
+    let mut ctx = Ctx {
+        runners,
+        ecb_buf: src.clone(),
+        dst: vec![0u8; BUFFER_BYTES],
+        src,
+        calls,
+        speed_seconds,
+        quick: opts.quick,
+        samples: Samples::new(),
+        speed_failed: None,
+        speed_runs: 0,
     };
-    let mut speed_failed: Option<String> = None;
-    let mut ecb_buf = src.clone();
-    for run in 0..runs {
-        for (c, key_len, sector, r) in runners.iter_mut() {
-            let v = sample(r, *sector, calls, &src, &mut dst)?;
-            push(c.name(), *key_len, *sector, v);
-        }
-        for &(key_len, _) in &KEYS {
-            let v = sample_aes_ecb(key_len, calls, &mut ecb_buf);
-            push("aes-ecb", key_len, 0, v);
-        }
-        if speed_failed.is_none() && (run == 0 || !opts.quick) {
-            'speed: for &(key_len, cipher) in &KEYS {
-                for &sector in &SECTORS {
-                    match openssl_speed(cipher, sector, speed_seconds) {
-                        Ok(v) => push("openssl-speed", key_len, sector, v),
-                        Err(why) => {
-                            progress("xts", format!("openssl speed unavailable: {why}"));
-                            speed_failed = Some(why);
-                            break 'speed;
-                        }
-                    }
-                }
+    interleave(
+        "xts",
+        points.len(),
+        runs,
+        &mut ctx,
+        |ctx, i| match points[i] {
+            Point::Runner(r) => {
+                let (_, _, sector, runner) = &mut ctx.runners[r];
+                sample(runner, *sector, 2, &ctx.src, &mut ctx.dst).map(|_| ())
             }
-        }
-        progress("xts", format!("run {}/{runs} done", run + 1));
-    }
-
-    let get = |name: &str, key_len: usize, sector: usize| -> Option<(f64, f64, f64)> {
-        let v: Vec<f64> = samples
-            .get(name)?
-            .get(format!("{key_len}/{sector}"))?
-            .as_array()?
-            .iter()
-            .filter_map(Value::as_f64)
-            .collect();
-        (!v.is_empty()).then(|| stats(&v))
+            _ => Ok(()),
+        },
+        |ctx, i| ctx.measure(points[i]),
+    )?;
+    let f = Figures {
+        candidates,
+        unavailable,
+        chosen: XtsBackend::default(),
+        samples: ctx.samples,
+        speed_failed: ctx.speed_failed,
     };
-    let target_key = 64;
-    let target_sector = 4096;
-    let chosen_mb_s = get(chosen.name(), target_key, target_sector).map(|s| s.0);
-    let speed_mb_s = get("openssl-speed", target_key, target_sector).map(|s| s.0);
-    let ratio = match (chosen_mb_s, speed_mb_s) {
-        (Some(c), Some(s)) if s > 0.0 => Some(c / s),
-        _ => None,
+    table(&f, runs).print();
+    let settings = json!({
+        "quick": opts.quick,
+        "runs": runs,
+        "buffer_bytes": BUFFER_BYTES,
+        "calls_per_sample": calls,
+        "openssl_speed_seconds": speed_seconds,
+        "direction": "encrypt, out of place",
+        "key_names": {"aes-128-xts": "32-byte (256-bit) XTS key", "aes-256-xts": "64-byte (512-bit) XTS key"},
+        "openssl_speed_command": "openssl speed -evp aes-{128,256}-xts -bytes {512,4096} -seconds S",
+    });
+    let plot = Plot::lines(
+        PlotFile::Main,
+        "AES-256-XTS (512-bit key), plain64 IV per sector: MB/s by sector size",
+        "sector size, 512-byte units (1 = 512 B, 8 = 4096 B)",
+        "MB/s",
+        series(&f),
+    );
+    let body = Body {
+        summary: summary(&f),
+        samples_mb_s: &f.samples,
     };
-    let fastest = candidates
-        .iter()
-        .filter_map(|c| get(c.name(), target_key, target_sector).map(|s| (c.name(), s.0)))
-        .max_by(|a, b| a.1.total_cmp(&b.1))
-        .map(|(n, _)| n);
+    Report::new("xts", settings, body).emit(opts, &[plot])
+}
 
-    // Table.
-    println!();
-    println!(
+/// The table and the lines under it.
+fn table(f: &Figures, runs: usize) -> Table {
+    let mut t = Table::new("");
+    t.line(format!(
         "xts: AES-XTS plain64 encryption of a {} KiB buffer into another, sector by sector, MB/s (median and min-max of {runs} runs) and ns per sector",
         BUFFER_BYTES >> 10
-    );
+    ));
     let label = |c: &Candidate| {
-        let mark = if Candidate::Crypt(chosen) == *c {
+        let mark = if Candidate::Crypt(f.chosen) == *c {
             " [chosen]"
         } else {
             ""
         };
         format!("{} ({}){mark}", c.name(), c.describe())
     };
-    let width = candidates
+    let width = f
+        .candidates
         .iter()
         .map(|c| label(c).len())
         .max()
         .unwrap_or(0)
         .max(36);
-    let mut head = format!("{:<width$}", "");
-    let mut sub = format!("{:<width$}", "candidate");
-    for &(_, cipher) in &KEYS {
-        for &sector in &SECTORS {
-            head += &format!(" | {:>22}", format!("{cipher}, {sector} B"));
-            sub += &format!(" | {:>6} {:>9} {:>5}", "MB/s", "min-max", "ns");
-        }
-    }
-    println!("{head}");
-    println!("{sub}");
-    let row = |label: String, name: &str| {
-        let mut line = format!("{label:<width$}");
-        for &(key_len, _) in &KEYS {
-            for &sector in &SECTORS {
-                line += &match get(name, key_len, sector) {
-                    Some((m, lo, hi)) => {
-                        let ns = sector as f64 / m * 1e3;
-                        format!(" | {m:>6.0} {:>9} {ns:>5.0}", format!("{lo:.0}-{hi:.0}"))
-                    }
-                    None => format!(" | {:>22}", "-"),
-                };
-            }
-        }
-        println!("{line}");
+    let points = || {
+        KEYS.iter()
+            .flat_map(|&k| SECTORS.iter().map(move |&s| (k, s)))
     };
-    for c in &candidates {
-        row(label(c), c.name());
+    let mut head = vec![format!("{:<width$}", "")];
+    head.extend(
+        points().map(|((_, cipher), sector)| format!("{:>22}", format!("{cipher}, {sector} B"))),
+    );
+    t.row(head);
+    let mut sub = vec![format!("{:<width$}", "candidate")];
+    sub.extend(points().map(|_| format!("{:>6} {:>9} {:>5}", "MB/s", "min-max", "ns")));
+    t.row(sub);
+    let cell = |m: f64, lo: f64, hi: f64, ns: String| {
+        format!("{m:>6.0} {:>9} {ns:>5}", format!("{lo:.0}-{hi:.0}"))
+    };
+    let dash = || format!("{:>22}", "-");
+    let row = |label: String, name: &str| {
+        let mut cells = vec![format!("{label:<width$}")];
+        cells.extend(points().map(
+            |((key_len, _), sector)| match f.get(name, key_len, sector) {
+                Some((m, lo, hi)) => cell(m, lo, hi, format!("{:.0}", sector as f64 / m * 1e3)),
+                None => dash(),
+            },
+        ));
+        cells
+    };
+    for c in &f.candidates {
+        t.row(row(label(c), c.name()));
     }
-    row("openssl speed -evp (reference)".into(), "openssl-speed");
-    let mut ecb = format!("{:<width$}", "aes 0.9 ECB, AES alone (reference)");
+    t.row(row(
+        "openssl speed -evp (reference)".into(),
+        "openssl-speed",
+    ));
+    let mut ecb = vec![format!("{:<width$}", "aes 0.9 ECB, AES alone (reference)")];
     for &(key_len, _) in &KEYS {
-        let cell = match get("aes-ecb", key_len, 0) {
-            Some((m, lo, hi)) => {
-                format!(" | {m:>6.0} {:>9} {:>5}", format!("{lo:.0}-{hi:.0}"), "-")
-            }
-            None => format!(" | {:>22}", "-"),
+        let c = match f.get("aes-ecb", key_len, 0) {
+            Some((m, lo, hi)) => cell(m, lo, hi, "-".into()),
+            None => dash(),
         };
         // ECB has no sectors: the one figure stands in both columns.
-        ecb += &cell;
-        ecb += &cell;
+        ecb.extend([c.clone(), c]);
     }
-    println!("{ecb}");
-    for (name, why) in &unavailable {
-        println!("{name}: unavailable - {why}");
+    t.row(ecb);
+    notes(f, &mut t);
+    t
+}
+
+/// The lines under the table: what is missing, what the cells are, the
+/// target and the choice.
+fn notes(f: &Figures, t: &mut Table) {
+    for (name, why) in &f.unavailable {
+        t.line(format!("{name}: unavailable - {why}"));
     }
-    if let Some(why) = &speed_failed {
-        println!("openssl speed: unavailable - {why}");
+    if let Some(why) = &f.speed_failed {
+        t.line(format!("openssl speed: unavailable - {why}"));
     }
-    println!("cells: median MB/s, min-max MB/s, ns per sector; aes-128-xts takes a 32-byte (256-bit) XTS key, aes-256-xts a 64-byte (512-bit) one");
-    println!("openssl speed encrypts one buffer of the sector size per call with the IV set once (no per-sector IV); the candidates set each sector's IV");
-    match ratio {
-        Some(r) => println!(
+    t.line("cells: median MB/s, min-max MB/s, ns per sector; aes-128-xts takes a 32-byte (256-bit) XTS key, aes-256-xts a 64-byte (512-bit) one");
+    t.line("openssl speed encrypts one buffer of the sector size per call with the IV set once (no per-sector IV); the candidates set each sector's IV");
+    t.line(match f.ratio() {
+        Some(r) => format!(
             "target: {} >= openssl speed -evp aes-256-xts -bytes 4096: {:.0} vs {:.0} MB/s, ratio {r:.2} ({})",
-            chosen.name(),
-            chosen_mb_s.unwrap_or(0.0),
-            speed_mb_s.unwrap_or(0.0),
+            f.chosen.name(),
+            f.chosen_mb_s().unwrap_or(0.0),
+            f.speed_mb_s().unwrap_or(0.0),
             met(r >= TARGET_MIN_RATIO)
         ),
-        None => println!("target: no openssl speed figure, so no ratio (NOT met)"),
-    }
-    println!(
+        None => "target: no openssl speed figure, so no ratio (NOT met)".into(),
+    });
+    t.line(format!(
         "chosen: {} (XtsBackend::default() on this CPU); fastest measured at 512-bit key, 4096-byte sectors: {}",
-        chosen.name(),
-        fastest.unwrap_or("-")
-    );
+        f.chosen.name(),
+        f.fastest().unwrap_or("-")
+    ));
+}
 
-    // JSON.
-    let cells = |name: &str| -> Value {
-        let mut by_key = Map::new();
-        for &(key_len, cipher) in &KEYS {
-            let mut by_sector = Map::new();
-            for &sector in &SECTORS {
-                if let Some((m, lo, hi)) = get(name, key_len, sector) {
-                    by_sector.insert(
-                        sector.to_string(),
-                        json!({
-                            "mb_s": round2(m),
-                            "mb_s_min": round2(lo),
-                            "mb_s_max": round2(hi),
-                            "ns_per_sector": round2(sector as f64 / m * 1e3),
-                        }),
-                    );
-                }
-            }
-            by_key.insert(cipher.to_string(), Value::Object(by_sector));
-        }
-        Value::Object(by_key)
-    };
-    let mut cand_json = Map::new();
-    for c in &candidates {
-        let mut v = cells(c.name());
+/// One cell of the report: MB/s median and range, ns per sector.
+#[derive(Serialize)]
+struct Cell {
+    mb_s: f64,
+    mb_s_min: f64,
+    mb_s_max: f64,
+    ns_per_sector: f64,
+}
+
+/// Cipher name → sector size → figure.
+type ByKey<T> = BTreeMap<&'static str, BTreeMap<String, T>>;
+
+/// `f` at every key and sector size where it gives a figure.
+fn by_key<T>(f: impl Fn(usize, usize) -> Option<T>) -> ByKey<T> {
+    KEYS.iter()
+        .map(|&(key_len, cipher)| {
+            let per = SECTORS
+                .iter()
+                .filter_map(|&s| f(key_len, s).map(|v| (s.to_string(), v)))
+                .collect();
+            (cipher, per)
+        })
+        .collect()
+}
+
+#[derive(Serialize)]
+struct Body<'a> {
+    summary: Value,
+    samples_mb_s: &'a Samples,
+}
+
+fn summary(f: &Figures) -> Value {
+    let mut cands = serde_json::Map::new();
+    for c in &f.candidates {
+        let cells = by_key(|k, s| {
+            f.get(c.name(), k, s).map(|(m, lo, hi)| Cell {
+                mb_s: round2(m),
+                mb_s_min: round2(lo),
+                mb_s_max: round2(hi),
+                ns_per_sector: round2(s as f64 / m * 1e3),
+            })
+        });
+        let mut v = json!(cells);
         v["what"] = json!(c.describe());
-        cand_json.insert(c.name().to_string(), v);
+        cands.insert(c.name().to_string(), v);
     }
-    for (name, why) in &unavailable {
-        cand_json.insert(name.clone(), json!({ "unavailable": why }));
+    for (name, why) in &f.unavailable {
+        cands.insert(name.clone(), json!({ "unavailable": why }));
     }
-    let speed_json = match &speed_failed {
+    let speed = match &f.speed_failed {
         Some(why) => json!({ "unavailable": why }),
-        None => {
-            let mut by_key = Map::new();
-            for &(key_len, cipher) in &KEYS {
-                let per: Map<String, Value> = SECTORS
-                    .iter()
-                    .filter_map(|&s| {
-                        get("openssl-speed", key_len, s)
-                            .map(|v| (s.to_string(), json!(round2(v.0))))
-                    })
-                    .collect();
-                by_key.insert(cipher.to_string(), Value::Object(per));
-            }
-            Value::Object(by_key)
-        }
+        None => json!(by_key(|k, s| f
+            .get("openssl-speed", k, s)
+            .map(|v| round2(v.0)))),
     };
-    let ecb_json: Map<String, Value> = KEYS
+    let ecb: BTreeMap<String, f64> = KEYS
         .iter()
         .filter_map(|&(k, cipher)| {
-            get("aes-ecb", k, 0).map(|v| (cipher.replace("-xts", "-ecb"), json!(round2(v.0))))
+            f.get("aes-ecb", k, 0)
+                .map(|v| (cipher.replace("-xts", "-ecb"), round2(v.0)))
         })
         .collect();
-    let report = json!({
-        "experiment": "xts",
-        "machine": crate::machine(),
-        "settings": {
-            "quick": opts.quick,
-            "runs": runs,
-            "buffer_bytes": BUFFER_BYTES,
-            "calls_per_sample": calls,
-            "openssl_speed_seconds": speed_seconds,
-            "direction": "encrypt, out of place",
-            "key_names": {"aes-128-xts": "32-byte (256-bit) XTS key", "aes-256-xts": "64-byte (512-bit) XTS key"},
-            "openssl_speed_command": "openssl speed -evp aes-{128,256}-xts -bytes {512,4096} -seconds S",
-        },
-        "summary": {
-            "candidates": cand_json,
-            "openssl_speed_mb_s": speed_json,
-            "aes_crate_ecb_mb_s": ecb_json,
-            "chosen": chosen.name(),
-            "fastest_at_target_point": fastest,
-            "chosen_mb_s": chosen_mb_s.map(round2),
-            "chosen_vs_openssl_speed": ratio.map(round2),
-            "target_point": "aes-256-xts (512-bit key), 4096-byte sectors",
-            "target_min_ratio": TARGET_MIN_RATIO,
-            "target_met": ratio.is_some_and(|r| r >= TARGET_MIN_RATIO),
-            "cpu_features": cpu_features(),
-        },
-        "samples_mb_s": samples,
-    });
-    let (json_path, svg_path) = opts.paths("xts");
-    write_json(&json_path, &report)?;
-    let key_len = 64;
+    let ratio = f.ratio();
+    json!({
+        "candidates": cands,
+        "openssl_speed_mb_s": speed,
+        "aes_crate_ecb_mb_s": ecb,
+        "chosen": f.chosen.name(),
+        "fastest_at_target_point": f.fastest(),
+        "chosen_mb_s": f.chosen_mb_s().map(round2),
+        "chosen_vs_openssl_speed": ratio.map(round2),
+        "target_point": "aes-256-xts (512-bit key), 4096-byte sectors",
+        "target_min_ratio": TARGET_MIN_RATIO,
+        "target_met": ratio.is_some_and(|r| r >= TARGET_MIN_RATIO),
+        "cpu_features": cpu_features(),
+    })
+}
+
+/// MB/s by sector size at a 512-bit key: each candidate and openssl speed.
+fn series(f: &Figures) -> Vec<Series> {
     // The plot's x axis starts at 1: sector sizes in 512-byte units.
     let x_of = |sector: usize| (sector / 512) as f64;
-    let mut series: Vec<Series> = candidates
-        .iter()
-        .map(|c| Series {
-            label: format!("{} ({})", c.name(), c.describe()),
-            points: SECTORS
-                .iter()
-                .filter_map(|&s| get(c.name(), key_len, s).map(|v| (x_of(s), v.0)))
-                .collect(),
-        })
-        .collect();
-    series.push(Series {
-        label: "openssl speed -evp aes-256-xts (IV set once)".into(),
+    let line = |label: String, name: &str| Series {
+        label,
         points: SECTORS
             .iter()
-            .filter_map(|&s| get("openssl-speed", key_len, s).map(|v| (x_of(s), v.0)))
+            .filter_map(|&s| f.get(name, TARGET_KEY, s).map(|v| (x_of(s), v.0)))
             .collect(),
-    });
+    };
+    let mut series: Vec<Series> = f
+        .candidates
+        .iter()
+        .map(|c| line(format!("{} ({})", c.name(), c.describe()), c.name()))
+        .collect();
+    series.push(line(
+        "openssl speed -evp aes-256-xts (IV set once)".into(),
+        "openssl-speed",
+    ));
     series.retain(|s| !s.points.is_empty());
-    line_plot(
-        &svg_path,
-        "AES-256-XTS (512-bit key), plain64 IV per sector: MB/s by sector size",
-        "sector size, 512-byte units (1 = 512 B, 8 = 4096 B)",
-        "MB/s",
-        &series,
-    )?;
-    progress(
-        "xts",
-        format!("wrote {} and {}", json_path.display(), svg_path.display()),
-    );
-    Ok(report)
+    series
 }
 
 #[cfg(test)]
