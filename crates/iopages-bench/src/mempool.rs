@@ -255,7 +255,7 @@ struct Targets {
 }
 
 /// The mempool's counters after the runs.
-#[derive(Serialize)]
+#[derive(Clone, Copy, Serialize)]
 struct PoolStats {
     reserve_allocs: u64,
     reserve_frees: u64,
@@ -316,31 +316,77 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
     for (&(_, si, mi), s) in configs.iter().zip(summarise(&samples)) {
         sum[si][mi].push(s);
     }
-    let stats: Vec<_> = scen.iter().map(|s| s.pool.stats()).collect();
+    let stats: Vec<PoolStats> = scen
+        .iter()
+        .map(|s| {
+            let st = s.pool.stats();
+            PoolStats {
+                reserve_allocs: st.reserve_allocs,
+                reserve_frees: st.reserve_frees,
+                waits: st.waits,
+                failures: st.failures,
+            }
+        })
+        .collect();
     let backing = format!("{:?}", scen[0].alloc.arena().backing());
     let names: Vec<&'static str> = scen.iter().map(|s| s.name).collect();
     let keys: Vec<&'static str> = scen.iter().map(|s| s.key).collect();
     tear_down(scen)?;
+    let f = Figures {
+        sum,
+        stats,
+        names,
+        keys,
+    };
+    print_table(&f, ghz, runs).print();
+    let settings = Settings {
+        quick: opts.quick,
+        runs,
+        pages_per_run,
+        arena_bytes: 64u64 << 20,
+        backing,
+        min_nr: MIN_NR,
+        gfp: "NOIO",
+        tsc_ghz: round2(ghz),
+        unit: "ns per page, alloc + free, median of the runs (ns_min/ns_max: range)",
+    };
+    let plot = Plot::lines(
+        PlotFile::Main,
+        "mempool: alloc+free cost per page by request size",
+        "pages per request",
+        "ns per page",
+        series(&f),
+    );
+    Report::new("mempool", settings, body(f)).emit(opts, &[plot])
+}
 
-    let head = REQUEST_PAGES
-        .iter()
-        .position(|&n| n == HEADLINE_PAGES)
-        .expect("256 is a request size");
-    let at = |si: usize, mi: usize| sum[si][mi][head].ns;
-    let speedup = |si: usize| at(si, 0) / at(si, 1);
-    let mut table = print_table(&sum, &names, ghz, runs);
-    table.line(format!(
-        "target: alloc_bulk >= {TARGET_BULK_SPEEDUP}x faster per page than a loop of alloc at {HEADLINE_PAGES} pages, warm lists: {:.1}x ({}); with the reserve serving: {:.1}x",
-        speedup(0),
-        met(speedup(0) >= TARGET_BULK_SPEEDUP),
-        speedup(1),
-    ));
-    table.line(format!(
-        "reserve use in the failing scenario: {} pages from the reserve, {} sleeps, {} failures",
-        stats[1].reserve_allocs, stats[1].waits, stats[1].failures
-    ));
-    table.print();
+/// The summaries, `sum[scenario][method][size]`, and each scenario's
+/// pool counters, name and report key.
+struct Figures {
+    sum: Vec<Vec<Vec<Summary>>>,
+    stats: Vec<PoolStats>,
+    names: Vec<&'static str>,
+    keys: Vec<&'static str>,
+}
 
+impl Figures {
+    /// Median ns per page of scenario `si`, method `mi`, at
+    /// [`HEADLINE_PAGES`].
+    fn at(&self, si: usize, mi: usize) -> f64 {
+        let head = REQUEST_PAGES
+            .iter()
+            .position(|&n| n == HEADLINE_PAGES)
+            .expect("256 is a request size");
+        self.sum[si][mi][head].ns
+    }
+    /// Loop over bulk, scenario `si`.
+    fn speedup(&self, si: usize) -> f64 {
+        self.at(si, 0) / self.at(si, 1)
+    }
+}
+
+fn body(f: Figures) -> Body {
+    let (at, speedup) = (|si, mi| f.at(si, mi), |si| f.speedup(si));
     let summary = Headline {
         request_pages: HEADLINE_PAGES,
         loop_ns_per_page: round2(at(0, 0)),
@@ -358,11 +404,10 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
             reserve_bulk_speedup_met: speedup(1) >= TARGET_BULK_SPEEDUP,
         },
     };
-    let scenario = |si: usize| ScenarioReport {
-        name: names[si],
-        ns_per_page: METHODS
+    let ns_per_page = |si: usize| {
+        METHODS
             .iter()
-            .zip(&sum[si])
+            .zip(&f.sum[si])
             .map(|(&(_, mk, _), per_n)| {
                 let per_size = REQUEST_PAGES
                     .iter()
@@ -370,64 +415,52 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
                     .zip(per_n.iter().copied());
                 (mk, per_size.collect())
             })
-            .collect(),
-        pool_stats: PoolStats {
-            reserve_allocs: stats[si].reserve_allocs,
-            reserve_frees: stats[si].reserve_frees,
-            waits: stats[si].waits,
-            failures: stats[si].failures,
-        },
+            .collect()
     };
-    let settings = Settings {
-        quick: opts.quick,
-        runs,
-        pages_per_run,
-        arena_bytes: 64u64 << 20,
-        backing,
-        min_nr: MIN_NR,
-        gfp: "NOIO",
-        tsc_ghz: round2(ghz),
-        unit: "ns per page, alloc + free, median of the runs (ns_min/ns_max: range)",
-    };
-    let body = Body {
+    let scenarios = f
+        .keys
+        .iter()
+        .enumerate()
+        .map(|(si, &k)| {
+            let r = ScenarioReport {
+                name: f.names[si],
+                ns_per_page: ns_per_page(si),
+                pool_stats: f.stats[si],
+            };
+            (k, r)
+        })
+        .collect();
+    Body {
         summary,
-        scenarios: keys
-            .iter()
-            .enumerate()
-            .map(|(si, &k)| (k, scenario(si)))
-            .collect(),
+        scenarios,
         seed_reference: SeedReference {
             seed: "000 (Yang Shi, mempool bulk page allocation for dm-crypt)",
             dm_crypt_1mib_write_mib_per_s_per_page_vs_bulk: [1301, 1402],
         },
-    };
-    let series: Vec<Series> = (0..names.len())
+    }
+}
+
+/// ns per page by request size, one line per scenario and method.
+fn series(f: &Figures) -> Vec<Series> {
+    (0..f.names.len())
         .flat_map(|si| {
-            let (sum, names) = (&sum, &names);
             METHODS
                 .iter()
                 .enumerate()
                 .map(move |(mi, &(_, _, mn))| Series {
-                    label: format!("{mn}, {}", names[si]),
+                    label: format!("{mn}, {}", f.names[si]),
                     points: REQUEST_PAGES
                         .iter()
                         .enumerate()
-                        .map(|(ni, &n)| (n as f64, sum[si][mi][ni].ns))
+                        .map(|(ni, &n)| (n as f64, f.sum[si][mi][ni].ns))
                         .collect(),
                 })
         })
-        .collect();
-    let plot = Plot::lines(
-        PlotFile::Main,
-        "mempool: alloc+free cost per page by request size",
-        "pages per request",
-        "ns per page",
-        series,
-    );
-    Report::new("mempool", settings, body).emit(opts, &[plot])
+        .collect()
 }
 
-fn print_table(sum: &[Vec<Vec<Summary>>], names: &[&str], ghz: f64, runs: usize) -> Table {
+fn print_table(f: &Figures, ghz: f64, runs: usize) -> Table {
+    let (sum, names) = (&f.sum, &f.names);
     let mut t = Table::new(format!(
         "mempool: alloc+free per page, one thread, GFP NOIO (median of {runs} runs, ns; TSC {ghz:.2} GHz)"
     ));
@@ -447,5 +480,16 @@ fn print_table(sum: &[Vec<Vec<Summary>>], names: &[&str], ghz: f64, runs: usize)
             t.row(row);
         }
     }
+    let stats = &f.stats[1];
+    t.line(format!(
+        "target: alloc_bulk >= {TARGET_BULK_SPEEDUP}x faster per page than a loop of alloc at {HEADLINE_PAGES} pages, warm lists: {:.1}x ({}); with the reserve serving: {:.1}x",
+        f.speedup(0),
+        met(f.speedup(0) >= TARGET_BULK_SPEEDUP),
+        f.speedup(1),
+    ));
+    t.line(format!(
+        "reserve use in the failing scenario: {} pages from the reserve, {} sleeps, {} failures",
+        stats.reserve_allocs, stats.waits, stats.failures
+    ));
     t
 }

@@ -12,12 +12,14 @@
 //! the report is written; nor leave a child process or a temporary file
 //! behind, on any path.
 
-use crate::harness::{Chart, Plot, PlotFile};
+use crate::harness::{Chart, Plot, PlotFile, Report, Table};
 use crate::measure::median;
 use crate::plot::{BarPanel, Bars};
-use crate::{met, progress, round2, write_json, BenchError, BenchOptions};
+use crate::{met, progress, round2, BenchError, BenchOptions};
 use iopages_testkit::{die_with_parent, find_tool, run_tool, stop, tail_lines, wait_for_socket};
+use serde::Serialize;
 use serde_json::{json, Value};
+use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -942,7 +944,7 @@ pub fn run_with(opts: &BenchOptions, iopages_bin: &Path, tls: bool) -> Result<Va
             iopages_bin.display()
         )));
     }
-    let (json_path, svg_path) = opts.paths(if tls { "nbd-tls" } else { "nbd" });
+    let (json_path, _) = opts.paths(if tls { "nbd-tls" } else { "nbd" });
     let report_dir = json_path
         .parent()
         .filter(|d| !d.as_os_str().is_empty())
@@ -990,17 +992,30 @@ pub fn run_with(opts: &BenchOptions, iopages_bin: &Path, tls: bool) -> Result<Va
         ),
     );
 
-    // The volume: data everywhere (no holes to read), then the LUKS header.
-    {
-        let mut p = std::fs::File::create(&f.pass).map_err(|e| BenchError::Write {
-            path: f.pass.clone(),
-            source: e,
-        })?;
-        p.write_all(PASSPHRASE).map_err(|e| BenchError::Write {
-            path: f.pass.clone(),
-            source: e,
-        })?;
-    }
+    let dev = make_image(&tools, &f, payload)?;
+    let plan = Plan { dev, fio_ms };
+    let results = run_servers(&servers, runs, &tools, iopages_bin, &f, &plan)?;
+    let run = Run {
+        servers: &servers,
+        results: &results,
+        plan: &plan,
+        runs,
+        fs: &fs,
+        tls: f.tls.is_some(),
+    };
+    report(opts, &run, &json_path)
+}
+
+/// The volume: data everywhere (no holes to read), then the LUKS header,
+/// and the source file of nbdcopy's write. Returns the export's size.
+fn make_image(tools: &Tools, f: &Files, payload: u64) -> Result<u64, BenchError> {
+    let write_err = |e| BenchError::Write {
+        path: f.pass.clone(),
+        source: e,
+    };
+    std::fs::File::create(&f.pass)
+        .and_then(|mut p| p.write_all(PASSPHRASE))
+        .map_err(write_err)?;
     fill_file(&f.image, payload + LUKS_HEADER_BYTES, 0x9E37_79B9_7F4A_7C15)?;
     let fmt = run_tool(
         &tools.cryptsetup,
@@ -1021,7 +1036,7 @@ pub fn run_with(opts: &BenchOptions, iopages_bin: &Path, tls: bool) -> Result<Va
             &f.pass,
             &f.image,
         ]),
-        &work,
+        &f.work,
         Duration::from_secs(120),
         &[],
     )
@@ -1036,7 +1051,7 @@ pub fn run_with(opts: &BenchOptions, iopages_bin: &Path, tls: bool) -> Result<Va
     let dump = run_tool(
         &tools.cryptsetup,
         &os(&[&"luksDump", &f.image]),
-        &work,
+        &f.work,
         Duration::from_secs(60),
         &[],
     )
@@ -1046,8 +1061,55 @@ pub fn run_with(opts: &BenchOptions, iopages_bin: &Path, tls: bool) -> Result<Va
     let dev = payload + LUKS_HEADER_BYTES - offset;
     sync_file(&f.image);
     fill_file(&f.source, dev, 0xD1B5_4A32_D192_ED03)?;
-    let plan = Plan { dev, fio_ms };
+    Ok(dev)
+}
 
+/// Whether the server behind `uri` advertises multi-conn (`None`: nbdinfo
+/// could not say).
+fn multi_conn(tools: &Tools, uri: &str, work: &Path) -> Option<bool> {
+    run_tool(
+        &tools.nbdinfo,
+        &os(&[&"--can", &"multi-conn", &uri]),
+        work,
+        Duration::from_secs(30),
+        &[],
+    )
+    .ok()
+    .and_then(|c| match c.status.code() {
+        Some(0) => Some(true),
+        Some(2) => Some(false),
+        _ => None,
+    })
+}
+
+/// The progress line of one server's run: each load's last figure.
+fn run_line(s: Server, res: &Results) -> String {
+    let figures = Load::ALL
+        .iter()
+        .enumerate()
+        .map(|(l, load)| {
+            let x = res.samples[l].last().expect("pushed");
+            match x.iops {
+                Some(i) if *load == Load::RandRw => format!("{} {i:.0} IOPS", load.short()),
+                _ => format!("{} {:.0} MiB/s", load.short(), x.mib_s),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    format!("  {}: {figures}", s.label())
+}
+
+/// Every run: each server in turn (each run starting with the next), its
+/// loads measured and checked. A failed server is marked and skipped
+/// after; so is the one whose writes the next could not read back.
+fn run_servers(
+    servers: &[Server],
+    runs: usize,
+    tools: &Tools,
+    iopages_bin: &Path,
+    f: &Files,
+    plan: &Plan,
+) -> Result<Vec<Results>, BenchError> {
     let mut results: Vec<Results> = servers
         .iter()
         .map(|_| Results {
@@ -1061,6 +1123,13 @@ pub fn run_with(opts: &BenchOptions, iopages_bin: &Path, tls: bool) -> Result<Va
     let idx = |s: Server| servers.iter().position(|&x| x == s).expect("listed");
     // The server that last wrote the read-back region, if it passed.
     let mut previous: Option<Server> = None;
+    let fail = |results: &mut [Results], fl: Failure| {
+        progress(
+            "nbd",
+            format!("  FAILED ({}): {}", fl.server.label(), fl.why),
+        );
+        results[idx(fl.server)].failed.get_or_insert(fl.why);
+    };
     for run in 0..runs {
         // Each run starts with the next server: no server always goes first.
         let order: Vec<Server> = (0..servers.len())
@@ -1071,87 +1140,36 @@ pub fn run_with(opts: &BenchOptions, iopages_bin: &Path, tls: bool) -> Result<Va
                 continue;
             }
             progress("nbd", format!("run {}/{runs}: {}", run + 1, s.label()));
-            let (mut r, line) = start_server(s, &tools, iopages_bin, &f)?;
-            results[idx(s)].command = line;
-            if results[idx(s)].multi_conn.is_none() {
-                results[idx(s)].multi_conn = run_tool(
-                    &tools.nbdinfo,
-                    &os(&[&"--can", &"multi-conn", &r.uri]),
-                    &work,
-                    Duration::from_secs(30),
-                    &[],
-                )
-                .ok()
-                .and_then(|c| match c.status.code() {
-                    Some(0) => Some(true),
-                    Some(2) => Some(false),
-                    _ => None,
-                });
+            let (mut r, line) = start_server(s, tools, iopages_bin, f)?;
+            let res = &mut results[idx(s)];
+            res.command = line;
+            if res.multi_conn.is_none() {
+                res.multi_conn = multi_conn(tools, &r.uri, &f.work);
             }
-            let m = measure(&mut r, &tools, &f, &plan, previous);
-            let stopped = r.stop();
+            let m = measure(&mut r, tools, f, plan, previous);
+            res.stops.push(r.stop());
             drop(r);
             sync_file(&f.image);
-            results[idx(s)].stops.push(stopped);
             match m {
                 Ok((v, on_previous)) => {
-                    if let Some(fl) = on_previous {
-                        progress(
-                            "nbd",
-                            format!("  FAILED ({}): {}", fl.server.label(), fl.why),
-                        );
-                        results[idx(fl.server)].failed.get_or_insert(fl.why);
-                    }
                     for (l, sample) in v.into_iter().enumerate() {
-                        results[idx(s)].samples[l].push(sample);
+                        res.samples[l].push(sample);
                     }
-                    let res = &results[idx(s)];
-                    progress(
-                        "nbd",
-                        format!(
-                            "  {}: {}",
-                            s.label(),
-                            Load::ALL
-                                .iter()
-                                .enumerate()
-                                .map(|(l, load)| {
-                                    let x = res.samples[l].last().expect("pushed");
-                                    match x.iops {
-                                        Some(i) if *load == Load::RandRw => {
-                                            format!("{} {i:.0} IOPS", load.short())
-                                        }
-                                        _ => format!("{} {:.0} MiB/s", load.short(), x.mib_s),
-                                    }
-                                })
-                                .collect::<Vec<_>>()
-                                .join(", ")
-                        ),
-                    );
+                    let line = run_line(s, res);
+                    if let Some(fl) = on_previous {
+                        fail(&mut results, fl);
+                    }
+                    progress("nbd", line);
                     previous = Some(s);
                 }
                 Err(fl) => {
-                    progress(
-                        "nbd",
-                        format!("  FAILED ({}): {}", fl.server.label(), fl.why),
-                    );
-                    results[idx(fl.server)].failed.get_or_insert(fl.why);
+                    fail(&mut results, fl);
                     previous = None;
                 }
             }
         }
     }
-
-    report(
-        opts,
-        &servers,
-        &results,
-        &plan,
-        runs,
-        &fs,
-        f.tls.is_some(),
-        &json_path,
-        &svg_path,
-    )
+    Ok(results)
 }
 
 /// Median figure of `s` for `load` (IOPS for randrw, MiB/s otherwise).
@@ -1164,42 +1182,159 @@ fn figure(res: &Results, load: Load) -> Option<f64> {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn report(
-    opts: &BenchOptions,
-    servers: &[Server],
-    results: &[Results],
-    plan: &Plan,
+/// Ours over the best peer, and ours with TLS over ours without, per
+/// load, with their minima and targets.
+struct Ratios {
+    vs_peer: Vec<(Load, Option<(f64, Server)>)>,
+    min: Option<f64>,
+    target_met: bool,
+    tls: Vec<(Load, Option<f64>)>,
+    min_tls: Option<f64>,
+    tls_target_met: bool,
+}
+
+/// The smallest of `v`, `None` if any is missing.
+fn min_of(v: impl Iterator<Item = Option<f64>>) -> Option<f64> {
+    v.into_iter()
+        .try_fold(f64::INFINITY, |m, r| r.map(|x| m.min(x)))
+}
+
+impl Ratios {
+    fn of(fig: &dyn Fn(Server, Load) -> Option<f64>) -> Ratios {
+        // Ours over the best peer that did not fail, per load.
+        let ratio = |load: Load| -> Option<(f64, Server)> {
+            let ours = fig(Server::Ours, load)?;
+            let (best, who) = [Server::Nbdkit, Server::Qemu]
+                .iter()
+                .filter_map(|&p| fig(p, load).map(|v| (v, p)))
+                .max_by(|a, b| a.0.total_cmp(&b.0))?;
+            Some((ours / best, who))
+        };
+        let vs_peer: Vec<_> = Load::ALL.iter().map(|&l| (l, ratio(l))).collect();
+        let min = min_of(vs_peer.iter().map(|(_, r)| r.map(|x| x.0)));
+        let tls: Vec<_> = Load::ALL
+            .iter()
+            .map(
+                |&l| match (fig(Server::Ours, l), fig(Server::OursPlain, l)) {
+                    (Some(t), Some(p)) if p > 0.0 => (l, Some(t / p)),
+                    _ => (l, None),
+                },
+            )
+            .collect();
+        let min_tls = min_of(tls.iter().map(|(_, r)| *r));
+        Ratios {
+            vs_peer,
+            target_met: min.is_some_and(|m| m >= TARGET_RATIO),
+            min,
+            tls,
+            tls_target_met: min_tls.is_some_and(|m| m >= TLS_TARGET_FRACTION),
+            min_tls,
+        }
+    }
+
+    fn peer(&self, load: Load) -> Option<f64> {
+        self.vs_peer
+            .iter()
+            .find(|(l, _)| *l == load)
+            .and_then(|x| x.1)
+            .map(|x| x.0)
+    }
+
+    fn tls(&self, load: Load) -> Option<f64> {
+        self.tls.iter().find(|(l, _)| *l == load).and_then(|x| x.1)
+    }
+}
+
+/// What one report is about: the servers, their results and the run.
+struct Run<'a> {
+    servers: &'a [Server],
+    results: &'a [Results],
+    plan: &'a Plan,
     runs: usize,
-    fs: &str,
+    fs: &'a str,
     tls: bool,
-    json_path: &Path,
-    svg_path: &Path,
-) -> Result<Value, BenchError> {
-    let res = |s: Server| servers.iter().position(|&x| x == s).map(|i| &results[i]);
-    let fig = |s: Server, load: Load| res(s).and_then(|r| figure(r, load));
-    println!();
-    println!(
-        "nbd (E6): one LUKS1 image (aes-xts-plain64, 512-bit key), {} MiB payload on {fs}, served over a Unix socket{}; median of {runs} run(s)",
-        plan.dev / MIB,
-        if tls {
+}
+
+impl Run<'_> {
+    fn fig(&self, s: Server, load: Load) -> Option<f64> {
+        let i = self.servers.iter().position(|&x| x == s)?;
+        figure(&self.results[i], load)
+    }
+}
+
+fn report(opts: &BenchOptions, run: &Run, json_path: &Path) -> Result<Value, BenchError> {
+    let (servers, results, tls) = (run.servers, run.results, run.tls);
+    let ratios = Ratios::of(&|s, l| run.fig(s, l));
+    table(run, &ratios).print();
+    let title = if tls {
+        "E6: one LUKS1 image served over NBD with TLS (median)"
+    } else {
+        "E6: one LUKS1 image served over NBD (median)"
+    };
+    let plot = Plot {
+        file: PlotFile::Main,
+        title: title.into(),
+        chart: Chart::Bars(bars(servers, results)),
+    };
+    let failed: BTreeMap<&str, String> = servers
+        .iter()
+        .zip(results)
+        .filter_map(|(s, r)| r.failed.clone().map(|w| (s.key(), w)))
+        .collect();
+    let body = Body {
+        servers: servers
+            .iter()
+            .zip(results)
+            .map(|(&s, r)| (s.key(), ServerInfo::of(s, r)))
+            .collect(),
+        rows: rows(run),
+        summary: summary(run, &ratios, &failed),
+        tls: tls.then_some(true),
+    };
+    let stem = if tls { "nbd-tls" } else { "nbd" };
+    let report = Report::new("E6 nbd", settings(run, opts), body)
+        .stem(stem)
+        .emit(opts, &[plot])?;
+    if !failed.is_empty() {
+        return Err(workload(format!(
+            "{} failed (report written to {}): {}",
+            failed.keys().copied().collect::<Vec<_>>().join(", "),
+            json_path.display(),
+            failed
+                .iter()
+                .map(|(k, v)| format!("{k}: {v}"))
+                .collect::<Vec<_>>()
+                .join("; ")
+        )));
+    }
+    Ok(report)
+}
+
+/// The table, the ratios and the targets.
+fn table(run: &Run, ratios: &Ratios) -> Table {
+    let mut t = Table::new("");
+    t.line(format!(
+        "nbd (E6): one LUKS1 image (aes-xts-plain64, 512-bit key), {} MiB payload on {}, served over a Unix socket{}; median of {} run(s)",
+        run.plan.dev / MIB,
+        run.fs,
+        if run.tls {
             " with TLS (X.509; ours also without TLS)"
         } else {
             ""
-        }
-    );
-    println!(
+        },
+        run.runs
+    ));
+    t.line(format!(
         "{:<22} | {:<24} | {:>8} {:>13} | {:>8}",
         "server", "load", "MiB/s", "min-max", "IOPS"
-    );
-    for (i, &s) in servers.iter().enumerate() {
-        let r = &results[i];
+    ));
+    for (&s, r) in run.servers.iter().zip(run.results) {
         if let Some(why) = &r.failed {
-            println!("{:<22} | FAILED: {why}", s.label());
+            t.line(format!("{:<22} | FAILED: {why}", s.label()));
             continue;
         }
         if r.samples[0].is_empty() {
-            println!("{:<22} | no figures", s.label());
+            t.line(format!("{:<22} | no figures", s.label()));
             continue;
         }
         for (l, load) in Load::ALL.iter().enumerate() {
@@ -1208,7 +1343,7 @@ fn report(
                 v.iter().cloned().fold(f64::INFINITY, f64::min),
                 v.iter().cloned().fold(0.0, f64::max),
             );
-            println!(
+            t.line(format!(
                 "{:<22} | {:<24} | {:>8.0} {:>13} | {:>8}",
                 s.label(),
                 load.label(),
@@ -1216,126 +1351,115 @@ fn report(
                 format!("{lo:.0}-{hi:.0}"),
                 r.median_iops(l)
                     .map_or_else(|| "-".to_string(), |x| format!("{x:.0}"))
-            );
+            ));
         }
     }
-    // Ours over the best peer that did not fail, per load.
-    let ratio = |load: Load| -> Option<(f64, Server)> {
-        let ours = fig(Server::Ours, load)?;
-        let (best, who) = [Server::Nbdkit, Server::Qemu]
-            .iter()
-            .filter_map(|&p| fig(p, load).map(|v| (v, p)))
-            .max_by(|a, b| a.0.total_cmp(&b.0))?;
-        Some((ours / best, who))
-    };
-    let ratios: Vec<(Load, Option<(f64, Server)>)> =
-        Load::ALL.iter().map(|&l| (l, ratio(l))).collect();
-    for (l, r) in &ratios {
-        match r {
-            Some((x, who)) => println!(
+    for (l, r) in &ratios.vs_peer {
+        t.line(match r {
+            Some((x, who)) => format!(
                 "ratio ours / best peer, {}: {x:.2} (best peer {})",
                 l.short(),
                 who.label()
             ),
-            None => println!("ratio ours / best peer, {}: - (no figure)", l.short()),
-        }
+            None => format!("ratio ours / best peer, {}: - (no figure)", l.short()),
+        });
     }
-    let min_ratio = ratios
-        .iter()
-        .map(|(_, r)| r.map(|x| x.0))
-        .try_fold(f64::INFINITY, |m, r| r.map(|x| m.min(x)));
-    let target_met = min_ratio.is_some_and(|m| m >= TARGET_RATIO);
-    println!(
+    let fmt_min = |m: Option<f64>| m.map_or_else(|| "-".into(), |m| format!("{m:.2}"));
+    t.line(format!(
         "target every ratio >= {TARGET_RATIO}: min {} ({})",
-        min_ratio.map_or_else(|| "-".into(), |m| format!("{m:.2}")),
-        met(target_met)
-    );
-    // With --tls: ours with TLS over ours without, per load.
-    let tls_ratios: Vec<(Load, Option<f64>)> = Load::ALL
-        .iter()
-        .map(|&l| {
-            let r = match (fig(Server::Ours, l), fig(Server::OursPlain, l)) {
-                (Some(t), Some(p)) if p > 0.0 => Some(t / p),
-                _ => None,
-            };
-            (l, r)
-        })
-        .collect();
-    let min_tls_ratio = tls_ratios
-        .iter()
-        .map(|(_, r)| *r)
-        .try_fold(f64::INFINITY, |m, r| r.map(|x| m.min(x)));
-    let tls_target_met = min_tls_ratio.is_some_and(|m| m >= TLS_TARGET_FRACTION);
-    if tls {
-        for (l, r) in &tls_ratios {
-            match r {
-                Some(x) => println!("ratio ours TLS / ours plaintext, {}: {x:.2}", l.short()),
-                None => println!(
+        fmt_min(ratios.min),
+        met(ratios.target_met)
+    ));
+    if run.tls {
+        for (l, r) in &ratios.tls {
+            t.line(match r {
+                Some(x) => format!("ratio ours TLS / ours plaintext, {}: {x:.2}", l.short()),
+                None => format!(
                     "ratio ours TLS / ours plaintext, {}: - (no figure)",
                     l.short()
                 ),
-            }
+            });
         }
-        println!(
+        t.line(format!(
             "target TLS within {:.0} % of plaintext (every ratio >= {TLS_TARGET_FRACTION}): min {} ({})",
             (1.0 - TLS_TARGET_FRACTION) * 100.0,
-            min_tls_ratio.map_or_else(|| "-".into(), |m| format!("{m:.2}")),
-            met(tls_target_met)
-        );
+            fmt_min(ratios.min_tls),
+            met(ratios.tls_target_met)
+        ));
     }
+    t
+}
 
-    let title = if tls {
-        "E6: one LUKS1 image served over NBD with TLS (median)"
-    } else {
-        "E6: one LUKS1 image served over NBD (median)"
-    };
-    let chart = Chart::Bars(bars(servers, results));
-    Plot {
-        file: PlotFile::Main,
-        title: title.into(),
-        chart,
+/// The report's fields beside `settings`.
+#[derive(Serialize)]
+struct Body {
+    servers: BTreeMap<&'static str, ServerInfo>,
+    rows: Vec<Row>,
+    summary: serde_json::Map<String, Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls: Option<bool>,
+}
+
+/// How a server ran.
+#[derive(Serialize)]
+struct ServerInfo {
+    label: &'static str,
+    command: String,
+    advertises_multi_conn: Option<bool>,
+    failed: Option<String>,
+    stops: Vec<String>,
+}
+
+impl ServerInfo {
+    fn of(s: Server, r: &Results) -> ServerInfo {
+        ServerInfo {
+            label: s.label(),
+            command: r.command.clone(),
+            advertises_multi_conn: r.multi_conn,
+            failed: r.failed.clone(),
+            stops: r.stops.clone(),
+        }
     }
-    .draw(svg_path)?;
+}
 
-    let rows: Vec<Value> = servers
+/// One server's figures for one load.
+#[derive(Serialize)]
+struct Row {
+    server: &'static str,
+    load: &'static str,
+    describe: &'static str,
+    mib_s: Option<f64>,
+    iops: Option<f64>,
+    runs_mib_s: Vec<f64>,
+    runs_iops: Vec<Option<f64>>,
+}
+
+fn rows(run: &Run) -> Vec<Row> {
+    run.servers
         .iter()
-        .enumerate()
-        .flat_map(|(i, &s)| {
-            let r = &results[i];
-            Load::ALL.iter().enumerate().map(move |(l, load)| {
-                json!({
-                    "server": s.key(),
-                    "load": load.key(),
-                    "describe": load.label(),
-                    "mib_s": r.median_mib(l).map(round2),
-                    "iops": r.median_iops(l).map(round2),
-                    "runs_mib_s": r.samples[l].iter().map(|x| round2(x.mib_s)).collect::<Vec<_>>(),
-                    "runs_iops": r.samples[l].iter().map(|x| x.iops.map(round2)).collect::<Vec<_>>(),
-                })
+        .zip(run.results)
+        .flat_map(|(&s, r)| {
+            Load::ALL.iter().enumerate().map(move |(l, load)| Row {
+                server: s.key(),
+                load: load.key(),
+                describe: load.label(),
+                mib_s: r.median_mib(l).map(round2),
+                iops: r.median_iops(l).map(round2),
+                runs_mib_s: r.samples[l].iter().map(|x| round2(x.mib_s)).collect(),
+                runs_iops: r.samples[l].iter().map(|x| x.iops.map(round2)).collect(),
             })
         })
-        .collect();
-    let server_info: serde_json::Map<String, Value> = servers
-        .iter()
-        .enumerate()
-        .map(|(i, &s)| {
-            let r = &results[i];
-            (
-                s.key().to_string(),
-                json!({
-                    "label": s.label(),
-                    "command": r.command,
-                    "advertises_multi_conn": r.multi_conn,
-                    "failed": r.failed,
-                    "stops": r.stops,
-                }),
-            )
-        })
-        .collect();
+        .collect()
+}
+
+/// The summary: each server's median per load, the ratios and targets,
+/// and which servers failed.
+fn summary(
+    run: &Run,
+    ratios: &Ratios,
+    failed: &BTreeMap<&str, String>,
+) -> serde_json::Map<String, Value> {
     let mut summary = serde_json::Map::new();
-    let put = |m: &mut serde_json::Map<String, Value>, k: String, v: Option<f64>| {
-        m.insert(k, v.map(round2).into());
-    };
     for (load, name, unit) in [
         (Load::SeqWrite, "write", "mib_s"),
         (Load::SeqRead, "read", "mib_s"),
@@ -1343,26 +1467,26 @@ fn report(
         (Load::CopyRead, "nbdcopy_read", "mib_s"),
         (Load::CopyWrite, "nbdcopy_write", "mib_s"),
     ] {
-        let keyed: &[Server] = if tls { &Server::ALL_TLS } else { &Server::ALL };
+        let keyed: &[Server] = if run.tls {
+            &Server::ALL_TLS
+        } else {
+            &Server::ALL
+        };
         for &s in keyed {
-            put(
-                &mut summary,
-                format!("{}_{name}_{unit}", s.key()),
-                fig(s, load),
-            );
+            let v = run.fig(s, load).map(round2);
+            summary.insert(format!("{}_{name}_{unit}", s.key()), v.into());
         }
-        let r = ratios.iter().find(|(l, _)| *l == load).and_then(|x| x.1);
         let key = if load == Load::RandRw {
             "randrw_iops_ratio_vs_best_peer".to_string()
         } else {
             format!("{name}_ratio_vs_best_peer")
         };
-        summary.insert(key, r.map(|x| x.0).into());
+        summary.insert(key, ratios.peer(load).into());
     }
-    summary.insert("min_ratio_vs_best_peer".into(), min_ratio.into());
+    summary.insert("min_ratio_vs_best_peer".into(), ratios.min.into());
     summary.insert("target_ratio".into(), TARGET_RATIO.into());
-    summary.insert("target_met".into(), target_met.into());
-    if tls {
+    summary.insert("target_met".into(), ratios.target_met.into());
+    if run.tls {
         summary.insert("tls".into(), true.into());
         for (load, name) in [
             (Load::SeqWrite, "write"),
@@ -1371,58 +1495,42 @@ fn report(
             (Load::CopyRead, "nbdcopy_read"),
             (Load::CopyWrite, "nbdcopy_write"),
         ] {
-            let r = tls_ratios
-                .iter()
-                .find(|(l, _)| *l == load)
-                .and_then(|x| x.1);
-            summary.insert(format!("{name}_ratio_tls_vs_plaintext"), r.into());
+            let k = format!("{name}_ratio_tls_vs_plaintext");
+            summary.insert(k, ratios.tls(load).into());
         }
-        summary.insert("min_ratio_tls_vs_plaintext".into(), min_tls_ratio.into());
+        summary.insert("min_ratio_tls_vs_plaintext".into(), ratios.min_tls.into());
         summary.insert(
             "tls_target_min_ratio_vs_plaintext".into(),
             TLS_TARGET_FRACTION.into(),
         );
-        summary.insert("tls_target_met".into(), tls_target_met.into());
+        summary.insert("tls_target_met".into(), ratios.tls_target_met.into());
     }
-    let failed: serde_json::Map<String, Value> = servers
-        .iter()
-        .enumerate()
-        .filter_map(|(i, s)| {
-            results[i]
-                .failed
-                .clone()
-                .map(|w| (s.key().to_string(), w.into()))
-        })
-        .collect();
-    summary.insert("failed".into(), failed.clone().into());
-    let mut report = json!({
-        "experiment": "E6 nbd",
-        "machine": crate::machine(),
-        "settings": {
-            "runs": runs,
-            "quick": opts.quick,
-            "export_bytes": plan.dev,
-            "image": "LUKS1, aes-xts-plain64, 512-bit key, sha256, 1000 PBKDF2 iterations; every payload byte written before the runs (no holes)",
-            "file_system": fs,
-            "page_cache": "every server reads and writes the image through the page cache (buffered I/O); nothing asks for a flush; the image is synced to disk between servers",
-            "transport": "Unix socket, one per server",
-            "fio": {
-                "engine": "nbd (libnbd)",
-                "seconds_per_load": plan.fio_ms as f64 / 1000.0,
-                "seq": format!("1 MiB, iodepth {SEQ_DEPTH}, 1 job (1 connection), time based over the whole export"),
-                "randrw": format!("4 KiB, 50 % reads, iodepth {RAND_DEPTH}, {RAND_JOBS} jobs (connections), time based"),
-            },
-            "nbdcopy": "defaults (4 connections where the server advertises multi-conn, else 1; threads = CPUs; 256 KiB requests); read: --no-extents export -> null:, write: a data file of the export's size -> export, no --flush",
-            "check": format!("each server first checks with fio verify_only the last {} MiB the previous server wrote with crc32c verify headers, then writes and checks them itself after its loads", VERIFY_BYTES / MIB),
-            "order": "each run starts with the next server in turn",
+    summary.insert("failed".into(), json!(failed));
+    summary
+}
+
+/// How the run was made (with `--tls`, how each server's TLS was set).
+fn settings(run: &Run, opts: &BenchOptions) -> Value {
+    let mut settings = json!({
+        "runs": run.runs,
+        "quick": opts.quick,
+        "export_bytes": run.plan.dev,
+        "image": "LUKS1, aes-xts-plain64, 512-bit key, sha256, 1000 PBKDF2 iterations; every payload byte written before the runs (no holes)",
+        "file_system": run.fs,
+        "page_cache": "every server reads and writes the image through the page cache (buffered I/O); nothing asks for a flush; the image is synced to disk between servers",
+        "transport": "Unix socket, one per server",
+        "fio": {
+            "engine": "nbd (libnbd)",
+            "seconds_per_load": run.plan.fio_ms as f64 / 1000.0,
+            "seq": format!("1 MiB, iodepth {SEQ_DEPTH}, 1 job (1 connection), time based over the whole export"),
+            "randrw": format!("4 KiB, 50 % reads, iodepth {RAND_DEPTH}, {RAND_JOBS} jobs (connections), time based"),
         },
-        "servers": server_info,
-        "rows": rows,
-        "summary": summary,
+        "nbdcopy": "defaults (4 connections where the server advertises multi-conn, else 1; threads = CPUs; 256 KiB requests); read: --no-extents export -> null:, write: a data file of the export's size -> export, no --flush",
+        "check": format!("each server first checks with fio verify_only the last {} MiB the previous server wrote with crc32c verify headers, then writes and checks them itself after its loads", VERIFY_BYTES / MIB),
+        "order": "each run starts with the next server in turn",
     });
-    if tls {
-        report["tls"] = true.into();
-        report["settings"]["tls"] = json!({
+    if run.tls {
+        settings["tls"] = json!({
             "credentials": "X.509: a CA, a server certificate (RSA 2048, SHA-256, SAN localhost and 127.0.0.1) and a client certificate, made for the run",
             "client_certificate_checked": TLS_VERIFY_PEER,
             "ours": "iopages serve --tls require --tls-certificates DIR",
@@ -1432,24 +1540,7 @@ fn report(
             "clients": "nbdinfo and nbdcopy: nbds+unix:///NAME?socket=S&tls-certificates=DIR; fio's nbd engine: nbds+unix:///NAME?socket=S (fio does not let libnbd read files the URI names; HOME holds .pki/libnbd for a non-root run). Over a Unix socket libnbd does not check the server's certificate",
         });
     }
-    write_json(json_path, &report)?;
-    progress(
-        "nbd",
-        format!("wrote {} and {}", json_path.display(), svg_path.display()),
-    );
-    if !failed.is_empty() {
-        return Err(workload(format!(
-            "{} failed (report written to {}): {}",
-            failed.keys().cloned().collect::<Vec<_>>().join(", "),
-            json_path.display(),
-            failed
-                .iter()
-                .map(|(k, v)| format!("{k}: {}", v.as_str().unwrap_or("")))
-                .collect::<Vec<_>>()
-                .join("; ")
-        )));
-    }
-    Ok(report)
+    settings
 }
 
 /// E6's bars: MiB/s of the sequential and copy loads, IOPS of the random
@@ -2017,8 +2108,10 @@ mod tests {
     #[test]
     fn tls_report_has_the_marker_and_both_ratios() {
         let dir = scratch("report");
+        // The reports go to <out_dir>/nbd-tls.json and nbd.json.
         let opts = BenchOptions {
             quick: true,
+            out_dir: dir.0[0].clone(),
             ..BenchOptions::default()
         };
         let plan = Plan {
@@ -2035,10 +2128,15 @@ mod tests {
             [300.0, 400.0, 30.0, 500.0, 200.0],
             [450.0, 200.0, 45.0, 100.0, 350.0],
         ]);
-        let r = report(
-            &opts, &servers, &results, &plan, 1, "tmpfs", true, &json, &svg,
-        )
-        .unwrap();
+        let run = Run {
+            servers: &servers,
+            results: &results,
+            plan: &plan,
+            runs: 1,
+            fs: "tmpfs",
+            tls: true,
+        };
+        let r = report(&opts, &run, &json).unwrap();
         assert_eq!(r["tls"], true);
         assert!(r["settings"]["tls"]["qemu"]
             .as_str()
@@ -2068,22 +2166,19 @@ mod tests {
         assert!(svg.exists());
 
         // Without --tls: no marker, no plaintext column, no TLS ratios.
-        let plain = report(
-            &opts,
-            &servers_of(true, false),
-            &results_of(&[
-                [1000.0, 1000.0, 100.0, 1000.0, 700.0],
-                [300.0, 400.0, 30.0, 500.0, 200.0],
-                [450.0, 200.0, 45.0, 100.0, 350.0],
-            ]),
-            &plan,
-            1,
-            "tmpfs",
-            false,
-            &dir.0[0].join("nbd.json"),
-            &dir.0[0].join("nbd.svg"),
-        )
-        .unwrap();
+        let plain_servers = servers_of(true, false);
+        let plain_results = results_of(&[
+            [1000.0, 1000.0, 100.0, 1000.0, 700.0],
+            [300.0, 400.0, 30.0, 500.0, 200.0],
+            [450.0, 200.0, 45.0, 100.0, 350.0],
+        ]);
+        let plain_run = Run {
+            servers: &plain_servers,
+            results: &plain_results,
+            tls: false,
+            ..run
+        };
+        let plain = report(&opts, &plain_run, &dir.0[0].join("nbd.json")).unwrap();
         assert!(plain.get("tls").is_none() && plain["settings"].get("tls").is_none());
         let s = plain["summary"].as_object().unwrap();
         assert!(
