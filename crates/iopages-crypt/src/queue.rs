@@ -18,6 +18,7 @@
 
 use crate::admission::{Admission, PlCell};
 use crate::target::{CryptTarget, SectorCipher};
+use iopages::FolioBuffer;
 use parking_lot::{Condvar, Mutex};
 use std::collections::VecDeque;
 use std::io;
@@ -33,7 +34,7 @@ pub struct QueueConfig {
     /// Worker threads. Default: one per core.
     pub workers: usize,
     /// Every worker writes through its own out buffer, reused for every
-    /// write ([`CryptTarget::write_with_buffer`]) instead of allocating:
+    /// write ([`CryptTarget::write_with_folios`]) instead of allocating:
     /// the pipeline without allocation, for measuring what allocation
     /// costs. Default off.
     pub preallocated_out: bool,
@@ -286,10 +287,9 @@ impl<C: SectorCipher + 'static> Drop for CryptQueue<C> {
 }
 
 fn worker<C: SectorCipher>(s: &Shared<C>) {
-    let mut buf = OutBuffer {
-        pages: Vec::new(),
-        target: &s.target,
-    };
+    // The worker's own out buffer (when `preallocated_out`): it owns its
+    // pages and frees them when the worker exits.
+    let mut buf = FolioBuffer::new(s.target.allocator());
     loop {
         let mut st = s.state.lock();
         let r = loop {
@@ -302,30 +302,18 @@ fn worker<C: SectorCipher>(s: &Shared<C>) {
             s.work.wait(&mut st);
         };
         drop(st);
-        serve(&s.target, r, s.preallocated_out.then_some(&mut buf.pages));
+        serve(&s.target, r, s.preallocated_out.then_some(&mut buf));
         s.gate.complete();
-    }
-}
-
-/// A worker's own out buffer, its pages freed when the worker exits.
-struct OutBuffer<'a, C: SectorCipher> {
-    pages: Vec<iopages::Page>,
-    target: &'a CryptTarget<C>,
-}
-
-impl<C: SectorCipher> Drop for OutBuffer<'_, C> {
-    fn drop(&mut self) {
-        self.target.free_buffer(&mut self.pages);
     }
 }
 
 /// Run one request and its completion; a panicking completion is caught
 /// (and reported) so the worker goes on serving the queue.
-fn serve<C: SectorCipher>(t: &CryptTarget<C>, r: Request, buf: Option<&mut Vec<iopages::Page>>) {
+fn serve<C: SectorCipher>(t: &CryptTarget<C>, r: Request, buf: Option<&mut FolioBuffer>) {
     let outcome = match r {
         Request::Write { offset, data, done } => {
             let res = match buf {
-                Some(b) => t.write_with_buffer(offset, (*data).as_ref(), b),
+                Some(b) => t.write_with_folios(offset, (*data).as_ref(), b),
                 None => t.write(offset, (*data).as_ref()),
             };
             let outcome = catch_unwind(AssertUnwindSafe(|| done(res)));

@@ -9,9 +9,8 @@
 //! pages allocated after a write returns (success or error), write a
 //! request that is not whole sectors, or reach page memory through an
 //! address: the out pages' bytes come from the [`iopages::FolioBuffer`]
-//! that owns them (`runs_mut`). The one page-related `unsafe` left is
-//! [`CryptTarget::write_with_buffer`], which lends a caller's plain pages
-//! to such a buffer on the strength of its documented contract.
+//! that owns them (`runs_mut`); a caller's reused out buffer is one too
+//! ([`CryptTarget::write_with_folios`]).
 //!
 //! This is the synchronous core, safe to call from many threads at once;
 //! [`crate::queue::CryptQueue`] puts a queue depth and worker threads in
@@ -19,7 +18,7 @@
 
 use crate::backend::{Backend, PageStore};
 use crate::strategy::{LimitCheck, OutAllocator, OutPages, Strategy};
-use iopages::{FolioBuffer, Gfp, Page, PageAllocator, PercpuCounter, PAGE_SIZE};
+use iopages::{FolioBuffer, Gfp, PageAllocator, PercpuCounter, PAGE_SIZE};
 use parking_lot::Mutex;
 use std::cell::Cell;
 use std::io;
@@ -561,40 +560,6 @@ impl<C: SectorCipher> CryptTarget<C> {
         result
     }
 
-    /// [`CryptTarget::write_with_folios`] for a buffer kept as plain
-    /// pages: `buf` must hold order-0 pages of this target's arena that the
-    /// caller owns and lends to the write (nothing else touches or frees
-    /// them during the call). Prefer `write_with_folios`, whose buffer
-    /// proves that ownership.
-    ///
-    /// **Context / Returns:** as [`CryptTarget::write_with_folios`]. The
-    /// caller frees `buf`'s pages ([`CryptTarget::free_buffer`]) when done
-    /// with it.
-    pub fn write_with_buffer(
-        &self,
-        offset: u64,
-        data: &[u8],
-        buf: &mut Vec<Page>,
-    ) -> io::Result<()> {
-        let mut folios = FolioBuffer::with_capacity(&self.alloc, buf.len());
-        for p in buf.drain(..) {
-            // SAFETY: this function's contract: `buf` holds order-0 pages
-            // of this arena that the caller owns and lends to the call; the
-            // buffer gives them back below, without freeing them.
-            unsafe { folios.push_raw(p, 0) };
-        }
-        let result = self.write_with_folios(offset, data, &mut folios);
-        buf.extend(folios.into_raw().iter().map(|f| f.page()));
-        result
-    }
-
-    /// Free the pages of an out buffer used with
-    /// [`CryptTarget::write_with_buffer`], leaving it empty.
-    pub fn free_buffer(&self, buf: &mut Vec<Page>) {
-        self.alloc.free_pages_bulk(buf);
-        buf.clear();
-    }
-
     /// Read and decrypt `buf.len()` bytes at byte `offset`.
     ///
     /// **Context:** may block in the backend. **Returns:** `InvalidInput`
@@ -744,7 +709,7 @@ mod tests {
             let t =
                 CryptTarget::new(&alloc, Tagged(512), backend, TargetConfig::default()).unwrap();
             let mut folios = FolioBuffer::new(&alloc);
-            let mut pages = Vec::new();
+            let mut second = FolioBuffer::new(&alloc);
             let mut model = vec![0u8; 1 << 20];
             // Start from a device of encrypted zeros, as after a format.
             t.write(0, &model).unwrap();
@@ -759,20 +724,15 @@ mod tests {
             ];
             for (k, &(offset, len)) in writes.iter().enumerate() {
                 let data: Vec<u8> = (0..len).map(|i| (i * 7 + k) as u8).collect();
-                if k % 2 == 0 {
-                    t.write_with_folios(offset as u64, &data, &mut folios)
-                        .unwrap();
-                } else {
-                    t.write_with_buffer(offset as u64, &data, &mut pages)
-                        .unwrap();
-                }
+                let buf = if k % 2 == 0 { &mut folios } else { &mut second };
+                t.write_with_folios(offset as u64, &data, buf).unwrap();
                 model[offset..offset + len].copy_from_slice(&data);
             }
             let mut back = vec![0u8; 1 << 20];
             t.read(0, &mut back).unwrap();
             assert!(back == model, "read-back differs");
             assert!(
-                folios.len() >= 8192 && !pages.is_empty(),
+                folios.len() >= 8192 && !second.is_empty(),
                 "the buffers are kept"
             );
             // A buffer of another arena is refused before anything moves.
@@ -788,8 +748,7 @@ mod tests {
             assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
             drop(foreign);
             other.leak_check().unwrap();
-            t.free_buffer(&mut pages);
-            drop((folios, t));
+            drop((folios, second, t));
         }
         alloc.leak_check().unwrap();
     }
