@@ -706,6 +706,69 @@ struct Failure {
     why: String,
 }
 
+/// One timed load against the server `r`.
+///
+/// **Returns:** its figure, or why the tool failed or moved no data.
+fn load_sample(
+    r: &Running,
+    tools: &Tools,
+    f: &Files,
+    plan: &Plan,
+    load: Load,
+) -> Result<Sample, String> {
+    Ok(match load {
+        Load::SeqWrite | Load::SeqRead | Load::RandRw => {
+            let v = fio(
+                tools,
+                &f.work,
+                r.home.as_deref(),
+                plan.fio_args(&r.fio_uri, load),
+                plan.fio_ms,
+            )
+            .map_err(|e| format!("{}: {e}", load.label()))?;
+            let (bytes, bw, iops) = match load {
+                Load::SeqWrite => (v.write_bytes, v.write_bw, v.write_iops),
+                Load::SeqRead => (v.read_bytes, v.read_bw, v.read_iops),
+                _ => (
+                    v.read_bytes.min(v.write_bytes),
+                    v.read_bw + v.write_bw,
+                    v.read_iops + v.write_iops,
+                ),
+            };
+            if bytes == 0 {
+                return Err(format!("{}: fio moved no data", load.label()));
+            }
+            Sample {
+                mib_s: bw / MIB as f64,
+                iops: Some(iops),
+            }
+        }
+        Load::CopyRead | Load::CopyWrite => {
+            let args = if load == Load::CopyRead {
+                // Extents off: read every block, holes or not.
+                os(&[&"--no-extents", &r.uri, &"null:"])
+            } else {
+                os(&[&f.source, &r.uri])
+            };
+            let timeout = Duration::from_secs(60 + plan.dev / (4 * MIB));
+            let c = run_tool(&tools.nbdcopy, &args, &f.work, timeout, &[])
+                .map_err(|e| format!("{}: {e}", load.label()))?;
+            if !c.status.success() {
+                return Err(format!(
+                    "{}: nbdcopy {}; stderr: {}",
+                    load.label(),
+                    c.status,
+                    tail_lines(&c.stderr)
+                ));
+            }
+            Sample {
+                mib_s: plan.dev as f64 / MIB as f64 / c.secs,
+                iops: None,
+            }
+        }
+    })
+}
+
 /// One server's pass over every load: check the previous server's
 /// read-back region, the timed loads, then write the region for the next.
 fn measure(
@@ -769,57 +832,7 @@ fn measure(
     }
     let mut out = Vec::new();
     for load in Load::ALL {
-        let sample = match load {
-            Load::SeqWrite | Load::SeqRead | Load::RandRw => {
-                let v = fio(
-                    tools,
-                    &f.work,
-                    r.home.as_deref(),
-                    plan.fio_args(&r.fio_uri, load),
-                    plan.fio_ms,
-                )
-                .map_err(|e| fail(format!("{}: {e}", load.label())))?;
-                let (bytes, bw, iops) = match load {
-                    Load::SeqWrite => (v.write_bytes, v.write_bw, v.write_iops),
-                    Load::SeqRead => (v.read_bytes, v.read_bw, v.read_iops),
-                    _ => (
-                        v.read_bytes.min(v.write_bytes),
-                        v.read_bw + v.write_bw,
-                        v.read_iops + v.write_iops,
-                    ),
-                };
-                if bytes == 0 {
-                    return Err(fail(format!("{}: fio moved no data", load.label())));
-                }
-                Sample {
-                    mib_s: bw / MIB as f64,
-                    iops: Some(iops),
-                }
-            }
-            Load::CopyRead | Load::CopyWrite => {
-                let args = if load == Load::CopyRead {
-                    // Extents off: read every block, holes or not.
-                    os(&[&"--no-extents", &r.uri, &"null:"])
-                } else {
-                    os(&[&f.source, &r.uri])
-                };
-                let timeout = Duration::from_secs(60 + plan.dev / (4 * MIB));
-                let c = run_tool(&tools.nbdcopy, &args, &f.work, timeout, &[])
-                    .map_err(|e| fail(format!("{}: {e}", load.label())))?;
-                if !c.status.success() {
-                    return Err(fail(format!(
-                        "{}: nbdcopy {}; stderr: {}",
-                        load.label(),
-                        c.status,
-                        tail_lines(&c.stderr)
-                    )));
-                }
-                Sample {
-                    mib_s: plan.dev as f64 / MIB as f64 / c.secs,
-                    iops: None,
-                }
-            }
-        };
+        let sample = load_sample(r, tools, f, plan, load).map_err(fail)?;
         r.alive()
             .map_err(|e| fail(format!("after {}: {e}", load.label())))?;
         out.push(sample);
