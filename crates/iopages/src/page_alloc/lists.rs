@@ -180,3 +180,37 @@ impl Core {
         self.wake_waiters();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::{Gfp, HugePages, PageAllocator};
+
+    /// A CPU's lock held for good (a descheduled holder) costs a drain at
+    /// most `DRAIN_TRIES_MAX` tries: the drain ends and drains the rest.
+    #[test]
+    fn a_drain_ends_when_a_cpu_lock_stays_held() {
+        let alloc = PageAllocator::builder()
+            .size_bytes(4 << 20)
+            .huge_pages(HugePages::Never)
+            .nr_cpus(2)
+            .thread_cache_pages(0)
+            .background_reclaim(false)
+            .checks(true)
+            .build()
+            .unwrap();
+        let b = alloc.alloc_box(Gfp::KERNEL, 0).unwrap();
+        drop(b);
+        let core = alloc.core();
+        let held = core.pcp[0].try_lock(&core.zone, &core.arena, &core.limits);
+        assert!(held.is_some());
+        core.drain_all_pcp();
+        assert_eq!(
+            core.counters
+                .drain_all
+                .load(std::sync::atomic::Ordering::Relaxed),
+            1
+        );
+        drop(held);
+        assert!(alloc.leak_check().is_ok());
+    }
+}

@@ -349,3 +349,49 @@ impl<O: Owner> Drop for ThreadCaches<O> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::buddy::arena::HugePages;
+
+    fn arena() -> Arena {
+        Arena::new(4 << 20, HugePages::Never, false).unwrap()
+    }
+
+    #[test]
+    fn check_accepts_blocks_in_range_and_aligned() {
+        let a = arena();
+        let tc = Tcache::new([4, 2, 2, 2]);
+        // SAFETY: this thread owns the cache; the pages fit.
+        unsafe {
+            tc.extend(0, &[Page::from_pfn(0), Page::from_pfn(1023)]);
+            tc.extend(3, &[Page::from_pfn(8)]);
+            tc.check(&a);
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "not an order-0 block of this arena")]
+    fn check_catches_a_block_outside_the_arena() {
+        let a = arena();
+        let tc = Tcache::new([4, 2, 2, 2]);
+        // SAFETY: this thread owns the cache; the page fits.
+        unsafe {
+            tc.extend(0, &[Page::from_pfn(1024)]);
+            tc.check(&a);
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "not an order-2 block of this arena")]
+    fn check_catches_a_misaligned_block() {
+        let a = arena();
+        let tc = Tcache::new([4, 2, 2, 2]);
+        // SAFETY: this thread owns the cache; the page fits.
+        unsafe {
+            tc.extend(2, &[Page::from_pfn(6)]);
+            tc.check(&a);
+        }
+    }
+}
