@@ -28,6 +28,20 @@
 //!
 //! The JSON goes through `serde_json::Value`, whose maps are sorted, so
 //! the files keep the key order they always had.
+//!
+//! # Porting an experiment (crypt.rs, E2/E3, still writes its own)
+//! - The run loop `for run in 0..runs { for c in configs { … } progress }`
+//!   becomes [`interleave`] (or [`run_interleaved`]); a workload that
+//!   only some runs do (openssl speed in xts) is one more configuration
+//!   that decides inside its closure, as `xts::Ctx::measure` does.
+//! - `println!` blocks become a [`Table`] built by a `table()` function
+//!   and printed once; keep each cell's format string as it was.
+//! - `json!({"experiment": …, "machine": crate::machine(), "settings":
+//!   …, …})` + `write_json` + `line_plot` + the "wrote …" progress line
+//!   become `Report::new(name, settings, body).emit(opts, &plots)`, with
+//!   [`Report::stem`] where the name is not the file's (kvmalloc, bio,
+//!   nbd). Settings and body may start as `serde_json::Value` and become
+//!   structs field by field; `mempool.rs` and `bio.rs` are fully typed.
 
 use crate::measure::{Sample, Summary};
 use crate::plot::{bar_chart, line_plot, Bars, Series};
