@@ -8,16 +8,19 @@
 //! to its threshold, the limit checked exactly and approximately. Must
 //! never: report a rate whose writes did not all succeed.
 
+use crate::harness::{interleave, Plot, PlotFile, Report, Table};
 use crate::measure::median;
-use crate::plot::{line_plot, Series};
-use crate::{met, progress, round2, write_json, BenchError, BenchOptions};
+use crate::plot::Series;
+use crate::{met, progress, round2, BenchError, BenchOptions};
 use iopages::{HugePages, PageAllocator};
 use iopages_crypt::backend::{Backend, PageStore};
 use iopages_crypt::queue::{CryptQueue, QueueConfig};
 use iopages_crypt::strategy::{LimitCheck, Strategy};
 use iopages_crypt::target::{CipherPool, CryptTarget, TargetConfig, TargetStats};
 use iopages_crypt::XtsCipher;
-use serde_json::{json, Value};
+use serde::Serialize;
+use serde_json::Value;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -264,7 +267,316 @@ fn workers_sample(n: usize, runs: usize, sample_mib: usize) -> Result<f64, Bench
     Ok(median(&v))
 }
 
-/// E2, with the scaling part at `workers` (default 1, 2, 4, … cores).
+/// E2's settings (the report's `settings`).
+#[derive(Serialize)]
+struct E2Settings {
+    runs: usize,
+    sample_mib: usize,
+    write_bytes: usize,
+    queue_depth: usize,
+    workers: usize,
+    disk_mib: usize,
+    arena_mib: usize,
+    backend: &'static str,
+    cipher: &'static str,
+    min_nr: usize,
+}
+
+const E2_SETTINGS: E2Settings = E2Settings {
+    runs: 7,
+    sample_mib: 2048,
+    write_bytes: MIB,
+    queue_depth: QUEUE_DEPTH,
+    workers: 1,
+    disk_mib: 256,
+    arena_mib: 1024,
+    backend: "page-store RAM disk",
+    cipher: "aes-xts-plain64, 512-bit key",
+    min_nr: MIN_NR,
+};
+
+/// One row of E2's report: a mode's samples, run by run.
+#[derive(Serialize)]
+struct E2Row {
+    describe: &'static str,
+    mib_s: Vec<f64>,
+    iops: Vec<f64>,
+    alloc_share: Vec<f64>,
+    worker_busy: Vec<f64>,
+}
+
+/// The bulk pipeline with `workers` workers against its physical bound.
+#[derive(Serialize)]
+struct ScalingRow {
+    workers: usize,
+    bulk_mib_s: f64,
+    bound_mib_s: f64,
+    vs_bound: f64,
+}
+
+/// E2's figures: medians, and the ratios the targets are about, each the
+/// median over runs of that run's ratio (samples taken side by side).
+#[derive(Serialize)]
+struct E2Summary {
+    sector_bytes: usize,
+    cipher_mib_s: f64,
+    noalloc_mib_s: f64,
+    per_page_mib_s: f64,
+    bulk_mib_s: f64,
+    compound_mib_s: f64,
+    bulk_vs_noalloc: f64,
+    bulk_vs_cipher: f64,
+    bulk_vs_cipher_cold: f64,
+    ratios: &'static str,
+    bulk_vs_noalloc_of_medians: f64,
+    bulk_vs_cipher_of_medians: f64,
+    bulk_vs_per_page: f64,
+    compound_vs_per_page: f64,
+    workers_scaling: Vec<ScalingRow>,
+    cores: usize,
+    workers_eq_cores_vs_bound: Option<f64>,
+    target_workers_eq_cores_min: f64,
+}
+
+#[derive(Serialize)]
+struct SeedFigures {
+    per_page_mib_s: f64,
+    bulk_mib_s: f64,
+}
+
+/// Everything of E2's report after `settings`.
+#[derive(Serialize)]
+struct E2Body {
+    rows: BTreeMap<&'static str, E2Row>,
+    seed: SeedFigures,
+    summary: E2Summary,
+}
+
+/// E2's samples, `[mode][run]`, in `Mode::ALL`'s order.
+struct E2Samples(Vec<Vec<Sample>>);
+
+impl E2Samples {
+    fn of(&self, m: Mode) -> &[Sample] {
+        &self.0[Mode::ALL
+            .iter()
+            .position(|&x| x == m)
+            .expect("a mode of ALL")]
+    }
+
+    fn median(&self, m: Mode, f: fn(&Sample) -> f64) -> f64 {
+        median(&self.of(m).iter().map(f).collect::<Vec<_>>())
+    }
+
+    fn range(&self, m: Mode) -> (f64, f64) {
+        let v = self.of(m).iter().map(|s| s.mib_s);
+        (
+            v.clone().fold(f64::INFINITY, f64::min),
+            v.fold(0.0, f64::max),
+        )
+    }
+
+    /// The median over runs of `a`'s rate over `b`'s in the same run: a
+    /// slow second on a shared machine lowers both sides of one ratio
+    /// instead of one side of the medians.
+    fn paired(&self, a: Mode, b: Mode) -> f64 {
+        let r: Vec<f64> = self
+            .of(a)
+            .iter()
+            .zip(self.of(b))
+            .map(|(x, y)| x.mib_s / y.mib_s)
+            .collect();
+        median(&r)
+    }
+}
+
+/// 1 MiB writes through the target for every mode, interleaved run by
+/// run after a format pass.
+fn e2_measure(target: &Arc<CryptTarget<CipherPool>>) -> Result<E2Samples, BenchError> {
+    let st = &E2_SETTINGS;
+    let mut bare = XtsCipher::new(&key(), SECTOR_BYTES, 0).map_err(workload)?;
+    let plain: Arc<[u8]> = (0..MIB).map(|i| (i * 131 % 251) as u8).collect();
+    let mut dst = vec![0u8; MIB];
+    // Touched now, so that no sample pays for faulting it in.
+    let mut cold = vec![1u8; st.disk_mib * MIB];
+    // Format: every block of the disk holds a page from here on, so each
+    // write replaces (and frees) as many pages as it stores. This warms
+    // the pipeline and the arena's lists for every mode.
+    let mut pos = 0;
+    let bulk = Mode::Strategy(Strategy::Bulk);
+    pipeline_sample(target, bulk, &plain, st.disk_mib, &mut pos)?;
+    cipher_sample(&mut bare, &plain, &mut dst, 64);
+    let samples = interleave(
+        "crypt",
+        Mode::ALL.len(),
+        st.runs,
+        &mut pos,
+        |_, _| Ok(()),
+        |pos, i| {
+            Ok(match Mode::ALL[i] {
+                Mode::Cipher => cipher_sample(&mut bare, &plain, &mut dst, st.sample_mib),
+                Mode::CipherCold => cipher_sample(&mut bare, &plain, &mut cold, st.sample_mib),
+                mode => pipeline_sample(target, mode, &plain, st.sample_mib, pos)?,
+            })
+        },
+    )?;
+    Ok(E2Samples(samples))
+}
+
+/// The bulk pipeline at each worker count of `ladder`, against
+/// min(workers, cores) × `cipher_mib_s`; a figure over 1.1 × that fails.
+fn e2_scaling(ladder: &[usize], cipher_mib_s: f64) -> Result<Vec<ScalingRow>, BenchError> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut rows = Vec::new();
+    for &n in ladder {
+        let mib_s = workers_sample(n, 3, E2_SETTINGS.sample_mib)?;
+        let bound = n.min(cores) as f64 * cipher_mib_s;
+        within_bound(&format!("E2 with {n} workers"), mib_s, bound * 1.1)?;
+        progress(
+            "crypt",
+            format!(
+                "E2 {n} workers: bulk {mib_s:.0} MiB/s = {:.2} × min(workers, cores) × the one-core cipher",
+                mib_s / bound
+            ),
+        );
+        rows.push(ScalingRow {
+            workers: n,
+            bulk_mib_s: round2(mib_s),
+            bound_mib_s: round2(bound),
+            vs_bound: mib_s / bound,
+        });
+    }
+    Ok(rows)
+}
+
+fn e2_summary(s: &E2Samples, scaling: Vec<ScalingRow>) -> E2Summary {
+    let mib = |m: Mode| s.median(m, |x| x.mib_s);
+    let bulk = Mode::Strategy(Strategy::Bulk);
+    let (cipher, noalloc) = (mib(Mode::Cipher), mib(Mode::NoAlloc));
+    let per_page = mib(Mode::Strategy(Strategy::PerPage));
+    let compound = mib(Mode::Strategy(Strategy::Compound));
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let at_cores = scaling
+        .iter()
+        .find(|r| r.workers == cores)
+        .map(|r| r.vs_bound);
+    E2Summary {
+        sector_bytes: SECTOR_BYTES,
+        cipher_mib_s: round2(cipher),
+        noalloc_mib_s: round2(noalloc),
+        per_page_mib_s: round2(per_page),
+        bulk_mib_s: round2(mib(bulk)),
+        compound_mib_s: round2(compound),
+        bulk_vs_noalloc: s.paired(bulk, Mode::NoAlloc),
+        bulk_vs_cipher: s.paired(bulk, Mode::Cipher),
+        bulk_vs_cipher_cold: s.paired(bulk, Mode::CipherCold),
+        ratios: "median over runs of each run's ratio",
+        bulk_vs_noalloc_of_medians: mib(bulk) / noalloc,
+        bulk_vs_cipher_of_medians: mib(bulk) / cipher,
+        bulk_vs_per_page: mib(bulk) / per_page,
+        compound_vs_per_page: compound / per_page,
+        workers_scaling: scaling,
+        cores,
+        workers_eq_cores_vs_bound: at_cores,
+        target_workers_eq_cores_min: 0.8,
+    }
+}
+
+fn e2_table(s: &E2Samples, sum: &E2Summary) -> Table {
+    let mut t = Table::new(format!(
+        "\ncrypt (E2): 1 MiB sequential writes, queue depth {QUEUE_DEPTH}, one worker, page-store RAM disk; median of {} runs",
+        E2_SETTINGS.runs
+    ));
+    t.row([
+        format!("{:<58}", ""),
+        format!("{:>7} {:>11}", "MiB/s", "min-max"),
+        format!("{:>6}", "IOPS"),
+        format!("{:>12}", "alloc+free %"),
+        format!("{:>6}", "busy %"),
+    ]);
+    for m in Mode::ALL {
+        let (lo, hi) = s.range(m);
+        let share = if matches!(m, Mode::Cipher | Mode::CipherCold) {
+            "-".to_string()
+        } else {
+            format!("{:.2}", s.median(m, |x| x.alloc_share) * 100.0)
+        };
+        t.row([
+            format!("{:<58}", format!("{} ({})", m.name(), m.describe())),
+            format!(
+                "{:>7.0} {:>11}",
+                s.median(m, |x| x.mib_s),
+                format!("{lo:.0}-{hi:.0}")
+            ),
+            format!("{:>6.0}", s.median(m, |x| x.iops)),
+            format!("{share:>12}"),
+            format!("{:>6.1}", s.median(m, |x| x.busy) * 100.0),
+        ]);
+    }
+    for (what, v) in [
+        (
+            "seed 000 (80 CPUs, fio on dm-crypt over a RAM device): before",
+            SEED_PER_PAGE_MIB_S,
+        ),
+        (
+            "seed 000: with bulk mempool allocation (the seed says ~6 %)",
+            SEED_BULK_MIB_S,
+        ),
+    ] {
+        t.row([
+            format!("{what:<58}"),
+            format!("{v:>7.0} {:>11}", ""),
+            format!("{v:>6.0}"),
+            String::new(),
+        ]);
+    }
+    t.line(format!(
+        "bulk vs per-page: ours {:+.1} %, seed {:+.1} %",
+        (sum.bulk_vs_per_page - 1.0) * 100.0,
+        (SEED_BULK_MIB_S / SEED_PER_PAGE_MIB_S - 1.0) * 100.0
+    ));
+    t.line(format!(
+        "target bulk_vs_noalloc >= 0.97: {:.3} ({})",
+        sum.bulk_vs_noalloc,
+        met(sum.bulk_vs_noalloc >= 0.97)
+    ));
+    t.line(format!(
+        "target bulk_vs_cipher >= 0.9: {:.3} ({}); into cold memory as the pipeline writes: {:.3}",
+        sum.bulk_vs_cipher,
+        met(sum.bulk_vs_cipher >= 0.9),
+        sum.bulk_vs_cipher_cold
+    ));
+    t.line(format!(
+        "(ratios: median over runs of each run's ratio; of the medians: bulk/noalloc {:.3}, bulk/cipher {:.3})",
+        sum.bulk_vs_noalloc_of_medians, sum.bulk_vs_cipher_of_medians
+    ));
+    for r in &sum.workers_scaling {
+        t.line(format!(
+            "workers {:>2}: bulk {:>7.0} MiB/s, {:.2} × min(workers, cores) × the one-core cipher",
+            r.workers, r.bulk_mib_s, r.vs_bound
+        ));
+    }
+    t.line(match sum.workers_eq_cores_vs_bound {
+        Some(x) => format!(
+            "target with workers = cores ({}) >= 0.8 × cores × the one-core cipher: {x:.3} ({})",
+            sum.cores,
+            met(x >= 0.8)
+        ),
+        None => format!(
+            "target with workers = cores: not measured (--workers did not include {})",
+            sum.cores
+        ),
+    });
+    t.line(format!(
+        "target bulk and compound >= per-page: bulk {:.3}, compound {:.3} ({})",
+        sum.bulk_vs_per_page,
+        sum.compound_vs_per_page,
+        met(sum.bulk_vs_per_page >= 1.0 && sum.compound_vs_per_page >= 1.0)
+    ));
+    t
+}
+
+/// E2 with one worker, then the bulk pipeline at each count of `workers`
+/// (default 1, 2, 4, … up to the cores).
 pub fn run_with_workers(
     opts: &BenchOptions,
     workers: Option<&[usize]>,
@@ -276,267 +588,76 @@ pub fn run_with_workers(
     // falling from 10.1 to 7.3 GB/s between runs where the full run's stay
     // at 10.6-10.9).
     let _ = opts.quick;
-    let (runs, sample_mib, disk_mib, arena_mib) = (7, 2048, 256, 1024);
-    progress(
-        "crypt",
-        format!(
-            "E2: {runs} runs; each sample writes {sample_mib} MiB as 1 MiB writes at queue depth {QUEUE_DEPTH}, one worker, aes-xts-plain64 (512-bit key, {SECTOR_BYTES}-byte sectors), onto a {disk_mib} MiB page-store RAM disk in a {arena_mib} MiB arena"
-        ),
-    );
-    let (alloc, target) = e2_target(arena_mib, disk_mib, 1)?;
-    let mut bare = XtsCipher::new(&key(), SECTOR_BYTES, 0).map_err(workload)?;
-    target.set_timed(true);
-    let plain: Arc<[u8]> = (0..MIB).map(|i| (i * 131 % 251) as u8).collect();
-    let mut dst = vec![0u8; MIB];
-    // Touched now, so that no sample pays for faulting it in.
-    let mut cold = vec![1u8; disk_mib * MIB];
-    // Format: every block of the disk holds a page from here on, so each
-    // write replaces (and frees) as many pages as it stores.
-    let mut pos = 0;
-    pipeline_sample(
-        &target,
-        Mode::Strategy(Strategy::Bulk),
-        &plain,
-        disk_mib,
-        &mut pos,
-    )?;
-    cipher_sample(&mut bare, &plain, &mut dst, 64);
-
-    let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); Mode::ALL.len()];
-    for run in 0..runs {
-        for (i, &mode) in Mode::ALL.iter().enumerate() {
-            let s = match mode {
-                Mode::Cipher => cipher_sample(&mut bare, &plain, &mut dst, sample_mib),
-                Mode::CipherCold => cipher_sample(&mut bare, &plain, &mut cold, sample_mib),
-                _ => pipeline_sample(&target, mode, &plain, sample_mib, &mut pos)?,
-            };
-            samples[i].push(s);
-        }
-        progress("crypt", format!("E2 run {}/{runs} done", run + 1));
-    }
-    drop(target);
-    alloc
-        .leak_check()
-        .map_err(|a| workload(format!("crypt: pages leaked: {a}")))?;
-
-    let med =
-        |i: usize, f: fn(&Sample) -> f64| median(&samples[i].iter().map(f).collect::<Vec<_>>());
-    let range = |i: usize| {
-        let v: Vec<f64> = samples[i].iter().map(|s| s.mib_s).collect();
-        (
-            v.iter().cloned().fold(f64::INFINITY, f64::min),
-            v.iter().cloned().fold(0.0, f64::max),
-        )
-    };
-    let mib = |m: Mode| med(Mode::ALL.iter().position(|&x| x == m).unwrap(), |s| s.mib_s);
-    let cipher_mib_s = mib(Mode::Cipher);
-    let noalloc_mib_s = mib(Mode::NoAlloc);
-    let per_page = mib(Mode::Strategy(Strategy::PerPage));
-    let compound = mib(Mode::Strategy(Strategy::Compound));
-    // The verdicts compare samples taken side by side: the median over runs
-    // of each run's ratio, so a slow second on a shared machine lowers both
-    // sides of one ratio instead of one side of the medians.
-    let paired = |a: Mode, b: Mode| {
-        let (ia, ib) = (
-            Mode::ALL.iter().position(|&x| x == a).unwrap(),
-            Mode::ALL.iter().position(|&x| x == b).unwrap(),
-        );
-        let r: Vec<f64> = samples[ia]
-            .iter()
-            .zip(&samples[ib])
-            .map(|(x, y)| x.mib_s / y.mib_s)
-            .collect();
-        median(&r)
-    };
-    let bulk = Mode::Strategy(Strategy::Bulk);
-    let bulk_vs_noalloc = paired(bulk, Mode::NoAlloc);
-    let bulk_vs_cipher = paired(bulk, Mode::Cipher);
-    let bulk_vs_cipher_cold = paired(bulk, Mode::CipherCold);
-    let bulk = mib(bulk);
-
-    // Scaling: the bulk pipeline with more workers, against the physical
-    // bound min(workers, cores) × the one-core cipher rate of this run.
+    let st = &E2_SETTINGS;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let ladder: Vec<usize> = workers.map_or_else(|| ladder_to(cores), <[usize]>::to_vec);
     if ladder.contains(&0) {
         return Err(workload("--workers must be at least 1"));
     }
-    let mut scaling = Vec::new();
-    for &n in &ladder {
-        let mib_s = workers_sample(n, 3, sample_mib)?;
-        let bound = n.min(cores) as f64 * cipher_mib_s;
-        within_bound(&format!("E2 with {n} workers"), mib_s, bound * 1.1)?;
-        progress(
-            "crypt",
-            format!(
-                "E2 {n} workers: bulk {mib_s:.0} MiB/s = {:.2} × min(workers, cores) × the one-core cipher",
-                mib_s / bound
-            ),
-        );
-        scaling.push(json!({
-            "workers": n, "bulk_mib_s": round2(mib_s),
-            "bound_mib_s": round2(bound), "vs_bound": mib_s / bound,
-        }));
-    }
-    let at_cores = scaling
-        .iter()
-        .find(|r| r["workers"].as_u64() == Some(cores as u64))
-        .map(|r| r["vs_bound"].as_f64().unwrap_or(0.0));
-
-    println!();
-    println!(
-        "crypt (E2): 1 MiB sequential writes, queue depth {QUEUE_DEPTH}, one worker, page-store RAM disk; median of {runs} runs"
-    );
-    println!(
-        "{:<58} | {:>7} {:>11} | {:>6} | {:>12} | {:>6}",
-        "", "MiB/s", "min-max", "IOPS", "alloc+free %", "busy %"
-    );
-    for (i, &m) in Mode::ALL.iter().enumerate() {
-        let (lo, hi) = range(i);
-        let share = if matches!(m, Mode::Cipher | Mode::CipherCold) {
-            "-".to_string()
-        } else {
-            format!("{:.2}", med(i, |s| s.alloc_share) * 100.0)
-        };
-        println!(
-            "{:<58} | {:>7.0} {:>11} | {:>6.0} | {:>12} | {:>6.1}",
-            format!("{} ({})", m.name(), m.describe()),
-            med(i, |s| s.mib_s),
-            format!("{lo:.0}-{hi:.0}"),
-            med(i, |s| s.iops),
-            share,
-            med(i, |s| s.busy) * 100.0
-        );
-    }
-    println!(
-        "{:<58} | {:>7.0} {:>11} | {:>6.0} |",
-        "seed 000 (80 CPUs, fio on dm-crypt over a RAM device): before",
-        SEED_PER_PAGE_MIB_S,
-        "",
-        SEED_PER_PAGE_MIB_S
-    );
-    println!(
-        "{:<58} | {:>7.0} {:>11} | {:>6.0} |",
-        "seed 000: with bulk mempool allocation (the seed says ~6 %)",
-        SEED_BULK_MIB_S,
-        "",
-        SEED_BULK_MIB_S
-    );
-    println!(
-        "bulk vs per-page: ours {:+.1} %, seed {:+.1} %",
-        (bulk / per_page - 1.0) * 100.0,
-        (SEED_BULK_MIB_S / SEED_PER_PAGE_MIB_S - 1.0) * 100.0
-    );
-    println!(
-        "target bulk_vs_noalloc >= 0.97: {:.3} ({})",
-        bulk_vs_noalloc,
-        met(bulk_vs_noalloc >= 0.97)
-    );
-    println!(
-        "target bulk_vs_cipher >= 0.9: {:.3} ({}); into cold memory as the pipeline writes: {:.3}",
-        bulk_vs_cipher,
-        met(bulk_vs_cipher >= 0.9),
-        bulk_vs_cipher_cold
-    );
-    println!("(ratios: median over runs of each run's ratio; of the medians: bulk/noalloc {:.3}, bulk/cipher {:.3})",
-        bulk / noalloc_mib_s, bulk / cipher_mib_s);
-    for r in &scaling {
-        println!(
-            "workers {:>2}: bulk {:>7.0} MiB/s, {:.2} × min(workers, cores) × the one-core cipher",
-            r["workers"],
-            r["bulk_mib_s"].as_f64().unwrap_or(0.0),
-            r["vs_bound"].as_f64().unwrap_or(0.0)
-        );
-    }
-    match at_cores {
-        Some(x) => println!(
-            "target with workers = cores ({cores}) >= 0.8 × cores × the one-core cipher: {x:.3} ({})",
-            met(x >= 0.8)
+    progress(
+        "crypt",
+        format!(
+            "E2: {} runs; each sample writes {} MiB as 1 MiB writes at queue depth {QUEUE_DEPTH}, one worker, aes-xts-plain64 (512-bit key, {SECTOR_BYTES}-byte sectors), onto a {} MiB page-store RAM disk in a {} MiB arena (populated up front)",
+            st.runs, st.sample_mib, st.disk_mib, st.arena_mib
         ),
-        None => println!("target with workers = cores: not measured (--workers did not include {cores})"),
-    }
-    println!(
-        "target bulk and compound >= per-page: bulk {:.3}, compound {:.3} ({})",
-        bulk / per_page,
-        compound / per_page,
-        met(bulk >= per_page && compound >= per_page)
     );
+    let (alloc, target) = e2_target(st.arena_mib, st.disk_mib, 1)?;
+    target.set_timed(true);
+    let samples = e2_measure(&target)?;
+    drop(target);
+    alloc
+        .leak_check()
+        .map_err(|a| workload(format!("crypt: pages leaked: {a}")))?;
+    let scaling = e2_scaling(&ladder, samples.median(Mode::Cipher, |x| x.mib_s))?;
+    let summary = e2_summary(&samples, scaling);
+    e2_table(&samples, &summary).print();
 
-    let (json_path, svg_path) = opts.paths("crypt");
     let series: Vec<Series> = Mode::ALL
         .iter()
-        .enumerate()
-        .map(|(i, m)| Series {
+        .map(|&m| Series {
             label: m.name().to_string(),
-            points: samples[i]
+            points: samples
+                .of(m)
                 .iter()
                 .enumerate()
                 .map(|(r, s)| ((r + 1) as f64, s.mib_s))
                 .collect(),
         })
         .collect();
-    line_plot(
-        &svg_path,
-        "E2: 1 MiB writes through the crypt target, each run",
-        "run",
-        "MiB/s",
-        &series,
-    )?;
-    let rows: Value = Mode::ALL
+    let rows = Mode::ALL
         .iter()
-        .enumerate()
-        .map(|(i, m)| {
-            (
-                m.name().to_string(),
-                json!({
-                    "describe": m.describe(),
-                    "mib_s": samples[i].iter().map(|s| round2(s.mib_s)).collect::<Vec<_>>(),
-                    "iops": samples[i].iter().map(|s| round2(s.iops)).collect::<Vec<_>>(),
-                    "alloc_share": samples[i].iter().map(|s| s.alloc_share).collect::<Vec<_>>(),
-                    "worker_busy": samples[i].iter().map(|s| s.busy).collect::<Vec<_>>(),
-                }),
-            )
+        .map(|&m| {
+            let v = samples.of(m);
+            let row = E2Row {
+                describe: m.describe(),
+                mib_s: v.iter().map(|s| round2(s.mib_s)).collect(),
+                iops: v.iter().map(|s| round2(s.iops)).collect(),
+                alloc_share: v.iter().map(|s| s.alloc_share).collect(),
+                worker_busy: v.iter().map(|s| s.busy).collect(),
+            };
+            (m.name(), row)
         })
-        .collect::<serde_json::Map<_, _>>()
-        .into();
-    let report = json!({
-        "experiment": "E2 crypt",
-        "machine": crate::machine(),
-        "settings": {
-            "runs": runs, "sample_mib": sample_mib, "write_bytes": MIB,
-            "queue_depth": QUEUE_DEPTH, "workers": 1, "disk_mib": disk_mib,
-            "arena_mib": arena_mib, "backend": "page-store RAM disk",
-            "cipher": "aes-xts-plain64, 512-bit key", "min_nr": MIN_NR,
+        .collect();
+    let body = E2Body {
+        rows,
+        seed: SeedFigures {
+            per_page_mib_s: SEED_PER_PAGE_MIB_S,
+            bulk_mib_s: SEED_BULK_MIB_S,
         },
-        "rows": rows,
-        "seed": { "per_page_mib_s": SEED_PER_PAGE_MIB_S, "bulk_mib_s": SEED_BULK_MIB_S },
-        "summary": {
-            "sector_bytes": SECTOR_BYTES,
-            "cipher_mib_s": round2(cipher_mib_s),
-            "noalloc_mib_s": round2(noalloc_mib_s),
-            "per_page_mib_s": round2(per_page),
-            "bulk_mib_s": round2(bulk),
-            "compound_mib_s": round2(compound),
-            "bulk_vs_noalloc": bulk_vs_noalloc,
-            "bulk_vs_cipher": bulk_vs_cipher,
-            "bulk_vs_cipher_cold": bulk_vs_cipher_cold,
-            "ratios": "median over runs of each run's ratio",
-            "bulk_vs_noalloc_of_medians": bulk / noalloc_mib_s,
-            "bulk_vs_cipher_of_medians": bulk / cipher_mib_s,
-            "bulk_vs_per_page": bulk / per_page,
-            "compound_vs_per_page": compound / per_page,
-            "workers_scaling": scaling,
-            "cores": cores,
-            "workers_eq_cores_vs_bound": at_cores,
-            "target_workers_eq_cores_min": 0.8,
-        },
-    });
-    write_json(&json_path, &report)?;
-    progress(
-        "crypt",
-        format!("wrote {} and {}", json_path.display(), svg_path.display()),
-    );
-    Ok(report)
+        summary,
+    };
+    Report::new("E2 crypt", E2_SETTINGS, body)
+        .stem("crypt")
+        .emit(
+            opts,
+            &[Plot::lines(
+                PlotFile::Main,
+                "E2: 1 MiB writes through the crypt target, each run",
+                "run",
+                "MiB/s",
+                series,
+            )],
+        )
 }
 
 /// How E3 sets the page limit.
@@ -630,6 +751,162 @@ fn within_bound(what: &str, mib_s: f64, bound: f64) -> Result<(), BenchError> {
     Ok(())
 }
 
+/// E3's settings (the report's `settings`).
+#[derive(Serialize)]
+struct E3Settings {
+    runs: usize,
+    writes_per_thread: usize,
+    write_bytes: usize,
+    limit: String,
+    strategy: &'static str,
+    backend: &'static str,
+    clock: &'static str,
+    cipher_mib_s_one_core: f64,
+    bound: &'static str,
+}
+
+/// One thread count of E3.
+#[derive(Clone, Serialize)]
+struct E3Row {
+    threads: usize,
+    limit_pages: usize,
+    exact_mib_s: f64,
+    approx_mib_s: f64,
+    exact_runs: Vec<f64>,
+    approx_runs: Vec<f64>,
+    exact_check_ns_per_write: f64,
+    approx_check_ns_per_write: f64,
+    bound_mib_s: f64,
+}
+
+#[derive(Serialize)]
+struct E3Summary {
+    threads: Option<usize>,
+    exact_mib_s: Option<f64>,
+    approx_mib_s: Option<f64>,
+    exact_check_ns_per_write: Option<f64>,
+    approx_check_ns_per_write: Option<f64>,
+}
+
+#[derive(Serialize)]
+struct E3Body {
+    rows: Vec<E3Row>,
+    summary: E3Summary,
+}
+
+/// E3 at `n` threads: its own arena and target, exact and approximate
+/// checks interleaved run by run, every sample held to `bound`.
+fn e3_row(
+    n: usize,
+    runs: usize,
+    writes: usize,
+    limit: LimitSetting,
+    bound: f64,
+) -> Result<E3Row, BenchError> {
+    let disk = (n * E3_REGION_BYTES) as u64;
+    let alloc = PageAllocator::builder()
+        .size_bytes(disk + (256 << 20))
+        .huge_pages(HugePages::Try)
+        .build()?;
+    let store: Arc<dyn Backend> = Arc::new(PageStore::new(&alloc, disk).map_err(workload)?);
+    let limit_pages = match limit {
+        LimitSetting::Near => Some(n * (E3_WRITE_BYTES / 4096) * 3 / 2),
+        LimitSetting::Default => None,
+    };
+    let cipher = XtsCipher::new(&key(), SECTOR_BYTES, 0).map_err(workload)?;
+    let target = Arc::new(
+        CryptTarget::new(
+            &alloc,
+            CipherPool::new(cipher, n).map_err(workload)?,
+            store,
+            TargetConfig {
+                strategy: Strategy::Bulk,
+                limit_check: LimitCheck::Exact,
+                min_nr: 64,
+                limit_pages,
+            },
+        )
+        .map_err(workload)?,
+    );
+    const CHECKS: [(LimitCheck, &str); 2] = [
+        (LimitCheck::Exact, "exact"),
+        (LimitCheck::Approximate, "approximate"),
+    ];
+    // The format pass warms both modes.
+    limit_sample(&target, n, E3_REGION_BYTES / E3_WRITE_BYTES, false)?;
+    let rates = interleave(
+        "crypt",
+        CHECKS.len(),
+        runs,
+        &mut (),
+        |_, _| Ok(()),
+        |_, c| {
+            let (check, what) = CHECKS[c];
+            target.out_pages().set_limit_check(check);
+            let mib_s = limit_sample(&target, n, writes, false)?.0;
+            within_bound(&format!("E3 {n} threads, {what} check"), mib_s, bound)?;
+            Ok(mib_s)
+        },
+    )?;
+    let mut ns = Vec::new();
+    for (check, _) in CHECKS {
+        target.out_pages().set_limit_check(check);
+        ns.push(limit_sample(&target, n, writes / 4, true)?.1);
+    }
+    let (e, a) = (median(&rates[0]), median(&rates[1]));
+    progress(
+        "crypt",
+        format!(
+            "E3 {n} threads: exact {e:.0} MiB/s, approximate {a:.0} MiB/s; check {:.0} / {:.0} ns per write",
+            ns[0], ns[1]
+        ),
+    );
+    let row = E3Row {
+        threads: n,
+        limit_pages: target.out_pages().limit_pages(),
+        exact_mib_s: round2(e),
+        approx_mib_s: round2(a),
+        exact_runs: rates[0].clone(),
+        approx_runs: rates[1].clone(),
+        exact_check_ns_per_write: round2(ns[0]),
+        approx_check_ns_per_write: round2(ns[1]),
+        bound_mib_s: round2(bound),
+    };
+    drop(target);
+    alloc
+        .leak_check()
+        .map_err(|a| workload(format!("crypt: pages leaked: {a}")))?;
+    Ok(row)
+}
+
+fn e3_table(rows: &[E3Row], runs: usize, limit: LimitSetting) -> Table {
+    let mut t = Table::new(format!(
+        "\ncrypt limit (E3): {} KiB writes by N threads, page limit {}; MiB/s (median of {runs}) and time in the limit check per write (timed runs)",
+        E3_WRITE_BYTES >> 10,
+        if limit == LimitSetting::Near { "near its threshold" } else { "2 % of the arena" }
+    ));
+    t.row([
+        format!("{:>7}", "threads"),
+        format!("{:>8}", "limit"),
+        format!("{:>10} {:>10}", "exact", "approx"),
+        format!("{:>13} {:>13}", "exact ns/wr", "approx ns/wr"),
+        format!("{:>6}", "ratio"),
+    ]);
+    for r in rows {
+        t.row([
+            format!("{:>7}", r.threads),
+            format!("{:>8}", r.limit_pages),
+            format!("{:>10.0} {:>10.0}", r.exact_mib_s, r.approx_mib_s),
+            format!(
+                "{:>13.1} {:>13.1}",
+                r.exact_check_ns_per_write, r.approx_check_ns_per_write
+            ),
+            format!("{:>6.3}", r.approx_mib_s / r.exact_mib_s),
+        ]);
+    }
+    t
+}
+
 /// E3: `threads` (or 1, 2, 4, … up to the cores) writers, limit checked
 /// exactly and approximately.
 pub fn run_limit(
@@ -643,7 +920,6 @@ pub fn run_limit(
         return Err(workload("--threads must be at least 1"));
     }
     let (runs, writes) = if opts.quick { (3, 10_000) } else { (5, 20_000) };
-    let pages_per_write = E3_WRITE_BYTES / 4096;
     // The physical bound, measured in this run: no sample may pass
     // min(threads, cores) × the bare cipher's one-core rate (+10 % for the
     // noise of a best-of-5 measurement).
@@ -666,150 +942,58 @@ pub fn run_limit(
             }
         ),
     );
-    let mut rows = Vec::new();
-    for &n in &ladder {
-        let disk = (n * E3_REGION_BYTES) as u64;
-        let alloc = PageAllocator::builder()
-            .size_bytes(disk + (256 << 20))
-            .huge_pages(HugePages::Try)
-            .build()?;
-        let store: Arc<dyn Backend> = Arc::new(PageStore::new(&alloc, disk).map_err(workload)?);
-        let limit_pages = match limit {
-            LimitSetting::Near => Some(n * pages_per_write * 3 / 2),
-            LimitSetting::Default => None,
-        };
-        let cipher = XtsCipher::new(&key(), SECTOR_BYTES, 0).map_err(workload)?;
-        let target = Arc::new(
-            CryptTarget::new(
-                &alloc,
-                CipherPool::new(cipher, n).map_err(workload)?,
-                store,
-                TargetConfig {
-                    strategy: Strategy::Bulk,
-                    limit_check: LimitCheck::Exact,
-                    min_nr: 64,
-                    limit_pages,
-                },
+    let rows = ladder
+        .iter()
+        .map(|&n| {
+            e3_row(
+                n,
+                runs,
+                writes,
+                limit,
+                n.min(cores) as f64 * cipher_mib_s * 1.1,
             )
-            .map_err(workload)?,
-        );
-        // Format, then warm both modes.
-        limit_sample(&target, n, E3_REGION_BYTES / E3_WRITE_BYTES, false)?;
-        let bound = n.min(cores) as f64 * cipher_mib_s * 1.1;
-        let mut exact = Vec::new();
-        let mut approx = Vec::new();
-        for _ in 0..runs {
-            for (check, v, what) in [
-                (LimitCheck::Exact, &mut exact, "exact"),
-                (LimitCheck::Approximate, &mut approx, "approximate"),
-            ] {
-                target.out_pages().set_limit_check(check);
-                let mib_s = limit_sample(&target, n, writes, false)?.0;
-                within_bound(&format!("E3 {n} threads, {what} check"), mib_s, bound)?;
-                v.push(mib_s);
-            }
-        }
-        let mut ns = Vec::new();
-        for check in [LimitCheck::Exact, LimitCheck::Approximate] {
-            target.out_pages().set_limit_check(check);
-            ns.push(limit_sample(&target, n, writes / 4, true)?.1);
-        }
-        let (e, a) = (median(&exact), median(&approx));
-        progress(
-            "crypt",
-            format!(
-                "E3 {n} threads: exact {e:.0} MiB/s, approximate {a:.0} MiB/s; check {:.0} / {:.0} ns per write",
-                ns[0], ns[1]
-            ),
-        );
-        rows.push(json!({
-            "threads": n,
-            "limit_pages": target.out_pages().limit_pages(),
-            "exact_mib_s": round2(e), "approx_mib_s": round2(a),
-            "exact_runs": exact, "approx_runs": approx,
-            "exact_check_ns_per_write": round2(ns[0]),
-            "approx_check_ns_per_write": round2(ns[1]),
-            "bound_mib_s": round2(bound),
-        }));
-        drop(target);
-        alloc
-            .leak_check()
-            .map_err(|a| workload(format!("crypt: pages leaked: {a}")))?;
-    }
-    println!();
-    println!(
-        "crypt limit (E3): {} KiB writes by N threads, page limit {}; MiB/s (median of {runs}) and time in the limit check per write (timed runs)",
-        E3_WRITE_BYTES >> 10,
-        if limit == LimitSetting::Near { "near its threshold" } else { "2 % of the arena" }
-    );
-    println!(
-        "{:>7} | {:>8} | {:>10} {:>10} | {:>13} {:>13} | {:>6}",
-        "threads", "limit", "exact", "approx", "exact ns/wr", "approx ns/wr", "ratio"
-    );
-    for r in &rows {
-        let f = |k: &str| r[k].as_f64().unwrap_or(0.0);
-        println!(
-            "{:>7} | {:>8} | {:>10.0} {:>10.0} | {:>13.1} {:>13.1} | {:>6.3}",
-            r["threads"],
-            r["limit_pages"],
-            f("exact_mib_s"),
-            f("approx_mib_s"),
-            f("exact_check_ns_per_write"),
-            f("approx_check_ns_per_write"),
-            f("approx_mib_s") / f("exact_mib_s")
-        );
-    }
-    let last = rows.last().cloned().unwrap_or(Value::Null);
-    let (json_path, svg_path) = opts.paths("crypt-limit");
-    let pts = |k: &str| -> Vec<(f64, f64)> {
-        rows.iter()
-            .map(|r| {
-                (
-                    r["threads"].as_f64().unwrap_or(1.0),
-                    r[k].as_f64().unwrap_or(0.0),
-                )
-            })
-            .collect()
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    e3_table(&rows, runs, limit).print();
+    let pts = |f: fn(&E3Row) -> f64| -> Vec<(f64, f64)> {
+        rows.iter().map(|r| (r.threads as f64, f(r))).collect()
     };
-    line_plot(
-        &svg_path,
+    let plot = Plot::lines(
+        PlotFile::Main,
         "E3: writes with the page limit near its threshold",
         "writer threads",
         "MiB/s",
-        &[
+        vec![
             Series {
                 label: "exact check".into(),
-                points: pts("exact_mib_s"),
+                points: pts(|r| r.exact_mib_s),
             },
             Series {
                 label: "approximate check".into(),
-                points: pts("approx_mib_s"),
+                points: pts(|r| r.approx_mib_s),
             },
         ],
-    )?;
-    let report = json!({
-        "experiment": "E3 crypt limit",
-        "machine": crate::machine(),
-        "settings": {
-            "runs": runs, "writes_per_thread": writes, "write_bytes": E3_WRITE_BYTES,
-            "limit": format!("{limit:?}"), "strategy": "bulk", "backend": "page-store RAM disk",
-            "clock": "workers' own: first start after the barrier to last end",
-            "cipher_mib_s_one_core": round2(cipher_mib_s),
-            "bound": "min(threads, cores) x cipher_mib_s_one_core x 1.1; a sample over it fails the run",
-        },
-        "rows": rows,
-        "summary": {
-            "threads": last["threads"],
-            "exact_mib_s": last["exact_mib_s"],
-            "approx_mib_s": last["approx_mib_s"],
-            "exact_check_ns_per_write": last["exact_check_ns_per_write"],
-            "approx_check_ns_per_write": last["approx_check_ns_per_write"],
-        },
-    });
-    write_json(&json_path, &report)?;
-    progress(
-        "crypt",
-        format!("wrote {} and {}", json_path.display(), svg_path.display()),
     );
-    Ok(report)
+    let last = rows.last();
+    let summary = E3Summary {
+        threads: last.map(|r| r.threads),
+        exact_mib_s: last.map(|r| r.exact_mib_s),
+        approx_mib_s: last.map(|r| r.approx_mib_s),
+        exact_check_ns_per_write: last.map(|r| r.exact_check_ns_per_write),
+        approx_check_ns_per_write: last.map(|r| r.approx_check_ns_per_write),
+    };
+    let settings = E3Settings {
+        runs,
+        writes_per_thread: writes,
+        write_bytes: E3_WRITE_BYTES,
+        limit: format!("{limit:?}"),
+        strategy: "bulk",
+        backend: "page-store RAM disk",
+        clock: "workers' own: first start after the barrier to last end",
+        cipher_mib_s_one_core: round2(cipher_mib_s),
+        bound: "min(threads, cores) x cipher_mib_s_one_core x 1.1; a sample over it fails the run",
+    };
+    Report::new("E3 crypt limit", settings, E3Body { rows, summary })
+        .stem("crypt-limit")
+        .emit(opts, &[plot])
 }

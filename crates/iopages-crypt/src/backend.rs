@@ -274,6 +274,7 @@ impl PageStore {
             );
         }
         // Last page first: `push_from` moves a buffer's last folio.
+        let replaced_from = replaced.folios().len();
         let first = (offset / PAGE_SIZE as u64) as usize;
         let mut block = first + n;
         while block > first {
@@ -296,6 +297,11 @@ impl PageStore {
             drop(stripe);
             block = low;
         }
+        // The replaced pages in block order again: they go back to the
+        // allocator's LIFO lists in that order, and the next write's out
+        // pages come out as runs of adjacent frames, encrypted in one call
+        // each (block order reversed here cost E2's bulk pipeline a third).
+        replaced.reverse_from(replaced_from);
         Ok(())
     }
 
@@ -555,16 +561,14 @@ mod tests {
             .unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
         assert_eq!(second.folios().len(), 10);
-        // Overlap the second half: five of the first ten come back.
+        // Overlap the second half: five of the first ten come back, in
+        // block order (the order the allocator's lists get them back in,
+        // so the next write's pages are adjacent runs again).
         store
             .store_pages(80 << 10, &mut second, &mut replaced)
             .unwrap();
         assert!(second.folios().is_empty());
-        let mut back_pages = replaced.pages();
-        back_pages.sort_by_key(|p| p.pfn());
-        let mut want = all[5..10].to_vec();
-        want.sort_by_key(|p| p.pfn());
-        assert_eq!(back_pages, want);
+        assert_eq!(replaced.pages(), all[5..10].to_vec());
         let mut back = vec![0u8; 15 * PAGE_SIZE];
         store.read_at(60 << 10, &mut [&mut back]).unwrap();
         for (i, chunk) in back.chunks(PAGE_SIZE).enumerate() {

@@ -498,6 +498,14 @@ impl FolioBuffer {
         }
     }
 
+    /// Reverse the order of folios `at..`: the same folios and length,
+    /// visited (by `chunks`, `runs_mut`) the other way round.
+    ///
+    /// **Context:** never blocks. Panics if `at` is past the last folio.
+    pub fn reverse_from(&mut self, at: usize) {
+        self.folios[at..].reverse();
+    }
+
     /// Split every compound folio into order-0 folios (the kernel's
     /// `split_folio`), in place: the same frames and bytes, each frame now
     /// a folio of its own that can move to another buffer alone.
