@@ -29,7 +29,7 @@
 //! The JSON goes through `serde_json::Value`, whose maps are sorted, so
 //! the files keep the key order they always had.
 //!
-//! # Porting an experiment (crypt.rs, E2/E3, still writes its own)
+//! # Porting an experiment (how each of E1–E6 came onto it)
 //! - The run loop `for run in 0..runs { for c in configs { … } progress }`
 //!   becomes [`interleave`] (or [`run_interleaved`]); a workload that
 //!   only some runs do (openssl speed in xts) is one more configuration

@@ -143,9 +143,3 @@ pub fn met(ok: bool) -> &'static str {
 pub fn round2(x: f64) -> f64 {
     (x * 100.0).round() / 100.0
 }
-
-/// What the figures were measured on: CPU model, online CPUs, kernel (as
-/// JSON; `harness::Machine` is the typed form).
-pub fn machine() -> serde_json::Value {
-    serde_json::to_value(harness::Machine::this()).expect("strings and a number serialize")
-}

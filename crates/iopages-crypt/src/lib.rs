@@ -20,6 +20,7 @@
 //! | `crypt_alloc_buffer`, `crypt_page_alloc`, pages per client | [`strategy::OutAllocator`] (per-page, bulk, compound), the page limit | `strategy.rs` |
 //! | `brd` (RAM disk), the block device below | [`backend::Backend`], [`backend::RamDisk`], [`backend::PageStore`] | `backend.rs` |
 //! | a file or block device under the target | [`uring::UringFile`] (io_uring, `O_DIRECT`, fixed buffers) | `uring.rs` |
+//! | `iomap` direct I/O: pin, build the bio folio by folio, submit, unpin | [`dio`] | `dio.rs` |
 //! | `crypt_map` write/read paths, per-CPU transforms | [`target::CryptTarget`], [`target::CipherPool`] | `target.rs` |
 //! | cryptsetup's LUKS1/LUKS2 headers, keyslots, AF splitter, PBKDF2/Argon2 (userspace, not kernel) | [`luks::open`], [`luks::format`], [`luks::LuksVolume`] | `luks/` |
 //! | `kcryptd` workqueue, the tag set's queue depth and wake batch | [`queue::CryptQueue`] | `queue.rs`, `admission.rs` |

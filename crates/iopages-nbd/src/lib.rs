@@ -19,12 +19,14 @@
 //! | option haggling (STARTTLS, GO, INFO, EXPORT_NAME, LIST, ABORT) | `handshake.rs` |
 //! | transmission: requests, chunks, non-blocking batched replies, FUA, errors, deadlines, byte budget | `conn.rs` |
 //! | the non-blocking socket, TLS sessions, `poll` and the wake-up eventfd | `transport.rs` |
+//! | an accepted socket's byte stream (TCP or Unix), cloned for replies | `stream.rs` |
 //! | TLS credentials (X.509 directory, psktool key file) | `tls.rs` |
 //! | payload buffers in the target's arena (kvmalloc) | `buffers.rs` |
 //! | the queue, or inline service on the connection's thread | `device.rs` |
 //! | listeners, threads, server-wide limits, shutdown | `server.rs` |
 //! | per-command counts | `stats.rs` |
 //! | LUKS images and the in-memory LUKS2 volume, set up as crypt stacks | `volume.rs` |
+//! | what can go wrong starting or running a server | `error.rs` |
 //!
 //! What is served: READ, WRITE, FLUSH, TRIM (checked, then a no-op: the
 //! ciphertext stays), WRITE_ZEROES (encrypted zeros are written) and DISC;
