@@ -90,19 +90,35 @@ impl Core {
         pages: impl Iterator<Item = Page>,
         single: bool,
     ) {
-        let checks = self.checks;
-        let pages = pages.inspect(move |&p| {
-            if checks {
+        if self.checks {
+            // Collected so that the unchecked path keeps the caller's
+            // iterator as it is (a slice's copies extend a list as one
+            // `memcpy`; any adapter around them would not).
+            let pages: Vec<Page> = pages.take(n).collect();
+            for &p in &pages {
                 self.arena
                     .check_block(p, order, "given to the per-CPU list");
             }
-        });
+            self.give_unchecked(order, pages.len(), pages.into_iter(), single);
+        } else {
+            self.give_unchecked(order, n, pages, single);
+        }
+    }
+
+    #[inline]
+    fn give_unchecked(
+        &self,
+        order: u32,
+        n: usize,
+        pages: impl Iterator<Item = Page>,
+        single: bool,
+    ) {
         if let Some(mut g) = self.this_cpu() {
             g.give(order, n, pages);
             if single {
                 g.note(true, 1);
             }
-            if checks {
+            if self.checks {
                 g.check();
             }
         } else {
