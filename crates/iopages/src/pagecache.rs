@@ -17,7 +17,7 @@
 //! Pages are allocated with `Gfp::MOVABLE` (plus the configured flags,
 //! `NOWAIT` by default: filling a cache should not reclaim), so they come
 //! from movable pageblocks, and are freed straight to the zone (see
-//! `compaction.rs` for why). An entry whose page compaction has isolated
+//! `reclaim/compaction.rs` for why). An entry whose page compaction has isolated
 //! can still be read; overwriting or removing it detaches it (the new data
 //! goes to a fresh page), and the isolated page is freed when compaction
 //! gives it back.

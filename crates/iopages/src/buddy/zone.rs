@@ -36,7 +36,7 @@
 //!
 //! The zone's plain `alloc` (used by the per-CPU lists and every type-agnostic
 //! path) prefers unmovable pageblocks; only the allocator's `MOVABLE` path
-//! asks for movable ones (see `alloc.rs`).
+//! asks for movable ones (see `page_alloc/fastpath.rs`, `alloc_cached`).
 
 use crate::buddy::arena::Arena;
 use crate::buddy::depot::Depot;

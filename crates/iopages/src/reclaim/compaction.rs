@@ -32,7 +32,7 @@
 //!
 //! ## Why compaction can succeed: grouping by mobility
 //!
-//! The zone groups pageblocks by [`MigrateType`] (see `zone.rs`):
+//! The zone groups pageblocks by [`MigrateType`] (see `buddy/zone.rs`):
 //! `Gfp::MOVABLE` allocations come from movable pageblocks, everything
 //! else from unmovable ones, so a pageblock of cache pages holds no
 //! unmovable page that would pin it down. The per-CPU lists and thread
