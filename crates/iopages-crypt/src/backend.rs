@@ -14,7 +14,7 @@
 //! hands out their bytes and moves pages in and out (this file has no
 //! `unsafe`).
 
-use iopages::{FolioBuffer, Gfp, PageAllocator, PAGE_SIZE};
+use iopages::{FolioBuffer, Gfp, PageAllocator, PageSlots, PAGE_SIZE};
 use parking_lot::RwLock;
 use std::io;
 
@@ -166,17 +166,9 @@ impl Backend for RamDisk {
     }
 }
 
-/// One stripe of the page store: its blocks' pages, owned by one buffer,
-/// and where each block's page sits in it ([`NO_PAGE`]: never written).
-struct StripePages {
-    pages: FolioBuffer,
-    slots: Box<[u32]>,
-}
-
-type Stripe = RwLock<StripePages>;
-
-/// A block never written: it reads as zeros.
-const NO_PAGE: u32 = u32::MAX;
+/// One stripe of the page store: its blocks' pages (an empty slot: a block
+/// never written, which reads as zeros).
+type Stripe = RwLock<PageSlots>;
 
 /// A folio move the page store checked beforehand failed anyway.
 fn move_error(e: iopages::Error) -> io::Error {
@@ -217,10 +209,7 @@ impl PageStore {
         let stripes = (0..nr.div_ceil(STORE_STRIPE_PAGES))
             .map(|i| {
                 let len = (nr - i * STORE_STRIPE_PAGES).min(STORE_STRIPE_PAGES);
-                RwLock::new(StripePages {
-                    pages: FolioBuffer::with_capacity(alloc, len),
-                    slots: vec![NO_PAGE; len].into_boxed_slice(),
-                })
+                RwLock::new(PageSlots::new(alloc, len))
             })
             .collect();
         Ok(PageStore {
@@ -237,10 +226,7 @@ impl PageStore {
 
     /// Blocks that hold a page (have been written).
     pub fn stored_pages(&self) -> usize {
-        self.stripes
-            .iter()
-            .map(|s| s.read().slots.iter().filter(|&&k| k != NO_PAGE).count())
-            .sum()
+        self.stripes.iter().map(|s| s.read().filled()).sum()
     }
 
     /// Take the pages of `pages` as the blocks starting at byte `offset`,
@@ -273,28 +259,22 @@ impl PageStore {
                 "page store: compound folios are stored as single pages (split them)".into(),
             );
         }
-        // Last page first: `push_from` moves a buffer's last folio.
+        // Stripe by stripe from the last: each takes `pages`' last folios,
+        // and gives its replaced pages back reversed, so that the whole
+        // write's are in reverse block order and one reversal at the end
+        // puts them in block order.
         let replaced_from = replaced.folios().len();
         let first = (offset / PAGE_SIZE as u64) as usize;
         let mut block = first + n;
         while block > first {
             let i = (block - 1) / STORE_STRIPE_PAGES;
             let low = (i * STORE_STRIPE_PAGES).max(first);
-            let mut stripe = self.stripes[i].write();
-            let StripePages { pages: held, slots } = &mut *stripe;
-            for b in (low..block).rev() {
-                let slot = &mut slots[b % STORE_STRIPE_PAGES];
-                if *slot == NO_PAGE {
-                    let k = held.push_from(pages).map_err(move_error)?;
-                    *slot = k.expect("one page per block") as u32;
-                } else {
-                    let last = pages.folios().len() - 1;
-                    held.swap_folio(*slot as usize, pages, last)
-                        .map_err(move_error)?;
-                    replaced.push_from(pages).map_err(move_error)?;
-                }
-            }
-            drop(stripe);
+            let chunk = replaced.folios().len();
+            self.stripes[i]
+                .write()
+                .store_last(low % STORE_STRIPE_PAGES, block - low, pages, replaced)
+                .map_err(move_error)?;
+            replaced.reverse_from(chunk);
             block = low;
         }
         // The replaced pages in block order again: they go back to the
@@ -337,7 +317,7 @@ impl Backend for PageStore {
         // Pages for the blocks never written, allocated before anything is
         // touched so that running out of memory writes nothing.
         let missing = Self::blocks(offset, total)
-            .filter(|&(i, at, _, _)| self.stripes[i].read().slots[at] == NO_PAGE)
+            .filter(|&(i, at, _, _)| !self.stripes[i].read().is_filled(at))
             .count();
         let mut spare = FolioBuffer::with_capacity(&self.alloc, missing);
         for _ in 0..missing {
@@ -353,20 +333,19 @@ impl Backend for PageStore {
             let mut done = 0;
             for (i, slot, off, n) in Self::blocks(at, seg.len()) {
                 let mut stripe = self.stripes[i].write();
-                let StripePages { pages, slots } = &mut *stripe;
-                if slots[slot] == NO_PAGE {
+                if !stripe.is_filled(slot) {
                     // Another writer may have filled a counted block
                     // first; then allocate (rare) or use a spare.
                     if spare.folios().is_empty() {
                         let got = spare.push_alloc(Gfp::NOIO | Gfp::ZERO | Gfp::NOFAIL, 0);
                         assert!(got, "a NOFAIL allocation never fails");
                     }
-                    let k = pages.push_from(&mut spare).map_err(move_error)?;
-                    slots[slot] = k.expect("a spare page") as u32;
+                    let filled = stripe.fill_from(slot, &mut spare).map_err(move_error)?;
+                    assert!(filled, "a spare page");
                 }
                 // The stripe's write lock excludes every other access.
-                pages.folio_bytes_mut(slots[slot] as usize)[off..off + n]
-                    .copy_from_slice(&seg[done..done + n]);
+                let page = stripe.page_bytes_mut(slot).expect("filled above");
+                page[off..off + n].copy_from_slice(&seg[done..done + n]);
                 done += n;
             }
             at += seg.len() as u64;
@@ -384,9 +363,9 @@ impl Backend for PageStore {
                 // The read lock keeps writers out while the page is copied.
                 let stripe = self.stripes[i].read();
                 let dst = &mut seg[done..done + n];
-                match stripe.slots[slot] {
-                    NO_PAGE => dst.fill(0),
-                    k => dst.copy_from_slice(&stripe.pages.folio_bytes(k as usize)[off..off + n]),
+                match stripe.page_bytes(slot) {
+                    None => dst.fill(0),
+                    Some(page) => dst.copy_from_slice(&page[off..off + n]),
                 }
                 done += n;
             }

@@ -274,6 +274,7 @@ impl FolioBuffer {
     }
 
     /// The folios, in order.
+    #[inline]
     pub fn folios(&self) -> &[Folio] {
         &self.folios
     }
@@ -435,6 +436,7 @@ impl FolioBuffer {
     /// **Context:** never blocks. **Returns:** the folio's index here,
     /// `None` (nothing moved) when `other` is empty; `BadSetting` when the
     /// buffers belong to different arenas.
+    #[inline]
     pub fn push_from(&mut self, other: &mut FolioBuffer) -> Result<Option<usize>> {
         self.check_same(other)?;
         let Some(f) = other.folios.pop() else {
@@ -466,6 +468,7 @@ impl FolioBuffer {
     /// **Context:** never blocks. **Returns:** `BadSetting` (nothing
     /// moved) for buffers of different arenas or folios of different
     /// orders. Panics if an index is out of range.
+    #[inline]
     pub fn swap_folio(&mut self, i: usize, other: &mut FolioBuffer, j: usize) -> Result<()> {
         self.check_same(other)?;
         let (a, b) = (self.folios[i], other.folios[j]);
@@ -700,12 +703,23 @@ impl FolioBuffer {
             .collect())
     }
 
+    /// Take the last folio out (the caller now owns it).
+    #[inline]
+    fn pop_last(&mut self) -> Folio {
+        let f = self.folios.pop().expect("a folio to take");
+        self.held -= f.size_bytes();
+        self.len = self.len.min(self.held);
+        f
+    }
+
+    #[inline]
     fn push(&mut self, f: Folio) {
         self.len = self.held + f.size_bytes();
         self.held = self.len;
         self.folios.push(f);
     }
 
+    #[inline]
     fn check_same(&self, other: &FolioBuffer) -> Result<()> {
         if self.alloc.same_allocator(&other.alloc) {
             Ok(())
@@ -777,6 +791,175 @@ impl Drop for FolioBuffer {
     }
 }
 
+/// A fixed number of slots, each empty or the owner of one order-0 page
+/// of one arena: the blocks of a RAM disk that keeps the pages handed to
+/// it. The slots hand out their pages' bytes and exchange pages with a
+/// [`FolioBuffer`] of the same arena; the pages are freed when it is
+/// dropped.
+///
+/// It rests on the same invariant as [`FolioBuffer`]: every page in it
+/// lies in the arena, came from a buffer that owned it, and sits in one
+/// slot only, so a borrow of the slots is a borrow of their bytes.
+pub struct PageSlots {
+    alloc: PageAllocator,
+    slots: Box<[Option<Page>]>,
+}
+
+impl PageSlots {
+    /// `n` empty slots for pages of `alloc`'s arena.
+    pub fn new(alloc: &PageAllocator, n: usize) -> PageSlots {
+        PageSlots {
+            alloc: alloc.clone(),
+            slots: vec![None; n].into_boxed_slice(),
+        }
+    }
+
+    /// Slots.
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Whether there are no slots at all.
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// Whether slot `i` holds a page. Panics if `i` is out of range.
+    #[inline]
+    pub fn is_filled(&self, i: usize) -> bool {
+        self.slots[i].is_some()
+    }
+
+    /// Slots that hold a page.
+    pub fn filled(&self) -> usize {
+        self.slots.iter().filter(|s| s.is_some()).count()
+    }
+
+    /// Slot `i`'s page's bytes, `None` for an empty slot. Panics if `i` is
+    /// out of range.
+    #[inline]
+    pub fn page_bytes(&self, i: usize) -> Option<&[u8]> {
+        let p = self.slots[i]?;
+        // SAFETY: the slot owns `p`, a page of this arena (type invariant),
+        // and `&self` keeps every writable view of the slots away for the
+        // slice's life.
+        Some(unsafe { std::slice::from_raw_parts(self.alloc.page_address(p), PAGE_SIZE) })
+    }
+
+    /// Slot `i`'s page's bytes, writable; `None` for an empty slot. Panics
+    /// if `i` is out of range.
+    #[inline]
+    pub fn page_bytes_mut(&mut self, i: usize) -> Option<&mut [u8]> {
+        let p = self.slots[i]?;
+        // SAFETY: as `page_bytes`; `&mut self` makes this the only view.
+        Some(unsafe { std::slice::from_raw_parts_mut(self.alloc.page_address(p), PAGE_SIZE) })
+    }
+
+    /// Fill empty slot `i` with `src`'s last folio.
+    ///
+    /// **Context:** never blocks. **Returns:** `false` (nothing moved) when
+    /// `src` is empty; `BadSetting` (nothing moved) for a buffer of another
+    /// arena, a compound last folio, or a slot that already holds a page.
+    /// Panics if `i` is out of range.
+    pub fn fill_from(&mut self, i: usize, src: &mut FolioBuffer) -> Result<bool> {
+        self.check_src(src)?;
+        if self.slots[i].is_some() {
+            return Err(Error::setting(
+                "slot",
+                format!("slot {i}"),
+                "only an empty slot can be filled",
+            ));
+        }
+        match src.folios.last() {
+            None => Ok(false),
+            Some(f) if f.order > 0 => Err(compound(*f)),
+            Some(_) => {
+                let f = src.pop_last();
+                self.slots[i] = Some(f.head);
+                Ok(true)
+            }
+        }
+    }
+
+    /// Put `src`'s last `n` folios into slots `at..at + n`, in order (the
+    /// first of them into slot `at`). The pages those slots held move to
+    /// the end of `displaced`, in slot order.
+    ///
+    /// **Context:** never blocks. **Returns:** `BadSetting` (nothing moved)
+    /// for buffers of another arena, fewer than `n` folios in `src`, or a
+    /// compound folio among the `n`. Panics if `at + n` passes the last
+    /// slot.
+    pub fn store_last(
+        &mut self,
+        at: usize,
+        n: usize,
+        src: &mut FolioBuffer,
+        displaced: &mut FolioBuffer,
+    ) -> Result<()> {
+        self.check_src(src)?;
+        self.check_src(displaced)?;
+        assert!(
+            at + n <= self.slots.len(),
+            "store_last: slots {at}..{} of {}",
+            at + n,
+            self.slots.len()
+        );
+        let Some(from) = src.folios.len().checked_sub(n) else {
+            return Err(Error::setting(
+                "n",
+                format!("{n} folios from a buffer of {}", src.folios.len()),
+                "the buffer holds fewer folios than asked for",
+            ));
+        };
+        if let Some(f) = src.folios[from..].iter().find(|f| f.order > 0) {
+            return Err(compound(*f));
+        }
+        for (slot, f) in self.slots[at..at + n].iter_mut().zip(&src.folios[from..]) {
+            if let Some(old) = slot.replace(f.head) {
+                displaced.push(Folio {
+                    head: old,
+                    order: 0,
+                });
+            }
+        }
+        src.folios.truncate(from);
+        src.held -= n * PAGE_SIZE;
+        src.len = src.len.min(src.held);
+        Ok(())
+    }
+
+    fn check_src(&self, buf: &FolioBuffer) -> Result<()> {
+        if self.alloc.same_allocator(&buf.alloc) {
+            Ok(())
+        } else {
+            Err(Error::setting(
+                "other",
+                "a buffer of another arena",
+                "pages move only between slots and buffers of one arena",
+            ))
+        }
+    }
+}
+
+fn compound(f: Folio) -> Error {
+    Error::setting(
+        "folio",
+        format!("pfn {} of order {}", f.head.pfn(), f.order),
+        "slots hold single pages: split compound folios first",
+    )
+}
+
+impl Drop for PageSlots {
+    /// Free the pages (through a buffer that takes them over, so a pinned
+    /// page is reported and kept as a buffer's would be).
+    fn drop(&mut self) {
+        let mut buf = FolioBuffer::with_capacity(&self.alloc, self.filled());
+        for p in self.slots.iter_mut().filter_map(Option::take) {
+            buf.push(Folio { head: p, order: 0 });
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -787,6 +970,66 @@ mod tests {
             .huge_pages(crate::HugePages::Never)
             .build()
             .unwrap()
+    }
+
+    #[test]
+    fn page_slots_exchange_pages_with_buffers_in_order_and_free_them_when_dropped() {
+        let alloc = arena();
+        let mut src = FolioBuffer::new(&alloc);
+        for i in 0..6 {
+            assert!(src.push_alloc(Gfp::KERNEL, 0));
+            src.folio_bytes_mut(i).fill(i as u8 + 1);
+        }
+        let first: Vec<Page> = src.pages();
+        let mut slots = PageSlots::new(&alloc, 8);
+        let mut displaced = FolioBuffer::new(&alloc);
+        assert_eq!((slots.len(), slots.filled()), (8, 0));
+        assert!(slots.page_bytes(3).is_none());
+        // The last four folios go to slots 2..6, in order; nothing held.
+        slots.store_last(2, 4, &mut src, &mut displaced).unwrap();
+        assert_eq!(src.folios().len(), 2);
+        assert_eq!(src.len(), 2 * PAGE_SIZE);
+        assert!(displaced.is_empty());
+        for (k, slot) in (2..6).enumerate() {
+            assert!(slots
+                .page_bytes(slot)
+                .unwrap()
+                .iter()
+                .all(|&b| b == k as u8 + 3));
+        }
+        // Two more into slots 4..6 displace the pages there, in slot order.
+        slots.store_last(4, 2, &mut src, &mut displaced).unwrap();
+        assert!(src.is_empty());
+        assert_eq!(displaced.pages(), first[4..6].to_vec());
+        assert!(slots.page_bytes(4).unwrap().iter().all(|&b| b == 1));
+        // Refused, nothing moved: too few folios, a compound folio, another
+        // arena, a filled slot.
+        let mut one = FolioBuffer::new(&alloc);
+        assert!(one.push_alloc(Gfp::KERNEL, 0));
+        assert!(slots.store_last(0, 2, &mut one, &mut displaced).is_err());
+        let mut big = FolioBuffer::new(&alloc);
+        assert!(big.push_alloc(Gfp::KERNEL, 1));
+        assert!(slots.store_last(0, 1, &mut big, &mut displaced).is_err());
+        assert!(slots.fill_from(0, &mut big).is_err());
+        let other = arena();
+        let mut foreign = FolioBuffer::new(&other);
+        assert!(foreign.push_alloc(Gfp::KERNEL, 0));
+        assert!(slots
+            .store_last(0, 1, &mut foreign, &mut displaced)
+            .is_err());
+        assert!(slots.fill_from(0, &mut foreign).is_err());
+        assert!(slots.fill_from(2, &mut one).is_err(), "slot 2 is filled");
+        assert_eq!((one.folios().len(), big.folios().len()), (1, 1));
+        assert_eq!(foreign.folios().len(), 1);
+        // Filling an empty slot; an empty source moves nothing.
+        assert!(slots.fill_from(0, &mut one).unwrap());
+        assert!(!slots.fill_from(1, &mut one).unwrap());
+        slots.page_bytes_mut(0).unwrap()[..3].copy_from_slice(b"abc");
+        assert_eq!(&slots.page_bytes(0).unwrap()[..3], b"abc");
+        assert_eq!(slots.filled(), 5);
+        drop((slots, displaced, big, foreign));
+        alloc.leak_check().unwrap();
+        other.leak_check().unwrap();
     }
 
     #[test]

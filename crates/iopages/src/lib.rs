@@ -46,7 +46,7 @@
 //! | `/proc/vmstat` | [`Stats`], [`Accounting`] | `page_alloc/stats.rs` |
 //! | *consumers: the public API only* | | |
 //! | page cache (clean pages, shrinker, movable) | [`PageCache`] | `pagecache.rs` |
-//! | folios, `_pincount`, `pin_user_pages` | [`Folio`], [`FolioBuffer`], [`PageAllocator::pin_folio`] | `folio.rs` |
+//! | folios, `_pincount`, `pin_user_pages` | [`Folio`], [`FolioBuffer`], [`PageSlots`], [`PageAllocator::pin_folio`] | `folio.rs` |
 //! | `struct bio`, `bio_add_page`, `bio_iov_iter_get_pages` | [`Bio`], [`BioVec`], [`BioLimits`] | `bio.rs` |
 //! | `memcpy_to_page`, `memcpy_from_page` | bounds-checked copies into a [`PageBox`] | `page_io.rs` |
 //! | `vmalloc`, `vmap`, lazy vunmap | [`Vmalloc`], [`VmBox`] | `vmalloc.rs` |
@@ -128,7 +128,7 @@ pub use buddy::frame::{flags, Frame, FrameInfo, Page, MAX_ORDER, PAGE_SIZE};
 pub use buddy::zone::{MigrateType, Watermarks, Zone, PAGEBLOCK_NR_PAGES, PAGEBLOCK_ORDER};
 pub use error::{Error, Result};
 pub use fault::{FaultConfig, FaultInjector};
-pub use folio::{Folio, FolioBuffer};
+pub use folio::{Folio, FolioBuffer, PageSlots};
 pub use gfp::{memalloc_nofs_scope, memalloc_noio_scope, Gfp, NofsScope, NoioScope};
 pub use kvmalloc::{KvBox, KvKind, KvPolicy, KvStats, Kvmalloc};
 pub use mempool::{
