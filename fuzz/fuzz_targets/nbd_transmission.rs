@@ -1,6 +1,6 @@
-//! NBD transmission: a valid handshake (client flags, NBD_OPT_GO "vol") is
-//! sent first, then the input as the request stream (headers, write
-//! payloads, whatever). Replies are read until the server closes; a
+//! NBD transmission: a valid handshake (client flags, structured replies
+//! when the input's length is odd, NBD_OPT_GO "vol") is sent first, then
+//! the input as the request stream (headers, write payloads, whatever). Replies are read until the server closes; a
 //! server that neither answers nor closes is a hang. Every input is also
 //! cut into 28-byte headers for `proto::Request::decode`, which must
 //! round-trip through `encode`. A well-formed session is checked every 256
@@ -18,7 +18,9 @@ fuzz_target!(|data: &[u8]| {
         }
     }
     iopages_fuzz::maybe_health_check(256);
-    let mut v = iopages_fuzz::go_prefix();
+    // An input of odd length negotiates structured replies first (the
+    // whole input stays the request stream, so seeds keep their meaning).
+    let mut v = iopages_fuzz::go_prefix_with(data.len() % 2 == 1);
     v.extend_from_slice(data);
     let _ = iopages_fuzz::nbd_exchange(&v);
 });

@@ -423,9 +423,20 @@ fn server() -> &'static Nbd {
 /// Client side of a handshake that reaches transmission with NBD_OPT_GO
 /// for the export: client flags, then IHAVEOPT GO {name, 0 info requests}.
 pub fn go_prefix() -> Vec<u8> {
+    go_prefix_with(false)
+}
+
+/// [`go_prefix`], with NBD_OPT_STRUCTURED_REPLY asked for first when
+/// `structured` (the server then answers reads and errors in chunks).
+pub fn go_prefix_with(structured: bool) -> Vec<u8> {
     use iopages_nbd::proto::*;
     let mut v = Vec::new();
     v.extend_from_slice(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes());
+    if structured {
+        v.extend_from_slice(&IHAVEOPT.to_be_bytes());
+        v.extend_from_slice(&OPT_STRUCTURED_REPLY.to_be_bytes());
+        v.extend_from_slice(&0u32.to_be_bytes());
+    }
     v.extend_from_slice(&IHAVEOPT.to_be_bytes());
     v.extend_from_slice(&OPT_GO.to_be_bytes());
     let name = EXPORT.as_bytes();

@@ -140,6 +140,8 @@ pub(crate) struct ConnEnv<'a> {
     pub(crate) budget: &'a Arc<Budget>,
     pub(crate) zeros: &'a Arc<[u8]>,
     pub(crate) limits: ConnLimits,
+    /// The client negotiated structured replies.
+    pub(crate) structured: bool,
 }
 
 /// Map a target error to the protocol's error code.
@@ -161,9 +163,79 @@ thread_local! {
     static DEFER_REPLIES: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
+/// Bytes of the longest fixed reply head: a structured chunk header and a
+/// read's offset.
+const HEAD_BYTES: usize = STRUCTURED_REPLY_BYTES + 8;
+
+/// What a reply starts with: a simple reply header, or a structured
+/// chunk's header and fixed fields, then an error chunk's message.
+struct Head {
+    bytes: [u8; HEAD_BYTES],
+    len: usize,
+    message: &'static [u8],
+}
+
+impl Head {
+    /// The head of the reply to a request: simple replies unless the
+    /// client negotiated structured ones; then a read's data is one
+    /// `OFFSET_DATA` chunk and every error one `ERROR` chunk with a
+    /// message, both final (a read's chunks are all in before its reply
+    /// is queued, so no error can follow); other successes stay simple
+    /// replies, which `proto.md` allows for replies without payload.
+    /// `read_at`: the offset of a read (`None` for other commands).
+    fn new(
+        structured: bool,
+        error: u32,
+        cookie: u64,
+        read_at: Option<u64>,
+        data_len: usize,
+    ) -> Head {
+        let mut h = Head {
+            bytes: [0; HEAD_BYTES],
+            len: SIMPLE_REPLY_BYTES,
+            message: &[],
+        };
+        if !structured || (error == 0 && read_at.is_none()) {
+            h.bytes[..SIMPLE_REPLY_BYTES].copy_from_slice(&simple_reply(error, cookie));
+            return h;
+        }
+        if error != 0 {
+            let msg = error_message(error).as_bytes();
+            let len = (6 + msg.len()) as u32;
+            h.bytes[..20].copy_from_slice(&structured_reply(
+                REPLY_FLAG_DONE,
+                REPLY_TYPE_ERROR,
+                cookie,
+                len,
+            ));
+            h.bytes[20..24].copy_from_slice(&error.to_be_bytes());
+            h.bytes[24..26].copy_from_slice(&(msg.len() as u16).to_be_bytes());
+            h.len = 26;
+            h.message = msg;
+            return h;
+        }
+        let offset = read_at.expect("a read");
+        // A read is at most the export's maximum block size (32 MiB).
+        let len = u32::try_from(8 + data_len).expect("a read's data fits a chunk");
+        h.bytes[..20].copy_from_slice(&structured_reply(
+            REPLY_FLAG_DONE,
+            REPLY_TYPE_OFFSET_DATA,
+            cookie,
+            len,
+        ));
+        h.bytes[20..28].copy_from_slice(&offset.to_be_bytes());
+        h.len = 28;
+        h
+    }
+
+    fn parts(&self) -> [&[u8]; 2] {
+        [&self.bytes[..self.len], self.message]
+    }
+}
+
 /// A reply waiting to be sent, holding its data.
 struct Reply {
-    hdr: [u8; SIMPLE_REPLY_BYTES],
+    head: Head,
     data: Vec<Buf>,
     /// The request's bytes in the in-flight bounds, released once sent.
     held_bytes: u64,
@@ -174,7 +246,9 @@ struct Reply {
 
 impl Reply {
     fn len(&self) -> usize {
-        SIMPLE_REPLY_BYTES + self.data.iter().map(|d| d.as_ref().len()).sum::<usize>()
+        self.head.len
+            + self.head.message.len()
+            + self.data.iter().map(|d| d.as_ref().len()).sum::<usize>()
     }
 }
 
@@ -203,10 +277,13 @@ struct Conn {
     budget: Arc<Budget>,
     flusher: Flusher,
     limits: ConnLimits,
+    /// The client negotiated structured replies.
+    structured: bool,
 }
 
 impl Conn {
-    /// Queue a simple reply with `data` (a read's chunks, back to back);
+    /// Queue the reply to a request (see [`Head::new`]) with `data` (a
+    /// read's chunks, back to back);
     /// the request's place in the in-flight bounds (`held_bytes`) is
     /// released once the reply has been sent (or dropped, the connection
     /// being given up), so a client that stops reading cannot make
@@ -217,9 +294,17 @@ impl Conn {
     /// meanwhile only queue theirs. Under load one `writev` carries many
     /// replies. What the socket does not take is left for the
     /// connection's thread.
-    fn reply(&self, error: u32, cookie: u64, data: Vec<Buf>, held_bytes: u64) {
+    fn reply(
+        &self,
+        error: u32,
+        cookie: u64,
+        read_at: Option<u64>,
+        data: Vec<Buf>,
+        held_bytes: u64,
+    ) {
+        let data_len = data.iter().map(|d| d.as_ref().len()).sum();
         let r = Reply {
-            hdr: simple_reply(error, cookie),
+            head: Head::new(self.structured, error, cookie, read_at, data_len),
             data,
             held_bytes,
             queued: Instant::now(),
@@ -309,8 +394,8 @@ impl Conn {
                 let mut slices: Vec<io::IoSlice<'_>> = Vec::with_capacity(MAX_IOV);
                 let mut skip = *sent;
                 'fill: for r in batch.iter() {
-                    for part in std::iter::once(&r.hdr[..]).chain(r.data.iter().map(|d| d.as_ref()))
-                    {
+                    let head = r.head.parts();
+                    for part in head.into_iter().chain(r.data.iter().map(|d| d.as_ref())) {
                         if skip >= part.len() {
                             skip -= part.len();
                             continue;
@@ -530,6 +615,7 @@ struct Pending {
     conn: Arc<Conn>,
     cookie: u64,
     command: u16,
+    offset: u64,
     length: u64,
     held_bytes: u64,
     fua: bool,
@@ -576,7 +662,9 @@ impl Pending {
             .counters
             .command(self.command)
             .done(self.length, error);
-        self.conn.reply(error, self.cookie, data, self.held_bytes);
+        let read_at = (self.command == CMD_READ).then_some(self.offset);
+        self.conn
+            .reply(error, self.cookie, read_at, data, self.held_bytes);
     }
 }
 
@@ -658,6 +746,7 @@ pub(crate) fn transmit(t: Arc<Transport>, env: &ConnEnv<'_>) {
         budget: Arc::clone(env.budget),
         flusher: env.device.flusher(),
         limits: env.limits,
+        structured: env.structured,
     });
     let mut reader = Reader {
         // Headers of pipelined requests arrive together: one read takes
@@ -787,6 +876,7 @@ impl Reader<'_, '_> {
             conn: Arc::clone(self.conn),
             cookie: req.cookie,
             command: req.command,
+            offset: req.offset,
             length: if req.command == CMD_FLUSH {
                 0
             } else {
@@ -831,7 +921,8 @@ impl Reader<'_, '_> {
         }
         self.conn.counters.command(req.command).done(0, error);
         self.conn.acquire(0)?;
-        self.conn.reply(error, req.cookie, Vec::new(), 0);
+        let read_at = (req.command == CMD_READ).then_some(req.offset);
+        self.conn.reply(error, req.cookie, read_at, Vec::new(), 0);
         Ok(())
     }
 

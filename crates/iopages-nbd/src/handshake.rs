@@ -1,9 +1,10 @@
 //! The newstyle fixed handshake: greeting, client flags, option haggling.
 //!
 //! Owns: answering NBD_OPT_STARTTLS (upgrading the session to TLS when
-//! the server has credentials), NBD_OPT_EXPORT_NAME, NBD_OPT_ABORT,
-//! NBD_OPT_LIST, NBD_OPT_INFO and NBD_OPT_GO for the one export, and
-//! refusing every other option with NBD_REP_ERR_UNSUP. Must never: enter
+//! the server has credentials), NBD_OPT_STRUCTURED_REPLY (forgotten again
+//! by a later STARTTLS, as `proto.md` requires), NBD_OPT_EXPORT_NAME,
+//! NBD_OPT_ABORT, NBD_OPT_LIST, NBD_OPT_INFO and NBD_OPT_GO for the one
+//! export, and refusing every other option with NBD_REP_ERR_UNSUP. Must never: enter
 //! transmission for an unknown export name or, when TLS is required,
 //! without TLS; read an option's data without a bound; take longer than
 //! the handshake deadline in all (one deadline for the whole handshake,
@@ -29,10 +30,17 @@ const MAX_QUOTED_NAME_BYTES: usize = 64;
 
 /// How a handshake ended.
 pub(crate) enum Outcome {
-    /// Enter transmission.
-    Transmission,
+    /// Enter transmission with what was negotiated.
+    Transmission(Negotiated),
     /// Close the connection (abort, bad magic, unknown export, …).
     Close,
+}
+
+/// What the client and the server agreed on for transmission.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Negotiated {
+    /// Structured replies (NBD_OPT_STRUCTURED_REPLY was acknowledged).
+    pub(crate) structured: bool,
 }
 
 /// The handshake's view of the transport: blocking reads and writes that
@@ -123,6 +131,7 @@ pub(crate) fn negotiate(
     }
     let fixed = client_flags & FLAG_C_FIXED_NEWSTYLE != 0;
     let no_zeroes = client_flags & FLAG_C_NO_ZEROES != 0;
+    let mut agreed = Negotiated::default();
     loop {
         let mut h = [0u8; 16];
         s.read_exact(&mut h)?;
@@ -178,6 +187,21 @@ pub(crate) fn negotiate(
                 // Past the ACK there is no way back to plaintext: a failed
                 // handshake ends the connection.
                 t.start_tls(&cfg.acceptor, deadline)?;
+                // What was agreed in plaintext must be agreed again.
+                agreed = Negotiated::default();
+            }
+            OPT_STRUCTURED_REPLY => {
+                if len != 0 {
+                    error_reply(
+                        s,
+                        option,
+                        REP_ERR_INVALID,
+                        "NBD_OPT_STRUCTURED_REPLY takes no data",
+                    )?;
+                    continue;
+                }
+                s.write_all(&option_reply(option, REP_ACK, &[]))?;
+                agreed.structured = true;
             }
             OPT_EXPORT_NAME => {
                 if !name_matches(export, &data) {
@@ -190,7 +214,7 @@ pub(crate) fn negotiate(
                     v.extend_from_slice(&[0u8; 124]);
                 }
                 s.write_all(&v)?;
-                return Ok(Outcome::Transmission);
+                return Ok(Outcome::Transmission(agreed));
             }
             OPT_ABORT => {
                 // The client may already have gone: ignore a failed ACK.
@@ -226,7 +250,7 @@ pub(crate) fn negotiate(
                 send_infos(s, option, export, &infos)?;
                 s.write_all(&option_reply(option, REP_ACK, &[]))?;
                 if option == OPT_GO {
-                    return Ok(Outcome::Transmission);
+                    return Ok(Outcome::Transmission(agreed));
                 }
             }
             _ => {

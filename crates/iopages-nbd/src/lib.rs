@@ -31,8 +31,12 @@
 //! What is served: READ, WRITE, FLUSH, TRIM (checked, then a no-op: the
 //! ciphertext stays), WRITE_ZEROES (encrypted zeros are written) and DISC;
 //! FUA on WRITE, WRITE_ZEROES and TRIM flushes the target after the
-//! write and before the reply. Simple replies only (NBD_OPT_STRUCTURED_REPLY
-//! is refused with NBD_REP_ERR_UNSUP, which clients accept). Many requests
+//! write and before the reply. Structured replies when the client asks
+//! (NBD_OPT_STRUCTURED_REPLY, forgotten by a later STARTTLS): a read's
+//! data is one final OFFSET_DATA chunk, every error one final ERROR chunk
+//! with a message, other successes simple replies (which `proto.md`
+//! allows without payload); simple replies to clients that do not ask.
+//! Many requests
 //! are in flight per connection (the reader submits to the queue, or
 //! serves small requests itself with [`ExportConfig::inline_max_bytes`];
 //! completions queue their replies, which leave in batches of vectored

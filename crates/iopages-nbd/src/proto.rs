@@ -41,7 +41,7 @@ pub const OPT_STARTTLS: u32 = 5;
 pub const OPT_INFO: u32 = 6;
 /// Option: describe an export and enter transmission.
 pub const OPT_GO: u32 = 7;
-/// Option: structured replies (not supported here).
+/// Option: structured replies.
 pub const OPT_STRUCTURED_REPLY: u32 = 8;
 
 /// Reply: done.
@@ -187,6 +187,54 @@ pub fn simple_reply(error: u32, cookie: u64) -> [u8; SIMPLE_REPLY_BYTES] {
     b[4..8].copy_from_slice(&error.to_be_bytes());
     b[8..16].copy_from_slice(&cookie.to_be_bytes());
     b
+}
+
+/// Magic of a structured reply chunk.
+pub const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
+/// Bytes of a structured reply chunk header.
+pub const STRUCTURED_REPLY_BYTES: usize = 20;
+/// Structured reply flag: the last chunk of the reply.
+pub const REPLY_FLAG_DONE: u16 = 1;
+/// Chunk type: nothing (the reply's end).
+pub const REPLY_TYPE_NONE: u16 = 0;
+/// Chunk type: data at an offset.
+pub const REPLY_TYPE_OFFSET_DATA: u16 = 1;
+/// Chunk type: a hole (zeros) at an offset.
+pub const REPLY_TYPE_OFFSET_HOLE: u16 = 2;
+/// Chunk type: an error, with a message.
+pub const REPLY_TYPE_ERROR: u16 = (1 << 15) + 1;
+/// Chunk type: an error at an offset, with a message.
+pub const REPLY_TYPE_ERROR_OFFSET: u16 = (1 << 15) + 2;
+
+/// Encode a structured reply chunk header for `len` bytes of payload.
+pub fn structured_reply(
+    flags: u16,
+    kind: u16,
+    cookie: u64,
+    len: u32,
+) -> [u8; STRUCTURED_REPLY_BYTES] {
+    let mut b = [0u8; STRUCTURED_REPLY_BYTES];
+    b[0..4].copy_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
+    b[4..6].copy_from_slice(&flags.to_be_bytes());
+    b[6..8].copy_from_slice(&kind.to_be_bytes());
+    b[8..16].copy_from_slice(&cookie.to_be_bytes());
+    b[16..20].copy_from_slice(&len.to_be_bytes());
+    b
+}
+
+/// What an error code means, for the message of an error chunk.
+pub fn error_message(error: u32) -> &'static str {
+    match error {
+        EPERM => "the export is read-only",
+        EIO => "input/output error",
+        ENOMEM => "the server is out of memory for requests in flight; retry",
+        EINVAL => "invalid request: unknown command or flags, misaligned, out of range or too long",
+        ENOSPC => "the request reaches past the end of the export",
+        EOVERFLOW => "value too large",
+        ENOTSUP => "not supported",
+        ESHUTDOWN => "the server is shutting down",
+        _ => "error",
+    }
 }
 
 /// Encode an option reply header followed by `data`.

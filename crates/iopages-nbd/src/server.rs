@@ -419,7 +419,7 @@ fn serve_connection(s: &Shared, t: &Arc<Transport>) {
     }
     let deadline = std::time::Instant::now() + s.export.handshake_timeout;
     match handshake::negotiate(t, &s.export, s.opts.tls.as_ref(), deadline) {
-        Ok(Outcome::Transmission) => {
+        Ok(Outcome::Transmission(agreed)) => {
             if t.is_tls() {
                 s.counters.tls_sessions.fetch_add(1, Ordering::Relaxed);
             }
@@ -437,6 +437,7 @@ fn serve_connection(s: &Shared, t: &Arc<Transport>) {
                     idle_timeout: s.opts.idle_timeout,
                     budget_wait: s.opts.reply_timeout,
                 },
+                structured: agreed.structured,
             };
             conn::transmit(Arc::clone(t), &env);
             s.active.fetch_sub(1, Ordering::Relaxed);

@@ -15,7 +15,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 mod common;
-use common::{crypt_queue, info_data, read_opt_reply, read_simple_reply, send_option};
+use common::{
+    crypt_queue, info_data, read_chunk, read_opt_reply, read_simple_reply, send_option, Chunk,
+};
 
 const DISK: u64 = 16 << 20;
 const NAME: &str = "vol";
@@ -189,11 +191,9 @@ fn handshake_go_info_list_unknown_and_abort() {
     let (alloc, server) = start(false, 512);
     let mut c = Client::connect(&server);
     // Unknown option: ERR_UNSUP, and the haggling goes on.
-    c.option(OPT_STRUCTURED_REPLY, &[]);
-    let r = c.opt_reply();
-    assert_eq!((r.option, r.kind), (OPT_STRUCTURED_REPLY, REP_ERR_UNSUP));
     c.option(0x7777, b"whatever");
-    assert_eq!(c.opt_reply().kind, REP_ERR_UNSUP);
+    let r = c.opt_reply();
+    assert_eq!((r.option, r.kind), (0x7777, REP_ERR_UNSUP));
     // LIST: one export, then ACK; LIST with data is invalid.
     c.option(OPT_LIST, &[]);
     let r = c.opt_reply();
@@ -489,6 +489,109 @@ fn misaligned_out_of_range_and_oversize_requests_get_errors_and_the_connection_s
     c3.go(NAME);
     assert_eq!(c3.read(0, 4096).unwrap(), vec![9u8; 4096]);
     c3.disconnect();
+    finish(alloc, server);
+}
+
+/// Check an error chunk: final, `ERROR`, for `cookie`, carrying `errno`
+/// and a message that fits its length.
+fn assert_error_chunk(ch: &Chunk, cookie: u64, errno: u32) {
+    assert_eq!(
+        (ch.flags, ch.kind, ch.cookie),
+        (REPLY_FLAG_DONE, REPLY_TYPE_ERROR, cookie)
+    );
+    assert!(ch.payload.len() >= 6);
+    assert_eq!(
+        u32::from_be_bytes(ch.payload[0..4].try_into().unwrap()),
+        errno
+    );
+    let msg_len = u16::from_be_bytes([ch.payload[4], ch.payload[5]]) as usize;
+    assert_eq!(msg_len, ch.payload.len() - 6, "the message fills the chunk");
+    assert!(msg_len > 0 && std::str::from_utf8(&ch.payload[6..]).is_ok());
+}
+
+/// Check a read's reply: one final `OFFSET_DATA` chunk at `offset`;
+/// returns its data.
+fn read_data_chunk(c: &mut Client, cookie: u64, offset: u64) -> Vec<u8> {
+    let ch = read_chunk(&mut c.s);
+    assert_eq!(
+        (ch.flags, ch.kind, ch.cookie),
+        (REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, cookie)
+    );
+    assert_eq!(
+        u64::from_be_bytes(ch.payload[0..8].try_into().unwrap()),
+        offset
+    );
+    ch.payload[8..].to_vec()
+}
+
+#[test]
+fn structured_replies_carry_reads_and_errors_and_leave_other_successes_simple() {
+    let (alloc, server) = start(false, 4096);
+    let mut c = Client::connect(&server);
+    // The option takes no data.
+    c.option(OPT_STRUCTURED_REPLY, b"x");
+    let r = c.opt_reply();
+    assert_eq!((r.option, r.kind), (OPT_STRUCTURED_REPLY, REP_ERR_INVALID));
+    c.option(OPT_STRUCTURED_REPLY, &[]);
+    let r = c.opt_reply();
+    assert_eq!((r.option, r.kind), (OPT_STRUCTURED_REPLY, REP_ACK));
+    c.go(NAME);
+    // A write's success: a simple reply (allowed without payload).
+    let data = pattern(3, 3 << 20);
+    assert_eq!(c.write(0, &data, 0), 0);
+    // A read: one final OFFSET_DATA chunk, also one that the server
+    // serves in several pieces (3 MiB).
+    c.send(CMD_READ, 0, 11, 4096, 8192, &[]);
+    assert_eq!(read_data_chunk(&mut c, 11, 4096), data[4096..12288]);
+    c.send(CMD_READ, 0, 12, 0, 3 << 20, &[]);
+    assert_eq!(read_data_chunk(&mut c, 12, 0), data);
+    // Pipelined reads: each reply names its cookie and offset.
+    for k in 0..4u64 {
+        c.send(CMD_READ, 0, 20 + k, k * 65536, 4096, &[]);
+    }
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        let ch = read_chunk(&mut c.s);
+        assert_eq!(
+            (ch.flags, ch.kind),
+            (REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA)
+        );
+        let k = ch.cookie - 20;
+        let off = u64::from_be_bytes(ch.payload[0..8].try_into().unwrap());
+        assert_eq!(off, k * 65536);
+        assert_eq!(ch.payload[8..], data[off as usize..off as usize + 4096]);
+        seen.push(k);
+    }
+    seen.sort();
+    assert_eq!(seen, vec![0, 1, 2, 3]);
+    // Errors, reads first (never a simple reply to a read): misaligned,
+    // past the end, bad flags, too long; then a write's and a trim's.
+    for (cookie, offset, len, flags) in [
+        (30, 100, 4096, 0),
+        (31, DISK, 4096, 0),
+        (32, 0, 4096, CMD_FLAG_NO_HOLE),
+        (33, 0, 33 << 20, 0),
+    ] {
+        c.send(CMD_READ, flags, cookie, offset, len, &[]);
+        assert_error_chunk(&read_chunk(&mut c.s), cookie, EINVAL);
+    }
+    c.send(CMD_WRITE, 0, 34, 512, 4096, &[1u8; 4096]);
+    assert_error_chunk(&read_chunk(&mut c.s), 34, EINVAL);
+    c.send(CMD_WRITE, 0, 35, DISK - 4096, 8192, &[1u8; 8192]);
+    assert_error_chunk(&read_chunk(&mut c.s), 35, ENOSPC);
+    c.send(CMD_TRIM, 0, 36, 512, 4096, &[]);
+    assert_error_chunk(&read_chunk(&mut c.s), 36, EINVAL);
+    // Still in step; nothing refused was written.
+    assert_eq!(c.simple(CMD_FLUSH, 0, 0, 0), 0);
+    c.send(CMD_READ, 0, 37, 0, 4096, &[]);
+    assert_eq!(read_data_chunk(&mut c, 37, 0), data[..4096]);
+    c.disconnect();
+    // A client that does not ask gets simple replies, as before.
+    let mut plain = Client::connect(&server);
+    plain.go(NAME);
+    assert_eq!(plain.read(0, 4096).unwrap(), data[..4096]);
+    assert_eq!(plain.read(100, 4096), Err(EINVAL));
+    plain.disconnect();
     finish(alloc, server);
 }
 

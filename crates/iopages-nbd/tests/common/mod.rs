@@ -94,3 +94,33 @@ pub fn read_simple_reply(s: &mut impl Read) -> (u32, u64) {
         u64::from_be_bytes(h[8..16].try_into().unwrap()),
     )
 }
+
+/// A structured reply chunk: (flags, type, cookie, payload).
+#[allow(dead_code)] // protocol.rs reads chunks, hostile.rs does not
+pub struct Chunk {
+    pub flags: u16,
+    pub kind: u16,
+    pub cookie: u64,
+    pub payload: Vec<u8>,
+}
+
+/// The next structured reply chunk (its magic checked).
+#[allow(dead_code)] // protocol.rs reads chunks, hostile.rs does not
+pub fn read_chunk(s: &mut impl Read) -> Chunk {
+    let mut h = [0u8; STRUCTURED_REPLY_BYTES];
+    s.read_exact(&mut h).unwrap();
+    assert_eq!(
+        u32::from_be_bytes(h[0..4].try_into().unwrap()),
+        STRUCTURED_REPLY_MAGIC,
+        "a structured reply chunk"
+    );
+    let len = u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize;
+    let mut payload = vec![0u8; len];
+    s.read_exact(&mut payload).unwrap();
+    Chunk {
+        flags: u16::from_be_bytes([h[4], h[5]]),
+        kind: u16::from_be_bytes([h[6], h[7]]),
+        cookie: u64::from_be_bytes(h[8..16].try_into().unwrap()),
+        payload,
+    }
+}
