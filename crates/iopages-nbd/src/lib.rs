@@ -29,7 +29,9 @@
 //! | what can go wrong starting or running a server | `error.rs` |
 //!
 //! What is served: READ, WRITE, FLUSH, TRIM (checked, then a no-op: the
-//! ciphertext stays), WRITE_ZEROES (encrypted zeros are written) and DISC;
+//! ciphertext stays; a misaligned TRIM is accepted, as a discard of the
+//! whole sectors inside it), WRITE_ZEROES (encrypted zeros are written)
+//! and DISC;
 //! FUA on WRITE, WRITE_ZEROES and TRIM flushes the target after the
 //! write and before the reply. Structured replies when the client asks
 //! (NBD_OPT_STRUCTURED_REPLY, forgotten by a later STARTTLS): a read's

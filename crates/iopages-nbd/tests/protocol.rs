@@ -425,8 +425,15 @@ fn misaligned_out_of_range_and_oversize_requests_get_errors_and_the_connection_s
     assert_eq!(c.write(512, &[1u8; 4096], 0), EINVAL);
     assert_eq!(c.write(0, &[1u8; 512], 0), EINVAL);
     assert_eq!(c.read(100, 4096), Err(EINVAL));
-    assert_eq!(c.simple(CMD_TRIM, 0, 512, 4096), EINVAL);
     assert_eq!(c.simple(CMD_WRITE_ZEROES, 0, 0, 100), EINVAL);
+    // A misaligned TRIM is served (for the whole sectors inside it; a
+    // discard is advisory) and the partial sectors around it keep their
+    // data.
+    assert_eq!(c.write(0, &[7u8; 3 * 4096], 0), 0);
+    assert_eq!(c.simple(CMD_TRIM, 0, 512, 4096), 0);
+    assert_eq!(c.simple(CMD_TRIM, 0, 4096 - 512, 4096 + 1024), 0);
+    assert_eq!(c.simple(CMD_TRIM, 0, 100, 1), 0);
+    assert_eq!(c.read(0, 3 * 4096).unwrap(), vec![7u8; 3 * 4096]);
     // Zero length.
     assert_eq!(c.read(0, 0), Err(EINVAL));
     // Out of range: reads EINVAL, writes ENOSPC; offset+length overflow.
@@ -579,7 +586,7 @@ fn structured_replies_carry_reads_and_errors_and_leave_other_successes_simple() 
     assert_error_chunk(&read_chunk(&mut c.s), 34, EINVAL);
     c.send(CMD_WRITE, 0, 35, DISK - 4096, 8192, &[1u8; 8192]);
     assert_error_chunk(&read_chunk(&mut c.s), 35, ENOSPC);
-    c.send(CMD_TRIM, 0, 36, 512, 4096, &[]);
+    c.send(CMD_TRIM, 0, 36, DISK - 512, 4096, &[]);
     assert_error_chunk(&read_chunk(&mut c.s), 36, EINVAL);
     // Still in step; nothing refused was written.
     assert_eq!(c.simple(CMD_FLUSH, 0, 0, 0), 0);
