@@ -10,7 +10,7 @@ use crate::passphrase::read_passphrase;
 use iopages_crypt::strategy::Strategy;
 use iopages_nbd::volume::{self, Volume, VolumeOptions};
 use iopages_nbd::{ExportConfig, Listen, Server, ServerOptions, TlsConfig, TlsMode};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// Requests served on the connection's thread by default, for fast
@@ -87,6 +87,13 @@ pub struct ServeArgs {
     /// at exit).
     #[arg(long, value_name = "SECS", default_value_t = 0)]
     stats_interval: u64,
+    /// Also write every statistics snapshot (each interval, SIGUSR1, the
+    /// last at exit) to FILE as JSON, replacing it whole each time: the
+    /// counters of the statistics line and the I/O shape histograms
+    /// (request sizes and offset alignment per direction, partial-sector
+    /// requests and their worst-case write amplification).
+    #[arg(long, value_name = "FILE")]
+    stats_json: Option<PathBuf>,
     /// Largest Argon2 memory a key slot of the --image may ask for (K, M,
     /// G suffixes; default 1G, at most 4G); a slot over it, or over the
     /// other key-derivation limits, is refused before deriving anything.
@@ -341,8 +348,117 @@ impl Progress {
         self.last = now;
         self.last_read = s.read.bytes;
         self.last_write = s.write.bytes;
-        line
+        format!(
+            "{line} | shape: write {}; read {}",
+            shape_summary(&s.shape.write, s.shape.sector_bytes),
+            shape_summary(&s.shape.read, s.shape.sector_bytes)
+        )
     }
+}
+
+/// "2^k" bytes as "512", "4K", "1M".
+fn pow2_name(k: usize) -> String {
+    match k {
+        0..=9 => format!("{}", 1u64 << k),
+        10..=19 => format!("{}K", 1u64 << (k - 10)),
+        _ => format!("{}M", 1u64 << (k - 20)),
+    }
+}
+
+/// One direction of the I/O shape in a few words: the most common request
+/// sizes, the share aligned to the volume's sector, partial-sector
+/// requests and the amplification serving them would cost.
+fn shape_summary(d: &iopages_nbd::DirShape, sector_bytes: u64) -> String {
+    let n = d.requests();
+    if n == 0 {
+        return "none".into();
+    }
+    let mut by_size: Vec<(usize, u64)> = d
+        .sizes
+        .iter()
+        .copied()
+        .enumerate()
+        .filter(|&(_, c)| c > 0)
+        .collect();
+    by_size.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    let sizes: Vec<String> = by_size
+        .iter()
+        .take(3)
+        .map(|&(k, c)| format!("{}B {:.0}%", pow2_name(k), c as f64 * 100.0 / n as f64))
+        .collect();
+    let sector_k = sector_bytes.max(1).trailing_zeros() as usize;
+    let aligned: u64 = d.align.iter().skip(sector_k).sum();
+    format!(
+        "{} ({}), {:.0}% at {}B-aligned offsets, {} partial-sector (x{:.2} if served by read-modify-write)",
+        n,
+        sizes.join(", "),
+        aligned as f64 * 100.0 / n as f64,
+        sector_bytes,
+        d.partial_sector,
+        d.amplification()
+    )
+}
+
+/// The statistics as JSON (what --stats-json writes).
+fn stats_json(s: &iopages_nbd::Stats, elapsed: Duration) -> serde_json::Value {
+    use serde_json::json;
+    let cmd = |c: &iopages_nbd::CommandStats| json!({"requests": c.requests, "bytes": c.bytes, "errors": c.errors});
+    let dir = |d: &iopages_nbd::DirShape| {
+        json!({
+            "requests": d.requests(),
+            "sizes_log2": d.sizes.to_vec(),
+            "align_log2": d.align.to_vec(),
+            "partial_sector": d.partial_sector,
+            "bytes": d.bytes,
+            "whole_sector_bytes": d.sector_bytes,
+            "amplification": d.amplification(),
+        })
+    };
+    json!({
+        "elapsed_s": elapsed.as_secs_f64(),
+        "connections": s.connections,
+        "sessions": s.sessions,
+        "tls_sessions": s.tls_sessions,
+        "tls_failures": s.tls_failures,
+        "read": cmd(&s.read),
+        "write": cmd(&s.write),
+        "flush": cmd(&s.flush),
+        "trim": cmd(&s.trim),
+        "write_zeroes": cmd(&s.write_zeroes),
+        "other": cmd(&s.other),
+        "open_connections": s.open_connections,
+        "refused_connections": s.refused_connections,
+        "timeouts": {
+            "handshake": s.handshake_timeouts,
+            "reply": s.reply_timeouts,
+            "payload": s.payload_timeouts,
+            "idle": s.idle_closes,
+        },
+        "budget": {
+            "used_bytes": s.budget_used_bytes,
+            "waits": s.budget_waits,
+            "refusals": s.budget_refusals,
+        },
+        "shape": {
+            "sector_bytes": s.shape.sector_bytes,
+            "buckets": "index k counts 2^k bytes: sizes in (2^(k-1), 2^k], offsets whose largest power-of-two divisor is 2^k (offset 0 in the last); the last bucket also takes everything larger",
+            "read": dir(&s.shape.read),
+            "write": dir(&s.shape.write),
+        },
+    })
+}
+
+/// Replace `path` with `v` whole (written beside it, then renamed), so a
+/// reader never sees half a file.
+fn write_stats_json(path: &Path, v: &serde_json::Value) -> std::io::Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    std::fs::write(
+        &tmp,
+        serde_json::to_string_pretty(v).expect("JSON values serialize") + "\n",
+    )?;
+    std::fs::rename(&tmp, path)
 }
 
 pub fn serve(a: ServeArgs) -> Result<(), String> {
@@ -544,9 +660,34 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
         last_write: 0,
     };
     let interval = (a.stats_interval > 0).then(|| Duration::from_secs(a.stats_interval));
+    // --stats-json: written now (a path that cannot be written is an
+    // error before anything is served for long), then with every line.
+    let mut json_failed = false;
+    let mut emit_json = |server: &Server| {
+        let Some(p) = &a.stats_json else {
+            return Ok(());
+        };
+        let r = write_stats_json(p, &stats_json(&server.stats(), now.elapsed()));
+        match r {
+            Err(e) if !json_failed => {
+                json_failed = true;
+                Err(format!("cannot write --stats-json {}: {e}", p.display()))
+            }
+            _ => Ok(()),
+        }
+    };
+    if let Err(e) = emit_json(&server) {
+        server.shutdown();
+        return Err(e);
+    }
     loop {
         match wait_signal(&signals, interval) {
-            None | Some(libc::SIGUSR1) => println!("{}", progress.line(&server, &vol)),
+            None | Some(libc::SIGUSR1) => {
+                println!("{}", progress.line(&server, &vol));
+                if let Err(e) = emit_json(&server) {
+                    eprintln!("warning: {e} (statistics go on on standard output)");
+                }
+            }
             Some(sig) => {
                 println!(
                     "signal {}: stopping (requests in flight complete first)",
@@ -564,6 +705,9 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
         let _ = std::io::stdout().flush();
     }
     let line = progress.line(&server, &vol);
+    if let Err(e) = emit_json(&server) {
+        eprintln!("warning: {e}");
+    }
     server.shutdown();
     vol.queue.wait_idle();
     let flushed = if a.read_only {

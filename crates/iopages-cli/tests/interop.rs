@@ -535,6 +535,67 @@ fn libnbd_negotiates_structured_replies_and_reads_back_what_it_wrote() {
 }
 
 #[test]
+fn stats_json_carries_the_io_shape_and_a_bad_path_is_refused() {
+    if !tools(&["nbdcopy"]) {
+        return;
+    }
+    let dir = Dir::new("statsjson");
+    // A path that cannot be written: refused before serving.
+    let out = Command::new(BIN)
+        .args(["serve", "--size", "16M", "--arena", "128M", "--unix"])
+        .arg(dir.join("bad.sock"))
+        .arg("--stats-json")
+        .arg(dir.join("no/such/dir/stats.json"))
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cannot write --stats-json"), "{err}");
+    let json = dir.join("stats.json");
+    let json_arg = json.to_str().unwrap().to_string();
+    let srv = Served::start(
+        &[
+            "--size",
+            "16M",
+            "--stats-interval",
+            "1",
+            "--stats-json",
+            &json_arg,
+        ],
+        &dir.join("sock"),
+        dir.join("serve.err"),
+    );
+    let src = dir.join("src.img");
+    std::fs::write(&src, pattern(7, 16 << 20)).unwrap();
+    run(Command::new("nbdcopy").arg(&src).arg(&srv.uri));
+    // The next interval's snapshot has the writes.
+    let mut v = serde_json::Value::Null;
+    for _ in 0..50 {
+        std::thread::sleep(Duration::from_millis(100));
+        let Ok(text) = std::fs::read_to_string(&json) else {
+            continue;
+        };
+        v = serde_json::from_str(&text).expect("whole JSON, never half a file");
+        if v["write"]["bytes"].as_u64() == Some(16 << 20) {
+            break;
+        }
+    }
+    assert_eq!(v["write"]["bytes"], 16 << 20, "{v}");
+    let w = &v["shape"]["write"];
+    assert_eq!(v["shape"]["sector_bytes"], 4096);
+    assert!(w["requests"].as_u64().unwrap() > 0, "{v}");
+    assert_eq!(w["partial_sector"], 0, "nbdcopy writes whole sectors: {v}");
+    assert_eq!(w["amplification"], 1.0);
+    assert_eq!(w["sizes_log2"].as_array().unwrap().len(), 26);
+    let line = srv
+        .line_within(Duration::from_secs(5))
+        .expect("a statistics line");
+    assert!(line.contains("| shape: write "), "{line}");
+    srv.stop();
+}
+
+#[test]
 fn bad_passphrases_and_images_are_refused_with_clear_errors() {
     if !tools(&["cryptsetup"]) {
         return;

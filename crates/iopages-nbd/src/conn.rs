@@ -936,6 +936,16 @@ impl Reader<'_, '_> {
     }
 
     fn request(&mut self, req: Request) -> io::Result<()> {
+        // The shape of what the client sends, served or not.
+        let shape = match req.command {
+            CMD_READ => Some(&self.conn.counters.read_shape),
+            CMD_WRITE => Some(&self.conn.counters.write_shape),
+            _ => None,
+        };
+        if let Some(c) = shape {
+            let ss = self.env.export.min_block_bytes as u64;
+            c.record(req.offset, req.length as u64, ss);
+        }
         let error = check_request(self.env.export, &req);
         if error != 0 {
             return self.refuse(&req, error);

@@ -105,7 +105,7 @@ pub use server::{
     Listen, Server, ServerOptions, DEFAULT_IDLE_TIMEOUT, DEFAULT_LISTEN, DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_INFLIGHT_BYTES, HANDSHAKE_TIMEOUT, REPLY_TIMEOUT,
 };
-pub use stats::{CommandStats, Stats};
+pub use stats::{align_bucket, size_bucket, CommandStats, DirShape, IoShape, Stats, SHAPE_BUCKETS};
 pub use tls::{TlsConfig, TlsMode};
 
 /// The default preferred block size advertised (bytes).

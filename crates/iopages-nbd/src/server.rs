@@ -277,6 +277,7 @@ impl Server {
         let mut s = self.shared.counters.snapshot();
         s.buffers = self.shared.buffers.stats();
         s.budget_used_bytes = self.shared.budget.used();
+        s.shape.sector_bytes = self.shared.export.min_block_bytes as u64;
         s
     }
 

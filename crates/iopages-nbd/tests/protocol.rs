@@ -8,7 +8,7 @@ use iopages_crypt::queue::{CryptQueue, QueueConfig};
 use iopages_crypt::target::{CipherPool, CryptTarget, TargetConfig};
 use iopages_crypt::XtsCipher;
 use iopages_nbd::proto::*;
-use iopages_nbd::{ExportConfig, Listen, Server};
+use iopages_nbd::{ExportConfig, Listen, Server, SHAPE_BUCKETS};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::Arc;
@@ -599,6 +599,42 @@ fn structured_replies_carry_reads_and_errors_and_leave_other_successes_simple() 
     assert_eq!(plain.read(0, 4096).unwrap(), data[..4096]);
     assert_eq!(plain.read(100, 4096), Err(EINVAL));
     plain.disconnect();
+    finish(alloc, server);
+}
+
+#[test]
+fn the_io_shape_counts_sizes_alignment_and_partial_sectors_per_direction() {
+    let (alloc, server) = start(false, 4096);
+    let mut c = Client::connect(&server);
+    c.go(NAME);
+    // Writes: two whole 64 KiB at 64 KiB-aligned offsets, one 4 KiB at a
+    // 4 KiB offset, one 512 B at 512 (partial: refused, counted).
+    assert_eq!(c.write(0, &[1u8; 65536], 0), 0);
+    assert_eq!(c.write(65536, &[2u8; 65536], 0), 0);
+    assert_eq!(c.write(12288, &[3u8; 4096], 0), 0);
+    assert_eq!(c.write(512, &[4u8; 512], 0), EINVAL);
+    // Reads: one 8 KiB at 8 KiB, one 4 KiB straddling two sectors.
+    assert!(c.read(8192, 8192).is_ok());
+    assert_eq!(c.read(2048, 4096), Err(EINVAL));
+    c.disconnect();
+    let sh = server.stats().shape;
+    assert_eq!(sh.sector_bytes, 4096);
+    let w = sh.write;
+    assert_eq!(w.requests(), 4);
+    assert_eq!((w.sizes[16], w.sizes[12], w.sizes[9]), (2, 1, 1));
+    // Offsets 0 (the last bucket), 64 KiB, 12 KiB (4 KiB-aligned), 512.
+    assert_eq!(w.align[SHAPE_BUCKETS - 1], 1);
+    assert_eq!((w.align[16], w.align[12], w.align[9]), (1, 1, 1));
+    assert_eq!(w.partial_sector, 1);
+    assert_eq!(w.bytes, 2 * 65536 + 4096 + 512);
+    assert_eq!(w.sector_bytes, 2 * 65536 + 4096 + 4096);
+    assert!(w.amplification() > 1.0);
+    let r = sh.read;
+    assert_eq!(r.requests(), 2);
+    assert_eq!((r.sizes[13], r.sizes[12]), (1, 1));
+    assert_eq!((r.align[13], r.align[11]), (1, 1));
+    assert_eq!(r.partial_sector, 1);
+    assert_eq!(r.sector_bytes, 8192 + 8192);
     finish(alloc, server);
 }
 
