@@ -30,6 +30,9 @@
 //!   nbdkit's luks filter and qemu-nbd's LUKS driver in turn, under fio's
 //!   nbd engine (1 MiB sequential, 4 KiB random) and nbdcopy.
 
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
+
 pub mod bio;
 pub mod bulk;
 pub mod counter;

@@ -888,8 +888,10 @@ fn fs_type(dir: &Path) -> String {
     let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()) else {
         return "unknown".into();
     };
-    // SAFETY: statfs fills the zeroed struct; the path is NUL-terminated.
+    // SAFETY: `statfs` is plain old data, for which all zeros is valid.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: the path is NUL-terminated and outlives the call; statfs
+    // writes only into `st`.
     if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
         return "unknown".into();
     }

@@ -14,6 +14,9 @@
 //! (`Reaped`, `run_tool`, `wait_for_socket`, `stop`, `lines_of`) and
 //! `dir` (`TempDir`).
 
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
+
 pub mod dir;
 pub mod process;
 pub mod tools;
