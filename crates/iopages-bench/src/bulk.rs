@@ -741,7 +741,8 @@ fn single(alloc: &PageAllocator, ops: u64) -> Result<Sample, BenchError> {
     let s = time_once(ops, || {
         for _ in 0..ops {
             match alloc.alloc_pages(Gfp::KERNEL, 0) {
-                Some(p) => alloc.free_pages(black_box(p), 0),
+                // SAFETY: `p` was just allocated here and nothing else holds it.
+                Some(p) => unsafe { alloc.free_pages(black_box(p), 0) },
                 None => failed = true,
             }
         }
@@ -763,7 +764,8 @@ fn bulk(alloc: &PageAllocator, batch: usize, pages: u64) -> Result<Sample, Bench
             let n = alloc.alloc_pages_bulk_array(Gfp::KERNEL, &mut slots);
             short |= n != batch;
             black_box(&mut slots);
-            alloc.free_pages_bulk_array(&mut slots);
+            // SAFETY: the slots hold pages just allocated here, each once.
+            unsafe { alloc.free_pages_bulk_array(&mut slots) };
         }
     });
     if short {

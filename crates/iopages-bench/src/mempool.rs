@@ -77,7 +77,9 @@ fn workload(pool: &PagePool, m: Method, pages: usize, rounds: u64) -> Result<Sam
                     black_box(&mut slots);
                     for slot in slots.iter_mut() {
                         match slot.take() {
-                            Some(p) => pool.free(p),
+                            // SAFETY: the page came from this pool this
+                            // round and is given up here, once.
+                            Some(p) => unsafe { pool.free_raw(p) },
                             None => short = true,
                         }
                     }
@@ -85,12 +87,14 @@ fn workload(pool: &PagePool, m: Method, pages: usize, rounds: u64) -> Result<Sam
                 Method::Bulk => {
                     short |= pool.alloc_bulk(gfp, &mut slots) != pages;
                     black_box(&mut slots);
-                    pool.free_bulk_slots(&mut slots);
+                    // SAFETY: as above, for every page in `slots`.
+                    unsafe { pool.free_bulk_slots_raw(&mut slots) };
                 }
                 Method::Callback => {
                     short |= pool.alloc_bulk_cb(gfp, pages, |p| iov.push(p)) != pages;
                     black_box(&mut iov);
-                    pool.free_bulk(&mut iov);
+                    // SAFETY: as above, for every page in `iov`.
+                    unsafe { pool.free_bulk_raw(&mut iov) };
                 }
             }
         }
@@ -206,7 +210,9 @@ fn tear_down(scen: Vec<Scenario>) -> Result<(), BenchError> {
             )));
         }
         drop(s.pool);
-        s.alloc.free_pages_bulk(&s.hog);
+        // SAFETY: the hog pages were allocated by this run and nothing
+        // else holds them.
+        unsafe { s.alloc.free_pages_bulk(&s.hog) };
         if let Err(a) = s.alloc.leak_check() {
             return Err(BenchError::Workload(format!(
                 "{}: pages leaked after the benchmark: {a}",

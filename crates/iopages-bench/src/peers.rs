@@ -323,7 +323,9 @@ pub fn iopages_st(
                 match local.alloc_pages(Gfp::KERNEL, 0) {
                     Some(p) => {
                         touch(&alloc, p);
-                        local.free_pages(p, 0);
+                        // SAFETY: `p` was just allocated here and nothing
+                        // else holds it.
+                        unsafe { local.free_pages(p, 0) };
                     }
                     None => short = true,
                 }
@@ -338,7 +340,8 @@ pub fn iopages_st(
                 for &p in &v {
                     touch(&alloc, p);
                 }
-                local.free_bulk(&mut v);
+                // SAFETY: `v` holds pages just allocated here, each once.
+                unsafe { local.free_bulk(&mut v) };
             }
         })
     };
@@ -435,7 +438,8 @@ fn mt_alloc_batch(local: &mut LocalAllocator, batch: usize, buf: &mut Vec<Page>)
     if local.alloc_bulk(Gfp::KERNEL, batch, buf) == batch {
         return true;
     }
-    local.free_bulk(buf);
+    // SAFETY: `buf` holds the short batch just allocated, each page once.
+    unsafe { local.free_bulk(buf) };
     false
 }
 
@@ -511,13 +515,17 @@ fn consumer(alloc: &PageAllocator, ring: &Ring, start: &Barrier, batch: usize) -
             let p = ring.one(tail);
             tail += 1;
             ring.tail.store(tail, Ordering::Release);
-            local.free_pages(p, 0);
+            // SAFETY: the producer handed `p` over through the ring and
+            // dropped it; the slot is released above, so this consumer
+            // owns it alone.
+            unsafe { local.free_pages(p, 0) };
             continue;
         }
         ring.read(tail, b, &mut v);
         tail += b;
         ring.tail.store(tail, Ordering::Release);
-        local.free_bulk(&mut v);
+        // SAFETY: as for a single page: the batch was handed over whole.
+        unsafe { local.free_bulk(&mut v) };
     }
     span.end()
 }

@@ -239,8 +239,9 @@ impl ElementSource for LimitedPageSource {
         }
     }
 
-    fn free(&self, page: Page) {
-        self.inner.free(page)
+    unsafe fn free(&self, page: Page) {
+        // SAFETY: passed on: the caller owns the page (the trait's contract).
+        unsafe { self.inner.free(page) }
     }
 
     fn alloc_bulk(&self, gfp: Gfp, slots: &mut [Option<Page>]) -> usize {
@@ -251,12 +252,14 @@ impl ElementSource for LimitedPageSource {
         }
     }
 
-    fn free_bulk(&self, pages: &mut Vec<Page>) {
-        self.inner.free_bulk(pages)
+    unsafe fn free_bulk(&self, pages: &mut Vec<Page>) {
+        // SAFETY: passed on: the caller owns the pages (the trait's contract).
+        unsafe { self.inner.free_bulk(pages) }
     }
 
-    fn free_slots(&self, slots: &mut [Option<Page>]) {
-        self.inner.free_slots(slots)
+    unsafe fn free_slots(&self, slots: &mut [Option<Page>]) {
+        // SAFETY: passed on: the caller owns the pages (the trait's contract).
+        unsafe { self.inner.free_slots(slots) }
     }
 }
 
@@ -503,16 +506,22 @@ impl OutAllocator {
             "free: out pages of another device's arena"
         );
         let nr_pages = out.nr_pages;
+        // The buffer gives up its folios (`into_raw`): from here this call
+        // is their only owner, and frees each once.
         let folios = out.buf.into_raw();
         let mut singles = Vec::with_capacity(folios.len());
         for f in folios {
             if f.order() == 0 {
                 singles.push(f.page());
             } else {
-                self.alloc.free_pages(f.page(), f.order());
+                // SAFETY: owned here alone (see above), allocated from
+                // this device's arena with this order.
+                unsafe { self.alloc.free_pages(f.page(), f.order()) };
             }
         }
-        self.pool.free_bulk(&mut singles);
+        // SAFETY: as above; order-0 out pages come from the mempool or
+        // the same allocator, which the pool's source frees to.
+        unsafe { self.pool.free_bulk_raw(&mut singles) };
         self.limit.allocated.add(-(nr_pages as i64));
     }
 
@@ -553,7 +562,9 @@ impl OutAllocator {
             "free_replaced: a stored page is always order-0"
         );
         let mut pages: Vec<Page> = folios.iter().map(|f| f.page()).collect();
-        self.pool.free_bulk(&mut pages);
+        // SAFETY: the backend gave the buffer up (`into_raw` above), so
+        // this call owns the pages alone and frees each once.
+        unsafe { self.pool.free_bulk_raw(&mut pages) };
     }
 
     /// Pages held in the mempool's reserve.
@@ -756,7 +767,8 @@ mod tests {
         }
         assert_eq!(out.allocated_pages(), 0);
         assert_eq!(out.reserve_len(), 64);
-        alloc.free_pages_bulk(&hog);
+        // SAFETY: the test allocated the hog pages and gives them up here.
+        unsafe { alloc.free_pages_bulk(&hog) };
         drop(out);
         alloc.leak_check().unwrap();
     }

@@ -30,26 +30,30 @@ fn main() {
             if batch == 0 {
                 let p = h.alloc_pages(Gfp::KERNEL, 0).expect("page");
                 touch(p);
-                h.free_pages(p, 0);
+                // SAFETY: the test allocated these pages and gives them up here, once.
+                unsafe { h.free_pages(p, 0) };
             } else {
                 assert_eq!(h.alloc_bulk(Gfp::KERNEL, batch, &mut v), batch);
                 for &p in &v {
                     touch(p);
                 }
-                h.free_bulk(&mut v);
+                // SAFETY: the pages came from this allocator and are given up here, once.
+                unsafe { h.free_bulk(&mut v) };
             }
         }
     } else if batch == 0 {
         for _ in 0..rounds {
             let p = alloc.alloc_pages(Gfp::KERNEL, 0).expect("page");
-            alloc.free_pages(black_box(p), 0);
+            // SAFETY: the test allocated these pages and gives them up here, once.
+            unsafe { alloc.free_pages(black_box(p), 0) };
         }
     } else {
         let mut slots = vec![None; batch];
         for _ in 0..rounds {
             assert_eq!(alloc.alloc_pages_bulk_array(Gfp::KERNEL, &mut slots), batch);
             black_box(&mut slots);
-            alloc.free_pages_bulk_array(&mut slots);
+            // SAFETY: the test allocated these pages and gives them up here, once.
+            unsafe { alloc.free_pages_bulk_array(&mut slots) };
         }
     }
     assert!(alloc.leak_check().is_ok());

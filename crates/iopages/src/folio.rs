@@ -89,11 +89,17 @@ impl PageAllocator {
         Some(Folio { head, order })
     }
 
-    /// Free a folio from [`PageAllocator::folio_alloc`].
+    /// Free a folio from [`PageAllocator::folio_alloc`] (a raw-handle call:
+    /// a [`FolioBuffer`] frees its folios safely).
     ///
     /// **Context:** never blocks. **Returns:** [`Error::Pinned`], with the
     /// folio kept allocated, if I/O still holds pins on it.
-    pub fn folio_put(&self, folio: Folio) -> Result<()> {
+    ///
+    /// # Safety
+    /// As [`PageAllocator::free_pages`]: the caller owns the folio (a
+    /// [`Folio`] is a `Copy` handle) and nothing else — a buffer, a box, a
+    /// copy of the handle — uses it as its own once this returns `Ok`.
+    pub unsafe fn folio_put(&self, folio: Folio) -> Result<()> {
         let pins = self.folio_pins(folio);
         if pins != 0 {
             return Err(Error::Pinned {
@@ -101,7 +107,9 @@ impl PageAllocator {
                 pins,
             });
         }
-        self.free_pages(folio.head, folio.order);
+        // SAFETY: the caller owns the folio (this fn's contract), which
+        // `folio_alloc` allocated with this order.
+        unsafe { self.free_pages(folio.head, folio.order) };
         Ok(())
     }
 
@@ -360,7 +368,10 @@ impl FolioBuffer {
 
     fn release(&mut self) -> Result<()> {
         while let Some(&f) = self.folios.last() {
-            self.alloc.folio_put(f)?;
+            // SAFETY: the buffer owns its folios; `f` leaves it (popped
+            // below) as it is freed, so it is freed once and never reached
+            // through the buffer again.
+            unsafe { self.alloc.folio_put(f)? };
             self.folios.pop();
             self.held -= f.size_bytes();
             self.len = self.len.min(self.held);
@@ -527,7 +538,9 @@ impl FolioBuffer {
                     "split_folios: pfn {} is pinned",
                     f.head.pfn()
                 );
-                self.alloc.split_page(f.head, f.order);
+                // SAFETY: the buffer owns the folio and replaces it below by
+                // its order-0 pages, which it then owns one by one.
+                unsafe { self.alloc.split_page(f.head, f.order) };
             }
             singles.extend((0..f.nr_pages()).map(|i| Folio {
                 head: f.page_at(i),
@@ -1048,7 +1061,8 @@ mod tests {
                 f.index_of(Page::from_pfn(f.page().pfn() + f.nr_pages() as u32)),
                 None
             );
-            a.folio_put(f).unwrap();
+            // SAFETY: the test allocated these pages and gives them up here, once.
+            unsafe { a.folio_put(f) }.unwrap();
         }
         a.leak_check().unwrap();
     }
@@ -1060,13 +1074,15 @@ mod tests {
         a.pin_folio(f, 16);
         a.pin_page(f.page_at(3));
         assert_eq!(a.folio_pins(f), 17);
-        match a.folio_put(f) {
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        match unsafe { a.folio_put(f) } {
             Err(Error::Pinned { pfn, pins }) => assert_eq!((pfn, pins), (f.page().pfn(), 17)),
             other => panic!("expected Pinned, got {other:?}"),
         }
         a.unpin_page(f.page_at(3));
         a.unpin_folio(f, 16);
-        a.folio_put(f).unwrap();
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { a.folio_put(f) }.unwrap();
         a.leak_check().unwrap();
     }
 
@@ -1085,7 +1101,9 @@ mod tests {
         let a = arena();
         let f = a.folio_alloc(Gfp::KERNEL, 1).unwrap();
         a.pin_folio(f, 1);
-        a.free_pages(f.page(), 1);
+        // SAFETY: deliberately a free of a pinned block, which must panic
+        // before anything is freed.
+        unsafe { a.free_pages(f.page(), 1) };
     }
 
     #[test]
@@ -1130,13 +1148,16 @@ mod tests {
             hog.push(p);
         }
         for p in hog.drain(..2) {
-            a.free_pages(p, 4);
+            // SAFETY: the test allocated these pages and gives them up here, once.
+            unsafe { a.free_pages(p, 4) };
         }
         let split: Vec<Page> = hog.drain(..4).collect();
         for &p in &split {
-            a.split_page(p, 4);
+            // SAFETY: the test owns the block and from here owns its pages one by one.
+            unsafe { a.split_page(p, 4) };
             for i in (0..16).step_by(2) {
-                a.free_pages(Page::from_pfn(p.pfn() + i), 0);
+                // SAFETY: the test allocated these pages and gives them up here, once.
+                unsafe { a.free_pages(Page::from_pfn(p.pfn() + i), 0) };
             }
         }
         // The zone is far below its watermarks: ignore them, as the test
@@ -1150,11 +1171,13 @@ mod tests {
         assert_eq!(b.pages().len(), 64);
         drop(b);
         for p in hog {
-            a.free_pages(p, 4);
+            // SAFETY: the test allocated these pages and gives them up here, once.
+            unsafe { a.free_pages(p, 4) };
         }
         for p in split {
             for i in (1..16).step_by(2) {
-                a.free_pages(Page::from_pfn(p.pfn() + i), 0);
+                // SAFETY: the test allocated these pages and gives them up here, once.
+                unsafe { a.free_pages(Page::from_pfn(p.pfn() + i), 0) };
             }
         }
         a.leak_check().unwrap();
@@ -1195,7 +1218,8 @@ mod tests {
         b.leak_check().unwrap();
         // Given up, the folios are the caller's to free.
         for f in tail.into_raw() {
-            a.folio_put(f).unwrap();
+            // SAFETY: the test allocated these pages and gives them up here, once.
+            unsafe { a.folio_put(f) }.unwrap();
         }
         drop(x);
         a.leak_check().unwrap();

@@ -385,7 +385,9 @@ impl AsMut<[u8]> for KvBox {
 impl Drop for KvBox {
     fn drop(&mut self) {
         if let Repr::Contiguous { alloc, page, order } = &self.repr {
-            alloc.free_pages(*page, *order);
+            // SAFETY: the box owns the block it allocated, and gives it up
+            // here, once; its slices borrowed the box.
+            unsafe { alloc.free_pages(*page, *order) };
         }
         // A vmalloc'd buffer frees itself when `repr` drops.
     }

@@ -82,21 +82,33 @@
 //! ```
 //! use iopages::{Gfp, PageAllocator};
 //! let alloc = PageAllocator::new(8 << 20).unwrap();
+//! // The safe owner: freed when dropped.
+//! let mut block = alloc.alloc_box(Gfp::KERNEL, 0).unwrap();
+//! block.as_mut_slice()[0] = 1;
+//! drop(block);
+//! // The kernel-shaped calls on plain handles: frees are `unsafe`,
+//! // because a `Page` is a copyable number and the caller vouches that
+//! // nothing else owns it.
 //! let page = alloc.alloc_pages(Gfp::KERNEL, 0).unwrap();
-//! alloc.free_pages(page, 0);
+//! // SAFETY: `page` was just allocated and nothing else holds it.
+//! unsafe { alloc.free_pages(page, 0) };
 //! let mut slots = [None; 16];
 //! assert_eq!(alloc.alloc_pages_bulk_array(Gfp::KERNEL, &mut slots), 16);
 //! let pages: Vec<_> = slots.iter().flatten().copied().collect();
-//! alloc.free_pages_bulk(&pages);
+//! // SAFETY: as above, each page once.
+//! unsafe { alloc.free_pages_bulk(&pages) };
 //! let mut local = alloc.local();
 //! let mut batch = Vec::with_capacity(32);
 //! assert_eq!(local.alloc_bulk(Gfp::KERNEL, 32, &mut batch), 32);
-//! local.free_bulk(&mut batch);
+//! // SAFETY: as above.
+//! unsafe { local.free_bulk(&mut batch) };
 //! drop(local);
 //! assert!(alloc.leak_check().is_ok());
 //! ```
 
 #![warn(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
 
 // Foundations: used by every layer, use none.
 mod error;
@@ -132,8 +144,8 @@ pub use folio::{Folio, FolioBuffer, PageSlots};
 pub use gfp::{memalloc_nofs_scope, memalloc_noio_scope, Gfp, NofsScope, NoioScope};
 pub use kvmalloc::{KvBox, KvKind, KvPolicy, KvStats, Kvmalloc};
 pub use mempool::{
-    BoxSource, ElementSource, Mempool, MempoolStats, PagePool, PageSource, MEMPOOL_MIN_NR_MAX,
-    MEMPOOL_WAIT,
+    BoxSource, ElementSource, Mempool, MempoolStats, OwnedElements, PagePool, PageSource,
+    MEMPOOL_MIN_NR_MAX, MEMPOOL_WAIT,
 };
 pub use page_alloc::{
     Accounting, LocalAllocator, PageAllocator, PageAllocatorBuilder, PageBox, Stats,

@@ -62,7 +62,14 @@ pub trait ElementSource: Send + Sync {
     /// Take an element back.
     ///
     /// **Context:** never blocks.
-    fn free(&self, elem: Self::Elem);
+    ///
+    /// # Safety
+    /// The caller owns `elem`: it came from this source (or a pool over
+    /// it) and nothing else uses it as its own afterwards. For elements
+    /// that are handles (a [`Page`]) a copy kept and used would be a second
+    /// owner of the same memory; an element that owns itself (a `Box`)
+    /// meets this by being moved in.
+    unsafe fn free(&self, elem: Self::Elem);
 
     /// Fill the empty (`None`) slots of `slots`, keeping filled ones.
     ///
@@ -84,18 +91,34 @@ pub trait ElementSource: Send + Sync {
     /// Take back every element of `elems`, leaving it empty.
     ///
     /// **Context:** never blocks.
-    fn free_bulk(&self, elems: &mut Vec<Self::Elem>) {
+    ///
+    /// # Safety
+    /// The caller owns every element of `elems`: each came from this source (or a pool over
+    /// it) and nothing else uses them as its own afterwards. For elements
+    /// that are handles (a [`Page`]) a copy kept and used would be a second
+    /// owner of the same memory; an element that owns itself (a `Box`)
+    /// meets this by being moved in.
+    unsafe fn free_bulk(&self, elems: &mut Vec<Self::Elem>) {
         for e in elems.drain(..) {
-            self.free(e);
+            // SAFETY: the caller owns every element (this fn's contract).
+            unsafe { self.free(e) };
         }
     }
 
     /// Take back the elements held in `slots`, leaving every slot empty.
     ///
     /// **Context:** never blocks.
-    fn free_slots(&self, slots: &mut [Option<Self::Elem>]) {
+    ///
+    /// # Safety
+    /// The caller owns every element held in `slots`: each came from this source (or a pool over
+    /// it) and nothing else uses them as its own afterwards. For elements
+    /// that are handles (a [`Page`]) a copy kept and used would be a second
+    /// owner of the same memory; an element that owns itself (a `Box`)
+    /// meets this by being moved in.
+    unsafe fn free_slots(&self, slots: &mut [Option<Self::Elem>]) {
         for e in slots.iter_mut().filter_map(Option::take) {
-            self.free(e);
+            // SAFETY: the caller owns every element (this fn's contract).
+            unsafe { self.free(e) };
         }
     }
 }
@@ -178,8 +201,10 @@ impl ElementSource for PageSource {
     }
 
     #[inline]
-    fn free(&self, page: Page) {
-        self.alloc.free_pages(page, self.order)
+    unsafe fn free(&self, page: Page) {
+        // SAFETY: the caller owns the page (the trait's contract), which
+        // came from this source's allocator with this source's order.
+        unsafe { self.alloc.free_pages(page, self.order) }
     }
 
     fn alloc_bulk(&self, gfp: Gfp, slots: &mut [Option<Page>]) -> usize {
@@ -198,25 +223,29 @@ impl ElementSource for PageSource {
         }
     }
 
-    fn free_bulk(&self, pages: &mut Vec<Page>) {
+    unsafe fn free_bulk(&self, pages: &mut Vec<Page>) {
         if self.order == 0 {
             if !pages.is_empty() {
-                self.alloc.free_pages_bulk(pages);
+                // SAFETY: the caller owns the pages (the trait's contract).
+                unsafe { self.alloc.free_pages_bulk(pages) };
             }
             pages.clear();
         } else {
             for p in pages.drain(..) {
-                self.alloc.free_pages(p, self.order);
+                // SAFETY: as above.
+                unsafe { self.alloc.free_pages(p, self.order) };
             }
         }
     }
 
-    fn free_slots(&self, slots: &mut [Option<Page>]) {
+    unsafe fn free_slots(&self, slots: &mut [Option<Page>]) {
         if self.order == 0 {
-            self.alloc.free_pages_bulk_array(slots);
+            // SAFETY: the caller owns the pages (the trait's contract).
+            unsafe { self.alloc.free_pages_bulk_array(slots) };
         } else {
             for p in slots.iter_mut().filter_map(Option::take) {
-                self.alloc.free_pages(p, self.order);
+                // SAFETY: as above.
+                unsafe { self.alloc.free_pages(p, self.order) };
             }
         }
     }
@@ -275,7 +304,7 @@ impl<T: Send> ElementSource for BoxSource<T> {
         Some(Box::new((self.make)()))
     }
 
-    fn free(&self, elem: Box<T>) {
+    unsafe fn free(&self, elem: Box<T>) {
         drop(elem);
         let was = self.live.fetch_sub(1, Ordering::Relaxed);
         assert!(
@@ -316,10 +345,12 @@ pub struct MempoolStats {
 /// let alloc = PageAllocator::new(8 << 20).unwrap();
 /// let pool = Mempool::new(PageSource::new(alloc.clone(), 0).unwrap(), 64).unwrap();
 /// let page = pool.alloc(Gfp::NOIO).expect("a blocking allocation never fails");
-/// pool.free(page);
+/// // SAFETY: the page came from this pool and is given up here.
+/// unsafe { pool.free_raw(page) };
 /// let mut slots = [None; 32];
 /// assert_eq!(pool.alloc_bulk(Gfp::NOIO, &mut slots), 32);
-/// pool.free_bulk_slots(&mut slots);
+/// // SAFETY: as above, for every page in `slots`.
+/// unsafe { pool.free_bulk_slots_raw(&mut slots) };
 /// drop(pool);
 /// assert!(alloc.leak_check().is_ok());
 /// ```
@@ -487,13 +518,21 @@ impl<S: ElementSource> Mempool<S> {
     }
 
     /// Free one element: it refills the reserve if that is below `min_nr`
-    /// (waking anyone sleeping for it), else it goes back to the source.
+    /// (waking anyone sleeping for it), else it goes back to the source
+    /// (the kernel's `mempool_free`). Pools of owning elements call the
+    /// safe [`Mempool::free`].
     ///
     /// **Context:** never blocks (takes the reserve lock briefly only when
     /// the reserve is short).
-    pub fn free(&self, elem: S::Elem) {
+    ///
+    /// # Safety
+    /// The caller owns `elem`: it came from this pool (or its source) and
+    /// nothing else uses it as its own afterwards — for a [`Page`], no
+    /// copy of the handle, [`crate::PageBox`] or pointer into it.
+    pub unsafe fn free_raw(&self, elem: S::Elem) {
         if let Some(e) = self.reserve.give(elem) {
-            self.source.free(e);
+            // SAFETY: the caller gave up `elem` (this fn's contract).
+            unsafe { self.source.free(e) };
         }
     }
 
@@ -502,24 +541,33 @@ impl<S: ElementSource> Mempool<S> {
     /// go to the source in one bulk free.
     ///
     /// **Context:** never blocks. **Returns:** how many went to the reserve.
-    pub fn free_bulk(&self, elems: &mut Vec<S::Elem>) -> usize {
+    ///
+    /// # Safety
+    /// As [`Mempool::free_raw`], for every element of `elems`.
+    pub unsafe fn free_bulk_raw(&self, elems: &mut Vec<S::Elem>) -> usize {
         let kept = self.reserve.give_front(elems);
         if !elems.is_empty() {
-            self.source.free_bulk(elems);
+            // SAFETY: the caller gave up the elements (this fn's contract).
+            unsafe { self.source.free_bulk(elems) };
         }
         kept
     }
 
     /// Free the elements held in `slots`, leaving every slot empty: the
-    /// counterpart of [`Mempool::alloc_bulk`], with [`Mempool::free_bulk`]'s
-    /// rule (the first filled slots refill the reserve).
+    /// counterpart of [`Mempool::alloc_bulk`], with
+    /// [`Mempool::free_bulk_raw`]'s rule (the first filled slots refill the
+    /// reserve).
     ///
     /// **Context:** never blocks. **Returns:** how many went to the reserve.
-    pub fn free_bulk_slots(&self, slots: &mut [Option<S::Elem>]) -> usize {
+    ///
+    /// # Safety
+    /// As [`Mempool::free_raw`], for every element held in `slots`.
+    pub unsafe fn free_bulk_slots_raw(&self, slots: &mut [Option<S::Elem>]) -> usize {
         let held = slots.iter().filter(|s| s.is_some()).count();
         let kept = self.reserve.give_front_slots(slots, held);
         if kept < held {
-            self.source.free_slots(slots);
+            // SAFETY: the caller gave up the elements (this fn's contract).
+            unsafe { self.source.free_slots(slots) };
         }
         kept
     }
@@ -545,7 +593,8 @@ impl<S: ElementSource> Mempool<S> {
         }
         if min_nr <= self.reserve.min_nr() {
             let mut excess = self.reserve.shrink_to(min_nr);
-            self.source.free_bulk(&mut excess);
+            // SAFETY: reserve elements belong to the pool alone.
+            unsafe { self.source.free_bulk(&mut excess) };
             return Ok(());
         }
         let need = min_nr.saturating_sub(self.reserve.len());
@@ -553,7 +602,8 @@ impl<S: ElementSource> Mempool<S> {
         self.reserve.grow_to(min_nr, &mut elems);
         if !elems.is_empty() {
             // Frees refilled the reserve meanwhile.
-            self.source.free_bulk(&mut elems);
+            // SAFETY: just allocated from the source and never handed out.
+            unsafe { self.source.free_bulk(&mut elems) };
         }
         Ok(())
     }
@@ -603,6 +653,50 @@ impl<S: ElementSource> Mempool<S> {
     }
 }
 
+/// Sources whose elements own what they hold (a `Box`), so that giving one
+/// to the pool moves its only owner in: their pools free with the safe
+/// [`Mempool::free`], [`Mempool::free_bulk`] and
+/// [`Mempool::free_bulk_slots`]. Sources of handles (pages) do not
+/// implement it; their pools free with the `unsafe` `_raw` forms.
+///
+/// # Safety
+/// Implement only when an element cannot leave a second owner behind when
+/// it is moved into a free: not `Copy` or `Clone` into something that
+/// still owns the resource, and nothing else holds it.
+pub unsafe trait OwnedElements: ElementSource {}
+
+// SAFETY: a `Box<T>` is the only owner of its `T`.
+unsafe impl<T: Send> OwnedElements for BoxSource<T> {}
+
+impl<S: OwnedElements> Mempool<S> {
+    /// Free one element (see [`Mempool::free_raw`]); safe because the
+    /// element owns itself.
+    ///
+    /// **Context:** never blocks.
+    pub fn free(&self, elem: S::Elem) {
+        // SAFETY: moving an owning element in gives it up entirely
+        // (`OwnedElements`' contract).
+        unsafe { self.free_raw(elem) }
+    }
+
+    /// Free a batch, leaving `elems` empty (see [`Mempool::free_bulk_raw`]).
+    ///
+    /// **Context:** never blocks. **Returns:** how many went to the reserve.
+    pub fn free_bulk(&self, elems: &mut Vec<S::Elem>) -> usize {
+        // SAFETY: as in `free`.
+        unsafe { self.free_bulk_raw(elems) }
+    }
+
+    /// Free the elements held in `slots` (see
+    /// [`Mempool::free_bulk_slots_raw`]).
+    ///
+    /// **Context:** never blocks. **Returns:** how many went to the reserve.
+    pub fn free_bulk_slots(&self, slots: &mut [Option<S::Elem>]) -> usize {
+        // SAFETY: as in `free`.
+        unsafe { self.free_bulk_slots_raw(slots) }
+    }
+}
+
 impl PagePool {
     /// A pool of order-`order` pages from `alloc` with `min_nr` in reserve.
     ///
@@ -615,7 +709,8 @@ impl PagePool {
 impl<S: ElementSource> Drop for Mempool<S> {
     fn drop(&mut self) {
         let mut elems = self.reserve.take_all();
-        self.source.free_bulk(&mut elems);
+        // SAFETY: reserve elements belong to the pool alone.
+        unsafe { self.source.free_bulk(&mut elems) };
     }
 }
 
@@ -653,7 +748,8 @@ fn fill<S: ElementSource>(source: &S, nr: usize, what: &'static str) -> Result<V
         }
     }
     if got < nr {
-        source.free_slots(&mut slots);
+        // SAFETY: just allocated from the source and never handed out.
+        unsafe { source.free_slots(&mut slots) };
         return Err(Error::setting(
             what,
             nr,
@@ -673,7 +769,9 @@ struct Undelivered<'a, S: ElementSource> {
 impl<S: ElementSource> Drop for Undelivered<'_, S> {
     fn drop(&mut self) {
         if !self.elems.is_empty() {
-            self.pool.free_bulk(&mut self.elems);
+            // SAFETY: reserve elements taken for a caller that never
+            // received them: the pool still owns them.
+            unsafe { self.pool.free_bulk_raw(&mut self.elems) };
         }
     }
 }

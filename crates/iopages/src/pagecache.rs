@@ -205,7 +205,10 @@ impl Shared {
         for &p in pages {
             self.alloc.movable_owners().clear_owner(p);
         }
-        self.alloc.free_movable_pages(pages);
+        // SAFETY: the pages were taken out of the cache's index (under its
+        // lock) by the caller, so the cache, their only owner, gives them
+        // up here, once.
+        unsafe { self.alloc.free_movable_pages(pages) };
     }
 
     fn shrink(&self, nr: usize) -> usize {
@@ -326,7 +329,9 @@ impl PageCache {
             }
         };
         if let Some(p) = spare {
-            s.alloc.free_movable_pages(&[p]);
+            // SAFETY: `spare` was allocated by this insert and never
+            // entered the index: nothing else owns it.
+            unsafe { s.alloc.free_movable_pages(&[p]) };
         }
         Ok(())
     }
@@ -652,7 +657,8 @@ mod tests {
         assert_ne!(c.page_of(7), Some(p));
         let spare = a.alloc_pages(Gfp::KERNEL, 0).unwrap();
         assert!(!hook.migrate(p, spare), "dead entries do not migrate");
-        a.free_pages(spare, 0);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { a.free_pages(spare, 0) };
         hook.putback(p);
         let mut buf = [0u8; PAGE_SIZE];
         assert!(c.get(7, &mut buf) && buf == *page_of(8));

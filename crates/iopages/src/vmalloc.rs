@@ -734,11 +734,15 @@ impl Inner {
             .fetch_add(start.elapsed().as_nanos() as u64, Relaxed);
         self.c.unmap_calls.fetch_add(1, Relaxed);
         self.uncharge(area.maps);
-        for &(p, order) in &area.blocks {
-            self.alloc.free_pages(p, order);
-        }
-        if !area.singles.is_empty() {
-            self.alloc.free_pages_bulk(&area.singles);
+        // SAFETY: the area owned its frames, and its mapping is gone (the
+        // munmap above succeeded), so nothing reaches them any more.
+        unsafe {
+            for &(p, order) in &area.blocks {
+                self.alloc.free_pages(p, order);
+            }
+            if !area.singles.is_empty() {
+                self.alloc.free_pages_bulk(&area.singles);
+            }
         }
     }
 }
@@ -856,11 +860,16 @@ impl Frames<'_> {
 
 impl Drop for Frames<'_> {
     fn drop(&mut self) {
-        for &(p, order) in &self.blocks {
-            self.alloc.free_pages(p, order);
-        }
-        if !self.singles.is_empty() {
-            self.alloc.free_pages_bulk(&self.singles);
+        // SAFETY: `Frames` owns the frames it allocated until `take` hands
+        // them to an area (which empties it); what is left is unmapped and
+        // reachable from nowhere else.
+        unsafe {
+            for &(p, order) in &self.blocks {
+                self.alloc.free_pages(p, order);
+            }
+            if !self.singles.is_empty() {
+                self.alloc.free_pages_bulk(&self.singles);
+            }
         }
     }
 }

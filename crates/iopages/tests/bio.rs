@@ -120,7 +120,8 @@ proptest! {
         folio_bio.release_by_page(&alloc);
         prop_assert_eq!(pins(&alloc, &fs), vec![0; fs.len()]);
         for f in fs {
-            alloc.folio_put(f).unwrap();
+            // SAFETY: the test allocated these pages and gives them up here, once.
+            unsafe { alloc.folio_put(f) }.unwrap();
         }
         assert_no_leaks(&alloc);
     }
@@ -145,7 +146,8 @@ fn a_folio_range_is_one_step_and_merges_with_what_precedes_it() {
     assert!(bio.add_page(f.page(), 4000, 100).is_err());
     assert!(!bio.is_pinned());
     bio.release(&alloc);
-    alloc.folio_put(f).unwrap();
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.folio_put(f) }.unwrap();
     assert_no_leaks(&alloc);
 }
 
@@ -184,7 +186,8 @@ fn a_full_bio_refuses_the_add_unchanged_and_a_failed_build_leaves_no_pin() {
     })
     .is_err());
     for f in fs {
-        alloc.folio_put(f).unwrap();
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.folio_put(f) }.unwrap();
     }
     assert_no_leaks(&alloc);
 }
@@ -309,7 +312,8 @@ fn a_bio_over_other_memory_or_overlapping_itself_gets_no_slices() {
     {
         assert!(bio.slices(&buf).is_err());
     }
-    alloc.folio_put(stranger).unwrap();
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.folio_put(stranger) }.unwrap();
     drop(buf);
     assert_no_leaks(&alloc);
 }

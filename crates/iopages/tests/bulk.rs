@@ -36,7 +36,8 @@ fn in_use(alloc: &PageAllocator) -> usize {
 }
 
 fn free_all(alloc: &PageAllocator, pages: &[Page]) {
-    alloc.free_pages_bulk(pages);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages_bulk(pages) };
 }
 
 #[test]
@@ -234,14 +235,16 @@ fn callback_may_allocate_and_free_inside_f() {
             // A single allocation and free inside the callback.
             let q = alloc.alloc_pages(Gfp::KERNEL, 0).expect("alloc inside f");
             assert_ne!(q, p);
-            alloc.free_pages(q, 0);
+            // SAFETY: the test allocated these pages and gives them up here, once.
+            unsafe { alloc.free_pages(q, 0) };
             // A higher order, kept.
             order1.push(alloc.alloc_pages(Gfp::NOWAIT, 1).expect("order 1 inside f"));
             // A nested bulk call.
             assert_eq!(alloc.alloc_pages_bulk_list(Gfp::KERNEL, 2, &mut nested), 2);
             // Free every other delivered page right away.
             if p.pfn() % 2 == 0 {
-                alloc.free_pages(p, 0);
+                // SAFETY: the test allocated these pages and gives them up here, once.
+                unsafe { alloc.free_pages(p, 0) };
             } else {
                 kept.push(p);
             }
@@ -270,7 +273,8 @@ fn callback_may_allocate_and_free_inside_f() {
         free_all(&alloc, &kept);
         free_all(&alloc, &nested);
         for p in order1 {
-            alloc.free_pages(p, 1);
+            // SAFETY: the test allocated these pages and gives them up here, once.
+            unsafe { alloc.free_pages(p, 1) };
         }
         assert_no_leaks(&alloc);
     }
@@ -450,12 +454,16 @@ fn free_pages_bulk_returns_pages_from_several_bulk_calls() {
         // Free in an order unrelated to how they were allocated, in pieces
         // of different sizes, including an empty one.
         all.sort_by_key(|p| std::cmp::Reverse(p.pfn()));
-        alloc.free_pages_bulk(&[]);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages_bulk(&[]) };
         let (a, rest) = all.split_at(1);
         let (b, c) = rest.split_at(500);
-        alloc.free_pages_bulk(a);
-        alloc.free_pages_bulk(b);
-        alloc.free_pages_bulk(c);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages_bulk(a) };
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages_bulk(b) };
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages_bulk(c) };
         assert_eq!(in_use(&alloc), 0, "{name}");
         assert_no_leaks(&alloc);
     }
@@ -505,12 +513,15 @@ fn no_page_is_handed_out_twice_across_all_forms() {
             for p in &back {
                 seen.remove(&p.pfn());
             }
-            alloc.free_pages_bulk(&back);
+            // SAFETY: the test allocated these pages and gives them up here, once.
+            unsafe { alloc.free_pages_bulk(&back) };
         }
         assert_eq!(in_use(&alloc), seen.len(), "{name}");
-        alloc.free_pages_bulk(&pages);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages_bulk(&pages) };
         for (p, o) in singles {
-            alloc.free_pages(p, o);
+            // SAFETY: the test allocated these pages and gives them up here, once.
+            unsafe { alloc.free_pages(p, o) };
         }
         assert_no_leaks(&alloc);
     }
@@ -550,7 +561,8 @@ fn bulk_pages_are_usable_memory() {
                 );
             }
         }
-        alloc.free_pages_bulk(&pages);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages_bulk(&pages) };
         assert_no_leaks(&alloc);
     }
 }
@@ -564,7 +576,8 @@ fn bulk_with_zero_returns_zeroed_pages() {
             // SAFETY: allocated to this test.
             unsafe { std::ptr::write_bytes(alloc.page_address(p), 0xa5, PAGE_SIZE) };
         }
-        alloc.free_pages_bulk(&dirty);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages_bulk(&dirty) };
         let mut zeroed = Vec::new();
         let mut slots = vec![None; 100];
         alloc.alloc_pages_bulk_array(Gfp::KERNEL | Gfp::ZERO, &mut slots);
@@ -586,7 +599,8 @@ fn bulk_with_zero_returns_zeroed_pages() {
                 p.pfn()
             );
         }
-        alloc.free_pages_bulk(&zeroed);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages_bulk(&zeroed) };
         assert_no_leaks(&alloc);
     }
 }
@@ -597,7 +611,12 @@ fn free_pages_bulk_array_frees_every_page_and_empties_every_slot() {
         // A full array, as the array form fills it.
         let mut full = [None; 70];
         assert_eq!(alloc.alloc_pages_bulk_array(Gfp::KERNEL, &mut full), 70);
-        assert_eq!(alloc.free_pages_bulk_array(&mut full), 70, "{name}");
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        assert_eq!(
+            unsafe { alloc.free_pages_bulk_array(&mut full) },
+            70,
+            "{name}"
+        );
         assert!(
             full.iter().all(Option::is_none),
             "{name}: slots must be emptied"
@@ -608,18 +627,34 @@ fn free_pages_bulk_array_frees_every_page_and_empties_every_slot() {
         assert_eq!(alloc.alloc_pages_bulk_array(Gfp::KERNEL, &mut holes), 50);
         for i in (0..50).step_by(3) {
             let p = holes[i].take().unwrap();
-            alloc.free_pages(p, 0);
+            // SAFETY: the test allocated these pages and gives them up here, once.
+            unsafe { alloc.free_pages(p, 0) };
         }
         let left = holes.iter().filter(|s| s.is_some()).count();
         assert_eq!(in_use(&alloc), left, "{name}");
-        assert_eq!(alloc.free_pages_bulk_array(&mut holes), left, "{name}");
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        assert_eq!(
+            unsafe { alloc.free_pages_bulk_array(&mut holes) },
+            left,
+            "{name}"
+        );
         assert!(holes.iter().all(Option::is_none));
         // Nothing to free.
-        assert_eq!(alloc.free_pages_bulk_array(&mut holes), 0, "{name}");
-        assert_eq!(alloc.free_pages_bulk_array(&mut []), 0, "{name}");
+        assert_eq!(
+            unsafe { alloc.free_pages_bulk_array(&mut holes) },
+            0,
+            "{name}"
+        );
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        assert_eq!(unsafe { alloc.free_pages_bulk_array(&mut []) }, 0, "{name}");
         // One page.
         let mut one = [alloc.alloc_pages(Gfp::KERNEL, 0)];
-        assert_eq!(alloc.free_pages_bulk_array(&mut one), 1, "{name}");
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        assert_eq!(
+            unsafe { alloc.free_pages_bulk_array(&mut one) },
+            1,
+            "{name}"
+        );
         assert_eq!(one, [None]);
         assert_no_leaks(&alloc);
     }
@@ -632,9 +667,13 @@ fn free_pages_bulk_array_of_already_freed_pages_panics_when_checks_are_on() {
     let mut slots = [None; 10];
     alloc.alloc_pages_bulk_array(Gfp::KERNEL, &mut slots);
     let copy = slots;
-    alloc.free_pages_bulk_array(&mut slots);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages_bulk_array(&mut slots) };
     let mut again = copy;
-    alloc.free_pages_bulk_array(&mut again);
+    // SAFETY: deliberately broken, in a test of the checks: the frame
+    // is not handed out again before the bad free, which the checks must
+    // catch and panic on.
+    unsafe { alloc.free_pages_bulk_array(&mut again) };
 }
 
 #[test]
@@ -643,13 +682,15 @@ fn a_split_block_frees_page_by_page_and_merges_back() {
         let alloc = builder(8).checks(checks).build().unwrap();
         for comp in [Gfp::empty(), Gfp::COMP] {
             let head = alloc.alloc_pages(Gfp::KERNEL | comp, 4).unwrap();
-            alloc.split_page(head, 4);
+            // SAFETY: the test owns the block and from here owns its pages one by one.
+            unsafe { alloc.split_page(head, 4) };
             // Free in an order that forces merging from the middle out.
             let mut pfns: Vec<u32> = (head.pfn()..head.pfn() + 16).collect();
             pfns.reverse();
             pfns.swap(3, 11);
             for pfn in pfns {
-                alloc.free_pages(Page::from_pfn(pfn), 0);
+                // SAFETY: the test allocated these pages and gives them up here, once.
+                unsafe { alloc.free_pages(Page::from_pfn(pfn), 0) };
             }
         }
         assert_no_leaks(&alloc);
@@ -661,5 +702,8 @@ fn a_split_block_frees_page_by_page_and_merges_back() {
 fn splitting_a_misaligned_block_panics_with_the_frame_named() {
     let alloc = small(8);
     let p = alloc.alloc_pages(Gfp::KERNEL, 3).unwrap();
-    alloc.split_page(Page::from_pfn(p.pfn() + 1), 3);
+    // SAFETY: deliberately broken, in a test of the checks: the frame
+    // is not handed out again before the bad free, which the checks must
+    // catch and panic on.
+    unsafe { alloc.split_page(Page::from_pfn(p.pfn() + 1), 3) };
 }

@@ -122,7 +122,8 @@ fn high_order_allocations_succeed_through_compaction_orders_4_to_9() {
             s.compact_ns / 1000
         );
         verify(&cache, &sums);
-        alloc.free_pages(page, order);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages(page, order) };
         drop(cache);
         assert_no_leaks(&alloc);
     }
@@ -200,7 +201,8 @@ fn pinned_frames_never_move() {
             let pfn = p.pfn();
             assert!(!(b.pfn()..b.pfn() + (1 << order)).contains(&pfn));
         }
-        alloc.free_pages(b, order);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages(b, order) };
     }
     assert!(alloc.stats().compact_migrated > 0);
     for (&k, &p) in &pinned {
@@ -276,7 +278,8 @@ fn unmovable_pages_in_every_pageblock_make_compaction_fail_cleanly() {
     assert_eq!(alloc.compact(8), CompactResult::Success);
     verify(&cache, &sums);
     for p in unmovable {
-        alloc.free_pages(p, 0);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages(p, 0) };
     }
     drop(cache);
     assert_no_leaks(&alloc);
@@ -290,12 +293,14 @@ fn nothing_movable_means_compaction_is_skipped() {
         held.push(p);
     }
     for p in held.iter().filter(|p| p.pfn() % 2 == 0) {
-        alloc.free_pages(*p, 0);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages(*p, 0) };
     }
     assert_eq!(alloc.compact(4), CompactResult::Skipped);
     assert_eq!(alloc.stats().compact_skipped, 1);
     for p in held.iter().filter(|p| p.pfn() % 2 == 1) {
-        alloc.free_pages(*p, 0);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages(*p, 0) };
     }
     assert_no_leaks(&alloc);
 }
@@ -362,9 +367,11 @@ fn allocations_under_pressure_reclaim_cache_pages() {
         assert!(cache.get(key, &mut buf));
         assert!(buf == *contents(key, 0), "key {key}");
     }
-    alloc.free_pages(order6, 6);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages(order6, 6) };
     for p in held {
-        alloc.free_pages(p, 0);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages(p, 0) };
     }
     drop(cache);
     assert_no_leaks(&alloc);
@@ -414,9 +421,11 @@ fn movable_and_unmovable_allocations_land_in_their_own_pageblocks() {
     assert_eq!(u + m, 8);
     assert!(u >= 2 && m >= 3, "({u}, {m})");
     for (p, o) in unmovable {
-        alloc.free_pages(p, o);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages(p, o) };
     }
-    alloc.free_pages_bulk_array(&mut slots);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages_bulk_array(&mut slots) };
     drop(cache);
     assert_no_leaks(&alloc);
 }
@@ -567,7 +576,8 @@ fn concurrent_cache_traffic_during_compaction_keeps_every_page_intact() {
             }
         }
         for (b, order) in blocks {
-            alloc.free_pages(b, order);
+            // SAFETY: the test allocated these pages and gives them up here, once.
+            unsafe { alloc.free_pages(b, order) };
         }
         alloc.drain_all();
         let first = filler;

@@ -75,7 +75,8 @@ fn order_above_max_returns_none_without_panicking() {
     assert_eq!(alloc.stats().failures, failures + 20);
     // MAX_ORDER itself works.
     let p = alloc.alloc_pages(Gfp::KERNEL, MAX_ORDER).unwrap();
-    alloc.free_pages(p, MAX_ORDER);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages(p, MAX_ORDER) };
     assert_no_leaks(&alloc);
 }
 
@@ -315,7 +316,8 @@ fn zero_returns_zeroed_memory() {
                 dirty(&alloc, p, order);
             }
             for &p in dirtied.iter().rev() {
-                alloc.free_pages(p, order);
+                // SAFETY: the test allocated these pages and gives them up here, once.
+                unsafe { alloc.free_pages(p, order) };
             }
             let zeroed: Vec<Page> = (0..16)
                 .map(|_| alloc.alloc_pages(Gfp::KERNEL | Gfp::ZERO, order).unwrap())
@@ -332,7 +334,8 @@ fn zero_returns_zeroed_memory() {
                 );
             }
             for p in zeroed {
-                alloc.free_pages(p, order);
+                // SAFETY: the test allocated these pages and gives them up here, once.
+                unsafe { alloc.free_pages(p, order) };
             }
         }
         assert_no_leaks(&alloc);
@@ -362,7 +365,8 @@ fn comp_marks_head_and_tails_and_free_clears_them() {
             assert_eq!(t.flags & flags::HEAD, 0);
             assert_eq!(t.owner, p.pfn(), "a tail points at its head");
         }
-        alloc.free_pages(p, order);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages(p, order) };
         for pfn in p.pfn()..p.pfn() + (1 << order) {
             let f = alloc.frame_info(Page::from_pfn(pfn)).unwrap();
             assert_eq!(
@@ -385,8 +389,10 @@ fn comp_marks_head_and_tails_and_free_clears_them() {
             0
         );
     }
-    alloc.free_pages(a, 0);
-    alloc.free_pages(b, 3);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages(a, 0) };
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages(b, 3) };
     assert_no_leaks(&alloc);
 }
 
@@ -395,7 +401,10 @@ fn comp_marks_head_and_tails_and_free_clears_them() {
 fn compound_page_freed_with_the_wrong_order_panics() {
     let alloc = builder(4).build().unwrap();
     let p = alloc.alloc_pages(Gfp::KERNEL | Gfp::COMP, 3).unwrap();
-    alloc.free_pages(p, 2);
+    // SAFETY: deliberately broken, in a test of the checks: the frame
+    // is not handed out again before the bad free, which the checks must
+    // catch and panic on.
+    unsafe { alloc.free_pages(p, 2) };
 }
 
 #[test]
@@ -403,7 +412,8 @@ fn checks_mark_allocated_frames() {
     let alloc = builder(4).checks(true).build().unwrap();
     let p = alloc.alloc_pages(Gfp::KERNEL, 0).unwrap();
     assert_ne!(alloc.frame_info(p).unwrap().flags & flags::ALLOCATED, 0);
-    alloc.free_pages(p, 0);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages(p, 0) };
     assert_eq!(alloc.frame_info(p).unwrap().flags & flags::ALLOCATED, 0);
     assert_no_leaks(&alloc);
 }
@@ -435,7 +445,8 @@ fn nowait_stops_at_min_and_memalloc_allocates_below_it() {
         "the arena is empty"
     );
     held.extend(reserve);
-    alloc.free_pages_bulk(&held);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages_bulk(&held) };
     assert_no_leaks(&alloc);
 }
 
@@ -458,7 +469,8 @@ fn atomic_goes_below_min_down_to_half_of_min() {
     assert_eq!(rest.len(), MIN / 2);
     held.extend(atomic);
     held.extend(rest);
-    alloc.free_pages_bulk(&held);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages_bulk(&held) };
     assert_no_leaks(&alloc);
 }
 
@@ -502,7 +514,8 @@ impl Shrinker for HoldingShrinker {
         let n = nr_to_scan.min(pages.len());
         for _ in 0..n {
             let p = pages.pop().unwrap();
-            self.alloc.free_pages(p, 0);
+            // SAFETY: the test allocated these pages and gives them up here, once.
+            unsafe { self.alloc.free_pages(p, 0) };
         }
         n
     }
@@ -570,7 +583,8 @@ fn kernel_allocation_in_an_exhausted_arena_succeeds_through_a_shrinker() {
     held.push(p);
     assert!(alloc.shrinkers().unregister(id));
     held.extend(s.take_all());
-    alloc.free_pages_bulk(&held);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages_bulk(&held) };
     assert_no_leaks(&alloc);
 }
 
@@ -591,7 +605,8 @@ fn kernel_allocation_uses_pages_a_shrinker_frees_on_the_allocating_thread() {
     held.extend(got);
     alloc.shrinkers().unregister(id);
     held.extend(s.take_all());
-    alloc.free_pages_bulk(&held);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages_bulk(&held) };
     assert_no_leaks(&alloc);
 }
 
@@ -615,7 +630,8 @@ fn higher_order_allocation_uses_the_callers_cached_pages() {
     }
     assert_eq!(back.len(), 32);
     for &p in &back {
-        alloc.free_pages(p, 0);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages(p, 0) };
     }
     let cached = alloc.accounting().thread_cache_pages;
     let got = alloc.alloc_pages(Gfp::KERNEL, 1);
@@ -625,9 +641,11 @@ fn higher_order_allocation_uses_the_callers_cached_pages() {
         alloc.accounting()
     );
     if let Some(p) = got {
-        alloc.free_pages(p, 1);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages(p, 1) };
     }
-    alloc.free_pages_bulk(&held);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages_bulk(&held) };
     assert_no_leaks(&alloc);
 }
 
@@ -651,7 +669,8 @@ fn noretry_fails_after_one_reclaim_round() {
     assert_eq!(alloc.alloc_pages(Gfp::KERNEL | Gfp::RETRY_MAYFAIL, 4), None);
     assert_eq!(s.scans.load(Relaxed), 2 + 2 * MAX_RECLAIM_RETRIES as usize);
     assert!(alloc.shrinkers().unregister(id));
-    alloc.free_pages_bulk(&held);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages_bulk(&held) };
     assert_no_leaks(&alloc);
 }
 
@@ -689,7 +708,8 @@ fn noio_scope_keeps_a_needs_io_shrinker_from_being_called() {
     held.push(q);
     alloc.shrinkers().unregister(id);
     held.extend(io.take_all());
-    alloc.free_pages_bulk(&held);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages_bulk(&held) };
     assert_no_leaks(&alloc);
 }
 
@@ -723,7 +743,8 @@ fn noio_and_nofs_scopes_keep_a_needs_fs_shrinker_from_being_called_but_not_other
     alloc.shrinkers().unregister(plain_id);
     held.extend(fs.take_all());
     held.extend(plain.take_all());
-    alloc.free_pages_bulk(&held);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages_bulk(&held) };
     assert_no_leaks(&alloc);
 }
 
@@ -760,7 +781,8 @@ fn page_box_frees_on_drop_and_as_mut_slice_writes() {
     );
     let raw = alloc.alloc_box(Gfp::KERNEL, 1).unwrap().into_raw();
     assert_eq!(alloc.accounting().in_use_pages, 2, "into_raw must not free");
-    alloc.free_pages(raw, 1);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages(raw, 1) };
     assert_no_leaks(&alloc);
 }
 
@@ -769,8 +791,12 @@ fn page_box_frees_on_drop_and_as_mut_slice_writes() {
 fn double_free_panics_when_checks_are_on() {
     let alloc = builder(4).checks(true).build().unwrap();
     let p = alloc.alloc_pages(Gfp::KERNEL, 0).unwrap();
-    alloc.free_pages(p, 0);
-    alloc.free_pages(p, 0);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages(p, 0) };
+    // SAFETY: deliberately broken, in a test of the checks: the frame
+    // is not handed out again before the bad free, which the checks must
+    // catch and panic on.
+    unsafe { alloc.free_pages(p, 0) };
 }
 
 #[test]
@@ -782,8 +808,12 @@ fn double_free_of_a_higher_order_block_panics_when_checks_are_on() {
         .build()
         .unwrap();
     let p = alloc.alloc_pages(Gfp::KERNEL, 4).unwrap();
-    alloc.free_pages(p, 4);
-    alloc.free_pages(p, 4);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages(p, 4) };
+    // SAFETY: deliberately broken, in a test of the checks: the frame
+    // is not handed out again before the bad free, which the checks must
+    // catch and panic on.
+    unsafe { alloc.free_pages(p, 4) };
 }
 
 #[test]
@@ -792,15 +822,22 @@ fn double_free_through_free_pages_bulk_panics_when_checks_are_on() {
     let alloc = builder(4).checks(true).build().unwrap();
     let mut pages = Vec::new();
     alloc.alloc_pages_bulk_list(Gfp::KERNEL, 8, &mut pages);
-    alloc.free_pages_bulk(&pages);
-    alloc.free_pages_bulk(&pages[3..4]);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages_bulk(&pages) };
+    // SAFETY: deliberately broken, in a test of the checks: the frame
+    // is not handed out again before the bad free, which the checks must
+    // catch and panic on.
+    unsafe { alloc.free_pages_bulk(&pages[3..4]) };
 }
 
 #[test]
 #[should_panic(expected = "not allocated")]
 fn freeing_a_page_never_allocated_panics_when_checks_are_on() {
     let alloc = builder(4).checks(true).build().unwrap();
-    alloc.free_pages(Page::from_pfn(100), 0);
+    // SAFETY: deliberately broken, in a test of the checks: the frame
+    // is not handed out again before the bad free, which the checks must
+    // catch and panic on.
+    unsafe { alloc.free_pages(Page::from_pfn(100), 0) };
 }
 
 #[test]
@@ -829,7 +866,8 @@ fn nofail_waits_for_another_thread_to_free_and_then_succeeds() {
                 std::thread::yield_now();
             }
             for p in held {
-                alloc.free_pages(p, 0);
+                // SAFETY: the test allocated these pages and gives them up here, once.
+                unsafe { alloc.free_pages(p, 0) };
             }
         })
     };
@@ -841,7 +879,8 @@ fn nofail_waits_for_another_thread_to_free_and_then_succeeds() {
         alloc.stats().nofail_waits > 0,
         "NOFAIL must have slept while nothing was free"
     );
-    alloc.free_pages(page, 0);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages(page, 0) };
     assert_no_leaks(&alloc);
 }
 

@@ -20,7 +20,8 @@ fn warm_thread_cache(alloc: &PageAllocator) {
         .map(|_| alloc.alloc_pages(Gfp::KERNEL, 0).unwrap())
         .collect();
     for p in pages {
-        alloc.free_pages(p, 0);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages(p, 0) };
     }
     assert!(alloc.accounting().thread_cache_pages > 0);
 }
@@ -42,7 +43,7 @@ fn single_alloc_fails_while_enabled_and_succeeds_after_disable() {
     assert_eq!(alloc.alloc_pages(Gfp::KERNEL, MAX_ORDER), None);
     assert!(alloc.alloc_box(Gfp::KERNEL, 1).is_none());
     // Frees still work while injection is on.
-    alloc.free_pages(held, 2);
+    unsafe { alloc.free_pages(held, 2) };
     assert_eq!(alloc.accounting().in_use_pages, 0);
     alloc.fault().disable();
     assert!(!alloc.fault().is_enabled());
@@ -52,8 +53,10 @@ fn single_alloc_fails_while_enabled_and_succeeds_after_disable() {
     let q = alloc
         .alloc_pages(Gfp::NOWAIT, 3)
         .expect("succeeds after disable");
-    alloc.free_pages(p, 0);
-    alloc.free_pages(q, 3);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages(p, 0) };
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages(q, 3) };
     assert_no_leaks(&alloc);
 }
 
@@ -115,7 +118,8 @@ fn nofail_is_never_failed() {
     // Others still fail.
     assert_eq!(alloc.alloc_pages(Gfp::KERNEL, 0), None);
     for (p, o) in held {
-        alloc.free_pages(p, o);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages(p, o) };
     }
     alloc.fault().disable();
     assert_no_leaks(&alloc);
@@ -165,7 +169,8 @@ fn interval_and_times_are_observed_through_alloc_pages() {
     }
     assert_eq!(alloc.fault().injected(), 7);
     alloc.fault().disable();
-    alloc.free_pages_bulk(&held);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages_bulk(&held) };
     assert_no_leaks(&alloc);
 }
 
@@ -194,9 +199,11 @@ fn min_order_spares_smaller_orders() {
     assert_eq!(alloc.fault().injected(), u64::from(MAX_ORDER - 2));
     alloc.fault().disable();
     for (p, o) in held {
-        alloc.free_pages(p, o);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages(p, o) };
     }
-    alloc.free_pages_bulk(&list);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages_bulk(&list) };
     assert_no_leaks(&alloc);
 }
 
@@ -213,8 +220,10 @@ fn fail_nowait_false_spares_allocations_that_cannot_block() {
     assert_eq!(alloc.alloc_pages(Gfp::NOIO, 0), None);
     assert_eq!(alloc.alloc_pages(Gfp::NOFS, 1), None);
     alloc.fault().disable();
-    alloc.free_pages(a, 0);
-    alloc.free_pages(b, 2);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages(a, 0) };
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages(b, 2) };
     assert_no_leaks(&alloc);
 }
 
@@ -230,8 +239,10 @@ fn fail_blocking_false_spares_allocations_that_may_block() {
     assert_eq!(alloc.alloc_pages(Gfp::NOWAIT, 0), None);
     assert_eq!(alloc.alloc_pages(Gfp::ATOMIC, 0), None);
     alloc.fault().disable();
-    alloc.free_pages(a, 0);
-    alloc.free_pages(b, 1);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages(a, 0) };
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages(b, 1) };
     assert_no_leaks(&alloc);
 }
 
@@ -294,7 +305,7 @@ fn bulk_under_half_probability_returns_partial_fills_and_never_leaks() {
     let distinct: std::collections::HashSet<Page> = held.iter().copied().collect();
     assert_eq!(distinct.len(), held.len());
     // Free while still enabled: frees are never injected.
-    alloc.free_pages_bulk(&held);
+    unsafe { alloc.free_pages_bulk(&held) };
     alloc.fault().disable();
     assert_no_leaks(&alloc);
 }
@@ -328,7 +339,8 @@ fn stats_count_injected_failures() {
     );
     alloc.fault().disable();
     for (p, o) in held {
-        alloc.free_pages(p, o);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages(p, o) };
     }
     assert_no_leaks(&alloc);
 }
@@ -353,7 +365,8 @@ fn same_seed_gives_the_same_failures() {
             })
             .collect();
         alloc.fault().disable();
-        alloc.free_pages_bulk(&held);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages_bulk(&held) };
         assert_no_leaks(&alloc);
         out
     };

@@ -34,7 +34,8 @@ impl Shrinker for Cache {
         let at = pages.len() - n;
         let freed: Vec<Page> = pages.drain(at..).collect();
         drop(pages);
-        self.alloc.free_pages_bulk(&freed);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { self.alloc.free_pages_bulk(&freed) };
         n
     }
 }
@@ -98,7 +99,8 @@ fn below_low_it_reclaims_to_high_then_sleeps_and_can_be_stopped() {
     let settled = alloc.kswapd_stats();
     for _ in 0..64 {
         let p = alloc.alloc_pages(Gfp::NOWAIT, 0).expect("above high");
-        alloc.free_pages(p, 0);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages(p, 0) };
     }
     assert!(
         alloc.kswapd_idle(),
@@ -126,7 +128,8 @@ fn below_low_it_reclaims_to_high_then_sleeps_and_can_be_stopped() {
     });
     alloc.shrinkers().unregister(id);
     let rest = std::mem::take(&mut *cache.pages.lock().unwrap());
-    alloc.free_pages_bulk(&rest);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages_bulk(&rest) };
     common::assert_no_leaks(&alloc);
 }
 
@@ -139,7 +142,8 @@ fn an_allocator_with_a_running_kswapd_drops_cleanly() {
             held.push(p);
         }
         assert!(alloc.kswapd_running());
-        alloc.free_pages_bulk(&held);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages_bulk(&held) };
         drop(alloc);
     }
 }

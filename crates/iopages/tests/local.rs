@@ -49,7 +49,8 @@ fn a_handle_counts_its_cached_pages_and_gives_them_back_on_drop() {
     seen.dedup();
     assert_eq!(seen.len(), 48, "a bulk allocation handed a page out twice");
     assert_eq!(alloc.accounting().in_use_pages, 48);
-    local.free_bulk(&mut batch);
+    // SAFETY: the pages came from this allocator and are given up here, once.
+    unsafe { local.free_bulk(&mut batch) };
     assert!(batch.is_empty(), "free_bulk empties the vector");
     let a = alloc.accounting();
     assert_eq!(a.in_use_pages, 0, "cached pages are free: {a}");
@@ -60,9 +61,12 @@ fn a_handle_counts_its_cached_pages_and_gives_them_back_on_drop() {
     let big = local.alloc_pages(Gfp::KERNEL, 6).unwrap();
     assert_eq!(order2.pfn() % 4, 0);
     assert_eq!(alloc.accounting().in_use_pages, 1 + 4 + 64);
-    local.free_pages(single, 0);
-    local.free_pages(order2, 2);
-    local.free_pages(big, 6);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { local.free_pages(single, 0) };
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { local.free_pages(order2, 2) };
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { local.free_pages(big, 6) };
     drop(local);
     assert_eq!(alloc.accounting().thread_cache_pages, 0);
     assert_no_leaks(&alloc);
@@ -75,7 +79,8 @@ fn a_batch_comes_back_most_recently_freed_first() {
     let mut v = Vec::new();
     assert_eq!(local.alloc_bulk(Gfp::KERNEL, 16, &mut v), 16);
     let freed = v.clone();
-    local.free_bulk(&mut v);
+    // SAFETY: the pages came from this allocator and are given up here, once.
+    unsafe { local.free_bulk(&mut v) };
     assert_eq!(local.alloc_bulk(Gfp::KERNEL, 16, &mut v), 16);
     let mut reversed = freed.clone();
     reversed.reverse();
@@ -83,9 +88,11 @@ fn a_batch_comes_back_most_recently_freed_first() {
         v, reversed,
         "the last page freed must be the first handed out"
     );
-    local.free_bulk(&mut v);
+    // SAFETY: the pages came from this allocator and are given up here, once.
+    unsafe { local.free_bulk(&mut v) };
     assert_eq!(local.alloc_pages(Gfp::KERNEL, 0), Some(freed[0]));
-    local.free_pages(freed[0], 0);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { local.free_pages(freed[0], 0) };
     drop(local);
     assert_no_leaks(&alloc);
 }
@@ -95,8 +102,12 @@ fn a_handle_double_free_is_caught_with_checks_on() {
     let alloc = builder(4).checks(true).build().unwrap();
     let mut local = alloc.local();
     let p = local.alloc_pages(Gfp::KERNEL, 0).unwrap();
-    local.free_pages(p, 0);
-    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| local.free_pages(p, 0)));
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { local.free_pages(p, 0) };
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe {
+        local.free_pages(p, 0)
+    }));
     assert!(r.is_err(), "a double free through a handle must panic");
 }
 
@@ -115,7 +126,8 @@ fn batches_larger_than_the_cache_and_the_arena_are_served_then_cut_short() {
             for (i, &p) in v.iter().enumerate() {
                 check_tag(&alloc, p, i as u64);
             }
-            local.free_bulk(&mut v);
+            // SAFETY: the pages came from this allocator and are given up here, once.
+            unsafe { local.free_bulk(&mut v) };
         }
         // More than the arena holds: a short count, every page distinct,
         // nothing lost when they are freed.
@@ -125,7 +137,8 @@ fn batches_larger_than_the_cache_and_the_arena_are_served_then_cut_short() {
         s.sort_by_key(|p| p.pfn());
         s.dedup();
         assert_eq!(s.len(), got);
-        local.free_bulk(&mut v);
+        // SAFETY: the pages came from this allocator and are given up here, once.
+        unsafe { local.free_bulk(&mut v) };
         drop(local);
         assert_no_leaks(&alloc);
     }
@@ -138,7 +151,8 @@ fn fault_injection_reaches_the_handle_and_partial_fills_leak_nothing() {
     // Warm the cache so that the fast path would serve everything.
     let mut v = Vec::new();
     local.alloc_bulk(Gfp::KERNEL, 64, &mut v);
-    local.free_bulk(&mut v);
+    // SAFETY: the pages came from this allocator and are given up here, once.
+    unsafe { local.free_bulk(&mut v) };
     alloc.fault().enable(FaultConfig {
         probability_ppm: 300_000,
         ..FaultConfig::default()
@@ -147,9 +161,11 @@ fn fault_injection_reaches_the_handle_and_partial_fills_leak_nothing() {
     for _ in 0..200 {
         let got = local.alloc_bulk(Gfp::KERNEL | Gfp::NOWARN, 16, &mut v);
         short += (got < 16) as u32;
-        local.free_bulk(&mut v);
+        // SAFETY: the pages came from this allocator and are given up here, once.
+        unsafe { local.free_bulk(&mut v) };
         match local.alloc_pages(Gfp::KERNEL | Gfp::NOWARN, 0) {
-            Some(p) => local.free_pages(p, 0),
+            // SAFETY: the test allocated these pages and gives them up here, once.
+            Some(p) => unsafe { local.free_pages(p, 0) },
             None => none += 1,
         }
     }
@@ -171,7 +187,8 @@ fn zeroed_and_movable_requests_take_the_careful_path() {
     for &p in &v {
         write_tag(&alloc, p, 0xdead);
     }
-    local.free_bulk(&mut v);
+    // SAFETY: the pages came from this allocator and are given up here, once.
+    unsafe { local.free_bulk(&mut v) };
     // The dirty pages are cached; ZERO must still hand out zeroes.
     assert_eq!(local.alloc_bulk(Gfp::KERNEL | Gfp::ZERO, 8, &mut v), 8);
     for &p in &v {
@@ -179,11 +196,13 @@ fn zeroed_and_movable_requests_take_the_careful_path() {
         let bytes = unsafe { std::slice::from_raw_parts(alloc.page_address(p), PAGE_SIZE) };
         assert!(bytes.iter().all(|&b| b == 0), "Gfp::ZERO page not zeroed");
     }
-    local.free_bulk(&mut v);
+    // SAFETY: the pages came from this allocator and are given up here, once.
+    unsafe { local.free_bulk(&mut v) };
     let p = local.alloc_pages(Gfp::ZERO, 0).unwrap();
     // SAFETY: as above.
     assert_eq!(unsafe { *alloc.page_address(p) }, 0);
-    local.free_pages(p, 0);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { local.free_pages(p, 0) };
     drop(local);
     assert_no_leaks(&alloc);
 }
@@ -199,9 +218,11 @@ fn handles_work_with_thread_caches_off() {
     let mut v = Vec::new();
     assert_eq!(local.alloc_bulk(Gfp::KERNEL, 100, &mut v), 100);
     assert_eq!(local.cached_pages(), 0);
-    local.free_bulk(&mut v);
+    // SAFETY: the pages came from this allocator and are given up here, once.
+    unsafe { local.free_bulk(&mut v) };
     let p = local.alloc_pages(Gfp::KERNEL, 1).unwrap();
-    local.free_pages(p, 1);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { local.free_pages(p, 1) };
     drop(local);
     assert_no_leaks(&alloc);
 }
@@ -213,7 +234,8 @@ fn a_handle_moves_to_another_thread() {
     let mut v = Vec::new();
     local.alloc_bulk(Gfp::KERNEL, 32, &mut v);
     let h = thread::spawn(move || {
-        local.free_bulk(&mut v);
+        // SAFETY: the pages came from this allocator and are given up here, once.
+        unsafe { local.free_bulk(&mut v) };
         local
     });
     let mut local = h.join().unwrap();
@@ -252,7 +274,8 @@ fn pages_cross_threads_through_the_depot_as_whole_magazines() {
                 for &p in &v {
                     check_tag(&a, p, (i as u64) << 32 | u64::from(p.pfn()));
                 }
-                local.free_bulk(&mut v);
+                // SAFETY: the pages came from this allocator and are given up here, once.
+                unsafe { local.free_bulk(&mut v) };
             }
         })
     };
@@ -297,12 +320,15 @@ fn ring_stress(alloc: PageAllocator) {
                         let mut pages: Vec<Page> = batch.iter().map(|&(p, _)| p).collect();
                         if i % 3 == 0 {
                             for p in pages {
-                                local.free_pages(p, 0);
+                                // SAFETY: the test allocated these pages and gives them up here, once.
+                                unsafe { local.free_pages(p, 0) };
                             }
                         } else if use_handle {
-                            local.free_bulk(&mut pages);
+                            // SAFETY: the pages came from this allocator and are given up here, once.
+                            unsafe { local.free_bulk(&mut pages) };
                         } else {
-                            a.free_pages_bulk(&pages);
+                            // SAFETY: the test allocated these pages and gives them up here, once.
+                            unsafe { a.free_pages_bulk(&pages) };
                         }
                     };
                 start.wait();

@@ -138,7 +138,8 @@ fn blocking_callers_always_get_their_pages_with_the_arena_exhausted() {
                         tag(&alloc, p, stamp);
                         thread::yield_now();
                         check(&alloc, p, stamp);
-                        pool.free(p);
+                        // SAFETY: the elements came from this pool and are given up here, once.
+                        unsafe { pool.free_raw(p) };
                     }
                     1 => {
                         let mut slots = vec![None; k];
@@ -154,7 +155,8 @@ fn blocking_callers_always_get_their_pages_with_the_arena_exhausted() {
                         for (j, p) in slots.iter().enumerate() {
                             check(&alloc, p.unwrap(), stamp + (j as u64) * 7);
                         }
-                        pool.free_bulk_slots(&mut slots);
+                        // SAFETY: the elements came from this pool and are given up here, once.
+                        unsafe { pool.free_bulk_slots_raw(&mut slots) };
                         assert!(slots.iter().all(Option::is_none));
                     }
                     2 => {
@@ -167,7 +169,8 @@ fn blocking_callers_always_get_their_pages_with_the_arena_exhausted() {
                         for (j, &p) in pages.iter().enumerate() {
                             check(&alloc, p, stamp ^ j as u64);
                         }
-                        pool.free_bulk(&mut pages);
+                        // SAFETY: the elements came from this pool and are given up here, once.
+                        unsafe { pool.free_bulk_raw(&mut pages) };
                         assert!(pages.is_empty());
                     }
                     _ => {
@@ -175,7 +178,8 @@ fn blocking_callers_always_get_their_pages_with_the_arena_exhausted() {
                         let p = pool.alloc(Gfp::KERNEL).expect("blocking alloc failed");
                         tag(&alloc, p, !stamp);
                         check(&alloc, p, !stamp);
-                        pool.free(p);
+                        // SAFETY: the elements came from this pool and are given up here, once.
+                        unsafe { pool.free_raw(p) };
                     }
                 }
             }
@@ -188,7 +192,8 @@ fn blocking_callers_always_get_their_pages_with_the_arena_exhausted() {
         "the source was dry: the reserve must have served"
     );
     drop(pool);
-    alloc.free_pages_bulk(&hog);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages_bulk(&hog) };
     assert_no_leaks(&alloc);
 }
 
@@ -356,7 +361,7 @@ impl ElementSource for ScriptSource {
         }
         Some(self.live.fetch_add(1, SeqCst))
     }
-    fn free(&self, _: u32) {
+    unsafe fn free(&self, _: u32) {
         self.live.fetch_sub(1, SeqCst);
     }
 }
@@ -399,7 +404,8 @@ fn alloc_tries_masked_source_then_reserve_then_full_source_then_sleeps() {
     };
     wait_until("the caller to sleep", || pool.stats().waits >= 1);
     assert_eq!(pool.source().take_log()[..2], [masked, full]);
-    pool.free(e);
+    // SAFETY: the elements came from this pool and are given up here, once.
+    unsafe { pool.free_raw(e) };
     wait_until("the sleeper to wake with the element", || {
         waiter.is_finished()
     });
@@ -476,10 +482,12 @@ fn nonblocking_page_allocations_fail_cleanly_with_the_arena_and_reserve_exhauste
     assert_eq!(pool.alloc(Gfp::ATOMIC), None);
     let mut slots = [None; 4];
     assert_eq!(pool.alloc_bulk(Gfp::NOWAIT, &mut slots), 0);
-    pool.free_bulk(&mut held);
+    // SAFETY: the elements came from this pool and are given up here, once.
+    unsafe { pool.free_bulk_raw(&mut held) };
     assert_eq!(pool.reserve_len(), 8);
     drop(pool);
-    alloc.free_pages_bulk(&hog);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages_bulk(&hog) };
     assert_no_leaks(&alloc);
 }
 
@@ -500,7 +508,8 @@ fn alloc_bulk_fills_only_empty_slots_and_counts_prefilled_ones() {
         4,
         "a full array is left alone"
     );
-    pool.free_bulk_slots(&mut slots);
+    // SAFETY: the elements came from this pool and are given up here, once.
+    unsafe { pool.free_bulk_slots_raw(&mut slots) };
     drop(pool);
     assert_no_leaks(&alloc);
 }
@@ -630,25 +639,32 @@ fn fault_injected_source_still_gives_whole_results_and_leaks_nothing() {
             check(&alloc, p, round << 8 | i as u64);
         }
         match round % 3 {
-            0 => singles.drain(..).for_each(|p| pool.free(p)),
+            // SAFETY: the pages came from this pool and are given up here, once.
+            0 => singles.drain(..).for_each(|p| unsafe { pool.free_raw(p) }),
             1 => {
-                pool.free_bulk(&mut singles);
+                // SAFETY: the elements came from this pool and are given up here, once.
+                unsafe { pool.free_bulk_raw(&mut singles) };
             }
             _ => {
                 let mut s: Vec<Option<Page>> = singles.drain(..).map(Some).collect();
-                pool.free_bulk_slots(&mut s);
+                // SAFETY: the elements came from this pool and are given up here, once.
+                unsafe { pool.free_bulk_slots_raw(&mut s) };
             }
         }
-        pool.free_bulk_slots(&mut slots);
-        pool.free_bulk(&mut cb);
+        // SAFETY: the elements came from this pool and are given up here, once.
+        unsafe { pool.free_bulk_slots_raw(&mut slots) };
+        // SAFETY: the elements came from this pool and are given up here, once.
+        unsafe { pool.free_bulk_raw(&mut cb) };
 
         let mut nb = [None; 16];
         let n = pool.alloc_bulk(Gfp::NOWAIT, &mut nb);
         assert_eq!(n, nb.iter().flatten().count(), "count must match the slots");
         assert!(nb[..n].iter().all(Option::is_some), "a prefix is filled");
-        pool.free_bulk_slots(&mut nb);
+        // SAFETY: the elements came from this pool and are given up here, once.
+        unsafe { pool.free_bulk_slots_raw(&mut nb) };
         if let Some(p) = pool.alloc(Gfp::ATOMIC) {
-            pool.free(p);
+            // SAFETY: the elements came from this pool and are given up here, once.
+            unsafe { pool.free_raw(p) };
         }
     }
     assert!(alloc.fault().injected() > 100);
@@ -716,7 +732,8 @@ fn resize_grows_and_shrinks_the_reserve_and_drop_returns_everything() {
     pages.resize(20).unwrap();
     let p = pages.alloc(Gfp::KERNEL).unwrap();
     assert_eq!(p.pfn() % 4, 0, "order-2 blocks");
-    pages.free(p);
+    // SAFETY: the elements came from this pool and are given up here, once.
+    unsafe { pages.free_raw(p) };
     alloc.fault().enable(FaultConfig::default());
     assert!(pages.resize(40).is_err());
     alloc.fault().disable();

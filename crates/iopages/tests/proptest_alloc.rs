@@ -119,7 +119,8 @@ fn run(builder: PageAllocatorBuilder, ops: Vec<Op>) -> Result<(), TestCaseError>
             Op::Free { which } => {
                 if !m.held.is_empty() {
                     let (p, order) = m.release(which.index(m.held.len()));
-                    alloc.free_pages(p, order);
+                    // SAFETY: the test allocated these pages and gives them up here, once.
+                    unsafe { alloc.free_pages(p, order) };
                 }
             }
             Op::BulkArray { len, prefill, seed } => {
@@ -172,7 +173,8 @@ fn run(builder: PageAllocatorBuilder, ops: Vec<Op>) -> Result<(), TestCaseError>
                         i += 1;
                     }
                 }
-                alloc.free_pages_bulk(&pages);
+                // SAFETY: the test allocated these pages and gives them up here, once.
+                unsafe { alloc.free_pages_bulk(&pages) };
             }
             Op::DrainAll => alloc.drain_all(),
             Op::FlushThreadCache => alloc.flush_thread_cache(),
@@ -195,7 +197,8 @@ fn run(builder: PageAllocatorBuilder, ops: Vec<Op>) -> Result<(), TestCaseError>
     }
     while let Some(&(p, order)) = m.held.last() {
         m.release(m.held.len() - 1);
-        alloc.free_pages(p, order);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages(p, order) };
     }
     let a = alloc
         .leak_check()

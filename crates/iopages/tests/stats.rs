@@ -35,7 +35,8 @@ fn assert_consistent(s: &Stats) {
 }
 
 fn assert_no_leaks_after(alloc: &PageAllocator, held: &[Page]) {
-    alloc.free_pages_bulk(held);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages_bulk(held) };
     assert_no_leaks(alloc);
 }
 
@@ -97,7 +98,8 @@ fn thread_cache_allocs_and_frees_are_counted() {
     assert!(s.thread_cache_max_pages > 0);
     assert_eq!(s.in_use_pages, 10);
     for p in pages {
-        alloc.free_pages(p, 0);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages(p, 0) };
     }
     let s = alloc.stats();
     assert_eq!(s.free_thread_cache, 10, "{s}");
@@ -117,7 +119,8 @@ fn without_thread_caches_single_allocations_are_served_by_per_cpu_lists() {
         .map(|_| alloc.alloc_pages(Gfp::KERNEL, 0).unwrap())
         .collect();
     for p in pages {
-        alloc.free_pages(p, 0);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages(p, 0) };
     }
     let s = alloc.stats();
     assert_eq!((s.alloc_thread_cache, s.free_thread_cache), (0, 0), "{s}");
@@ -132,7 +135,8 @@ fn higher_orders_bypass_the_per_cpu_lists_and_count_as_zone_traffic() {
     let alloc = builder(8).build().unwrap();
     let p = alloc.alloc_pages(Gfp::KERNEL, 5).unwrap();
     assert_eq!(alloc.stats().alloc_zone, 1);
-    alloc.free_pages(p, 5);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages(p, 5) };
     assert_eq!(alloc.stats().free_zone, 1);
     assert_no_leaks(&alloc);
 }
@@ -150,7 +154,8 @@ fn pcp_refills_and_drains_happen_under_churn() {
                 .map(|_| alloc.alloc_pages(Gfp::KERNEL, round % 2).unwrap())
                 .collect();
             for p in pages {
-                alloc.free_pages(p, round % 2);
+                // SAFETY: the test allocated these pages and gives them up here, once.
+                unsafe { alloc.free_pages(p, round % 2) };
             }
         }
         let s = alloc.stats();
@@ -208,10 +213,13 @@ fn bulk_free_calls_counts_calls() {
         assert_eq!(alloc.alloc_pages_bulk_array(Gfp::KERNEL, &mut slots), 100);
         let pages: Vec<Page> = slots.iter().flatten().copied().collect();
         let before = alloc.stats().bulk_free_calls;
-        alloc.free_pages_bulk(&pages[..10]);
-        alloc.free_pages_bulk(&pages[10..80]);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages_bulk(&pages[..10]) };
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages_bulk(&pages[10..80]) };
         let mut rest: Vec<Option<Page>> = pages[80..].iter().copied().map(Some).collect();
-        assert_eq!(alloc.free_pages_bulk_array(&mut rest), 20);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        assert_eq!(unsafe { alloc.free_pages_bulk_array(&mut rest) }, 20);
         assert_eq!(alloc.stats().bulk_free_calls, before + 3, "tcache {tcache}");
         assert_no_leaks(&alloc);
     }
@@ -225,7 +233,8 @@ fn bulk_free_calls_does_not_move_when_nothing_is_freed() {
         alloc.alloc_pages_bulk_list(Gfp::KERNEL, 40, &mut pages);
         alloc.alloc_pages_bulk_cb(Gfp::KERNEL, 150, |p| pages.push(p));
         let s = alloc.stats();
-        alloc.free_pages_bulk(&pages);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages_bulk(&pages) };
         assert_no_leaks(&alloc);
         assert_eq!(
             s.bulk_free_calls, 0,
@@ -259,7 +268,8 @@ fn bulk_alloc_calls_counts_every_call_once_whatever_path_serves_it() {
         "below low, the list form falls back to one page"
     );
     let s = alloc.stats();
-    alloc.free_pages_bulk(&pages);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages_bulk(&pages) };
     assert_no_leaks(&alloc);
     assert_eq!(s.bulk_alloc_calls, 3, "three bulk calls were made:\n{s}");
 }
@@ -291,7 +301,8 @@ fn slow_path_and_failures_are_counted() {
     );
     assert_eq!(alloc.alloc_pages(Gfp::KERNEL, 6), None);
     assert!(alloc.stats().compact_calls > 0, "order 6 tries compaction");
-    alloc.free_pages_bulk(&held);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages_bulk(&held) };
     assert_no_leaks(&alloc);
 }
 
@@ -335,7 +346,8 @@ fn display_has_one_name_value_line_per_counter_and_order() {
         s.free_blocks_by_order[10] as u64
     );
     assert_eq!(value("alloc_zone"), s.alloc_zone);
-    alloc.free_pages(p, 3);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages(p, 3) };
     assert_no_leaks(&alloc);
 }
 
@@ -363,7 +375,8 @@ fn accounting_adds_up_at_every_step() {
             _ => {
                 if !held.is_empty() {
                     let (p, o) = held.swap_remove((x >> 8) as usize % held.len());
-                    alloc.free_pages(p, o);
+                    // SAFETY: the test allocated these pages and gives them up here, once.
+                    unsafe { alloc.free_pages(p, o) };
                 }
             }
         }
@@ -378,7 +391,8 @@ fn accounting_adds_up_at_every_step() {
         }
     }
     for (p, o) in held {
-        alloc.free_pages(p, o);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages(p, o) };
     }
     assert_no_leaks(&alloc);
 }
@@ -396,11 +410,13 @@ fn other_threads_caches_are_counted_and_their_counters_survive_exit() {
                 .map(|_| a.alloc_pages(Gfp::KERNEL, 0).unwrap())
                 .collect();
             for p in pages {
-                a.free_pages(p, 0);
+                // SAFETY: the test allocated these pages and gives them up here, once.
+                unsafe { a.free_pages(p, 0) };
             }
             let mut bulk = [None; 8];
             assert_eq!(a.alloc_pages_bulk_array(Gfp::KERNEL, &mut bulk), 8);
-            a.free_pages_bulk_array(&mut bulk);
+            // SAFETY: the test allocated these pages and gives them up here, once.
+            unsafe { a.free_pages_bulk_array(&mut bulk) };
             ready.wait();
             go.wait();
         })
@@ -452,7 +468,8 @@ fn drained_batches_park_in_the_depot_and_come_back_without_the_buddy() {
         .map(|_| alloc.alloc_pages(Gfp::KERNEL, 0).unwrap())
         .collect();
     for &p in &pages {
-        alloc.free_pages(p, 0);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages(p, 0) };
     }
     let a = alloc.accounting();
     assert!(
@@ -467,7 +484,8 @@ fn drained_batches_park_in_the_depot_and_come_back_without_the_buddy() {
         .map(|_| alloc.alloc_pages(Gfp::KERNEL, 0).unwrap())
         .collect();
     assert_eq!(alloc.accounting().buddy_free_pages, buddy_before);
-    alloc.free_pages_bulk(&again);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages_bulk(&again) };
     let done = alloc.leak_check().expect("nothing in use");
     assert_eq!(
         done.depot_pages, 0,
@@ -483,7 +501,8 @@ fn drained_batches_park_in_the_depot_and_come_back_without_the_buddy() {
     let pages: Vec<_> = (0..40)
         .map(|_| off.alloc_pages(Gfp::KERNEL, 0).unwrap())
         .collect();
-    off.free_pages_bulk(&pages);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { off.free_pages_bulk(&pages) };
     assert_eq!(
         off.accounting().depot_pages,
         0,

@@ -100,7 +100,8 @@ fn worker(
     let receive = |msg: Msg, t: &mut Tally| match msg {
         Msg::One(b) => {
             check(&alloc, &b);
-            alloc.free_pages(b.page, b.order);
+            // SAFETY: the test allocated these pages and gives them up here, once.
+            unsafe { alloc.free_pages(b.page, b.order) };
             t.received += 1;
         }
         Msg::Bulk(blocks) => {
@@ -108,7 +109,8 @@ fn worker(
                 check(&alloc, b);
             }
             let pages: Vec<Page> = blocks.iter().map(|b| b.page).collect();
-            alloc.free_pages_bulk(&pages);
+            // SAFETY: the test allocated these pages and gives them up here, once.
+            unsafe { alloc.free_pages_bulk(&pages) };
             t.received += 1;
         }
     };
@@ -144,7 +146,8 @@ fn worker(
                 if !held.is_empty() {
                     let b = held.swap_remove(rng.below(held.len() as u64) as usize);
                     check(&alloc, &b);
-                    alloc.free_pages(b.page, b.order);
+                    // SAFETY: the test allocated these pages and gives them up here, once.
+                    unsafe { alloc.free_pages(b.page, b.order) };
                 }
             }
             6 => {
@@ -204,7 +207,8 @@ fn worker(
         while held.len() > MAX_HELD {
             let b = held.swap_remove(0);
             check(&alloc, &b);
-            alloc.free_pages(b.page, b.order);
+            // SAFETY: the test allocated these pages and gives them up here, once.
+            unsafe { alloc.free_pages(b.page, b.order) };
         }
         // Blocks must still carry their tags while other threads churn.
         if let Some(b) = held.get(rng.below(held.len().max(1) as u64) as usize) {
@@ -213,7 +217,8 @@ fn worker(
     }
     for b in held.drain(..) {
         check(&alloc, &b);
-        alloc.free_pages(b.page, b.order);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages(b.page, b.order) };
     }
     drop(tx);
     // The ring ends when the previous thread has dropped its sender.
@@ -344,7 +349,8 @@ fn pages_bulk_allocated_on_one_thread_are_bulk_freed_on_another() {
                     assert_eq!(v, u64::from(p.pfn()) | 1 << 40);
                 }
                 n += pages.len();
-                a.free_pages_bulk(&pages);
+                // SAFETY: the test allocated these pages and gives them up here, once.
+                unsafe { a.free_pages_bulk(&pages) };
             }
             n
         })
@@ -376,7 +382,8 @@ fn a_live_threads_cached_pages_are_not_in_use_and_come_back_at_exit() {
                 .map(|_| a.alloc_pages(Gfp::KERNEL, 0).unwrap())
                 .collect();
             for p in pages {
-                a.free_pages(p, 0);
+                // SAFETY: the test allocated these pages and gives them up here, once.
+                unsafe { a.free_pages(p, 0) };
             }
             ready.wait();
             go.wait();

@@ -54,13 +54,15 @@ fn fragment(alloc: &PageAllocator, free: impl Fn(u32) -> bool) -> Vec<Page> {
         "every frame taken"
     );
     let (freed, held): (Vec<Page>, Vec<Page>) = all.into_iter().partition(|p| free(p.pfn()));
-    alloc.free_pages_bulk(&freed);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages_bulk(&freed) };
     alloc.drain_all();
     held
 }
 
 fn release(alloc: &PageAllocator, held: Vec<Page>) {
-    alloc.free_pages_bulk(&held);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages_bulk(&held) };
 }
 
 fn pattern(i: usize, seed: u8) -> u8 {

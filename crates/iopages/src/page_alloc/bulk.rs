@@ -139,7 +139,17 @@ impl PageAllocator {
     /// rest goes to this CPU's list in one hold.
     ///
     /// **Context:** never blocks.
-    pub fn free_pages_bulk(&self, pages: &[Page]) {
+    ///
+    /// # Safety
+    /// The caller owns every page of `pages` (each once): it came from this allocator with this order,
+    /// and nothing else — no [`PageBox`](crate::PageBox), folio buffer,
+    /// bio, pool, copy of the handle or pointer into its bytes — is used
+    /// as owning it afterwards. Freeing a frame that something else still
+    /// owns lets the allocator hand it out again, so two owners would reach
+    /// the same bytes. (With checks on, a block that is not allocated is
+    /// caught and panics; a block that is allocated to someone else cannot
+    /// be told apart.)
+    pub unsafe fn free_pages_bulk(&self, pages: &[Page]) {
         if self.core.checks {
             for &p in pages {
                 self.core.free_prep(p, 0);
@@ -152,13 +162,24 @@ impl PageAllocator {
     /// empty: the counterpart of [`PageAllocator::alloc_pages_bulk_array`].
     ///
     /// **Context:** never blocks. **Returns:** how many pages were freed.
+    ///
+    /// # Safety
+    /// The caller owns every page held in `slots` (each once): it came from this allocator with this order,
+    /// and nothing else — no [`PageBox`](crate::PageBox), folio buffer,
+    /// bio, pool, copy of the handle or pointer into its bytes — is used
+    /// as owning it afterwards. Freeing a frame that something else still
+    /// owns lets the allocator hand it out again, so two owners would reach
+    /// the same bytes. (With checks on, a block that is not allocated is
+    /// caught and panics; a block that is allocated to someone else cannot
+    /// be told apart.)
     #[inline]
-    pub fn free_pages_bulk_array(&self, slots: &mut [Option<Page>]) -> usize {
+    pub unsafe fn free_pages_bulk_array(&self, slots: &mut [Option<Page>]) -> usize {
         let nr = slots.len();
         if let [Some(page)] = *slots {
             slots[0] = None;
             self.count_bulk(true);
-            self.free_pages(page, 0);
+            // SAFETY: the caller owns the page (this function's contract).
+            unsafe { self.free_pages(page, 0) };
             return 1;
         }
         if nr > 1 && !self.core.checks {
@@ -192,7 +213,10 @@ impl PageAllocator {
             if count_call {
                 self.count_bulk(true);
             }
-            self.free_pages(page, 0);
+            // SAFETY: the slots' pages are the caller's to free (the
+            // contract of `free_pages_bulk_array`, or pages this call
+            // allocated and never delivered).
+            unsafe { self.free_pages(page, 0) };
             return 1;
         }
         let n = slots.iter().filter(|s| s.is_some()).count();

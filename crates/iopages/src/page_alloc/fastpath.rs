@@ -36,12 +36,24 @@ impl PageAllocator {
         self.core.alloc_cached(gfp, order, || self.tcache())
     }
 
-    /// Free a block from [`PageAllocator::alloc_pages`] with the same order.
+    /// Free a block from [`PageAllocator::alloc_pages`] with the same order:
+    /// the kernel's `free_pages`, a raw-handle call. Safe code holds blocks
+    /// in a [`PageBox`](crate::PageBox) (freed on drop) instead.
     ///
     /// **Context:** never blocks. With checks on, freeing a block that is
     /// not allocated (a double free) panics with the frame named.
+    ///
+    /// # Safety
+    /// The caller owns the block `page`: it came from this allocator with this order,
+    /// and nothing else — no [`PageBox`](crate::PageBox), folio buffer,
+    /// bio, pool, copy of the handle or pointer into its bytes — is used
+    /// as owning it afterwards. Freeing a frame that something else still
+    /// owns lets the allocator hand it out again, so two owners would reach
+    /// the same bytes. (With checks on, a block that is not allocated is
+    /// caught and panics; a block that is allocated to someone else cannot
+    /// be told apart.)
     #[inline]
-    pub fn free_pages(&self, page: Page, order: u32) {
+    pub unsafe fn free_pages(&self, page: Page, order: u32) {
         self.core.free_cached(page, order, || self.tcache())
     }
 

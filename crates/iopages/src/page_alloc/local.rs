@@ -40,9 +40,11 @@ use std::sync::Arc;
 /// let mut local = alloc.local();
 /// let mut batch = Vec::with_capacity(64);
 /// assert_eq!(local.alloc_bulk(Gfp::KERNEL, 64, &mut batch), 64);
-/// local.free_bulk(&mut batch); // empties `batch`
+/// // SAFETY: the pages were just allocated and nothing else holds them.
+/// unsafe { local.free_bulk(&mut batch) }; // empties `batch`
 /// let page = local.alloc_pages(Gfp::KERNEL, 0).unwrap();
-/// local.free_pages(page, 0);
+/// // SAFETY: as above.
+/// unsafe { local.free_pages(page, 0) };
 /// drop(local);
 /// assert!(alloc.leak_check().is_ok());
 /// ```
@@ -185,8 +187,12 @@ impl LocalAllocator {
     /// handle, or the allocator).
     ///
     /// **Context:** never blocks. With checks on, a double free panics.
+    ///
+    /// # Safety
+    /// As [`PageAllocator::free_pages`]: the caller owns the block, and
+    /// nothing else uses it as its own afterwards.
     #[inline(always)]
-    pub fn free_pages(&mut self, page: Page, order: u32) {
+    pub unsafe fn free_pages(&mut self, page: Page, order: u32) {
         if order == 0 && !self.checks && self.len < self.cap {
             // SAFETY: the slot is inside the buffer; the handle is the
             // cache's only user.
@@ -286,8 +292,12 @@ impl LocalAllocator {
     /// [`LocalAllocator::alloc_bulk`]).
     ///
     /// **Context:** never blocks. With checks on, a double free panics.
+    ///
+    /// # Safety
+    /// As [`PageAllocator::free_pages_bulk`]: the caller owns every page
+    /// of `pages` (each once), and nothing else uses them afterwards.
     #[inline(always)]
-    pub fn free_bulk(&mut self, pages: &mut Vec<Page>) {
+    pub unsafe fn free_bulk(&mut self, pages: &mut Vec<Page>) {
         let n = pages.len();
         if !self.checks && n <= self.cap - self.len {
             // SAFETY: the pages fit above `len`; the buffers are different

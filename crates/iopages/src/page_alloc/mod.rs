@@ -168,10 +168,15 @@ impl PageAllocator {
     /// `free_pages(page, 0)` (the kernel's `split_page`; a compound block
     /// is dismantled first, as `split_folio` would).
     ///
-    /// **Context:** never blocks; the caller owns the block. Panics if
-    /// `page` is not the start of an order-`order` block of this arena, or
-    /// (with checks on) if it is not allocated.
-    pub fn split_page(&self, page: Page, order: u32) {
+    /// **Context:** never blocks. Panics if `page` is not the start of an
+    /// order-`order` block of this arena, or (with checks on) if it is not
+    /// allocated.
+    ///
+    /// # Safety
+    /// The caller owns the block, and afterwards owns its pages one by one:
+    /// nothing that owned the block as a whole (a
+    /// [`PageBox`](crate::PageBox), a folio) may free it with `order` again.
+    pub unsafe fn split_page(&self, page: Page, order: u32) {
         if order == 0 {
             return;
         }
@@ -280,7 +285,17 @@ impl PageAllocator {
     /// **Context:** never blocks; takes the zone lock once. With checks on,
     /// a page that is not allocated panics as in
     /// [`PageAllocator::free_pages`].
-    pub fn free_movable_pages(&self, pages: &[Page]) {
+    ///
+    /// # Safety
+    /// The caller owns every page of `pages` (each once): it came from this allocator with this order,
+    /// and nothing else — no [`PageBox`](crate::PageBox), folio buffer,
+    /// bio, pool, copy of the handle or pointer into its bytes — is used
+    /// as owning it afterwards. Freeing a frame that something else still
+    /// owns lets the allocator hand it out again, so two owners would reach
+    /// the same bytes. (With checks on, a block that is not allocated is
+    /// caught and panics; a block that is allocated to someone else cannot
+    /// be told apart.)
+    pub unsafe fn free_movable_pages(&self, pages: &[Page]) {
         self.core.free_to_zone(pages);
     }
 

@@ -580,7 +580,8 @@ mod tests {
         let mut kept = Vec::new();
         for p in all {
             if p.pfn() % 2 == 0 {
-                a.free_movable_pages(&[p]);
+                // SAFETY: the test allocated these pages and gives them up here, once.
+                unsafe { a.free_movable_pages(&[p]) };
             } else {
                 // SAFETY: the page is ours.
                 unsafe { a.page_address(p).cast::<u64>().write(p.pfn() as u64) };
@@ -602,7 +603,8 @@ mod tests {
         for &p in &pages {
             a.movable_owners().clear_owner(p);
         }
-        a.free_movable_pages(&pages);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { a.free_movable_pages(&pages) };
     }
 
     #[test]
@@ -674,7 +676,8 @@ mod tests {
             .map_while(|_| a.alloc_pages(Gfp::NOWAIT | Gfp::MEMALLOC, 0))
             .collect();
         assert_eq!(a.compact(4), CompactResult::Skipped);
-        a.free_pages_bulk(&p);
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { a.free_pages_bulk(&p) };
         assert_eq!(a.stats().compact_skipped, 4);
         assert!(a.movable_owners().unregister(id));
         assert!(a.leak_check().is_ok());
