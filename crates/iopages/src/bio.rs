@@ -271,6 +271,42 @@ impl Bio {
         Ok(bio)
     }
 
+    /// The pages a bio of `len` bytes at `offset` of `pages` covers must be
+    /// frames of `alloc`'s arena (a page outside it is refused: pinning it
+    /// would touch no frame of this arena) and, with checks on, none may
+    /// head a free block in the zone (a use after free; it panics, naming
+    /// the frame). A freed page still in a per-CPU list or thread cache
+    /// carries no mark a check could read, so the precondition stays the
+    /// caller's (see `from_pages`).
+    fn check_pages(
+        alloc: &PageAllocator,
+        pages: &[Page],
+        offset: usize,
+        len: usize,
+    ) -> Result<(), BioError> {
+        let (first, end) = (offset / PAGE_SIZE, (offset + len).div_ceil(PAGE_SIZE));
+        let checks = alloc.checks_enabled();
+        for (i, &p) in pages[first..end].iter().enumerate() {
+            let Some(info) = alloc.frame_info(p) else {
+                return Err(BioError::OutOfRange {
+                    what: "page frame number",
+                    offset: p.pfn() as usize,
+                    len: 1,
+                    limit: alloc.arena().nr_pages(),
+                });
+            };
+            if checks {
+                assert!(
+                    info.flags & crate::flags::BUDDY == 0,
+                    "bio: page {} of the range (pfn {}) is free",
+                    first + i,
+                    p.pfn()
+                );
+            }
+        }
+        Ok(())
+    }
+
     fn check_range(pages: &[Page], offset: usize, len: usize) -> Result<(), BioError> {
         let limit = pages.len() * PAGE_SIZE;
         if !offset.checked_add(len).is_some_and(|end| end <= limit) {
@@ -290,9 +326,15 @@ impl Bio {
     /// (one pin per page covered); the array's other pages of that folio
     /// are skipped, not visited.
     ///
+    /// The pages must be allocated pages of `alloc`'s arena that stay
+    /// allocated while the bio holds its pins: a page outside the arena is
+    /// refused, and with checks on ([`crate::PageAllocatorBuilder::checks`])
+    /// a page heading a free block of the zone panics.
+    ///
     /// **Returns:** [`BioError::OutOfRange`] if the range leaves the
-    /// array, [`BioError::Full`] if it needs more segments than `limits`
-    /// allow — in both cases with no pin left behind.
+    /// array or a page of it is not a frame of the arena,
+    /// [`BioError::Full`] if it needs more segments than `limits` allow —
+    /// in every case with no pin left behind.
     pub fn from_pages(
         alloc: &PageAllocator,
         pages: &[Page],
@@ -300,6 +342,8 @@ impl Bio {
         len: usize,
         limits: BioLimits,
     ) -> Result<Bio, BioError> {
+        Self::check_range(pages, offset, len)?;
+        Self::check_pages(alloc, pages, offset, len)?;
         let mut bio = Self::pinned_for(pages, offset, len, limits)?;
         let checks = alloc.checks_enabled();
         let (mut i, mut off, mut left) = (offset / PAGE_SIZE, offset % PAGE_SIZE, len);
@@ -359,6 +403,8 @@ impl Bio {
         len: usize,
         limits: BioLimits,
     ) -> Result<Bio, BioError> {
+        Self::check_range(pages, offset, len)?;
+        Self::check_pages(alloc, pages, offset, len)?;
         let mut bio = Self::pinned_for(pages, offset, len, limits)?;
         let (mut i, mut off, mut left) = (offset / PAGE_SIZE, offset % PAGE_SIZE, len);
         while left > 0 {

@@ -193,6 +193,30 @@ fn a_full_bio_refuses_the_add_unchanged_and_a_failed_build_leaves_no_pin() {
 }
 
 #[test]
+fn a_bio_over_a_page_outside_the_arena_is_refused_with_no_pin_taken() {
+    let alloc = builder(8).checks(true).build().unwrap();
+    let (fs, mut pages) = folios(&alloc, &[0, 0, 0]);
+    let limits = BioLimits::default();
+    // A frame number past the arena: refused, no pin taken anywhere.
+    let outside = Page::from_pfn(alloc.arena().nr_pages() as u32 + 5);
+    pages.push(outside);
+    for build in [Bio::from_pages, Bio::from_pages_by_page] {
+        let e = build(&alloc, &pages, 0, 4 * PAGE_SIZE, limits).unwrap_err();
+        assert!(matches!(e, BioError::OutOfRange { .. }), "{e}");
+        assert!(pins(&alloc, &fs).iter().all(|&p| p == 0));
+        // The pages before it are fine on their own.
+        build(&alloc, &pages, 0, 3 * PAGE_SIZE, limits)
+            .unwrap()
+            .release(&alloc);
+    }
+    for &f in &fs {
+        // SAFETY: allocated above, freed once here.
+        unsafe { alloc.folio_put(f) }.unwrap();
+    }
+    assert_no_leaks(&alloc);
+}
+
+#[test]
 fn a_folio_pinned_by_a_bio_cannot_be_freed_until_the_bio_is_released() {
     let alloc = builder(8).build().unwrap();
     let buf = alloc.alloc_buffer(Gfp::KERNEL, 256 << 10, 4).unwrap();
