@@ -190,41 +190,51 @@ impl Head {
         read_at: Option<u64>,
         data_len: usize,
     ) -> Head {
-        let mut h = Head {
-            bytes: [0; HEAD_BYTES],
-            len: SIMPLE_REPLY_BYTES,
-            message: &[],
-        };
         if !structured || (error == 0 && read_at.is_none()) {
+            let mut h = Head {
+                bytes: [0; HEAD_BYTES],
+                len: SIMPLE_REPLY_BYTES,
+                message: &[],
+            };
             h.bytes[..SIMPLE_REPLY_BYTES].copy_from_slice(&simple_reply(error, cookie));
             return h;
         }
         if error != 0 {
             let msg = error_message(error).as_bytes();
-            let len = (6 + msg.len()) as u32;
-            h.bytes[..20].copy_from_slice(&structured_reply(
-                REPLY_FLAG_DONE,
-                REPLY_TYPE_ERROR,
-                cookie,
-                len,
-            ));
-            h.bytes[20..24].copy_from_slice(&error.to_be_bytes());
-            h.bytes[24..26].copy_from_slice(&(msg.len() as u16).to_be_bytes());
-            h.len = 26;
-            h.message = msg;
-            return h;
+            let mut fixed = [0u8; 6];
+            fixed[..4].copy_from_slice(&error.to_be_bytes());
+            fixed[4..].copy_from_slice(&(msg.len() as u16).to_be_bytes());
+            return Head::chunk(REPLY_TYPE_ERROR, cookie, &fixed, msg, 0);
         }
-        let offset = read_at.expect("a read");
-        // A read is at most the export's maximum block size (32 MiB).
-        let len = u32::try_from(8 + data_len).expect("a read's data fits a chunk");
-        h.bytes[..20].copy_from_slice(&structured_reply(
+        let offset = read_at.expect("a read").to_be_bytes();
+        Head::chunk(REPLY_TYPE_OFFSET_DATA, cookie, &offset, &[], data_len)
+    }
+
+    /// A final chunk of type `kind`: its header, its `fixed` fields, then
+    /// `message`; `data_len` more payload bytes follow the head.
+    fn chunk(
+        kind: u16,
+        cookie: u64,
+        fixed: &[u8],
+        message: &'static [u8],
+        data_len: usize,
+    ) -> Head {
+        // Payloads are at most a read (the export's 32 MiB maximum block
+        // size) or a short message.
+        let payload = u32::try_from(fixed.len() + message.len() + data_len)
+            .expect("a chunk's payload fits its length field");
+        let mut h = Head {
+            bytes: [0; HEAD_BYTES],
+            len: STRUCTURED_REPLY_BYTES + fixed.len(),
+            message,
+        };
+        h.bytes[..STRUCTURED_REPLY_BYTES].copy_from_slice(&structured_reply(
             REPLY_FLAG_DONE,
-            REPLY_TYPE_OFFSET_DATA,
+            kind,
             cookie,
-            len,
+            payload,
         ));
-        h.bytes[20..28].copy_from_slice(&offset.to_be_bytes());
-        h.len = 28;
+        h.bytes[STRUCTURED_REPLY_BYTES..h.len].copy_from_slice(fixed);
         h
     }
 
@@ -237,19 +247,13 @@ impl Head {
 struct Reply {
     head: Head,
     data: Vec<Buf>,
+    /// Bytes on the wire: the head and the data.
+    len: usize,
     /// The request's bytes in the in-flight bounds, released once sent.
     held_bytes: u64,
     /// When it was queued: the client must have taken it by
     /// `queued + reply_timeout`.
     queued: Instant,
-}
-
-impl Reply {
-    fn len(&self) -> usize {
-        self.head.len
-            + self.head.message.len()
-            + self.data.iter().map(|d| d.as_ref().len()).sum::<usize>()
-    }
 }
 
 /// Replies waiting to be sent, in order.
@@ -302,9 +306,11 @@ impl Conn {
         data: Vec<Buf>,
         held_bytes: u64,
     ) {
-        let data_len = data.iter().map(|d| d.as_ref().len()).sum();
+        let data_len: usize = data.iter().map(|d| d.as_ref().len()).sum();
+        let head = Head::new(self.structured, error, cookie, read_at, data_len);
         let r = Reply {
-            head: Head::new(self.structured, error, cookie, read_at, data_len),
+            len: head.len + head.message.len() + data_len,
+            head,
             data,
             held_bytes,
             queued: Instant::now(),
@@ -414,7 +420,7 @@ impl Conn {
             };
             let mut left = *sent + n;
             while let Some(front) = batch.front() {
-                let len = front.len();
+                let len = front.len;
                 if left < len {
                     break;
                 }
