@@ -44,13 +44,15 @@ impl Core {
                 }
                 put(run)
             };
-            return self.take_unchecked(order, nr, wm, &mut checked);
+            return self.take_inner::<true>(order, nr, wm, &mut checked);
         }
-        self.take_unchecked(order, nr, wm, put)
+        self.take_inner::<false>(order, nr, wm, put)
     }
 
+    /// [`Core::take`] past the per-block checks; `CHECK` (the `checks`
+    /// setting, already tested by the caller) asks for the list walk after.
     #[inline]
-    fn take_unchecked(
+    fn take_inner<const CHECK: bool>(
         &self,
         order: u32,
         nr: usize,
@@ -59,7 +61,7 @@ impl Core {
     ) -> usize {
         if let Some(mut g) = self.this_cpu() {
             let got = g.take(order, nr, wm, &mut put);
-            if self.checks {
+            if CHECK {
                 g.check();
             }
             return got;
@@ -99,14 +101,17 @@ impl Core {
                 self.arena
                     .check_block(p, order, "given to the per-CPU list");
             }
-            self.give_unchecked(order, pages.len(), pages.into_iter(), single);
+            self.give_inner::<true>(order, pages.len(), pages.into_iter(), single);
         } else {
-            self.give_unchecked(order, n, pages, single);
+            self.give_inner::<false>(order, n, pages, single);
         }
     }
 
+    /// [`Core::give_counted`] past the per-block checks; `CHECK` (the
+    /// `checks` setting, already tested by the caller) asks for the list
+    /// walk after.
     #[inline]
-    fn give_unchecked(
+    fn give_inner<const CHECK: bool>(
         &self,
         order: u32,
         n: usize,
@@ -118,7 +123,7 @@ impl Core {
             if single {
                 g.note(true, 1);
             }
-            if self.checks {
+            if CHECK {
                 g.check();
             }
         } else {

@@ -195,6 +195,16 @@ impl Core {
     /// Free order-0 pages straight to the zone, past the type-agnostic
     /// caches (see [`PageAllocator::free_movable_pages`]).
     pub(super) fn free_to_zone(&self, pages: &[Page]) {
+        self.free_order0_locked(pages);
+        self.counters
+            .zone_frees
+            .fetch_add(pages.len() as u64, Relaxed);
+        self.wake_waiters();
+    }
+
+    /// Undo the preparation of order-0 `pages` (with checks on) and free
+    /// them to the zone under one lock hold. The callers count and wake.
+    fn free_order0_locked(&self, pages: &[Page]) {
         if self.checks {
             for &p in pages {
                 self.free_prep(p, 0);
@@ -204,11 +214,6 @@ impl Core {
         for p in pages {
             z.free(p.pfn(), 0);
         }
-        drop(z);
-        self.counters
-            .zone_frees
-            .fetch_add(pages.len() as u64, Relaxed);
-        self.wake_waiters();
     }
 }
 
@@ -284,16 +289,7 @@ impl CompactTarget for Core {
         }
     }
     fn free_moved(&self, pages: &[Page]) {
-        if self.checks {
-            for &p in pages {
-                self.free_prep(p, 0);
-            }
-        }
-        let mut z = self.zone.lock(&self.arena);
-        for p in pages {
-            z.free(p.pfn(), 0);
-        }
-        drop(z);
+        self.free_order0_locked(pages);
         self.wake_waiters();
     }
 }
