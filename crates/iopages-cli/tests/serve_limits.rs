@@ -7,7 +7,7 @@ mod common;
 
 use common::{Dir, BIN};
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -44,6 +44,22 @@ fn serve_fails(args: &[&str], want: &str) {
     assert!(!out.status.success(), "serve {args:?} should fail");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains(want), "serve {args:?}: {err}");
+}
+
+/// [`serve_fails`] for `serve --image IMG --passphrase-file PASS` on a
+/// loopback port.
+fn serve_image_fails(img: &Path, pass: &Path, want: &str) {
+    serve_fails(
+        &[
+            "--image",
+            img.to_str().unwrap(),
+            "--passphrase-file",
+            pass.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+        ],
+        want,
+    );
 }
 
 #[test]
@@ -97,17 +113,7 @@ fn a_slot_over_the_kdf_limits_is_refused_before_deriving() {
     h[212..216].copy_from_slice(&u32::MAX.to_be_bytes());
     std::fs::write(&img, &h).unwrap();
     let t = Instant::now();
-    serve_fails(
-        &[
-            "--image",
-            img.to_str().unwrap(),
-            "--passphrase-file",
-            pass.to_str().unwrap(),
-            "--listen",
-            "127.0.0.1:0",
-        ],
-        "is over the limit",
-    );
+    serve_image_fails(&img, &pass, "is over the limit");
     assert!(t.elapsed() < Duration::from_secs(10));
 }
 
@@ -180,17 +186,7 @@ fn a_luks2_image_reformatted_as_lvm_is_refused_unless_recovered_on_purpose() {
     assert!(err.contains("LVM2"), "{err}");
     assert!(err.contains("--allow-secondary-header"), "{err}");
     // serve refuses it the same way.
-    serve_fails(
-        &[
-            "--image",
-            img.to_str().unwrap(),
-            "--passphrase-file",
-            pass.to_str().unwrap(),
-            "--listen",
-            "127.0.0.1:0",
-        ],
-        "ambiguous signatures",
-    );
+    serve_image_fails(&img, &pass, "ambiguous signatures");
     let out = check(&["--allow-secondary-header"]);
     let so = String::from_utf8_lossy(&out.stdout);
     assert!(
