@@ -608,6 +608,16 @@ pub fn run_with_workers(
     alloc
         .leak_check()
         .map_err(|a| workload(format!("crypt: pages leaked: {a}")))?;
+    // One worker encrypts every byte: no pipeline row may pass the bare
+    // cipher's one-core rate, its best sample in this run (the one least
+    // slowed by the machine), + 10 % as for E3.
+    let best_cipher = samples.range(Mode::Cipher).1;
+    for m in Mode::ALL {
+        if !matches!(m, Mode::Cipher | Mode::CipherCold) {
+            let mib_s = samples.median(m, |x| x.mib_s);
+            within_bound(&format!("E2 {}", m.name()), mib_s, best_cipher * 1.1)?;
+        }
+    }
     let scaling = e2_scaling(&ladder, samples.median(Mode::Cipher, |x| x.mib_s))?;
     let summary = e2_summary(&samples, scaling);
     e2_table(&samples, &summary).print();
