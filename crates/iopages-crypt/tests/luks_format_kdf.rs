@@ -34,23 +34,17 @@ const TARGET: Duration = Duration::from_millis(200);
 /// The limits every calibrated cost must pass: `KdfLimits::default()`.
 fn assert_opens_under_default_limits(p: &Pbkdf) {
     let l = KdfLimits::default();
-    match *p {
-        Pbkdf::Pbkdf2 { iterations, .. } => {
+    match p.argon2_params() {
+        None => {
+            let Pbkdf::Pbkdf2 { iterations, .. } = *p else {
+                unreachable!("{p:?}")
+            };
             assert!(
                 (1000..=l.max_pbkdf2_iterations).contains(&iterations),
                 "{p:?}"
             )
         }
-        Pbkdf::Argon2i {
-            time,
-            memory_kib,
-            parallel,
-        }
-        | Pbkdf::Argon2id {
-            time,
-            memory_kib,
-            parallel,
-        } => {
+        Some((time, memory_kib, parallel)) => {
             assert!((4..=l.max_argon2_time).contains(&time), "{p:?}");
             assert!(
                 (32..=l.max_argon2_memory_kib).contains(&memory_kib),
@@ -60,6 +54,19 @@ fn assert_opens_under_default_limits(p: &Pbkdf) {
             assert!(u64::from(time) * u64::from(memory_kib) <= l.max_argon2_work_kib);
         }
     }
+}
+
+/// `(time, memory_kib, parallel)` of a calibration that must be Argon2id.
+fn argon2id_costs(c: &Calibrated) -> (u32, u32, u32) {
+    let Pbkdf::Argon2id {
+        time,
+        memory_kib,
+        parallel,
+    } = c.pbkdf
+    else {
+        panic!("{c}")
+    };
+    (time, memory_kib, parallel)
 }
 
 /// Time one unlock of `pbkdf` the way `open` runs it: derive a key of
@@ -229,14 +236,7 @@ fn explicit_costs_are_kept_and_skip_their_calibration() {
         ..KdfTarget::new(KdfKind::Argon2id, TARGET)
     };
     let c = luks::calibrate(&t, 64).unwrap();
-    let Pbkdf::Argon2id {
-        time,
-        memory_kib,
-        parallel,
-    } = c.pbkdf
-    else {
-        panic!("{c}")
-    };
+    let (time, memory_kib, parallel) = argon2id_costs(&c);
     assert_eq!(memory_kib, 8192);
     assert_eq!(parallel, t.default_parallel);
     assert!(c.benchmarked && time >= 4, "{c}");
@@ -248,14 +248,7 @@ fn explicit_costs_are_kept_and_skip_their_calibration() {
         ..KdfTarget::new(KdfKind::Argon2id, TARGET)
     };
     let c = luks::calibrate(&t, 64).unwrap();
-    let Pbkdf::Argon2id {
-        time,
-        memory_kib,
-        parallel,
-    } = c.pbkdf
-    else {
-        panic!("{c}")
-    };
+    let (time, memory_kib, parallel) = argon2id_costs(&c);
     assert_eq!((time, parallel), (6, 1));
     assert!(c.benchmarked && memory_kib >= 32, "{c}");
     let dir = Dir::new("luks-kdf", "explicit");
@@ -343,12 +336,7 @@ fn argon2_memory_is_bounded_by_available_memory_and_by_1_gib() {
         ..KdfTarget::new(KdfKind::Argon2id, TARGET)
     };
     let c = luks::calibrate(&t, 64).unwrap();
-    let Pbkdf::Argon2id {
-        time, memory_kib, ..
-    } = c.pbkdf
-    else {
-        panic!("{c}")
-    };
+    let (time, memory_kib, _) = argon2id_costs(&c);
     assert!(memory_kib <= 8 << 10, "{c}");
     assert!(time >= 4, "{c}");
     if memory_kib == 8 << 10 {
@@ -387,12 +375,7 @@ fn argon2_memory_is_bounded_by_available_memory_and_by_1_gib() {
         ..KdfTarget::new(KdfKind::Argon2id, Duration::from_secs(3600))
     };
     let c = luks::calibrate(&t, 64).unwrap();
-    let Pbkdf::Argon2id {
-        time, memory_kib, ..
-    } = c.pbkdf
-    else {
-        panic!("{c}")
-    };
+    let (time, memory_kib, _) = argon2id_costs(&c);
     assert_eq!(memory_kib, 1 << 20, "{c}");
     assert!(time > 4, "{c}");
     assert_opens_under_default_limits(&c.pbkdf);

@@ -48,7 +48,7 @@
 //! add no speed, and cryptsetup unlocks the same keyslot faster on a
 //! machine with as many cores as lanes.
 
-use super::kdf::{Hash, Pbkdf};
+use super::kdf::{Hash, KdfCosts, Pbkdf};
 use super::limits::KdfLimits;
 use super::{
     LuksError, ARGON2_MAX_PARALLEL_FORMAT, ARGON2_MIN_MEMORY_KIB, ARGON2_MIN_TIME,
@@ -153,16 +153,11 @@ impl std::fmt::Display for Calibrated {
     /// benchmarked)` or `pbkdf2-sha256, 1234567 iterations (...)`, then
     /// the bounds, if any, after a semicolon.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.pbkdf {
-            Pbkdf::Pbkdf2 { hash, iterations } => {
+        match self.pbkdf.costs() {
+            KdfCosts::Pbkdf2 { hash, iterations } => {
                 write!(f, "pbkdf2-{hash}, {iterations} iterations")?
             }
-            Pbkdf::Argon2i {
-                time,
-                memory_kib,
-                parallel,
-            }
-            | Pbkdf::Argon2id {
+            KdfCosts::Argon2 {
                 time,
                 memory_kib,
                 parallel,

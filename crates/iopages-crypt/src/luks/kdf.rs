@@ -148,6 +148,20 @@ pub enum Pbkdf {
     },
 }
 
+/// A [`Pbkdf`]'s costs, with the two Argon2 variants as one case: what
+/// the checks, the LUKS2 `kdf` object and the description read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum KdfCosts {
+    /// PBKDF2-HMAC-`hash`, `iterations` rounds.
+    Pbkdf2 { hash: Hash, iterations: u32 },
+    /// Argon2i or Argon2id: passes, memory in KiB, lanes.
+    Argon2 {
+        time: u32,
+        memory_kib: u32,
+        parallel: u32,
+    },
+}
+
 impl Pbkdf {
     /// The default PBKDF2 (LUKS1, or LUKS2 when asked): HMAC-SHA256 with
     /// 600 000 iterations, OWASP's 2023 figure for PBKDF2-HMAC-SHA256 —
@@ -212,8 +226,21 @@ impl Pbkdf {
 
     /// `(time, memory_kib, parallel)` of an Argon2 KDF; `None` for PBKDF2.
     pub fn argon2_params(&self) -> Option<(u32, u32, u32)> {
+        match self.costs() {
+            KdfCosts::Pbkdf2 { .. } => None,
+            KdfCosts::Argon2 {
+                time,
+                memory_kib,
+                parallel,
+            } => Some((time, memory_kib, parallel)),
+        }
+    }
+
+    /// The costs, with Argon2i and Argon2id as one case (the variant's
+    /// name is [`Pbkdf::name`]).
+    pub(crate) fn costs(&self) -> KdfCosts {
         match *self {
-            Pbkdf::Pbkdf2 { .. } => None,
+            Pbkdf::Pbkdf2 { hash, iterations } => KdfCosts::Pbkdf2 { hash, iterations },
             Pbkdf::Argon2i {
                 time,
                 memory_kib,
@@ -223,7 +250,11 @@ impl Pbkdf {
                 time,
                 memory_kib,
                 parallel,
-            } => Some((time, memory_kib, parallel)),
+            } => KdfCosts::Argon2 {
+                time,
+                memory_kib,
+                parallel,
+            },
         }
     }
 
@@ -239,20 +270,15 @@ impl Pbkdf {
     /// Check parameters against the limits cryptsetup applies when it
     /// formats, so that what this crate writes, cryptsetup accepts.
     pub(crate) fn check_for_format(&self) -> Result<(), LuksError> {
-        match *self {
-            Pbkdf::Pbkdf2 { iterations, .. } => {
+        match self.costs() {
+            KdfCosts::Pbkdf2 { iterations, .. } => {
                 if iterations < PBKDF2_MIN_ITERATIONS {
                     return Err(LuksError::InvalidOptions(format!(
                         "PBKDF2 iterations {iterations} is below cryptsetup's minimum of {PBKDF2_MIN_ITERATIONS}"
                     )));
                 }
             }
-            Pbkdf::Argon2i {
-                time,
-                memory_kib,
-                parallel,
-            }
-            | Pbkdf::Argon2id {
+            KdfCosts::Argon2 {
                 time,
                 memory_kib,
                 parallel,

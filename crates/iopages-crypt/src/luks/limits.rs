@@ -12,7 +12,7 @@
 //! tighter where a small host needs them to be, and every one can be
 //! raised by the caller for a genuine volume.
 
-use super::kdf::Pbkdf;
+use super::kdf::KdfCosts;
 use super::{LuksError, LuksVersion, SlotPlan};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -145,8 +145,8 @@ impl KdfLimits {
             ))
         };
         let field = |name: &str| format!("{}{name}", slot.kdf_field);
-        match slot.pbkdf {
-            Pbkdf::Pbkdf2 { iterations, .. } => {
+        match slot.pbkdf.costs() {
+            KdfCosts::Pbkdf2 { iterations, .. } => {
                 if iterations > self.max_pbkdf2_iterations {
                     return Err(over(
                         "PBKDF2 iterations",
@@ -158,12 +158,7 @@ impl KdfLimits {
                     ));
                 }
             }
-            Pbkdf::Argon2i {
-                time,
-                memory_kib,
-                parallel,
-            }
-            | Pbkdf::Argon2id {
+            KdfCosts::Argon2 {
                 time,
                 memory_kib,
                 parallel,

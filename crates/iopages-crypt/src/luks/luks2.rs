@@ -19,7 +19,7 @@
 //! the whole `hdr_size` bytes (binary header and JSON area) with `csum`
 //! zeroed. The JSON text follows at byte 4096, NUL-terminated.
 
-use super::kdf::{Hash, Pbkdf};
+use super::kdf::{Hash, KdfCosts, Pbkdf};
 use super::{
     af, check_device_size, formatted_volume, kdf, random, random_master_key, random_uuid, round_up,
     seal_keyslot, Dev, Digest, FormatOptions, KeyslotInfo, LuksError, LuksInfo, LuksVersion,
@@ -1273,19 +1273,14 @@ pub(crate) fn format(
     let area = seal_keyslot(key.as_slice(), passphrase, &opts.pbkdf, &slot_salt, af_hash)?;
     let area_size = round_up(area.len() as u64, AREA_ALIGN).unwrap_or(u64::MAX);
 
-    let kdf_json = match opts.pbkdf {
-        Pbkdf::Pbkdf2 { hash, iterations } => json!({
+    let kdf_json = match opts.pbkdf.costs() {
+        KdfCosts::Pbkdf2 { hash, iterations } => json!({
             "type": "pbkdf2",
             "hash": hash.name(),
             "iterations": iterations,
             "salt": b64e(&slot_salt),
         }),
-        Pbkdf::Argon2i {
-            time,
-            memory_kib,
-            parallel,
-        }
-        | Pbkdf::Argon2id {
+        KdfCosts::Argon2 {
             time,
             memory_kib,
             parallel,
