@@ -12,9 +12,11 @@ use serde_json::{json, Value};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
-use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
+
+mod common;
+use common::cryptsetup_fast;
 
 const PASS: &[u8] = b"correct horse battery staple";
 const WRONG: &[u8] = b"not the passphrase";
@@ -43,17 +45,9 @@ fn base() -> Option<&'static (Vec<u8>, Vec<u8>)> {
         std::fs::write(&pass, PASS).unwrap();
         std::fs::write(&pass2, b"other").unwrap();
         File::create(&img).unwrap().set_len(SIZE).unwrap();
-        let fast = [
-            "--pbkdf",
-            "pbkdf2",
-            "--pbkdf-force-iterations",
-            "1000",
-            "--batch-mode",
-            "--key-file",
-        ];
         for args in [&["luksFormat", "--type", "luks2"][..], &["luksAddKey"][..]] {
-            let mut c = Command::new(&cs);
-            c.args(args).args(fast).arg(&pass).arg(&img);
+            let mut c = cryptsetup_fast(&cs, args);
+            c.arg(&pass).arg(&img);
             if args[0] == "luksAddKey" {
                 c.arg(&pass2);
             }

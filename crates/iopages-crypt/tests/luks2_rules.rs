@@ -12,12 +12,12 @@ use iopages_crypt::luks::{self, KdfLimits, LuksError, LuksOpenOptions, LuksVolum
 use serde_json::{json, Value};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
 
 mod common;
-use common::need;
+use common::{cryptsetup_fast, need};
 
 const PASS: &[u8] = b"correct horse battery staple";
 const PASS2: &[u8] = b"second passphrase";
@@ -49,22 +49,6 @@ fn run_ok(cmd: &mut Command) {
         "{cmd:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-}
-
-/// `cryptsetup <verb...>` with the cheap KDF every volume here uses
-/// (PBKDF2, 1000 iterations), batch mode, and `--key-file` last: the
-/// caller appends the key file and the rest.
-fn cryptsetup_fast(cs: &Path, verb: &[&str]) -> Command {
-    let mut cmd = Command::new(cs);
-    cmd.args(verb).args([
-        "--pbkdf",
-        "pbkdf2",
-        "--pbkdf-force-iterations",
-        "1000",
-        "--batch-mode",
-        "--key-file",
-    ]);
-    cmd
 }
 
 /// A LUKS2 volume made by cryptsetup (PBKDF2, 1000 iterations) with

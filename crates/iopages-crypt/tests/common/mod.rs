@@ -42,3 +42,20 @@ impl Dir {
 pub fn need(name: &str, test: &str) -> Option<PathBuf> {
     iopages_testkit::need_tool(name, test)
 }
+
+/// `cryptsetup <verb...>` with the cheap KDF every volume here uses
+/// (PBKDF2, 1000 iterations), batch mode, and `--key-file` last: the
+/// caller appends the key file and the rest.
+#[allow(dead_code)]
+pub fn cryptsetup_fast(cs: &std::path::Path, verb: &[&str]) -> std::process::Command {
+    let mut cmd = std::process::Command::new(cs);
+    cmd.args(verb).args([
+        "--pbkdf",
+        "pbkdf2",
+        "--pbkdf-force-iterations",
+        "1000",
+        "--batch-mode",
+        "--key-file",
+    ]);
+    cmd
+}
