@@ -1,0 +1,962 @@
+//! `iopages serve --allow-discards`: sparse volumes against the tools that
+//! read and make them. nbdinfo and qemu-img map the export (block status,
+//! `base:allocation`), qemu-io and a small raw NBD client of this file
+//! discard and zero ranges (misaligned ones, FAST_ZERO with and without
+//! NO_HOLE), qemu-img convert and nbdcopy copy a mostly empty volume into
+//! sparse files, and a cryptsetup-made LUKS2 image keeps its header and
+//! its data, with holes where it was discarded.
+//!
+//! Every server is a real `iopages serve` process on a Unix socket,
+//! stopped with SIGTERM (which must flush, print its last statistics line
+//! and `stopped`, and exit 0). Where a tool is missing the test says so
+//! and returns, except under `CI=true`, where scripts/setup-debian.sh has
+//! installed them all and a missing one fails.
+
+mod common;
+
+use common::{pattern, sigterm_and_wait, succeeded, tools, wait_for_banner, Dir, BIN};
+use std::io::{Read, Write};
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::io::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+const MIB: u64 = 1 << 20;
+/// The in-memory volume's encryption sector.
+const SECTOR: u64 = 4096;
+/// Block status flags (`base:allocation`): a hole, reads as zeros.
+const HOLE_ZERO: u32 = 3;
+/// Block status flags of allocated data.
+const DATA: u32 = 0;
+
+fn run(cmd: &mut Command) -> String {
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    succeeded(cmd, &out)
+}
+
+fn cryptsetup() -> Command {
+    Command::new(iopages_testkit::find_tool("cryptsetup").expect("cryptsetup"))
+}
+
+/// A running `iopages serve` on a Unix socket; killed if the test fails
+/// before stopping it.
+struct Served {
+    child: Option<Child>,
+    lines: mpsc::Receiver<String>,
+    sock: PathBuf,
+    uri: String,
+    banner: Vec<String>,
+    stderr: PathBuf,
+}
+
+impl Served {
+    /// `iopages serve ARGS` on `DIR/NAME.sock`.
+    fn start(dir: &Dir, name: &str, args: &[&str]) -> Served {
+        let sock = dir.join(&format!("{name}.sock"));
+        let stderr = dir.join(&format!("{name}.err"));
+        let mut child = Command::new(BIN)
+            .arg("serve")
+            .args(args)
+            .arg("--unix")
+            .arg(&sock)
+            .args(["--arena", "128M"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&stderr).unwrap())
+            .spawn()
+            .expect("iopages serve starts");
+        let lines = common::lines_of(child.stdout.take().unwrap());
+        let mut uri = String::new();
+        let banner = wait_for_banner(&mut child, &lines, &stderr, |l| {
+            if let Some(u) = l.strip_prefix("serving ") {
+                uri = u.to_string();
+            }
+        });
+        assert!(uri.starts_with("nbd+unix:///"), "{banner:?}");
+        Served {
+            child: Some(child),
+            lines,
+            sock,
+            uri,
+            banner,
+            stderr,
+        }
+    }
+
+    /// SIGTERM: the server must exit 0 after its last statistics line and
+    /// `stopped`, with nothing on stderr.
+    fn stop(mut self) {
+        let mut child = self.child.take().unwrap();
+        let status = sigterm_and_wait(&mut child, "iopages serve");
+        let rest: Vec<String> = self.lines.try_iter().collect();
+        let err = std::fs::read_to_string(&self.stderr).unwrap_or_default();
+        assert!(status.success(), "exited with {status}: {err}\n{rest:?}");
+        assert!(
+            rest.iter().any(|l| l.contains("out pages")),
+            "the last statistics line: {rest:?}"
+        );
+        assert_eq!(rest.last().map(|l| l.as_str()), Some("stopped"), "{rest:?}");
+        assert!(err.trim().is_empty(), "stderr: {err}");
+    }
+
+    /// qemu-io's commands against the export; every one must succeed (a
+    /// failed pattern check or request fails the test).
+    fn qemu_io(&self, cmds: &[String]) -> String {
+        let out = self.qemu_io_unchecked(cmds);
+        assert!(
+            out.status.success(),
+            "qemu-io {cmds:?} failed:\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(!text.contains("failed"), "qemu-io {cmds:?}:\n{text}");
+        text
+    }
+
+    fn qemu_io_unchecked(&self, cmds: &[String]) -> std::process::Output {
+        let mut cmd = Command::new("qemu-io");
+        cmd.arg("--image-opts").arg(format!(
+            "driver=nbd,server.type=unix,server.path={},export=iopages",
+            self.sock.display()
+        ));
+        for c in cmds {
+            cmd.arg("-c").arg(c);
+        }
+        cmd.stdin(Stdio::null()).output().expect("qemu-io runs")
+    }
+
+    /// `nbdinfo --json`: what the server offers.
+    fn info(&self) -> serde_json::Value {
+        let out = run(Command::new("nbdinfo").arg("--json").arg(&self.uri));
+        let v: serde_json::Value = serde_json::from_str(&out).expect("nbdinfo's JSON");
+        v["exports"][0].clone()
+    }
+
+    /// `nbdinfo --map --json`, adjacent extents of one type merged.
+    fn nbdinfo_map(&self) -> Vec<Extent> {
+        let out = run(Command::new("nbdinfo")
+            .args(["--map", "--json"])
+            .arg(&self.uri));
+        let v: serde_json::Value = serde_json::from_str(&out).expect("nbdinfo's map");
+        let list = v.as_array().expect("a list of extents");
+        merged(
+            list.iter()
+                .map(|e| Extent {
+                    offset: e["offset"].as_u64().unwrap(),
+                    length: e["length"].as_u64().unwrap(),
+                    flags: e["type"].as_u64().unwrap() as u32,
+                })
+                .collect(),
+        )
+    }
+
+    /// `qemu-img map --output=json`, as block status flags (no data: hole;
+    /// zero: zero), adjacent extents of one kind merged.
+    fn qemu_img_map(&self) -> Vec<Extent> {
+        let out = run(Command::new("qemu-img")
+            .args(["map", "-f", "raw", "--output=json"])
+            .arg(&self.uri));
+        let v: serde_json::Value = serde_json::from_str(&out).expect("qemu-img's map");
+        merged(
+            v.as_array()
+                .expect("a list of extents")
+                .iter()
+                .map(|e| {
+                    assert_eq!(e["present"], true, "{e}");
+                    let hole = e["data"] == false;
+                    let zero = e["zero"] == true;
+                    Extent {
+                        offset: e["start"].as_u64().unwrap(),
+                        length: e["length"].as_u64().unwrap(),
+                        flags: u32::from(hole) | (u32::from(zero) << 1),
+                    }
+                })
+                .collect(),
+        )
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// One extent of a block status map: `flags` as NBD's `base:allocation`
+/// (1 hole, 2 zero).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Extent {
+    offset: u64,
+    length: u64,
+    flags: u32,
+}
+
+/// `list` must be contiguous from 0; neighbours of one kind become one.
+fn merged(list: Vec<Extent>) -> Vec<Extent> {
+    let mut out: Vec<Extent> = Vec::new();
+    for e in list {
+        assert!(e.length > 0, "an empty extent: {e:?}");
+        match out.last_mut() {
+            Some(l) => {
+                assert_eq!(
+                    l.offset + l.length,
+                    e.offset,
+                    "a gap in the map before {e:?}"
+                );
+                if l.flags == e.flags {
+                    l.length += e.length;
+                    continue;
+                }
+            }
+            None => assert_eq!(e.offset, 0, "the map starts at 0: {e:?}"),
+        }
+        out.push(e);
+    }
+    out
+}
+
+/// The map of a volume of `size` bytes that is a hole everywhere but
+/// `data` (`[start, end)` ranges, any order, may touch or overlap).
+fn expected_map(size: u64, data: &[(u64, u64)]) -> Vec<Extent> {
+    let mut d = data.to_vec();
+    d.sort();
+    let mut list = Vec::new();
+    let mut at = 0;
+    for (s, e) in d {
+        if e <= at {
+            continue;
+        }
+        let s = s.max(at);
+        if s > at {
+            list.push(Extent {
+                offset: at,
+                length: s - at,
+                flags: HOLE_ZERO,
+            });
+        }
+        list.push(Extent {
+            offset: s,
+            length: e - s,
+            flags: DATA,
+        });
+        at = e;
+    }
+    if at < size {
+        list.push(Extent {
+            offset: at,
+            length: size - at,
+            flags: HOLE_ZERO,
+        });
+    }
+    merged(list)
+}
+
+/// `ranges` less `holes` (all `[start, end)`).
+fn cut(ranges: &[(u64, u64)], holes: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut out = ranges.to_vec();
+    for &(hs, he) in holes {
+        out = out
+            .into_iter()
+            .flat_map(|(s, e)| {
+                if he <= s || e <= hs {
+                    vec![(s, e)]
+                } else {
+                    vec![(s, hs.max(s)), (he.min(e), e)]
+                }
+            })
+            .filter(|(s, e)| s < e)
+            .collect();
+    }
+    out
+}
+
+/// The whole sectors inside `[off, off + len)`, as `[start, end)` (empty
+/// when there is none).
+fn inward(off: u64, len: u64, sector: u64) -> (u64, u64) {
+    let s = off.div_ceil(sector) * sector;
+    let e = (off + len) / sector * sector;
+    (s, e.max(s))
+}
+
+/// The sectors `[off, off + len)` touches, as `[start, end)`.
+fn outward(off: u64, len: u64, sector: u64) -> (u64, u64) {
+    (off / sector * sector, (off + len).div_ceil(sector) * sector)
+}
+
+/// The data extents of `model` (a byte image): the sectors that are not
+/// all zeros.
+fn data_sectors(model: &[u8], sector: usize) -> Vec<(u64, u64)> {
+    model
+        .chunks(sector)
+        .enumerate()
+        .filter(|(_, c)| c.iter().any(|&b| b != 0))
+        .map(|(i, c)| ((i * sector) as u64, (i * sector + c.len()) as u64))
+        .collect()
+}
+
+/// A raw NBD client (newstyle fixed handshake, NBD_OPT_GO, simple
+/// replies), for requests the tools never send as they are: misaligned
+/// TRIM, WRITE_ZEROES with exactly the flags asked for.
+mod raw {
+    use super::*;
+
+    const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
+    const IHAVEOPT: u64 = 0x4948_4156_454f_5054;
+    const OPT_REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
+    const REQUEST_MAGIC: u32 = 0x2560_9513;
+    const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
+    const OPT_GO: u32 = 7;
+    const REP_ACK: u32 = 1;
+    const REP_INFO: u32 = 3;
+    const INFO_EXPORT: u16 = 0;
+
+    pub const CMD_READ: u16 = 0;
+    pub const CMD_WRITE: u16 = 1;
+    const CMD_DISC: u16 = 2;
+    pub const CMD_TRIM: u16 = 4;
+    pub const CMD_WRITE_ZEROES: u16 = 6;
+    pub const FLAG_NO_HOLE: u16 = 1 << 1;
+    pub const FLAG_FAST_ZERO: u16 = 1 << 4;
+    pub const TFLAG_SEND_TRIM: u16 = 1 << 5;
+    pub const TFLAG_SEND_WRITE_ZEROES: u16 = 1 << 6;
+    pub const TFLAG_SEND_FAST_ZERO: u16 = 1 << 11;
+    pub const ENOTSUP: u32 = 95;
+
+    fn be16(b: &[u8]) -> u16 {
+        u16::from_be_bytes(b.try_into().unwrap())
+    }
+    fn be32(b: &[u8]) -> u32 {
+        u32::from_be_bytes(b.try_into().unwrap())
+    }
+    fn be64(b: &[u8]) -> u64 {
+        u64::from_be_bytes(b.try_into().unwrap())
+    }
+
+    pub struct Client {
+        s: UnixStream,
+        pub size: u64,
+        pub flags: u16,
+        cookie: u64,
+    }
+
+    impl Client {
+        /// Connected to the export `iopages` on `sock`, in transmission.
+        pub fn connect(sock: &Path) -> Client {
+            let mut s = UnixStream::connect(sock).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+            let mut h = [0u8; 18];
+            s.read_exact(&mut h).unwrap();
+            assert_eq!(be64(&h[..8]), NBDMAGIC);
+            assert_eq!(be64(&h[8..16]), IHAVEOPT);
+            let hflags = be16(&h[16..]);
+            assert_ne!(hflags & 1, 0, "fixed newstyle");
+            // Fixed newstyle, and no zeroes where the server offers that.
+            s.write_all(&(1u32 | u32::from(hflags & 2)).to_be_bytes())
+                .unwrap();
+            let name = b"iopages";
+            let mut data = (name.len() as u32).to_be_bytes().to_vec();
+            data.extend_from_slice(name);
+            data.extend_from_slice(&0u16.to_be_bytes());
+            let mut opt = IHAVEOPT.to_be_bytes().to_vec();
+            opt.extend_from_slice(&OPT_GO.to_be_bytes());
+            opt.extend_from_slice(&(data.len() as u32).to_be_bytes());
+            opt.extend_from_slice(&data);
+            s.write_all(&opt).unwrap();
+            let mut export = None;
+            loop {
+                let mut r = [0u8; 20];
+                s.read_exact(&mut r).unwrap();
+                assert_eq!(be64(&r[..8]), OPT_REPLY_MAGIC);
+                assert_eq!(be32(&r[8..12]), OPT_GO);
+                let kind = be32(&r[12..16]);
+                let mut d = vec![0u8; be32(&r[16..]) as usize];
+                s.read_exact(&mut d).unwrap();
+                match kind {
+                    REP_ACK => break,
+                    REP_INFO if be16(&d[..2]) == INFO_EXPORT => {
+                        export = Some((be64(&d[2..10]), be16(&d[10..12])));
+                    }
+                    REP_INFO => {}
+                    _ => panic!("NBD_OPT_GO refused: reply {kind:#x} {d:?}"),
+                }
+            }
+            let (size, flags) = export.expect("NBD_INFO_EXPORT before the ACK");
+            Client {
+                s,
+                size,
+                flags,
+                cookie: 0,
+            }
+        }
+
+        /// One request; its error (0: success) and, for a read, the data.
+        pub fn request(
+            &mut self,
+            cmd: u16,
+            flags: u16,
+            offset: u64,
+            len: u32,
+            payload: &[u8],
+        ) -> (u32, Vec<u8>) {
+            self.cookie += 1;
+            let mut req = REQUEST_MAGIC.to_be_bytes().to_vec();
+            req.extend_from_slice(&flags.to_be_bytes());
+            req.extend_from_slice(&cmd.to_be_bytes());
+            req.extend_from_slice(&self.cookie.to_be_bytes());
+            req.extend_from_slice(&offset.to_be_bytes());
+            req.extend_from_slice(&len.to_be_bytes());
+            req.extend_from_slice(payload);
+            self.s.write_all(&req).unwrap();
+            let mut r = [0u8; 16];
+            self.s.read_exact(&mut r).unwrap();
+            assert_eq!(be32(&r[..4]), SIMPLE_REPLY_MAGIC);
+            assert_eq!(be64(&r[8..]), self.cookie);
+            let error = be32(&r[4..8]);
+            let mut data = Vec::new();
+            if cmd == CMD_READ && error == 0 {
+                data = vec![0u8; len as usize];
+                self.s.read_exact(&mut data).unwrap();
+            }
+            (error, data)
+        }
+
+        /// A request that must succeed.
+        pub fn ok(&mut self, cmd: u16, flags: u16, offset: u64, len: u32) {
+            let (e, _) = self.request(cmd, flags, offset, len, &[]);
+            assert_eq!(e, 0, "command {cmd} flags {flags:#x} at {offset} +{len}");
+        }
+
+        pub fn write(&mut self, offset: u64, data: &[u8]) {
+            let (e, _) = self.request(CMD_WRITE, 0, offset, data.len() as u32, data);
+            assert_eq!(e, 0, "write at {offset} +{}", data.len());
+        }
+
+        /// `len` bytes at `offset`, read in pieces of at most 1 MiB.
+        pub fn read(&mut self, offset: u64, len: u64) -> Vec<u8> {
+            let mut out = Vec::with_capacity(len as usize);
+            let mut at = offset;
+            while at < offset + len {
+                let n = (offset + len - at).min(MIB);
+                let (e, d) = self.request(CMD_READ, 0, at, n as u32, &[]);
+                assert_eq!(e, 0, "read at {at} +{n}");
+                out.extend_from_slice(&d);
+                at += n;
+            }
+            out
+        }
+    }
+
+    impl Drop for Client {
+        fn drop(&mut self) {
+            let mut req = REQUEST_MAGIC.to_be_bytes().to_vec();
+            req.extend_from_slice(&0u16.to_be_bytes());
+            req.extend_from_slice(&CMD_DISC.to_be_bytes());
+            req.extend_from_slice(&[0u8; 20]);
+            let _ = self.s.write_all(&req);
+        }
+    }
+}
+
+/// Where `a` and `b` first differ, for a short failure message.
+fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
+    if a.len() != b.len() {
+        return Some(a.len().min(b.len()));
+    }
+    a.chunks(1 << 16)
+        .zip(b.chunks(1 << 16))
+        .position(|(x, y)| x != y)
+        .map(|i| {
+            let base = i << 16;
+            base + a[base..]
+                .iter()
+                .zip(&b[base..])
+                .position(|(x, y)| x != y)
+                .unwrap()
+        })
+}
+
+fn assert_same(what: &str, got: &[u8], want: &[u8]) {
+    if let Some(at) = first_difference(got, want) {
+        panic!(
+            "{what}: differs first at byte {at} (sector {} of 4096; {} bytes against {})",
+            at / 4096,
+            got.len(),
+            want.len()
+        );
+    }
+}
+
+#[test]
+fn a_fresh_in_memory_volume_maps_as_one_hole_and_writes_map_as_data_sectors() {
+    if !tools(&["nbdinfo", "qemu-io", "qemu-img"]) {
+        return;
+    }
+    let dir = Dir::new("fresh");
+    let size = 64 * MIB;
+    let srv = Served::start(&dir, "s", &["--size", "64M", "--allow-discards"]);
+    let info = srv.info();
+    assert_eq!(info["export-size"], size, "{info}");
+    assert!(
+        info["contexts"]
+            .as_array()
+            .is_some_and(|c| c.iter().any(|x| x == "base:allocation")),
+        "base:allocation is offered: {info}"
+    );
+    for cap in ["can_trim", "can_zero", "can_fast_zero"] {
+        assert_eq!(info[cap], true, "{cap}: {info}");
+    }
+    let all_hole = vec![Extent {
+        offset: 0,
+        length: size,
+        flags: HOLE_ZERO,
+    }];
+    assert_eq!(srv.nbdinfo_map(), all_hole, "nbdinfo, fresh");
+    assert_eq!(srv.qemu_img_map(), all_hole, "qemu-img, fresh");
+    // One aligned region, and one that starts and ends inside sectors
+    // (qemu reads the partial sectors, holes, and writes them back whole).
+    let (a, alen) = (MIB, 256 << 10);
+    let (b, blen) = (10 * MIB + 1000, 9000);
+    srv.qemu_io(&[
+        format!("write -P 0xab {a} {alen}"),
+        format!("write -P 0xcd {b} {blen}"),
+        // A hole reads as zeros, and so do the written sectors' other
+        // bytes.
+        format!("read -P 0 0 {a}"),
+        format!("read -P 0xab {a} {alen}"),
+        format!("read -P 0 {} 1000", 10 * MIB),
+        format!("read -P 0xcd {b} {blen}"),
+        format!(
+            "read -P 0 {} {}",
+            b + blen,
+            10 * MIB + 3 * SECTOR - b - blen
+        ),
+        format!("read -P 0 {} {}", 20 * MIB, 44 * MIB),
+    ]);
+    let want = expected_map(size, &[outward(a, alen, SECTOR), outward(b, blen, SECTOR)]);
+    assert_eq!(want.len(), 5, "{want:?}");
+    assert_eq!(srv.nbdinfo_map(), want, "nbdinfo after two writes");
+    assert_eq!(srv.qemu_img_map(), want, "qemu-img after two writes");
+    srv.stop();
+}
+
+#[test]
+fn without_allow_discards_everything_is_allocated_and_trim_keeps_the_data() {
+    if !tools(&["nbdinfo", "qemu-io", "qemu-img"]) {
+        return;
+    }
+    let dir = Dir::new("nodiscard");
+    let size = 64 * MIB;
+    let srv = Served::start(&dir, "s", &["--size", "64M"]);
+    let info = srv.info();
+    assert_eq!(info["can_fast_zero"], false, "{info}");
+    let all_data = vec![Extent {
+        offset: 0,
+        length: size,
+        flags: DATA,
+    }];
+    assert_eq!(srv.nbdinfo_map(), all_data, "nbdinfo, fresh");
+    assert_eq!(srv.qemu_img_map(), all_data, "qemu-img, fresh");
+    srv.qemu_io(&[
+        format!("write -P 0xab 0 {}", 8 * MIB),
+        format!("discard 0 {}", 2 * MIB),
+        format!("discard {} {}", 4 * MIB, 4 * MIB),
+        format!("read -P 0xab 0 {}", 8 * MIB),
+        // WRITE_ZEROES, NO_HOLE and not: encrypted zeros either way.
+        format!("write -z {} {}", 10 * MIB, MIB),
+        format!("write -z -u {} {}", 12 * MIB, MIB),
+        format!("read -P 0 {} {}", 10 * MIB, MIB),
+        format!("read -P 0 {} {}", 12 * MIB, MIB),
+    ]);
+    // FAST_ZERO is not offered: qemu's fast zero fails without a request
+    // and writes nothing.
+    let fast = srv.qemu_io_unchecked(&[format!("write -z -n -u 0 {MIB}")]);
+    let text = String::from_utf8_lossy(&fast.stdout);
+    assert!(
+        !fast.status.success() && text.contains("Operation not supported"),
+        "{text}"
+    );
+    let mut c = raw::Client::connect(&srv.sock);
+    assert_eq!(c.size, size);
+    assert_eq!(c.flags & raw::TFLAG_SEND_FAST_ZERO, 0, "{:#x}", c.flags);
+    // TRIM is a no-op, misaligned or not.
+    c.ok(raw::CMD_TRIM, 0, 100, (3 * MIB) as u32);
+    c.ok(raw::CMD_TRIM, 0, 6 * MIB, (2 * MIB) as u32);
+    assert!(c.read(0, 8 * MIB).iter().all(|&x| x == 0xab));
+    assert!(c.read(10 * MIB, 4 * MIB).iter().all(|&x| x == 0));
+    // A sector never written is ciphertext zeros, which only decrypt to
+    // zeros with --allow-discards.
+    let never = c.read(40 * MIB, SECTOR);
+    assert!(never.iter().any(|&x| x != 0), "never written reads zeros");
+    drop(c);
+    assert_eq!(srv.nbdinfo_map(), all_data, "nbdinfo after discards");
+    assert_eq!(srv.qemu_img_map(), all_data, "qemu-img after discards");
+    srv.stop();
+}
+
+#[test]
+fn fstrim_like_discards_punch_whole_sectors_and_leave_their_neighbours() {
+    if !tools(&["nbdinfo", "qemu-io"]) {
+        return;
+    }
+    let dir = Dir::new("fstrim");
+    let size = 64 * MIB;
+    let span = 16 * MIB;
+    let srv = Served::start(&dir, "s", &["--size", "64M", "--allow-discards"]);
+    srv.qemu_io(&[format!("write -P 0xab 0 {span}")]);
+    let mut model = vec![0xabu8; span as usize];
+    // Edge cases, then what a file system's fstrim sends: free ranges of
+    // many sizes, at 4096 or 512 bytes or at any byte.
+    let mut trims: Vec<(u64, u64)> = vec![
+        (0, SECTOR),
+        (2 * SECTOR, 16 * SECTOR),
+        (MIB, MIB),
+        (3 * MIB + 512, 8192),
+        // No whole sector inside: nothing.
+        (5 * MIB + 100, 3000),
+        (6 * MIB, SECTOR + 2048),
+        (7 * MIB - 1000, 3 * SECTOR),
+        (8 * MIB + 4095, SECTOR + 2),
+        (span - SECTOR, SECTOR),
+    ];
+    let mut x = 0x9e37_79b9_u32;
+    let mut next = |m: u64| {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        u64::from(x) % m
+    };
+    for i in 0..60 {
+        let align = [SECTOR, 512, 1][i % 3];
+        let off = next(span - 2 * MIB) / align * align;
+        let len = match i % 4 {
+            0 => 1 + next(SECTOR),
+            1 => 1 + next(64 << 10),
+            2 => 1 + next(MIB),
+            _ => (1 + next(64)) * SECTOR,
+        };
+        trims.push((9 * MIB + off % (5 * MIB), len));
+    }
+    let mut c = raw::Client::connect(&srv.sock);
+    assert_ne!(c.flags & raw::TFLAG_SEND_TRIM, 0, "{:#x}", c.flags);
+    for &(off, len) in &trims {
+        c.ok(raw::CMD_TRIM, 0, off, len as u32);
+        let (s, e) = inward(off, len, SECTOR);
+        model[s as usize..e as usize].fill(0);
+    }
+    // qemu's discard too (qemu trims whole sectors only).
+    srv.qemu_io(&[format!("discard {} {}", 15 * MIB + 10, MIB - 20)]);
+    let (s, e) = inward(15 * MIB + 10, MIB - 20, SECTOR);
+    model[s as usize..e as usize].fill(0);
+    let zeroed = model.chunks(SECTOR as usize).filter(|c| c[0] == 0).count();
+    assert!(zeroed > 100, "the trims zero {zeroed} sectors");
+    assert_same("the trimmed span", &c.read(0, span), &model);
+    assert!(c.read(span, size - span).iter().all(|&b| b == 0));
+    drop(c);
+    // Another client agrees on a few of them.
+    srv.qemu_io(&[
+        format!("read -P 0 0 {SECTOR}"),
+        format!("read -P 0xab {SECTOR} {SECTOR}"),
+        format!("read -P 0xab {} 512", 3 * MIB + 512),
+        format!("read -P 0 {} {SECTOR}", 3 * MIB + SECTOR),
+        format!("read -P 0xab {} {}", 5 * MIB, SECTOR),
+        format!("read -P 0 {} {SECTOR}", 8 * MIB + SECTOR),
+        format!("read -P 0xab {} {SECTOR}", 8 * MIB),
+        format!("read -P 0xab {} {SECTOR}", 8 * MIB + 2 * SECTOR),
+    ]);
+    let want = expected_map(size, &data_sectors(&model, SECTOR as usize));
+    assert_eq!(srv.nbdinfo_map(), want, "the map after the trims");
+    srv.stop();
+}
+
+#[test]
+fn write_zeroes_punches_unless_no_hole_and_fast_zero_fails_fast_when_it_cannot() {
+    if !tools(&["nbdinfo", "qemu-io", "qemu-img"]) {
+        return;
+    }
+    let dir = Dir::new("zeroes");
+    let size = 64 * MIB;
+    let srv = Served::start(&dir, "s", &["--size", "64M", "--allow-discards"]);
+    let k256 = 256 << 10;
+    srv.qemu_io(&[
+        format!("write -P 0xab 0 {}", 8 * MIB),
+        // NO_HOLE: encrypted zeros, allocated.
+        format!("write -z {MIB} {k256}"),
+        // May unmap: a hole.
+        format!("write -z -u {} {k256}", 3 * MIB),
+        // May unmap and no slow fallback (FAST_ZERO): a hole.
+        format!("write -z -u -n {} {k256}", 5 * MIB),
+        format!("read -P 0xab 0 {MIB}"),
+        format!("read -P 0 {MIB} {k256}"),
+        format!("read -P 0xab {} {}", MIB + k256, 2 * MIB - k256),
+        format!("read -P 0 {} {k256}", 3 * MIB),
+        format!("read -P 0xab {} {}", 3 * MIB + k256, 2 * MIB - k256),
+        format!("read -P 0 {} {k256}", 5 * MIB),
+        format!("read -P 0xab {} {}", 5 * MIB + k256, 3 * MIB - k256),
+    ]);
+    // NO_HOLE and FAST_ZERO: it cannot punch, so ENOTSUP and nothing
+    // written.
+    let fast = srv.qemu_io_unchecked(&[format!("write -z -n {} {k256}", 7 * MIB)]);
+    let text = String::from_utf8_lossy(&fast.stdout);
+    assert!(
+        !fast.status.success() && text.contains("Operation not supported"),
+        "{text}"
+    );
+    srv.qemu_io(&[format!("read -P 0xab {} {k256}", 7 * MIB)]);
+    let mut c = raw::Client::connect(&srv.sock);
+    let want_flags = raw::TFLAG_SEND_WRITE_ZEROES | raw::TFLAG_SEND_FAST_ZERO;
+    assert_eq!(c.flags & want_flags, want_flags, "{:#x}", c.flags);
+    let (e, _) = c.request(
+        raw::CMD_WRITE_ZEROES,
+        raw::FLAG_NO_HOLE | raw::FLAG_FAST_ZERO,
+        6 * MIB,
+        k256 as u32,
+        &[],
+    );
+    assert_eq!(e, raw::ENOTSUP, "FAST_ZERO with NO_HOLE");
+    assert!(c.read(6 * MIB, k256).iter().all(|&b| b == 0xab));
+    // FAST_ZERO alone punches.
+    c.ok(
+        raw::CMD_WRITE_ZEROES,
+        raw::FLAG_FAST_ZERO,
+        6 * MIB,
+        k256 as u32,
+    );
+    assert!(c.read(6 * MIB, k256).iter().all(|&b| b == 0));
+    drop(c);
+    let punched: Vec<(u64, u64)> = [3 * MIB, 5 * MIB, 6 * MIB]
+        .iter()
+        .map(|&h| (h, h + k256))
+        .collect();
+    let want = expected_map(size, &cut(&[(0, 8 * MIB)], &punched));
+    assert_eq!(want.len(), 8, "{want:?}");
+    assert_eq!(srv.nbdinfo_map(), want, "nbdinfo after the zeroes");
+    assert_eq!(srv.qemu_img_map(), want, "qemu-img after the zeroes");
+    srv.stop();
+}
+
+/// Where the blocks of `f` are allocated: its data extents `[start,
+/// end)` (SEEK_DATA / SEEK_HOLE) within `[from, to)`.
+fn file_data(f: &std::fs::File, from: u64, to: u64) -> Vec<(u64, u64)> {
+    let fd = f.as_raw_fd();
+    let mut out = Vec::new();
+    let mut at = from as libc::off_t;
+    while (at as u64) < to {
+        // SAFETY: lseek on a file descriptor we own.
+        let d = unsafe { libc::lseek(fd, at, libc::SEEK_DATA) };
+        if d < 0 || d as u64 >= to {
+            break;
+        }
+        // SAFETY: as above.
+        let h = unsafe { libc::lseek(fd, d, libc::SEEK_HOLE) };
+        assert!(h > d, "SEEK_HOLE after {d}");
+        out.push((d as u64, (h as u64).min(to)));
+        at = h;
+    }
+    out
+}
+
+#[test]
+fn a_mostly_empty_volume_copies_into_sparse_files_with_qemu_img_and_nbdcopy() {
+    if !tools(&["nbdinfo", "nbdcopy", "qemu-img"]) {
+        return;
+    }
+    let dir = Dir::new("copies");
+    let size = 256 * MIB;
+    // 32 regions, about 11 % of the volume, in a sparse source file.
+    let src = dir.join("src.raw");
+    let f = std::fs::File::create(&src).unwrap();
+    f.set_len(size).unwrap();
+    let mut regions = Vec::new();
+    for i in 0..32u64 {
+        let off = i * 8 * MIB + (i * 7919 % 1000) * SECTOR;
+        let len = (256 << 10) * (1 + i % 6);
+        use std::os::unix::fs::FileExt;
+        f.write_all_at(&pattern(i as u32 + 1, len as usize), off)
+            .unwrap();
+        regions.push((off, off + len));
+    }
+    drop(f);
+    let written: u64 = regions.iter().map(|(s, e)| e - s).sum();
+    let srv = Served::start(&dir, "s", &["--size", "256M", "--allow-discards"]);
+    // nbdcopy writes the regions and zeroes the rest: holes stay holes.
+    run(Command::new("nbdcopy").arg(&src).arg(&srv.uri));
+    let want = expected_map(size, &regions);
+    assert_eq!(srv.nbdinfo_map(), want, "the volume's map after nbdcopy");
+    let expected = std::fs::read(&src).unwrap();
+    let by_qemu = dir.join("qemu.raw");
+    run(Command::new("qemu-img")
+        .args(["convert", "-f", "raw", "-O", "raw"])
+        .arg(&srv.uri)
+        .arg(&by_qemu));
+    let by_nbdcopy = dir.join("nbdcopy.raw");
+    run(Command::new("nbdcopy").arg(&srv.uri).arg(&by_nbdcopy));
+    srv.stop();
+    for p in [&by_qemu, &by_nbdcopy] {
+        let name = p.file_name().unwrap().to_string_lossy().into_owned();
+        let got = std::fs::read(p).unwrap();
+        assert_same(&name, &got, &expected);
+        drop(got);
+        let allocated = std::fs::metadata(p).unwrap().blocks() * 512;
+        assert!(
+            allocated >= written && allocated < size * 2 / 5,
+            "{name}: {allocated} bytes allocated for {written} written of {size}"
+        );
+    }
+}
+
+#[test]
+fn a_cryptsetup_luks2_image_keeps_its_header_and_data_and_gets_holes_where_discarded() {
+    if !tools(&["cryptsetup", "nbdinfo", "qemu-io"]) {
+        return;
+    }
+    let dir = Dir::new("luks2");
+    let pass = dir.join("pass");
+    std::fs::write(&pass, b"sparse luks2").unwrap();
+    let img = dir.join("luks2.img");
+    std::fs::File::create(&img)
+        .unwrap()
+        .set_len(64 * MIB)
+        .unwrap();
+    run(cryptsetup()
+        .args([
+            "luksFormat",
+            "--type",
+            "luks2",
+            "--cipher",
+            "aes-xts-plain64",
+        ])
+        .args(["--key-size", "512", "--sector-size", "512"])
+        .args(["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"])
+        .args(["--batch-mode", "--key-file"])
+        .arg(&pass)
+        .arg(&img));
+    // The payload's offset, from cryptsetup's own description.
+    let dump = run(cryptsetup().arg("luksDump").arg(&img));
+    let data_at: u64 = dump
+        .lines()
+        .skip_while(|l| !l.starts_with("Data segments:"))
+        .find_map(|l| l.trim().strip_prefix("offset: "))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no data offset in luksDump:\n{dump}"));
+    assert_eq!(data_at % SECTOR, 0, "{dump}");
+    let payload = 64 * MIB - data_at;
+    let header = std::fs::read(&img).unwrap()[..data_at as usize].to_vec();
+    let srv = Served::start(
+        &dir,
+        "s",
+        &[
+            "--image",
+            img.to_str().unwrap(),
+            "--passphrase-file",
+            pass.to_str().unwrap(),
+            "--allow-discards",
+        ],
+    );
+    assert!(
+        srv.banner
+            .iter()
+            .any(|l| l.contains("LUKS2 aes-xts-plain64, 512-bit key, 512-byte sectors")),
+        "{:?}",
+        srv.banner
+    );
+    let fresh = vec![Extent {
+        offset: 0,
+        length: payload,
+        flags: HOLE_ZERO,
+    }];
+    assert_eq!(srv.nbdinfo_map(), fresh, "cryptsetup's sparse image, fresh");
+    let written = 32 * MIB;
+    let mut model = pattern(0x1f, written as usize);
+    let mut c = raw::Client::connect(&srv.sock);
+    assert_eq!(c.size, payload);
+    for (i, chunk) in model.chunks(MIB as usize).enumerate() {
+        c.write(i as u64 * MIB, chunk);
+    }
+    // Sector (512) aligned and not file-system block aligned, misaligned
+    // at both ends, aligned.
+    let trims = [
+        (4 * MIB, 4 * MIB),
+        (12 * MIB + 512, MIB),
+        (20 * MIB + 100, 2 * MIB),
+        (30 * MIB - 700, 1500),
+    ];
+    for &(off, len) in &trims {
+        c.ok(raw::CMD_TRIM, 0, off, len as u32);
+        let (s, e) = inward(off, len, 512);
+        model[s as usize..e as usize].fill(0);
+    }
+    assert_same("read back", &c.read(0, written), &model);
+    drop(c);
+    srv.qemu_io(&[
+        format!("read -P 0 {} {}", 12 * MIB + 512, MIB),
+        format!("read -P 0 {} 512", 30 * MIB - 512),
+    ]);
+    // Holes are the image file's: whole 4096-byte blocks of the punched
+    // sectors (the partial blocks are zeroed, not freed), rounded to
+    // whole sectors; the never written tail is one too.
+    let holes = [
+        (4 * MIB, 8 * MIB),
+        (12 * MIB + SECTOR, 13 * MIB),
+        (20 * MIB + SECTOR, 22 * MIB),
+    ];
+    let want = expected_map(payload, &cut(&[(0, written)], &holes));
+    assert_eq!(srv.nbdinfo_map(), want, "the map after the trims");
+    srv.stop();
+    // Offline: the header is cryptsetup's, byte for byte, and still
+    // opens; the image's own holes are where the map said.
+    let image = std::fs::read(&img).unwrap();
+    assert!(
+        image[..data_at as usize] == header[..],
+        "the header changed"
+    );
+    run(cryptsetup().arg("luksDump").arg(&img));
+    run(cryptsetup()
+        .args(["open", "--test-passphrase", "--key-file"])
+        .arg(&pass)
+        .arg(&img));
+    let f = std::fs::File::open(&img).unwrap();
+    let in_file: Vec<(u64, u64)> = file_data(&f, data_at, 64 * MIB)
+        .into_iter()
+        .map(|(s, e)| (s - data_at, e - data_at))
+        .collect();
+    assert_eq!(expected_map(payload, &in_file), want, "the image's holes");
+    for &(off, len) in &trims {
+        let (s, e) = inward(off, len, 512);
+        let at = (data_at + s) as usize..(data_at + e) as usize;
+        assert!(
+            image[at].iter().all(|&b| b == 0),
+            "the ciphertext of {off} +{len} is zeros"
+        );
+    }
+    // The offline reader agrees on everything written and not discarded.
+    let plain = dir.join("plain.raw");
+    run(Command::new(BIN)
+        .args(["luks", "decrypt", "--yes"])
+        .arg(&img)
+        .arg(&plain)
+        .arg("--passphrase-file")
+        .arg(&pass));
+    let offline = std::fs::read(&plain).unwrap();
+    assert_eq!(offline.len() as u64, payload);
+    let mut kept = 0;
+    for (s, e) in data_sectors(&model, 512) {
+        assert_same(
+            &format!("offline {s}..{e}"),
+            &offline[s as usize..e as usize],
+            &model[s as usize..e as usize],
+        );
+        kept += e - s;
+    }
+    assert!(kept > 20 * MIB, "{kept}");
+}
