@@ -549,3 +549,376 @@ fn each_run_of_data_sectors_is_decrypted_in_one_call() {
     }
     alloc.leak_check().unwrap();
 }
+
+#[test]
+fn without_allow_discards_nothing_changes_and_zeroed_ciphertext_reads_as_garbage() {
+    let alloc = arena(32);
+    for ss in [512usize, 4096] {
+        for (what, backend, _tmp) in target_backends(&alloc) {
+            let what = format!("{what} / {ss}");
+            let (t, _) = target(&alloc, Arc::clone(&backend), ss, false);
+            assert!(!t.discards_allowed() && !t.can_punch_zeroes(), "{what}");
+            let data = pattern(64 * ss, 2);
+            t.write(0, &data).unwrap();
+            let s = ss as u64;
+            let e = t.discard(s, 4 * s).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::Unsupported, "{what}: {e}");
+            let e = t.punch_zeroes(s, 4 * s).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::Unsupported, "{what}: {e}");
+            let mut back = vec![0u8; data.len()];
+            t.read(0, &mut back).unwrap();
+            assert!(back == data, "{what}: a refused discard touched data");
+            // Zero ciphertext (punched below the target) decrypts, as in
+            // dm-crypt, to garbage.
+            backend.punch(8 * s, 2 * s).unwrap();
+            t.read(0, &mut back).unwrap();
+            for k in [8usize, 9] {
+                let sector = &back[k * ss..(k + 1) * ss];
+                assert!(sector.iter().any(|&b| b != 0), "{what}: sector {k}");
+                assert!(sector != &data[k * ss..(k + 1) * ss], "{what}");
+            }
+            assert!(back[..8 * ss] == data[..8 * ss] && back[10 * ss..] == data[10 * ss..]);
+            assert_eq!(t.stats().discards + t.stats().zero_punches, 0);
+        }
+    }
+    alloc.leak_check().unwrap();
+}
+
+/// A RAM disk that reports the holes it is given, at byte granularity,
+/// at most `chunk_bytes` of them per call (a hole then arrives in pieces
+/// over several calls, which the target must join).
+struct FakeHoles {
+    disk: RamDisk,
+    holes: Vec<(u64, u64)>,
+    chunk_bytes: u64,
+}
+
+impl Backend for FakeHoles {
+    fn size_bytes(&self) -> u64 {
+        self.disk.size_bytes()
+    }
+    fn write_at(&self, offset: u64, segments: &[&[u8]]) -> io::Result<()> {
+        self.disk.write_at(offset, segments)
+    }
+    fn read_at(&self, offset: u64, segments: &mut [&mut [u8]]) -> io::Result<()> {
+        self.disk.read_at(offset, segments)
+    }
+    fn flush(&self) -> io::Result<()> {
+        Ok(())
+    }
+    fn extents(&self, offset: u64, len: u64, max_extents: usize) -> io::Result<Vec<Extent>> {
+        iopages_crypt::backend::check_range(offset, len, self.size_bytes())?;
+        let end = offset + len.min(self.chunk_bytes);
+        let is_hole = |at: u64| self.holes.iter().any(|&(a, b)| a <= at && at < b);
+        let mut v: Vec<Extent> = Vec::new();
+        let mut at = offset;
+        while at < end {
+            let hole = is_hole(at);
+            let mut next = at + 1;
+            while next < end && is_hole(next) == hole {
+                next += 1;
+            }
+            if v.len() == max_extents {
+                break;
+            }
+            v.push(ext(next - at, hole));
+            at = next;
+        }
+        Ok(v)
+    }
+}
+
+#[test]
+fn target_extents_round_holes_inward_to_sectors_and_join_them_across_calls() {
+    let alloc = arena(16);
+    const SS: u64 = 4096;
+    for chunk_bytes in [u64::MAX, 3000, 5000] {
+        let fake = FakeHoles {
+            disk: RamDisk::new(64 * SS).unwrap(),
+            // Sector 0 partly, 1 wholly, 2 partly; 5..8 wholly; a hole
+            // inside sector 10; 12..14 wholly from two holes that touch;
+            // the last three sectors.
+            holes: vec![
+                (1000, 2 * SS + 5),
+                (5 * SS, 8 * SS),
+                (10 * SS + 10, 11 * SS - 10),
+                (12 * SS, 13 * SS - 100),
+                (13 * SS - 100, 14 * SS),
+                (61 * SS - 1, 64 * SS),
+            ],
+            chunk_bytes,
+        };
+        let (t, _) = target(&alloc, Arc::new(fake), SS as usize, true);
+        let all = t.extents(0, 64 * SS, 100).unwrap();
+        well_formed(&all);
+        assert_eq!(
+            all,
+            vec![
+                ext(SS, false),
+                ext(SS, true),
+                ext(3 * SS, false),
+                ext(3 * SS, true),
+                ext(4 * SS, false),
+                ext(2 * SS, true),
+                ext(47 * SS, false),
+                ext(3 * SS, true),
+            ],
+            "chunks of {chunk_bytes}"
+        );
+        // Bounded: the first three, covering less.
+        assert_eq!(
+            t.extents(0, 64 * SS, 3).unwrap(),
+            vec![ext(SS, false), ext(SS, true), ext(3 * SS, false)]
+        );
+        assert_eq!(t.extents(0, 64 * SS, 0).unwrap(), vec![ext(SS, false)]);
+        // From sector 6, a length that ends mid-sector: clipped to it, the
+        // last sector (13, a hole) classified whole.
+        assert_eq!(
+            t.extents(6 * SS, 7 * SS + 1, 100).unwrap(),
+            vec![ext(2 * SS, true), ext(4 * SS, false), ext(SS + 1, true)]
+        );
+        // A length past the end is clipped to the device; at the end,
+        // nothing; past it or off a sector edge, refused.
+        assert_eq!(
+            t.extents(60 * SS, 100 * SS, 100).unwrap(),
+            vec![ext(SS, false), ext(3 * SS, true)]
+        );
+        assert!(t.extents(64 * SS, 10, 4).unwrap().is_empty());
+        assert!(t.extents(5 * SS, 0, 4).unwrap().is_empty());
+        for off in [65 * SS, 512] {
+            let e = t.extents(off, SS, 4).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "{e}");
+        }
+    }
+    alloc.leak_check().unwrap();
+}
+
+#[test]
+fn target_extents_over_a_file_show_the_discarded_sectors() {
+    let alloc = arena(32);
+    for ss in [512usize, 4096] {
+        let tmp = TempFile::new(&target_tmp(), "extents");
+        let f = open_file(&tmp.0, DEV, DirectIo::Auto);
+        let bs = block_size(&tmp.0);
+        let (t, _) = target(&alloc, Arc::new(f), ss, true);
+        assert_eq!(t.extents(0, DEV, 8).unwrap(), vec![ext(DEV, true)]);
+        t.write(0, &pattern(DEV as usize, 4)).unwrap();
+        assert_eq!(t.extents(0, DEV, 8).unwrap(), vec![ext(DEV, false)]);
+        // Whole file-system blocks discarded: a hole of exactly them.
+        let discarded = t.discard(64 << 10, 32 << 10).unwrap();
+        assert_eq!(discarded, 32 << 10);
+        assert_eq!(
+            t.extents(0, DEV, 8).unwrap(),
+            vec![
+                ext(64 << 10, false),
+                ext(32 << 10, true),
+                ext(DEV - (96 << 10), false)
+            ],
+            "{ss}"
+        );
+        // Less than a file-system block: zeros, but no hole.
+        if bs > ss as u64 {
+            t.discard(256 << 10, ss as u64).unwrap();
+            let v = t.extents(256 << 10, 4096, 8).unwrap();
+            assert_eq!(v, vec![ext(4096, false)], "{ss}");
+            let mut one = vec![1u8; ss];
+            t.read(256 << 10, &mut one).unwrap();
+            assert!(one.iter().all(|&b| b == 0));
+        }
+        drop(t);
+    }
+    alloc.leak_check().unwrap();
+}
+
+/// A backend that cannot punch (the trait's defaults).
+struct NoPunch(RamDisk);
+
+impl Backend for NoPunch {
+    fn size_bytes(&self) -> u64 {
+        self.0.size_bytes()
+    }
+    fn write_at(&self, offset: u64, segments: &[&[u8]]) -> io::Result<()> {
+        self.0.write_at(offset, segments)
+    }
+    fn read_at(&self, offset: u64, segments: &mut [&mut [u8]]) -> io::Result<()> {
+        self.0.read_at(offset, segments)
+    }
+    fn flush(&self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn a_backend_that_cannot_punch_refuses_as_unsupported_after_checking_the_range() {
+    let alloc = arena(16);
+    let b = NoPunch(RamDisk::new(64 << 10).unwrap());
+    assert!(!b.can_punch());
+    assert_eq!(
+        b.punch(0, 4096).unwrap_err().kind(),
+        io::ErrorKind::Unsupported
+    );
+    assert_eq!(
+        b.discard(0, 4096).unwrap_err().kind(),
+        io::ErrorKind::Unsupported
+    );
+    assert_eq!(
+        b.punch(0, 1 << 20).unwrap_err().kind(),
+        io::ErrorKind::InvalidInput
+    );
+    assert_eq!(b.extents(10, 100, 0).unwrap(), vec![ext(100, false)]);
+    let (t, _) = target(&alloc, Arc::new(b), 512, true);
+    assert!(t.discards_allowed() && !t.can_punch_zeroes());
+    assert_eq!(
+        t.punch_zeroes(0, 512).unwrap_err().kind(),
+        io::ErrorKind::Unsupported
+    );
+    assert_eq!(
+        t.discard(0, 4096).unwrap_err().kind(),
+        io::ErrorKind::Unsupported
+    );
+    assert_eq!(
+        t.extents(0, 1 << 20, 4).unwrap(),
+        vec![ext(64 << 10, false)]
+    );
+    drop(t);
+    alloc.leak_check().unwrap();
+}
+
+// ---------------------------------------------------------------- model
+
+#[derive(Clone, Debug)]
+enum Op {
+    /// Write sectors `first..first + n` with a pattern from `seed`.
+    Write { first: u64, n: u64, seed: u64 },
+    /// Discard any byte range.
+    Discard { offset: u64, len: u64 },
+    /// Punch sectors `first..first + n` to zeros.
+    Punch { first: u64, n: u64 },
+}
+
+const MODEL_SECTORS_4K: u64 = 48;
+
+fn arb_op(sectors: u64, ss: u64) -> impl Strategy<Value = Op> {
+    prop_oneof![
+        (0..sectors, 1..17u64, any::<u64>()).prop_map(move |(first, n, seed)| Op::Write {
+            first,
+            n: n.min(sectors - first),
+            seed
+        }),
+        (0..sectors * ss, 0..20 * ss).prop_map(move |(offset, len)| Op::Discard {
+            offset,
+            len: len.min(sectors * ss - offset)
+        }),
+        (0..sectors, 1..9u64).prop_map(move |(first, n)| Op::Punch {
+            first,
+            n: n.min(sectors - first)
+        }),
+    ]
+}
+
+/// Run `ops` on a target with discards allowed over `backend` and on a
+/// model; every read of the target, whole and in pieces, matches it.
+fn check_against_model(kind: u8, ss: usize, ops: &[Op], reads: &[(u64, u64)]) {
+    let alloc = arena(32);
+    let (backend, _tmp, _memfd) = model_backend(&alloc, kind, MODEL_SECTORS_4K * 4096);
+    let s = ss as u64;
+    let size = backend.size_bytes();
+    let (t, _) = target(&alloc, backend, ss, true);
+    let mut model = vec![0u8; size as usize];
+    // From a device of encrypted zeros, as after a format: all data.
+    t.write(0, &model).unwrap();
+    for op in ops {
+        match *op {
+            Op::Write { first, n, seed } => {
+                let data = pattern((n * s) as usize, seed);
+                t.write(first * s, &data).unwrap();
+                model[(first * s) as usize..((first + n) * s) as usize].copy_from_slice(&data);
+            }
+            Op::Discard { offset, len } => {
+                let done = t.discard(offset, len).unwrap();
+                let a = offset.div_ceil(s) * s;
+                let b = (offset + len) / s * s;
+                assert_eq!(done, b.saturating_sub(a));
+                if b > a {
+                    model[a as usize..b as usize].fill(0);
+                }
+            }
+            Op::Punch { first, n } => {
+                t.punch_zeroes(first * s, n * s).unwrap();
+                model[(first * s) as usize..((first + n) * s) as usize].fill(0);
+            }
+        }
+    }
+    let mut back = vec![0u8; size as usize];
+    t.read(0, &mut back).unwrap();
+    assert!(back == model, "whole read");
+    for &(first, n) in reads {
+        let (first, n) = (first % (size / s), n.max(1));
+        let n = n.min(size / s - first);
+        let mut part = vec![7u8; (n * s) as usize];
+        t.read(first * s, &mut part).unwrap();
+        assert!(
+            part[..] == model[(first * s) as usize..((first + n) * s) as usize],
+            "read of {n} sectors at {first}"
+        );
+    }
+    // Every hole the target reports reads as zeros.
+    let mut at = 0;
+    for e in t.extents(0, size, usize::MAX).unwrap() {
+        if e.hole {
+            assert!(model[at as usize..(at + e.len_bytes) as usize]
+                .iter()
+                .all(|&b| b == 0));
+        }
+        at += e.len_bytes;
+    }
+    assert_eq!(at, size);
+    drop(t);
+    alloc.leak_check().unwrap();
+}
+
+fn model_backend(
+    alloc: &PageAllocator,
+    kind: u8,
+    size: u64,
+) -> (Arc<dyn Backend>, Option<TempFile>, Option<File>) {
+    match kind {
+        0 => (Arc::new(RamDisk::new(size).unwrap()), None, None),
+        3 => (Arc::new(PageStore::new(alloc, size).unwrap()), None, None),
+        1 => {
+            let t = TempFile::new(&target_tmp(), "model");
+            let f = open_file(&t.0, size, DirectIo::Auto);
+            (Arc::new(f), Some(t), None)
+        }
+        _ => {
+            // Buffered: large reads decrypt straight out of the mapping.
+            let (m, f) = sealed_memfd(size, DirectIo::Off);
+            (Arc::new(f), None, Some(m))
+        }
+    }
+}
+
+/// A sector size and operations on a device of `MODEL_SECTORS_4K` 4 KiB
+/// blocks with it.
+fn arb_case() -> impl Strategy<Value = (usize, Vec<Op>)> {
+    prop_oneof![Just(512usize), Just(4096usize)].prop_flat_map(|ss| {
+        let sectors = MODEL_SECTORS_4K * 4096 / ss as u64;
+        (
+            Just(ss),
+            proptest::collection::vec(arb_op(sectors, ss as u64), 1..24),
+        )
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    #[test]
+    fn random_writes_discards_and_punches_read_back_as_the_model_says(
+        kind in 0u8..4,
+        (ss, ops) in arb_case(),
+        reads in proptest::collection::vec((any::<u64>(), 1..40u64), 0..6),
+    ) {
+        check_against_model(kind, ss, &ops, &reads);
+    }
+}
