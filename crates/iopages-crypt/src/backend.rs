@@ -1,7 +1,8 @@
 //! Backends: where the crypt target's ciphertext lives.
 //!
 //! Owns: the [`Backend`] contract (positional reads and writes of whole
-//! buffers, flush) and two RAM disks: [`RamDisk`], which copies what it is
+//! buffers, flush; hole punches, discards and the allocation map as
+//! [`Extent`]s, refused by default) and two RAM disks: [`RamDisk`], which copies what it is
 //! given as the kernel's `brd` does, and [`PageStore`], which keeps the
 //! very pages a write hands it and gives back the pages they replace (no
 //! copy: the crypt target's out pages become the disk's pages); and
