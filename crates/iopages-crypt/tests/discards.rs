@@ -234,6 +234,34 @@ fn a_page_store_reports_its_empty_blocks_as_holes_clipped_to_the_range() {
     alloc.leak_check().unwrap();
 }
 
+#[test]
+fn a_page_store_punch_frees_whole_blocks_and_zeroes_partial_ones() {
+    let alloc = arena(16);
+    let s = PageStore::new(&alloc, 64 << 10).unwrap();
+    s.write_at(0, &[&[7u8; 4 * 4096]]).unwrap();
+    assert_eq!(s.stored_pages(), 4);
+    let used = alloc.stats().in_use_pages;
+    // Blocks 1 and 2 whole, block 0's last 100 bytes, block 3's first 100.
+    s.punch(4096 - 100, 2 * 4096 + 200).unwrap();
+    assert_eq!(s.stored_pages(), 2, "the whole blocks left their slots");
+    assert_eq!(
+        alloc.stats().in_use_pages,
+        used - 2,
+        "and their pages went back"
+    );
+    assert_eq!(
+        s.extents(0, 4 * 4096, 8).unwrap(),
+        vec![ext(4096, false), ext(2 * 4096, true), ext(4096, false)]
+    );
+    let mut back = vec![1u8; 4 * 4096];
+    s.read_at(0, &mut [&mut back]).unwrap();
+    assert!(back[..4096 - 100].iter().all(|&b| b == 7));
+    assert!(back[4096 - 100..3 * 4096 + 100].iter().all(|&b| b == 0));
+    assert!(back[3 * 4096 + 100..].iter().all(|&b| b == 7));
+    drop(s);
+    alloc.leak_check().unwrap();
+}
+
 /// The file system's allocation unit for the file at `path`.
 fn block_size(path: &Path) -> u64 {
     std::fs::metadata(path).unwrap().blksize().max(512)
