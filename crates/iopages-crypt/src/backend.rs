@@ -1,7 +1,8 @@
 //! Backends: where the crypt target's ciphertext lives.
 //!
 //! Owns: the [`Backend`] contract (positional reads and writes of whole
-//! buffers, flush) and two RAM disks: [`RamDisk`], which copies what it is
+//! buffers, flush; hole punches, discards and the allocation map as
+//! [`Extent`]s, refused by default) and two RAM disks: [`RamDisk`], which copies what it is
 //! given as the kernel's `brd` does, and [`PageStore`], which keeps the
 //! very pages a write hands it and gives back the pages they replace (no
 //! copy: the crypt target's out pages become the disk's pages); and
@@ -475,13 +476,20 @@ impl Backend for PageStore {
     /// it.
     fn punch(&self, offset: u64, len: u64) -> io::Result<()> {
         check_range(offset, len, self.size_bytes)?;
+        // Whole blocks give their pages back (the slot is empty again: a
+        // hole in `extents`); a partial head or tail block is zeroed in
+        // place. The pages are freed after the stripe locks are dropped.
+        let mut freed = FolioBuffer::new(&self.alloc);
         for (i, slot, off, n) in Self::blocks(offset, len as usize) {
             let mut stripe = self.stripes[i].write();
-            // An empty slot already reads as zeros.
-            if let Some(page) = stripe.page_bytes_mut(slot) {
+            if n == PAGE_SIZE {
+                stripe.take(slot, &mut freed).map_err(move_error)?;
+            } else if let Some(page) = stripe.page_bytes_mut(slot) {
+                // An empty slot already reads as zeros.
                 page[off..off + n].fill(0);
             }
         }
+        drop(freed);
         Ok(())
     }
 

@@ -12,6 +12,11 @@
 //! that owns them (`runs_mut`); a caller's reused out buffer is one too
 //! ([`CryptTarget::write_with_folios`]).
 //!
+//! With [`TargetConfig::allow_discards`] the target also discards and
+//! punches whole sectors out of the backend, and a sector whose ciphertext
+//! is all zero bytes (a hole) reads as plaintext zeros; without it the
+//! read path is dm-crypt's, unchanged.
+//!
 //! This is the synchronous core, safe to call from many threads at once;
 //! [`crate::queue::CryptQueue`] puts a queue depth and worker threads in
 //! front of it.

@@ -47,6 +47,11 @@
 //! [`DirectIo::Require`] it fails the open. (tmpfs refused `O_DIRECT` before
 //! Linux 6.6 and accepts it since.)
 //!
+//! Hole punches (`fallocate(PUNCH_HOLE | KEEP_SIZE)`), discards (a punch,
+//! or `BLKDISCARD` on a block device that cannot punch) and the file's
+//! data and holes (`lseek(SEEK_DATA / SEEK_HOLE)`) are plain system calls
+//! on the calling thread, outside the rings.
+//!
 //! Fixed buffers are pinned memory: without `CAP_IPC_LOCK` they count
 //! against `RLIMIT_MEMLOCK`, once per ring. A refused registration is
 //! recorded as a fallback and the plain opcodes are used.

@@ -5,7 +5,8 @@
 //! zeros, partial ones and everything else read back intact, holes are
 //! rounded inward to sectors, runs of data sectors are decrypted in one
 //! call, and random write / discard / punch sequences read back as a
-//! model says. Without `allow_discards` nothing changes.
+//! model says. Without `allow_discards` nothing changes. A loop device
+//! (as root) stands for a block device.
 
 use iopages::{HugePages, PageAllocator};
 use iopages_crypt::backend::{Backend, Extent, PageStore, RamDisk, Window};
@@ -233,6 +234,34 @@ fn a_page_store_reports_its_empty_blocks_as_holes_clipped_to_the_range() {
     alloc.leak_check().unwrap();
 }
 
+#[test]
+fn a_page_store_punch_frees_whole_blocks_and_zeroes_partial_ones() {
+    let alloc = arena(16);
+    let s = PageStore::new(&alloc, 64 << 10).unwrap();
+    s.write_at(0, &[&[7u8; 4 * 4096]]).unwrap();
+    assert_eq!(s.stored_pages(), 4);
+    let used = alloc.stats().in_use_pages;
+    // Blocks 1 and 2 whole, block 0's last 100 bytes, block 3's first 100.
+    s.punch(4096 - 100, 2 * 4096 + 200).unwrap();
+    assert_eq!(s.stored_pages(), 2, "the whole blocks left their slots");
+    assert_eq!(
+        alloc.stats().in_use_pages,
+        used - 2,
+        "and their pages went back"
+    );
+    assert_eq!(
+        s.extents(0, 4 * 4096, 8).unwrap(),
+        vec![ext(4096, false), ext(2 * 4096, true), ext(4096, false)]
+    );
+    let mut back = vec![1u8; 4 * 4096];
+    s.read_at(0, &mut [&mut back]).unwrap();
+    assert!(back[..4096 - 100].iter().all(|&b| b == 7));
+    assert!(back[4096 - 100..3 * 4096 + 100].iter().all(|&b| b == 0));
+    assert!(back[3 * 4096 + 100..].iter().all(|&b| b == 7));
+    drop(s);
+    alloc.leak_check().unwrap();
+}
+
 /// The file system's allocation unit for the file at `path`.
 fn block_size(path: &Path) -> u64 {
     std::fs::metadata(path).unwrap().blksize().max(512)
@@ -371,6 +400,103 @@ fn a_sealed_memfd_still_punches_and_its_mapping_reads_the_zeros() {
         }
         punch_contract(&f, &format!("memfd {direct:?}"));
     }
+}
+
+/// A loop device over a sparse file, detached when dropped.
+struct LoopDevice {
+    dev: PathBuf,
+    _file: TempFile,
+}
+
+impl LoopDevice {
+    /// `None` (after a `skipped` line) where loop devices cannot be set up
+    /// here: not root, no `losetup`, or the kernel refused.
+    fn new(size: u64, who: &str) -> Option<LoopDevice> {
+        // SAFETY: geteuid reads the caller's effective user id; no memory.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped {who}: loop devices need root");
+            return None;
+        }
+        let losetup = iopages_testkit::need_tool("losetup", who)?;
+        let file = TempFile::new(&target_tmp(), "loop");
+        std::fs::File::create(&file.0)
+            .unwrap()
+            .set_len(size)
+            .unwrap();
+        let out = std::process::Command::new(losetup)
+            .args(["--find", "--show"])
+            .arg(&file.0)
+            .output()
+            .unwrap();
+        if !out.status.success() {
+            eprintln!(
+                "skipped {who}: losetup failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+            return None;
+        }
+        let dev = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        Some(LoopDevice { dev, _file: file })
+    }
+}
+
+impl Drop for LoopDevice {
+    fn drop(&mut self) {
+        if let Some(losetup) = iopages_testkit::find_tool("losetup") {
+            let _ = std::process::Command::new(losetup)
+                .arg("-d")
+                .arg(&self.dev)
+                .status();
+        }
+    }
+}
+
+#[test]
+fn a_block_device_punches_discards_and_reports_everything_allocated() {
+    const SIZE: u64 = 1 << 20;
+    let Some(lo) = LoopDevice::new(SIZE, "the block device test") else {
+        return;
+    };
+    let f = UringFile::open(
+        &lo.dev,
+        UringOptions {
+            rings: 1,
+            ..UringOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(f.size_bytes(), SIZE);
+    assert!(f.can_punch());
+    assert_eq!(f.extents(0, SIZE, 4).unwrap(), vec![ext(SIZE, false)]);
+    // A loop device zeroes a punched range (it punches its file).
+    let data = pattern(SIZE as usize, 8);
+    f.write_at(0, &[&data]).unwrap();
+    f.punch(8192, 3 * 4096).unwrap();
+    let mut want = data.clone();
+    want[8192..8192 + 3 * 4096].fill(0);
+    assert!(read(&f, 0, SIZE as usize) == want);
+    // A discard: punched, or BLKDISCARD where the punch is refused; the
+    // range reads as zeros or as it was, the rest is untouched.
+    f.discard(64 << 10, 64 << 10).unwrap();
+    let back = read(&f, 0, SIZE as usize);
+    assert!(back[..64 << 10] == want[..64 << 10] && back[128 << 10..] == want[128 << 10..]);
+    let d = &back[64 << 10..128 << 10];
+    assert!(d.iter().all(|&b| b == 0) || d == &want[64 << 10..128 << 10]);
+    let e = f.punch(SIZE - 4096, 8192).unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "{e}");
+    drop(f);
+    let ro = UringFile::open(
+        &lo.dev,
+        UringOptions {
+            rings: 1,
+            read_only: true,
+            ..UringOptions::default()
+        },
+    )
+    .unwrap();
+    assert!(!ro.can_punch());
+    let e = ro.discard(0, 4096).unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{e}");
 }
 
 // ---------------------------------------------------------------- target
