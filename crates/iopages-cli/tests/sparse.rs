@@ -90,19 +90,24 @@ impl Served {
     }
 
     /// SIGTERM: the server must exit 0 after its last statistics line and
-    /// `stopped`, with nothing on stderr.
-    fn stop(mut self) {
+    /// `stopped`, with nothing on stderr. Returns that statistics line.
+    fn stop(mut self) -> String {
         let mut child = self.child.take().unwrap();
         let status = sigterm_and_wait(&mut child, "iopages serve");
         let rest: Vec<String> = self.lines.try_iter().collect();
         let err = std::fs::read_to_string(&self.stderr).unwrap_or_default();
         assert!(status.success(), "exited with {status}: {err}\n{rest:?}");
-        assert!(
-            rest.iter().any(|l| l.contains("out pages")),
-            "the last statistics line: {rest:?}"
-        );
         assert_eq!(rest.last().map(|l| l.as_str()), Some("stopped"), "{rest:?}");
         assert!(err.trim().is_empty(), "stderr: {err}");
+        rest.iter()
+            .find(|l| l.contains("out pages") && l.contains("| trim "))
+            .unwrap_or_else(|| panic!("the last statistics line: {rest:?}"))
+            .clone()
+    }
+
+    /// Whether the banner says discards are on.
+    fn discards_on(&self) -> bool {
+        self.banner.iter().any(|l| l.starts_with("discards: on"))
     }
 
     /// qemu-io's commands against the export; every one must succeed (a
@@ -280,6 +285,34 @@ fn cut(ranges: &[(u64, u64)], holes: &[(u64, u64)]) -> Vec<(u64, u64)> {
     out
 }
 
+/// The number right after `key` in a statistics line.
+fn counter(line: &str, key: &str) -> u64 {
+    let at = line
+        .find(key)
+        .unwrap_or_else(|| panic!("no {key:?} in {line}"));
+    let digits: String = line[at + key.len()..]
+        .chars()
+        .take_while(|c| c.is_ascii_digit())
+        .collect();
+    digits
+        .parse()
+        .unwrap_or_else(|_| panic!("no number after {key:?} in {line}"))
+}
+
+/// (TRIM requests, MiB discarded, WRITE_ZEROES requests, MiB punched by
+/// them, BLOCK_STATUS requests) of a statistics line.
+fn discard_counters(line: &str) -> (u64, u64, u64, u64, u64) {
+    let trims = counter(line, "| trim ");
+    let zeroes = counter(line, "write-zeroes ");
+    (
+        trims,
+        counter(line, &format!("trim {trims} (")),
+        zeroes,
+        counter(line, &format!("write-zeroes {zeroes} (")),
+        counter(line, "block status "),
+    )
+}
+
 /// The whole sectors inside `[off, off + len)`, as `[start, end)` (empty
 /// when there is none).
 fn inward(off: u64, len: u64, sector: u64) -> (u64, u64) {
@@ -325,11 +358,13 @@ mod raw {
     const CMD_DISC: u16 = 2;
     pub const CMD_TRIM: u16 = 4;
     pub const CMD_WRITE_ZEROES: u16 = 6;
+    pub const FLAG_FUA: u16 = 1 << 0;
     pub const FLAG_NO_HOLE: u16 = 1 << 1;
     pub const FLAG_FAST_ZERO: u16 = 1 << 4;
     pub const TFLAG_SEND_TRIM: u16 = 1 << 5;
     pub const TFLAG_SEND_WRITE_ZEROES: u16 = 1 << 6;
     pub const TFLAG_SEND_FAST_ZERO: u16 = 1 << 11;
+    pub const EPERM: u32 = 1;
     pub const ENOTSUP: u32 = 95;
 
     fn be16(b: &[u8]) -> u16 {
@@ -504,6 +539,7 @@ fn a_fresh_in_memory_volume_maps_as_one_hole_and_writes_map_as_data_sectors() {
     let dir = Dir::new("fresh");
     let size = 64 * MIB;
     let srv = Served::start(&dir, "s", &["--size", "64M", "--allow-discards"]);
+    assert!(srv.discards_on(), "{:?}", srv.banner);
     let info = srv.info();
     assert_eq!(info["export-size"], size, "{info}");
     assert!(
@@ -546,7 +582,10 @@ fn a_fresh_in_memory_volume_maps_as_one_hole_and_writes_map_as_data_sectors() {
     assert_eq!(want.len(), 5, "{want:?}");
     assert_eq!(srv.nbdinfo_map(), want, "nbdinfo after two writes");
     assert_eq!(srv.qemu_img_map(), want, "qemu-img after two writes");
-    srv.stop();
+    let line = srv.stop();
+    let (trims, _, zeroes, _, status) = discard_counters(&line);
+    assert_eq!((trims, zeroes), (0, 0), "{line}");
+    assert!(status >= 4, "four maps ask block status: {line}");
 }
 
 #[test]
@@ -557,6 +596,7 @@ fn without_allow_discards_everything_is_allocated_and_trim_keeps_the_data() {
     let dir = Dir::new("nodiscard");
     let size = 64 * MIB;
     let srv = Served::start(&dir, "s", &["--size", "64M"]);
+    assert!(!srv.discards_on(), "{:?}", srv.banner);
     let info = srv.info();
     assert_eq!(info["can_fast_zero"], false, "{info}");
     let all_data = vec![Extent {
@@ -601,7 +641,10 @@ fn without_allow_discards_everything_is_allocated_and_trim_keeps_the_data() {
     drop(c);
     assert_eq!(srv.nbdinfo_map(), all_data, "nbdinfo after discards");
     assert_eq!(srv.qemu_img_map(), all_data, "qemu-img after discards");
-    srv.stop();
+    let line = srv.stop();
+    let (trims, discarded, zeroes, punched, status) = discard_counters(&line);
+    assert!(trims >= 4 && zeroes >= 2 && status >= 4, "{line}");
+    assert_eq!((discarded, punched), (0, 0), "nothing punched: {line}");
 }
 
 #[test]
@@ -613,7 +656,10 @@ fn fstrim_like_discards_punch_whole_sectors_and_leave_their_neighbours() {
     let size = 64 * MIB;
     let span = 16 * MIB;
     let srv = Served::start(&dir, "s", &["--size", "64M", "--allow-discards"]);
-    srv.qemu_io(&[format!("write -P 0xab 0 {span}")]);
+    srv.qemu_io(&[
+        format!("write -P 0xab 0 {span}"),
+        format!("write -P 0xef {} {MIB}", size - MIB),
+    ]);
     let mut model = vec![0xabu8; span as usize];
     // Edge cases, then what a file system's fstrim sends: free ranges of
     // many sizes, at 4096 or 512 bytes or at any byte.
@@ -649,19 +695,23 @@ fn fstrim_like_discards_punch_whole_sectors_and_leave_their_neighbours() {
     }
     let mut c = raw::Client::connect(&srv.sock);
     assert_ne!(c.flags & raw::TFLAG_SEND_TRIM, 0, "{:#x}", c.flags);
+    // The bytes punched, request by request (overlaps counted again).
+    let mut punched = 0;
     for &(off, len) in &trims {
         c.ok(raw::CMD_TRIM, 0, off, len as u32);
         let (s, e) = inward(off, len, SECTOR);
         model[s as usize..e as usize].fill(0);
+        punched += e - s;
     }
     // qemu's discard too (qemu trims whole sectors only).
     srv.qemu_io(&[format!("discard {} {}", 15 * MIB + 10, MIB - 20)]);
     let (s, e) = inward(15 * MIB + 10, MIB - 20, SECTOR);
     model[s as usize..e as usize].fill(0);
+    punched += e - s;
     let zeroed = model.chunks(SECTOR as usize).filter(|c| c[0] == 0).count();
     assert!(zeroed > 100, "the trims zero {zeroed} sectors");
     assert_same("the trimmed span", &c.read(0, span), &model);
-    assert!(c.read(span, size - span).iter().all(|&b| b == 0));
+    assert!(c.read(span, size - span - MIB).iter().all(|&b| b == 0));
     drop(c);
     // Another client agrees on a few of them.
     srv.qemu_io(&[
@@ -674,9 +724,39 @@ fn fstrim_like_discards_punch_whole_sectors_and_leave_their_neighbours() {
         format!("read -P 0xab {} {SECTOR}", 8 * MIB),
         format!("read -P 0xab {} {SECTOR}", 8 * MIB + 2 * SECTOR),
     ]);
-    let want = expected_map(size, &data_sectors(&model, SECTOR as usize));
+    let mut data = data_sectors(&model, SECTOR as usize);
+    data.push((size - MIB, size));
+    let want = expected_map(size, &data);
     assert_eq!(srv.nbdinfo_map(), want, "the map after the trims");
-    srv.stop();
+    // The export's last bytes, misaligned; then all of it at once, with
+    // FUA, as mkfs and a whole-device fstrim do.
+    let mut c = raw::Client::connect(&srv.sock);
+    c.ok(
+        raw::CMD_TRIM,
+        0,
+        size - 3 * SECTOR - 100,
+        (3 * SECTOR + 100) as u32,
+    );
+    punched += 3 * SECTOR;
+    let mut tail = vec![0xefu8; MIB as usize];
+    tail[(MIB - 3 * SECTOR) as usize..].fill(0);
+    assert_same("the trimmed tail", &c.read(size - MIB, MIB), &tail);
+    c.ok(raw::CMD_TRIM, raw::FLAG_FUA, 0, size as u32);
+    punched += size;
+    assert!(c.read(0, size).iter().all(|&b| b == 0), "all trimmed");
+    drop(c);
+    let all_hole = vec![Extent {
+        offset: 0,
+        length: size,
+        flags: HOLE_ZERO,
+    }];
+    assert_eq!(srv.nbdinfo_map(), all_hole, "the map after trimming it all");
+    let line = srv.stop();
+    let (requests, discarded, _, _, _) = discard_counters(&line);
+    // qemu sends a misaligned discard's head and tail as TRIMs of their
+    // own: at least one request from it.
+    assert!(requests >= trims.len() as u64 + 3, "{line}");
+    assert_eq!(discarded, punched >> 20, "{line}");
 }
 
 #[test]
@@ -687,62 +767,66 @@ fn write_zeroes_punches_unless_no_hole_and_fast_zero_fails_fast_when_it_cannot()
     let dir = Dir::new("zeroes");
     let size = 64 * MIB;
     let srv = Served::start(&dir, "s", &["--size", "64M", "--allow-discards"]);
-    let k256 = 256 << 10;
+    let r = |m: u64, pat: u8| format!("read -P {pat:#x} {} {MIB}", m * MIB);
     srv.qemu_io(&[
-        format!("write -P 0xab 0 {}", 8 * MIB),
+        format!("write -P 0xab 0 {}", 12 * MIB),
         // NO_HOLE: encrypted zeros, allocated.
-        format!("write -z {MIB} {k256}"),
+        format!("write -z {MIB} {MIB}"),
         // May unmap: a hole.
-        format!("write -z -u {} {k256}", 3 * MIB),
-        // May unmap and no slow fallback (FAST_ZERO): a hole.
-        format!("write -z -u -n {} {k256}", 5 * MIB),
-        format!("read -P 0xab 0 {MIB}"),
-        format!("read -P 0 {MIB} {k256}"),
-        format!("read -P 0xab {} {}", MIB + k256, 2 * MIB - k256),
-        format!("read -P 0 {} {k256}", 3 * MIB),
-        format!("read -P 0xab {} {}", 3 * MIB + k256, 2 * MIB - k256),
-        format!("read -P 0 {} {k256}", 5 * MIB),
-        format!("read -P 0xab {} {}", 5 * MIB + k256, 3 * MIB - k256),
+        format!("write -z -u {} {MIB}", 3 * MIB),
+        // May unmap, and no slow fallback (FAST_ZERO): a hole.
+        format!("write -z -u -n {} {MIB}", 5 * MIB),
+        r(0, 0xab),
+        r(1, 0),
+        r(2, 0xab),
+        r(3, 0),
+        r(4, 0xab),
+        r(5, 0),
+        r(6, 0xab),
     ]);
-    // NO_HOLE and FAST_ZERO: it cannot punch, so ENOTSUP and nothing
+    // NO_HOLE and FAST_ZERO: it cannot punch, so ENOTSUP, and nothing
     // written.
-    let fast = srv.qemu_io_unchecked(&[format!("write -z -n {} {k256}", 7 * MIB)]);
+    let fast = srv.qemu_io_unchecked(&[format!("write -z -n {} {MIB}", 7 * MIB)]);
     let text = String::from_utf8_lossy(&fast.stdout);
     assert!(
         !fast.status.success() && text.contains("Operation not supported"),
         "{text}"
     );
-    srv.qemu_io(&[format!("read -P 0xab {} {k256}", 7 * MIB)]);
+    srv.qemu_io(&[r(7, 0xab)]);
     let mut c = raw::Client::connect(&srv.sock);
     let want_flags = raw::TFLAG_SEND_WRITE_ZEROES | raw::TFLAG_SEND_FAST_ZERO;
     assert_eq!(c.flags & want_flags, want_flags, "{:#x}", c.flags);
     let (e, _) = c.request(
         raw::CMD_WRITE_ZEROES,
         raw::FLAG_NO_HOLE | raw::FLAG_FAST_ZERO,
-        6 * MIB,
-        k256 as u32,
+        9 * MIB,
+        MIB as u32,
         &[],
     );
     assert_eq!(e, raw::ENOTSUP, "FAST_ZERO with NO_HOLE");
-    assert!(c.read(6 * MIB, k256).iter().all(|&b| b == 0xab));
+    assert!(c.read(9 * MIB, MIB).iter().all(|&b| b == 0xab));
     // FAST_ZERO alone punches.
     c.ok(
         raw::CMD_WRITE_ZEROES,
         raw::FLAG_FAST_ZERO,
-        6 * MIB,
-        k256 as u32,
+        9 * MIB,
+        MIB as u32,
     );
-    assert!(c.read(6 * MIB, k256).iter().all(|&b| b == 0));
+    assert!(c.read(9 * MIB, MIB).iter().all(|&b| b == 0));
+    assert!(c.read(10 * MIB, 2 * MIB).iter().all(|&b| b == 0xab));
     drop(c);
-    let punched: Vec<(u64, u64)> = [3 * MIB, 5 * MIB, 6 * MIB]
+    let punched: Vec<(u64, u64)> = [3, 5, 9]
         .iter()
-        .map(|&h| (h, h + k256))
+        .map(|&m| (m * MIB, (m + 1) * MIB))
         .collect();
-    let want = expected_map(size, &cut(&[(0, 8 * MIB)], &punched));
+    let want = expected_map(size, &cut(&[(0, 12 * MIB)], &punched));
     assert_eq!(want.len(), 8, "{want:?}");
     assert_eq!(srv.nbdinfo_map(), want, "nbdinfo after the zeroes");
     assert_eq!(srv.qemu_img_map(), want, "qemu-img after the zeroes");
-    srv.stop();
+    let line = srv.stop();
+    let (_, _, zeroes, punched_mib, _) = discard_counters(&line);
+    assert!(zeroes >= 4, "{line}");
+    assert_eq!(punched_mib, 3, "three punched, NO_HOLE not: {line}");
 }
 
 /// Where the blocks of `f` are allocated: its data extents `[start,
@@ -801,8 +885,16 @@ fn a_mostly_empty_volume_copies_into_sparse_files_with_qemu_img_and_nbdcopy() {
         .arg(&by_qemu));
     let by_nbdcopy = dir.join("nbdcopy.raw");
     run(Command::new("nbdcopy").arg(&srv.uri).arg(&by_nbdcopy));
-    srv.stop();
-    for p in [&by_qemu, &by_nbdcopy] {
+    // Every byte read, holes too (answered as holes in structured
+    // replies); nbdcopy still leaves the zero blocks out.
+    let every_byte = dir.join("every-byte.raw");
+    run(Command::new("nbdcopy")
+        .arg("--no-extents")
+        .arg(&srv.uri)
+        .arg(&every_byte));
+    let line = srv.stop();
+    assert!(discard_counters(&line).4 >= 2, "block status asked: {line}");
+    for p in [&by_qemu, &by_nbdcopy, &every_byte] {
         let name = p.file_name().unwrap().to_string_lossy().into_owned();
         let got = std::fs::read(p).unwrap();
         assert_same(&name, &got, &expected);
@@ -913,7 +1005,36 @@ fn a_cryptsetup_luks2_image_keeps_its_header_and_data_and_gets_holes_where_disca
     ];
     let want = expected_map(payload, &cut(&[(0, written)], &holes));
     assert_eq!(srv.nbdinfo_map(), want, "the map after the trims");
-    srv.stop();
+    let line = srv.stop();
+    let punched: u64 = trims
+        .iter()
+        .map(|&(o, l)| {
+            let (s, e) = inward(o, l, 512);
+            e - s
+        })
+        .sum();
+    assert_eq!(discard_counters(&line).1, punched >> 20, "{line}");
+    // Served again read-only: the same map and contents, and TRIM refused.
+    let ro = Served::start(
+        &dir,
+        "ro",
+        &[
+            "--image",
+            img.to_str().unwrap(),
+            "--passphrase-file",
+            pass.to_str().unwrap(),
+            "--allow-discards",
+            "--read-only",
+        ],
+    );
+    assert_eq!(ro.nbdinfo_map(), want, "the map, read-only");
+    let mut c = raw::Client::connect(&ro.sock);
+    assert_same("read back read-only", &c.read(0, written), &model);
+    assert!(c.read(written, payload - written).iter().all(|&b| b == 0));
+    let (e, _) = c.request(raw::CMD_TRIM, 0, 0, MIB as u32, &[]);
+    assert_eq!(e, raw::EPERM, "TRIM on a read-only export");
+    drop(c);
+    ro.stop();
     // Offline: the header is cryptsetup's, byte for byte, and still
     // opens; the image's own holes are where the map said.
     let image = std::fs::read(&img).unwrap();
