@@ -766,7 +766,18 @@ fn write_zeroes_punches_unless_no_hole_and_fast_zero_fails_fast_when_it_cannot()
     }
     let dir = Dir::new("zeroes");
     let size = 64 * MIB;
-    let srv = Served::start(&dir, "s", &["--size", "64M", "--allow-discards"]);
+    let json = dir.join("stats.json");
+    let srv = Served::start(
+        &dir,
+        "s",
+        &[
+            "--size",
+            "64M",
+            "--allow-discards",
+            "--stats-json",
+            json.to_str().unwrap(),
+        ],
+    );
     let r = |m: u64, pat: u8| format!("read -P {pat:#x} {} {MIB}", m * MIB);
     srv.qemu_io(&[
         format!("write -P 0xab 0 {}", 12 * MIB),
@@ -827,6 +838,12 @@ fn write_zeroes_punches_unless_no_hole_and_fast_zero_fails_fast_when_it_cannot()
     let (_, _, zeroes, punched_mib, _) = discard_counters(&line);
     assert!(zeroes >= 4, "{line}");
     assert_eq!(punched_mib, 3, "three punched, NO_HOLE not: {line}");
+    // Both NO_HOLE and FAST_ZERO requests, qemu's and ours, reached the
+    // server and were refused there.
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["write_zeroes"]["errors"], 2, "{v}");
+    assert_eq!(v["write_zeroes"]["requests"], zeroes, "{v}");
 }
 
 /// Where the blocks of `f` are allocated: its data extents `[start,
@@ -1081,4 +1098,86 @@ fn a_cryptsetup_luks2_image_keeps_its_header_and_data_and_gets_holes_where_disca
         kept += e - s;
     }
     assert!(kept > 20 * MIB, "{kept}");
+}
+
+#[test]
+fn a_luks1_payload_off_the_file_system_blocks_maps_the_files_holes_in_whole_sectors() {
+    if !tools(&["cryptsetup", "nbdinfo", "qemu-io"]) {
+        return;
+    }
+    let dir = Dir::new("luks1");
+    let pass = dir.join("pass");
+    std::fs::write(&pass, b"sparse luks1").unwrap();
+    let img = dir.join("luks1.img");
+    std::fs::File::create(&img)
+        .unwrap()
+        .set_len(32 * MIB)
+        .unwrap();
+    // The payload 512 bytes past a 4096-byte block: every hole of the
+    // file is off the volume's 4096-byte boundaries.
+    run(cryptsetup()
+        .args(["luksFormat", "--type", "luks1", "--align-payload", "4097"])
+        .args(["--hash", "sha256", "--pbkdf-force-iterations", "1000"])
+        .args(["--batch-mode", "--key-file"])
+        .arg(&pass)
+        .arg(&img));
+    let data_at = 4097 * 512;
+    let payload = 32 * MIB - data_at;
+    let srv = Served::start(
+        &dir,
+        "s",
+        &[
+            "--image",
+            img.to_str().unwrap(),
+            "--passphrase-file",
+            pass.to_str().unwrap(),
+            "--allow-discards",
+        ],
+    );
+    assert!(
+        srv.banner
+            .iter()
+            .any(|l| l.contains(&format!("at offset {data_at}"))),
+        "{:?}",
+        srv.banner
+    );
+    // The image's data extents in payload bytes, each grown to whole
+    // sectors (so its holes shrink to them).
+    let file_map = || {
+        let f = std::fs::File::open(&img).unwrap();
+        let d: Vec<(u64, u64)> = file_data(&f, data_at, 32 * MIB)
+            .into_iter()
+            .map(|(s, e)| outward(s - data_at, e - s, 512))
+            .collect();
+        expected_map(payload, &d)
+    };
+    assert_eq!(srv.nbdinfo_map(), file_map(), "fresh");
+    let mut model = pattern(0x2b, 8 * MIB as usize);
+    let mut c = raw::Client::connect(&srv.sock);
+    for (i, chunk) in model.chunks(MIB as usize).enumerate() {
+        c.write(i as u64 * MIB, chunk);
+    }
+    for (off, len) in [(MIB, 2 * MIB), (5 * MIB + 700, 300 << 10)] {
+        c.ok(raw::CMD_TRIM, 0, off, len as u32);
+        let (s, e) = inward(off, len, 512);
+        model[s as usize..e as usize].fill(0);
+    }
+    assert_same("read back", &c.read(0, 8 * MIB), &model);
+    drop(c);
+    srv.qemu_io(&[format!("read -P 0 {MIB} {}", 2 * MIB)]);
+    let map = srv.nbdinfo_map();
+    assert_eq!(map, file_map(), "after the trims");
+    // Each trimmed range holds a hole: its 4096-byte file blocks less the
+    // 512 bytes the payload is off them.
+    for (s, e) in [
+        (MIB + SECTOR - 512, 3 * MIB - 512),
+        (5 * MIB + SECTOR - 512, 5 * MIB + (300 << 10) - 512),
+    ] {
+        assert!(
+            map.iter()
+                .any(|x| x.flags == HOLE_ZERO && x.offset == s && x.offset + x.length == e),
+            "a hole at {s}..{e}: {map:?}"
+        );
+    }
+    srv.stop();
 }
