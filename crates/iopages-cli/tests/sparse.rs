@@ -105,6 +105,23 @@ impl Served {
             .clone()
     }
 
+    /// Bytes allocated to the in-memory volume: its memfd's blocks, seen
+    /// through /proc.
+    fn volume_bytes(&self) -> u64 {
+        let fds = format!("/proc/{}/fd", self.child.as_ref().unwrap().id());
+        let mut names = Vec::new();
+        for e in std::fs::read_dir(&fds).unwrap() {
+            let p = e.unwrap().path();
+            let name = std::fs::read_link(&p).unwrap_or_default();
+            let name = name.to_string_lossy().into_owned();
+            if name.starts_with("/memfd:") && name.contains("volume") {
+                return std::fs::metadata(&p).unwrap().blocks() * 512;
+            }
+            names.push(name);
+        }
+        panic!("no memfd of the volume among {names:?}");
+    }
+
     /// Whether the banner says discards are on.
     fn discards_on(&self) -> bool {
         self.banner.iter().any(|l| l.starts_with("discards: on"))
@@ -606,8 +623,10 @@ fn without_allow_discards_everything_is_allocated_and_trim_keeps_the_data() {
     }];
     assert_eq!(srv.nbdinfo_map(), all_data, "nbdinfo, fresh");
     assert_eq!(srv.qemu_img_map(), all_data, "qemu-img, fresh");
+    srv.qemu_io(&[format!("write -P 0xab 0 {}", 8 * MIB)]);
+    let before = srv.volume_bytes();
+    assert!(before >= 8 * MIB, "{before}");
     srv.qemu_io(&[
-        format!("write -P 0xab 0 {}", 8 * MIB),
         format!("discard 0 {}", 2 * MIB),
         format!("discard {} {}", 4 * MIB, 4 * MIB),
         format!("read -P 0xab 0 {}", 8 * MIB),
@@ -639,6 +658,8 @@ fn without_allow_discards_everything_is_allocated_and_trim_keeps_the_data() {
     let never = c.read(40 * MIB, SECTOR);
     assert!(never.iter().any(|&x| x != 0), "never written reads zeros");
     drop(c);
+    // Encrypted zeros take memory: 2 MiB more, none given back.
+    assert_eq!(srv.volume_bytes(), before + 2 * MIB);
     assert_eq!(srv.nbdinfo_map(), all_data, "nbdinfo after discards");
     assert_eq!(srv.qemu_img_map(), all_data, "qemu-img after discards");
     let line = srv.stop();
@@ -656,6 +677,9 @@ fn fstrim_like_discards_punch_whole_sectors_and_leave_their_neighbours() {
     let size = 64 * MIB;
     let span = 16 * MIB;
     let srv = Served::start(&dir, "s", &["--size", "64M", "--allow-discards"]);
+    // The memory of a fresh volume: its header's.
+    let header = srv.volume_bytes();
+    assert!(header < size, "{header}");
     srv.qemu_io(&[
         format!("write -P 0xab 0 {span}"),
         format!("write -P 0xef {} {MIB}", size - MIB),
@@ -741,8 +765,12 @@ fn fstrim_like_discards_punch_whole_sectors_and_leave_their_neighbours() {
     let mut tail = vec![0xefu8; MIB as usize];
     tail[(MIB - 3 * SECTOR) as usize..].fill(0);
     assert_same("the trimmed tail", &c.read(size - MIB, MIB), &tail);
+    let before = srv.volume_bytes();
+    assert!(before > header + 8 * MIB, "{before} bytes of memory before");
     c.ok(raw::CMD_TRIM, raw::FLAG_FUA, 0, size as u32);
     punched += size;
+    // The memory goes back: what is left is the header's.
+    assert_eq!(srv.volume_bytes(), header, "memory after (from {before})");
     assert!(c.read(0, size).iter().all(|&b| b == 0), "all trimmed");
     drop(c);
     let all_hole = vec![Extent {
