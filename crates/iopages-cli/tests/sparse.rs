@@ -1209,3 +1209,143 @@ fn a_luks1_payload_off_the_file_system_blocks_maps_the_files_holes_in_whole_sect
     }
     srv.stop();
 }
+
+/// A volume's expected content and which of its 4096-byte blocks (the
+/// file system's, or the memfd's pages) hold data.
+struct Model {
+    bytes: Vec<u8>,
+    allocated: Vec<bool>,
+}
+
+impl Model {
+    /// Bytes `[s, e)` written: allocated in every block they touch.
+    fn write(&mut self, s: u64, data: &[u8]) {
+        self.bytes[s as usize..s as usize + data.len()].copy_from_slice(data);
+        let (a, b) = outward(s, data.len() as u64, SECTOR);
+        self.allocated[(a / SECTOR) as usize..(b / SECTOR) as usize].fill(true);
+    }
+
+    /// Bytes `[s, e)` punched: zeros, and the blocks wholly inside freed.
+    fn punch(&mut self, s: u64, e: u64) {
+        self.bytes[s as usize..e as usize].fill(0);
+        let (a, b) = inward(s, e - s, SECTOR);
+        self.allocated[(a / SECTOR) as usize..(b / SECTOR) as usize].fill(false);
+    }
+
+    fn map(&self) -> Vec<Extent> {
+        let data: Vec<(u64, u64)> = (0..self.allocated.len() as u64)
+            .filter(|&i| self.allocated[i as usize])
+            .map(|i| (i * SECTOR, (i + 1) * SECTOR))
+            .collect();
+        expected_map(self.bytes.len() as u64, &data)
+    }
+}
+
+/// Random writes, TRIMs (any bytes), WRITE_ZEROES (every flag mix) and
+/// reads on `srv`'s volume of `sector`-byte sectors against a model; the
+/// map at the end must be the model's.
+fn random_ops(srv: &Served, sector: u64, seed: u32) {
+    let mut c = raw::Client::connect(&srv.sock);
+    let size = c.size;
+    let mut m = Model {
+        bytes: vec![0; size as usize],
+        allocated: vec![false; (size / SECTOR) as usize],
+    };
+    assert_eq!(srv.nbdinfo_map(), m.map(), "fresh");
+    let mut x = seed | 1;
+    let mut next = |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        u64::from(x) % n
+    };
+    for i in 0..300 {
+        let sectors = size / sector;
+        let at = next(sectors);
+        let n = (1 + next(64)).min(sectors - at);
+        let (off, len) = (at * sector, n * sector);
+        match next(4) {
+            0 => {
+                let data = pattern(seed ^ i, len as usize);
+                c.write(off, &data);
+                m.write(off, &data);
+            }
+            1 => {
+                // Any bytes: the whole sectors inside are punched.
+                let off = next(size - 1);
+                let len = 1 + next((size - off).min(300_000));
+                c.ok(raw::CMD_TRIM, 0, off, len as u32);
+                let (s, e) = inward(off, len, sector);
+                if s < e {
+                    m.punch(s, e);
+                }
+            }
+            2 => {
+                let flags = [
+                    0,
+                    raw::FLAG_NO_HOLE,
+                    raw::FLAG_FAST_ZERO,
+                    raw::FLAG_NO_HOLE | raw::FLAG_FAST_ZERO,
+                ][next(4) as usize];
+                let (e, _) = c.request(raw::CMD_WRITE_ZEROES, flags, off, len as u32, &[]);
+                if flags == raw::FLAG_NO_HOLE | raw::FLAG_FAST_ZERO {
+                    assert_eq!(e, raw::ENOTSUP, "op {i}");
+                } else if flags & raw::FLAG_NO_HOLE != 0 {
+                    assert_eq!(e, 0, "op {i}");
+                    m.write(off, &vec![0; len as usize]);
+                } else {
+                    assert_eq!(e, 0, "op {i}");
+                    m.punch(off, off + len);
+                }
+            }
+            _ => assert_same(
+                &format!("op {i}: read {off} +{len}"),
+                &c.read(off, len),
+                &m.bytes[off as usize..(off + len) as usize],
+            ),
+        }
+    }
+    assert_same("the whole volume", &c.read(0, size), &m.bytes);
+    drop(c);
+    let want = m.map();
+    assert!(want.len() > 10, "holes and data: {want:?}");
+    assert_eq!(srv.nbdinfo_map(), want, "the map after the random ops");
+}
+
+#[test]
+fn random_writes_trims_and_zeroes_match_a_model_in_memory_and_in_a_file_direct_and_buffered() {
+    if !tools(&["nbdinfo"]) {
+        return;
+    }
+    let dir = Dir::new("random");
+    let srv = Served::start(&dir, "mem", &["--size", "16M", "--allow-discards"]);
+    random_ops(&srv, SECTOR, 11);
+    srv.stop();
+    let pass = dir.join("pass");
+    std::fs::write(&pass, b"random ops").unwrap();
+    for (i, io) in ["direct", "buffered"].into_iter().enumerate() {
+        let img = dir.join(&format!("{io}.img"));
+        run(Command::new(BIN)
+            .args(["luks", "format"])
+            .arg(&img)
+            .args(["--size", "16M", "--sector-size", "512"])
+            .args(["--pbkdf", "pbkdf2", "--iterations", "1000"])
+            .arg("--passphrase-file")
+            .arg(&pass));
+        let srv = Served::start(
+            &dir,
+            io,
+            &[
+                "--image",
+                img.to_str().unwrap(),
+                "--passphrase-file",
+                pass.to_str().unwrap(),
+                "--allow-discards",
+                "--io",
+                io,
+            ],
+        );
+        random_ops(&srv, 512, 12 + i as u32);
+        srv.stop();
+    }
+}
