@@ -4,7 +4,10 @@
 //! discard and zero ranges (misaligned ones, FAST_ZERO with and without
 //! NO_HOLE), qemu-img convert and nbdcopy copy a mostly empty volume into
 //! sparse files, and a cryptsetup-made LUKS2 image keeps its header and
-//! its data, with holes where it was discarded.
+//! its data, with holes where it was discarded. Random requests against a
+//! model of content and allocation, and four connections punching and
+//! writing neighbouring sectors at once, in memory and in image files
+//! (O_DIRECT and buffered).
 //!
 //! Every server is a real `iopages serve` process on a Unix socket,
 //! stopped with SIGTERM (which must flush, print its last statistics line
@@ -1346,6 +1349,101 @@ fn random_writes_trims_and_zeroes_match_a_model_in_memory_and_in_a_file_direct_a
             ],
         );
         random_ops(&srv, 512, 12 + i as u32);
+        srv.stop();
+    }
+}
+
+/// Four connections at once, each owning every fourth sector of a 4 MiB
+/// volume of `sector`-byte sectors: single-sector writes, TRIMs and
+/// WRITE_ZEROES (punching or not), so neighbours in one 4096-byte block
+/// are written and punched concurrently. Each checks its own sectors as
+/// it goes; at the end the volume must be the four models interleaved.
+fn concurrent_neighbours(srv: &Served, sector: u64) {
+    let size = 4 * MIB;
+    let workers: Vec<_> = (0..4u64)
+        .map(|t| {
+            let sock = srv.sock.clone();
+            std::thread::spawn(move || {
+                let mut c = raw::Client::connect(&sock);
+                let mut model = vec![0u8; size as usize];
+                let mut x = 77 + t as u32;
+                let mut next = |n: u64| {
+                    x ^= x << 13;
+                    x ^= x >> 17;
+                    x ^= x << 5;
+                    u64::from(x) % n
+                };
+                for i in 0..1500u32 {
+                    let off = (next(size / sector / 4) * 4 + t) * sector;
+                    let r = off as usize..(off + sector) as usize;
+                    match next(3) {
+                        0 => {
+                            let d = pattern(i * 4 + t as u32 + 1, sector as usize);
+                            c.write(off, &d);
+                            model[r].copy_from_slice(&d);
+                        }
+                        1 => {
+                            c.ok(raw::CMD_TRIM, 0, off, sector as u32);
+                            model[r].fill(0);
+                        }
+                        _ => {
+                            let f = [0, raw::FLAG_NO_HOLE][next(2) as usize];
+                            c.ok(raw::CMD_WRITE_ZEROES, f, off, sector as u32);
+                            model[r].fill(0);
+                        }
+                    }
+                    if i % 16 == 0 {
+                        let r = off as usize..(off + sector) as usize;
+                        assert!(c.read(off, sector) == model[r], "connection {t}, op {i}");
+                    }
+                }
+                model
+            })
+        })
+        .collect();
+    let mut want = vec![0u8; size as usize];
+    for (t, w) in workers.into_iter().enumerate() {
+        let model = w.join().expect("a connection's checks");
+        for s in (t as u64..size / sector).step_by(4) {
+            let r = (s * sector) as usize..((s + 1) * sector) as usize;
+            want[r.clone()].copy_from_slice(&model[r]);
+        }
+    }
+    let mut c = raw::Client::connect(&srv.sock);
+    assert_same("the interleaved sectors", &c.read(0, size), &want);
+}
+
+#[test]
+fn concurrent_writes_and_punches_of_neighbouring_sectors_keep_each_others_data() {
+    let dir = Dir::new("neighbours");
+    let srv = Served::start(&dir, "mem", &["--size", "4M", "--allow-discards"]);
+    concurrent_neighbours(&srv, SECTOR);
+    srv.stop();
+    let pass = dir.join("pass");
+    std::fs::write(&pass, b"neighbours").unwrap();
+    for io in ["direct", "buffered"] {
+        let img = dir.join(&format!("{io}.img"));
+        run(Command::new(BIN)
+            .args(["luks", "format"])
+            .arg(&img)
+            .args(["--size", "4M", "--sector-size", "512"])
+            .args(["--pbkdf", "pbkdf2", "--iterations", "1000"])
+            .arg("--passphrase-file")
+            .arg(&pass));
+        let srv = Served::start(
+            &dir,
+            io,
+            &[
+                "--image",
+                img.to_str().unwrap(),
+                "--passphrase-file",
+                pass.to_str().unwrap(),
+                "--allow-discards",
+                "--io",
+                io,
+            ],
+        );
+        concurrent_neighbours(&srv, 512);
         srv.stop();
     }
 }
