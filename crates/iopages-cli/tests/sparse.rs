@@ -1447,3 +1447,44 @@ fn concurrent_writes_and_punches_of_neighbouring_sectors_keep_each_others_data()
         srv.stop();
     }
 }
+
+#[test]
+fn qemu_img_convert_into_a_used_volume_leaves_holes_where_the_source_has_them() {
+    if !tools(&["nbdinfo", "nbdcopy", "qemu-img", "qemu-io"]) {
+        return;
+    }
+    let dir = Dir::new("convert-in");
+    let size = 32 * MIB;
+    let srv = Served::start(&dir, "s", &["--size", "32M", "--allow-discards"]);
+    srv.qemu_io(&[format!("write -P 0xab 0 {size}")]);
+    // A sparse source of the volume's size with two regions of data.
+    let src = dir.join("src.raw");
+    let f = std::fs::File::create(&src).unwrap();
+    f.set_len(size).unwrap();
+    let regions = [(3 * MIB, 3 * MIB + 40960), (20 * MIB, 22 * MIB)];
+    for (i, &(s, e)) in regions.iter().enumerate() {
+        use std::os::unix::fs::FileExt;
+        f.write_all_at(&pattern(i as u32 + 40, (e - s) as usize), s)
+            .unwrap();
+    }
+    drop(f);
+    // -n: the volume is there, and not known to be zeros.
+    run(Command::new("qemu-img")
+        .args(["convert", "-n", "-f", "raw", "-O", "raw"])
+        .arg(&src)
+        .arg(&srv.uri));
+    assert_eq!(srv.nbdinfo_map(), expected_map(size, &regions));
+    let back = dir.join("back.raw");
+    run(Command::new("nbdcopy").arg(&srv.uri).arg(&back));
+    assert_same(
+        "the volume after the convert",
+        &std::fs::read(&back).unwrap(),
+        &std::fs::read(&src).unwrap(),
+    );
+    let line = srv.stop();
+    let (_, _, _, punched, _) = discard_counters(&line);
+    assert!(
+        punched >= 29,
+        "qemu-img zeroed the rest by punching: {line}"
+    );
+}
