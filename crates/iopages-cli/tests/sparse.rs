@@ -1488,3 +1488,64 @@ fn qemu_img_convert_into_a_used_volume_leaves_holes_where_the_source_has_them() 
         "qemu-img zeroed the rest by punching: {line}"
     );
 }
+
+#[test]
+fn zeros_written_with_no_hole_are_encrypted_and_read_as_zeros_without_allow_discards() {
+    let dir = Dir::new("nohole");
+    let pass = dir.join("pass");
+    std::fs::write(&pass, b"no hole").unwrap();
+    let img = dir.join("v.img");
+    run(Command::new(BIN)
+        .args(["luks", "format"])
+        .arg(&img)
+        .args(["--size", "8M", "--sector-size", "512"])
+        .args(["--pbkdf", "pbkdf2", "--iterations", "1000"])
+        .arg("--passphrase-file")
+        .arg(&pass));
+    let data_at = std::fs::metadata(&img).unwrap().len() - 8 * MIB;
+    let serve = |name: &str, discards: bool| {
+        let mut args = vec![
+            "--image",
+            img.to_str().unwrap(),
+            "--passphrase-file",
+            pass.to_str().unwrap(),
+        ];
+        if discards {
+            args.push("--allow-discards");
+        }
+        Served::start(&dir, name, &args)
+    };
+    let srv = serve("on", true);
+    let mut c = raw::Client::connect(&srv.sock);
+    let data = pattern(0x77, 4 * MIB as usize);
+    c.write(0, &data);
+    // NO_HOLE: encrypted zeros; without: a punch; and a TRIM.
+    c.ok(raw::CMD_WRITE_ZEROES, raw::FLAG_NO_HOLE, MIB, MIB as u32);
+    c.ok(raw::CMD_WRITE_ZEROES, 0, 2 * MIB, MIB as u32);
+    c.ok(raw::CMD_TRIM, 0, 3 * MIB, MIB as u32);
+    assert!(c.read(MIB, 3 * MIB).iter().all(|&b| b == 0));
+    drop(c);
+    srv.stop();
+    let image = std::fs::read(&img).unwrap();
+    let cipher = |m: u64| &image[(data_at + m * MIB) as usize..(data_at + (m + 1) * MIB) as usize];
+    assert!(
+        cipher(1).chunks(512).all(|s| s.iter().any(|&b| b != 0)),
+        "every sector zeroed with NO_HOLE has ciphertext"
+    );
+    assert!(cipher(2).iter().chain(cipher(3)).all(|&b| b == 0));
+    // Without the flag: the encrypted zeros still read as zeros, and the
+    // punched sectors decrypt as any other ciphertext (not as zeros).
+    let srv = serve("off", false);
+    let mut c = raw::Client::connect(&srv.sock);
+    assert!(c.read(0, MIB) == data[..MIB as usize], "the data");
+    assert!(c.read(MIB, MIB).iter().all(|&b| b == 0), "NO_HOLE zeros");
+    for m in [2, 3] {
+        let got = c.read(m * MIB, MIB);
+        assert!(
+            got.chunks(512).all(|s| s.iter().any(|&b| b != 0)),
+            "a punched sector at {m} MiB reads as zeros without --allow-discards"
+        );
+    }
+    drop(c);
+    srv.stop();
+}
