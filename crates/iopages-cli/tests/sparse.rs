@@ -3,8 +3,10 @@
 //! `base:allocation`), qemu-io and a small raw NBD client of this file
 //! discard and zero ranges (misaligned ones, FAST_ZERO with and without
 //! NO_HOLE), qemu-img convert and nbdcopy copy a mostly empty volume into
-//! sparse files, and a cryptsetup-made LUKS2 image keeps its header and
-//! its data, with holes where it was discarded. Random requests against a
+//! sparse files (and qemu-img convert -n into a used one), a
+//! cryptsetup-made LUKS2 image keeps its header and its data, with holes
+//! where it was discarded, and zeros written with NO_HOLE are ciphertext
+//! that reads as zeros without the flag too. Random requests against a
 //! model of content and allocation, and four connections punching and
 //! writing neighbouring sectors at once, in memory and in image files
 //! (O_DIRECT and buffered).
