@@ -80,7 +80,8 @@ pub struct ServeArgs {
     /// Serve requests up to this size on their connection's thread instead
     /// of the crypt workers (dm-crypt's no_read_workqueue /
     /// no_write_workqueue, by size); 0: never. Default: 64K when the
-    /// volume is in memory or served --io buffered, 0 with O_DIRECT.
+    /// volume is in memory or served --io buffered, 0 with O_DIRECT or a
+    /// remote image.
     #[arg(long, value_name = "BYTES", value_parser = parse_inline)]
     inline_max: Option<u32>,
     /// Print a statistics line every SECS seconds (0: only on SIGUSR1 and
@@ -590,13 +591,15 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
     export.read_only = a.read_only;
     export.handshake_timeout = Duration::from_secs(a.handshake_timeout);
     let tls = server_opts.tls.as_ref().map(|t| (t.mode(), t.kind()));
-    export.inline_max_bytes =
-        a.inline_max
-            .unwrap_or(if vol.info.image.is_none() || !vol.file.direct_io() {
-                DEFAULT_INLINE_MAX_BYTES
-            } else {
-                0
-            });
+    export.inline_max_bytes = a
+        .inline_max
+        // Inline for memory and the page cache; a remote image's
+        // requests wait on the network, which only the workers overlap.
+        .unwrap_or(if vol.file.as_ref().is_some_and(|f| !f.direct_io()) {
+            DEFAULT_INLINE_MAX_BYTES
+        } else {
+            0
+        });
     export.description = format!(
         "iopages {} volume ({})",
         match vol.info.version {

@@ -1119,3 +1119,41 @@ mod never_panic {
         }
     }
 }
+
+/// A header kept on a backend (a remote export, here a RAM disk holding
+/// the image's bytes) opens as the file does: same key, slot and payload
+/// offset; a wrong passphrase and a truncated copy fail as they do on a
+/// file, and nothing on the backend is written.
+#[test]
+fn a_header_on_a_backend_opens_as_the_file_does() {
+    use iopages_crypt::backend::{Backend, RamDisk};
+    let dir = Dir::new("luks", "backend");
+    for version in [LuksVersion::Luks1, LuksVersion::Luks2] {
+        let img = dir.path(&format!("{version:?}.img"));
+        let opts = FormatOptions::fast_for_tests(version);
+        let made = luks::format_path(&img, Some(20 << 20), PASS, &opts).unwrap();
+        let bytes = bytes_of(&img);
+        let disk = RamDisk::new(bytes.len() as u64).unwrap();
+        disk.write_at(0, &[&bytes]).unwrap();
+        let limits = luks::KdfLimits::default();
+        let open = luks::LuksOpenOptions::new();
+        let vol = luks::open_backend(&disk, PASS, &limits, &open).unwrap();
+        assert_eq!(vol.master_key(), made.master_key(), "{version:?}");
+        assert_eq!(vol.data_offset_bytes(), made.data_offset_bytes());
+        assert_eq!(vol.keyslot(), made.keyslot());
+        assert!(matches!(
+            luks::open_backend(&disk, WRONG, &limits, &open),
+            Err(LuksError::WrongPassphrase)
+        ));
+        let mut back = vec![0u8; bytes.len()];
+        disk.read_at(0, &mut [&mut back]).unwrap();
+        assert!(back == bytes, "opening wrote nothing");
+        // Cut inside the header's key material: truncated, as a file.
+        let short = RamDisk::new(16 << 10).unwrap();
+        short.write_at(0, &[&bytes[..16 << 10]]).unwrap();
+        assert!(matches!(
+            luks::open_backend(&short, PASS, &limits, &open),
+            Err(LuksError::Truncated { .. } | LuksError::Corrupt(_))
+        ));
+    }
+}

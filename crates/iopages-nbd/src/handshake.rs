@@ -5,8 +5,9 @@
 //! metadata contexts (NBD_OPT_LIST_META_CONTEXT / SET_META_CONTEXT, one
 //! context: `base:allocation`; both forgotten again by a later STARTTLS,
 //! as `proto.md` requires), NBD_OPT_EXPORT_NAME,
-//! NBD_OPT_ABORT, NBD_OPT_LIST, NBD_OPT_INFO and NBD_OPT_GO for the one
-//! export, and refusing every other option with NBD_REP_ERR_UNSUP. Must never: enter
+//! NBD_OPT_ABORT, NBD_OPT_LIST (every export), NBD_OPT_INFO and
+//! NBD_OPT_GO (the export named, the first for the empty name, opened
+//! first if it is opened lazily), and refusing every other option with NBD_REP_ERR_UNSUP. Must never: enter
 //! transmission for an unknown export name or, when TLS is required,
 //! without TLS; read an option's data without a bound; take longer than
 //! the handshake deadline in all (one deadline for the whole handshake,
@@ -14,6 +15,7 @@
 //! prefix of a client's export name back; or go on after a bad magic or
 //! unknown client flags (the connection is closed).
 
+use crate::export::Catalog;
 use crate::proto::*;
 use crate::tls::{TlsConfig, TlsMode};
 use crate::transport::Transport;
@@ -32,8 +34,9 @@ const MAX_QUOTED_NAME_BYTES: usize = 64;
 
 /// How a handshake ended.
 pub(crate) enum Outcome {
-    /// Enter transmission with what was negotiated.
-    Transmission(Negotiated),
+    /// Enter transmission on the export at this index of the catalog
+    /// with what was negotiated.
+    Transmission(Negotiated, usize),
     /// Close the connection (abort, bad magic, unknown export, …).
     Close,
 }
@@ -46,6 +49,19 @@ pub(crate) struct Negotiated {
     /// The id of `base:allocation`, if the last NBD_OPT_SET_META_CONTEXT
     /// selected it (block status is served only then).
     pub(crate) allocation_context: Option<u32>,
+    /// The export the metadata contexts were selected for: they hold only
+    /// if the client goes on to that export (`proto.md`).
+    meta_export: Option<usize>,
+}
+
+impl Negotiated {
+    /// What holds on export `i`.
+    fn on(mut self, i: usize) -> Negotiated {
+        if self.meta_export != Some(i) {
+            self.allocation_context = None;
+        }
+        self
+    }
 }
 
 /// The id `base:allocation` is given when selected (ids are opaque to
@@ -158,11 +174,6 @@ fn error_reply(s: &mut Hs<'_>, option: u32, reply: u32, msg: &str) -> io::Result
     s.write_all(&option_reply(option, reply, msg.as_bytes()))
 }
 
-fn name_matches(export: &ExportInfo, name: &[u8]) -> bool {
-    // The empty name is the default export (the protocol's convention).
-    name.is_empty() || name == export.name.as_bytes()
-}
-
 /// A client's export name, cut short and escaped, for a message.
 fn quoted(name: &[u8]) -> String {
     let cut = &name[..name.len().min(MAX_QUOTED_NAME_BYTES)];
@@ -186,7 +197,7 @@ fn quoted(name: &[u8]) -> String {
 /// deadline is `TimedOut`, a failed TLS handshake `PermissionDenied`).
 pub(crate) fn negotiate(
     t: &Transport,
-    export: &ExportInfo,
+    exports: &Catalog,
     tls: Option<&TlsConfig>,
     deadline: Instant,
 ) -> io::Result<Outcome> {
@@ -279,6 +290,7 @@ pub(crate) fn negotiate(
                 if set {
                     // A SET replaces the selection, even when it fails.
                     agreed.allocation_context = None;
+                    agreed.meta_export = None;
                 }
                 if !agreed.structured {
                     error_reply(
@@ -298,7 +310,7 @@ pub(crate) fn negotiate(
                     )?;
                     continue;
                 };
-                if !name_matches(export, req.name) {
+                let Some(i) = exports.find(req.name) else {
                     error_reply(
                         s,
                         option,
@@ -306,10 +318,11 @@ pub(crate) fn negotiate(
                         &format!("no export named {}", quoted(req.name)),
                     )?;
                     continue;
-                }
+                };
                 if set && selects_allocation(&req.queries) {
                     s.write_all(&meta_context_reply(option, ALLOCATION_CONTEXT_ID))?;
                     agreed.allocation_context = Some(ALLOCATION_CONTEXT_ID);
+                    agreed.meta_export = Some(i);
                 } else if !set && lists_allocation(&req.queries) {
                     // A listed context's id is reserved: zero.
                     s.write_all(&meta_context_reply(option, 0))?;
@@ -317,9 +330,15 @@ pub(crate) fn negotiate(
                 s.write_all(&option_reply(option, REP_ACK, &[]))?;
             }
             OPT_EXPORT_NAME => {
-                if !name_matches(export, &data) {
+                // No error can be sent to EXPORT_NAME: an unknown export,
+                // or one that cannot be opened, closes the connection.
+                let Some(i) = exports.find(&data) else {
                     return Ok(Outcome::Close);
-                }
+                };
+                let Ok(live) = exports.slots[i].open() else {
+                    return Ok(Outcome::Close);
+                };
+                let export = &live.info;
                 let mut v = Vec::with_capacity(134);
                 v.extend_from_slice(&export.size_bytes.to_be_bytes());
                 v.extend_from_slice(&export.transmission_flags().to_be_bytes());
@@ -327,7 +346,7 @@ pub(crate) fn negotiate(
                     v.extend_from_slice(&[0u8; 124]);
                 }
                 s.write_all(&v)?;
-                return Ok(Outcome::Transmission(agreed));
+                return Ok(Outcome::Transmission(agreed.on(i), i));
             }
             OPT_ABORT => {
                 // The client may already have gone: ignore a failed ACK.
@@ -339,11 +358,13 @@ pub(crate) fn negotiate(
                     error_reply(s, option, REP_ERR_INVALID, "NBD_OPT_LIST takes no data")?;
                     continue;
                 }
-                let name = export.name.as_bytes();
-                let mut d = Vec::with_capacity(4 + name.len());
-                d.extend_from_slice(&(name.len() as u32).to_be_bytes());
-                d.extend_from_slice(name);
-                s.write_all(&option_reply(option, REP_SERVER, &d))?;
+                for slot in &exports.slots {
+                    let name = slot.config.name.as_bytes();
+                    let mut d = Vec::with_capacity(4 + name.len());
+                    d.extend_from_slice(&(name.len() as u32).to_be_bytes());
+                    d.extend_from_slice(name);
+                    s.write_all(&option_reply(option, REP_SERVER, &d))?;
+                }
                 s.write_all(&option_reply(option, REP_ACK, &[]))?;
             }
             OPT_INFO | OPT_GO => {
@@ -351,7 +372,7 @@ pub(crate) fn negotiate(
                     error_reply(s, option, REP_ERR_INVALID, "malformed NBD_OPT_INFO/GO data")?;
                     continue;
                 };
-                if !name_matches(export, name) {
+                let Some(i) = exports.find(name) else {
                     error_reply(
                         s,
                         option,
@@ -359,11 +380,21 @@ pub(crate) fn negotiate(
                         &format!("no export named {}", quoted(name)),
                     )?;
                     continue;
-                }
-                send_infos(s, option, export, &infos)?;
+                };
+                let Ok(live) = exports.slots[i].open() else {
+                    // The cause is in the server's log, not for the client.
+                    error_reply(
+                        s,
+                        option,
+                        REP_ERR_UNKNOWN,
+                        &format!("export {} could not be opened", quoted(name)),
+                    )?;
+                    continue;
+                };
+                send_infos(s, option, &live.info, &infos)?;
                 s.write_all(&option_reply(option, REP_ACK, &[]))?;
                 if option == OPT_GO {
-                    return Ok(Outcome::Transmission(agreed));
+                    return Ok(Outcome::Transmission(agreed.on(i), i));
                 }
             }
             _ => {

@@ -23,6 +23,7 @@
 //! | TLS credentials (X.509 directory, psktool key file) | `tls.rs` |
 //! | payload buffers in the target's arena (kvmalloc) | `buffers.rs` |
 //! | the queue, or inline service on the connection's thread; discards and the allocation map | `device.rs` |
+//! | the exports: names, the default, opening lazy ones once | `export.rs` |
 //! | listeners, threads, server-wide limits, shutdown | `server.rs` |
 //! | per-command counts | `stats.rs` |
 //! | LUKS images and the in-memory LUKS2 volume, set up as crypt stacks | `volume.rs` |
@@ -97,6 +98,7 @@ mod buffers;
 mod conn;
 mod device;
 mod error;
+mod export;
 mod handshake;
 pub mod proto;
 mod server;
@@ -109,6 +111,7 @@ pub mod volume;
 pub use buffers::BufferStats;
 pub use conn::{CHUNK_BYTES, MAX_BYTES_IN_FLIGHT, MAX_REQUESTS_IN_FLIGHT};
 pub use error::{Error, Result};
+pub use export::{Export, ExportVolume, Opener};
 pub use handshake::MAX_OPTION_BYTES;
 pub use server::{
     Listen, Server, ServerOptions, DEFAULT_IDLE_TIMEOUT, DEFAULT_LISTEN, DEFAULT_MAX_CONNECTIONS,
@@ -176,7 +179,6 @@ pub(crate) struct ExportInfo {
     pub(crate) name: String,
     pub(crate) description: String,
     pub(crate) read_only: bool,
-    pub(crate) handshake_timeout: std::time::Duration,
     pub(crate) size_bytes: u64,
     pub(crate) min_block_bytes: u32,
     pub(crate) preferred_block_bytes: u32,
@@ -215,7 +217,6 @@ impl ExportInfo {
             name: c.name.clone(),
             description: c.description.clone(),
             read_only: c.read_only,
-            handshake_timeout: c.handshake_timeout,
             size_bytes,
             min_block_bytes: sector_bytes,
             preferred_block_bytes: preferred,

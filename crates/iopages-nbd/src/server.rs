@@ -11,23 +11,22 @@
 //! closed at once, and counted), or stop serving other clients because
 //! one misbehaved.
 
-use crate::buffers::Buffers;
 use crate::conn::{self, Budget, ConnEnv, ConnLimits};
-use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::export::{Catalog, Export, ExportVolume};
 use crate::handshake::{self, Outcome};
 use crate::stats::{Counters, Stats};
 use crate::stream::Stream;
 use crate::tls::TlsConfig;
 use crate::transport::Transport;
-use crate::{ExportConfig, ExportInfo};
+use crate::ExportConfig;
 use iopages_crypt::queue::CryptQueue;
 use iopages_crypt::target::SectorCipher;
 use parking_lot::Mutex;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -113,22 +112,20 @@ struct ConnEntry {
 }
 
 struct Shared {
-    export: ExportInfo,
-    device: Arc<dyn Device>,
+    exports: Catalog,
+    /// The server's own counters (connections, handshakes, TLS); each
+    /// export counts its requests in its own.
     counters: Arc<Counters>,
-    buffers: Buffers,
     budget: Arc<Budget>,
     zeros: Arc<[u8]>,
     opts: ServerOptions,
     /// When a refused connection was last reported (rate-limits the line).
     refused_said: Mutex<Option<std::time::Instant>>,
-    /// Connections in transmission now.
-    active: Arc<AtomicUsize>,
     stopping: AtomicBool,
     conns: Mutex<Vec<ConnEntry>>,
 }
 
-/// An NBD server exporting one crypt target.
+/// An NBD server exporting crypt targets, one per export.
 ///
 /// Dropping it shuts it down as [`Server::shutdown`] does.
 pub struct Server {
@@ -165,6 +162,25 @@ impl Server {
         opts: ServerOptions,
         listen: &[Listen],
     ) -> Result<Server> {
+        Server::start_exports(
+            vec![Export::ready(export, ExportVolume::new(queue))],
+            opts,
+            listen,
+        )
+    }
+
+    /// Serve several exports on every address of `listen`; the first is
+    /// the default (the empty export name selects it). Lazy exports are
+    /// opened by the first client that asks for them by name.
+    ///
+    /// **Context:** returns once the listeners are bound. **Returns:** as
+    /// [`Server::start_with`], and [`Error::Config`] for no export or two
+    /// with one name.
+    pub fn start_exports(
+        exports: Vec<Export>,
+        opts: ServerOptions,
+        listen: &[Listen],
+    ) -> Result<Server> {
         if listen.is_empty() {
             return Err(Error::Config("no address to listen on".into()));
         }
@@ -173,29 +189,21 @@ impl Server {
                 "the connection limit must be at least 1".into(),
             ));
         }
-        if opts.max_inflight_bytes < export.max_block_bytes as u64 {
+        if let Some(e) = exports
+            .iter()
+            .find(|e| opts.max_inflight_bytes < e.config().max_block_bytes as u64)
+        {
             return Err(Error::Config(format!(
-                "the in-flight byte budget {} must be at least the maximum block size {}",
-                opts.max_inflight_bytes, export.max_block_bytes
+                "the in-flight byte budget {} must be at least the maximum block size {} of export {:?}",
+                opts.max_inflight_bytes,
+                e.config().max_block_bytes,
+                e.name()
             )));
         }
         if opts.reply_timeout.is_zero() || opts.idle_timeout.is_some_and(|t| t.is_zero()) {
             return Err(Error::Config("timeouts must be longer than 0".into()));
         }
-        let active = Arc::new(AtomicUsize::new(0));
-        let device: Arc<dyn Device> = if export.inline_max_bytes > 0 {
-            Arc::new(crate::device::Inline {
-                queue,
-                max_bytes: export.inline_max_bytes as usize,
-                active: Arc::clone(&active),
-            })
-        } else {
-            queue
-        };
-        let device_alloc = device.allocator();
-        let mut info = ExportInfo::new(&export, device.size_bytes(), device.sector_bytes())?;
-        info.discards = device.holes().discards_allowed();
-        info.fast_zero = info.discards && device.holes().can_punch_zeroes();
+        let exports = Catalog::new(exports)?;
         let mut bound = Vec::with_capacity(listen.len());
         let mut acceptors = Vec::with_capacity(listen.len());
         for l in listen {
@@ -228,15 +236,12 @@ impl Server {
             }
         }
         let shared = Arc::new(Shared {
-            export: info,
-            device,
+            exports,
             counters: Arc::new(Counters::default()),
-            buffers: Buffers::new(&device_alloc),
             budget: Arc::new(Budget::new(opts.max_inflight_bytes)),
             zeros: std::iter::repeat_n(0u8, conn::CHUNK_BYTES).collect(),
             opts,
             refused_said: Mutex::new(None),
-            active,
             stopping: AtomicBool::new(false),
             conns: Mutex::new(Vec::new()),
         });
@@ -268,18 +273,60 @@ impl Server {
         })
     }
 
-    /// The export's name.
+    /// The default export's name (the first).
     pub fn export_name(&self) -> &str {
-        &self.shared.export.name
+        &self.shared.exports.slots[0].config.name
     }
 
-    /// Requests and bytes per command so far, and where payload buffers
-    /// came from.
+    /// The exports' names, in order.
+    pub fn export_names(&self) -> Vec<&str> {
+        self.shared
+            .exports
+            .slots
+            .iter()
+            .map(|s| s.config.name.as_str())
+            .collect()
+    }
+
+    /// Whether export `name` is open (a lazy one opens on first use);
+    /// `None` for no such export.
+    pub fn export_is_open(&self, name: &str) -> Option<bool> {
+        let i = self.shared.exports.find(name.as_bytes())?;
+        Some(self.shared.exports.slots[i].get().is_some())
+    }
+
+    /// Requests and bytes per command so far over every export, the
+    /// connections, and where payload buffers came from.
     pub fn stats(&self) -> Stats {
         let mut s = self.shared.counters.snapshot();
-        s.buffers = self.shared.buffers.stats();
+        for i in 0..self.shared.exports.slots.len() {
+            let e = self.export_stats_at(i);
+            if i == 0 {
+                // The shape's partial counts are relative to the sector
+                // size of the (first) export.
+                s.shape.sector_bytes = e.shape.sector_bytes;
+            }
+            s.add(&e);
+        }
         s.budget_used_bytes = self.shared.budget.used();
-        s.shape.sector_bytes = self.shared.export.min_block_bytes as u64;
+        s
+    }
+
+    /// One export's requests, bytes, I/O shape and payload buffers (the
+    /// connection counts are the server's: see [`Server::stats`]); `None`
+    /// for no such export.
+    pub fn export_stats(&self, name: &str) -> Option<Stats> {
+        let i = self.shared.exports.find(name.as_bytes())?;
+        Some(self.export_stats_at(i))
+    }
+
+    fn export_stats_at(&self, i: usize) -> Stats {
+        let slot = &self.shared.exports.slots[i];
+        let mut s = slot.counters.snapshot();
+        if let Some(live) = slot.get() {
+            s.buffers = live.buffers.stats();
+            s.shape.sector_bytes = live.info.min_block_bytes as u64;
+        }
         s
     }
 
@@ -420,19 +467,21 @@ fn serve_connection(s: &Shared, t: &Arc<Transport>) {
     if s.stopping.load(Ordering::SeqCst) {
         return;
     }
-    let deadline = std::time::Instant::now() + s.export.handshake_timeout;
-    match handshake::negotiate(t, &s.export, s.opts.tls.as_ref(), deadline) {
-        Ok(Outcome::Transmission(agreed)) => {
+    let deadline = std::time::Instant::now() + s.exports.handshake_timeout();
+    match handshake::negotiate(t, &s.exports, s.opts.tls.as_ref(), deadline) {
+        Ok(Outcome::Transmission(agreed, i)) => {
             if t.is_tls() {
                 s.counters.tls_sessions.fetch_add(1, Ordering::Relaxed);
             }
             s.counters.sessions.fetch_add(1, Ordering::Relaxed);
-            s.active.fetch_add(1, Ordering::Relaxed);
+            let slot = &s.exports.slots[i];
+            let live = slot.get().expect("the handshake opened the export");
+            slot.active.fetch_add(1, Ordering::Relaxed);
             let env = ConnEnv {
-                export: &s.export,
-                device: &s.device,
-                counters: &s.counters,
-                buffers: &s.buffers,
+                export: &live.info,
+                device: &live.device,
+                counters: &slot.counters,
+                buffers: &live.buffers,
                 budget: &s.budget,
                 zeros: &s.zeros,
                 limits: ConnLimits {
@@ -444,7 +493,7 @@ fn serve_connection(s: &Shared, t: &Arc<Transport>) {
                 allocation_context: agreed.allocation_context,
             };
             conn::transmit(Arc::clone(t), &env);
-            s.active.fetch_sub(1, Ordering::Relaxed);
+            slot.active.fetch_sub(1, Ordering::Relaxed);
         }
         Ok(Outcome::Close) => {
             t.close_tls();

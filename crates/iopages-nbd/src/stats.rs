@@ -69,6 +69,64 @@ pub struct Stats {
     pub shape: IoShape,
 }
 
+impl CommandStats {
+    fn add(&mut self, o: &CommandStats) {
+        self.requests += o.requests;
+        self.bytes += o.bytes;
+        self.errors += o.errors;
+    }
+}
+
+impl DirShape {
+    fn add(&mut self, o: &DirShape) {
+        for (a, b) in self.sizes.iter_mut().zip(&o.sizes) {
+            *a += b;
+        }
+        for (a, b) in self.align.iter_mut().zip(&o.align) {
+            *a += b;
+        }
+        self.partial_sector += o.partial_sector;
+        self.bytes += o.bytes;
+        self.sector_bytes += o.sector_bytes;
+    }
+}
+
+impl Stats {
+    /// Add `o`'s counts to these (the server's totals over its exports;
+    /// the shape's sector size stays this one's).
+    pub fn add(&mut self, o: &Stats) {
+        self.connections += o.connections;
+        self.sessions += o.sessions;
+        for (a, b) in [
+            (&mut self.read, &o.read),
+            (&mut self.write, &o.write),
+            (&mut self.flush, &o.flush),
+            (&mut self.trim, &o.trim),
+            (&mut self.write_zeroes, &o.write_zeroes),
+            (&mut self.block_status, &o.block_status),
+            (&mut self.other, &o.other),
+        ] {
+            a.add(b);
+        }
+        self.buffers.arena_contiguous += o.buffers.arena_contiguous;
+        self.buffers.arena_vmalloc += o.buffers.arena_vmalloc;
+        self.buffers.heap += o.buffers.heap;
+        self.open_connections += o.open_connections;
+        self.refused_connections += o.refused_connections;
+        self.handshake_timeouts += o.handshake_timeouts;
+        self.tls_sessions += o.tls_sessions;
+        self.tls_failures += o.tls_failures;
+        self.reply_timeouts += o.reply_timeouts;
+        self.payload_timeouts += o.payload_timeouts;
+        self.idle_closes += o.idle_closes;
+        self.budget_waits += o.budget_waits;
+        self.budget_refusals += o.budget_refusals;
+        self.budget_used_bytes += o.budget_used_bytes;
+        self.shape.read.add(&o.shape.read);
+        self.shape.write.add(&o.shape.write);
+    }
+}
+
 /// Buckets of the shape histograms: bucket `k` is 2^k bytes.
 pub const SHAPE_BUCKETS: usize = 26;
 

@@ -100,8 +100,10 @@ pub struct VolumeInfo {
     pub size_bytes: u64,
     /// The key slot the passphrase opened.
     pub keyslot: usize,
-    /// The image (`None`: in memory).
+    /// The image (`None`: in memory, or on a remote export).
     pub image: Option<PathBuf>,
+    /// The remote export holding the image, if it is one (its URI).
+    pub remote: Option<String>,
     /// How the image is read and written (O_DIRECT or buffered, fixed
     /// buffers, and any fallback taken).
     pub io: String,
@@ -118,8 +120,8 @@ pub struct Volume {
     pub alloc: PageAllocator,
     /// What was opened.
     pub info: VolumeInfo,
-    /// The image file (for its I/O statistics).
-    pub file: Arc<UringFile>,
+    /// The image file (for its I/O statistics); `None` for a remote image.
+    pub file: Option<Arc<UringFile>>,
 }
 
 fn invalid(m: String) -> io::Error {
@@ -243,24 +245,7 @@ fn build(
     luks: &LuksVolume,
     opts: &VolumeOptions,
 ) -> io::Result<Volume> {
-    if luks.cipher_spec() != "aes-xts-plain64" {
-        return Err(invalid(format!(
-            "cipher {} is not supported (only aes-xts-plain64)",
-            luks.cipher_spec()
-        )));
-    }
-    let alloc = PageAllocator::builder()
-        .size_bytes(opts.arena_bytes)
-        .build()
-        .map_err(|e| {
-            io::Error::new(
-                io::ErrorKind::OutOfMemory,
-                format!(
-                    "cannot create the page arena ({} bytes): {e}",
-                    opts.arena_bytes
-                ),
-            )
-        })?;
+    let alloc = arena(luks, opts)?;
     let mut uring = UringOptions::default()
         .arena(alloc.clone())
         .rings(opts.workers.max(1))
@@ -274,6 +259,93 @@ fn build(
     // shrinking, keeps the mapping.
     uring.map_reads = image.is_none();
     let file = Arc::new(UringFile::open(path, uring)?);
+    let mut io = format!(
+        "{}{}",
+        if file.direct_io() {
+            "O_DIRECT"
+        } else {
+            "buffered"
+        },
+        if file.fixed_buffers() {
+            ", arena as fixed buffers"
+        } else {
+            ""
+        }
+    );
+    for f in file.fallbacks() {
+        io.push_str("; ");
+        io.push_str(f);
+    }
+    let device: Arc<dyn Backend> = Arc::clone(&file) as Arc<dyn Backend>;
+    let (queue, info) = stack(&alloc, device, luks, opts, image, None, io)?;
+    Ok(Volume {
+        queue,
+        alloc,
+        info,
+        file: Some(file),
+    })
+}
+
+/// Open the LUKS volume whose image is `device` (a remote export: see
+/// [`crate::remote`]), named `uri` in messages, with `passphrase`, and
+/// build its stack over it.
+///
+/// **Returns:** as [`open_image`].
+pub fn open_remote(
+    uri: &str,
+    device: Arc<dyn Backend>,
+    passphrase: &[u8],
+    opts: &VolumeOptions,
+) -> io::Result<Volume> {
+    let open = luks::LuksOpenOptions::new().allow_secondary_header(opts.allow_secondary_header);
+    let luks = luks::open_backend(&*device, passphrase, &opts.kdf_limits, &open).map_err(|e| {
+        let e: io::Error = e.into();
+        io::Error::new(e.kind(), format!("{uri}: {e}"))
+    })?;
+    let alloc = arena(&luks, opts)?;
+    let io = "remote NBD export".to_string();
+    let (queue, info) = stack(&alloc, device, &luks, opts, None, Some(uri.to_string()), io)?;
+    Ok(Volume {
+        queue,
+        alloc,
+        info,
+        file: None,
+    })
+}
+
+/// The volume's page arena (after checking its cipher is one served).
+fn arena(luks: &LuksVolume, opts: &VolumeOptions) -> io::Result<PageAllocator> {
+    if luks.cipher_spec() != "aes-xts-plain64" {
+        return Err(invalid(format!(
+            "cipher {} is not supported (only aes-xts-plain64)",
+            luks.cipher_spec()
+        )));
+    }
+    PageAllocator::builder()
+        .size_bytes(opts.arena_bytes)
+        .build()
+        .map_err(|e| {
+            io::Error::new(
+                io::ErrorKind::OutOfMemory,
+                format!(
+                    "cannot create the page arena ({} bytes): {e}",
+                    opts.arena_bytes
+                ),
+            )
+        })
+}
+
+/// The crypt stack over `file` (the whole image): the payload window, the
+/// cipher pool, the target and its queue, and what was built.
+fn stack(
+    alloc: &PageAllocator,
+    file: Arc<dyn Backend>,
+    luks: &LuksVolume,
+    opts: &VolumeOptions,
+    image: Option<PathBuf>,
+    remote: Option<String>,
+    io: String,
+) -> io::Result<(Arc<CryptQueue<CipherPool>>, VolumeInfo)> {
     let device = file.size_bytes();
     if let Some(seg) = luks.segment_size_bytes() {
         let end = luks.data_offset_bytes().checked_add(seg);
@@ -311,7 +383,7 @@ fn build(
         .map_err(|e| invalid(format!("cannot set up the cipher pool: {e}")))?;
     let keys_locked = cipher.keys_locked();
     let target = CryptTarget::new(
-        &alloc,
+        alloc,
         cipher,
         backend,
         TargetConfig {
@@ -328,23 +400,6 @@ fn build(
             preallocated_out: false,
         },
     )?;
-    let mut io = format!(
-        "{}{}",
-        if file.direct_io() {
-            "O_DIRECT"
-        } else {
-            "buffered"
-        },
-        if file.fixed_buffers() {
-            ", arena as fixed buffers"
-        } else {
-            ""
-        }
-    );
-    for f in file.fallbacks() {
-        io.push_str("; ");
-        io.push_str(f);
-    }
     let info = VolumeInfo {
         version: luks.version(),
         uuid: luks.uuid().to_string(),
@@ -355,15 +410,11 @@ fn build(
         size_bytes: size,
         keyslot: luks.keyslot(),
         image,
+        remote,
         io,
         keys_locked,
     };
-    Ok(Volume {
-        queue: Arc::new(queue),
-        alloc,
-        info,
-        file,
-    })
+    Ok((Arc::new(queue), info))
 }
 
 #[cfg(test)]
@@ -395,8 +446,9 @@ mod tests {
         )
         .unwrap();
         let vol = open_image(&img, b"pw", &small()).unwrap();
-        assert!(!vol.file.direct_io());
-        assert!(vol.file.mapped(0, 256 << 10).is_none());
+        let file = vol.file.as_ref().unwrap();
+        assert!(!file.direct_io());
+        assert!(file.mapped(0, 256 << 10).is_none());
         // Cut the image under the open volume: a read is an error.
         std::fs::OpenOptions::new()
             .write(true)
@@ -409,7 +461,7 @@ mod tests {
         drop(vol);
 
         let (mem, _pass) = in_memory(1 << 20, &small()).unwrap();
-        assert!(mem.file.mapped(0, 256 << 10).is_some());
+        assert!(mem.file.as_ref().unwrap().mapped(0, 256 << 10).is_some());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

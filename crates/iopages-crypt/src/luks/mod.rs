@@ -607,11 +607,22 @@ pub(crate) struct Parsed {
     pub slots: Vec<Result<SlotPlan, LuksError>>,
 }
 
-/// A device: a shared file with its size.
+/// Where a header is read from: a file or block device, or any backend
+/// (a remote NBD export), read only.
+enum Src<'a> {
+    File(&'a File),
+    Backend(&'a dyn crate::backend::Backend),
+}
+
+/// A device: a shared file (or a backend) with its size.
 pub(crate) struct Dev<'a> {
-    file: &'a File,
+    src: Src<'a>,
     size: u64,
 }
+
+/// A backend is read in whole aligned blocks of this many bytes (a remote
+/// export may refuse smaller or unaligned requests).
+const BACKEND_READ_ALIGN: u64 = 4096;
 
 impl<'a> Dev<'a> {
     pub(crate) fn new(file: &'a File) -> Result<Dev<'a>, LuksError> {
@@ -621,7 +632,27 @@ impl<'a> Dev<'a> {
         } else {
             meta.len()
         };
-        Ok(Dev { file, size })
+        Ok(Dev {
+            src: Src::File(file),
+            size,
+        })
+    }
+
+    fn of_backend(b: &'a dyn crate::backend::Backend) -> Dev<'a> {
+        Dev {
+            src: Src::Backend(b),
+            size: b.size_bytes(),
+        }
+    }
+
+    fn file(&self) -> Result<&'a File, LuksError> {
+        match self.src {
+            Src::File(f) => Ok(f),
+            Src::Backend(_) => Err(LuksError::Io(std::io::Error::new(
+                std::io::ErrorKind::Unsupported,
+                "a header read through a backend cannot be written",
+            ))),
+        }
     }
 
     pub(crate) fn size(&self) -> u64 {
@@ -640,7 +671,11 @@ impl<'a> Dev<'a> {
                 have: self.size,
             });
         }
-        self.file.read_exact_at(buf, offset).map_err(|e| {
+        let read = match self.src {
+            Src::File(f) => f.read_exact_at(buf, offset),
+            Src::Backend(b) => read_aligned(b, offset, buf, self.size),
+        };
+        read.map_err(|e| {
             if e.kind() == std::io::ErrorKind::UnexpectedEof {
                 LuksError::Truncated {
                     needed: end,
@@ -653,7 +688,7 @@ impl<'a> Dev<'a> {
     }
 
     pub(crate) fn write_at(&self, offset: u64, buf: &[u8]) -> Result<(), LuksError> {
-        Ok(self.file.write_all_at(buf, offset)?)
+        Ok(self.file()?.write_all_at(buf, offset)?)
     }
 
     /// Write zeros over `[offset, offset + len)`.
@@ -667,6 +702,25 @@ impl<'a> Dev<'a> {
         }
         Ok(())
     }
+}
+
+/// Read `buf.len()` bytes at `offset` of `b` (of `size` bytes) through
+/// whole [`BACKEND_READ_ALIGN`]-byte blocks, clipped to the device's end.
+fn read_aligned(
+    b: &dyn crate::backend::Backend,
+    offset: u64,
+    buf: &mut [u8],
+    size: u64,
+) -> std::io::Result<()> {
+    let start = offset & !(BACKEND_READ_ALIGN - 1);
+    let end = round_up(offset + buf.len() as u64, BACKEND_READ_ALIGN)
+        .unwrap_or(u64::MAX)
+        .min(size);
+    let mut block = vec![0u8; (end - start) as usize];
+    b.read_at(start, &mut [&mut block[..]])?;
+    let from = (offset - start) as usize;
+    buf.copy_from_slice(&block[from..from + buf.len()]);
+    Ok(())
 }
 
 /// A block device's size: `BLKGETSIZE64`, as the io_uring backend asks it.
@@ -886,12 +940,32 @@ pub fn open_with_options(
     limits: &KdfLimits,
     opts: &LuksOpenOptions,
 ) -> Result<LuksVolume, LuksError> {
-    let dev = Dev::new(dev)?;
+    open_dev(&Dev::new(dev)?, passphrase, limits, opts)
+}
+
+/// [`open_with_options`] on a [`Backend`](crate::backend::Backend) instead
+/// of a file: a header stored on a remote export, read in whole 4096-byte
+/// blocks.
+pub fn open_backend(
+    dev: &dyn crate::backend::Backend,
+    passphrase: &[u8],
+    limits: &KdfLimits,
+    opts: &LuksOpenOptions,
+) -> Result<LuksVolume, LuksError> {
+    open_dev(&Dev::of_backend(dev), passphrase, limits, opts)
+}
+
+fn open_dev(
+    dev: &Dev<'_>,
+    passphrase: &[u8],
+    limits: &KdfLimits,
+    opts: &LuksOpenOptions,
+) -> Result<LuksVolume, LuksError> {
     let Parsed {
         info,
         iv_tweak,
         slots,
-    } = parse(&dev, limits.max_keyslots, opts)?;
+    } = parse(dev, limits.max_keyslots, opts)?;
     limits.check_keyslot_count(info.version, info.keyslots.len())?;
     if info.version == LuksVersion::Luks2 {
         // As cryptsetup's activation ("Device is too small"): a LUKS2
@@ -929,7 +1003,7 @@ pub fn open_with_options(
         limits.check_cancel()?;
         let outcome = slot.and_then(|s| {
             tried += 1;
-            try_slot(&dev, &s, passphrase, limits).map(|k| k.map(|k| (s.index, k)))
+            try_slot(dev, &s, passphrase, limits).map(|k| k.map(|k| (s.index, k)))
         });
         match outcome {
             Ok(Some((index, key))) => return Ok(volume(info, key, index, iv_tweak)),
@@ -1044,7 +1118,7 @@ pub fn format(
         LuksVersion::Luks1 => luks1::format(&dev, passphrase, opts)?,
         LuksVersion::Luks2 => luks2::format(&dev, passphrase, opts)?,
     };
-    dev.file.sync_all()?;
+    dev.file()?.sync_all()?;
     Ok(vol)
 }
 

@@ -1,0 +1,274 @@
+//! Several exports behind one server: listing, selecting by name (the
+//! empty name is the first), volumes kept apart, per-export counters, and
+//! lazy exports opened once by the first client that asks — a failure
+//! remembered, not retried.
+
+use iopages::PageAllocator;
+use iopages_crypt::backend::{Backend, RamDisk};
+use iopages_crypt::target::TargetConfig;
+use iopages_nbd::proto::*;
+use iopages_nbd::{Export, ExportConfig, ExportVolume, Listen, Server, ServerOptions};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+mod common;
+use common::{info_data, queue_over, read_opt_reply, read_simple_reply, send_option};
+
+fn key(seed: u8) -> Vec<u8> {
+    (0..64u8).map(|i| i.wrapping_mul(29) ^ seed).collect()
+}
+
+fn arena() -> PageAllocator {
+    PageAllocator::builder()
+        .size_bytes(32 << 20)
+        .huge_pages(iopages::HugePages::Never)
+        .build()
+        .unwrap()
+}
+
+/// A volume of `bytes` over a RAM disk, in `alloc`'s arena.
+fn volume(alloc: &PageAllocator, bytes: u64, seed: u8) -> ExportVolume {
+    let disk: Arc<dyn Backend> = Arc::new(RamDisk::new(bytes).unwrap());
+    ExportVolume::new(queue_over(
+        alloc,
+        disk,
+        &key(seed),
+        4096,
+        TargetConfig::default(),
+    ))
+}
+
+fn listen() -> Vec<Listen> {
+    vec![Listen::Tcp("127.0.0.1:0".parse().unwrap())]
+}
+
+struct Client(TcpStream);
+
+impl Client {
+    fn connect(server: &Server) -> Client {
+        let mut s = TcpStream::connect(server.tcp_addr().unwrap()).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut g = [0u8; 18];
+        s.read_exact(&mut g).unwrap();
+        s.write_all(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes())
+            .unwrap();
+        Client(s)
+    }
+
+    /// Every reply to `option` up to the final one: (type, data).
+    fn option(&mut self, option: u32, data: &[u8]) -> Vec<(u32, Vec<u8>)> {
+        send_option(&mut self.0, option, data);
+        let mut v = Vec::new();
+        loop {
+            let (o, kind, d) = read_opt_reply(&mut self.0);
+            assert_eq!(o, option);
+            v.push((kind, d));
+            if kind == REP_ACK || kind & REP_FLAG_ERROR != 0 {
+                return v;
+            }
+        }
+    }
+
+    fn list(&mut self) -> Vec<String> {
+        self.option(OPT_LIST, &[])
+            .into_iter()
+            .filter(|(k, _)| *k == REP_SERVER)
+            .map(|(_, d)| {
+                let n = u32::from_be_bytes(d[0..4].try_into().unwrap()) as usize;
+                String::from_utf8(d[4..4 + n].to_vec()).unwrap()
+            })
+            .collect()
+    }
+
+    /// NBD_OPT_INFO or GO for `name`: the export's size, or the error.
+    fn info(&mut self, option: u32, name: &str) -> Result<u64, u32> {
+        let mut size = None;
+        for (kind, d) in self.option(option, &info_data(name, &[])) {
+            if kind & REP_FLAG_ERROR != 0 {
+                return Err(kind);
+            }
+            if kind == REP_INFO && u16::from_be_bytes([d[0], d[1]]) == INFO_EXPORT {
+                size = Some(u64::from_be_bytes(d[2..10].try_into().unwrap()));
+            }
+        }
+        Ok(size.expect("INFO_EXPORT"))
+    }
+
+    fn io(&mut self, command: u16, offset: u64, data: &[u8], len: u32) -> (u32, Vec<u8>) {
+        let mut v = Request {
+            flags: 0,
+            command,
+            cookie: 7,
+            offset,
+            length: len,
+        }
+        .encode()
+        .to_vec();
+        v.extend_from_slice(data);
+        self.0.write_all(&v).unwrap();
+        let (e, c) = read_simple_reply(&mut self.0);
+        assert_eq!(c, 7);
+        let mut back = Vec::new();
+        if command == CMD_READ && e == 0 {
+            back = vec![0u8; len as usize];
+            self.0.read_exact(&mut back).unwrap();
+        }
+        (e, back)
+    }
+}
+
+#[test]
+fn exports_are_listed_selected_by_name_and_kept_apart() {
+    let (a1, a2) = (arena(), arena());
+    let server = Server::start_exports(
+        vec![
+            Export::ready(ExportConfig::new("first"), volume(&a1, 4 << 20, 1)),
+            Export::ready(ExportConfig::new("second"), volume(&a2, 8 << 20, 2)),
+        ],
+        ServerOptions::default(),
+        &listen(),
+    )
+    .unwrap();
+    assert_eq!(server.export_names(), vec!["first", "second"]);
+    let mut c = Client::connect(&server);
+    assert_eq!(c.list(), vec!["first", "second"]);
+    assert_eq!(
+        c.info(OPT_INFO, ""),
+        Ok(4 << 20),
+        "the empty name: the first"
+    );
+    assert_eq!(c.info(OPT_INFO, "second"), Ok(8 << 20));
+    assert_eq!(c.info(OPT_INFO, "third"), Err(REP_ERR_UNKNOWN));
+    assert_eq!(c.info(OPT_GO, "second"), Ok(8 << 20));
+    let data = vec![0x33u8; 8192];
+    assert_eq!(
+        c.io(CMD_WRITE, 4 << 20, &data, 8192).0,
+        0,
+        "past the first's end"
+    );
+    assert_eq!(c.io(CMD_READ, 4 << 20, &[], 8192), (0, data.clone()));
+    drop(c);
+    let mut c = Client::connect(&server);
+    c.info(OPT_GO, "first").unwrap();
+    assert_eq!(c.io(CMD_WRITE, 0, &data, 8192).0, 0);
+    let (e, first) = c.io(CMD_READ, 0, &[], 8192);
+    assert_eq!((e, first), (0, data.clone()));
+    drop(c);
+    let mut c = Client::connect(&server);
+    c.info(OPT_GO, "second").unwrap();
+    let (_, second) = c.io(CMD_READ, 0, &[], 8192);
+    assert_ne!(second, data, "the first's write is not in the second");
+    drop(c);
+    // Per-export counters, and the server's totals over both.
+    std::thread::sleep(Duration::from_millis(100));
+    let (s1, s2) = (
+        server.export_stats("first").unwrap(),
+        server.export_stats("second").unwrap(),
+    );
+    assert_eq!((s1.write.requests, s1.read.requests), (1, 1));
+    assert_eq!((s2.write.requests, s2.read.requests), (1, 2));
+    let all = server.stats();
+    assert_eq!((all.write.requests, all.read.requests), (2, 3));
+    assert_eq!(all.sessions, 3);
+    assert!(server.export_stats("third").is_none());
+    server.shutdown();
+    a1.leak_check().unwrap();
+    a2.leak_check().unwrap();
+}
+
+#[test]
+fn a_lazy_export_opens_once_on_first_use_and_a_failure_is_kept() {
+    let alloc = arena();
+    let opened = Arc::new(AtomicUsize::new(0));
+    let failed = Arc::new(AtomicUsize::new(0));
+    let (o, f, a) = (Arc::clone(&opened), Arc::clone(&failed), alloc.clone());
+    let server = Server::start_exports(
+        vec![
+            Export::lazy(
+                ExportConfig::new("lazy"),
+                Box::new(move || {
+                    o.fetch_add(1, Ordering::SeqCst);
+                    // Slow, as a key derivation is: concurrent clients wait.
+                    std::thread::sleep(Duration::from_millis(200));
+                    Ok(volume(&a, 4 << 20, 3))
+                }),
+            ),
+            Export::lazy(
+                ExportConfig::new("broken"),
+                Box::new(move || {
+                    f.fetch_add(1, Ordering::SeqCst);
+                    Err("the passphrase opens no key slot".into())
+                }),
+            ),
+        ],
+        ServerOptions::default(),
+        &listen(),
+    )
+    .unwrap();
+    let mut c = Client::connect(&server);
+    assert_eq!(c.list(), vec!["lazy", "broken"]);
+    assert_eq!(opened.load(Ordering::SeqCst), 0, "LIST opens nothing");
+    assert_eq!(server.export_is_open("lazy"), Some(false));
+    // Four clients ask at once: one opening.
+    let addr = server.tcp_addr().unwrap();
+    let threads: Vec<_> = (0..4)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let mut s = TcpStream::connect(addr).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+                let mut g = [0u8; 18];
+                s.read_exact(&mut g).unwrap();
+                s.write_all(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes())
+                    .unwrap();
+                let mut c = Client(s);
+                c.info(OPT_INFO, "lazy")
+            })
+        })
+        .collect();
+    for t in threads {
+        assert_eq!(t.join().unwrap(), Ok(4 << 20));
+    }
+    assert_eq!(opened.load(Ordering::SeqCst), 1);
+    assert_eq!(server.export_is_open("lazy"), Some(true));
+    // The broken one: an error each time, the opener run once.
+    for _ in 0..3 {
+        assert_eq!(c.info(OPT_INFO, "broken"), Err(REP_ERR_UNKNOWN));
+    }
+    assert_eq!(failed.load(Ordering::SeqCst), 1);
+    assert_eq!(server.export_is_open("broken"), Some(false));
+    // EXPORT_NAME of the broken one closes the connection.
+    send_option(&mut c.0, OPT_EXPORT_NAME, b"broken");
+    let mut b = [0u8; 1];
+    assert!(matches!(c.0.read(&mut b), Ok(0) | Err(_)));
+    let mut c = Client::connect(&server);
+    assert_eq!(c.info(OPT_GO, "lazy"), Ok(4 << 20));
+    assert_eq!(c.io(CMD_WRITE, 0, &[9u8; 4096], 4096).0, 0);
+    assert_eq!(c.io(CMD_READ, 0, &[], 4096), (0, vec![9u8; 4096]));
+    drop(c);
+    server.shutdown();
+    alloc.leak_check().unwrap();
+}
+
+#[test]
+fn two_exports_with_one_name_or_none_are_refused() {
+    let alloc = arena();
+    let e = Server::start_exports(
+        vec![
+            Export::ready(ExportConfig::new("x"), volume(&alloc, 1 << 20, 1)),
+            Export::ready(ExportConfig::new("x"), volume(&alloc, 1 << 20, 2)),
+        ],
+        ServerOptions::default(),
+        &listen(),
+    )
+    .err()
+    .expect("refused");
+    assert!(e.to_string().contains("two exports are named \"x\""), "{e}");
+    let e = Server::start_exports(Vec::new(), ServerOptions::default(), &listen())
+        .err()
+        .expect("refused");
+    assert!(e.to_string().contains("no export"), "{e}");
+    alloc.leak_check().unwrap();
+}
