@@ -12,15 +12,14 @@
 // Used by serve --config.
 #![allow(dead_code)]
 
-use serde::de::{self, Deserializer as _, Visitor};
+use serde::de::{self, Visitor};
 use serde::Deserialize;
 use std::ffi::OsStr;
 use std::fmt;
 use std::io::Read;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
-use toml::de::{DeTable, DeValue, ValueDeserializer};
-use toml::Spanned;
+use toml::de::{DeTable, ValueDeserializer};
 
 /// Largest configuration file read (1 MiB): far more than 256 exports
 /// need, small enough that a wrong path (a disk image) fails at once.
