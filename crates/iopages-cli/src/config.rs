@@ -9,9 +9,6 @@
 //! governs what happens when an export fails to open or unlock, not errors
 //! in the file itself.
 
-// Used by serve --config.
-#![allow(dead_code)]
-
 use serde::de::{self, Visitor};
 use serde::Deserialize;
 use std::ffi::OsStr;

@@ -76,7 +76,7 @@ enum Command {
     /// LUKS2 file or block device. Clients: `nbdcopy`, `qemu-img`,
     /// `qemu-io -f raw nbd://127.0.0.1:10809/iopages`, fio's nbd engine,
     /// `nbd-client`.
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// LUKS tools: format a volume, check a passphrase, decrypt offline.
     Luks {
         #[command(subcommand)]
@@ -88,6 +88,7 @@ mod config;
 mod luks_cmd;
 mod passphrase;
 mod serve;
+mod served;
 
 /// Largest size the command line accepts (1 PiB).
 const MAX_SIZE_BYTES: u64 = 1 << 50;
@@ -189,7 +190,7 @@ enum Limit {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Serve(args) => serve::serve(args),
+        Command::Serve(args) => serve::serve(*args),
         Command::Luks { command } => luks_cmd::run(command),
         command => run(Cli { command }).map_err(|e| e.to_string()),
     };

@@ -7,10 +7,14 @@
 //! totals printed). Must never: exit with acknowledged writes unflushed.
 
 use crate::passphrase::read_passphrase;
+use crate::served::{self, Served, Volumes};
 use iopages_crypt::strategy::Strategy;
-use iopages_nbd::volume::{self, Volume, VolumeOptions};
-use iopages_nbd::{ExportConfig, Listen, Server, ServerOptions, TlsConfig, TlsMode};
+use iopages_nbd::volume::{self, VolumeOptions};
+use iopages_nbd::{
+    Export, ExportConfig, ExportVolume, Listen, Server, ServerOptions, TlsConfig, TlsMode,
+};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Requests served on the connection's thread by default, for fast
@@ -19,7 +23,7 @@ use std::time::{Duration, Instant};
 /// 75 000 through the workers here), while large requests gain from
 /// several workers encrypting at once (1 MiB writes: ~750 MiB/s inline vs
 /// 1100–1600 MiB/s through the workers).
-const DEFAULT_INLINE_MAX_BYTES: u32 = 64 << 10;
+pub(crate) const DEFAULT_INLINE_MAX_BYTES: u32 = 64 << 10;
 
 fn parse_inline(s: &str) -> Result<u32, String> {
     if s.trim() == "0" {
@@ -37,6 +41,21 @@ pub const MAX_MEMORY_BYTES: u64 = 64 << 30;
 
 #[derive(clap::Args)]
 pub struct ServeArgs {
+    /// Serve the exports a TOML file describes (several volumes behind one
+    /// port; see contrib/iopages.toml) instead of one volume: each export
+    /// names its image, passphrase source and settings there. The
+    /// server-wide flags (listening, TLS, limits, statistics) still apply;
+    /// the file's listen and unix addresses are used when no --listen or
+    /// --unix is given.
+    #[arg(long, value_name = "FILE", conflicts_with_all = [
+        "image", "passphrase_file", "size", "name", "read_only", "allow_discards",
+        "inline_max", "allow_secondary_header", "max_kdf_memory", "workers"
+    ])]
+    config: Option<PathBuf>,
+    /// With --config: refuse to start when any export cannot be opened
+    /// (default: report it, naming it, and serve the others).
+    #[arg(long, requires = "config")]
+    strict: bool,
     /// TCP address to listen on (default 127.0.0.1:10809 when --unix is
     /// not given; port 0 picks a free port).
     #[arg(long, value_name = "ADDR")]
@@ -277,7 +296,7 @@ fn block_signals() -> libc::sigset_t {
 }
 
 /// Wait up to `timeout` for one of `set`; `None` on timeout.
-fn wait_signal(set: &libc::sigset_t, timeout: Option<Duration>) -> Option<i32> {
+pub(crate) fn wait_signal(set: &libc::sigset_t, timeout: Option<Duration>) -> Option<i32> {
     loop {
         let r = match timeout {
             Some(t) => {
@@ -316,11 +335,24 @@ struct Progress {
 }
 
 impl Progress {
-    fn line(&mut self, server: &Server, vol: &Volume) -> String {
+    fn line(&mut self, server: &Server, volumes: &[Served]) -> String {
         let now = Instant::now();
         let dt = now.duration_since(self.last).as_secs_f64().max(1e-9);
         let s = server.stats();
-        let out = vol.queue.target().out_pages().stats();
+        // Out pages and discards summed over the volumes opened so far.
+        let mut out = iopages_crypt::strategy::OutStats::default();
+        let (mut discard_bytes, mut punch_bytes) = (0, 0);
+        for s in volumes {
+            let o = s.vol.queue.target().out_pages().stats();
+            out.direct_pages += o.direct_pages;
+            out.compound_blocks += o.compound_blocks;
+            out.pool_pages += o.pool_pages;
+            out.reserve_pages += o.reserve_pages;
+            out.waits += o.waits;
+            let t = s.vol.queue.target().stats();
+            discard_bytes += t.discard_bytes;
+            punch_bytes += t.zero_punch_bytes;
+        }
         let line = format!(
             "[{:>7.1}s] write {:.1} MiB/s ({:.1} MiB, {} req, {} err) | read {:.1} MiB/s ({:.1} MiB, {} req, {} err) | flush {} | out pages: {:.1}% by the strategy ({} compound blocks), {} via mempool ({} from reserve, {} waits) | payload buffers: {} arena blocks, {} vmalloc, {} heap | sessions {} ({} TLS, {} TLS failed) | open {}/{} ({} refused) | timeouts: {} handshake, {} reply, {} payload, {} idle | in flight {:.1}/{:.0} MiB ({} waits, {} ENOMEM)",
             now.duration_since(self.start).as_secs_f64(),
@@ -359,13 +391,12 @@ impl Progress {
         self.last = now;
         self.last_read = s.read.bytes;
         self.last_write = s.write.bytes;
-        let t = vol.queue.target().stats();
         format!(
             "{line} | trim {} ({} MiB discarded), write-zeroes {} ({} MiB punched), block status {} | shape: write {}; read {}",
             s.trim.requests,
-            t.discard_bytes >> 20,
+            discard_bytes >> 20,
             s.write_zeroes.requests,
-            t.zero_punch_bytes >> 20,
+            punch_bytes >> 20,
             s.block_status.requests,
             shape_summary(&s.shape.write, s.shape.sector_bytes),
             shape_summary(&s.shape.read, s.shape.sector_bytes)
@@ -479,13 +510,101 @@ fn write_stats_json(path: &Path, v: &serde_json::Value) -> std::io::Result<()> {
     std::fs::rename(&tmp, path)
 }
 
+/// The one volume of a command line without --config: an --image (a
+/// file, block device or NBD URI) or the in-memory volume, opened now.
+/// Returns its export and, for the in-memory volume, the generated
+/// passphrase (shown once).
+fn single_export(
+    a: &ServeArgs,
+    size: u64,
+    opts: VolumeOptions,
+    signals: &libc::sigset_t,
+    volumes: &Volumes,
+) -> Result<(Export, Option<zeroize::Zeroizing<String>>), String> {
+    let pass = match (&a.image, &a.passphrase_file) {
+        (Some(_), Some(pf)) => Some(read_passphrase(pf)?),
+        (Some(path), None) => {
+            return Err(format!(
+            "--image {} needs --passphrase-file FILE (or - to read one line from standard input)",
+            path.display()
+        ))
+        }
+        _ => None,
+    };
+    let image = a.image.as_deref().map(served::image_spec);
+    let read_only = opts.read_only;
+    let (vol, generated) =
+        served::open_watched(signals, "the volume", move || match (&image, pass) {
+            (Some(image), Some(pass)) => served::open_image(image, &pass, &opts).map(|v| (v, None)),
+            _ => volume::in_memory(size, &opts)
+                .map(|(v, p)| (v, Some(p)))
+                .map_err(|e| format!("cannot make the in-memory LUKS2 volume: {e}")),
+        })?;
+    let mut export = ExportConfig::new(a.name.clone());
+    export.read_only = a.read_only;
+    export.handshake_timeout = Duration::from_secs(a.handshake_timeout);
+    export.inline_max_bytes = a.inline_max.unwrap_or_else(|| served::default_inline(&vol));
+    export.description = served::description(&vol);
+    let queue = Arc::clone(&vol.queue);
+    volumes.lock().push(Served {
+        name: a.name.clone(),
+        vol,
+        read_only,
+    });
+    Ok((Export::ready(export, ExportVolume::new(queue)), generated))
+}
+
+/// The lines that describe an opened volume (the export's name first
+/// when there can be several).
+fn print_volume(s: &Served, named: bool) {
+    let i = &s.vol.info;
+    let who = if named {
+        format!("export {}: ", s.name)
+    } else {
+        String::new()
+    };
+    println!(
+        "{who}volume: {} {}, {}-bit key, {}-byte sectors, payload {} bytes at offset {}, key slot {}, uuid {}",
+        match i.version {
+            iopages_crypt::luks::LuksVersion::Luks1 => "LUKS1",
+            iopages_crypt::luks::LuksVersion::Luks2 => "LUKS2",
+        },
+        i.cipher,
+        i.key_bits,
+        i.sector_size,
+        i.size_bytes,
+        i.data_offset,
+        i.keyslot,
+        iopages_crypt::luks::printable(&i.uuid)
+    );
+    if !i.keys_locked {
+        println!("{who}warning: the cipher keys could not be locked in memory (RLIMIT_MEMLOCK): they may be swapped out");
+    }
+    if s.vol.queue.target().discards_allowed() {
+        println!("{who}discards: on (TRIM and WRITE_ZEROES punch holes in the image, holes read as zeros; which blocks are unused is visible to whoever sees the image)");
+    }
+    match (&i.image, &i.remote) {
+        (Some(p), _) => println!("{who}image: {} ({})", p.display(), i.io),
+        (None, Some(uri)) => println!("{who}image: {uri} ({})", i.io),
+        (None, None) => println!("{who}image: in memory (gone when the server stops)"),
+    }
+}
+
 pub fn serve(a: ServeArgs) -> Result<(), String> {
+    let cfg = match &a.config {
+        Some(p) => Some(crate::config::load(p).map_err(|e| e.to_string())?),
+        None => None,
+    };
     let mut listen = Vec::new();
     if let Some(addr) = a.listen {
         listen.push(Listen::Tcp(addr));
     }
     if let Some(p) = &a.unix {
         listen.push(Listen::Unix(p.clone()));
+    }
+    if let (true, Some(c)) = (listen.is_empty(), &cfg) {
+        listen.extend(c.server.listen.iter().map(|&a| Listen::Tcp(a)));
+        listen.extend(c.server.unix.iter().map(|p| Listen::Unix(p.clone())));
     }
     if listen.is_empty() {
         let addr = iopages_nbd::DEFAULT_LISTEN
@@ -540,105 +659,35 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
     opts.kdf_limits = crate::luks_cmd::kdf_limits(a.max_kdf_memory);
     opts.allow_secondary_header = a.allow_secondary_header;
     opts.allow_discards = a.allow_discards;
-    // The key derivation may take long (a header's KDF costs are bounded,
-    // but a slow one still takes seconds): it runs on its own thread so a
-    // SIGINT or SIGTERM meanwhile stops the process at once (nothing has
-    // been written yet).
-    let image = a.image.clone();
-    let pass = match (&image, &a.passphrase_file) {
-        (Some(_), Some(pf)) => Some(read_passphrase(pf)?),
-        (Some(path), None) => {
-            return Err(format!(
-            "--image {} needs --passphrase-file FILE (or - to read one line from standard input)",
-            path.display()
-        ))
-        }
-        _ => None,
-    };
-    let opening = std::thread::Builder::new()
-        .name("open-volume".into())
-        .spawn(move || match (&image, pass) {
-            (Some(path), Some(pass)) => volume::open_image(path, &pass, &opts)
-                .map(|v| (v, None))
-                .map_err(|e| {
-                    let m = e.to_string();
-                    if m.contains("ambiguous signatures") {
-                        format!("{m} [--allow-secondary-header serves the old volume on purpose]")
-                    } else {
-                        m
-                    }
-                }),
-            _ => volume::in_memory(size, &opts)
-                .map(|(v, p)| (v, Some(p)))
-                .map_err(|e| format!("cannot make the in-memory LUKS2 volume: {e}")),
-        })
-        .map_err(|e| format!("cannot start the thread that opens the volume: {e}"))?;
-    while !opening.is_finished() {
-        if let Some(sig) = wait_signal(&signals, Some(Duration::from_millis(50))) {
-            if sig == libc::SIGINT || sig == libc::SIGTERM {
-                eprintln!(
-                    "signal {}: stopped while opening the volume (nothing was written)",
-                    if sig == libc::SIGINT { "INT" } else { "TERM" }
-                );
-                std::process::exit(128 + sig);
-            }
-        }
-    }
-    let (vol, generated) = opening
-        .join()
-        .map_err(|_| "the thread that opens the volume panicked".to_string())??;
-    let mut export = ExportConfig::new(a.name.clone());
-    export.read_only = a.read_only;
-    export.handshake_timeout = Duration::from_secs(a.handshake_timeout);
+    let volumes: Volumes = Arc::new(parking_lot::Mutex::new(Vec::new()));
     let tls = server_opts.tls.as_ref().map(|t| (t.mode(), t.kind()));
-    export.inline_max_bytes = a
-        .inline_max
-        // Inline for memory and the page cache; a remote image's
-        // requests wait on the network, which only the workers overlap.
-        .unwrap_or(if vol.file.as_ref().is_some_and(|f| !f.direct_io()) {
-            DEFAULT_INLINE_MAX_BYTES
-        } else {
-            0
-        });
-    export.description = format!(
-        "iopages {} volume ({})",
-        match vol.info.version {
-            iopages_crypt::luks::LuksVersion::Luks1 => "LUKS1",
-            iopages_crypt::luks::LuksVersion::Luks2 => "LUKS2",
-        },
-        vol.info.cipher
-    );
-    let server = Server::start_with(vol.queue.clone(), export, server_opts, &listen)
-        .map_err(|e| e.to_string())?;
-    let i = &vol.info;
-    println!(
-        "volume: {} {}, {}-bit key, {}-byte sectors, payload {} bytes at offset {}, key slot {}, uuid {}",
-        match i.version {
-            iopages_crypt::luks::LuksVersion::Luks1 => "LUKS1",
-            iopages_crypt::luks::LuksVersion::Luks2 => "LUKS2",
-        },
-        i.cipher,
-        i.key_bits,
-        i.sector_size,
-        i.size_bytes,
-        i.data_offset,
-        i.keyslot,
-        iopages_crypt::luks::printable(&i.uuid)
-    );
-    if !i.keys_locked {
-        println!("warning: the cipher keys could not be locked in memory (RLIMIT_MEMLOCK): they may be swapped out");
-    }
-    if a.allow_discards {
-        println!("discards: on (TRIM and WRITE_ZEROES punch holes in the image, holes read as zeros; which blocks are unused is visible to whoever sees the image)");
-    }
-    match &i.image {
-        Some(p) => println!("image: {} ({})", p.display(), i.io),
-        None => {
-            println!("image: in memory (gone when the server stops)");
-            if let Some(p) = &generated {
-                println!("passphrase (shown once): {}", p.as_str());
-            }
+    let (exports, generated) = match &cfg {
+        Some(cfg) => {
+            let common = served::Common {
+                base: opts,
+                handshake_timeout: Duration::from_secs(a.handshake_timeout),
+                strict: a.strict || cfg.server.strict,
+            };
+            let e = served::from_config(cfg, &common, &signals, &volumes)?;
+            (e, None)
         }
+        None => {
+            let (e, generated) = single_export(&a, size, opts, &signals, &volumes)?;
+            (vec![e], generated)
+        }
+    };
+    let names: Vec<String> = exports.iter().map(|e| e.name().to_string()).collect();
+    let server = Server::start_exports(exports, server_opts, &listen).map_err(|e| e.to_string())?;
+    for s in volumes.lock().iter() {
+        print_volume(s, cfg.is_some());
+    }
+    for n in &names {
+        if server.export_is_open(n) == Some(false) {
+            println!("export {n}: opened on first use");
+        }
+    }
+    if let Some(p) = &generated {
+        println!("passphrase (shown once): {}", p.as_str());
     }
     // nbds:// when TLS is required; with --tls on both schemes work.
     let s = if matches!(tls, Some((TlsMode::Require, _))) {
@@ -656,10 +705,14 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
             }
         );
     }
-    for l in server.addresses() {
-        match l {
-            Listen::Tcp(addr) => println!("serving nbd{s}://{addr}/{}", a.name),
-            Listen::Unix(p) => println!("serving nbd{s}+unix:///{}?socket={}", a.name, p.display()),
+    for name in &names {
+        for l in server.addresses() {
+            match l {
+                Listen::Tcp(addr) => println!("serving nbd{s}://{addr}/{name}"),
+                Listen::Unix(p) => {
+                    println!("serving nbd{s}+unix:///{name}?socket={}", p.display())
+                }
+            }
         }
     }
     println!(
@@ -707,7 +760,7 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
     loop {
         match wait_signal(&signals, interval) {
             None | Some(libc::SIGUSR1) => {
-                println!("{}", progress.line(&server, &vol));
+                println!("{}", progress.line(&server, &volumes.lock()));
                 if let Err(e) = emit_json(&server) {
                     eprintln!("warning: {e} (statistics go on on standard output)");
                 }
@@ -728,19 +781,28 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
         }
         let _ = std::io::stdout().flush();
     }
-    let line = progress.line(&server, &vol);
+    let line = progress.line(&server, &volumes.lock());
     if let Err(e) = emit_json(&server) {
         eprintln!("warning: {e}");
     }
     server.shutdown();
-    vol.queue.wait_idle();
-    let flushed = if a.read_only {
-        Ok(())
-    } else {
-        vol.queue.target().flush()
-    };
+    // Every volume opened, lazy ones included, is flushed before exit.
+    let mut failed = Vec::new();
+    for s in volumes.lock().iter() {
+        s.vol.queue.wait_idle();
+        if !s.read_only {
+            if let Err(e) = s.vol.queue.target().flush() {
+                failed.push(format!("export {}: {e}", s.name));
+            }
+        }
+    }
     println!("{line}");
-    flushed.map_err(|e| format!("the final flush of the image failed: {e}"))?;
+    if !failed.is_empty() {
+        return Err(format!(
+            "the final flush of the image failed: {}",
+            failed.join("; ")
+        ));
+    }
     println!("stopped");
     Ok(())
 }
