@@ -139,7 +139,7 @@ fn many_threads_write_and_read_back_over_several_connections() {
             std::thread::spawn(move || {
                 let base = t * PART as u64;
                 let mut model = vec![0u8; PART];
-                let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ (t + 1) * 0x1234_5678);
+                let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ ((t + 1) * 0x1234_5678));
                 for round in 0..150 {
                     let sectors = 1 + rng.below(64) as usize;
                     let len = sectors * 512;
@@ -383,7 +383,7 @@ fn a_killed_remote_fails_in_flight_and_later_requests_without_a_hang() {
             let mut ops = 0u64;
             let err = loop {
                 let off = (t * 8 + ops % 8) << 20;
-                let r = if ops % 2 == 0 {
+                let r = if ops.is_multiple_of(2) {
                     remote.write_at(off, &[&buf])
                 } else {
                     remote.read_at(off, &mut [&mut buf])
