@@ -509,8 +509,9 @@ enum Slot {
 
 /// A request in flight.
 struct Pending {
-    /// When it was queued (its reply is due `timeout` later).
-    since: Instant,
+    /// When it was sent whole (its reply is due `timeout` later); `None`
+    /// while it waits for the writer or is being written.
+    since: Option<Instant>,
     /// A READ: a successful reply carries data.
     read: bool,
     /// What the caller waits on.
@@ -626,12 +627,18 @@ impl Conn {
                     && s.dead.is_none()
                     && s.pending.len() >= self.max_in_flight
                 {
-                    let msg = format!(
-                        "{}: no request finished for {:?}",
-                        self.name,
-                        self.backstop()
-                    );
-                    self.kill(&mut s, ErrorKind::TimedOut, msg);
+                    // Replies keep coming (the reader gives up a
+                    // connection whose requests go unanswered), but none
+                    // freed a slot for this caller: fail it alone.
+                    return Err(io::Error::new(
+                        ErrorKind::TimedOut,
+                        format!(
+                            "{}: no request slot free within {:?} ({} in flight)",
+                            self.name,
+                            self.backstop(),
+                            self.max_in_flight
+                        ),
+                    ));
                 }
             }
             let cookie = s.next_cookie;
@@ -639,7 +646,7 @@ impl Conn {
             s.pending.insert(
                 cookie,
                 Pending {
-                    since: Instant::now(),
+                    since: None,
                     read: command == CMD_READ,
                     cv: cv.clone(),
                     state: Slot::Waiting,
@@ -680,6 +687,9 @@ impl Conn {
             return Err(self.dead_error(&s));
         }
         let mut s = self.shared.lock();
+        if let Some(p) = s.pending.get_mut(&cookie) {
+            p.since = Some(Instant::now());
+        }
         let until = Instant::now() + self.backstop();
         let state = loop {
             let p = s
@@ -741,7 +751,7 @@ impl Conn {
         s.pending
             .values()
             .filter(|p| matches!(p.state, Slot::Waiting))
-            .map(|p| p.since)
+            .filter_map(|p| p.since)
             .min()
             .filter(|since| since.elapsed() >= self.timeout)
             .map(|_| {

@@ -469,3 +469,100 @@ fn a_remote_that_stops_answering_times_out() {
     });
     within(&rx, Duration::from_secs(5), "dropping the remote");
 }
+
+#[test]
+fn servers_without_fixed_newstyle_or_no_zeroes_use_export_name() {
+    // Mask 0: plain newstyle (EXPORT_NAME, 124 zero bytes after it);
+    // mask 2: NO_ZEROES only; mask 1: fixed newstyle without NO_ZEROES.
+    for mask in ["0", "2", "1"] {
+        let flag = format!("--mask-handshake={mask}");
+        let Some(k) = Nbdkit::start("remote export name", &[&flag, "memory", "1M"]) else {
+            return;
+        };
+        let remote = k.connect(&RemoteOptions::default());
+        assert_eq!(remote.size_bytes(), 1 << 20, "mask {mask}");
+        remote.write_at(512, &[&[5u8; 1024]]).unwrap();
+        let mut back = [0u8; 2048];
+        remote.read_at(0, &mut [&mut back]).unwrap();
+        assert!(back[..512].iter().all(|&b| b == 0), "mask {mask}");
+        assert!(back[512..1536].iter().all(|&b| b == 5), "mask {mask}");
+        assert!(back[1536..].iter().all(|&b| b == 0), "mask {mask}");
+    }
+    let Some(k) = Nbdkit::start("remote oldstyle", &["-o", "memory", "1M"]) else {
+        return;
+    };
+    let e = NbdRemote::connect(&k.spec(), &RemoteOptions::default())
+        .err()
+        .expect("an oldstyle server is refused");
+    assert_eq!(e.kind(), ErrorKind::Unsupported, "{e}");
+    assert!(e.to_string().contains("oldstyle"), "{e}");
+}
+
+#[test]
+fn error_replies_map_to_kinds_and_keep_the_connection() {
+    let Some(k) = Nbdkit::start(
+        "remote error replies",
+        &[
+            "--filter=error",
+            "memory",
+            "1M",
+            "error-pread=EIO",
+            "error-pread-rate=100%",
+            "error-pwrite=ENOSPC",
+            "error-pwrite-rate=100%",
+        ],
+    ) else {
+        return;
+    };
+    let remote = k.connect(&RemoteOptions {
+        connections: 1,
+        ..RemoteOptions::default()
+    });
+    for _ in 0..3 {
+        let e = remote.read_at(4096, &mut [&mut [0u8; 4096]]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Other, "{e}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("EIO") && msg.contains("READ of 4096 bytes at offset 4096"),
+            "{msg}"
+        );
+        assert!(msg.contains("nbd+unix://"), "{msg}");
+        let e = remote.write_at(0, &[&[1u8; 512]]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::StorageFull, "{e}");
+        assert!(e.to_string().contains("ENOSPC"), "{e}");
+    }
+    // The connection is still good for what does not fail.
+    remote.punch(0, 4096).unwrap();
+    remote.flush().unwrap();
+}
+
+#[test]
+fn callers_wait_for_a_request_slot() {
+    let Some(k) = Nbdkit::start("remote in-flight limit", &["memory", "8M"]) else {
+        return;
+    };
+    let remote = Arc::new(k.connect(&RemoteOptions {
+        connections: 1,
+        max_in_flight: 1,
+        ..RemoteOptions::default()
+    }));
+    assert_eq!(remote.connections(), 1);
+    let threads: Vec<_> = (0..8u8)
+        .map(|t| {
+            let remote = remote.clone();
+            std::thread::spawn(move || {
+                let at = t as u64 * (1 << 20);
+                for i in 0..50u64 {
+                    let data = vec![t ^ i as u8; 4096];
+                    remote.write_at(at + i * 4096, &[&data]).unwrap();
+                    let mut back = vec![0u8; 4096];
+                    remote.read_at(at + i * 4096, &mut [&mut back]).unwrap();
+                    assert!(back == data);
+                }
+            })
+        })
+        .collect();
+    for h in threads {
+        h.join().unwrap();
+    }
+}
