@@ -28,6 +28,7 @@
 //! | per-command counts | `stats.rs` |
 //! | LUKS images and the in-memory LUKS2 volume, set up as crypt stacks | `volume.rs` |
 //! | what can go wrong starting or running a server | `error.rs` |
+//! | an NBD client as a crypt backend: ciphertext on a remote NBD server (`nbd://`, `nbd+unix://`) | `remote.rs` |
 //!
 //! What is served: READ, WRITE, FLUSH, TRIM, WRITE_ZEROES, BLOCK_STATUS
 //! and DISC. By default TRIM is checked and then does nothing (the
@@ -101,6 +102,7 @@ mod error;
 mod export;
 mod handshake;
 pub mod proto;
+pub mod remote;
 mod server;
 mod stats;
 mod stream;

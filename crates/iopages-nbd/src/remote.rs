@@ -1,0 +1,1546 @@
+//! A remote store: an NBD client the crypt target can sit on, so that a
+//! LUKS image's ciphertext lives on another NBD server (rbd-nbd,
+//! qemu-storage-daemon, nbdkit, another host's nbd-server) while the keys
+//! and the cipher stay here.
+//!
+//! Owns: NBD URIs ([`RemoteSpec`]: `nbd://host[:port][/export]` and
+//! `nbd+unix:///export?socket=PATH`), the client side of the fixed
+//! newstyle handshake (NBD_OPT_GO asking for the block sizes, falling back
+//! to NBD_OPT_EXPORT_NAME), and transmission with simple replies over one
+//! or more connections ([`NbdRemote`], a
+//! [`Backend`](iopages_crypt::backend::Backend)). Must never: hang — a
+//! remote that stops answering fails its requests with `TimedOut` after
+//! [`RemoteOptions::timeout`] and the connection is given up; a connection
+//! that dies fails every request waiting on it and every later one at
+//! once (there is no reconnect); or send a request the export's
+//! constraints forbid (out of range, misaligned, a write to a read-only
+//! export): those are refused before anything is sent.
+//!
+//! Threads: each connection has one reader thread, which reads reply
+//! headers and completes the waiting caller by cookie (a map cookie →
+//! pending request, each with its own condition variable, under the
+//! connection's mutex). Requests are written whole (header and payload)
+//! under the connection's writer mutex by the calling thread. A read's
+//! data is not copied: when its reply header arrives the reader lends the
+//! socket's read half to the waiting caller, which reads the data straight
+//! into its own buffers and hands the socket back; the reader waits for it
+//! meanwhile (the stream is serial anyway). Structured replies are not
+//! negotiated, TLS is not supported yet.
+
+use crate::proto::{
+    Request, CMD_DISC, CMD_FLUSH, CMD_READ, CMD_TRIM, CMD_WRITE, CMD_WRITE_ZEROES, EINVAL, EIO,
+    ENOMEM, ENOSPC, ENOTSUP, EOVERFLOW, EPERM, ESHUTDOWN, FLAG_C_FIXED_NEWSTYLE, FLAG_C_NO_ZEROES,
+    FLAG_FIXED_NEWSTYLE, FLAG_NO_ZEROES, IHAVEOPT, INFO_BLOCK_SIZE, INFO_EXPORT, NBD_MAGIC,
+    OPT_EXPORT_NAME, OPT_GO, OPT_REPLY_MAGIC, REP_ACK, REP_ERR_POLICY, REP_ERR_TLS_REQD,
+    REP_ERR_UNKNOWN, REP_ERR_UNSUP, REP_FLAG_ERROR, REP_INFO, SIMPLE_REPLY_BYTES,
+    SIMPLE_REPLY_MAGIC, STRUCTURED_REPLY_MAGIC, TFLAG_CAN_MULTI_CONN, TFLAG_HAS_FLAGS,
+    TFLAG_READ_ONLY, TFLAG_SEND_FLUSH, TFLAG_SEND_FUA, TFLAG_SEND_TRIM, TFLAG_SEND_WRITE_ZEROES,
+};
+use iopages_crypt::backend::{check_range, Backend};
+use parking_lot::{Condvar, Mutex};
+use std::collections::HashMap;
+use std::io::{self, ErrorKind, IoSlice, Read, Write};
+use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// The NBD port a `nbd://` URI without one means.
+pub const DEFAULT_PORT: u16 = 10809;
+/// Connections opened by default (when the export allows several).
+pub const DEFAULT_CONNECTIONS: usize = 4;
+/// How long a request may wait for its reply by default.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
+/// Requests in flight per connection by default.
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 64;
+/// The largest READ or WRITE payload sent in one request (32 MiB, the
+/// protocol's default maximum); larger I/Os are split.
+pub const MAX_PAYLOAD_BYTES: u32 = 32 << 20;
+/// The largest TRIM or WRITE_ZEROES sent in one request (1 GiB); larger
+/// ranges are split.
+const MAX_EFFECT_BYTES: u64 = 1 << 30;
+/// The second 8 bytes of an oldstyle server's greeting.
+const OLDSTYLE_MAGIC: u64 = 0x0000_4202_8186_1253;
+/// Option reply data accepted during the handshake.
+const MAX_OPTION_REPLY_BYTES: usize = 64 << 10;
+/// Error reply: the server requires block sizes to be asked for.
+const REP_ERR_BLOCK_SIZE_REQD: u32 = REP_FLAG_ERROR | 8;
+
+/// Where a remote export is: a TCP host and port, or a Unix socket.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RemoteAddress {
+    /// `nbd://host[:port]`: a host name or address, and a port.
+    Tcp {
+        /// Host name, IPv4 or IPv6 address (without brackets).
+        host: String,
+        /// TCP port.
+        port: u16,
+    },
+    /// `nbd+unix://…?socket=PATH`: a Unix socket.
+    Unix(PathBuf),
+}
+
+/// A remote export, as an NBD URI names it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RemoteSpec {
+    /// Where the server listens.
+    pub address: RemoteAddress,
+    /// The export's name ("" : the server's default export).
+    pub export: String,
+}
+
+/// An `InvalidInput` error about the URI `uri`.
+fn bad_uri(uri: &str, msg: &str) -> io::Error {
+    io::Error::new(
+        ErrorKind::InvalidInput,
+        format!(
+            "remote {uri:?}: {msg} (expected nbd://host[:port][/export] or \
+             nbd+unix:///export?socket=PATH)"
+        ),
+    )
+}
+
+/// Decode `%XX` escapes; the result must be UTF-8.
+fn percent_decode(s: &str) -> Result<String, String> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let hex = b
+                .get(i + 1..i + 3)
+                .and_then(|h| std::str::from_utf8(h).ok())
+                .and_then(|h| u8::from_str_radix(h, 16).ok());
+            match hex {
+                Some(v) => out.push(v),
+                None => return Err(format!("a bad %-escape in {s:?}")),
+            }
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).map_err(|_| format!("{s:?} is not UTF-8 once %-decoded"))
+}
+
+/// `%XX`-escape everything but unreserved characters and `/`.
+fn percent_encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for &c in s.as_bytes() {
+        if c.is_ascii_alphanumeric() || b"-._~/".contains(&c) {
+            out.push(c as char);
+        } else {
+            out.push_str(&format!("%{c:02X}"));
+        }
+    }
+    out
+}
+
+impl RemoteSpec {
+    /// Parse an NBD URI: `nbd://host[:port][/export]` (port 10809 by
+    /// default, IPv6 addresses in brackets, the export `%`-escaped, "" when
+    /// absent) or `nbd+unix:///export?socket=PATH`.
+    ///
+    /// **Context:** pure. **Returns:** `InvalidInput` naming what is wrong
+    /// for anything else: TLS (`nbds://`, `nbds+unix://`, not supported
+    /// yet), other schemes, user info, fragments, a missing host or socket,
+    /// a bad port, unknown query keys, an export name over 4096 bytes.
+    pub fn parse(uri: &str) -> io::Result<RemoteSpec> {
+        let bad = |m: &str| bad_uri(uri, m);
+        let (scheme, rest) = uri.split_once("://").ok_or_else(|| bad("not an NBD URI"))?;
+        let scheme = scheme.to_ascii_lowercase();
+        if scheme.starts_with("nbds") {
+            return Err(bad(
+                "TLS to the remote is not supported yet (use nbd:// or nbd+unix://)",
+            ));
+        }
+        if scheme != "nbd" && scheme != "nbd+unix" {
+            return Err(bad(&format!("scheme {scheme:?} is not supported")));
+        }
+        if rest.contains('#') {
+            return Err(bad("a fragment (#...) is not allowed"));
+        }
+        let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
+        let (authority, path) = match rest.find('/') {
+            Some(i) => (&rest[..i], &rest[i + 1..]),
+            None => (rest, ""),
+        };
+        let export = percent_decode(path).map_err(|m| bad(&m))?;
+        if export.len() > 4096 {
+            return Err(bad("the export name is longer than 4096 bytes"));
+        }
+        let mut socket = None;
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+            match (scheme.as_str(), key) {
+                ("nbd+unix", "socket") if socket.is_none() => {
+                    socket = Some(percent_decode(value).map_err(|m| bad(&m))?)
+                }
+                ("nbd+unix", "socket") => return Err(bad("socket= is given twice")),
+                _ => return Err(bad(&format!("unknown query parameter {key:?}"))),
+            }
+        }
+        if authority.contains('@') {
+            return Err(bad("user info (user@) is not supported"));
+        }
+        let address = if scheme == "nbd+unix" {
+            if !authority.is_empty() {
+                return Err(bad(
+                    "nbd+unix:// takes no host (nbd+unix:///export?socket=PATH)",
+                ));
+            }
+            match socket {
+                Some(s) if !s.is_empty() => RemoteAddress::Unix(PathBuf::from(s)),
+                _ => return Err(bad("nbd+unix:// needs ?socket=PATH")),
+            }
+        } else {
+            if authority.matches(':').count() > 1 && !authority.starts_with('[') {
+                return Err(bad("an IPv6 address must be in brackets ([::1]:10809)"));
+            }
+            let (host, port) = if let Some(v6) = authority.strip_prefix('[') {
+                let (host, after) = v6
+                    .split_once(']')
+                    .ok_or_else(|| bad("an IPv6 address without its closing ]"))?;
+                match after {
+                    "" => (host, None),
+                    p => match p.strip_prefix(':') {
+                        Some(p) => (host, Some(p)),
+                        None => return Err(bad("junk after the IPv6 address")),
+                    },
+                }
+            } else {
+                match authority.split_once(':') {
+                    Some((h, p)) => (h, Some(p)),
+                    None => (authority, None),
+                }
+            };
+            if host.is_empty() {
+                return Err(bad("no host"));
+            }
+            let port = match port {
+                None | Some("") => DEFAULT_PORT,
+                Some(p) => match p.parse::<u16>() {
+                    Ok(n) if n > 0 && p.bytes().all(|c| c.is_ascii_digit()) => n,
+                    _ => return Err(bad(&format!("bad port {p:?}"))),
+                },
+            };
+            RemoteAddress::Tcp {
+                host: host.to_string(),
+                port,
+            }
+        };
+        Ok(RemoteSpec { address, export })
+    }
+
+    /// The URI naming this export (what [`RemoteSpec::parse`] reads back).
+    ///
+    /// **Returns:** `nbd://…` or `nbd+unix://…`, names `%`-escaped.
+    pub fn uri(&self) -> String {
+        let export = percent_encode(&self.export);
+        match &self.address {
+            RemoteAddress::Tcp { host, port } if host.contains(':') => {
+                format!("nbd://[{host}]:{port}/{export}")
+            }
+            RemoteAddress::Tcp { host, port } => format!("nbd://{host}:{port}/{export}"),
+            RemoteAddress::Unix(p) => format!(
+                "nbd+unix:///{export}?socket={}",
+                percent_encode(&p.to_string_lossy())
+            ),
+        }
+    }
+}
+
+impl std::fmt::Display for RemoteSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.uri())
+    }
+}
+
+/// How to use a remote export.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RemoteOptions {
+    /// Connections to open when the export advertises
+    /// NBD_FLAG_CAN_MULTI_CONN (else one). Default
+    /// [`DEFAULT_CONNECTIONS`].
+    pub connections: usize,
+    /// Refuse every write, punch and discard (`PermissionDenied`), even if
+    /// the export is writable.
+    pub read_only: bool,
+    /// A request not answered within this long fails with `TimedOut` and
+    /// its connection is given up; also the limit on connecting, on the
+    /// handshake, and on a stalled send or receive. Default
+    /// [`DEFAULT_TIMEOUT`].
+    pub timeout: Duration,
+    /// Requests in flight per connection; callers wait for a slot beyond
+    /// it. Default [`DEFAULT_MAX_IN_FLIGHT`].
+    pub max_in_flight: usize,
+}
+
+impl Default for RemoteOptions {
+    fn default() -> Self {
+        RemoteOptions {
+            connections: DEFAULT_CONNECTIONS,
+            read_only: false,
+            timeout: DEFAULT_TIMEOUT,
+            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
+        }
+    }
+}
+
+/// A connected socket: TCP or Unix.
+enum Stream {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Stream {
+    fn try_clone(&self) -> io::Result<Stream> {
+        Ok(match self {
+            Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
+            Stream::Unix(s) => Stream::Unix(s.try_clone()?),
+        })
+    }
+
+    fn set_timeouts(&self, read: Duration, write: Duration) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => {
+                s.set_read_timeout(Some(read))?;
+                s.set_write_timeout(Some(write))
+            }
+            Stream::Unix(s) => {
+                s.set_read_timeout(Some(read))?;
+                s.set_write_timeout(Some(write))
+            }
+        }
+    }
+
+    fn shutdown(&self, how: Shutdown) {
+        let _ = match self {
+            Stream::Tcp(s) => s.shutdown(how),
+            Stream::Unix(s) => s.shutdown(how),
+        };
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.read(buf),
+            Stream::Unix(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.write(buf),
+            Stream::Unix(s) => s.write(buf),
+        }
+    }
+
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.write_vectored(bufs),
+            Stream::Unix(s) => s.write_vectored(bufs),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Whether `e` is a socket timeout (SO_RCVTIMEO / SO_SNDTIMEO expired).
+fn is_timeout(e: &io::Error) -> bool {
+    matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut)
+}
+
+/// Fill `buf` from `s`. On each socket timeout `tick` is asked what to do:
+/// `Err` gives up, `Ok(true)` means "idle, keep waiting", `Ok(false)` lets
+/// the stall rule decide: no byte for `stall` gives up with `TimedOut`.
+fn read_full(
+    s: &mut Stream,
+    buf: &mut [u8],
+    stall: Duration,
+    tick: &mut dyn FnMut(usize) -> io::Result<bool>,
+) -> io::Result<()> {
+    let mut done = 0;
+    let mut last = Instant::now();
+    while done < buf.len() {
+        match s.read(&mut buf[done..]) {
+            Ok(0) => {
+                return Err(io::Error::new(
+                    ErrorKind::ConnectionAborted,
+                    "the remote closed the connection",
+                ))
+            }
+            Ok(n) => {
+                done += n;
+                last = Instant::now();
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) if is_timeout(&e) => {
+                if tick(done)? {
+                    last = Instant::now();
+                } else if last.elapsed() >= stall {
+                    return Err(io::Error::new(
+                        ErrorKind::TimedOut,
+                        format!("the remote sent nothing for {stall:?}"),
+                    ));
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Write all of `bufs` to `s`; a socket timeout (the remote stopped
+/// reading for the send timeout) is an error.
+fn write_all_vectored(s: &mut Stream, bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
+    let mut bufs = bufs;
+    while !bufs.is_empty() {
+        match s.write_vectored(bufs) {
+            Ok(0) => return Err(ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) if is_timeout(&e) => {
+                return Err(io::Error::new(
+                    ErrorKind::TimedOut,
+                    "the remote stopped reading requests",
+                ))
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// The parts of `segs` (back to back) covering `len` bytes from `start`.
+fn sub_slices<'a>(segs: &[&'a [u8]], start: usize, len: usize) -> Vec<&'a [u8]> {
+    let (mut skip, mut left) = (start, len);
+    let mut out = Vec::new();
+    for seg in segs {
+        if left == 0 {
+            break;
+        }
+        if skip >= seg.len() {
+            skip -= seg.len();
+            continue;
+        }
+        let n = (seg.len() - skip).min(left);
+        out.push(&seg[skip..skip + n]);
+        skip = 0;
+        left -= n;
+    }
+    out
+}
+
+/// Read `len` bytes from `s` into `segs` (back to back) from byte `start`.
+fn read_into(
+    s: &mut Stream,
+    segs: &mut [&mut [u8]],
+    start: usize,
+    len: usize,
+    stall: Duration,
+) -> io::Result<()> {
+    let (mut skip, mut left) = (start, len);
+    for seg in segs.iter_mut() {
+        if left == 0 {
+            break;
+        }
+        if skip >= seg.len() {
+            skip -= seg.len();
+            continue;
+        }
+        let n = (seg.len() - skip).min(left);
+        read_full(s, &mut seg[skip..skip + n], stall, &mut |_| Ok(false))?;
+        skip = 0;
+        left -= n;
+    }
+    Ok(())
+}
+
+/// A command's name, for messages.
+fn command_name(command: u16) -> &'static str {
+    match command {
+        CMD_READ => "READ",
+        CMD_WRITE => "WRITE",
+        CMD_DISC => "DISC",
+        CMD_FLUSH => "FLUSH",
+        CMD_TRIM => "TRIM",
+        CMD_WRITE_ZEROES => "WRITE_ZEROES",
+        _ => "command",
+    }
+}
+
+/// The I/O error kind and name of an NBD error code.
+fn errno_kind(errno: u32) -> (ErrorKind, &'static str) {
+    match errno {
+        EPERM => (ErrorKind::PermissionDenied, "EPERM"),
+        EIO => (ErrorKind::Other, "EIO"),
+        ENOMEM => (ErrorKind::OutOfMemory, "ENOMEM"),
+        EINVAL => (ErrorKind::InvalidInput, "EINVAL"),
+        ENOSPC => (ErrorKind::StorageFull, "ENOSPC"),
+        EOVERFLOW => (ErrorKind::InvalidInput, "EOVERFLOW"),
+        ENOTSUP => (ErrorKind::Unsupported, "ENOTSUP"),
+        ESHUTDOWN => (ErrorKind::ConnectionAborted, "ESHUTDOWN"),
+        _ => (ErrorKind::Other, "an unknown error"),
+    }
+}
+
+/// Where a request stands.
+enum Slot {
+    /// Sent (or being sent), no reply yet.
+    Waiting,
+    /// A reply without data arrived: its error code (0: success).
+    Replied(u32),
+    /// A successful read's reply arrived: the socket, lent to the caller
+    /// to read the data into its buffers.
+    Payload(Stream),
+    /// The connection was given up.
+    Failed(ErrorKind, String),
+}
+
+/// A request in flight.
+struct Pending {
+    /// When it was sent whole (its reply is due `timeout` later); `None`
+    /// while it waits for the writer or is being written.
+    since: Option<Instant>,
+    /// A READ: a successful reply carries data.
+    read: bool,
+    /// What the caller waits on.
+    cv: Arc<Condvar>,
+    state: Slot,
+}
+
+/// A connection's state, under its mutex.
+struct Shared {
+    pending: HashMap<u64, Pending>,
+    next_cookie: u64,
+    /// Why the connection was given up.
+    dead: Option<(ErrorKind, String)>,
+    /// The remote is being dropped: EOF is expected.
+    closing: bool,
+    /// The socket lent to a caller comes back here (`None`: its read
+    /// failed and the connection is given up).
+    returned: Option<Option<Stream>>,
+}
+
+/// One connection to the remote.
+struct Conn {
+    /// "URI (connection N)", for messages.
+    name: String,
+    /// The write half: requests are written whole under it.
+    writer: Mutex<Stream>,
+    /// A handle to shut the socket down with.
+    ctl: Stream,
+    shared: Mutex<Shared>,
+    /// Callers wait here for an in-flight slot.
+    room: Condvar,
+    /// The reader waits here for its socket to come back.
+    reader_cv: Condvar,
+    alive: AtomicBool,
+    max_in_flight: usize,
+    timeout: Duration,
+}
+
+/// Hands the lent socket back to the reader thread when dropped.
+struct Lent<'c> {
+    conn: &'c Conn,
+    stream: Option<Stream>,
+    ok: bool,
+}
+
+impl Drop for Lent<'_> {
+    fn drop(&mut self) {
+        let mut s = self.conn.shared.lock();
+        s.returned = Some(if self.ok { self.stream.take() } else { None });
+        self.conn.reader_cv.notify_one();
+    }
+}
+
+impl Conn {
+    /// Give the connection up: fail every request still waiting, refuse
+    /// later ones, and shut the socket down (waking the reader and any
+    /// blocked send).
+    fn kill(&self, s: &mut Shared, kind: ErrorKind, msg: String) {
+        if s.dead.is_none() {
+            s.dead = Some((kind, msg));
+        }
+        self.alive.store(false, Ordering::Release);
+        let (kind, msg) = s.dead.clone().expect("set above");
+        for p in s.pending.values_mut() {
+            if matches!(p.state, Slot::Waiting) {
+                p.state = Slot::Failed(kind, msg.clone());
+                p.cv.notify_one();
+            }
+        }
+        self.room.notify_all();
+        self.ctl.shutdown(Shutdown::Both);
+    }
+
+    /// The error for a request on a connection given up.
+    fn dead_error(&self, s: &Shared) -> io::Error {
+        let (kind, msg) = s.dead.clone().expect("a dead connection");
+        io::Error::new(kind, msg)
+    }
+
+    /// How long a caller waits before it gives the connection up itself
+    /// (the reader normally does so first, after `timeout`).
+    fn backstop(&self) -> Duration {
+        self.timeout * 2 + Duration::from_secs(1)
+    }
+
+    /// Send one request (with `payload`'s bytes `start..start + length` for
+    /// a write) and wait for its reply; a read's data goes into `read`'s
+    /// bytes `start..start + length`.
+    ///
+    /// **Returns:** the reply's error code, or an I/O error when the
+    /// connection failed (it is then given up).
+    fn call(
+        &self,
+        command: u16,
+        offset: u64,
+        length: u32,
+        payload: &[&[u8]],
+        read: Option<&mut [&mut [u8]]>,
+        start: usize,
+    ) -> io::Result<u32> {
+        let cv = Arc::new(Condvar::new());
+        let cookie = {
+            let mut s = self.shared.lock();
+            let until = Instant::now() + self.backstop();
+            loop {
+                if s.dead.is_some() {
+                    return Err(self.dead_error(&s));
+                }
+                if s.pending.len() < self.max_in_flight {
+                    break;
+                }
+                if self.room.wait_until(&mut s, until).timed_out()
+                    && s.dead.is_none()
+                    && s.pending.len() >= self.max_in_flight
+                {
+                    // Replies keep coming (the reader gives up a
+                    // connection whose requests go unanswered), but none
+                    // freed a slot for this caller: fail it alone.
+                    return Err(io::Error::new(
+                        ErrorKind::TimedOut,
+                        format!(
+                            "{}: no request slot free within {:?} ({} in flight)",
+                            self.name,
+                            self.backstop(),
+                            self.max_in_flight
+                        ),
+                    ));
+                }
+            }
+            let cookie = s.next_cookie;
+            s.next_cookie += 1;
+            s.pending.insert(
+                cookie,
+                Pending {
+                    since: None,
+                    read: command == CMD_READ,
+                    cv: cv.clone(),
+                    state: Slot::Waiting,
+                },
+            );
+            cookie
+        };
+        let header = Request {
+            flags: 0,
+            command,
+            cookie,
+            offset,
+            length,
+        }
+        .encode();
+        let sent = {
+            let parts = if command == CMD_WRITE {
+                sub_slices(payload, start, length as usize)
+            } else {
+                Vec::new()
+            };
+            let mut bufs: Vec<IoSlice<'_>> = std::iter::once(IoSlice::new(&header))
+                .chain(parts.iter().map(|p| IoSlice::new(p)))
+                .collect();
+            let mut w = self.writer.lock();
+            write_all_vectored(&mut w, &mut bufs)
+        };
+        if let Err(e) = sent {
+            let mut s = self.shared.lock();
+            s.pending.remove(&cookie);
+            self.room.notify_one();
+            let msg = format!(
+                "{}: sending {} failed: {e}",
+                self.name,
+                command_name(command)
+            );
+            self.kill(&mut s, e.kind(), msg);
+            return Err(self.dead_error(&s));
+        }
+        let mut s = self.shared.lock();
+        if let Some(p) = s.pending.get_mut(&cookie) {
+            p.since = Some(Instant::now());
+        }
+        let until = Instant::now() + self.backstop();
+        let state = loop {
+            let p = s
+                .pending
+                .get_mut(&cookie)
+                .expect("only its caller removes it");
+            if !matches!(p.state, Slot::Waiting) {
+                let p = s.pending.remove(&cookie).expect("looked up above");
+                self.room.notify_one();
+                break p.state;
+            }
+            if cv.wait_until(&mut s, until).timed_out() {
+                let p = s.pending.get(&cookie).expect("only its caller removes it");
+                if matches!(p.state, Slot::Waiting) {
+                    s.pending.remove(&cookie);
+                    let msg = format!(
+                        "{}: {} not answered within {:?}",
+                        self.name,
+                        command_name(command),
+                        self.backstop()
+                    );
+                    self.kill(&mut s, ErrorKind::TimedOut, msg);
+                    return Err(self.dead_error(&s));
+                }
+            }
+        };
+        drop(s);
+        match state {
+            Slot::Waiting => unreachable!("left the loop on a reply"),
+            Slot::Replied(errno) => Ok(errno),
+            Slot::Failed(kind, msg) => Err(io::Error::new(kind, msg)),
+            Slot::Payload(stream) => {
+                let mut lent = Lent {
+                    conn: self,
+                    stream: Some(stream),
+                    ok: false,
+                };
+                let segs = read.expect("only reads get data");
+                let stream = lent.stream.as_mut().expect("lent above");
+                match read_into(stream, segs, start, length as usize, self.timeout) {
+                    Ok(()) => {
+                        lent.ok = true;
+                        Ok(0)
+                    }
+                    Err(e) => {
+                        let mut s = self.shared.lock();
+                        let msg = format!("{}: receiving READ data failed: {e}", self.name);
+                        self.kill(&mut s, e.kind(), msg);
+                        Err(self.dead_error(&s))
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether a request has waited longer than the timeout (checked on
+    /// each idle tick of the reader).
+    fn overdue(&self, s: &Shared) -> Option<String> {
+        s.pending
+            .values()
+            .filter(|p| matches!(p.state, Slot::Waiting))
+            .filter_map(|p| p.since)
+            .min()
+            .filter(|since| since.elapsed() >= self.timeout)
+            .map(|_| {
+                format!(
+                    "{}: the remote did not answer a request within {:?}; connection given up",
+                    self.name, self.timeout
+                )
+            })
+    }
+
+    /// The reader thread: reply headers in, callers completed by cookie.
+    fn reader(self: Arc<Conn>, mut stream: Stream) {
+        loop {
+            let mut h = [0u8; SIMPLE_REPLY_BYTES];
+            let got = read_full(&mut stream, &mut h, self.timeout, &mut |done| {
+                let s = self.shared.lock();
+                if s.dead.is_some() || (s.closing && s.pending.is_empty()) {
+                    return Err(io::Error::new(ErrorKind::ConnectionAborted, "closed"));
+                }
+                if done > 0 {
+                    return Ok(false);
+                }
+                match self.overdue(&s) {
+                    Some(msg) => Err(io::Error::new(ErrorKind::TimedOut, msg)),
+                    None => Ok(true),
+                }
+            });
+            let mut s = self.shared.lock();
+            if let Err(e) = got {
+                let msg = if e.kind() == ErrorKind::TimedOut && e.to_string().contains(&self.name) {
+                    e.to_string()
+                } else {
+                    format!("{}: the connection failed: {e}", self.name)
+                };
+                if s.closing && s.pending.is_empty() {
+                    self.kill(
+                        &mut s,
+                        ErrorKind::ConnectionAborted,
+                        format!("{}: closed", self.name),
+                    );
+                } else {
+                    self.kill(&mut s, e.kind(), msg);
+                }
+                return;
+            }
+            let magic = u32::from_be_bytes(h[0..4].try_into().expect("4 bytes"));
+            let errno = u32::from_be_bytes(h[4..8].try_into().expect("4 bytes"));
+            let cookie = u64::from_be_bytes(h[8..16].try_into().expect("8 bytes"));
+            if magic != SIMPLE_REPLY_MAGIC {
+                let what = if magic == STRUCTURED_REPLY_MAGIC {
+                    "a structured reply, which was not negotiated".to_string()
+                } else {
+                    format!("a reply with the bad magic {magic:#010x}")
+                };
+                let msg = format!("{}: the remote sent {what}", self.name);
+                self.kill(&mut s, ErrorKind::InvalidData, msg);
+                return;
+            }
+            let Some(p) = s
+                .pending
+                .get_mut(&cookie)
+                .filter(|p| matches!(p.state, Slot::Waiting))
+            else {
+                let msg = format!(
+                    "{}: the remote answered cookie {cookie}, which is not in flight",
+                    self.name
+                );
+                self.kill(&mut s, ErrorKind::InvalidData, msg);
+                return;
+            };
+            if p.read && errno == 0 {
+                p.state = Slot::Payload(stream);
+                p.cv.notify_one();
+                let back = loop {
+                    if let Some(back) = s.returned.take() {
+                        break back;
+                    }
+                    self.reader_cv.wait(&mut s);
+                };
+                match back {
+                    Some(st) => stream = st,
+                    None => return,
+                }
+            } else {
+                p.state = Slot::Replied(errno);
+                p.cv.notify_one();
+            }
+        }
+    }
+}
+
+/// What the handshake learnt about the export.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct ExportInfo {
+    size: u64,
+    flags: u16,
+    min_block: u32,
+    pref_block: u32,
+    max_block: u32,
+}
+
+/// Handshake reads: a socket timeout is the handshake's timeout.
+fn hs_read(s: &mut Stream, buf: &mut [u8], what: &str) -> io::Result<()> {
+    s.read_exact(buf).map_err(|e| {
+        if is_timeout(&e) {
+            io::Error::new(ErrorKind::TimedOut, format!("handshake: no {what} in time"))
+        } else if e.kind() == ErrorKind::UnexpectedEof {
+            io::Error::new(
+                ErrorKind::ConnectionAborted,
+                format!("handshake: the remote closed the connection before sending {what}"),
+            )
+        } else {
+            io::Error::new(e.kind(), format!("handshake: reading {what}: {e}"))
+        }
+    })
+}
+
+/// Send one option.
+fn send_option(s: &mut Stream, option: u32, data: &[u8]) -> io::Result<()> {
+    let mut v = IHAVEOPT.to_be_bytes().to_vec();
+    v.extend_from_slice(&option.to_be_bytes());
+    v.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    v.extend_from_slice(data);
+    s.write_all(&v)
+}
+
+/// NBD_OPT_GO for `export`, asking for the block sizes.
+///
+/// **Returns:** `None` when the server does not know NBD_OPT_GO.
+fn opt_go(s: &mut Stream, export: &str) -> io::Result<Option<ExportInfo>> {
+    let mut data = (export.len() as u32).to_be_bytes().to_vec();
+    data.extend_from_slice(export.as_bytes());
+    data.extend_from_slice(&1u16.to_be_bytes());
+    data.extend_from_slice(&INFO_BLOCK_SIZE.to_be_bytes());
+    send_option(s, OPT_GO, &data)?;
+    let invalid = |m: String| io::Error::new(ErrorKind::InvalidData, format!("handshake: {m}"));
+    let mut export_info = None;
+    let mut sizes = (1u32, 4096u32, MAX_PAYLOAD_BYTES);
+    loop {
+        let mut h = [0u8; 20];
+        hs_read(s, &mut h, "an option reply")?;
+        let magic = u64::from_be_bytes(h[0..8].try_into().expect("8 bytes"));
+        let option = u32::from_be_bytes(h[8..12].try_into().expect("4 bytes"));
+        let reply = u32::from_be_bytes(h[12..16].try_into().expect("4 bytes"));
+        let len = u32::from_be_bytes(h[16..20].try_into().expect("4 bytes")) as usize;
+        if magic != OPT_REPLY_MAGIC || option != OPT_GO {
+            return Err(invalid(format!(
+                "a bad option reply (magic {magic:#x}, option {option})"
+            )));
+        }
+        if len > MAX_OPTION_REPLY_BYTES {
+            return Err(invalid(format!("an option reply of {len} bytes")));
+        }
+        let mut d = vec![0u8; len];
+        hs_read(s, &mut d, "an option reply's data")?;
+        let text = String::from_utf8_lossy(&d).into_owned();
+        match reply {
+            REP_ACK => {
+                let (size, flags) = export_info
+                    .ok_or_else(|| invalid("NBD_OPT_GO ended without the export's size".into()))?;
+                let (min_block, pref_block, max_block) = sizes;
+                return Ok(Some(ExportInfo {
+                    size,
+                    flags,
+                    min_block,
+                    pref_block,
+                    max_block,
+                }));
+            }
+            REP_INFO if d.len() >= 2 => match u16::from_be_bytes([d[0], d[1]]) {
+                INFO_EXPORT if d.len() == 12 => {
+                    export_info = Some((
+                        u64::from_be_bytes(d[2..10].try_into().expect("8 bytes")),
+                        u16::from_be_bytes([d[10], d[11]]),
+                    ))
+                }
+                INFO_BLOCK_SIZE if d.len() == 14 => {
+                    let n = |i: usize| u32::from_be_bytes(d[i..i + 4].try_into().expect("4"));
+                    sizes = (n(2), n(6), n(10));
+                }
+                INFO_EXPORT | INFO_BLOCK_SIZE => {
+                    return Err(invalid(format!("an information reply of {len} bytes")))
+                }
+                _ => {} // other information is not needed
+            },
+            REP_INFO => return Err(invalid("an empty information reply".into())),
+            REP_ERR_UNSUP => return Ok(None),
+            REP_ERR_UNKNOWN => {
+                return Err(io::Error::new(
+                    ErrorKind::NotFound,
+                    format!("the remote has no export named {export:?} ({text})"),
+                ))
+            }
+            REP_ERR_TLS_REQD => {
+                return Err(io::Error::new(
+                    ErrorKind::PermissionDenied,
+                    "the remote requires TLS, which is not supported yet",
+                ))
+            }
+            REP_ERR_POLICY => {
+                return Err(io::Error::new(
+                    ErrorKind::PermissionDenied,
+                    format!("the remote refused export {export:?} by policy ({text})"),
+                ))
+            }
+            REP_ERR_BLOCK_SIZE_REQD => {
+                return Err(invalid("block sizes required although asked for".into()))
+            }
+            r if r & REP_FLAG_ERROR != 0 => {
+                return Err(io::Error::other(format!(
+                    "the remote refused export {export:?}: error {:#x} ({text})",
+                    r & !REP_FLAG_ERROR
+                )))
+            }
+            _ => {} // unknown replies are skipped
+        }
+    }
+}
+
+/// NBD_OPT_EXPORT_NAME for `export` (servers without NBD_OPT_GO).
+fn opt_export_name(s: &mut Stream, export: &str, no_zeroes: bool) -> io::Result<ExportInfo> {
+    send_option(s, OPT_EXPORT_NAME, export.as_bytes())?;
+    let mut d = [0u8; 10];
+    hs_read(s, &mut d, "the export's size (no such export?)").map_err(|e| {
+        if e.kind() == ErrorKind::ConnectionAborted {
+            io::Error::new(
+                ErrorKind::NotFound,
+                format!("the remote refused export {export:?} (NBD_OPT_EXPORT_NAME)"),
+            )
+        } else {
+            e
+        }
+    })?;
+    if !no_zeroes {
+        let mut z = [0u8; 124];
+        hs_read(s, &mut z, "the handshake's padding")?;
+    }
+    Ok(ExportInfo {
+        size: u64::from_be_bytes(d[0..8].try_into().expect("8 bytes")),
+        flags: u16::from_be_bytes([d[8], d[9]]),
+        min_block: 1,
+        pref_block: 4096,
+        max_block: MAX_PAYLOAD_BYTES,
+    })
+}
+
+/// The fixed newstyle handshake for `export`.
+fn handshake(s: &mut Stream, export: &str) -> io::Result<ExportInfo> {
+    let mut b = [0u8; 8];
+    hs_read(s, &mut b, "the greeting")?;
+    if u64::from_be_bytes(b) != NBD_MAGIC {
+        return Err(io::Error::new(ErrorKind::InvalidData, "not an NBD server"));
+    }
+    hs_read(s, &mut b, "the greeting")?;
+    match u64::from_be_bytes(b) {
+        IHAVEOPT => {}
+        OLDSTYLE_MAGIC => {
+            return Err(io::Error::new(
+                ErrorKind::Unsupported,
+                "an oldstyle NBD server (only newstyle is supported)",
+            ))
+        }
+        m => {
+            return Err(io::Error::new(
+                ErrorKind::InvalidData,
+                format!("an NBD server with the unknown magic {m:#x}"),
+            ))
+        }
+    }
+    let mut f = [0u8; 2];
+    hs_read(s, &mut f, "the handshake flags")?;
+    let flags = u16::from_be_bytes(f);
+    let fixed = flags & FLAG_FIXED_NEWSTYLE != 0;
+    let no_zeroes = flags & FLAG_NO_ZEROES != 0;
+    let client = if fixed { FLAG_C_FIXED_NEWSTYLE } else { 0 }
+        | if no_zeroes { FLAG_C_NO_ZEROES } else { 0 };
+    s.write_all(&client.to_be_bytes())?;
+    let mut info = match fixed {
+        true => opt_go(s, export)?,
+        false => None,
+    };
+    if info.is_none() {
+        info = Some(opt_export_name(s, export, no_zeroes)?);
+    }
+    let mut info = info.expect("set above");
+    if info.flags & TFLAG_HAS_FLAGS == 0 {
+        info.flags = 0;
+    }
+    let (min, pref, max) = (info.min_block, info.pref_block, info.max_block);
+    if !min.is_power_of_two() || min > 65536 || max < min {
+        return Err(io::Error::new(
+            ErrorKind::InvalidData,
+            format!("handshake: bad block sizes (minimum {min}, preferred {pref}, maximum {max})"),
+        ));
+    }
+    // Payloads: at most 32 MiB, whole minimum blocks.
+    info.max_block = max.min(MAX_PAYLOAD_BYTES) / min * min;
+    Ok(info)
+}
+
+/// Connect to `spec`'s server within `timeout`.
+fn dial(spec: &RemoteSpec, timeout: Duration) -> io::Result<Stream> {
+    match &spec.address {
+        RemoteAddress::Unix(p) => Ok(Stream::Unix(UnixStream::connect(p)?)),
+        RemoteAddress::Tcp { host, port } => {
+            let mut last = io::Error::new(ErrorKind::NotFound, format!("{host} has no address"));
+            for addr in (host.as_str(), *port).to_socket_addrs()? {
+                match TcpStream::connect_timeout(&addr, timeout) {
+                    Ok(s) => {
+                        s.set_nodelay(true)?;
+                        return Ok(Stream::Tcp(s));
+                    }
+                    Err(e) => last = e,
+                }
+            }
+            Err(last)
+        }
+    }
+}
+
+/// An NBD export used as the crypt target's backend: its ciphertext lives
+/// on another NBD server.
+///
+/// I/Os are checked (range, the export's minimum block size, writability)
+/// before anything is sent, split at the maximum payload, and spread over
+/// the connections round-robin; many callers' requests are in flight at
+/// once (up to [`RemoteOptions::max_in_flight`] per connection).
+pub struct NbdRemote {
+    uri: String,
+    conns: Vec<Arc<Conn>>,
+    readers: Vec<JoinHandle<()>>,
+    next: AtomicUsize,
+    info: ExportInfo,
+    read_only: bool,
+}
+
+impl NbdRemote {
+    /// Connect to `spec` and negotiate its export: one connection, or
+    /// `opts.connections` when the export advertises
+    /// NBD_FLAG_CAN_MULTI_CONN, each with its reader thread.
+    ///
+    /// **Context:** blocks (connecting, the handshakes), each step at most
+    /// `opts.timeout`. **Returns:** `InvalidInput` for options of zero;
+    /// the connect error; `NotFound` for an export the server does not
+    /// have; `InvalidData` for a server breaking the protocol (or
+    /// connections that disagree about the export); `TimedOut` when the
+    /// server does not answer.
+    pub fn connect(spec: &RemoteSpec, opts: &RemoteOptions) -> io::Result<NbdRemote> {
+        let uri = spec.uri();
+        if opts.connections == 0 || opts.max_in_flight == 0 || opts.timeout.is_zero() {
+            return Err(io::Error::new(
+                ErrorKind::InvalidInput,
+                format!("{uri}: connections, max_in_flight and timeout must be non-zero"),
+            ));
+        }
+        let ctx = |e: io::Error| io::Error::new(e.kind(), format!("{uri}: {e}"));
+        let open = || -> io::Result<(Stream, ExportInfo)> {
+            let mut s = dial(spec, opts.timeout)?;
+            s.set_timeouts(opts.timeout, opts.timeout)?;
+            let info = handshake(&mut s, &spec.export)?;
+            Ok((s, info))
+        };
+        let (first, info) = open().map_err(ctx)?;
+        let n = if info.flags & TFLAG_CAN_MULTI_CONN != 0 {
+            opts.connections
+        } else {
+            1
+        };
+        let mut streams = vec![first];
+        for _ in 1..n {
+            let (s, again) = open().map_err(ctx)?;
+            if again != info {
+                return Err(ctx(io::Error::new(
+                    ErrorKind::InvalidData,
+                    "the connections describe the export differently",
+                )));
+            }
+            streams.push(s);
+        }
+        let tick = (opts.timeout / 8).clamp(Duration::from_millis(1), Duration::from_millis(250));
+        let mut remote = NbdRemote {
+            uri: uri.clone(),
+            conns: Vec::with_capacity(n),
+            readers: Vec::with_capacity(n),
+            next: AtomicUsize::new(0),
+            info,
+            read_only: opts.read_only || info.flags & TFLAG_READ_ONLY != 0,
+        };
+        for (i, s) in streams.into_iter().enumerate() {
+            let prepared = (|| {
+                s.set_timeouts(tick, opts.timeout)?;
+                Ok::<_, io::Error>((s.try_clone()?, s.try_clone()?, s))
+            })();
+            let (writer, ctl, read_half) = prepared.map_err(ctx)?;
+            let conn = Arc::new(Conn {
+                name: format!("{uri} (connection {i})"),
+                writer: Mutex::new(writer),
+                ctl,
+                shared: Mutex::new(Shared {
+                    pending: HashMap::new(),
+                    next_cookie: 1,
+                    dead: None,
+                    closing: false,
+                    returned: None,
+                }),
+                room: Condvar::new(),
+                reader_cv: Condvar::new(),
+                alive: AtomicBool::new(true),
+                max_in_flight: opts.max_in_flight,
+                timeout: opts.timeout,
+            });
+            let c = conn.clone();
+            let reader = std::thread::Builder::new()
+                .name(format!("nbd-remote-{i}"))
+                .spawn(move || c.reader(read_half))
+                .map_err(ctx)?;
+            remote.conns.push(conn);
+            remote.readers.push(reader);
+        }
+        Ok(remote)
+    }
+
+    /// One line describing the remote: its URI, size, connections, block
+    /// sizes and what the export offers.
+    ///
+    /// **Returns:** e.g. `nbd+unix:///?socket=/s: 67108864 bytes, 4
+    /// connections, blocks 1/4096/33554432, flush fua trim write-zeroes
+    /// multi-conn`.
+    pub fn info(&self) -> String {
+        let f = self.info.flags;
+        let mut offers = Vec::new();
+        for (bit, name) in [
+            (TFLAG_READ_ONLY, "read-only"),
+            (TFLAG_SEND_FLUSH, "flush"),
+            (TFLAG_SEND_FUA, "fua"),
+            (TFLAG_SEND_TRIM, "trim"),
+            (TFLAG_SEND_WRITE_ZEROES, "write-zeroes"),
+            (TFLAG_CAN_MULTI_CONN, "multi-conn"),
+        ] {
+            if f & bit != 0 {
+                offers.push(name);
+            }
+        }
+        if self.read_only && f & TFLAG_READ_ONLY == 0 {
+            offers.push("opened read-only");
+        }
+        format!(
+            "{}: {} bytes, {} connection{}, blocks {}/{}/{}, {}",
+            self.uri,
+            self.info.size,
+            self.conns.len(),
+            if self.conns.len() == 1 { "" } else { "s" },
+            self.info.min_block,
+            self.info.pref_block,
+            self.info.max_block,
+            if offers.is_empty() {
+                "no optional commands".to_string()
+            } else {
+                offers.join(" ")
+            }
+        )
+    }
+
+    /// The URI of the remote export.
+    pub fn uri(&self) -> &str {
+        &self.uri
+    }
+
+    /// Connections in use (one unless the export allows several).
+    pub fn connections(&self) -> usize {
+        self.conns.len()
+    }
+
+    /// The export's minimum block size: I/Os must be whole blocks.
+    pub fn min_block_bytes(&self) -> u32 {
+        self.info.min_block
+    }
+
+    /// The largest READ or WRITE sent in one request.
+    pub fn max_payload_bytes(&self) -> u32 {
+        self.info.max_block
+    }
+
+    /// Whether writes are refused (the export is read-only, or it was
+    /// opened so).
+    pub fn is_read_only(&self) -> bool {
+        self.read_only
+    }
+
+    /// The next connection, round-robin, skipping those given up while
+    /// any is alive.
+    fn pick(&self) -> &Conn {
+        let n = self.conns.len();
+        let first = self.next.fetch_add(1, Ordering::Relaxed) % n;
+        (0..n)
+            .map(|i| &*self.conns[(first + i) % n])
+            .find(|c| c.alive.load(Ordering::Acquire))
+            .unwrap_or(&self.conns[first])
+    }
+
+    /// Refuse, before anything is sent, what leaves the export or is not
+    /// whole minimum blocks.
+    fn check(&self, offset: u64, len: u64) -> io::Result<()> {
+        check_range(offset, len, self.info.size)?;
+        let min = self.info.min_block as u64;
+        if !offset.is_multiple_of(min) || !len.is_multiple_of(min) {
+            return Err(io::Error::new(
+                ErrorKind::InvalidInput,
+                format!(
+                    "{}: I/O of {len} bytes at offset {offset} is not whole {min}-byte blocks",
+                    self.uri
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Refuse writes to a read-only remote.
+    fn check_writable(&self, what: &str, offset: u64, len: u64) -> io::Result<()> {
+        if self.read_only {
+            return Err(io::Error::new(
+                ErrorKind::PermissionDenied,
+                format!(
+                    "{}: {what} of {len} bytes at offset {offset} refused: the remote is read-only",
+                    self.uri
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The error for an NBD error reply.
+    fn reply_error(&self, errno: u32, command: u16, offset: u64, len: u64) -> io::Error {
+        let (kind, name) = errno_kind(errno);
+        io::Error::new(
+            kind,
+            format!(
+                "{}: {} of {len} bytes at offset {offset} failed on the remote: {name} ({})",
+                self.uri,
+                command_name(command),
+                crate::proto::error_message(errno)
+            ),
+        )
+    }
+
+    /// One command without payload (TRIM, WRITE_ZEROES) over `len` bytes
+    /// at `offset`, split at 1 GiB.
+    fn effect(&self, command: u16, offset: u64, len: u64) -> io::Result<()> {
+        let conn = self.pick();
+        let mut pos = 0;
+        while pos < len {
+            let n = (len - pos).min(MAX_EFFECT_BYTES);
+            let errno = conn.call(command, offset + pos, n as u32, &[], None, 0)?;
+            if errno != 0 {
+                return Err(self.reply_error(errno, command, offset + pos, n));
+            }
+            pos += n;
+        }
+        Ok(())
+    }
+}
+
+impl Backend for NbdRemote {
+    fn size_bytes(&self) -> u64 {
+        self.info.size
+    }
+
+    fn write_at(&self, offset: u64, segments: &[&[u8]]) -> io::Result<()> {
+        let total: usize = segments.iter().map(|s| s.len()).sum();
+        self.check(offset, total as u64)?;
+        self.check_writable("WRITE", offset, total as u64)?;
+        let conn = self.pick();
+        let mut pos = 0;
+        while pos < total {
+            let n = (total - pos).min(self.info.max_block as usize);
+            let at = offset + pos as u64;
+            let errno = conn.call(CMD_WRITE, at, n as u32, segments, None, pos)?;
+            if errno != 0 {
+                return Err(self.reply_error(errno, CMD_WRITE, at, n as u64));
+            }
+            pos += n;
+        }
+        Ok(())
+    }
+
+    fn read_at(&self, offset: u64, segments: &mut [&mut [u8]]) -> io::Result<()> {
+        let total: usize = segments.iter().map(|s| s.len()).sum();
+        self.check(offset, total as u64)?;
+        let conn = self.pick();
+        let mut pos = 0;
+        while pos < total {
+            let n = (total - pos).min(self.info.max_block as usize);
+            let at = offset + pos as u64;
+            let errno = conn.call(CMD_READ, at, n as u32, &[], Some(&mut *segments), pos)?;
+            if errno != 0 {
+                return Err(self.reply_error(errno, CMD_READ, at, n as u64));
+            }
+            pos += n;
+        }
+        Ok(())
+    }
+
+    /// NBD_CMD_FLUSH on one connection when the export offers it (with
+    /// several connections the export is multi-conn, where a flush on one
+    /// covers the writes completed on all); nothing otherwise.
+    fn flush(&self) -> io::Result<()> {
+        if self.info.flags & TFLAG_SEND_FLUSH == 0 {
+            return Ok(());
+        }
+        let errno = self.pick().call(CMD_FLUSH, 0, 0, &[], None, 0)?;
+        if errno != 0 {
+            return Err(self.reply_error(errno, CMD_FLUSH, 0, 0));
+        }
+        Ok(())
+    }
+
+    /// NBD_CMD_WRITE_ZEROES without NO_HOLE (the remote may deallocate).
+    fn punch(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.check(offset, len)?;
+        self.check_writable("WRITE_ZEROES", offset, len)?;
+        if self.info.flags & TFLAG_SEND_WRITE_ZEROES == 0 {
+            return Err(io::Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "{}: the remote export does not offer WRITE_ZEROES ({len} bytes at offset {offset})",
+                    self.uri
+                ),
+            ));
+        }
+        self.effect(CMD_WRITE_ZEROES, offset, len)
+    }
+
+    fn can_punch(&self) -> bool {
+        !self.read_only && self.info.flags & TFLAG_SEND_WRITE_ZEROES != 0
+    }
+
+    /// NBD_CMD_TRIM where the export offers it, else a punch.
+    fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
+        if self.info.flags & TFLAG_SEND_TRIM == 0 {
+            return self.punch(offset, len);
+        }
+        self.check(offset, len)?;
+        self.check_writable("TRIM", offset, len)?;
+        self.effect(CMD_TRIM, offset, len)
+    }
+}
+
+impl Drop for NbdRemote {
+    /// NBD_CMD_DISC on each live connection, then the reader threads are
+    /// joined (they stop at the server's EOF, or at their next tick).
+    fn drop(&mut self) {
+        for c in &self.conns {
+            c.shared.lock().closing = true;
+            if c.alive.load(Ordering::Acquire) {
+                let header = Request {
+                    flags: 0,
+                    command: CMD_DISC,
+                    cookie: 0,
+                    offset: 0,
+                    length: 0,
+                }
+                .encode();
+                let mut w = c.writer.lock();
+                let _ = write_all_vectored(&mut w, &mut [IoSlice::new(&header)]);
+                c.ctl.shutdown(Shutdown::Write);
+            }
+        }
+        for r in self.readers.drain(..) {
+            let _ = r.join();
+        }
+        for c in &self.conns {
+            c.ctl.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tcp(host: &str, port: u16, export: &str) -> RemoteSpec {
+        RemoteSpec {
+            address: RemoteAddress::Tcp {
+                host: host.into(),
+                port,
+            },
+            export: export.into(),
+        }
+    }
+
+    #[test]
+    fn good_uris_parse_and_round_trip() {
+        let cases = [
+            ("nbd://example.com", tcp("example.com", 10809, "")),
+            ("nbd://example.com/", tcp("example.com", 10809, "")),
+            (
+                "nbd://example.com:10900/disk",
+                tcp("example.com", 10900, "disk"),
+            ),
+            ("NBD://h:1/a%20b/c", tcp("h", 1, "a b/c")),
+            ("nbd://[::1]:2000/x", tcp("::1", 2000, "x")),
+            ("nbd://[fe80::1]", tcp("fe80::1", 10809, "")),
+            ("nbd://10.0.0.1:/e", tcp("10.0.0.1", 10809, "e")),
+            (
+                "nbd+unix:///vol?socket=/run/nbd.sock",
+                RemoteSpec {
+                    address: RemoteAddress::Unix("/run/nbd.sock".into()),
+                    export: "vol".into(),
+                },
+            ),
+            (
+                "nbd+unix://?socket=/tmp/a%26b",
+                RemoteSpec {
+                    address: RemoteAddress::Unix("/tmp/a&b".into()),
+                    export: "".into(),
+                },
+            ),
+        ];
+        for (uri, want) in cases {
+            let got = RemoteSpec::parse(uri).unwrap_or_else(|e| panic!("{uri}: {e}"));
+            assert_eq!(got, want, "{uri}");
+            assert_eq!(
+                RemoteSpec::parse(&got.uri()).unwrap(),
+                want,
+                "{}",
+                got.uri()
+            );
+        }
+    }
+
+    #[test]
+    fn bad_uris_are_refused_with_a_reason() {
+        let cases = [
+            ("", "not an NBD URI"),
+            ("example.com:10809", "not an NBD URI"),
+            ("nbds://h/e", "TLS to the remote is not supported yet"),
+            (
+                "nbds+unix:///e?socket=/s",
+                "TLS to the remote is not supported yet",
+            ),
+            ("http://h/e", "not supported"),
+            ("nbd+vsock://1:2/e", "not supported"),
+            ("nbd:///e", "no host"),
+            ("nbd://:10809/e", "no host"),
+            ("nbd://h:0/e", "bad port"),
+            ("nbd://h:65536/e", "bad port"),
+            ("nbd://h:+1/e", "bad port"),
+            ("nbd://h:x/e", "bad port"),
+            ("nbd://::1/e", "in brackets"),
+            ("nbd://[::1/e", "closing ]"),
+            ("nbd://[::1]x/e", "junk"),
+            ("nbd://u@h/e", "user info"),
+            ("nbd://h/e#f", "fragment"),
+            ("nbd://h/e?tls-certificates=/x", "unknown query parameter"),
+            ("nbd://h/e?socket=/x", "unknown query parameter"),
+            ("nbd+unix:///e", "needs ?socket=PATH"),
+            ("nbd+unix:///e?socket=", "needs ?socket=PATH"),
+            ("nbd+unix://host/e?socket=/s", "takes no host"),
+            ("nbd+unix:///e?socket=/s&socket=/t", "twice"),
+            ("nbd+unix:///e?socket=/s&tls=on", "unknown query parameter"),
+            ("nbd://h/%zz", "%-escape"),
+            ("nbd://h/%ff", "UTF-8"),
+        ];
+        for (uri, why) in cases {
+            let e = RemoteSpec::parse(uri).expect_err(uri);
+            assert_eq!(e.kind(), ErrorKind::InvalidInput, "{uri}");
+            assert!(e.to_string().contains(why), "{uri}: {e}");
+        }
+        let long = format!("nbd://h/{}", "x".repeat(4097));
+        assert!(RemoteSpec::parse(&long).is_err());
+    }
+
+    #[test]
+    fn segments_are_cut_at_any_byte() {
+        let (a, b, c) = ([1u8; 3], [2u8; 4], [3u8; 5]);
+        let segs: [&[u8]; 3] = [&a, &b, &c];
+        let cut = sub_slices(&segs, 2, 7);
+        assert_eq!(cut.concat(), vec![1, 2, 2, 2, 2, 3, 3]);
+        assert_eq!(sub_slices(&segs, 7, 5).concat(), vec![3; 5]);
+        assert!(sub_slices(&segs, 12, 0).is_empty());
+    }
+
+    #[test]
+    fn error_codes_map_to_kinds() {
+        assert_eq!(errno_kind(EIO).0, ErrorKind::Other);
+        assert_eq!(errno_kind(ENOSPC).0, ErrorKind::StorageFull);
+        assert_eq!(errno_kind(EPERM).0, ErrorKind::PermissionDenied);
+        assert_eq!(errno_kind(EINVAL).0, ErrorKind::InvalidInput);
+        assert_eq!(errno_kind(ENOTSUP).0, ErrorKind::Unsupported);
+        assert_eq!(errno_kind(12345).0, ErrorKind::Other);
+    }
+}

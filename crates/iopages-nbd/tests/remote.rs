@@ -1,0 +1,568 @@
+//! The NBD client backend (`iopages_nbd::remote`) against nbdkit: many
+//! threads' I/O over several connections, flush, refusals before anything
+//! is sent, read-only exports, a crypt target over the remote, and a
+//! remote that dies or stops answering (errors within seconds, no hang).
+//! Skipped with a message without nbdkit, a failure under `CI=true`.
+
+use iopages::PageAllocator;
+use iopages_crypt::backend::Backend;
+use iopages_crypt::target::{CipherPool, CryptTarget, TargetConfig};
+use iopages_crypt::XtsCipher;
+use iopages_nbd::remote::{NbdRemote, RemoteAddress, RemoteOptions, RemoteSpec};
+use iopages_testkit::{die_with_parent, need_tool, wait_for_socket, Reaped, TempDir};
+use std::io::ErrorKind;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+/// An nbdkit serving on a Unix socket in its own directory.
+struct Nbdkit {
+    child: Reaped,
+    dir: TempDir,
+    sock: PathBuf,
+}
+
+impl Nbdkit {
+    /// `nbdkit -U SOCK --foreground --exit-with-parent ARGS…`, listening;
+    /// `None` (skipped) without nbdkit outside CI.
+    fn start(who: &str, args: &[&str]) -> Option<Nbdkit> {
+        let nbdkit = need_tool("nbdkit", who)?;
+        let dir = TempDir::new("remote");
+        let sock = dir.join("nbd.sock");
+        let mut cmd = Command::new(nbdkit);
+        cmd.arg("-U")
+            .arg(&sock)
+            .args(["--foreground", "--exit-with-parent"])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
+        die_with_parent(&mut cmd, libc::SIGKILL);
+        let mut child = Reaped(cmd.spawn().expect("nbdkit starts"));
+        wait_for_socket(&sock, Duration::from_secs(20), || {
+            match child.0.try_wait() {
+                Ok(None) => Ok(()),
+                other => Err(format!("nbdkit exited: {other:?}")),
+            }
+        })
+        .unwrap();
+        Some(Nbdkit { child, dir, sock })
+    }
+
+    fn spec(&self) -> RemoteSpec {
+        RemoteSpec::parse(&format!("nbd+unix:///?socket={}", self.sock.display())).unwrap()
+    }
+
+    fn connect(&self, opts: &RemoteOptions) -> NbdRemote {
+        NbdRemote::connect(&self.spec(), opts).unwrap()
+    }
+}
+
+/// A small xorshift generator (no dependency, reproducible).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+
+    fn fill(&mut self, b: &mut [u8]) {
+        for c in b.chunks_mut(8) {
+            let v = self.next().to_le_bytes();
+            c.copy_from_slice(&v[..c.len()]);
+        }
+    }
+}
+
+#[test]
+fn uris_parse_and_bad_ones_are_refused() {
+    let s = RemoteSpec::parse("nbd://storage.example:10900/images/vol1").unwrap();
+    assert_eq!(
+        s.address,
+        RemoteAddress::Tcp {
+            host: "storage.example".into(),
+            port: 10900
+        }
+    );
+    assert_eq!(s.export, "images/vol1");
+    let s = RemoteSpec::parse("nbd://10.1.2.3").unwrap();
+    assert_eq!(
+        (s.address, s.export),
+        (
+            RemoteAddress::Tcp {
+                host: "10.1.2.3".into(),
+                port: 10809
+            },
+            String::new()
+        )
+    );
+    let s = RemoteSpec::parse("nbd+unix:///disk?socket=/run/rbd.sock").unwrap();
+    assert_eq!(s.address, RemoteAddress::Unix("/run/rbd.sock".into()));
+    assert_eq!(s.export, "disk");
+    for (uri, why) in [
+        ("nbds://h/e", "TLS to the remote is not supported yet"),
+        ("nbd://h/e?foo=bar", "unknown query parameter"),
+        ("nbd+unix:///e", "socket"),
+        ("file:///tmp/x", "not supported"),
+        ("nbd://h:99999", "bad port"),
+    ] {
+        let e = RemoteSpec::parse(uri).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidInput, "{uri}");
+        assert!(e.to_string().contains(why), "{uri}: {e}");
+    }
+}
+
+#[test]
+fn many_threads_write_and_read_back_over_several_connections() {
+    let Some(k) = Nbdkit::start("remote many threads", &["memory", "64M"]) else {
+        return;
+    };
+    let remote = Arc::new(k.connect(&RemoteOptions::default()));
+    assert_eq!(remote.size_bytes(), 64 << 20);
+    let info = remote.info();
+    assert!(info.contains("67108864 bytes"), "{info}");
+    if info.contains("multi-conn") {
+        assert_eq!(remote.connections(), 4, "{info}");
+    }
+    // Each thread owns 8 MiB and keeps a model of it.
+    const PART: usize = 8 << 20;
+    let threads: Vec<_> = (0..8u64)
+        .map(|t| {
+            let remote = remote.clone();
+            std::thread::spawn(move || {
+                let base = t * PART as u64;
+                let mut model = vec![0u8; PART];
+                let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ ((t + 1) * 0x1234_5678));
+                for round in 0..150 {
+                    let sectors = 1 + rng.below(64) as usize;
+                    let len = sectors * 512;
+                    let off = rng.below(((PART - len) / 512) as u64 + 1) as usize * 512;
+                    if round % 3 != 2 {
+                        let mut data = vec![0u8; len];
+                        rng.fill(&mut data);
+                        // Two segments, cut at a sector.
+                        let cut = rng.below(sectors as u64 + 1) as usize * 512;
+                        let (a, b) = data.split_at(cut);
+                        remote.write_at(base + off as u64, &[a, b]).unwrap();
+                        model[off..off + len].copy_from_slice(&data);
+                    } else {
+                        let mut back = vec![0u8; len];
+                        let (a, b) = back.split_at_mut(len / 2);
+                        remote.read_at(base + off as u64, &mut [a, b]).unwrap();
+                        assert!(back == model[off..off + len], "thread {t} round {round}");
+                    }
+                }
+                model
+            })
+        })
+        .collect();
+    let models: Vec<Vec<u8>> = threads.into_iter().map(|h| h.join().unwrap()).collect();
+    remote.flush().unwrap();
+    for (t, model) in models.iter().enumerate() {
+        let mut back = vec![0u8; PART];
+        remote.read_at((t * PART) as u64, &mut [&mut back]).unwrap();
+        assert!(back == *model, "thread {t}'s part reads back");
+    }
+}
+
+#[test]
+fn large_io_is_split_and_flush_reaches_the_file() {
+    let Some(k) = Nbdkit::start("remote flush", &["memory", "1M"]) else {
+        return;
+    };
+    drop(k);
+    let dir = TempDir::new("remote-file");
+    let file = dir.join("disk.img");
+    std::fs::write(&file, vec![0u8; 48 << 20]).unwrap();
+    let arg = format!("file={}", file.display());
+    let Some(k) = Nbdkit::start("remote flush", &["file", &arg]) else {
+        return;
+    };
+    let remote = k.connect(&RemoteOptions {
+        connections: 2,
+        ..RemoteOptions::default()
+    });
+    assert!(remote.info().contains("flush"), "{}", remote.info());
+    // 40 MiB: more than one 32 MiB request each way.
+    let mut rng = Rng(77);
+    let mut data = vec![0u8; 40 << 20];
+    rng.fill(&mut data);
+    remote.write_at(4096, &[&data]).unwrap();
+    remote.flush().unwrap();
+    let on_disk = std::fs::read(&file).unwrap();
+    assert!(on_disk[4096..4096 + data.len()] == data[..]);
+    let mut back = vec![0u8; data.len()];
+    remote.read_at(4096, &mut [&mut back]).unwrap();
+    assert!(back == data);
+}
+
+#[test]
+fn out_of_range_and_misaligned_io_is_refused_with_nothing_sent() {
+    let dir = TempDir::new("remote-log");
+    let log = dir.join("requests.log");
+    let logfile = format!("logfile={}", log.display());
+    let Some(k) = Nbdkit::start(
+        "remote refusals",
+        &[
+            "--filter=log",
+            "--filter=blocksize-policy",
+            "memory",
+            "1M",
+            &logfile,
+            "blocksize-minimum=512",
+        ],
+    ) else {
+        return;
+    };
+    let remote = k.connect(&RemoteOptions::default());
+    assert_eq!(remote.min_block_bytes(), 512, "{}", remote.info());
+    let e = remote
+        .write_at((1 << 20) - 512, &[&[1u8; 1024]])
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput);
+    assert!(e.to_string().contains("leaves the device"), "{e}");
+    let e = remote
+        .read_at(u64::MAX - 511, &mut [&mut [0u8; 512]])
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput);
+    let e = remote.write_at(100, &[&[1u8; 512]]).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput);
+    assert!(e.to_string().contains("512-byte blocks"), "{e}");
+    let e = remote.read_at(0, &mut [&mut [0u8; 700]]).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput);
+    assert_eq!(
+        remote.punch(1 << 20, 512).unwrap_err().kind(),
+        ErrorKind::InvalidInput
+    );
+    assert_eq!(
+        remote.discard(0, 100).unwrap_err().kind(),
+        ErrorKind::InvalidInput
+    );
+    drop(remote);
+    let text = std::fs::read_to_string(&log).unwrap();
+    for verb in ["Read", "Write", "Zero", "Trim"] {
+        assert!(
+            !text.lines().any(|l| l.contains(&format!(" {verb} "))),
+            "a refused {verb} reached the remote:\n{text}"
+        );
+    }
+    // The log filter does see requests that are sent.
+    let remote = k.connect(&RemoteOptions::default());
+    remote.write_at(0, &[&[1u8; 512]]).unwrap();
+    drop(remote);
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains(" Write "), "{text}");
+}
+
+#[test]
+fn a_read_only_export_refuses_writes_and_still_reads() {
+    let Some(k) = Nbdkit::start("remote read-only", &["-r", "memory", "1M"]) else {
+        return;
+    };
+    let remote = k.connect(&RemoteOptions::default());
+    assert!(remote.is_read_only());
+    assert!(remote.info().contains("read-only"), "{}", remote.info());
+    let e = remote.write_at(0, &[&[1u8; 512]]).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::PermissionDenied);
+    assert!(e.to_string().contains("read-only"), "{e}");
+    assert_eq!(
+        remote.punch(0, 512).unwrap_err().kind(),
+        ErrorKind::PermissionDenied
+    );
+    assert!(!remote.can_punch());
+    let mut back = [9u8; 4096];
+    remote.read_at(0, &mut [&mut back]).unwrap();
+    assert!(back.iter().all(|&b| b == 0));
+    drop(remote);
+    drop(k);
+    // A writable export opened read-only.
+    let Some(k) = Nbdkit::start("remote read-only", &["memory", "1M"]) else {
+        return;
+    };
+    let remote = k.connect(&RemoteOptions {
+        read_only: true,
+        ..RemoteOptions::default()
+    });
+    let e = remote.write_at(0, &[&[1u8; 512]]).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::PermissionDenied);
+    assert_eq!(
+        remote.discard(0, 512).unwrap_err().kind(),
+        ErrorKind::PermissionDenied
+    );
+}
+
+#[test]
+fn punch_writes_zeroes_and_discard_trims() {
+    let Some(k) = Nbdkit::start("remote punch", &["memory", "1M"]) else {
+        return;
+    };
+    let remote = k.connect(&RemoteOptions::default());
+    assert!(remote.can_punch(), "{}", remote.info());
+    remote.write_at(0, &[&[7u8; 16384]]).unwrap();
+    remote.punch(4096, 4096).unwrap();
+    let mut back = vec![0u8; 16384];
+    remote.read_at(0, &mut [&mut back]).unwrap();
+    assert!(back[..4096].iter().all(|&b| b == 7));
+    assert!(back[4096..8192].iter().all(|&b| b == 0));
+    assert!(back[8192..].iter().all(|&b| b == 7));
+    remote.discard(8192, 8192).unwrap();
+    remote.flush().unwrap();
+}
+
+#[test]
+fn a_crypt_target_keeps_its_ciphertext_on_the_remote() {
+    let Some(k) = Nbdkit::start("remote crypt target", &["memory", "16M"]) else {
+        return;
+    };
+    let remote = Arc::new(k.connect(&RemoteOptions::default()));
+    let alloc = PageAllocator::builder()
+        .size_bytes(32 << 20)
+        .huge_pages(iopages::HugePages::Never)
+        .build()
+        .unwrap();
+    let key: Vec<u8> = (0u8..64).collect();
+    let cipher = CipherPool::new(XtsCipher::new(&key, 4096, 0).unwrap(), 2).unwrap();
+    let disk: Arc<dyn Backend> = remote.clone();
+    let target = Arc::new(CryptTarget::new(&alloc, cipher, disk, TargetConfig::default()).unwrap());
+    assert_eq!(target.size_bytes(), 16 << 20);
+    let mut rng = Rng(5);
+    let mut plain = vec![0u8; 1 << 20];
+    rng.fill(&mut plain);
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let (target, plain) = (target.clone(), plain.clone());
+            std::thread::spawn(move || {
+                let at = t * (4 << 20);
+                target.write(at, &plain).unwrap();
+                let mut back = vec![0u8; plain.len()];
+                target.read(at, &mut back).unwrap();
+                assert!(back == plain, "thread {t} reads its plaintext back");
+            })
+        })
+        .collect();
+    for h in threads {
+        h.join().unwrap();
+    }
+    target.flush().unwrap();
+    // The remote holds ciphertext, not the plaintext.
+    let mut raw = vec![0u8; plain.len()];
+    remote.read_at(0, &mut [&mut raw]).unwrap();
+    assert!(raw != plain);
+    assert!(raw.windows(64).all(|w| w != &plain[..64]));
+    drop(target);
+    alloc.leak_check().unwrap();
+}
+
+/// Receive within `limit` or fail the test (no hang).
+fn within<T>(rx: &mpsc::Receiver<T>, limit: Duration, what: &str) -> T {
+    rx.recv_timeout(limit)
+        .unwrap_or_else(|_| panic!("{what}: nothing within {limit:?} (a hang)"))
+}
+
+#[test]
+fn a_killed_remote_fails_in_flight_and_later_requests_without_a_hang() {
+    let Some(mut k) = Nbdkit::start("remote killed", &["memory", "64M"]) else {
+        return;
+    };
+    let remote = Arc::new(k.connect(&RemoteOptions {
+        timeout: Duration::from_secs(10),
+        ..RemoteOptions::default()
+    }));
+    let (tx, rx) = mpsc::channel();
+    for t in 0..6u64 {
+        let (remote, tx) = (remote.clone(), tx.clone());
+        std::thread::spawn(move || {
+            let mut buf = vec![t as u8; 1 << 20];
+            let mut ops = 0u64;
+            let err = loop {
+                let off = (t * 8 + ops % 8) << 20;
+                let r = if ops.is_multiple_of(2) {
+                    remote.write_at(off, &[&buf])
+                } else {
+                    remote.read_at(off, &mut [&mut buf])
+                };
+                if let Err(e) = r {
+                    break e;
+                }
+                ops += 1;
+            };
+            let _ = tx.send((ops, err, Instant::now()));
+        });
+    }
+    drop(tx);
+    std::thread::sleep(Duration::from_millis(300));
+    iopages_testkit::signal(&k.child.0, libc::SIGKILL);
+    let killed = Instant::now();
+    let _ = k.child.0.wait();
+    for _ in 0..6 {
+        let (ops, e, when) = within(&rx, Duration::from_secs(5), "an I/O thread");
+        assert!(ops > 0, "the thread did I/O before the kill");
+        assert!(when.duration_since(killed) < Duration::from_secs(5));
+        assert_ne!(e.kind(), ErrorKind::TimedOut, "{e}");
+        assert!(e.to_string().contains("nbd+unix://"), "{e}");
+    }
+    // Later requests fail at once.
+    let t = Instant::now();
+    let e = remote.read_at(0, &mut [&mut [0u8; 512]]).unwrap_err();
+    assert!(t.elapsed() < Duration::from_secs(1), "{e}");
+    assert!(remote.write_at(0, &[&[0u8; 512]]).is_err());
+    assert!(remote.flush().is_err());
+    // Dropping it does not hang either.
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        drop(remote);
+        let _ = tx.send(());
+    });
+    within(&rx, Duration::from_secs(5), "dropping the remote");
+    drop(k.dir);
+}
+
+#[test]
+fn a_remote_that_stops_answering_times_out() {
+    let Some(k) = Nbdkit::start(
+        "remote timeout",
+        &["--filter=delay", "memory", "1M", "delay-read=60"],
+    ) else {
+        return;
+    };
+    // One connection: once it is given up nothing else can answer (with
+    // several, later requests go to the connections still alive).
+    let remote = Arc::new(k.connect(&RemoteOptions {
+        timeout: Duration::from_secs(2),
+        connections: 1,
+        ..RemoteOptions::default()
+    }));
+    // Writes are not delayed.
+    remote.write_at(0, &[&[3u8; 4096]]).unwrap();
+    let (tx, rx) = mpsc::channel();
+    for _ in 0..3 {
+        let (remote, tx) = (remote.clone(), tx.clone());
+        std::thread::spawn(move || {
+            let t = Instant::now();
+            let r = remote.read_at(0, &mut [&mut [0u8; 4096]]);
+            let _ = tx.send((r, t.elapsed()));
+        });
+    }
+    for _ in 0..3 {
+        let (r, took) = within(&rx, Duration::from_secs(8), "a delayed read");
+        let e = r.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
+        assert!(took >= Duration::from_millis(1900), "{took:?}");
+        assert!(took < Duration::from_secs(6), "{took:?}");
+    }
+    let t = Instant::now();
+    let e = remote.write_at(0, &[&[3u8; 4096]]).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
+    assert!(e.to_string().contains("did not answer"), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(1));
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        drop(remote);
+        let _ = tx.send(());
+    });
+    within(&rx, Duration::from_secs(5), "dropping the remote");
+}
+
+#[test]
+fn servers_without_fixed_newstyle_or_no_zeroes_use_export_name() {
+    // Mask 0: plain newstyle (EXPORT_NAME, 124 zero bytes after it);
+    // mask 2: NO_ZEROES only; mask 1: fixed newstyle without NO_ZEROES.
+    for mask in ["0", "2", "1"] {
+        let flag = format!("--mask-handshake={mask}");
+        let Some(k) = Nbdkit::start("remote export name", &[&flag, "memory", "1M"]) else {
+            return;
+        };
+        let remote = k.connect(&RemoteOptions::default());
+        assert_eq!(remote.size_bytes(), 1 << 20, "mask {mask}");
+        remote.write_at(512, &[&[5u8; 1024]]).unwrap();
+        let mut back = [0u8; 2048];
+        remote.read_at(0, &mut [&mut back]).unwrap();
+        assert!(back[..512].iter().all(|&b| b == 0), "mask {mask}");
+        assert!(back[512..1536].iter().all(|&b| b == 5), "mask {mask}");
+        assert!(back[1536..].iter().all(|&b| b == 0), "mask {mask}");
+    }
+    let Some(k) = Nbdkit::start("remote oldstyle", &["-o", "memory", "1M"]) else {
+        return;
+    };
+    let e = NbdRemote::connect(&k.spec(), &RemoteOptions::default())
+        .err()
+        .expect("an oldstyle server is refused");
+    assert_eq!(e.kind(), ErrorKind::Unsupported, "{e}");
+    assert!(e.to_string().contains("oldstyle"), "{e}");
+}
+
+#[test]
+fn error_replies_map_to_kinds_and_keep_the_connection() {
+    let Some(k) = Nbdkit::start(
+        "remote error replies",
+        &[
+            "--filter=error",
+            "memory",
+            "1M",
+            "error-pread=EIO",
+            "error-pread-rate=100%",
+            "error-pwrite=ENOSPC",
+            "error-pwrite-rate=100%",
+        ],
+    ) else {
+        return;
+    };
+    let remote = k.connect(&RemoteOptions {
+        connections: 1,
+        ..RemoteOptions::default()
+    });
+    for _ in 0..3 {
+        let e = remote.read_at(4096, &mut [&mut [0u8; 4096]]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Other, "{e}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("EIO") && msg.contains("READ of 4096 bytes at offset 4096"),
+            "{msg}"
+        );
+        assert!(msg.contains("nbd+unix://"), "{msg}");
+        let e = remote.write_at(0, &[&[1u8; 512]]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::StorageFull, "{e}");
+        assert!(e.to_string().contains("ENOSPC"), "{e}");
+    }
+    // The connection is still good for what does not fail.
+    remote.punch(0, 4096).unwrap();
+    remote.flush().unwrap();
+}
+
+#[test]
+fn callers_wait_for_a_request_slot() {
+    let Some(k) = Nbdkit::start("remote in-flight limit", &["memory", "8M"]) else {
+        return;
+    };
+    let remote = Arc::new(k.connect(&RemoteOptions {
+        connections: 1,
+        max_in_flight: 1,
+        ..RemoteOptions::default()
+    }));
+    assert_eq!(remote.connections(), 1);
+    let threads: Vec<_> = (0..8u8)
+        .map(|t| {
+            let remote = remote.clone();
+            std::thread::spawn(move || {
+                let at = t as u64 * (1 << 20);
+                for i in 0..50u64 {
+                    let data = vec![t ^ i as u8; 4096];
+                    remote.write_at(at + i * 4096, &[&data]).unwrap();
+                    let mut back = vec![0u8; 4096];
+                    remote.read_at(at + i * 4096, &mut [&mut back]).unwrap();
+                    assert!(back == data);
+                }
+            })
+        })
+        .collect();
+    for h in threads {
+        h.join().unwrap();
+    }
+}
