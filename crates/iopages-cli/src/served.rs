@@ -13,6 +13,7 @@
 use crate::config::{self, ExportSpec, ImageSpec, IoMode, PassphraseSource, ServeConfig, Unlock};
 use crate::passphrase::read_passphrase;
 use iopages_crypt::uring::DirectIo;
+use iopages_nbd::remote::{NbdRemote, RemoteOptions, RemoteSpec};
 use iopages_nbd::volume::{self, Volume, VolumeOptions};
 use iopages_nbd::{Export, ExportConfig, ExportVolume};
 use parking_lot::Mutex;
@@ -50,7 +51,18 @@ pub fn open_image(image: &ImageSpec, pass: &[u8], opts: &VolumeOptions) -> Resul
                 m
             }
         }),
-        ImageSpec::Nbd(uri) => Err(format!("{uri}: remote images are not built yet")),
+        ImageSpec::Nbd(uri) => {
+            let spec = RemoteSpec::parse(uri).map_err(|e| format!("{uri}: {e}"))?;
+            let remote = NbdRemote::connect(
+                &spec,
+                &RemoteOptions {
+                    read_only: opts.read_only,
+                    ..RemoteOptions::default()
+                },
+            )
+            .map_err(|e| format!("cannot reach the remote store {uri}: {e}"))?;
+            volume::open_remote(uri, Arc::new(remote), pass, opts).map_err(|e| e.to_string())
+        }
     }
 }
 
