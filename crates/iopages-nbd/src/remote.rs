@@ -8,7 +8,7 @@
 //! newstyle handshake (NBD_OPT_GO asking for the block sizes, falling back
 //! to NBD_OPT_EXPORT_NAME), and transmission with simple replies over one
 //! or more connections ([`NbdRemote`], a
-//! [`Backend`](iopages_crypt::backend::Backend)). Must never: hang — a
+//! [`Backend`]). Must never: hang — a
 //! remote that stops answering fails its requests with `TimedOut` after
 //! [`RemoteOptions::timeout`] and the connection is given up; a connection
 //! that dies fails every request waiting on it and every later one at
