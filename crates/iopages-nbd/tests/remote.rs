@@ -568,21 +568,21 @@ fn callers_wait_for_a_request_slot() {
 }
 
 /// A scripted NBD server on a Unix socket: `script` runs on the accepted
-/// connection (its own thread).
+/// connection, on a thread the caller joins to see its assertions.
 fn fake_server(
     script: impl FnOnce(std::os::unix::net::UnixStream) + Send + 'static,
-) -> (TempDir, RemoteSpec) {
+) -> (TempDir, RemoteSpec, std::thread::JoinHandle<()>) {
     let dir = TempDir::new("remote-fake");
     let sock = dir.join("fake.sock");
     let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
-    std::thread::spawn(move || {
+    let server = std::thread::spawn(move || {
         if let Ok((s, _)) = listener.accept() {
             s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
             script(s);
         }
     });
     let spec = RemoteSpec::parse(&format!("nbd+unix:///x?socket={}", sock.display())).unwrap();
-    (dir, spec)
+    (dir, spec, server)
 }
 
 /// The server's side of the handshake up to the client's first option:
@@ -623,7 +623,7 @@ fn go_ok(s: &mut std::os::unix::net::UnixStream, flags: u16) {
 
 #[test]
 fn a_silent_server_times_out_the_handshake() {
-    let (_dir, spec) = fake_server(|s| {
+    let (_dir, spec, _server) = fake_server(|s| {
         std::thread::sleep(Duration::from_secs(5));
         drop(s);
     });
@@ -645,7 +645,7 @@ fn a_silent_server_times_out_the_handshake() {
 fn go_refused_as_unsupported_falls_back_to_export_name() {
     use iopages_nbd::proto::*;
     use std::io::{Read, Write};
-    let (_dir, spec) = fake_server(|mut s| {
+    let (_dir, spec, server) = fake_server(|mut s| {
         let (option, data) = greet(&mut s);
         assert_eq!(option, OPT_GO);
         // The export name, then one information request: block sizes.
@@ -681,6 +681,10 @@ fn go_refused_as_unsupported_falls_back_to_export_name() {
     let mut back = [0u8; 512];
     remote.read_at(4096, &mut [&mut back]).unwrap();
     assert_eq!(back, [0xa5; 512]);
+    drop(remote);
+    server
+        .join()
+        .expect("the server saw what it expected, DISC last");
 }
 
 #[test]
@@ -688,7 +692,7 @@ fn a_reply_with_a_bad_magic_gives_the_connection_up() {
     use iopages_nbd::proto::*;
     use std::io::{Read, Write};
     for structured in [false, true] {
-        let (_dir, spec) = fake_server(move |mut s| {
+        let (_dir, spec, server) = fake_server(move |mut s| {
             let (option, _) = greet(&mut s);
             assert_eq!(option, OPT_GO);
             go_ok(&mut s, TFLAG_SEND_FLUSH);
@@ -719,5 +723,7 @@ fn a_reply_with_a_bad_magic_gives_the_connection_up() {
         let e = remote.read_at(0, &mut [&mut [0u8; 512]]).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidData, "{e}");
         assert!(t.elapsed() < Duration::from_secs(1));
+        drop(remote);
+        server.join().expect("the scripted server");
     }
 }
