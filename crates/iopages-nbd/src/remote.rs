@@ -8,7 +8,7 @@
 //! newstyle handshake (NBD_OPT_GO asking for the block sizes, falling back
 //! to NBD_OPT_EXPORT_NAME), and transmission with simple replies over one
 //! or more connections ([`NbdRemote`], a
-//! [`Backend`](iopages_crypt::backend::Backend)). Must never: hang — a
+//! [`Backend`]). Must never: hang — a
 //! remote that stops answering fails its requests with `TimedOut` after
 //! [`RemoteOptions::timeout`] and the connection is given up; a connection
 //! that dies fails every request waiting on it and every later one at
@@ -857,7 +857,10 @@ struct ExportInfo {
 fn hs_read(s: &mut Stream, buf: &mut [u8], what: &str) -> io::Result<()> {
     s.read_exact(buf).map_err(|e| {
         if is_timeout(&e) {
-            io::Error::new(ErrorKind::TimedOut, format!("handshake: no {what} in time"))
+            io::Error::new(
+                ErrorKind::TimedOut,
+                format!("handshake: timed out waiting for {what}"),
+            )
         } else if e.kind() == ErrorKind::UnexpectedEof {
             io::Error::new(
                 ErrorKind::ConnectionAborted,
@@ -1216,27 +1219,40 @@ impl NbdRemote {
     }
 
     /// The URI of the remote export.
+    ///
+    /// **Returns:** what [`RemoteSpec::uri`] gave when connecting.
     pub fn uri(&self) -> &str {
         &self.uri
     }
 
-    /// Connections in use (one unless the export allows several).
+    /// Connections in use.
+    ///
+    /// **Returns:** 1 unless the export advertises NBD_FLAG_CAN_MULTI_CONN,
+    /// then [`RemoteOptions::connections`].
     pub fn connections(&self) -> usize {
         self.conns.len()
     }
 
     /// The export's minimum block size: I/Os must be whole blocks.
+    ///
+    /// **Returns:** what the server advertised (NBD_INFO_BLOCK_SIZE), 1
+    /// when it advertised none.
     pub fn min_block_bytes(&self) -> u32 {
         self.info.min_block
     }
 
     /// The largest READ or WRITE sent in one request.
+    ///
+    /// **Returns:** the server's maximum payload, at most
+    /// [`MAX_PAYLOAD_BYTES`], in whole minimum blocks.
     pub fn max_payload_bytes(&self) -> u32 {
         self.info.max_block
     }
 
-    /// Whether writes are refused (the export is read-only, or it was
-    /// opened so).
+    /// Whether writes are refused.
+    ///
+    /// **Returns:** `true` when the export is read-only or
+    /// [`RemoteOptions::read_only`] was set.
     pub fn is_read_only(&self) -> bool {
         self.read_only
     }

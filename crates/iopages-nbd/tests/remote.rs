@@ -566,3 +566,164 @@ fn callers_wait_for_a_request_slot() {
         h.join().unwrap();
     }
 }
+
+/// A scripted NBD server on a Unix socket: `script` runs on the accepted
+/// connection, on a thread the caller joins to see its assertions.
+fn fake_server(
+    script: impl FnOnce(std::os::unix::net::UnixStream) + Send + 'static,
+) -> (TempDir, RemoteSpec, std::thread::JoinHandle<()>) {
+    let dir = TempDir::new("remote-fake");
+    let sock = dir.join("fake.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    let server = std::thread::spawn(move || {
+        if let Ok((s, _)) = listener.accept() {
+            s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+            script(s);
+        }
+    });
+    let spec = RemoteSpec::parse(&format!("nbd+unix:///x?socket={}", sock.display())).unwrap();
+    (dir, spec, server)
+}
+
+/// The server's side of the handshake up to the client's first option:
+/// greeting (fixed newstyle, no zeroes), the client's flags, the first
+/// option's number and data.
+fn greet(s: &mut std::os::unix::net::UnixStream) -> (u32, Vec<u8>) {
+    use iopages_nbd::proto::*;
+    use std::io::{Read, Write};
+    let mut g = NBD_MAGIC.to_be_bytes().to_vec();
+    g.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    g.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+    s.write_all(&g).unwrap();
+    let mut f = [0u8; 4];
+    s.read_exact(&mut f).unwrap();
+    assert_eq!(
+        u32::from_be_bytes(f),
+        FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES
+    );
+    let mut h = [0u8; 16];
+    s.read_exact(&mut h).unwrap();
+    assert_eq!(u64::from_be_bytes(h[0..8].try_into().unwrap()), IHAVEOPT);
+    let option = u32::from_be_bytes(h[8..12].try_into().unwrap());
+    let mut data = vec![0u8; u32::from_be_bytes(h[12..16].try_into().unwrap()) as usize];
+    s.read_exact(&mut data).unwrap();
+    (option, data)
+}
+
+/// Answer NBD_OPT_GO: a 1 MiB export with `flags`, then ACK.
+fn go_ok(s: &mut std::os::unix::net::UnixStream, flags: u16) {
+    use iopages_nbd::proto::*;
+    use std::io::Write;
+    let mut info = INFO_EXPORT.to_be_bytes().to_vec();
+    info.extend_from_slice(&(1u64 << 20).to_be_bytes());
+    info.extend_from_slice(&(TFLAG_HAS_FLAGS | flags).to_be_bytes());
+    s.write_all(&option_reply(OPT_GO, REP_INFO, &info)).unwrap();
+    s.write_all(&option_reply(OPT_GO, REP_ACK, &[])).unwrap();
+}
+
+#[test]
+fn a_silent_server_times_out_the_handshake() {
+    let (_dir, spec, _server) = fake_server(|s| {
+        std::thread::sleep(Duration::from_secs(5));
+        drop(s);
+    });
+    let t = Instant::now();
+    let e = NbdRemote::connect(
+        &spec,
+        &RemoteOptions {
+            timeout: Duration::from_secs(1),
+            ..RemoteOptions::default()
+        },
+    )
+    .err()
+    .expect("no greeting");
+    assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
+    assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
+}
+
+#[test]
+fn go_refused_as_unsupported_falls_back_to_export_name() {
+    use iopages_nbd::proto::*;
+    use std::io::{Read, Write};
+    let (_dir, spec, server) = fake_server(|mut s| {
+        let (option, data) = greet(&mut s);
+        assert_eq!(option, OPT_GO);
+        // The export name, then one information request: block sizes.
+        assert_eq!(&data[4..5], b"x");
+        assert_eq!(&data[5..], &[0, 1, 0, 3]);
+        s.write_all(&option_reply(OPT_GO, REP_ERR_UNSUP, b"no GO here"))
+            .unwrap();
+        let mut h = [0u8; 16];
+        s.read_exact(&mut h).unwrap();
+        assert_eq!(
+            u32::from_be_bytes(h[8..12].try_into().unwrap()),
+            OPT_EXPORT_NAME
+        );
+        let mut name = [0u8; 1];
+        s.read_exact(&mut name).unwrap();
+        assert_eq!(&name, b"x");
+        let mut reply = (2u64 << 20).to_be_bytes().to_vec();
+        reply.extend_from_slice(&(TFLAG_HAS_FLAGS | TFLAG_READ_ONLY).to_be_bytes());
+        s.write_all(&reply).unwrap();
+        // One read, answered with data; then the disconnect.
+        let mut r = [0u8; REQUEST_BYTES];
+        s.read_exact(&mut r).unwrap();
+        let req = Request::decode(&r).unwrap();
+        assert_eq!((req.command, req.offset, req.length), (CMD_READ, 4096, 512));
+        s.write_all(&simple_reply(0, req.cookie)).unwrap();
+        s.write_all(&[0xa5; 512]).unwrap();
+        s.read_exact(&mut r).unwrap();
+        assert_eq!(Request::decode(&r).unwrap().command, CMD_DISC);
+    });
+    let remote = NbdRemote::connect(&spec, &RemoteOptions::default()).unwrap();
+    assert_eq!(remote.size_bytes(), 2 << 20);
+    assert!(remote.is_read_only());
+    let mut back = [0u8; 512];
+    remote.read_at(4096, &mut [&mut back]).unwrap();
+    assert_eq!(back, [0xa5; 512]);
+    drop(remote);
+    server
+        .join()
+        .expect("the server saw what it expected, DISC last");
+}
+
+#[test]
+fn a_reply_with_a_bad_magic_gives_the_connection_up() {
+    use iopages_nbd::proto::*;
+    use std::io::{Read, Write};
+    for structured in [false, true] {
+        let (_dir, spec, server) = fake_server(move |mut s| {
+            let (option, _) = greet(&mut s);
+            assert_eq!(option, OPT_GO);
+            go_ok(&mut s, TFLAG_SEND_FLUSH);
+            let mut r = [0u8; REQUEST_BYTES];
+            s.read_exact(&mut r).unwrap();
+            let req = Request::decode(&r).unwrap();
+            let bad = if structured {
+                structured_reply(REPLY_FLAG_DONE, REPLY_TYPE_NONE, req.cookie, 0).to_vec()
+            } else {
+                let mut b = simple_reply(0, req.cookie);
+                b[0] ^= 0xff;
+                b.to_vec()
+            };
+            s.write_all(&bad).unwrap();
+            let mut rest = Vec::new();
+            let _ = s.read_to_end(&mut rest);
+        });
+        let remote = NbdRemote::connect(&spec, &RemoteOptions::default()).unwrap();
+        let e = remote.flush().unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidData, "{e}");
+        let want = if structured {
+            "structured reply"
+        } else {
+            "bad magic"
+        };
+        assert!(e.to_string().contains(want), "{e}");
+        let t = Instant::now();
+        let e = remote.read_at(0, &mut [&mut [0u8; 512]]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidData, "{e}");
+        assert!(t.elapsed() < Duration::from_secs(1));
+        drop(remote);
+        server.join().expect("the scripted server");
+    }
+}
