@@ -9,7 +9,9 @@
 use crate::passphrase::read_passphrase;
 use iopages_crypt::strategy::Strategy;
 use iopages_nbd::volume::{self, Volume, VolumeOptions};
-use iopages_nbd::{ExportConfig, Listen, Server, ServerOptions, TlsConfig, TlsMode};
+use iopages_nbd::{
+    Export, ExportConfig, ExportVolume, Listen, Server, ServerOptions, TlsConfig, TlsMode,
+};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -479,6 +481,10 @@ fn write_stats_json(path: &Path, v: &serde_json::Value) -> std::io::Result<()> {
 }
 
 pub fn serve(a: ServeArgs) -> Result<(), String> {
+    // Sockets passed by systemd (socket activation) replace the default
+    // address; --listen and --unix are served beside them. Taken first,
+    // before any thread starts (it edits the environment).
+    let inherited = crate::activation::inherited_listeners()?.unwrap_or_default();
     let mut listen = Vec::new();
     if let Some(addr) = a.listen {
         listen.push(Listen::Tcp(addr));
@@ -486,12 +492,14 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
     if let Some(p) = &a.unix {
         listen.push(Listen::Unix(p.clone()));
     }
-    if listen.is_empty() {
+    if listen.is_empty() && inherited.is_empty() {
         let addr = iopages_nbd::DEFAULT_LISTEN
             .parse()
             .map_err(|e| format!("bad default address: {e}"))?;
         listen.push(Listen::Tcp(addr));
     }
+    // Everything served, inherited sockets included (the plaintext check).
+    let served = crate::activation::with_addresses(&listen, &inherited)?;
     if a.workers == Some(0) {
         return Err("--workers must be at least 1".into());
     }
@@ -513,7 +521,7 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
                 .into(),
         );
     }
-    let server_opts = server_options(&a, &listen)?;
+    let server_opts = server_options(&a, &served)?;
     if a.handshake_timeout == 0 {
         return Err("--handshake-timeout must be at least 1 second".into());
     }
@@ -605,8 +613,13 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
         },
         vol.info.cipher
     );
-    let server = Server::start_with(vol.queue.clone(), export, server_opts, &listen)
-        .map_err(|e| e.to_string())?;
+    let server = Server::start_exports_on(
+        vec![Export::ready(export, ExportVolume::new(vol.queue.clone()))],
+        server_opts,
+        &listen,
+        inherited,
+    )
+    .map_err(|e| e.to_string())?;
     let i = &vol.info;
     println!(
         "volume: {} {}, {}-bit key, {}-byte sectors, payload {} bytes at offset {}, key slot {}, uuid {}",
