@@ -129,12 +129,10 @@ pub fn inherited_listeners() -> Result<Option<Vec<Listener>>, String> {
         // protocol hands descriptors 3.. to this process, each is taken
         // here exactly once (the range has no repeats) and the variables
         // are gone, so no later call takes it again.
+        let owned = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
         out.push(match kind {
-            Family::Inet => Listener::Tcp(unsafe { std::net::TcpListener::from_raw_fd(fd) }),
-            // SAFETY: as above.
-            Family::Unix => {
-                Listener::Unix(unsafe { std::os::unix::net::UnixListener::from_raw_fd(fd) })
-            }
+            Family::Inet => Listener::Tcp(std::net::TcpListener::from(owned)),
+            Family::Unix => Listener::Unix(std::os::unix::net::UnixListener::from(owned)),
         });
     }
     Ok(Some(out))
