@@ -39,8 +39,9 @@ pub const MAX_MEMORY_BYTES: u64 = 64 << 30;
 
 #[derive(clap::Args)]
 pub struct ServeArgs {
-    /// TCP address to listen on (default 127.0.0.1:10809 when --unix is
-    /// not given; port 0 picks a free port).
+    /// TCP address to listen on (default 127.0.0.1:10809 when neither
+    /// --unix nor a socket from systemd's socket activation is given —
+    /// those are served beside this; port 0 picks a free port).
     #[arg(long, value_name = "ADDR")]
     listen: Option<std::net::SocketAddr>,
     /// Unix socket to listen on (must not exist yet).
