@@ -7,8 +7,9 @@
 //! connections, payload bytes in flight, the deadlines), and shutting all
 //! of it down in order: stop accepting, shut every connection's socket,
 //! wait for their requests in flight to complete, join every thread, and
-//! remove the Unix sockets it created (only those). Must never: leave a thread or a request behind after [`Server::shutdown`]
-//! returns, hold more connections than `max_connections` (one more is
+//! remove the Unix sockets it created (only those). Must never: leave a
+//! thread or a request behind after [`Server::shutdown`] returns, hold
+//! more connections than `max_connections` (one more is
 //! closed at once, and counted), or stop serving other clients because
 //! one misbehaved.
 
@@ -105,8 +106,8 @@ impl std::fmt::Display for Listen {
 
 /// A socket already bound and listening, handed to the server rather than
 /// bound by it: systemd's socket activation, or any supervisor that passes
-/// listening sockets on. Served as it is (its permissions are whoever
-/// bound it's business) and, being someone else's, never unlinked.
+/// listening sockets on. Served as it is (its permissions are set by
+/// whoever bound it) and, being someone else's, never unlinked.
 #[derive(Debug)]
 pub enum Listener {
     /// A listening TCP socket (IPv4 or IPv6).
