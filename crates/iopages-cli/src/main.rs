@@ -84,6 +84,7 @@ enum Command {
     },
 }
 
+mod activation;
 mod config;
 mod luks_cmd;
 mod passphrase;

@@ -56,8 +56,9 @@ pub struct ServeArgs {
     /// (default: report it, naming it, and serve the others).
     #[arg(long, requires = "config")]
     strict: bool,
-    /// TCP address to listen on (default 127.0.0.1:10809 when --unix is
-    /// not given; port 0 picks a free port).
+    /// TCP address to listen on (default 127.0.0.1:10809 when neither
+    /// --unix nor a socket from systemd's socket activation is given —
+    /// those are served beside this; port 0 picks a free port).
     #[arg(long, value_name = "ADDR")]
     listen: Option<std::net::SocketAddr>,
     /// Unix socket to listen on (must not exist yet).
@@ -595,6 +596,10 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
         Some(p) => Some(crate::config::load(p).map_err(|e| e.to_string())?),
         None => None,
     };
+    // Sockets passed by systemd (socket activation) replace the default
+    // address; --listen and --unix are served beside them. Taken first,
+    // before any thread starts (it edits the environment).
+    let inherited = crate::activation::inherited_listeners()?.unwrap_or_default();
     let mut listen = Vec::new();
     if let Some(addr) = a.listen {
         listen.push(Listen::Tcp(addr));
@@ -606,12 +611,14 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
         listen.extend(c.server.listen.iter().map(|&a| Listen::Tcp(a)));
         listen.extend(c.server.unix.iter().map(|p| Listen::Unix(p.clone())));
     }
-    if listen.is_empty() {
+    if listen.is_empty() && inherited.is_empty() {
         let addr = iopages_nbd::DEFAULT_LISTEN
             .parse()
             .map_err(|e| format!("bad default address: {e}"))?;
         listen.push(Listen::Tcp(addr));
     }
+    // Everything served, inherited sockets included (the plaintext check).
+    let served = crate::activation::with_addresses(&listen, &inherited)?;
     if a.workers == Some(0) {
         return Err("--workers must be at least 1".into());
     }
@@ -633,7 +640,7 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
                 .into(),
         );
     }
-    let server_opts = server_options(&a, &listen)?;
+    let server_opts = server_options(&a, &served)?;
     if a.handshake_timeout == 0 {
         return Err("--handshake-timeout must be at least 1 second".into());
     }
@@ -677,7 +684,8 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
         }
     };
     let names: Vec<String> = exports.iter().map(|e| e.name().to_string()).collect();
-    let server = Server::start_exports(exports, server_opts, &listen).map_err(|e| e.to_string())?;
+    let server = Server::start_exports_on(exports, server_opts, &listen, inherited)
+        .map_err(|e| e.to_string())?;
     for s in volumes.lock().iter() {
         print_volume(s, cfg.is_some());
     }

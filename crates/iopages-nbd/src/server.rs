@@ -1,13 +1,15 @@
 //! The server: listeners, connection threads, shutdown.
 //!
-//! Owns: binding TCP and Unix listeners (Unix sockets owner-only), one
+//! Owns: binding TCP and Unix listeners (Unix sockets owner-only), serving
+//! listeners bound by others (socket activation: [`Listener`]), one
 //! accepting thread per listener, one thread per connection (handshake,
 //! then transmission), the server-wide limits ([`ServerOptions`]: open
 //! connections, payload bytes in flight, the deadlines), and shutting all
 //! of it down in order: stop accepting, shut every connection's socket,
-//! wait for their requests in flight to complete, join every thread. Must
-//! never: leave a thread or a request behind after [`Server::shutdown`]
-//! returns, hold more connections than `max_connections` (one more is
+//! wait for their requests in flight to complete, join every thread, and
+//! remove the Unix sockets it created (only those). Must never: leave a
+//! thread or a request behind after [`Server::shutdown`] returns, hold
+//! more connections than `max_connections` (one more is
 //! closed at once, and counted), or stop serving other clients because
 //! one misbehaved.
 
@@ -24,6 +26,7 @@ use iopages_crypt::queue::CryptQueue;
 use iopages_crypt::target::SectorCipher;
 use parking_lot::Mutex;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -101,9 +104,51 @@ impl std::fmt::Display for Listen {
     }
 }
 
-enum Acceptor {
+/// A socket already bound and listening, handed to the server rather than
+/// bound by it: systemd's socket activation, or any supervisor that passes
+/// listening sockets on. Served as it is (its permissions are set by
+/// whoever bound it) and, being someone else's, never unlinked.
+#[derive(Debug)]
+pub enum Listener {
+    /// A listening TCP socket (IPv4 or IPv6).
     Tcp(TcpListener),
+    /// A listening Unix stream socket bound to a path.
     Unix(UnixListener),
+}
+
+impl Listener {
+    /// What it listens on: its local TCP address, or its Unix socket's
+    /// path.
+    ///
+    /// **Returns:** an error for a Unix socket without a path (abstract
+    /// or unnamed): the server could not wake its acceptor to stop.
+    pub fn address(&self) -> std::io::Result<Listen> {
+        match self {
+            Listener::Tcp(t) => Ok(Listen::Tcp(t.local_addr()?)),
+            Listener::Unix(u) => match u.local_addr()?.as_pathname() {
+                Some(p) => Ok(Listen::Unix(p.to_path_buf())),
+                None => Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "a Unix socket without a path (abstract or unnamed) is not supported",
+                )),
+            },
+        }
+    }
+}
+
+impl AsFd for Listener {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        match self {
+            Listener::Tcp(t) => t.as_fd(),
+            Listener::Unix(u) => u.as_fd(),
+        }
+    }
+}
+
+impl AsRawFd for Listener {
+    fn as_raw_fd(&self) -> RawFd {
+        self.as_fd().as_raw_fd()
+    }
 }
 
 struct ConnEntry {
@@ -131,6 +176,9 @@ struct Shared {
 pub struct Server {
     shared: Arc<Shared>,
     addresses: Vec<Listen>,
+    /// The Unix socket paths this server bound (removed when it stops;
+    /// an inherited socket's path is not).
+    created: Vec<PathBuf>,
     acceptors: Vec<JoinHandle<()>>,
 }
 
@@ -181,7 +229,28 @@ impl Server {
         opts: ServerOptions,
         listen: &[Listen],
     ) -> Result<Server> {
-        if listen.is_empty() {
+        Server::start_exports_on(exports, opts, listen, Vec::new())
+    }
+
+    /// [`Server::start_exports`] also serving `inherited`, listening
+    /// sockets bound by someone else (socket activation), after the
+    /// addresses of `listen` (which may then be empty). Each is served as
+    /// it is (made blocking, as the acceptors expect), reported by
+    /// [`Server::addresses`] with its local address or path, woken and
+    /// closed at shutdown like the others — but its path is never
+    /// removed: it belongs to whoever bound it.
+    ///
+    /// **Returns:** as [`Server::start_exports`]; [`Error::Config`] when
+    /// there is neither an address nor an inherited socket, and
+    /// [`Error::Listen`] for an inherited socket whose address cannot be
+    /// read or that is a Unix socket without a path.
+    pub fn start_exports_on(
+        exports: Vec<Export>,
+        opts: ServerOptions,
+        listen: &[Listen],
+        inherited: Vec<Listener>,
+    ) -> Result<Server> {
+        if listen.is_empty() && inherited.is_empty() {
             return Err(Error::Config("no address to listen on".into()));
         }
         if opts.max_connections == 0 {
@@ -204,8 +273,9 @@ impl Server {
             return Err(Error::Config("timeouts must be longer than 0".into()));
         }
         let exports = Catalog::new(exports)?;
-        let mut bound = Vec::with_capacity(listen.len());
-        let mut acceptors = Vec::with_capacity(listen.len());
+        let mut bound = Vec::with_capacity(listen.len() + inherited.len());
+        let mut acceptors = Vec::with_capacity(listen.len() + inherited.len());
+        let mut created = Vec::new();
         for l in listen {
             let err = |source| Error::Listen {
                 addr: l.to_string(),
@@ -215,7 +285,7 @@ impl Server {
                 Listen::Tcp(a) => {
                     let t = TcpListener::bind(a).map_err(err)?;
                     bound.push(Listen::Tcp(t.local_addr().map_err(err)?));
-                    acceptors.push(Acceptor::Tcp(t));
+                    acceptors.push(Listener::Tcp(t));
                 }
                 Listen::Unix(p) => {
                     // Owner-only from the start: the socket is created
@@ -231,9 +301,25 @@ impl Server {
                         r.map_err(err)?
                     };
                     bound.push(Listen::Unix(p.clone()));
-                    acceptors.push(Acceptor::Unix(u));
+                    created.push(p.clone());
+                    acceptors.push(Listener::Unix(u));
                 }
             }
+        }
+        for l in inherited {
+            let fd = l.as_raw_fd();
+            let err = |source| Error::Listen {
+                addr: format!("inherited socket (fd {fd})"),
+                source,
+            };
+            let addr = l.address().map_err(err)?;
+            let blocking = match &l {
+                Listener::Tcp(t) => t.set_nonblocking(false),
+                Listener::Unix(u) => u.set_nonblocking(false),
+            };
+            blocking.map_err(err)?;
+            bound.push(addr);
+            acceptors.push(l);
         }
         let shared = Arc::new(Shared {
             exports,
@@ -248,6 +334,7 @@ impl Server {
         let mut server = Server {
             shared,
             addresses: bound,
+            created,
             acceptors: Vec::new(),
         };
         for (i, a) in acceptors.into_iter().enumerate() {
@@ -367,10 +454,8 @@ impl Server {
         for h in self.acceptors.drain(..) {
             let _ = h.join();
         }
-        for a in &self.addresses {
-            if let Listen::Unix(p) = a {
-                let _ = std::fs::remove_file(p);
-            }
+        for p in &self.created {
+            let _ = std::fs::remove_file(p);
         }
         let conns = std::mem::take(&mut *self.shared.conns.lock());
         for c in &conns {
@@ -391,14 +476,14 @@ impl Drop for Server {
 /// Serialises the process umask changes around Unix socket creation.
 static UMASK: Mutex<()> = Mutex::new(());
 
-fn accept_loop(s: &Arc<Shared>, a: Acceptor) {
+fn accept_loop(s: &Arc<Shared>, a: Listener) {
     loop {
         let accepted = match &a {
-            Acceptor::Tcp(l) => l.accept().map(|(t, _)| {
+            Listener::Tcp(l) => l.accept().map(|(t, _)| {
                 let _ = t.set_nodelay(true);
                 Stream::Tcp(t)
             }),
-            Acceptor::Unix(l) => l.accept().map(|(u, _)| Stream::Unix(u)),
+            Listener::Unix(l) => l.accept().map(|(u, _)| Stream::Unix(u)),
         };
         if s.stopping.load(Ordering::SeqCst) {
             return;
