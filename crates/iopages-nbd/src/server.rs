@@ -26,7 +26,7 @@ use iopages_crypt::queue::CryptQueue;
 use iopages_crypt::target::SectorCipher;
 use parking_lot::Mutex;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -176,10 +176,29 @@ struct Shared {
 pub struct Server {
     shared: Arc<Shared>,
     addresses: Vec<Listen>,
-    /// The Unix socket paths this server bound (removed when it stops;
-    /// an inherited socket's path is not).
-    created: Vec<PathBuf>,
+    /// The Unix socket paths this server bound, with the device and inode
+    /// of the socket file made (removed when it stops, if the path still
+    /// names that file; an inherited socket's path is not).
+    created: Vec<(PathBuf, (u64, u64))>,
+    /// Per address: a second descriptor of a listener this server bound,
+    /// shut down at stop to wake its acceptor (which then finds the
+    /// server stopping); `None` for an inherited socket, which systemd
+    /// still listens on, woken by a connection instead.
+    wakers: Vec<Option<OwnedFd>>,
     acceptors: Vec<JoinHandle<()>>,
+}
+
+/// A listener's second descriptor, to wake its acceptor with.
+fn waker(l: &Listener) -> Option<OwnedFd> {
+    l.as_fd().try_clone_to_owned().ok()
+}
+
+/// The device and inode of the file at `p` (following no link).
+fn file_id(p: &std::path::Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(p)
+        .ok()
+        .map(|m| (m.dev(), m.ino()))
 }
 
 impl Server {
@@ -276,6 +295,7 @@ impl Server {
         let mut bound = Vec::with_capacity(listen.len() + inherited.len());
         let mut acceptors = Vec::with_capacity(listen.len() + inherited.len());
         let mut created = Vec::new();
+        let mut wakers = Vec::with_capacity(listen.len() + inherited.len());
         for l in listen {
             let err = |source| Error::Listen {
                 addr: l.to_string(),
@@ -285,7 +305,9 @@ impl Server {
                 Listen::Tcp(a) => {
                     let t = TcpListener::bind(a).map_err(err)?;
                     bound.push(Listen::Tcp(t.local_addr().map_err(err)?));
-                    acceptors.push(Listener::Tcp(t));
+                    let l = Listener::Tcp(t);
+                    wakers.push(waker(&l));
+                    acceptors.push(l);
                 }
                 Listen::Unix(p) => {
                     // Owner-only from the start: the socket is created
@@ -301,8 +323,12 @@ impl Server {
                         r.map_err(err)?
                     };
                     bound.push(Listen::Unix(p.clone()));
-                    created.push(p.clone());
-                    acceptors.push(Listener::Unix(u));
+                    if let Some(id) = file_id(p) {
+                        created.push((p.clone(), id));
+                    }
+                    let l = Listener::Unix(u);
+                    wakers.push(waker(&l));
+                    acceptors.push(l);
                 }
             }
         }
@@ -319,6 +345,7 @@ impl Server {
             };
             blocking.map_err(err)?;
             bound.push(addr);
+            wakers.push(None);
             acceptors.push(l);
         }
         let shared = Arc::new(Shared {
@@ -335,6 +362,7 @@ impl Server {
             shared,
             addresses: bound,
             created,
+            wakers,
             acceptors: Vec::new(),
         };
         for (i, a) in acceptors.into_iter().enumerate() {
@@ -433,8 +461,17 @@ impl Server {
 
     fn stop(&mut self) {
         self.shared.stopping.store(true, Ordering::SeqCst);
-        // Wake each acceptor with a connection of our own.
-        for a in &self.addresses {
+        // Wake each acceptor: a listener of our own is shut down (its
+        // accept fails at once; no path or address is needed, so a socket
+        // file removed or replaced meanwhile cannot leave the acceptor
+        // waiting), an inherited one gets a connection of our own.
+        for (a, w) in self.addresses.iter().zip(&self.wakers) {
+            if let Some(fd) = w {
+                // SAFETY: shutdown on a descriptor this server owns.
+                if unsafe { libc::shutdown(fd.as_raw_fd(), libc::SHUT_RDWR) } == 0 {
+                    continue;
+                }
+            }
             match a {
                 Listen::Tcp(addr) => {
                     let mut addr = *addr;
@@ -454,8 +491,13 @@ impl Server {
         for h in self.acceptors.drain(..) {
             let _ = h.join();
         }
-        for p in &self.created {
-            let _ = std::fs::remove_file(p);
+        self.wakers.clear();
+        // Only the socket file this server made: a path since removed, or
+        // taken by another server's socket, is left alone.
+        for (p, id) in &self.created {
+            if file_id(p) == Some(*id) {
+                let _ = std::fs::remove_file(p);
+            }
         }
         let conns = std::mem::take(&mut *self.shared.conns.lock());
         for c in &conns {

@@ -272,3 +272,40 @@ fn two_exports_with_one_name_or_none_are_refused() {
     assert!(e.to_string().contains("no export"), "{e}");
     alloc.leak_check().unwrap();
 }
+
+#[test]
+fn shutdown_is_prompt_when_the_socket_file_was_removed_or_replaced() {
+    let alloc = arena();
+    let dir = std::env::temp_dir().join(format!("iopages-nbd-stop-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for replace in [false, true] {
+        let sock = dir.join("s.sock");
+        let server = Server::start_exports(
+            vec![Export::ready(
+                ExportConfig::new("v"),
+                volume(&alloc, 1 << 20, 1),
+            )],
+            ServerOptions::default(),
+            &[Listen::Unix(sock.clone())],
+        )
+        .unwrap();
+        std::fs::remove_file(&sock).unwrap();
+        // Another listener now owns the path.
+        let other = replace.then(|| std::os::unix::net::UnixListener::bind(&sock).unwrap());
+        let t = std::time::Instant::now();
+        server.shutdown();
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "stop does not wait on the path"
+        );
+        assert_eq!(
+            sock.exists(),
+            replace,
+            "only the server's own socket file is removed"
+        );
+        drop(other);
+        let _ = std::fs::remove_file(&sock);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    alloc.leak_check().unwrap();
+}
