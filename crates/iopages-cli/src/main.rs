@@ -85,6 +85,7 @@ enum Command {
 }
 
 mod luks_cmd;
+mod metrics;
 mod passphrase;
 mod serve;
 

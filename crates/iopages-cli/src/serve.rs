@@ -159,6 +159,11 @@ pub struct ServeArgs {
     /// connected is disconnected.
     #[arg(long, value_name = "SECS", default_value_t = iopages_nbd::HANDSHAKE_TIMEOUT.as_secs())]
     handshake_timeout: u64,
+    /// Serve Prometheus metrics at http://ADDR/metrics (and a health check
+    /// at /healthz); port 0 picks a free port. No volume data, but the
+    /// export names and their traffic: any address is allowed.
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<std::net::SocketAddr>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -607,6 +612,17 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
     );
     let server = Server::start_with(vol.queue.clone(), export, server_opts, &listen)
         .map_err(|e| e.to_string())?;
+    let metrics = match a.metrics {
+        Some(addr) => {
+            let source = crate::metrics::MetricsSource::new(server.stats_handle());
+            source.add_volume(&a.name, crate::metrics::volume_probe(&vol));
+            let m = crate::metrics::MetricsServer::start(addr, source)
+                .map_err(|e| format!("cannot serve --metrics on {addr}: {e}"))?;
+            println!("metrics: http://{}/metrics", m.local_addr());
+            Some(m)
+        }
+        None => None,
+    };
     let i = &vol.info;
     println!(
         "volume: {} {}, {}-bit key, {}-byte sectors, payload {} bytes at offset {}, key slot {}, uuid {}",
@@ -698,6 +714,7 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
         }
     };
     if let Err(e) = emit_json(&server) {
+        drop(metrics);
         server.shutdown();
         return Err(e);
     }
@@ -728,6 +745,9 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
     let line = progress.line(&server, &vol);
     if let Err(e) = emit_json(&server) {
         eprintln!("warning: {e}");
+    }
+    if let Some(m) = metrics {
+        m.stop();
     }
     server.shutdown();
     vol.queue.wait_idle();
