@@ -76,7 +76,8 @@ enum Command {
     /// LUKS2 file or block device. Clients: `nbdcopy`, `qemu-img`,
     /// `qemu-io -f raw nbd://127.0.0.1:10809/iopages`, fio's nbd engine,
     /// `nbd-client`.
-    Serve(serve::ServeArgs),
+    // Boxed: the serve options outweigh every other command.
+    Serve(Box<serve::ServeArgs>),
     /// LUKS tools: format a volume, check a passphrase, decrypt offline.
     Luks {
         #[command(subcommand)]
@@ -189,7 +190,7 @@ enum Limit {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Serve(args) => serve::serve(args),
+        Command::Serve(args) => serve::serve(*args),
         Command::Luks { command } => luks_cmd::run(command),
         command => run(Cli { command }).map_err(|e| e.to_string()),
     };
