@@ -9,8 +9,10 @@
 //! take the reply, the oldest client closed when a new one would pass the
 //! connection limit), and turning a snapshot of the NBD server's and the
 //! volumes' statistics into metrics, encoded by `prometheus-client`.
-//! Must never: block or slow the NBD server (it only reads its atomic
-//! counters), panic on what a client sends, or hold more than
+//! Must never: block or slow the NBD server (it reads the server's atomic
+//! counters; the volume probe takes only the short locks of a per-CPU
+//! counter's sum and the mempool's statistics, as the statistics line
+//! does), panic on what a client sends, or hold more than
 //! [`MAX_CONNECTIONS`] clients.
 //!
 //! The metrics carry no volume data, but they name the exports and show
@@ -38,6 +40,9 @@ pub const MAX_HEAD_BYTES: usize = 8 << 10;
 /// Time a client has to send its request head, and again to take the
 /// reply.
 pub const CLIENT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Bytes a client may send after its request head (a body, pipelined
+/// requests) before it is closed.
+const MAX_DROPPED_BYTES: usize = 64 << 10;
 
 /// What a volume reports: its arena and where its out pages came from.
 #[derive(Clone, Copy, Debug, Default)]
@@ -58,7 +63,8 @@ pub fn volume_probe(vol: &Volume) -> VolumeProbe {
     let alloc = vol.alloc.clone();
     let queue = Arc::clone(&vol.queue);
     Arc::new(move || {
-        let a = alloc.stats();
+        // The accounting, not `stats()`: no zone lock.
+        let a = alloc.accounting();
         VolumeStats {
             arena_pages: a.total_pages as u64,
             arena_pages_in_use: a.in_use_pages as u64,
@@ -550,6 +556,8 @@ struct Client {
     /// The reply is sent and our side shut: reading what the client still
     /// sends until it closes (so the reply is not lost to a reset).
     draining: bool,
+    /// Bytes read after the head and dropped.
+    dropped: usize,
     deadline: Instant,
 }
 
@@ -567,7 +575,13 @@ impl Client {
                 Ok(0) => return Step::Close,
                 Ok(n) => {
                     if self.draining || self.reply.is_some() {
-                        continue; // after the head: ignored
+                        // After the head: dropped, up to a bound (a client
+                        // that keeps sending is closed).
+                        self.dropped += n;
+                        if self.dropped > MAX_DROPPED_BYTES {
+                            return Step::Close;
+                        }
+                        continue;
                     }
                     self.head.extend_from_slice(&buf[..n]);
                     if let Some(end) = head_end(&self.head) {
@@ -663,8 +677,8 @@ impl MetricsServer {
     }
 
     fn halt(&mut self) {
-        let _ = self.wake.write_all(&[1]);
         if let Some(t) = self.thread.take() {
+            let _ = self.wake.write_all(&[1]);
             let _ = t.join();
         }
     }
@@ -757,6 +771,7 @@ fn serve_loop(listener: TcpListener, woken: UnixStream, source: &MetricsSource) 
                             head: Vec::new(),
                             reply: None,
                             draining: false,
+                            dropped: 0,
                             deadline: Instant::now() + CLIENT_TIMEOUT,
                         });
                     }
