@@ -76,6 +76,7 @@ enum Command {
     /// LUKS2 file or block device. Clients: `nbdcopy`, `qemu-img`,
     /// `qemu-io -f raw nbd://127.0.0.1:10809/iopages`, fio's nbd engine,
     /// `nbd-client`.
+    // Boxed: the serve options outweigh every other command.
     Serve(Box<serve::ServeArgs>),
     /// LUKS tools: format a volume, check a passphrase, decrypt offline.
     Luks {
@@ -87,6 +88,7 @@ enum Command {
 mod activation;
 mod config;
 mod luks_cmd;
+mod metrics;
 mod passphrase;
 mod serve;
 mod served;

@@ -180,6 +180,11 @@ pub struct ServeArgs {
     /// connected is disconnected.
     #[arg(long, value_name = "SECS", default_value_t = iopages_nbd::HANDSHAKE_TIMEOUT.as_secs())]
     handshake_timeout: u64,
+    /// Serve Prometheus metrics at http://ADDR/metrics (and a health check
+    /// at /healthz); port 0 picks a free port. No volume data, but the
+    /// export names and their traffic: any address is allowed.
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<std::net::SocketAddr>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -686,6 +691,29 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
     let names: Vec<String> = exports.iter().map(|e| e.name().to_string()).collect();
     let server = Server::start_exports_on(exports, server_opts, &listen, inherited)
         .map_err(|e| e.to_string())?;
+    // --metrics, or the file's `metrics`: every export, its volume once
+    // open (lazy ones when their first client opens them).
+    let metrics_addr = a
+        .metrics
+        .or_else(|| cfg.as_ref().and_then(|c| c.server.metrics));
+    let metrics = match metrics_addr {
+        Some(addr) => {
+            let source = crate::metrics::MetricsSource::new(server.stats_handle());
+            let listed = Arc::clone(&volumes);
+            source.list_volumes(Box::new(move || {
+                listed
+                    .lock()
+                    .iter()
+                    .map(|s| (s.name.clone(), crate::metrics::volume_probe(&s.vol)))
+                    .collect()
+            }));
+            let m = crate::metrics::MetricsServer::start(addr, source)
+                .map_err(|e| format!("cannot serve --metrics on {addr}: {e}"))?;
+            println!("metrics: http://{}/metrics", m.local_addr());
+            Some(m)
+        }
+        None => None,
+    };
     for s in volumes.lock().iter() {
         print_volume(s, cfg.is_some());
     }
@@ -762,6 +790,7 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
         }
     };
     if let Err(e) = emit_json(&server) {
+        drop(metrics);
         server.shutdown();
         return Err(e);
     }
@@ -792,6 +821,9 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
     let line = progress.line(&server, &volumes.lock());
     if let Err(e) = emit_json(&server) {
         eprintln!("warning: {e}");
+    }
+    if let Some(m) = metrics {
+        m.stop();
     }
     server.shutdown();
     // Every volume opened, lazy ones included, is flushed before exit.

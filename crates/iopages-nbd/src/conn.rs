@@ -666,6 +666,8 @@ struct Pending {
     error: AtomicU32,
     /// A read's chunks, in order, as they complete.
     read: Mutex<Vec<Option<Buf>>>,
+    /// When its header arrived (the latency histograms' start).
+    received: Instant,
 }
 
 impl Pending {
@@ -700,10 +702,12 @@ impl Pending {
         } else {
             Vec::new()
         };
-        self.conn
-            .counters
-            .command(self.command)
-            .done(self.length, error);
+        let counters = &self.conn.counters;
+        counters.command(self.command).done(self.length, error);
+        counters
+            .latency(self.command)
+            .record(self.received.elapsed());
+        counters.in_flight.fetch_sub(1, Ordering::Relaxed);
         let kind = if self.command != CMD_READ {
             ReplyKind::Plain
         } else if error == 0 && self.conn.structured && data.iter().all(|d| all_zero(d.as_ref())) {
@@ -819,6 +823,7 @@ pub(crate) fn transmit(t: Arc<Transport>, env: &ConnEnv<'_>) {
         ),
         env,
         conn: &conn,
+        received: Instant::now(),
     };
     let _ = reader.run();
     DEFER_REPLIES.with(|d| d.set(false));
@@ -832,6 +837,8 @@ struct Reader<'a, 'e> {
     stream: io::BufReader<ConnRead>,
     env: &'a ConnEnv<'e>,
     conn: &'a Arc<Conn>,
+    /// When the header of the request being read arrived.
+    received: Instant,
 }
 
 /// Whether `b` is all zero bytes: cheap for data (real data differs in its
@@ -1013,6 +1020,7 @@ impl Reader<'_, '_> {
             };
             let mut h = [0u8; REQUEST_BYTES];
             self.stream.read_exact(&mut h)?;
+            self.received = Instant::now();
             let Some(req) = Request::decode(&h) else {
                 return Ok(()); // bad magic: the stream is out of step; close
             };
@@ -1024,6 +1032,8 @@ impl Reader<'_, '_> {
     }
 
     fn pending(&self, req: &Request, chunks: usize, held_bytes: u64) -> Arc<Pending> {
+        // Answered (and taken off again) in `Pending::finish`.
+        self.conn.counters.in_flight.fetch_add(1, Ordering::Relaxed);
         Arc::new(Pending {
             conn: Arc::clone(self.conn),
             cookie: req.cookie,
@@ -1039,6 +1049,7 @@ impl Reader<'_, '_> {
             remaining: AtomicUsize::new(chunks + 1),
             error: AtomicU32::new(0),
             read: Mutex::new(Vec::new()),
+            received: self.received,
         })
     }
 

@@ -116,10 +116,13 @@ pub use error::{Error, Result};
 pub use export::{Export, ExportVolume, Opener};
 pub use handshake::MAX_OPTION_BYTES;
 pub use server::{
-    Listen, Listener, Server, ServerOptions, DEFAULT_IDLE_TIMEOUT, DEFAULT_LISTEN,
+    Listen, Listener, Server, ServerOptions, StatsHandle, DEFAULT_IDLE_TIMEOUT, DEFAULT_LISTEN,
     DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_INFLIGHT_BYTES, HANDSHAKE_TIMEOUT, REPLY_TIMEOUT,
 };
-pub use stats::{align_bucket, size_bucket, CommandStats, DirShape, IoShape, Stats, SHAPE_BUCKETS};
+pub use stats::{
+    align_bucket, latency_bucket, latency_bucket_bound_us, size_bucket, CommandStats, DirShape,
+    IoShape, Latency, LatencyHist, Stats, LATENCY_BUCKETS, SHAPE_BUCKETS,
+};
 pub use tls::{TlsConfig, TlsMode};
 
 /// The default preferred block size advertised (bytes).

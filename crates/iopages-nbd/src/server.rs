@@ -413,18 +413,7 @@ impl Server {
     /// Requests and bytes per command so far over every export, the
     /// connections, and where payload buffers came from.
     pub fn stats(&self) -> Stats {
-        let mut s = self.shared.counters.snapshot();
-        for i in 0..self.shared.exports.slots.len() {
-            let e = self.export_stats_at(i);
-            if i == 0 {
-                // The shape's partial counts are relative to the sector
-                // size of the (first) export.
-                s.shape.sector_bytes = e.shape.sector_bytes;
-            }
-            s.add(&e);
-        }
-        s.budget_used_bytes = self.shared.budget.used();
-        s
+        stats_of(&self.shared)
     }
 
     /// One export's requests, bytes, I/O shape and payload buffers (the
@@ -432,17 +421,15 @@ impl Server {
     /// for no such export.
     pub fn export_stats(&self, name: &str) -> Option<Stats> {
         let i = self.shared.exports.find(name.as_bytes())?;
-        Some(self.export_stats_at(i))
+        Some(export_stats_at(&self.shared, i))
     }
 
-    fn export_stats_at(&self, i: usize) -> Stats {
-        let slot = &self.shared.exports.slots[i];
-        let mut s = slot.counters.snapshot();
-        if let Some(live) = slot.get() {
-            s.buffers = live.buffers.stats();
-            s.shape.sector_bytes = live.info.min_block_bytes as u64;
+    /// A handle that reads the statistics from another thread (a metrics
+    /// endpoint) while the server is owned elsewhere.
+    pub fn stats_handle(&self) -> StatsHandle {
+        StatsHandle {
+            shared: Arc::clone(&self.shared),
         }
-        s
     }
 
     /// Block until the server is shut down from another thread (never, in
@@ -512,6 +499,82 @@ impl Server {
 impl Drop for Server {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+fn stats_of(shared: &Shared) -> Stats {
+    let mut s = shared.counters.snapshot();
+    for i in 0..shared.exports.slots.len() {
+        let e = export_stats_at(shared, i);
+        if i == 0 {
+            // The shape's partial counts are relative to the sector
+            // size of the (first) export.
+            s.shape.sector_bytes = e.shape.sector_bytes;
+        }
+        s.add(&e);
+    }
+    s.budget_used_bytes = shared.budget.used();
+    s
+}
+
+fn export_stats_at(shared: &Shared, i: usize) -> Stats {
+    let slot = &shared.exports.slots[i];
+    let mut s = slot.counters.snapshot();
+    if let Some(live) = slot.get() {
+        s.buffers = live.buffers.stats();
+        s.shape.sector_bytes = live.info.min_block_bytes as u64;
+    }
+    s
+}
+
+/// Reads a server's statistics from any thread ([`Server::stats_handle`];
+/// cheap to clone). It keeps the server's exports (and so their volumes)
+/// alive after [`Server::shutdown`] until dropped; after shutdown it
+/// reports the final counts and [`StatsHandle::is_serving`] is false.
+#[derive(Clone)]
+pub struct StatsHandle {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for StatsHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StatsHandle")
+            .field("exports", &self.export_names())
+            .finish()
+    }
+}
+
+impl StatsHandle {
+    /// As [`Server::stats`].
+    pub fn stats(&self) -> Stats {
+        stats_of(&self.shared)
+    }
+
+    /// As [`Server::export_stats`].
+    pub fn export_stats(&self, name: &str) -> Option<Stats> {
+        let i = self.shared.exports.find(name.as_bytes())?;
+        Some(export_stats_at(&self.shared, i))
+    }
+
+    /// As [`Server::export_names`].
+    pub fn export_names(&self) -> Vec<String> {
+        self.shared
+            .exports
+            .slots
+            .iter()
+            .map(|s| s.config.name.clone())
+            .collect()
+    }
+
+    /// As [`Server::export_is_open`].
+    pub fn export_is_open(&self, name: &str) -> Option<bool> {
+        let i = self.shared.exports.find(name.as_bytes())?;
+        Some(self.shared.exports.slots[i].get().is_some())
+    }
+
+    /// Whether the server is serving (not shut down, nor shutting down).
+    pub fn is_serving(&self) -> bool {
+        !self.shared.stopping.load(Ordering::SeqCst)
     }
 }
 

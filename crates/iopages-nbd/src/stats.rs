@@ -4,9 +4,11 @@
 //! Owns: counters bumped as requests complete, histograms of request
 //! sizes and offset alignment bumped as requests arrive (the `blkalgn`
 //! view of a workload: whether a client's I/O fits the volume's sectors),
-//! and their snapshot. Must never: block or take a lock on the I/O path.
+//! latency histograms per command class and the requests in flight, and
+//! their snapshot. Must never: block or take a lock on the I/O path.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 /// Counts of one command.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -67,6 +69,11 @@ pub struct Stats {
     pub budget_used_bytes: u64,
     /// The shape of the reads and writes clients sent.
     pub shape: IoShape,
+    /// How long requests took, from their header's arrival to their reply
+    /// being queued, per command class.
+    pub latency: Latency,
+    /// Requests submitted to a volume and not answered yet (a gauge).
+    pub in_flight: u64,
 }
 
 impl CommandStats {
@@ -124,6 +131,105 @@ impl Stats {
         self.budget_used_bytes += o.budget_used_bytes;
         self.shape.read.add(&o.shape.read);
         self.shape.write.add(&o.shape.write);
+        self.latency.read.add(&o.latency.read);
+        self.latency.write.add(&o.latency.write);
+        self.latency.other.add(&o.latency.other);
+        self.in_flight += o.in_flight;
+    }
+}
+
+/// Buckets of the latency histograms: bucket `k < LATENCY_BUCKETS - 1`
+/// counts latencies of at most 2^k µs (and more than 2^(k-1) µs), from
+/// 1 µs to 2^24 µs (about 16.8 s); the last counts everything longer.
+pub const LATENCY_BUCKETS: usize = 26;
+
+/// The latency bucket of `d`: the smallest `k` with `d <= 2^k` µs, or
+/// `LATENCY_BUCKETS - 1` past 2^24 µs.
+pub fn latency_bucket(d: Duration) -> usize {
+    let us = d.as_nanos().div_ceil(1000);
+    let k = if us <= 1 {
+        0
+    } else {
+        128 - (us - 1).leading_zeros() as usize
+    };
+    k.min(LATENCY_BUCKETS - 1)
+}
+
+/// The upper bound of latency bucket `k` in µs (`None` for the last,
+/// unbounded one).
+pub fn latency_bucket_bound_us(k: usize) -> Option<u64> {
+    (k < LATENCY_BUCKETS - 1).then(|| 1u64 << k)
+}
+
+/// A latency histogram of one command class.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LatencyHist {
+    /// Requests by latency: see [`LATENCY_BUCKETS`] (not cumulative).
+    pub buckets: [u64; LATENCY_BUCKETS],
+    /// The latencies' sum in nanoseconds.
+    pub sum_ns: u64,
+}
+
+impl LatencyHist {
+    /// Requests counted (the buckets' sum).
+    pub fn count(&self) -> u64 {
+        self.buckets.iter().sum()
+    }
+
+    /// The latencies' sum in seconds.
+    pub fn sum_seconds(&self) -> f64 {
+        self.sum_ns as f64 / 1e9
+    }
+
+    fn add(&mut self, o: &LatencyHist) {
+        for (a, b) in self.buckets.iter_mut().zip(&o.buckets) {
+            *a += b;
+        }
+        self.sum_ns += o.sum_ns;
+    }
+}
+
+/// Latency histograms per command class. Requests refused before reaching
+/// the volume (invalid, or over the byte budget) and BLOCK_STATUS are not
+/// counted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Latency {
+    /// NBD_CMD_READ.
+    pub read: LatencyHist,
+    /// NBD_CMD_WRITE.
+    pub write: LatencyHist,
+    /// The other writes: NBD_CMD_FLUSH, TRIM and WRITE_ZEROES.
+    pub other: LatencyHist,
+}
+
+/// A latency histogram as atomics.
+pub(crate) struct LatencyCounter {
+    buckets: [AtomicU64; LATENCY_BUCKETS],
+    sum_ns: AtomicU64,
+}
+
+impl Default for LatencyCounter {
+    fn default() -> Self {
+        LatencyCounter {
+            buckets: std::array::from_fn(|_| AtomicU64::new(0)),
+            sum_ns: AtomicU64::new(0),
+        }
+    }
+}
+
+impl LatencyCounter {
+    /// Count a request that took `d`.
+    pub(crate) fn record(&self, d: Duration) {
+        self.buckets[latency_bucket(d)].fetch_add(1, Ordering::Relaxed);
+        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        self.sum_ns.fetch_add(ns, Ordering::Relaxed);
+    }
+
+    fn get(&self) -> LatencyHist {
+        LatencyHist {
+            buckets: std::array::from_fn(|k| self.buckets[k].load(Ordering::Relaxed)),
+            sum_ns: self.sum_ns.load(Ordering::Relaxed),
+        }
     }
 }
 
@@ -295,6 +401,11 @@ pub(crate) struct Counters {
     pub(crate) budget_refusals: AtomicU64,
     pub(crate) read_shape: ShapeCounter,
     pub(crate) write_shape: ShapeCounter,
+    pub(crate) read_latency: LatencyCounter,
+    pub(crate) write_latency: LatencyCounter,
+    pub(crate) other_latency: LatencyCounter,
+    /// Requests submitted and not answered yet.
+    pub(crate) in_flight: AtomicU64,
 }
 
 impl Counters {
@@ -308,6 +419,15 @@ impl Counters {
             CMD_WRITE_ZEROES => &self.write_zeroes,
             CMD_BLOCK_STATUS => &self.block_status,
             _ => &self.other,
+        }
+    }
+    /// The latency histogram of `command`'s class.
+    pub(crate) fn latency(&self, command: u16) -> &LatencyCounter {
+        use crate::proto::*;
+        match command {
+            CMD_READ => &self.read_latency,
+            CMD_WRITE => &self.write_latency,
+            _ => &self.other_latency,
         }
     }
     pub(crate) fn snapshot(&self) -> Stats {
@@ -338,6 +458,12 @@ impl Counters {
                 read: self.read_shape.get(),
                 write: self.write_shape.get(),
             },
+            latency: Latency {
+                read: self.read_latency.get(),
+                write: self.write_latency.get(),
+                other: self.other_latency.get(),
+            },
+            in_flight: self.in_flight.load(Ordering::Relaxed),
         }
     }
 }
@@ -360,6 +486,72 @@ mod tests {
         assert_eq!(align_bucket(4096 + 512), 9);
         assert_eq!(align_bucket(3), 0);
         assert_eq!(align_bucket(1 << 40), SHAPE_BUCKETS - 1);
+    }
+
+    #[test]
+    fn latency_buckets_are_log2_microseconds_and_saturate() {
+        let us = Duration::from_micros;
+        assert_eq!(latency_bucket(Duration::ZERO), 0);
+        assert_eq!(latency_bucket(Duration::from_nanos(300)), 0);
+        assert_eq!(latency_bucket(us(1)), 0);
+        // Just past a bound goes to the next bucket.
+        assert_eq!(latency_bucket(Duration::from_nanos(1001)), 1);
+        assert_eq!(latency_bucket(us(2)), 1);
+        assert_eq!(latency_bucket(us(3)), 2);
+        assert_eq!(latency_bucket(us(1024)), 10);
+        assert_eq!(latency_bucket(us(1025)), 11);
+        assert_eq!(latency_bucket(us(1 << 24)), 24);
+        assert_eq!(latency_bucket(us((1 << 24) + 1)), LATENCY_BUCKETS - 1);
+        assert_eq!(latency_bucket(Duration::MAX), LATENCY_BUCKETS - 1);
+        // Every latency lies within its bucket's bound.
+        for ns in [
+            0u64,
+            1,
+            999,
+            1000,
+            1001,
+            65_536_000,
+            65_536_001,
+            16_777_216_000,
+        ] {
+            let k = latency_bucket(Duration::from_nanos(ns));
+            let bound = latency_bucket_bound_us(k).expect("bounded");
+            assert!(ns <= bound * 1000, "{ns} ns in bucket {k}");
+            if k > 0 {
+                assert!(ns > (bound / 2) * 1000, "{ns} ns in bucket {k}");
+            }
+        }
+        assert_eq!(latency_bucket_bound_us(0), Some(1));
+        assert_eq!(latency_bucket_bound_us(24), Some(1 << 24));
+        assert_eq!(latency_bucket_bound_us(LATENCY_BUCKETS - 1), None);
+    }
+
+    #[test]
+    fn latency_counter_counts_and_sums() {
+        let c = LatencyCounter::default();
+        c.record(Duration::from_micros(3));
+        c.record(Duration::from_micros(3));
+        c.record(Duration::from_secs(60));
+        let h = c.get();
+        assert_eq!(h.count(), 3);
+        assert_eq!(h.buckets[2], 2);
+        assert_eq!(h.buckets[LATENCY_BUCKETS - 1], 1);
+        assert_eq!(h.sum_ns, 60_000_006_000);
+        let mut s = Stats::default();
+        let o = Stats {
+            latency: Latency {
+                write: h,
+                ..Latency::default()
+            },
+            in_flight: 2,
+            ..Stats::default()
+        };
+        s.add(&o);
+        s.add(&o);
+        assert_eq!(s.latency.write.count(), 6);
+        assert_eq!(s.latency.write.sum_ns, 2 * h.sum_ns);
+        assert_eq!(s.latency.read.count(), 0);
+        assert_eq!(s.in_flight, 4);
     }
 
     #[test]

@@ -1,0 +1,855 @@
+//! `iopages serve --metrics ADDR`: the server's counters over HTTP, in the
+//! Prometheus text exposition format.
+//!
+//! Owns: the endpoint's thread (one thread, a `poll` loop over the
+//! listener and at most [`MAX_CONNECTIONS`] clients), the HTTP it speaks
+//! (`GET /metrics`, `GET /healthz`; 404 and 405 otherwise; one request a
+//! connection), the bounds on what a client may make it hold (a request
+//! head of at most [`MAX_HEAD_BYTES`], [`CLIENT_TIMEOUT`] to send it and
+//! take the reply, the oldest client closed when a new one would pass the
+//! connection limit), and turning a snapshot of the NBD server's and the
+//! volumes' statistics into metrics, encoded by `prometheus-client`.
+//! Must never: block or slow the NBD server (it reads the server's atomic
+//! counters; the volume probe takes only the short locks of a per-CPU
+//! counter's sum and the mempool's statistics, as the statistics line
+//! does), panic on what a client sends, or hold more than
+//! [`MAX_CONNECTIONS`] clients.
+//!
+//! The metrics carry no volume data, but they name the exports and show
+//! their traffic: the endpoint may listen on any address.
+
+use iopages_crypt::strategy::OutStats;
+use iopages_nbd::volume::Volume;
+use iopages_nbd::{Stats, StatsHandle, LATENCY_BUCKETS};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, MetricEncoder, NoLabelSet};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Clients connected at once; a new one past it closes the oldest.
+pub const MAX_CONNECTIONS: usize = 16;
+/// Largest request head (request line and headers) read.
+pub const MAX_HEAD_BYTES: usize = 8 << 10;
+/// Time a client has to send its request head, and again to take the
+/// reply.
+pub const CLIENT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Bytes a client may send after its request head (a body, pipelined
+/// requests) before it is closed.
+const MAX_DROPPED_BYTES: usize = 64 << 10;
+
+/// What a volume reports: its arena and where its out pages came from.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct VolumeStats {
+    /// Pages in the volume's arena.
+    pub arena_pages: u64,
+    /// Of those, pages held now.
+    pub arena_pages_in_use: u64,
+    /// The out-page allocator's counts.
+    pub out: OutStats,
+}
+
+/// Reads a volume's statistics at scrape time.
+pub type VolumeProbe = Arc<dyn Fn() -> VolumeStats + Send + Sync>;
+
+/// The probe of an opened volume (keeps its allocator and queue alive).
+pub fn volume_probe(vol: &Volume) -> VolumeProbe {
+    let alloc = vol.alloc.clone();
+    let queue = Arc::clone(&vol.queue);
+    Arc::new(move || {
+        // The accounting, not `stats()`: no zone lock.
+        let a = alloc.accounting();
+        VolumeStats {
+            arena_pages: a.total_pages as u64,
+            arena_pages_in_use: a.in_use_pages as u64,
+            out: queue.target().out_pages().stats(),
+        }
+    })
+}
+
+/// What the endpoint reports: the server's statistics, and each export's
+/// volume once it is open (listed at each scrape by
+/// [`MetricsSource::list_volumes`]: a lazy export's as soon as its first
+/// client has opened it).
+pub struct MetricsSource {
+    server: StatsHandle,
+    /// Volumes listed at scrape time (exports opened on first use join
+    /// the list when they open).
+    listed: Mutex<Option<VolumeList>>,
+}
+
+/// Lists the volumes open now, by export, at scrape time.
+pub type VolumeList = Box<dyn Fn() -> Vec<(String, VolumeProbe)> + Send + Sync>;
+
+impl MetricsSource {
+    /// A source reading `server`.
+    pub fn new(server: StatsHandle) -> Arc<MetricsSource> {
+        Arc::new(MetricsSource {
+            server,
+            listed: Mutex::new(None),
+        })
+    }
+
+    /// Report the volumes `list` gives at each scrape.
+    pub fn list_volumes(&self, list: VolumeList) {
+        *self.listed.lock().unwrap_or_else(|e| e.into_inner()) = Some(list);
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        let probes: Vec<(String, VolumeProbe)> = self
+            .listed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|list| list())
+            .unwrap_or_default();
+        let exports = self
+            .server
+            .export_names()
+            .into_iter()
+            .map(|name| ExportSnapshot {
+                stats: self.server.export_stats(&name).unwrap_or_default(),
+                open: self.server.export_is_open(&name).unwrap_or(false),
+                volume: probes.iter().find(|(n, _)| *n == name).map(|(_, p)| p()),
+                name,
+            })
+            .collect();
+        Snapshot {
+            total: self.server.stats(),
+            exports,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct ExportSnapshot {
+    name: String,
+    stats: Stats,
+    open: bool,
+    volume: Option<VolumeStats>,
+}
+
+/// Everything one scrape reports, read at once.
+#[derive(Debug)]
+struct Snapshot {
+    total: Stats,
+    exports: Vec<ExportSnapshot>,
+}
+
+type Labels = Vec<(&'static str, String)>;
+
+/// Writes the metric families of a snapshot.
+struct Families<'a, 'e> {
+    enc: DescriptorEncoder<'e>,
+    s: &'a Snapshot,
+}
+
+impl Families<'_, '_> {
+    /// A family of counters or gauges: one sample per label set.
+    fn family(
+        &mut self,
+        name: &str,
+        help: &str,
+        ty: MetricType,
+        samples: Vec<(Labels, u64)>,
+    ) -> std::fmt::Result {
+        let mut m = self.enc.encode_descriptor(name, help, None, ty)?;
+        let counter = matches!(ty, MetricType::Counter);
+        for (labels, v) in samples {
+            if labels.is_empty() {
+                // A bare name, not `name{}`.
+                sample(&mut m, counter, v)?;
+            } else {
+                sample(&mut m.encode_family(&labels)?, counter, v)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One sample per export.
+    fn per_export(
+        &mut self,
+        name: &str,
+        help: &str,
+        ty: MetricType,
+        f: impl Fn(&ExportSnapshot) -> Option<u64>,
+    ) -> std::fmt::Result {
+        let samples = self
+            .s
+            .exports
+            .iter()
+            .filter_map(|e| f(e).map(|v| (export_label(e), v)))
+            .collect();
+        self.family(name, help, ty, samples)
+    }
+
+    /// One sample per export and value of `label`.
+    fn per_export_by(
+        &mut self,
+        name: &str,
+        help: &str,
+        ty: MetricType,
+        label: &'static str,
+        f: impl Fn(&ExportSnapshot) -> Vec<(&'static str, u64)>,
+    ) -> std::fmt::Result {
+        let mut samples = Vec::new();
+        for e in &self.s.exports {
+            for (v, n) in f(e) {
+                let mut l = export_label(e);
+                l.push((label, v.to_string()));
+                samples.push((l, n));
+            }
+        }
+        self.family(name, help, ty, samples)
+    }
+
+    /// A server-wide sample.
+    fn one(&mut self, name: &str, help: &str, ty: MetricType, v: u64) -> std::fmt::Result {
+        self.family(name, help, ty, vec![(Vec::new(), v)])
+    }
+}
+
+fn sample(e: &mut MetricEncoder<'_>, counter: bool, v: u64) -> std::fmt::Result {
+    if counter {
+        e.encode_counter::<NoLabelSet, _, u64>(&v, None)
+    } else {
+        e.encode_gauge(&v)
+    }
+}
+
+fn export_label(e: &ExportSnapshot) -> Labels {
+    vec![("export", e.name.clone())]
+}
+
+const COMMANDS: [&str; 7] = [
+    "read",
+    "write",
+    "flush",
+    "trim",
+    "write_zeroes",
+    "block_status",
+    "other",
+];
+
+fn commands(s: &Stats) -> [&iopages_nbd::CommandStats; 7] {
+    [
+        &s.read,
+        &s.write,
+        &s.flush,
+        &s.trim,
+        &s.write_zeroes,
+        &s.block_status,
+        &s.other,
+    ]
+}
+
+impl Collector for Snapshot {
+    fn encode(&self, enc: DescriptorEncoder) -> std::fmt::Result {
+        use MetricType::{Counter, Gauge};
+        let t = &self.total;
+        let mut f = Families { enc, s: self };
+
+        // Requests, per export.
+        f.per_export(
+            "iopages_read_bytes",
+            "Bytes of NBD reads served successfully.",
+            Counter,
+            |e| Some(e.stats.read.bytes),
+        )?;
+        f.per_export(
+            "iopages_write_bytes",
+            "Bytes of NBD writes served successfully.",
+            Counter,
+            |e| Some(e.stats.write.bytes),
+        )?;
+        f.per_export_by(
+            "iopages_requests",
+            "NBD requests served successfully, by command.",
+            Counter,
+            "command",
+            |e| {
+                COMMANDS
+                    .iter()
+                    .zip(commands(&e.stats))
+                    .map(|(n, c)| (*n, c.requests))
+                    .collect()
+            },
+        )?;
+        f.per_export_by(
+            "iopages_request_errors",
+            "NBD requests answered with an error, by command.",
+            Counter,
+            "command",
+            |e| {
+                COMMANDS
+                    .iter()
+                    .zip(commands(&e.stats))
+                    .map(|(n, c)| (*n, c.errors))
+                    .collect()
+            },
+        )?;
+        {
+            let mut m = f.enc.encode_descriptor(
+                "iopages_request_duration_seconds",
+                "Time from a request's header arriving to its reply being queued, by command class (other: flush, trim, write_zeroes).",
+                None,
+                MetricType::Histogram,
+            )?;
+            for e in &self.exports {
+                let l = &e.stats.latency;
+                for (class, h) in [("read", &l.read), ("write", &l.write), ("other", &l.other)] {
+                    let buckets: Vec<(f64, u64)> = (0..LATENCY_BUCKETS)
+                        .map(|k| {
+                            let le = iopages_nbd::latency_bucket_bound_us(k)
+                                .map_or(f64::INFINITY, |us| us as f64 / 1e6);
+                            (le, h.buckets[k])
+                        })
+                        .collect();
+                    let mut labels = export_label(e);
+                    labels.push(("command_class", class.to_string()));
+                    m.encode_family(&labels)?.encode_histogram::<NoLabelSet>(
+                        h.sum_seconds(),
+                        h.count(),
+                        &buckets,
+                        None,
+                    )?;
+                }
+            }
+        }
+        f.per_export(
+            "iopages_requests_in_flight",
+            "Requests submitted to the volume and not answered yet.",
+            Gauge,
+            |e| Some(e.stats.in_flight),
+        )?;
+        f.per_export_by(
+            "iopages_payload_buffers",
+            "Payload buffers taken, by where they came from.",
+            Counter,
+            "source",
+            |e| {
+                let b = &e.stats.buffers;
+                vec![
+                    ("arena_contiguous", b.arena_contiguous),
+                    ("arena_vmalloc", b.arena_vmalloc),
+                    ("heap", b.heap),
+                ]
+            },
+        )?;
+
+        // Volumes, per export.
+        f.per_export(
+            "iopages_export_open",
+            "1 when the export's volume is open (a lazy export opens on first use).",
+            Gauge,
+            |e| Some(e.open as u64),
+        )?;
+        f.per_export(
+            "iopages_arena_pages",
+            "Pages in the volume's page arena.",
+            Gauge,
+            |e| e.volume.map(|v| v.arena_pages),
+        )?;
+        f.per_export(
+            "iopages_arena_pages_in_use",
+            "Pages of the volume's arena held now.",
+            Gauge,
+            |e| e.volume.map(|v| v.arena_pages_in_use),
+        )?;
+        f.per_export_by(
+            "iopages_out_pages",
+            "Out pages (ciphertext of writes) by source: the allocation strategy's own attempt, the mempool's free pages, the mempool's reserve.",
+            Counter,
+            "source",
+            |e| match e.volume {
+                Some(v) => vec![
+                    ("strategy", v.out.direct_pages),
+                    ("mempool", v.out.pool_pages.saturating_sub(v.out.reserve_pages)),
+                    ("reserve", v.out.reserve_pages),
+                ],
+                None => Vec::new(),
+            },
+        )?;
+        f.per_export(
+            "iopages_out_compound_blocks",
+            "High-order blocks among the strategy's out pages.",
+            Counter,
+            |e| e.volume.map(|v| v.out.compound_blocks),
+        )?;
+        f.per_export(
+            "iopages_mempool_reserve_waits",
+            "Sleeps of writers that found the out-page mempool's reserve empty.",
+            Counter,
+            |e| e.volume.map(|v| v.out.waits),
+        )?;
+
+        // The server.
+        f.one(
+            "iopages_connections_open",
+            "Connections open now (handshake or transmission).",
+            Gauge,
+            t.open_connections,
+        )?;
+        f.one(
+            "iopages_connections",
+            "Connections accepted.",
+            Counter,
+            t.connections,
+        )?;
+        f.one(
+            "iopages_connections_refused",
+            "Connections closed at once because the connection limit was reached.",
+            Counter,
+            t.refused_connections,
+        )?;
+        f.one(
+            "iopages_sessions",
+            "Connections that reached transmission.",
+            Counter,
+            t.sessions,
+        )?;
+        f.one(
+            "iopages_tls_sessions",
+            "Sessions upgraded to TLS.",
+            Counter,
+            t.tls_sessions,
+        )?;
+        f.one(
+            "iopages_tls_failures",
+            "TLS handshakes that failed.",
+            Counter,
+            t.tls_failures,
+        )?;
+        f.family(
+            "iopages_timeouts",
+            "Connections closed on a deadline: handshake, reply not taken, payload not sent, idle.",
+            Counter,
+            [
+                ("handshake", t.handshake_timeouts),
+                ("reply", t.reply_timeouts),
+                ("payload", t.payload_timeouts),
+                ("idle", t.idle_closes),
+            ]
+            .into_iter()
+            .map(|(k, v)| (vec![("kind", k.to_string())], v))
+            .collect(),
+        )?;
+        f.one(
+            "iopages_budget_used_bytes",
+            "Payload bytes in flight now, over all connections.",
+            Gauge,
+            t.budget_used_bytes,
+        )?;
+        f.one(
+            "iopages_budget_waits",
+            "Requests that waited for the payload byte budget.",
+            Counter,
+            t.budget_waits,
+        )?;
+        f.one(
+            "iopages_budget_refusals",
+            "Requests answered ENOMEM because the byte budget stayed exhausted.",
+            Counter,
+            t.budget_refusals,
+        )?;
+        Ok(())
+    }
+}
+
+/// The snapshot in the text exposition format (OpenMetrics text, which
+/// Prometheus' text parser reads too; its `# EOF` line only when
+/// `openmetrics`).
+fn exposition(s: Snapshot, openmetrics: bool) -> String {
+    let mut r = Registry::default();
+    r.register_collector(Box::new(s));
+    let mut out = String::new();
+    let done = if openmetrics {
+        prometheus_client::encoding::text::encode(&mut out, &r)
+    } else {
+        prometheus_client::encoding::text::encode_registry(&mut out, &r)
+    };
+    // Writing to a String does not fail; an encoder error would be a bug:
+    // what was written so far is still served.
+    if let Err(e) = done {
+        eprintln!("metrics: encoding failed: {e}");
+    }
+    out
+}
+
+/// A response: status line, content type, body.
+fn response(status: &str, content_type: &str, body: &[u8], extra: &str) -> Vec<u8> {
+    let mut r = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nCache-Control: no-store\r\nConnection: close\r\n{extra}\r\n",
+        body.len()
+    )
+    .into_bytes();
+    r.extend_from_slice(body);
+    r
+}
+
+fn text(status: &str, body: &str) -> Vec<u8> {
+    response(status, "text/plain; charset=utf-8", body.as_bytes(), "")
+}
+
+/// Where the request head ends (after its blank line), if it has.
+fn head_end(b: &[u8]) -> Option<usize> {
+    let crlf = b.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
+    let lf = b.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
+    match (crlf, lf) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// The reply to a whole request head.
+fn answer(head: &[u8], source: &MetricsSource) -> Vec<u8> {
+    let head = String::from_utf8_lossy(head);
+    let mut lines = head.lines();
+    let request_line = lines.next().unwrap_or("");
+    let mut parts = request_line.split_ascii_whitespace();
+    let (Some(method), Some(target), Some(version)) = (parts.next(), parts.next(), parts.next())
+    else {
+        return text("400 Bad Request", "bad request\n");
+    };
+    if parts.next().is_some() || !version.starts_with("HTTP/1.") {
+        return text("400 Bad Request", "bad request\n");
+    }
+    let path = target.split('?').next().unwrap_or("");
+    if path != "/metrics" && path != "/healthz" {
+        return text("404 Not Found", "not found\n");
+    }
+    if method != "GET" {
+        return response(
+            "405 Method Not Allowed",
+            "text/plain; charset=utf-8",
+            b"method not allowed\n",
+            "Allow: GET\r\n",
+        );
+    }
+    if path == "/healthz" {
+        return if source.server.is_serving() {
+            text("200 OK", "ok\n")
+        } else {
+            text("503 Service Unavailable", "stopping\n")
+        };
+    }
+    let openmetrics = lines.any(|l| {
+        l.split_once(':').is_some_and(|(k, v)| {
+            k.trim().eq_ignore_ascii_case("accept") && v.contains("application/openmetrics-text")
+        })
+    });
+    let body = exposition(source.snapshot(), openmetrics);
+    let ty = if openmetrics {
+        "application/openmetrics-text; version=1.0.0; charset=utf-8"
+    } else {
+        "text/plain; version=0.0.4; charset=utf-8"
+    };
+    response("200 OK", ty, body.as_bytes(), "")
+}
+
+/// One client of the endpoint.
+struct Client {
+    stream: TcpStream,
+    head: Vec<u8>,
+    /// The reply, once the head is whole, and how much of it is sent.
+    reply: Option<(Vec<u8>, usize)>,
+    /// The reply is sent and our side shut: reading what the client still
+    /// sends until it closes (so the reply is not lost to a reset).
+    draining: bool,
+    /// Bytes read after the head and dropped.
+    dropped: usize,
+    deadline: Instant,
+}
+
+enum Step {
+    Keep,
+    Close,
+}
+
+impl Client {
+    /// Take what the socket has.
+    fn readable(&mut self, source: &MetricsSource) -> Step {
+        let mut buf = [0u8; 4096];
+        loop {
+            match self.stream.read(&mut buf) {
+                Ok(0) => return Step::Close,
+                Ok(n) => {
+                    if self.draining || self.reply.is_some() {
+                        // After the head: dropped, up to a bound (a client
+                        // that keeps sending is closed).
+                        self.dropped += n;
+                        if self.dropped > MAX_DROPPED_BYTES {
+                            return Step::Close;
+                        }
+                        continue;
+                    }
+                    self.head.extend_from_slice(&buf[..n]);
+                    if let Some(end) = head_end(&self.head) {
+                        let r = answer(&self.head[..end], source);
+                        self.head = Vec::new();
+                        return self.send(r);
+                    }
+                    if self.head.len() > MAX_HEAD_BYTES {
+                        self.head = Vec::new();
+                        return self.send(text(
+                            "431 Request Header Fields Too Large",
+                            "request head too large\n",
+                        ));
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Step::Keep,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => return Step::Close,
+            }
+        }
+    }
+
+    fn send(&mut self, reply: Vec<u8>) -> Step {
+        self.reply = Some((reply, 0));
+        self.deadline = Instant::now() + CLIENT_TIMEOUT;
+        self.writable()
+    }
+
+    /// Send what the socket takes of the reply.
+    fn writable(&mut self) -> Step {
+        let Some((r, sent)) = &mut self.reply else {
+            return Step::Keep;
+        };
+        while *sent < r.len() {
+            match self.stream.write(&r[*sent..]) {
+                Ok(0) => return Step::Close,
+                Ok(n) => *sent += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Step::Keep,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => return Step::Close,
+            }
+        }
+        if !self.draining {
+            self.draining = true;
+            let _ = self.stream.shutdown(Shutdown::Write);
+            // A second at most for the client to close its side.
+            self.deadline = Instant::now() + Duration::from_secs(1);
+        }
+        Step::Keep
+    }
+
+    fn wants_write(&self) -> bool {
+        !self.draining && self.reply.as_ref().is_some_and(|(r, s)| *s < r.len())
+    }
+}
+
+/// The running endpoint; [`MetricsServer::stop`] ends it.
+pub struct MetricsServer {
+    addr: SocketAddr,
+    wake: UnixStream,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl MetricsServer {
+    /// Listen on `addr` and serve `source` from a thread of its own.
+    ///
+    /// **Returns:** the error of binding `addr`, or of starting the
+    /// thread.
+    pub fn start(addr: SocketAddr, source: Arc<MetricsSource>) -> io::Result<MetricsServer> {
+        let listener = TcpListener::bind(addr)?;
+        listener.set_nonblocking(true)?;
+        let addr = listener.local_addr()?;
+        let (wake, woken) = UnixStream::pair()?;
+        woken.set_nonblocking(true)?;
+        let thread = std::thread::Builder::new()
+            .name("metrics".into())
+            .spawn(move || serve_loop(listener, woken, &source))?;
+        Ok(MetricsServer {
+            addr,
+            wake,
+            thread: Some(thread),
+        })
+    }
+
+    /// The address served (the port resolved).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Close every client and join the thread.
+    pub fn stop(mut self) {
+        self.halt();
+    }
+
+    fn halt(&mut self) {
+        if let Some(t) = self.thread.take() {
+            let _ = self.wake.write_all(&[1]);
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for MetricsServer {
+    fn drop(&mut self) {
+        self.halt();
+    }
+}
+
+fn serve_loop(listener: TcpListener, woken: UnixStream, source: &MetricsSource) {
+    let mut clients: Vec<Client> = Vec::new();
+    let mut fds: Vec<libc::pollfd> = Vec::new();
+    loop {
+        let now = Instant::now();
+        clients.retain(|c| c.deadline > now);
+        let timeout_ms = clients
+            .iter()
+            .map(|c| c.deadline.saturating_duration_since(now))
+            .min()
+            .map_or(-1, |d| d.as_millis().clamp(1, 60_000) as i32);
+        fds.clear();
+        let fd = |fd: i32, events: i16| libc::pollfd {
+            fd,
+            events,
+            revents: 0,
+        };
+        fds.push(fd(woken.as_raw_fd(), libc::POLLIN));
+        fds.push(fd(listener.as_raw_fd(), libc::POLLIN));
+        for c in &clients {
+            let ev = if c.wants_write() {
+                libc::POLLOUT
+            } else {
+                libc::POLLIN
+            };
+            fds.push(fd(c.stream.as_raw_fd(), ev));
+        }
+        // SAFETY: `fds` is a valid array of `fds.len()` pollfds.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
+        if n < 0 {
+            if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            // poll itself failed: nothing sensible to do but stop serving
+            // metrics (the NBD server goes on).
+            eprintln!("metrics: poll failed: {}", io::Error::last_os_error());
+            return;
+        }
+        if fds[0].revents != 0 {
+            return;
+        }
+        // The clients first (their indexes match `fds[2..]`), then new
+        // ones.
+        let mut i = 0;
+        let mut k = 2;
+        while i < clients.len() {
+            let rev = fds[k].revents;
+            k += 1;
+            let step = if rev & (libc::POLLERR | libc::POLLNVAL) != 0 {
+                Step::Close
+            } else if rev & libc::POLLOUT != 0 {
+                clients[i].writable()
+            } else if rev & (libc::POLLIN | libc::POLLHUP) != 0 {
+                clients[i].readable(source)
+            } else {
+                Step::Keep
+            };
+            match step {
+                Step::Keep => i += 1,
+                Step::Close => {
+                    clients.remove(i);
+                }
+            }
+        }
+        if fds[1].revents != 0 {
+            loop {
+                match listener.accept() {
+                    Ok((stream, _)) => {
+                        if stream.set_nonblocking(true).is_err() {
+                            continue;
+                        }
+                        if clients.len() >= MAX_CONNECTIONS {
+                            // The oldest goes: a client that only holds a
+                            // connection open cannot keep scrapes out.
+                            clients.remove(0);
+                        }
+                        clients.push(Client {
+                            stream,
+                            head: Vec::new(),
+                            reply: None,
+                            draining: false,
+                            dropped: 0,
+                            deadline: Instant::now() + CLIENT_TIMEOUT,
+                        });
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    // Out of descriptors, a connection reset before it was
+                    // taken, …: try again on the next wake-up (after a
+                    // pause, so a persistent error does not spin).
+                    Err(_) => {
+                        std::thread::sleep(Duration::from_millis(10));
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn head_end_finds_the_blank_line() {
+        assert_eq!(head_end(b"GET / HTTP/1.1\r\n"), None);
+        assert_eq!(head_end(b"GET / HTTP/1.1\r\n\r\n"), Some(18));
+        assert_eq!(head_end(b"GET / HTTP/1.1\n\nrest"), Some(16));
+        assert_eq!(head_end(b""), None);
+    }
+
+    #[test]
+    fn the_exposition_has_histograms_with_cumulative_buckets() {
+        let mut st = Stats::default();
+        st.write.requests = 3;
+        st.write.bytes = 3 << 20;
+        st.latency.write.buckets[3] = 2;
+        st.latency.write.buckets[LATENCY_BUCKETS - 1] = 1;
+        st.latency.write.sum_ns = 20_000_000_000;
+        let s = Snapshot {
+            total: st,
+            exports: vec![ExportSnapshot {
+                name: "a\"b".into(),
+                stats: st,
+                open: true,
+                volume: Some(VolumeStats {
+                    arena_pages: 10,
+                    arena_pages_in_use: 4,
+                    out: OutStats {
+                        direct_pages: 5,
+                        pool_pages: 3,
+                        reserve_pages: 1,
+                        ..OutStats::default()
+                    },
+                }),
+            }],
+        };
+        let t = exposition(s, false);
+        for want in [
+            "iopages_write_bytes_total{export=\"a\\\"b\"} 3145728",
+            "iopages_requests_total{export=\"a\\\"b\",command=\"write\"} 3",
+            "iopages_request_duration_seconds_bucket{le=\"0.000004\",export=\"a\\\"b\",command_class=\"write\"} 0",
+            "iopages_request_duration_seconds_bucket{le=\"0.000008\",export=\"a\\\"b\",command_class=\"write\"} 2",
+            "iopages_request_duration_seconds_bucket{le=\"+Inf\",export=\"a\\\"b\",command_class=\"write\"} 3",
+            "iopages_request_duration_seconds_count{export=\"a\\\"b\",command_class=\"write\"} 3",
+            "iopages_request_duration_seconds_sum{export=\"a\\\"b\",command_class=\"write\"} 20.0",
+            "iopages_out_pages_total{export=\"a\\\"b\",source=\"mempool\"} 2",
+            "iopages_export_open{export=\"a\\\"b\"} 1",
+            "iopages_connections_open 0",
+            "iopages_timeouts_total{kind=\"idle\"} 0",
+        ] {
+            assert!(t.lines().any(|l| l == want), "{want} missing from:\n{t}");
+        }
+        assert!(!t.contains("# EOF"));
+    }
+}
