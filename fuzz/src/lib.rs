@@ -382,7 +382,7 @@ fn server() -> &'static Nbd {
     static S: OnceLock<Nbd> = OnceLock::new();
     S.get_or_init(|| {
         use iopages::PageAllocator;
-        use iopages_crypt::backend::{Backend, RamDisk};
+        use iopages_crypt::backend::{Backend, PageStore};
         use iopages_crypt::queue::{CryptQueue, QueueConfig};
         use iopages_crypt::target::{CipherPool, CryptTarget, TargetConfig};
         use iopages_crypt::XtsCipher;
@@ -395,11 +395,16 @@ fn server() -> &'static Nbd {
             .size_bytes(64 << 20)
             .build()
             .unwrap();
-        let disk: Arc<dyn Backend> = Arc::new(RamDisk::new(DISK_BYTES).unwrap());
+        // A page store with discards allowed: TRIM and WRITE_ZEROES punch
+        // (empty slots), and block status has real holes to report.
+        let disk: Arc<dyn Backend> = Arc::new(PageStore::new(&alloc, DISK_BYTES).unwrap());
         let key: Vec<u8> = (0u8..64).collect();
         let cipher = CipherPool::new(XtsCipher::new(&key, 512, 0).unwrap(), 2).unwrap();
-        let target =
-            Arc::new(CryptTarget::new(&alloc, cipher, disk, TargetConfig::default()).unwrap());
+        let cfg = TargetConfig {
+            allow_discards: true,
+            ..TargetConfig::default()
+        };
+        let target = Arc::new(CryptTarget::new(&alloc, cipher, disk, cfg).unwrap());
         let queue = Arc::new(CryptQueue::new(target, QueueConfig::default()).unwrap());
         let dir = std::env::temp_dir();
         let path = dir.join(format!("iopages-fuzz-nbd-{}.sock", std::process::id()));
@@ -426,8 +431,9 @@ pub fn go_prefix() -> Vec<u8> {
     go_prefix_with(false)
 }
 
-/// [`go_prefix`], with NBD_OPT_STRUCTURED_REPLY asked for first when
-/// `structured` (the server then answers reads and errors in chunks).
+/// [`go_prefix`], with NBD_OPT_STRUCTURED_REPLY and the `base:allocation`
+/// metadata context asked for first when `structured` (the server then
+/// answers reads and errors in chunks, and serves block status).
 pub fn go_prefix_with(structured: bool) -> Vec<u8> {
     use iopages_nbd::proto::*;
     let mut v = Vec::new();
@@ -436,6 +442,15 @@ pub fn go_prefix_with(structured: bool) -> Vec<u8> {
         v.extend_from_slice(&IHAVEOPT.to_be_bytes());
         v.extend_from_slice(&OPT_STRUCTURED_REPLY.to_be_bytes());
         v.extend_from_slice(&0u32.to_be_bytes());
+        let (name, query) = (EXPORT.as_bytes(), META_BASE_ALLOCATION.as_bytes());
+        v.extend_from_slice(&IHAVEOPT.to_be_bytes());
+        v.extend_from_slice(&OPT_SET_META_CONTEXT.to_be_bytes());
+        v.extend_from_slice(&(4 + name.len() as u32 + 4 + 4 + query.len() as u32).to_be_bytes());
+        v.extend_from_slice(&(name.len() as u32).to_be_bytes());
+        v.extend_from_slice(name);
+        v.extend_from_slice(&1u32.to_be_bytes());
+        v.extend_from_slice(&(query.len() as u32).to_be_bytes());
+        v.extend_from_slice(query);
     }
     v.extend_from_slice(&IHAVEOPT.to_be_bytes());
     v.extend_from_slice(&OPT_GO.to_be_bytes());

@@ -834,6 +834,7 @@ fn e3_row(
                 limit_check: LimitCheck::Exact,
                 min_nr: 64,
                 limit_pages,
+                ..TargetConfig::default()
             },
         )
         .map_err(workload)?,

@@ -105,6 +105,16 @@ pub struct ServeArgs {
     /// purpose; writes would land in the other format's data).
     #[arg(long)]
     allow_secondary_header: bool,
+    /// Serve TRIM by punching the whole encryption sectors inside it out
+    /// of the image (fallocate; BLKDISCARD on a block device), WRITE_ZEROES
+    /// by punching too (and offer fast zeroing), read a sector whose
+    /// ciphertext is all zeros as zeros, and report the image's holes in
+    /// block status, so copies skip unused space. The same trade-off as
+    /// dm-crypt's allow_discards: whoever sees the image learns which
+    /// blocks are unused, and whoever can write it can make a sector read
+    /// as zeros (rather than as noise) by zeroing its ciphertext.
+    #[arg(long)]
+    allow_discards: bool,
     /// TLS (NBD's STARTTLS): off; on (offered, plaintext clients still
     /// served); require (nothing but STARTTLS before TLS). Needs
     /// --tls-certificates or --tls-psk.
@@ -348,8 +358,14 @@ impl Progress {
         self.last = now;
         self.last_read = s.read.bytes;
         self.last_write = s.write.bytes;
+        let t = vol.queue.target().stats();
         format!(
-            "{line} | shape: write {}; read {}",
+            "{line} | trim {} ({} MiB discarded), write-zeroes {} ({} MiB punched), block status {} | shape: write {}; read {}",
+            s.trim.requests,
+            t.discard_bytes >> 20,
+            s.write_zeroes.requests,
+            t.zero_punch_bytes >> 20,
+            s.block_status.requests,
             shape_summary(&s.shape.write, s.shape.sector_bytes),
             shape_summary(&s.shape.read, s.shape.sector_bytes)
         )
@@ -425,6 +441,7 @@ fn stats_json(s: &iopages_nbd::Stats, elapsed: Duration) -> serde_json::Value {
         "flush": cmd(&s.flush),
         "trim": cmd(&s.trim),
         "write_zeroes": cmd(&s.write_zeroes),
+        "block_status": cmd(&s.block_status),
         "other": cmd(&s.other),
         "open_connections": s.open_connections,
         "refused_connections": s.refused_connections,
@@ -521,6 +538,7 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
     }
     opts.kdf_limits = crate::luks_cmd::kdf_limits(a.max_kdf_memory);
     opts.allow_secondary_header = a.allow_secondary_header;
+    opts.allow_discards = a.allow_discards;
     // The key derivation may take long (a header's KDF costs are bounded,
     // but a slow one still takes seconds): it runs on its own thread so a
     // SIGINT or SIGTERM meanwhile stops the process at once (nothing has
@@ -606,6 +624,9 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
     );
     if !i.keys_locked {
         println!("warning: the cipher keys could not be locked in memory (RLIMIT_MEMLOCK): they may be swapped out");
+    }
+    if a.allow_discards {
+        println!("discards: on (TRIM and WRITE_ZEROES punch holes in the image, holes read as zeros; which blocks are unused is visible to whoever sees the image)");
     }
     match &i.image {
         Some(p) => println!("image: {} ({})", p.display(), i.io),

@@ -1,7 +1,8 @@
 //! Backends: where the crypt target's ciphertext lives.
 //!
 //! Owns: the [`Backend`] contract (positional reads and writes of whole
-//! buffers, flush) and two RAM disks: [`RamDisk`], which copies what it is
+//! buffers, flush; hole punches, discards and the allocation map as
+//! [`Extent`]s, refused by default) and two RAM disks: [`RamDisk`], which copies what it is
 //! given as the kernel's `brd` does, and [`PageStore`], which keeps the
 //! very pages a write hands it and gives back the pages they replace (no
 //! copy: the crypt target's out pages become the disk's pages); and
@@ -52,6 +53,79 @@ pub trait Backend: Send + Sync {
     /// `None` (default): read with [`Backend::read_at`].
     fn mapped(&self, _offset: u64, _len: usize) -> Option<&[u8]> {
         None
+    }
+
+    /// Deallocate `len` bytes at `offset`: they read back as zeros
+    /// afterwards (a hole punched in a file, a RAM disk's bytes zeroed).
+    ///
+    /// **Context:** may block. **Returns:** `InvalidInput` before touching
+    /// anything if the range leaves the device; `Unsupported` where the
+    /// backend cannot guarantee zeros (the default, after the range check);
+    /// `PermissionDenied` on a read-only backend.
+    fn punch(&self, offset: u64, len: u64) -> io::Result<()> {
+        check_range(offset, len, self.size_bytes())?;
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!("this backend cannot punch holes ({len} bytes at offset {offset})"),
+        ))
+    }
+
+    /// Whether [`Backend::punch`] can work on this backend at all (it may
+    /// still fail fast for a given range, as a block device that cannot
+    /// guarantee zeros does).
+    ///
+    /// **Returns:** `false` by default.
+    fn can_punch(&self) -> bool {
+        false
+    }
+
+    /// Discard `len` bytes at `offset`: afterwards they read as zeros or as
+    /// what they held (a block device's discard guarantees neither).
+    ///
+    /// **Context:** may block. **Returns:** as [`Backend::punch`], which the
+    /// default calls.
+    fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.punch(offset, len)
+    }
+
+    /// The allocation of the bytes from `offset`: consecutive extents, the
+    /// first starting at `offset`, adjacent ones differing in
+    /// [`Extent::hole`], at most `max_extents` of them (0 is taken as 1),
+    /// covering at most `len` bytes (fewer when `max_extents` is reached).
+    ///
+    /// **Context:** may block. **Returns:** at least one extent when
+    /// `len > 0`, none when it is 0; `InvalidInput` if the range leaves the
+    /// device. The default: one allocated extent of `len` bytes.
+    fn extents(&self, offset: u64, len: u64, max_extents: usize) -> io::Result<Vec<Extent>> {
+        let _ = max_extents;
+        check_range(offset, len, self.size_bytes())?;
+        let mut out = Vec::new();
+        push_extent(&mut out, len, false);
+        Ok(out)
+    }
+}
+
+/// A run of a backend's bytes: allocated, or a hole (reads as zeros,
+/// stores nothing).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Extent {
+    /// Bytes in the run.
+    pub len_bytes: u64,
+    /// Whether the run is a hole.
+    pub hole: bool,
+}
+
+/// Append `len_bytes` of kind `hole` to `out`, merged into the last extent
+/// when it is of the same kind (nothing for zero bytes).
+///
+/// **Returns:** nothing; `out` keeps adjacent extents of different kinds.
+pub fn push_extent(out: &mut Vec<Extent>, len_bytes: u64, hole: bool) {
+    if len_bytes == 0 {
+        return;
+    }
+    match out.last_mut() {
+        Some(last) if last.hole == hole => last.len_bytes += len_bytes,
+        _ => out.push(Extent { len_bytes, hole }),
     }
 }
 
@@ -163,6 +237,19 @@ impl Backend for RamDisk {
 
     fn flush(&self) -> io::Result<()> {
         Ok(())
+    }
+
+    /// Zero the bytes (a RAM disk has nothing to deallocate).
+    fn punch(&self, offset: u64, len: u64) -> io::Result<()> {
+        check_range(offset, len, self.size_bytes)?;
+        for (i, off, n) in Self::spans(offset, len as usize) {
+            self.stripes[i].write()[off..off + n].fill(0);
+        }
+        Ok(())
+    }
+
+    fn can_punch(&self) -> bool {
+        true
     }
 }
 
@@ -381,6 +468,54 @@ impl Backend for PageStore {
     fn page_store(&self) -> Option<&PageStore> {
         Some(self)
     }
+
+    /// Zero the bytes. A block wholly inside the range is zeroed in its
+    /// page rather than emptied: [`PageSlots`] offers no way to take a
+    /// page out of a slot, so a punched block keeps its page (and counts
+    /// as allocated in [`Backend::extents`]) until a later write replaces
+    /// it.
+    fn punch(&self, offset: u64, len: u64) -> io::Result<()> {
+        check_range(offset, len, self.size_bytes)?;
+        // Whole blocks give their pages back (the slot is empty again: a
+        // hole in `extents`); a partial head or tail block is zeroed in
+        // place. The pages are freed after the stripe locks are dropped.
+        let mut freed = FolioBuffer::new(&self.alloc);
+        for (i, slot, off, n) in Self::blocks(offset, len as usize) {
+            let mut stripe = self.stripes[i].write();
+            if n == PAGE_SIZE {
+                stripe.take(slot, &mut freed).map_err(move_error)?;
+            } else if let Some(page) = stripe.page_bytes_mut(slot) {
+                // An empty slot already reads as zeros.
+                page[off..off + n].fill(0);
+            }
+        }
+        drop(freed);
+        Ok(())
+    }
+
+    fn can_punch(&self) -> bool {
+        true
+    }
+
+    /// Holes are the blocks never written (empty slots), 4096 bytes each,
+    /// clipped to the range asked for.
+    fn extents(&self, offset: u64, len: u64, max_extents: usize) -> io::Result<Vec<Extent>> {
+        check_range(offset, len, self.size_bytes)?;
+        let max = max_extents.max(1);
+        let mut out: Vec<Extent> = Vec::new();
+        let mut stripe: Option<(usize, parking_lot::RwLockReadGuard<'_, PageSlots>)> = None;
+        for (i, slot, _, n) in Self::blocks(offset, len as usize) {
+            if stripe.as_ref().is_none_or(|(at, _)| *at != i) {
+                stripe = Some((i, self.stripes[i].read()));
+            }
+            let hole = !stripe.as_ref().expect("locked above").1.is_filled(slot);
+            if out.last().is_some_and(|e| e.hole != hole) && out.len() == max {
+                break;
+            }
+            push_extent(&mut out, n as u64, hole);
+        }
+        Ok(out)
+    }
 }
 
 /// A window of `len` bytes at `start` of another backend: offset 0 here
@@ -439,6 +574,25 @@ impl Backend for Window {
     fn mapped(&self, offset: u64, len: usize) -> Option<&[u8]> {
         check_range(offset, len as u64, self.len).ok()?;
         self.inner.mapped(self.start + offset, len)
+    }
+
+    fn punch(&self, offset: u64, len: u64) -> io::Result<()> {
+        check_range(offset, len, self.len)?;
+        self.inner.punch(self.start + offset, len)
+    }
+
+    fn can_punch(&self) -> bool {
+        self.inner.can_punch()
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
+        check_range(offset, len, self.len)?;
+        self.inner.discard(self.start + offset, len)
+    }
+
+    fn extents(&self, offset: u64, len: u64, max_extents: usize) -> io::Result<Vec<Extent>> {
+        check_range(offset, len, self.len)?;
+        self.inner.extents(self.start + offset, len, max_extents)
     }
 }
 

@@ -12,11 +12,16 @@
 //! that owns them (`runs_mut`); a caller's reused out buffer is one too
 //! ([`CryptTarget::write_with_folios`]).
 //!
+//! With [`TargetConfig::allow_discards`] the target also discards and
+//! punches whole sectors out of the backend, and a sector whose ciphertext
+//! is all zero bytes (a hole) reads as plaintext zeros; without it the
+//! read path is dm-crypt's, unchanged.
+//!
 //! This is the synchronous core, safe to call from many threads at once;
 //! [`crate::queue::CryptQueue`] puts a queue depth and worker threads in
 //! front of it.
 
-use crate::backend::{Backend, PageStore};
+use crate::backend::{check_range, push_extent, Backend, Extent, PageStore};
 use crate::strategy::{LimitCheck, OutAllocator, OutPages, Strategy};
 use iopages::{FolioBuffer, Gfp, PageAllocator, PercpuCounter, PAGE_SIZE};
 use parking_lot::Mutex;
@@ -194,6 +199,19 @@ pub struct TargetConfig {
     pub min_nr: usize,
     /// Page limit (`None`: 2 % of the arena).
     pub limit_pages: Option<usize>,
+    /// Allow discards (default off), as dm-crypt's `allow_discards`: the
+    /// target then accepts [`CryptTarget::discard`] and
+    /// [`CryptTarget::punch_zeroes`], and an encryption sector whose
+    /// ciphertext is all zero bytes (a hole in the image, an empty page
+    /// store block) reads as plaintext zeros instead of being decrypted
+    /// (real AES-XTS ciphertext is all zeros with probability 2^-4096).
+    ///
+    /// The trade-off: the image shows which blocks are unused (holes, or
+    /// zeroed sectors), which may reveal the file system and its usage;
+    /// and whoever can write the image can make a sector read as plaintext
+    /// zeros by zeroing its ciphertext, where without this they can only
+    /// make it read as garbage.
+    pub allow_discards: bool,
 }
 
 impl Default for TargetConfig {
@@ -203,6 +221,7 @@ impl Default for TargetConfig {
             limit_check: LimitCheck::Approximate,
             min_nr: 256,
             limit_pages: None,
+            allow_discards: false,
         }
     }
 }
@@ -226,6 +245,15 @@ pub struct TargetStats {
     pub free_time: Duration,
     /// Time spent in whole writes, while timed.
     pub write_time: Duration,
+    /// Discards that reached the backend ([`CryptTarget::discard`] with at
+    /// least one whole sector).
+    pub discards: u64,
+    /// Bytes of those discards.
+    pub discard_bytes: u64,
+    /// Successful zeroing punches ([`CryptTarget::punch_zeroes`]).
+    pub zero_punches: u64,
+    /// Bytes of those punches.
+    pub zero_punch_bytes: u64,
 }
 
 /// The target's statistics: per-CPU counters with the largest batch, so
@@ -241,6 +269,10 @@ struct Counters {
     alloc_ns: PercpuCounter,
     free_ns: PercpuCounter,
     write_ns: PercpuCounter,
+    discards: PercpuCounter,
+    discard_bytes: PercpuCounter,
+    zero_punches: PercpuCounter,
+    zero_punch_bytes: PercpuCounter,
 }
 
 /// Starts a timed phase when timing is on.
@@ -272,6 +304,7 @@ pub struct CryptTarget<C: SectorCipher> {
     backend: Arc<dyn Backend>,
     out: OutAllocator,
     timed: AtomicBool,
+    allow_discards: bool,
     counters: Counters,
 }
 
@@ -320,6 +353,7 @@ impl<C: SectorCipher> CryptTarget<C> {
             backend,
             out,
             timed: AtomicBool::new(false),
+            allow_discards: cfg.allow_discards,
             counters: Counters {
                 writes: PercpuCounter::statistic(),
                 write_bytes: PercpuCounter::statistic(),
@@ -329,6 +363,10 @@ impl<C: SectorCipher> CryptTarget<C> {
                 alloc_ns: PercpuCounter::statistic(),
                 free_ns: PercpuCounter::statistic(),
                 write_ns: PercpuCounter::statistic(),
+                discards: PercpuCounter::statistic(),
+                discard_bytes: PercpuCounter::statistic(),
+                zero_punches: PercpuCounter::statistic(),
+                zero_punch_bytes: PercpuCounter::statistic(),
             },
         })
     }
@@ -377,6 +415,10 @@ impl<C: SectorCipher> CryptTarget<C> {
             alloc_time: Duration::from_nanos(n(&c.alloc_ns)),
             free_time: Duration::from_nanos(n(&c.free_ns)),
             write_time: Duration::from_nanos(n(&c.write_ns)),
+            discards: n(&c.discards),
+            discard_bytes: n(&c.discard_bytes),
+            zero_punches: n(&c.zero_punches),
+            zero_punch_bytes: n(&c.zero_punch_bytes),
         }
     }
 
@@ -575,10 +617,15 @@ impl<C: SectorCipher> CryptTarget<C> {
         match mapped {
             // Straight out of the page cache: one pass instead of a copy
             // and a pass.
+            Some(src) if self.allow_discards => self.decrypt_sparse_from(sector, src, buf)?,
             Some(src) => self.cipher.decrypt_sectors_from(sector, src, buf)?,
             None => {
                 self.backend.read_at(offset, &mut [buf])?;
-                self.cipher.decrypt_sectors(sector, buf)?;
+                if self.allow_discards {
+                    self.decrypt_sparse(sector, buf)?;
+                } else {
+                    self.cipher.decrypt_sectors(sector, buf)?;
+                }
             }
         }
         self.counters.reads.add(1);
@@ -586,10 +633,279 @@ impl<C: SectorCipher> CryptTarget<C> {
         Ok(())
     }
 
+    /// Decrypt `buf` (whole sectors of ciphertext, the first being
+    /// `sector`) in place, leaving the sectors of all-zero ciphertext as
+    /// they are (plaintext zeros); each run of other sectors is one cipher
+    /// call.
+    fn decrypt_sparse(&self, sector: u64, buf: &mut [u8]) -> io::Result<()> {
+        let ss = self.cipher.sector_size();
+        let mut at = 0;
+        while at < buf.len() {
+            let zero = sector_is_zero(&buf[at..at + ss]);
+            let end = run_end(buf, ss, at, zero);
+            if !zero {
+                self.cipher
+                    .decrypt_sectors(sector + (at / ss) as u64, &mut buf[at..end])?;
+            }
+            at = end;
+        }
+        Ok(())
+    }
+
+    /// As [`CryptTarget::decrypt_sparse`], from `src` into `dst`: the
+    /// sectors of all-zero ciphertext are zero-filled.
+    fn decrypt_sparse_from(&self, sector: u64, src: &[u8], dst: &mut [u8]) -> io::Result<()> {
+        debug_assert_eq!(src.len(), dst.len());
+        let ss = self.cipher.sector_size();
+        let mut at = 0;
+        while at < src.len() {
+            let zero = sector_is_zero(&src[at..at + ss]);
+            let end = run_end(src, ss, at, zero);
+            if zero {
+                dst[at..end].fill(0);
+            } else {
+                self.cipher.decrypt_sectors_from(
+                    sector + (at / ss) as u64,
+                    &src[at..end],
+                    &mut dst[at..end],
+                )?;
+            }
+            at = end;
+        }
+        Ok(())
+    }
+
     /// Flush the backend (`fdatasync` for files).
     pub fn flush(&self) -> io::Result<()> {
         self.backend.flush()
     }
+
+    /// Whether discards were allowed at construction
+    /// ([`TargetConfig::allow_discards`]).
+    ///
+    /// **Returns:** the setting, fixed for the target's life.
+    pub fn discards_allowed(&self) -> bool {
+        self.allow_discards
+    }
+
+    /// Whether a zeroing punch ([`CryptTarget::punch_zeroes`]) can be
+    /// attempted: discards are allowed and the backend can punch.
+    ///
+    /// **Returns:** `false` when either is missing; `true` does not
+    /// promise that every punch succeeds (a block device may refuse).
+    pub fn can_punch_zeroes(&self) -> bool {
+        self.allow_discards && self.backend.can_punch()
+    }
+
+    /// Discard the whole encryption sectors inside `offset..offset + len`
+    /// (any range inside the device; the partial sectors at its head and
+    /// tail are left alone). Discarded sectors read as zeros where the
+    /// backend deallocates (a file's hole), else as what they held or as
+    /// zeros (a block device's discard).
+    ///
+    /// **Context:** may block in the backend. **Returns:** the bytes
+    /// discarded (0, with nothing asked of the backend, when no whole
+    /// sector is inside); `Unsupported` if discards are not allowed;
+    /// `InvalidInput` if the range leaves the device; the backend's error.
+    pub fn discard(&self, offset: u64, len: u64) -> io::Result<u64> {
+        if !self.allow_discards {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "discards are not allowed on this target (allow_discards is off)",
+            ));
+        }
+        check_range(offset, len, self.backend.size_bytes())?;
+        let ss = self.cipher.sector_size() as u64;
+        let first = offset.div_ceil(ss) * ss;
+        let end = (offset + len) / ss * ss;
+        if end <= first {
+            return Ok(0);
+        }
+        self.backend.discard(first, end - first)?;
+        self.counters.discards.add(1);
+        self.counters.discard_bytes.add((end - first) as i64);
+        Ok(end - first)
+    }
+
+    /// Make `len` bytes at `offset` (whole sectors) read as zeros by
+    /// punching them out of the backend: the fast form of writing
+    /// encrypted zeros.
+    ///
+    /// **Context:** may block in the backend. **Returns:** `Unsupported`
+    /// when [`CryptTarget::can_punch_zeroes`] is false or the backend
+    /// refuses the punch as unsupported (the caller then writes encrypted
+    /// zeros instead); `InvalidInput` for a range that is not whole
+    /// sectors or leaves the device (nothing touched); the backend's error
+    /// otherwise.
+    pub fn punch_zeroes(&self, offset: u64, len: u64) -> io::Result<()> {
+        if !self.can_punch_zeroes() {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                if self.allow_discards {
+                    "the backend cannot punch holes"
+                } else {
+                    "zeroing punches need allow_discards, which is off on this target"
+                },
+            ));
+        }
+        let ss = self.cipher.sector_size() as u64;
+        if !offset.is_multiple_of(ss) || !len.is_multiple_of(ss) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("punch at offset {offset} of {len} bytes is not whole {ss}-byte sectors"),
+            ));
+        }
+        check_range(offset, len, self.backend.size_bytes())?;
+        if len == 0 {
+            return Ok(());
+        }
+        self.backend.punch(offset, len)?;
+        self.counters.zero_punches.add(1);
+        self.counters.zero_punch_bytes.add(len as i64);
+        Ok(())
+    }
+
+    /// The allocation of the volume from `offset` (a sector multiple), as
+    /// [`Backend::extents`], with holes rounded inward to whole encryption
+    /// sectors (a sector partly allocated is allocated) and adjacent
+    /// extents of one kind merged: at most `max_extents` (0 is taken as
+    /// 1), covering at most `len` bytes clipped to the device (`len` need
+    /// not be whole sectors). A hole reads as zeros only when discards are
+    /// allowed.
+    ///
+    /// **Context:** may block in the backend. **Returns:** at least one
+    /// extent when some of the range is inside the device, none otherwise;
+    /// `InvalidInput` for an offset that is not a sector multiple or lies
+    /// past the end; the backend's error.
+    pub fn extents(&self, offset: u64, len: u64, max_extents: usize) -> io::Result<Vec<Extent>> {
+        let ss = self.cipher.sector_size() as u64;
+        let size = self.backend.size_bytes();
+        if !offset.is_multiple_of(ss) || offset > size {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "extents at offset {offset}: not a {ss}-byte sector multiple inside the \
+                     device ({size} bytes)"
+                ),
+            ));
+        }
+        let len = len.min(size - offset);
+        let mut out = Extents {
+            out: Vec::new(),
+            max: max_extents.max(1),
+            at: offset,
+            full: false,
+        };
+        if len == 0 {
+            return Ok(out.out);
+        }
+        // Whole sectors: the last one, partly asked for, is classified
+        // whole (the device ends on a sector edge).
+        let end = (offset + len).div_ceil(ss) * ss;
+        // The backend's extents, merged across calls into maximal holes:
+        // `hole_from` is where the hole being followed started.
+        let mut pos = offset;
+        let mut hole_from: Option<u64> = None;
+        let batch = out.max.saturating_mul(2).saturating_add(16);
+        while pos < end && !out.full {
+            let before = pos;
+            for e in self.backend.extents(pos, end - pos, batch)? {
+                let at = pos;
+                pos = (pos + e.len_bytes).min(end);
+                if e.hole {
+                    hole_from.get_or_insert(at);
+                } else if let Some(h) = hole_from.take() {
+                    out.hole(h.div_ceil(ss) * ss, at / ss * ss);
+                }
+            }
+            if pos == before {
+                // A backend that reported nothing: the rest is allocated.
+                break;
+            }
+        }
+        if let Some(h) = hole_from.take() {
+            out.hole(h.div_ceil(ss) * ss, pos / ss * ss);
+        }
+        out.allocated(end);
+        // Clip the partial last sector to what was asked for.
+        let mut v = out.out;
+        let covered: u64 = v.iter().map(|e| e.len_bytes).sum();
+        if covered > len {
+            let last = v.last_mut().expect("covered > 0");
+            last.len_bytes -= covered - len;
+        }
+        Ok(v)
+    }
+}
+
+/// Sector-level extents being built by [`CryptTarget::extents`].
+struct Extents {
+    out: Vec<Extent>,
+    max: usize,
+    /// Where the next extent starts.
+    at: u64,
+    /// An extent was refused: `max` reached.
+    full: bool,
+}
+
+impl Extents {
+    /// Add `len` bytes of kind `hole`, unless that would start one extent
+    /// too many.
+    fn push(&mut self, len: u64, hole: bool) {
+        if self.full || len == 0 {
+            return;
+        }
+        if self.out.last().is_some_and(|e| e.hole != hole) && self.out.len() == self.max {
+            self.full = true;
+            return;
+        }
+        push_extent(&mut self.out, len, hole);
+        self.at += len;
+    }
+
+    /// The sector-aligned hole `from..to` (nothing if empty), allocated
+    /// bytes before it.
+    fn hole(&mut self, from: u64, to: u64) {
+        if from < to {
+            self.allocated(from);
+            self.push(to - from, true);
+        }
+    }
+
+    /// Allocated bytes up to `to`.
+    fn allocated(&mut self, to: u64) {
+        if to > self.at {
+            self.push(to - self.at, false);
+        }
+    }
+}
+
+/// Whether a sector's ciphertext is all zero bytes. Real ciphertext fails
+/// on its first 16 bytes; only a hole reads the whole sector.
+#[inline]
+fn sector_is_zero(sector: &[u8]) -> bool {
+    let (head, rest) = sector.split_at(16.min(sector.len()));
+    if head.iter().any(|&b| b != 0) {
+        return false;
+    }
+    // 64 bytes at a time, ORed together: the compiler vectorises it.
+    let mut chunks = rest.chunks_exact(64);
+    for c in &mut chunks {
+        if c.iter().fold(0u8, |acc, &b| acc | b) != 0 {
+            return false;
+        }
+    }
+    chunks.remainder().iter().all(|&b| b == 0)
+}
+
+/// The end (exclusive, in bytes) of the run of `ss`-byte sectors of `buf`
+/// from `at` whose ciphertext is all zero (`zero`) or not.
+fn run_end(buf: &[u8], ss: usize, at: usize, zero: bool) -> usize {
+    let mut end = at + ss;
+    while end < buf.len() && sector_is_zero(&buf[end..end + ss]) == zero {
+        end += ss;
+    }
+    end
 }
 
 #[cfg(test)]

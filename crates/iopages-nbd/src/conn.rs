@@ -21,8 +21,10 @@
 //! connection's thread returns, or panic on what a client sends.
 //!
 //! Errors (NBD's `proto.md`): EINVAL for unknown commands or flags,
-//! misaligned requests (not whole sectors of the target), reads and trims
-//! beyond the end, and reads or writes longer than the maximum block size
+//! misaligned requests (not whole sectors of the target; a TRIM may be
+//! misaligned), reads, trims and block status beyond the end, block
+//! status without a selected metadata context, FAST_ZERO where it was not
+//! advertised, and reads or writes longer than the maximum block size
 //! (a write's payload is read and discarded, so the connection stays
 //! usable; a length beyond 32 MiB, which the protocol lets a server treat
 //! as an attack, closes the connection); ENOSPC for writes and
@@ -30,10 +32,13 @@
 //! read-only export; ENOMEM when the server's byte budget stays exhausted
 //! for the budget wait. The checks run in that order: flags, read-only,
 //! bounds, alignment, size. NBD_CMD_FLAG_FUA is accepted on every command
-//! (READ and FLUSH ignore it: they write nothing). NBD_CMD_TRIM is checked
-//! and then does nothing (the ciphertext stays; a trim is advisory in the
-//! protocol, as dm-crypt without `allow_discards`); NBD_CMD_WRITE_ZEROES
-//! writes encrypted zeros.
+//! (READ, FLUSH and BLOCK_STATUS ignore it: they write nothing). Unless
+//! the target allows discards, NBD_CMD_TRIM is checked and then does
+//! nothing (the ciphertext stays; a trim is advisory in the protocol, as
+//! dm-crypt without `allow_discards`) and NBD_CMD_WRITE_ZEROES writes
+//! encrypted zeros; with discards, both punch (WRITE_ZEROES only without
+//! NO_HOLE), and a FAST_ZERO request that cannot punch fails at once with
+//! ENOTSUP. Block status is answered on the connection's thread.
 
 use crate::buffers::{Buf, Buffers};
 use crate::device::{Device, Flusher};
@@ -41,6 +46,7 @@ use crate::proto::*;
 use crate::stats::Counters;
 use crate::transport::{Io, Transport};
 use crate::ExportInfo;
+use iopages_crypt::backend::Extent;
 use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::io::{self, Read};
@@ -142,7 +148,15 @@ pub(crate) struct ConnEnv<'a> {
     pub(crate) limits: ConnLimits,
     /// The client negotiated structured replies.
     pub(crate) structured: bool,
+    /// The id of `base:allocation`, if the client selected it.
+    pub(crate) allocation_context: Option<u32>,
 }
+
+/// Extents in one block status reply, at most (8 bytes each on the wire):
+/// enough for a copy to skip the holes of a fragmented stretch, while the
+/// `lseek` calls one request costs stay bounded. A client asks again from
+/// where the reply stopped (`proto.md` allows a shorter reply).
+pub const MAX_BLOCK_STATUS_EXTENTS: usize = 2048;
 
 /// Map a target error to the protocol's error code.
 fn errno(e: &io::Error) -> u32 {
@@ -164,8 +178,21 @@ thread_local! {
 }
 
 /// Bytes of the longest fixed reply head: a structured chunk header and a
-/// read's offset.
-const HEAD_BYTES: usize = STRUCTURED_REPLY_BYTES + 8;
+/// hole's offset and length.
+const HEAD_BYTES: usize = STRUCTURED_REPLY_BYTES + 12;
+
+/// What a reply carries, beyond its error.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ReplyKind {
+    /// No data.
+    Plain,
+    /// A read's data, from this offset.
+    Read { offset: u64 },
+    /// A read whose `len` bytes at `offset` are all zeros: no data.
+    Hole { offset: u64, len: u32 },
+    /// Block status descriptors of this metadata context.
+    BlockStatus { context: u32 },
+}
 
 /// What a reply starts with: a simple reply header, or a structured
 /// chunk's header and fixed fields, then an error chunk's message.
@@ -181,16 +208,11 @@ impl Head {
     /// `OFFSET_DATA` chunk and every error one `ERROR` chunk with a
     /// message, both final (a read's chunks are all in before its reply
     /// is queued, so no error can follow); other successes stay simple
-    /// replies, which `proto.md` allows for replies without payload.
-    /// `read_at`: the offset of a read (`None` for other commands).
-    fn new(
-        structured: bool,
-        error: u32,
-        cookie: u64,
-        read_at: Option<u64>,
-        data_len: usize,
-    ) -> Head {
-        if !structured || (error == 0 && read_at.is_none()) {
+    /// replies, which `proto.md` allows for replies without payload; a
+    /// read that found only zeros is one final OFFSET_HOLE chunk (no data
+    /// on the wire); block status is one final BLOCK_STATUS chunk.
+    fn new(structured: bool, error: u32, cookie: u64, kind: ReplyKind, data_len: usize) -> Head {
+        if !structured || (error == 0 && kind == ReplyKind::Plain) {
             let mut h = Head {
                 bytes: [0; HEAD_BYTES],
                 len: SIMPLE_REPLY_BYTES,
@@ -206,8 +228,29 @@ impl Head {
             fixed[4..].copy_from_slice(&(msg.len() as u16).to_be_bytes());
             return Head::chunk(REPLY_TYPE_ERROR, cookie, &fixed, msg, 0);
         }
-        let offset = read_at.expect("a read").to_be_bytes();
-        Head::chunk(REPLY_TYPE_OFFSET_DATA, cookie, &offset, &[], data_len)
+        match kind {
+            ReplyKind::Read { offset } => Head::chunk(
+                REPLY_TYPE_OFFSET_DATA,
+                cookie,
+                &offset.to_be_bytes(),
+                &[],
+                data_len,
+            ),
+            ReplyKind::Hole { offset, len } => {
+                let mut fixed = [0u8; 12];
+                fixed[..8].copy_from_slice(&offset.to_be_bytes());
+                fixed[8..].copy_from_slice(&len.to_be_bytes());
+                Head::chunk(REPLY_TYPE_OFFSET_HOLE, cookie, &fixed, &[], 0)
+            }
+            ReplyKind::BlockStatus { context } => Head::chunk(
+                REPLY_TYPE_BLOCK_STATUS,
+                cookie,
+                &context.to_be_bytes(),
+                &[],
+                data_len,
+            ),
+            ReplyKind::Plain => unreachable!("a plain success is a simple reply"),
+        }
     }
 
     /// A final chunk of type `kind`: its header, its `fixed` fields, then
@@ -298,16 +341,9 @@ impl Conn {
     /// meanwhile only queue theirs. Under load one `writev` carries many
     /// replies. What the socket does not take is left for the
     /// connection's thread.
-    fn reply(
-        &self,
-        error: u32,
-        cookie: u64,
-        read_at: Option<u64>,
-        data: Vec<Buf>,
-        held_bytes: u64,
-    ) {
+    fn reply(&self, error: u32, cookie: u64, kind: ReplyKind, data: Vec<Buf>, held_bytes: u64) {
         let data_len: usize = data.iter().map(|d| d.as_ref().len()).sum();
-        let head = Head::new(self.structured, error, cookie, read_at, data_len);
+        let head = Head::new(self.structured, error, cookie, kind, data_len);
         let r = Reply {
             len: head.len + head.message.len() + data_len,
             head,
@@ -652,7 +688,7 @@ impl Pending {
             }
         }
         let chunks = std::mem::take(&mut *self.read.lock());
-        let data = if error == 0 && self.command == CMD_READ {
+        let mut data = if error == 0 && self.command == CMD_READ {
             match chunks.into_iter().collect::<Option<Vec<Buf>>>() {
                 Some(d) => d,
                 // Every chunk completed without error, so each is here.
@@ -668,9 +704,23 @@ impl Pending {
             .counters
             .command(self.command)
             .done(self.length, error);
-        let read_at = (self.command == CMD_READ).then_some(self.offset);
+        let kind = if self.command != CMD_READ {
+            ReplyKind::Plain
+        } else if error == 0 && self.conn.structured && data.iter().all(|d| all_zero(d.as_ref())) {
+            // A read wholly in zeros (a hole, or zeros written): its data
+            // stays home. Its length is a u32 on the wire.
+            data = Vec::new();
+            ReplyKind::Hole {
+                offset: self.offset,
+                len: self.length as u32,
+            }
+        } else {
+            ReplyKind::Read {
+                offset: self.offset,
+            }
+        };
         self.conn
-            .reply(error, self.cookie, read_at, data, self.held_bytes);
+            .reply(error, self.cookie, kind, data, self.held_bytes);
     }
 }
 
@@ -784,6 +834,16 @@ struct Reader<'a, 'e> {
     conn: &'a Arc<Conn>,
 }
 
+/// Whether `b` is all zero bytes: cheap for data (real data differs in its
+/// first bytes), a vectorised OR per 4 KiB for zeros.
+fn all_zero(b: &[u8]) -> bool {
+    if b.iter().take(16).any(|&x| x != 0) {
+        return false;
+    }
+    b.chunks(4096)
+        .all(|c| c.iter().fold(0u8, |acc, &x| acc | x) == 0)
+}
+
 /// The first `.1` bytes of a shared buffer of zeros.
 struct Zeros(Arc<[u8]>, usize);
 
@@ -814,7 +874,10 @@ pub(crate) fn check_request(e: &ExportInfo, req: &Request) -> u32 {
     // FUA is valid on every command once NBD_FLAG_SEND_FUA is advertised.
     let allowed = match req.command {
         CMD_READ | CMD_WRITE | CMD_FLUSH | CMD_TRIM => CMD_FLAG_FUA,
+        // FAST_ZERO only where NBD_FLAG_SEND_FAST_ZERO was advertised.
+        CMD_WRITE_ZEROES if e.fast_zero => CMD_FLAG_FUA | CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO,
         CMD_WRITE_ZEROES => CMD_FLAG_FUA | CMD_FLAG_NO_HOLE,
+        CMD_BLOCK_STATUS => CMD_FLAG_FUA | CMD_FLAG_REQ_ONE,
         _ => return EINVAL,
     };
     if req.flags & !allowed != 0 {
@@ -827,7 +890,7 @@ pub(crate) fn check_request(e: &ExportInfo, req: &Request) -> u32 {
             EINVAL
         };
     }
-    let writes = req.command != CMD_READ;
+    let writes = !matches!(req.command, CMD_READ | CMD_BLOCK_STATUS);
     if writes && e.read_only {
         return EPERM;
     }
@@ -861,6 +924,80 @@ pub(crate) fn check_request(e: &ExportInfo, req: &Request) -> u32 {
 }
 
 impl Reader<'_, '_> {
+    /// Whether a WRITE_ZEROES is served by punching: discards allowed,
+    /// a backend that can punch, and no NO_HOLE.
+    fn punches(&self, req: &Request) -> bool {
+        self.env.export.fast_zero && req.flags & CMD_FLAG_NO_HOLE == 0
+    }
+
+    /// Submit encrypted zeros over `len` bytes at `offset`, one chunk of
+    /// `p` each (the caller has counted them in `p`).
+    fn write_zeroes(&self, p: &Arc<Pending>, offset: u64, len: u64) {
+        for (off, n) in chunks(offset, len) {
+            let p = Arc::clone(p);
+            self.env.device.submit_write(
+                off,
+                Box::new(Zeros(Arc::clone(self.env.zeros), n)),
+                Box::new(move |r| p.chunk_done(r.err().map_or(0, |e| errno(&e)))),
+            );
+        }
+    }
+
+    /// Answer NBD_CMD_BLOCK_STATUS (checked) from the target's allocation
+    /// map: with discards allowed a hole is HOLE|ZERO (it reads as zeros);
+    /// without, every extent is reported allocated (status 0: a hole in
+    /// the image decrypts to noise, not zeros). At most
+    /// [`MAX_BLOCK_STATUS_EXTENTS`] descriptors, one with REQ_ONE.
+    fn block_status(&mut self, req: &Request) -> io::Result<()> {
+        let context = self.env.allocation_context.expect("checked by request()");
+        let len = req.length as u64;
+        let max = if req.flags & CMD_FLAG_REQ_ONE != 0 {
+            1
+        } else {
+            MAX_BLOCK_STATUS_EXTENTS
+        };
+        let extents = if self.env.export.discards {
+            self.env.device.holes().extents(req.offset, len, max)
+        } else {
+            Ok(vec![Extent {
+                len_bytes: len,
+                hole: false,
+            }])
+        };
+        let descriptors: Vec<(u32, u32)> = match extents {
+            // Each extent lies inside the request, whose length is a u32.
+            Ok(v) if !v.is_empty() => v
+                .iter()
+                .filter(|x| x.len_bytes > 0)
+                .map(|x| {
+                    let status = if x.hole { STATE_HOLE | STATE_ZERO } else { 0 };
+                    (x.len_bytes.min(len) as u32, status)
+                })
+                .collect(),
+            Ok(_) => Vec::new(),
+            Err(e) => return self.refuse(req, errno(&e)),
+        };
+        if descriptors.is_empty() {
+            // The target reported nothing (it always reports at least one
+            // extent for a non-empty range): an I/O error, not a hang.
+            return self.refuse(req, EIO);
+        }
+        let bytes = descriptors.len() * 8;
+        if !self.conn.acquire(bytes as u64)? {
+            return self.refuse(req, ENOMEM);
+        }
+        let mut buf = self.env.buffers.get(bytes);
+        for (d, (l, st)) in buf.as_mut().chunks_exact_mut(8).zip(&descriptors) {
+            d[..4].copy_from_slice(&l.to_be_bytes());
+            d[4..].copy_from_slice(&st.to_be_bytes());
+        }
+        self.conn.counters.command(req.command).done(len, 0);
+        let kind = ReplyKind::BlockStatus { context };
+        self.conn
+            .reply(0, req.cookie, kind, vec![buf], bytes as u64);
+        Ok(())
+    }
+
     fn run(&mut self) -> io::Result<()> {
         loop {
             // Another request already buffered: replies of requests served
@@ -936,8 +1073,12 @@ impl Reader<'_, '_> {
         }
         self.conn.counters.command(req.command).done(0, error);
         self.conn.acquire(0)?;
-        let read_at = (req.command == CMD_READ).then_some(req.offset);
-        self.conn.reply(error, req.cookie, read_at, Vec::new(), 0);
+        let kind = if req.command == CMD_READ {
+            ReplyKind::Read { offset: req.offset }
+        } else {
+            ReplyKind::Plain
+        };
+        self.conn.reply(error, req.cookie, kind, Vec::new(), 0);
         Ok(())
     }
 
@@ -952,9 +1093,22 @@ impl Reader<'_, '_> {
             let ss = self.env.export.min_block_bytes as u64;
             c.record(req.offset, req.length as u64, ss);
         }
-        let error = check_request(self.env.export, &req);
+        let mut error = check_request(self.env.export, &req);
+        if error == 0 && req.command == CMD_BLOCK_STATUS && self.env.allocation_context.is_none() {
+            // No metadata context was selected: nothing to report on.
+            error = EINVAL;
+        }
+        let fast_zero = req.flags & CMD_FLAG_FAST_ZERO != 0;
+        if error == 0 && req.command == CMD_WRITE_ZEROES && fast_zero && !self.punches(&req) {
+            // Encrypted zeros are no faster than a write: fail at once,
+            // with nothing changed (proto.md's fast-zero contract).
+            error = ENOTSUP;
+        }
         if error != 0 {
             return self.refuse(&req, error);
+        }
+        if req.command == CMD_BLOCK_STATUS {
+            return self.block_status(&req);
         }
         let len = req.length as u64;
         let payload = if matches!(req.command, CMD_READ | CMD_WRITE) {
@@ -998,17 +1152,31 @@ impl Reader<'_, '_> {
                 }
                 p.chunk_done(0);
             }
+            CMD_WRITE_ZEROES if self.punches(&req) => {
+                let holes = device.holes();
+                let p = self.pending(&req, 1, 0);
+                match holes.punch_zeroes(req.offset, len) {
+                    Ok(()) => p.chunk_done(0),
+                    // The backend cannot punch after all: write encrypted
+                    // zeros (a fast-zero request fails instead).
+                    Err(e) if e.kind() == io::ErrorKind::Unsupported => {
+                        if fast_zero {
+                            p.chunk_done(ENOTSUP);
+                        } else {
+                            let n = chunks(req.offset, len).count();
+                            p.remaining.fetch_add(n, Ordering::AcqRel);
+                            self.write_zeroes(&p, req.offset, len);
+                            p.chunk_done(0);
+                        }
+                    }
+                    Err(e) => p.chunk_done(errno(&e)),
+                }
+                p.chunk_done(0);
+            }
             CMD_WRITE_ZEROES => {
                 let n = chunks(req.offset, len).count();
                 let p = self.pending(&req, n, 0);
-                for (off, n) in chunks(req.offset, len) {
-                    let p = Arc::clone(&p);
-                    device.submit_write(
-                        off,
-                        Box::new(Zeros(Arc::clone(self.env.zeros), n)),
-                        Box::new(move |r| p.chunk_done(r.err().map_or(0, |e| errno(&e)))),
-                    );
-                }
+                self.write_zeroes(&p, req.offset, len);
                 p.chunk_done(0);
             }
             CMD_READ => {
@@ -1043,6 +1211,14 @@ impl Reader<'_, '_> {
                 }));
                 p.chunk_done(0);
             }
+            CMD_TRIM if self.env.export.discards => {
+                // The whole sectors inside; a misaligned head and tail
+                // stay (a discard is advisory).
+                let p = self.pending(&req, 1, 0);
+                let r = device.holes().discard(req.offset, len);
+                p.chunk_done(r.err().map_or(0, |e| errno(&e)));
+                p.chunk_done(0);
+            }
             CMD_TRIM => {
                 // Checked, then nothing to do; FUA still flushes.
                 let p = self.pending(&req, 0, 0);
@@ -1070,5 +1246,17 @@ mod tests {
             ]
         );
         assert_eq!(chunks(0, 0).count(), 0);
+    }
+
+    #[test]
+    fn all_zero_finds_a_single_set_byte_anywhere() {
+        assert!(all_zero(&[]));
+        let mut v = vec![0u8; 3 * 4096 + 100];
+        assert!(all_zero(&v));
+        for at in [0, 15, 16, 4095, 4096, v.len() - 1] {
+            v[at] = 1;
+            assert!(!all_zero(&v), "a byte set at {at}");
+            v[at] = 0;
+        }
     }
 }

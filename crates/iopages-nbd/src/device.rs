@@ -2,12 +2,15 @@
 //!
 //! Owns: the object-safe view ([`Device`]) of a
 //! [`CryptQueue`](iopages_crypt::queue::CryptQueue) the connections submit
-//! to, and the target's flush for FUA. Must never: hold the queue inside a
+//! to, the target's flush for FUA, and the target's discards, punches and
+//! allocation map (done on the connection's thread: a `fallocate` or an
+//! `lseek`, no cipher work). Must never: hold the queue inside a
 //! completion (a completion holding the last reference would drop the
 //! queue on its own worker thread, which joins itself).
 
 use crate::buffers::Buf;
 use iopages::PageAllocator;
+use iopages_crypt::backend::Extent;
 use iopages_crypt::queue::{CryptQueue, Payload};
 use iopages_crypt::target::{CryptTarget, SectorCipher};
 use std::io;
@@ -30,6 +33,35 @@ pub(crate) trait Device: Send + Sync {
     fn submit_read(&self, offset: u64, buf: Buf, done: ReadDone);
     fn submit_flush(&self, done: Done);
     fn flusher(&self) -> Flusher;
+    /// The target's discard-related calls (see [`CryptTarget`]).
+    fn holes(&self) -> &dyn Holes;
+}
+
+/// A target's discards, punches and allocation map, called synchronously.
+pub(crate) trait Holes: Send + Sync {
+    fn discards_allowed(&self) -> bool;
+    fn can_punch_zeroes(&self) -> bool;
+    fn discard(&self, offset: u64, len: u64) -> io::Result<u64>;
+    fn punch_zeroes(&self, offset: u64, len: u64) -> io::Result<()>;
+    fn extents(&self, offset: u64, len: u64, max_extents: usize) -> io::Result<Vec<Extent>>;
+}
+
+impl<C: SectorCipher> Holes for CryptTarget<C> {
+    fn discards_allowed(&self) -> bool {
+        CryptTarget::discards_allowed(self)
+    }
+    fn can_punch_zeroes(&self) -> bool {
+        CryptTarget::can_punch_zeroes(self)
+    }
+    fn discard(&self, offset: u64, len: u64) -> io::Result<u64> {
+        CryptTarget::discard(self, offset, len)
+    }
+    fn punch_zeroes(&self, offset: u64, len: u64) -> io::Result<()> {
+        CryptTarget::punch_zeroes(self, offset, len)
+    }
+    fn extents(&self, offset: u64, len: u64, max_extents: usize) -> io::Result<Vec<Extent>> {
+        CryptTarget::extents(self, offset, len, max_extents)
+    }
 }
 
 impl<C: SectorCipher + 'static> Device for CryptQueue<C> {
@@ -54,6 +86,9 @@ impl<C: SectorCipher + 'static> Device for CryptQueue<C> {
     fn flusher(&self) -> Flusher {
         let t: Arc<CryptTarget<C>> = Arc::clone(self.target());
         Arc::new(move || t.flush())
+    }
+    fn holes(&self) -> &dyn Holes {
+        &**self.target()
     }
 }
 
@@ -113,5 +148,8 @@ impl<C: SectorCipher + 'static> Device for Inline<C> {
     }
     fn flusher(&self) -> Flusher {
         self.queue.flusher()
+    }
+    fn holes(&self) -> &dyn Holes {
+        &**self.queue.target()
     }
 }

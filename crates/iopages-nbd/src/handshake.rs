@@ -1,8 +1,10 @@
 //! The newstyle fixed handshake: greeting, client flags, option haggling.
 //!
 //! Owns: answering NBD_OPT_STARTTLS (upgrading the session to TLS when
-//! the server has credentials), NBD_OPT_STRUCTURED_REPLY (forgotten again
-//! by a later STARTTLS, as `proto.md` requires), NBD_OPT_EXPORT_NAME,
+//! the server has credentials), NBD_OPT_STRUCTURED_REPLY and the
+//! metadata contexts (NBD_OPT_LIST_META_CONTEXT / SET_META_CONTEXT, one
+//! context: `base:allocation`; both forgotten again by a later STARTTLS,
+//! as `proto.md` requires), NBD_OPT_EXPORT_NAME,
 //! NBD_OPT_ABORT, NBD_OPT_LIST, NBD_OPT_INFO and NBD_OPT_GO for the one
 //! export, and refusing every other option with NBD_REP_ERR_UNSUP. Must never: enter
 //! transmission for an unknown export name or, when TLS is required,
@@ -41,6 +43,75 @@ pub(crate) enum Outcome {
 pub(crate) struct Negotiated {
     /// Structured replies (NBD_OPT_STRUCTURED_REPLY was acknowledged).
     pub(crate) structured: bool,
+    /// The id of `base:allocation`, if the last NBD_OPT_SET_META_CONTEXT
+    /// selected it (block status is served only then).
+    pub(crate) allocation_context: Option<u32>,
+}
+
+/// The id `base:allocation` is given when selected (ids are opaque to
+/// clients and need only be unique among the selected contexts).
+pub(crate) const ALLOCATION_CONTEXT_ID: u32 = 1;
+
+/// What NBD_OPT_LIST_META_CONTEXT / SET_META_CONTEXT ask.
+struct MetaRequest<'a> {
+    name: &'a [u8],
+    queries: Vec<&'a [u8]>,
+}
+
+/// Split the data of a metadata-context option into the export name and
+/// its queries; `None` if a length reaches past the data or bytes are left
+/// over (the protocol's NBD_REP_ERR_INVALID). The queries are bounded by
+/// the option's data ([`MAX_OPTION_BYTES`]): at most one per 4 bytes.
+fn parse_meta_request(data: &[u8]) -> Option<MetaRequest<'_>> {
+    fn take<'a>(d: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
+        let (h, rest) = d.split_at_checked(n)?;
+        *d = rest;
+        Some(h)
+    }
+    fn take_u32(d: &mut &[u8]) -> Option<u32> {
+        Some(u32::from_be_bytes(take(d, 4)?.try_into().ok()?))
+    }
+    let mut d = data;
+    let name_len = take_u32(&mut d)? as usize;
+    let name = take(&mut d, name_len)?;
+    let n = take_u32(&mut d)? as usize;
+    if n > d.len() / 4 {
+        return None;
+    }
+    let mut queries = Vec::with_capacity(n);
+    for _ in 0..n {
+        let len = take_u32(&mut d)? as usize;
+        queries.push(take(&mut d, len)?);
+    }
+    if !d.is_empty() {
+        return None;
+    }
+    Some(MetaRequest { name, queries })
+}
+
+/// Whether a LIST query matches `base:allocation`: every context (no
+/// query), the `base:` wildcard, or its own name.
+fn lists_allocation(queries: &[&[u8]]) -> bool {
+    queries.is_empty()
+        || queries
+            .iter()
+            .any(|q| *q == b"base:" || *q == META_BASE_ALLOCATION.as_bytes())
+}
+
+/// Whether a SET selects `base:allocation` (only its exact name does; the
+/// `base:` wildcard selects nothing, unknown names are ignored).
+fn selects_allocation(queries: &[&[u8]]) -> bool {
+    queries
+        .iter()
+        .any(|q| *q == META_BASE_ALLOCATION.as_bytes())
+}
+
+/// The NBD_REP_META_CONTEXT reply naming `base:allocation` with `id`.
+fn meta_context_reply(option: u32, id: u32) -> Vec<u8> {
+    let mut d = Vec::with_capacity(4 + META_BASE_ALLOCATION.len());
+    d.extend_from_slice(&id.to_be_bytes());
+    d.extend_from_slice(META_BASE_ALLOCATION.as_bytes());
+    option_reply(option, REP_META_CONTEXT, &d)
 }
 
 /// The handshake's view of the transport: blocking reads and writes that
@@ -203,6 +274,48 @@ pub(crate) fn negotiate(
                 s.write_all(&option_reply(option, REP_ACK, &[]))?;
                 agreed.structured = true;
             }
+            OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
+                let set = option == OPT_SET_META_CONTEXT;
+                if set {
+                    // A SET replaces the selection, even when it fails.
+                    agreed.allocation_context = None;
+                }
+                if !agreed.structured {
+                    error_reply(
+                        s,
+                        option,
+                        REP_ERR_INVALID,
+                        "metadata contexts need structured replies: send NBD_OPT_STRUCTURED_REPLY first",
+                    )?;
+                    continue;
+                }
+                let Some(req) = parse_meta_request(&data) else {
+                    error_reply(
+                        s,
+                        option,
+                        REP_ERR_INVALID,
+                        "malformed metadata context request",
+                    )?;
+                    continue;
+                };
+                if !name_matches(export, req.name) {
+                    error_reply(
+                        s,
+                        option,
+                        REP_ERR_UNKNOWN,
+                        &format!("no export named {}", quoted(req.name)),
+                    )?;
+                    continue;
+                }
+                if set && selects_allocation(&req.queries) {
+                    s.write_all(&meta_context_reply(option, ALLOCATION_CONTEXT_ID))?;
+                    agreed.allocation_context = Some(ALLOCATION_CONTEXT_ID);
+                } else if !set && lists_allocation(&req.queries) {
+                    // A listed context's id is reserved: zero.
+                    s.write_all(&meta_context_reply(option, 0))?;
+                }
+                s.write_all(&option_reply(option, REP_ACK, &[]))?;
+            }
             OPT_EXPORT_NAME => {
                 if !name_matches(export, &data) {
                     return Ok(Outcome::Close);
@@ -323,6 +436,40 @@ fn send_infos(s: &mut Hs<'_>, option: u32, export: &ExportInfo, infos: &[u16]) -
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn meta(name: &[u8], queries: &[&[u8]]) -> Vec<u8> {
+        let mut d = (name.len() as u32).to_be_bytes().to_vec();
+        d.extend_from_slice(name);
+        d.extend_from_slice(&(queries.len() as u32).to_be_bytes());
+        for q in queries {
+            d.extend_from_slice(&(q.len() as u32).to_be_bytes());
+            d.extend_from_slice(q);
+        }
+        d
+    }
+
+    #[test]
+    fn meta_context_requests_parse_and_match_only_base_allocation() {
+        let d = meta(b"vol", &[b"base:allocation", b"qemu:dirty-bitmap:x"]);
+        let r = parse_meta_request(&d).unwrap();
+        assert_eq!(r.name, b"vol");
+        assert_eq!(r.queries.len(), 2);
+        assert!(selects_allocation(&r.queries) && lists_allocation(&r.queries));
+        // The wildcard lists it but selects nothing; no query lists all.
+        assert!(lists_allocation(&[b"base:"]) && !selects_allocation(&[b"base:"]));
+        assert!(lists_allocation(&[]) && !selects_allocation(&[]));
+        assert!(!lists_allocation(&[b"qemu:"]) && !selects_allocation(&[b"base:alloc"]));
+        // Truncated, trailing bytes, or a count the data cannot hold.
+        assert!(parse_meta_request(&d[..d.len() - 1]).is_none());
+        let mut long = d.clone();
+        long.push(0);
+        assert!(parse_meta_request(&long).is_none());
+        let mut many = meta(b"", &[]);
+        many[4..8].copy_from_slice(&u32::MAX.to_be_bytes());
+        assert!(parse_meta_request(&many).is_none());
+        assert!(parse_meta_request(&[0xff, 0xff, 0xff, 0xff]).is_none());
+        assert!(parse_meta_request(&[]).is_none());
+    }
 
     #[test]
     fn info_requests_parse_and_malformed_ones_do_not() {

@@ -16,26 +16,35 @@
 //! | piece | file |
 //! |---|---|
 //! | wire constants and headers | `proto.rs` |
-//! | option haggling (STARTTLS, GO, INFO, EXPORT_NAME, LIST, ABORT) | `handshake.rs` |
+//! | option haggling (STARTTLS, structured replies, metadata contexts, GO, INFO, EXPORT_NAME, LIST, ABORT) | `handshake.rs` |
 //! | transmission: requests, chunks, non-blocking batched replies, FUA, errors, deadlines, byte budget | `conn.rs` |
 //! | the non-blocking socket, TLS sessions, `poll` and the wake-up eventfd | `transport.rs` |
 //! | an accepted socket's byte stream (TCP or Unix), cloned for replies | `stream.rs` |
 //! | TLS credentials (X.509 directory, psktool key file) | `tls.rs` |
 //! | payload buffers in the target's arena (kvmalloc) | `buffers.rs` |
-//! | the queue, or inline service on the connection's thread | `device.rs` |
+//! | the queue, or inline service on the connection's thread; discards and the allocation map | `device.rs` |
 //! | listeners, threads, server-wide limits, shutdown | `server.rs` |
 //! | per-command counts | `stats.rs` |
 //! | LUKS images and the in-memory LUKS2 volume, set up as crypt stacks | `volume.rs` |
 //! | what can go wrong starting or running a server | `error.rs` |
 //!
-//! What is served: READ, WRITE, FLUSH, TRIM (checked, then a no-op: the
-//! ciphertext stays; a misaligned TRIM is accepted, as a discard of the
-//! whole sectors inside it), WRITE_ZEROES (encrypted zeros are written)
-//! and DISC;
-//! FUA on WRITE, WRITE_ZEROES and TRIM flushes the target after the
-//! write and before the reply. Structured replies when the client asks
+//! What is served: READ, WRITE, FLUSH, TRIM, WRITE_ZEROES, BLOCK_STATUS
+//! and DISC. By default TRIM is checked and then does nothing (the
+//! ciphertext stays), WRITE_ZEROES writes encrypted zeros, and block
+//! status reports every extent allocated. When the target allows discards
+//! ([`TargetConfig::allow_discards`](iopages_crypt::target::TargetConfig),
+//! `iopages serve --allow-discards`), TRIM punches the whole encryption
+//! sectors inside it out of the image, WRITE_ZEROES without NO_HOLE
+//! punches too (and NBD_FLAG_SEND_FAST_ZERO is offered), a sector whose
+//! ciphertext is all zeros reads as zeros, and block status reports the
+//! image's holes (rounded inward to whole sectors) as HOLE|ZERO. A
+//! misaligned TRIM is accepted, as a discard of the whole sectors inside
+//! it. FUA on WRITE, WRITE_ZEROES and TRIM flushes the target after the
+//! write and before the reply. Block status needs the `base:allocation`
+//! metadata context, selected during the handshake. Structured replies when the client asks
 //! (NBD_OPT_STRUCTURED_REPLY, forgotten by a later STARTTLS): a read's
-//! data is one final OFFSET_DATA chunk, every error one final ERROR chunk
+//! data is one final OFFSET_DATA chunk (one OFFSET_HOLE chunk and no data
+//! when it is all zeros), every error one final ERROR chunk
 //! with a message, other successes simple replies (which `proto.md`
 //! allows without payload); simple replies to clients that do not ask.
 //! Many requests
@@ -172,6 +181,10 @@ pub(crate) struct ExportInfo {
     pub(crate) min_block_bytes: u32,
     pub(crate) preferred_block_bytes: u32,
     pub(crate) max_block_bytes: u32,
+    /// TRIM discards and holes read as zeros (the target allows discards).
+    pub(crate) discards: bool,
+    /// WRITE_ZEROES can punch: NBD_FLAG_SEND_FAST_ZERO is advertised.
+    pub(crate) fast_zero: bool,
 }
 
 impl ExportInfo {
@@ -207,6 +220,8 @@ impl ExportInfo {
             min_block_bytes: sector_bytes,
             preferred_block_bytes: preferred,
             max_block_bytes: max,
+            discards: false,
+            fast_zero: false,
         })
     }
 
@@ -220,6 +235,8 @@ impl ExportInfo {
             | TFLAG_CAN_MULTI_CONN;
         if self.read_only {
             f |= TFLAG_READ_ONLY;
+        } else if self.fast_zero {
+            f |= TFLAG_SEND_FAST_ZERO;
         }
         f
     }

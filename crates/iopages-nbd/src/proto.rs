@@ -43,6 +43,10 @@ pub const OPT_INFO: u32 = 6;
 pub const OPT_GO: u32 = 7;
 /// Option: structured replies.
 pub const OPT_STRUCTURED_REPLY: u32 = 8;
+/// Option: list the metadata contexts matching queries.
+pub const OPT_LIST_META_CONTEXT: u32 = 9;
+/// Option: select the metadata contexts block status reports.
+pub const OPT_SET_META_CONTEXT: u32 = 10;
 
 /// Reply: done.
 pub const REP_ACK: u32 = 1;
@@ -50,6 +54,8 @@ pub const REP_ACK: u32 = 1;
 pub const REP_SERVER: u32 = 2;
 /// Reply: one piece of information about an export.
 pub const REP_INFO: u32 = 3;
+/// Option reply: a metadata context (its id, then its name).
+pub const REP_META_CONTEXT: u32 = 4;
 /// Error replies have this bit set.
 pub const REP_FLAG_ERROR: u32 = 1 << 31;
 /// Error: option unknown or not supported.
@@ -90,6 +96,8 @@ pub const TFLAG_SEND_TRIM: u16 = 1 << 5;
 pub const TFLAG_SEND_WRITE_ZEROES: u16 = 1 << 6;
 /// Transmission flag: several connections see one consistent export.
 pub const TFLAG_CAN_MULTI_CONN: u16 = 1 << 8;
+/// Transmission flag: NBD_CMD_FLAG_FAST_ZERO is supported.
+pub const TFLAG_SEND_FAST_ZERO: u16 = 1 << 11;
 
 /// Command: read.
 pub const CMD_READ: u16 = 0;
@@ -103,6 +111,9 @@ pub const CMD_FLUSH: u16 = 3;
 pub const CMD_TRIM: u16 = 4;
 /// Command: write zeroes.
 pub const CMD_WRITE_ZEROES: u16 = 6;
+/// Command: the block status of a range (for the selected metadata
+/// contexts).
+pub const CMD_BLOCK_STATUS: u16 = 7;
 
 /// Command flag: force unit access (durable before the reply).
 pub const CMD_FLAG_FUA: u16 = 1 << 0;
@@ -110,6 +121,8 @@ pub const CMD_FLAG_FUA: u16 = 1 << 0;
 pub const CMD_FLAG_NO_HOLE: u16 = 1 << 1;
 /// Command flag: fail fast rather than write zeroes slowly.
 pub const CMD_FLAG_FAST_ZERO: u16 = 1 << 4;
+/// Command flag (BLOCK_STATUS): one extent only, no longer than asked.
+pub const CMD_FLAG_REQ_ONE: u16 = 1 << 3;
 
 /// Error: operation not permitted (a write to a read-only export).
 pub const EPERM: u32 = 1;
@@ -201,6 +214,8 @@ pub const REPLY_TYPE_NONE: u16 = 0;
 pub const REPLY_TYPE_OFFSET_DATA: u16 = 1;
 /// Chunk type: a hole (zeros) at an offset.
 pub const REPLY_TYPE_OFFSET_HOLE: u16 = 2;
+/// Chunk type: block status extents of one metadata context.
+pub const REPLY_TYPE_BLOCK_STATUS: u16 = 5;
 /// Chunk type: an error, with a message.
 pub const REPLY_TYPE_ERROR: u16 = (1 << 15) + 1;
 /// Chunk type: an error at an offset, with a message.
@@ -236,6 +251,13 @@ pub fn error_message(error: u32) -> &'static str {
         _ => "error",
     }
 }
+
+/// The one metadata context served: allocation (holes and zeros).
+pub const META_BASE_ALLOCATION: &str = "base:allocation";
+/// `base:allocation` status flag: the extent is a hole (not allocated).
+pub const STATE_HOLE: u32 = 1 << 0;
+/// `base:allocation` status flag: the extent reads as zeros.
+pub const STATE_ZERO: u32 = 1 << 1;
 
 /// Encode an option reply header followed by `data`.
 pub fn option_reply(option: u32, reply: u32, data: &[u8]) -> Vec<u8> {

@@ -193,7 +193,9 @@ impl Server {
             queue
         };
         let device_alloc = device.allocator();
-        let info = ExportInfo::new(&export, device.size_bytes(), device.sector_bytes())?;
+        let mut info = ExportInfo::new(&export, device.size_bytes(), device.sector_bytes())?;
+        info.discards = device.holes().discards_allowed();
+        info.fast_zero = info.discards && device.holes().can_punch_zeroes();
         let mut bound = Vec::with_capacity(listen.len());
         let mut acceptors = Vec::with_capacity(listen.len());
         for l in listen {
@@ -439,6 +441,7 @@ fn serve_connection(s: &Shared, t: &Arc<Transport>) {
                     budget_wait: s.opts.reply_timeout,
                 },
                 structured: agreed.structured,
+                allocation_context: agreed.allocation_context,
             };
             conn::transmit(Arc::clone(t), &env);
             s.active.fetch_sub(1, Ordering::Relaxed);

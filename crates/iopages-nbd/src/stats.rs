@@ -36,6 +36,8 @@ pub struct Stats {
     pub trim: CommandStats,
     /// NBD_CMD_WRITE_ZEROES.
     pub write_zeroes: CommandStats,
+    /// NBD_CMD_BLOCK_STATUS (bytes: the range asked about).
+    pub block_status: CommandStats,
     /// Requests with an unknown command.
     pub other: CommandStats,
     /// Where payload buffers came from.
@@ -220,6 +222,7 @@ pub(crate) struct Counters {
     pub(crate) write: Counter,
     pub(crate) flush: Counter,
     pub(crate) trim: Counter,
+    pub(crate) block_status: Counter,
     pub(crate) write_zeroes: Counter,
     pub(crate) other: Counter,
     pub(crate) open: AtomicU64,
@@ -245,6 +248,7 @@ impl Counters {
             CMD_FLUSH => &self.flush,
             CMD_TRIM => &self.trim,
             CMD_WRITE_ZEROES => &self.write_zeroes,
+            CMD_BLOCK_STATUS => &self.block_status,
             _ => &self.other,
         }
     }
@@ -257,6 +261,7 @@ impl Counters {
             flush: self.flush.get(),
             trim: self.trim.get(),
             write_zeroes: self.write_zeroes.get(),
+            block_status: self.block_status.get(),
             other: self.other.get(),
             buffers: crate::BufferStats::default(),
             open_connections: self.open.load(Ordering::Relaxed),

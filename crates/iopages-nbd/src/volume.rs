@@ -58,6 +58,10 @@ pub struct VolumeOptions {
     /// area carries another format's signature (see
     /// [`luks::LuksOpenOptions::allow_secondary_header`]). Default off.
     pub allow_secondary_header: bool,
+    /// Serve discards and fast zeroing by punching holes in the image,
+    /// and read all-zero ciphertext sectors as zeros (see
+    /// [`TargetConfig::allow_discards`]). Default off.
+    pub allow_discards: bool,
 }
 
 impl Default for VolumeOptions {
@@ -72,6 +76,7 @@ impl Default for VolumeOptions {
             direct: DirectIo::Auto,
             kdf_limits: KdfLimits::default(),
             allow_secondary_header: false,
+            allow_discards: false,
         }
     }
 }
@@ -311,6 +316,7 @@ fn build(
         backend,
         TargetConfig {
             strategy: opts.strategy,
+            allow_discards: opts.allow_discards,
             ..TargetConfig::default()
         },
     )?;

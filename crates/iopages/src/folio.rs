@@ -894,6 +894,24 @@ impl PageSlots {
         }
     }
 
+    /// Empty slot `i`, moving its page to the end of `dst` (a discarded
+    /// block: the slot reads as empty again, and the page is freed with
+    /// `dst`).
+    ///
+    /// **Context:** never blocks. **Returns:** `false` (nothing moved) for
+    /// an empty slot; `BadSetting` (nothing moved) for a buffer of another
+    /// arena. Panics if `i` is out of range.
+    pub fn take(&mut self, i: usize, dst: &mut FolioBuffer) -> Result<bool> {
+        self.check_src(dst)?;
+        match self.slots[i].take() {
+            None => Ok(false),
+            Some(head) => {
+                dst.push(Folio { head, order: 0 });
+                Ok(true)
+            }
+        }
+    }
+
     /// Put `src`'s last `n` folios into slots `at..at + n`, in order (the
     /// first of them into slot `at`). The pages those slots held move to
     /// the end of `displaced`, in slot order.

@@ -14,6 +14,7 @@ use std::sync::Arc;
 /// An arena of `arena_bytes` (no huge pages) and a queue (depth 32, two
 /// workers) over an encrypted RAM disk of `disk_bytes`: XTS with `key`
 /// and `sector`-byte sectors, two ciphers in the pool.
+#[allow(dead_code)] // sparse.rs builds its own volumes
 pub fn crypt_queue(
     arena_bytes: u64,
     disk_bytes: u64,
@@ -26,9 +27,22 @@ pub fn crypt_queue(
         .build()
         .unwrap();
     let disk: Arc<dyn Backend> = Arc::new(RamDisk::new(disk_bytes).unwrap());
+    let queue = queue_over(&alloc, disk, key, sector, TargetConfig::default());
+    (alloc, queue)
+}
+
+/// A queue (depth 32, two workers) over `disk`, encrypted with XTS under
+/// `key` in `sector`-byte sectors, its target set up with `cfg`.
+pub fn queue_over(
+    alloc: &PageAllocator,
+    disk: Arc<dyn Backend>,
+    key: &[u8],
+    sector: usize,
+    cfg: TargetConfig,
+) -> Arc<CryptQueue<CipherPool>> {
     let cipher = CipherPool::new(XtsCipher::new(key, sector, 0).unwrap(), 2).unwrap();
-    let target = Arc::new(CryptTarget::new(&alloc, cipher, disk, TargetConfig::default()).unwrap());
-    let queue = Arc::new(
+    let target = Arc::new(CryptTarget::new(alloc, cipher, disk, cfg).unwrap());
+    Arc::new(
         CryptQueue::new(
             target,
             QueueConfig {
@@ -38,8 +52,7 @@ pub fn crypt_queue(
             },
         )
         .unwrap(),
-    );
-    (alloc, queue)
+    )
 }
 
 /// Send one option: IHAVEOPT, the option, the data's length, the data.
