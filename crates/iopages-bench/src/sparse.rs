@@ -585,8 +585,8 @@ fn copy_command(
 }
 
 /// The servers in turn, each run starting with the next; per server each
-/// client copies the whole export to a file, which is checked (first run)
-/// and removed.
+/// client (each run starting with the next) copies the whole export to a
+/// file, which is checked (first run) and removed.
 fn run_servers(st: &SparseTools, iopages_bin: &Path, f: &Files, plan: &Plan) -> Vec<Results> {
     let mut results: Vec<Results> = SERVERS
         .iter()
@@ -682,7 +682,11 @@ fn copies(
         }
     }
     let mut line = Vec::new();
-    for (ci, &client) in Client::ALL.iter().enumerate() {
+    // Each run starts with the next client: neither always copies first
+    // from a freshly started server.
+    let n = Client::ALL.len();
+    for ci in (0..n).map(|k| (k + run) % n) {
+        let client = Client::ALL[ci];
         if client == Client::QemuImg && st.qemu_img.is_none() {
             continue;
         }
@@ -887,6 +891,7 @@ fn report(
         "written": format!("{} regions of {} bytes ({} bytes, 1/{WRITTEN_DIVISOR} of the export), region i at a 4 KiB boundary inside the i-th 1/{REGIONS} of the export, random data; written once through iopages serve (writable, buffered) with nbdcopy --destination-is-zero from a sparse file, which sends only the data", plan.written.len(), plan.written[0].len, plan.written.iter().map(|e| e.len).sum::<u64>()),
         "image_allocated_bytes": plan.image_allocated,
         "file_system": plan.fs,
+        "order": "each run starts with the next server, and on each server with the next client",
         "servers": "each serves the image read-only (iopages serve --read-only --io buffered [--allow-discards], nbdkit --readonly with the luks filter, qemu-nbd --read-only with the LUKS driver) over a Unix socket, in turn, each run starting with the next",
         "clients": {
             "nbdcopy": "nbdcopy URI FILE: defaults (extents, zero detection, multi-conn), no --flush",
