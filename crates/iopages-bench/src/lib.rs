@@ -29,6 +29,10 @@
 //! - E6 `nbd`: one LUKS1 image served over NBD by `iopages serve --image`,
 //!   nbdkit's luks filter and qemu-nbd's LUKS driver in turn, under fio's
 //!   nbd engine (1 MiB sequential, 4 KiB random) and nbdcopy.
+//! - E6's sparse copy (`sparse`, part of `nbd`): a LUKS1 volume 10 %
+//!   written, copied whole by nbdcopy and qemu-img from `iopages serve
+//!   --allow-discards` (holes reported and read as zeros), from `iopages
+//!   serve` without it, nbdkit and qemu-nbd.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
@@ -44,6 +48,7 @@ pub mod mempool;
 pub mod nbd;
 pub mod peers;
 pub mod plot;
+pub mod sparse;
 pub mod xts;
 
 use std::path::PathBuf;

@@ -26,12 +26,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-const MIB: u64 = 1 << 20;
+pub(crate) const MIB: u64 = 1 << 20;
 /// The volume's passphrase (the file holds exactly these bytes, no newline:
 /// cryptsetup's `--key-file` takes the whole file).
 const PASSPHRASE: &[u8] = b"iopages-e6-bench-passphrase";
 /// LUKS1 with a 512-bit key puts the payload at sector 4096 (2 MiB).
-const LUKS_HEADER_BYTES: u64 = 2 << 20;
+pub(crate) const LUKS_HEADER_BYTES: u64 = 2 << 20;
 /// Export name `iopages serve` is given (nbdkit and qemu-nbd export "").
 const OUR_EXPORT: &str = "iopages";
 /// Sequential loads: 1 MiB requests, 16 in flight, one connection.
@@ -47,16 +47,19 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 /// Target: ours at least this many times the best peer, on every load.
 const TARGET_RATIO: f64 = 2.0;
 
-fn workload(e: impl std::fmt::Display) -> BenchError {
+pub(crate) fn workload(e: impl std::fmt::Display) -> BenchError {
     BenchError::Workload(format!("nbd: {e}"))
 }
 
 /// The servers, in table order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Server {
+pub(crate) enum Server {
     Ours,
     /// With `--tls`: ours again without TLS, for TLS's cost side by side.
     OursPlain,
+    /// The sparse copy (`sparse.rs`): ours with `--allow-discards` (holes
+    /// reported and read as zeros).
+    OursDiscards,
     Nbdkit,
     Qemu,
 }
@@ -71,26 +74,31 @@ impl Server {
         Server::Qemu,
     ];
 
-    fn key(self) -> &'static str {
+    pub(crate) fn key(self) -> &'static str {
         match self {
             Server::Ours => "ours",
             Server::OursPlain => "ours_plaintext",
+            Server::OursDiscards => "ours_discards",
             Server::Nbdkit => "nbdkit",
             Server::Qemu => "qemu",
         }
     }
 
-    fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Server::Ours => "iopages serve",
             Server::OursPlain => "iopages serve, no TLS",
+            Server::OursDiscards => "iopages serve --allow-discards",
             Server::Nbdkit => "nbdkit luks filter",
             Server::Qemu => "qemu-nbd luks driver",
         }
     }
 
-    fn is_ours(self) -> bool {
-        matches!(self, Server::Ours | Server::OursPlain)
+    pub(crate) fn is_ours(self) -> bool {
+        matches!(
+            self,
+            Server::Ours | Server::OursPlain | Server::OursDiscards
+        )
     }
 
     /// With TLS in a `--tls` run (all but `OursPlain`).
@@ -317,18 +325,18 @@ fn tail(path: &Path) -> String {
     }
 }
 
-fn os(args: &[&dyn AsRef<std::ffi::OsStr>]) -> Vec<OsString> {
+pub(crate) fn os(args: &[&dyn AsRef<std::ffi::OsStr>]) -> Vec<OsString> {
     args.iter().map(|a| a.as_ref().to_os_string()).collect()
 }
 
 /// The outside programs E6 runs (the peers' only when they run).
-struct Tools {
-    cryptsetup: PathBuf,
-    fio: PathBuf,
-    nbdcopy: PathBuf,
-    nbdinfo: PathBuf,
-    nbdkit: PathBuf,
-    qemu_nbd: PathBuf,
+pub(crate) struct Tools {
+    pub(crate) cryptsetup: PathBuf,
+    pub(crate) fio: PathBuf,
+    pub(crate) nbdcopy: PathBuf,
+    pub(crate) nbdinfo: PathBuf,
+    pub(crate) nbdkit: PathBuf,
+    pub(crate) qemu_nbd: PathBuf,
 }
 
 impl Tools {
@@ -390,10 +398,10 @@ impl Tools {
 
 /// A server process, stopped with SIGTERM (then SIGKILL) and reaped on
 /// every path.
-struct Running {
+pub(crate) struct Running {
     server: Server,
     child: Option<Child>,
-    uri: String,
+    pub(crate) uri: String,
     /// fio's URI (see `Server::fio_uri`).
     fio_uri: String,
     /// fio's `HOME` with TLS.
@@ -403,7 +411,7 @@ struct Running {
 
 impl Running {
     /// Err if the server has exited.
-    fn alive(&mut self) -> Result<(), String> {
+    pub(crate) fn alive(&mut self) -> Result<(), String> {
         let child = self.child.as_mut().expect("running");
         match child.try_wait() {
             Ok(None) => Ok(()),
@@ -417,7 +425,7 @@ impl Running {
     }
 
     /// SIGTERM, wait, SIGKILL if it lingers. Says how it ended.
-    fn stop(&mut self) -> String {
+    pub(crate) fn stop(&mut self) -> String {
         match self.child.take() {
             Some(mut child) => stop(&mut child, STOP_TIMEOUT),
             None => "not running".into(),
@@ -432,20 +440,22 @@ impl Drop for Running {
 }
 
 /// Paths of one bench run.
-struct Files {
+pub(crate) struct Files {
     /// Image, source file, logs: under the report's directory.
-    work: PathBuf,
+    pub(crate) work: PathBuf,
     /// Unix sockets: under the temporary directory (socket paths are short).
-    socks: PathBuf,
-    image: PathBuf,
-    pass: PathBuf,
-    source: PathBuf,
+    pub(crate) socks: PathBuf,
+    pub(crate) image: PathBuf,
+    pub(crate) pass: PathBuf,
+    pub(crate) source: PathBuf,
     /// With `--tls`.
-    tls: Option<TlsSetup>,
+    pub(crate) tls: Option<TlsSetup>,
+    /// Every server exports the image read-only (the sparse copy's).
+    pub(crate) read_only: bool,
 }
 
 /// Removes the directories it holds when dropped.
-struct RemoveDirs(Vec<PathBuf>);
+pub(crate) struct RemoveDirs(pub(crate) Vec<PathBuf>);
 
 impl Drop for RemoveDirs {
     fn drop(&mut self) {
@@ -456,11 +466,17 @@ impl Drop for RemoveDirs {
 }
 
 /// How a server is started.
-fn server_command(s: Server, tools: &Tools, ours: &Path, f: &Files, sock: &Path) -> Command {
+pub(crate) fn server_command(
+    s: Server,
+    tools: &Tools,
+    ours: &Path,
+    f: &Files,
+    sock: &Path,
+) -> Command {
     let mut cmd;
     let tls = s.tls(f.tls.as_ref());
     match s {
-        Server::Ours | Server::OursPlain => {
+        Server::Ours | Server::OursPlain | Server::OursDiscards => {
             cmd = Command::new(ours);
             cmd.arg("serve")
                 .arg("--image")
@@ -474,6 +490,12 @@ fn server_command(s: Server, tools: &Tools, ours: &Path, f: &Files, sock: &Path)
                 // Through the page cache, as both peers read and write it.
                 .arg("--io")
                 .arg("buffered");
+            if s == Server::OursDiscards {
+                cmd.arg("--allow-discards");
+            }
+            if f.read_only {
+                cmd.arg("--read-only");
+            }
             if let Some(t) = tls {
                 cmd.args(["--tls", "require", "--tls-certificates"])
                     .arg(&t.pki.server);
@@ -488,6 +510,9 @@ fn server_command(s: Server, tools: &Tools, ours: &Path, f: &Files, sock: &Path)
                 .arg("--exit-with-parent")
                 .arg("--unix")
                 .arg(sock);
+            if f.read_only {
+                cmd.arg("--readonly");
+            }
             if let Some(t) = tls {
                 cmd.arg("--tls=require")
                     .arg(format!("--tls-certificates={}", t.pki.server.display()));
@@ -520,8 +545,11 @@ fn server_command(s: Server, tools: &Tools, ours: &Path, f: &Files, sock: &Path)
                     qemu_escape(&f.image)
                 ))
                 .arg("--socket")
-                .arg(sock)
-                .arg("--persistent")
+                .arg(sock);
+            if f.read_only {
+                cmd.arg("--read-only");
+            }
+            cmd.arg("--persistent")
                 .arg("--shared=0")
                 .arg("--cache=writeback")
                 .arg("--aio=io_uring");
@@ -530,7 +558,7 @@ fn server_command(s: Server, tools: &Tools, ours: &Path, f: &Files, sock: &Path)
     cmd
 }
 
-fn command_line(cmd: &Command) -> String {
+pub(crate) fn command_line(cmd: &Command) -> String {
     std::iter::once(cmd.get_program())
         .chain(cmd.get_args())
         .map(|a| a.to_string_lossy().into_owned())
@@ -539,7 +567,7 @@ fn command_line(cmd: &Command) -> String {
 }
 
 /// Start `s` and wait until its socket takes connections.
-fn start_server(
+pub(crate) fn start_server(
     s: Server,
     tools: &Tools,
     ours: &Path,
@@ -877,14 +905,14 @@ fn fill_file(path: &Path, bytes: u64, seed: u64) -> Result<(), BenchError> {
     file.sync_all().map_err(err)
 }
 
-fn sync_file(path: &Path) {
+pub(crate) fn sync_file(path: &Path) {
     if let Ok(f) = std::fs::File::open(path) {
         let _ = f.sync_all();
     }
 }
 
 /// The file system `dir` is on, for the report.
-fn fs_type(dir: &Path) -> String {
+pub(crate) fn fs_type(dir: &Path) -> String {
     let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()) else {
         return "unknown".into();
     };
@@ -993,6 +1021,7 @@ pub fn run_with(opts: &BenchOptions, iopages_bin: &Path, tls: bool) -> Result<Va
         work: work.clone(),
         socks,
         tls,
+        read_only: false,
     };
     let fs = fs_type(&work);
     progress(
@@ -1024,6 +1053,18 @@ pub fn run_with(opts: &BenchOptions, iopages_bin: &Path, tls: bool) -> Result<Va
 /// The volume: data everywhere (no holes to read), then the LUKS header,
 /// and the source file of nbdcopy's write. Returns the export's size.
 fn make_image(tools: &Tools, f: &Files, payload: u64) -> Result<u64, BenchError> {
+    fill_file(&f.image, payload + LUKS_HEADER_BYTES, 0x9E37_79B9_7F4A_7C15)?;
+    let dev = luks_format(tools, f)?;
+    fill_file(&f.source, dev, 0xD1B5_4A32_D192_ED03)?;
+    Ok(dev)
+}
+
+/// The passphrase file, then `cryptsetup luksFormat` of the file `f.image`
+/// as E6 makes it (LUKS1, aes-xts-plain64, 512-bit key, sha256, 1000
+/// PBKDF2 iterations): only the header is written, the payload's bytes are
+/// left as they are. Returns the export's size (the file's bytes past the
+/// payload offset), with the image synced.
+pub(crate) fn luks_format(tools: &Tools, f: &Files) -> Result<u64, BenchError> {
     let write_err = |e| BenchError::Write {
         path: f.pass.clone(),
         source: e,
@@ -1031,7 +1072,12 @@ fn make_image(tools: &Tools, f: &Files, payload: u64) -> Result<u64, BenchError>
     std::fs::File::create(&f.pass)
         .and_then(|mut p| p.write_all(PASSPHRASE))
         .map_err(write_err)?;
-    fill_file(&f.image, payload + LUKS_HEADER_BYTES, 0x9E37_79B9_7F4A_7C15)?;
+    let len = std::fs::metadata(&f.image)
+        .map_err(|e| BenchError::Write {
+            path: f.image.clone(),
+            source: e,
+        })?
+        .len();
     let fmt = run_tool(
         &tools.cryptsetup,
         &os(&[
@@ -1073,9 +1119,12 @@ fn make_image(tools: &Tools, f: &Files, payload: u64) -> Result<u64, BenchError>
     .map_err(workload)?;
     let offset = parse_payload_offset(&dump.stdout)
         .ok_or_else(|| workload("cryptsetup luksDump shows no payload offset"))?;
-    let dev = payload + LUKS_HEADER_BYTES - offset;
+    let dev = len.checked_sub(offset).ok_or_else(|| {
+        workload(format!(
+            "the image ({len} bytes) ends before its payload offset {offset}"
+        ))
+    })?;
     sync_file(&f.image);
-    fill_file(&f.source, dev, 0xD1B5_4A32_D192_ED03)?;
     Ok(dev)
 }
 
@@ -1988,6 +2037,7 @@ mod tests {
             pass: "/w/passphrase".into(),
             source: "/w/source.bin".into(),
             tls: Some(fake_tls()),
+            read_only: false,
         };
         let sock = Path::new("/s/x.sock");
         let line = |s: Server, f: &Files| {

@@ -63,9 +63,18 @@ enum Command {
         #[arg(long, value_enum)]
         limit: Option<Limit>,
         /// nbd: TLS (X.509) on every server, and ours also without TLS in
-        /// the same runs (report: nbd-tls.json).
+        /// the same runs (report: nbd-tls.json; the sparse copy is not run).
         #[arg(long)]
         tls: bool,
+        /// nbd: only the sparse copy — a LUKS1 volume 10 % written (100
+        /// regions; 1 GiB, --quick 256 MiB), copied whole by nbdcopy and
+        /// qemu-img convert from `iopages serve --allow-discards`, from
+        /// `iopages serve` without it, nbdkit and qemu-nbd (ours only with
+        /// --no-peers). Report: nbd-sparse.json (`bench nbd` writes it
+        /// after nbd.json; with --json PATH, beside PATH as its stem +
+        /// "-sparse.json").
+        #[arg(long)]
+        sparse_only: bool,
     },
     /// Serve an encrypted volume over NBD (newstyle fixed handshake).
     ///
@@ -178,7 +187,8 @@ enum Experiment {
     /// of page cache, legacy (reclaim and compaction first) vs fail-fast.
     Kvmalloc,
     /// E6: one LUKS1 image served by iopages, nbdkit's luks filter and
-    /// qemu-nbd; fio and nbdcopy as the clients.
+    /// qemu-nbd; fio and nbdcopy as the clients; then the sparse copy
+    /// (--sparse-only: that alone).
     Nbd,
 }
 
@@ -219,6 +229,7 @@ fn run(cli: Cli) -> Result<(), BenchError> {
             workers,
             limit,
             tls,
+            sparse_only,
         } => {
             if workers.is_some() && experiment != Experiment::Crypt {
                 return Err(BenchError::Workload(
@@ -233,6 +244,16 @@ fn run(cli: Cli) -> Result<(), BenchError> {
             if tls && experiment != Experiment::Nbd {
                 return Err(BenchError::Workload(
                     "--tls belongs to the nbd experiment: `iopages bench nbd --tls`".into(),
+                ));
+            }
+            if sparse_only && experiment != Experiment::Nbd {
+                return Err(BenchError::Workload(
+                    "--sparse-only belongs to the nbd experiment: `iopages bench nbd --sparse-only`".into(),
+                ));
+            }
+            if sparse_only && tls {
+                return Err(BenchError::Workload(
+                    "--sparse-only runs no TLS: `iopages bench nbd --sparse-only` or `iopages bench nbd --tls`".into(),
                 ));
             }
             if threads.is_some() && !matches!(experiment, Experiment::Crypt | Experiment::Bulk) {
@@ -316,7 +337,18 @@ fn run(cli: Cli) -> Result<(), BenchError> {
                         "cannot find the iopages binary to serve with: {e}"
                     ))
                 })?;
-                iopages_bench::nbd::run_with(&opts, &me, tls)?;
+                if !sparse_only {
+                    iopages_bench::nbd::run_with(&opts, &me, tls)?;
+                }
+                // The sparse copy: its own report, beside E6's with --json
+                // PATH unless it runs alone.
+                if !tls {
+                    let mut sparse_opts = opts.clone();
+                    if let (false, Some(p)) = (sparse_only, &opts.json) {
+                        sparse_opts.json = Some(sparse_beside(p));
+                    }
+                    iopages_bench::sparse::run(&sparse_opts, &me)?;
+                }
             }
             Ok(())
         }
@@ -335,8 +367,26 @@ fn e3_beside(p: &std::path::Path) -> std::path::PathBuf {
     p.with_file_name(format!("{stem}-limit.json"))
 }
 
+/// Where the sparse copy's report goes when `bench nbd --json PATH`
+/// writes E6's to PATH: beside it, PATH's stem + "-sparse.json".
+fn sparse_beside(p: &std::path::Path) -> std::path::PathBuf {
+    let stem = p
+        .file_stem()
+        .map_or_else(|| "nbd".to_string(), |s| s.to_string_lossy().into_owned());
+    p.with_file_name(format!("{stem}-sparse.json"))
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn nbd_json_puts_the_sparse_copy_beside_it() {
+        use std::path::Path;
+        assert_eq!(
+            super::sparse_beside(Path::new("/r/e6.json")),
+            Path::new("/r/e6-sparse.json")
+        );
+    }
+
     #[test]
     fn crypt_json_keeps_e2_and_puts_e3_beside_it() {
         use std::path::Path;
@@ -389,5 +439,9 @@ mod tests {
         assert!(e.contains("at least 1"), "{e}");
         let e = bench(&["xts", "--tls"]).unwrap_err();
         assert!(e.contains("--tls belongs to the nbd experiment"), "{e}");
+        let e = bench(&["bulk", "--sparse-only"]).unwrap_err();
+        assert!(e.contains("--sparse-only belongs to the nbd"), "{e}");
+        let e = bench(&["nbd", "--sparse-only", "--tls"]).unwrap_err();
+        assert!(e.contains("--sparse-only runs no TLS"), "{e}");
     }
 }
