@@ -29,6 +29,9 @@
 //! - E6 `nbd`: one LUKS1 image served over NBD by `iopages serve --image`,
 //!   nbdkit's luks filter and qemu-nbd's LUKS driver in turn, under fio's
 //!   nbd engine (1 MiB sequential, 4 KiB random) and nbdcopy.
+//! - E6 remote `nbd --remote`: the LUKS1 image's ciphertext on a remote
+//!   nbdkit file export, served by `iopages serve` and by nbdkit's luks
+//!   filter over its nbd plugin, beside the raw remote.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
@@ -42,6 +45,7 @@ pub mod kvmalloc;
 pub mod measure;
 pub mod mempool;
 pub mod nbd;
+pub mod nbd_remote;
 pub mod peers;
 pub mod plot;
 pub mod xts;

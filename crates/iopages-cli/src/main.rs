@@ -66,6 +66,11 @@ enum Command {
         /// the same runs (report: nbd-tls.json).
         #[arg(long)]
         tls: bool,
+        /// nbd: the LUKS1 image on a remote NBD export (nbdkit file),
+        /// served by iopages and by nbdkit's luks filter over its nbd
+        /// plugin, beside the raw remote (report: nbd-remote.json).
+        #[arg(long)]
+        remote: bool,
     },
     /// Serve an encrypted volume over NBD (newstyle fixed handshake).
     ///
@@ -216,6 +221,7 @@ fn run(cli: Cli) -> Result<(), BenchError> {
             workers,
             limit,
             tls,
+            remote,
         } => {
             if workers.is_some() && experiment != Experiment::Crypt {
                 return Err(BenchError::Workload(
@@ -230,6 +236,11 @@ fn run(cli: Cli) -> Result<(), BenchError> {
             if tls && experiment != Experiment::Nbd {
                 return Err(BenchError::Workload(
                     "--tls belongs to the nbd experiment: `iopages bench nbd --tls`".into(),
+                ));
+            }
+            if remote && (experiment != Experiment::Nbd || tls) {
+                return Err(BenchError::Workload(
+                    "--remote belongs to the nbd experiment, without --tls: `iopages bench nbd --remote`".into(),
                 ));
             }
             if threads.is_some() && !matches!(experiment, Experiment::Crypt | Experiment::Bulk) {
@@ -313,7 +324,11 @@ fn run(cli: Cli) -> Result<(), BenchError> {
                         "cannot find the iopages binary to serve with: {e}"
                     ))
                 })?;
-                iopages_bench::nbd::run_with(&opts, &me, tls)?;
+                if remote {
+                    iopages_bench::nbd_remote::run(&opts, &me)?;
+                } else {
+                    iopages_bench::nbd::run_with(&opts, &me, tls)?;
+                }
             }
             Ok(())
         }
@@ -386,5 +401,7 @@ mod tests {
         assert!(e.contains("at least 1"), "{e}");
         let e = bench(&["xts", "--tls"]).unwrap_err();
         assert!(e.contains("--tls belongs to the nbd experiment"), "{e}");
+        let e = bench(&["xts", "--remote"]).unwrap_err();
+        assert!(e.contains("--remote belongs to the nbd experiment"), "{e}");
     }
 }
