@@ -33,6 +33,9 @@
 //!   written, copied whole by nbdcopy and qemu-img from `iopages serve
 //!   --allow-discards` (holes reported and read as zeros), from `iopages
 //!   serve` without it, nbdkit and qemu-nbd.
+//! - E6 remote `nbd --remote`: the LUKS1 image's ciphertext on a remote
+//!   nbdkit file export, served by `iopages serve` and by nbdkit's luks
+//!   filter over its nbd plugin, beside the raw remote.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
@@ -46,6 +49,7 @@ pub mod kvmalloc;
 pub mod measure;
 pub mod mempool;
 pub mod nbd;
+pub mod nbd_remote;
 pub mod peers;
 pub mod plot;
 pub mod sparse;

@@ -75,6 +75,11 @@ enum Command {
         /// "-sparse.json").
         #[arg(long)]
         sparse_only: bool,
+        /// nbd: the LUKS1 image on a remote NBD export (nbdkit file),
+        /// served by iopages and by nbdkit's luks filter over its nbd
+        /// plugin, beside the raw remote (report: nbd-remote.json).
+        #[arg(long)]
+        remote: bool,
     },
     /// Serve an encrypted volume over NBD (newstyle fixed handshake).
     ///
@@ -230,6 +235,7 @@ fn run(cli: Cli) -> Result<(), BenchError> {
             limit,
             tls,
             sparse_only,
+            remote,
         } => {
             if workers.is_some() && experiment != Experiment::Crypt {
                 return Err(BenchError::Workload(
@@ -244,6 +250,17 @@ fn run(cli: Cli) -> Result<(), BenchError> {
             if tls && experiment != Experiment::Nbd {
                 return Err(BenchError::Workload(
                     "--tls belongs to the nbd experiment: `iopages bench nbd --tls`".into(),
+                ));
+            }
+            if remote && sparse_only {
+                return Err(BenchError::Workload(
+                    "--remote and --sparse-only are two different runs of the nbd experiment"
+                        .into(),
+                ));
+            }
+            if remote && (experiment != Experiment::Nbd || tls) {
+                return Err(BenchError::Workload(
+                    "--remote belongs to the nbd experiment, without --tls: `iopages bench nbd --remote`".into(),
                 ));
             }
             if sparse_only && experiment != Experiment::Nbd {
@@ -337,17 +354,21 @@ fn run(cli: Cli) -> Result<(), BenchError> {
                         "cannot find the iopages binary to serve with: {e}"
                     ))
                 })?;
-                if !sparse_only {
-                    iopages_bench::nbd::run_with(&opts, &me, tls)?;
-                }
-                // The sparse copy: its own report, beside E6's with --json
-                // PATH unless it runs alone.
-                if !tls {
-                    let mut sparse_opts = opts.clone();
-                    if let (false, Some(p)) = (sparse_only, &opts.json) {
-                        sparse_opts.json = Some(sparse_beside(p));
+                if remote {
+                    iopages_bench::nbd_remote::run(&opts, &me)?;
+                } else {
+                    if !sparse_only {
+                        iopages_bench::nbd::run_with(&opts, &me, tls)?;
                     }
-                    iopages_bench::sparse::run(&sparse_opts, &me)?;
+                    // The sparse copy: its own report, beside E6's with --json
+                    // PATH unless it runs alone.
+                    if !tls {
+                        let mut sparse_opts = opts.clone();
+                        if let (false, Some(p)) = (sparse_only, &opts.json) {
+                            sparse_opts.json = Some(sparse_beside(p));
+                        }
+                        iopages_bench::sparse::run(&sparse_opts, &me)?;
+                    }
                 }
             }
             Ok(())
@@ -443,5 +464,7 @@ mod tests {
         assert!(e.contains("--sparse-only belongs to the nbd"), "{e}");
         let e = bench(&["nbd", "--sparse-only", "--tls"]).unwrap_err();
         assert!(e.contains("--sparse-only runs no TLS"), "{e}");
+        let e = bench(&["xts", "--remote"]).unwrap_err();
+        assert!(e.contains("--remote belongs to the nbd experiment"), "{e}");
     }
 }

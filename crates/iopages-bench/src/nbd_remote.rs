@@ -1,0 +1,1296 @@
+//! E6 remote (`iopages bench nbd --remote`): a LUKS1 image whose
+//! ciphertext lives on a remote NBD store (an nbdkit `file` export), served
+//! decrypted by `iopages serve --image nbd+unix://…` and by nbdkit's luks
+//! filter over its nbd plugin, in turn, under E6's loads (fio's nbd engine:
+//! 1 MiB sequential write and read, 4 KiB random read/write; nbdcopy of the
+//! whole volume). The raw remote — a plaintext export of the same size on
+//! the same nbdkit server — runs the same loads: a server that decrypts in
+//! front of it cannot beat it, so a figure more than 10 % above it is
+//! flagged as failed (a wrong clock, not a fast server).
+//!
+//! Owns: the remote store (one `nbdkit file dir=…` process for the whole
+//! run, exporting `luks1.img` and `raw.img`), the two LUKS servers started
+//! and stopped in turn, the cross-checks (each LUKS server checks with fio
+//! `verify_only` what the other wrote last; at the end both read the whole
+//! volume and must return the same bytes), the table, `nbd-remote.json`.
+//! Must never: run both LUKS servers against the remote at once; leave a
+//! child process or a temporary file behind.
+
+use crate::harness::{Report, Table};
+use crate::measure::median;
+use crate::nbd::parse_fio;
+use crate::{met, progress, round2, BenchError, BenchOptions};
+use iopages_testkit::{die_with_parent, find_tool, run_tool, stop, tail_lines, wait_for_socket};
+use serde::Serialize;
+use serde_json::{json, Value};
+use std::ffi::OsString;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+const MIB: u64 = 1 << 20;
+/// The volume's passphrase (the file holds exactly these bytes).
+const PASSPHRASE: &[u8] = b"iopages-e6-remote-passphrase";
+/// LUKS1 with a 512-bit key puts the payload at 2 MiB.
+const LUKS_HEADER_BYTES: u64 = 2 << 20;
+const OUR_EXPORT: &str = "iopages";
+/// The remote's exports (files in its directory).
+const LUKS_FILE: &str = "luks1.img";
+const RAW_FILE: &str = "raw.img";
+const SEQ_DEPTH: u32 = 16;
+const RAND_DEPTH: u32 = 32;
+const RAND_JOBS: u32 = 2;
+/// The region at the end of the volume each LUKS server writes with fio's
+/// verify headers for the other to check.
+const VERIFY_BYTES: u64 = 16 << 20;
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+const STOP_TIMEOUT: Duration = Duration::from_secs(10);
+/// Target: ours at least this many times nbdkit's luks filter, per load.
+const TARGET_RATIO: f64 = 2.0;
+/// No figure may exceed the raw remote's by more than this factor.
+const RAW_BOUND: f64 = 1.10;
+
+fn workload(e: impl std::fmt::Display) -> BenchError {
+    BenchError::Workload(format!("nbd --remote: {e}"))
+}
+
+/// The servers measured, in table order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Server {
+    /// The remote's plaintext export, no server in front.
+    Raw,
+    Ours,
+    Nbdkit,
+}
+
+impl Server {
+    const ALL: [Server; 3] = [Server::Raw, Server::Ours, Server::Nbdkit];
+
+    fn key(self) -> &'static str {
+        match self {
+            Server::Raw => "raw_remote",
+            Server::Ours => "ours",
+            Server::Nbdkit => "nbdkit",
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Server::Raw => "raw remote (plaintext)",
+            Server::Ours => "iopages serve",
+            Server::Nbdkit => "nbdkit luks+nbd",
+        }
+    }
+}
+
+/// E6's loads, in the order each server runs them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Load {
+    SeqWrite,
+    SeqRead,
+    RandRw,
+    CopyRead,
+    CopyWrite,
+}
+
+impl Load {
+    const ALL: [Load; 5] = [
+        Load::SeqWrite,
+        Load::SeqRead,
+        Load::RandRw,
+        Load::CopyRead,
+        Load::CopyWrite,
+    ];
+
+    fn key(self) -> &'static str {
+        match self {
+            Load::SeqWrite => "seq_write",
+            Load::SeqRead => "seq_read",
+            Load::RandRw => "randrw",
+            Load::CopyRead => "nbdcopy_read",
+            Load::CopyWrite => "nbdcopy_write",
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Load::SeqWrite => "fio seq write 1M qd16",
+            Load::SeqRead => "fio seq read 1M qd16",
+            Load::RandRw => "fio randrw 4K 2x qd32",
+            Load::CopyRead => "nbdcopy export -> null",
+            Load::CopyWrite => "nbdcopy file -> export",
+        }
+    }
+
+    /// The figure compared: IOPS for the random load, MiB/s otherwise.
+    fn unit(self) -> &'static str {
+        if self == Load::RandRw {
+            "IOPS"
+        } else {
+            "MiB/s"
+        }
+    }
+}
+
+/// One measurement of one load.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Sample {
+    mib_s: f64,
+    iops: Option<f64>,
+}
+
+impl Sample {
+    fn figure(&self, load: Load) -> f64 {
+        match (load, self.iops) {
+            (Load::RandRw, Some(i)) => i,
+            _ => self.mib_s,
+        }
+    }
+}
+
+/// `cryptsetup luksDump`'s "Payload offset:" (sectors), in bytes.
+fn payload_offset(dump: &str) -> Option<u64> {
+    dump.lines()
+        .find_map(|l| l.trim().strip_prefix("Payload offset:"))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map(|s| s * 512)
+}
+
+/// `nbdinfo --size`: one number.
+fn size_of(stdout: &str) -> Option<u64> {
+    stdout.trim().parse().ok()
+}
+
+fn os(args: &[&dyn AsRef<std::ffi::OsStr>]) -> Vec<OsString> {
+    args.iter().map(|a| a.as_ref().to_os_string()).collect()
+}
+
+/// The outside programs.
+struct Tools {
+    cryptsetup: PathBuf,
+    fio: PathBuf,
+    nbdcopy: PathBuf,
+    nbdinfo: PathBuf,
+    nbdkit: PathBuf,
+}
+
+impl Tools {
+    fn find(dir: &Path) -> Result<Tools, BenchError> {
+        let need = |name: &str, pkg: &str, why: &str| {
+            find_tool(name).ok_or_else(|| {
+                workload(format!(
+                    "skipped: {name} is not installed ({why}); scripts/setup-debian.sh installs it (Debian package {pkg})"
+                ))
+            })
+        };
+        let t = Tools {
+            cryptsetup: need("cryptsetup", "cryptsetup-bin", "it formats the LUKS1 image")?,
+            fio: need("fio", "fio", "its nbd engine is the load")?,
+            nbdcopy: need("nbdcopy", "libnbd-bin", "the copy load")?,
+            nbdinfo: need("nbdinfo", "libnbd-bin", "it checks each export")?,
+            nbdkit: need(
+                "nbdkit",
+                "nbdkit",
+                "the remote store and the peer (luks filter, nbd plugin)",
+            )?,
+        };
+        let probe = |prog: &Path, args: Vec<OsString>, what: &str| {
+            let ok = run_tool(prog, &args, dir, Duration::from_secs(30), &[])
+                .map(|r| r.status.success())
+                .unwrap_or(false);
+            if ok {
+                Ok(())
+            } else {
+                Err(workload(format!(
+                    "skipped: {what}; scripts/setup-debian.sh installs the Debian packages that have it"
+                )))
+            }
+        };
+        probe(
+            &t.fio,
+            os(&[&"--enghelp=nbd"]),
+            "this fio has no nbd engine (fio built with libnbd is needed)",
+        )?;
+        probe(
+            &t.nbdkit,
+            os(&[&"--filter=luks", &"null", &"--dump-plugin"]),
+            "nbdkit's luks filter is missing",
+        )?;
+        probe(
+            &t.nbdkit,
+            os(&[&"nbd", &"--dump-plugin"]),
+            "nbdkit's nbd plugin is missing",
+        )?;
+        probe(
+            &t.nbdkit,
+            os(&[&"file", &"--dump-plugin"]),
+            "nbdkit's file plugin is missing",
+        )?;
+        Ok(t)
+    }
+}
+
+/// A server process: SIGTERM (then SIGKILL) and reaped when dropped.
+struct Proc {
+    name: &'static str,
+    child: Option<Child>,
+    err_log: PathBuf,
+}
+
+impl Proc {
+    fn alive(&mut self) -> Result<(), String> {
+        let child = self.child.as_mut().expect("running");
+        match child.try_wait() {
+            Ok(None) => Ok(()),
+            Ok(Some(s)) => Err(format!(
+                "{} exited ({s}); stderr: {}",
+                self.name,
+                tail_lines(&std::fs::read_to_string(&self.err_log).unwrap_or_default())
+            )),
+            Err(e) => Err(format!("cannot wait for {}: {e}", self.name)),
+        }
+    }
+
+    fn stop(&mut self) -> String {
+        match self.child.take() {
+            Some(mut c) => stop(&mut c, STOP_TIMEOUT),
+            None => "not running".into(),
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn command_line(cmd: &Command) -> String {
+    std::iter::once(cmd.get_program())
+        .chain(cmd.get_args())
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Start `cmd` (logs under `work/<key>.err`) and wait for `sock`.
+fn start(
+    name: &'static str,
+    key: &str,
+    mut cmd: Command,
+    sock: &Path,
+    work: &Path,
+) -> Result<(Proc, String), String> {
+    let _ = std::fs::remove_file(sock);
+    let line = command_line(&cmd);
+    let err_log = work.join(format!("{key}.err"));
+    let log = std::fs::File::create(&err_log)
+        .map_err(|e| format!("cannot create {}: {e}", err_log.display()))?;
+    cmd.current_dir(work)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log);
+    die_with_parent(&mut cmd, libc::SIGTERM);
+    let child = cmd
+        .spawn()
+        .map_err(|e| format!("cannot start {name} ({line}): {e}"))?;
+    let mut p = Proc {
+        name,
+        child: Some(child),
+        err_log,
+    };
+    if let Err(e) = wait_for_socket(sock, START_TIMEOUT, || p.alive()) {
+        p.stop();
+        return Err(format!("{name} did not start: {e} (command: {line})"));
+    }
+    Ok((p, line))
+}
+
+/// Paths and sizes of one run.
+struct Setup {
+    work: PathBuf,
+    /// The remote's directory: `luks1.img` and `raw.img`.
+    store: PathBuf,
+    pass: PathBuf,
+    source: PathBuf,
+    remote_sock: PathBuf,
+    server_sock: PathBuf,
+    /// The volume's size (the LUKS payload; the raw export's size).
+    dev: u64,
+    fio_ms: u64,
+}
+
+impl Setup {
+    fn remote_uri(&self, export: &str) -> String {
+        format!("nbd+unix:///{export}?socket={}", self.remote_sock.display())
+    }
+
+    /// The URI the loads use for `s`.
+    fn uri(&self, s: Server) -> String {
+        match s {
+            Server::Raw => self.remote_uri(RAW_FILE),
+            Server::Ours => format!(
+                "nbd+unix:///{OUR_EXPORT}?socket={}",
+                self.server_sock.display()
+            ),
+            Server::Nbdkit => format!("nbd+unix:///?socket={}", self.server_sock.display()),
+        }
+    }
+
+    /// How a LUKS server is started over the remote's `luks1.img`.
+    fn server_command(&self, s: Server, tools: &Tools, ours: &Path) -> Command {
+        let mut cmd;
+        match s {
+            Server::Ours => {
+                cmd = Command::new(ours);
+                cmd.arg("serve")
+                    .arg("--image")
+                    .arg(self.remote_uri(LUKS_FILE))
+                    .arg("--passphrase-file")
+                    .arg(&self.pass)
+                    .arg("--unix")
+                    .arg(&self.server_sock)
+                    .arg("--name")
+                    .arg(OUR_EXPORT);
+            }
+            _ => {
+                cmd = Command::new(&tools.nbdkit);
+                cmd.arg("--foreground")
+                    .arg("--exit-with-parent")
+                    .arg("--unix")
+                    .arg(&self.server_sock)
+                    .arg("--filter=luks")
+                    .arg("nbd")
+                    .arg(format!("socket={}", self.remote_sock.display()))
+                    .arg(format!("export={LUKS_FILE}"))
+                    .arg(format!("passphrase=+{}", self.pass.display()));
+            }
+        }
+        cmd
+    }
+
+    /// Flush the remote's files to disk (outside the timed loads).
+    fn sync_store(&self) {
+        for f in [LUKS_FILE, RAW_FILE] {
+            if let Ok(f) = std::fs::File::open(self.store.join(f)) {
+                let _ = f.sync_all();
+            }
+        }
+    }
+
+    fn fio_common(uri: &str, name: &str) -> Vec<String> {
+        vec![
+            "--output-format=json".into(),
+            "--eta=never".into(),
+            "--thread".into(),
+            "--ioengine=nbd".into(),
+            format!("--uri={uri}"),
+            format!("--name=e6r-{name}"),
+        ]
+    }
+
+    fn fio_args(&self, uri: &str, load: Load) -> Vec<OsString> {
+        let mut a = Self::fio_common(uri, load.key());
+        a.extend([
+            format!("--size={}", self.dev),
+            "--group_reporting".into(),
+            "--time_based".into(),
+            format!("--runtime={}ms", self.fio_ms),
+        ]);
+        match load {
+            Load::SeqWrite => a.push("--rw=write".into()),
+            Load::SeqRead => a.push("--rw=read".into()),
+            _ => {}
+        }
+        match load {
+            Load::SeqWrite | Load::SeqRead => a.extend([
+                "--bs=1M".into(),
+                format!("--iodepth={SEQ_DEPTH}"),
+                "--numjobs=1".into(),
+            ]),
+            _ => a.extend([
+                "--rw=randrw".into(),
+                "--rwmixread=50".into(),
+                "--bs=4k".into(),
+                format!("--iodepth={RAND_DEPTH}"),
+                format!("--numjobs={RAND_JOBS}"),
+            ]),
+        }
+        a.into_iter().map(OsString::from).collect()
+    }
+
+    /// crc32c verify headers over the last `VERIFY_BYTES`: written and
+    /// checked, or (`only`) checked alone.
+    fn verify_args(&self, uri: &str, only: bool) -> Vec<OsString> {
+        let mut a = Self::fio_common(uri, "verify");
+        a.extend([
+            "--rw=write".into(),
+            "--bs=64k".into(),
+            "--iodepth=8".into(),
+            format!("--offset={}", self.dev - VERIFY_BYTES),
+            format!("--size={VERIFY_BYTES}"),
+            "--verify=crc32c".into(),
+            "--do_verify=1".into(),
+            "--verify_fatal=1".into(),
+            "--verify_state_save=0".into(),
+            "--randrepeat=1".into(),
+        ]);
+        if only {
+            a.push("--verify_only".into());
+        }
+        a.into_iter().map(OsString::from).collect()
+    }
+}
+
+/// fio with `args`; its status and every job's error checked.
+fn fio(
+    tools: &Tools,
+    dir: &Path,
+    args: Vec<OsString>,
+    ms: u64,
+) -> Result<crate::nbd::FioFigures, String> {
+    let r = run_tool(
+        &tools.fio,
+        &args,
+        dir,
+        Duration::from_millis(ms + 120_000),
+        &[],
+    )?;
+    match (r.status.success(), parse_fio(&r.stdout)) {
+        (true, Ok(f)) => Ok(f),
+        (_, Err(e)) => Err(format!(
+            "{e}; fio {}; stderr: {}",
+            r.status,
+            tail_lines(&r.stderr)
+        )),
+        (false, Ok(_)) => Err(format!(
+            "fio {}; stderr: {}",
+            r.status,
+            tail_lines(&r.stderr)
+        )),
+    }
+}
+
+/// One timed load on `uri`.
+fn load_sample(tools: &Tools, st: &Setup, uri: &str, load: Load) -> Result<Sample, String> {
+    match load {
+        Load::SeqWrite | Load::SeqRead | Load::RandRw => {
+            let v = fio(tools, &st.work, st.fio_args(uri, load), st.fio_ms)
+                .map_err(|e| format!("{}: {e}", load.label()))?;
+            let (bytes, bw, iops) = match load {
+                Load::SeqWrite => (v.write_bytes, v.write_bw, v.write_iops),
+                Load::SeqRead => (v.read_bytes, v.read_bw, v.read_iops),
+                _ => (
+                    v.read_bytes.min(v.write_bytes),
+                    v.read_bw + v.write_bw,
+                    v.read_iops + v.write_iops,
+                ),
+            };
+            if bytes == 0 {
+                return Err(format!("{}: fio moved no data", load.label()));
+            }
+            Ok(Sample {
+                mib_s: bw / MIB as f64,
+                iops: Some(iops),
+            })
+        }
+        Load::CopyRead | Load::CopyWrite => {
+            let args = if load == Load::CopyRead {
+                os(&[&"--no-extents", &uri, &"null:"])
+            } else {
+                os(&[&st.source, &uri])
+            };
+            let timeout = Duration::from_secs(60 + st.dev / (2 * MIB));
+            let c = run_tool(&tools.nbdcopy, &args, &st.work, timeout, &[])
+                .map_err(|e| format!("{}: {e}", load.label()))?;
+            if !c.status.success() {
+                return Err(format!(
+                    "{}: nbdcopy {}; stderr: {}",
+                    load.label(),
+                    c.status,
+                    tail_lines(&c.stderr)
+                ));
+            }
+            Ok(Sample {
+                mib_s: st.dev as f64 / MIB as f64 / c.secs,
+                iops: None,
+            })
+        }
+    }
+}
+
+/// The size `nbdinfo` sees at `uri`, which must be the volume's.
+fn check_size(tools: &Tools, st: &Setup, uri: &str) -> Result<(), String> {
+    let info = run_tool(
+        &tools.nbdinfo,
+        &os(&[&"--size", &uri]),
+        &st.work,
+        Duration::from_secs(30),
+        &[],
+    )?;
+    match size_of(&info.stdout) {
+        Some(n) if info.status.success() && n == st.dev => Ok(()),
+        n => Err(format!(
+            "nbdinfo --size {uri}: {n:?} ({}), the volume is {} bytes; stderr: {}",
+            info.status,
+            st.dev,
+            tail_lines(&info.stderr)
+        )),
+    }
+}
+
+/// One cross-check between the two LUKS servers.
+#[derive(Clone, Debug, Serialize)]
+struct Check {
+    what: String,
+    ok: bool,
+    detail: String,
+}
+
+/// Per server: samples per load, or why it failed.
+struct Results {
+    samples: Vec<Vec<Sample>>,
+    failed: Option<String>,
+    command: String,
+    stops: Vec<String>,
+}
+
+impl Results {
+    fn median(&self, l: usize, load: Load) -> Option<f64> {
+        let v: Vec<f64> = self.samples[l].iter().map(|s| s.figure(load)).collect();
+        (self.failed.is_none() && !v.is_empty()).then(|| median(&v))
+    }
+
+    fn median_mib(&self, l: usize) -> Option<f64> {
+        let v: Vec<f64> = self.samples[l].iter().map(|s| s.mib_s).collect();
+        (self.failed.is_none() && !v.is_empty()).then(|| median(&v))
+    }
+
+    fn median_iops(&self, l: usize) -> Option<f64> {
+        let v: Vec<f64> = self.samples[l].iter().filter_map(|s| s.iops).collect();
+        (self.failed.is_none() && !v.is_empty()).then(|| median(&v))
+    }
+}
+
+/// Removes the directories it holds when dropped.
+struct RemoveDirs(Vec<PathBuf>);
+
+impl Drop for RemoveDirs {
+    fn drop(&mut self) {
+        for d in &self.0 {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+}
+
+/// Pseudo-random bytes into `path`, synced.
+fn fill_file(path: &Path, bytes: u64, seed: u64) -> Result<(), BenchError> {
+    let err = |e| BenchError::Write {
+        path: path.to_path_buf(),
+        source: e,
+    };
+    let mut file = std::fs::File::create(path).map_err(err)?;
+    let mut x = seed | 1;
+    let mut buf = vec![0u8; MIB as usize];
+    for _ in 0..bytes.div_ceil(MIB) {
+        for w in buf.chunks_exact_mut(8) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            w.copy_from_slice(&x.to_le_bytes());
+        }
+        file.write_all(&buf).map_err(err)?;
+    }
+    file.set_len(bytes).map_err(err)?;
+    file.sync_all().map_err(err)
+}
+
+/// The LUKS1 image in the store (data everywhere, then the header), the
+/// plaintext raw export and nbdcopy's source. Returns the volume's size.
+fn make_files(tools: &Tools, st: &mut Setup, payload: u64) -> Result<(), BenchError> {
+    std::fs::write(&st.pass, PASSPHRASE).map_err(|e| BenchError::Write {
+        path: st.pass.clone(),
+        source: e,
+    })?;
+    let image = st.store.join(LUKS_FILE);
+    fill_file(&image, payload + LUKS_HEADER_BYTES, 0x9E37_79B9_7F4A_7C15)?;
+    let fmt = run_tool(
+        &tools.cryptsetup,
+        &os(&[
+            &"luksFormat",
+            &"-q",
+            &"--type",
+            &"luks1",
+            &"--cipher",
+            &"aes-xts-plain64",
+            &"--key-size",
+            &"512",
+            &"--hash",
+            &"sha256",
+            &"--pbkdf-force-iterations",
+            &"1000",
+            &"--key-file",
+            &st.pass,
+            &image,
+        ]),
+        &st.work,
+        Duration::from_secs(120),
+        &[],
+    )
+    .map_err(workload)?;
+    if !fmt.status.success() {
+        return Err(workload(format!(
+            "cryptsetup luksFormat {}: {}",
+            fmt.status,
+            tail_lines(&fmt.stderr)
+        )));
+    }
+    let dump = run_tool(
+        &tools.cryptsetup,
+        &os(&[&"luksDump", &image]),
+        &st.work,
+        Duration::from_secs(60),
+        &[],
+    )
+    .map_err(workload)?;
+    let offset = payload_offset(&dump.stdout)
+        .ok_or_else(|| workload("cryptsetup luksDump shows no payload offset"))?;
+    st.dev = payload + LUKS_HEADER_BYTES - offset;
+    if let Ok(f) = std::fs::File::open(&image) {
+        let _ = f.sync_all();
+    }
+    fill_file(&st.store.join(RAW_FILE), st.dev, 0x2545_F491_4F6C_DD1D)?;
+    fill_file(&st.source, st.dev, 0xD1B5_4A32_D192_ED03)
+}
+
+/// `iopages bench nbd --remote`. `iopages_bin` is the `iopages` whose
+/// `serve` is measured. Returns the report; a failed server, a failed
+/// cross-check or a figure above the raw remote's bound is reported and
+/// then returned as an error.
+pub fn run(opts: &BenchOptions, iopages_bin: &Path) -> Result<Value, BenchError> {
+    let (runs, payload, fio_ms) = if opts.quick {
+        (1usize, 64 * MIB, 2000u64)
+    } else {
+        (3, 256 * MIB, 5000)
+    };
+    if !iopages_bin.is_file() {
+        return Err(workload(format!(
+            "{} not found: build it (cargo build --release -p iopages-cli)",
+            iopages_bin.display()
+        )));
+    }
+    let (json_path, _) = opts.paths("nbd-remote");
+    let report_dir = json_path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."));
+    let pid = std::process::id();
+    let work = report_dir.join(format!("nbd-remote-work-{pid}"));
+    let socks = std::env::temp_dir().join(format!("iopages-nbdr-{pid}"));
+    // Declared before any process: removed after they are stopped.
+    let _dirs = RemoveDirs(vec![work.clone(), socks.clone()]);
+    for d in [&work, &socks] {
+        let _ = std::fs::remove_dir_all(d);
+        std::fs::create_dir_all(d).map_err(|e| BenchError::Write {
+            path: d.to_path_buf(),
+            source: e,
+        })?;
+    }
+    std::fs::create_dir_all(work.join("store")).map_err(|e| BenchError::Write {
+        path: work.join("store"),
+        source: e,
+    })?;
+    let work = work.canonicalize().unwrap_or(work);
+    let tools = Tools::find(&work)?;
+    let mut st = Setup {
+        store: work.join("store"),
+        pass: work.join("passphrase"),
+        source: work.join("source.bin"),
+        remote_sock: socks.join("remote.sock"),
+        server_sock: socks.join("server.sock"),
+        work: work.clone(),
+        dev: 0,
+        fio_ms,
+    };
+    progress(
+        "nbd-remote",
+        format!(
+            "E6 remote: a LUKS1 image (aes-xts-plain64, 512-bit key) of {} MiB payload on a remote nbdkit file export; iopages serve and nbdkit's luks filter (nbd plugin) in front of it in turn, beside the raw remote; {runs} run(s), fio {} s per load",
+            payload / MIB,
+            fio_ms as f64 / 1000.0
+        ),
+    );
+    progress(
+        "nbd-remote",
+        "making the LUKS1 image, the raw export and the source file",
+    );
+    make_files(&tools, &mut st, payload)?;
+
+    let mut remote_cmd = Command::new(&tools.nbdkit);
+    remote_cmd
+        .arg("--foreground")
+        .arg("--exit-with-parent")
+        .arg("--unix")
+        .arg(&st.remote_sock)
+        .arg("file")
+        .arg(format!("dir={}", st.store.display()));
+    progress("nbd-remote", "starting the remote store (nbdkit file)");
+    let (mut remote, remote_line) = start(
+        "remote nbdkit file",
+        "remote",
+        remote_cmd,
+        &st.remote_sock,
+        &work,
+    )
+    .map_err(workload)?;
+    let mut results: Vec<Results> = Server::ALL
+        .iter()
+        .map(|_| Results {
+            samples: vec![Vec::new(); Load::ALL.len()],
+            failed: None,
+            command: String::new(),
+            stops: Vec::new(),
+        })
+        .collect();
+    results[0].command = format!("{remote_line} (export {RAW_FILE})");
+    let mut checks: Vec<Check> = Vec::new();
+    // The LUKS server that last wrote the verify region.
+    let mut previous: Option<Server> = None;
+    for run in 0..runs {
+        for i in 0..Server::ALL.len() {
+            let s = Server::ALL[(i + run) % Server::ALL.len()];
+            let si = Server::ALL.iter().position(|&x| x == s).expect("listed");
+            if results[si].failed.is_some() {
+                continue;
+            }
+            progress(
+                "nbd-remote",
+                format!("run {}/{runs}: {}", run + 1, s.label()),
+            );
+            let m = measure_one(
+                s,
+                &tools,
+                &st,
+                iopages_bin,
+                previous,
+                &mut results[si],
+                &mut checks,
+            );
+            if let Err(e) = remote.alive() {
+                return Err(workload(format!("the remote store died: {e}")));
+            }
+            match m {
+                Ok(v) => {
+                    let line = Load::ALL
+                        .iter()
+                        .zip(&v)
+                        .map(|(l, x)| format!("{} {:.0} {}", l.key(), x.figure(*l), l.unit()))
+                        .collect::<Vec<_>>()
+                        .join(", ");
+                    progress("nbd-remote", format!("  {}: {line}", s.label()));
+                    for (l, x) in v.into_iter().enumerate() {
+                        results[si].samples[l].push(x);
+                    }
+                    if s != Server::Raw {
+                        previous = Some(s);
+                    }
+                }
+                Err(why) => {
+                    progress("nbd-remote", format!("  FAILED ({}): {why}", s.label()));
+                    results[si].failed = Some(why);
+                    if s != Server::Raw {
+                        previous = None;
+                    }
+                }
+            }
+        }
+    }
+    if results[1].failed.is_none() && results[2].failed.is_none() {
+        progress(
+            "nbd-remote",
+            "cross-check: the whole volume read through each LUKS server",
+        );
+        checks.push(whole_volume_check(&tools, &st, iopages_bin));
+    }
+    let bound_stop = remote.stop();
+    drop(remote);
+    results[0].stops.push(bound_stop);
+    report(opts, &st, runs, &results, &checks, &json_path)
+}
+
+/// One server's pass: the size, the other LUKS server's verify region,
+/// the timed loads, then this one's verify region.
+fn measure_one(
+    s: Server,
+    tools: &Tools,
+    st: &Setup,
+    ours: &Path,
+    previous: Option<Server>,
+    res: &mut Results,
+    checks: &mut Vec<Check>,
+) -> Result<Vec<Sample>, String> {
+    let uri = st.uri(s);
+    let mut server = None;
+    if s != Server::Raw {
+        let (p, line) = start(
+            s.label(),
+            s.key(),
+            st.server_command(s, tools, ours),
+            &st.server_sock,
+            &st.work,
+        )?;
+        res.command = line;
+        server = Some(p);
+    }
+    let out = (|| {
+        check_size(tools, st, &uri)?;
+        if let (Some(p), true) = (previous, s != Server::Raw) {
+            let v = fio(tools, &st.work, st.verify_args(&uri, true), 10_000).and_then(|v| {
+                (v.read_bytes == VERIFY_BYTES)
+                    .then_some(())
+                    .ok_or(format!("checked {} of {VERIFY_BYTES} bytes", v.read_bytes))
+            });
+            let what = format!(
+                "{} reads back the {} MiB {} wrote (fio verify_only, crc32c)",
+                s.label(),
+                VERIFY_BYTES / MIB,
+                p.label()
+            );
+            progress(
+                "nbd-remote",
+                format!(
+                    "  cross-check: {what}: {}",
+                    if v.is_ok() { "ok" } else { "FAILED" }
+                ),
+            );
+            checks.push(Check {
+                what,
+                ok: v.is_ok(),
+                detail: v.err().unwrap_or_default(),
+            });
+        }
+        let mut v = Vec::new();
+        for load in Load::ALL {
+            // The writes of the load before are on disk: no load pays for
+            // another's writeback.
+            st.sync_store();
+            v.push(load_sample(tools, st, &uri, load)?);
+            if let Some(p) = server.as_mut() {
+                p.alive()
+                    .map_err(|e| format!("after {}: {e}", load.label()))?;
+            }
+        }
+        if s != Server::Raw {
+            let w = fio(tools, &st.work, st.verify_args(&uri, false), 10_000)
+                .map_err(|e| format!("read-back of its own writes (fio verify): {e}"))?;
+            if w.read_bytes != VERIFY_BYTES {
+                return Err(format!(
+                    "read-back of its own writes checked {} of {VERIFY_BYTES} bytes",
+                    w.read_bytes
+                ));
+            }
+        }
+        Ok(v)
+    })();
+    if let Some(mut p) = server {
+        res.stops.push(p.stop());
+    }
+    out
+}
+
+/// Read the whole volume through ours, then through nbdkit (one at a
+/// time), into files; they must be the same bytes.
+fn whole_volume_check(tools: &Tools, st: &Setup, ours: &Path) -> Check {
+    let what = format!(
+        "the whole volume ({} MiB) read through iopages serve and through nbdkit's luks filter is the same bytes",
+        st.dev / MIB
+    );
+    let read = |s: Server| -> Result<PathBuf, String> {
+        let (mut p, _) = start(
+            s.label(),
+            &format!("{}-check", s.key()),
+            st.server_command(s, tools, ours),
+            &st.server_sock,
+            &st.work,
+        )?;
+        let out = st.work.join(format!("{}-volume.bin", s.key()));
+        let c = run_tool(
+            &tools.nbdcopy,
+            &os(&[&st.uri(s), &out]),
+            &st.work,
+            Duration::from_secs(60 + st.dev / (2 * MIB)),
+            &[],
+        );
+        p.stop();
+        let c = c?;
+        if !c.status.success() {
+            return Err(format!(
+                "nbdcopy from {}: {}; stderr: {}",
+                s.label(),
+                c.status,
+                tail_lines(&c.stderr)
+            ));
+        }
+        Ok(out)
+    };
+    let r = read(Server::Ours).and_then(|a| {
+        let b = read(Server::Nbdkit)?;
+        let same = same_bytes(&a, &b);
+        let _ = std::fs::remove_file(&a);
+        let _ = std::fs::remove_file(&b);
+        same
+    });
+    let ok = r.is_ok();
+    progress(
+        "nbd-remote",
+        format!(
+            "  cross-check: whole volume: {}",
+            if ok { "ok" } else { "FAILED" }
+        ),
+    );
+    Check {
+        what,
+        ok,
+        detail: r.err().unwrap_or_default(),
+    }
+}
+
+/// Ok if `a` and `b` hold the same bytes; else where they first differ.
+fn same_bytes(a: &Path, b: &Path) -> Result<(), String> {
+    let open = |p: &Path| std::fs::File::open(p).map_err(|e| format!("{}: {e}", p.display()));
+    let (mut fa, mut fb) = (open(a)?, open(b)?);
+    let (mut ba, mut bb) = (vec![0u8; MIB as usize], vec![0u8; MIB as usize]);
+    let mut at = 0u64;
+    loop {
+        let na = read_full(&mut fa, &mut ba).map_err(|e| format!("{}: {e}", a.display()))?;
+        let nb = read_full(&mut fb, &mut bb).map_err(|e| format!("{}: {e}", b.display()))?;
+        if na != nb || ba[..na] != bb[..nb] {
+            let i = ba[..na.min(nb)]
+                .iter()
+                .zip(&bb[..na.min(nb)])
+                .position(|(x, y)| x != y)
+                .unwrap_or(na.min(nb));
+            return Err(format!("the two reads differ at byte {}", at + i as u64));
+        }
+        if na == 0 {
+            return Ok(());
+        }
+        at += na as u64;
+    }
+}
+
+fn read_full(f: &mut std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match f.read(&mut buf[n..])? {
+            0 => break,
+            k => n += k,
+        }
+    }
+    Ok(n)
+}
+
+/// Per load: ours / nbdkit, and each LUKS server over the raw remote.
+#[derive(Clone, Debug, Serialize)]
+struct Verdict {
+    load: &'static str,
+    unit: &'static str,
+    raw_remote: Option<f64>,
+    ours: Option<f64>,
+    nbdkit: Option<f64>,
+    ratio_ours_vs_nbdkit: Option<f64>,
+    target_met: bool,
+    ours_over_raw: Option<f64>,
+    nbdkit_over_raw: Option<f64>,
+    /// A figure more than `RAW_BOUND` times the raw remote's: failed.
+    exceeds_raw_bound: bool,
+}
+
+fn verdicts(results: &[Results]) -> Vec<Verdict> {
+    Load::ALL
+        .iter()
+        .enumerate()
+        .map(|(l, &load)| {
+            let [raw, ours, nbdkit] = [0, 1, 2].map(|i| results[i].median(l, load));
+            let ratio = ours.zip(nbdkit).map(|(a, b)| a / b);
+            let over = |x: Option<f64>| x.zip(raw).map(|(a, r)| a / r);
+            let (or, nr) = (over(ours), over(nbdkit));
+            Verdict {
+                load: load.key(),
+                unit: load.unit(),
+                raw_remote: raw.map(round2),
+                ours: ours.map(round2),
+                nbdkit: nbdkit.map(round2),
+                ratio_ours_vs_nbdkit: ratio.map(round2),
+                target_met: ratio.is_some_and(|r| r >= TARGET_RATIO),
+                ours_over_raw: or.map(round2),
+                nbdkit_over_raw: nr.map(round2),
+                exceeds_raw_bound: [or, nr].iter().flatten().any(|&x| x > RAW_BOUND),
+            }
+        })
+        .collect()
+}
+
+#[derive(Serialize)]
+struct Row {
+    server: &'static str,
+    load: &'static str,
+    describe: &'static str,
+    mib_s: Option<f64>,
+    iops: Option<f64>,
+    runs_mib_s: Vec<f64>,
+    runs_iops: Vec<Option<f64>>,
+}
+
+#[derive(Serialize)]
+struct ServerInfo {
+    label: &'static str,
+    command: String,
+    failed: Option<String>,
+    stops: Vec<String>,
+}
+
+#[derive(Serialize)]
+struct Body {
+    servers: serde_json::Map<String, Value>,
+    rows: Vec<Row>,
+    verdicts: Vec<Verdict>,
+    checks: Vec<Check>,
+    summary: Value,
+}
+
+fn report(
+    opts: &BenchOptions,
+    st: &Setup,
+    runs: usize,
+    results: &[Results],
+    checks: &[Check],
+    json_path: &Path,
+) -> Result<Value, BenchError> {
+    let v = verdicts(results);
+    let mut t = Table::new("");
+    t.line(format!(
+        "nbd --remote (E6 remote): LUKS1 (aes-xts-plain64, 512-bit key) ciphertext on a remote nbdkit file export, {} MiB volume, Unix sockets; median of {runs} run(s)",
+        st.dev / MIB
+    ));
+    t.line(format!(
+        "{:<24} | {:<24} | {:>8} {:>13} | {:>8}",
+        "server", "load", "MiB/s", "min-max", "IOPS"
+    ));
+    for (&s, r) in Server::ALL.iter().zip(results) {
+        if let Some(why) = &r.failed {
+            t.line(format!("{:<24} | FAILED: {why}", s.label()));
+            continue;
+        }
+        for (l, load) in Load::ALL.iter().enumerate() {
+            let x: Vec<f64> = r.samples[l].iter().map(|x| x.mib_s).collect();
+            let lo = x.iter().cloned().fold(f64::INFINITY, f64::min);
+            let hi = x.iter().cloned().fold(0.0, f64::max);
+            t.line(format!(
+                "{:<24} | {:<24} | {:>8.0} {:>13} | {:>8}",
+                s.label(),
+                load.label(),
+                r.median_mib(l).unwrap_or(0.0),
+                format!("{lo:.0}-{hi:.0}"),
+                r.median_iops(l)
+                    .map_or_else(|| "-".to_string(), |x| format!("{x:.0}"))
+            ));
+        }
+    }
+    let f = |x: Option<f64>| x.map_or_else(|| "-".to_string(), |x| format!("{x:.2}"));
+    for (load, x) in Load::ALL.iter().zip(&v) {
+        t.line(format!(
+            "{:<13} ({}): ours / nbdkit {} (target >= {TARGET_RATIO}: {}); over raw remote: ours {}, nbdkit {}{}",
+            load.key(),
+            load.unit(),
+            f(x.ratio_ours_vs_nbdkit),
+            met(x.target_met),
+            f(x.ours_over_raw),
+            f(x.nbdkit_over_raw),
+            if x.exceeds_raw_bound {
+                format!(" — FAILED: above the raw remote by more than {:.0} %", (RAW_BOUND - 1.0) * 100.0)
+            } else {
+                String::new()
+            }
+        ));
+    }
+    for c in checks {
+        t.line(format!(
+            "check: {}: {}{}",
+            c.what,
+            if c.ok { "ok" } else { "FAILED" },
+            if c.ok {
+                String::new()
+            } else {
+                format!(" ({})", c.detail)
+            }
+        ));
+    }
+    t.print();
+
+    let rows = Server::ALL
+        .iter()
+        .zip(results)
+        .flat_map(|(&s, r)| {
+            Load::ALL.iter().enumerate().map(move |(l, load)| Row {
+                server: s.key(),
+                load: load.key(),
+                describe: load.label(),
+                mib_s: r.median_mib(l).map(round2),
+                iops: r.median_iops(l).map(round2),
+                runs_mib_s: r.samples[l].iter().map(|x| round2(x.mib_s)).collect(),
+                runs_iops: r.samples[l].iter().map(|x| x.iops.map(round2)).collect(),
+            })
+        })
+        .collect();
+    let mut failed: Vec<String> = Server::ALL
+        .iter()
+        .zip(results)
+        .filter_map(|(s, r)| r.failed.as_ref().map(|w| format!("{}: {w}", s.key())))
+        .collect();
+    failed.extend(v.iter().filter(|x| x.exceeds_raw_bound).map(|x| {
+        format!(
+            "{}: a figure exceeds the raw remote's by more than 10 %",
+            x.load
+        )
+    }));
+    failed.extend(
+        checks
+            .iter()
+            .filter(|c| !c.ok)
+            .map(|c| format!("check failed: {}: {}", c.what, c.detail)),
+    );
+    let summary = json!({
+        "target_ratio": TARGET_RATIO,
+        "raw_bound": RAW_BOUND,
+        "loads_met": v.iter().filter(|x| x.target_met).map(|x| x.load).collect::<Vec<_>>(),
+        "loads_not_met": v.iter().filter(|x| !x.target_met).map(|x| x.load).collect::<Vec<_>>(),
+        "target_met": v.iter().all(|x| x.target_met),
+        "checks_ok": checks.iter().all(|c| c.ok) && !checks.is_empty(),
+        "failed": failed,
+    });
+    let body = Body {
+        servers: Server::ALL
+            .iter()
+            .zip(results)
+            .map(|(&s, r)| {
+                let info = ServerInfo {
+                    label: s.label(),
+                    command: r.command.clone(),
+                    failed: r.failed.clone(),
+                    stops: r.stops.clone(),
+                };
+                (s.key().to_string(), json!(info))
+            })
+            .collect(),
+        rows,
+        verdicts: v,
+        checks: checks.to_vec(),
+        summary,
+    };
+    let settings = json!({
+        "runs": runs,
+        "quick": opts.quick,
+        "export_bytes": st.dev,
+        "image": "LUKS1, aes-xts-plain64, 512-bit key, sha256, 1000 PBKDF2 iterations (cryptsetup); every payload byte written before the runs",
+        "remote": format!("one nbdkit file plugin process (dir=, exports {LUKS_FILE} and {RAW_FILE}) on a Unix socket for the whole run; files through the page cache"),
+        "ours": format!("iopages serve --image nbd+unix:///{LUKS_FILE}?socket=REMOTE --passphrase-file P --unix S --name {OUR_EXPORT}"),
+        "nbdkit": format!("nbdkit --unix S --filter=luks nbd socket=REMOTE export={LUKS_FILE} passphrase=+P"),
+        "raw_remote": format!("the loads straight on the remote's plaintext export {RAW_FILE}, of the volume's size"),
+        "fio": {
+            "engine": "nbd (libnbd)",
+            "seconds_per_load": st.fio_ms as f64 / 1000.0,
+            "seq": format!("1 MiB, iodepth {SEQ_DEPTH}, 1 job, time based over the whole volume"),
+            "randrw": format!("4 KiB, 50 % reads, iodepth {RAND_DEPTH}, {RAND_JOBS} jobs, time based"),
+        },
+        "nbdcopy": "defaults; read: --no-extents export -> null:, write: a data file of the volume's size -> export, no --flush",
+        "page_cache": "the remote nbdkit reads and writes its files through the page cache; both files are synced to disk before each timed load (outside it); nothing asks for a flush",
+        "order": "each run starts with the next server in turn; one LUKS server against the remote at a time",
+        "bound": format!("no median may exceed the raw remote's median for the same load by more than {:.0} %", (RAW_BOUND - 1.0) * 100.0),
+        "checks": format!("each LUKS server checks with fio verify_only the last {} MiB the other wrote with crc32c headers, then writes and checks them itself; at the end the whole volume is read through each and compared", VERIFY_BYTES / MIB),
+    });
+    let value = Report::new("E6 nbd remote", settings, body)
+        .stem("nbd-remote")
+        .emit(opts, &[])?;
+    if !failed.is_empty() {
+        return Err(workload(format!(
+            "failed (report written to {}): {}",
+            json_path.display(),
+            failed.join("; ")
+        )));
+    }
+    Ok(value)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn payload_offset_is_read_from_luks_dump() {
+        let dump = "LUKS header information for x\n\nVersion:       \t1\nCipher name:   \taes\nPayload offset:\t4096\nMK bits:       \t512\n";
+        assert_eq!(payload_offset(dump), Some(4096 * 512));
+        assert_eq!(payload_offset("Version: 2\n"), None);
+        assert_eq!(payload_offset("Payload offset: x\n"), None);
+    }
+
+    #[test]
+    fn nbdinfo_size_is_one_number() {
+        assert_eq!(size_of("268435456\n"), Some(268_435_456));
+        assert_eq!(size_of("nbdinfo: error\n"), None);
+    }
+
+    fn res(figs: [f64; 5]) -> Results {
+        Results {
+            samples: Load::ALL
+                .iter()
+                .zip(figs)
+                .map(|(&l, x)| {
+                    vec![Sample {
+                        mib_s: x,
+                        iops: (l != Load::CopyRead && l != Load::CopyWrite).then_some(x * 10.0),
+                    }]
+                })
+                .collect(),
+            failed: None,
+            command: String::new(),
+            stops: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn verdicts_check_target_and_raw_bound() {
+        let raw = res([100.0, 100.0, 100.0, 100.0, 100.0]);
+        let ours = res([90.0, 111.0, 50.0, 60.0, 60.0]);
+        let peer = res([40.0, 40.0, 30.0, 30.0, 31.0]);
+        let v = verdicts(&[raw, ours, peer]);
+        assert!(v[0].target_met && !v[0].exceeds_raw_bound);
+        assert!(v[1].exceeds_raw_bound, "111 > 1.1 x 100");
+        assert!(!v[2].target_met, "50 / 30 < 2");
+        assert_eq!(v[2].ratio_ours_vs_nbdkit, Some(round2(500.0 / 300.0)));
+        assert!(v[3].target_met);
+        assert!(!v[4].target_met, "60 / 31 < 2");
+    }
+
+    #[test]
+    fn same_bytes_finds_the_first_difference() {
+        let d = std::env::temp_dir().join(format!("nbdr-same-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        let (a, b) = (d.join("a"), d.join("b"));
+        std::fs::write(&a, vec![7u8; 3000]).unwrap();
+        let mut x = vec![7u8; 3000];
+        std::fs::write(&b, &x).unwrap();
+        assert_eq!(same_bytes(&a, &b), Ok(()));
+        x[2100] = 8;
+        std::fs::write(&b, &x).unwrap();
+        assert_eq!(
+            same_bytes(&a, &b),
+            Err("the two reads differ at byte 2100".into())
+        );
+        std::fs::write(&b, &x[..100]).unwrap();
+        assert!(same_bytes(&a, &b).is_err());
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}
