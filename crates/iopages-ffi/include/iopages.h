@@ -934,14 +934,14 @@ int iopages_kvmalloc_destroy(struct iopages_kvmalloc *kv);
  * **Returns:** 0; -EINVAL for a zero size, one larger than the arena, a
  * bad policy or NULL pointers; -ENOMEM when no memory can be had.
  */
-int iopages_kvmalloc(const struct iopages_kvmalloc *kv,
-                     size_t size,
-                     uint32_t gfp_flags,
-                     int policy,
-                     void **ptr);
+int iopages_kvmalloc_alloc(const struct iopages_kvmalloc *kv,
+                           size_t size,
+                           uint32_t gfp_flags,
+                           int policy,
+                           void **ptr);
 
 /**
- * Free a buffer from `iopages_kvmalloc` (NULL does nothing).
+ * Free a buffer from `iopages_kvmalloc_alloc` (NULL does nothing).
  *
  * **Context:** never blocks for contiguous buffers; a vmalloc area is
  * unmapped lazily (a batch at a time). Thread-safe. **Returns:** 0;
@@ -1025,10 +1025,14 @@ int iopages_mempool_free(const struct iopages_mempool *p, void *elem);
 /**
  * Allocate up to `n` elements into `elems[0..returned]` in one step (the
  * kernel's `mempool_alloc_bulk`): a `gfp` that may block gets all `n`
- * (waiting for frees if needed); one that cannot may get fewer.
+ * (waiting for frees if needed); one that cannot gets what the source
+ * gave, plus the reserve only if the reserve can supply every missing
+ * element (all or nothing, so that two callers never each hold part of
+ * it).
  *
  * **Context:** as `iopages_mempool_alloc`. **Returns:** how many;
- * -EINVAL for NULL pointers or unknown gfp bits.
+ * -EINVAL for NULL pointers, unknown gfp bits, or a `gfp` that may block
+ * with `n` above the pool's `min_nr` (such a call could wait for ever).
  */
 ptrdiff_t iopages_mempool_alloc_bulk(const struct iopages_mempool *p,
                                      uint32_t gfp_flags,

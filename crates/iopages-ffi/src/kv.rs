@@ -91,7 +91,7 @@ pub unsafe extern "C" fn iopages_kvmalloc_destroy(kv: *mut iopages_kvmalloc) -> 
 /// **Returns:** 0; -EINVAL for a zero size, one larger than the arena, a
 /// bad policy or NULL pointers; -ENOMEM when no memory can be had.
 #[no_mangle]
-pub unsafe extern "C" fn iopages_kvmalloc(
+pub unsafe extern "C" fn iopages_kvmalloc_alloc(
     kv: *const iopages_kvmalloc,
     size: usize,
     gfp_flags: u32,
@@ -128,7 +128,7 @@ pub unsafe extern "C" fn iopages_kvmalloc(
     })
 }
 
-/// Free a buffer from `iopages_kvmalloc` (NULL does nothing).
+/// Free a buffer from `iopages_kvmalloc_alloc` (NULL does nothing).
 ///
 /// **Context:** never blocks for contiguous buffers; a vmalloc area is
 /// unmapped lazily (a batch at a time). Thread-safe. **Returns:** 0;

@@ -310,10 +310,14 @@ fn page_of_block(alloc: &PageAllocator, addr: *const u8, order: u32) -> Result<P
 
 /// Allocate up to `n` elements into `elems[0..returned]` in one step (the
 /// kernel's `mempool_alloc_bulk`): a `gfp` that may block gets all `n`
-/// (waiting for frees if needed); one that cannot may get fewer.
+/// (waiting for frees if needed); one that cannot gets what the source
+/// gave, plus the reserve only if the reserve can supply every missing
+/// element (all or nothing, so that two callers never each hold part of
+/// it).
 ///
 /// **Context:** as `iopages_mempool_alloc`. **Returns:** how many;
-/// -EINVAL for NULL pointers or unknown gfp bits.
+/// -EINVAL for NULL pointers, unknown gfp bits, or a `gfp` that may block
+/// with `n` above the pool's `min_nr` (such a call could wait for ever).
 #[no_mangle]
 pub unsafe extern "C" fn iopages_mempool_alloc_bulk(
     p: *const iopages_mempool,
@@ -327,6 +331,19 @@ pub unsafe extern "C" fn iopages_mempool_alloc_bulk(
         let g = gfp(gfp_flags)?;
         // SAFETY: the caller passes NULL or an array of `n` pointers.
         let out = unsafe { slice_mut(elems, n, "elems")? };
+        let min_nr = match &p.kind {
+            Kind::Pages { pool, .. } => pool.min_nr(),
+            Kind::Objects(pool) => pool.min_nr(),
+        };
+        if g.may_block() && n > min_nr {
+            return Err(fail(
+                libc::EINVAL,
+                format!(
+                    "a blocking bulk allocation of {n} elements exceeds the reserve of {min_nr}: \
+                     it could wait for ever; split it or use a gfp that cannot block"
+                ),
+            ));
+        }
         let mut got = 0usize;
         match &p.kind {
             Kind::Pages { pool, alloc, .. } => {
