@@ -646,6 +646,26 @@ ptrdiff_t iopages_local_alloc_bulk(struct iopages_local *l,
 int iopages_local_free_bulk(struct iopages_local *l, const iopages_page *pages, size_t n);
 
 /**
+ * Allocate one order-0 page and return its address (4096 bytes,
+ * page-aligned): the malloc-shaped form of `iopages_local_alloc_pages`.
+ *
+ * **Context:** as `iopages_alloc_pages`; the handle's thread only.
+ * **Returns:** the address; NULL when no page could be had under `gfp`
+ * (or for a NULL handle or unknown gfp bits), with the message set.
+ */
+void *iopages_local_alloc_page_ptr(struct iopages_local *l, uint32_t gfp_flags);
+
+/**
+ * Free one order-0 page by address (from `iopages_local_alloc_page_ptr`,
+ * `iopages_local_alloc_bulk_ptrs` or `iopages_page_address`).
+ *
+ * **Context:** never blocks; the handle's thread only. **Returns:** 0;
+ * -EINVAL for an address that is not a page start in the arena, or (checks
+ * on) a page not allocated; NULL pointers refused.
+ */
+int iopages_local_free_page_ptr(struct iopages_local *l, void *ptr);
+
+/**
  * Allocate up to `n` order-0 pages as addresses into `ptrs[0..returned]`
  * (each 4096 bytes, page-aligned): the malloc-shaped form of
  * `iopages_local_alloc_bulk`.

@@ -845,6 +845,67 @@ pub unsafe extern "C" fn iopages_local_free_bulk(
     })
 }
 
+/// Allocate one order-0 page and return its address (4096 bytes,
+/// page-aligned): the malloc-shaped form of `iopages_local_alloc_pages`.
+///
+/// **Context:** as `iopages_alloc_pages`; the handle's thread only.
+/// **Returns:** the address; NULL when no page could be had under `gfp`
+/// (or for a NULL handle or unknown gfp bits), with the message set.
+#[no_mangle]
+pub unsafe extern "C" fn iopages_local_alloc_page_ptr(
+    l: *mut iopages_local,
+    gfp_flags: u32,
+) -> *mut c_void {
+    guard(std::ptr::null_mut(), || {
+        // SAFETY: the caller passes NULL or a handle only this thread uses.
+        let Ok(l) = (unsafe { obj_mut(l, "local") }) else {
+            return std::ptr::null_mut();
+        };
+        let Ok(g) = gfp(gfp_flags) else {
+            return std::ptr::null_mut();
+        };
+        match l.local.alloc_pages(g, 0) {
+            Some(p) => (l.base + p.pfn() as usize * PAGE_SIZE) as *mut c_void,
+            None => {
+                fail(libc::ENOMEM, format!("no page under gfp {gfp_flags:#x}"));
+                std::ptr::null_mut()
+            }
+        }
+    })
+}
+
+/// Free one order-0 page by address (from `iopages_local_alloc_page_ptr`,
+/// `iopages_local_alloc_bulk_ptrs` or `iopages_page_address`).
+///
+/// **Context:** never blocks; the handle's thread only. **Returns:** 0;
+/// -EINVAL for an address that is not a page start in the arena, or (checks
+/// on) a page not allocated; NULL pointers refused.
+#[no_mangle]
+pub unsafe extern "C" fn iopages_local_free_page_ptr(
+    l: *mut iopages_local,
+    ptr: *mut c_void,
+) -> c_int {
+    guard_int(|| {
+        // SAFETY: the caller passes NULL or a handle only this thread uses.
+        let l = unsafe { obj_mut(l, "local")? };
+        let off = (ptr as usize).wrapping_sub(l.base);
+        if off % PAGE_SIZE != 0 || off / PAGE_SIZE >= l.nr_pages as usize {
+            return Err(fail(
+                libc::EINVAL,
+                format!("{ptr:p} is not a page of the arena"),
+            ));
+        }
+        let page = Page::from_pfn((off / PAGE_SIZE) as u32);
+        if l.local.allocator().checks_enabled() {
+            check_free(l.local.allocator(), page, 0)?;
+        }
+        // SAFETY: a page of this arena (checked; allocated, with checks on),
+        // given up by the caller.
+        unsafe { l.local.free_pages(page, 0) };
+        Ok(0)
+    })
+}
+
 /// Allocate up to `n` order-0 pages as addresses into `ptrs[0..returned]`
 /// (each 4096 bytes, page-aligned): the malloc-shaped form of
 /// `iopages_local_alloc_bulk`.

@@ -140,6 +140,14 @@ static void local_calls(void) {
     CHECK(iopages_local_alloc_bulk(l, IOPAGES_GFP_KERNEL, v, 100) == 100);
     CHECK(iopages_local_free_bulk(l, v, 100) == 0);
     CHECK(iopages_local_free_bulk(l, v, 1) == -EINVAL);
+    char *one = iopages_local_alloc_page_ptr(l, IOPAGES_GFP_KERNEL);
+    CHECK(one != NULL && ((uintptr_t)one & 4095) == 0);
+    one[4095] = 1;
+    CHECK(iopages_local_free_page_ptr(l, one + 1) == -EINVAL);
+    CHECK(iopages_local_free_page_ptr(l, one) == 0);
+    CHECK(iopages_local_free_page_ptr(l, one) == -EINVAL); /* double free */
+    CHECK(iopages_local_free_page_ptr(l, NULL) == -EINVAL);
+    CHECK(iopages_local_alloc_page_ptr(NULL, IOPAGES_GFP_KERNEL) == NULL);
     void *ptrs[32];
     CHECK(iopages_local_alloc_bulk_ptrs(l, IOPAGES_GFP_KERNEL, ptrs, 32) == 32);
     for (int i = 0; i < 32; i++) {
