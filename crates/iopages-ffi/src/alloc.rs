@@ -929,7 +929,7 @@ pub unsafe extern "C" fn iopages_local_alloc_bulk_ptrs(
         l.scratch.clear();
         let got = l.local.alloc_bulk(g, n, &mut l.scratch);
         let base = l.base;
-        for (d, p) in out.iter_mut().zip(l.scratch.drain(..)) {
+        for (d, p) in out.iter_mut().zip(l.scratch.iter()) {
             *d = (base + p.pfn() as usize * PAGE_SIZE) as *mut c_void;
         }
         Ok(got as isize)
@@ -954,26 +954,45 @@ pub unsafe extern "C" fn iopages_local_free_bulk_ptrs(
         let l = unsafe { obj_mut(l, "local")? };
         // SAFETY: the caller passes NULL or an array of `n` pointers.
         let ptrs = unsafe { slice(ptrs, n, "ptrs")? };
-        let (base, nr) = (l.base, l.nr_pages as usize);
-        let checks = l.local.allocator().checks_enabled();
+        let (base, size) = (l.base, l.nr_pages as usize * PAGE_SIZE);
+        let n = ptrs.len();
         l.scratch.clear();
-        for (i, &p) in ptrs.iter().enumerate() {
+        l.scratch.reserve(n);
+        // One pass without early exits (it vectorises): every address
+        // becomes a handle, and `bad` records whether any was not a page
+        // start inside the arena.
+        let mut bad = false;
+        for (d, &p) in l.scratch.spare_capacity_mut().iter_mut().zip(ptrs) {
             let off = (p as usize).wrapping_sub(base);
-            if off % PAGE_SIZE != 0 || off / PAGE_SIZE >= nr {
-                l.scratch.clear();
-                return Err(fail(
-                    libc::EINVAL,
-                    format!("ptrs[{i}] = {p:p} is not a page of the arena; nothing freed"),
-                ));
-            }
-            let page = Page::from_pfn((off / PAGE_SIZE) as u32);
-            if checks {
+            bad |= (off % PAGE_SIZE != 0) | (off >= size);
+            // Masked below 2^31, so the handle (pfn + 1) is never 0.
+            d.write(Page::from_pfn(((off / PAGE_SIZE) as u32) & 0x7fff_ffff));
+        }
+        if bad {
+            let (i, p) = ptrs
+                .iter()
+                .enumerate()
+                .find(|(_, &p)| {
+                    let off = (p as usize).wrapping_sub(base);
+                    off % PAGE_SIZE != 0 || off >= size
+                })
+                .map(|(i, &p)| (i, p))
+                .unwrap_or((0, std::ptr::null_mut()));
+            return Err(fail(
+                libc::EINVAL,
+                format!("ptrs[{i}] = {p:p} is not a page of the arena; nothing freed"),
+            ));
+        }
+        // SAFETY: the loop above initialised the first `n` slots (room for
+        // `n` was reserved).
+        unsafe { l.scratch.set_len(n) };
+        if l.local.allocator().checks_enabled() {
+            for &page in &l.scratch {
                 if let Err(e) = check_free(l.local.allocator(), page, 0) {
                     l.scratch.clear();
                     return Err(e);
                 }
             }
-            l.scratch.push(page);
         }
         // SAFETY: checked pages of this arena, given up by the caller.
         unsafe { l.local.free_bulk(&mut l.scratch) };
