@@ -962,11 +962,36 @@ pub unsafe extern "C" fn iopages_local_free_bulk_ptrs(
         // becomes a handle, and `bad` records whether any was not a page
         // start inside the arena.
         let mut bad = false;
-        for (d, &p) in l.scratch.spare_capacity_mut().iter_mut().zip(ptrs) {
+        let handle = |p: *mut c_void, bad: &mut bool| {
             let off = (p as usize).wrapping_sub(base);
-            bad |= (off % PAGE_SIZE != 0) | (off >= size);
+            *bad |= (off % PAGE_SIZE != 0) | (off >= size);
             // Masked below 2^31, so the handle (pfn + 1) is never 0.
-            d.write(Page::from_pfn(((off / PAGE_SIZE) as u32) & 0x7fff_ffff));
+            ((off / PAGE_SIZE) as u32 & 0x7fff_ffff) + 1
+        };
+        // Four handles per 16-byte store: `free_bulk` copies them with
+        // 16-byte loads right away, and a load that spans several narrower
+        // stores would stall on store forwarding.
+        let dst = l.scratch.spare_capacity_mut().as_mut_ptr().cast::<u32>();
+        let mut quads = ptrs.chunks_exact(4);
+        let mut at = 0;
+        for q in &mut quads {
+            let v = [
+                handle(q[0], &mut bad),
+                handle(q[1], &mut bad),
+                handle(q[2], &mut bad),
+                handle(q[3], &mut bad),
+            ];
+            // SAFETY: room for `n` handles was reserved and `at + 4 <= n`;
+            // `Page` is a transparent `NonZeroU32`, and every value is
+            // non-zero.
+            unsafe { dst.add(at).cast::<[u32; 4]>().write_unaligned(v) };
+            at += 4;
+        }
+        for &p in quads.remainder() {
+            let h = handle(p, &mut bad);
+            // SAFETY: as above, `at < n`.
+            unsafe { dst.add(at).write(h) };
+            at += 1;
         }
         if bad {
             let (i, p) = ptrs
