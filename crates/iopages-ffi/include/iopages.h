@@ -491,7 +491,9 @@ int iopages_alloc_pages(const struct iopages_allocator *a,
  * page outside the arena, not aligned to `order`, a folio freed with the
  * wrong order, or (allocator created with checks on) a block not
  * allocated — a double free; -EBUSY if a bio still pins it. Without
- * checks, a double free is not detected and corrupts the allocator.
+ * checks, a double free is not detected and corrupts the allocator; nor
+ * is a block allocated without `IOPAGES_GFP_COMP` freed with a smaller
+ * order than it was allocated with (pass the same order).
  */
 int iopages_free_pages(const struct iopages_allocator *a, iopages_page page, uint32_t order);
 

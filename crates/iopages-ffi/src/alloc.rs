@@ -388,7 +388,9 @@ pub unsafe extern "C" fn iopages_alloc_pages(
 /// page outside the arena, not aligned to `order`, a folio freed with the
 /// wrong order, or (allocator created with checks on) a block not
 /// allocated — a double free; -EBUSY if a bio still pins it. Without
-/// checks, a double free is not detected and corrupts the allocator.
+/// checks, a double free is not detected and corrupts the allocator; nor
+/// is a block allocated without `IOPAGES_GFP_COMP` freed with a smaller
+/// order than it was allocated with (pass the same order).
 #[no_mangle]
 pub unsafe extern "C" fn iopages_free_pages(
     a: *const iopages_allocator,
@@ -1023,4 +1025,81 @@ pub unsafe extern "C" fn iopages_local_free_bulk_ptrs(
         unsafe { l.local.free_bulk(&mut l.scratch) };
         Ok(0)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn small(checks: c_int) -> *mut iopages_allocator {
+        let mut cfg = std::mem::MaybeUninit::<iopages_config>::uninit();
+        // SAFETY: a writable config.
+        assert_eq!(unsafe { iopages_config_default(cfg.as_mut_ptr()) }, 0);
+        // SAFETY: filled by `iopages_config_default`.
+        let mut cfg = unsafe { cfg.assume_init() };
+        cfg.size_bytes = 8 << 20;
+        cfg.huge_pages = IOPAGES_HUGE_NEVER;
+        cfg.checks = checks;
+        let mut a = std::ptr::null_mut();
+        // SAFETY: valid config and out-pointer.
+        assert_eq!(unsafe { iopages_allocator_create(&cfg, &mut a) }, 0);
+        a
+    }
+
+    #[test]
+    fn pages_round_trip_and_double_frees_are_refused_with_checks() {
+        let a = small(1);
+        let mut p = 0;
+        // SAFETY: a live allocator and valid pointers throughout.
+        unsafe {
+            assert_eq!(
+                iopages_alloc_pages(a, 1, IOPAGES_GFP_KERNEL_BITS, &mut p),
+                0
+            );
+            assert_ne!(p, 0);
+            assert!(!iopages_page_address(a, p).is_null());
+            assert_eq!(iopages_allocator_destroy(a), -libc::EBUSY);
+            assert_eq!(iopages_free_pages(a, p, 1), 0);
+            assert_eq!(iopages_free_pages(a, p, 1), -libc::EINVAL);
+            let mut v = [0u32; 16];
+            assert_eq!(
+                iopages_alloc_pages_bulk(a, IOPAGES_GFP_KERNEL_BITS, v.as_mut_ptr(), 16),
+                16
+            );
+            assert!(v.iter().all(|&p| p != 0));
+            assert_eq!(iopages_free_pages_bulk(a, v.as_ptr(), 16), 0);
+            assert_eq!(iopages_free_pages_bulk(a, v.as_ptr(), 16), -libc::EINVAL);
+            assert_eq!(iopages_leak_check(a, std::ptr::null_mut()), 0);
+            assert_eq!(iopages_allocator_destroy(a), 0);
+        }
+    }
+
+    #[test]
+    fn handles_by_address_refuse_foreign_pointers() {
+        let a = small(0);
+        let mut l = std::ptr::null_mut();
+        // SAFETY: a live allocator and handle, valid pointers throughout.
+        unsafe {
+            assert_eq!(iopages_local_create(a, &mut l), 0);
+            let mut v = [std::ptr::null_mut(); 13];
+            assert_eq!(
+                iopages_local_alloc_bulk_ptrs(l, IOPAGES_GFP_KERNEL_BITS, v.as_mut_ptr(), 13),
+                13
+            );
+            let mut x = 0u8;
+            let keep = v[5];
+            v[5] = (&mut x as *mut u8).cast();
+            assert_eq!(
+                iopages_local_free_bulk_ptrs(l, v.as_ptr(), 13),
+                -libc::EINVAL
+            );
+            v[5] = keep;
+            assert_eq!(iopages_local_free_bulk_ptrs(l, v.as_ptr(), 13), 0);
+            assert_eq!(iopages_local_destroy(l), 0);
+            assert_eq!(iopages_leak_check(a, std::ptr::null_mut()), 0);
+            assert_eq!(iopages_allocator_destroy(a), 0);
+        }
+    }
+
+    const IOPAGES_GFP_KERNEL_BITS: u32 = crate::IOPAGES_GFP_KERNEL;
 }
