@@ -15,6 +15,10 @@
  * takes no time itself: with as many threads as cores it may not run again
  * until the workers are nearly done, and would time the wrong interval.
  *
+ * iopages itself is a row too when the harness is built against libiopages
+ * (-DPEER_IOPAGES -DHAVE_IOPAGES, see scripts/setup-peers.sh): its C ABI,
+ * measured by the same program as every other allocator.
+ *
  * Usage: peer-NAME PAGES_PER_RUN MT_PAGES_PER_PAIR "b1,b2,..." "t1,t2,..." "mb1,mb2,..."
  * Batch 0 means the single-object API. Multi-thread lines carry
  * ns_per_page (wall per page per pair), pages_per_s (all pairs together),
@@ -89,8 +93,25 @@ static void *peer_alloc(void) { void *p; return rte_mempool_get(mp, &p) ? NULL :
 static void peer_free(void *p) { rte_mempool_put(mp, p); }
 static int peer_alloc_bulk(void **v, unsigned n) { return rte_mempool_get_bulk(mp, v, n); }
 static void peer_free_bulk(void **v, unsigned n) { rte_mempool_put_bulk(mp, v, n); }
+#elif defined(PEER_IOPAGES) && defined(HAVE_IOPAGES)
+/* iopages through its C ABI (libiopages, crates/iopages-ffi): the same
+ * workload the in-process iopages row runs — each thread allocates through
+ * its own per-thread handle (iopages_local: LocalAllocator), single pages
+ * and bulk batches by address, from a populated arena with checks off. */
+#include <iopages.h>
+#define PEER_NAME "iopages-c"
+#define PEER_BULK 1
+#define PEER_PER_THREAD 1
+static iopages_allocator *ioa;
+static __thread iopages_local *iol;
+static void *peer_alloc(void) { return iopages_local_alloc_page_ptr(iol, IOPAGES_GFP_KERNEL); }
+static void peer_free(void *p) { iopages_local_free_page_ptr(iol, p); }
+static int peer_alloc_bulk(void **v, unsigned n) {
+    return iopages_local_alloc_bulk_ptrs(iol, IOPAGES_GFP_KERNEL, v, n) == (ptrdiff_t)n ? 0 : -1;
+}
+static void peer_free_bulk(void **v, unsigned n) { iopages_local_free_bulk_ptrs(iol, v, n); }
 #else
-#error "define one of PEER_GLIBC PEER_JEMALLOC PEER_MIMALLOC PEER_TCMALLOC PEER_DPDK"
+#error "define one of PEER_GLIBC PEER_JEMALLOC PEER_MIMALLOC PEER_TCMALLOC PEER_DPDK (or PEER_IOPAGES with HAVE_IOPAGES)"
 #endif
 
 #ifndef PEER_BULK
@@ -171,6 +192,12 @@ static cpu_set_t all_cpus;
 static pthread_t main_thread;
 
 static void thread_init(void) {
+#if defined(PEER_PER_THREAD)
+    if (!iol && iopages_local_create(ioa, &iol) != 0) {
+        fprintf(stderr, "iopages_local_create: %s\n", iopages_last_error());
+        exit(3);
+    }
+#endif
 #if defined(PEER_DPDK)
     /* Non-EAL threads need an lcore id to get a per-lcore mempool cache. */
     if (rte_lcore_id() == LCORE_ID_ANY && rte_thread_register() != 0) {
@@ -189,6 +216,10 @@ static void thread_init(void) {
  * cache after the thread exits: without this, every pass would strand up to
  * a cache of buffers per thread and use up the lcore ids. */
 static void thread_exit(void) {
+#if defined(PEER_PER_THREAD)
+    iopages_local_destroy(iol);
+    iol = NULL;
+#endif
 #if defined(PEER_DPDK)
     rte_mempool_cache_flush(NULL, mp);
     rte_thread_unregister();
@@ -414,7 +445,21 @@ int main(int argc, char **argv) {
         if (threads[i] < 2 || threads[i] % 2) bad_arg("thread counts must be even (producer/consumer pairs)");
         if (threads[i] > max_threads) max_threads = threads[i];
     }
-    (void)max_threads, (void)max_mt_batch; /* only DPDK sizes its pool */
+    (void)max_threads, (void)max_mt_batch; /* only DPDK and iopages size their memory */
+#if defined(PEER_IOPAGES)
+    /* As the in-process E1 run: populated, checks off, huge pages if the
+     * kernel gives them; 64 MiB, 128 MiB when more than 8 threads run. */
+    iopages_config cfg;
+    iopages_config_default(&cfg);
+    cfg.size_bytes = max_threads > 8 ? 128u << 20 : 64u << 20;
+    cfg.huge_pages = IOPAGES_HUGE_TRY;
+    cfg.populate = true;
+    cfg.checks = 0;
+    if (iopages_allocator_create(&cfg, &ioa) != 0) {
+        fprintf(stderr, "iopages_allocator_create: %s\n", iopages_last_error());
+        return 3;
+    }
+#endif
 #if defined(PEER_DPDK)
     /* A pool that cannot hold what the largest pass keeps in flight would
      * run dry and end the process: size it for the thread counts asked. */

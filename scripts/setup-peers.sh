@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Build the E1 peer harness once per allocator users would pick instead of
 # iopages: glibc, jemalloc, mimalloc, tcmalloc (gperftools) and DPDK's
-# rte_mempool. Installs the Debian packages it needs when they are missing
-# (as root), then compiles peers/peer_bench.c into OUT/peer-NAME.
+# rte_mempool — and iopages itself through its C ABI when libiopages can be
+# found or built (peer-iopages-c). Installs the Debian packages it needs
+# when they are missing (as root), then compiles peers/peer_bench.c into
+# OUT/peer-NAME.
 # A peer that cannot be built gets OUT/peer-NAME.err with the reason instead;
 # the benchmark reports it and runs the others.
 #
@@ -55,4 +57,31 @@ else
   echo "libdpdk not found by pkg-config (package libdpdk-dev)" >"$out/peer-dpdk-aligned.err"
   echo "setup-peers: dpdk: libdpdk-dev missing" >&2
 fi
+# iopages itself through its C ABI (crates/iopages-ffi): optional. The
+# library comes from IOPAGES_PREFIX (an install by scripts/install-c.sh),
+# else pkg-config, else a release build of this workspace. Without it the
+# row is reported as unavailable and everything above is unaffected.
+build_iopages() {
+  rm -f "$out/peer-iopages-c" "$out/peer-iopages-c.err"
+  local cflags libs
+  if [ -n "${IOPAGES_PREFIX:-}" ] && [ -f "$IOPAGES_PREFIX/include/iopages.h" ]; then
+    cflags="-I$IOPAGES_PREFIX/include"
+    libs="-L$IOPAGES_PREFIX/lib -Wl,-rpath,$IOPAGES_PREFIX/lib -liopages"
+  elif pkg-config --exists iopages 2>/dev/null; then
+    cflags=$(pkg-config --cflags iopages)
+    libs="$(pkg-config --libs iopages) -Wl,-rpath,$(pkg-config --variable=libdir iopages)"
+  elif command -v cargo >/dev/null && cargo build --release -q -p iopages-ffi >"$out/iopages-ffi-build.log" 2>&1; then
+    local tdir=${CARGO_TARGET_DIR:-target}/release
+    tdir=$(cd "$tdir" && pwd)
+    cflags="-Icrates/iopages-ffi/include"
+    libs="-L$tdir -Wl,-rpath,$tdir -liopages"
+  else
+    echo "libiopages not found (set IOPAGES_PREFIX, install it with scripts/install-c.sh, or make cargo build -p iopages-ffi work; see $out/iopages-ffi-build.log)" >"$out/peer-iopages-c.err"
+    echo "setup-peers: iopages-c: libiopages not available" >&2
+    return
+  fi
+  # shellcheck disable=SC2086
+  build iopages-c -DPEER_IOPAGES -DHAVE_IOPAGES $cflags $libs
+}
+build_iopages
 exit 0

@@ -1,0 +1,344 @@
+/* api.c — every call of iopages.h once, and its error paths. Exit 0 and
+ * "api: ok" when every check holds; the first failed check is printed. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "iopages.h"
+
+#define CHECK(cond)                                                                              \
+    do {                                                                                         \
+        if (!(cond)) {                                                                           \
+            fprintf(stderr, "%s:%d: check failed: %s (last error: %s)\n", __FILE__, __LINE__, #cond, \
+                    iopages_last_error());                                                       \
+            exit(1);                                                                             \
+        }                                                                                        \
+    } while (0)
+
+static iopages_allocator *make(int checks) {
+    iopages_config cfg;
+    CHECK(iopages_config_default(&cfg) == 0);
+    cfg.size_bytes = 16 << 20;
+    cfg.huge_pages = IOPAGES_HUGE_NEVER;
+    cfg.checks = checks;
+    iopages_allocator *a = NULL;
+    CHECK(iopages_allocator_create(&cfg, &a) == 0 && a);
+    return a;
+}
+
+static void allocator_calls(void) {
+    iopages_config cfg;
+    iopages_allocator *a = NULL;
+    /* Bad settings and NULLs. */
+    CHECK(iopages_config_default(NULL) == -EINVAL);
+    CHECK(iopages_config_default(&cfg) == 0);
+    cfg.size_bytes = 5 << 20; /* not a multiple of 4 MiB */
+    CHECK(iopages_allocator_create(&cfg, &a) == -EINVAL && a == NULL);
+    CHECK(strstr(iopages_last_error(), "arena size") != NULL);
+    cfg.size_bytes = 8 << 20;
+    cfg.huge_pages = 7;
+    CHECK(iopages_allocator_create(&cfg, &a) == -EINVAL);
+    CHECK(iopages_allocator_create(&cfg, NULL) == -EINVAL);
+    CHECK(iopages_version()[0] != '\0');
+
+    a = make(1);
+    CHECK(iopages_allocator_checks(a) == 1);
+    CHECK(iopages_allocator_nr_pages(a) == 4096);
+    CHECK(iopages_allocator_nr_pages(NULL) == 0);
+
+    /* Single pages and blocks. */
+    iopages_page p = 0, q = 0;
+    CHECK(iopages_alloc_pages(a, 0, IOPAGES_GFP_KERNEL | IOPAGES_GFP_ZERO, &p) == 0 && p != 0);
+    char *addr = iopages_page_address(a, p);
+    CHECK(addr != NULL && ((uintptr_t)addr & 4095) == 0);
+    for (int i = 0; i < 4096; i++) CHECK(addr[i] == 0);
+    memset(addr, 0xab, 4096);
+    CHECK(iopages_address_page(a, addr + 100, &q) == 0 && q == p);
+    CHECK(iopages_page_pfn(p) == p - 1);
+    int on_stack;
+    CHECK(iopages_address_page(a, &on_stack, &q) == -EINVAL); /* outside the arena */
+    CHECK(iopages_address_page(a, addr, NULL) == -EINVAL);
+    CHECK(iopages_page_address(a, 0) == NULL);
+    CHECK(iopages_page_address(a, 999999) == NULL);
+    CHECK(iopages_free_pages(a, p, 0) == 0);
+    CHECK(iopages_free_pages(a, p, 0) == -EINVAL); /* double free, caught by checks */
+    CHECK(strstr(iopages_last_error(), "double free") != NULL);
+    CHECK(iopages_free_pages(a, 0, 0) == -EINVAL);
+    CHECK(iopages_free_pages(a, 1u << 30, 0) == -EINVAL);
+    CHECK(iopages_alloc_pages(a, 11, IOPAGES_GFP_KERNEL, &p) == -EINVAL);
+    CHECK(iopages_alloc_pages(a, 0, 1u << 30, &p) == -EINVAL); /* unknown gfp bits */
+    CHECK(iopages_alloc_pages(NULL, 0, IOPAGES_GFP_KERNEL, &p) == -EINVAL);
+    CHECK(iopages_alloc_pages(a, 0, IOPAGES_GFP_KERNEL, NULL) == -EINVAL);
+    CHECK(iopages_alloc_pages(a, 3, IOPAGES_GFP_KERNEL | IOPAGES_GFP_COMP, &p) == 0);
+    CHECK(iopages_free_pages(a, p, 2) == -EINVAL); /* a folio freed with the wrong order */
+    CHECK(iopages_free_pages(a, p + 1, 3) == -EINVAL); /* not aligned */
+    CHECK(iopages_free_pages(a, p, 3) == 0);
+    /* Exhaustion: a 4 MiB block at a time until none is left. */
+    iopages_page big[8];
+    int nbig = 0;
+    while (nbig < 8 && iopages_alloc_pages(a, 10, IOPAGES_GFP_NOWAIT, &big[nbig]) == 0) nbig++;
+    CHECK(nbig >= 1 && nbig < 8);
+    CHECK(iopages_alloc_pages(a, 10, IOPAGES_GFP_NOWAIT, &p) == -ENOMEM);
+    for (int i = 0; i < nbig; i++) CHECK(iopages_free_pages(a, big[i], 10) == 0);
+
+    /* Bulk. */
+    iopages_page v[64];
+    memset(v, 0xff, sizeof v);
+    CHECK(iopages_alloc_pages_bulk(a, IOPAGES_GFP_KERNEL, v, 64) == 64);
+    for (int i = 0; i < 64; i++) CHECK(v[i] != 0 && iopages_page_address(a, v[i]) != NULL);
+    iopages_page bad[2] = {v[0], 0};
+    CHECK(iopages_free_pages_bulk(a, bad, 2) == -EINVAL); /* nothing freed */
+    CHECK(iopages_free_pages_bulk(a, v, 64) == 0);
+    CHECK(iopages_free_pages_bulk(a, v, 1) == -EINVAL); /* double free */
+    CHECK(iopages_free_pages_bulk(a, NULL, 0) == 0);
+    CHECK(iopages_free_pages_bulk(a, NULL, 3) == -EINVAL);
+    CHECK(iopages_alloc_pages_bulk(a, IOPAGES_GFP_KERNEL, NULL, 3) == -EINVAL);
+
+    /* Destroy with a page out: refused, the allocator stays usable. */
+    iopages_accounting acc;
+    CHECK(iopages_alloc_pages(a, 0, IOPAGES_GFP_KERNEL, &p) == 0);
+    CHECK(iopages_leak_check(a, &acc) == -EBUSY && acc.in_use_pages == 1);
+    CHECK(iopages_allocator_destroy(a) == -EBUSY);
+    CHECK(strstr(iopages_last_error(), "still allocated") != NULL);
+    CHECK(iopages_free_pages(a, p, 0) == 0);
+    CHECK(iopages_leak_check(a, &acc) == 0 && acc.in_use_pages == 0 && acc.total_pages == 4096);
+
+    /* Statistics. */
+    iopages_stats st;
+    CHECK(iopages_stats_get(a, &st) == 0 && st.total_pages == 4096 && st.bulk_alloc_calls >= 1);
+    CHECK(iopages_stats_get(a, NULL) == -EINVAL);
+    char small[8];
+    ptrdiff_t need = iopages_stats_text(a, small, sizeof small);
+    CHECK(need > 8 && strlen(small) == 7);
+    char *text = malloc((size_t)need + 1);
+    CHECK(iopages_stats_text(a, text, (size_t)need + 1) == need && strlen(text) == (size_t)need);
+    free(text);
+    CHECK(iopages_allocator_destroy(a) == 0);
+    CHECK(iopages_allocator_destroy(NULL) == 0);
+
+    /* Without checks: the fast setting; bounds are still checked. */
+    a = make(0);
+    CHECK(iopages_allocator_checks(a) == 0);
+    CHECK(iopages_free_pages(a, 0, 0) == -EINVAL);
+    CHECK(iopages_free_pages(a, 5000, 0) == -EINVAL);
+    CHECK(iopages_allocator_destroy(a) == 0);
+}
+
+static void local_calls(void) {
+    iopages_allocator *a = make(1);
+    iopages_local *l = NULL;
+    CHECK(iopages_local_create(a, &l) == 0 && l);
+    CHECK(iopages_local_create(NULL, &l) == -EINVAL);
+    iopages_page p;
+    CHECK(iopages_local_alloc_pages(l, 0, IOPAGES_GFP_KERNEL, &p) == 0);
+    CHECK(iopages_local_free_pages(l, p, 0) == 0);
+    CHECK(iopages_local_free_pages(l, p, 0) == -EINVAL);
+    CHECK(iopages_local_alloc_pages(l, 2, IOPAGES_GFP_KERNEL, &p) == 0);
+    CHECK(iopages_local_free_pages(l, p, 2) == 0);
+    iopages_page v[100];
+    CHECK(iopages_local_alloc_bulk(l, IOPAGES_GFP_KERNEL, v, 100) == 100);
+    CHECK(iopages_local_free_bulk(l, v, 100) == 0);
+    CHECK(iopages_local_free_bulk(l, v, 1) == -EINVAL);
+    char *one = iopages_local_alloc_page_ptr(l, IOPAGES_GFP_KERNEL);
+    CHECK(one != NULL && ((uintptr_t)one & 4095) == 0);
+    one[4095] = 1;
+    CHECK(iopages_local_free_page_ptr(l, one + 1) == -EINVAL);
+    CHECK(iopages_local_free_page_ptr(l, one) == 0);
+    CHECK(iopages_local_free_page_ptr(l, one) == -EINVAL); /* double free */
+    CHECK(iopages_local_free_page_ptr(l, NULL) == -EINVAL);
+    CHECK(iopages_local_alloc_page_ptr(NULL, IOPAGES_GFP_KERNEL) == NULL);
+    void *ptrs[32];
+    CHECK(iopages_local_alloc_bulk_ptrs(l, IOPAGES_GFP_KERNEL, ptrs, 32) == 32);
+    for (int i = 0; i < 32; i++) {
+        CHECK(((uintptr_t)ptrs[i] & 4095) == 0);
+        memset(ptrs[i], i, 4096);
+    }
+    void *saved = ptrs[3];
+    ptrs[3] = (char *)ptrs[3] + 8; /* not a page start */
+    CHECK(iopages_local_free_bulk_ptrs(l, ptrs, 32) == -EINVAL);
+    ptrs[3] = saved;
+    CHECK(iopages_local_free_bulk_ptrs(l, ptrs, 32) == 0);
+    CHECK(iopages_local_free_bulk_ptrs(l, ptrs, 1) == -EINVAL); /* double free */
+    CHECK(iopages_local_destroy(l) == 0);
+    CHECK(iopages_local_destroy(NULL) == 0);
+    CHECK(iopages_leak_check(a, NULL) == 0);
+    CHECK(iopages_allocator_destroy(a) == 0);
+}
+
+static void mempool_calls(void) {
+    iopages_allocator *a = make(1);
+    iopages_mempool *pp = NULL, *op = NULL;
+    CHECK(iopages_mempool_create_pages(a, 0, 16, &pp) == 0);
+    CHECK(iopages_mempool_create_pages(a, 11, 16, &pp) == -EINVAL);
+    CHECK(iopages_mempool_element_size(pp) == 4096);
+    void *e = NULL;
+    CHECK(iopages_mempool_alloc(pp, IOPAGES_GFP_NOIO, &e) == 0 && e);
+    memset(e, 1, 4096);
+    CHECK(iopages_mempool_destroy(pp) == -EBUSY); /* an element is out */
+    CHECK(iopages_mempool_free(pp, (char *)e + 1) == -EINVAL);
+    CHECK(iopages_mempool_free(pp, e) == 0);
+    CHECK(iopages_mempool_free(pp, e) == -EINVAL); /* more frees than allocations */
+    iopages_page pg;
+    CHECK(iopages_mempool_alloc_page(pp, IOPAGES_GFP_NOIO, &pg) == 0);
+    CHECK(iopages_mempool_free_page(pp, pg) == 0);
+    void *v[40];
+    CHECK(iopages_mempool_alloc_bulk(pp, IOPAGES_GFP_NOIO, v, 40) == -EINVAL); /* > min_nr, could wait for ever */
+    CHECK(iopages_mempool_alloc_bulk(pp, IOPAGES_GFP_NOIO, v, 16) == 16);
+    CHECK(iopages_mempool_free_bulk(pp, v, 16) == 0);
+    CHECK(iopages_mempool_alloc_bulk(pp, IOPAGES_GFP_NOWAIT, v, 40) == 40);
+    CHECK(iopages_mempool_free_bulk(pp, v, 40) == 0);
+    iopages_mempool_stats ms;
+    CHECK(iopages_mempool_stats_get(pp, &ms) == 0 && ms.min_nr == 16 && ms.reserve_len == 16 && ms.out == 0);
+
+    /* Objects with a budget of 8 live objects, 4 of them in reserve. */
+    CHECK(iopages_mempool_create_objects(0, 0, 4, 0, &op) == -EINVAL);
+    CHECK(iopages_mempool_create_objects(100, 3, 4, 0, &op) == -EINVAL);
+    CHECK(iopages_mempool_create_objects(100, 64, 4, 2, &op) == -EINVAL);
+    CHECK(iopages_mempool_create_objects(100, 64, 4, 8, &op) == 0);
+    CHECK(iopages_mempool_element_size(op) == 100);
+    CHECK(iopages_mempool_alloc_page(op, IOPAGES_GFP_NOIO, &pg) == -EINVAL);
+    void *o[16];
+    int n = 0;
+    while (n < 16 && iopages_mempool_alloc(op, IOPAGES_GFP_NOWAIT, &o[n]) == 0) {
+        CHECK(((uintptr_t)o[n] & 63) == 0);
+        memset(o[n], n, 100);
+        n++;
+    }
+    CHECK(n == 8); /* the budget: 4 fresh + the 4 in reserve */
+    CHECK(iopages_mempool_alloc(op, IOPAGES_GFP_NOWAIT, &o[8]) == -ENOMEM);
+    CHECK(iopages_mempool_stats_get(op, &ms) == 0 && ms.failures >= 1 && ms.reserve_len == 0);
+    CHECK(iopages_mempool_free_bulk(op, o, 8) == 0);
+    /* Not blocking: what the source gives (4 under the budget); the
+     * reserve (4) serves only if it can fill every missing element. */
+    CHECK(iopages_mempool_alloc_bulk(op, IOPAGES_GFP_NOWAIT, o, 16) == 4);
+    CHECK(iopages_mempool_free_bulk(op, o, 4) == 0);
+    CHECK(iopages_mempool_alloc_bulk(op, IOPAGES_GFP_NOWAIT, o, 8) == 8); /* 4 + the whole reserve */
+    CHECK(iopages_mempool_free_bulk(op, o, 8) == 0);
+    CHECK(iopages_mempool_destroy(op) == 0);
+    CHECK(iopages_allocator_destroy(a) == -EBUSY); /* the page pool's reserve */
+    CHECK(iopages_mempool_destroy(pp) == 0);
+    CHECK(iopages_allocator_destroy(a) == 0);
+}
+
+static void counter_calls(void) {
+    iopages_counter *c = NULL;
+    CHECK(iopages_counter_create(10, 0, 0, &c) == 0);
+    CHECK(iopages_counter_add(c, 5) == 0);
+    CHECK(iopages_counter_sum(c) == 15);
+    int64_t bound;
+    CHECK(iopages_counter_error_bound(c, &bound) == 0 && bound >= 0);
+    int64_t r = iopages_counter_read(c);
+    CHECK(r >= 15 - bound && r <= 15 + bound);
+    CHECK(iopages_counter_compare(c, 15) == 0 && iopages_counter_compare(c, 100) == -1 &&
+          iopages_counter_compare(c, -100) == 1);
+    CHECK(iopages_counter_limited_add(c, 20, 5) == 1);
+    CHECK(iopages_counter_limited_add(c, 20, 1) == 0);
+    CHECK(iopages_counter_set(c, -3) == 0);
+    CHECK(iopages_counter_sum(c) == -3 && iopages_counter_sum_positive(c) == 0 &&
+          iopages_counter_read_positive(c) == 0);
+    CHECK(iopages_counter_destroy(c) == 0);
+    CHECK(iopages_counter_create(0, 4, 8, &c) == 0);
+    CHECK(iopages_counter_destroy(c) == 0);
+    CHECK(iopages_counter_create(0, 0, -5, &c) == -EINVAL);
+    CHECK(iopages_counter_add(NULL, 1) == -EINVAL);
+    CHECK(iopages_counter_compare(NULL, 1) == -EINVAL);
+}
+
+static void kvmalloc_calls(void) {
+    iopages_allocator *a = make(1);
+    iopages_kvmalloc *kv = NULL;
+    CHECK(iopages_kvmalloc_create(a, &kv) == 0);
+    void *small = NULL, *large = NULL;
+    CHECK(iopages_kvmalloc_alloc(kv, 3 * 4096, IOPAGES_GFP_KERNEL | IOPAGES_GFP_ZERO, IOPAGES_KV_FAIL_FAST, &small) == 0);
+    for (int i = 0; i < 3 * 4096; i++) CHECK(((char *)small)[i] == 0);
+    CHECK(iopages_kvmalloc_is_contiguous(kv, small) == 1);
+    CHECK(iopages_kvmalloc_alloc(kv, 6 << 20, IOPAGES_GFP_KERNEL, IOPAGES_KV_LEGACY, &large) == 0);
+    memset(large, 7, 6 << 20);
+    CHECK(iopages_kvmalloc_is_contiguous(kv, large) == 0);
+    CHECK(iopages_kvmalloc_alloc(kv, 0, IOPAGES_GFP_KERNEL, 0, &small) == -EINVAL);
+    CHECK(iopages_kvmalloc_alloc(kv, 4096, IOPAGES_GFP_KERNEL, 9, &small) == -EINVAL);
+    CHECK(iopages_kvmalloc_destroy(kv) == -EBUSY);
+    CHECK(iopages_kvfree(kv, large) == 0);
+    CHECK(iopages_kvfree(kv, large) == -EINVAL); /* double free */
+    CHECK(iopages_kvfree(kv, (char *)small + 1) == -EINVAL);
+    CHECK(iopages_kvfree(kv, small) == 0);
+    CHECK(iopages_kvfree(kv, NULL) == 0);
+    CHECK(iopages_kvmalloc_destroy(kv) == 0);
+    CHECK(iopages_allocator_destroy(a) == 0);
+}
+
+static void folio_bio_calls(void) {
+    iopages_allocator *a = make(1);
+    iopages_folio_buffer *b = NULL;
+    size_t len = 256 * 1024 + 4096;
+    CHECK(iopages_folio_buffer_create(a, IOPAGES_GFP_KERNEL, len, 4, &b) == 0);
+    CHECK(iopages_folio_buffer_create(a, IOPAGES_GFP_KERNEL, len, 11, &b) == -EINVAL);
+    CHECK(iopages_folio_buffer_len(b) == len);
+    size_t nf = iopages_folio_buffer_nr_folios(b);
+    CHECK(nf >= 5);
+    size_t total = 0;
+    for (size_t i = 0; i < nf; i++) {
+        void *p;
+        size_t n;
+        CHECK(iopages_folio_buffer_chunk(b, i, &p, &n) == 0);
+        memset(p, (int)i, n);
+        total += n;
+    }
+    CHECK(total == len);
+    CHECK(iopages_folio_buffer_chunk(b, nf, NULL, NULL) == -EINVAL);
+    char *src = malloc(len), *dst = malloc(len);
+    for (size_t i = 0; i < len; i++) src[i] = (char)(i * 7);
+    CHECK(iopages_folio_buffer_copy_from(b, src, len) == 0);
+    CHECK(iopages_folio_buffer_copy_from(b, src, len + 1) == -EINVAL);
+    CHECK(iopages_folio_buffer_copy_to(b, dst, len) == 0 && memcmp(src, dst, len) == 0);
+
+    iopages_bio *bio = NULL;
+    CHECK(iopages_bio_from_buffer(b, 0, len + 1, 0, 0, &bio) == -EINVAL);
+    CHECK(iopages_bio_from_buffer(b, 0, len, 1, 0, &bio) == -E2BIG);
+    CHECK(iopages_bio_from_buffer(b, 512, len - 512, 0, 0, &bio) == 0);
+    CHECK(iopages_bio_len(bio) == len - 512);
+    size_t ns = iopages_bio_nr_segments(bio);
+    CHECK(ns >= 5);
+    struct iovec iov[64];
+    CHECK(iopages_bio_iovecs(bio, iov, 1) == -ENOSPC);
+    CHECK(iopages_bio_iovecs(bio, iov, 64) == (ptrdiff_t)ns);
+    size_t at = 512;
+    for (size_t i = 0; i < ns; i++) {
+        CHECK(memcmp(iov[i].iov_base, src + at, iov[i].iov_len) == 0);
+        at += iov[i].iov_len;
+    }
+    CHECK(at == len);
+    char desc[4096];
+    CHECK(iopages_bio_describe(bio, desc, sizeof desc) > 0 && strstr(desc, "offset 512") != NULL);
+    CHECK(iopages_folio_buffer_destroy(b) == -EBUSY); /* pinned by the bio */
+    CHECK(iopages_bio_release(bio) == 0);
+    CHECK(iopages_bio_release(NULL) == 0);
+
+    /* A bio over pages from the bulk API. */
+    iopages_page v[8];
+    CHECK(iopages_alloc_pages_bulk(a, IOPAGES_GFP_KERNEL, v, 8) == 8);
+    CHECK(iopages_bio_from_pages(a, v, 8, 0, 8 * 4096, 0, 0, &bio) == 0);
+    CHECK(iopages_bio_len(bio) == 8 * 4096);
+    CHECK(iopages_free_pages(a, v[0], 0) == -EBUSY); /* pinned */
+    CHECK(iopages_bio_release(bio) == 0);
+    CHECK(iopages_free_pages_bulk(a, v, 8) == 0);
+    iopages_page bogus[1] = {999999};
+    CHECK(iopages_bio_from_pages(a, bogus, 1, 0, 4096, 0, 0, &bio) == -EINVAL);
+
+    CHECK(iopages_folio_buffer_destroy(b) == 0);
+    free(src);
+    free(dst);
+    CHECK(iopages_allocator_destroy(a) == 0);
+}
+
+int main(void) {
+    allocator_calls();
+    local_calls();
+    mempool_calls();
+    counter_calls();
+    kvmalloc_calls();
+    folio_bio_calls();
+    printf("api: ok\n");
+    return 0;
+}
