@@ -19,14 +19,13 @@
 
 mod common;
 
-use common::{pattern, sigterm_and_wait, succeeded, tools, wait_for_banner, Dir, BIN};
+use common::{cryptsetup, luks_format, pattern, run, serve_cmd, tools, Dir, BIN};
 use std::io::{Read, Write};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::io::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 const MIB: u64 = 1 << 20;
@@ -37,71 +36,40 @@ const HOLE_ZERO: u32 = 3;
 /// Block status flags of allocated data.
 const DATA: u32 = 0;
 
-fn run(cmd: &mut Command) -> String {
-    let out = cmd
-        .stdin(Stdio::null())
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
-    succeeded(cmd, &out)
-}
-
-fn cryptsetup() -> Command {
-    Command::new(iopages_testkit::find_tool("cryptsetup").expect("cryptsetup"))
-}
-
-/// A running `iopages serve` on a Unix socket; killed if the test fails
-/// before stopping it.
+/// A running `iopages serve` on a Unix socket (the common one, and its
+/// socket for qemu-io).
 struct Served {
-    child: Option<Child>,
-    lines: mpsc::Receiver<String>,
+    srv: common::Served,
     sock: PathBuf,
-    uri: String,
-    banner: Vec<String>,
-    stderr: PathBuf,
+}
+
+impl std::ops::Deref for Served {
+    type Target = common::Served;
+    fn deref(&self) -> &common::Served {
+        &self.srv
+    }
 }
 
 impl Served {
     /// `iopages serve ARGS` on `DIR/NAME.sock`.
     fn start(dir: &Dir, name: &str, args: &[&str]) -> Served {
         let sock = dir.join(&format!("{name}.sock"));
-        let stderr = dir.join(&format!("{name}.err"));
-        let mut child = Command::new(BIN)
-            .arg("serve")
-            .args(args)
+        let mut cmd = serve_cmd();
+        cmd.args(args)
             .arg("--unix")
             .arg(&sock)
-            .args(["--arena", "128M"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&stderr).unwrap())
-            .spawn()
-            .expect("iopages serve starts");
-        let lines = common::lines_of(child.stdout.take().unwrap());
-        let mut uri = String::new();
-        let banner = wait_for_banner(&mut child, &lines, &stderr, |l| {
-            if let Some(u) = l.strip_prefix("serving ") {
-                uri = u.to_string();
-            }
-        });
-        assert!(uri.starts_with("nbd+unix:///"), "{banner:?}");
-        Served {
-            child: Some(child),
-            lines,
-            sock,
-            uri,
-            banner,
-            stderr,
-        }
+            .args(["--arena", "128M"]);
+        let srv = common::Served::spawn(cmd, dir.join(&format!("{name}.err")), |_| {});
+        assert!(srv.uri.starts_with("nbd+unix:///"), "{:?}", srv.banner);
+        Served { srv, sock }
     }
 
     /// SIGTERM: the server must exit 0 after its last statistics line and
     /// `stopped`, with nothing on stderr. Returns that statistics line.
-    fn stop(mut self) -> String {
-        let mut child = self.child.take().unwrap();
-        let status = sigterm_and_wait(&mut child, "iopages serve");
-        let rest: Vec<String> = self.lines.try_iter().collect();
-        let err = std::fs::read_to_string(&self.stderr).unwrap_or_default();
-        assert!(status.success(), "exited with {status}: {err}\n{rest:?}");
+    fn stop(self) -> String {
+        let stderr = self.srv.stderr.clone();
+        let rest = self.srv.stop();
+        let err = std::fs::read_to_string(&stderr).unwrap_or_default();
         assert_eq!(rest.last().map(|l| l.as_str()), Some("stopped"), "{rest:?}");
         assert!(err.trim().is_empty(), "stderr: {err}");
         rest.iter()
@@ -113,7 +81,7 @@ impl Served {
     /// Bytes allocated to the in-memory volume: its memfd's blocks, seen
     /// through /proc.
     fn volume_bytes(&self) -> u64 {
-        let fds = format!("/proc/{}/fd", self.child.as_ref().unwrap().id());
+        let fds = format!("/proc/{}/fd", self.pid());
         let mut names = Vec::new();
         for e in std::fs::read_dir(&fds).unwrap() {
             let p = e.unwrap().path();
@@ -207,15 +175,6 @@ impl Served {
                 })
                 .collect(),
         )
-    }
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
     }
 }
 
@@ -970,19 +929,24 @@ fn a_cryptsetup_luks2_image_keeps_its_header_and_data_and_gets_holes_where_disca
         .unwrap()
         .set_len(64 * MIB)
         .unwrap();
-    run(cryptsetup()
-        .args([
-            "luksFormat",
+    luks_format(
+        &img,
+        &pass,
+        &[
             "--type",
             "luks2",
             "--cipher",
             "aes-xts-plain64",
-        ])
-        .args(["--key-size", "512", "--sector-size", "512"])
-        .args(["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"])
-        .args(["--batch-mode", "--key-file"])
-        .arg(&pass)
-        .arg(&img));
+            "--key-size",
+            "512",
+            "--sector-size",
+            "512",
+            "--pbkdf",
+            "pbkdf2",
+            "--pbkdf-force-iterations",
+            "1000",
+        ],
+    );
     // The payload's offset, from cryptsetup's own description.
     let dump = run(cryptsetup().arg("luksDump").arg(&img));
     let data_at: u64 = dump
@@ -1148,12 +1112,20 @@ fn a_luks1_payload_off_the_file_system_blocks_maps_the_files_holes_in_whole_sect
         .unwrap();
     // The payload 512 bytes past a 4096-byte block: every hole of the
     // file is off the volume's 4096-byte boundaries.
-    run(cryptsetup()
-        .args(["luksFormat", "--type", "luks1", "--align-payload", "4097"])
-        .args(["--hash", "sha256", "--pbkdf-force-iterations", "1000"])
-        .args(["--batch-mode", "--key-file"])
-        .arg(&pass)
-        .arg(&img));
+    luks_format(
+        &img,
+        &pass,
+        &[
+            "--type",
+            "luks1",
+            "--align-payload",
+            "4097",
+            "--hash",
+            "sha256",
+            "--pbkdf-force-iterations",
+            "1000",
+        ],
+    );
     let data_at = 4097 * 512;
     let payload = 32 * MIB - data_at;
     let srv = Served::start(
