@@ -11,7 +11,9 @@
 
 mod common;
 
-use common::{cryptsetup, luks_format, pattern, run, serve_cmd, tools, Dir, Served, BIN};
+use common::{
+    cryptsetup, decrypt, fio_verify, luks_format, pattern, run, serve_cmd, tools, Dir, Served, BIN,
+};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -37,22 +39,11 @@ fn write_pass(dir: &Dir, name: &str, pass: &[u8]) -> PathBuf {
 
 fn luks1_by_cryptsetup(dir: &Dir, size: u64, pass: &Path) -> PathBuf {
     let img = dir.join("luks1.img");
-    std::fs::File::create(&img).unwrap().set_len(size).unwrap();
     luks_format(
         &img,
+        size,
         pass,
-        &[
-            "--type",
-            "luks1",
-            "--cipher",
-            "aes-xts-plain64",
-            "--key-size",
-            "512",
-            "--hash",
-            "sha256",
-            "--pbkdf-force-iterations",
-            "1000",
-        ],
+        "--type luks1 --cipher aes-xts-plain64 --key-size 512 --hash sha256 --pbkdf-force-iterations 1000",
     );
     img
 }
@@ -75,14 +66,7 @@ fn read_through_nbdkit(dir: &Dir, img: &Path, pass: &Path) -> Vec<u8> {
 }
 
 fn decrypt_offline(dir: &Dir, img: &Path, pass: &Path) -> Vec<u8> {
-    let out = dir.join("offline.raw");
-    run(Command::new(BIN)
-        .args(["luks", "decrypt", "--yes"])
-        .arg(img)
-        .arg(&out)
-        .arg("--passphrase-file")
-        .arg(pass));
-    std::fs::read(out).unwrap()
+    decrypt(img, pass, &dir.join("offline.raw"))
 }
 
 #[test]
@@ -149,29 +133,11 @@ fn cryptsetup_luks2_argon2id_4k_sectors_round_trip_through_qemu_io_and_offline()
     let dir = Dir::new("luks2");
     let pass = write_pass(&dir, "pass", b"luks2 passphrase");
     let img = dir.join("luks2.img");
-    std::fs::File::create(&img)
-        .unwrap()
-        .set_len(24 << 20)
-        .unwrap();
     luks_format(
         &img,
+        24 << 20,
         &pass,
-        &[
-            "--type",
-            "luks2",
-            "--cipher",
-            "aes-xts-plain64",
-            "--key-size",
-            "256",
-            "--sector-size",
-            "4096",
-            "--pbkdf",
-            "argon2id",
-            "--pbkdf-memory",
-            "32",
-            "--pbkdf-force-iterations",
-            "4",
-        ],
+        "--type luks2 --cipher aes-xts-plain64 --key-size 256 --sector-size 4096 --pbkdf argon2id --pbkdf-memory 32 --pbkdf-force-iterations 4",
     );
     // Through the page cache: small requests inline, large reads
     // decrypted straight from the mapped file.
@@ -374,27 +340,7 @@ fn the_default_in_memory_volume_serves_fio_verify_and_prints_statistics() {
     );
     let uri = srv.uri.clone();
     // fio's nbd engine: random writes with checksums, then reads them back.
-    let out = run(Command::new("fio")
-        .args([
-            "--name=verify",
-            "--ioengine=nbd",
-            "--rw=randwrite",
-            "--bs=4k",
-            "--size=16M",
-        ])
-        .args([
-            "--iodepth=16",
-            "--verify=crc32c",
-            "--do_verify=1",
-            "--verify_fatal=1",
-            // No state file left in the working directory.
-            "--verify_state_save=0",
-            "--output-format=json",
-        ])
-        .arg(format!("--uri={uri}")));
-    let json_at = out.find('{').expect("fio printed JSON");
-    let v: serde_json::Value = serde_json::from_str(&out[json_at..]).expect("fio's JSON");
-    let job = &v["jobs"][0];
+    let job = &fio_verify(&uri, "16M");
     assert_eq!(job["error"], 0, "{job}");
     assert!(
         job["write"]["io_bytes"].as_u64().unwrap() >= 16 << 20,

@@ -12,7 +12,9 @@
 
 mod common;
 
-use common::{cryptsetup, luks_format, pattern, run, serve_cmd, tools, Dir, Served, BIN};
+use common::{
+    cryptsetup, decrypt, fio_verify, luks_format, pattern, run, serve_cmd, tools, Dir, Served,
+};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -22,24 +24,11 @@ use std::time::{Duration, Instant};
 fn luks2_by_cryptsetup(dir: &Dir, size: u64) -> (PathBuf, PathBuf) {
     let (img, pass) = (dir.join("luks2.img"), dir.join("pass"));
     std::fs::write(&pass, b"remote passphrase").unwrap();
-    std::fs::File::create(&img).unwrap().set_len(size).unwrap();
     luks_format(
         &img,
+        size,
         &pass,
-        &[
-            "--type",
-            "luks2",
-            "--cipher",
-            "aes-xts-plain64",
-            "--key-size",
-            "512",
-            "--sector-size",
-            "4096",
-            "--pbkdf",
-            "pbkdf2",
-            "--pbkdf-force-iterations",
-            "1000",
-        ],
+        "--type luks2 --cipher aes-xts-plain64 --key-size 512 --sector-size 4096 --pbkdf pbkdf2 --pbkdf-force-iterations 1000",
     );
     (img, pass)
 }
@@ -109,15 +98,6 @@ fn serve(remote: &str, pass: &Path, sock: &Path, stderr: &Path) -> Served {
     srv
 }
 
-fn decrypt(img: &Path, pass: &Path, out: &Path) -> Vec<u8> {
-    run(Command::new(BIN)
-        .args(["luks", "decrypt", "--yes", "--passphrase-file"])
-        .arg(pass)
-        .arg(img)
-        .arg(out));
-    std::fs::read(out).unwrap()
-}
-
 #[test]
 fn a_cryptsetup_volume_on_a_remote_file_and_memory_export_is_written_through_iopages() {
     if !tools(&["nbdkit", "nbdinfo", "nbdcopy", "fio", "cryptsetup"]) {
@@ -140,28 +120,8 @@ fn a_cryptsetup_volume_on_a_remote_file_and_memory_export_is_written_through_iop
         let srv = serve(&remote_uri(&rsock), &pass, &sock, &dir.join("err"));
         let uri = srv.uri.clone();
         // fio's nbd engine: random writes with checksums, read back.
-        let out = run(Command::new("fio")
-            .args([
-                "--name=verify",
-                "--ioengine=nbd",
-                "--rw=randwrite",
-                "--bs=4k",
-            ])
-            .args([
-                "--size=8M",
-                "--iodepth=16",
-                "--verify=crc32c",
-                "--do_verify=1",
-            ])
-            .args([
-                "--verify_fatal=1",
-                "--verify_state_save=0",
-                "--output-format=json",
-            ])
-            .arg(format!("--uri={uri}")));
-        let v: serde_json::Value =
-            serde_json::from_str(&out[out.find('{').unwrap()..]).expect("fio's JSON");
-        assert_eq!(v["jobs"][0]["error"], 0, "{out}");
+        let job = fio_verify(&uri, "8M");
+        assert_eq!(job["error"], 0, "{job}");
         // A known pattern past fio's range, then a clean stop (flush).
         let data = pattern(7, 8 << 20);
         let src = dir.join("data.raw");

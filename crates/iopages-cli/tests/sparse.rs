@@ -64,6 +64,19 @@ impl Served {
         Served { srv, sock }
     }
 
+    /// `iopages serve --image IMG --passphrase-file PASS ARGS` on
+    /// `DIR/NAME.sock`.
+    fn on_image(dir: &Dir, name: &str, img: &Path, pass: &Path, args: &[&str]) -> Served {
+        let mut all = vec![
+            "--image",
+            img.to_str().unwrap(),
+            "--passphrase-file",
+            pass.to_str().unwrap(),
+        ];
+        all.extend_from_slice(args);
+        Served::start(dir, name, &all)
+    }
+
     /// SIGTERM: the server must exit 0 after its last statistics line and
     /// `stopped`, with nothing on stderr. Returns that statistics line.
     fn stop(self) -> String {
@@ -176,6 +189,18 @@ impl Served {
                 .collect(),
         )
     }
+}
+
+/// `iopages luks format IMG`: LUKS2, `size` of payload, 512-byte
+/// sectors, cheap PBKDF2, under the passphrase in the file `pass`.
+fn luks_image(img: &Path, size: &str, pass: &Path) {
+    run(Command::new(BIN)
+        .args(["luks", "format"])
+        .arg(img)
+        .args(["--size", size, "--sector-size", "512"])
+        .args(["--pbkdf", "pbkdf2", "--iterations", "1000"])
+        .arg("--passphrase-file")
+        .arg(pass));
 }
 
 /// One extent of a block status map: `flags` as NBD's `base:allocation`
@@ -925,27 +950,11 @@ fn a_cryptsetup_luks2_image_keeps_its_header_and_data_and_gets_holes_where_disca
     let pass = dir.join("pass");
     std::fs::write(&pass, b"sparse luks2").unwrap();
     let img = dir.join("luks2.img");
-    std::fs::File::create(&img)
-        .unwrap()
-        .set_len(64 * MIB)
-        .unwrap();
     luks_format(
         &img,
+        64 * MIB,
         &pass,
-        &[
-            "--type",
-            "luks2",
-            "--cipher",
-            "aes-xts-plain64",
-            "--key-size",
-            "512",
-            "--sector-size",
-            "512",
-            "--pbkdf",
-            "pbkdf2",
-            "--pbkdf-force-iterations",
-            "1000",
-        ],
+        "--type luks2 --cipher aes-xts-plain64 --key-size 512 --sector-size 512 --pbkdf pbkdf2 --pbkdf-force-iterations 1000",
     );
     // The payload's offset, from cryptsetup's own description.
     let dump = run(cryptsetup().arg("luksDump").arg(&img));
@@ -959,17 +968,7 @@ fn a_cryptsetup_luks2_image_keeps_its_header_and_data_and_gets_holes_where_disca
     assert_eq!(data_at % SECTOR, 0, "{dump}");
     let payload = 64 * MIB - data_at;
     let header = std::fs::read(&img).unwrap()[..data_at as usize].to_vec();
-    let srv = Served::start(
-        &dir,
-        "s",
-        &[
-            "--image",
-            img.to_str().unwrap(),
-            "--passphrase-file",
-            pass.to_str().unwrap(),
-            "--allow-discards",
-        ],
-    );
+    let srv = Served::on_image(&dir, "s", &img, &pass, &["--allow-discards"]);
     assert!(
         srv.banner
             .iter()
@@ -1029,17 +1028,12 @@ fn a_cryptsetup_luks2_image_keeps_its_header_and_data_and_gets_holes_where_disca
         .sum();
     assert_eq!(discard_counters(&line).1, punched >> 20, "{line}");
     // Served again read-only: the same map and contents, and TRIM refused.
-    let ro = Served::start(
+    let ro = Served::on_image(
         &dir,
         "ro",
-        &[
-            "--image",
-            img.to_str().unwrap(),
-            "--passphrase-file",
-            pass.to_str().unwrap(),
-            "--allow-discards",
-            "--read-only",
-        ],
+        &img,
+        &pass,
+        &["--allow-discards", "--read-only"],
     );
     assert_eq!(ro.nbdinfo_map(), want, "the map, read-only");
     let mut c = raw::Client::connect(&ro.sock);
@@ -1106,39 +1100,17 @@ fn a_luks1_payload_off_the_file_system_blocks_maps_the_files_holes_in_whole_sect
     let pass = dir.join("pass");
     std::fs::write(&pass, b"sparse luks1").unwrap();
     let img = dir.join("luks1.img");
-    std::fs::File::create(&img)
-        .unwrap()
-        .set_len(32 * MIB)
-        .unwrap();
     // The payload 512 bytes past a 4096-byte block: every hole of the
     // file is off the volume's 4096-byte boundaries.
     luks_format(
         &img,
+        32 * MIB,
         &pass,
-        &[
-            "--type",
-            "luks1",
-            "--align-payload",
-            "4097",
-            "--hash",
-            "sha256",
-            "--pbkdf-force-iterations",
-            "1000",
-        ],
+        "--type luks1 --align-payload 4097 --hash sha256 --pbkdf-force-iterations 1000",
     );
     let data_at = 4097 * 512;
     let payload = 32 * MIB - data_at;
-    let srv = Served::start(
-        &dir,
-        "s",
-        &[
-            "--image",
-            img.to_str().unwrap(),
-            "--passphrase-file",
-            pass.to_str().unwrap(),
-            "--allow-discards",
-        ],
-    );
+    let srv = Served::on_image(&dir, "s", &img, &pass, &["--allow-discards"]);
     assert!(
         srv.banner
             .iter()
@@ -1302,26 +1274,8 @@ fn random_writes_trims_and_zeroes_match_a_model_in_memory_and_in_a_file_direct_a
     std::fs::write(&pass, b"random ops").unwrap();
     for (i, io) in ["direct", "buffered"].into_iter().enumerate() {
         let img = dir.join(&format!("{io}.img"));
-        run(Command::new(BIN)
-            .args(["luks", "format"])
-            .arg(&img)
-            .args(["--size", "16M", "--sector-size", "512"])
-            .args(["--pbkdf", "pbkdf2", "--iterations", "1000"])
-            .arg("--passphrase-file")
-            .arg(&pass));
-        let srv = Served::start(
-            &dir,
-            io,
-            &[
-                "--image",
-                img.to_str().unwrap(),
-                "--passphrase-file",
-                pass.to_str().unwrap(),
-                "--allow-discards",
-                "--io",
-                io,
-            ],
-        );
+        luks_image(&img, "16M", &pass);
+        let srv = Served::on_image(&dir, io, &img, &pass, &["--allow-discards", "--io", io]);
         random_ops(&srv, 512, 12 + i as u32);
         srv.stop();
     }
@@ -1397,26 +1351,8 @@ fn concurrent_writes_and_punches_of_neighbouring_sectors_keep_each_others_data()
     std::fs::write(&pass, b"neighbours").unwrap();
     for io in ["direct", "buffered"] {
         let img = dir.join(&format!("{io}.img"));
-        run(Command::new(BIN)
-            .args(["luks", "format"])
-            .arg(&img)
-            .args(["--size", "4M", "--sector-size", "512"])
-            .args(["--pbkdf", "pbkdf2", "--iterations", "1000"])
-            .arg("--passphrase-file")
-            .arg(&pass));
-        let srv = Served::start(
-            &dir,
-            io,
-            &[
-                "--image",
-                img.to_str().unwrap(),
-                "--passphrase-file",
-                pass.to_str().unwrap(),
-                "--allow-discards",
-                "--io",
-                io,
-            ],
-        );
+        luks_image(&img, "4M", &pass);
+        let srv = Served::on_image(&dir, io, &img, &pass, &["--allow-discards", "--io", io]);
         concurrent_neighbours(&srv, 512);
         srv.stop();
     }
@@ -1469,25 +1405,11 @@ fn zeros_written_with_no_hole_are_encrypted_and_read_as_zeros_without_allow_disc
     let pass = dir.join("pass");
     std::fs::write(&pass, b"no hole").unwrap();
     let img = dir.join("v.img");
-    run(Command::new(BIN)
-        .args(["luks", "format"])
-        .arg(&img)
-        .args(["--size", "8M", "--sector-size", "512"])
-        .args(["--pbkdf", "pbkdf2", "--iterations", "1000"])
-        .arg("--passphrase-file")
-        .arg(&pass));
+    luks_image(&img, "8M", &pass);
     let data_at = std::fs::metadata(&img).unwrap().len() - 8 * MIB;
     let serve = |name: &str, discards: bool| {
-        let mut args = vec![
-            "--image",
-            img.to_str().unwrap(),
-            "--passphrase-file",
-            pass.to_str().unwrap(),
-        ];
-        if discards {
-            args.push("--allow-discards");
-        }
-        Served::start(&dir, name, &args)
+        let args: &[&str] = if discards { &["--allow-discards"] } else { &[] };
+        Served::on_image(&dir, name, &img, &pass, args)
     };
     let srv = serve("on", true);
     let mut c = raw::Client::connect(&srv.sock);

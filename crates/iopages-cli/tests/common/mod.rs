@@ -56,15 +56,45 @@ pub fn cryptsetup() -> Command {
     Command::new(iopages_testkit::find_tool("cryptsetup").expect("cryptsetup"))
 }
 
-/// `cryptsetup luksFormat --batch-mode ARGS --key-file KEY IMG`, which
-/// must succeed: `args` give the type, cipher, key size, PBKDF and its cost.
-pub fn luks_format(img: &Path, key: &Path, args: &[&str]) {
+/// A new file `img` of `size` bytes, then `cryptsetup luksFormat
+/// --batch-mode ARGS --key-file KEY IMG`, which must succeed: `args`,
+/// split at white space, give the type, cipher, key size, PBKDF and its
+/// cost.
+pub fn luks_format(img: &Path, size: u64, key: &Path, args: &str) {
+    std::fs::File::create(img).unwrap().set_len(size).unwrap();
     run(cryptsetup()
         .args(["luksFormat", "--batch-mode"])
-        .args(args)
+        .args(args.split_whitespace())
         .arg("--key-file")
         .arg(key)
         .arg(img));
+}
+
+/// `iopages luks decrypt` of `img` into the file `out`, offline; its
+/// bytes.
+pub fn decrypt(img: &Path, pass: &Path, out: &Path) -> Vec<u8> {
+    run(Command::new(BIN)
+        .args(["luks", "decrypt", "--yes"])
+        .arg(img)
+        .arg(out)
+        .arg("--passphrase-file")
+        .arg(pass));
+    std::fs::read(out).unwrap()
+}
+
+/// fio's nbd engine against `uri`: `size` of 4 KiB random writes with
+/// checksums, read back and verified (no state file left behind); its
+/// JSON report of the job.
+pub fn fio_verify(uri: &str, size: &str) -> serde_json::Value {
+    let out = run(Command::new("fio")
+        .args(["--name=verify", "--ioengine=nbd", "--rw=randwrite"])
+        .args(["--bs=4k", &format!("--size={size}"), "--iodepth=16"])
+        .args(["--verify=crc32c", "--do_verify=1", "--verify_fatal=1"])
+        .args(["--verify_state_save=0", "--output-format=json"])
+        .arg(format!("--uri={uri}")));
+    let json_at = out.find('{').expect("fio printed JSON");
+    let v: serde_json::Value = serde_json::from_str(&out[json_at..]).expect("fio's JSON");
+    v["jobs"][0].clone()
 }
 
 /// A directory of its own under the temporary directory, removed when
