@@ -1373,19 +1373,30 @@ fn report(opts: &BenchOptions, run: &Run, json_path: &Path) -> Result<Value, Ben
     let report = Report::new("E6 nbd", settings(run, opts), body)
         .stem(stem)
         .emit(opts, &[plot])?;
-    if !failed.is_empty() {
-        return Err(workload(format!(
-            "{} failed (report written to {}): {}",
-            failed.keys().copied().collect::<Vec<_>>().join(", "),
-            json_path.display(),
-            failed
-                .iter()
-                .map(|(k, v)| format!("{k}: {v}"))
-                .collect::<Vec<_>>()
-                .join("; ")
-        )));
-    }
+    failures(&failed, "", json_path)?;
     Ok(report)
+}
+
+/// An error naming each server of `failed` and what went wrong, after
+/// `what` and where the report was written; `Ok` when none failed.
+pub(crate) fn failures(
+    failed: &BTreeMap<&str, String>,
+    what: &str,
+    json_path: &Path,
+) -> Result<(), BenchError> {
+    if failed.is_empty() {
+        return Ok(());
+    }
+    Err(workload(format!(
+        "{what}{} failed (report written to {}): {}",
+        failed.keys().copied().collect::<Vec<_>>().join(", "),
+        json_path.display(),
+        failed
+            .iter()
+            .map(|(k, v)| format!("{k}: {v}"))
+            .collect::<Vec<_>>()
+            .join("; ")
+    )))
 }
 
 /// The table, the ratios and the targets.

@@ -22,8 +22,8 @@
 
 use crate::harness::{Chart, Plot, PlotFile, Report, Table};
 use crate::nbd::{
-    fs_type, luks_format, os, start_server, sync_file, work_dirs, workload, Files, Running, Server,
-    Tools, LUKS_HEADER_BYTES, MIB,
+    failures, fs_type, luks_format, os, start_server, sync_file, work_dirs, workload, Files,
+    Running, Server, Tools, LUKS_HEADER_BYTES, MIB,
 };
 use crate::plot::{BarPanel, Bars};
 use crate::{met, progress, round2, BenchError, BenchOptions};
@@ -881,18 +881,7 @@ fn report(
     let report = Report::new("E6 nbd sparse copy", settings, body)
         .stem(STEM)
         .emit(opts, &[plot])?;
-    if !failed.is_empty() {
-        return Err(workload(format!(
-            "sparse copy: {} failed (report written to {}): {}",
-            failed.keys().copied().collect::<Vec<_>>().join(", "),
-            json_path.display(),
-            failed
-                .iter()
-                .map(|(k, v)| format!("{k}: {v}"))
-                .collect::<Vec<_>>()
-                .join("; ")
-        )));
-    }
+    failures(&failed, "sparse copy: ", json_path)?;
     Ok(report)
 }
 
