@@ -454,6 +454,44 @@ pub(crate) struct Files {
     pub(crate) read_only: bool,
 }
 
+/// Checks that `iopages_bin` exists, then makes afresh the work
+/// directory `TAG-work-PID` beside the report `json_path` and the
+/// sockets' directory `iopages-TAG-PID` under the temporary directory.
+/// Returns the work directory (canonical), the sockets' and what removes
+/// both when dropped: bind it before starting any server.
+pub(crate) fn work_dirs(
+    iopages_bin: &Path,
+    json_path: &Path,
+    tag: &str,
+) -> Result<(PathBuf, PathBuf, RemoveDirs), BenchError> {
+    if !iopages_bin.is_file() {
+        return Err(workload(format!(
+            "{} not found: build it (cargo build --release -p iopages-cli)",
+            iopages_bin.display()
+        )));
+    }
+    let report_dir = json_path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."));
+    let pid = std::process::id();
+    let work = report_dir.join(format!("{tag}-work-{pid}"));
+    let socks = std::env::temp_dir().join(format!("iopages-{tag}-{pid}"));
+    let mk = |d: &Path| {
+        let _ = std::fs::remove_dir_all(d);
+        std::fs::create_dir_all(d).map_err(|e| BenchError::Write {
+            path: d.to_path_buf(),
+            source: e,
+        })
+    };
+    let dirs = RemoveDirs(vec![work.clone(), socks.clone()]);
+    mk(&work)?;
+    mk(&socks)?;
+    let work = work.canonicalize().unwrap_or(work);
+    Ok((work, socks, dirs))
+}
+
 /// Removes the directories it holds when dropped.
 pub(crate) struct RemoveDirs(pub(crate) Vec<PathBuf>);
 
@@ -981,33 +1019,9 @@ pub fn run_with(opts: &BenchOptions, iopages_bin: &Path, tls: bool) -> Result<Va
         (3, 1024 * MIB, 5000)
     };
     let servers = servers_of(opts.peers, tls);
-    if !iopages_bin.is_file() {
-        return Err(workload(format!(
-            "{} not found: build it (cargo build --release -p iopages-cli)",
-            iopages_bin.display()
-        )));
-    }
     let (json_path, _) = opts.paths(if tls { "nbd-tls" } else { "nbd" });
-    let report_dir = json_path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("."));
-    let pid = std::process::id();
-    let work = report_dir.join(format!("nbd-work-{pid}"));
-    let socks = std::env::temp_dir().join(format!("iopages-nbd-{pid}"));
-    let mk = |d: &Path| {
-        let _ = std::fs::remove_dir_all(d);
-        std::fs::create_dir_all(d).map_err(|e| BenchError::Write {
-            path: d.to_path_buf(),
-            source: e,
-        })
-    };
     // Declared before any server: dropped (removed) after they are stopped.
-    let _dirs = RemoveDirs(vec![work.clone(), socks.clone()]);
-    mk(&work)?;
-    mk(&socks)?;
-    let work = work.canonicalize().unwrap_or(work);
+    let (work, socks, _dirs) = work_dirs(iopages_bin, &json_path, "nbd")?;
     let tools = Tools::find(&work, opts.peers)?;
     let tls = if tls {
         Some(TlsSetup::make(&work.join("tls")).map_err(workload)?)
@@ -1359,19 +1373,30 @@ fn report(opts: &BenchOptions, run: &Run, json_path: &Path) -> Result<Value, Ben
     let report = Report::new("E6 nbd", settings(run, opts), body)
         .stem(stem)
         .emit(opts, &[plot])?;
-    if !failed.is_empty() {
-        return Err(workload(format!(
-            "{} failed (report written to {}): {}",
-            failed.keys().copied().collect::<Vec<_>>().join(", "),
-            json_path.display(),
-            failed
-                .iter()
-                .map(|(k, v)| format!("{k}: {v}"))
-                .collect::<Vec<_>>()
-                .join("; ")
-        )));
-    }
+    failures(&failed, "", json_path)?;
     Ok(report)
+}
+
+/// An error naming each server of `failed` and what went wrong, after
+/// `what` and where the report was written; `Ok` when none failed.
+pub(crate) fn failures(
+    failed: &BTreeMap<&str, String>,
+    what: &str,
+    json_path: &Path,
+) -> Result<(), BenchError> {
+    if failed.is_empty() {
+        return Ok(());
+    }
+    Err(workload(format!(
+        "{what}{} failed (report written to {}): {}",
+        failed.keys().copied().collect::<Vec<_>>().join(", "),
+        json_path.display(),
+        failed
+            .iter()
+            .map(|(k, v)| format!("{k}: {v}"))
+            .collect::<Vec<_>>()
+            .join("; ")
+    )))
 }
 
 /// The table, the ratios and the targets.

@@ -22,8 +22,8 @@
 
 use crate::harness::{Chart, Plot, PlotFile, Report, Table};
 use crate::nbd::{
-    fs_type, luks_format, os, start_server, sync_file, workload, Files, RemoveDirs, Running,
-    Server, Tools, LUKS_HEADER_BYTES, MIB,
+    failures, fs_type, luks_format, os, start_server, sync_file, work_dirs, workload, Files,
+    Running, Server, Tools, LUKS_HEADER_BYTES, MIB,
 };
 use crate::plot::{BarPanel, Bars};
 use crate::{met, progress, round2, BenchError, BenchOptions};
@@ -432,33 +432,9 @@ pub fn run(opts: &BenchOptions, iopages_bin: &Path) -> Result<Value, BenchError>
     } else {
         (3, 1024 * MIB)
     };
-    if !iopages_bin.is_file() {
-        return Err(workload(format!(
-            "{} not found: build it (cargo build --release -p iopages-cli)",
-            iopages_bin.display()
-        )));
-    }
     let (json_path, _) = opts.paths(STEM);
-    let report_dir = json_path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("."));
-    let pid = std::process::id();
-    let work = report_dir.join(format!("nbd-sparse-work-{pid}"));
-    let socks = std::env::temp_dir().join(format!("iopages-nbd-sparse-{pid}"));
-    let mk = |d: &Path| {
-        let _ = std::fs::remove_dir_all(d);
-        std::fs::create_dir_all(d).map_err(|e| BenchError::Write {
-            path: d.to_path_buf(),
-            source: e,
-        })
-    };
     // Declared before any server: dropped (removed) after they are stopped.
-    let _dirs = RemoveDirs(vec![work.clone(), socks.clone()]);
-    mk(&work)?;
-    mk(&socks)?;
-    let work = work.canonicalize().unwrap_or(work);
+    let (work, socks, _dirs) = work_dirs(iopages_bin, &json_path, "nbd-sparse")?;
     let st = SparseTools::find(&work, opts.peers, iopages_bin)?;
     let mut f = Files {
         image: work.join("luks1-sparse.img"),
@@ -905,18 +881,7 @@ fn report(
     let report = Report::new("E6 nbd sparse copy", settings, body)
         .stem(STEM)
         .emit(opts, &[plot])?;
-    if !failed.is_empty() {
-        return Err(workload(format!(
-            "sparse copy: {} failed (report written to {}): {}",
-            failed.keys().copied().collect::<Vec<_>>().join(", "),
-            json_path.display(),
-            failed
-                .iter()
-                .map(|(k, v)| format!("{k}: {v}"))
-                .collect::<Vec<_>>()
-                .join("; ")
-        )));
-    }
+    failures(&failed, "sparse copy: ", json_path)?;
     Ok(report)
 }
 
@@ -1117,6 +1082,7 @@ fn summary(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::nbd::RemoveDirs;
 
     /// The command line `iopages serve` is started with for the sparse copy,
     /// for the tests.

@@ -10,18 +10,9 @@
 
 mod common;
 
-use common::{pattern, sigterm_and_wait, succeeded, tools, wait_for_banner, Dir, BIN};
+use common::{pattern, run, serve_cmd, tools, Dir, Served, BIN};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-
-fn run(cmd: &mut Command) -> String {
-    let out = cmd
-        .stdin(Stdio::null())
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
-    succeeded(cmd, &out)
-}
+use std::process::{Command, Stdio};
 
 /// A LUKS2 image of `size` payload bytes under `pass` (cheap PBKDF2).
 fn image(dir: &Dir, name: &str, size: &str, pass: &[u8]) -> (PathBuf, PathBuf) {
@@ -53,58 +44,11 @@ fn export(name: &str, img: &Path, pass: &Path, extra: &str) -> String {
     )
 }
 
-/// A running `iopages serve --config`.
-struct Served {
-    child: Option<Child>,
-    lines: mpsc::Receiver<String>,
-    banner: Vec<String>,
-    stderr: PathBuf,
-}
-
-impl Served {
-    fn start(config: &Path, extra: &[&str], stderr: PathBuf) -> Served {
-        let mut child = Command::new(BIN)
-            .arg("serve")
-            .arg("--config")
-            .arg(config)
-            .args(extra)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&stderr).unwrap())
-            .spawn()
-            .expect("iopages serve starts");
-        let lines = common::lines_of(child.stdout.take().unwrap());
-        let banner = wait_for_banner(&mut child, &lines, &stderr, |_| {});
-        Served {
-            child: Some(child),
-            lines,
-            banner,
-            stderr,
-        }
-    }
-
-    fn stderr_text(&self) -> String {
-        std::fs::read_to_string(&self.stderr).unwrap_or_default()
-    }
-
-    /// SIGTERM: exits 0 after "stopped"; the lines after the banner.
-    fn stop(mut self) -> Vec<String> {
-        let mut child = self.child.take().unwrap();
-        let status = sigterm_and_wait(&mut child, "iopages serve");
-        let rest: Vec<String> = self.lines.try_iter().collect();
-        assert!(status.success(), "exit {status}: {}", self.stderr_text());
-        assert!(rest.iter().any(|l| l == "stopped"), "{rest:?}");
-        rest
-    }
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
+/// `iopages serve --config CONFIG EXTRA`.
+fn serve(config: &Path, extra: &[&str], stderr: PathBuf) -> Served {
+    let mut cmd = serve_cmd();
+    cmd.arg("--config").arg(config).args(extra);
+    Served::spawn(cmd, stderr, |_| {})
 }
 
 fn uri(sock: &Path, name: &str) -> String {
@@ -131,7 +75,7 @@ fn two_exports_serve_at_once_and_keep_their_data_apart() {
         ),
     )
     .unwrap();
-    let s = Served::start(&cfg, &[], dir.join("err"));
+    let s = serve(&cfg, &[], dir.join("err"));
     for name in ["alpha", "beta"] {
         assert!(
             s.banner
@@ -202,7 +146,7 @@ fn a_bad_export_is_reported_by_name_and_the_others_serve_unless_strict() {
         export("bad", &a, &wrong, ""),
     );
     std::fs::write(&cfg, &body).unwrap();
-    let s = Served::start(&cfg, &[], dir.join("err"));
+    let s = serve(&cfg, &[], dir.join("err"));
     assert!(s
         .banner
         .contains(&format!("serving {}", uri(&sock, "good"))));
@@ -262,7 +206,7 @@ fn a_lazy_export_unlocks_on_first_use() {
         ),
     )
     .unwrap();
-    let s = Served::start(&cfg, &[], dir.join("err"));
+    let s = serve(&cfg, &[], dir.join("err"));
     assert!(
         s.banner
             .contains(&"export later: opened on first use".to_string()),

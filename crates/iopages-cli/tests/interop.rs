@@ -11,106 +11,24 @@
 
 mod common;
 
-use common::{pattern, sigterm_and_wait, succeeded, tools, wait_for_banner, Dir, BIN};
+use common::{
+    cryptsetup, decrypt, fio_verify, luks_format, pattern, run, serve_cmd, tools, Dir, Served, BIN,
+};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
-fn cryptsetup() -> Command {
-    let p = if Path::new("/usr/sbin/cryptsetup").exists() {
-        "/usr/sbin/cryptsetup"
-    } else {
-        "cryptsetup"
-    };
-    Command::new(p)
-}
-
-fn run(cmd: &mut Command) -> String {
-    let out = cmd
-        .stdin(Stdio::null())
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
-    succeeded(cmd, &out)
-}
-
-/// A running `iopages serve`; killed if the test fails before stopping it.
-struct Served {
-    child: Option<Child>,
-    lines: mpsc::Receiver<String>,
-    uri: String,
-    banner: Vec<String>,
-    stderr: PathBuf,
-}
-
-impl Served {
-    fn start(args: &[&str], sock: &Path, stderr: PathBuf) -> Served {
-        let mut cmd = Command::new(BIN);
-        cmd.arg("serve")
-            .args(args)
-            .arg("--unix")
-            .arg(sock)
-            .arg("--arena")
-            .arg("128M")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&stderr).unwrap());
-        let mut child = cmd.spawn().expect("iopages serve starts");
-        let lines = common::lines_of(child.stdout.take().unwrap());
-        let mut s = Served {
-            child: Some(child),
-            lines,
-            uri: String::new(),
-            banner: Vec::new(),
-            stderr,
-        };
-        let mut uri = String::new();
-        s.banner = wait_for_banner(s.child.as_mut().unwrap(), &s.lines, &s.stderr, |l| {
-            if let Some(u) = l.strip_prefix("serving ") {
-                uri = u.to_string();
-            }
-        });
-        s.uri = uri;
-        assert!(s.uri.starts_with("nbd+unix:///"), "{:?}", s.banner);
-        s
-    }
-
-    fn stderr_text(&self) -> String {
-        std::fs::read_to_string(&self.stderr).unwrap_or_default()
-    }
-
-    fn pid(&self) -> i32 {
-        self.child.as_ref().unwrap().id() as i32
-    }
-
-    fn line_within(&self, d: Duration) -> Option<String> {
-        self.lines.recv_timeout(d).ok()
-    }
-
-    /// SIGTERM, then the exit status must be success; returns the lines
-    /// printed after the banner.
-    fn stop(mut self) -> Vec<String> {
-        let mut child = self.child.take().unwrap();
-        let status = sigterm_and_wait(&mut child, "iopages serve");
-        let rest: Vec<String> = self.lines.try_iter().collect();
-        assert!(
-            status.success(),
-            "iopages serve exited with {status}: {}\n{rest:?}",
-            self.stderr_text()
-        );
-        assert!(rest.iter().any(|l| l == "stopped"), "{rest:?}");
-        rest
-    }
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
+/// `iopages serve ARGS --unix SOCK --arena 128M`.
+fn serve(args: &[&str], sock: &Path, stderr: PathBuf) -> Served {
+    let mut cmd = serve_cmd();
+    cmd.args(args)
+        .arg("--unix")
+        .arg(sock)
+        .args(["--arena", "128M"]);
+    let srv = Served::spawn(cmd, stderr, |_| {});
+    assert!(srv.uri.starts_with("nbd+unix:///"), "{:?}", srv.banner);
+    srv
 }
 
 fn write_pass(dir: &Dir, name: &str, pass: &[u8]) -> PathBuf {
@@ -121,27 +39,12 @@ fn write_pass(dir: &Dir, name: &str, pass: &[u8]) -> PathBuf {
 
 fn luks1_by_cryptsetup(dir: &Dir, size: u64, pass: &Path) -> PathBuf {
     let img = dir.join("luks1.img");
-    std::fs::File::create(&img).unwrap().set_len(size).unwrap();
-    run(cryptsetup()
-        .args([
-            "luksFormat",
-            "-q",
-            "--type",
-            "luks1",
-            "--cipher",
-            "aes-xts-plain64",
-        ])
-        .args([
-            "--key-size",
-            "512",
-            "--hash",
-            "sha256",
-            "--pbkdf-force-iterations",
-            "1000",
-        ])
-        .arg("--key-file")
-        .arg(pass)
-        .arg(&img));
+    luks_format(
+        &img,
+        size,
+        pass,
+        "--type luks1 --cipher aes-xts-plain64 --key-size 512 --hash sha256 --pbkdf-force-iterations 1000",
+    );
     img
 }
 
@@ -163,14 +66,7 @@ fn read_through_nbdkit(dir: &Dir, img: &Path, pass: &Path) -> Vec<u8> {
 }
 
 fn decrypt_offline(dir: &Dir, img: &Path, pass: &Path) -> Vec<u8> {
-    let out = dir.join("offline.raw");
-    run(Command::new(BIN)
-        .args(["luks", "decrypt", "--yes"])
-        .arg(img)
-        .arg(&out)
-        .arg("--passphrase-file")
-        .arg(pass));
-    std::fs::read(out).unwrap()
+    decrypt(img, pass, &dir.join("offline.raw"))
 }
 
 #[test]
@@ -182,7 +78,7 @@ fn cryptsetup_luks1_written_by_nbdcopy_reads_back_through_nbdkit_and_offline() {
     let pass = write_pass(&dir, "pass", b"correct horse battery staple");
     let img = luks1_by_cryptsetup(&dir, 24 << 20, &pass);
     let before = std::fs::read(&img).unwrap();
-    let srv = Served::start(
+    let srv = serve(
         &[
             "--image",
             img.to_str().unwrap(),
@@ -237,34 +133,15 @@ fn cryptsetup_luks2_argon2id_4k_sectors_round_trip_through_qemu_io_and_offline()
     let dir = Dir::new("luks2");
     let pass = write_pass(&dir, "pass", b"luks2 passphrase");
     let img = dir.join("luks2.img");
-    std::fs::File::create(&img)
-        .unwrap()
-        .set_len(24 << 20)
-        .unwrap();
-    run(cryptsetup()
-        .args([
-            "luksFormat",
-            "-q",
-            "--type",
-            "luks2",
-            "--cipher",
-            "aes-xts-plain64",
-        ])
-        .args([
-            "--key-size",
-            "256",
-            "--sector-size",
-            "4096",
-            "--pbkdf",
-            "argon2id",
-        ])
-        .args(["--pbkdf-memory", "32", "--pbkdf-force-iterations", "4"])
-        .arg("--key-file")
-        .arg(&pass)
-        .arg(&img));
+    luks_format(
+        &img,
+        24 << 20,
+        &pass,
+        "--type luks2 --cipher aes-xts-plain64 --key-size 256 --sector-size 4096 --pbkdf argon2id --pbkdf-memory 32 --pbkdf-force-iterations 4",
+    );
     // Through the page cache: small requests inline, large reads
     // decrypted straight from the mapped file.
-    let srv = Served::start(
+    let srv = serve(
         &[
             "--image",
             img.to_str().unwrap(),
@@ -415,7 +292,7 @@ fn volumes_made_by_iopages_luks_format_open_in_cryptsetup_and_nbdkit() {
         );
         // Written through our server: LUKS1 is read back by nbdkit.
         let sock = dir.join(&format!("{name}.sock"));
-        let srv = Served::start(
+        let srv = serve(
             &[
                 "--image",
                 img.to_str().unwrap(),
@@ -446,7 +323,7 @@ fn the_default_in_memory_volume_serves_fio_verify_and_prints_statistics() {
         return;
     }
     let dir = Dir::new("default");
-    let srv = Served::start(&["--size", "64M"], &dir.join("sock"), dir.join("serve.err"));
+    let srv = serve(&["--size", "64M"], &dir.join("sock"), dir.join("serve.err"));
     let pass_line = srv
         .banner
         .iter()
@@ -463,27 +340,7 @@ fn the_default_in_memory_volume_serves_fio_verify_and_prints_statistics() {
     );
     let uri = srv.uri.clone();
     // fio's nbd engine: random writes with checksums, then reads them back.
-    let out = run(Command::new("fio")
-        .args([
-            "--name=verify",
-            "--ioengine=nbd",
-            "--rw=randwrite",
-            "--bs=4k",
-            "--size=16M",
-        ])
-        .args([
-            "--iodepth=16",
-            "--verify=crc32c",
-            "--do_verify=1",
-            "--verify_fatal=1",
-            // No state file left in the working directory.
-            "--verify_state_save=0",
-            "--output-format=json",
-        ])
-        .arg(format!("--uri={uri}")));
-    let json_at = out.find('{').expect("fio printed JSON");
-    let v: serde_json::Value = serde_json::from_str(&out[json_at..]).expect("fio's JSON");
-    let job = &v["jobs"][0];
+    let job = &fio_verify(&uri, "16M");
     assert_eq!(job["error"], 0, "{job}");
     assert!(
         job["write"]["io_bytes"].as_u64().unwrap() >= 16 << 20,
@@ -516,7 +373,7 @@ fn libnbd_negotiates_structured_replies_and_reads_back_what_it_wrote() {
         return;
     }
     let dir = Dir::new("structured");
-    let srv = Served::start(&["--size", "16M"], &dir.join("sock"), dir.join("serve.err"));
+    let srv = serve(&["--size", "16M"], &dir.join("sock"), dir.join("serve.err"));
     // libnbd asks for structured replies and checks every chunk it gets.
     let info = run(Command::new("nbdinfo").arg("--json").arg(&srv.uri));
     let v: serde_json::Value = serde_json::from_str(&info).expect("nbdinfo's JSON");
@@ -554,7 +411,7 @@ fn stats_json_carries_the_io_shape_and_a_bad_path_is_refused() {
     assert!(err.contains("cannot write --stats-json"), "{err}");
     let json = dir.join("stats.json");
     let json_arg = json.to_str().unwrap().to_string();
-    let srv = Served::start(
+    let srv = serve(
         &[
             "--size",
             "16M",

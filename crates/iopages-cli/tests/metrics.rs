@@ -8,76 +8,43 @@
 
 mod common;
 
-use common::{pattern, sigterm_and_wait, succeeded, tools, wait_for_banner, Dir, BIN};
+use common::{pattern, serve_cmd, succeeded, tools, Dir, Served};
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-/// A running `iopages serve --metrics 127.0.0.1:0`.
-struct Served {
-    child: Option<Child>,
-    /// Its stdout, kept open to the end (it prints as it stops).
-    _lines: std::sync::mpsc::Receiver<String>,
-    uri: String,
-    metrics: SocketAddr,
-    stderr: PathBuf,
+/// `iopages serve --metrics 127.0.0.1:0` on the Unix socket `sock`, and
+/// the address its banner gives for the metrics.
+fn serve(sock: &Path, stderr: PathBuf) -> (Served, SocketAddr) {
+    let mut cmd = serve_cmd();
+    cmd.args(["--size", "16M", "--arena", "128M"])
+        .arg("--unix")
+        .arg(sock)
+        .args(["--metrics", "127.0.0.1:0"]);
+    let mut metrics = None;
+    let srv = Served::spawn(cmd, stderr, |l| {
+        if let Some(m) = l.strip_prefix("metrics: http://") {
+            let addr = m.strip_suffix("/metrics").expect("…/metrics");
+            metrics = Some(addr.parse().expect("a socket address"));
+        }
+    });
+    let metrics = metrics.unwrap_or_else(|| panic!("no metrics line: {:?}", srv.banner));
+    assert!(srv.uri.starts_with("nbd+unix:///"), "{:?}", srv.banner);
+    (srv, metrics)
 }
 
-impl Served {
-    fn start(sock: &Path, stderr: PathBuf) -> Served {
-        let mut child = Command::new(BIN)
-            .args(["serve", "--size", "16M", "--arena", "128M"])
-            .arg("--unix")
-            .arg(sock)
-            .args(["--metrics", "127.0.0.1:0"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&stderr).unwrap())
-            .spawn()
-            .expect("iopages serve starts");
-        let lines = common::lines_of(child.stdout.take().unwrap());
-        let (mut uri, mut metrics) = (String::new(), None);
-        let banner = wait_for_banner(&mut child, &lines, &stderr, |l| {
-            if let Some(u) = l.strip_prefix("serving ") {
-                uri = u.to_string();
-            }
-            if let Some(m) = l.strip_prefix("metrics: http://") {
-                let addr = m.strip_suffix("/metrics").expect("…/metrics");
-                metrics = Some(addr.parse().expect("a socket address"));
-            }
-        });
-        let metrics = metrics.unwrap_or_else(|| panic!("no metrics line: {banner:?}"));
-        assert!(uri.starts_with("nbd+unix:///"), "{banner:?}");
-        Served {
-            child: Some(child),
-            _lines: lines,
-            uri,
-            metrics,
-            stderr,
-        }
-    }
-
-    fn stop(mut self) {
-        let mut child = self.child.take().unwrap();
-        let st = sigterm_and_wait(&mut child, "iopages serve");
-        assert!(
-            st.success(),
-            "iopages serve exited with {st}: {}",
-            std::fs::read_to_string(&self.stderr).unwrap_or_default()
-        );
-    }
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
+/// SIGTERM: `srv` must exit 0.
+fn stop(srv: Served) {
+    let stderr = srv.stderr.clone();
+    let (st, _) = srv.terminate();
+    assert!(
+        st.success(),
+        "iopages serve exited with {st}: {}",
+        std::fs::read_to_string(&stderr).unwrap_or_default()
+    );
 }
 
 /// Send `request` whole and read the reply until the server closes:
@@ -221,8 +188,8 @@ fn writes_move_the_counters_and_the_latency_histogram() {
         return;
     }
     let dir = Dir::new("traffic");
-    let srv = Served::start(&dir.join("sock"), dir.join("serve.err"));
-    let before = scrape(srv.metrics);
+    let (srv, metrics) = serve(&dir.join("sock"), dir.join("serve.err"));
+    let before = scrape(metrics);
     let e = [("export", "iopages")];
     let w = [("export", "iopages"), ("command_class", "write")];
     let (count0, _) = histogram(&before, "iopages_request_duration_seconds", &w);
@@ -235,7 +202,7 @@ fn writes_move_the_counters_and_the_latency_histogram() {
     let out = cmd.output().unwrap();
     succeeded(&cmd, &out);
 
-    let after = scrape(srv.metrics);
+    let after = scrape(metrics);
     let moved = |name: &str, labels: &[(&str, &str)]| {
         value(&after, name, labels) - value(&before, name, labels)
     };
@@ -270,14 +237,14 @@ fn writes_move_the_counters_and_the_latency_histogram() {
         })
         .sum();
     assert!(out > 0.0, "writes take out pages");
-    srv.stop();
+    stop(srv);
 }
 
 #[test]
 fn the_endpoint_answers_only_what_it_serves_and_stays_up_under_abuse() {
     let dir = Dir::new("http");
-    let srv = Served::start(&dir.join("sock"), dir.join("serve.err"));
-    let a = srv.metrics;
+    let (srv, metrics) = serve(&dir.join("sock"), dir.join("serve.err"));
+    let a = metrics;
 
     let (code, _, body) = get(a, "/healthz");
     assert_eq!((code, body.as_str()), (200, "ok\n"));
@@ -321,5 +288,5 @@ fn the_endpoint_answers_only_what_it_serves_and_stays_up_under_abuse() {
     drop(idle);
     drop(slow);
     scrape(a);
-    srv.stop();
+    stop(srv);
 }

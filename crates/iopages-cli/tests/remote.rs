@@ -12,53 +12,24 @@
 
 mod common;
 
-use common::{pattern, sigterm_and_wait, succeeded, tools, wait_for_banner, Dir, BIN};
+use common::{
+    cryptsetup, decrypt, fio_verify, luks_format, pattern, run, serve_cmd, tools, Dir, Served,
+};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-
-fn run(cmd: &mut Command) -> String {
-    let out = cmd
-        .stdin(Stdio::null())
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
-    succeeded(cmd, &out)
-}
-
-fn cryptsetup() -> Command {
-    Command::new(if Path::new("/usr/sbin/cryptsetup").exists() {
-        "/usr/sbin/cryptsetup"
-    } else {
-        "cryptsetup"
-    })
-}
 
 /// A LUKS2 image made by cryptsetup (cheap PBKDF2, 4096-byte sectors) of
 /// `size` bytes in all, and its passphrase file.
 fn luks2_by_cryptsetup(dir: &Dir, size: u64) -> (PathBuf, PathBuf) {
     let (img, pass) = (dir.join("luks2.img"), dir.join("pass"));
     std::fs::write(&pass, b"remote passphrase").unwrap();
-    std::fs::File::create(&img).unwrap().set_len(size).unwrap();
-    run(cryptsetup()
-        .args([
-            "luksFormat",
-            "-q",
-            "--type",
-            "luks2",
-            "--cipher",
-            "aes-xts-plain64",
-        ])
-        .args([
-            "--key-size",
-            "512",
-            "--sector-size",
-            "4096",
-            "--pbkdf",
-            "pbkdf2",
-        ])
-        .args(["--pbkdf-force-iterations", "1000", "--key-file"])
-        .arg(&pass)
-        .arg(&img));
+    luks_format(
+        &img,
+        size,
+        &pass,
+        "--type luks2 --cipher aes-xts-plain64 --key-size 512 --sector-size 4096 --pbkdf pbkdf2 --pbkdf-force-iterations 1000",
+    );
     (img, pass)
 }
 
@@ -107,50 +78,24 @@ fn remote_uri(sock: &Path) -> String {
     format!("nbd+unix:///?socket={}", sock.display())
 }
 
-/// `iopages serve` over the remote image at `remote`; returns the child,
-/// its URI and its stdout lines.
-fn serve(
-    remote: &str,
-    pass: &Path,
-    sock: &Path,
-    stderr: &Path,
-) -> (Kid, String, std::sync::mpsc::Receiver<String>) {
-    let mut child = Command::new(BIN)
-        .args([
-            "serve",
-            "--arena",
-            "64M",
-            "--image",
-            remote,
-            "--passphrase-file",
-        ])
+/// `iopages serve` over the remote image at `remote`; its URI is that of
+/// its export on `sock`.
+fn serve(remote: &str, pass: &Path, sock: &Path, stderr: &Path) -> Served {
+    let mut cmd = serve_cmd();
+    cmd.args(["--arena", "64M", "--image", remote, "--passphrase-file"])
         .arg(pass)
         .arg("--unix")
-        .arg(sock)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(stderr).unwrap())
-        .spawn()
-        .expect("iopages serve starts");
-    let lines = common::lines_of(child.stdout.take().unwrap());
-    let banner = wait_for_banner(&mut child, &lines, stderr, |_| {});
+        .arg(sock);
+    let mut srv = Served::spawn(cmd, stderr.to_path_buf(), |_| {});
     assert!(
-        banner
+        srv.banner
             .iter()
             .any(|l| l == &format!("image: {remote} (remote NBD export)")),
-        "{banner:?}"
+        "{:?}",
+        srv.banner
     );
-    let uri = format!("nbd+unix:///iopages?socket={}", sock.display());
-    (Kid(Some(child)), uri, lines)
-}
-
-fn decrypt(img: &Path, pass: &Path, out: &Path) -> Vec<u8> {
-    run(Command::new(BIN)
-        .args(["luks", "decrypt", "--yes", "--passphrase-file"])
-        .arg(pass)
-        .arg(img)
-        .arg(out));
-    std::fs::read(out).unwrap()
+    srv.uri = format!("nbd+unix:///iopages?socket={}", sock.display());
+    srv
 }
 
 #[test]
@@ -172,30 +117,11 @@ fn a_cryptsetup_volume_on_a_remote_file_and_memory_export_is_written_through_iop
             }
         };
         let sock = dir.join(&format!("{plugin}-iopages.sock"));
-        let (mut srv, uri, lines) = serve(&remote_uri(&rsock), &pass, &sock, &dir.join("err"));
+        let srv = serve(&remote_uri(&rsock), &pass, &sock, &dir.join("err"));
+        let uri = srv.uri.clone();
         // fio's nbd engine: random writes with checksums, read back.
-        let out = run(Command::new("fio")
-            .args([
-                "--name=verify",
-                "--ioengine=nbd",
-                "--rw=randwrite",
-                "--bs=4k",
-            ])
-            .args([
-                "--size=8M",
-                "--iodepth=16",
-                "--verify=crc32c",
-                "--do_verify=1",
-            ])
-            .args([
-                "--verify_fatal=1",
-                "--verify_state_save=0",
-                "--output-format=json",
-            ])
-            .arg(format!("--uri={uri}")));
-        let v: serde_json::Value =
-            serde_json::from_str(&out[out.find('{').unwrap()..]).expect("fio's JSON");
-        assert_eq!(v["jobs"][0]["error"], 0, "{out}");
+        let job = fio_verify(&uri, "8M");
+        assert_eq!(job["error"], 0, "{job}");
         // A known pattern past fio's range, then a clean stop (flush).
         let data = pattern(7, 8 << 20);
         let src = dir.join("data.raw");
@@ -204,10 +130,7 @@ fn a_cryptsetup_volume_on_a_remote_file_and_memory_export_is_written_through_iop
             .args(["-f", "raw", "-c"])
             .arg(format!("write -s {} 16M 8M", src.display()))
             .arg(&uri));
-        let st = sigterm_and_wait(srv.0.as_mut().unwrap(), "iopages serve");
-        srv.0 = None;
-        assert!(st.success(), "{st}");
-        assert!(lines.try_iter().any(|l| l == "stopped"));
+        srv.stop();
         // Offline: the remote's bytes, decrypted without any server.
         let copy = dir.join(&format!("{plugin}.img"));
         run(Command::new("nbdcopy").arg(remote_uri(&rsock)).arg(&copy));
@@ -231,7 +154,8 @@ fn a_remote_killed_mid_run_gives_errors_and_keeps_what_was_flushed() {
     let mut remote = nbdkit(&rsock, &["file", &img.display().to_string()]);
     let sock = dir.join("s.sock");
     let err = dir.join("err");
-    let (mut srv, uri, _lines) = serve(&remote_uri(&rsock), &pass, &sock, &err);
+    let srv = serve(&remote_uri(&rsock), &pass, &sock, &err);
+    let uri = srv.uri.clone();
     let data = pattern(11, 4 << 20);
     let src = dir.join("data.raw");
     std::fs::write(&src, &data).unwrap();
@@ -260,8 +184,7 @@ fn a_remote_killed_mid_run_gives_errors_and_keeps_what_was_flushed() {
     );
     assert!(t.elapsed() < Duration::from_secs(30), "errors, not a hang");
     // The server stops on SIGTERM; its final flush fails and says so.
-    let st = sigterm_and_wait(srv.0.as_mut().unwrap(), "iopages serve");
-    srv.0 = None;
+    let (st, _) = srv.terminate();
     assert!(!st.success());
     let e = std::fs::read_to_string(&err).unwrap();
     assert!(e.contains("final flush"), "{e}");

@@ -19,14 +19,13 @@
 
 mod common;
 
-use common::{pattern, sigterm_and_wait, succeeded, tools, wait_for_banner, Dir, BIN};
+use common::{cryptsetup, luks_format, pattern, run, serve_cmd, tools, Dir, BIN};
 use std::io::{Read, Write};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::io::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 const MIB: u64 = 1 << 20;
@@ -37,71 +36,53 @@ const HOLE_ZERO: u32 = 3;
 /// Block status flags of allocated data.
 const DATA: u32 = 0;
 
-fn run(cmd: &mut Command) -> String {
-    let out = cmd
-        .stdin(Stdio::null())
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
-    succeeded(cmd, &out)
-}
-
-fn cryptsetup() -> Command {
-    Command::new(iopages_testkit::find_tool("cryptsetup").expect("cryptsetup"))
-}
-
-/// A running `iopages serve` on a Unix socket; killed if the test fails
-/// before stopping it.
+/// A running `iopages serve` on a Unix socket (the common one, and its
+/// socket for qemu-io).
 struct Served {
-    child: Option<Child>,
-    lines: mpsc::Receiver<String>,
+    srv: common::Served,
     sock: PathBuf,
-    uri: String,
-    banner: Vec<String>,
-    stderr: PathBuf,
+}
+
+impl std::ops::Deref for Served {
+    type Target = common::Served;
+    fn deref(&self) -> &common::Served {
+        &self.srv
+    }
 }
 
 impl Served {
     /// `iopages serve ARGS` on `DIR/NAME.sock`.
     fn start(dir: &Dir, name: &str, args: &[&str]) -> Served {
         let sock = dir.join(&format!("{name}.sock"));
-        let stderr = dir.join(&format!("{name}.err"));
-        let mut child = Command::new(BIN)
-            .arg("serve")
-            .args(args)
+        let mut cmd = serve_cmd();
+        cmd.args(args)
             .arg("--unix")
             .arg(&sock)
-            .args(["--arena", "128M"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&stderr).unwrap())
-            .spawn()
-            .expect("iopages serve starts");
-        let lines = common::lines_of(child.stdout.take().unwrap());
-        let mut uri = String::new();
-        let banner = wait_for_banner(&mut child, &lines, &stderr, |l| {
-            if let Some(u) = l.strip_prefix("serving ") {
-                uri = u.to_string();
-            }
-        });
-        assert!(uri.starts_with("nbd+unix:///"), "{banner:?}");
-        Served {
-            child: Some(child),
-            lines,
-            sock,
-            uri,
-            banner,
-            stderr,
-        }
+            .args(["--arena", "128M"]);
+        let srv = common::Served::spawn(cmd, dir.join(&format!("{name}.err")), |_| {});
+        assert!(srv.uri.starts_with("nbd+unix:///"), "{:?}", srv.banner);
+        Served { srv, sock }
+    }
+
+    /// `iopages serve --image IMG --passphrase-file PASS ARGS` on
+    /// `DIR/NAME.sock`.
+    fn on_image(dir: &Dir, name: &str, img: &Path, pass: &Path, args: &[&str]) -> Served {
+        let mut all = vec![
+            "--image",
+            img.to_str().unwrap(),
+            "--passphrase-file",
+            pass.to_str().unwrap(),
+        ];
+        all.extend_from_slice(args);
+        Served::start(dir, name, &all)
     }
 
     /// SIGTERM: the server must exit 0 after its last statistics line and
     /// `stopped`, with nothing on stderr. Returns that statistics line.
-    fn stop(mut self) -> String {
-        let mut child = self.child.take().unwrap();
-        let status = sigterm_and_wait(&mut child, "iopages serve");
-        let rest: Vec<String> = self.lines.try_iter().collect();
-        let err = std::fs::read_to_string(&self.stderr).unwrap_or_default();
-        assert!(status.success(), "exited with {status}: {err}\n{rest:?}");
+    fn stop(self) -> String {
+        let stderr = self.srv.stderr.clone();
+        let rest = self.srv.stop();
+        let err = std::fs::read_to_string(&stderr).unwrap_or_default();
         assert_eq!(rest.last().map(|l| l.as_str()), Some("stopped"), "{rest:?}");
         assert!(err.trim().is_empty(), "stderr: {err}");
         rest.iter()
@@ -113,7 +94,7 @@ impl Served {
     /// Bytes allocated to the in-memory volume: its memfd's blocks, seen
     /// through /proc.
     fn volume_bytes(&self) -> u64 {
-        let fds = format!("/proc/{}/fd", self.child.as_ref().unwrap().id());
+        let fds = format!("/proc/{}/fd", self.pid());
         let mut names = Vec::new();
         for e in std::fs::read_dir(&fds).unwrap() {
             let p = e.unwrap().path();
@@ -210,13 +191,16 @@ impl Served {
     }
 }
 
-impl Drop for Served {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
+/// `iopages luks format IMG`: LUKS2, `size` of payload, 512-byte
+/// sectors, cheap PBKDF2, under the passphrase in the file `pass`.
+fn luks_image(img: &Path, size: &str, pass: &Path) {
+    run(Command::new(BIN)
+        .args(["luks", "format"])
+        .arg(img)
+        .args(["--size", size, "--sector-size", "512"])
+        .args(["--pbkdf", "pbkdf2", "--iterations", "1000"])
+        .arg("--passphrase-file")
+        .arg(pass));
 }
 
 /// One extent of a block status map: `flags` as NBD's `base:allocation`
@@ -966,23 +950,12 @@ fn a_cryptsetup_luks2_image_keeps_its_header_and_data_and_gets_holes_where_disca
     let pass = dir.join("pass");
     std::fs::write(&pass, b"sparse luks2").unwrap();
     let img = dir.join("luks2.img");
-    std::fs::File::create(&img)
-        .unwrap()
-        .set_len(64 * MIB)
-        .unwrap();
-    run(cryptsetup()
-        .args([
-            "luksFormat",
-            "--type",
-            "luks2",
-            "--cipher",
-            "aes-xts-plain64",
-        ])
-        .args(["--key-size", "512", "--sector-size", "512"])
-        .args(["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"])
-        .args(["--batch-mode", "--key-file"])
-        .arg(&pass)
-        .arg(&img));
+    luks_format(
+        &img,
+        64 * MIB,
+        &pass,
+        "--type luks2 --cipher aes-xts-plain64 --key-size 512 --sector-size 512 --pbkdf pbkdf2 --pbkdf-force-iterations 1000",
+    );
     // The payload's offset, from cryptsetup's own description.
     let dump = run(cryptsetup().arg("luksDump").arg(&img));
     let data_at: u64 = dump
@@ -995,17 +968,7 @@ fn a_cryptsetup_luks2_image_keeps_its_header_and_data_and_gets_holes_where_disca
     assert_eq!(data_at % SECTOR, 0, "{dump}");
     let payload = 64 * MIB - data_at;
     let header = std::fs::read(&img).unwrap()[..data_at as usize].to_vec();
-    let srv = Served::start(
-        &dir,
-        "s",
-        &[
-            "--image",
-            img.to_str().unwrap(),
-            "--passphrase-file",
-            pass.to_str().unwrap(),
-            "--allow-discards",
-        ],
-    );
+    let srv = Served::on_image(&dir, "s", &img, &pass, &["--allow-discards"]);
     assert!(
         srv.banner
             .iter()
@@ -1065,17 +1028,12 @@ fn a_cryptsetup_luks2_image_keeps_its_header_and_data_and_gets_holes_where_disca
         .sum();
     assert_eq!(discard_counters(&line).1, punched >> 20, "{line}");
     // Served again read-only: the same map and contents, and TRIM refused.
-    let ro = Served::start(
+    let ro = Served::on_image(
         &dir,
         "ro",
-        &[
-            "--image",
-            img.to_str().unwrap(),
-            "--passphrase-file",
-            pass.to_str().unwrap(),
-            "--allow-discards",
-            "--read-only",
-        ],
+        &img,
+        &pass,
+        &["--allow-discards", "--read-only"],
     );
     assert_eq!(ro.nbdinfo_map(), want, "the map, read-only");
     let mut c = raw::Client::connect(&ro.sock);
@@ -1142,31 +1100,17 @@ fn a_luks1_payload_off_the_file_system_blocks_maps_the_files_holes_in_whole_sect
     let pass = dir.join("pass");
     std::fs::write(&pass, b"sparse luks1").unwrap();
     let img = dir.join("luks1.img");
-    std::fs::File::create(&img)
-        .unwrap()
-        .set_len(32 * MIB)
-        .unwrap();
     // The payload 512 bytes past a 4096-byte block: every hole of the
     // file is off the volume's 4096-byte boundaries.
-    run(cryptsetup()
-        .args(["luksFormat", "--type", "luks1", "--align-payload", "4097"])
-        .args(["--hash", "sha256", "--pbkdf-force-iterations", "1000"])
-        .args(["--batch-mode", "--key-file"])
-        .arg(&pass)
-        .arg(&img));
+    luks_format(
+        &img,
+        32 * MIB,
+        &pass,
+        "--type luks1 --align-payload 4097 --hash sha256 --pbkdf-force-iterations 1000",
+    );
     let data_at = 4097 * 512;
     let payload = 32 * MIB - data_at;
-    let srv = Served::start(
-        &dir,
-        "s",
-        &[
-            "--image",
-            img.to_str().unwrap(),
-            "--passphrase-file",
-            pass.to_str().unwrap(),
-            "--allow-discards",
-        ],
-    );
+    let srv = Served::on_image(&dir, "s", &img, &pass, &["--allow-discards"]);
     assert!(
         srv.banner
             .iter()
@@ -1330,26 +1274,8 @@ fn random_writes_trims_and_zeroes_match_a_model_in_memory_and_in_a_file_direct_a
     std::fs::write(&pass, b"random ops").unwrap();
     for (i, io) in ["direct", "buffered"].into_iter().enumerate() {
         let img = dir.join(&format!("{io}.img"));
-        run(Command::new(BIN)
-            .args(["luks", "format"])
-            .arg(&img)
-            .args(["--size", "16M", "--sector-size", "512"])
-            .args(["--pbkdf", "pbkdf2", "--iterations", "1000"])
-            .arg("--passphrase-file")
-            .arg(&pass));
-        let srv = Served::start(
-            &dir,
-            io,
-            &[
-                "--image",
-                img.to_str().unwrap(),
-                "--passphrase-file",
-                pass.to_str().unwrap(),
-                "--allow-discards",
-                "--io",
-                io,
-            ],
-        );
+        luks_image(&img, "16M", &pass);
+        let srv = Served::on_image(&dir, io, &img, &pass, &["--allow-discards", "--io", io]);
         random_ops(&srv, 512, 12 + i as u32);
         srv.stop();
     }
@@ -1425,26 +1351,8 @@ fn concurrent_writes_and_punches_of_neighbouring_sectors_keep_each_others_data()
     std::fs::write(&pass, b"neighbours").unwrap();
     for io in ["direct", "buffered"] {
         let img = dir.join(&format!("{io}.img"));
-        run(Command::new(BIN)
-            .args(["luks", "format"])
-            .arg(&img)
-            .args(["--size", "4M", "--sector-size", "512"])
-            .args(["--pbkdf", "pbkdf2", "--iterations", "1000"])
-            .arg("--passphrase-file")
-            .arg(&pass));
-        let srv = Served::start(
-            &dir,
-            io,
-            &[
-                "--image",
-                img.to_str().unwrap(),
-                "--passphrase-file",
-                pass.to_str().unwrap(),
-                "--allow-discards",
-                "--io",
-                io,
-            ],
-        );
+        luks_image(&img, "4M", &pass);
+        let srv = Served::on_image(&dir, io, &img, &pass, &["--allow-discards", "--io", io]);
         concurrent_neighbours(&srv, 512);
         srv.stop();
     }
@@ -1497,25 +1405,11 @@ fn zeros_written_with_no_hole_are_encrypted_and_read_as_zeros_without_allow_disc
     let pass = dir.join("pass");
     std::fs::write(&pass, b"no hole").unwrap();
     let img = dir.join("v.img");
-    run(Command::new(BIN)
-        .args(["luks", "format"])
-        .arg(&img)
-        .args(["--size", "8M", "--sector-size", "512"])
-        .args(["--pbkdf", "pbkdf2", "--iterations", "1000"])
-        .arg("--passphrase-file")
-        .arg(&pass));
+    luks_image(&img, "8M", &pass);
     let data_at = std::fs::metadata(&img).unwrap().len() - 8 * MIB;
     let serve = |name: &str, discards: bool| {
-        let mut args = vec![
-            "--image",
-            img.to_str().unwrap(),
-            "--passphrase-file",
-            pass.to_str().unwrap(),
-        ];
-        if discards {
-            args.push("--allow-discards");
-        }
-        Served::start(&dir, name, &args)
+        let args: &[&str] = if discards { &["--allow-discards"] } else { &[] };
+        Served::on_image(&dir, name, &img, &pass, args)
     };
     let srv = serve("on", true);
     let mut c = raw::Client::connect(&srv.sock);

@@ -15,7 +15,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 mod common;
-use common::{info_data, queue_over, read_opt_reply, read_simple_reply, send_option};
+use common::{
+    connect, info_data, option_replies, queue_over, read_simple_reply, send_option, send_request,
+};
 
 fn key(seed: u8) -> Vec<u8> {
     (0..64u8).map(|i| i.wrapping_mul(29) ^ seed).collect()
@@ -49,27 +51,12 @@ struct Client(TcpStream);
 
 impl Client {
     fn connect(server: &Server) -> Client {
-        let mut s = TcpStream::connect(server.tcp_addr().unwrap()).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-        let mut g = [0u8; 18];
-        s.read_exact(&mut g).unwrap();
-        s.write_all(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes())
-            .unwrap();
-        Client(s)
+        Client(connect(server))
     }
 
     /// Every reply to `option` up to the final one: (type, data).
     fn option(&mut self, option: u32, data: &[u8]) -> Vec<(u32, Vec<u8>)> {
-        send_option(&mut self.0, option, data);
-        let mut v = Vec::new();
-        loop {
-            let (o, kind, d) = read_opt_reply(&mut self.0);
-            assert_eq!(o, option);
-            v.push((kind, d));
-            if kind == REP_ACK || kind & REP_FLAG_ERROR != 0 {
-                return v;
-            }
-        }
+        option_replies(&mut self.0, option, data)
     }
 
     fn list(&mut self) -> Vec<String> {
@@ -98,17 +85,14 @@ impl Client {
     }
 
     fn io(&mut self, command: u16, offset: u64, data: &[u8], len: u32) -> (u32, Vec<u8>) {
-        let mut v = Request {
+        let request = Request {
             flags: 0,
             command,
             cookie: 7,
             offset,
             length: len,
-        }
-        .encode()
-        .to_vec();
-        v.extend_from_slice(data);
-        self.0.write_all(&v).unwrap();
+        };
+        send_request(&mut self.0, request, data);
         let (e, c) = read_simple_reply(&mut self.0);
         assert_eq!(c, 7);
         let mut back = Vec::new();

@@ -9,13 +9,14 @@ use iopages_crypt::backend::{Backend, PageStore, RamDisk};
 use iopages_crypt::target::TargetConfig;
 use iopages_nbd::proto::*;
 use iopages_nbd::{ExportConfig, Listen, Server};
-use std::io::{Read, Write};
+use std::io::Read;
 use std::net::TcpStream;
 use std::sync::Arc;
-use std::time::Duration;
 
 mod common;
-use common::{info_data, queue_over, read_chunk, read_opt_reply, read_simple_reply, send_option};
+use common::{
+    connect, info_data, option_replies, queue_over, read_chunk, read_simple_reply, send_request,
+};
 
 const DISK: u64 = 4 << 20;
 const NAME: &str = "vol";
@@ -80,28 +81,16 @@ struct Client {
 
 impl Client {
     fn connect(server: &Server) -> Client {
-        let mut s = TcpStream::connect(server.tcp_addr().unwrap()).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-        let mut g = [0u8; 18];
-        s.read_exact(&mut g).unwrap();
-        s.write_all(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes())
-            .unwrap();
-        Client { s, cookie: 100 }
+        Client {
+            s: connect(server),
+            cookie: 100,
+        }
     }
 
     /// Send an option; every reply up to and including the final one, as
     /// (reply type, data).
     fn option(&mut self, option: u32, data: &[u8]) -> Vec<(u32, Vec<u8>)> {
-        send_option(&mut self.s, option, data);
-        let mut v = Vec::new();
-        loop {
-            let (o, kind, data) = read_opt_reply(&mut self.s);
-            assert_eq!(o, option);
-            v.push((kind, data));
-            if kind == REP_ACK || kind & REP_FLAG_ERROR != 0 {
-                return v;
-            }
-        }
+        option_replies(&mut self.s, option, data)
     }
 
     fn structured(&mut self) {
@@ -122,17 +111,14 @@ impl Client {
 
     fn send(&mut self, command: u16, flags: u16, offset: u64, length: u32, payload: &[u8]) -> u64 {
         self.cookie += 1;
-        let mut v = Request {
+        let request = Request {
             flags,
             command,
             cookie: self.cookie,
             offset,
             length,
-        }
-        .encode()
-        .to_vec();
-        v.extend_from_slice(payload);
-        self.s.write_all(&v).unwrap();
+        };
+        send_request(&mut self.s, request, payload);
         self.cookie
     }
 

@@ -9,7 +9,7 @@
 
 use iopages_testkit::TempDir;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Output};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -40,6 +40,61 @@ pub fn succeeded(cmd: &Command, out: &Output) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Run `cmd` (stdin empty); it must succeed; its stdout.
+pub fn run(cmd: &mut Command) -> String {
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    succeeded(cmd, &out)
+}
+
+/// A command for cryptsetup (found on `PATH` or in the sbin directories).
+pub fn cryptsetup() -> Command {
+    Command::new(iopages_testkit::find_tool("cryptsetup").expect("cryptsetup"))
+}
+
+/// A new file `img` of `size` bytes, then `cryptsetup luksFormat
+/// --batch-mode ARGS --key-file KEY IMG`, which must succeed: `args`,
+/// split at white space, give the type, cipher, key size, PBKDF and its
+/// cost.
+pub fn luks_format(img: &Path, size: u64, key: &Path, args: &str) {
+    std::fs::File::create(img).unwrap().set_len(size).unwrap();
+    run(cryptsetup()
+        .args(["luksFormat", "--batch-mode"])
+        .args(args.split_whitespace())
+        .arg("--key-file")
+        .arg(key)
+        .arg(img));
+}
+
+/// `iopages luks decrypt` of `img` into the file `out`, offline; its
+/// bytes.
+pub fn decrypt(img: &Path, pass: &Path, out: &Path) -> Vec<u8> {
+    run(Command::new(BIN)
+        .args(["luks", "decrypt", "--yes"])
+        .arg(img)
+        .arg(out)
+        .arg("--passphrase-file")
+        .arg(pass));
+    std::fs::read(out).unwrap()
+}
+
+/// fio's nbd engine against `uri`: `size` of 4 KiB random writes with
+/// checksums, read back and verified (no state file left behind); its
+/// JSON report of the job.
+pub fn fio_verify(uri: &str, size: &str) -> serde_json::Value {
+    let out = run(Command::new("fio")
+        .args(["--name=verify", "--ioengine=nbd", "--rw=randwrite"])
+        .args(["--bs=4k", &format!("--size={size}"), "--iodepth=16"])
+        .args(["--verify=crc32c", "--do_verify=1", "--verify_fatal=1"])
+        .args(["--verify_state_save=0", "--output-format=json"])
+        .arg(format!("--uri={uri}")));
+    let json_at = out.find('{').expect("fio printed JSON");
+    let v: serde_json::Value = serde_json::from_str(&out[json_at..]).expect("fio's JSON");
+    v["jobs"][0].clone()
 }
 
 /// A directory of its own under the temporary directory, removed when
@@ -120,5 +175,96 @@ pub fn sigterm_and_wait(child: &mut Child, what: &str) -> ExitStatus {
         }
         assert!(Instant::now() < deadline, "{what} did not stop on SIGTERM");
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A running `iopages serve`, killed if the test fails before stopping
+/// it: its stdout lines after the banner, the banner, the URI of its last
+/// `serving` line (empty when none) and the file of its stderr.
+pub struct Served {
+    child: Option<Child>,
+    pub lines: mpsc::Receiver<String>,
+    pub uri: String,
+    pub banner: Vec<String>,
+    pub stderr: PathBuf,
+}
+
+/// `iopages serve`, to be given its arguments and started with
+/// [`Served::spawn`].
+pub fn serve_cmd() -> Command {
+    let mut cmd = Command::new(BIN);
+    cmd.arg("serve");
+    cmd
+}
+
+impl Served {
+    /// Starts `cmd` (from [`serve_cmd`]) with its stderr into the file
+    /// `stderr` and waits for its banner, each line also given to `seen`.
+    pub fn spawn(mut cmd: Command, stderr: PathBuf, mut seen: impl FnMut(&str)) -> Served {
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&stderr).unwrap())
+            .spawn()
+            .expect("iopages serve starts");
+        let lines = lines_of(child.stdout.take().unwrap());
+        let mut uri = String::new();
+        let banner = wait_for_banner(&mut child, &lines, &stderr, |l| {
+            if let Some(u) = l.strip_prefix("serving ") {
+                uri = u.to_string();
+            }
+            seen(l);
+        });
+        Served {
+            child: Some(child),
+            lines,
+            uri,
+            banner,
+            stderr,
+        }
+    }
+
+    /// What it has written to stderr so far.
+    pub fn stderr_text(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.as_ref().unwrap().id() as i32
+    }
+
+    /// Its next stdout line, if one comes within `d`.
+    pub fn line_within(&self, d: Duration) -> Option<String> {
+        self.lines.recv_timeout(d).ok()
+    }
+
+    /// SIGTERM; its exit status and the lines it printed after the banner.
+    pub fn terminate(mut self) -> (ExitStatus, Vec<String>) {
+        let mut child = self.child.take().unwrap();
+        let status = sigterm_and_wait(&mut child, "iopages serve");
+        (status, self.lines.try_iter().collect())
+    }
+
+    /// SIGTERM, then the exit status must be success after a `stopped`
+    /// line; returns the lines printed after the banner.
+    pub fn stop(self) -> Vec<String> {
+        let stderr = self.stderr.clone();
+        let (status, rest) = self.terminate();
+        assert!(
+            status.success(),
+            "iopages serve exited with {status}: {}\n{rest:?}",
+            std::fs::read_to_string(&stderr).unwrap_or_default()
+        );
+        assert!(rest.iter().any(|l| l == "stopped"), "{rest:?}");
+        rest
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
     }
 }

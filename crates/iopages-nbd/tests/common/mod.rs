@@ -9,7 +9,9 @@ use iopages_crypt::target::{CipherPool, CryptTarget, TargetConfig};
 use iopages_crypt::XtsCipher;
 use iopages_nbd::proto::*;
 use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// An arena of `arena_bytes` (no huge pages) and a queue (depth 32, two
 /// workers) over an encrypted RAM disk of `disk_bytes`: XTS with `key`
@@ -136,4 +138,45 @@ pub fn read_chunk(s: &mut impl Read) -> Chunk {
         cookie: u64::from_be_bytes(h[8..16].try_into().unwrap()),
         payload,
     }
+}
+
+/// A TCP connection to `server` past the handshake's greeting (20 s read
+/// timeout), the client's flags sent: fixed newstyle, no zeroes.
+#[allow(dead_code)] // exports.rs and sparse.rs connect this way
+pub fn connect(server: &iopages_nbd::Server) -> TcpStream {
+    let mut s = TcpStream::connect(server.tcp_addr().unwrap()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut g = [0u8; 18];
+    s.read_exact(&mut g).unwrap();
+    s.write_all(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes())
+        .unwrap();
+    s
+}
+
+/// Send an option; every reply up to and including the final one (an
+/// ACK or an error), as (reply type, data).
+#[allow(dead_code)] // exports.rs and sparse.rs
+pub fn option_replies(
+    s: &mut (impl Read + Write),
+    option: u32,
+    data: &[u8],
+) -> Vec<(u32, Vec<u8>)> {
+    send_option(s, option, data);
+    let mut v = Vec::new();
+    loop {
+        let (o, kind, data) = read_opt_reply(s);
+        assert_eq!(o, option);
+        v.push((kind, data));
+        if kind == REP_ACK || kind & REP_FLAG_ERROR != 0 {
+            return v;
+        }
+    }
+}
+
+/// Send one request: its header, then `payload`.
+#[allow(dead_code)] // exports.rs and sparse.rs
+pub fn send_request(s: &mut impl Write, request: Request, payload: &[u8]) {
+    let mut v = request.encode().to_vec();
+    v.extend_from_slice(payload);
+    s.write_all(&v).unwrap();
 }
