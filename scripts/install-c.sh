@@ -17,14 +17,16 @@ prefix=$(cd "$1" && pwd)
 
 cargo build --release -p iopages-ffi
 target=${CARGO_TARGET_DIR:-target}/release
-for f in libiopages.so libiopages.a; do
+# cargo names them libiopages_ffi.*; they are installed as libiopages.*
+# (the shared library's soname is libiopages.so).
+for f in libiopages_ffi.so libiopages_ffi.a; do
   [ -f "$target/$f" ] || { echo "install-c: $target/$f was not built" >&2; exit 1; }
 done
 version=$(sed -n 's/^version = "\(.*\)"$/\1/p' Cargo.toml | head -n 1)
 
 install -d "$prefix/lib/pkgconfig" "$prefix/include"
-install -m 0755 "$target/libiopages.so" "$prefix/lib/libiopages.so"
-install -m 0644 "$target/libiopages.a" "$prefix/lib/libiopages.a"
+install -m 0755 "$target/libiopages_ffi.so" "$prefix/lib/libiopages.so"
+install -m 0644 "$target/libiopages_ffi.a" "$prefix/lib/libiopages.a"
 install -m 0644 crates/iopages-ffi/include/iopages.h "$prefix/include/iopages.h"
 sed -e "s|@PREFIX@|$prefix|g" -e "s|@VERSION@|$version|g" \
   crates/iopages-ffi/iopages.pc.in >"$prefix/lib/pkgconfig/iopages.pc"

@@ -74,7 +74,10 @@ build_iopages() {
     local tdir=${CARGO_TARGET_DIR:-target}/release
     tdir=$(cd "$tdir" && pwd)
     cflags="-Icrates/iopages-ffi/include"
-    libs="-L$tdir -Wl,-rpath,$tdir -liopages"
+    # cargo's libiopages_ffi.so answers to libiopages.so (its soname): a
+    # link of that name beside the harness.
+    ln -sf "$tdir/libiopages_ffi.so" "$out/libiopages.so"
+    libs="-L$out -Wl,-rpath,$out -liopages"
   else
     echo "libiopages not found (set IOPAGES_PREFIX, install it with scripts/install-c.sh, or make cargo build -p iopages-ffi work; see $out/iopages-ffi-build.log)" >"$out/peer-iopages-c.err"
     echo "setup-peers: iopages-c: libiopages not available" >&2

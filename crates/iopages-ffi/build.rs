@@ -9,6 +9,9 @@ fn main() {
     let dir = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR")).join("iopages.h");
     println!("cargo:rerun-if-changed=src");
+    // The shared library answers to libiopages.so, the name it is
+    // installed and linked under.
+    println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libiopages.so");
     println!("cargo:rerun-if-changed=cbindgen.toml");
     println!("cargo:rerun-if-env-changed=IOPAGES_UPDATE_HEADER");
     let config = cbindgen::Config::from_file(dir.join("cbindgen.toml")).expect("cbindgen.toml");

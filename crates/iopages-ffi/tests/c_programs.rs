@@ -18,17 +18,63 @@ fn repo_root() -> PathBuf {
     manifest_dir().join("../..")
 }
 
-/// target/<profile>, where cargo put libiopages.so and libiopages.a.
+/// A directory holding libiopages.so and libiopages.a as C users see them
+/// installed: links to cargo's libiopages_ffi.so and libiopages_ffi.a in
+/// target/<profile> (cargo builds them with the tests).
 fn lib_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("current_exe");
-    // target/<profile>/deps/c_programs-<hash>
-    let dir = exe.parent().and_then(Path::parent).expect("target dir");
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let exe = std::env::current_exe().expect("current_exe");
+        // target/<profile>/deps/c_programs-<hash>
+        let mut built = exe
+            .parent()
+            .and_then(Path::parent)
+            .expect("target dir")
+            .to_path_buf();
+        if !built.join("libiopages_ffi.so").is_file() {
+            // `cargo test` builds the crate's rlib only; the C libraries
+            // are built here, in a target directory of their own (the
+            // outer cargo holds the lock on this one).
+            built = build_c_libraries();
+        }
+        let dir = out_dir().join("lib");
+        std::fs::create_dir_all(&dir).unwrap();
+        for (from, to) in [
+            ("libiopages_ffi.so", "libiopages.so"),
+            ("libiopages_ffi.a", "libiopages.a"),
+        ] {
+            let src = built.join(from);
+            assert!(
+                src.is_file(),
+                "{} has no {from} (cargo builds it with the tests)",
+                built.display()
+            );
+            let dst = dir.join(to);
+            let _ = std::fs::remove_file(&dst);
+            std::os::unix::fs::symlink(&src, &dst).unwrap();
+        }
+        dir
+    })
+    .clone()
+}
+
+/// `cargo build -p iopages-ffi` into a target directory under the tests'
+/// temporary directory; returns where the libraries are.
+fn build_c_libraries() -> PathBuf {
+    let target = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("ffi-target");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(cargo)
+        .args(["build", "-q", "-p", "iopages-ffi", "--manifest-path"])
+        .arg(repo_root().join("Cargo.toml"))
+        .env("CARGO_TARGET_DIR", &target)
+        .output()
+        .expect("run cargo build -p iopages-ffi");
     assert!(
-        dir.join("libiopages.so").is_file(),
-        "{} has no libiopages.so (cargo builds the cdylib with the tests)",
-        dir.display()
+        out.status.success(),
+        "cargo build -p iopages-ffi failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
     );
-    dir.to_path_buf()
+    target.join("debug")
 }
 
 fn out_dir() -> PathBuf {
