@@ -36,6 +36,7 @@ use crate::proto::{
     SIMPLE_REPLY_MAGIC, STRUCTURED_REPLY_MAGIC, TFLAG_CAN_MULTI_CONN, TFLAG_HAS_FLAGS,
     TFLAG_READ_ONLY, TFLAG_SEND_FLUSH, TFLAG_SEND_FUA, TFLAG_SEND_TRIM, TFLAG_SEND_WRITE_ZEROES,
 };
+use crate::stream::Stream;
 use iopages_crypt::backend::{check_range, Backend};
 use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
@@ -66,6 +67,10 @@ const MAX_EFFECT_BYTES: u64 = 1 << 30;
 const OLDSTYLE_MAGIC: u64 = 0x0000_4202_8186_1253;
 /// Option reply data accepted during the handshake.
 const MAX_OPTION_REPLY_BYTES: usize = 64 << 10;
+/// Replies to one NBD_OPT_GO a remote may send before its final one (a
+/// few NBD_REP_INFO); past it the handshake is given up rather than read
+/// for ever.
+const MAX_GO_REPLIES: usize = 64;
 /// Error reply: the server requires block sizes to be asked for.
 const REP_ERR_BLOCK_SIZE_REQD: u32 = REP_FLAG_ERROR | 8;
 
@@ -288,70 +293,6 @@ impl Default for RemoteOptions {
             timeout: DEFAULT_TIMEOUT,
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
         }
-    }
-}
-
-/// A connected socket: TCP or Unix.
-enum Stream {
-    Tcp(TcpStream),
-    Unix(UnixStream),
-}
-
-impl Stream {
-    fn try_clone(&self) -> io::Result<Stream> {
-        Ok(match self {
-            Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
-            Stream::Unix(s) => Stream::Unix(s.try_clone()?),
-        })
-    }
-
-    fn set_timeouts(&self, read: Duration, write: Duration) -> io::Result<()> {
-        match self {
-            Stream::Tcp(s) => {
-                s.set_read_timeout(Some(read))?;
-                s.set_write_timeout(Some(write))
-            }
-            Stream::Unix(s) => {
-                s.set_read_timeout(Some(read))?;
-                s.set_write_timeout(Some(write))
-            }
-        }
-    }
-
-    fn shutdown(&self, how: Shutdown) {
-        let _ = match self {
-            Stream::Tcp(s) => s.shutdown(how),
-            Stream::Unix(s) => s.shutdown(how),
-        };
-    }
-}
-
-impl Read for Stream {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        match self {
-            Stream::Tcp(s) => s.read(buf),
-            Stream::Unix(s) => s.read(buf),
-        }
-    }
-}
-
-impl Write for Stream {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        match self {
-            Stream::Tcp(s) => s.write(buf),
-            Stream::Unix(s) => s.write(buf),
-        }
-    }
-
-    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
-        match self {
-            Stream::Tcp(s) => s.write_vectored(bufs),
-            Stream::Unix(s) => s.write_vectored(bufs),
-        }
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
     }
 }
 
@@ -582,7 +523,7 @@ impl Conn {
             }
         }
         self.room.notify_all();
-        self.ctl.shutdown(Shutdown::Both);
+        self.ctl.shutdown();
     }
 
     /// The error for a request on a connection given up.
@@ -893,7 +834,7 @@ fn opt_go(s: &mut Stream, export: &str) -> io::Result<Option<ExportInfo>> {
     let invalid = |m: String| io::Error::new(ErrorKind::InvalidData, format!("handshake: {m}"));
     let mut export_info = None;
     let mut sizes = (1u32, 4096u32, MAX_PAYLOAD_BYTES);
-    loop {
+    for _ in 0..MAX_GO_REPLIES {
         let mut h = [0u8; 20];
         hs_read(s, &mut h, "an option reply")?;
         let magic = u64::from_be_bytes(h[0..8].try_into().expect("8 bytes"));
@@ -972,6 +913,9 @@ fn opt_go(s: &mut Stream, export: &str) -> io::Result<Option<ExportInfo>> {
             _ => {} // unknown replies are skipped
         }
     }
+    Err(invalid(format!(
+        "more than {MAX_GO_REPLIES} replies to NBD_OPT_GO without a final one"
+    )))
 }
 
 /// NBD_OPT_EXPORT_NAME for `export` (servers without NBD_OPT_GO).
@@ -1432,14 +1376,14 @@ impl Drop for NbdRemote {
                 .encode();
                 let mut w = c.writer.lock();
                 let _ = write_all_vectored(&mut w, &mut [IoSlice::new(&header)]);
-                c.ctl.shutdown(Shutdown::Write);
+                c.ctl.shutdown_how(Shutdown::Write);
             }
         }
         for r in self.readers.drain(..) {
             let _ = r.join();
         }
         for c in &self.conns {
-            c.ctl.shutdown(Shutdown::Both);
+            c.ctl.shutdown();
         }
     }
 }

@@ -7,6 +7,7 @@
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::unix::net::UnixStream;
+use std::time::Duration;
 
 /// An accepted connection.
 #[derive(Debug)]
@@ -28,10 +29,29 @@ impl Stream {
 
     /// Shut both directions down: a thread blocked reading it wakes up.
     pub fn shutdown(&self) {
+        self.shutdown_how(Shutdown::Both);
+    }
+
+    /// Shut `how` down (errors ignored: the socket may be gone already).
+    pub fn shutdown_how(&self, how: Shutdown) {
         let _ = match self {
-            Stream::Tcp(s) => s.shutdown(Shutdown::Both),
-            Stream::Unix(s) => s.shutdown(Shutdown::Both),
+            Stream::Tcp(s) => s.shutdown(how),
+            Stream::Unix(s) => s.shutdown(how),
         };
+    }
+
+    /// Blocking reads and writes time out after `read` and `write`.
+    pub fn set_timeouts(&self, read: Duration, write: Duration) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => {
+                s.set_read_timeout(Some(read))?;
+                s.set_write_timeout(Some(write))
+            }
+            Stream::Unix(s) => {
+                s.set_read_timeout(Some(read))?;
+                s.set_write_timeout(Some(write))
+            }
+        }
     }
 }
 
