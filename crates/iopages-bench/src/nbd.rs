@@ -922,7 +922,7 @@ fn measure(
 }
 
 /// Fill `path` with `bytes` of pseudo-random data and flush it to disk.
-fn fill_file(path: &Path, bytes: u64, seed: u64) -> Result<(), BenchError> {
+pub(crate) fn fill_file(path: &Path, bytes: u64, seed: u64) -> Result<(), BenchError> {
     let err = |e| BenchError::Write {
         path: path.to_path_buf(),
         source: e,

@@ -18,13 +18,13 @@
 
 use crate::harness::{Report, Table};
 use crate::measure::median;
-use crate::nbd::parse_fio;
+use crate::nbd::{command_line, fill_file, os, parse_fio};
 use crate::{met, progress, round2, BenchError, BenchOptions};
 use iopages_testkit::{die_with_parent, find_tool, run_tool, stop, tail_lines, wait_for_socket};
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::ffi::OsString;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -162,10 +162,6 @@ fn size_of(stdout: &str) -> Option<u64> {
     stdout.trim().parse().ok()
 }
 
-fn os(args: &[&dyn AsRef<std::ffi::OsStr>]) -> Vec<OsString> {
-    args.iter().map(|a| a.as_ref().to_os_string()).collect()
-}
-
 /// The outside programs.
 struct Tools {
     cryptsetup: PathBuf,
@@ -264,14 +260,6 @@ impl Drop for Proc {
     fn drop(&mut self) {
         self.stop();
     }
-}
-
-fn command_line(cmd: &Command) -> String {
-    std::iter::once(cmd.get_program())
-        .chain(cmd.get_args())
-        .map(|a| a.to_string_lossy().into_owned())
-        .collect::<Vec<_>>()
-        .join(" ")
 }
 
 /// Start `cmd` (logs under `work/<key>.err`) and wait for `sock`.
@@ -582,28 +570,6 @@ impl Drop for RemoveDirs {
             let _ = std::fs::remove_dir_all(d);
         }
     }
-}
-
-/// Pseudo-random bytes into `path`, synced.
-fn fill_file(path: &Path, bytes: u64, seed: u64) -> Result<(), BenchError> {
-    let err = |e| BenchError::Write {
-        path: path.to_path_buf(),
-        source: e,
-    };
-    let mut file = std::fs::File::create(path).map_err(err)?;
-    let mut x = seed | 1;
-    let mut buf = vec![0u8; MIB as usize];
-    for _ in 0..bytes.div_ceil(MIB) {
-        for w in buf.chunks_exact_mut(8) {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            w.copy_from_slice(&x.to_le_bytes());
-        }
-        file.write_all(&buf).map_err(err)?;
-    }
-    file.set_len(bytes).map_err(err)?;
-    file.sync_all().map_err(err)
 }
 
 /// The LUKS1 image in the store (data everywhere, then the header), the
