@@ -15,6 +15,7 @@
 //! ns per page — and a clock check. Must never: hide a failed clock check,
 //! or assert a timing; targets are reported as met or not.
 
+use crate::c_abi::CAbi;
 use crate::harness::{Plot, PlotFile, Report};
 use crate::measure::{median, time_once, tsc_ghz, Sample, Summary};
 use crate::peers::{self, PeerResult, PeerState, PEERS};
@@ -852,6 +853,7 @@ fn measure_runs(
     configs: &[Config],
     plan: &PeerPlan,
     peer_states: &mut [(&'static str, PeerState)],
+    c_abi: &mut CAbi,
     runs: usize,
     pages_per_run: u64,
 ) -> Result<(Vec<Results>, Runs), BenchError> {
@@ -927,6 +929,7 @@ fn measure_runs(
                 }
             }
         }
+        c_abi.run_once(&plan.st_batches, peer_pages, run + 1)?;
         progress("bulk", format!("run {}/{runs} done", run + 1));
     }
     for c in configs {
@@ -967,8 +970,18 @@ pub fn run_with_threads(
         online: peers::online_cpus(),
     };
     let mut peer_states = peer_states(opts);
-    let (results, peer_runs) =
-        measure_runs(&configs, &plan, &mut peer_states, runs, pages_per_run)?;
+    let mut c_abi = CAbi::new(
+        opts.peers.then_some(opts.peers_dir.as_path()),
+        "skipped (--no-peers)",
+    );
+    let (results, peer_runs) = measure_runs(
+        &configs,
+        &plan,
+        &mut peer_states,
+        &mut c_abi,
+        runs,
+        pages_per_run,
+    )?;
     let single_sum: Vec<Summary> = results.iter().map(|r| Summary::of(&r.single)).collect();
     let bulk_sum: Vec<Vec<Summary>> = results
         .iter()
@@ -985,6 +998,9 @@ pub fn run_with_threads(
         online: plan.online,
     };
     cmp.print(runs);
+    let e1_row = |b| cmp.get("iopages", None, b);
+    let best_peer = |b| cmp.best(None, b).map(|(p, ns)| (p.to_string(), ns));
+    c_abi.print(runs, e1_row, best_peer);
     let def = &configs[0].alloc;
     let settings = json!({
         "quick": opts.quick,
@@ -999,8 +1015,10 @@ pub fn run_with_threads(
         "tsc_ghz": round2(ghz),
         "gfp": "KERNEL",
     });
+    let mut summary = summary(def, &single_sum[0], &bulk_sum[0], &cmp);
+    summary["c_abi"] = c_abi.json(e1_row, best_peer);
     let body = Body {
-        summary: summary(def, &single_sum[0], &bulk_sum[0], &cmp),
+        summary,
         configs: configs_json(&configs, &single_sum, &bulk_sum),
         kernel_reference: kernel_reference(),
     };

@@ -42,6 +42,7 @@
 
 pub mod bio;
 pub mod bulk;
+pub mod c_abi;
 pub mod counter;
 pub mod crypt;
 pub mod harness;

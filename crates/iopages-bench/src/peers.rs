@@ -189,21 +189,29 @@ pub fn setup(dir: &Path) -> Vec<(&'static str, PeerState)> {
     PEERS
         .iter()
         .map(|&name| {
-            let bin = dir.join(format!("peer-{name}"));
-            let state = if let Err(e) = &ran {
-                PeerState::Unavailable(format!("could not run {}: {e}", script.display()))
-            } else if bin.is_file() {
-                PeerState::Ready(bin)
-            } else {
-                let why = std::fs::read_to_string(dir.join(format!("peer-{name}.err")))
-                    .ok()
-                    .and_then(|s| s.lines().next().map(str::to_string))
-                    .unwrap_or_else(|| "not built (see scripts/setup-peers.sh)".into());
-                PeerState::Unavailable(why)
+            let state = match &ran {
+                Err(e) => {
+                    PeerState::Unavailable(format!("could not run {}: {e}", script.display()))
+                }
+                Ok(_) => state_of(dir, name),
             };
             (name, state)
         })
         .collect()
+}
+
+/// Where the harness of `name` stands in `dir` after `setup`: its binary,
+/// or the first line of the reason `setup-peers.sh` wrote.
+pub fn state_of(dir: &Path, name: &str) -> PeerState {
+    let bin = dir.join(format!("peer-{name}"));
+    if bin.is_file() {
+        return PeerState::Ready(bin);
+    }
+    let why = std::fs::read_to_string(dir.join(format!("peer-{name}.err")))
+        .ok()
+        .and_then(|s| s.lines().next().map(str::to_string))
+        .unwrap_or_else(|| "not built (see scripts/setup-peers.sh)".into());
+    PeerState::Unavailable(why)
 }
 
 fn join(v: &[usize]) -> String {

@@ -4,7 +4,7 @@
 use crate::{
     fail, gfp, guard, guard_int, guard_long, iopages_page, obj, obj_mut, put, slice, slice_mut,
 };
-use iopages::{HugePages, LocalAllocator, Page, PageAllocator, MAX_ORDER, PAGE_SIZE};
+use iopages::{Gfp, HugePages, LocalAllocator, Page, PageAllocator, MAX_ORDER, PAGE_SIZE};
 use std::ffi::{c_char, c_int, c_void};
 use std::fmt::Write as _;
 
@@ -813,11 +813,12 @@ pub unsafe extern "C" fn iopages_local_alloc_bulk(
         let g = gfp(gfp_flags)?;
         // SAFETY: the caller passes NULL or an array of `n` pages.
         let out = unsafe { slice_mut(pages, n, "pages")? };
-        l.scratch.clear();
-        let got = l.local.alloc_bulk(g, n, &mut l.scratch);
-        for (d, p) in out.iter_mut().zip(l.scratch.drain(..)) {
-            *d = id(p);
-        }
+        let got = l.local.alloc_bulk_with(g, n, &mut l.scratch, |pages| {
+            for (d, &p) in out.iter_mut().zip(pages.iter().rev()) {
+                *d = id(p);
+            }
+            pages.len()
+        });
         Ok(got as isize)
     })
 }
@@ -839,10 +840,17 @@ pub unsafe extern "C" fn iopages_local_free_bulk(
         // SAFETY: the caller passes NULL or an array of `n` pages.
         let pages = unsafe { slice(pages, n, "pages")? };
         let pages = checked_pages(l.local.allocator(), pages)?;
-        l.scratch.clear();
-        l.scratch.extend_from_slice(pages);
-        // SAFETY: checked pages of this arena, given up by the caller.
-        unsafe { l.local.free_bulk(&mut l.scratch) };
+        // SAFETY: checked pages of this arena, given up by the caller; all
+        // `n` slots are written.
+        unsafe {
+            l.local
+                .free_bulk_with(pages.len(), &mut l.scratch, |slots| {
+                    for (d, &p) in slots.iter_mut().zip(pages) {
+                        d.write(p);
+                    }
+                    true
+                })
+        };
         Ok(0)
     })
 }
@@ -858,6 +866,29 @@ pub unsafe extern "C" fn iopages_local_alloc_page_ptr(
     l: *mut iopages_local,
     gfp_flags: u32,
 ) -> *mut c_void {
+    // The fast path: a page from the handle's cache, where nothing can fail
+    // or panic, so it needs neither the panic guard nor a stack frame;
+    // everything else, every error message included, is the cold path's.
+    // SAFETY: the caller passes NULL or a handle only this thread uses.
+    if let Some(h) = unsafe { l.as_mut() } {
+        if let Some(g) = Gfp::from_bits(gfp_flags) {
+            if let Some(p) = h.local.alloc_cached(g) {
+                return (h.base + p.pfn() as usize * PAGE_SIZE) as *mut c_void;
+            }
+        }
+    }
+    // SAFETY: as above.
+    unsafe { local_alloc_page_ptr_slow(l, gfp_flags) }
+}
+
+/// The full path of `iopages_local_alloc_page_ptr`: every check, every error message, the
+/// allocator's slow paths.
+///
+/// # Safety
+/// As `iopages_local_alloc_page_ptr`.
+#[cold]
+#[inline(never)]
+unsafe fn local_alloc_page_ptr_slow(l: *mut iopages_local, gfp_flags: u32) -> *mut c_void {
     guard(std::ptr::null_mut(), || {
         // SAFETY: the caller passes NULL or a handle only this thread uses.
         let Ok(l) = (unsafe { obj_mut(l, "local") }) else {
@@ -887,6 +918,32 @@ pub unsafe extern "C" fn iopages_local_free_page_ptr(
     l: *mut iopages_local,
     ptr: *mut c_void,
 ) -> c_int {
+    // The fast path (see `iopages_local_alloc_page_ptr`): a page start
+    // inside the arena, into the handle's cache, checks off.
+    // SAFETY: the caller passes NULL or a handle only this thread uses.
+    if let Some(h) = unsafe { l.as_mut() } {
+        let off = (ptr as usize).wrapping_sub(h.base);
+        if off % PAGE_SIZE == 0 && off / PAGE_SIZE < h.nr_pages as usize {
+            let page = Page::from_pfn((off / PAGE_SIZE) as u32);
+            // SAFETY: a page of this arena, given up by the caller; with
+            // checks on `free_cached` declines and the cold path checks.
+            if unsafe { h.local.free_cached(page) } {
+                return 0;
+            }
+        }
+    }
+    // SAFETY: as above.
+    unsafe { local_free_page_ptr_slow(l, ptr) }
+}
+
+/// The full path of `iopages_local_free_page_ptr`: every check, every error message, the
+/// allocator's slow paths.
+///
+/// # Safety
+/// As `iopages_local_free_page_ptr`.
+#[cold]
+#[inline(never)]
+unsafe fn local_free_page_ptr_slow(l: *mut iopages_local, ptr: *mut c_void) -> c_int {
     guard_int(|| {
         // SAFETY: the caller passes NULL or a handle only this thread uses.
         let l = unsafe { obj_mut(l, "local")? };
@@ -922,18 +979,51 @@ pub unsafe extern "C" fn iopages_local_alloc_bulk_ptrs(
     ptrs: *mut *mut c_void,
     n: usize,
 ) -> isize {
+    // The fast path (see `iopages_local_alloc_page_ptr`): the whole batch
+    // from the handle's cache, straight into `ptrs`.
+    // SAFETY: the caller passes NULL or a handle only this thread uses.
+    let h = unsafe { l.as_mut() };
+    if let (Some(h), Some(g), false) = (h, Gfp::from_bits(gfp_flags), ptrs.is_null()) {
+        // SAFETY: not NULL; the caller passes an array of `n` pointers.
+        let out = unsafe { std::slice::from_raw_parts_mut(ptrs, n) };
+        let base = h.base;
+        if let Some(got) = h.local.alloc_bulk_cached(g, n, |pages| {
+            pages_to_ptrs(pages, base, out);
+            pages.len()
+        }) {
+            return got as isize;
+        }
+    }
+    // SAFETY: as above.
+    unsafe { local_alloc_bulk_ptrs_slow(l, gfp_flags, ptrs, n) }
+}
+
+/// The full path of `iopages_local_alloc_bulk_ptrs`: every check, every error message, the
+/// allocator's slow paths.
+///
+/// # Safety
+/// As `iopages_local_alloc_bulk_ptrs`.
+#[cold]
+#[inline(never)]
+unsafe fn local_alloc_bulk_ptrs_slow(
+    l: *mut iopages_local,
+    gfp_flags: u32,
+    ptrs: *mut *mut c_void,
+    n: usize,
+) -> isize {
     guard_long(|| {
         // SAFETY: the caller passes NULL or a handle only this thread uses.
         let l = unsafe { obj_mut(l, "local")? };
         let g = gfp(gfp_flags)?;
         // SAFETY: the caller passes NULL or an array of `n` pointers.
         let out = unsafe { slice_mut(ptrs, n, "ptrs")? };
-        l.scratch.clear();
-        let got = l.local.alloc_bulk(g, n, &mut l.scratch);
         let base = l.base;
-        for (d, p) in out.iter_mut().zip(l.scratch.iter()) {
-            *d = (base + p.pfn() as usize * PAGE_SIZE) as *mut c_void;
-        }
+        // Straight from the handle's cache into `ptrs`: one pass, no copy
+        // into a vector of handles first.
+        let got = l.local.alloc_bulk_with(g, n, &mut l.scratch, |pages| {
+            pages_to_ptrs(pages, base, &mut out[..pages.len()]);
+            pages.len()
+        });
         Ok(got as isize)
     })
 }
@@ -951,6 +1041,42 @@ pub unsafe extern "C" fn iopages_local_free_bulk_ptrs(
     ptrs: *const *mut c_void,
     n: usize,
 ) -> c_int {
+    // The fast path (see `iopages_local_alloc_page_ptr`): every address
+    // good, the handles written straight into the handle's cache.
+    // SAFETY: the caller passes NULL or a handle only this thread uses.
+    if let (Some(h), false) = (unsafe { l.as_mut() }, ptrs.is_null()) {
+        // SAFETY: not NULL; the caller passes an array of `n` pointers.
+        let ptrs = unsafe { std::slice::from_raw_parts(ptrs, n) };
+        let (base, size) = (h.base, h.nr_pages as usize * PAGE_SIZE);
+        // SAFETY: on `true` every slot holds a page of this arena (checked
+        // to be a page start inside it), given up by the caller; with
+        // checks on `free_bulk_cached` declines and the cold path checks.
+        let done = unsafe {
+            h.local.free_bulk_cached(n, |slots| {
+                // SAFETY: `slots` has room for `n` pages.
+                !ptrs_to_pages(ptrs, base, size, slots.as_mut_ptr().cast())
+            })
+        };
+        if done == Some(true) {
+            return 0;
+        }
+    }
+    // SAFETY: as above; a batch refused above changed nothing.
+    unsafe { local_free_bulk_ptrs_slow(l, ptrs, n) }
+}
+
+/// The full path of `iopages_local_free_bulk_ptrs`: every check, every error message, the
+/// allocator's slow paths.
+///
+/// # Safety
+/// As `iopages_local_free_bulk_ptrs`.
+#[cold]
+#[inline(never)]
+unsafe fn local_free_bulk_ptrs_slow(
+    l: *mut iopages_local,
+    ptrs: *const *mut c_void,
+    n: usize,
+) -> c_int {
     guard_int(|| {
         // SAFETY: the caller passes NULL or a handle only this thread uses.
         let l = unsafe { obj_mut(l, "local")? };
@@ -958,43 +1084,40 @@ pub unsafe extern "C" fn iopages_local_free_bulk_ptrs(
         let ptrs = unsafe { slice(ptrs, n, "ptrs")? };
         let (base, size) = (l.base, l.nr_pages as usize * PAGE_SIZE);
         let n = ptrs.len();
-        l.scratch.clear();
-        l.scratch.reserve(n);
-        // One pass without early exits (it vectorises): every address
-        // becomes a handle, and `bad` records whether any was not a page
-        // start inside the arena.
-        let mut bad = false;
-        let handle = |p: *mut c_void, bad: &mut bool| {
-            let off = (p as usize).wrapping_sub(base);
-            *bad |= (off % PAGE_SIZE != 0) | (off >= size);
-            // Masked below 2^31, so the handle (pfn + 1) is never 0.
-            ((off / PAGE_SIZE) as u32 & 0x7fff_ffff) + 1
+        let bad = if l.local.allocator().checks_enabled() {
+            // Checks on: every page checked to be allocated before any is
+            // freed, so a double free is an error rather than a panic.
+            l.scratch.clear();
+            l.scratch.reserve(n);
+            // SAFETY: room for `n` handles was reserved.
+            let bad = unsafe { ptrs_to_pages(ptrs, base, size, l.scratch.as_mut_ptr().cast()) };
+            if !bad {
+                // SAFETY: the conversion wrote the first `n` slots.
+                unsafe { l.scratch.set_len(n) };
+                for &page in &l.scratch {
+                    if let Err(e) = check_free(l.local.allocator(), page, 0) {
+                        l.scratch.clear();
+                        return Err(e);
+                    }
+                }
+                // SAFETY: checked pages of this arena, given up by the
+                // caller.
+                unsafe { l.local.free_bulk(&mut l.scratch) };
+            }
+            bad
+        } else {
+            // Checks off: the handles are written straight into the
+            // handle's cache, and committed only if every address was good.
+            // SAFETY: on `true` every slot holds a page of this arena
+            // (checked to be a page start inside it), given up by the
+            // caller.
+            !unsafe {
+                l.local.free_bulk_with(n, &mut l.scratch, |slots| {
+                    // SAFETY: `slots` has room for `n` pages.
+                    !ptrs_to_pages(ptrs, base, size, slots.as_mut_ptr().cast())
+                })
+            }
         };
-        // Four handles per 16-byte store: `free_bulk` copies them with
-        // 16-byte loads right away, and a load that spans several narrower
-        // stores would stall on store forwarding.
-        let dst = l.scratch.spare_capacity_mut().as_mut_ptr().cast::<u32>();
-        let mut quads = ptrs.chunks_exact(4);
-        let mut at = 0;
-        for q in &mut quads {
-            let v = [
-                handle(q[0], &mut bad),
-                handle(q[1], &mut bad),
-                handle(q[2], &mut bad),
-                handle(q[3], &mut bad),
-            ];
-            // SAFETY: room for `n` handles was reserved and `at + 4 <= n`;
-            // `Page` is a transparent `NonZeroU32`, and every value is
-            // non-zero.
-            unsafe { dst.add(at).cast::<[u32; 4]>().write_unaligned(v) };
-            at += 4;
-        }
-        for &p in quads.remainder() {
-            let h = handle(p, &mut bad);
-            // SAFETY: as above, `at < n`.
-            unsafe { dst.add(at).write(h) };
-            at += 1;
-        }
         if bad {
             let (i, p) = ptrs
                 .iter()
@@ -1010,21 +1133,82 @@ pub unsafe extern "C" fn iopages_local_free_bulk_ptrs(
                 format!("ptrs[{i}] = {p:p} is not a page of the arena; nothing freed"),
             ));
         }
-        // SAFETY: the loop above initialised the first `n` slots (room for
-        // `n` was reserved).
-        unsafe { l.scratch.set_len(n) };
-        if l.local.allocator().checks_enabled() {
-            for &page in &l.scratch {
-                if let Err(e) = check_free(l.local.allocator(), page, 0) {
-                    l.scratch.clear();
-                    return Err(e);
-                }
-            }
-        }
-        // SAFETY: checked pages of this arena, given up by the caller.
-        unsafe { l.local.free_bulk(&mut l.scratch) };
         Ok(0)
     })
+}
+
+/// The address of every page of `pages` into `out` (the same length).
+///
+/// With a page touched by the caller between allocation and free, the
+/// stores of this conversion queue behind the caller's, which miss the
+/// cache: fewer, wider stores cost less there, so the loop is compiled for
+/// the widest vectors the CPU has and chosen at run time.
+#[inline]
+fn pages_to_ptrs(pages: &[Page], base: usize, out: &mut [*mut c_void]) {
+    #[inline(always)]
+    fn body(pages: &[Page], base: usize, out: &mut [*mut c_void]) {
+        for (d, p) in out.iter_mut().zip(pages) {
+            *d = (base + p.pfn() as usize * PAGE_SIZE) as *mut c_void;
+        }
+    }
+    body(pages, base, out)
+}
+
+/// Write the page handle of every address of `ptrs` to `dst[..ptrs.len()]`
+/// in one pass without early exits (it vectorises), and say whether any
+/// address was not a page start inside the arena `base..base + size`
+/// (those slots hold a harmless non-zero value).
+///
+/// # Safety
+/// `dst` has room for `ptrs.len()` `u32`s.
+#[inline]
+unsafe fn ptrs_to_pages(ptrs: &[*mut c_void], base: usize, size: usize, dst: *mut u32) -> bool {
+    // SAFETY: the caller's promise.
+    unsafe { ptrs_to_pages_body(ptrs, base, size, dst) }
+}
+
+/// [`ptrs_to_pages`] for whichever vector width it is compiled with.
+///
+/// # Safety
+/// As [`ptrs_to_pages`].
+#[inline(always)]
+unsafe fn ptrs_to_pages_body(
+    ptrs: &[*mut c_void],
+    base: usize,
+    size: usize,
+    dst: *mut u32,
+) -> bool {
+    let mut bad = false;
+    let handle = |p: *mut c_void, bad: &mut bool| {
+        let off = (p as usize).wrapping_sub(base);
+        *bad |= (off % PAGE_SIZE != 0) | (off >= size);
+        // Masked below 2^31, so the handle (pfn + 1) is never 0: `Page`
+        // is a transparent `NonZeroU32`.
+        ((off / PAGE_SIZE) as u32 & 0x7fff_ffff) + 1
+    };
+    // Four handles per 16-byte store: `free_bulk` copies them with 16-byte
+    // loads, and a load that spans several narrower stores would stall on
+    // store forwarding.
+    let mut quads = ptrs.chunks_exact(4);
+    let mut at = 0;
+    for q in &mut quads {
+        let v = [
+            handle(q[0], &mut bad),
+            handle(q[1], &mut bad),
+            handle(q[2], &mut bad),
+            handle(q[3], &mut bad),
+        ];
+        // SAFETY: `at + 4 <= ptrs.len()`, which `dst` has room for.
+        unsafe { dst.add(at).cast::<[u32; 4]>().write_unaligned(v) };
+        at += 4;
+    }
+    for &p in quads.remainder() {
+        let h = handle(p, &mut bad);
+        // SAFETY: as above, `at < ptrs.len()`.
+        unsafe { dst.add(at).write(h) };
+        at += 1;
+    }
+    bad
 }
 
 #[cfg(test)]

@@ -390,3 +390,112 @@ fn sixteen_threads_in_a_tight_arena_with_a_small_depot() {
     // the per-CPU lists and the zone take the overflow.
     ring_stress(builder(8).depot_pages(128).nr_cpus(2).build().unwrap());
 }
+
+/// The callback forms (`alloc_bulk_with`, `free_bulk_with`) and the
+/// fast-path-only forms (`alloc_cached`, `free_cached`,
+/// `alloc_bulk_cached`, `free_bulk_cached`) hand out and take back the
+/// same pages as the vector forms: each page to one owner, counted while
+/// held, refused batches changing nothing, with checks on and off, in the
+/// cache and past it.
+#[test]
+fn the_slice_and_slot_forms_hand_each_page_to_one_owner_and_refuse_cleanly() {
+    for checks in [false, true] {
+        let alloc = builder(4).checks(checks).build().unwrap();
+        let mut local = alloc.local();
+        let mut spill = Vec::new();
+        // Warm the cache, then sizes inside it and past it (slow path).
+        let mut v = Vec::new();
+        assert_eq!(local.alloc_bulk(Gfp::KERNEL, 32, &mut v), 32);
+        // SAFETY: just allocated here, given up once.
+        unsafe { local.free_bulk(&mut v) };
+        for nr in [0, 1, 8, 32, 300] {
+            let mut held: Vec<Page> =
+                local.alloc_bulk_with(Gfp::KERNEL, nr, &mut spill, |s| s.to_vec());
+            assert_eq!(held.len(), nr, "checks {checks}, nr {nr}");
+            let mut s = held.clone();
+            s.sort_by_key(|p| p.pfn());
+            s.dedup();
+            assert_eq!(s.len(), nr, "a page handed out twice");
+            assert_eq!(alloc.accounting().in_use_pages, nr);
+            for (i, &p) in held.iter().enumerate() {
+                write_tag(&alloc, p, i as u64);
+            }
+            // Pages still held are never handed out again.
+            let other = local.alloc_pages(Gfp::KERNEL, 0).unwrap();
+            assert!(
+                !held.contains(&other),
+                "pfn {} handed out while held",
+                other.pfn()
+            );
+            // SAFETY: allocated here, given up once.
+            unsafe { local.free_pages(other, 0) };
+            for (i, &p) in held.iter().enumerate() {
+                check_tag(&alloc, p, i as u64);
+            }
+            // A refused batch frees nothing: the pages are still held.
+            // SAFETY: `fill` returns false, so nothing is given up.
+            let kept = unsafe {
+                local.free_bulk_with(nr, &mut spill, |slots| {
+                    for (d, &p) in slots.iter_mut().zip(&held) {
+                        d.write(p);
+                    }
+                    false
+                })
+            };
+            assert!(!kept);
+            assert_eq!(
+                alloc.accounting().in_use_pages,
+                nr,
+                "a refused batch freed pages"
+            );
+            // SAFETY: every slot written with a page held here, given up once.
+            let freed = unsafe {
+                local.free_bulk_with(nr, &mut spill, |slots| {
+                    for (d, &p) in slots.iter_mut().zip(&held) {
+                        d.write(p);
+                    }
+                    true
+                })
+            };
+            assert!(freed);
+            held.clear();
+            assert_eq!(alloc.accounting().in_use_pages, 0);
+        }
+        // The fast-path-only forms: served from the cache with checks off,
+        // declined (nothing done) where the full path is needed.
+        let got = local.alloc_bulk_cached(Gfp::KERNEL, 8, |s| s.to_vec());
+        let single = local.alloc_cached(Gfp::KERNEL);
+        assert_eq!(got.is_some(), !checks);
+        assert_eq!(single.is_some(), !checks);
+        assert!(local
+            .alloc_bulk_cached(Gfp::KERNEL, 1 << 20, |s| s.len())
+            .is_none());
+        assert!(local.alloc_cached(Gfp::KERNEL | Gfp::ZERO).is_none());
+        let p = local.alloc_pages(Gfp::KERNEL, 0).unwrap();
+        // SAFETY: allocated here, given up once (when accepted).
+        let took = unsafe { local.free_cached(p) };
+        assert_eq!(took, !checks);
+        if !took {
+            // SAFETY: declined above, so still ours; given up once.
+            unsafe { local.free_pages(p, 0) };
+        }
+        let mut back: Vec<Page> = got.into_iter().flatten().chain(single).collect();
+        let n = back.len();
+        // SAFETY: every slot written with a page held here, given up once.
+        let r = unsafe {
+            local.free_bulk_cached(n, |slots| {
+                for (d, &p) in slots.iter_mut().zip(&back) {
+                    d.write(p);
+                }
+                true
+            })
+        };
+        assert_eq!(r, (!checks).then_some(true));
+        if r.is_none() {
+            // SAFETY: declined, so still ours; given up once.
+            unsafe { local.free_bulk(&mut back) };
+        }
+        drop(local);
+        assert_no_leaks(&alloc);
+    }
+}

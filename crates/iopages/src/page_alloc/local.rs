@@ -25,6 +25,7 @@ use crate::gfp::Gfp;
 use crate::page_alloc::PageAllocator;
 use crate::percpu::pcp::bump;
 use crate::percpu::tcache::{Owner, Tcache};
+use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
@@ -156,16 +157,34 @@ impl LocalAllocator {
     /// **Context / Returns:** as [`PageAllocator::alloc_pages`].
     #[inline(always)]
     pub fn alloc_pages(&mut self, gfp: Gfp, order: u32) -> Option<Page> {
-        if order == 0 && self.len > 0 && self.fast(gfp) {
-            self.len -= 1;
-            // SAFETY: slots below the old `len` are initialised, and the
-            // handle is the cache's only user.
-            let p = unsafe { self.buf.add(self.len).read() };
-            self.publish();
-            Self::count(&mut self.allocs, &self.tc.allocs, 1);
-            return Some(p);
+        if order == 0 {
+            if let Some(p) = self.alloc_cached(gfp) {
+                return Some(p);
+            }
         }
         self.alloc_pages_slow(gfp, order)
+    }
+
+    /// The fast path of [`LocalAllocator::alloc_pages`] alone: an order-0
+    /// page from the handle's cache, or `None` where the full path is
+    /// needed (the cache is empty; `gfp`, checks or fault injection ask
+    /// for the careful path). For callers that keep their own slow path
+    /// out of line, as the C ABI does: its fast path then needs no stack
+    /// frame.
+    ///
+    /// **Context:** never blocks.
+    #[inline(always)]
+    pub fn alloc_cached(&mut self, gfp: Gfp) -> Option<Page> {
+        if self.len == 0 || !self.fast(gfp) {
+            return None;
+        }
+        self.len -= 1;
+        // SAFETY: slots below the old `len` are initialised, and the
+        // handle is the cache's only user.
+        let p = unsafe { self.buf.add(self.len).read() };
+        self.publish();
+        Self::count(&mut self.allocs, &self.tc.allocs, 1);
+        Some(p)
     }
 
     #[cold]
@@ -193,16 +212,34 @@ impl LocalAllocator {
     /// nothing else uses it as its own afterwards.
     #[inline(always)]
     pub unsafe fn free_pages(&mut self, page: Page, order: u32) {
-        if order == 0 && !self.checks && self.len < self.cap {
-            // SAFETY: the slot is inside the buffer; the handle is the
-            // cache's only user.
-            unsafe { self.buf.add(self.len).write(page) };
-            self.len += 1;
-            self.publish();
-            Self::count(&mut self.frees, &self.tc.frees, 1);
+        // SAFETY: the caller's promise, passed on.
+        if order == 0 && unsafe { self.free_cached(page) } {
             return;
         }
         self.free_pages_slow(page, order)
+    }
+
+    /// The fast path of [`LocalAllocator::free_pages`] for an order-0
+    /// page alone: into the handle's cache, or `false` (nothing done)
+    /// where the full path is needed (the cache is full, or checks are
+    /// on). The counterpart of [`LocalAllocator::alloc_cached`].
+    ///
+    /// **Context:** never blocks.
+    ///
+    /// # Safety
+    /// As [`LocalAllocator::free_pages`], when it returns `true`.
+    #[inline(always)]
+    pub unsafe fn free_cached(&mut self, page: Page) -> bool {
+        if self.checks || self.len >= self.cap {
+            return false;
+        }
+        // SAFETY: the slot is inside the buffer; the handle is the cache's
+        // only user.
+        unsafe { self.buf.add(self.len).write(page) };
+        self.len += 1;
+        self.publish();
+        Self::count(&mut self.frees, &self.tc.frees, 1);
+        true
     }
 
     #[cold]
@@ -344,6 +381,156 @@ impl LocalAllocator {
         }
         pages.clear();
         self.reload();
+    }
+
+    /// Allocate `nr` order-0 pages and show them to `take` as one slice,
+    /// for callers that keep pages as something else (addresses, another
+    /// handle type): [`LocalAllocator::alloc_bulk`] would copy each page into
+    /// a vector only for the caller to copy it again. On the fast path the
+    /// slice is the top of the handle's cache; otherwise the pages are
+    /// gathered in `spill` (cleared first; its capacity is reused, so keep
+    /// one per handle). The pages are the caller's from the moment `take`
+    /// runs: it must keep (copy out) every one. Their order is unspecified.
+    ///
+    /// **Context:** as [`PageAllocator::alloc_pages`]. **Returns:** what
+    /// `take` returns; the slice is shorter than `nr` when memory is short.
+    #[inline(always)]
+    pub fn alloc_bulk_with<R>(
+        &mut self,
+        gfp: Gfp,
+        nr: usize,
+        spill: &mut Vec<Page>,
+        take: impl FnOnce(&[Page]) -> R,
+    ) -> R {
+        if nr <= self.len && self.fast(gfp) {
+            return take(self.take_cached(nr));
+        }
+        spill.clear();
+        self.alloc_bulk_slow(gfp, nr, spill);
+        take(spill)
+    }
+
+    /// The fast path of [`LocalAllocator::alloc_bulk_with`] alone: `None`
+    /// (and `take` not called) where the full path is needed. For callers
+    /// that keep their own slow path out of line (the C ABI).
+    ///
+    /// **Context:** never blocks.
+    #[inline(always)]
+    pub fn alloc_bulk_cached<R>(
+        &mut self,
+        gfp: Gfp,
+        nr: usize,
+        take: impl FnOnce(&[Page]) -> R,
+    ) -> Option<R> {
+        if nr > self.len || !self.fast(gfp) {
+            return None;
+        }
+        Some(take(self.take_cached(nr)))
+    }
+
+    /// The top `nr` pages of the cache, taken out of it (`nr <= len`).
+    #[inline(always)]
+    fn take_cached(&mut self, nr: usize) -> &[Page] {
+        debug_assert!(nr <= self.len);
+        let at = self.len - nr;
+        // The pages leave the cache before the caller sees them, so a
+        // panic in the caller loses them rather than leaving them both
+        // cached and handed out.
+        self.len = at;
+        self.publish();
+        Self::count(&mut self.allocs, &self.tc.allocs, nr as u64);
+        Self::count(&mut self.bulk_allocs, &self.tc.bulk_allocs, 1);
+        // SAFETY: slots `at..at + nr` are initialised and, being above
+        // `len` now, no longer the cache's; nothing writes them while the
+        // slice borrows the handle.
+        unsafe { std::slice::from_raw_parts(self.buf.add(at), nr) }
+    }
+
+    /// Free `nr` order-0 pages that `fill` writes straight into the
+    /// handle's cache (the counterpart of
+    /// [`LocalAllocator::alloc_bulk_with`]): `fill` gets `nr` slots, writes
+    /// every one, and returns whether to free them — `false` frees nothing,
+    /// for callers that check what they convert and refuse a whole batch
+    /// over one bad entry. Where the cache has no room (or checks are on)
+    /// the slots are in `spill` and the pages go the slow way.
+    ///
+    /// **Context:** never blocks. With checks on, a double free panics.
+    /// **Returns:** what `fill` returned.
+    ///
+    /// # Safety
+    /// When `fill` returns `true`, it has written all `nr` slots with pages
+    /// the caller owns (each once) and that nothing uses afterwards, as for
+    /// [`PageAllocator::free_pages_bulk`].
+    #[inline(always)]
+    pub unsafe fn free_bulk_with(
+        &mut self,
+        nr: usize,
+        spill: &mut Vec<Page>,
+        fill: impl FnOnce(&mut [MaybeUninit<Page>]) -> bool,
+    ) -> bool {
+        if !self.checks && nr <= self.cap - self.len {
+            // SAFETY: the caller's promise, passed on.
+            return unsafe { self.fill_cached(nr, fill) };
+        }
+        spill.clear();
+        spill.reserve(nr);
+        if !fill(&mut spill.spare_capacity_mut()[..nr]) {
+            return false;
+        }
+        // SAFETY: `fill` wrote all `nr` slots (the caller's promise).
+        unsafe { spill.set_len(nr) };
+        self.free_bulk_slow(spill);
+        true
+    }
+
+    /// The fast path of [`LocalAllocator::free_bulk_with`] alone: `None`
+    /// (and `fill` not called) where the full path is needed (no room in
+    /// the cache, or checks on). For callers that keep their own slow path
+    /// out of line (the C ABI).
+    ///
+    /// **Context:** never blocks.
+    ///
+    /// # Safety
+    /// As [`LocalAllocator::free_bulk_with`].
+    #[inline(always)]
+    pub unsafe fn free_bulk_cached(
+        &mut self,
+        nr: usize,
+        fill: impl FnOnce(&mut [MaybeUninit<Page>]) -> bool,
+    ) -> Option<bool> {
+        if self.checks || nr > self.cap - self.len {
+            return None;
+        }
+        // SAFETY: the caller's promise, passed on.
+        Some(unsafe { self.fill_cached(nr, fill) })
+    }
+
+    /// `fill` writes `nr` slots above the cache's top; kept if it says so
+    /// (`nr <= cap - len`, checks off).
+    ///
+    /// # Safety
+    /// As [`LocalAllocator::free_bulk_with`].
+    #[inline(always)]
+    unsafe fn fill_cached(
+        &mut self,
+        nr: usize,
+        fill: impl FnOnce(&mut [MaybeUninit<Page>]) -> bool,
+    ) -> bool {
+        debug_assert!(!self.checks && nr <= self.cap - self.len);
+        // SAFETY: the slots `len..len + nr` are inside the buffer and above
+        // `len`, so not the cache's until `len` moves; the handle is the
+        // cache's only user.
+        let slots = unsafe {
+            std::slice::from_raw_parts_mut(self.buf.add(self.len).cast::<MaybeUninit<Page>>(), nr)
+        };
+        if !fill(slots) {
+            return false;
+        }
+        self.len += nr;
+        self.publish();
+        Self::count(&mut self.frees, &self.tc.frees, nr as u64);
+        Self::count(&mut self.bulk_frees, &self.tc.bulk_frees, 1);
+        true
     }
 
     /// Give every cached page back to the per-CPU lists.

@@ -1,0 +1,334 @@
+//! E1 through the C ABI: what a C caller of `libiopages` pays over a Rust
+//! caller of the same allocator, measured side by side in every E1 run.
+//!
+//! Owns: the `iopages-c` row (the C harness, `peers/peer_bench.c` built
+//! against `libiopages` by `scripts/setup-peers.sh`, one process per run)
+//! and its Rust twin — the same single-thread workloads in this process
+//! from the same state the C process starts in: a new arena configured as
+//! the harness configures it (64 MiB, populated, huge pages if the kernel
+//! gives them, checks off, default thread cache), one new per-thread
+//! handle, every batch warmed once with an eighth of the pages, then every
+//! batch timed in the harness's order. The ratio is taken per run (the two
+//! samples adjacent in time) and its median reported.
+//!
+//! Why a twin rather than E1's `iopages` row: that row's allocator has run
+//! every other E1 workload before it (its free lists are spread over the
+//! whole arena), and which pages a batch gets changes what writing their
+//! first bytes costs by more than the C ABI does. The E1 row is shown
+//! beside, for the reader to see both.
+//!
+//! Must never: count `iopages-c` as a peer to beat, or compare figures
+//! from different runs.
+
+use crate::measure::median;
+use crate::measure::time_once;
+use crate::peers::{self, PeerState};
+use crate::{met, progress, round2, BenchError};
+use iopages::{Gfp, HugePages, LocalAllocator, PageAllocator};
+use serde_json::{json, Map, Value};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// The row's name (and its harness binary, `peer-iopages-c`).
+pub const C_ROW: &str = "iopages-c";
+/// Target: the C row at most this many times the Rust twin's ns per page
+/// at every batch of at least [`TARGET_MIN_BATCH`].
+pub const TARGET_C_OVER_RUST: f64 = 1.2;
+/// The smallest batch the target covers.
+pub const TARGET_MIN_BATCH: usize = 8;
+/// The harness's arena for a single-thread-only run (`peer_bench.c`).
+const HARNESS_ARENA_BYTES: u64 = 64 << 20;
+
+/// Per batch, one figure per run (0: the single-page API).
+type PerBatch = BTreeMap<usize, Vec<f64>>;
+
+/// The rows' samples and the per-run ratios.
+pub struct CAbi {
+    state: PeerState,
+    /// The C harness, ns per page.
+    c: PerBatch,
+    /// The Rust twin touching through handles (E1's loop), ns per page.
+    rust: PerBatch,
+    /// The Rust twin touching through an array of addresses (the C loop).
+    rust_addr: PerBatch,
+    /// C over `rust`, one per run.
+    ratio: PerBatch,
+    /// C over `rust_addr`, one per run: what the ABI itself costs.
+    ratio_addr: PerBatch,
+}
+
+fn med(m: &PerBatch, b: usize) -> Option<f64> {
+    m.get(&b).filter(|v| !v.is_empty()).map(|v| median(v))
+}
+
+fn batch_key(b: usize) -> String {
+    if b == 0 {
+        "single".into()
+    } else {
+        b.to_string()
+    }
+}
+
+impl CAbi {
+    /// The row as `setup-peers.sh` left it in `dir` (or skipped, `why`).
+    pub fn new(dir: Option<&Path>, why_skipped: &str) -> CAbi {
+        let state = match dir {
+            Some(d) => peers::state_of(d, C_ROW),
+            None => PeerState::Unavailable(why_skipped.into()),
+        };
+        if let PeerState::Unavailable(why) = &state {
+            progress("bulk", format!("{C_ROW} unavailable: {why}"));
+        }
+        CAbi {
+            state,
+            c: PerBatch::new(),
+            rust: PerBatch::new(),
+            rust_addr: PerBatch::new(),
+            ratio: PerBatch::new(),
+            ratio_addr: PerBatch::new(),
+        }
+    }
+
+    /// One run: the C process, then its Rust twin. A failing C process
+    /// marks the row unavailable (the rest of E1 goes on); a failing twin
+    /// is an error of the benchmark.
+    pub fn run_once(
+        &mut self,
+        batches: &[usize],
+        pages: u64,
+        run: usize,
+    ) -> Result<(), BenchError> {
+        let PeerState::Ready(bin) = &self.state else {
+            return Ok(());
+        };
+        let c = match peers::run_peer(bin, pages, 0, batches, &[], &[]) {
+            Ok(c) => c,
+            Err(why) => {
+                progress("bulk", format!("{C_ROW} failed in run {run}: {why}"));
+                self.state = PeerState::Unavailable(format!("failed in run {run}: {why}"));
+                return Ok(());
+            }
+        };
+        let twin = rust_twin(batches, pages)?;
+        for r in &c {
+            let (b, ns) = (r.batch, r.ns_per_page);
+            let t = twin.get(&b).ok_or_else(|| {
+                BenchError::Workload(format!("{C_ROW} printed batch {b}, which was not asked"))
+            })?;
+            self.c.entry(b).or_default().push(ns);
+            self.rust.entry(b).or_default().push(t.handles);
+            self.rust_addr.entry(b).or_default().push(t.addresses);
+            self.ratio.entry(b).or_default().push(ns / t.handles);
+            self.ratio_addr.entry(b).or_default().push(ns / t.addresses);
+        }
+        Ok(())
+    }
+
+    fn ready(&self) -> bool {
+        matches!(self.state, PeerState::Ready(_)) && !self.ratio.is_empty()
+    }
+
+    /// The worst median ratio in `m` over the batches the target covers.
+    fn worst(m: &PerBatch) -> Option<(usize, f64)> {
+        m.iter()
+            .filter(|(&b, v)| b >= TARGET_MIN_BATCH && !v.is_empty())
+            .map(|(&b, v)| (b, median(v)))
+            .max_by(|a, b| a.1.total_cmp(&b.1))
+    }
+
+    /// Print the table: C row, the Rust twin's two loops, the ratios, E1's
+    /// `iopages` row (`e1(batch)`), and how many times faster than the
+    /// best peer the C row and the twin are (`best(batch)`: the best
+    /// peer's name and ns).
+    pub fn print(
+        &self,
+        runs: usize,
+        e1: impl Fn(usize) -> Option<f64>,
+        best: impl Fn(usize) -> Option<(String, f64)>,
+    ) {
+        println!();
+        if !self.ready() {
+            if let PeerState::Unavailable(why) = &self.state {
+                println!("E1 through the C ABI: {C_ROW} unavailable - {why}");
+            }
+            return;
+        }
+        println!("E1 through the C ABI: ns per page, one thread, first byte written (median of {runs} runs; ratios: median of each run's)");
+        println!("  twin: the same workloads in this process from the C process's starting state; 'handles' touches as E1's row does, 'addresses' through an array of addresses as the C loop does");
+        println!(
+            "{:>8} | {:>8} | {:>13} | {:>15} | {:>8} | {:>17} | {:>8} | {:>24}",
+            "batch",
+            "C",
+            "twin handles",
+            "twin addresses",
+            "E1 row",
+            "C/twin handles",
+            "C/addr",
+            "vs best peer: C, twin"
+        );
+        let fig = |x: Option<f64>| x.map_or_else(|| "-".into(), |x| format!("{x:.2}"));
+        for &b in self.ratio.keys() {
+            let (c, rust) = (med(&self.c, b), med(&self.rust, b));
+            let vs = match (best(b), c, rust) {
+                (Some((p, ns)), Some(c), Some(rust)) => {
+                    format!("{:.2}, {:.2} ({p})", ns / c, ns / rust)
+                }
+                _ => "-".into(),
+            };
+            println!(
+                "{:>8} | {:>8} | {:>13} | {:>15} | {:>8} | {:>17} | {:>8} | {vs:>24}",
+                batch_key(b),
+                fig(c),
+                fig(rust),
+                fig(med(&self.rust_addr, b)),
+                fig(e1(b)),
+                fig(med(&self.ratio, b)),
+                fig(med(&self.ratio_addr, b)),
+            );
+        }
+        if let Some((b, r)) = Self::worst(&self.ratio) {
+            println!(
+                "target: C row within {TARGET_C_OVER_RUST}x of the Rust row at every batch >= {TARGET_MIN_BATCH}: worst {r:.2} at batch {b} ({})",
+                met(r <= TARGET_C_OVER_RUST)
+            );
+        }
+        if let Some((b, r)) = Self::worst(&self.ratio_addr) {
+            println!(
+                "  the ABI alone (C over the twin's loop through addresses), batches >= {TARGET_MIN_BATCH}: worst {r:.2} at batch {b}"
+            );
+        }
+    }
+
+    /// The report's `c_abi` section.
+    pub fn json(
+        &self,
+        e1: impl Fn(usize) -> Option<f64>,
+        best: impl Fn(usize) -> Option<(String, f64)>,
+    ) -> Value {
+        if !self.ready() {
+            let why = match &self.state {
+                PeerState::Unavailable(why) => why.clone(),
+                PeerState::Ready(_) => "no run finished".into(),
+            };
+            return json!({ "unavailable": why });
+        }
+        let runs = |m: &PerBatch, b: usize| -> Vec<f64> {
+            m.get(&b)
+                .map(|v| v.iter().map(|&x| round2(x)).collect())
+                .unwrap_or_default()
+        };
+        let mut per = Map::new();
+        for &b in self.ratio.keys() {
+            let (c, rust) = (med(&self.c, b), med(&self.rust, b));
+            let best = best(b);
+            per.insert(
+                batch_key(b),
+                json!({
+                    "c_ns_per_page": c.map(round2),
+                    "twin_handles_ns_per_page": rust.map(round2),
+                    "twin_addresses_ns_per_page": med(&self.rust_addr, b).map(round2),
+                    "c_over_twin_handles": med(&self.ratio, b).map(round2),
+                    "c_over_twin_handles_runs": runs(&self.ratio, b),
+                    "c_over_twin_addresses": med(&self.ratio_addr, b).map(round2),
+                    "c_over_twin_addresses_runs": runs(&self.ratio_addr, b),
+                    "e1_row_ns_per_page": e1(b).map(round2),
+                    "best_peer": best.as_ref().map(|(p, _)| p.clone()),
+                    "c_ratio_vs_best_peer": best.as_ref().zip(c).map(|((_, ns), c)| round2(ns / c)),
+                    "twin_ratio_vs_best_peer": best.as_ref().zip(rust).map(|((_, ns), r)| round2(ns / r)),
+                }),
+            );
+        }
+        let worst = Self::worst(&self.ratio);
+        let worst_addr = Self::worst(&self.ratio_addr);
+        json!({
+            "what": "the C harness against libiopages (one process per run) beside its Rust twin: the same workloads in-process from the same state (a new 64 MiB arena, a new handle, each batch warmed once), touching each page through its handle (E1's loop) and through an array of addresses (the C loop); ratios per run, median",
+            "batches": per,
+            "target": {
+                "what": "C ns over the twin's (E1's loop) at every batch >= from_batch",
+                "max": TARGET_C_OVER_RUST,
+                "from_batch": TARGET_MIN_BATCH,
+                "worst": worst.map(|(b, r)| json!({ "batch": b, "ratio": round2(r) })),
+                "met": worst.is_some_and(|(_, r)| r <= TARGET_C_OVER_RUST),
+            },
+            "abi_alone_worst": worst_addr.map(|(b, r)| json!({ "batch": b, "ratio": round2(r) })),
+        })
+    }
+}
+
+/// The harness's bulk workload as a Rust caller would write it with
+/// addresses in hand: each batch's pages turned into an array of addresses,
+/// each page's first byte written through that array (the C harness's
+/// loop: load an address, store through it), then the batch freed.
+fn st_through_addresses(
+    local: &mut LocalAllocator,
+    batch: usize,
+    pages: u64,
+) -> Result<f64, BenchError> {
+    let alloc = local.allocator().clone();
+    let rounds = (pages / batch as u64).max(1);
+    let mut v = Vec::with_capacity(batch);
+    let mut addrs: Vec<*mut u8> = Vec::with_capacity(batch);
+    let mut short = false;
+    let s = time_once(rounds * batch as u64, || {
+        for _ in 0..rounds {
+            short |= local.alloc_bulk(Gfp::KERNEL, batch, &mut v) != batch;
+            addrs.clear();
+            addrs.extend(v.iter().map(|&p| alloc.page_address(p)));
+            for &a in &addrs {
+                // SAFETY: the page is allocated here and lies in the arena.
+                unsafe { std::ptr::write_volatile(a, 1) };
+            }
+            // SAFETY: `v` holds pages just allocated here, each once.
+            unsafe { local.free_bulk(&mut v) };
+        }
+    });
+    if short {
+        return Err(BenchError::Workload(format!(
+            "{C_ROW} twin ran dry at batch {batch}"
+        )));
+    }
+    Ok(s.ns)
+}
+
+/// The Rust twin's figures at one batch: ns per page touching through
+/// handles (E1's loop) and through an array of addresses (the C loop).
+#[derive(Clone, Copy)]
+struct Twin {
+    handles: f64,
+    addresses: f64,
+}
+
+/// The harness's single-thread part in this process, from the state the
+/// harness starts in: ns per page by batch, both loops.
+fn rust_twin(batches: &[usize], pages: u64) -> Result<BTreeMap<usize, Twin>, BenchError> {
+    let alloc = PageAllocator::builder()
+        .size_bytes(HARNESS_ARENA_BYTES)
+        .huge_pages(HugePages::Try)
+        .populate(true)
+        .checks(false)
+        .build()?;
+    let mut out = BTreeMap::new();
+    {
+        let mut local = alloc.local();
+        for &b in batches {
+            peers::iopages_st(&mut local, b, pages / 8 + 1)?;
+            if b > 0 {
+                st_through_addresses(&mut local, b, pages / 8 + 1)?;
+            }
+        }
+        for &b in batches {
+            let handles = peers::iopages_st(&mut local, b, pages)?.ns;
+            // The single-page API hands out one address: the same loop.
+            let addresses = if b == 0 {
+                handles
+            } else {
+                st_through_addresses(&mut local, b, pages)?
+            };
+            out.insert(b, Twin { handles, addresses });
+        }
+    }
+    alloc
+        .leak_check()
+        .map_err(|a| BenchError::Workload(format!("{C_ROW} twin: pages leaked: {a}")))?;
+    Ok(out)
+}
