@@ -103,6 +103,7 @@ mod export;
 mod handshake;
 pub mod proto;
 pub mod remote;
+pub(crate) mod remote_tls;
 mod server;
 mod stats;
 mod stream;
