@@ -1223,4 +1223,73 @@ mod tests {
         drop(t);
         alloc.leak_check().unwrap();
     }
+
+    /// A RAM disk recording which calls reached it: "write", "fua",
+    /// "flush"; FUA native or not.
+    struct Recording {
+        disk: crate::backend::RamDisk,
+        native: bool,
+        calls: parking_lot::Mutex<Vec<&'static str>>,
+    }
+
+    impl Backend for Recording {
+        fn size_bytes(&self) -> u64 {
+            self.disk.size_bytes()
+        }
+        fn write_at(&self, offset: u64, segs: &[&[u8]]) -> io::Result<()> {
+            self.calls.lock().push("write");
+            self.disk.write_at(offset, segs)
+        }
+        fn read_at(&self, offset: u64, segs: &mut [&mut [u8]]) -> io::Result<()> {
+            self.disk.read_at(offset, segs)
+        }
+        fn flush(&self) -> io::Result<()> {
+            self.calls.lock().push("flush");
+            Ok(())
+        }
+        fn write_at_fua(&self, offset: u64, segs: &[&[u8]]) -> io::Result<()> {
+            if !self.native {
+                self.calls.lock().push("write");
+                self.disk.write_at(offset, segs)?;
+                return self.flush();
+            }
+            self.calls.lock().push("fua");
+            self.disk.write_at(offset, segs)
+        }
+        fn native_fua(&self) -> bool {
+            self.native
+        }
+    }
+
+    #[test]
+    fn a_fua_write_goes_down_as_fua_where_the_backend_takes_it_else_write_then_flush() {
+        for native in [true, false] {
+            let alloc = PageAllocator::builder()
+                .size_bytes(16 << 20)
+                .huge_pages(iopages::HugePages::Never)
+                .build()
+                .unwrap();
+            let rec = Arc::new(Recording {
+                disk: crate::backend::RamDisk::new(1 << 20).unwrap(),
+                native,
+                calls: parking_lot::Mutex::new(Vec::new()),
+            });
+            let disk: Arc<dyn Backend> = rec.clone();
+            let t = CryptTarget::new(&alloc, Tagged(512), disk, TargetConfig::default()).unwrap();
+            assert_eq!(t.native_fua(), native);
+            t.write_fua(4096, &[5u8; 8192]).unwrap();
+            t.write(0, &[6u8; 512]).unwrap();
+            let want: &[&str] = if native {
+                &["fua", "write"]
+            } else {
+                &["write", "flush", "write"]
+            };
+            assert_eq!(*rec.calls.lock(), want, "native FUA {native}");
+            let mut back = [0u8; 8192];
+            t.read(4096, &mut back).unwrap();
+            assert!(back.iter().all(|&b| b == 5));
+            drop(t);
+            alloc.leak_check().unwrap();
+        }
+    }
 }

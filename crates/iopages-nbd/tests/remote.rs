@@ -1243,3 +1243,62 @@ fn without_fua_on_the_remote_a_fua_write_is_a_write_then_a_flush() {
     assert_eq!(verbs, ["Write", "Flush"], "{seen:?}");
     assert!(seen[0].1.contains("fua=0"), "{seen:?}");
 }
+
+#[test]
+fn a_server_that_acks_starttls_and_then_stalls_or_misbehaves_is_given_up() {
+    use iopages_nbd::proto::*;
+    use std::io::{Read, Write};
+    // ACK, then silence instead of the TLS handshake: the connect timeout.
+    let (dir, _, server) = fake_server(|mut s| {
+        let (option, _) = greet(&mut s);
+        assert_eq!(option, OPT_STARTTLS);
+        s.write_all(&option_reply(OPT_STARTTLS, REP_ACK, &[]))
+            .unwrap();
+        let mut rest = [0u8; 4096];
+        let _ = s.read(&mut rest); // the ClientHello
+        std::thread::sleep(Duration::from_secs(5));
+    });
+    let uri = format!(
+        "nbds+unix:///x?socket={}&tls-verify-peer=false",
+        dir.join("fake.sock").display()
+    );
+    let t = Instant::now();
+    let e = NbdRemote::connect(
+        &RemoteSpec::parse(&uri).unwrap(),
+        &RemoteOptions {
+            timeout: Duration::from_secs(1),
+            ..RemoteOptions::default()
+        },
+    )
+    .err()
+    .expect("no TLS handshake");
+    assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
+    assert!(e.to_string().contains("TLS handshake"), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
+    drop(server);
+    // An oversized or malformed reply to STARTTLS: refused, not read.
+    for (reply, len, why) in [
+        (REP_ACK, 1u32 << 30, "option reply of"),
+        (REP_ACK, 3, "acknowledged with 3 bytes"),
+        (REP_INFO, 0, "reply 3 to NBD_OPT_STARTTLS"),
+    ] {
+        let (dir, _, server) = fake_server(move |mut s| {
+            let (option, _) = greet(&mut s);
+            assert_eq!(option, OPT_STARTTLS);
+            let mut r = option_reply(OPT_STARTTLS, reply, &[]);
+            r[16..20].copy_from_slice(&len.to_be_bytes());
+            s.write_all(&r).unwrap();
+            let _ = s.write_all(&[0u8; 3]);
+            let mut rest = Vec::new();
+            let _ = s.read_to_end(&mut rest);
+        });
+        let uri = format!(
+            "nbds+unix:///x?socket={}&tls-verify-peer=false",
+            dir.join("fake.sock").display()
+        );
+        let e = refused(&RemoteSpec::parse(&uri).unwrap());
+        assert_eq!(e.kind(), ErrorKind::InvalidData, "{e}");
+        assert!(e.to_string().contains(why), "{why}: {e}");
+        server.join().unwrap();
+    }
+}
