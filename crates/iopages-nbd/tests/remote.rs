@@ -966,7 +966,7 @@ fn nbds_with_a_psk_writes_and_reads_back_and_a_wrong_key_is_refused() {
     let keys = dir.join("keys.psk");
     iopages_bench::nbd::write_psk(&keys, "alice").unwrap();
     let psk = format!("--tls-psk={}", keys.display());
-    let Some(k) = Nbdkit::start("remote nbds psk", &["--tls=require", &psk, "memory", "16M"])
+    let Some(k) = Nbdkit::start("remote nbds psk", &["--tls=require", &psk, "memory", "64M"])
     else {
         return;
     };
@@ -980,6 +980,13 @@ fn nbds_with_a_psk_writes_and_reads_back_and_a_wrong_key_is_refused() {
     );
     assert!(remote.is_tls());
     write_and_read_back(&remote);
+    // 40 MiB: more than one 32 MiB request each way, the socket full.
+    let mut big = vec![0u8; 40 << 20];
+    Rng(99).fill(&mut big);
+    remote.write_at(16 << 20, &[&big]).unwrap();
+    let mut back = vec![0u8; big.len()];
+    remote.read_at(16 << 20, &mut [&mut back]).unwrap();
+    assert!(back == big, "40 MiB read back over TLS");
     drop(remote);
     // An identity the file does not have: refused before connecting.
     let uri = format!(
