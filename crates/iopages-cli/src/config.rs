@@ -109,8 +109,9 @@ pub enum ImageSpec {
     /// relative to the working directory).
     Path(PathBuf),
     /// A remote store, `nbd://host[:port]/export` or
-    /// `nbd+unix:///export?socket=PATH`, kept as written (only the scheme
-    /// has been checked).
+    /// `nbd+unix:///export?socket=PATH` (`nbds://`, `nbds+unix://`: over
+    /// TLS, with `tls-*` query parameters), kept as written (only the
+    /// scheme has been checked).
     Nbd(String),
 }
 
@@ -630,7 +631,8 @@ fn check_name(name: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// `image`: a path, or an `nbd://` / `nbd+unix://` URI kept as written.
+/// `image`: a path, or an `nbd://` / `nbd+unix://` URI (or its TLS form,
+/// `nbds://` / `nbds+unix://`) kept as written.
 fn image_spec(s: &str) -> Result<ImageSpec, String> {
     if s.is_empty() {
         return Err("image is empty".into());
@@ -642,18 +644,15 @@ fn image_spec(s: &str) -> Result<ImageSpec, String> {
                 .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
         if looks_like_scheme {
             let lower = scheme.to_ascii_lowercase();
-            return match scheme {
-                "nbd" | "nbd+unix" => Ok(ImageSpec::Nbd(s.to_string())),
-                _ if lower.starts_with("nbds") => Err(format!(
-                    "image {s:?}: TLS to a remote store is not supported yet (use nbd:// on a \
-                     trusted network or nbd+unix://)"
-                )),
+            return match lower.as_str() {
+                "nbd" | "nbd+unix" | "nbds" | "nbds+unix" => Ok(ImageSpec::Nbd(s.to_string())),
                 _ if lower.starts_with("nbd") => Err(format!(
-                    "image {s:?}: unknown scheme {scheme:?} (expected nbd:// or nbd+unix://)"
+                    "image {s:?}: unknown scheme {scheme:?} (expected nbd://, nbds://, \
+                     nbd+unix:// or nbds+unix://)"
                 )),
                 _ => Err(format!(
                     "image {s:?}: unknown scheme {scheme:?} (an image is a file or block device \
-                     path, nbd://host[:port]/export or nbd+unix:///export?socket=PATH)"
+                     path, nbd[s]://host[:port]/export or nbd[s]+unix:///export?socket=PATH)"
                 )),
             };
         }
@@ -1134,20 +1133,19 @@ passphrase-prompt = true
             image("nbd://h/e").unwrap().exports[0].image,
             ImageSpec::Nbd("nbd://h/e".into())
         );
-        err(
-            &format!("{head}image = \"nbds://store/vm1\"\n"),
-            Some(1),
-            "export \"vm1\": image \"nbds://store/vm1\": TLS to a remote store is not supported yet",
-        );
-        err(
-            &format!("{head}image = \"nbds+unix:///e?socket=/s\"\n"),
-            Some(1),
-            "TLS to a remote store is not supported yet",
-        );
+        for tls in [
+            "nbds://store/vm1?tls-certificates=/etc/pki/store",
+            "nbds+unix:///e?socket=/s&tls-psk-file=/k.psk",
+        ] {
+            assert_eq!(
+                image(tls).unwrap().exports[0].image,
+                ImageSpec::Nbd(tls.into())
+            );
+        }
         err(
             &format!("{head}image = \"nbd+vsock://1/e\"\n"),
             Some(1),
-            "unknown scheme \"nbd+vsock\" (expected nbd:// or nbd+unix://)",
+            "unknown scheme \"nbd+vsock\" (expected nbd://, nbds://, nbd+unix:// or nbds+unix://)",
         );
         err(
             &format!("{head}image = \"http://x/y\"\n"),

@@ -65,7 +65,11 @@ pub struct ServeArgs {
     #[arg(long, value_name = "PATH")]
     unix: Option<PathBuf>,
     /// Serve this LUKS1 or LUKS2 image (a file or block device) instead of
-    /// an in-memory volume. Needs --passphrase-file.
+    /// an in-memory volume. Needs --passphrase-file. An image on a remote
+    /// NBD server: nbd://host[:port]/export, nbd+unix:///export?socket=PATH,
+    /// or over TLS nbds://… / nbds+unix://… with tls-certificates=DIR
+    /// (ca-cert.pem, client-cert.pem, client-key.pem) or tls-psk-file=FILE
+    /// and tls-username=NAME; tls-hostname=NAME for a Unix socket.
     #[arg(long, value_name = "PATH")]
     image: Option<PathBuf>,
     /// The image's passphrase: the file's exact bytes (as cryptsetup's

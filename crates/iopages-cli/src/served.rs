@@ -37,7 +37,8 @@ pub struct Served {
 pub type Volumes = Arc<Mutex<Vec<Served>>>;
 
 /// Open the image `image` (a path, or an `nbd://` / `nbd+unix://` URI of
-/// a remote export holding it) with `pass`.
+/// a remote export holding it, `nbds://` / `nbds+unix://` over TLS) with
+/// `pass`.
 ///
 /// **Context:** derives the key (seconds, bounded by the KDF limits).
 /// **Returns:** the error, naming the image.
@@ -66,10 +67,13 @@ pub fn open_image(image: &ImageSpec, pass: &[u8], opts: &VolumeOptions) -> Resul
     }
 }
 
-/// What an `--image` argument names: an NBD URI, or a path.
+/// What an `--image` argument names: an NBD URI (`nbd://`, `nbd+unix://`,
+/// or over TLS `nbds://`, `nbds+unix://`), or a path.
 pub fn image_spec(arg: &Path) -> ImageSpec {
     let s = arg.to_string_lossy();
-    if s.starts_with("nbd://") || s.starts_with("nbd+unix://") || s.starts_with("nbds") {
+    // Any nbd…:// scheme: the URI parser names what is wrong with others.
+    let scheme = s.split_once("://").map(|(x, _)| x.to_ascii_lowercase());
+    if scheme.is_some_and(|x| x.starts_with("nbd")) {
         ImageSpec::Nbd(s.into_owned())
     } else {
         ImageSpec::Path(arg.to_path_buf())

@@ -3,8 +3,10 @@
 //! plugins — and iopages encrypting in front of it. A cryptsetup-made
 //! LUKS2 volume is written through iopages by fio with verify and by
 //! nbdcopy, read back offline (nbdcopy of the remote export, then
-//! `iopages luks decrypt`); a remote killed mid-run gives the client
-//! errors, not a hang, and what was flushed before is on the remote.
+//! `iopages luks decrypt`); the same over TLS (`nbds+unix://` to an nbdkit
+//! requiring it, client writes with FUA); a remote killed mid-run gives the
+//! client errors, not a hang, and what was flushed before is on the
+//! remote.
 //!
 //! nbdkit, nbdcopy, qemu-io, fio and cryptsetup are outside tools: where
 //! one is missing the test says so and returns, except under `CI=true`,
@@ -48,6 +50,12 @@ impl Drop for Kid {
 /// nbdkit serving `plugin args` on the Unix socket `sock` (the socket is
 /// up when this returns).
 fn nbdkit(sock: &Path, plugin: &[&str]) -> Kid {
+    nbdkit_probed(sock, plugin, &remote_uri(sock))
+}
+
+/// As [`nbdkit`], up once nbdinfo reaches it at `uri` (a TLS URI for a
+/// server requiring TLS).
+fn nbdkit_probed(sock: &Path, plugin: &[&str], uri: &str) -> Kid {
     let child = Command::new("nbdkit")
         .arg("-U")
         .arg(sock)
@@ -59,10 +67,9 @@ fn nbdkit(sock: &Path, plugin: &[&str]) -> Kid {
         .spawn()
         .expect("nbdkit starts");
     let deadline = Instant::now() + Duration::from_secs(20);
-    let uri = remote_uri(sock);
     while Command::new("nbdinfo")
         .arg("--size")
-        .arg(&uri)
+        .arg(uri)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status()
@@ -193,5 +200,84 @@ fn a_remote_killed_mid_run_gives_errors_and_keeps_what_was_flushed() {
     assert!(
         plain[..4 << 20] == data[..],
         "flushed data survived the remote's death"
+    );
+}
+
+#[test]
+fn a_cryptsetup_volume_on_a_tls_remote_is_written_and_read_back_through_iopages() {
+    if !tools(&["nbdkit", "nbdinfo", "nbdcopy", "qemu-io", "cryptsetup"]) {
+        return;
+    }
+    let dir = Dir::new("remote-tls");
+    let (img, pass) = luks2_by_cryptsetup(&dir, 48 << 20);
+    let pki = iopages_bench::nbd::write_pki(&dir.join("pki")).unwrap();
+    let rsock = dir.join("tls.sock");
+    // nbdinfo (libnbd) checks nothing on a Unix socket by default: only
+    // the probe; iopages verifies the certificate against tls-hostname.
+    let probe = format!(
+        "nbds+unix:///?socket={}&tls-certificates={}",
+        rsock.display(),
+        pki.client.display()
+    );
+    let _remote = nbdkit_probed(
+        &rsock,
+        &[
+            "--tls=require",
+            &format!("--tls-certificates={}", pki.server.display()),
+            "--tls-verify-peer",
+            "file",
+            &img.display().to_string(),
+        ],
+        &probe,
+    );
+    // Plaintext to it: refused, and the message says what to use.
+    let sock = dir.join("iopages.sock");
+    let mut plain = serve_cmd();
+    plain
+        .args([
+            "--arena",
+            "64M",
+            "--image",
+            &remote_uri(&rsock),
+            "--passphrase-file",
+        ])
+        .arg(&pass)
+        .arg("--unix")
+        .arg(&sock)
+        .stdin(Stdio::null());
+    let out = plain.output().unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(said.contains("requires TLS: use nbds://"), "{said}");
+    let remote = format!(
+        "nbds+unix:///?socket={}&tls-certificates={}&tls-hostname=localhost",
+        rsock.display(),
+        pki.client.display()
+    );
+    let srv = serve(&remote, &pass, &sock, &dir.join("err"));
+    let uri = srv.uri.clone();
+    // Written with FUA (qemu-io's -f), then read back through iopages.
+    let data = pattern(23, 4 << 20);
+    let src = dir.join("data.raw");
+    std::fs::write(&src, &data).unwrap();
+    run(Command::new("qemu-io")
+        .args(["-f", "raw", "-c"])
+        .arg(format!("write -f -s {} 8M 4M", src.display()))
+        .arg(&uri));
+    let back = dir.join("back.raw");
+    run(Command::new("nbdcopy").arg(&uri).arg(&back));
+    let back = std::fs::read(&back).unwrap();
+    assert!(
+        back[8 << 20..12 << 20] == data[..],
+        "read back through iopages"
+    );
+    srv.stop();
+    // Offline: the remote's bytes (over TLS), decrypted without a server.
+    let copy = dir.join("copy.img");
+    run(Command::new("nbdcopy").arg(&probe).arg(&copy));
+    let plain = decrypt(&copy, &pass, &dir.join("plain"));
+    assert!(
+        plain[8 << 20..12 << 20] == data[..],
+        "the data is on the remote"
     );
 }

@@ -1,7 +1,8 @@
 //! Backends: where the crypt target's ciphertext lives.
 //!
 //! Owns: the [`Backend`] contract (positional reads and writes of whole
-//! buffers, flush; hole punches, discards and the allocation map as
+//! buffers, flush, a write made durable by itself — FUA — which flushes
+//! everything by default; hole punches, discards and the allocation map as
 //! [`Extent`]s, refused by default) and two RAM disks: [`RamDisk`], which copies what it is
 //! given as the kernel's `brd` does, and [`PageStore`], which keeps the
 //! very pages a write hands it and gives back the pages they replace (no
@@ -40,6 +41,28 @@ pub trait Backend: Send + Sync {
 
     /// Make completed writes durable.
     fn flush(&self) -> io::Result<()>;
+
+    /// Write `segments` at `offset` as [`Backend::write_at`] does, durable
+    /// when this returns (a block layer's REQ_FUA, NBD_CMD_FLAG_FUA).
+    ///
+    /// **Context:** may block. **Returns:** as [`Backend::write_at`], or
+    /// the flush's error. The default writes, then flushes the whole
+    /// backend; a backend that can make one write durable by itself (see
+    /// [`Backend::native_fua`]) overrides it.
+    fn write_at_fua(&self, offset: u64, segments: &[&[u8]]) -> io::Result<()> {
+        self.write_at(offset, segments)?;
+        self.flush()
+    }
+
+    /// Whether [`Backend::write_at_fua`] makes just that write durable
+    /// (cheaper than a whole flush), so callers should pass FUA down per
+    /// write rather than flush once after a request's writes.
+    ///
+    /// **Returns:** `false` by default (the default `write_at_fua` flushes
+    /// everything).
+    fn native_fua(&self) -> bool {
+        false
+    }
 
     /// The page store behind this backend, if it is one: the crypt target
     /// then hands it whole out pages instead of having them copied.
@@ -569,6 +592,15 @@ impl Backend for Window {
 
     fn flush(&self) -> io::Result<()> {
         self.inner.flush()
+    }
+
+    fn write_at_fua(&self, offset: u64, segments: &[&[u8]]) -> io::Result<()> {
+        check_segments(offset, segments.iter().map(|s| s.len()), self.len)?;
+        self.inner.write_at_fua(self.start + offset, segments)
+    }
+
+    fn native_fua(&self) -> bool {
+        self.inner.native_fua()
     }
 
     fn mapped(&self, offset: u64, len: usize) -> Option<&[u8]> {

@@ -65,6 +65,8 @@ enum Request {
     Write {
         offset: u64,
         data: Payload,
+        /// Durable before `done` ([`CryptTarget::write_fua`]).
+        fua: bool,
         done: WriteDone,
     },
     Read {
@@ -199,6 +201,26 @@ impl<C: SectorCipher + 'static> CryptQueue<C> {
         self.submit(Request::Write {
             offset,
             data,
+            fua: false,
+            done: Box::new(done),
+        });
+    }
+
+    /// As [`CryptQueue::submit_write_buf`], the write durable before
+    /// `done` runs ([`CryptTarget::write_fua`]: FUA passed down to a
+    /// backend that takes it, else a whole flush after the write).
+    ///
+    /// **Context:** blocks while `queue_depth` requests are in flight.
+    pub fn submit_write_buf_fua(
+        &self,
+        offset: u64,
+        data: Payload,
+        done: impl FnOnce(io::Result<()>) + Send + 'static,
+    ) {
+        self.submit(Request::Write {
+            offset,
+            data,
+            fua: true,
             done: Box::new(done),
         });
     }
@@ -311,8 +333,14 @@ fn worker<C: SectorCipher>(s: &Shared<C>) {
 /// (and reported) so the worker goes on serving the queue.
 fn serve<C: SectorCipher>(t: &CryptTarget<C>, r: Request, buf: Option<&mut FolioBuffer>) {
     let outcome = match r {
-        Request::Write { offset, data, done } => {
+        Request::Write {
+            offset,
+            data,
+            fua,
+            done,
+        } => {
             let res = match buf {
+                _ if fua => t.write_fua(offset, (*data).as_ref()),
                 Some(b) => t.write_with_folios(offset, (*data).as_ref(), b),
                 None => t.write(offset, (*data).as_ref()),
             };

@@ -458,6 +458,34 @@ impl<C: SectorCipher> CryptTarget<C> {
     /// that is not whole sectors or leaves the device (nothing written), or
     /// the backend's error; the out pages are freed either way.
     pub fn write(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        self.write_inner(offset, data, false)
+    }
+
+    /// Encrypt `data` and write it at byte `offset`, durable when this
+    /// returns (FUA): passed down as [`Backend::write_at_fua`] when the
+    /// backend has [`Backend::native_fua`] (an NBD remote offering
+    /// NBD_FLAG_SEND_FUA), else the write and then a whole flush.
+    ///
+    /// **Context / Returns:** as [`CryptTarget::write`], or the flush's
+    /// error.
+    pub fn write_fua(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        if !self.backend.native_fua() || self.store_for(offset, data.len()).is_some() {
+            self.write(offset, data)?;
+            return self.backend.flush();
+        }
+        self.write_inner(offset, data, true)
+    }
+
+    /// Whether the backend makes a single write durable by itself
+    /// ([`Backend::native_fua`]): then FUA is best passed down per write
+    /// ([`CryptTarget::write_fua`]) instead of flushing after a request.
+    ///
+    /// **Returns:** the backend's answer.
+    pub fn native_fua(&self) -> bool {
+        self.backend.native_fua()
+    }
+
+    fn write_inner(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
         let sector = self.check(offset, data.len())?;
         if data.is_empty() {
             return Ok(());
@@ -470,7 +498,7 @@ impl<C: SectorCipher> CryptTarget<C> {
         let result = match self.store_for(offset, data.len()) {
             Some(store) => self.write_to_store(store, sector, offset, data, out, timed),
             None => {
-                let r = self.encrypt_and_submit(sector, offset, data, out.buffer_mut());
+                let r = self.encrypt_and_submit(sector, offset, data, out.buffer_mut(), fua);
                 let t = now(timed);
                 self.out.free(out);
                 account(&self.counters.free_ns, t);
@@ -551,11 +579,16 @@ impl<C: SectorCipher> CryptTarget<C> {
         offset: u64,
         data: &[u8],
         out: &mut FolioBuffer,
+        fua: bool,
     ) -> io::Result<()> {
         // One segment per run of out pages, trimmed to the request's length.
         let mut segments: Vec<&[u8]> = Vec::with_capacity(data.len().div_ceil(PAGE_SIZE));
         self.encrypt(sector, data, out, |seg| segments.push(seg))?;
-        self.backend.write_at(offset, &segments)
+        if fua {
+            self.backend.write_at_fua(offset, &segments)
+        } else {
+            self.backend.write_at(offset, &segments)
+        }
     }
 
     /// Write through out pages the caller keeps instead of allocated ones:
@@ -594,7 +627,7 @@ impl<C: SectorCipher> CryptTarget<C> {
                 store.store_pages(offset, buf, &mut replaced)?;
                 buf.append(&mut replaced).map_err(other)
             }),
-            None => self.encrypt_and_submit(sector, offset, data, buf),
+            None => self.encrypt_and_submit(sector, offset, data, buf, false),
         };
         buf.append(&mut rest)
             .expect("the pages set aside are of the buffer's own arena");
@@ -1189,5 +1222,74 @@ mod tests {
         assert_eq!(t.out_pages().allocated_pages(), 0);
         drop(t);
         alloc.leak_check().unwrap();
+    }
+
+    /// A RAM disk recording which calls reached it: "write", "fua",
+    /// "flush"; FUA native or not.
+    struct Recording {
+        disk: crate::backend::RamDisk,
+        native: bool,
+        calls: parking_lot::Mutex<Vec<&'static str>>,
+    }
+
+    impl Backend for Recording {
+        fn size_bytes(&self) -> u64 {
+            self.disk.size_bytes()
+        }
+        fn write_at(&self, offset: u64, segs: &[&[u8]]) -> io::Result<()> {
+            self.calls.lock().push("write");
+            self.disk.write_at(offset, segs)
+        }
+        fn read_at(&self, offset: u64, segs: &mut [&mut [u8]]) -> io::Result<()> {
+            self.disk.read_at(offset, segs)
+        }
+        fn flush(&self) -> io::Result<()> {
+            self.calls.lock().push("flush");
+            Ok(())
+        }
+        fn write_at_fua(&self, offset: u64, segs: &[&[u8]]) -> io::Result<()> {
+            if !self.native {
+                self.calls.lock().push("write");
+                self.disk.write_at(offset, segs)?;
+                return self.flush();
+            }
+            self.calls.lock().push("fua");
+            self.disk.write_at(offset, segs)
+        }
+        fn native_fua(&self) -> bool {
+            self.native
+        }
+    }
+
+    #[test]
+    fn a_fua_write_goes_down_as_fua_where_the_backend_takes_it_else_write_then_flush() {
+        for native in [true, false] {
+            let alloc = PageAllocator::builder()
+                .size_bytes(16 << 20)
+                .huge_pages(iopages::HugePages::Never)
+                .build()
+                .unwrap();
+            let rec = Arc::new(Recording {
+                disk: crate::backend::RamDisk::new(1 << 20).unwrap(),
+                native,
+                calls: parking_lot::Mutex::new(Vec::new()),
+            });
+            let disk: Arc<dyn Backend> = rec.clone();
+            let t = CryptTarget::new(&alloc, Tagged(512), disk, TargetConfig::default()).unwrap();
+            assert_eq!(t.native_fua(), native);
+            t.write_fua(4096, &[5u8; 8192]).unwrap();
+            t.write(0, &[6u8; 512]).unwrap();
+            let want: &[&str] = if native {
+                &["fua", "write"]
+            } else {
+                &["write", "flush", "write"]
+            };
+            assert_eq!(*rec.calls.lock(), want, "native FUA {native}");
+            let mut back = [0u8; 8192];
+            t.read(4096, &mut back).unwrap();
+            assert!(back.iter().all(|&b| b == 5));
+            drop(t);
+            alloc.leak_check().unwrap();
+        }
     }
 }

@@ -938,16 +938,25 @@ impl Reader<'_, '_> {
     }
 
     /// Submit encrypted zeros over `len` bytes at `offset`, one chunk of
-    /// `p` each (the caller has counted them in `p`).
-    fn write_zeroes(&self, p: &Arc<Pending>, offset: u64, len: u64) {
+    /// `p` each (the caller has counted them in `p`), each with FUA when
+    /// `fua_down`.
+    fn write_zeroes(&self, p: &Arc<Pending>, offset: u64, len: u64, fua_down: bool) {
         for (off, n) in chunks(offset, len) {
             let p = Arc::clone(p);
             self.env.device.submit_write(
                 off,
                 Box::new(Zeros(Arc::clone(self.env.zeros), n)),
+                fua_down,
                 Box::new(move |r| p.chunk_done(r.err().map_or(0, |e| errno(&e)))),
             );
         }
+    }
+
+    /// Whether `req`'s FUA goes down with each of its writes (the
+    /// target's backend makes a single write durable, as an NBD remote
+    /// offering FUA does) instead of a flush of the target after them.
+    fn fua_down(&self, req: &Request) -> bool {
+        req.flags & CMD_FLAG_FUA != 0 && self.env.device.native_fua()
     }
 
     /// Answer NBD_CMD_BLOCK_STATUS (checked) from the target's allocation
@@ -1032,6 +1041,18 @@ impl Reader<'_, '_> {
     }
 
     fn pending(&self, req: &Request, chunks: usize, held_bytes: u64) -> Arc<Pending> {
+        self.pending_fua(req, chunks, held_bytes, true)
+    }
+
+    /// As [`Reader::pending`]; `flush_for_fua` false when the request's
+    /// FUA went down with its writes (no flush after them).
+    fn pending_fua(
+        &self,
+        req: &Request,
+        chunks: usize,
+        held_bytes: u64,
+        flush_for_fua: bool,
+    ) -> Arc<Pending> {
         // Answered (and taken off again) in `Pending::finish`.
         self.conn.counters.in_flight.fetch_add(1, Ordering::Relaxed);
         Arc::new(Pending {
@@ -1045,7 +1066,7 @@ impl Reader<'_, '_> {
                 req.length as u64
             },
             held_bytes,
-            fua: req.flags & CMD_FLAG_FUA != 0 && req.command != CMD_READ,
+            fua: flush_for_fua && req.flags & CMD_FLAG_FUA != 0 && req.command != CMD_READ,
             remaining: AtomicUsize::new(chunks + 1),
             error: AtomicU32::new(0),
             read: Mutex::new(Vec::new()),
@@ -1152,12 +1173,14 @@ impl Reader<'_, '_> {
                     }
                     bufs.push((off, buf));
                 }
-                let p = self.pending(&req, bufs.len(), len);
+                let down = self.fua_down(&req);
+                let p = self.pending_fua(&req, bufs.len(), len, !down);
                 for (off, buf) in bufs {
                     let p = Arc::clone(&p);
                     device.submit_write(
                         off,
                         Box::new(buf),
+                        down,
                         Box::new(move |r| p.chunk_done(r.err().map_or(0, |e| errno(&e)))),
                     );
                 }
@@ -1176,7 +1199,7 @@ impl Reader<'_, '_> {
                         } else {
                             let n = chunks(req.offset, len).count();
                             p.remaining.fetch_add(n, Ordering::AcqRel);
-                            self.write_zeroes(&p, req.offset, len);
+                            self.write_zeroes(&p, req.offset, len, false);
                             p.chunk_done(0);
                         }
                     }
@@ -1186,8 +1209,9 @@ impl Reader<'_, '_> {
             }
             CMD_WRITE_ZEROES => {
                 let n = chunks(req.offset, len).count();
-                let p = self.pending(&req, n, 0);
-                self.write_zeroes(&p, req.offset, len);
+                let down = self.fua_down(&req);
+                let p = self.pending_fua(&req, n, 0, !down);
+                self.write_zeroes(&p, req.offset, len, down);
                 p.chunk_done(0);
             }
             CMD_READ => {

@@ -2,7 +2,8 @@
 //!
 //! Owns: the object-safe view ([`Device`]) of a
 //! [`CryptQueue`](iopages_crypt::queue::CryptQueue) the connections submit
-//! to, the target's flush for FUA, and the target's discards, punches and
+//! to, FUA (passed down with each write when the target's backend takes
+//! it, else the target's flush after the request), and the target's discards, punches and
 //! allocation map (done on the connection's thread: a `fallocate` or an
 //! `lseek`, no cipher work). Must never: hold the queue inside a
 //! completion (a completion holding the last reference would drop the
@@ -29,7 +30,13 @@ pub(crate) trait Device: Send + Sync {
     fn sector_bytes(&self) -> u32;
     /// The arena the target's out pages come from (payload buffers too).
     fn allocator(&self) -> PageAllocator;
-    fn submit_write(&self, offset: u64, data: Payload, done: Done);
+    /// With `fua`, the write is durable before `done` runs (only asked
+    /// for when [`Device::native_fua`]; otherwise the request's FUA is a
+    /// flush after all its writes).
+    fn submit_write(&self, offset: u64, data: Payload, fua: bool, done: Done);
+    /// Whether the target's backend makes one write durable by itself
+    /// (an NBD remote offering FUA): FUA then goes down with each write.
+    fn native_fua(&self) -> bool;
     fn submit_read(&self, offset: u64, buf: Buf, done: ReadDone);
     fn submit_flush(&self, done: Done);
     fn flusher(&self) -> Flusher;
@@ -74,8 +81,15 @@ impl<C: SectorCipher + 'static> Device for CryptQueue<C> {
     fn allocator(&self) -> PageAllocator {
         self.target().allocator().clone()
     }
-    fn submit_write(&self, offset: u64, data: Payload, done: Done) {
-        CryptQueue::submit_write_buf(self, offset, data, done);
+    fn submit_write(&self, offset: u64, data: Payload, fua: bool, done: Done) {
+        if fua {
+            CryptQueue::submit_write_buf_fua(self, offset, data, done);
+        } else {
+            CryptQueue::submit_write_buf(self, offset, data, done);
+        }
+    }
+    fn native_fua(&self) -> bool {
+        self.target().native_fua()
     }
     fn submit_read(&self, offset: u64, buf: Buf, done: ReadDone) {
         CryptQueue::submit_read_into(self, offset, buf, done);
@@ -128,13 +142,20 @@ impl<C: SectorCipher + 'static> Device for Inline<C> {
     fn allocator(&self) -> PageAllocator {
         self.queue.target().allocator().clone()
     }
-    fn submit_write(&self, offset: u64, data: Payload, done: Done) {
+    fn submit_write(&self, offset: u64, data: Payload, fua: bool, done: Done) {
         if !self.here((*data).as_ref().len()) {
-            return Device::submit_write(&*self.queue, offset, data, done);
+            return Device::submit_write(&*self.queue, offset, data, fua, done);
         }
-        let r = self.queue.target().write(offset, (*data).as_ref());
+        let r = if fua {
+            self.queue.target().write_fua(offset, (*data).as_ref())
+        } else {
+            self.queue.target().write(offset, (*data).as_ref())
+        };
         drop(data);
         done(r);
+    }
+    fn native_fua(&self) -> bool {
+        self.queue.target().native_fua()
     }
     fn submit_read(&self, offset: u64, mut buf: Buf, done: ReadDone) {
         if !self.here(buf.as_ref().len()) {

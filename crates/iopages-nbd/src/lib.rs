@@ -19,7 +19,7 @@
 //! | option haggling (STARTTLS, structured replies, metadata contexts, GO, INFO, EXPORT_NAME, LIST, ABORT) | `handshake.rs` |
 //! | transmission: requests, chunks, non-blocking batched replies, FUA, errors, deadlines, byte budget | `conn.rs` |
 //! | the non-blocking socket, TLS sessions, `poll` and the wake-up eventfd | `transport.rs` |
-//! | an accepted socket's byte stream (TCP or Unix), cloned for replies | `stream.rs` |
+//! | a socket's byte stream (TCP or Unix, or the remote client's TLS session), cloned for replies | `stream.rs` |
 //! | TLS credentials (X.509 directory, psktool key file) | `tls.rs` |
 //! | payload buffers in the target's arena (kvmalloc) | `buffers.rs` |
 //! | the queue, or inline service on the connection's thread; discards and the allocation map | `device.rs` |
@@ -28,7 +28,8 @@
 //! | per-command counts | `stats.rs` |
 //! | LUKS images and the in-memory LUKS2 volume, set up as crypt stacks | `volume.rs` |
 //! | what can go wrong starting or running a server | `error.rs` |
-//! | an NBD client as a crypt backend: ciphertext on a remote NBD server (`nbd://`, `nbd+unix://`) | `remote.rs` |
+//! | an NBD client as a crypt backend: ciphertext on a remote NBD server (`nbd://`, `nbd+unix://`, over TLS `nbds://`, `nbds+unix://`) | `remote.rs` |
+//! | the remote client's TLS: URI settings, OpenSSL connector, the shared client session | `remote_tls.rs` |
 //!
 //! What is served: READ, WRITE, FLUSH, TRIM, WRITE_ZEROES, BLOCK_STATUS
 //! and DISC. By default TRIM is checked and then does nothing (the
@@ -42,7 +43,9 @@
 //! image's holes (rounded inward to whole sectors) as HOLE|ZERO. A
 //! misaligned TRIM is accepted, as a discard of the whole sectors inside
 //! it. FUA on WRITE, WRITE_ZEROES and TRIM flushes the target after the
-//! write and before the reply. Block status needs the `base:allocation`
+//! write and before the reply — unless the target's backend takes FUA
+//! itself (an NBD remote offering it): then a write's (and encrypted
+//! zeros') FUA goes down with each of its writes and nothing is flushed. Block status needs the `base:allocation`
 //! metadata context, selected during the handshake. Structured replies when the client asks
 //! (NBD_OPT_STRUCTURED_REPLY, forgotten by a later STARTTLS): a read's
 //! data is one final OFFSET_DATA chunk (one OFFSET_HOLE chunk and no data
@@ -103,6 +106,7 @@ mod export;
 mod handshake;
 pub mod proto;
 pub mod remote;
+pub(crate) mod remote_tls;
 mod server;
 mod stats;
 mod stream;

@@ -3,12 +3,15 @@
 //! qemu-storage-daemon, nbdkit, another host's nbd-server) while the keys
 //! and the cipher stay here.
 //!
-//! Owns: NBD URIs ([`RemoteSpec`]: `nbd://host[:port][/export]` and
-//! `nbd+unix:///export?socket=PATH`), the client side of the fixed
-//! newstyle handshake (NBD_OPT_GO asking for the block sizes, falling back
-//! to NBD_OPT_EXPORT_NAME), and transmission with simple replies over one
+//! Owns: NBD URIs ([`RemoteSpec`]: `nbd://host[:port][/export]`,
+//! `nbd+unix:///export?socket=PATH`, and their TLS forms `nbds://` and
+//! `nbds+unix://` with libnbd's `tls-*` query parameters), the client side
+//! of the fixed newstyle handshake (NBD_OPT_STARTTLS first for `nbds`,
+//! NBD_OPT_GO asking for the block sizes, falling back to
+//! NBD_OPT_EXPORT_NAME), and transmission with simple replies over one
 //! or more connections ([`NbdRemote`], a
-//! [`Backend`]). Must never: hang — a
+//! [`Backend`]). Must never: continue in plaintext when the URI asked for
+//! TLS (a remote that does not offer it is refused); hang — a
 //! remote that stops answering fails its requests with `TimedOut` after
 //! [`RemoteOptions::timeout`] and the connection is given up; a connection
 //! that dies fails every request waiting on it and every later one at
@@ -25,17 +28,22 @@
 //! socket's read half to the waiting caller, which reads the data straight
 //! into its own buffers and hands the socket back; the reader waits for it
 //! meanwhile (the stream is serial anyway). Structured replies are not
-//! negotiated, TLS is not supported yet.
+//! negotiated. Under TLS every connection does its own STARTTLS, and its
+//! stream is a [`ClientTls`](crate::remote_tls::ClientTls) session shared
+//! the same way (`remote_tls.rs`).
 
 use crate::proto::{
-    Request, CMD_DISC, CMD_FLUSH, CMD_READ, CMD_TRIM, CMD_WRITE, CMD_WRITE_ZEROES, EINVAL, EIO,
-    ENOMEM, ENOSPC, ENOTSUP, EOVERFLOW, EPERM, ESHUTDOWN, FLAG_C_FIXED_NEWSTYLE, FLAG_C_NO_ZEROES,
-    FLAG_FIXED_NEWSTYLE, FLAG_NO_ZEROES, IHAVEOPT, INFO_BLOCK_SIZE, INFO_EXPORT, NBD_MAGIC,
-    OPT_EXPORT_NAME, OPT_GO, OPT_REPLY_MAGIC, REP_ACK, REP_ERR_POLICY, REP_ERR_TLS_REQD,
-    REP_ERR_UNKNOWN, REP_ERR_UNSUP, REP_FLAG_ERROR, REP_INFO, SIMPLE_REPLY_BYTES,
-    SIMPLE_REPLY_MAGIC, STRUCTURED_REPLY_MAGIC, TFLAG_CAN_MULTI_CONN, TFLAG_HAS_FLAGS,
-    TFLAG_READ_ONLY, TFLAG_SEND_FLUSH, TFLAG_SEND_FUA, TFLAG_SEND_TRIM, TFLAG_SEND_WRITE_ZEROES,
+    Request, CMD_DISC, CMD_FLAG_FUA, CMD_FLUSH, CMD_READ, CMD_TRIM, CMD_WRITE, CMD_WRITE_ZEROES,
+    EINVAL, EIO, ENOMEM, ENOSPC, ENOTSUP, EOVERFLOW, EPERM, ESHUTDOWN, FLAG_C_FIXED_NEWSTYLE,
+    FLAG_C_NO_ZEROES, FLAG_FIXED_NEWSTYLE, FLAG_NO_ZEROES, IHAVEOPT, INFO_BLOCK_SIZE, INFO_EXPORT,
+    NBD_MAGIC, OPT_ABORT, OPT_EXPORT_NAME, OPT_GO, OPT_REPLY_MAGIC, OPT_STARTTLS, REP_ACK,
+    REP_ERR_POLICY, REP_ERR_TLS_REQD, REP_ERR_UNKNOWN, REP_ERR_UNSUP, REP_FLAG_ERROR, REP_INFO,
+    SIMPLE_REPLY_BYTES, SIMPLE_REPLY_MAGIC, STRUCTURED_REPLY_MAGIC, TFLAG_CAN_MULTI_CONN,
+    TFLAG_HAS_FLAGS, TFLAG_READ_ONLY, TFLAG_SEND_FLUSH, TFLAG_SEND_FUA, TFLAG_SEND_TRIM,
+    TFLAG_SEND_WRITE_ZEROES,
 };
+pub use crate::remote_tls::RemoteTls;
+use crate::remote_tls::{ClientTls, Connector};
 use crate::stream::Stream;
 use iopages_crypt::backend::{check_range, Backend};
 use parking_lot::{Condvar, Mutex};
@@ -95,6 +103,8 @@ pub struct RemoteSpec {
     pub address: RemoteAddress,
     /// The export's name ("" : the server's default export).
     pub export: String,
+    /// `nbds://`, `nbds+unix://`: TLS is required, with these settings.
+    pub tls: Option<RemoteTls>,
 }
 
 /// An `InvalidInput` error about the URI `uri`.
@@ -102,8 +112,8 @@ fn bad_uri(uri: &str, msg: &str) -> io::Error {
     io::Error::new(
         ErrorKind::InvalidInput,
         format!(
-            "remote {uri:?}: {msg} (expected nbd://host[:port][/export] or \
-             nbd+unix:///export?socket=PATH)"
+            "remote {uri:?}: {msg} (expected nbd[s]://host[:port][/export] or \
+             nbd[s]+unix:///export?socket=PATH)"
         ),
     )
 }
@@ -148,24 +158,27 @@ fn percent_encode(s: &str) -> String {
 impl RemoteSpec {
     /// Parse an NBD URI: `nbd://host[:port][/export]` (port 10809 by
     /// default, IPv6 addresses in brackets, the export `%`-escaped, "" when
-    /// absent) or `nbd+unix:///export?socket=PATH`.
+    /// absent) or `nbd+unix:///export?socket=PATH`; `nbds://` and
+    /// `nbds+unix://` require TLS, set with the query parameters
+    /// `tls-certificates=DIR`, `tls-psk-file=FILE`, `tls-username=NAME`
+    /// (or `nbds://NAME@host`), `tls-hostname=NAME`,
+    /// `tls-verify-peer=true|false` (also `1|0`) and `tls-type=x509|psk`.
     ///
     /// **Context:** pure. **Returns:** `InvalidInput` naming what is wrong
-    /// for anything else: TLS (`nbds://`, `nbds+unix://`, not supported
-    /// yet), other schemes, user info, fragments, a missing host or socket,
-    /// a bad port, unknown query keys, an export name over 4096 bytes.
+    /// for anything else: other schemes, user info without TLS, fragments,
+    /// a missing host or socket, a bad port, unknown or repeated query
+    /// keys, `tls-*` keys without TLS, an export name over 4096 bytes.
     pub fn parse(uri: &str) -> io::Result<RemoteSpec> {
         let bad = |m: &str| bad_uri(uri, m);
         let (scheme, rest) = uri.split_once("://").ok_or_else(|| bad("not an NBD URI"))?;
         let scheme = scheme.to_ascii_lowercase();
-        if scheme.starts_with("nbds") {
-            return Err(bad(
-                "TLS to the remote is not supported yet (use nbd:// or nbd+unix://)",
-            ));
-        }
-        if scheme != "nbd" && scheme != "nbd+unix" {
-            return Err(bad(&format!("scheme {scheme:?} is not supported")));
-        }
+        let (unix, tls) = match scheme.as_str() {
+            "nbd" => (false, false),
+            "nbd+unix" => (true, false),
+            "nbds" => (false, true),
+            "nbds+unix" => (true, true),
+            _ => return Err(bad(&format!("scheme {scheme:?} is not supported"))),
+        };
         if rest.contains('#') {
             return Err(bad("a fragment (#...) is not allowed"));
         }
@@ -179,28 +192,91 @@ impl RemoteSpec {
             return Err(bad("the export name is longer than 4096 bytes"));
         }
         let mut socket = None;
+        let mut settings = RemoteTls::new();
+        let mut seen: Vec<&str> = Vec::new();
+        let mut tls_type = None;
         for pair in query.split('&').filter(|p| !p.is_empty()) {
             let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
-            match (scheme.as_str(), key) {
-                ("nbd+unix", "socket") if socket.is_none() => {
-                    socket = Some(percent_decode(value).map_err(|m| bad(&m))?)
+            if seen.contains(&key) {
+                return Err(bad(&format!("{key}= is given twice")));
+            }
+            seen.push(key);
+            let value = percent_decode(value).map_err(|m| bad(&m))?;
+            if key.starts_with("tls-") && !tls {
+                return Err(bad(&format!(
+                    "{key}= needs TLS: use nbds:// or nbds+unix://"
+                )));
+            }
+            let path = |v: String| {
+                if v.is_empty() {
+                    Err(bad(&format!("{key}= is empty")))
+                } else {
+                    Ok(Some(PathBuf::from(v)))
                 }
-                ("nbd+unix", "socket") => return Err(bad("socket= is given twice")),
+            };
+            match key {
+                "socket" if unix => socket = Some(value),
+                "tls-certificates" => settings.certificates = path(value)?,
+                "tls-psk-file" => settings.psk_file = path(value)?,
+                "tls-username" if !value.is_empty() => settings.username = Some(value),
+                "tls-hostname" if !value.is_empty() => settings.hostname = Some(value),
+                "tls-verify-peer" => {
+                    settings.verify_peer = match value.to_ascii_lowercase().as_str() {
+                        "1" | "true" | "yes" | "on" => true,
+                        "0" | "false" | "no" | "off" => false,
+                        _ => {
+                            return Err(bad(&format!(
+                                "tls-verify-peer={value:?} is not a boolean (true or false)"
+                            )))
+                        }
+                    }
+                }
+                "tls-type" => tls_type = Some(value.to_ascii_lowercase()),
+                "tls-username" | "tls-hostname" => return Err(bad(&format!("{key}= is empty"))),
                 _ => return Err(bad(&format!("unknown query parameter {key:?}"))),
             }
         }
-        if authority.contains('@') {
-            return Err(bad("user info (user@) is not supported"));
+        match tls_type.as_deref() {
+            None => {}
+            Some("x509") if settings.psk_file.is_none() => {}
+            Some("psk") if settings.psk_file.is_some() => {}
+            Some("psk") => return Err(bad("tls-type=psk needs tls-psk-file=FILE")),
+            Some("x509") => return Err(bad("tls-type=x509 with tls-psk-file= given")),
+            Some(t) => {
+                return Err(bad(&format!(
+                    "tls-type={t:?} is not supported (x509 or psk)"
+                )))
+            }
         }
-        let address = if scheme == "nbd+unix" {
+        if settings.psk_file.is_some() && settings.certificates.is_some() {
+            return Err(bad("give tls-certificates= or tls-psk-file=, not both"));
+        }
+        let authority = match authority.rsplit_once('@') {
+            Some((user, host)) if tls => {
+                let user = percent_decode(user).map_err(|m| bad(&m))?;
+                if user.is_empty() || user.contains(':') {
+                    return Err(bad("user info must be a user name alone (user@host)"));
+                }
+                if settings.username.is_some() {
+                    return Err(bad("a user name both as user@ and tls-username="));
+                }
+                settings.username = Some(user);
+                host
+            }
+            _ => authority,
+        };
+        if authority.contains('@') {
+            return Err(bad("user info (user@) is only for TLS (nbds://user@host)"));
+        }
+        let address = if unix {
             if !authority.is_empty() {
-                return Err(bad(
-                    "nbd+unix:// takes no host (nbd+unix:///export?socket=PATH)",
-                ));
+                return Err(bad(&format!(
+                    "{scheme}:// takes no host ({scheme}:///export?socket=PATH)"
+                )));
             }
             match socket {
                 Some(s) if !s.is_empty() => RemoteAddress::Unix(PathBuf::from(s)),
-                _ => return Err(bad("nbd+unix:// needs ?socket=PATH")),
+                _ => return Err(bad(&format!("{scheme}:// needs ?socket=PATH"))),
             }
         } else {
             if authority.matches(':').count() > 1 && !authority.starts_with('[') {
@@ -238,23 +314,53 @@ impl RemoteSpec {
                 port,
             }
         };
-        Ok(RemoteSpec { address, export })
+        Ok(RemoteSpec {
+            address,
+            export,
+            tls: tls.then_some(settings),
+        })
     }
 
     /// The URI naming this export (what [`RemoteSpec::parse`] reads back).
     ///
-    /// **Returns:** `nbd://…` or `nbd+unix://…`, names `%`-escaped.
+    /// **Returns:** `nbd[s]://…` or `nbd[s]+unix://…`, names `%`-escaped,
+    /// the TLS settings as query parameters.
     pub fn uri(&self) -> String {
         let export = percent_encode(&self.export);
-        match &self.address {
+        let s = if self.tls.is_some() { "s" } else { "" };
+        let mut query = Vec::new();
+        let base = match &self.address {
             RemoteAddress::Tcp { host, port } if host.contains(':') => {
-                format!("nbd://[{host}]:{port}/{export}")
+                format!("nbd{s}://[{host}]:{port}/{export}")
             }
-            RemoteAddress::Tcp { host, port } => format!("nbd://{host}:{port}/{export}"),
-            RemoteAddress::Unix(p) => format!(
-                "nbd+unix:///{export}?socket={}",
-                percent_encode(&p.to_string_lossy())
-            ),
+            RemoteAddress::Tcp { host, port } => format!("nbd{s}://{host}:{port}/{export}"),
+            RemoteAddress::Unix(p) => {
+                query.push(format!("socket={}", percent_encode(&p.to_string_lossy())));
+                format!("nbd{s}+unix:///{export}")
+            }
+        };
+        if let Some(t) = &self.tls {
+            let mut add = |k: &str, v: &str| query.push(format!("{k}={}", percent_encode(v)));
+            if let Some(d) = &t.certificates {
+                add("tls-certificates", &d.to_string_lossy());
+            }
+            if let Some(f) = &t.psk_file {
+                add("tls-psk-file", &f.to_string_lossy());
+            }
+            if let Some(u) = &t.username {
+                add("tls-username", u);
+            }
+            if let Some(h) = &t.hostname {
+                add("tls-hostname", h);
+            }
+            if !t.verify_peer {
+                add("tls-verify-peer", "false");
+            }
+        }
+        if query.is_empty() {
+            base
+        } else {
+            format!("{base}?{}", query.join("&"))
         }
     }
 }
@@ -553,6 +659,21 @@ impl Conn {
         read: Option<&mut [&mut [u8]]>,
         start: usize,
     ) -> io::Result<u32> {
+        self.call_flags(0, command, offset, length, payload, read, start)
+    }
+
+    /// [`Conn::call`] with command flags (NBD_CMD_FLAG_FUA).
+    #[allow(clippy::too_many_arguments)]
+    fn call_flags(
+        &self,
+        flags: u16,
+        command: u16,
+        offset: u64,
+        length: u32,
+        payload: &[&[u8]],
+        read: Option<&mut [&mut [u8]]>,
+        start: usize,
+    ) -> io::Result<u32> {
         let cv = Arc::new(Condvar::new());
         let cookie = {
             let mut s = self.shared.lock();
@@ -596,7 +717,7 @@ impl Conn {
             cookie
         };
         let header = Request {
-            flags: 0,
+            flags,
             command,
             cookie,
             offset,
@@ -892,7 +1013,8 @@ fn opt_go(s: &mut Stream, export: &str) -> io::Result<Option<ExportInfo>> {
             REP_ERR_TLS_REQD => {
                 return Err(io::Error::new(
                     ErrorKind::PermissionDenied,
-                    "the remote requires TLS, which is not supported yet",
+                    "the remote requires TLS: use nbds:// (or nbds+unix://) with \
+                     tls-certificates=DIR or tls-psk-file=FILE",
                 ))
             }
             REP_ERR_POLICY => {
@@ -945,8 +1067,71 @@ fn opt_export_name(s: &mut Stream, export: &str, no_zeroes: bool) -> io::Result<
     })
 }
 
-/// The fixed newstyle handshake for `export`.
-fn handshake(s: &mut Stream, export: &str) -> io::Result<ExportInfo> {
+/// NBD_OPT_STARTTLS, then the TLS handshake: `s` becomes the session.
+///
+/// **Returns:** `PermissionDenied` when the remote does not offer TLS
+/// (NBD_OPT_ABORT is sent; nothing continues in plaintext) or the TLS
+/// handshake fails; `InvalidData` for a reply breaking the protocol.
+fn starttls(s: &mut Stream, tls: &Connector, timeout: Duration) -> io::Result<()> {
+    send_option(s, OPT_STARTTLS, &[])?;
+    let invalid = |m: String| io::Error::new(ErrorKind::InvalidData, format!("handshake: {m}"));
+    let mut h = [0u8; 20];
+    hs_read(s, &mut h, "the reply to NBD_OPT_STARTTLS")?;
+    let magic = u64::from_be_bytes(h[0..8].try_into().expect("8 bytes"));
+    let option = u32::from_be_bytes(h[8..12].try_into().expect("4 bytes"));
+    let reply = u32::from_be_bytes(h[12..16].try_into().expect("4 bytes"));
+    let len = u32::from_be_bytes(h[16..20].try_into().expect("4 bytes")) as usize;
+    if magic != OPT_REPLY_MAGIC || option != OPT_STARTTLS {
+        return Err(invalid(format!(
+            "a bad option reply to NBD_OPT_STARTTLS (magic {magic:#x}, option {option})"
+        )));
+    }
+    if len > MAX_OPTION_REPLY_BYTES {
+        return Err(invalid(format!("an option reply of {len} bytes")));
+    }
+    let mut d = vec![0u8; len];
+    hs_read(s, &mut d, "the reply to NBD_OPT_STARTTLS's data")?;
+    match reply {
+        REP_ACK if len == 0 => {}
+        REP_ACK => {
+            return Err(invalid(format!(
+                "NBD_OPT_STARTTLS acknowledged with {len} bytes"
+            )))
+        }
+        r if r & REP_FLAG_ERROR != 0 => {
+            // Leave politely; the session ends here either way.
+            let _ = send_option(s, OPT_ABORT, &[]);
+            let text = String::from_utf8_lossy(&d);
+            return Err(io::Error::new(
+                ErrorKind::PermissionDenied,
+                format!(
+                    "the remote does not offer TLS (NBD_OPT_STARTTLS refused: {}{}{}); \
+                     nbds:// never falls back to plaintext (use nbd:// for a plaintext remote)",
+                    match r {
+                        REP_ERR_UNSUP => "unsupported".to_string(),
+                        REP_ERR_POLICY => "by policy".to_string(),
+                        r => format!("error {:#x}", r & !REP_FLAG_ERROR),
+                    },
+                    if text.is_empty() { "" } else { ", " },
+                    text
+                ),
+            ));
+        }
+        r => return Err(invalid(format!("reply {r} to NBD_OPT_STARTTLS"))),
+    }
+    let plain = s.try_clone()?;
+    *s = Stream::Tls(Arc::new(ClientTls::connect(plain, tls, timeout)?));
+    Ok(())
+}
+
+/// The fixed newstyle handshake for `export`, after NBD_OPT_STARTTLS
+/// with `tls`.
+fn handshake(
+    s: &mut Stream,
+    export: &str,
+    tls: Option<&Connector>,
+    timeout: Duration,
+) -> io::Result<ExportInfo> {
     let mut b = [0u8; 8];
     hs_read(s, &mut b, "the greeting")?;
     if u64::from_be_bytes(b) != NBD_MAGIC {
@@ -976,6 +1161,16 @@ fn handshake(s: &mut Stream, export: &str) -> io::Result<ExportInfo> {
     let client = if fixed { FLAG_C_FIXED_NEWSTYLE } else { 0 }
         | if no_zeroes { FLAG_C_NO_ZEROES } else { 0 };
     s.write_all(&client.to_be_bytes())?;
+    if let Some(tls) = tls {
+        if !fixed {
+            return Err(io::Error::new(
+                ErrorKind::PermissionDenied,
+                "the remote does not offer TLS (not a fixed newstyle server, so no \
+                 NBD_OPT_STARTTLS); nbds:// never falls back to plaintext",
+            ));
+        }
+        starttls(s, tls, timeout)?;
+    }
     let mut info = match fixed {
         true => opt_go(s, export)?,
         false => None,
@@ -1055,10 +1250,20 @@ impl NbdRemote {
             ));
         }
         let ctx = |e: io::Error| io::Error::new(e.kind(), format!("{uri}: {e}"));
+        let tls = match &spec.tls {
+            Some(t) => {
+                let host = match &spec.address {
+                    RemoteAddress::Tcp { host, .. } => Some(host.as_str()),
+                    RemoteAddress::Unix(_) => None,
+                };
+                Some(crate::remote_tls::connector(t, host).map_err(ctx)?)
+            }
+            None => None,
+        };
         let open = || -> io::Result<(Stream, ExportInfo)> {
             let mut s = dial(spec, opts.timeout)?;
             s.set_timeouts(opts.timeout, opts.timeout)?;
-            let info = handshake(&mut s, &spec.export)?;
+            let info = handshake(&mut s, &spec.export, tls.as_ref(), opts.timeout)?;
             Ok((s, info))
         };
         let (first, info) = open().map_err(ctx)?;
@@ -1145,6 +1350,9 @@ impl NbdRemote {
         if self.read_only && f & TFLAG_READ_ONLY == 0 {
             offers.push("opened read-only");
         }
+        if self.is_tls() {
+            offers.push("over TLS");
+        }
         format!(
             "{}: {} bytes, {} connection{}, blocks {}/{}/{}, {}",
             self.uri,
@@ -1167,6 +1375,14 @@ impl NbdRemote {
     /// **Returns:** what [`RemoteSpec::uri`] gave when connecting.
     pub fn uri(&self) -> &str {
         &self.uri
+    }
+
+    /// Whether the connections run under TLS.
+    ///
+    /// **Returns:** `true` for an `nbds://` or `nbds+unix://` remote
+    /// (every connection did NBD_OPT_STARTTLS and its TLS handshake).
+    pub fn is_tls(&self) -> bool {
+        self.uri.starts_with("nbds")
     }
 
     /// Connections in use.
@@ -1257,6 +1473,26 @@ impl NbdRemote {
         )
     }
 
+    /// WRITE `segments` at `offset` with command `flags`, split at the
+    /// maximum payload.
+    fn write_flags(&self, flags: u16, offset: u64, segments: &[&[u8]]) -> io::Result<()> {
+        let total: usize = segments.iter().map(|s| s.len()).sum();
+        self.check(offset, total as u64)?;
+        self.check_writable("WRITE", offset, total as u64)?;
+        let conn = self.pick();
+        let mut pos = 0;
+        while pos < total {
+            let n = (total - pos).min(self.info.max_block as usize);
+            let at = offset + pos as u64;
+            let errno = conn.call_flags(flags, CMD_WRITE, at, n as u32, segments, None, pos)?;
+            if errno != 0 {
+                return Err(self.reply_error(errno, CMD_WRITE, at, n as u64));
+            }
+            pos += n;
+        }
+        Ok(())
+    }
+
     /// One command without payload (TRIM, WRITE_ZEROES) over `len` bytes
     /// at `offset`, split at 1 GiB.
     fn effect(&self, command: u16, offset: u64, len: u64) -> io::Result<()> {
@@ -1280,21 +1516,22 @@ impl Backend for NbdRemote {
     }
 
     fn write_at(&self, offset: u64, segments: &[&[u8]]) -> io::Result<()> {
-        let total: usize = segments.iter().map(|s| s.len()).sum();
-        self.check(offset, total as u64)?;
-        self.check_writable("WRITE", offset, total as u64)?;
-        let conn = self.pick();
-        let mut pos = 0;
-        while pos < total {
-            let n = (total - pos).min(self.info.max_block as usize);
-            let at = offset + pos as u64;
-            let errno = conn.call(CMD_WRITE, at, n as u32, segments, None, pos)?;
-            if errno != 0 {
-                return Err(self.reply_error(errno, CMD_WRITE, at, n as u64));
-            }
-            pos += n;
+        self.write_flags(0, offset, segments)
+    }
+
+    /// NBD_CMD_WRITE with NBD_CMD_FLAG_FUA (each request of a split write)
+    /// when the export offers FUA; else the write, then a flush.
+    fn write_at_fua(&self, offset: u64, segments: &[&[u8]]) -> io::Result<()> {
+        if self.info.flags & TFLAG_SEND_FUA == 0 {
+            self.write_at(offset, segments)?;
+            return self.flush();
         }
-        Ok(())
+        self.write_flags(CMD_FLAG_FUA, offset, segments)
+    }
+
+    /// `true` when the export offers FUA (NBD_FLAG_SEND_FUA).
+    fn native_fua(&self) -> bool {
+        self.info.flags & TFLAG_SEND_FUA != 0
     }
 
     fn read_at(&self, offset: u64, segments: &mut [&mut [u8]]) -> io::Result<()> {
@@ -1399,6 +1636,7 @@ mod tests {
                 port,
             },
             export: export.into(),
+            tls: None,
         }
     }
 
@@ -1420,6 +1658,7 @@ mod tests {
                 RemoteSpec {
                     address: RemoteAddress::Unix("/run/nbd.sock".into()),
                     export: "vol".into(),
+                    tls: None,
                 },
             ),
             (
@@ -1427,6 +1666,52 @@ mod tests {
                 RemoteSpec {
                     address: RemoteAddress::Unix("/tmp/a&b".into()),
                     export: "".into(),
+                    tls: None,
+                },
+            ),
+            (
+                "nbds://h/e?tls-certificates=/etc/pki/nbd",
+                RemoteSpec {
+                    tls: Some(RemoteTls {
+                        certificates: Some("/etc/pki/nbd".into()),
+                        ..RemoteTls::new()
+                    }),
+                    ..tcp("h", 10809, "e")
+                },
+            ),
+            (
+                "NBDS://alice@[::1]:99/e?tls-psk-file=/k%26s.psk&tls-type=psk",
+                RemoteSpec {
+                    tls: Some(RemoteTls {
+                        psk_file: Some("/k&s.psk".into()),
+                        username: Some("alice".into()),
+                        ..RemoteTls::new()
+                    }),
+                    ..tcp("::1", 99, "e")
+                },
+            ),
+            (
+                "nbds+unix:///luks?socket=/s&tls-certificates=/c&tls-hostname=nbd.example\
+                 &tls-verify-peer=0",
+                RemoteSpec {
+                    address: RemoteAddress::Unix("/s".into()),
+                    export: "luks".into(),
+                    tls: Some(RemoteTls {
+                        certificates: Some("/c".into()),
+                        hostname: Some("nbd.example".into()),
+                        verify_peer: false,
+                        ..RemoteTls::new()
+                    }),
+                },
+            ),
+            (
+                "nbds://h?tls-username=bob&tls-verify-peer=true",
+                RemoteSpec {
+                    tls: Some(RemoteTls {
+                        username: Some("bob".into()),
+                        ..RemoteTls::new()
+                    }),
+                    ..tcp("h", 10809, "")
                 },
             ),
         ];
@@ -1447,11 +1732,6 @@ mod tests {
         let cases = [
             ("", "not an NBD URI"),
             ("example.com:10809", "not an NBD URI"),
-            ("nbds://h/e", "TLS to the remote is not supported yet"),
-            (
-                "nbds+unix:///e?socket=/s",
-                "TLS to the remote is not supported yet",
-            ),
             ("http://h/e", "not supported"),
             ("nbd+vsock://1:2/e", "not supported"),
             ("nbd:///e", "no host"),
@@ -1463,9 +1743,25 @@ mod tests {
             ("nbd://::1/e", "in brackets"),
             ("nbd://[::1/e", "closing ]"),
             ("nbd://[::1]x/e", "junk"),
-            ("nbd://u@h/e", "user info"),
+            ("nbd://u@h/e", "only for TLS"),
             ("nbd://h/e#f", "fragment"),
-            ("nbd://h/e?tls-certificates=/x", "unknown query parameter"),
+            ("nbd://h/e?tls-certificates=/x", "needs TLS: use nbds://"),
+            ("nbd+unix:///e?socket=/s&tls-psk-file=/k", "needs TLS"),
+            ("nbds+unix:///e", "nbds+unix:// needs ?socket=PATH"),
+            ("nbds://h/e?tls-certificates=", "is empty"),
+            ("nbds://h/e?tls-hostname=", "is empty"),
+            ("nbds://h/e?tls-verify-peer=maybe", "not a boolean"),
+            ("nbds://h/e?tls-type=anon", "not supported (x509 or psk)"),
+            ("nbds://h/e?tls-type=psk", "needs tls-psk-file"),
+            ("nbds://h/e?tls-certificates=/c&tls-psk-file=/k", "not both"),
+            (
+                "nbds://h/e?tls-certificates=/c&tls-certificates=/d",
+                "twice",
+            ),
+            ("nbds://a@h/e?tls-username=b", "both as user@"),
+            ("nbds://a:pw@h/e", "a user name alone"),
+            ("nbds://h/e?tls-foo=1", "unknown query parameter"),
+            ("nbds://h/e?socket=/s", "unknown query parameter"),
             ("nbd://h/e?socket=/x", "unknown query parameter"),
             ("nbd+unix:///e", "needs ?socket=PATH"),
             ("nbd+unix:///e?socket=", "needs ?socket=PATH"),

@@ -1,13 +1,17 @@
-//! A client connection's byte stream: TCP or a Unix socket.
+//! A connection's byte stream: TCP or a Unix socket, or (the remote
+//! store's client side only) a TLS session over one.
 //!
-//! Owns: reading and writing one accepted socket, cloning it for the reply
-//! side, and shutting it down. Must never: hide an I/O error (every error
-//! goes to the caller, which closes the connection).
+//! Owns: reading and writing one socket, cloning it for the reply side,
+//! and shutting it down. Must never: hide an I/O error (every error goes
+//! to the caller, which closes the connection).
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::unix::net::UnixStream;
+use std::sync::Arc;
 use std::time::Duration;
+
+use crate::remote_tls::ClientTls;
 
 /// An accepted connection.
 #[derive(Debug)]
@@ -16,6 +20,10 @@ pub enum Stream {
     Tcp(TcpStream),
     /// A Unix-domain socket connection.
     Unix(UnixStream),
+    /// A client TLS session (the remote store after NBD_OPT_STARTTLS):
+    /// clones share the session; the socket is non-blocking underneath
+    /// and the timeouts are the session's.
+    Tls(Arc<ClientTls>),
 }
 
 impl Stream {
@@ -24,6 +32,7 @@ impl Stream {
         Ok(match self {
             Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
             Stream::Unix(s) => Stream::Unix(s.try_clone()?),
+            Stream::Tls(t) => Stream::Tls(t.clone()),
         })
     }
 
@@ -32,11 +41,16 @@ impl Stream {
         self.shutdown_how(Shutdown::Both);
     }
 
-    /// Shut `how` down (errors ignored: the socket may be gone already).
+    /// Shut `how` down (errors ignored: the socket may be gone already);
+    /// a TLS session sends its close_notify first when it can at once.
     pub fn shutdown_how(&self, how: Shutdown) {
         let _ = match self {
             Stream::Tcp(s) => s.shutdown(how),
             Stream::Unix(s) => s.shutdown(how),
+            Stream::Tls(t) => {
+                t.shutdown_how(how);
+                Ok(())
+            }
         };
     }
 
@@ -51,6 +65,10 @@ impl Stream {
                 s.set_read_timeout(Some(read))?;
                 s.set_write_timeout(Some(write))
             }
+            Stream::Tls(t) => {
+                t.set_timeouts(read, write);
+                Ok(())
+            }
         }
     }
 }
@@ -61,6 +79,12 @@ impl Stream {
         match self {
             Stream::Tcp(s) => s.set_nonblocking(on),
             Stream::Unix(s) => s.set_nonblocking(on),
+            // The session's socket is non-blocking already; its reads and
+            // writes wait (up to the timeouts) by design.
+            Stream::Tls(_) => Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "a TLS stream cannot be made non-blocking",
+            )),
         }
     }
 }
@@ -70,6 +94,7 @@ impl std::os::fd::AsRawFd for Stream {
         match self {
             Stream::Tcp(s) => s.as_raw_fd(),
             Stream::Unix(s) => s.as_raw_fd(),
+            Stream::Tls(t) => t.raw_fd(),
         }
     }
 }
@@ -79,6 +104,7 @@ impl Read for &Stream {
         match *self {
             Stream::Tcp(s) => (&*s).read(buf),
             Stream::Unix(s) => (&*s).read(buf),
+            Stream::Tls(t) => t.read(buf),
         }
     }
 }
@@ -88,12 +114,14 @@ impl Write for &Stream {
         match *self {
             Stream::Tcp(s) => (&*s).write(buf),
             Stream::Unix(s) => (&*s).write(buf),
+            Stream::Tls(t) => t.write(buf),
         }
     }
     fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
         match *self {
             Stream::Tcp(s) => (&*s).write_vectored(bufs),
             Stream::Unix(s) => (&*s).write_vectored(bufs),
+            Stream::Tls(t) => t.write_vectored(bufs),
         }
     }
     fn flush(&mut self) -> io::Result<()> {
@@ -106,6 +134,7 @@ impl Read for Stream {
         match self {
             Stream::Tcp(s) => s.read(buf),
             Stream::Unix(s) => s.read(buf),
+            Stream::Tls(t) => t.read(buf),
         }
     }
 }
@@ -115,18 +144,21 @@ impl Write for Stream {
         match self {
             Stream::Tcp(s) => s.write(buf),
             Stream::Unix(s) => s.write(buf),
+            Stream::Tls(t) => t.write(buf),
         }
     }
     fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
         match self {
             Stream::Tcp(s) => s.write_vectored(bufs),
             Stream::Unix(s) => s.write_vectored(bufs),
+            Stream::Tls(t) => t.write_vectored(bufs),
         }
     }
     fn flush(&mut self) -> io::Result<()> {
         match self {
             Stream::Tcp(s) => s.flush(),
             Stream::Unix(s) => s.flush(),
+            Stream::Tls(_) => Ok(()),
         }
     }
 }

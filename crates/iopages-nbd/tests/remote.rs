@@ -106,8 +106,14 @@ fn uris_parse_and_bad_ones_are_refused() {
     let s = RemoteSpec::parse("nbd+unix:///disk?socket=/run/rbd.sock").unwrap();
     assert_eq!(s.address, RemoteAddress::Unix("/run/rbd.sock".into()));
     assert_eq!(s.export, "disk");
+    let s = RemoteSpec::parse("nbds://h/e?tls-certificates=/etc/pki/nbd").unwrap();
+    let tls = s.tls.expect("nbds:// requires TLS");
+    assert_eq!(tls.certificates, Some(PathBuf::from("/etc/pki/nbd")));
+    assert!(tls.verify_peer);
+    assert!(RemoteSpec::parse("nbd://h/e").unwrap().tls.is_none());
     for (uri, why) in [
-        ("nbds://h/e", "TLS to the remote is not supported yet"),
+        ("nbd://h/e?tls-certificates=/x", "needs TLS: use nbds://"),
+        ("nbds+unix:///e?tls-psk-file=/k", "needs ?socket=PATH"),
         ("nbd://h/e?foo=bar", "unknown query parameter"),
         ("nbd+unix:///e", "socket"),
         ("file:///tmp/x", "not supported"),
@@ -725,5 +731,581 @@ fn a_reply_with_a_bad_magic_gives_the_connection_up() {
         assert!(t.elapsed() < Duration::from_secs(1));
         drop(remote);
         server.join().expect("the scripted server");
+    }
+}
+
+// TLS to the remote: nbds:// and nbds+unix://, against nbdkit and against
+// iopages's own server.
+
+/// A CA, server and client certificates from the benchmark's generator
+/// (`bench nbd --tls` serves with them): the server's directory
+/// (server-cert.pem for localhost and 127.0.0.1), a client's, a client
+/// without a certificate, and an unrelated CA's.
+fn pki(dir: &TempDir) -> iopages_bench::nbd::Pki {
+    iopages_bench::nbd::write_pki(&dir.join("pki")).unwrap()
+}
+
+/// nbdkit listening on 127.0.0.1 (a port found free first); `None`
+/// (skipped) without nbdkit outside CI.
+fn nbdkit_tcp(who: &str, args: &[&str]) -> Option<(Reaped, u16)> {
+    let nbdkit = need_tool("nbdkit", who)?;
+    for _ in 0..5 {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut cmd = Command::new(&nbdkit);
+        cmd.args(["-i", "127.0.0.1", "-p", &port.to_string()])
+            .args(["--foreground", "--exit-with-parent"])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
+        die_with_parent(&mut cmd, libc::SIGKILL);
+        let mut child = Reaped(cmd.spawn().expect("nbdkit starts"));
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(20) {
+            if !matches!(child.0.try_wait(), Ok(None)) {
+                break; // the port was taken meanwhile: another one
+            }
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return Some((child, port));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    panic!("nbdkit did not listen on any port tried");
+}
+
+/// Several threads write their own random 1 MiB (records far past one
+/// TLS record, small and large requests) and read it back, over every
+/// connection at once; then flush.
+fn write_and_read_back(remote: &Arc<NbdRemote>) {
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let remote = remote.clone();
+            std::thread::spawn(move || {
+                let mut rng = Rng(0xabcd ^ (t + 1));
+                let base = t * (2 << 20);
+                for len in [4096usize, 8192, 100 << 10, 1 << 20] {
+                    let mut data = vec![0u8; len];
+                    rng.fill(&mut data);
+                    let (a, b) = data.split_at(len / 2);
+                    remote.write_at(base, &[a, b]).unwrap();
+                    let mut back = vec![0u8; len];
+                    remote.read_at(base, &mut [&mut back]).unwrap();
+                    assert!(back == data, "thread {t}: {len} bytes read back");
+                }
+            })
+        })
+        .collect();
+    for h in threads {
+        h.join().unwrap();
+    }
+    remote.flush().unwrap();
+}
+
+fn refused(spec: &RemoteSpec) -> std::io::Error {
+    let t = Instant::now();
+    let e = NbdRemote::connect(
+        spec,
+        &RemoteOptions {
+            timeout: Duration::from_secs(10),
+            ..RemoteOptions::default()
+        },
+    )
+    .err()
+    .unwrap_or_else(|| panic!("{spec} was accepted"));
+    assert!(t.elapsed() < Duration::from_secs(9), "{:?}", t.elapsed());
+    e
+}
+
+#[test]
+fn nbds_with_x509_over_unix_and_tcp_writes_and_reads_back() {
+    let dir = TempDir::new("remote-x509");
+    let p = pki(&dir);
+    let certs = format!("--tls-certificates={}", p.server.display());
+    let Some(k) = Nbdkit::start(
+        "remote nbds x509",
+        &["--tls=require", &certs, "memory", "16M"],
+    ) else {
+        return;
+    };
+    let uri = format!(
+        "nbds+unix:///?socket={}&tls-certificates={}&tls-hostname=localhost",
+        k.sock.display(),
+        p.client_no_cert.display()
+    );
+    let remote = Arc::new(
+        NbdRemote::connect(&RemoteSpec::parse(&uri).unwrap(), &RemoteOptions::default()).unwrap(),
+    );
+    assert!(remote.is_tls());
+    let info = remote.info();
+    assert!(
+        info.contains("over TLS") && info.starts_with("nbds+unix://"),
+        "{info}"
+    );
+    if info.contains("multi-conn") {
+        assert_eq!(
+            remote.connections(),
+            4,
+            "every connection did STARTTLS: {info}"
+        );
+    }
+    write_and_read_back(&remote);
+    drop(remote);
+    // Without tls-hostname, a Unix socket has no name to check.
+    let bare = format!(
+        "nbds+unix:///?socket={}&tls-certificates={}",
+        k.sock.display(),
+        p.client_no_cert.display()
+    );
+    let e = refused(&RemoteSpec::parse(&bare).unwrap());
+    assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+    assert!(e.to_string().contains("tls-hostname=NAME"), "{e}");
+    // ... unless verification is off.
+    let unverified = format!("{bare}&tls-verify-peer=false");
+    let remote = NbdRemote::connect(
+        &RemoteSpec::parse(&unverified).unwrap(),
+        &RemoteOptions::default(),
+    )
+    .unwrap();
+    remote.write_at(0, &[&[7u8; 4096]]).unwrap();
+    drop(remote);
+
+    // TCP, the server checking client certificates too: the name in the
+    // URI is checked against the certificate's.
+    let Some((_child, port)) = nbdkit_tcp(
+        "remote nbds x509 tcp",
+        &[
+            "--tls=require",
+            &certs,
+            "--tls-verify-peer",
+            "memory",
+            "16M",
+        ],
+    ) else {
+        return;
+    };
+    let uri = format!(
+        "nbds://localhost:{port}/?tls-certificates={}",
+        p.client.display()
+    );
+    let remote = Arc::new(
+        NbdRemote::connect(&RemoteSpec::parse(&uri).unwrap(), &RemoteOptions::default()).unwrap(),
+    );
+    assert!(remote.is_tls());
+    write_and_read_back(&remote);
+    drop(remote);
+    // 127.0.0.1 is in the certificate too.
+    let uri = format!(
+        "nbds://127.0.0.1:{port}/?tls-certificates={}",
+        p.client.display()
+    );
+    NbdRemote::connect(&RemoteSpec::parse(&uri).unwrap(), &RemoteOptions::default()).unwrap();
+    // No client certificate: this server refuses.
+    let uri = format!(
+        "nbds://localhost:{port}/?tls-certificates={}",
+        p.client_no_cert.display()
+    );
+    let e = refused(&RemoteSpec::parse(&uri).unwrap());
+    assert!(e.to_string().contains("TLS"), "{e}");
+}
+
+#[test]
+fn a_server_certificate_from_another_ca_or_for_another_name_is_refused() {
+    let dir = TempDir::new("remote-x509-bad");
+    let p = pki(&dir);
+    let certs = format!("--tls-certificates={}", p.server.display());
+    let Some(k) = Nbdkit::start(
+        "remote nbds wrong CA",
+        &["--tls=require", &certs, "memory", "1M"],
+    ) else {
+        return;
+    };
+    let uri = format!(
+        "nbds+unix:///?socket={}&tls-certificates={}&tls-hostname=localhost",
+        k.sock.display(),
+        p.foreign.display()
+    );
+    let e = refused(&RemoteSpec::parse(&uri).unwrap());
+    assert_eq!(e.kind(), ErrorKind::PermissionDenied, "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("the server's certificate was not accepted")
+            && msg.contains(&p.foreign.join("ca-cert.pem").display().to_string()),
+        "{msg}"
+    );
+    let uri = format!(
+        "nbds+unix:///?socket={}&tls-certificates={}&tls-hostname=other.example",
+        k.sock.display(),
+        p.client_no_cert.display()
+    );
+    let e = refused(&RemoteSpec::parse(&uri).unwrap());
+    assert_eq!(e.kind(), ErrorKind::PermissionDenied, "{e}");
+    assert!(
+        e.to_string().contains("not accepted") && e.to_string().contains("other.example"),
+        "{e}"
+    );
+    // A directory without ca-cert.pem cannot verify anything.
+    let empty = dir.join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let uri = format!(
+        "nbds+unix:///?socket={}&tls-certificates={}&tls-hostname=localhost",
+        k.sock.display(),
+        empty.display()
+    );
+    let e = refused(&RemoteSpec::parse(&uri).unwrap());
+    assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+    assert!(e.to_string().contains("ca-cert.pem is missing"), "{e}");
+}
+
+#[test]
+fn nbds_with_a_psk_writes_and_reads_back_and_a_wrong_key_is_refused() {
+    let dir = TempDir::new("remote-psk");
+    let keys = dir.join("keys.psk");
+    iopages_bench::nbd::write_psk(&keys, "alice").unwrap();
+    let psk = format!("--tls-psk={}", keys.display());
+    let Some(k) = Nbdkit::start("remote nbds psk", &["--tls=require", &psk, "memory", "64M"])
+    else {
+        return;
+    };
+    let uri = format!(
+        "nbds+unix:///?socket={}&tls-psk-file={}&tls-username=alice",
+        k.sock.display(),
+        keys.display()
+    );
+    let remote = Arc::new(
+        NbdRemote::connect(&RemoteSpec::parse(&uri).unwrap(), &RemoteOptions::default()).unwrap(),
+    );
+    assert!(remote.is_tls());
+    write_and_read_back(&remote);
+    // 40 MiB: more than one 32 MiB request each way, the socket full.
+    let mut big = vec![0u8; 40 << 20];
+    Rng(99).fill(&mut big);
+    remote.write_at(16 << 20, &[&big]).unwrap();
+    let mut back = vec![0u8; big.len()];
+    remote.read_at(16 << 20, &mut [&mut back]).unwrap();
+    assert!(back == big, "40 MiB read back over TLS");
+    drop(remote);
+    // An identity the file does not have: refused before connecting.
+    let uri = format!(
+        "nbds+unix:///?socket={}&tls-psk-file={}&tls-username=bob",
+        k.sock.display(),
+        keys.display()
+    );
+    let e = refused(&RemoteSpec::parse(&uri).unwrap());
+    assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+    assert!(
+        e.to_string().contains("no key for the username \"bob\""),
+        "{e}"
+    );
+    // The right identity with another key: the handshake fails.
+    let other = dir.join("other.psk");
+    iopages_bench::nbd::write_psk(&other, "alice").unwrap();
+    let uri = format!(
+        "nbds+unix:///?socket={}&tls-psk-file={}&tls-username=alice",
+        k.sock.display(),
+        other.display()
+    );
+    let e = refused(&RemoteSpec::parse(&uri).unwrap());
+    assert!(e.to_string().contains("TLS"), "{e}");
+}
+
+#[test]
+fn nbds_to_a_server_without_tls_is_refused_and_never_continues_in_plaintext() {
+    let Some(k) = Nbdkit::start("remote nbds plaintext", &["--tls=off", "memory", "1M"]) else {
+        return;
+    };
+    let uri = format!(
+        "nbds+unix:///?socket={}&tls-verify-peer=false",
+        k.sock.display()
+    );
+    let e = refused(&RemoteSpec::parse(&uri).unwrap());
+    assert_eq!(e.kind(), ErrorKind::PermissionDenied, "{e}");
+    assert!(
+        e.to_string().contains("does not offer TLS")
+            && e.to_string().contains("never falls back to plaintext"),
+        "{e}"
+    );
+    // On the wire: STARTTLS first; after the refusal, ABORT, never GO.
+    use iopages_nbd::proto::*;
+    let (dir, _, server) = fake_server(|mut s| {
+        let (option, _) = greet(&mut s);
+        assert_eq!(option, OPT_STARTTLS);
+        use std::io::{Read, Write};
+        s.write_all(&option_reply(OPT_STARTTLS, REP_ERR_UNSUP, b"no TLS here"))
+            .unwrap();
+        let mut h = [0u8; 16];
+        s.read_exact(&mut h).unwrap();
+        assert_eq!(u32::from_be_bytes(h[8..12].try_into().unwrap()), OPT_ABORT);
+    });
+    let uri = format!(
+        "nbds+unix:///x?socket={}&tls-verify-peer=false",
+        dir.join("fake.sock").display()
+    );
+    let e = refused(&RemoteSpec::parse(&uri).unwrap());
+    assert!(e.to_string().contains("no TLS here"), "{e}");
+    server.join().expect("STARTTLS, then ABORT");
+}
+
+#[test]
+fn nbd_to_a_server_requiring_tls_says_to_use_nbds() {
+    let dir = TempDir::new("remote-tls-reqd");
+    let keys = dir.join("keys.psk");
+    iopages_bench::nbd::write_psk(&keys, "alice").unwrap();
+    let psk = format!("--tls-psk={}", keys.display());
+    let Some(k) = Nbdkit::start(
+        "remote nbd to tls",
+        &["--tls=require", &psk, "memory", "1M"],
+    ) else {
+        return;
+    };
+    let e = refused(&k.spec());
+    assert_eq!(e.kind(), ErrorKind::PermissionDenied, "{e}");
+    assert!(e.to_string().contains("requires TLS: use nbds://"), "{e}");
+}
+
+/// iopages's own server on 127.0.0.1 exporting "vol": an XTS target
+/// (4096-byte sectors) over `disk`, with `tls`.
+fn iopages_server(
+    disk: Arc<dyn Backend>,
+    tls: Option<iopages_nbd::TlsConfig>,
+) -> (PageAllocator, iopages_nbd::Server) {
+    use iopages_crypt::queue::{CryptQueue, QueueConfig};
+    use iopages_nbd::{ExportConfig, Listen, Server, ServerOptions};
+    let alloc = PageAllocator::builder()
+        .size_bytes(64 << 20)
+        .huge_pages(iopages::HugePages::Never)
+        .build()
+        .unwrap();
+    let key: Vec<u8> = (0u8..64).map(|i| i ^ 0x5a).collect();
+    let cipher = CipherPool::new(XtsCipher::new(&key, 4096, 0).unwrap(), 2).unwrap();
+    let target = Arc::new(CryptTarget::new(&alloc, cipher, disk, TargetConfig::default()).unwrap());
+    let queue = Arc::new(
+        CryptQueue::new(
+            target,
+            QueueConfig {
+                queue_depth: 32,
+                workers: 2,
+                preallocated_out: false,
+            },
+        )
+        .unwrap(),
+    );
+    let server = Server::start_with(
+        queue,
+        ExportConfig::new("vol"),
+        ServerOptions {
+            tls,
+            ..ServerOptions::default()
+        },
+        &[Listen::Tcp("127.0.0.1:0".parse().unwrap())],
+    )
+    .unwrap();
+    (alloc, server)
+}
+
+#[test]
+fn iopages_own_tls_server_as_the_remote() {
+    use iopages_nbd::{TlsConfig, TlsMode};
+    let dir = TempDir::new("remote-own-tls");
+    let p = pki(&dir);
+    let disk: Arc<dyn Backend> = Arc::new(iopages_crypt::backend::RamDisk::new(16 << 20).unwrap());
+    let tls = TlsConfig::x509(&p.server, true, TlsMode::Require).unwrap();
+    let (_alloc, server) = iopages_server(disk, Some(tls));
+    let port = server.tcp_addr().unwrap().port();
+    let uri = format!(
+        "nbds://localhost:{port}/vol?tls-certificates={}",
+        p.client.display()
+    );
+    let remote = Arc::new(
+        NbdRemote::connect(&RemoteSpec::parse(&uri).unwrap(), &RemoteOptions::default()).unwrap(),
+    );
+    assert_eq!(remote.size_bytes(), 16 << 20);
+    assert!(remote.info().contains("over TLS"), "{}", remote.info());
+    write_and_read_back(&remote);
+    drop(remote);
+    assert!(server.stats().tls_sessions >= 1);
+    // Plaintext to it: the clear error.
+    let plain = RemoteSpec::parse(&format!("nbd://127.0.0.1:{port}/vol")).unwrap();
+    let e = refused(&plain);
+    assert!(e.to_string().contains("requires TLS: use nbds://"), "{e}");
+    server.shutdown();
+}
+
+// FUA passed through: a write with FUA reaches the remote as a WRITE with
+// NBD_CMD_FLAG_FUA, and no FLUSH is sent for it.
+
+/// The requests nbdkit's log filter saw: (verb, the line), verbs as the
+/// filter names them (Write, Flush, ...).
+fn logged(log: &std::path::Path) -> Vec<(String, String)> {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    text.lines()
+        .filter_map(|l| {
+            ["Read", "Write", "Flush", "Zero", "Trim"]
+                .iter()
+                .find(|v| l.contains(&format!(" {v} ")))
+                .map(|v| (v.to_string(), l.to_string()))
+        })
+        .collect()
+}
+
+/// The requests logged past the first `skip`, once at least `n` are there
+/// (the log may trail the reply a little), and a moment more for any
+/// straggler.
+fn logged_after(log: &std::path::Path, skip: usize, n: usize) -> Vec<(String, String)> {
+    let t = Instant::now();
+    while logged(log).len() < skip + n && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    logged(log).into_iter().skip(skip).collect()
+}
+
+#[test]
+fn a_fua_write_reaches_the_remote_with_fua_and_no_flush() {
+    let dir = TempDir::new("remote-fua");
+    let log = dir.join("requests.log");
+    let logfile = format!("logfile={}", log.display());
+    let Some(k) = Nbdkit::start("remote fua", &["--filter=log", "memory", "16M", &logfile]) else {
+        return;
+    };
+    let remote = Arc::new(k.connect(&RemoteOptions::default()));
+    assert!(remote.native_fua(), "{}", remote.info());
+    remote
+        .write_at_fua(8192, &[&[3u8; 4096], &[4u8; 4096]])
+        .unwrap();
+    let seen = logged_after(&log, 0, 1);
+    let writes: Vec<_> = seen.iter().filter(|(v, _)| v == "Write").collect();
+    assert_eq!(writes.len(), 1, "{seen:?}");
+    assert!(writes[0].1.contains("fua=1"), "{seen:?}");
+    assert!(!seen.iter().any(|(v, _)| v == "Flush"), "{seen:?}");
+
+    // Through iopages's own server: a client's WRITE with FUA is
+    // encrypted and sent on with FUA; nothing flushes the remote.
+    let (_alloc, server) = iopages_server(remote.clone(), None);
+    let port = server.tcp_addr().unwrap().port();
+    let client = NbdRemote::connect(
+        &RemoteSpec::parse(&format!("nbd://127.0.0.1:{port}/vol")).unwrap(),
+        &RemoteOptions {
+            connections: 1,
+            ..RemoteOptions::default()
+        },
+    )
+    .unwrap();
+    assert!(client.native_fua(), "iopages offers FUA: {}", client.info());
+    let before = logged(&log).len();
+    client.write_at_fua(0, &[&[9u8; 12288]]).unwrap();
+    client.write_at(65536, &[&[8u8; 4096]]).unwrap();
+    let seen = logged_after(&log, before, 2);
+    let writes: Vec<_> = seen.iter().filter(|(v, _)| v == "Write").collect();
+    assert_eq!(writes.len(), 2, "{seen:?}");
+    assert!(
+        writes[0].1.contains("fua=1") && writes[0].1.contains("offset=0x0 "),
+        "{seen:?}"
+    );
+    assert!(
+        writes[1].1.contains("fua=0"),
+        "a plain write stays plain: {seen:?}"
+    );
+    assert!(
+        !seen.iter().any(|(v, _)| v == "Flush"),
+        "no flush for FUA: {seen:?}"
+    );
+    // The data went through the cipher and back.
+    let mut back = vec![0u8; 12288];
+    client.read_at(0, &mut [&mut back]).unwrap();
+    assert!(back.iter().all(|&b| b == 9));
+    let mut raw = vec![0u8; 12288];
+    remote.read_at(0, &mut [&mut raw]).unwrap();
+    assert!(raw != back, "the remote holds ciphertext");
+    drop(client);
+    server.shutdown();
+}
+
+#[test]
+fn without_fua_on_the_remote_a_fua_write_is_a_write_then_a_flush() {
+    let dir = TempDir::new("remote-no-fua");
+    let log = dir.join("requests.log");
+    let logfile = format!("logfile={}", log.display());
+    let Some(k) = Nbdkit::start(
+        "remote no fua",
+        &[
+            "--filter=log",
+            "--filter=fua",
+            "memory",
+            "1M",
+            // The fua filter's default mode: FUA not advertised.
+            &logfile,
+        ],
+    ) else {
+        return;
+    };
+    let remote = k.connect(&RemoteOptions::default());
+    assert!(!remote.native_fua(), "{}", remote.info());
+    remote.write_at_fua(0, &[&[5u8; 4096]]).unwrap();
+    let seen = logged_after(&log, 0, 2);
+    let verbs: Vec<&str> = seen.iter().map(|(v, _)| v.as_str()).collect();
+    assert_eq!(verbs, ["Write", "Flush"], "{seen:?}");
+    assert!(seen[0].1.contains("fua=0"), "{seen:?}");
+}
+
+#[test]
+fn a_server_that_acks_starttls_and_then_stalls_or_misbehaves_is_given_up() {
+    use iopages_nbd::proto::*;
+    use std::io::{Read, Write};
+    // ACK, then silence instead of the TLS handshake: the connect timeout.
+    let (dir, _, server) = fake_server(|mut s| {
+        let (option, _) = greet(&mut s);
+        assert_eq!(option, OPT_STARTTLS);
+        s.write_all(&option_reply(OPT_STARTTLS, REP_ACK, &[]))
+            .unwrap();
+        let mut rest = [0u8; 4096];
+        let _ = s.read(&mut rest); // the ClientHello
+        std::thread::sleep(Duration::from_secs(5));
+    });
+    let uri = format!(
+        "nbds+unix:///x?socket={}&tls-verify-peer=false",
+        dir.join("fake.sock").display()
+    );
+    let t = Instant::now();
+    let e = NbdRemote::connect(
+        &RemoteSpec::parse(&uri).unwrap(),
+        &RemoteOptions {
+            timeout: Duration::from_secs(1),
+            ..RemoteOptions::default()
+        },
+    )
+    .err()
+    .expect("no TLS handshake");
+    assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
+    assert!(e.to_string().contains("TLS handshake"), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
+    drop(server);
+    // An oversized or malformed reply to STARTTLS: refused, not read.
+    for (reply, len, why) in [
+        (REP_ACK, 1u32 << 30, "option reply of"),
+        (REP_ACK, 3, "acknowledged with 3 bytes"),
+        (REP_INFO, 0, "reply 3 to NBD_OPT_STARTTLS"),
+    ] {
+        let (dir, _, server) = fake_server(move |mut s| {
+            let (option, _) = greet(&mut s);
+            assert_eq!(option, OPT_STARTTLS);
+            let mut r = option_reply(OPT_STARTTLS, reply, &[]);
+            r[16..20].copy_from_slice(&len.to_be_bytes());
+            s.write_all(&r).unwrap();
+            let _ = s.write_all(&[0u8; 3]);
+            let mut rest = Vec::new();
+            let _ = s.read_to_end(&mut rest);
+        });
+        let uri = format!(
+            "nbds+unix:///x?socket={}&tls-verify-peer=false",
+            dir.join("fake.sock").display()
+        );
+        let e = refused(&RemoteSpec::parse(&uri).unwrap());
+        assert_eq!(e.kind(), ErrorKind::InvalidData, "{e}");
+        assert!(e.to_string().contains(why), "{why}: {e}");
+        server.join().unwrap();
     }
 }

@@ -1,0 +1,477 @@
+//! TLS for the remote store's connections (`nbds://`, `nbds+unix://`):
+//! the client side of NBD_OPT_STARTTLS.
+//!
+//! Owns: the TLS settings an NBD URI carries ([`RemoteTls`]: an X.509
+//! directory laid out as qemu, nbdkit and libnbd lay theirs out —
+//! `ca-cert.pem`, and `client-cert.pem`/`client-key.pem` when the server
+//! wants a client certificate — or a psktool key file and a username; the
+//! hostname checked; whether the server is verified), the OpenSSL
+//! connector built from them (TLS 1.2 at least), the client handshake
+//! under a deadline, and the session a connection then reads and writes
+//! through ([`ClientTls`], one lock around it, nobody waiting for the
+//! socket while holding it, so the reader thread and the writers of a
+//! connection use it at once). Must never: continue in plaintext when TLS
+//! was asked for, accept a server certificate that does not verify (unless
+//! the URI says `tls-verify-peer=false`), or wait for the socket past the
+//! caller's timeout.
+
+use crate::stream::Stream;
+use openssl::ssl::{
+    ErrorCode, HandshakeError, SslConnector, SslFiletype, SslMethod, SslOptions, SslStream,
+    SslVerifyMode, SslVersion,
+};
+use parking_lot::Mutex;
+use std::io::{self, ErrorKind, IoSlice};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// Small pieces of a vectored write are gathered into one TLS record of
+/// up to this many bytes (OpenSSL has no vectored write).
+const GATHER_BYTES: usize = 16 << 10;
+/// While a write waits for OpenSSL to read (a TLS 1.2 renegotiation), the
+/// socket is polled in slices this long: the reader thread may take the
+/// bytes first.
+const WRITE_WANTS_READ_SLICE: Duration = Duration::from_millis(10);
+
+/// The TLS settings of an `nbds://` or `nbds+unix://` URI (its query
+/// parameters, named as libnbd names them).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RemoteTls {
+    /// `tls-certificates=DIR`: `DIR/ca-cert.pem` verifies the server,
+    /// `DIR/client-cert.pem` and `DIR/client-key.pem` (both or neither)
+    /// are presented to it. `None`: the system's CA store, no client
+    /// certificate.
+    pub certificates: Option<PathBuf>,
+    /// `tls-psk-file=FILE`: pre-shared keys (psktool's `identity:hexkey`
+    /// lines) instead of certificates.
+    pub psk_file: Option<PathBuf>,
+    /// `tls-username=NAME` (or the URI's `user@`): the PSK identity. Default:
+    /// the login name (`$USER`, `$LOGNAME`).
+    pub username: Option<String>,
+    /// `tls-hostname=NAME`: the name the server's certificate must carry.
+    /// Default: the URI's host; a Unix socket has none, so it needs this
+    /// (or `tls-verify-peer=false`).
+    pub hostname: Option<String>,
+    /// `tls-verify-peer=false` (or `0`) turns verification of the
+    /// server's certificate off. Default `true`.
+    pub verify_peer: bool,
+}
+
+impl RemoteTls {
+    /// Settings before any query parameter: X.509 with the system's CA
+    /// store, the server verified.
+    pub fn new() -> RemoteTls {
+        RemoteTls {
+            verify_peer: true,
+            ..RemoteTls::default()
+        }
+    }
+}
+
+fn config_error(msg: String) -> io::Error {
+    io::Error::new(ErrorKind::InvalidInput, format!("TLS: {msg}"))
+}
+
+/// CA bundles tried, in order, when no `tls-certificates` directory is
+/// given and OpenSSL's own default store (the vendored build's path) has
+/// nothing.
+const SYSTEM_CA_FILES: &[&str] = &[
+    "/etc/ssl/certs/ca-certificates.crt",
+    "/etc/pki/tls/certs/ca-bundle.crt",
+    "/etc/ssl/ca-bundle.pem",
+    "/etc/ssl/cert.pem",
+];
+
+/// The login name, the default PSK identity.
+fn login_name() -> Option<String> {
+    ["USER", "LOGNAME"]
+        .iter()
+        .filter_map(|v| std::env::var(v).ok())
+        .find(|u| !u.is_empty())
+}
+
+/// What a connection needs to start TLS: the connector and the name the
+/// server's certificate is checked against.
+#[derive(Clone)]
+pub(crate) struct Connector {
+    connector: SslConnector,
+    /// `Some`: verify the certificate and this name; `None`: PSK, or
+    /// verification off.
+    verify_name: Option<String>,
+    /// What was checked against, for a failed handshake's message.
+    checked_against: String,
+}
+
+/// Build the connector for `tls`; `host` is the URI's host (`None` for a
+/// Unix socket).
+///
+/// **Returns:** `InvalidInput` naming the file or parameter that is
+/// missing or unusable.
+pub(crate) fn connector(tls: &RemoteTls, host: Option<&str>) -> io::Result<Connector> {
+    let ssl = |e: openssl::error::ErrorStack| config_error(e.to_string());
+    let mut b = SslConnector::builder(SslMethod::tls_client()).map_err(ssl)?;
+    b.set_min_proto_version(Some(SslVersion::TLS1_2))
+        .map_err(ssl)?;
+    // A server that closes without close_notify after NBD_CMD_DISC is an
+    // end of stream, not an error.
+    b.set_options(SslOptions::IGNORE_UNEXPECTED_EOF);
+    if let Some(file) = &tls.psk_file {
+        if tls.certificates.is_some() {
+            return Err(config_error(
+                "give tls-certificates= or tls-psk-file=, not both".into(),
+            ));
+        }
+        let keys = crate::tls::read_psk_file(file).map_err(|e| config_error(e.to_string()))?;
+        let user = match tls.username.clone().or_else(login_name) {
+            Some(u) => u,
+            None => {
+                return Err(config_error(format!(
+                    "no PSK username: add tls-username=NAME (an identity in {})",
+                    file.display()
+                )))
+            }
+        };
+        let Some(key) = keys.get(user.as_bytes()).cloned() else {
+            return Err(config_error(format!(
+                "the PSK file {} has no key for the username {user:?} (set tls-username= to one of its identities)",
+                file.display()
+            )));
+        };
+        // TLS 1.3 uses the same callback with a SHA-256 suite; TLS 1.2
+        // servers get the (EC)DHE-PSK suites, then plain PSK.
+        b.set_ciphersuites("TLS_AES_128_GCM_SHA256:TLS_CHACHA20_POLY1305_SHA256")
+            .map_err(ssl)?;
+        b.set_cipher_list(
+            "ECDHE-PSK-AES128-CBC-SHA256:ECDHE-PSK-CHACHA20-POLY1305:DHE-PSK-AES128-GCM-SHA256:\
+             DHE-PSK-AES256-GCM-SHA384:DHE-PSK-CHACHA20-POLY1305:PSK-AES128-GCM-SHA256:\
+             PSK-AES256-GCM-SHA384",
+        )
+        .map_err(ssl)?;
+        let identity = user.clone().into_bytes();
+        b.set_psk_client_callback(move |_ssl, _hint, id_out, key_out| {
+            if identity.len() >= id_out.len() || key.len() > key_out.len() {
+                return Err(openssl::error::ErrorStack::get());
+            }
+            id_out[..identity.len()].copy_from_slice(&identity);
+            id_out[identity.len()] = 0;
+            key_out[..key.len()].copy_from_slice(&key);
+            Ok(key.len())
+        });
+        b.set_verify(SslVerifyMode::NONE);
+        return Ok(Connector {
+            connector: b.build(),
+            verify_name: None,
+            checked_against: format!("PSK identity {user:?} from {}", file.display()),
+        });
+    }
+    let mut checked = "the system's CA certificates".to_string();
+    if let Some(dir) = &tls.certificates {
+        if !dir.is_dir() {
+            return Err(config_error(format!(
+                "the certificate directory {} does not exist",
+                dir.display()
+            )));
+        }
+        let ca = dir.join("ca-cert.pem");
+        if ca.is_file() {
+            b.set_ca_file(&ca)
+                .map_err(|e| config_error(format!("cannot load {}: {e}", ca.display())))?;
+            checked = ca.display().to_string();
+        } else if tls.verify_peer {
+            return Err(config_error(format!(
+                "{} is missing: it is needed to verify the server (or set tls-verify-peer=false)",
+                ca.display()
+            )));
+        }
+        load_client_cert(&mut b, dir)?;
+    } else if std::env::var_os("SSL_CERT_FILE").is_none() {
+        if let Some(f) = SYSTEM_CA_FILES.iter().map(Path::new).find(|f| f.is_file()) {
+            b.set_ca_file(f)
+                .map_err(|e| config_error(format!("cannot load {}: {e}", f.display())))?;
+            checked = f.display().to_string();
+        }
+    }
+    let verify_name =
+        if tls.verify_peer {
+            match tls.hostname.as_deref().or(host) {
+                Some(h) => Some(h.to_string()),
+                None => return Err(config_error(
+                    "a Unix socket has no host name to check the server's certificate against: \
+                     add tls-hostname=NAME (the name in the certificate), or tls-verify-peer=false"
+                        .into(),
+                )),
+            }
+        } else {
+            b.set_verify(SslVerifyMode::NONE);
+            None
+        };
+    let checked_against = match &verify_name {
+        Some(n) => format!("{checked}, host name {n:?}"),
+        None => "nothing (tls-verify-peer=false)".to_string(),
+    };
+    Ok(Connector {
+        connector: b.build(),
+        verify_name,
+        checked_against,
+    })
+}
+
+/// `dir/client-cert.pem` and `dir/client-key.pem`, when present.
+fn load_client_cert(b: &mut openssl::ssl::SslConnectorBuilder, dir: &Path) -> io::Result<()> {
+    let cert = dir.join("client-cert.pem");
+    let key = dir.join("client-key.pem");
+    match (cert.is_file(), key.is_file()) {
+        (false, false) => Ok(()),
+        (true, true) => {
+            b.set_certificate_chain_file(&cert)
+                .map_err(|e| config_error(format!("cannot load {}: {e}", cert.display())))?;
+            b.set_private_key_file(&key, SslFiletype::PEM)
+                .map_err(|e| config_error(format!("cannot load {}: {e}", key.display())))?;
+            b.check_private_key().map_err(|e| {
+                config_error(format!(
+                    "{} does not match {}: {e}",
+                    key.display(),
+                    cert.display()
+                ))
+            })
+        }
+        (c, _) => Err(config_error(format!(
+            "{} is there but {} is not (a client certificate needs both)",
+            if c { cert.display() } else { key.display() },
+            if c { key.display() } else { cert.display() }
+        ))),
+    }
+}
+
+/// Wait up to `deadline` for `events` on `fd`.
+///
+/// **Returns:** `Ok(true)` when ready (or hung up: the next attempt sees
+/// it), `Ok(false)` when the deadline passed.
+fn poll_until(fd: i32, events: libc::c_short, deadline: Instant) -> io::Result<bool> {
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Ok(false);
+        }
+        let mut p = libc::pollfd {
+            fd,
+            events,
+            revents: 0,
+        };
+        let ms = left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+        // SAFETY: one valid pollfd for the duration of the call.
+        let r = unsafe { libc::poll(&mut p, 1, ms) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if r > 0 {
+            return Ok(true);
+        }
+    }
+}
+
+fn timed_out(what: &str) -> io::Error {
+    io::Error::new(ErrorKind::WouldBlock, format!("TLS: timed out {what}"))
+}
+
+/// An error of the session (after the handshake: a server refusing the
+/// client's certificate under TLS 1.3 says so only now), named as TLS's.
+fn ssl_io_error(e: openssl::ssl::Error) -> io::Error {
+    match e.into_io_error() {
+        Ok(io) => io::Error::new(io.kind(), format!("TLS session: {io}")),
+        Err(e) => io::Error::new(ErrorKind::InvalidData, format!("TLS session: {e}")),
+    }
+}
+
+/// A client TLS session on a non-blocking socket, shared by a
+/// connection's reader and writers.
+pub struct ClientTls {
+    ssl: Mutex<SslStream<Stream>>,
+    /// The socket, for `poll` and `shutdown`.
+    sock: Stream,
+    read_timeout_ns: AtomicU64,
+    write_timeout_ns: AtomicU64,
+}
+
+impl std::fmt::Debug for ClientTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientTls")
+            .field("sock", &self.sock)
+            .finish()
+    }
+}
+
+impl ClientTls {
+    /// Run the client handshake on `sock` (NBD_OPT_STARTTLS acknowledged)
+    /// within `timeout`.
+    ///
+    /// **Returns:** `PermissionDenied` naming why the server was not
+    /// accepted (its certificate's verification error and what it was
+    /// checked against) or why the handshake failed; `TimedOut`.
+    pub(crate) fn connect(sock: Stream, c: &Connector, timeout: Duration) -> io::Result<ClientTls> {
+        let deadline = Instant::now() + timeout;
+        let raw = sock.try_clone()?;
+        raw.set_nonblocking(true)?;
+        let ssl_err = |e: openssl::error::ErrorStack| io::Error::other(format!("TLS: {e}"));
+        let mut cfg = c.connector.configure().map_err(ssl_err)?;
+        let name = match &c.verify_name {
+            Some(n) => n.as_str(),
+            None => {
+                cfg.set_verify_hostname(false);
+                cfg.set_use_server_name_indication(false);
+                ""
+            }
+        };
+        let ssl = cfg.into_ssl(name).map_err(ssl_err)?;
+        let mut step = ssl.connect(raw);
+        let fd = sock.as_raw_fd();
+        loop {
+            let mid = match step {
+                Ok(s) => {
+                    return Ok(ClientTls {
+                        ssl: Mutex::new(s),
+                        sock,
+                        read_timeout_ns: AtomicU64::new(timeout.as_nanos() as u64),
+                        write_timeout_ns: AtomicU64::new(timeout.as_nanos() as u64),
+                    })
+                }
+                Err(HandshakeError::WouldBlock(m)) => m,
+                Err(HandshakeError::SetupFailure(e)) => return Err(ssl_err(e)),
+                Err(HandshakeError::Failure(m)) => {
+                    let verify = m.ssl().verify_result();
+                    let why = if verify != openssl::x509::X509VerifyResult::OK {
+                        format!(
+                            "the server's certificate was not accepted: {} (checked against {})",
+                            verify.error_string(),
+                            c.checked_against
+                        )
+                    } else {
+                        format!(
+                            "{} (credentials: {})",
+                            m.error()
+                                .ssl_error()
+                                .map_or_else(|| m.error().to_string(), |s| s.to_string()),
+                            c.checked_against
+                        )
+                    };
+                    return Err(io::Error::new(
+                        ErrorKind::PermissionDenied,
+                        format!("TLS handshake with the remote failed: {why}"),
+                    ));
+                }
+            };
+            let events = if mid.error().code() == ErrorCode::WANT_WRITE {
+                libc::POLLOUT
+            } else {
+                libc::POLLIN
+            };
+            if !poll_until(fd, events, deadline)? {
+                return Err(io::Error::new(
+                    ErrorKind::TimedOut,
+                    format!("TLS handshake with the remote: no answer within {timeout:?}"),
+                ));
+            }
+            step = mid.handshake();
+        }
+    }
+
+    /// Reads and writes wait at most this long for the socket (then
+    /// `WouldBlock`, as a socket timeout would).
+    pub(crate) fn set_timeouts(&self, read: Duration, write: Duration) {
+        self.read_timeout_ns
+            .store(read.as_nanos() as u64, Ordering::Relaxed);
+        self.write_timeout_ns
+            .store(write.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    fn deadline(ns: &AtomicU64) -> Instant {
+        Instant::now() + Duration::from_nanos(ns.load(Ordering::Relaxed))
+    }
+
+    /// Read plaintext; `Ok(0)` at the end of the stream.
+    pub(crate) fn read(&self, buf: &mut [u8]) -> io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        let deadline = Self::deadline(&self.read_timeout_ns);
+        loop {
+            let r = self.ssl.lock().ssl_read(buf);
+            let events = match r {
+                Ok(n) => return Ok(n),
+                Err(e) => match e.code() {
+                    ErrorCode::WANT_READ => libc::POLLIN,
+                    ErrorCode::WANT_WRITE => libc::POLLOUT,
+                    ErrorCode::ZERO_RETURN => return Ok(0),
+                    ErrorCode::SYSCALL if e.io_error().is_none() => return Ok(0),
+                    _ => return Err(ssl_io_error(e)),
+                },
+            };
+            if !poll_until(self.sock.as_raw_fd(), events, deadline)? {
+                return Err(timed_out("waiting for the remote's data"));
+            }
+        }
+    }
+
+    /// Seal and send a prefix of `buf`.
+    pub(crate) fn write(&self, buf: &[u8]) -> io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        let deadline = Self::deadline(&self.write_timeout_ns);
+        loop {
+            let r = self.ssl.lock().ssl_write(buf);
+            let (events, until) = match r {
+                Ok(n) => return Ok(n),
+                Err(e) => match e.code() {
+                    ErrorCode::WANT_WRITE => (libc::POLLOUT, deadline),
+                    ErrorCode::WANT_READ => (
+                        libc::POLLIN,
+                        deadline.min(Instant::now() + WRITE_WANTS_READ_SLICE),
+                    ),
+                    _ => return Err(ssl_io_error(e)),
+                },
+            };
+            if !poll_until(self.sock.as_raw_fd(), events, until)? && Instant::now() >= deadline {
+                return Err(timed_out("waiting for the remote to take data"));
+            }
+        }
+    }
+
+    /// Seal a prefix of `bufs`: small pieces gathered into one record.
+    pub(crate) fn write_vectored(&self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        let Some(first) = bufs.iter().find(|b| !b.is_empty()) else {
+            return Ok(0);
+        };
+        if first.len() >= GATHER_BYTES {
+            return self.write(first);
+        }
+        let mut gathered = Vec::with_capacity(GATHER_BYTES);
+        for b in bufs {
+            let room = GATHER_BYTES - gathered.len();
+            if room == 0 {
+                break;
+            }
+            gathered.extend_from_slice(&b[..b.len().min(room)]);
+        }
+        self.write(&gathered)
+    }
+
+    /// Send close_notify if it can leave at once, then shut `how` down.
+    pub(crate) fn shutdown_how(&self, how: std::net::Shutdown) {
+        if how != std::net::Shutdown::Read {
+            let _ = self.ssl.lock().shutdown();
+        }
+        self.sock.shutdown_how(how);
+    }
+
+    /// The socket's descriptor.
+    pub(crate) fn raw_fd(&self) -> i32 {
+        self.sock.as_raw_fd()
+    }
+}
