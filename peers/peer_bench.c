@@ -97,19 +97,22 @@ static void peer_free_bulk(void **v, unsigned n) { rte_mempool_put_bulk(mp, v, n
 /* iopages through its C ABI (libiopages, crates/iopages-ffi): the same
  * workload the in-process iopages row runs — each thread allocates through
  * its own per-thread handle (iopages_local: LocalAllocator), single pages
- * and bulk batches by address, from a populated arena with checks off. */
+ * and bulk batches by address, from a populated arena with checks off —
+ * through the header's inline fast paths (iopages_fast_*), as DPDK's row
+ * uses rte_mempool_get_bulk, inline over its per-lcore cache. */
 #include <iopages.h>
 #define PEER_NAME "iopages-c"
 #define PEER_BULK 1
 #define PEER_PER_THREAD 1
 static iopages_allocator *ioa;
 static __thread iopages_local *iol;
-static void *peer_alloc(void) { return iopages_local_alloc_page_ptr(iol, IOPAGES_GFP_KERNEL); }
-static void peer_free(void *p) { iopages_local_free_page_ptr(iol, p); }
+static __thread const iopages_local_fast *iof;
+static void *peer_alloc(void) { return iopages_fast_alloc_page_ptr(iof, IOPAGES_GFP_KERNEL); }
+static void peer_free(void *p) { iopages_fast_free_page_ptr(iof, p); }
 static int peer_alloc_bulk(void **v, unsigned n) {
-    return iopages_local_alloc_bulk_ptrs(iol, IOPAGES_GFP_KERNEL, v, n) == (ptrdiff_t)n ? 0 : -1;
+    return iopages_fast_alloc_bulk_ptrs(iof, IOPAGES_GFP_KERNEL, v, n) == (intptr_t)n ? 0 : -1;
 }
-static void peer_free_bulk(void **v, unsigned n) { iopages_local_free_bulk_ptrs(iol, v, n); }
+static void peer_free_bulk(void **v, unsigned n) { iopages_fast_free_bulk_ptrs(iof, v, n); }
 #else
 #error "define one of PEER_GLIBC PEER_JEMALLOC PEER_MIMALLOC PEER_TCMALLOC PEER_DPDK (or PEER_IOPAGES with HAVE_IOPAGES)"
 #endif
@@ -197,6 +200,7 @@ static void thread_init(void) {
         fprintf(stderr, "iopages_local_create: %s\n", iopages_last_error());
         exit(3);
     }
+    iof = iopages_local_fast_path(iol);
 #endif
 #if defined(PEER_DPDK)
     /* Non-EAL threads need an lcore id to get a per-lcore mempool cache. */
@@ -219,6 +223,7 @@ static void thread_exit(void) {
 #if defined(PEER_PER_THREAD)
     iopages_local_destroy(iol);
     iol = NULL;
+    iof = NULL;
 #endif
 #if defined(PEER_DPDK)
     rte_mempool_cache_flush(NULL, mp);

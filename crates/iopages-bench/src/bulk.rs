@@ -1001,6 +1001,15 @@ pub fn run_with_threads(
     let e1_row = |b| cmp.get("iopages", None, b);
     let best_peer = |b| cmp.best(None, b).map(|(p, ns)| (p.to_string(), ns));
     c_abi.print(runs, e1_row, best_peer);
+    let like = like_for_like(&cmp, &c_abi, &plan.st_batches);
+    if !like.is_empty() {
+        let cells: Vec<String> = like
+            .iter()
+            .map(|(b, p, r)| format!("{} {r:.2} ({p})", batch_key(*b)))
+            .collect();
+        let min = like.iter().map(|x| x.2).fold(f64::INFINITY, f64::min);
+        println!("like for like ({}, the same C program and loop as the peers), best page-aligned peer's ns over its own: {}; min {min:.2}", crate::c_abi::C_ROW, cells.join(", "));
+    }
     let def = &configs[0].alloc;
     let settings = json!({
         "quick": opts.quick,
@@ -1017,6 +1026,11 @@ pub fn run_with_threads(
     });
     let mut summary = summary(def, &single_sum[0], &bulk_sum[0], &cmp);
     summary["c_abi"] = c_abi.json(e1_row, best_peer);
+    summary["c_abi"]["like_for_like_vs_best_page_aligned_peer"] = Value::Object(
+        like.iter()
+            .map(|(b, p, r)| (batch_key(*b), json!({ "peer": p, "ratio": round2(*r) })))
+            .collect(),
+    );
     let body = Body {
         summary,
         configs: configs_json(&configs, &single_sum, &bulk_sum),
@@ -1032,6 +1046,27 @@ struct Body {
     summary: Value,
     configs: Value,
     kernel_reference: Value,
+}
+
+/// The `iopages-c` row against the best page-aligned peer at each
+/// single-thread batch where both ran: (batch, peer, the peer's ns over
+/// the C row's). The C row runs the peers' own program and loop, so this
+/// is E1's like-for-like comparison (E1's `iopages` row writes each page
+/// through its handle, which costs less on some CPUs than the peers' loop
+/// through addresses; see `c_abi`).
+fn like_for_like<'a>(
+    cmp: &Comparison<'a>,
+    c_abi: &CAbi,
+    batches: &[usize],
+) -> Vec<(usize, &'a str, f64)> {
+    batches
+        .iter()
+        .filter_map(|&b| {
+            let c = c_abi.c_ns(b)?;
+            let (p, ns) = cmp.best_of(None, b, true)?;
+            Some((b, p, ns / c))
+        })
+        .collect()
 }
 
 /// The summary: the default configuration's figures, the seed's and the

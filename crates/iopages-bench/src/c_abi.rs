@@ -124,6 +124,12 @@ impl CAbi {
         Ok(())
     }
 
+    /// The C row's median ns per page at `batch` (none if the row did
+    /// not run or failed).
+    pub fn c_ns(&self, batch: usize) -> Option<f64> {
+        self.ready().then(|| med(&self.c, batch)).flatten()
+    }
+
     fn ready(&self) -> bool {
         matches!(self.state, PeerState::Ready(_)) && !self.ratio.is_empty()
     }

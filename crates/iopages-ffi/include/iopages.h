@@ -384,6 +384,94 @@ typedef struct iopages_stats {
 } iopages_stats;
 
 /**
+ * The state of a handle's fast paths, for the inline functions below
+ * (`iopages_fast_*`), which serve the handle's cache without a call into
+ * the library — as DPDK's header inlines `rte_mempool_get_bulk` over its
+ * per-lcore cache. Get it once per handle with `iopages_local_fast_path`;
+ * it is valid until the handle is destroyed, and belongs to the handle's
+ * thread, like the handle. Read-only for callers: the inline functions
+ * are the only code meant to follow its pointers.
+ */
+typedef struct iopages_local_fast {
+  /**
+   * The handle, for the full path.
+   */
+  struct iopages_local *local;
+  /**
+   * The cached pages, `buf[0 .. *len]` (page handles).
+   */
+  uint32_t *buf;
+  /**
+   * How many pages are cached.
+   */
+  size_t *len;
+  /**
+   * Shared copy of `*len`, stored with relaxed atomics.
+   */
+  size_t *shared_len;
+  /**
+   * Most pages the cache holds.
+   */
+  size_t cap;
+  /**
+   * Pages allocated through the handle.
+   */
+  uint64_t *allocs;
+  /**
+   * Shared copy of `*allocs`, stored with relaxed atomics.
+   */
+  uint64_t *shared_allocs;
+  /**
+   * Pages freed through the handle.
+   */
+  uint64_t *frees;
+  /**
+   * Shared copy of `*frees`, stored with relaxed atomics.
+   */
+  uint64_t *shared_frees;
+  /**
+   * Bulk allocation calls.
+   */
+  uint64_t *bulk_allocs;
+  /**
+   * Shared copy of `*bulk_allocs`, stored with relaxed atomics.
+   */
+  uint64_t *shared_bulk_allocs;
+  /**
+   * Bulk free calls.
+   */
+  uint64_t *bulk_frees;
+  /**
+   * Shared copy of `*bulk_frees`, stored with relaxed atomics.
+   */
+  uint64_t *shared_bulk_frees;
+  /**
+   * Fault injection switch (load with relaxed atomics; non-zero: on).
+   */
+  const uint8_t *fault_on;
+  /**
+   * First byte of the arena.
+   */
+  uint8_t *base;
+  /**
+   * Arena size in bytes.
+   */
+  size_t arena_bytes;
+  /**
+   * gfp bits that need the full path.
+   */
+  uint32_t careful;
+  /**
+   * Every gfp bit the library knows (others: the full path refuses).
+   */
+  uint32_t known;
+  /**
+   * Allocation checks on: frees take the full path.
+   */
+  bool checks;
+} iopages_local_fast;
+
+/**
  * A pool's reserve and counters.
  */
 typedef struct iopages_mempool_stats {
@@ -596,6 +684,15 @@ ptrdiff_t iopages_stats_text(const struct iopages_allocator *a, char *buf, size_
  * -EINVAL for NULL pointers.
  */
 int iopages_local_create(const struct iopages_allocator *a, struct iopages_local **out);
+
+/**
+ * The view of a handle's fast paths for the inline `iopages_fast_*`
+ * functions of this header (see `iopages_local_fast`).
+ *
+ * **Context:** never blocks. **Returns:** the view, valid until the
+ * handle is destroyed; NULL for a NULL handle.
+ */
+const struct iopages_local_fast *iopages_local_fast_path(struct iopages_local *l);
 
 /**
  * Destroy a handle: its cached pages go back to the allocator.
@@ -1108,3 +1205,88 @@ int iopages_mempool_stats_get(const struct iopages_mempool *p, struct iopages_me
 #endif  // __cplusplus
 
 #endif  /* IOPAGES_H */
+
+#ifndef IOPAGES_FAST_H
+#define IOPAGES_FAST_H
+/*
+ * Inline fast paths (no call into the library when the handle's cache can
+ * serve the request; otherwise, and for every error, the exported call of the
+ * same name without "fast"). `f` comes from iopages_local_fast_path(l) and is
+ * used by the handle's thread only. Same results, errors and Context as
+ * iopages_local_alloc_page_ptr, iopages_local_free_page_ptr,
+ * iopages_local_alloc_bulk_ptrs and iopages_local_free_bulk_ptrs.
+ */
+static inline void iopages_fast__count_(uint64_t *local, uint64_t *shared, uint64_t n) {
+    uint64_t v = *local + n;
+    *local = v;
+    __atomic_store_n(shared, v, __ATOMIC_RELAXED);
+}
+
+static inline void iopages_fast__set_len_(const struct iopages_local_fast *f, size_t len) {
+    *f->len = len;
+    __atomic_store_n(f->shared_len, len, __ATOMIC_RELAXED);
+}
+
+static inline int iopages_fast__can_alloc_(const struct iopages_local_fast *f, uint32_t gfp) {
+    return !(gfp & (f->careful | ~f->known)) && !__atomic_load_n(f->fault_on, __ATOMIC_RELAXED);
+}
+
+/** Allocate one page by address from the handle's cache (else the full call). */
+static inline void *iopages_fast_alloc_page_ptr(const struct iopages_local_fast *f, uint32_t gfp_flags) {
+    size_t len = *f->len;
+    if (len == 0 || !iopages_fast__can_alloc_(f, gfp_flags))
+        return iopages_local_alloc_page_ptr(f->local, gfp_flags);
+    uint32_t page = f->buf[len - 1];
+    iopages_fast__set_len_(f, len - 1);
+    iopages_fast__count_(f->allocs, f->shared_allocs, 1);
+    return f->base + (size_t)(page - 1) * IOPAGES_PAGE_SIZE;
+}
+
+/** Free one page by address into the handle's cache (else the full call). */
+static inline int iopages_fast_free_page_ptr(const struct iopages_local_fast *f, void *ptr) {
+    size_t off = (size_t)((uintptr_t)ptr - (uintptr_t)f->base);
+    size_t len = *f->len;
+    if (f->checks || len >= f->cap || (off % IOPAGES_PAGE_SIZE) != 0 || off >= f->arena_bytes)
+        return iopages_local_free_page_ptr(f->local, ptr);
+    f->buf[len] = (uint32_t)(off / IOPAGES_PAGE_SIZE) + 1;
+    iopages_fast__set_len_(f, len + 1);
+    iopages_fast__count_(f->frees, f->shared_frees, 1);
+    return 0;
+}
+
+/** Allocate n pages by address from the handle's cache (else the full call). */
+static inline intptr_t iopages_fast_alloc_bulk_ptrs(const struct iopages_local_fast *f, uint32_t gfp_flags,
+                                                    void **ptrs, size_t n) {
+    size_t len = *f->len;
+    if (n > len || ptrs == NULL || !iopages_fast__can_alloc_(f, gfp_flags))
+        return iopages_local_alloc_bulk_ptrs(f->local, gfp_flags, ptrs, n);
+    const uint32_t *top = f->buf + (len - n);
+    for (size_t i = 0; i < n; i++)
+        ptrs[i] = f->base + (size_t)(top[i] - 1) * IOPAGES_PAGE_SIZE;
+    iopages_fast__set_len_(f, len - n);
+    iopages_fast__count_(f->allocs, f->shared_allocs, n);
+    iopages_fast__count_(f->bulk_allocs, f->shared_bulk_allocs, 1);
+    return (intptr_t)n;
+}
+
+/** Free n pages by address into the handle's cache (else the full call,
+ *  which also reports a bad address; nothing is freed then). */
+static inline int iopages_fast_free_bulk_ptrs(const struct iopages_local_fast *f, void *const *ptrs, size_t n) {
+    size_t len = *f->len;
+    if (f->checks || n > f->cap - len || ptrs == NULL)
+        return iopages_local_free_bulk_ptrs(f->local, ptrs, n);
+    uint32_t *slot = f->buf + len;
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++) {
+        size_t off = (size_t)((uintptr_t)ptrs[i] - (uintptr_t)f->base);
+        bad |= (off % IOPAGES_PAGE_SIZE) | (size_t)(off >= f->arena_bytes);
+        slot[i] = (uint32_t)((off / IOPAGES_PAGE_SIZE) & 0x7fffffff) + 1;
+    }
+    if (bad)
+        return iopages_local_free_bulk_ptrs(f->local, ptrs, n);
+    iopages_fast__set_len_(f, len + n);
+    iopages_fast__count_(f->frees, f->shared_frees, n);
+    iopages_fast__count_(f->bulk_frees, f->shared_bulk_frees, 1);
+    return 0;
+}
+#endif  /* IOPAGES_FAST_H */

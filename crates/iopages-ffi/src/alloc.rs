@@ -28,6 +28,83 @@ pub struct iopages_local {
     scratch: Vec<Page>,
     nr_pages: u32,
     base: usize,
+    /// The view the header's inline functions use (filled once, from the
+    /// pointer `iopages_local_create` hands out).
+    fast: iopages_local_fast,
+}
+
+/// The state of a handle's fast paths, for the inline functions below
+/// (`iopages_fast_*`), which serve the handle's cache without a call into
+/// the library — as DPDK's header inlines `rte_mempool_get_bulk` over its
+/// per-lcore cache. Get it once per handle with `iopages_local_fast_path`;
+/// it is valid until the handle is destroyed, and belongs to the handle's
+/// thread, like the handle. Read-only for callers: the inline functions
+/// are the only code meant to follow its pointers.
+#[repr(C)]
+pub struct iopages_local_fast {
+    /// The handle, for the full path.
+    pub local: *mut iopages_local,
+    /// The cached pages, `buf[0 .. *len]` (page handles).
+    pub buf: *mut u32,
+    /// How many pages are cached.
+    pub len: *mut usize,
+    /// Shared copy of `*len`, stored with relaxed atomics.
+    pub shared_len: *mut usize,
+    /// Most pages the cache holds.
+    pub cap: usize,
+    /// Pages allocated through the handle.
+    pub allocs: *mut u64,
+    /// Shared copy of `*allocs`, stored with relaxed atomics.
+    pub shared_allocs: *mut u64,
+    /// Pages freed through the handle.
+    pub frees: *mut u64,
+    /// Shared copy of `*frees`, stored with relaxed atomics.
+    pub shared_frees: *mut u64,
+    /// Bulk allocation calls.
+    pub bulk_allocs: *mut u64,
+    /// Shared copy of `*bulk_allocs`, stored with relaxed atomics.
+    pub shared_bulk_allocs: *mut u64,
+    /// Bulk free calls.
+    pub bulk_frees: *mut u64,
+    /// Shared copy of `*bulk_frees`, stored with relaxed atomics.
+    pub shared_bulk_frees: *mut u64,
+    /// Fault injection switch (load with relaxed atomics; non-zero: on).
+    pub fault_on: *const u8,
+    /// First byte of the arena.
+    pub base: *mut u8,
+    /// Arena size in bytes.
+    pub arena_bytes: usize,
+    /// gfp bits that need the full path.
+    pub careful: u32,
+    /// Every gfp bit the library knows (others: the full path refuses).
+    pub known: u32,
+    /// Allocation checks on: frees take the full path.
+    pub checks: bool,
+}
+
+impl iopages_local_fast {
+    /// Before the handle exists (replaced at once in `iopages_local_create`).
+    const EMPTY: iopages_local_fast = iopages_local_fast {
+        local: std::ptr::null_mut(),
+        buf: std::ptr::null_mut(),
+        len: std::ptr::null_mut(),
+        shared_len: std::ptr::null_mut(),
+        cap: 0,
+        allocs: std::ptr::null_mut(),
+        shared_allocs: std::ptr::null_mut(),
+        frees: std::ptr::null_mut(),
+        shared_frees: std::ptr::null_mut(),
+        bulk_allocs: std::ptr::null_mut(),
+        shared_bulk_allocs: std::ptr::null_mut(),
+        bulk_frees: std::ptr::null_mut(),
+        shared_bulk_frees: std::ptr::null_mut(),
+        fault_on: std::ptr::null(),
+        base: std::ptr::null_mut(),
+        arena_bytes: 0,
+        careful: 0,
+        known: 0,
+        checks: false,
+    };
 }
 
 /// Huge pages: base pages only.
@@ -708,16 +785,65 @@ pub unsafe extern "C" fn iopages_local_create(
         if out.is_null() {
             return Err(fail(libc::EINVAL, "out is NULL"));
         }
-        let l = Box::new(iopages_local {
+        let n = nr_pages(&a.alloc);
+        let base = a.alloc.arena().base() as usize;
+        let raw = Box::into_raw(Box::new(iopages_local {
             local: a.alloc.local(),
             scratch: Vec::with_capacity(1024),
-            nr_pages: nr_pages(&a.alloc),
-            base: a.alloc.arena().base() as usize,
-        });
+            nr_pages: n,
+            base,
+            fast: iopages_local_fast::EMPTY,
+        }));
+        // SAFETY: `raw` is the live handle just boxed, which never moves;
+        // the view is derived from the pointer C will hold, not from a
+        // reference, so every later call's reference ends before C follows
+        // the view's pointers again (one thread at a time, the handle's
+        // contract).
+        unsafe {
+            let v = LocalAllocator::fast_path(std::ptr::addr_of_mut!((*raw).local));
+            std::ptr::addr_of_mut!((*raw).fast).write(iopages_local_fast {
+                local: raw,
+                buf: v.buf,
+                len: v.len,
+                shared_len: v.shared_len as *mut usize,
+                cap: v.cap,
+                allocs: v.allocs,
+                shared_allocs: v.shared_allocs as *mut u64,
+                frees: v.frees,
+                shared_frees: v.shared_frees as *mut u64,
+                bulk_allocs: v.bulk_allocs,
+                shared_bulk_allocs: v.shared_bulk_allocs as *mut u64,
+                bulk_frees: v.bulk_frees,
+                shared_bulk_frees: v.shared_bulk_frees as *mut u64,
+                fault_on: v.fault_on.cast(),
+                base: base as *mut u8,
+                arena_bytes: n as usize * PAGE_SIZE,
+                careful: v.careful,
+                known: Gfp::all().bits(),
+                checks: v.checks,
+            });
+        }
         // SAFETY: checked not NULL; the caller's contract says writable.
-        unsafe { out.write(Box::into_raw(l)) };
+        unsafe { out.write(raw) };
         Ok(0)
     })
+}
+
+/// The view of a handle's fast paths for the inline `iopages_fast_*`
+/// functions of this header (see `iopages_local_fast`).
+///
+/// **Context:** never blocks. **Returns:** the view, valid until the
+/// handle is destroyed; NULL for a NULL handle.
+#[no_mangle]
+pub unsafe extern "C" fn iopages_local_fast_path(
+    l: *mut iopages_local,
+) -> *const iopages_local_fast {
+    if l.is_null() {
+        fail(libc::EINVAL, "local is NULL");
+        return std::ptr::null();
+    }
+    // SAFETY: a live handle (the caller's contract); no reference made.
+    unsafe { std::ptr::addr_of!((*l).fast) }
 }
 
 /// Destroy a handle: its cached pages go back to the allocator.

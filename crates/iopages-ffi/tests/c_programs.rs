@@ -172,6 +172,10 @@ fn build(cc: &str, src: &Path, name: &str, link: Link, asan: bool) -> PathBuf {
 fn run(exe: &Path, args: &[&str], asan: bool, expect: &str) -> String {
     let mut cmd = Command::new(exe);
     cmd.args(args);
+    // cargo puts its deps directory on LD_LIBRARY_PATH for tests, which the
+    // loader searches before the program's RUNPATH: a stale libiopages.so
+    // there would be loaded instead of the library under test.
+    cmd.env_remove("LD_LIBRARY_PATH");
     if asan {
         // A Rust cdylib keeps thread-locals and lazily built globals alive
         // to the end of the process: LeakSanitizer would report them.

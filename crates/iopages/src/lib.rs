@@ -148,7 +148,7 @@ pub use mempool::{
     MEMPOOL_MIN_NR_MAX, MEMPOOL_WAIT,
 };
 pub use page_alloc::{
-    Accounting, LocalAllocator, PageAllocator, PageAllocatorBuilder, PageBox, Stats,
+    Accounting, LocalAllocator, LocalFastPath, PageAllocator, PageAllocatorBuilder, PageBox, Stats,
     DEFAULT_ARENA_BYTES, DEFAULT_LOCAL_CACHE_PAGES, DEFAULT_THREAD_CACHE_PAGES,
     MAX_RECLAIM_RETRIES, NOFAIL_WAIT,
 };

@@ -332,9 +332,90 @@ static void folio_bio_calls(void) {
     CHECK(iopages_allocator_destroy(a) == 0);
 }
 
+/* The header's inline fast paths: the same pages, counts and errors as the
+ * exported calls, the full path taken where the cache cannot serve (empty,
+ * full, checks on, careful or unknown flags), nothing freed on a bad
+ * address, and the accounting exact afterwards. */
+static void fast_calls(void) {
+    for (int checks = 0; checks <= 1; checks++) {
+        iopages_allocator *a = make(checks);
+        iopages_local *l = NULL;
+        CHECK(iopages_local_create(a, &l) == 0);
+        CHECK(iopages_local_fast_path(NULL) == NULL);
+        const iopages_local_fast *f = iopages_local_fast_path(l);
+        CHECK(f != NULL && f->local == l && f->checks == (checks == 1));
+        iopages_stats s0, s1;
+        /* Empty cache: the first call takes the full path and fills it. */
+        char *p = iopages_fast_alloc_page_ptr(f, IOPAGES_GFP_KERNEL);
+        CHECK(p != NULL && ((uintptr_t)p & 4095) == 0);
+        memset(p, 0x5a, 4096);
+        CHECK(iopages_fast_free_page_ptr(f, p) == 0);
+        /* Served from the cache: the page just freed comes back. */
+        char *q = iopages_fast_alloc_page_ptr(f, IOPAGES_GFP_KERNEL);
+        CHECK(q == p);
+        /* A zeroed page is the full path's: it must come back zeroed. */
+        char *z = iopages_fast_alloc_page_ptr(f, IOPAGES_GFP_KERNEL | IOPAGES_GFP_ZERO);
+        CHECK(z != NULL && z != q);
+        for (int i = 0; i < 4096; i++) CHECK(z[i] == 0);
+        CHECK(iopages_fast_alloc_page_ptr(f, 1u << 30) == NULL); /* unknown bits */
+        CHECK(strstr(iopages_last_error(), "gfp") != NULL);
+        CHECK(iopages_fast_free_page_ptr(f, q + 1) == -EINVAL);
+        CHECK(iopages_fast_free_page_ptr(f, q) == 0);
+        CHECK(iopages_fast_free_page_ptr(f, z) == 0);
+        if (checks) CHECK(iopages_fast_free_page_ptr(f, z) == -EINVAL); /* double free caught */
+        /* Bulk, inside and past the cache, every page distinct. */
+        static void *v[600];
+        size_t sizes[] = {1, 8, 64, 300, 600};
+        for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++) {
+            size_t n = sizes[k];
+            CHECK(iopages_fast_alloc_bulk_ptrs(f, IOPAGES_GFP_KERNEL, v, n) == (intptr_t)n);
+            for (size_t i = 0; i < n; i++) {
+                CHECK(((uintptr_t)v[i] & 4095) == 0);
+                *(size_t *)v[i] = i;
+            }
+            for (size_t i = 0; i < n; i++) CHECK(*(size_t *)v[i] == i); /* no page twice */
+            iopages_accounting acc;
+            CHECK(iopages_leak_check(a, &acc) == -EBUSY && acc.in_use_pages == n);
+            void *saved = v[n / 2];
+            v[n / 2] = (char *)saved + 64;
+            CHECK(iopages_fast_free_bulk_ptrs(f, v, n) == -EINVAL);
+            CHECK(iopages_leak_check(a, &acc) == -EBUSY && acc.in_use_pages == n); /* nothing freed */
+            v[n / 2] = saved;
+            CHECK(iopages_fast_free_bulk_ptrs(f, v, n) == 0);
+            CHECK(iopages_leak_check(a, NULL) == 0);
+        }
+        CHECK(iopages_fast_alloc_bulk_ptrs(f, IOPAGES_GFP_KERNEL, NULL, 4) == -EINVAL);
+        CHECK(iopages_fast_free_bulk_ptrs(f, NULL, 4) == -EINVAL);
+        /* With the cache warm and checks off, every call below is served
+         * inline: the shared counts must still see each page exactly. */
+        if (!checks) {
+            CHECK(iopages_fast_alloc_bulk_ptrs(f, IOPAGES_GFP_KERNEL, v, 64) == 64);
+            CHECK(iopages_fast_free_bulk_ptrs(f, v, 64) == 0);
+            CHECK(iopages_stats_get(a, &s0) == 0);
+            CHECK(iopages_fast_alloc_bulk_ptrs(f, IOPAGES_GFP_KERNEL, v, 8) == 8);
+            void *one = iopages_fast_alloc_page_ptr(f, IOPAGES_GFP_KERNEL);
+            CHECK(one != NULL);
+            iopages_accounting acc;
+            CHECK(iopages_leak_check(a, &acc) == -EBUSY && acc.in_use_pages == 9);
+            CHECK(iopages_fast_free_page_ptr(f, one) == 0);
+            CHECK(iopages_fast_free_bulk_ptrs(f, v, 8) == 0);
+            CHECK(iopages_stats_get(a, &s1) == 0);
+            CHECK(s1.alloc_thread_cache - s0.alloc_thread_cache == 9);
+            CHECK(s1.free_thread_cache - s0.free_thread_cache == 9);
+            CHECK(s1.bulk_alloc_calls - s0.bulk_alloc_calls == 1);
+            CHECK(s1.bulk_free_calls - s0.bulk_free_calls == 1);
+            CHECK(s1.alloc_pcp == s0.alloc_pcp && s1.alloc_zone == s0.alloc_zone);
+        }
+        CHECK(iopages_local_destroy(l) == 0);
+        CHECK(iopages_leak_check(a, NULL) == 0);
+        CHECK(iopages_allocator_destroy(a) == 0);
+    }
+}
+
 int main(void) {
     allocator_calls();
     local_calls();
+    fast_calls();
     mempool_calls();
     counter_calls();
     kvmalloc_calls();

@@ -26,7 +26,7 @@ use crate::page_alloc::PageAllocator;
 use crate::percpu::pcp::bump;
 use crate::percpu::tcache::{Owner, Tcache};
 use std::mem::MaybeUninit;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 
 /// A handle that owns a page cache: allocate and free in loops without a
@@ -76,6 +76,51 @@ pub struct LocalAllocator {
 // handle keeps alive wherever it goes; `tc` is used only through
 // `&mut self` (one caller at a time), which is the cache's ownership rule.
 unsafe impl Send for LocalAllocator {}
+
+/// Where a handle keeps the state of its order-0 fast paths, for code that
+/// runs those fast paths itself: the C ABI's inline functions in
+/// `iopages.h`, as DPDK's header inlines its per-lcore cache. Code using
+/// it must do what [`LocalAllocator::alloc_cached`],
+/// [`LocalAllocator::free_cached`] and their bulk forms do, field for
+/// field: take pages from `buf[..*len]` or put them above it, store the new
+/// length to `*len` and (relaxed) to `*shared_len`, and add to each count
+/// and store it to its shared mirror likewise; and take the full path
+/// whenever those functions would decline.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct LocalFastPath {
+    /// The cached order-0 pages, `buf[..*len]`, each a [`Page`]'s `u32`
+    /// (frame number + 1).
+    pub buf: *mut u32,
+    /// How many pages are cached.
+    pub len: *mut usize,
+    /// The shared mirror of `len` (an `AtomicUsize`: store relaxed).
+    pub shared_len: *const AtomicUsize,
+    /// Most pages the cache holds.
+    pub cap: usize,
+    /// Pages allocated, and its shared mirror.
+    pub allocs: *mut u64,
+    /// Shared mirror of `allocs`.
+    pub shared_allocs: *const AtomicU64,
+    /// Pages freed, and its shared mirror.
+    pub frees: *mut u64,
+    /// Shared mirror of `frees`.
+    pub shared_frees: *const AtomicU64,
+    /// Bulk allocation calls.
+    pub bulk_allocs: *mut u64,
+    /// Shared mirror of `bulk_allocs`.
+    pub shared_bulk_allocs: *const AtomicU64,
+    /// Bulk free calls.
+    pub bulk_frees: *mut u64,
+    /// Shared mirror of `bulk_frees`.
+    pub shared_bulk_frees: *const AtomicU64,
+    /// Allocation flags that need the full path.
+    pub careful: u32,
+    /// Allocation checks are on: frees take the full path.
+    pub checks: bool,
+    /// Fault injection is on (load relaxed): allocations take the full path.
+    pub fault_on: *const AtomicBool,
+}
 
 impl PageAllocator {
     /// A handle with its own page cache, for a worker that allocates and
@@ -531,6 +576,42 @@ impl LocalAllocator {
         Self::count(&mut self.frees, &self.tc.frees, nr as u64);
         Self::count(&mut self.bulk_frees, &self.tc.bulk_frees, 1);
         true
+    }
+
+    /// The state of this handle's order-0 fast paths, for code that runs
+    /// them itself (see [`LocalFastPath`]).
+    ///
+    /// # Safety
+    /// `this` points to a live handle. The pointers are valid while the
+    /// handle lives and stays where it is, and may be used only by one
+    /// thread at a time and only while no reference to the handle is in
+    /// use (between calls on it): they alias its fields. They must be
+    /// derived from the pointer the handle's owner keeps (not from a
+    /// reference that ends before they are used).
+    pub unsafe fn fast_path(this: *mut LocalAllocator) -> LocalFastPath {
+        // SAFETY: `this` is live (the caller's promise); every pointer is
+        // taken from it without making a reference to the whole handle,
+        // and `tc` is reached through a shared reference that ends here.
+        unsafe {
+            let tc: &Tcache = &(*this).tc;
+            LocalFastPath {
+                buf: (*this).buf.cast(),
+                len: std::ptr::addr_of_mut!((*this).len),
+                shared_len: tc.len_ptr(0),
+                cap: (*this).cap,
+                allocs: std::ptr::addr_of_mut!((*this).allocs),
+                shared_allocs: &tc.allocs,
+                frees: std::ptr::addr_of_mut!((*this).frees),
+                shared_frees: &tc.frees,
+                bulk_allocs: std::ptr::addr_of_mut!((*this).bulk_allocs),
+                shared_bulk_allocs: &tc.bulk_allocs,
+                bulk_frees: std::ptr::addr_of_mut!((*this).bulk_frees),
+                shared_bulk_frees: &tc.bulk_frees,
+                careful: (*this).careful.bits(),
+                checks: (*this).checks,
+                fault_on: (*this).fault_on,
+            }
+        }
     }
 
     /// Give every cached page back to the per-CPU lists.

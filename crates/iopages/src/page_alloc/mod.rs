@@ -33,7 +33,7 @@ pub use builder::{
     PageAllocatorBuilder, DEFAULT_ARENA_BYTES, DEFAULT_LOCAL_CACHE_PAGES,
     DEFAULT_THREAD_CACHE_PAGES,
 };
-pub use local::LocalAllocator;
+pub use local::{LocalAllocator, LocalFastPath};
 pub use pagebox::PageBox;
 pub use stats::{Accounting, Stats};
 

@@ -84,6 +84,12 @@ impl Tcache {
         self.lens[order as usize].load(Relaxed)
     }
 
+    /// The shared count of blocks held of `order` (for
+    /// [`crate::LocalFastPath`]).
+    pub(crate) fn len_ptr(&self, order: u32) -> *const AtomicUsize {
+        &self.lens[order as usize]
+    }
+
     #[inline]
     pub(crate) fn set_len(&self, order: u32, n: usize) {
         debug_assert!(n <= self.cap[order as usize]);
