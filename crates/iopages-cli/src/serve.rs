@@ -667,6 +667,7 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
     };
     if let Some(w) = a.workers {
         opts.workers = w;
+        opts.remote_workers = w;
     }
     opts.kdf_limits = crate::luks_cmd::kdf_limits(a.max_kdf_memory);
     opts.allow_secondary_header = a.allow_secondary_header;
