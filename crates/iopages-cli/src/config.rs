@@ -147,7 +147,8 @@ pub struct ExportSpec {
     pub allow_discards: bool,
     /// `arena` in bytes: a non-zero multiple of 4096 (default 512 MiB).
     pub arena_bytes: u64,
-    /// `workers`: crypt worker threads, at least 1 (default: per core).
+    /// `workers`: crypt worker threads, at least 1 (default: per core; 64
+    /// for a remote image).
     pub workers: Option<usize>,
     /// `max-kdf-memory` in bytes, at most 4 GiB (default: the KDF limits'
     /// own, 1 GiB).

@@ -90,7 +90,8 @@ pub struct ServeArgs {
     /// Page arena for out pages and payload buffers; K, M, G suffixes.
     #[arg(long, value_name = "BYTES", default_value = "512M", value_parser = crate::parse_size)]
     arena: u64,
-    /// Crypt worker threads (default: one per core).
+    /// Crypt worker threads (default: one per core; 64 for an nbd:// image,
+    /// whose requests each wait on the remote).
     #[arg(long, value_name = "N")]
     workers: Option<usize>,
     /// Out-page allocation strategy.
@@ -671,6 +672,7 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
     };
     if let Some(w) = a.workers {
         opts.workers = w;
+        opts.remote_workers = w;
     }
     opts.kdf_limits = crate::luks_cmd::kdf_limits(a.max_kdf_memory);
     opts.allow_secondary_header = a.allow_secondary_header;

@@ -174,6 +174,7 @@ fn plan(spec: &ExportSpec, c: &Common) -> Result<Planned, String> {
     };
     if let Some(w) = spec.workers {
         opts.workers = w;
+        opts.remote_workers = w;
     }
     opts.kdf_limits = crate::luks_cmd::kdf_limits(spec.max_kdf_memory);
     let mut config = ExportConfig::new(spec.name.clone());

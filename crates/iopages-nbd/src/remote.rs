@@ -19,18 +19,21 @@
 //! constraints forbid (out of range, misaligned, a write to a read-only
 //! export): those are refused before anything is sent.
 //!
-//! Threads: each connection has one reader thread, which reads reply
-//! headers and completes the waiting caller by cookie (a map cookie →
-//! pending request, each with its own condition variable, under the
-//! connection's mutex). Requests are written whole (header and payload)
-//! under the connection's writer mutex by the calling thread. A read's
-//! data is not copied: when its reply header arrives the reader lends the
-//! socket's read half to the waiting caller, which reads the data straight
-//! into its own buffers and hands the socket back; the reader waits for it
-//! meanwhile (the stream is serial anyway). Structured replies are not
-//! negotiated. Under TLS every connection does its own STARTTLS, and its
-//! stream is a [`ClientTls`](crate::remote_tls::ClientTls) session shared
-//! the same way (`remote_tls.rs`).
+//! Threads: each connection has one reader thread, which reads replies
+//! and completes the waiting caller by cookie (a map cookie → pending
+//! request, each with its own condition variable, under the connection's
+//! mutex). Requests are written whole (header and payload) under the
+//! connection's writer mutex by the calling thread. The reader reads
+//! through a buffer ([`RECV_BUFFER_BYTES`]): one `read` brings in many
+//! small replies at once, and a large payload goes past the buffer
+//! straight into its destination. A read's data is put by the reader
+//! into the waiting caller's own buffers (registered with the request),
+//! so a reply costs one wake-up of its caller and no hand-off of the
+//! socket; the caller does not return while the reader may be writing
+//! into them. Structured replies are not negotiated. Under TLS every
+//! connection does its own STARTTLS, and its stream is a
+//! [`ClientTls`](crate::remote_tls::ClientTls) session (`remote_tls.rs`)
+//! read and written the same way.
 
 use crate::proto::{
     Request, CMD_DISC, CMD_FLAG_FUA, CMD_FLUSH, CMD_READ, CMD_TRIM, CMD_WRITE, CMD_WRITE_ZEROES,
@@ -81,6 +84,9 @@ const MAX_OPTION_REPLY_BYTES: usize = 64 << 10;
 const MAX_GO_REPLIES: usize = 64;
 /// Error reply: the server requires block sizes to be asked for.
 const REP_ERR_BLOCK_SIZE_REQD: u32 = REP_FLAG_ERROR | 8;
+/// The reader thread's receive buffer: replies (headers and payloads
+/// smaller than it) are read through it, many per `read`.
+pub const RECV_BUFFER_BYTES: usize = 64 << 10;
 
 /// Where a remote export is: a TCP host and port, or a Unix socket.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -407,46 +413,6 @@ fn is_timeout(e: &io::Error) -> bool {
     matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut)
 }
 
-/// Fill `buf` from `s`. On each socket timeout `tick` is asked what to do:
-/// `Err` gives up, `Ok(true)` means "idle, keep waiting", `Ok(false)` lets
-/// the stall rule decide: no byte for `stall` gives up with `TimedOut`.
-fn read_full(
-    s: &mut Stream,
-    buf: &mut [u8],
-    stall: Duration,
-    tick: &mut dyn FnMut(usize) -> io::Result<bool>,
-) -> io::Result<()> {
-    let mut done = 0;
-    let mut last = Instant::now();
-    while done < buf.len() {
-        match s.read(&mut buf[done..]) {
-            Ok(0) => {
-                return Err(io::Error::new(
-                    ErrorKind::ConnectionAborted,
-                    "the remote closed the connection",
-                ))
-            }
-            Ok(n) => {
-                done += n;
-                last = Instant::now();
-            }
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(e) if is_timeout(&e) => {
-                if tick(done)? {
-                    last = Instant::now();
-                } else if last.elapsed() >= stall {
-                    return Err(io::Error::new(
-                        ErrorKind::TimedOut,
-                        format!("the remote sent nothing for {stall:?}"),
-                    ));
-                }
-            }
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
 /// Write all of `bufs` to `s`; a socket timeout (the remote stopped
 /// reading for the send timeout) is an error.
 fn write_all_vectored(s: &mut Stream, bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
@@ -488,29 +454,134 @@ fn sub_slices<'a>(segs: &[&'a [u8]], start: usize, len: usize) -> Vec<&'a [u8]> 
     out
 }
 
-/// Read `len` bytes from `s` into `segs` (back to back) from byte `start`.
-fn read_into(
-    s: &mut Stream,
-    segs: &mut [&mut [u8]],
-    start: usize,
-    len: usize,
-    stall: Duration,
-) -> io::Result<()> {
-    let (mut skip, mut left) = (start, len);
-    for seg in segs.iter_mut() {
-        if left == 0 {
-            break;
+/// The reader thread's side of the socket: what was read and not yet
+/// used stays in `buf[pos..end]`.
+struct Recv {
+    stream: Stream,
+    buf: Box<[u8]>,
+    pos: usize,
+    end: usize,
+}
+
+impl Recv {
+    fn new(stream: Stream, bytes: usize) -> Recv {
+        Recv {
+            stream,
+            buf: vec![0; bytes].into_boxed_slice(),
+            pos: 0,
+            end: 0,
         }
-        if skip >= seg.len() {
-            skip -= seg.len();
-            continue;
-        }
-        let n = (seg.len() - skip).min(left);
-        read_full(s, &mut seg[skip..skip + n], stall, &mut |_| Ok(false))?;
-        skip = 0;
-        left -= n;
     }
-    Ok(())
+
+    /// Fill `out`, first from the buffer, then from the socket: into the
+    /// buffer while what is missing is smaller than it (one `read` may
+    /// bring the next replies too), else straight into `out`. On each
+    /// socket timeout `tick` is asked what to do (it is told the bytes of
+    /// `out` filled so far): `Err` gives up, `Ok(true)` means "idle, keep
+    /// waiting", `Ok(false)` lets the stall rule decide: no byte for
+    /// `stall` gives up with `TimedOut`.
+    fn fill(
+        &mut self,
+        out: &mut [u8],
+        stall: Duration,
+        tick: &mut dyn FnMut(usize) -> io::Result<bool>,
+    ) -> io::Result<()> {
+        let mut done = 0;
+        let mut last = Instant::now();
+        while done < out.len() {
+            if self.pos < self.end {
+                let n = (self.end - self.pos).min(out.len() - done);
+                out[done..done + n].copy_from_slice(&self.buf[self.pos..self.pos + n]);
+                self.pos += n;
+                done += n;
+                continue;
+            }
+            let direct = out.len() - done >= self.buf.len();
+            let got = if direct {
+                self.stream.read(&mut out[done..])
+            } else {
+                self.pos = 0;
+                self.end = 0;
+                self.stream.read(&mut self.buf)
+            };
+            match got {
+                Ok(0) => {
+                    return Err(io::Error::new(
+                        ErrorKind::ConnectionAborted,
+                        "the remote closed the connection",
+                    ))
+                }
+                Ok(n) if direct => {
+                    done += n;
+                    last = Instant::now();
+                }
+                Ok(n) => {
+                    self.end = n;
+                    last = Instant::now();
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) if is_timeout(&e) => {
+                    if tick(done)? {
+                        last = Instant::now();
+                    } else if last.elapsed() >= stall {
+                        return Err(io::Error::new(
+                            ErrorKind::TimedOut,
+                            format!("the remote sent nothing for {stall:?}"),
+                        ));
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Fill the parts of `dest`, one after the other; a stall of `stall`
+    /// gives up.
+    fn fill_dest(&mut self, dest: &Dest, stall: Duration) -> io::Result<()> {
+        for &(ptr, len) in &dest.parts {
+            // SAFETY: `dest` was made by `Dest::new` from buffers of the
+            // caller of `Conn::call`, which does not return (nor touch
+            // them) while its request is `Slot::Filling`, the only time
+            // the reader holds a `Dest`; the parts do not overlap.
+            let part = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
+            self.fill(part, stall, &mut |_| Ok(false))?;
+        }
+        Ok(())
+    }
+}
+
+/// Where a read's data goes: the bytes `start..start + len` of the
+/// caller's buffers (back to back), as raw parts the reader thread fills
+/// while the caller waits.
+struct Dest {
+    parts: Vec<(*mut u8, usize)>,
+}
+
+// SAFETY: the parts are plain bytes of buffers the caller lends for the
+// duration of its call; only one thread (the reader, while the request is
+// `Slot::Filling`) ever writes through them.
+unsafe impl Send for Dest {}
+
+impl Dest {
+    fn new(segs: &mut [&mut [u8]], start: usize, len: usize) -> Dest {
+        let (mut skip, mut left) = (start, len);
+        let mut parts = Vec::new();
+        for seg in segs.iter_mut() {
+            if left == 0 {
+                break;
+            }
+            if skip >= seg.len() {
+                skip -= seg.len();
+                continue;
+            }
+            let n = (seg.len() - skip).min(left);
+            parts.push((seg[skip..skip + n].as_mut_ptr(), n));
+            skip = 0;
+            left -= n;
+        }
+        Dest { parts }
+    }
 }
 
 /// A command's name, for messages.
@@ -545,11 +616,12 @@ fn errno_kind(errno: u32) -> (ErrorKind, &'static str) {
 enum Slot {
     /// Sent (or being sent), no reply yet.
     Waiting,
-    /// A reply without data arrived: its error code (0: success).
+    /// A successful read's reply arrived: the reader is putting its data
+    /// into the caller's buffers (the caller must not return meanwhile).
+    Filling,
+    /// The reply arrived (and a read's data is in the caller's buffers):
+    /// its error code (0: success).
     Replied(u32),
-    /// A successful read's reply arrived: the socket, lent to the caller
-    /// to read the data into its buffers.
-    Payload(Stream),
     /// The connection was given up.
     Failed(ErrorKind, String),
 }
@@ -559,8 +631,9 @@ struct Pending {
     /// When it was sent whole (its reply is due `timeout` later); `None`
     /// while it waits for the writer or is being written.
     since: Option<Instant>,
-    /// A READ: a successful reply carries data.
-    read: bool,
+    /// A READ's destination: a successful reply carries data, which the
+    /// reader puts there (taken when it starts).
+    dest: Option<Dest>,
     /// What the caller waits on.
     cv: Arc<Condvar>,
     state: Slot,
@@ -574,9 +647,6 @@ struct Shared {
     dead: Option<(ErrorKind, String)>,
     /// The remote is being dropped: EOF is expected.
     closing: bool,
-    /// The socket lent to a caller comes back here (`None`: its read
-    /// failed and the connection is given up).
-    returned: Option<Option<Stream>>,
 }
 
 /// One connection to the remote.
@@ -590,32 +660,16 @@ struct Conn {
     shared: Mutex<Shared>,
     /// Callers wait here for an in-flight slot.
     room: Condvar,
-    /// The reader waits here for its socket to come back.
-    reader_cv: Condvar,
     alive: AtomicBool,
     max_in_flight: usize,
     timeout: Duration,
 }
 
-/// Hands the lent socket back to the reader thread when dropped.
-struct Lent<'c> {
-    conn: &'c Conn,
-    stream: Option<Stream>,
-    ok: bool,
-}
-
-impl Drop for Lent<'_> {
-    fn drop(&mut self) {
-        let mut s = self.conn.shared.lock();
-        s.returned = Some(if self.ok { self.stream.take() } else { None });
-        self.conn.reader_cv.notify_one();
-    }
-}
-
 impl Conn {
     /// Give the connection up: fail every request still waiting, refuse
     /// later ones, and shut the socket down (waking the reader and any
-    /// blocked send).
+    /// blocked send; a read being filled fails when the reader's next
+    /// `read` does).
     fn kill(&self, s: &mut Shared, kind: ErrorKind, msg: String) {
         if s.dead.is_none() {
             s.dead = Some((kind, msg));
@@ -675,6 +729,10 @@ impl Conn {
         start: usize,
     ) -> io::Result<u32> {
         let cv = Arc::new(Condvar::new());
+        let dest = match read {
+            Some(segs) if command == CMD_READ => Some(Dest::new(segs, start, length as usize)),
+            _ => None,
+        };
         let cookie = {
             let mut s = self.shared.lock();
             let until = Instant::now() + self.backstop();
@@ -709,7 +767,7 @@ impl Conn {
                 cookie,
                 Pending {
                     since: None,
-                    read: command == CMD_READ,
+                    dest,
                     cv: cv.clone(),
                     state: Slot::Waiting,
                 },
@@ -753,57 +811,54 @@ impl Conn {
             p.since = Some(Instant::now());
         }
         let until = Instant::now() + self.backstop();
+        // Set once the backstop passed while the reader was filling this
+        // read's buffers: the connection is given up, and the caller waits
+        // (the reader's `read` fails at once) until the reader lets go.
+        let mut abandoned = false;
         let state = loop {
             let p = s
                 .pending
                 .get_mut(&cookie)
                 .expect("only its caller removes it");
-            if !matches!(p.state, Slot::Waiting) {
+            if !matches!(p.state, Slot::Waiting | Slot::Filling) {
                 let p = s.pending.remove(&cookie).expect("looked up above");
                 self.room.notify_one();
                 break p.state;
             }
+            if abandoned {
+                cv.wait(&mut s);
+                continue;
+            }
             if cv.wait_until(&mut s, until).timed_out() {
                 let p = s.pending.get(&cookie).expect("only its caller removes it");
-                if matches!(p.state, Slot::Waiting) {
-                    s.pending.remove(&cookie);
-                    let msg = format!(
-                        "{}: {} not answered within {:?}",
-                        self.name,
-                        command_name(command),
-                        self.backstop()
-                    );
-                    self.kill(&mut s, ErrorKind::TimedOut, msg);
-                    return Err(self.dead_error(&s));
+                let msg = format!(
+                    "{}: {} not answered within {:?}",
+                    self.name,
+                    command_name(command),
+                    self.backstop()
+                );
+                match p.state {
+                    Slot::Waiting => {
+                        // The reader never reaches a request once it is
+                        // out of the map: its buffers are the caller's
+                        // again.
+                        s.pending.remove(&cookie);
+                        self.kill(&mut s, ErrorKind::TimedOut, msg);
+                        return Err(self.dead_error(&s));
+                    }
+                    Slot::Filling => {
+                        self.kill(&mut s, ErrorKind::TimedOut, msg);
+                        abandoned = true;
+                    }
+                    _ => {}
                 }
             }
         };
         drop(s);
         match state {
-            Slot::Waiting => unreachable!("left the loop on a reply"),
+            Slot::Waiting | Slot::Filling => unreachable!("left the loop on a reply"),
             Slot::Replied(errno) => Ok(errno),
             Slot::Failed(kind, msg) => Err(io::Error::new(kind, msg)),
-            Slot::Payload(stream) => {
-                let mut lent = Lent {
-                    conn: self,
-                    stream: Some(stream),
-                    ok: false,
-                };
-                let segs = read.expect("only reads get data");
-                let stream = lent.stream.as_mut().expect("lent above");
-                match read_into(stream, segs, start, length as usize, self.timeout) {
-                    Ok(()) => {
-                        lent.ok = true;
-                        Ok(0)
-                    }
-                    Err(e) => {
-                        let mut s = self.shared.lock();
-                        let msg = format!("{}: receiving READ data failed: {e}", self.name);
-                        self.kill(&mut s, e.kind(), msg);
-                        Err(self.dead_error(&s))
-                    }
-                }
-            }
         }
     }
 
@@ -825,10 +880,11 @@ impl Conn {
     }
 
     /// The reader thread: reply headers in, callers completed by cookie.
-    fn reader(self: Arc<Conn>, mut stream: Stream) {
+    fn reader(self: Arc<Conn>, stream: Stream) {
+        let mut rx = Recv::new(stream, RECV_BUFFER_BYTES);
         loop {
             let mut h = [0u8; SIMPLE_REPLY_BYTES];
-            let got = read_full(&mut stream, &mut h, self.timeout, &mut |done| {
+            let got = rx.fill(&mut h, self.timeout, &mut |done| {
                 let s = self.shared.lock();
                 if s.dead.is_some() || (s.closing && s.pending.is_empty()) {
                     return Err(io::Error::new(ErrorKind::ConnectionAborted, "closed"));
@@ -884,22 +940,33 @@ impl Conn {
                 self.kill(&mut s, ErrorKind::InvalidData, msg);
                 return;
             };
-            if p.read && errno == 0 {
-                p.state = Slot::Payload(stream);
-                p.cv.notify_one();
-                let back = loop {
-                    if let Some(back) = s.returned.take() {
-                        break back;
-                    }
-                    self.reader_cv.wait(&mut s);
-                };
-                match back {
-                    Some(st) => stream = st,
-                    None => return,
-                }
-            } else {
+            let dest = if errno == 0 { p.dest.take() } else { None };
+            let Some(dest) = dest else {
                 p.state = Slot::Replied(errno);
                 p.cv.notify_one();
+                continue;
+            };
+            p.state = Slot::Filling;
+            drop(s);
+            let filled = rx.fill_dest(&dest, self.timeout);
+            drop(dest);
+            let mut s = self.shared.lock();
+            let p = s
+                .pending
+                .get_mut(&cookie)
+                .expect("its caller waits while it is filled");
+            match filled {
+                Ok(()) => {
+                    p.state = Slot::Replied(0);
+                    p.cv.notify_one();
+                }
+                Err(e) => {
+                    let msg = format!("{}: receiving READ data failed: {e}", self.name);
+                    p.state = Slot::Failed(e.kind(), msg.clone());
+                    p.cv.notify_one();
+                    self.kill(&mut s, e.kind(), msg);
+                    return;
+                }
             }
         }
     }
@@ -1307,10 +1374,8 @@ impl NbdRemote {
                     next_cookie: 1,
                     dead: None,
                     closing: false,
-                    returned: None,
                 }),
                 room: Condvar::new(),
-                reader_cv: Condvar::new(),
                 alive: AtomicBool::new(true),
                 max_in_flight: opts.max_in_flight,
                 timeout: opts.timeout,

@@ -1309,3 +1309,285 @@ fn a_server_that_acks_starttls_and_then_stalls_or_misbehaves_is_given_up() {
         server.join().unwrap();
     }
 }
+
+/// The bytes a scripted server returns for a read at `offset`: each byte
+/// names its own position, so a reply put into the wrong caller's buffer
+/// (or at the wrong place in it) shows.
+fn pattern(offset: u64, len: usize) -> Vec<u8> {
+    (0..len as u64)
+        .map(|i| ((offset + i) ^ ((offset + i) >> 9)) as u8)
+        .collect()
+}
+
+/// Read `n` requests of a scripted connection (none may be a write).
+fn take_requests(
+    s: &mut std::os::unix::net::UnixStream,
+    n: usize,
+) -> Vec<iopages_nbd::proto::Request> {
+    use iopages_nbd::proto::*;
+    use std::io::Read;
+    (0..n)
+        .map(|_| {
+            let mut r = [0u8; REQUEST_BYTES];
+            s.read_exact(&mut r).unwrap();
+            let req = Request::decode(&r).unwrap();
+            assert_eq!(req.command, CMD_READ);
+            req
+        })
+        .collect()
+}
+
+#[test]
+fn many_reads_answered_out_of_order_each_reach_their_own_buffers() {
+    use iopages_nbd::proto::*;
+    use iopages_nbd::remote::RECV_BUFFER_BYTES;
+    use std::io::Write;
+    // 48 readers at once: small reads (many replies in one `read` of the
+    // client), reads larger than the receive buffer (read past it), and
+    // reads into several segments; the server answers them all in
+    // reverse order, several replies per write, once every one is in.
+    const N: usize = 48;
+    let len_of = |t: usize| match t % 3 {
+        0 => 4096,
+        1 => 512,
+        _ => RECV_BUFFER_BYTES + 3 * 4096,
+    };
+    let (_dir, spec, server) = fake_server(move |mut s| {
+        let (option, _) = greet(&mut s);
+        assert_eq!(option, OPT_GO);
+        go_ok(&mut s, 0);
+        let mut reqs = take_requests(&mut s, N);
+        reqs.reverse();
+        for batch in reqs.chunks(5) {
+            let mut out = Vec::new();
+            for r in batch {
+                out.extend_from_slice(&simple_reply(0, r.cookie));
+                out.extend_from_slice(&pattern(r.offset, r.length as usize));
+            }
+            s.write_all(&out).unwrap();
+        }
+        let mut r = [0u8; REQUEST_BYTES];
+        std::io::Read::read_exact(&mut s, &mut r).unwrap();
+        assert_eq!(Request::decode(&r).unwrap().command, CMD_DISC);
+    });
+    let remote = Arc::new(
+        NbdRemote::connect(
+            &spec,
+            &RemoteOptions {
+                connections: 1,
+                max_in_flight: N,
+                timeout: Duration::from_secs(10),
+                ..RemoteOptions::default()
+            },
+        )
+        .unwrap(),
+    );
+    let (tx, rx) = mpsc::channel();
+    for t in 0..N {
+        let (remote, tx) = (remote.clone(), tx.clone());
+        std::thread::spawn(move || {
+            let len = len_of(t);
+            let offset = (t as u64) * (16 << 10);
+            // Three segments of unequal sizes for every other reader.
+            let mut buf = vec![0u8; len];
+            let r = if t % 2 == 0 {
+                let (a, rest) = buf.split_at_mut(len / 4);
+                let (b, c) = rest.split_at_mut(len / 8);
+                remote.read_at(offset, &mut [a, b, c])
+            } else {
+                remote.read_at(offset, &mut [&mut buf])
+            };
+            drop(remote);
+            let _ = tx.send((t, r, buf == pattern(offset, len)));
+        });
+    }
+    drop(tx);
+    let mut seen = [false; N];
+    for _ in 0..N {
+        let (t, r, right) = within(&rx, Duration::from_secs(10), "an out-of-order read");
+        r.unwrap_or_else(|e| panic!("reader {t}: {e}"));
+        assert!(right, "reader {t} got another request's bytes");
+        seen[t] = true;
+    }
+    assert!(seen.iter().all(|&s| s));
+    drop(Arc::try_unwrap(remote).ok().expect("every reader is done"));
+    server.join().expect("the scripted server");
+}
+
+#[test]
+fn a_connection_that_dies_inside_a_reply_fails_every_read_in_flight() {
+    use iopages_nbd::proto::*;
+    use std::io::Write;
+    const N: usize = 12;
+    // The server answers one read with its header and half its data, then
+    // closes: the read being filled and every other read waiting fail at
+    // once (no timeout), and so does everything after.
+    let (_dir, spec, server) = fake_server(move |mut s| {
+        let (option, _) = greet(&mut s);
+        assert_eq!(option, OPT_GO);
+        go_ok(&mut s, 0);
+        let reqs = take_requests(&mut s, N);
+        let r = &reqs[N / 2];
+        s.write_all(&simple_reply(0, r.cookie)).unwrap();
+        s.write_all(&pattern(r.offset, r.length as usize / 2))
+            .unwrap();
+        drop(s);
+    });
+    let remote = Arc::new(
+        NbdRemote::connect(
+            &spec,
+            &RemoteOptions {
+                connections: 1,
+                timeout: Duration::from_secs(20),
+                ..RemoteOptions::default()
+            },
+        )
+        .unwrap(),
+    );
+    let (tx, rx) = mpsc::channel();
+    let started = Instant::now();
+    for t in 0..N {
+        let (remote, tx) = (remote.clone(), tx.clone());
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; 8192];
+            let r = remote.read_at(t as u64 * 8192, &mut [&mut buf]);
+            let _ = tx.send(r);
+        });
+    }
+    drop(tx);
+    for _ in 0..N {
+        let e = within(&rx, Duration::from_secs(5), "a read on a dead connection").unwrap_err();
+        assert_ne!(e.kind(), ErrorKind::TimedOut, "{e}");
+        assert!(e.to_string().contains("nbd+unix://"), "{e}");
+    }
+    assert!(started.elapsed() < Duration::from_secs(5));
+    let e = remote.read_at(0, &mut [&mut [0u8; 512]]).unwrap_err();
+    assert_ne!(e.kind(), ErrorKind::TimedOut, "{e}");
+    server.join().expect("the scripted server");
+}
+
+#[test]
+fn a_reply_whose_data_stalls_times_out_its_read_and_the_others() {
+    use iopages_nbd::proto::*;
+    use std::io::Write;
+    const N: usize = 6;
+    // Header and a few bytes of one read's data, then silence with the
+    // socket open: the read being filled gives up after the timeout (its
+    // caller does not return while the reader may still write into its
+    // buffer), and so do the reads waiting behind it.
+    let (_dir, spec, server) = fake_server(move |mut s| {
+        let (option, _) = greet(&mut s);
+        assert_eq!(option, OPT_GO);
+        go_ok(&mut s, 0);
+        let reqs = take_requests(&mut s, N);
+        let r = &reqs[0];
+        s.write_all(&simple_reply(0, r.cookie)).unwrap();
+        s.write_all(&pattern(r.offset, 100)).unwrap();
+        let mut rest = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut s, &mut rest);
+    });
+    let remote = Arc::new(
+        NbdRemote::connect(
+            &spec,
+            &RemoteOptions {
+                connections: 1,
+                timeout: Duration::from_secs(1),
+                ..RemoteOptions::default()
+            },
+        )
+        .unwrap(),
+    );
+    let (tx, rx) = mpsc::channel();
+    for t in 0..N {
+        let (remote, tx) = (remote.clone(), tx.clone());
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; 4096];
+            let start = Instant::now();
+            let r = remote.read_at(t as u64 * 4096, &mut [&mut buf]);
+            let _ = tx.send((r, start.elapsed()));
+        });
+    }
+    drop(tx);
+    for _ in 0..N {
+        let (r, took) = within(&rx, Duration::from_secs(6), "a stalled read");
+        let e = r.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
+        assert!(took < Duration::from_secs(4), "{took:?}");
+    }
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        drop(remote);
+        let _ = tx.send(());
+    });
+    within(&rx, Duration::from_secs(5), "dropping the remote");
+    server.join().expect("the scripted server");
+}
+
+#[test]
+fn a_remote_volume_keeps_many_requests_in_flight_and_leaks_no_page() {
+    use iopages_crypt::luks::{self, FormatOptions, LuksVersion};
+    use iopages_nbd::volume::{self, VolumeOptions, DEFAULT_REMOTE_WORKERS};
+    let Some(nbdkit) = need_tool("nbdkit", "remote volume workers") else {
+        return;
+    };
+    drop(nbdkit);
+    let dir = TempDir::new("remote-volume");
+    let img = dir.join("v.img");
+    luks::format_path(
+        &img,
+        Some(8 << 20),
+        b"pw",
+        &FormatOptions::fast_for_tests(LuksVersion::Luks1),
+    )
+    .unwrap();
+    let img_arg = format!("file={}", img.display());
+    let k = Nbdkit::start("remote volume workers", &["file", &img_arg]).unwrap();
+    let remote = Arc::new(k.connect(&RemoteOptions::default()));
+    let vol = volume::open_remote(
+        "nbd+unix:///",
+        remote,
+        b"pw",
+        &VolumeOptions {
+            arena_bytes: 16 << 20,
+            ..VolumeOptions::default()
+        },
+    )
+    .unwrap();
+    // A worker waits on the remote for each request it serves: a remote
+    // volume gets enough of them to keep many requests in flight, however
+    // few cores there are.
+    assert_eq!(vol.queue.workers(), DEFAULT_REMOTE_WORKERS);
+    let size = vol.queue.target().size_bytes();
+    let blocks = size / 4096;
+    let block = |i: u64| -> Arc<[u8]> { Arc::from(pattern(i * 4096 + 7, 4096)) };
+    // Every block written at once (the queue holds up to its depth), then
+    // every block read at once into buffers of the arena's pages.
+    let (tx, rx) = mpsc::channel();
+    for i in 0..blocks {
+        let tx = tx.clone();
+        vol.queue
+            .submit_write(i * 4096, block(i), move |r| drop(tx.send((i, r))));
+    }
+    for _ in 0..blocks {
+        let (i, r) = within(&rx, Duration::from_secs(20), "a queued write");
+        r.unwrap_or_else(|e| panic!("write {i}: {e}"));
+    }
+    let (tx, rx) = mpsc::channel();
+    for i in 0..blocks {
+        let tx = tx.clone();
+        vol.queue
+            .submit_read_into(i * 4096, vec![0u8; 4096], move |r, buf| {
+                drop(tx.send((i, r, buf)))
+            });
+    }
+    for _ in 0..blocks {
+        let (i, r, buf) = within(&rx, Duration::from_secs(20), "a queued read");
+        r.unwrap_or_else(|e| panic!("read {i}: {e}"));
+        assert!(*buf == *block(i), "block {i} reads back what was written");
+    }
+    vol.queue.wait_idle();
+    let alloc = vol.alloc.clone();
+    drop(vol);
+    alloc.leak_check().unwrap();
+    drop(k);
+}
