@@ -1001,6 +1001,30 @@ fn hs_read(s: &mut Stream, buf: &mut [u8], what: &str) -> io::Result<()> {
     })
 }
 
+/// One option reply to `option` (`name` in messages): its reply type and
+/// data, the header checked and the data bounded by
+/// [`MAX_OPTION_REPLY_BYTES`].
+fn option_reply(s: &mut Stream, option: u32, name: &str) -> io::Result<(u32, Vec<u8>)> {
+    let invalid = |m: String| io::Error::new(ErrorKind::InvalidData, format!("handshake: {m}"));
+    let mut h = [0u8; 20];
+    hs_read(s, &mut h, &format!("the reply to {name}"))?;
+    let magic = u64::from_be_bytes(h[0..8].try_into().expect("8 bytes"));
+    let got = u32::from_be_bytes(h[8..12].try_into().expect("4 bytes"));
+    let reply = u32::from_be_bytes(h[12..16].try_into().expect("4 bytes"));
+    let len = u32::from_be_bytes(h[16..20].try_into().expect("4 bytes")) as usize;
+    if magic != OPT_REPLY_MAGIC || got != option {
+        return Err(invalid(format!(
+            "a bad option reply to {name} (magic {magic:#x}, option {got})"
+        )));
+    }
+    if len > MAX_OPTION_REPLY_BYTES {
+        return Err(invalid(format!("an option reply of {len} bytes")));
+    }
+    let mut d = vec![0u8; len];
+    hs_read(s, &mut d, &format!("the data of the reply to {name}"))?;
+    Ok((reply, d))
+}
+
 /// Send one option.
 fn send_option(s: &mut Stream, option: u32, data: &[u8]) -> io::Result<()> {
     let mut v = IHAVEOPT.to_be_bytes().to_vec();
@@ -1023,22 +1047,7 @@ fn opt_go(s: &mut Stream, export: &str) -> io::Result<Option<ExportInfo>> {
     let mut export_info = None;
     let mut sizes = (1u32, 4096u32, MAX_PAYLOAD_BYTES);
     for _ in 0..MAX_GO_REPLIES {
-        let mut h = [0u8; 20];
-        hs_read(s, &mut h, "an option reply")?;
-        let magic = u64::from_be_bytes(h[0..8].try_into().expect("8 bytes"));
-        let option = u32::from_be_bytes(h[8..12].try_into().expect("4 bytes"));
-        let reply = u32::from_be_bytes(h[12..16].try_into().expect("4 bytes"));
-        let len = u32::from_be_bytes(h[16..20].try_into().expect("4 bytes")) as usize;
-        if magic != OPT_REPLY_MAGIC || option != OPT_GO {
-            return Err(invalid(format!(
-                "a bad option reply (magic {magic:#x}, option {option})"
-            )));
-        }
-        if len > MAX_OPTION_REPLY_BYTES {
-            return Err(invalid(format!("an option reply of {len} bytes")));
-        }
-        let mut d = vec![0u8; len];
-        hs_read(s, &mut d, "an option reply's data")?;
+        let (reply, d) = option_reply(s, OPT_GO, "NBD_OPT_GO")?;
         let text = String::from_utf8_lossy(&d).into_owned();
         match reply {
             REP_ACK => {
@@ -1065,7 +1074,10 @@ fn opt_go(s: &mut Stream, export: &str) -> io::Result<Option<ExportInfo>> {
                     sizes = (n(2), n(6), n(10));
                 }
                 INFO_EXPORT | INFO_BLOCK_SIZE => {
-                    return Err(invalid(format!("an information reply of {len} bytes")))
+                    return Err(invalid(format!(
+                        "an information reply of {} bytes",
+                        d.len()
+                    )))
                 }
                 _ => {} // other information is not needed
             },
@@ -1142,22 +1154,8 @@ fn opt_export_name(s: &mut Stream, export: &str, no_zeroes: bool) -> io::Result<
 fn starttls(s: &mut Stream, tls: &Connector, timeout: Duration) -> io::Result<()> {
     send_option(s, OPT_STARTTLS, &[])?;
     let invalid = |m: String| io::Error::new(ErrorKind::InvalidData, format!("handshake: {m}"));
-    let mut h = [0u8; 20];
-    hs_read(s, &mut h, "the reply to NBD_OPT_STARTTLS")?;
-    let magic = u64::from_be_bytes(h[0..8].try_into().expect("8 bytes"));
-    let option = u32::from_be_bytes(h[8..12].try_into().expect("4 bytes"));
-    let reply = u32::from_be_bytes(h[12..16].try_into().expect("4 bytes"));
-    let len = u32::from_be_bytes(h[16..20].try_into().expect("4 bytes")) as usize;
-    if magic != OPT_REPLY_MAGIC || option != OPT_STARTTLS {
-        return Err(invalid(format!(
-            "a bad option reply to NBD_OPT_STARTTLS (magic {magic:#x}, option {option})"
-        )));
-    }
-    if len > MAX_OPTION_REPLY_BYTES {
-        return Err(invalid(format!("an option reply of {len} bytes")));
-    }
-    let mut d = vec![0u8; len];
-    hs_read(s, &mut d, "the reply to NBD_OPT_STARTTLS's data")?;
+    let (reply, d) = option_reply(s, OPT_STARTTLS, "NBD_OPT_STARTTLS")?;
+    let len = d.len();
     match reply {
         REP_ACK if len == 0 => {}
         REP_ACK => {
