@@ -170,9 +170,9 @@ impl TlsSetup {
     }
 }
 
-/// The loads, in the order each server runs them.
+/// The loads, in the order each server runs them (E6 and E6 remote).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Load {
+pub(crate) enum Load {
     SeqWrite,
     SeqRead,
     RandRw,
@@ -181,7 +181,7 @@ enum Load {
 }
 
 impl Load {
-    const ALL: [Load; 5] = [
+    pub(crate) const ALL: [Load; 5] = [
         Load::SeqWrite,
         Load::SeqRead,
         Load::RandRw,
@@ -189,7 +189,7 @@ impl Load {
         Load::CopyWrite,
     ];
 
-    fn key(self) -> &'static str {
+    pub(crate) fn key(self) -> &'static str {
         match self {
             Load::SeqWrite => "seq_write",
             Load::SeqRead => "seq_read",
@@ -199,13 +199,22 @@ impl Load {
         }
     }
 
-    fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Load::SeqWrite => "fio seq write 1M qd16",
             Load::SeqRead => "fio seq read 1M qd16",
             Load::RandRw => "fio randrw 4K 2x qd32",
             Load::CopyRead => "nbdcopy export -> null",
             Load::CopyWrite => "nbdcopy file -> export",
+        }
+    }
+
+    /// The figure compared: IOPS for the random load, MiB/s otherwise.
+    pub(crate) fn unit(self) -> &'static str {
+        if self == Load::RandRw {
+            "IOPS"
+        } else {
+            "MiB/s"
         }
     }
 
@@ -223,10 +232,21 @@ impl Load {
 
 /// One measurement of one load.
 #[derive(Clone, Copy, Debug, PartialEq)]
-struct Sample {
-    mib_s: f64,
+pub(crate) struct Sample {
+    pub(crate) mib_s: f64,
     /// Requests per second (fio only; nbdcopy sizes its own requests).
-    iops: Option<f64>,
+    pub(crate) iops: Option<f64>,
+}
+
+impl Sample {
+    /// The figure compared for `load`: IOPS for the random load, MiB/s
+    /// otherwise.
+    pub(crate) fn figure(&self, load: Load) -> f64 {
+        match (load, self.iops) {
+            (Load::RandRw, Some(i)) => i,
+            _ => self.mib_s,
+        }
+    }
 }
 
 /// What fio's JSON report says about one invocation, summed over its jobs.
@@ -654,11 +674,11 @@ pub(crate) fn start_server(
 }
 
 /// Settings of the loads.
-struct Plan {
+pub(crate) struct Plan {
     /// Export size, bytes.
-    dev: u64,
+    pub(crate) dev: u64,
     /// Each timed fio job's run time, ms.
-    fio_ms: u64,
+    pub(crate) fio_ms: u64,
 }
 
 impl Plan {
@@ -675,7 +695,7 @@ impl Plan {
         ]
     }
 
-    fn fio_args(&self, uri: &str, load: Load) -> Vec<OsString> {
+    pub(crate) fn fio_args(&self, uri: &str, load: Load) -> Vec<OsString> {
         let mut a = Self::fio_common(uri, load.key());
         a.extend([
             format!("--size={}", self.dev),
@@ -712,7 +732,7 @@ impl Plan {
     /// last `VERIFY_BYTES` of the export, read back and checked; with
     /// `only`, the check alone (of what an earlier run of the job wrote,
     /// through another server).
-    fn verify_args(&self, uri: &str, only: bool) -> Vec<OsString> {
+    pub(crate) fn verify_args(&self, uri: &str, only: bool) -> Vec<OsString> {
         let mut a = Self::fio_common(uri, "verify");
         a.extend([
             "--rw=write".into(),
@@ -735,21 +755,15 @@ impl Plan {
 
 /// Run fio (with `HOME` at `home` where given), check its exit status and
 /// every job's error field.
-fn fio(
-    tools: &Tools,
+pub(crate) fn fio(
+    fio: &Path,
     dir: &Path,
     home: Option<&Path>,
     args: Vec<OsString>,
     ms: u64,
 ) -> Result<FioFigures, String> {
     let env: Vec<(&str, &Path)> = home.map(|h| ("HOME", h)).into_iter().collect();
-    let r = run_tool(
-        &tools.fio,
-        &args,
-        dir,
-        Duration::from_millis(ms + 120_000),
-        &env,
-    )?;
+    let r = run_tool(fio, &args, dir, Duration::from_millis(ms + 120_000), &env)?;
     let parsed = parse_fio(&r.stdout);
     match (r.status.success(), parsed) {
         (true, Ok(f)) => Ok(f),
@@ -782,13 +796,42 @@ fn load_sample(
     plan: &Plan,
     load: Load,
 ) -> Result<Sample, String> {
+    let at = LoadTarget {
+        fio: &tools.fio,
+        nbdcopy: &tools.nbdcopy,
+        work: &f.work,
+        home: r.home.as_deref(),
+        fio_uri: &r.fio_uri,
+        uri: &r.uri,
+        source: &f.source,
+    };
+    load_sample_at(&at, plan, load)
+}
+
+/// Where one timed load runs: fio and nbdcopy, the working directory, fio's `HOME` (TLS
+/// credentials) where needed, fio's and nbdcopy's URIs of the export, and
+/// the file nbdcopy writes into it.
+pub(crate) struct LoadTarget<'a> {
+    pub(crate) fio: &'a Path,
+    pub(crate) nbdcopy: &'a Path,
+    pub(crate) work: &'a Path,
+    pub(crate) home: Option<&'a Path>,
+    pub(crate) fio_uri: &'a str,
+    pub(crate) uri: &'a str,
+    pub(crate) source: &'a Path,
+}
+
+/// One timed load at `at` (E6 and E6 remote).
+///
+/// **Returns:** its figure, or why the tool failed or moved no data.
+pub(crate) fn load_sample_at(at: &LoadTarget, plan: &Plan, load: Load) -> Result<Sample, String> {
     Ok(match load {
         Load::SeqWrite | Load::SeqRead | Load::RandRw => {
             let v = fio(
-                tools,
-                &f.work,
-                r.home.as_deref(),
-                plan.fio_args(&r.fio_uri, load),
+                at.fio,
+                at.work,
+                at.home,
+                plan.fio_args(at.fio_uri, load),
                 plan.fio_ms,
             )
             .map_err(|e| format!("{}: {e}", load.label()))?;
@@ -812,12 +855,14 @@ fn load_sample(
         Load::CopyRead | Load::CopyWrite => {
             let args = if load == Load::CopyRead {
                 // Extents off: read every block, holes or not.
-                os(&[&"--no-extents", &r.uri, &"null:"])
+                os(&[&"--no-extents", &at.uri, &"null:"])
             } else {
-                os(&[&f.source, &r.uri])
+                os(&[&at.source, &at.uri])
             };
-            let timeout = Duration::from_secs(60 + plan.dev / (4 * MIB));
-            let c = run_tool(&tools.nbdcopy, &args, &f.work, timeout, &[])
+            // A generous limit (2 MiB/s): a remote store is slower than a
+            // local file.
+            let timeout = Duration::from_secs(60 + plan.dev / (2 * MIB));
+            let c = run_tool(at.nbdcopy, &args, at.work, timeout, &[])
                 .map_err(|e| format!("{}: {e}", load.label()))?;
             if !c.status.success() {
                 return Err(format!(
@@ -869,7 +914,7 @@ fn measure(
     let mut on_previous = None;
     if let Some(p) = previous {
         let v = fio(
-            tools,
+            &tools.fio,
             &f.work,
             r.home.as_deref(),
             plan.verify_args(&r.fio_uri, true),
@@ -904,7 +949,7 @@ fn measure(
         out.push(sample);
     }
     let v = fio(
-        tools,
+        &tools.fio,
         &f.work,
         r.home.as_deref(),
         plan.verify_args(&r.fio_uri, false),

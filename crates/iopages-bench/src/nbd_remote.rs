@@ -18,7 +18,9 @@
 
 use crate::harness::{Report, Table};
 use crate::measure::median;
-use crate::nbd::{command_line, fill_file, os, parse_fio};
+use crate::nbd::{
+    command_line, fill_file, fio, load_sample_at, os, Load, LoadTarget, Plan, Sample,
+};
 use crate::{met, progress, round2, BenchError, BenchOptions};
 use iopages_testkit::{die_with_parent, find_tool, run_tool, stop, tail_lines, wait_for_socket};
 use serde::Serialize;
@@ -80,71 +82,6 @@ impl Server {
             Server::Raw => "raw remote (plaintext)",
             Server::Ours => "iopages serve",
             Server::Nbdkit => "nbdkit luks+nbd",
-        }
-    }
-}
-
-/// E6's loads, in the order each server runs them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Load {
-    SeqWrite,
-    SeqRead,
-    RandRw,
-    CopyRead,
-    CopyWrite,
-}
-
-impl Load {
-    const ALL: [Load; 5] = [
-        Load::SeqWrite,
-        Load::SeqRead,
-        Load::RandRw,
-        Load::CopyRead,
-        Load::CopyWrite,
-    ];
-
-    fn key(self) -> &'static str {
-        match self {
-            Load::SeqWrite => "seq_write",
-            Load::SeqRead => "seq_read",
-            Load::RandRw => "randrw",
-            Load::CopyRead => "nbdcopy_read",
-            Load::CopyWrite => "nbdcopy_write",
-        }
-    }
-
-    fn label(self) -> &'static str {
-        match self {
-            Load::SeqWrite => "fio seq write 1M qd16",
-            Load::SeqRead => "fio seq read 1M qd16",
-            Load::RandRw => "fio randrw 4K 2x qd32",
-            Load::CopyRead => "nbdcopy export -> null",
-            Load::CopyWrite => "nbdcopy file -> export",
-        }
-    }
-
-    /// The figure compared: IOPS for the random load, MiB/s otherwise.
-    fn unit(self) -> &'static str {
-        if self == Load::RandRw {
-            "IOPS"
-        } else {
-            "MiB/s"
-        }
-    }
-}
-
-/// One measurement of one load.
-#[derive(Clone, Copy, Debug, PartialEq)]
-struct Sample {
-    mib_s: f64,
-    iops: Option<f64>,
-}
-
-impl Sample {
-    fn figure(&self, load: Load) -> f64 {
-        match (load, self.iops) {
-            (Load::RandRw, Some(i)) => i,
-            _ => self.mib_s,
         }
     }
 }
@@ -304,9 +241,9 @@ struct Setup {
     source: PathBuf,
     remote_sock: PathBuf,
     server_sock: PathBuf,
-    /// The volume's size (the LUKS payload; the raw export's size).
-    dev: u64,
-    fio_ms: u64,
+    /// The volume's size (the LUKS payload; the raw export's size) and
+    /// each fio load's run time.
+    plan: Plan,
 }
 
 impl Setup {
@@ -366,146 +303,20 @@ impl Setup {
             }
         }
     }
-
-    fn fio_common(uri: &str, name: &str) -> Vec<String> {
-        vec![
-            "--output-format=json".into(),
-            "--eta=never".into(),
-            "--thread".into(),
-            "--ioengine=nbd".into(),
-            format!("--uri={uri}"),
-            format!("--name=e6r-{name}"),
-        ]
-    }
-
-    fn fio_args(&self, uri: &str, load: Load) -> Vec<OsString> {
-        let mut a = Self::fio_common(uri, load.key());
-        a.extend([
-            format!("--size={}", self.dev),
-            "--group_reporting".into(),
-            "--time_based".into(),
-            format!("--runtime={}ms", self.fio_ms),
-        ]);
-        match load {
-            Load::SeqWrite => a.push("--rw=write".into()),
-            Load::SeqRead => a.push("--rw=read".into()),
-            _ => {}
-        }
-        match load {
-            Load::SeqWrite | Load::SeqRead => a.extend([
-                "--bs=1M".into(),
-                format!("--iodepth={SEQ_DEPTH}"),
-                "--numjobs=1".into(),
-            ]),
-            _ => a.extend([
-                "--rw=randrw".into(),
-                "--rwmixread=50".into(),
-                "--bs=4k".into(),
-                format!("--iodepth={RAND_DEPTH}"),
-                format!("--numjobs={RAND_JOBS}"),
-            ]),
-        }
-        a.into_iter().map(OsString::from).collect()
-    }
-
-    /// crc32c verify headers over the last `VERIFY_BYTES`: written and
-    /// checked, or (`only`) checked alone.
-    fn verify_args(&self, uri: &str, only: bool) -> Vec<OsString> {
-        let mut a = Self::fio_common(uri, "verify");
-        a.extend([
-            "--rw=write".into(),
-            "--bs=64k".into(),
-            "--iodepth=8".into(),
-            format!("--offset={}", self.dev - VERIFY_BYTES),
-            format!("--size={VERIFY_BYTES}"),
-            "--verify=crc32c".into(),
-            "--do_verify=1".into(),
-            "--verify_fatal=1".into(),
-            "--verify_state_save=0".into(),
-            "--randrepeat=1".into(),
-        ]);
-        if only {
-            a.push("--verify_only".into());
-        }
-        a.into_iter().map(OsString::from).collect()
-    }
-}
-
-/// fio with `args`; its status and every job's error checked.
-fn fio(
-    tools: &Tools,
-    dir: &Path,
-    args: Vec<OsString>,
-    ms: u64,
-) -> Result<crate::nbd::FioFigures, String> {
-    let r = run_tool(
-        &tools.fio,
-        &args,
-        dir,
-        Duration::from_millis(ms + 120_000),
-        &[],
-    )?;
-    match (r.status.success(), parse_fio(&r.stdout)) {
-        (true, Ok(f)) => Ok(f),
-        (_, Err(e)) => Err(format!(
-            "{e}; fio {}; stderr: {}",
-            r.status,
-            tail_lines(&r.stderr)
-        )),
-        (false, Ok(_)) => Err(format!(
-            "fio {}; stderr: {}",
-            r.status,
-            tail_lines(&r.stderr)
-        )),
-    }
 }
 
 /// One timed load on `uri`.
 fn load_sample(tools: &Tools, st: &Setup, uri: &str, load: Load) -> Result<Sample, String> {
-    match load {
-        Load::SeqWrite | Load::SeqRead | Load::RandRw => {
-            let v = fio(tools, &st.work, st.fio_args(uri, load), st.fio_ms)
-                .map_err(|e| format!("{}: {e}", load.label()))?;
-            let (bytes, bw, iops) = match load {
-                Load::SeqWrite => (v.write_bytes, v.write_bw, v.write_iops),
-                Load::SeqRead => (v.read_bytes, v.read_bw, v.read_iops),
-                _ => (
-                    v.read_bytes.min(v.write_bytes),
-                    v.read_bw + v.write_bw,
-                    v.read_iops + v.write_iops,
-                ),
-            };
-            if bytes == 0 {
-                return Err(format!("{}: fio moved no data", load.label()));
-            }
-            Ok(Sample {
-                mib_s: bw / MIB as f64,
-                iops: Some(iops),
-            })
-        }
-        Load::CopyRead | Load::CopyWrite => {
-            let args = if load == Load::CopyRead {
-                os(&[&"--no-extents", &uri, &"null:"])
-            } else {
-                os(&[&st.source, &uri])
-            };
-            let timeout = Duration::from_secs(60 + st.dev / (2 * MIB));
-            let c = run_tool(&tools.nbdcopy, &args, &st.work, timeout, &[])
-                .map_err(|e| format!("{}: {e}", load.label()))?;
-            if !c.status.success() {
-                return Err(format!(
-                    "{}: nbdcopy {}; stderr: {}",
-                    load.label(),
-                    c.status,
-                    tail_lines(&c.stderr)
-                ));
-            }
-            Ok(Sample {
-                mib_s: st.dev as f64 / MIB as f64 / c.secs,
-                iops: None,
-            })
-        }
-    }
+    let at = LoadTarget {
+        fio: &tools.fio,
+        nbdcopy: &tools.nbdcopy,
+        work: &st.work,
+        home: None,
+        fio_uri: uri,
+        uri,
+        source: &st.source,
+    };
+    load_sample_at(&at, &st.plan, load)
 }
 
 /// The size `nbdinfo` sees at `uri`, which must be the volume's.
@@ -518,11 +329,11 @@ fn check_size(tools: &Tools, st: &Setup, uri: &str) -> Result<(), String> {
         &[],
     )?;
     match size_of(&info.stdout) {
-        Some(n) if info.status.success() && n == st.dev => Ok(()),
+        Some(n) if info.status.success() && n == st.plan.dev => Ok(()),
         n => Err(format!(
             "nbdinfo --size {uri}: {n:?} ({}), the volume is {} bytes; stderr: {}",
             info.status,
-            st.dev,
+            st.plan.dev,
             tail_lines(&info.stderr)
         )),
     }
@@ -622,12 +433,12 @@ fn make_files(tools: &Tools, st: &mut Setup, payload: u64) -> Result<(), BenchEr
     .map_err(workload)?;
     let offset = payload_offset(&dump.stdout)
         .ok_or_else(|| workload("cryptsetup luksDump shows no payload offset"))?;
-    st.dev = payload + LUKS_HEADER_BYTES - offset;
+    st.plan.dev = payload + LUKS_HEADER_BYTES - offset;
     if let Ok(f) = std::fs::File::open(&image) {
         let _ = f.sync_all();
     }
-    fill_file(&st.store.join(RAW_FILE), st.dev, 0x2545_F491_4F6C_DD1D)?;
-    fill_file(&st.source, st.dev, 0xD1B5_4A32_D192_ED03)
+    fill_file(&st.store.join(RAW_FILE), st.plan.dev, 0x2545_F491_4F6C_DD1D)?;
+    fill_file(&st.source, st.plan.dev, 0xD1B5_4A32_D192_ED03)
 }
 
 /// `iopages bench nbd --remote`. `iopages_bin` is the `iopages` whose
@@ -677,8 +488,7 @@ pub fn run(opts: &BenchOptions, iopages_bin: &Path) -> Result<Value, BenchError>
         remote_sock: socks.join("remote.sock"),
         server_sock: socks.join("server.sock"),
         work: work.clone(),
-        dev: 0,
-        fio_ms,
+        plan: Plan { dev: 0, fio_ms },
     };
     progress(
         "nbd-remote",
@@ -813,7 +623,14 @@ fn measure_one(
     let out = (|| {
         check_size(tools, st, &uri)?;
         if let (Some(p), true) = (previous, s != Server::Raw) {
-            let v = fio(tools, &st.work, st.verify_args(&uri, true), 10_000).and_then(|v| {
+            let v = fio(
+                &tools.fio,
+                &st.work,
+                None,
+                st.plan.verify_args(&uri, true),
+                10_000,
+            )
+            .and_then(|v| {
                 (v.read_bytes == VERIFY_BYTES)
                     .then_some(())
                     .ok_or(format!("checked {} of {VERIFY_BYTES} bytes", v.read_bytes))
@@ -849,8 +666,14 @@ fn measure_one(
             }
         }
         if s != Server::Raw {
-            let w = fio(tools, &st.work, st.verify_args(&uri, false), 10_000)
-                .map_err(|e| format!("read-back of its own writes (fio verify): {e}"))?;
+            let w = fio(
+                &tools.fio,
+                &st.work,
+                None,
+                st.plan.verify_args(&uri, false),
+                10_000,
+            )
+            .map_err(|e| format!("read-back of its own writes (fio verify): {e}"))?;
             if w.read_bytes != VERIFY_BYTES {
                 return Err(format!(
                     "read-back of its own writes checked {} of {VERIFY_BYTES} bytes",
@@ -871,7 +694,7 @@ fn measure_one(
 fn whole_volume_check(tools: &Tools, st: &Setup, ours: &Path) -> Check {
     let what = format!(
         "the whole volume ({} MiB) read through iopages serve and through nbdkit's luks filter is the same bytes",
-        st.dev / MIB
+        st.plan.dev / MIB
     );
     let read = |s: Server| -> Result<PathBuf, String> {
         let (mut p, _) = start(
@@ -886,7 +709,7 @@ fn whole_volume_check(tools: &Tools, st: &Setup, ours: &Path) -> Check {
             &tools.nbdcopy,
             &os(&[&st.uri(s), &out]),
             &st.work,
-            Duration::from_secs(60 + st.dev / (2 * MIB)),
+            Duration::from_secs(60 + st.plan.dev / (2 * MIB)),
             &[],
         );
         p.stop();
@@ -1039,7 +862,7 @@ fn report(
     let mut t = Table::new("");
     t.line(format!(
         "nbd --remote (E6 remote): LUKS1 (aes-xts-plain64, 512-bit key) ciphertext on a remote nbdkit file export, {} MiB volume, Unix sockets; median of {runs} run(s)",
-        st.dev / MIB
+        st.plan.dev / MIB
     ));
     t.line(format!(
         "{:<24} | {:<24} | {:>8} {:>13} | {:>8}",
@@ -1159,7 +982,7 @@ fn report(
     let settings = json!({
         "runs": runs,
         "quick": opts.quick,
-        "export_bytes": st.dev,
+        "export_bytes": st.plan.dev,
         "image": "LUKS1, aes-xts-plain64, 512-bit key, sha256, 1000 PBKDF2 iterations (cryptsetup); every payload byte written before the runs",
         "remote": format!("one nbdkit file plugin process (dir=, exports {LUKS_FILE} and {RAW_FILE}) on a Unix socket for the whole run; files through the page cache"),
         "ours": format!("iopages serve --image nbd+unix:///{LUKS_FILE}?socket=REMOTE --passphrase-file P --unix S --name {OUR_EXPORT}"),
@@ -1167,7 +990,7 @@ fn report(
         "raw_remote": format!("the loads straight on the remote's plaintext export {RAW_FILE}, of the volume's size"),
         "fio": {
             "engine": "nbd (libnbd)",
-            "seconds_per_load": st.fio_ms as f64 / 1000.0,
+            "seconds_per_load": st.plan.fio_ms as f64 / 1000.0,
             "seq": format!("1 MiB, iodepth {SEQ_DEPTH}, 1 job, time based over the whole volume"),
             "randrw": format!("4 KiB, 50 % reads, iodepth {RAND_DEPTH}, {RAND_JOBS} jobs, time based"),
         },
