@@ -436,26 +436,42 @@ pub unsafe extern "C" fn iopages_alloc_pages(
     guard_int(|| {
         // SAFETY: the caller passes NULL or a live allocator.
         let a = unsafe { obj(a, "allocator")? };
-        let g = gfp(gfp_flags)?;
-        if order > MAX_ORDER {
-            return Err(fail(
-                libc::EINVAL,
-                format!("order {order} is above {MAX_ORDER}"),
-            ));
-        }
-        if page.is_null() {
-            return Err(fail(libc::EINVAL, "page is NULL"));
-        }
-        let p = a.alloc.alloc_pages(g, order).ok_or_else(|| {
-            fail(
-                libc::ENOMEM,
-                format!("no order-{order} block under gfp {gfp_flags:#x}"),
-            )
-        })?;
-        // SAFETY: checked not NULL; the caller's contract says writable.
-        unsafe { page.write(id(p)) };
-        Ok(0)
+        // SAFETY: the caller passes NULL or a writable page.
+        unsafe { alloc_into(order, gfp_flags, page, |g| a.alloc.alloc_pages(g, order)) }
     })
+}
+
+/// The checks and the result of `iopages_alloc_pages` and
+/// `iopages_local_alloc_pages`: `alloc` runs once the order, the flags
+/// and `page` are good, and its block is written to `page`.
+///
+/// # Safety
+/// `page` is NULL or valid for a write.
+unsafe fn alloc_into(
+    order: u32,
+    gfp_flags: u32,
+    page: *mut iopages_page,
+    alloc: impl FnOnce(Gfp) -> Option<Page>,
+) -> Result<c_int, c_int> {
+    let g = gfp(gfp_flags)?;
+    if order > MAX_ORDER {
+        return Err(fail(
+            libc::EINVAL,
+            format!("order {order} is above {MAX_ORDER}"),
+        ));
+    }
+    if page.is_null() {
+        return Err(fail(libc::EINVAL, "page is NULL"));
+    }
+    let p = alloc(g).ok_or_else(|| {
+        fail(
+            libc::ENOMEM,
+            format!("no order-{order} block under gfp {gfp_flags:#x}"),
+        )
+    })?;
+    // SAFETY: checked not NULL; the caller's contract says writable.
+    unsafe { page.write(id(p)) };
+    Ok(0)
 }
 
 /// Free a block from `iopages_alloc_pages` with the same order. The caller
@@ -876,25 +892,8 @@ pub unsafe extern "C" fn iopages_local_alloc_pages(
     guard_int(|| {
         // SAFETY: the caller passes NULL or a handle only this thread uses.
         let l = unsafe { obj_mut(l, "local")? };
-        let g = gfp(gfp_flags)?;
-        if order > MAX_ORDER {
-            return Err(fail(
-                libc::EINVAL,
-                format!("order {order} is above {MAX_ORDER}"),
-            ));
-        }
-        if page.is_null() {
-            return Err(fail(libc::EINVAL, "page is NULL"));
-        }
-        let p = l.local.alloc_pages(g, order).ok_or_else(|| {
-            fail(
-                libc::ENOMEM,
-                format!("no order-{order} block under gfp {gfp_flags:#x}"),
-            )
-        })?;
-        // SAFETY: checked not NULL; the caller's contract says writable.
-        unsafe { page.write(id(p)) };
-        Ok(0)
+        // SAFETY: the caller passes NULL or a writable page.
+        unsafe { alloc_into(order, gfp_flags, page, |g| l.local.alloc_pages(g, order)) }
     })
 }
 
