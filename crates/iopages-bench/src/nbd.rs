@@ -317,12 +317,12 @@ pub fn parse_fio(stdout: &str) -> Result<FioFigures, String> {
 }
 
 /// `nbdinfo --size`: one number.
-fn parse_size(stdout: &str) -> Option<u64> {
+pub(crate) fn parse_size(stdout: &str) -> Option<u64> {
     stdout.trim().parse().ok()
 }
 
 /// `cryptsetup luksDump`'s payload offset, in bytes.
-fn parse_payload_offset(dump: &str) -> Option<u64> {
+pub(crate) fn parse_payload_offset(dump: &str) -> Option<u64> {
     dump.lines()
         .find_map(|l| l.trim().strip_prefix("Payload offset:"))
         .and_then(|v| v.trim().parse::<u64>().ok())

@@ -19,7 +19,8 @@
 use crate::harness::{Report, Table};
 use crate::measure::median;
 use crate::nbd::{
-    command_line, fill_file, fio, load_sample_at, os, Load, LoadTarget, Plan, Sample,
+    command_line, fill_file, fio, load_sample_at, os, parse_payload_offset, parse_size, work_dirs,
+    Load, LoadTarget, Plan, Sample,
 };
 use crate::{met, progress, round2, BenchError, BenchOptions};
 use iopages_testkit::{die_with_parent, find_tool, run_tool, stop, tail_lines, wait_for_socket};
@@ -84,19 +85,6 @@ impl Server {
             Server::Nbdkit => "nbdkit luks+nbd",
         }
     }
-}
-
-/// `cryptsetup luksDump`'s "Payload offset:" (sectors), in bytes.
-fn payload_offset(dump: &str) -> Option<u64> {
-    dump.lines()
-        .find_map(|l| l.trim().strip_prefix("Payload offset:"))
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .map(|s| s * 512)
-}
-
-/// `nbdinfo --size`: one number.
-fn size_of(stdout: &str) -> Option<u64> {
-    stdout.trim().parse().ok()
 }
 
 /// The outside programs.
@@ -328,7 +316,7 @@ fn check_size(tools: &Tools, st: &Setup, uri: &str) -> Result<(), String> {
         Duration::from_secs(30),
         &[],
     )?;
-    match size_of(&info.stdout) {
+    match parse_size(&info.stdout) {
         Some(n) if info.status.success() && n == st.plan.dev => Ok(()),
         n => Err(format!(
             "nbdinfo --size {uri}: {n:?} ({}), the volume is {} bytes; stderr: {}",
@@ -369,17 +357,6 @@ impl Results {
     fn median_iops(&self, l: usize) -> Option<f64> {
         let v: Vec<f64> = self.samples[l].iter().filter_map(|s| s.iops).collect();
         (self.failed.is_none() && !v.is_empty()).then(|| median(&v))
-    }
-}
-
-/// Removes the directories it holds when dropped.
-struct RemoveDirs(Vec<PathBuf>);
-
-impl Drop for RemoveDirs {
-    fn drop(&mut self) {
-        for d in &self.0 {
-            let _ = std::fs::remove_dir_all(d);
-        }
     }
 }
 
@@ -431,7 +408,7 @@ fn make_files(tools: &Tools, st: &mut Setup, payload: u64) -> Result<(), BenchEr
         &[],
     )
     .map_err(workload)?;
-    let offset = payload_offset(&dump.stdout)
+    let offset = parse_payload_offset(&dump.stdout)
         .ok_or_else(|| workload("cryptsetup luksDump shows no payload offset"))?;
     st.plan.dev = payload + LUKS_HEADER_BYTES - offset;
     if let Ok(f) = std::fs::File::open(&image) {
@@ -451,35 +428,13 @@ pub fn run(opts: &BenchOptions, iopages_bin: &Path) -> Result<Value, BenchError>
     } else {
         (3, 256 * MIB, 5000)
     };
-    if !iopages_bin.is_file() {
-        return Err(workload(format!(
-            "{} not found: build it (cargo build --release -p iopages-cli)",
-            iopages_bin.display()
-        )));
-    }
     let (json_path, _) = opts.paths("nbd-remote");
-    let report_dir = json_path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("."));
-    let pid = std::process::id();
-    let work = report_dir.join(format!("nbd-remote-work-{pid}"));
-    let socks = std::env::temp_dir().join(format!("iopages-nbdr-{pid}"));
-    // Declared before any process: removed after they are stopped.
-    let _dirs = RemoveDirs(vec![work.clone(), socks.clone()]);
-    for d in [&work, &socks] {
-        let _ = std::fs::remove_dir_all(d);
-        std::fs::create_dir_all(d).map_err(|e| BenchError::Write {
-            path: d.to_path_buf(),
-            source: e,
-        })?;
-    }
+    // Bound before any process: removed after they are stopped.
+    let (work, socks, _dirs) = work_dirs(iopages_bin, &json_path, "nbd-remote")?;
     std::fs::create_dir_all(work.join("store")).map_err(|e| BenchError::Write {
         path: work.join("store"),
         source: e,
     })?;
-    let work = work.canonicalize().unwrap_or(work);
     let tools = Tools::find(&work)?;
     let mut st = Setup {
         store: work.join("store"),
@@ -1020,15 +975,15 @@ mod tests {
     #[test]
     fn payload_offset_is_read_from_luks_dump() {
         let dump = "LUKS header information for x\n\nVersion:       \t1\nCipher name:   \taes\nPayload offset:\t4096\nMK bits:       \t512\n";
-        assert_eq!(payload_offset(dump), Some(4096 * 512));
-        assert_eq!(payload_offset("Version: 2\n"), None);
-        assert_eq!(payload_offset("Payload offset: x\n"), None);
+        assert_eq!(parse_payload_offset(dump), Some(4096 * 512));
+        assert_eq!(parse_payload_offset("Version: 2\n"), None);
+        assert_eq!(parse_payload_offset("Payload offset: x\n"), None);
     }
 
     #[test]
     fn nbdinfo_size_is_one_number() {
-        assert_eq!(size_of("268435456\n"), Some(268_435_456));
-        assert_eq!(size_of("nbdinfo: error\n"), None);
+        assert_eq!(parse_size("268435456\n"), Some(268_435_456));
+        assert_eq!(parse_size("nbdinfo: error\n"), None);
     }
 
     fn res(figs: [f64; 5]) -> Results {
