@@ -796,14 +796,25 @@ impl Conn {
         };
         if let Err(e) = sent {
             let mut s = self.shared.lock();
-            s.pending.remove(&cookie);
-            self.room.notify_one();
             let msg = format!(
                 "{}: sending {} failed: {e}",
                 self.name,
                 command_name(command)
             );
             self.kill(&mut s, e.kind(), msg);
+            // A reply may come before its request is all sent (the remote
+            // answers a header it has read), so the reader may be filling
+            // this read's buffers now: they stay borrowed until it lets go
+            // (the shut socket ends its read at once).
+            while s
+                .pending
+                .get(&cookie)
+                .is_some_and(|p| matches!(p.state, Slot::Filling))
+            {
+                cv.wait(&mut s);
+            }
+            s.pending.remove(&cookie);
+            self.room.notify_one();
             return Err(self.dead_error(&s));
         }
         let mut s = self.shared.lock();
@@ -982,32 +993,56 @@ struct ExportInfo {
     max_block: u32,
 }
 
-/// Handshake reads: a socket timeout is the handshake's timeout.
-fn hs_read(s: &mut Stream, buf: &mut [u8], what: &str) -> io::Result<()> {
-    s.read_exact(buf).map_err(|e| {
-        if is_timeout(&e) {
-            io::Error::new(
-                ErrorKind::TimedOut,
-                format!("handshake: timed out waiting for {what}"),
-            )
-        } else if e.kind() == ErrorKind::UnexpectedEof {
-            io::Error::new(
-                ErrorKind::ConnectionAborted,
-                format!("handshake: the remote closed the connection before sending {what}"),
-            )
-        } else {
-            io::Error::new(e.kind(), format!("handshake: reading {what}: {e}"))
+/// Handshake reads, all of them before `deadline`: each read waits at most
+/// what is left, so a remote that trickles bytes cannot stretch the
+/// handshake past its one timeout.
+fn hs_read(s: &mut Stream, buf: &mut [u8], what: &str, deadline: Instant) -> io::Result<()> {
+    let timed_out = || {
+        io::Error::new(
+            ErrorKind::TimedOut,
+            format!("handshake: timed out waiting for {what}"),
+        )
+    };
+    let mut got = 0;
+    while got < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(timed_out());
         }
-    })
+        s.set_timeouts(left, left)?;
+        match s.read(&mut buf[got..]) {
+            Ok(0) => {
+                return Err(io::Error::new(
+                    ErrorKind::ConnectionAborted,
+                    format!("handshake: the remote closed the connection before sending {what}"),
+                ))
+            }
+            Ok(n) => got += n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) if is_timeout(&e) => return Err(timed_out()),
+            Err(e) => {
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!("handshake: reading {what}: {e}"),
+                ))
+            }
+        }
+    }
+    Ok(())
 }
 
 /// One option reply to `option` (`name` in messages): its reply type and
 /// data, the header checked and the data bounded by
 /// [`MAX_OPTION_REPLY_BYTES`].
-fn option_reply(s: &mut Stream, option: u32, name: &str) -> io::Result<(u32, Vec<u8>)> {
+fn option_reply(
+    s: &mut Stream,
+    option: u32,
+    name: &str,
+    deadline: Instant,
+) -> io::Result<(u32, Vec<u8>)> {
     let invalid = |m: String| io::Error::new(ErrorKind::InvalidData, format!("handshake: {m}"));
     let mut h = [0u8; 20];
-    hs_read(s, &mut h, &format!("the reply to {name}"))?;
+    hs_read(s, &mut h, &format!("the reply to {name}"), deadline)?;
     let magic = u64::from_be_bytes(h[0..8].try_into().expect("8 bytes"));
     let got = u32::from_be_bytes(h[8..12].try_into().expect("4 bytes"));
     let reply = u32::from_be_bytes(h[12..16].try_into().expect("4 bytes"));
@@ -1021,7 +1056,12 @@ fn option_reply(s: &mut Stream, option: u32, name: &str) -> io::Result<(u32, Vec
         return Err(invalid(format!("an option reply of {len} bytes")));
     }
     let mut d = vec![0u8; len];
-    hs_read(s, &mut d, &format!("the data of the reply to {name}"))?;
+    hs_read(
+        s,
+        &mut d,
+        &format!("the data of the reply to {name}"),
+        deadline,
+    )?;
     Ok((reply, d))
 }
 
@@ -1037,7 +1077,7 @@ fn send_option(s: &mut Stream, option: u32, data: &[u8]) -> io::Result<()> {
 /// NBD_OPT_GO for `export`, asking for the block sizes.
 ///
 /// **Returns:** `None` when the server does not know NBD_OPT_GO.
-fn opt_go(s: &mut Stream, export: &str) -> io::Result<Option<ExportInfo>> {
+fn opt_go(s: &mut Stream, export: &str, deadline: Instant) -> io::Result<Option<ExportInfo>> {
     let mut data = (export.len() as u32).to_be_bytes().to_vec();
     data.extend_from_slice(export.as_bytes());
     data.extend_from_slice(&1u16.to_be_bytes());
@@ -1047,7 +1087,7 @@ fn opt_go(s: &mut Stream, export: &str) -> io::Result<Option<ExportInfo>> {
     let mut export_info = None;
     let mut sizes = (1u32, 4096u32, MAX_PAYLOAD_BYTES);
     for _ in 0..MAX_GO_REPLIES {
-        let (reply, d) = option_reply(s, OPT_GO, "NBD_OPT_GO")?;
+        let (reply, d) = option_reply(s, OPT_GO, "NBD_OPT_GO", deadline)?;
         let text = String::from_utf8_lossy(&d).into_owned();
         match reply {
             REP_ACK => {
@@ -1120,10 +1160,15 @@ fn opt_go(s: &mut Stream, export: &str) -> io::Result<Option<ExportInfo>> {
 }
 
 /// NBD_OPT_EXPORT_NAME for `export` (servers without NBD_OPT_GO).
-fn opt_export_name(s: &mut Stream, export: &str, no_zeroes: bool) -> io::Result<ExportInfo> {
+fn opt_export_name(
+    s: &mut Stream,
+    export: &str,
+    no_zeroes: bool,
+    deadline: Instant,
+) -> io::Result<ExportInfo> {
     send_option(s, OPT_EXPORT_NAME, export.as_bytes())?;
     let mut d = [0u8; 10];
-    hs_read(s, &mut d, "the export's size (no such export?)").map_err(|e| {
+    hs_read(s, &mut d, "the export's size (no such export?)", deadline).map_err(|e| {
         if e.kind() == ErrorKind::ConnectionAborted {
             io::Error::new(
                 ErrorKind::NotFound,
@@ -1135,7 +1180,7 @@ fn opt_export_name(s: &mut Stream, export: &str, no_zeroes: bool) -> io::Result<
     })?;
     if !no_zeroes {
         let mut z = [0u8; 124];
-        hs_read(s, &mut z, "the handshake's padding")?;
+        hs_read(s, &mut z, "the handshake's padding", deadline)?;
     }
     Ok(ExportInfo {
         size: u64::from_be_bytes(d[0..8].try_into().expect("8 bytes")),
@@ -1151,10 +1196,10 @@ fn opt_export_name(s: &mut Stream, export: &str, no_zeroes: bool) -> io::Result<
 /// **Returns:** `PermissionDenied` when the remote does not offer TLS
 /// (NBD_OPT_ABORT is sent; nothing continues in plaintext) or the TLS
 /// handshake fails; `InvalidData` for a reply breaking the protocol.
-fn starttls(s: &mut Stream, tls: &Connector, timeout: Duration) -> io::Result<()> {
+fn starttls(s: &mut Stream, tls: &Connector, deadline: Instant) -> io::Result<()> {
     send_option(s, OPT_STARTTLS, &[])?;
     let invalid = |m: String| io::Error::new(ErrorKind::InvalidData, format!("handshake: {m}"));
-    let (reply, d) = option_reply(s, OPT_STARTTLS, "NBD_OPT_STARTTLS")?;
+    let (reply, d) = option_reply(s, OPT_STARTTLS, "NBD_OPT_STARTTLS", deadline)?;
     let len = d.len();
     match reply {
         REP_ACK if len == 0 => {}
@@ -1185,7 +1230,14 @@ fn starttls(s: &mut Stream, tls: &Connector, timeout: Duration) -> io::Result<()
         r => return Err(invalid(format!("reply {r} to NBD_OPT_STARTTLS"))),
     }
     let plain = s.try_clone()?;
-    *s = Stream::Tls(Arc::new(ClientTls::connect(plain, tls, timeout)?));
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(io::Error::new(
+            ErrorKind::TimedOut,
+            "handshake: timed out before the TLS handshake",
+        ));
+    }
+    *s = Stream::Tls(Arc::new(ClientTls::connect(plain, tls, left)?));
     Ok(())
 }
 
@@ -1195,14 +1247,14 @@ fn handshake(
     s: &mut Stream,
     export: &str,
     tls: Option<&Connector>,
-    timeout: Duration,
+    deadline: Instant,
 ) -> io::Result<ExportInfo> {
     let mut b = [0u8; 8];
-    hs_read(s, &mut b, "the greeting")?;
+    hs_read(s, &mut b, "the greeting", deadline)?;
     if u64::from_be_bytes(b) != NBD_MAGIC {
         return Err(io::Error::new(ErrorKind::InvalidData, "not an NBD server"));
     }
-    hs_read(s, &mut b, "the greeting")?;
+    hs_read(s, &mut b, "the greeting", deadline)?;
     match u64::from_be_bytes(b) {
         IHAVEOPT => {}
         OLDSTYLE_MAGIC => {
@@ -1219,7 +1271,7 @@ fn handshake(
         }
     }
     let mut f = [0u8; 2];
-    hs_read(s, &mut f, "the handshake flags")?;
+    hs_read(s, &mut f, "the handshake flags", deadline)?;
     let flags = u16::from_be_bytes(f);
     let fixed = flags & FLAG_FIXED_NEWSTYLE != 0;
     let no_zeroes = flags & FLAG_NO_ZEROES != 0;
@@ -1234,14 +1286,14 @@ fn handshake(
                  NBD_OPT_STARTTLS); nbds:// never falls back to plaintext",
             ));
         }
-        starttls(s, tls, timeout)?;
+        starttls(s, tls, deadline)?;
     }
     let mut info = match fixed {
-        true => opt_go(s, export)?,
+        true => opt_go(s, export, deadline)?,
         false => None,
     };
     if info.is_none() {
-        info = Some(opt_export_name(s, export, no_zeroes)?);
+        info = Some(opt_export_name(s, export, no_zeroes, deadline)?);
     }
     let mut info = info.expect("set above");
     if info.flags & TFLAG_HAS_FLAGS == 0 {
@@ -1300,7 +1352,8 @@ impl NbdRemote {
     /// `opts.connections` when the export advertises
     /// NBD_FLAG_CAN_MULTI_CONN, each with its reader thread.
     ///
-    /// **Context:** blocks (connecting, the handshakes), each step at most
+    /// **Context:** blocks (connecting, the handshakes): each connect and
+    /// each connection's whole handshake (TLS included) at most
     /// `opts.timeout`. **Returns:** `InvalidInput` for options of zero;
     /// the connect error; `NotFound` for an export the server does not
     /// have; `InvalidData` for a server breaking the protocol (or
@@ -1328,7 +1381,9 @@ impl NbdRemote {
         let open = || -> io::Result<(Stream, ExportInfo)> {
             let mut s = dial(spec, opts.timeout)?;
             s.set_timeouts(opts.timeout, opts.timeout)?;
-            let info = handshake(&mut s, &spec.export, tls.as_ref(), opts.timeout)?;
+            // One deadline for the whole handshake (and its TLS handshake).
+            let deadline = Instant::now() + opts.timeout;
+            let info = handshake(&mut s, &spec.export, tls.as_ref(), deadline)?;
             Ok((s, info))
         };
         let (first, info) = open().map_err(ctx)?;
