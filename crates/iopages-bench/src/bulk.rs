@@ -999,7 +999,10 @@ pub fn run_with_threads(
     };
     cmp.print(runs);
     let e1_row = |b| cmp.get("iopages", None, b);
-    let best_peer = |b| cmp.best(None, b).map(|(p, ns)| (p.to_string(), ns));
+    let best_peer = |b| {
+        let (p, _) = cmp.best(None, b)?;
+        Some((p.to_string(), cmp.samples(p, None, b)?.clone()))
+    };
     c_abi.print(runs, e1_row, best_peer);
     let like = like_for_like(&cmp, &c_abi, &plan.st_batches);
     if !like.is_empty() {
@@ -1062,8 +1065,9 @@ struct Body {
 }
 
 /// The `iopages-c` row against the best page-aligned peer at each
-/// single-thread batch where both ran: (batch, peer, the peer's ns over
-/// the C row's). The C row runs the peers' own program and loop, so this
+/// single-thread batch where both ran in every run: (batch, peer, the
+/// median over runs of the peer's ns over the C row's, the two measured in
+/// the same run). The C row runs the peers' own program and loop, so this
 /// is E1's like-for-like comparison (E1's `iopages` row writes each page
 /// through its handle, which costs less on some CPUs than the peers' loop
 /// through addresses; see `c_abi`).
@@ -1075,9 +1079,9 @@ fn like_for_like<'a>(
     batches
         .iter()
         .filter_map(|&b| {
-            let c = c_abi.c_ns(b)?;
-            let (p, ns) = cmp.best_of(None, b, true)?;
-            Some((b, p, ns / c))
+            let (p, _) = cmp.best_of(None, b, true)?;
+            let r = crate::c_abi::per_run_ratio(cmp.samples(p, None, b)?, c_abi.c_runs(b))?;
+            Some((b, p, r))
         })
         .collect()
 }

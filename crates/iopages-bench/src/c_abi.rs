@@ -57,6 +57,16 @@ pub struct CAbi {
     ratio_addr: PerBatch,
 }
 
+/// The median over runs of `num[i] / den[i]`: `None` unless both have a
+/// sample from every run (a peer or row that failed in a run has fewer).
+pub fn per_run_ratio(num: &[f64], den: &[f64]) -> Option<f64> {
+    if num.len() != den.len() || num.is_empty() {
+        return None;
+    }
+    let r: Vec<f64> = num.iter().zip(den).map(|(n, d)| n / d).collect();
+    Some(median(&r))
+}
+
 fn med(m: &PerBatch, b: usize) -> Option<f64> {
     m.get(&b).filter(|v| !v.is_empty()).map(|v| median(v))
 }
@@ -117,17 +127,30 @@ impl CAbi {
             })?;
             self.c.entry(b).or_default().push(ns);
             self.rust.entry(b).or_default().push(t.handles);
-            self.rust_addr.entry(b).or_default().push(t.addresses);
+            if let Some(addresses) = t.addresses {
+                self.rust_addr.entry(b).or_default().push(addresses);
+                self.ratio_addr.entry(b).or_default().push(ns / addresses);
+            }
             self.ratio.entry(b).or_default().push(ns / t.handles);
-            self.ratio_addr.entry(b).or_default().push(ns / t.addresses);
         }
         Ok(())
     }
 
-    /// The C row's median ns per page at `batch` (none if the row did
+    /// The C row's samples at `batch`, one per run (empty if the row did
     /// not run or failed).
-    pub fn c_ns(&self, batch: usize) -> Option<f64> {
-        self.ready().then(|| med(&self.c, batch)).flatten()
+    pub fn c_runs(&self, batch: usize) -> &[f64] {
+        match self.c.get(&batch) {
+            Some(v) if self.ready() => v,
+            _ => &[],
+        }
+    }
+
+    /// How many times faster than a peer (its samples `peer`, one per run)
+    /// the C row and the twin's handle loop are at `batch`: each the median
+    /// of the runs' ratios.
+    fn vs_peer(&self, peer: &[f64], batch: usize) -> (Option<f64>, Option<f64>) {
+        let of = |m: &PerBatch| m.get(&batch).and_then(|v| per_run_ratio(peer, v));
+        (of(&self.c), of(&self.rust))
     }
 
     fn ready(&self) -> bool {
@@ -150,7 +173,7 @@ impl CAbi {
         &self,
         runs: usize,
         e1: impl Fn(usize) -> Option<f64>,
-        best: impl Fn(usize) -> Option<(String, f64)>,
+        best: impl Fn(usize) -> Option<(String, Vec<f64>)>,
     ) {
         println!();
         if !self.ready() {
@@ -175,10 +198,8 @@ impl CAbi {
         let fig = |x: Option<f64>| x.map_or_else(|| "-".into(), |x| format!("{x:.2}"));
         for &b in self.ratio.keys() {
             let (c, rust) = (med(&self.c, b), med(&self.rust, b));
-            let vs = match (best(b), c, rust) {
-                (Some((p, ns)), Some(c), Some(rust)) => {
-                    format!("{:.2}, {:.2} ({p})", ns / c, ns / rust)
-                }
+            let vs = match best(b).map(|(p, v)| (p, self.vs_peer(&v, b))) {
+                Some((p, (Some(c), Some(rust)))) => format!("{c:.2}, {rust:.2} ({p})"),
                 _ => "-".into(),
             };
             println!(
@@ -209,7 +230,7 @@ impl CAbi {
     pub fn json(
         &self,
         e1: impl Fn(usize) -> Option<f64>,
-        best: impl Fn(usize) -> Option<(String, f64)>,
+        best: impl Fn(usize) -> Option<(String, Vec<f64>)>,
     ) -> Value {
         if !self.ready() {
             let why = match &self.state {
@@ -227,6 +248,9 @@ impl CAbi {
         for &b in self.ratio.keys() {
             let (c, rust) = (med(&self.c, b), med(&self.rust, b));
             let best = best(b);
+            let (c_vs, rust_vs) = best
+                .as_ref()
+                .map_or((None, None), |(_, v)| self.vs_peer(v, b));
             per.insert(
                 batch_key(b),
                 json!({
@@ -239,8 +263,8 @@ impl CAbi {
                     "c_over_twin_addresses_runs": runs(&self.ratio_addr, b),
                     "e1_row_ns_per_page": e1(b).map(round2),
                     "best_peer": best.as_ref().map(|(p, _)| p.clone()),
-                    "c_ratio_vs_best_peer": best.as_ref().zip(c).map(|((_, ns), c)| round2(ns / c)),
-                    "twin_ratio_vs_best_peer": best.as_ref().zip(rust).map(|((_, ns), r)| round2(ns / r)),
+                    "c_ratio_vs_best_peer": c_vs.map(round2),
+                    "twin_ratio_vs_best_peer": rust_vs.map(round2),
                 }),
             );
         }
@@ -301,7 +325,9 @@ fn st_through_addresses(
 #[derive(Clone, Copy)]
 struct Twin {
     handles: f64,
-    addresses: f64,
+    /// None for the single-page API: it hands out one address, so the
+    /// two loops are one (not run twice, not reported).
+    addresses: Option<f64>,
 }
 
 /// The harness's single-thread part in this process, from the state the
@@ -324,11 +350,10 @@ fn rust_twin(batches: &[usize], pages: u64) -> Result<BTreeMap<usize, Twin>, Ben
         }
         for &b in batches {
             let handles = peers::iopages_st(&mut local, b, pages)?.ns;
-            // The single-page API hands out one address: the same loop.
             let addresses = if b == 0 {
-                handles
+                None
             } else {
-                st_through_addresses(&mut local, b, pages)?
+                Some(st_through_addresses(&mut local, b, pages)?)
             };
             out.insert(b, Twin { handles, addresses });
         }
