@@ -390,7 +390,10 @@ typedef struct iopages_stats {
  * per-lcore cache. Get it once per handle with `iopages_local_fast_path`;
  * it is valid until the handle is destroyed, and belongs to the handle's
  * thread, like the handle. Read-only for callers: the inline functions
- * are the only code meant to follow its pointers.
+ * are the only code meant to follow its pointers. The length and counts
+ * are the handle's shared record (other threads read them for the
+ * statistics and the accounting): the handle's thread is their only
+ * writer, and loads and stores them with relaxed atomics.
  */
 typedef struct iopages_local_fast {
   /**
@@ -406,45 +409,25 @@ typedef struct iopages_local_fast {
    */
   size_t *len;
   /**
-   * Shared copy of `*len`, stored with relaxed atomics.
-   */
-  size_t *shared_len;
-  /**
    * Most pages the cache holds.
    */
   size_t cap;
   /**
-   * Pages allocated through the handle.
+   * Pages allocated through the handle's cache.
    */
   uint64_t *allocs;
   /**
-   * Shared copy of `*allocs`, stored with relaxed atomics.
-   */
-  uint64_t *shared_allocs;
-  /**
-   * Pages freed through the handle.
+   * Pages freed into the handle's cache.
    */
   uint64_t *frees;
-  /**
-   * Shared copy of `*frees`, stored with relaxed atomics.
-   */
-  uint64_t *shared_frees;
   /**
    * Bulk allocation calls.
    */
   uint64_t *bulk_allocs;
   /**
-   * Shared copy of `*bulk_allocs`, stored with relaxed atomics.
-   */
-  uint64_t *shared_bulk_allocs;
-  /**
    * Bulk free calls.
    */
   uint64_t *bulk_frees;
-  /**
-   * Shared copy of `*bulk_frees`, stored with relaxed atomics.
-   */
-  uint64_t *shared_bulk_frees;
   /**
    * Fault injection switch (load with relaxed atomics; non-zero: on).
    */
@@ -1224,15 +1207,19 @@ int iopages_mempool_stats_get(const struct iopages_mempool *p, struct iopages_me
 #ifndef IOPAGES_FAST_BULK_MAX
 #define IOPAGES_FAST_BULK_MAX 8
 #endif
-static inline void iopages_fast__count_(uint64_t *local, uint64_t *shared, uint64_t n) {
-    uint64_t v = *local + n;
-    *local = v;
-    __atomic_store_n(shared, v, __ATOMIC_RELAXED);
+/* The handle's thread is the only writer of its length and counts; other
+ * threads read them, hence relaxed atomics (plain loads and stores on every
+ * common CPU). */
+static inline void iopages_fast__count_(uint64_t *count, uint64_t n) {
+    __atomic_store_n(count, __atomic_load_n(count, __ATOMIC_RELAXED) + n, __ATOMIC_RELAXED);
+}
+
+static inline size_t iopages_fast__len_(const struct iopages_local_fast *f) {
+    return __atomic_load_n(f->len, __ATOMIC_RELAXED);
 }
 
 static inline void iopages_fast__set_len_(const struct iopages_local_fast *f, size_t len) {
-    *f->len = len;
-    __atomic_store_n(f->shared_len, len, __ATOMIC_RELAXED);
+    __atomic_store_n(f->len, len, __ATOMIC_RELAXED);
 }
 
 static inline int iopages_fast__can_alloc_(const struct iopages_local_fast *f, uint32_t gfp) {
@@ -1241,46 +1228,46 @@ static inline int iopages_fast__can_alloc_(const struct iopages_local_fast *f, u
 
 /** Allocate one page by address from the handle's cache (else the full call). */
 static inline void *iopages_fast_alloc_page_ptr(const struct iopages_local_fast *f, uint32_t gfp_flags) {
-    size_t len = *f->len;
+    size_t len = iopages_fast__len_(f);
     if (len == 0 || !iopages_fast__can_alloc_(f, gfp_flags))
         return iopages_local_alloc_page_ptr(f->local, gfp_flags);
     uint32_t page = f->buf[len - 1];
     iopages_fast__set_len_(f, len - 1);
-    iopages_fast__count_(f->allocs, f->shared_allocs, 1);
+    iopages_fast__count_(f->allocs, 1);
     return f->base + (size_t)(page - 1) * IOPAGES_PAGE_SIZE;
 }
 
 /** Free one page by address into the handle's cache (else the full call). */
 static inline int iopages_fast_free_page_ptr(const struct iopages_local_fast *f, void *ptr) {
     size_t off = (size_t)((uintptr_t)ptr - (uintptr_t)f->base);
-    size_t len = *f->len;
+    size_t len = iopages_fast__len_(f);
     if (f->checks || len >= f->cap || (off % IOPAGES_PAGE_SIZE) != 0 || off >= f->arena_bytes)
         return iopages_local_free_page_ptr(f->local, ptr);
     f->buf[len] = (uint32_t)(off / IOPAGES_PAGE_SIZE) + 1;
     iopages_fast__set_len_(f, len + 1);
-    iopages_fast__count_(f->frees, f->shared_frees, 1);
+    iopages_fast__count_(f->frees, 1);
     return 0;
 }
 
 /** Allocate n pages by address from the handle's cache (else the full call). */
 static inline intptr_t iopages_fast_alloc_bulk_ptrs(const struct iopages_local_fast *f, uint32_t gfp_flags,
                                                     void **ptrs, size_t n) {
-    size_t len = *f->len;
+    size_t len = iopages_fast__len_(f);
     if (n > IOPAGES_FAST_BULK_MAX || n > len || ptrs == NULL || !iopages_fast__can_alloc_(f, gfp_flags))
         return iopages_local_alloc_bulk_ptrs(f->local, gfp_flags, ptrs, n);
     const uint32_t *top = f->buf + (len - n);
     for (size_t i = 0; i < n; i++)
         ptrs[i] = f->base + (size_t)(top[i] - 1) * IOPAGES_PAGE_SIZE;
     iopages_fast__set_len_(f, len - n);
-    iopages_fast__count_(f->allocs, f->shared_allocs, n);
-    iopages_fast__count_(f->bulk_allocs, f->shared_bulk_allocs, 1);
+    iopages_fast__count_(f->allocs, n);
+    iopages_fast__count_(f->bulk_allocs, 1);
     return (intptr_t)n;
 }
 
 /** Free n pages by address into the handle's cache (else the full call,
  *  which also reports a bad address; nothing is freed then). */
 static inline int iopages_fast_free_bulk_ptrs(const struct iopages_local_fast *f, void *const *ptrs, size_t n) {
-    size_t len = *f->len;
+    size_t len = iopages_fast__len_(f);
     if (n > IOPAGES_FAST_BULK_MAX || f->checks || n > f->cap - len || ptrs == NULL)
         return iopages_local_free_bulk_ptrs(f->local, ptrs, n);
     uint32_t *slot = f->buf + len;
@@ -1293,8 +1280,8 @@ static inline int iopages_fast_free_bulk_ptrs(const struct iopages_local_fast *f
     if (bad)
         return iopages_local_free_bulk_ptrs(f->local, ptrs, n);
     iopages_fast__set_len_(f, len + n);
-    iopages_fast__count_(f->frees, f->shared_frees, n);
-    iopages_fast__count_(f->bulk_frees, f->shared_bulk_frees, 1);
+    iopages_fast__count_(f->frees, n);
+    iopages_fast__count_(f->bulk_frees, 1);
     return 0;
 }
 #endif  /* IOPAGES_FAST_H */

@@ -39,7 +39,10 @@ pub struct iopages_local {
 /// per-lcore cache. Get it once per handle with `iopages_local_fast_path`;
 /// it is valid until the handle is destroyed, and belongs to the handle's
 /// thread, like the handle. Read-only for callers: the inline functions
-/// are the only code meant to follow its pointers.
+/// are the only code meant to follow its pointers. The length and counts
+/// are the handle's shared record (other threads read them for the
+/// statistics and the accounting): the handle's thread is their only
+/// writer, and loads and stores them with relaxed atomics.
 #[repr(C)]
 pub struct iopages_local_fast {
     /// The handle, for the full path.
@@ -48,26 +51,16 @@ pub struct iopages_local_fast {
     pub buf: *mut u32,
     /// How many pages are cached.
     pub len: *mut usize,
-    /// Shared copy of `*len`, stored with relaxed atomics.
-    pub shared_len: *mut usize,
     /// Most pages the cache holds.
     pub cap: usize,
-    /// Pages allocated through the handle.
+    /// Pages allocated through the handle's cache.
     pub allocs: *mut u64,
-    /// Shared copy of `*allocs`, stored with relaxed atomics.
-    pub shared_allocs: *mut u64,
-    /// Pages freed through the handle.
+    /// Pages freed into the handle's cache.
     pub frees: *mut u64,
-    /// Shared copy of `*frees`, stored with relaxed atomics.
-    pub shared_frees: *mut u64,
     /// Bulk allocation calls.
     pub bulk_allocs: *mut u64,
-    /// Shared copy of `*bulk_allocs`, stored with relaxed atomics.
-    pub shared_bulk_allocs: *mut u64,
     /// Bulk free calls.
     pub bulk_frees: *mut u64,
-    /// Shared copy of `*bulk_frees`, stored with relaxed atomics.
-    pub shared_bulk_frees: *mut u64,
     /// Fault injection switch (load with relaxed atomics; non-zero: on).
     pub fault_on: *const u8,
     /// First byte of the arena.
@@ -88,16 +81,11 @@ impl iopages_local_fast {
         local: std::ptr::null_mut(),
         buf: std::ptr::null_mut(),
         len: std::ptr::null_mut(),
-        shared_len: std::ptr::null_mut(),
         cap: 0,
         allocs: std::ptr::null_mut(),
-        shared_allocs: std::ptr::null_mut(),
         frees: std::ptr::null_mut(),
-        shared_frees: std::ptr::null_mut(),
         bulk_allocs: std::ptr::null_mut(),
-        shared_bulk_allocs: std::ptr::null_mut(),
         bulk_frees: std::ptr::null_mut(),
-        shared_bulk_frees: std::ptr::null_mut(),
         fault_on: std::ptr::null(),
         base: std::ptr::null_mut(),
         arena_bytes: 0,
@@ -105,6 +93,21 @@ impl iopages_local_fast {
         known: 0,
         checks: false,
     };
+}
+
+/// The handle behind `l` (NULL: `None`), its Rust state first taken back
+/// from the shared record, which the header's inline functions change
+/// alone (see `LocalAllocator::resync`). Every call on a handle goes
+/// through here or does the same after `obj_mut`.
+///
+/// # Safety
+/// `l` is NULL or a live handle only this thread uses.
+#[inline(always)]
+unsafe fn handle_mut<'a>(l: *mut iopages_local) -> Option<&'a mut iopages_local> {
+    // SAFETY: the caller's promise.
+    let h = unsafe { l.as_mut() }?;
+    h.local.resync();
+    Some(h)
 }
 
 /// Huge pages: base pages only.
@@ -820,17 +823,12 @@ pub unsafe extern "C" fn iopages_local_create(
             std::ptr::addr_of_mut!((*raw).fast).write(iopages_local_fast {
                 local: raw,
                 buf: v.buf,
-                len: v.len,
-                shared_len: v.shared_len as *mut usize,
+                len: v.len as *mut usize,
                 cap: v.cap,
-                allocs: v.allocs,
-                shared_allocs: v.shared_allocs as *mut u64,
-                frees: v.frees,
-                shared_frees: v.shared_frees as *mut u64,
-                bulk_allocs: v.bulk_allocs,
-                shared_bulk_allocs: v.shared_bulk_allocs as *mut u64,
-                bulk_frees: v.bulk_frees,
-                shared_bulk_frees: v.shared_bulk_frees as *mut u64,
+                allocs: v.allocs as *mut u64,
+                frees: v.frees as *mut u64,
+                bulk_allocs: v.bulk_allocs as *mut u64,
+                bulk_frees: v.bulk_frees as *mut u64,
                 fault_on: v.fault_on.cast(),
                 base: base as *mut u8,
                 arena_bytes: n as usize * PAGE_SIZE,
@@ -892,6 +890,7 @@ pub unsafe extern "C" fn iopages_local_alloc_pages(
     guard_int(|| {
         // SAFETY: the caller passes NULL or a handle only this thread uses.
         let l = unsafe { obj_mut(l, "local")? };
+        l.local.resync();
         // SAFETY: the caller passes NULL or a writable page.
         unsafe { alloc_into(order, gfp_flags, page, |g| l.local.alloc_pages(g, order)) }
     })
@@ -910,6 +909,7 @@ pub unsafe extern "C" fn iopages_local_free_pages(
     guard_int(|| {
         // SAFETY: the caller passes NULL or a handle only this thread uses.
         let l = unsafe { obj_mut(l, "local")? };
+        l.local.resync();
         let p = to_page(l.nr_pages, page)?;
         check_free(l.local.allocator(), p, order)?;
         // SAFETY: checked to be an allocated block of the arena (fully with
@@ -935,6 +935,7 @@ pub unsafe extern "C" fn iopages_local_alloc_bulk(
     guard_long(|| {
         // SAFETY: the caller passes NULL or a handle only this thread uses.
         let l = unsafe { obj_mut(l, "local")? };
+        l.local.resync();
         let g = gfp(gfp_flags)?;
         // SAFETY: the caller passes NULL or an array of `n` pages.
         let out = unsafe { slice_mut(pages, n, "pages")? };
@@ -962,6 +963,7 @@ pub unsafe extern "C" fn iopages_local_free_bulk(
     guard_int(|| {
         // SAFETY: the caller passes NULL or a handle only this thread uses.
         let l = unsafe { obj_mut(l, "local")? };
+        l.local.resync();
         // SAFETY: the caller passes NULL or an array of `n` pages.
         let pages = unsafe { slice(pages, n, "pages")? };
         let pages = checked_pages(l.local.allocator(), pages)?;
@@ -995,7 +997,7 @@ pub unsafe extern "C" fn iopages_local_alloc_page_ptr(
     // or panic, so it needs neither the panic guard nor a stack frame;
     // everything else, every error message included, is the cold path's.
     // SAFETY: the caller passes NULL or a handle only this thread uses.
-    if let Some(h) = unsafe { l.as_mut() } {
+    if let Some(h) = unsafe { handle_mut(l) } {
         if let Some(g) = Gfp::from_bits(gfp_flags) {
             if let Some(p) = h.local.alloc_cached(g) {
                 return (h.base + p.pfn() as usize * PAGE_SIZE) as *mut c_void;
@@ -1019,6 +1021,7 @@ unsafe fn local_alloc_page_ptr_slow(l: *mut iopages_local, gfp_flags: u32) -> *m
         let Ok(l) = (unsafe { obj_mut(l, "local") }) else {
             return std::ptr::null_mut();
         };
+        l.local.resync();
         let Ok(g) = gfp(gfp_flags) else {
             return std::ptr::null_mut();
         };
@@ -1046,7 +1049,7 @@ pub unsafe extern "C" fn iopages_local_free_page_ptr(
     // The fast path (see `iopages_local_alloc_page_ptr`): a page start
     // inside the arena, into the handle's cache, checks off.
     // SAFETY: the caller passes NULL or a handle only this thread uses.
-    if let Some(h) = unsafe { l.as_mut() } {
+    if let Some(h) = unsafe { handle_mut(l) } {
         let off = (ptr as usize).wrapping_sub(h.base);
         if off % PAGE_SIZE == 0 && off / PAGE_SIZE < h.nr_pages as usize {
             let page = Page::from_pfn((off / PAGE_SIZE) as u32);
@@ -1072,6 +1075,7 @@ unsafe fn local_free_page_ptr_slow(l: *mut iopages_local, ptr: *mut c_void) -> c
     guard_int(|| {
         // SAFETY: the caller passes NULL or a handle only this thread uses.
         let l = unsafe { obj_mut(l, "local")? };
+        l.local.resync();
         let off = (ptr as usize).wrapping_sub(l.base);
         if off % PAGE_SIZE != 0 || off / PAGE_SIZE >= l.nr_pages as usize {
             return Err(fail(
@@ -1107,7 +1111,7 @@ pub unsafe extern "C" fn iopages_local_alloc_bulk_ptrs(
     // The fast path (see `iopages_local_alloc_page_ptr`): the whole batch
     // from the handle's cache, straight into `ptrs`.
     // SAFETY: the caller passes NULL or a handle only this thread uses.
-    let h = unsafe { l.as_mut() };
+    let h = unsafe { handle_mut(l) };
     if let (Some(h), Some(g), false) = (h, Gfp::from_bits(gfp_flags), ptrs.is_null()) {
         // SAFETY: not NULL; the caller passes an array of `n` pointers.
         let out = unsafe { std::slice::from_raw_parts_mut(ptrs, n) };
@@ -1139,6 +1143,7 @@ unsafe fn local_alloc_bulk_ptrs_slow(
     guard_long(|| {
         // SAFETY: the caller passes NULL or a handle only this thread uses.
         let l = unsafe { obj_mut(l, "local")? };
+        l.local.resync();
         let g = gfp(gfp_flags)?;
         // SAFETY: the caller passes NULL or an array of `n` pointers.
         let out = unsafe { slice_mut(ptrs, n, "ptrs")? };
@@ -1169,7 +1174,7 @@ pub unsafe extern "C" fn iopages_local_free_bulk_ptrs(
     // The fast path (see `iopages_local_alloc_page_ptr`): every address
     // good, the handles written straight into the handle's cache.
     // SAFETY: the caller passes NULL or a handle only this thread uses.
-    if let (Some(h), false) = (unsafe { l.as_mut() }, ptrs.is_null()) {
+    if let (Some(h), false) = (unsafe { handle_mut(l) }, ptrs.is_null()) {
         // SAFETY: not NULL; the caller passes an array of `n` pointers.
         let ptrs = unsafe { std::slice::from_raw_parts(ptrs, n) };
         let (base, size) = (h.base, h.nr_pages as usize * PAGE_SIZE);
@@ -1205,6 +1210,7 @@ unsafe fn local_free_bulk_ptrs_slow(
     guard_int(|| {
         // SAFETY: the caller passes NULL or a handle only this thread uses.
         let l = unsafe { obj_mut(l, "local")? };
+        l.local.resync();
         // SAFETY: the caller passes NULL or an array of `n` pointers.
         let ptrs = unsafe { slice(ptrs, n, "ptrs")? };
         let (base, size) = (l.base, l.nr_pages as usize * PAGE_SIZE);

@@ -19,24 +19,16 @@ fn repo_root() -> PathBuf {
 }
 
 /// A directory holding libiopages.so and libiopages.a as C users see them
-/// installed: links to cargo's libiopages_ffi.so and libiopages_ffi.a in
-/// target/<profile> (cargo builds them with the tests).
+/// installed: links to the libiopages_ffi.so and libiopages_ffi.a that
+/// [`build_c_libraries`] builds from the sources under test.
 fn lib_dir() -> PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let exe = std::env::current_exe().expect("current_exe");
-        // target/<profile>/deps/c_programs-<hash>
-        let mut built = exe
-            .parent()
-            .and_then(Path::parent)
-            .expect("target dir")
-            .to_path_buf();
-        if !built.join("libiopages_ffi.so").is_file() {
-            // `cargo test` builds the crate's rlib only; the C libraries
-            // are built here, in a target directory of their own (the
-            // outer cargo holds the lock on this one).
-            built = build_c_libraries();
-        }
+        // Always built here, never taken from target/<profile>: `cargo
+        // test` builds the crate's rlib only, so a libiopages_ffi.so there
+        // is whatever an earlier `cargo build` left, possibly older than
+        // the sources the tests should check.
+        let built = build_c_libraries();
         let dir = out_dir().join("lib");
         std::fs::create_dir_all(&dir).unwrap();
         for (from, to) in [
@@ -46,7 +38,7 @@ fn lib_dir() -> PathBuf {
             let src = built.join(from);
             assert!(
                 src.is_file(),
-                "{} has no {from} (cargo builds it with the tests)",
+                "{} has no {from} (cargo build -p iopages-ffi made none)",
                 built.display()
             );
             let dst = dir.join(to);

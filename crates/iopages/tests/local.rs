@@ -499,3 +499,156 @@ fn the_slice_and_slot_forms_hand_each_page_to_one_owner_and_refuse_cleanly() {
         assert_no_leaks(&alloc);
     }
 }
+
+/// What the C header's inline functions do through the view: pop and push
+/// on the shared record alone (relaxed loads and stores).
+mod view {
+    use iopages::{Gfp, LocalFastPath, Page};
+    use std::sync::atomic::Ordering::Relaxed;
+
+    fn bump(c: *const std::sync::atomic::AtomicU64, n: u64) {
+        // SAFETY: the view's pointers are live while the handle is.
+        let c = unsafe { &*c };
+        c.store(c.load(Relaxed) + n, Relaxed);
+    }
+
+    pub fn pop(v: &LocalFastPath) -> Option<Page> {
+        // SAFETY: as above; the test's thread owns the handle.
+        let (len, fault_on) = unsafe { (&*v.len, &*v.fault_on) };
+        let n = len.load(Relaxed);
+        if n == 0 || Gfp::KERNEL.bits() & v.careful != 0 || fault_on.load(Relaxed) {
+            return None;
+        }
+        // SAFETY: slots below `n` hold cached pages.
+        let raw = unsafe { v.buf.add(n - 1).read() };
+        len.store(n - 1, Relaxed);
+        bump(v.allocs, 1);
+        Some(Page::from_pfn(raw - 1))
+    }
+
+    pub fn push(v: &LocalFastPath, p: Page) -> bool {
+        // SAFETY: as in `pop`.
+        let len = unsafe { &*v.len };
+        let n = len.load(Relaxed);
+        if v.checks || n >= v.cap {
+            return false;
+        }
+        // SAFETY: the slot is inside the buffer.
+        unsafe { v.buf.add(n).write(p.pfn() + 1) };
+        len.store(n + 1, Relaxed);
+        bump(v.frees, 1);
+        true
+    }
+}
+
+#[test]
+fn the_fast_path_view_and_the_handle_take_turns_after_resync() {
+    for checks in [false, true] {
+        view_and_handle(checks);
+    }
+}
+
+fn view_and_handle(checks: bool) {
+    let alloc = builder(16).checks(checks).build().unwrap();
+    let mut local = alloc.local();
+    let raw: *mut iopages::LocalAllocator = &mut local;
+    // SAFETY: `local` lives and stays put for the whole test; the view is
+    // used only between calls on the handle, each followed by `resync`.
+    let v = unsafe { iopages::LocalAllocator::fast_path(raw) };
+    let mut held = Vec::new();
+    let mut tag = 0u64;
+    let s0 = alloc.stats();
+    let (mut via_view_allocs, mut via_view_frees) = (0u64, 0u64);
+    for step in 0..4000u32 {
+        let r = step.wrapping_mul(2_654_435_761) >> 7;
+        // SAFETY (every `unsafe` below): the handle is used through `raw`
+        // only, one call at a time, and pages freed are held here once.
+        match r % 6 {
+            0 | 1 if held.len() < 1500 => {
+                let p = match pop_or_refill(raw, &v) {
+                    (p, true) => {
+                        via_view_allocs += 1;
+                        p
+                    }
+                    (p, false) => p,
+                };
+                tag += 1;
+                write_tag(&alloc, p, tag);
+                held.push((p, tag));
+            }
+            2 if held.len() < 1400 => {
+                let mut batch = Vec::new();
+                let n = unsafe {
+                    (*raw).resync();
+                    (*raw).alloc_bulk(Gfp::KERNEL, 1 + (r as usize >> 4) % 90, &mut batch)
+                };
+                assert_eq!(n, batch.len());
+                for p in batch {
+                    tag += 1;
+                    write_tag(&alloc, p, tag);
+                    held.push((p, tag));
+                }
+            }
+            3 | 4 if !held.is_empty() => {
+                let (p, t) = held.pop().unwrap();
+                check_tag(&alloc, p, t);
+                if view::push(&v, p) {
+                    via_view_frees += 1;
+                } else {
+                    unsafe {
+                        (*raw).resync();
+                        (*raw).free_pages(p, 0);
+                    }
+                }
+            }
+            _ if !held.is_empty() => {
+                let k = (1 + (r as usize >> 4) % 70).min(held.len());
+                let mut batch: Vec<Page> = Vec::new();
+                for (p, t) in held.drain(held.len() - k..) {
+                    check_tag(&alloc, p, t);
+                    batch.push(p);
+                }
+                unsafe {
+                    (*raw).resync();
+                    (*raw).free_bulk(&mut batch);
+                }
+            }
+            _ => {}
+        }
+        if step % 250 == 0 {
+            let a = alloc.accounting();
+            assert_eq!(a.in_use_pages, held.len(), "step {step}");
+        }
+    }
+    let s1 = alloc.stats();
+    if checks {
+        // Checks on: the view declines every call (the full path checks).
+        assert_eq!((via_view_allocs, via_view_frees), (0, 0));
+    } else {
+        assert!(via_view_allocs > 100 && via_view_frees > 100);
+    }
+    assert!(s1.alloc_thread_cache - s0.alloc_thread_cache >= via_view_allocs);
+    assert!(s1.free_thread_cache - s0.free_thread_cache >= via_view_frees);
+    for (p, t) in held.drain(..) {
+        check_tag(&alloc, p, t);
+        unsafe {
+            (*raw).resync();
+            (*raw).free_pages(p, 0);
+        }
+    }
+    drop(local);
+    assert_no_leaks(&alloc);
+}
+
+/// A page from the view, or (cache empty) from the handle after a resync;
+/// `true` when the view served it.
+fn pop_or_refill(raw: *mut iopages::LocalAllocator, v: &iopages::LocalFastPath) -> (Page, bool) {
+    if let Some(p) = view::pop(v) {
+        return (p, true);
+    }
+    // SAFETY: see the test.
+    unsafe {
+        (*raw).resync();
+        ((*raw).alloc_pages(Gfp::KERNEL, 0).expect("a page"), false)
+    }
+}

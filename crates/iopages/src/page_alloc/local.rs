@@ -79,41 +79,37 @@ unsafe impl Send for LocalAllocator {}
 
 /// Where a handle keeps the state of its order-0 fast paths, for code that
 /// runs those fast paths itself: the C ABI's inline functions in
-/// `iopages.h`, as DPDK's header inlines its per-lcore cache. Code using
-/// it must do what [`LocalAllocator::alloc_cached`],
-/// [`LocalAllocator::free_cached`] and their bulk forms do, field for
-/// field: take pages from `buf[..*len]` or put them above it, store the new
-/// length to `*len` and (relaxed) to `*shared_len`, and add to each count
-/// and store it to its shared mirror likewise; and take the full path
-/// whenever those functions would decline.
+/// `iopages.h`, as DPDK's header inlines its per-lcore cache.
+///
+/// The view points at the handle's shared record (the atomics other
+/// threads read), which is always current: the handle mirrors every change
+/// into it. Code using the view must do what
+/// [`LocalAllocator::alloc_cached`], [`LocalAllocator::free_cached`] and
+/// their bulk forms do, on that record alone: take pages from
+/// `buf[..len]` or put them above it, store the new length to `len`, and
+/// add to each count (each a relaxed load and a relaxed store: the
+/// handle's thread is the only writer); and take the full path whenever
+/// those functions would decline. The handle's own copies of the length
+/// and counts (kept for Rust loops, in registers) are then stale: call
+/// [`LocalAllocator::resync`] before the next call on the handle.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct LocalFastPath {
-    /// The cached order-0 pages, `buf[..*len]`, each a [`Page`]'s `u32`
+    /// The cached order-0 pages, `buf[..len]`, each a [`Page`]'s `u32`
     /// (frame number + 1).
     pub buf: *mut u32,
     /// How many pages are cached.
-    pub len: *mut usize,
-    /// The shared mirror of `len` (an `AtomicUsize`: store relaxed).
-    pub shared_len: *const AtomicUsize,
+    pub len: *const AtomicUsize,
     /// Most pages the cache holds.
     pub cap: usize,
-    /// Pages allocated, and its shared mirror.
-    pub allocs: *mut u64,
-    /// Shared mirror of `allocs`.
-    pub shared_allocs: *const AtomicU64,
-    /// Pages freed, and its shared mirror.
-    pub frees: *mut u64,
-    /// Shared mirror of `frees`.
-    pub shared_frees: *const AtomicU64,
+    /// Pages allocated through the handle's cache.
+    pub allocs: *const AtomicU64,
+    /// Pages freed into the handle's cache.
+    pub frees: *const AtomicU64,
     /// Bulk allocation calls.
-    pub bulk_allocs: *mut u64,
-    /// Shared mirror of `bulk_allocs`.
-    pub shared_bulk_allocs: *const AtomicU64,
+    pub bulk_allocs: *const AtomicU64,
     /// Bulk free calls.
-    pub bulk_frees: *mut u64,
-    /// Shared mirror of `bulk_frees`.
-    pub shared_bulk_frees: *const AtomicU64,
+    pub bulk_frees: *const AtomicU64,
     /// Allocation flags that need the full path.
     pub careful: u32,
     /// Allocation checks are on: frees take the full path.
@@ -183,6 +179,17 @@ impl LocalAllocator {
     /// (every change is mirrored). After it: take its state back.
     #[inline]
     pub(super) fn reload(&mut self) {
+        self.resync();
+    }
+
+    /// Take the order-0 length and the counts back from the shared record,
+    /// after code using [`LocalAllocator::fast_path`]'s view changed it.
+    /// Costs five loads; needed before the handle's next call whenever
+    /// such code ran (the C ABI does it at every entry).
+    ///
+    /// **Context:** never blocks.
+    #[inline]
+    pub fn resync(&mut self) {
         self.len = self.tc.len(0);
         self.allocs = self.tc.allocs.load(Relaxed);
         self.frees = self.tc.frees.load(Relaxed);
@@ -584,29 +591,23 @@ impl LocalAllocator {
     /// # Safety
     /// `this` points to a live handle. The pointers are valid while the
     /// handle lives and stays where it is, and may be used only by one
-    /// thread at a time and only while no reference to the handle is in
-    /// use (between calls on it): they alias its fields. They must be
-    /// derived from the pointer the handle's owner keeps (not from a
-    /// reference that ends before they are used).
+    /// thread at a time and only between calls on the handle; after using
+    /// them, call [`LocalAllocator::resync`] before the handle's next call.
     pub unsafe fn fast_path(this: *mut LocalAllocator) -> LocalFastPath {
-        // SAFETY: `this` is live (the caller's promise); every pointer is
-        // taken from it without making a reference to the whole handle,
-        // and `tc` is reached through a shared reference that ends here.
+        // SAFETY: `this` is live (the caller's promise); `buf` is copied
+        // without making a reference to the whole handle, and `tc` is
+        // reached through a shared reference that ends here (the pointers
+        // into it stay valid: the handle keeps the `Arc`).
         unsafe {
             let tc: &Tcache = &(*this).tc;
             LocalFastPath {
                 buf: (*this).buf.cast(),
-                len: std::ptr::addr_of_mut!((*this).len),
-                shared_len: tc.len_ptr(0),
+                len: tc.len_ptr(0),
                 cap: (*this).cap,
-                allocs: std::ptr::addr_of_mut!((*this).allocs),
-                shared_allocs: &tc.allocs,
-                frees: std::ptr::addr_of_mut!((*this).frees),
-                shared_frees: &tc.frees,
-                bulk_allocs: std::ptr::addr_of_mut!((*this).bulk_allocs),
-                shared_bulk_allocs: &tc.bulk_allocs,
-                bulk_frees: std::ptr::addr_of_mut!((*this).bulk_frees),
-                shared_bulk_frees: &tc.bulk_frees,
+                allocs: &tc.allocs,
+                frees: &tc.frees,
+                bulk_allocs: &tc.bulk_allocs,
+                bulk_frees: &tc.bulk_frees,
                 careful: (*this).careful.bits(),
                 checks: (*this).checks,
                 fault_on: (*this).fault_on,
