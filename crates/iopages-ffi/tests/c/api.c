@@ -365,7 +365,7 @@ static void fast_calls(void) {
         if (checks) CHECK(iopages_fast_free_page_ptr(f, z) == -EINVAL); /* double free caught */
         /* Bulk, inside and past the cache, every page distinct. */
         static void *v[600];
-        size_t sizes[] = {1, 8, 64, 300, 600};
+        size_t sizes[] = {1, 8, 16, 17, 64, 300, 600};
         for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++) {
             size_t n = sizes[k];
             CHECK(iopages_fast_alloc_bulk_ptrs(f, IOPAGES_GFP_KERNEL, v, n) == (intptr_t)n);
