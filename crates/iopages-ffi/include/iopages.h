@@ -1272,13 +1272,17 @@ static inline int iopages_fast_free_bulk_ptrs(const struct iopages_local_fast *f
     if (n > IOPAGES_FAST_BULK_MAX || f->checks || n > f->cap - len || ptrs == NULL)
         return iopages_local_free_bulk_ptrs(f->local, ptrs, n);
     uint32_t *slot = f->buf + len;
-    size_t bad = 0;
+    /* Every address a page start (the offsets' low bits, or-ed) inside the
+     * arena (the largest offset; one below the base wraps to a huge one):
+     * two cheap operations per page and one test, not two tests per page. */
+    size_t low = 0, top = 0;
     for (size_t i = 0; i < n; i++) {
         size_t off = (size_t)((uintptr_t)ptrs[i] - (uintptr_t)f->base);
-        bad |= (off % IOPAGES_PAGE_SIZE) | (size_t)(off >= f->arena_bytes);
+        low |= off;
+        top = off > top ? off : top;
         slot[i] = (uint32_t)((off / IOPAGES_PAGE_SIZE) & 0x7fffffff) + 1;
     }
-    if (bad)
+    if ((low % IOPAGES_PAGE_SIZE) != 0 || top >= f->arena_bytes)
         return iopages_local_free_bulk_ptrs(f->local, ptrs, n);
     iopages_fast__set_len_(f, len + n);
     iopages_fast__count_(f->frees, n);

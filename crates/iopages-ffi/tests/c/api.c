@@ -380,6 +380,13 @@ static void fast_calls(void) {
             v[n / 2] = (char *)saved + 64;
             CHECK(iopages_fast_free_bulk_ptrs(f, v, n) == -EINVAL);
             CHECK(iopages_leak_check(a, &acc) == -EBUSY && acc.in_use_pages == n); /* nothing freed */
+            /* Page starts outside the arena: past its end, below its base. */
+            char *outside[] = {(char *)f->base + f->arena_bytes, (char *)f->base - 4096};
+            for (int o = 0; o < 2; o++) {
+                v[n / 2] = outside[o];
+                CHECK(iopages_fast_free_bulk_ptrs(f, v, n) == -EINVAL);
+                CHECK(iopages_leak_check(a, &acc) == -EBUSY && acc.in_use_pages == n);
+            }
             v[n / 2] = saved;
             CHECK(iopages_fast_free_bulk_ptrs(f, v, n) == 0);
             CHECK(iopages_leak_check(a, NULL) == 0);
