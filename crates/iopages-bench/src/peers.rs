@@ -316,6 +316,74 @@ fn touch(alloc: &PageAllocator, p: Page) {
     unsafe { std::ptr::write_volatile(alloc.page_address(p), 1) };
 }
 
+/// Pages as the C harness holds them: by address. Every E1 row allocates
+/// a batch into an array of addresses, writes each first byte through it
+/// and frees from addresses, so every row runs the same loop.
+#[derive(Clone, Copy)]
+struct Addrs {
+    base: usize,
+}
+
+impl Addrs {
+    fn of(alloc: &PageAllocator) -> Addrs {
+        Addrs {
+            base: alloc.page_address(Page::from_pfn(0)) as usize,
+        }
+    }
+
+    #[inline(always)]
+    fn addr(self, p: Page) -> *mut u8 {
+        (self.base + p.pfn() as usize * iopages::PAGE_SIZE) as *mut u8
+    }
+
+    #[inline(always)]
+    fn page(self, a: *mut u8) -> Page {
+        Page::from_pfn(((a as usize - self.base) / iopages::PAGE_SIZE) as u32)
+    }
+
+    /// Up to `out.len()` pages into `out` as addresses, converted in the
+    /// pass that takes them from the handle's cache; how many.
+    #[inline(always)]
+    fn alloc(
+        self,
+        local: &mut LocalAllocator,
+        spill: &mut Vec<Page>,
+        out: &mut [*mut u8],
+    ) -> usize {
+        local.alloc_bulk_with(Gfp::KERNEL, out.len(), spill, |pages| {
+            for (a, &p) in out.iter_mut().zip(pages) {
+                *a = self.addr(p);
+            }
+            pages.len()
+        })
+    }
+
+    /// Free the pages at `addrs`, converted in the pass that puts them in
+    /// the handle's cache.
+    ///
+    /// # Safety
+    /// Each address is a page of this arena the caller allocated and owns,
+    /// given once, not used afterwards.
+    #[inline(always)]
+    unsafe fn free(self, local: &mut LocalAllocator, spill: &mut Vec<Page>, addrs: &[*mut u8]) {
+        // SAFETY: the caller's promise; every slot is written.
+        unsafe {
+            local.free_bulk_with(addrs.len(), spill, |slots| {
+                for (d, &a) in slots.iter_mut().zip(addrs) {
+                    d.write(self.page(a));
+                }
+                true
+            })
+        };
+    }
+}
+
+#[inline(always)]
+fn touch_addr(a: *mut u8) {
+    // SAFETY: the caller passes the address of a page it holds.
+    unsafe { std::ptr::write_volatile(a, 1) };
+}
+
 /// iopages, single thread, first byte of each page written: batch 0 is the
 /// single-page API, others the bulk API.
 ///
@@ -351,35 +419,18 @@ pub fn iopages_st(
         })
     } else {
         let rounds = (pages / batch as u64).max(1);
-        let base = alloc.page_address(Page::from_pfn(0)) as usize;
-        let mut addrs: Vec<*mut u8> = vec![std::ptr::null_mut(); batch];
+        let addrs = Addrs::of(&alloc);
+        let mut v: Vec<*mut u8> = vec![std::ptr::null_mut(); batch];
         let mut spill = Vec::with_capacity(batch);
         time_once(rounds * batch as u64, || {
             for _ in 0..rounds {
-                let got = local.alloc_bulk_with(Gfp::KERNEL, batch, &mut spill, |pages| {
-                    for (a, &p) in addrs.iter_mut().zip(pages) {
-                        *a = (base + p.pfn() as usize * iopages::PAGE_SIZE) as *mut u8;
-                    }
-                    pages.len()
-                });
+                let got = addrs.alloc(local, &mut spill, &mut v);
                 short |= got != batch;
-                for &a in &addrs[..got] {
-                    // SAFETY: the page is allocated here and lies in the
-                    // arena.
-                    unsafe { std::ptr::write_volatile(a, 1) };
+                for &a in &v[..got] {
+                    touch_addr(a);
                 }
-                // SAFETY: the addresses are pages of this arena allocated
-                // here, each once, and not used after this.
-                unsafe {
-                    local.free_bulk_with(got, &mut spill, |slots| {
-                        for (d, &a) in slots.iter_mut().zip(&addrs[..got]) {
-                            d.write(Page::from_pfn(
-                                ((a as usize - base) / iopages::PAGE_SIZE) as u32,
-                            ));
-                        }
-                        true
-                    })
-                };
+                // SAFETY: pages of this arena allocated here, each once.
+                unsafe { addrs.free(local, &mut spill, &v[..got]) };
             }
         })
     };
@@ -391,14 +442,14 @@ pub fn iopages_st(
     Ok(s)
 }
 
-/// A single-producer single-consumer ring of pages, the same algorithm as
+/// A single-producer single-consumer ring of page addresses, the same algorithm as
 /// the C harness's: plain slots, published by the release store of `head`
 /// and handed back by the release store of `tail`, so the harness costs
 /// what the C one costs and the comparison measures the allocators.
 struct Ring {
     head: crossbeam_utils::CachePadded<AtomicU64>,
     tail: crossbeam_utils::CachePadded<AtomicU64>,
-    slots: Box<[std::cell::UnsafeCell<Page>]>,
+    slots: Box<[std::cell::UnsafeCell<*mut u8>]>,
 }
 
 // SAFETY: slot `i` is written only by the producer while `i - tail <
@@ -406,6 +457,9 @@ struct Ring {
 // are stored with release and loaded with acquire, so each slot has one
 // writer or one reader at a time and the reader sees the write.
 unsafe impl Sync for Ring {}
+// SAFETY: the slots hold addresses of pages in flight between the pair,
+// owned by one side at a time (see `Sync`); nothing ties them to a thread.
+unsafe impl Send for Ring {}
 
 impl Ring {
     fn new() -> Ring {
@@ -413,19 +467,19 @@ impl Ring {
             head: Default::default(),
             tail: Default::default(),
             slots: (0..RING)
-                .map(|_| std::cell::UnsafeCell::new(Page::from_pfn(0)))
+                .map(|_| std::cell::UnsafeCell::new(std::ptr::null_mut()))
                 .collect(),
         }
     }
 
-    /// The slots as plain memory (`UnsafeCell<Page>` has `Page`'s layout).
-    fn base(&self) -> *mut Page {
-        self.slots.as_ptr().cast::<Page>().cast_mut()
+    /// The slots as plain memory (`UnsafeCell<T>` has `T`'s layout).
+    fn base(&self) -> *mut *mut u8 {
+        self.slots.as_ptr().cast::<*mut u8>().cast_mut()
     }
 
     /// Producer: write `pages` at `at` (the slots are free).
     #[inline]
-    fn write(&self, at: u64, pages: &[Page]) {
+    fn write(&self, at: u64, pages: &[*mut u8]) {
         let base = self.base();
         for (i, &p) in pages.iter().enumerate() {
             // SAFETY: see the `Sync` impl; the producer owns these slots, and
@@ -436,7 +490,7 @@ impl Ring {
 
     /// Consumer: the page at `at` (published).
     #[inline]
-    fn one(&self, at: u64) -> Page {
+    fn one(&self, at: u64) -> *mut u8 {
         // SAFETY: see the `Sync` impl; the consumer owns this slot.
         unsafe { *self.base().add((at & (RING - 1)) as usize) }
     }
@@ -444,7 +498,7 @@ impl Ring {
     /// Consumer: append the `n` pages at `at` to `out` (they are
     /// published).
     #[inline]
-    fn read(&self, at: u64, n: u64, out: &mut Vec<Page>) {
+    fn read(&self, at: u64, n: u64, out: &mut Vec<*mut u8>) {
         let base = self.base();
         out.extend((at..at + n).map(|i| {
             // SAFETY: see the `Sync` impl; the consumer owns these slots.
@@ -472,15 +526,6 @@ pub fn mt_pages_in_flight(threads: usize, batch: usize) -> u64 {
 /// Producer side, batches: append `batch` pages to `buf` (empty). A short
 /// batch is given back whole: returns false.
 #[inline]
-fn mt_alloc_batch(local: &mut LocalAllocator, batch: usize, buf: &mut Vec<Page>) -> bool {
-    if local.alloc_bulk(Gfp::KERNEL, batch, buf) == batch {
-        return true;
-    }
-    // SAFETY: `buf` holds the short batch just allocated, each page once.
-    unsafe { local.free_bulk(buf) };
-    false
-}
-
 fn producer(
     alloc: &PageAllocator,
     ring: &Ring,
@@ -490,7 +535,9 @@ fn producer(
     pages: u64,
 ) -> WorkerClock {
     let b = batch.max(1);
-    let mut buf = Vec::with_capacity(b);
+    let addrs = Addrs::of(alloc);
+    let mut buf: Vec<*mut u8> = vec![std::ptr::null_mut(); b];
+    let mut spill = Vec::with_capacity(b);
     let mut local = alloc.local();
     start.wait();
     let span = Span::begin();
@@ -502,28 +549,32 @@ fn producer(
                 failed.store(true, Ordering::Relaxed);
                 break;
             };
-            touch(alloc, p);
+            let a = addrs.addr(p);
+            touch_addr(a);
             while head + 1 - ring.tail.load(Ordering::Acquire) > RING {
                 std::thread::yield_now();
             }
-            ring.write(head, &[p]);
+            ring.write(head, &[a]);
             head += 1;
             ring.head.store(head, Ordering::Release);
         }
     }
     while head < pages {
-        if !mt_alloc_batch(&mut local, batch, &mut buf) {
+        let got = addrs.alloc(&mut local, &mut spill, &mut buf);
+        if got != b {
+            // SAFETY: the short batch was just allocated here, each page
+            // once.
+            unsafe { addrs.free(&mut local, &mut spill, &buf[..got]) };
             failed.store(true, Ordering::Relaxed);
             break;
         }
-        for &p in &buf {
-            touch(alloc, p);
+        for &a in &buf {
+            touch_addr(a);
         }
         while head + b as u64 - ring.tail.load(Ordering::Acquire) > RING {
             std::thread::yield_now();
         }
         ring.write(head, &buf);
-        buf.clear();
         head += b as u64;
         ring.head.store(head, Ordering::Release);
     }
@@ -534,7 +585,9 @@ fn producer(
 
 fn consumer(alloc: &PageAllocator, ring: &Ring, start: &Barrier, batch: usize) -> WorkerClock {
     let b = batch.max(1) as u64;
-    let mut v: Vec<Page> = Vec::with_capacity(b as usize);
+    let addrs = Addrs::of(alloc);
+    let mut v: Vec<*mut u8> = Vec::with_capacity(b as usize);
+    let mut spill = Vec::with_capacity(b as usize);
     let mut local = alloc.local();
     start.wait();
     let span = Span::begin();
@@ -550,20 +603,21 @@ fn consumer(alloc: &PageAllocator, ring: &Ring, start: &Barrier, batch: usize) -
             continue;
         }
         if batch == 0 {
-            let p = ring.one(tail);
+            let a = ring.one(tail);
             tail += 1;
             ring.tail.store(tail, Ordering::Release);
-            // SAFETY: the producer handed `p` over through the ring and
-            // dropped it; the slot is released above, so this consumer
+            // SAFETY: the producer handed the page over through the ring
+            // and dropped it; the slot is released above, so this consumer
             // owns it alone.
-            unsafe { local.free_pages(p, 0) };
+            unsafe { local.free_pages(addrs.page(a), 0) };
             continue;
         }
         ring.read(tail, b, &mut v);
         tail += b;
         ring.tail.store(tail, Ordering::Release);
         // SAFETY: as for a single page: the batch was handed over whole.
-        unsafe { local.free_bulk(&mut v) };
+        unsafe { addrs.free(&mut local, &mut spill, &v) };
+        v.clear();
     }
     span.end()
 }
