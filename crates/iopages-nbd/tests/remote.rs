@@ -543,7 +543,7 @@ fn error_replies_map_to_kinds_and_keep_the_connection() {
 }
 
 #[test]
-fn callers_wait_for_a_request_slot() {
+fn eight_callers_share_one_request_slot_and_read_back_their_writes() {
     let Some(k) = Nbdkit::start("remote in-flight limit", &["memory", "8M"]) else {
         return;
     };
@@ -571,6 +571,96 @@ fn callers_wait_for_a_request_slot() {
     for h in threads {
         h.join().unwrap();
     }
+}
+
+#[test]
+fn the_in_flight_limit_is_never_exceeded() {
+    use iopages_nbd::proto::*;
+    use std::io::{ErrorKind as K, Read, Write};
+    const THREADS: usize = 6;
+    const EACH: usize = 4;
+    const LIMIT: usize = 2;
+    // The server holds every reply until it has seen LIMIT requests
+    // outstanding (or none came for 150 ms), then checks that nothing more
+    // arrives for 150 ms before it answers them: with the limit at LIMIT
+    // on one connection, a client may never have more out at once.
+    let (_dir, spec, server) = fake_server(move |mut s| {
+        let (option, _) = greet(&mut s);
+        assert_eq!(option, OPT_GO);
+        go_ok(&mut s, 0);
+        let mut answered = 0;
+        let mut most = 0;
+        while answered < THREADS * EACH {
+            let mut out = Vec::new();
+            while out.len() < LIMIT {
+                // The first request of a round may take its time; the
+                // others are given 150 ms to arrive.
+                let wait = if out.is_empty() { 10_000 } else { 150 };
+                s.set_read_timeout(Some(Duration::from_millis(wait)))
+                    .unwrap();
+                let mut r = [0u8; REQUEST_BYTES];
+                match s.read_exact(&mut r) {
+                    Ok(()) => {}
+                    Err(e) if matches!(e.kind(), K::WouldBlock | K::TimedOut) => break,
+                    Err(e) => panic!("reading a request: {e}"),
+                }
+                let req = Request::decode(&r).unwrap();
+                assert_eq!(req.command, CMD_WRITE);
+                let mut data = vec![0u8; req.length as usize];
+                s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+                s.read_exact(&mut data).unwrap();
+                out.push(req.cookie);
+            }
+            // Nothing more may come while these are unanswered.
+            s.set_read_timeout(Some(Duration::from_millis(150)))
+                .unwrap();
+            let mut b = [0u8; 1];
+            match s.read(&mut b) {
+                Err(e) if matches!(e.kind(), K::WouldBlock | K::TimedOut) => {}
+                other => panic!("a request beyond {} in flight: {other:?}", out.len()),
+            }
+            most = most.max(out.len());
+            for c in out.drain(..) {
+                s.write_all(&simple_reply(0, c)).unwrap();
+                answered += 1;
+            }
+        }
+        assert_eq!(most, LIMIT, "the client never reached its limit");
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut r = [0u8; REQUEST_BYTES];
+        s.read_exact(&mut r).unwrap();
+        assert_eq!(Request::decode(&r).unwrap().command, CMD_DISC);
+    });
+    let remote = Arc::new(
+        NbdRemote::connect(
+            &spec,
+            &RemoteOptions {
+                connections: 1,
+                max_in_flight: LIMIT,
+                timeout: Duration::from_secs(30),
+                ..RemoteOptions::default()
+            },
+        )
+        .unwrap(),
+    );
+    let threads: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let remote = remote.clone();
+            std::thread::spawn(move || {
+                for i in 0..EACH {
+                    let at = ((t * EACH + i) * 4096) as u64;
+                    remote.write_at(at, &[&[t as u8; 4096]]).unwrap();
+                }
+            })
+        })
+        .collect();
+    for h in threads {
+        h.join().unwrap();
+    }
+    drop(remote);
+    server
+        .join()
+        .expect("the server never saw more than the limit in flight");
 }
 
 /// A scripted NBD server on a Unix socket: `script` runs on the accepted
@@ -1261,9 +1351,10 @@ fn a_server_that_acks_starttls_and_then_stalls_or_misbehaves_is_given_up() {
         assert_eq!(option, OPT_STARTTLS);
         s.write_all(&option_reply(OPT_STARTTLS, REP_ACK, &[]))
             .unwrap();
+        // Read the ClientHello and whatever follows, never answering,
+        // until the client gives up and closes.
         let mut rest = [0u8; 4096];
-        let _ = s.read(&mut rest); // the ClientHello
-        std::thread::sleep(Duration::from_secs(5));
+        while matches!(s.read(&mut rest), Ok(n) if n > 0) {}
     });
     let uri = format!(
         "nbds+unix:///x?socket={}&tls-verify-peer=false",
@@ -1282,7 +1373,9 @@ fn a_server_that_acks_starttls_and_then_stalls_or_misbehaves_is_given_up() {
     assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
     assert!(e.to_string().contains("TLS handshake"), "{e}");
     assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
-    drop(server);
+    server
+        .join()
+        .expect("the server saw STARTTLS first and the client close");
     // An oversized or malformed reply to STARTTLS: refused, not read.
     for (reply, len, why) in [
         (REP_ACK, 1u32 << 30, "option reply of"),
