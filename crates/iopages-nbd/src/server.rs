@@ -25,9 +25,9 @@ use crate::ExportConfig;
 use iopages_crypt::queue::CryptQueue;
 use iopages_crypt::target::SectorCipher;
 use parking_lot::Mutex;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::net::{SocketAddr, TcpListener};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -117,11 +117,21 @@ pub enum Listener {
 }
 
 impl Listener {
+    /// Accepts that return at once (the acceptors wait in `poll` instead,
+    /// beside the server's wake-up eventfd). Accepted sockets do not
+    /// inherit it: they are blocking.
+    fn set_nonblocking(&self) -> std::io::Result<()> {
+        match self {
+            Listener::Tcp(t) => t.set_nonblocking(true),
+            Listener::Unix(u) => u.set_nonblocking(true),
+        }
+    }
+
     /// What it listens on: its local TCP address, or its Unix socket's
     /// path.
     ///
     /// **Returns:** an error for a Unix socket without a path (abstract
-    /// or unnamed): the server could not wake its acceptor to stop.
+    /// or unnamed): not supported (nothing to report or connect to).
     pub fn address(&self) -> std::io::Result<Listen> {
         match self {
             Listener::Tcp(t) => Ok(Listen::Tcp(t.local_addr()?)),
@@ -180,17 +190,25 @@ pub struct Server {
     /// of the socket file made (removed when it stops, if the path still
     /// names that file; an inherited socket's path is not).
     created: Vec<(PathBuf, (u64, u64))>,
-    /// Per address: a second descriptor of a listener this server bound,
-    /// shut down at stop to wake its acceptor (which then finds the
-    /// server stopping); `None` for an inherited socket, which systemd
-    /// still listens on, woken by a connection instead.
-    wakers: Vec<Option<OwnedFd>>,
+    /// An eventfd every acceptor polls beside its listener: written once
+    /// at stop, it wakes them all. No connection or `shutdown(2)` of the
+    /// listener is needed, so neither an inherited socket (which its
+    /// owner still listens on) nor a socket file removed or replaced
+    /// meanwhile can leave an acceptor waiting.
+    wake: Arc<OwnedFd>,
     acceptors: Vec<JoinHandle<()>>,
 }
 
-/// A listener's second descriptor, to wake its acceptor with.
-fn waker(l: &Listener) -> Option<OwnedFd> {
-    l.as_fd().try_clone_to_owned().ok()
+/// A new eventfd for [`Server::wake`].
+fn wake_fd() -> std::io::Result<OwnedFd> {
+    // SAFETY: eventfd has no memory arguments; a non-negative result is a
+    // new descriptor this function owns.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: as above.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 /// The device and inode of the file at `p` (following no link).
@@ -254,10 +272,11 @@ impl Server {
     /// [`Server::start_exports`] also serving `inherited`, listening
     /// sockets bound by someone else (socket activation), after the
     /// addresses of `listen` (which may then be empty). Each is served as
-    /// it is (made blocking, as the acceptors expect), reported by
-    /// [`Server::addresses`] with its local address or path, woken and
-    /// closed at shutdown like the others — but its path is never
-    /// removed: it belongs to whoever bound it.
+    /// it is (made non-blocking: the acceptors wait in `poll`), reported
+    /// by [`Server::addresses`] with its local address or path, its
+    /// acceptor woken at shutdown like the others (never by connecting to
+    /// it, so a path removed meanwhile does not matter) — but its path is
+    /// never removed: it belongs to whoever bound it.
     ///
     /// **Returns:** as [`Server::start_exports`]; [`Error::Config`] when
     /// there is neither an address nor an inherited socket, and
@@ -295,7 +314,6 @@ impl Server {
         let mut bound = Vec::with_capacity(listen.len() + inherited.len());
         let mut acceptors = Vec::with_capacity(listen.len() + inherited.len());
         let mut created = Vec::new();
-        let mut wakers = Vec::with_capacity(listen.len() + inherited.len());
         for l in listen {
             let err = |source| Error::Listen {
                 addr: l.to_string(),
@@ -306,7 +324,7 @@ impl Server {
                     let t = TcpListener::bind(a).map_err(err)?;
                     bound.push(Listen::Tcp(t.local_addr().map_err(err)?));
                     let l = Listener::Tcp(t);
-                    wakers.push(waker(&l));
+                    l.set_nonblocking().map_err(err)?;
                     acceptors.push(l);
                 }
                 Listen::Unix(p) => {
@@ -327,7 +345,7 @@ impl Server {
                         created.push((p.clone(), id));
                     }
                     let l = Listener::Unix(u);
-                    wakers.push(waker(&l));
+                    l.set_nonblocking().map_err(err)?;
                     acceptors.push(l);
                 }
             }
@@ -339,13 +357,8 @@ impl Server {
                 source,
             };
             let addr = l.address().map_err(err)?;
-            let blocking = match &l {
-                Listener::Tcp(t) => t.set_nonblocking(false),
-                Listener::Unix(u) => u.set_nonblocking(false),
-            };
-            blocking.map_err(err)?;
+            l.set_nonblocking().map_err(err)?;
             bound.push(addr);
-            wakers.push(None);
             acceptors.push(l);
         }
         let shared = Arc::new(Shared {
@@ -362,14 +375,18 @@ impl Server {
             shared,
             addresses: bound,
             created,
-            wakers,
+            wake: Arc::new(wake_fd().map_err(|source| Error::Listen {
+                addr: "the acceptors' wake-up eventfd".into(),
+                source,
+            })?),
             acceptors: Vec::new(),
         };
         for (i, a) in acceptors.into_iter().enumerate() {
             let s = Arc::clone(&server.shared);
+            let wake = Arc::clone(&server.wake);
             let h = std::thread::Builder::new()
                 .name(format!("nbd-accept/{i}"))
-                .spawn(move || accept_loop(&s, a))?;
+                .spawn(move || accept_loop(&s, a, &wake))?;
             server.acceptors.push(h);
         }
         Ok(server)
@@ -448,37 +465,15 @@ impl Server {
 
     fn stop(&mut self) {
         self.shared.stopping.store(true, Ordering::SeqCst);
-        // Wake each acceptor: a listener of our own is shut down (its
-        // accept fails at once; no path or address is needed, so a socket
-        // file removed or replaced meanwhile cannot leave the acceptor
-        // waiting), an inherited one gets a connection of our own.
-        for (a, w) in self.addresses.iter().zip(&self.wakers) {
-            if let Some(fd) = w {
-                // SAFETY: shutdown on a descriptor this server owns.
-                if unsafe { libc::shutdown(fd.as_raw_fd(), libc::SHUT_RDWR) } == 0 {
-                    continue;
-                }
-            }
-            match a {
-                Listen::Tcp(addr) => {
-                    let mut addr = *addr;
-                    if addr.ip().is_unspecified() {
-                        addr.set_ip(match addr.ip() {
-                            IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::LOCALHOST),
-                            IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::LOCALHOST),
-                        });
-                    }
-                    let _ = TcpStream::connect_timeout(&addr, Duration::from_secs(1));
-                }
-                Listen::Unix(p) => {
-                    let _ = UnixStream::connect(p);
-                }
-            }
-        }
+        // Wake every acceptor (see `wake`).
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writes 8 bytes from a live buffer to the eventfd this
+        // server owns. It cannot fail short of a counter at its maximum,
+        // which one write from zero never reaches.
+        unsafe { libc::write(self.wake.as_raw_fd(), one.as_ptr().cast(), one.len()) };
         for h in self.acceptors.drain(..) {
             let _ = h.join();
         }
-        self.wakers.clear();
         // Only the socket file this server made: a path since removed, or
         // taken by another server's socket, is left alone.
         for (p, id) in &self.created {
@@ -581,8 +576,37 @@ impl StatsHandle {
 /// Serialises the process umask changes around Unix socket creation.
 static UMASK: Mutex<()> = Mutex::new(());
 
-fn accept_loop(s: &Arc<Shared>, a: Listener) {
+/// Wait until `l` has a connection to accept (`true`) or `wake` is
+/// written (`false`).
+fn wait_for_connection(l: &Listener, wake: &OwnedFd) -> bool {
+    let mut fds = [
+        libc::pollfd {
+            fd: l.as_fd().as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: wake.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+    ];
     loop {
+        // SAFETY: `fds` is a live array of two pollfds.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        if n > 0 {
+            // The wake-up first: a stopping server accepts nothing more.
+            return fds[1].revents == 0;
+        }
+        // EINTR: poll again; nothing else can fail with these arguments.
+    }
+}
+
+fn accept_loop(s: &Arc<Shared>, a: Listener, wake: &OwnedFd) {
+    loop {
+        if !wait_for_connection(&a, wake) {
+            return;
+        }
         let accepted = match &a {
             Listener::Tcp(l) => l.accept().map(|(t, _)| {
                 let _ = t.set_nodelay(true);
@@ -595,6 +619,9 @@ fn accept_loop(s: &Arc<Shared>, a: Listener) {
         }
         let stream = match accepted {
             Ok(st) => st,
+            // Taken back by the client (or by another process sharing an
+            // inherited socket) between `poll` and `accept`.
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
             Err(e) => {
                 // EMFILE and the like: say so, back off, keep serving.
                 eprintln!("iopages-nbd: accept failed: {e}");

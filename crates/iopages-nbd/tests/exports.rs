@@ -293,3 +293,51 @@ fn shutdown_is_prompt_when_the_socket_file_was_removed_or_replaced() {
     let _ = std::fs::remove_dir_all(&dir);
     alloc.leak_check().unwrap();
 }
+
+#[test]
+fn shutdown_is_prompt_with_an_inherited_socket_whose_file_was_removed() {
+    use iopages_nbd::Listener;
+    use std::os::unix::net::{UnixListener, UnixStream};
+    let alloc = arena();
+    let dir = std::env::temp_dir().join(format!("iopages-nbd-inh-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let sock = dir.join("inherited.sock");
+    // The test plays the socket's owner (systemd): it binds it, keeps a
+    // copy, and hands the server the other.
+    let owner = UnixListener::bind(&sock).unwrap();
+    let handed = owner.try_clone().unwrap();
+    let server = Server::start_exports_on(
+        vec![Export::ready(
+            ExportConfig::new("v"),
+            volume(&alloc, 1 << 20, 1),
+        )],
+        ServerOptions::default(),
+        &[],
+        vec![Listener::Unix(handed)],
+    )
+    .unwrap();
+    // Served: the greeting.
+    let mut c = UnixStream::connect(&sock).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut g = [0u8; 18];
+    c.read_exact(&mut g).unwrap();
+    assert_eq!(&g[..8], &NBD_MAGIC.to_be_bytes());
+    drop(c);
+    std::fs::remove_file(&sock).unwrap();
+    // Nothing can connect to wake the acceptor now; stop must not wait.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        server.shutdown();
+        let _ = tx.send(());
+    });
+    rx.recv_timeout(Duration::from_secs(10))
+        .expect("shutdown returns with the inherited socket's file gone");
+    // The owner's socket still listens: nothing shut it down.
+    owner.set_nonblocking(true).unwrap();
+    match owner.accept() {
+        Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::WouldBlock, "{e}"),
+        Ok(_) => panic!("no connection was pending"),
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    alloc.leak_check().unwrap();
+}
