@@ -17,13 +17,16 @@
 #                         the benchmark
 #   fio                   fio's nbd engine: the verify job of the tests and
 #                         the load of `iopages bench nbd`
+#   gcc, g++              the C ABI's tests: the C programs and examples
+#                         (also under AddressSanitizer), and the header
+#                         compiled as C++
 #
 # (The `openssl` crate builds OpenSSL from source — its `vendored` feature —
 # so building and testing need no -dev package.)
 #
 # Usage: scripts/setup-debian.sh   (as root, or with the packages installed)
 set -euo pipefail
-pkgs=(openssl python3-cryptography qemu-utils cryptsetup-bin nbdkit libnbd-bin fio)
+pkgs=(openssl python3-cryptography qemu-utils cryptsetup-bin nbdkit libnbd-bin fio gcc g++)
 
 missing=()
 for p in "${pkgs[@]}"; do
