@@ -627,9 +627,7 @@ fn the_in_flight_limit_is_never_exceeded() {
         }
         assert_eq!(most, LIMIT, "the client never reached its limit");
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        let mut r = [0u8; REQUEST_BYTES];
-        s.read_exact(&mut r).unwrap();
-        assert_eq!(Request::decode(&r).unwrap().command, CMD_DISC);
+        expect_disc(&mut s);
     });
     let remote = Arc::new(
         NbdRemote::connect(
@@ -679,6 +677,15 @@ fn fake_server(
     });
     let spec = RemoteSpec::parse(&format!("nbd+unix:///x?socket={}", sock.display())).unwrap();
     (dir, spec, server)
+}
+
+/// The scripted server's last read: the client's disconnect request.
+fn expect_disc(s: &mut std::os::unix::net::UnixStream) {
+    use iopages_nbd::proto::*;
+    use std::io::Read;
+    let mut r = [0u8; REQUEST_BYTES];
+    s.read_exact(&mut r).unwrap();
+    assert_eq!(Request::decode(&r).unwrap().command, CMD_DISC);
 }
 
 /// The server's side of the handshake up to the client's first option:
@@ -1459,9 +1466,7 @@ fn many_reads_answered_out_of_order_each_reach_their_own_buffers() {
             }
             s.write_all(&out).unwrap();
         }
-        let mut r = [0u8; REQUEST_BYTES];
-        std::io::Read::read_exact(&mut s, &mut r).unwrap();
-        assert_eq!(Request::decode(&r).unwrap().command, CMD_DISC);
+        expect_disc(&mut s);
     });
     let remote = Arc::new(
         NbdRemote::connect(
