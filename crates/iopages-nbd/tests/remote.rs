@@ -629,18 +629,7 @@ fn the_in_flight_limit_is_never_exceeded() {
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         expect_disc(&mut s);
     });
-    let remote = Arc::new(
-        NbdRemote::connect(
-            &spec,
-            &RemoteOptions {
-                connections: 1,
-                max_in_flight: LIMIT,
-                timeout: Duration::from_secs(30),
-                ..RemoteOptions::default()
-            },
-        )
-        .unwrap(),
-    );
+    let remote = one_connection(&spec, LIMIT, Duration::from_secs(30));
     let threads: Vec<_> = (0..THREADS)
         .map(|t| {
             let remote = remote.clone();
@@ -677,6 +666,18 @@ fn fake_server(
     });
     let spec = RemoteSpec::parse(&format!("nbd+unix:///x?socket={}", sock.display())).unwrap();
     (dir, spec, server)
+}
+
+/// A client of `spec` over one connection with `max_in_flight` requests
+/// and `timeout`, shared by the test's threads.
+fn one_connection(spec: &RemoteSpec, max_in_flight: usize, timeout: Duration) -> Arc<NbdRemote> {
+    let opts = RemoteOptions {
+        connections: 1,
+        max_in_flight,
+        timeout,
+        ..RemoteOptions::default()
+    };
+    Arc::new(NbdRemote::connect(spec, &opts).unwrap())
 }
 
 /// The scripted server's last read: the client's disconnect request.
@@ -1468,18 +1469,7 @@ fn many_reads_answered_out_of_order_each_reach_their_own_buffers() {
         }
         expect_disc(&mut s);
     });
-    let remote = Arc::new(
-        NbdRemote::connect(
-            &spec,
-            &RemoteOptions {
-                connections: 1,
-                max_in_flight: N,
-                timeout: Duration::from_secs(10),
-                ..RemoteOptions::default()
-            },
-        )
-        .unwrap(),
-    );
+    let remote = one_connection(&spec, N, Duration::from_secs(10));
     let (tx, rx) = mpsc::channel();
     for t in 0..N {
         let (remote, tx) = (remote.clone(), tx.clone());
