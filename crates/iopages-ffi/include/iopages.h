@@ -449,7 +449,7 @@ typedef struct iopages_local_fast {
    */
   uint32_t known;
   /**
-   * Allocation checks on: frees take the full path.
+   * Allocation checks on: every call takes the full path.
    */
   bool checks;
 } iopages_local_fast;
@@ -1223,8 +1223,10 @@ static inline void iopages_fast__set_len_(const struct iopages_local_fast *f, si
     __atomic_store_n(f->len, len, __ATOMIC_RELAXED);
 }
 
+/* Checks on: every allocation takes the checked path, whatever its flags
+ * (an empty set intersects no mask). */
 static inline int iopages_fast__can_alloc_(const struct iopages_local_fast *f, uint32_t gfp) {
-    return !(gfp & (f->careful | ~f->known)) && !__atomic_load_n(f->fault_on, __ATOMIC_RELAXED);
+    return !f->checks && !(gfp & (f->careful | ~f->known)) && !__atomic_load_n(f->fault_on, __ATOMIC_RELAXED);
 }
 
 /** Allocate one page by address from the handle's cache (else the full call). */

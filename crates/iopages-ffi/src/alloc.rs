@@ -71,7 +71,7 @@ pub struct iopages_local_fast {
     pub careful: u32,
     /// Every gfp bit the library knows (others: the full path refuses).
     pub known: u32,
-    /// Allocation checks on: frees take the full path.
+    /// Allocation checks on: every call takes the full path.
     pub checks: bool,
 }
 

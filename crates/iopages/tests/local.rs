@@ -516,7 +516,7 @@ mod view {
         // SAFETY: as above; the test's thread owns the handle.
         let (len, fault_on) = unsafe { (&*v.len, &*v.fault_on) };
         let n = len.load(Relaxed);
-        if n == 0 || Gfp::KERNEL.bits() & v.careful != 0 || fault_on.load(Relaxed) {
+        if n == 0 || v.checks || Gfp::KERNEL.bits() & v.careful != 0 || fault_on.load(Relaxed) {
             return None;
         }
         // SAFETY: slots below `n` hold cached pages.
@@ -651,4 +651,30 @@ fn pop_or_refill(raw: *mut iopages::LocalAllocator, v: &iopages::LocalFastPath) 
         (*raw).resync();
         ((*raw).alloc_pages(Gfp::KERNEL, 0).expect("a page"), false)
     }
+}
+
+#[test]
+fn with_checks_on_every_flag_set_takes_the_checked_path_even_none() {
+    // An empty flag set intersects nothing, so a fast path that tested
+    // "any careful flag" alone served it from the cache unchecked: the
+    // page was never marked allocated and its free was refused.
+    let alloc = builder(16).checks(true).build().unwrap();
+    let mut local = alloc.local();
+    let mut warm = Vec::new();
+    assert_eq!(local.alloc_bulk(Gfp::KERNEL, 32, &mut warm), 32);
+    // SAFETY: just allocated here, each once.
+    unsafe { local.free_bulk(&mut warm) };
+    assert!(local.cached_pages() > 0);
+    for gfp in [Gfp::empty(), Gfp::NOWARN, Gfp::KERNEL] {
+        let p = local.alloc_pages(gfp, 0).expect("a page");
+        write_tag(&alloc, p, 7);
+        // SAFETY: allocated here, freed once.
+        unsafe { local.free_pages(p, 0) };
+        let mut v = Vec::new();
+        assert_eq!(local.alloc_bulk(gfp, 4, &mut v), 4);
+        // SAFETY: as above.
+        unsafe { local.free_bulk(&mut v) };
+    }
+    drop(local);
+    assert_no_leaks(&alloc);
 }

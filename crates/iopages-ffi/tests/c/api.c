@@ -353,6 +353,16 @@ static void fast_calls(void) {
         /* Served from the cache: the page just freed comes back. */
         char *q = iopages_fast_alloc_page_ptr(f, IOPAGES_GFP_KERNEL);
         CHECK(q == p);
+        /* No flags at all: with checks on, still the checked path (the
+         * page is marked allocated, so its free is accepted). */
+        char *e = iopages_fast_alloc_page_ptr(f, 0);
+        CHECK(e != NULL);
+        CHECK(iopages_fast_free_page_ptr(f, e) == 0);
+        void *eb[4];
+        CHECK(iopages_fast_alloc_bulk_ptrs(f, 0, eb, 4) == 4);
+        CHECK(iopages_fast_free_bulk_ptrs(f, eb, 4) == 0);
+        iopages_accounting held;
+        CHECK(iopages_leak_check(a, &held) == -EBUSY && held.in_use_pages == 1); /* q */
         /* A zeroed page is the full path's: it must come back zeroed. */
         char *z = iopages_fast_alloc_page_ptr(f, IOPAGES_GFP_KERNEL | IOPAGES_GFP_ZERO);
         CHECK(z != NULL && z != q);

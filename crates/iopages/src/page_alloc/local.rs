@@ -112,7 +112,7 @@ pub struct LocalFastPath {
     pub bulk_frees: *const AtomicU64,
     /// Allocation flags that need the full path.
     pub careful: u32,
-    /// Allocation checks are on: frees take the full path.
+    /// Allocation checks are on: every call takes the full path.
     pub checks: bool,
     /// Fault injection is on (load relaxed): allocations take the full path.
     pub fault_on: *const AtomicBool,
@@ -165,8 +165,10 @@ impl LocalAllocator {
 
     #[inline(always)]
     pub(super) fn fast(&self, gfp: Gfp) -> bool {
+        // `checks` on its own: an empty flag set intersects nothing, so
+        // the mask alone would let it past the allocation checks.
         // SAFETY: the switch lives in the allocator, which `alloc` keeps.
-        !gfp.intersects(self.careful) && !unsafe { &*self.fault_on }.load(Relaxed)
+        !self.checks && !gfp.intersects(self.careful) && !unsafe { &*self.fault_on }.load(Relaxed)
     }
 
     /// Mirror the order-0 length and the counts into the shared record.
