@@ -196,6 +196,10 @@ pub struct Server {
     /// owner still listens on) nor a socket file removed or replaced
     /// meanwhile can leave an acceptor waiting.
     wake: Arc<OwnedFd>,
+    /// Per inherited socket: a second descriptor of it and whether it was
+    /// non-blocking when it came, put back at stop (the mode belongs to
+    /// the open file, which its owner shares).
+    restore: Vec<(OwnedFd, bool)>,
     acceptors: Vec<JoinHandle<()>>,
 }
 
@@ -209,6 +213,43 @@ fn wake_fd() -> std::io::Result<OwnedFd> {
     }
     // SAFETY: as above.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Remove the socket files this server made: only where the path still
+/// names the file it made (a path since removed, or taken by another
+/// server's socket, is left alone).
+fn remove_created(created: &[(PathBuf, (u64, u64))]) {
+    for (p, id) in created {
+        if file_id(p) == Some(*id) {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+/// Whether the open file behind `fd` is non-blocking.
+fn is_nonblocking(fd: &OwnedFd) -> std::io::Result<bool> {
+    // SAFETY: F_GETFL on a descriptor the caller owns.
+    let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+    if flags < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(flags & libc::O_NONBLOCK != 0)
+}
+
+/// Set or clear `O_NONBLOCK` on the open file behind `fd`.
+fn set_nonblocking_fd(fd: &OwnedFd, on: bool) {
+    // SAFETY: F_GETFL / F_SETFL on a descriptor the caller owns.
+    unsafe {
+        let flags = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
+        if flags >= 0 {
+            let new = if on {
+                flags | libc::O_NONBLOCK
+            } else {
+                flags & !libc::O_NONBLOCK
+            };
+            libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, new);
+        }
+    }
 }
 
 /// The device and inode of the file at `p` (following no link).
@@ -311,9 +352,67 @@ impl Server {
             return Err(Error::Config("timeouts must be longer than 0".into()));
         }
         let exports = Catalog::new(exports)?;
+        // Before any socket file exists, so that its failure leaves none.
+        let wake = Arc::new(wake_fd().map_err(|source| Error::Listen {
+            addr: "the acceptors' wake-up eventfd".into(),
+            source,
+        })?);
         let mut bound = Vec::with_capacity(listen.len() + inherited.len());
         let mut acceptors = Vec::with_capacity(listen.len() + inherited.len());
         let mut created = Vec::new();
+        let mut restore = Vec::new();
+        let listening = Server::bind_all(
+            listen,
+            inherited,
+            &mut bound,
+            &mut acceptors,
+            &mut created,
+            &mut restore,
+        );
+        if let Err(e) = listening {
+            // A later address failed: the socket files made so far go.
+            remove_created(&created);
+            return Err(e);
+        }
+        let shared = Arc::new(Shared {
+            exports,
+            counters: Arc::new(Counters::default()),
+            budget: Arc::new(Budget::new(opts.max_inflight_bytes)),
+            zeros: std::iter::repeat_n(0u8, conn::CHUNK_BYTES).collect(),
+            opts,
+            refused_said: Mutex::new(None),
+            stopping: AtomicBool::new(false),
+            conns: Mutex::new(Vec::new()),
+        });
+        let mut server = Server {
+            shared,
+            addresses: bound,
+            created,
+            wake,
+            restore,
+            acceptors: Vec::new(),
+        };
+        for (i, a) in acceptors.into_iter().enumerate() {
+            let s = Arc::clone(&server.shared);
+            let wake = Arc::clone(&server.wake);
+            let h = std::thread::Builder::new()
+                .name(format!("nbd-accept/{i}"))
+                .spawn(move || accept_loop(&s, a, &wake))?;
+            server.acceptors.push(h);
+        }
+        Ok(server)
+    }
+
+    /// Bind every address of `listen` and take every inherited socket,
+    /// in order, into the vectors of [`Server::start_exports_on`].
+    fn bind_all(
+        listen: &[Listen],
+        inherited: Vec<Listener>,
+        bound: &mut Vec<Listen>,
+        acceptors: &mut Vec<Listener>,
+        created: &mut Vec<(PathBuf, (u64, u64))>,
+        restore: &mut Vec<(OwnedFd, bool)>,
+    ) -> Result<()> {
         for l in listen {
             let err = |source| Error::Listen {
                 addr: l.to_string(),
@@ -357,39 +456,14 @@ impl Server {
                 source,
             };
             let addr = l.address().map_err(err)?;
+            let copy = l.as_fd().try_clone_to_owned().map_err(err)?;
+            let was = is_nonblocking(&copy).map_err(err)?;
+            restore.push((copy, was));
             l.set_nonblocking().map_err(err)?;
             bound.push(addr);
             acceptors.push(l);
         }
-        let shared = Arc::new(Shared {
-            exports,
-            counters: Arc::new(Counters::default()),
-            budget: Arc::new(Budget::new(opts.max_inflight_bytes)),
-            zeros: std::iter::repeat_n(0u8, conn::CHUNK_BYTES).collect(),
-            opts,
-            refused_said: Mutex::new(None),
-            stopping: AtomicBool::new(false),
-            conns: Mutex::new(Vec::new()),
-        });
-        let mut server = Server {
-            shared,
-            addresses: bound,
-            created,
-            wake: Arc::new(wake_fd().map_err(|source| Error::Listen {
-                addr: "the acceptors' wake-up eventfd".into(),
-                source,
-            })?),
-            acceptors: Vec::new(),
-        };
-        for (i, a) in acceptors.into_iter().enumerate() {
-            let s = Arc::clone(&server.shared);
-            let wake = Arc::clone(&server.wake);
-            let h = std::thread::Builder::new()
-                .name(format!("nbd-accept/{i}"))
-                .spawn(move || accept_loop(&s, a, &wake))?;
-            server.acceptors.push(h);
-        }
-        Ok(server)
+        Ok(())
     }
 
     /// The addresses served, with ephemeral ports resolved.
@@ -474,13 +548,11 @@ impl Server {
         for h in self.acceptors.drain(..) {
             let _ = h.join();
         }
-        // Only the socket file this server made: a path since removed, or
-        // taken by another server's socket, is left alone.
-        for (p, id) in &self.created {
-            if file_id(p) == Some(*id) {
-                let _ = std::fs::remove_file(p);
-            }
+        // An inherited socket goes back to its owner in the mode it came.
+        for (fd, was) in self.restore.drain(..) {
+            set_nonblocking_fd(&fd, was);
         }
+        remove_created(&self.created);
         let conns = std::mem::take(&mut *self.shared.conns.lock());
         for c in &conns {
             c.t.shutdown();
@@ -576,9 +648,21 @@ impl StatsHandle {
 /// Serialises the process umask changes around Unix socket creation.
 static UMASK: Mutex<()> = Mutex::new(());
 
-/// Wait until `l` has a connection to accept (`true`) or `wake` is
-/// written (`false`).
-fn wait_for_connection(l: &Listener, wake: &OwnedFd) -> bool {
+/// What an acceptor's wait ended on.
+#[derive(PartialEq)]
+enum Woken {
+    /// A connection to accept (or one that was, a moment ago).
+    Connection,
+    /// The server is stopping.
+    Stop,
+    /// The listener is shut down or broken (another holder of an
+    /// inherited socket shut it down): nothing more will come through it.
+    Gone,
+}
+
+/// Wait until `l` has a connection to accept, `wake` is written, or `l`
+/// is of no more use.
+fn wait_for_connection(l: &Listener, wake: &OwnedFd) -> Woken {
     let mut fds = [
         libc::pollfd {
             fd: l.as_fd().as_raw_fd(),
@@ -596,16 +680,44 @@ fn wait_for_connection(l: &Listener, wake: &OwnedFd) -> bool {
         let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
         if n > 0 {
             // The wake-up first: a stopping server accepts nothing more.
-            return fds[1].revents == 0;
+            if fds[1].revents != 0 {
+                return Woken::Stop;
+            }
+            if fds[0].revents & (libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0 {
+                return Woken::Gone;
+            }
+            return Woken::Connection;
         }
         // EINTR: poll again; nothing else can fail with these arguments.
     }
 }
 
+/// Block until `wake` is written.
+fn wait_for_stop(wake: &OwnedFd) {
+    let mut fd = libc::pollfd {
+        fd: wake.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one live pollfd; EINTR polls again.
+    while unsafe { libc::poll(&mut fd, 1, -1) } <= 0 {}
+}
+
 fn accept_loop(s: &Arc<Shared>, a: Listener, wake: &OwnedFd) {
     loop {
-        if !wait_for_connection(&a, wake) {
-            return;
+        match wait_for_connection(&a, wake) {
+            Woken::Connection => {}
+            Woken::Stop => return,
+            Woken::Gone => {
+                // Said once; the acceptor then only waits for the stop
+                // (no busy loop on a listener that polls ready forever).
+                let what = a
+                    .address()
+                    .map_or_else(|_| "a listener".to_string(), |l| l.to_string());
+                eprintln!("iopages-nbd: {what} was shut down by another holder of the socket: no longer accepting there");
+                wait_for_stop(wake);
+                return;
+            }
         }
         let accepted = match &a {
             Listener::Tcp(l) => l.accept().map(|(t, _)| {
