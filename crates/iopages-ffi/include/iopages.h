@@ -670,12 +670,16 @@ int iopages_local_create(const struct iopages_allocator *a, struct iopages_local
 
 /**
  * The view of a handle's fast paths for the inline `iopages_fast_*`
- * functions of this header (see `iopages_local_fast`).
+ * functions of this header (see `iopages_local_fast`). Call it as
+ * `iopages_local_fast_path(l)`: the header maps that name to this
+ * symbol, whose suffix is the view's layout version — a program built
+ * against another layout then fails to load (an undefined symbol)
+ * instead of misreading the view.
  *
  * **Context:** never blocks. **Returns:** the view, valid until the
  * handle is destroyed; NULL for a NULL handle.
  */
-const struct iopages_local_fast *iopages_local_fast_path(struct iopages_local *l);
+const struct iopages_local_fast *iopages_local_fast_path_v2(struct iopages_local *l);
 
 /**
  * Destroy a handle: its cached pages go back to the allocator.
@@ -1191,6 +1195,12 @@ int iopages_mempool_stats_get(const struct iopages_mempool *p, struct iopages_me
 
 #ifndef IOPAGES_FAST_H
 #define IOPAGES_FAST_H
+/* The layout of struct iopages_local_fast is part of the ABI: its version
+ * is the suffix of the symbol behind iopages_local_fast_path (2: the view
+ * over the shared record, 2026-11-24), so that a program built against
+ * another layout fails to load instead of misreading the view. */
+#define IOPAGES_FAST_LAYOUT 2
+#define iopages_local_fast_path(l) iopages_local_fast_path_v2(l)
 /*
  * Inline fast paths (no call into the library when the handle's cache can
  * serve the request; otherwise, and for every error, the exported call of the

@@ -844,12 +844,16 @@ pub unsafe extern "C" fn iopages_local_create(
 }
 
 /// The view of a handle's fast paths for the inline `iopages_fast_*`
-/// functions of this header (see `iopages_local_fast`).
+/// functions of this header (see `iopages_local_fast`). Call it as
+/// `iopages_local_fast_path(l)`: the header maps that name to this
+/// symbol, whose suffix is the view's layout version — a program built
+/// against another layout then fails to load (an undefined symbol)
+/// instead of misreading the view.
 ///
 /// **Context:** never blocks. **Returns:** the view, valid until the
 /// handle is destroyed; NULL for a NULL handle.
 #[no_mangle]
-pub unsafe extern "C" fn iopages_local_fast_path(
+pub unsafe extern "C" fn iopages_local_fast_path_v2(
     l: *mut iopages_local,
 ) -> *const iopages_local_fast {
     if l.is_null() {
