@@ -303,20 +303,25 @@ impl<'a> Comparison<'a> {
         self.best_of(threads, batch, false)
     }
 
+    /// How many times faster iopages is than the best peer at this point
+    /// (chosen by its median): the median of each run's ratio, the two
+    /// measured in the same run.
     fn ratio_of(&self, threads: Option<usize>, batch: usize, aligned_only: bool) -> Option<f64> {
-        let ours = self.get("iopages", threads, batch)?;
-        self.best_of(threads, batch, aligned_only)
-            .map(|(_, ns)| ns / ours)
+        let (p, _) = self.best_of(threads, batch, aligned_only)?;
+        self.ratio_vs(p, threads, batch)
     }
 
     fn ratio(&self, threads: Option<usize>, batch: usize) -> Option<f64> {
         self.ratio_of(threads, batch, false)
     }
 
-    /// How many times faster iopages is than `peer` at this point (the
-    /// peer's ns over iopages').
+    /// How many times faster iopages is than `peer` at this point: the
+    /// median over runs of the peer's ns over iopages' in the same run.
     fn ratio_vs(&self, peer: &str, threads: Option<usize>, batch: usize) -> Option<f64> {
-        Some(self.get(peer, threads, batch)? / self.get("iopages", threads, batch)?)
+        crate::c_abi::per_run_ratio(
+            self.samples(peer, threads, batch)?,
+            self.samples("iopages", threads, batch)?,
+        )
     }
 
     /// Cross-thread, one pair (2 threads): dpdk-aligned's wall ns per page
@@ -521,7 +526,7 @@ impl<'a> Comparison<'a> {
     fn print(&self, runs: usize) {
         let peers = self.ready_peers();
         println!();
-        println!("E1 peers: alloc+free ns per page, first byte of each page written through an array of addresses in every row (median and range of {runs} runs)");
+        println!("E1 peers: alloc+free ns per page, first byte of each page written through an array of addresses in every row (median and range of {runs} runs; ratio: the best peer's ns over iopages', median of each run's)");
         let mut head = format!("{:>8} | {:>17}", "batch", "iopages");
         for p in &peers {
             head += &format!(" | {p:>17}");
@@ -573,7 +578,7 @@ impl<'a> Comparison<'a> {
             "E1 multi-thread: producer/consumer pairs (allocated on one thread, freed on another), {} pages per pair, {} CPUs online (median of {runs} runs)",
             self.mt_pages, self.online
         );
-        println!("each worker times itself: wall = latest end - earliest start; CPU = the workers' own CPU time; ratio = that allocator's wall ns over iopages'");
+        println!("each worker times itself: wall = latest end - earliest start; CPU = the workers' own CPU time; ratio = that allocator's wall ns over iopages' (median of each run's)");
         println!(
             "{:>7} {:>6}  {:<12} {:>17} {:>9} {:>11} {:>6} {:>9}",
             "threads",
