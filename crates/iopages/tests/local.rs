@@ -559,8 +559,17 @@ fn view_and_handle(checks: bool) {
     let mut tag = 0u64;
     let s0 = alloc.stats();
     let (mut via_view_allocs, mut via_view_frees) = (0u64, 0u64);
+    // The counts of pages served by and freed into thread caches: a handle
+    // call working from stale copies would store counts that forget the
+    // view's additions, so they would go down.
+    let counts = || {
+        let s = alloc.stats();
+        (s.alloc_thread_cache, s.free_thread_cache)
+    };
+    let mut last = counts();
     for step in 0..4000u32 {
         let r = step.wrapping_mul(2_654_435_761) >> 7;
+        let (views_a, views_f) = (via_view_allocs, via_view_frees);
         // SAFETY (every `unsafe` below): the handle is used through `raw`
         // only, one call at a time, and pages freed are held here once.
         match r % 6 {
@@ -615,6 +624,18 @@ fn view_and_handle(checks: bool) {
             }
             _ => {}
         }
+        let now = counts();
+        assert!(
+            now.0 >= last.0 && now.1 >= last.1,
+            "step {step}: counts went down, {last:?} -> {now:?}"
+        );
+        if (via_view_allocs, via_view_frees) != (views_a, views_f) {
+            // A view operation adds exactly one to its count.
+            let d = (now.0 - last.0, now.1 - last.1);
+            let want = (via_view_allocs - views_a, via_view_frees - views_f);
+            assert_eq!(d, want, "step {step}: the view's count");
+        }
+        last = now;
         if step % 250 == 0 {
             let a = alloc.accounting();
             assert_eq!(a.in_use_pages, held.len(), "step {step}");

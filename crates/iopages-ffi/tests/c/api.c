@@ -443,11 +443,12 @@ static void mixed_calls(void) {
     static void *v[64];
     size_t nheld = 0;
     uint64_t rng = 0x9e3779b97f4a7c15u;
+    iopages_stats last = {0};
     for (int step = 0; step < 20000; step++) {
         rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
         unsigned op = (unsigned)(rng % 8);
         size_t n = 1 + (size_t)((rng >> 8) % 40);
-        if (n > 8 && (op == 2 || op == 6)) n = 1 + n % 8; /* inline bulk sizes */
+        if (n > IOPAGES_FAST_BULK_MAX && (op == 2 || op == 6)) n = 1 + n % IOPAGES_FAST_BULK_MAX; /* inline sizes */
         if (op < 4 && nheld + n > MAX_HELD) op += 4; /* full: free instead */
         if (op >= 4 && nheld < n) op -= 4;            /* too few: allocate */
         switch (op) {
@@ -486,6 +487,14 @@ static void mixed_calls(void) {
             iopages_accounting acc;
             int rc = iopages_leak_check(a, &acc);
             CHECK(nheld ? rc == -EBUSY && acc.in_use_pages == nheld : rc == 0);
+            /* An exported call working from stale copies would store
+             * counts that forget the inline calls' additions. */
+            iopages_stats now;
+            CHECK(iopages_stats_get(a, &now) == 0);
+            CHECK(now.alloc_thread_cache >= last.alloc_thread_cache);
+            CHECK(now.free_thread_cache >= last.free_thread_cache);
+            CHECK(now.bulk_alloc_calls >= last.bulk_alloc_calls && now.bulk_free_calls >= last.bulk_free_calls);
+            last = now;
         }
     }
     while (nheld) CHECK(iopages_fast_free_page_ptr(f, held[--nheld]) == 0);
