@@ -294,28 +294,41 @@ fn shutdown_is_prompt_when_the_socket_file_was_removed_or_replaced() {
     alloc.leak_check().unwrap();
 }
 
-#[test]
-fn shutdown_is_prompt_with_an_inherited_socket_whose_file_was_removed() {
-    use iopages_nbd::Listener;
-    use std::os::unix::net::{UnixListener, UnixStream};
-    let alloc = arena();
-    let dir = std::env::temp_dir().join(format!("iopages-nbd-inh-{}", std::process::id()));
+/// A server of one export on an inherited Unix socket: the test plays
+/// the socket's owner (systemd), binds it in a directory of its own
+/// (`tag`), keeps a copy and hands the server the other. Returns the
+/// directory, the socket's path, the owner's copy and the server.
+fn serve_inherited(
+    alloc: &PageAllocator,
+    tag: &str,
+) -> (
+    std::path::PathBuf,
+    std::path::PathBuf,
+    std::os::unix::net::UnixListener,
+    Server,
+) {
+    let dir = std::env::temp_dir().join(format!("iopages-nbd-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let sock = dir.join("inherited.sock");
-    // The test plays the socket's owner (systemd): it binds it, keeps a
-    // copy, and hands the server the other.
-    let owner = UnixListener::bind(&sock).unwrap();
-    let handed = owner.try_clone().unwrap();
+    let owner = std::os::unix::net::UnixListener::bind(&sock).unwrap();
     let server = Server::start_exports_on(
         vec![Export::ready(
             ExportConfig::new("v"),
-            volume(&alloc, 1 << 20, 1),
+            volume(alloc, 1 << 20, 1),
         )],
         ServerOptions::default(),
         &[],
-        vec![Listener::Unix(handed)],
+        vec![iopages_nbd::Listener::Unix(owner.try_clone().unwrap())],
     )
     .unwrap();
+    (dir, sock, owner, server)
+}
+
+#[test]
+fn shutdown_is_prompt_with_an_inherited_socket_whose_file_was_removed() {
+    use std::os::unix::net::UnixStream;
+    let alloc = arena();
+    let (dir, sock, owner, server) = serve_inherited(&alloc, "inh");
     // Served: the greeting.
     let mut c = UnixStream::connect(&sock).unwrap();
     c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
@@ -374,24 +387,9 @@ fn acceptors_cpu_ticks() -> u64 {
 
 #[test]
 fn an_inherited_socket_shut_down_by_its_owner_does_not_spin_the_acceptor() {
-    use iopages_nbd::Listener;
     use std::os::fd::AsRawFd;
-    use std::os::unix::net::UnixListener;
     let alloc = arena();
-    let dir = std::env::temp_dir().join(format!("iopages-nbd-hup-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let sock = dir.join("inherited.sock");
-    let owner = UnixListener::bind(&sock).unwrap();
-    let server = Server::start_exports_on(
-        vec![Export::ready(
-            ExportConfig::new("v"),
-            volume(&alloc, 1 << 20, 1),
-        )],
-        ServerOptions::default(),
-        &[],
-        vec![Listener::Unix(owner.try_clone().unwrap())],
-    )
-    .unwrap();
+    let (dir, _sock, owner, server) = serve_inherited(&alloc, "hup");
     // The owner shuts the socket down under the server: the listener
     // polls ready (hung up) from now on.
     // SAFETY: shutdown on a descriptor the test owns.
