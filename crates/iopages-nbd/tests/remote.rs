@@ -8,7 +8,9 @@ use iopages::PageAllocator;
 use iopages_crypt::backend::Backend;
 use iopages_crypt::target::{CipherPool, CryptTarget, TargetConfig};
 use iopages_crypt::XtsCipher;
-use iopages_nbd::remote::{NbdRemote, RemoteAddress, RemoteOptions, RemoteSpec};
+use iopages_nbd::remote::{
+    NbdRemote, RemoteAddress, RemoteOptions, RemoteSpec, DEFAULT_MAX_IN_FLIGHT,
+};
 use iopages_testkit::{die_with_parent, need_tool, wait_for_socket, Reaped, TempDir};
 use std::io::ErrorKind;
 use std::path::PathBuf;
@@ -678,6 +680,26 @@ fn one_connection(spec: &RemoteSpec, max_in_flight: usize, timeout: Duration) ->
         ..RemoteOptions::default()
     };
     Arc::new(NbdRemote::connect(spec, &opts).unwrap())
+}
+
+/// `n` threads each reading `len` bytes at `t * len` through `remote`;
+/// each sends its result and how long the read took.
+fn readers(
+    remote: &Arc<NbdRemote>,
+    n: usize,
+    len: usize,
+) -> mpsc::Receiver<(std::io::Result<()>, Duration)> {
+    let (tx, rx) = mpsc::channel();
+    for t in 0..n {
+        let (remote, tx) = (remote.clone(), tx.clone());
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; len];
+            let start = Instant::now();
+            let r = remote.read_at((t * len) as u64, &mut [&mut buf]);
+            let _ = tx.send((r, start.elapsed()));
+        });
+    }
+    rx
 }
 
 /// The scripted server's last read: the client's disconnect request.
@@ -1528,30 +1550,12 @@ fn a_connection_that_dies_inside_a_reply_fails_every_read_in_flight() {
             .unwrap();
         drop(s);
     });
-    let remote = Arc::new(
-        NbdRemote::connect(
-            &spec,
-            &RemoteOptions {
-                connections: 1,
-                timeout: Duration::from_secs(20),
-                ..RemoteOptions::default()
-            },
-        )
-        .unwrap(),
-    );
-    let (tx, rx) = mpsc::channel();
+    let remote = one_connection(&spec, DEFAULT_MAX_IN_FLIGHT, Duration::from_secs(20));
     let started = Instant::now();
-    for t in 0..N {
-        let (remote, tx) = (remote.clone(), tx.clone());
-        std::thread::spawn(move || {
-            let mut buf = vec![0u8; 8192];
-            let r = remote.read_at(t as u64 * 8192, &mut [&mut buf]);
-            let _ = tx.send(r);
-        });
-    }
-    drop(tx);
+    let rx = readers(&remote, N, 8192);
     for _ in 0..N {
-        let e = within(&rx, Duration::from_secs(5), "a read on a dead connection").unwrap_err();
+        let (r, _) = within(&rx, Duration::from_secs(5), "a read on a dead connection");
+        let e = r.unwrap_err();
         assert_ne!(e.kind(), ErrorKind::TimedOut, "{e}");
         assert!(e.to_string().contains("nbd+unix://"), "{e}");
     }
@@ -1581,28 +1585,8 @@ fn a_reply_whose_data_stalls_times_out_its_read_and_the_others() {
         let mut rest = Vec::new();
         let _ = std::io::Read::read_to_end(&mut s, &mut rest);
     });
-    let remote = Arc::new(
-        NbdRemote::connect(
-            &spec,
-            &RemoteOptions {
-                connections: 1,
-                timeout: Duration::from_secs(1),
-                ..RemoteOptions::default()
-            },
-        )
-        .unwrap(),
-    );
-    let (tx, rx) = mpsc::channel();
-    for t in 0..N {
-        let (remote, tx) = (remote.clone(), tx.clone());
-        std::thread::spawn(move || {
-            let mut buf = vec![0u8; 4096];
-            let start = Instant::now();
-            let r = remote.read_at(t as u64 * 4096, &mut [&mut buf]);
-            let _ = tx.send((r, start.elapsed()));
-        });
-    }
-    drop(tx);
+    let remote = one_connection(&spec, DEFAULT_MAX_IN_FLIGHT, Duration::from_secs(1));
+    let rx = readers(&remote, N, 4096);
     for _ in 0..N {
         let (r, took) = within(&rx, Duration::from_secs(6), "a stalled read");
         let e = r.unwrap_err();
