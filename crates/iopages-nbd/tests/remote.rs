@@ -4,6 +4,7 @@
 //! remote that dies or stops answering (errors within seconds, no hang).
 //! Skipped with a message without nbdkit, a failure under `CI=true`.
 
+mod common;
 use iopages::PageAllocator;
 use iopages_crypt::backend::Backend;
 use iopages_crypt::target::{CipherPool, CryptTarget, TargetConfig};
@@ -1192,7 +1193,6 @@ fn iopages_server(
     disk: Arc<dyn Backend>,
     tls: Option<iopages_nbd::TlsConfig>,
 ) -> (PageAllocator, iopages_nbd::Server) {
-    use iopages_crypt::queue::{CryptQueue, QueueConfig};
     use iopages_nbd::{ExportConfig, Listen, Server, ServerOptions};
     let alloc = PageAllocator::builder()
         .size_bytes(64 << 20)
@@ -1200,19 +1200,7 @@ fn iopages_server(
         .build()
         .unwrap();
     let key: Vec<u8> = (0u8..64).map(|i| i ^ 0x5a).collect();
-    let cipher = CipherPool::new(XtsCipher::new(&key, 4096, 0).unwrap(), 2).unwrap();
-    let target = Arc::new(CryptTarget::new(&alloc, cipher, disk, TargetConfig::default()).unwrap());
-    let queue = Arc::new(
-        CryptQueue::new(
-            target,
-            QueueConfig {
-                queue_depth: 32,
-                workers: 2,
-                preallocated_out: false,
-            },
-        )
-        .unwrap(),
-    );
+    let queue = common::queue_over(&alloc, disk, &key, 4096, TargetConfig::default());
     let server = Server::start_with(
         queue,
         ExportConfig::new("vol"),

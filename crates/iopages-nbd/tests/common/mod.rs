@@ -1,6 +1,8 @@
 //! Helpers shared by the NBD test files: the volume a test server
 //! serves (an arena, a RAM disk, an XTS cipher pool, the target and its
-//! queue) and the raw client's wire helpers.
+//! queue) and the raw client's wire helpers. Each test file uses some
+//! of them, hence the module-wide allowance.
+#![allow(dead_code)]
 
 use iopages::PageAllocator;
 use iopages_crypt::backend::{Backend, RamDisk};
@@ -16,7 +18,6 @@ use std::time::Duration;
 /// An arena of `arena_bytes` (no huge pages) and a queue (depth 32, two
 /// workers) over an encrypted RAM disk of `disk_bytes`: XTS with `key`
 /// and `sector`-byte sectors, two ciphers in the pool.
-#[allow(dead_code)] // sparse.rs builds its own volumes
 pub fn crypt_queue(
     arena_bytes: u64,
     disk_bytes: u64,
@@ -111,7 +112,6 @@ pub fn read_simple_reply(s: &mut impl Read) -> (u32, u64) {
 }
 
 /// A structured reply chunk: (flags, type, cookie, payload).
-#[allow(dead_code)] // protocol.rs reads chunks, hostile.rs does not
 pub struct Chunk {
     pub flags: u16,
     pub kind: u16,
@@ -120,7 +120,6 @@ pub struct Chunk {
 }
 
 /// The next structured reply chunk (its magic checked).
-#[allow(dead_code)] // protocol.rs reads chunks, hostile.rs does not
 pub fn read_chunk(s: &mut impl Read) -> Chunk {
     let mut h = [0u8; STRUCTURED_REPLY_BYTES];
     s.read_exact(&mut h).unwrap();
@@ -142,7 +141,6 @@ pub fn read_chunk(s: &mut impl Read) -> Chunk {
 
 /// A TCP connection to `server` past the handshake's greeting (20 s read
 /// timeout), the client's flags sent: fixed newstyle, no zeroes.
-#[allow(dead_code)] // exports.rs and sparse.rs connect this way
 pub fn connect(server: &iopages_nbd::Server) -> TcpStream {
     let mut s = TcpStream::connect(server.tcp_addr().unwrap()).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
@@ -155,7 +153,6 @@ pub fn connect(server: &iopages_nbd::Server) -> TcpStream {
 
 /// Send an option; every reply up to and including the final one (an
 /// ACK or an error), as (reply type, data).
-#[allow(dead_code)] // exports.rs and sparse.rs
 pub fn option_replies(
     s: &mut (impl Read + Write),
     option: u32,
@@ -174,7 +171,6 @@ pub fn option_replies(
 }
 
 /// Send one request: its header, then `payload`.
-#[allow(dead_code)] // exports.rs and sparse.rs
 pub fn send_request(s: &mut impl Write, request: Request, payload: &[u8]) {
     let mut v = request.encode().to_vec();
     v.extend_from_slice(payload);
