@@ -186,21 +186,53 @@ struct Shared {
 pub struct Server {
     shared: Arc<Shared>,
     addresses: Vec<Listen>,
-    /// The Unix socket paths this server bound, with the device and inode
-    /// of the socket file made (removed when it stops, if the path still
-    /// names that file; an inherited socket's path is not).
-    created: Vec<(PathBuf, (u64, u64))>,
+    /// What the server gives back when it stops.
+    left: Leftovers,
     /// An eventfd every acceptor polls beside its listener: written once
     /// at stop, it wakes them all. No connection or `shutdown(2)` of the
     /// listener is needed, so neither an inherited socket (which its
     /// owner still listens on) nor a socket file removed or replaced
     /// meanwhile can leave an acceptor waiting.
     wake: Arc<OwnedFd>,
-    /// Per inherited socket: a second descriptor of it and whether it was
-    /// non-blocking when it came, put back at stop (the mode belongs to
-    /// the open file, which its owner shares).
-    restore: Vec<(OwnedFd, bool)>,
     acceptors: Vec<JoinHandle<()>>,
+}
+
+/// What a server leaves behind it in the system, to give back when it
+/// stops (or when starting fails half way).
+#[derive(Default)]
+struct Leftovers {
+    /// The Unix socket paths this server bound, with the device and inode
+    /// of the socket file made (removed if the path still names that
+    /// file; an inherited socket's path is not).
+    created: Vec<(PathBuf, (u64, u64))>,
+    /// Per inherited socket: a second descriptor of it and whether it was
+    /// non-blocking when it came (the mode belongs to the open file, which
+    /// its owner shares).
+    modes: Vec<(OwnedFd, bool)>,
+}
+
+impl Leftovers {
+    /// Remove the socket files made (a path since removed, or taken by
+    /// another server's socket, is left alone) and put every inherited
+    /// socket back in the mode it came in.
+    fn give_back(&mut self) {
+        for (p, id) in self.created.drain(..) {
+            if file_id(&p) == Some(id) {
+                let _ = std::fs::remove_file(p);
+            }
+        }
+        for (fd, was) in self.modes.drain(..) {
+            set_nonblocking_fd(&fd, was);
+        }
+    }
+}
+
+/// A server's listeners, bound or taken, and what it addresses.
+#[derive(Default)]
+struct Listening {
+    addresses: Vec<Listen>,
+    listeners: Vec<Listener>,
+    left: Leftovers,
 }
 
 /// A new eventfd for [`Server::wake`].
@@ -213,17 +245,6 @@ fn wake_fd() -> std::io::Result<OwnedFd> {
     }
     // SAFETY: as above.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-/// Remove the socket files this server made: only where the path still
-/// names the file it made (a path since removed, or taken by another
-/// server's socket, is left alone).
-fn remove_created(created: &[(PathBuf, (u64, u64))]) {
-    for (p, id) in created {
-        if file_id(p) == Some(*id) {
-            let _ = std::fs::remove_file(p);
-        }
-    }
 }
 
 /// Whether the open file behind `fd` is non-blocking.
@@ -357,23 +378,17 @@ impl Server {
             addr: "the acceptors' wake-up eventfd".into(),
             source,
         })?);
-        let mut bound = Vec::with_capacity(listen.len() + inherited.len());
-        let mut acceptors = Vec::with_capacity(listen.len() + inherited.len());
-        let mut created = Vec::new();
-        let mut restore = Vec::new();
-        let listening = Server::bind_all(
-            listen,
-            inherited,
-            &mut bound,
-            &mut acceptors,
-            &mut created,
-            &mut restore,
-        );
-        if let Err(e) = listening {
-            // A later address failed: the socket files made so far go.
-            remove_created(&created);
+        let mut bound = Listening::default();
+        if let Err(e) = bound.bind_all(listen, inherited) {
+            // A later address failed: what the earlier ones left goes.
+            bound.left.give_back();
             return Err(e);
         }
+        let Listening {
+            addresses,
+            listeners: acceptors,
+            left,
+        } = bound;
         let shared = Arc::new(Shared {
             exports,
             counters: Arc::new(Counters::default()),
@@ -386,10 +401,9 @@ impl Server {
         });
         let mut server = Server {
             shared,
-            addresses: bound,
-            created,
+            addresses,
+            left,
             wake,
-            restore,
             acceptors: Vec::new(),
         };
         for (i, a) in acceptors.into_iter().enumerate() {
@@ -402,17 +416,17 @@ impl Server {
         }
         Ok(server)
     }
+}
 
-    /// Bind every address of `listen` and take every inherited socket,
-    /// in order, into the vectors of [`Server::start_exports_on`].
-    fn bind_all(
-        listen: &[Listen],
-        inherited: Vec<Listener>,
-        bound: &mut Vec<Listen>,
-        acceptors: &mut Vec<Listener>,
-        created: &mut Vec<(PathBuf, (u64, u64))>,
-        restore: &mut Vec<(OwnedFd, bool)>,
-    ) -> Result<()> {
+impl Listening {
+    /// Bind every address of `listen` and take every inherited socket, in
+    /// order (on an error, what was done so far stays recorded in `left`).
+    fn bind_all(&mut self, listen: &[Listen], inherited: Vec<Listener>) -> Result<()> {
+        let Listening {
+            addresses: bound,
+            listeners: acceptors,
+            left,
+        } = self;
         for l in listen {
             let err = |source| Error::Listen {
                 addr: l.to_string(),
@@ -441,7 +455,7 @@ impl Server {
                     };
                     bound.push(Listen::Unix(p.clone()));
                     if let Some(id) = file_id(p) {
-                        created.push((p.clone(), id));
+                        left.created.push((p.clone(), id));
                     }
                     let l = Listener::Unix(u);
                     l.set_nonblocking().map_err(err)?;
@@ -458,14 +472,16 @@ impl Server {
             let addr = l.address().map_err(err)?;
             let copy = l.as_fd().try_clone_to_owned().map_err(err)?;
             let was = is_nonblocking(&copy).map_err(err)?;
-            restore.push((copy, was));
+            left.modes.push((copy, was));
             l.set_nonblocking().map_err(err)?;
             bound.push(addr);
             acceptors.push(l);
         }
         Ok(())
     }
+}
 
+impl Server {
     /// The addresses served, with ephemeral ports resolved.
     pub fn addresses(&self) -> &[Listen] {
         &self.addresses
@@ -548,11 +564,7 @@ impl Server {
         for h in self.acceptors.drain(..) {
             let _ = h.join();
         }
-        // An inherited socket goes back to its owner in the mode it came.
-        for (fd, was) in self.restore.drain(..) {
-            set_nonblocking_fd(&fd, was);
-        }
-        remove_created(&self.created);
+        self.left.give_back();
         let conns = std::mem::take(&mut *self.shared.conns.lock());
         for c in &conns {
             c.t.shutdown();
