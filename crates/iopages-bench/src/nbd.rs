@@ -33,19 +33,19 @@ const PASSPHRASE: &[u8] = b"iopages-e6-bench-passphrase";
 /// LUKS1 with a 512-bit key puts the payload at sector 4096 (2 MiB).
 pub(crate) const LUKS_HEADER_BYTES: u64 = 2 << 20;
 /// Export name `iopages serve` is given (nbdkit and qemu-nbd export "").
-const OUR_EXPORT: &str = "iopages";
+pub(crate) const OUR_EXPORT: &str = "iopages";
 /// Sequential loads: 1 MiB requests, 16 in flight, one connection.
-const SEQ_DEPTH: u32 = 16;
+pub(crate) const SEQ_DEPTH: u32 = 16;
 /// Random load: 4 KiB, 50 % reads, 32 in flight on each of 2 connections.
-const RAND_DEPTH: u32 = 32;
-const RAND_JOBS: u32 = 2;
+pub(crate) const RAND_DEPTH: u32 = 32;
+pub(crate) const RAND_JOBS: u32 = 2;
 /// The region at the end of the export each server writes with fio's
 /// verify headers for the next server to check.
-const VERIFY_BYTES: u64 = 16 << 20;
-const START_TIMEOUT: Duration = Duration::from_secs(30);
-const STOP_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const VERIFY_BYTES: u64 = 16 << 20;
+pub(crate) const START_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 /// Target: ours at least this many times the best peer, on every load.
-const TARGET_RATIO: f64 = 2.0;
+pub(crate) const TARGET_RATIO: f64 = 2.0;
 
 pub(crate) fn workload(e: impl std::fmt::Display) -> BenchError {
     BenchError::Workload(format!("nbd: {e}"))

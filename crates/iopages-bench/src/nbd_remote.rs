@@ -5,8 +5,8 @@
 //! 1 MiB sequential write and read, 4 KiB random read/write; nbdcopy of the
 //! whole volume). The raw remote — a plaintext export of the same size on
 //! the same nbdkit server — runs the same loads: a server that decrypts in
-//! front of it cannot beat it, so a figure more than 10 % above it is
-//! flagged as failed (a wrong clock, not a fast server).
+//! front of it cannot beat it, so a figure more than `RAW_BOUND` (10 %)
+//! above it is flagged as failed (a wrong clock, not a fast server).
 //!
 //! Owns: the remote store (one `nbdkit file dir=…` process for the whole
 //! run, exporting `luks1.img` and `raw.img`), the two LUKS servers started
@@ -32,25 +32,15 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-const MIB: u64 = 1 << 20;
+use crate::nbd::{
+    LUKS_HEADER_BYTES, MIB, OUR_EXPORT, RAND_DEPTH, RAND_JOBS, SEQ_DEPTH, START_TIMEOUT,
+    STOP_TIMEOUT, TARGET_RATIO, VERIFY_BYTES,
+};
 /// The volume's passphrase (the file holds exactly these bytes).
 const PASSPHRASE: &[u8] = b"iopages-e6-remote-passphrase";
-/// LUKS1 with a 512-bit key puts the payload at 2 MiB.
-const LUKS_HEADER_BYTES: u64 = 2 << 20;
-const OUR_EXPORT: &str = "iopages";
 /// The remote's exports (files in its directory).
 const LUKS_FILE: &str = "luks1.img";
 const RAW_FILE: &str = "raw.img";
-const SEQ_DEPTH: u32 = 16;
-const RAND_DEPTH: u32 = 32;
-const RAND_JOBS: u32 = 2;
-/// The region at the end of the volume each LUKS server writes with fio's
-/// verify headers for the other to check.
-const VERIFY_BYTES: u64 = 16 << 20;
-const START_TIMEOUT: Duration = Duration::from_secs(30);
-const STOP_TIMEOUT: Duration = Duration::from_secs(10);
-/// Target: ours at least this many times nbdkit's luks filter, per load.
-const TARGET_RATIO: f64 = 2.0;
 /// No figure may exceed the raw remote's by more than this factor.
 const RAW_BOUND: f64 = 1.10;
 
@@ -896,8 +886,9 @@ fn report(
         .collect();
     failed.extend(v.iter().filter(|x| x.exceeds_raw_bound).map(|x| {
         format!(
-            "{}: a figure exceeds the raw remote's by more than 10 %",
-            x.load
+            "{}: a figure exceeds the raw remote's by more than {:.0} %",
+            x.load,
+            (RAW_BOUND - 1.0) * 100.0
         )
     }));
     failed.extend(
