@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// The peers, in table order.
 /// `dpdk` is DPDK's mempool as users create it (cache-line-aligned 4 KiB
@@ -228,43 +228,29 @@ pub fn run_peer(
     threads: &[usize],
     mt_batches: &[usize],
 ) -> Result<Vec<PeerResult>, String> {
-    let mut child = Command::new(bin)
-        .args([
-            pages.to_string(),
-            mt_pages.to_string(),
-            join(batches),
-            join(threads),
-            join(mt_batches),
-        ])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("could not start {}: {e}", bin.display()))?;
-    let t0 = Instant::now();
-    loop {
-        match child.try_wait() {
-            Ok(Some(_)) => break,
-            Ok(None) if t0.elapsed() > PEER_TIMEOUT => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(format!("timed out after {} s", PEER_TIMEOUT.as_secs()));
-            }
-            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
-            Err(e) => return Err(format!("wait failed: {e}")),
-        }
-    }
-    let out = child
-        .wait_with_output()
-        .map_err(|e| format!("could not read its output: {e}"))?;
+    // Both pipes are drained while it runs (a chatty peer, such as DPDK's
+    // EAL, cannot block on a full pipe), and it is killed at the limit.
+    let args: Vec<std::ffi::OsString> = [
+        pages.to_string(),
+        mt_pages.to_string(),
+        join(batches),
+        join(threads),
+        join(mt_batches),
+    ]
+    .into_iter()
+    .map(Into::into)
+    .collect();
+    let dir = std::env::current_dir().map_err(|e| format!("no working directory: {e}"))?;
+    let out = iopages_testkit::run_tool(bin, &args, &dir, PEER_TIMEOUT, &[])?;
     if !out.status.success() {
-        let err = String::from_utf8_lossy(&out.stderr);
-        let first = err
+        let first = out
+            .stderr
             .lines()
             .find(|l| !l.trim().is_empty())
             .unwrap_or("no message");
         return Err(format!("exited with {}: {first}", out.status));
     }
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = &out.stdout;
     let mut results = Vec::new();
     for line in text.lines().filter(|l| !l.trim().is_empty()) {
         let v: serde_json::Value =
@@ -521,11 +507,11 @@ pub fn mt_pages_in_flight(threads: usize, batch: usize) -> u64 {
 // The multi-thread workers call the allocator through a `LocalAllocator`
 // handle each, the API a worker loop uses. Batches of one page (the
 // single-page API, "batch 0") hold the page in a local, as the C harness
-// does; larger batches move through a vector.
+// does; larger batches move through an array of addresses.
 
-/// Producer side, batches: append `batch` pages to `buf` (empty). A short
-/// batch is given back whole: returns false.
-#[inline]
+/// Producer of a pair: allocates `pages` pages (batch 0: one at a time,
+/// else in batches), writes each first byte and passes the addresses
+/// through `ring`; a short batch is given back whole and marks `failed`.
 fn producer(
     alloc: &PageAllocator,
     ring: &Ring,

@@ -105,14 +105,18 @@ pub fn wait_for_socket(
     }
 }
 
+/// Most bytes of a tool's stdout or stderr that [`run_tool`] keeps; the
+/// rest is read and dropped (so the tool never blocks on a full pipe).
+pub const MAX_TOOL_OUTPUT: u64 = 16 << 20;
+
 /// A tool's run: its status, output and wall time.
 #[derive(Debug)]
 pub struct Ran {
     /// How it exited.
     pub status: ExitStatus,
-    /// All it wrote to stdout.
+    /// What it wrote to stdout (the first [`MAX_TOOL_OUTPUT`] bytes).
     pub stdout: String,
-    /// All it wrote to stderr.
+    /// What it wrote to stderr (likewise).
     pub stderr: String,
     /// Wall seconds from start to exit.
     pub secs: f64,
@@ -147,13 +151,14 @@ pub fn run_tool(
     let start = Instant::now();
     let mut child = Reaped(
         cmd.spawn()
-            .map_err(|e| format!("cannot start {name}: {e}"))?,
+            .map_err(|e| format!("could not start {name}: {e}"))?,
     );
     let reader = |r: Option<Box<dyn Read + Send>>| {
         std::thread::spawn(move || {
             let mut buf = Vec::new();
             if let Some(mut r) = r {
-                let _ = r.read_to_end(&mut buf);
+                let _ = (&mut r).take(MAX_TOOL_OUTPUT).read_to_end(&mut buf);
+                let _ = std::io::copy(&mut r, &mut std::io::sink());
             }
             String::from_utf8_lossy(&buf).into_owned()
         })
@@ -173,10 +178,26 @@ pub fn run_tool(
         signal(&child.0, libc::SIGKILL);
         let _ = child.0.wait();
     }
-    let (stdout, stderr) = (
-        out.join().unwrap_or_default(),
-        err.join().unwrap_or_default(),
-    );
+    // A killed tool's child may still hold its pipes: give the readers a
+    // moment, then leave them (their output is not needed for an error
+    // beyond what they have).
+    let done = |h: &std::thread::JoinHandle<String>| {
+        status.is_some() || {
+            let t = Instant::now();
+            while !h.is_finished() && t.elapsed() < Duration::from_secs(2) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            h.is_finished()
+        }
+    };
+    let take = |h: std::thread::JoinHandle<String>| {
+        if done(&h) {
+            h.join().unwrap_or_default()
+        } else {
+            String::new()
+        }
+    };
+    let (stdout, stderr) = (take(out), take(err));
     match status {
         Some(status) => Ok(Ran {
             status,
