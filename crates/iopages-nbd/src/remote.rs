@@ -1313,12 +1313,21 @@ fn handshake(
 
 /// Connect to `spec`'s server within `timeout`.
 fn dial(spec: &RemoteSpec, timeout: Duration) -> io::Result<Stream> {
+    // One deadline for every attempt (the name lookup itself is the
+    // system resolver's and not bounded here).
+    let deadline = Instant::now() + timeout;
+    let left = || {
+        deadline
+            .checked_duration_since(Instant::now())
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| io::Error::new(ErrorKind::TimedOut, "connect timed out"))
+    };
     match &spec.address {
-        RemoteAddress::Unix(p) => Ok(Stream::Unix(UnixStream::connect(p)?)),
+        RemoteAddress::Unix(p) => Ok(Stream::Unix(connect_unix(p, deadline)?)),
         RemoteAddress::Tcp { host, port } => {
             let mut last = io::Error::new(ErrorKind::NotFound, format!("{host} has no address"));
             for addr in (host.as_str(), *port).to_socket_addrs()? {
-                match TcpStream::connect_timeout(&addr, timeout) {
+                match TcpStream::connect_timeout(&addr, left()?) {
                     Ok(s) => {
                         s.set_nodelay(true)?;
                         return Ok(Stream::Tcp(s));
@@ -1327,6 +1336,70 @@ fn dial(spec: &RemoteSpec, timeout: Duration) -> io::Result<Stream> {
                 }
             }
             Err(last)
+        }
+    }
+}
+
+/// Connect to the Unix socket at `path` by `deadline`: a listener whose
+/// backlog is full refuses a non-blocking connect (EAGAIN) rather than
+/// making it wait, so the attempt is repeated until it is taken or the
+/// deadline passes (a blocking `connect` would wait as long as the server
+/// does not accept). The stream returned is blocking.
+fn connect_unix(path: &std::path::Path, deadline: Instant) -> io::Result<UnixStream> {
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::io::FromRawFd;
+    let bytes = path.as_os_str().as_bytes();
+    // SAFETY: sockaddr_un is plain data; zero is a valid value.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    if bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
+        return Err(io::Error::new(
+            ErrorKind::InvalidInput,
+            format!("{}: not a usable socket path", path.display()),
+        ));
+    }
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (d, &b) in addr.sun_path.iter_mut().zip(bytes) {
+        *d = b as libc::c_char;
+    }
+    // SAFETY: socket has no memory arguments; a non-negative result is a
+    // new descriptor, owned by the stream made from it at once.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: as above.
+    let stream = unsafe { UnixStream::from_raw_fd(fd) };
+    loop {
+        // SAFETY: `addr` is a live, initialised sockaddr_un of that size.
+        let r = unsafe {
+            libc::connect(
+                fd,
+                std::ptr::addr_of!(addr).cast(),
+                std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
+            )
+        };
+        if r == 0 {
+            stream.set_nonblocking(false)?;
+            return Ok(stream);
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EAGAIN) | Some(libc::EINTR) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Some(libc::EAGAIN) => {
+                return Err(io::Error::new(
+                    ErrorKind::TimedOut,
+                    "connect timed out (the server accepts nothing)",
+                ));
+            }
+            _ => return Err(e),
         }
     }
 }
@@ -1352,9 +1425,10 @@ impl NbdRemote {
     /// `opts.connections` when the export advertises
     /// NBD_FLAG_CAN_MULTI_CONN, each with its reader thread.
     ///
-    /// **Context:** blocks (connecting, the handshakes): each connect and
-    /// each connection's whole handshake (TLS included) at most
-    /// `opts.timeout`. **Returns:** `InvalidInput` for options of zero;
+    /// **Context:** blocks (connecting, the handshakes): each connection's
+    /// connect (over all of a host's addresses; a Unix socket that accepts
+    /// nothing included) and its whole handshake (TLS included) at most
+    /// `opts.timeout` each; the host name lookup is the system resolver's. **Returns:** `InvalidInput` for options of zero;
     /// the connect error; `NotFound` for an export the server does not
     /// have; `InvalidData` for a server breaking the protocol (or
     /// connections that disagree about the export); `TimedOut` when the

@@ -1658,3 +1658,61 @@ fn a_remote_volume_keeps_many_requests_in_flight_and_leaks_no_page() {
     alloc.leak_check().unwrap();
     drop(k);
 }
+
+#[test]
+fn a_unix_remote_that_accepts_nothing_times_out_the_connect() {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let dir = TempDir::new("remote-backlog");
+    let sock = dir.join("full.sock");
+    // A listener with the smallest backlog that never accepts, its queue
+    // filled by the test's own connections: a blocking connect would wait
+    // for as long as it stays so.
+    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    // SAFETY: listen on a descriptor the test owns.
+    assert_eq!(unsafe { libc::listen(listener.as_raw_fd(), 0) }, 0);
+    let mut filling = Vec::new();
+    loop {
+        // SAFETY: a new descriptor, owned at once.
+        let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_NONBLOCK, 0) };
+        assert!(fd >= 0);
+        // SAFETY: as above.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: plain data; zero is a valid value.
+        let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+        addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+        let path = sock.as_os_str().as_encoded_bytes();
+        for (d, &b) in addr.sun_path.iter_mut().zip(path) {
+            *d = b as libc::c_char;
+        }
+        // SAFETY: a live sockaddr_un of that size.
+        let r = unsafe {
+            libc::connect(
+                fd.as_raw_fd(),
+                std::ptr::addr_of!(addr).cast(),
+                std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
+            )
+        };
+        if r != 0 {
+            assert_eq!(
+                std::io::Error::last_os_error().raw_os_error(),
+                Some(libc::EAGAIN)
+            );
+            break;
+        }
+        filling.push(fd);
+        assert!(filling.len() < 1000, "the backlog never filled");
+    }
+    let spec = RemoteSpec::parse(&format!("nbd+unix:///x?socket={}", sock.display())).unwrap();
+    let t = Instant::now();
+    let e = NbdRemote::connect(
+        &spec,
+        &RemoteOptions {
+            timeout: Duration::from_secs(1),
+            ..RemoteOptions::default()
+        },
+    )
+    .err()
+    .expect("nothing accepts");
+    assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
+    assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
+}
