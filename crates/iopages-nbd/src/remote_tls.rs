@@ -17,8 +17,8 @@
 
 use crate::stream::Stream;
 use openssl::ssl::{
-    ErrorCode, HandshakeError, SslConnector, SslFiletype, SslMethod, SslOptions, SslStream,
-    SslVerifyMode, SslVersion,
+    ErrorCode, HandshakeError, SslConnector, SslMethod, SslOptions, SslStream, SslVerifyMode,
+    SslVersion,
 };
 use parking_lot::Mutex;
 use std::io::{self, ErrorKind, IoSlice};
@@ -28,8 +28,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// Small pieces of a vectored write are gathered into one TLS record of
-/// up to this many bytes (OpenSSL has no vectored write).
-const GATHER_BYTES: usize = 16 << 10;
+/// up to this many bytes (OpenSSL has no vectored write), as the server's
+/// transport does.
+use crate::transport::TLS_RECORD_BYTES as GATHER_BYTES;
 /// While a write waits for OpenSSL to read (a TLS 1.2 renegotiation), the
 /// socket is polled in slices this long: the reader thread may take the
 /// bytes first.
@@ -141,14 +142,10 @@ pub(crate) fn connector(tls: &RemoteTls, host: Option<&str>) -> io::Result<Conne
         };
         // TLS 1.3 uses the same callback with a SHA-256 suite; TLS 1.2
         // servers get the (EC)DHE-PSK suites, then plain PSK.
-        b.set_ciphersuites("TLS_AES_128_GCM_SHA256:TLS_CHACHA20_POLY1305_SHA256")
+        b.set_ciphersuites(crate::tls::PSK_TLS13_SUITES)
             .map_err(ssl)?;
-        b.set_cipher_list(
-            "ECDHE-PSK-AES128-CBC-SHA256:ECDHE-PSK-CHACHA20-POLY1305:DHE-PSK-AES128-GCM-SHA256:\
-             DHE-PSK-AES256-GCM-SHA384:DHE-PSK-CHACHA20-POLY1305:PSK-AES128-GCM-SHA256:\
-             PSK-AES256-GCM-SHA384",
-        )
-        .map_err(ssl)?;
+        b.set_cipher_list(crate::tls::PSK_TLS12_CIPHERS)
+            .map_err(ssl)?;
         let identity = user.clone().into_bytes();
         b.set_psk_client_callback(move |_ssl, _hint, id_out, key_out| {
             if identity.len() >= id_out.len() || key.len() > key_out.len() {
@@ -224,19 +221,7 @@ fn load_client_cert(b: &mut openssl::ssl::SslConnectorBuilder, dir: &Path) -> io
     let key = dir.join("client-key.pem");
     match (cert.is_file(), key.is_file()) {
         (false, false) => Ok(()),
-        (true, true) => {
-            b.set_certificate_chain_file(&cert)
-                .map_err(|e| config_error(format!("cannot load {}: {e}", cert.display())))?;
-            b.set_private_key_file(&key, SslFiletype::PEM)
-                .map_err(|e| config_error(format!("cannot load {}: {e}", key.display())))?;
-            b.check_private_key().map_err(|e| {
-                config_error(format!(
-                    "{} does not match {}: {e}",
-                    key.display(),
-                    cert.display()
-                ))
-            })
-        }
+        (true, true) => crate::tls::load_cert_and_key(b, &cert, &key).map_err(config_error),
         (c, _) => Err(config_error(format!(
             "{} is there but {} is not (a client certificate needs both)",
             if c { cert.display() } else { key.display() },
@@ -451,7 +436,10 @@ impl ClientTls {
         if first.len() >= GATHER_BYTES {
             return self.write(first);
         }
-        let mut gathered = Vec::with_capacity(GATHER_BYTES);
+        // As large as what is gathered (a request header alone is 28
+        // bytes), not a whole record each time.
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        let mut gathered = Vec::with_capacity(total.min(GATHER_BYTES));
         for b in bufs {
             let room = GATHER_BYTES - gathered.len();
             if room == 0 {

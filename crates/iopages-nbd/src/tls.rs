@@ -91,17 +91,7 @@ impl TlsConfig {
             }
         }
         let mut b = acceptor()?;
-        b.set_certificate_chain_file(&cert)
-            .map_err(|e| err(format!("TLS: cannot load {}: {e}", cert.display())))?;
-        b.set_private_key_file(&key, SslFiletype::PEM)
-            .map_err(|e| err(format!("TLS: cannot load {}: {e}", key.display())))?;
-        b.check_private_key().map_err(|e| {
-            err(format!(
-                "TLS: {} does not match {}: {e}",
-                key.display(),
-                cert.display()
-            ))
-        })?;
+        load_cert_and_key(&mut b, &cert, &key).map_err(|e| err(format!("TLS: {e}")))?;
         if verify_peer {
             if !ca.is_file() {
                 return Err(err(format!(
@@ -137,14 +127,10 @@ impl TlsConfig {
         // suites (forward secrecy), then plain PSK.
         b.set_min_proto_version(Some(SslVersion::TLS1_2))
             .map_err(|e| err(format!("TLS: {e}")))?;
-        b.set_ciphersuites("TLS_AES_128_GCM_SHA256:TLS_CHACHA20_POLY1305_SHA256")
+        b.set_ciphersuites(PSK_TLS13_SUITES)
             .map_err(|e| err(format!("TLS: {e}")))?;
-        b.set_cipher_list(
-            "ECDHE-PSK-AES128-CBC-SHA256:ECDHE-PSK-CHACHA20-POLY1305:DHE-PSK-AES128-GCM-SHA256:\
-             DHE-PSK-AES256-GCM-SHA384:DHE-PSK-CHACHA20-POLY1305:PSK-AES128-GCM-SHA256:\
-             PSK-AES256-GCM-SHA384",
-        )
-        .map_err(|e| err(format!("TLS: {e}")))?;
+        b.set_cipher_list(PSK_TLS12_CIPHERS)
+            .map_err(|e| err(format!("TLS: {e}")))?;
         b.set_psk_server_callback(move |_ssl, identity, out| {
             let key = identity
                 .and_then(|id| keys.get(id))
@@ -236,6 +222,31 @@ pub(crate) fn parse_psk(text: &[u8]) -> Result<PskKeys, String> {
         return Err("no keys (expected identity:hexkey lines)".into());
     }
     Ok(keys)
+}
+
+/// The TLS 1.3 suites of a PSK session (the callback's key is used with a
+/// SHA-256 suite), for the server and the remote client alike.
+pub(crate) const PSK_TLS13_SUITES: &str = "TLS_AES_128_GCM_SHA256:TLS_CHACHA20_POLY1305_SHA256";
+/// The TLS 1.2 ciphers of a PSK session: the (EC)DHE-PSK suites (forward
+/// secrecy), then plain PSK.
+pub(crate) const PSK_TLS12_CIPHERS: &str =
+    "ECDHE-PSK-AES128-CBC-SHA256:ECDHE-PSK-CHACHA20-POLY1305:DHE-PSK-AES128-GCM-SHA256:\
+     DHE-PSK-AES256-GCM-SHA384:DHE-PSK-CHACHA20-POLY1305:PSK-AES128-GCM-SHA256:\
+     PSK-AES256-GCM-SHA384";
+
+/// Load a certificate chain and its private key into `b` and check that
+/// they match; the error names the file at fault.
+pub(crate) fn load_cert_and_key(
+    b: &mut openssl::ssl::SslContextBuilder,
+    cert: &std::path::Path,
+    key: &std::path::Path,
+) -> Result<(), String> {
+    b.set_certificate_chain_file(cert)
+        .map_err(|e| format!("cannot load {}: {e}", cert.display()))?;
+    b.set_private_key_file(key, SslFiletype::PEM)
+        .map_err(|e| format!("cannot load {}: {e}", key.display()))?;
+    b.check_private_key()
+        .map_err(|e| format!("{} does not match {}: {e}", key.display(), cert.display()))
 }
 
 #[cfg(test)]

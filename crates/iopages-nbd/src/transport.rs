@@ -42,7 +42,7 @@ pub(crate) struct Ready {
 /// A TLS record's largest plaintext: small pieces (reply headers, small
 /// reads) are gathered into one record's worth before sealing; a piece at
 /// least this large is sealed straight from where it lies.
-const TLS_RECORD_BYTES: usize = 16 << 10;
+pub(crate) const TLS_RECORD_BYTES: usize = 16 << 10;
 
 /// Sealed records waiting for the socket, at most (past it, OpenSSL is
 /// told to retry: the session's writes stop until the socket drains).
