@@ -184,43 +184,28 @@ impl<C: SectorCipher + 'static> CryptQueue<C> {
         data: Arc<[u8]>,
         done: impl FnOnce(io::Result<()>) + Send + 'static,
     ) {
-        self.submit_write_buf(offset, Box::new(data), done);
+        self.submit_write_buf(offset, Box::new(data), false, done);
     }
 
     /// Queue a write of the bytes of `data` (any buffer, for instance
     /// arena pages a payload was received into) at byte `offset`; `data`
-    /// is dropped on the worker once `done` has run.
+    /// is dropped on the worker once `done` has run. With `fua`, the write
+    /// is durable before `done` runs ([`CryptTarget::write_fua`]: FUA
+    /// passed down to a backend that takes it, else a whole flush after
+    /// the write).
     ///
     /// **Context:** blocks while `queue_depth` requests are in flight.
     pub fn submit_write_buf(
         &self,
         offset: u64,
         data: Payload,
+        fua: bool,
         done: impl FnOnce(io::Result<()>) + Send + 'static,
     ) {
         self.submit(Request::Write {
             offset,
             data,
-            fua: false,
-            done: Box::new(done),
-        });
-    }
-
-    /// As [`CryptQueue::submit_write_buf`], the write durable before
-    /// `done` runs ([`CryptTarget::write_fua`]: FUA passed down to a
-    /// backend that takes it, else a whole flush after the write).
-    ///
-    /// **Context:** blocks while `queue_depth` requests are in flight.
-    pub fn submit_write_buf_fua(
-        &self,
-        offset: u64,
-        data: Payload,
-        done: impl FnOnce(io::Result<()>) + Send + 'static,
-    ) {
-        self.submit(Request::Write {
-            offset,
-            data,
-            fua: true,
+            fua,
             done: Box::new(done),
         });
     }
@@ -340,9 +325,8 @@ fn serve<C: SectorCipher>(t: &CryptTarget<C>, r: Request, buf: Option<&mut Folio
             done,
         } => {
             let res = match buf {
-                _ if fua => t.write_fua(offset, (*data).as_ref()),
-                Some(b) => t.write_with_folios(offset, (*data).as_ref(), b),
-                None => t.write(offset, (*data).as_ref()),
+                Some(b) if !fua => t.write_with_folios(offset, (*data).as_ref(), b),
+                _ => t.write_with_fua(offset, (*data).as_ref(), fua),
             };
             let outcome = catch_unwind(AssertUnwindSafe(|| done(res)));
             drop(data);
@@ -461,7 +445,9 @@ mod tests {
                 .unwrap();
             b.as_mut_slice().fill(i as u8 + 1);
             let tx = tx.clone();
-            q.submit_write_buf(i * (64 << 10), Box::new(b), move |r| tx.send(r).unwrap());
+            q.submit_write_buf(i * (64 << 10), Box::new(b), false, move |r| {
+                tx.send(r).unwrap()
+            });
         }
         for _ in 0..16 {
             rx.recv().unwrap().unwrap();

@@ -476,6 +476,18 @@ impl<C: SectorCipher> CryptTarget<C> {
         self.write_inner(offset, data, true)
     }
 
+    /// [`CryptTarget::write_fua`] when `fua`, else [`CryptTarget::write`]:
+    /// for callers that carry the flag.
+    ///
+    /// **Context / Returns:** as those.
+    pub fn write_with_fua(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
+        if fua {
+            self.write_fua(offset, data)
+        } else {
+            self.write(offset, data)
+        }
+    }
+
     /// Whether the backend makes a single write durable by itself
     /// ([`Backend::native_fua`]): then FUA is best passed down per write
     /// ([`CryptTarget::write_fua`]) instead of flushing after a request.

@@ -82,11 +82,7 @@ impl<C: SectorCipher + 'static> Device for CryptQueue<C> {
         self.target().allocator().clone()
     }
     fn submit_write(&self, offset: u64, data: Payload, fua: bool, done: Done) {
-        if fua {
-            CryptQueue::submit_write_buf_fua(self, offset, data, done);
-        } else {
-            CryptQueue::submit_write_buf(self, offset, data, done);
-        }
+        CryptQueue::submit_write_buf(self, offset, data, fua, done);
     }
     fn native_fua(&self) -> bool {
         self.target().native_fua()
@@ -146,11 +142,10 @@ impl<C: SectorCipher + 'static> Device for Inline<C> {
         if !self.here((*data).as_ref().len()) {
             return Device::submit_write(&*self.queue, offset, data, fua, done);
         }
-        let r = if fua {
-            self.queue.target().write_fua(offset, (*data).as_ref())
-        } else {
-            self.queue.target().write(offset, (*data).as_ref())
-        };
+        let r = self
+            .queue
+            .target()
+            .write_with_fua(offset, (*data).as_ref(), fua);
         drop(data);
         done(r);
     }
