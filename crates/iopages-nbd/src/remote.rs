@@ -434,24 +434,37 @@ fn write_all_vectored(s: &mut Stream, bufs: &mut [IoSlice<'_>]) -> io::Result<()
     Ok(())
 }
 
+/// Of segments of lengths `lens` (back to back), the pieces covering
+/// `len` bytes from `start`: (segment, offset in it, bytes).
+fn segment_ranges(
+    lens: impl Iterator<Item = usize>,
+    start: usize,
+    len: usize,
+) -> impl Iterator<Item = (usize, usize, usize)> {
+    let (mut skip, mut left) = (start, len);
+    lens.enumerate()
+        .map_while(move |(i, seg)| {
+            if left == 0 {
+                return None;
+            }
+            if skip >= seg {
+                skip -= seg;
+                return Some(None);
+            }
+            let n = (seg - skip).min(left);
+            let piece = (i, skip, n);
+            skip = 0;
+            left -= n;
+            Some(Some(piece))
+        })
+        .flatten()
+}
+
 /// The parts of `segs` (back to back) covering `len` bytes from `start`.
 fn sub_slices<'a>(segs: &[&'a [u8]], start: usize, len: usize) -> Vec<&'a [u8]> {
-    let (mut skip, mut left) = (start, len);
-    let mut out = Vec::new();
-    for seg in segs {
-        if left == 0 {
-            break;
-        }
-        if skip >= seg.len() {
-            skip -= seg.len();
-            continue;
-        }
-        let n = (seg.len() - skip).min(left);
-        out.push(&seg[skip..skip + n]);
-        skip = 0;
-        left -= n;
-    }
-    out
+    segment_ranges(segs.iter().map(|s| s.len()), start, len)
+        .map(|(i, from, n)| &segs[i][from..from + n])
+        .collect()
 }
 
 /// The reader thread's side of the socket: what was read and not yet
@@ -565,21 +578,11 @@ unsafe impl Send for Dest {}
 
 impl Dest {
     fn new(segs: &mut [&mut [u8]], start: usize, len: usize) -> Dest {
-        let (mut skip, mut left) = (start, len);
-        let mut parts = Vec::new();
-        for seg in segs.iter_mut() {
-            if left == 0 {
-                break;
-            }
-            if skip >= seg.len() {
-                skip -= seg.len();
-                continue;
-            }
-            let n = (seg.len() - skip).min(left);
-            parts.push((seg[skip..skip + n].as_mut_ptr(), n));
-            skip = 0;
-            left -= n;
-        }
+        let ranges: Vec<_> = segment_ranges(segs.iter().map(|s| s.len()), start, len).collect();
+        let parts = ranges
+            .into_iter()
+            .map(|(i, from, n)| (segs[i][from..from + n].as_mut_ptr(), n))
+            .collect();
         Dest { parts }
     }
 }
