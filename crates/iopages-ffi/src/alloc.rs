@@ -1004,7 +1004,7 @@ pub unsafe extern "C" fn iopages_local_alloc_page_ptr(
     if let Some(h) = unsafe { handle_mut(l) } {
         if let Some(g) = Gfp::from_bits(gfp_flags) {
             if let Some(p) = h.local.alloc_cached(g) {
-                return (h.base + p.pfn() as usize * PAGE_SIZE) as *mut c_void;
+                return ptr_of_page(h.base, p);
             }
         }
     }
@@ -1030,7 +1030,7 @@ unsafe fn local_alloc_page_ptr_slow(l: *mut iopages_local, gfp_flags: u32) -> *m
             return std::ptr::null_mut();
         };
         match l.local.alloc_pages(g, 0) {
-            Some(p) => (l.base + p.pfn() as usize * PAGE_SIZE) as *mut c_void,
+            Some(p) => ptr_of_page(l.base, p),
             None => {
                 fail(libc::ENOMEM, format!("no page under gfp {gfp_flags:#x}"));
                 std::ptr::null_mut()
@@ -1054,9 +1054,7 @@ pub unsafe extern "C" fn iopages_local_free_page_ptr(
     // inside the arena, into the handle's cache, checks off.
     // SAFETY: the caller passes NULL or a handle only this thread uses.
     if let Some(h) = unsafe { handle_mut(l) } {
-        let off = (ptr as usize).wrapping_sub(h.base);
-        if off % PAGE_SIZE == 0 && off / PAGE_SIZE < h.nr_pages as usize {
-            let page = Page::from_pfn((off / PAGE_SIZE) as u32);
+        if let Some(page) = page_of_ptr(h.base, h.nr_pages, ptr) {
             // SAFETY: a page of this arena, given up by the caller; with
             // checks on `free_cached` declines and the cold path checks.
             if unsafe { h.local.free_cached(page) } {
@@ -1080,14 +1078,12 @@ unsafe fn local_free_page_ptr_slow(l: *mut iopages_local, ptr: *mut c_void) -> c
         // SAFETY: the caller passes NULL or a handle only this thread uses.
         let l = unsafe { obj_mut(l, "local")? };
         l.local.resync();
-        let off = (ptr as usize).wrapping_sub(l.base);
-        if off % PAGE_SIZE != 0 || off / PAGE_SIZE >= l.nr_pages as usize {
+        let Some(page) = page_of_ptr(l.base, l.nr_pages, ptr) else {
             return Err(fail(
                 libc::EINVAL,
                 format!("{ptr:p} is not a page of the arena"),
             ));
-        }
-        let page = Page::from_pfn((off / PAGE_SIZE) as u32);
+        };
         if l.local.allocator().checks_enabled() {
             check_free(l.local.allocator(), page, 0)?;
         }
@@ -1257,10 +1253,7 @@ unsafe fn local_free_bulk_ptrs_slow(
             let (i, p) = ptrs
                 .iter()
                 .enumerate()
-                .find(|(_, &p)| {
-                    let off = (p as usize).wrapping_sub(base);
-                    off % PAGE_SIZE != 0 || off >= size
-                })
+                .find(|(_, &p)| page_of_ptr(base, l.nr_pages, p).is_none())
                 .map(|(i, &p)| (i, p))
                 .unwrap_or((0, std::ptr::null_mut()));
             return Err(fail(
@@ -1272,21 +1265,28 @@ unsafe fn local_free_bulk_ptrs_slow(
     })
 }
 
-/// The address of every page of `pages` into `out` (the same length).
-///
-/// With a page touched by the caller between allocation and free, the
-/// stores of this conversion queue behind the caller's, which miss the
-/// cache: fewer, wider stores cost less there, so the loop is compiled for
-/// the widest vectors the CPU has and chosen at run time.
+/// The address of page `p` of the arena at `base`.
+#[inline(always)]
+fn ptr_of_page(base: usize, p: Page) -> *mut c_void {
+    (base + p.pfn() as usize * PAGE_SIZE) as *mut c_void
+}
+
+/// The page `ptr` is the start of, in the arena of `nr_pages` pages at
+/// `base`; `None` for anything else.
+#[inline(always)]
+fn page_of_ptr(base: usize, nr_pages: u32, ptr: *mut c_void) -> Option<Page> {
+    let off = (ptr as usize).wrapping_sub(base);
+    (off % PAGE_SIZE == 0 && off / PAGE_SIZE < nr_pages as usize)
+        .then(|| Page::from_pfn((off / PAGE_SIZE) as u32))
+}
+
+/// The address of every page of `pages` into `out` (the same length), in
+/// one pass (it vectorises).
 #[inline]
 fn pages_to_ptrs(pages: &[Page], base: usize, out: &mut [*mut c_void]) {
-    #[inline(always)]
-    fn body(pages: &[Page], base: usize, out: &mut [*mut c_void]) {
-        for (d, p) in out.iter_mut().zip(pages) {
-            *d = (base + p.pfn() as usize * PAGE_SIZE) as *mut c_void;
-        }
+    for (d, p) in out.iter_mut().zip(pages) {
+        *d = ptr_of_page(base, *p);
     }
-    body(pages, base, out)
 }
 
 /// Write the page handle of every address of `ptrs` to `dst[..ptrs.len()]`
@@ -1298,21 +1298,6 @@ fn pages_to_ptrs(pages: &[Page], base: usize, out: &mut [*mut c_void]) {
 /// `dst` has room for `ptrs.len()` `u32`s.
 #[inline]
 unsafe fn ptrs_to_pages(ptrs: &[*mut c_void], base: usize, size: usize, dst: *mut u32) -> bool {
-    // SAFETY: the caller's promise.
-    unsafe { ptrs_to_pages_body(ptrs, base, size, dst) }
-}
-
-/// [`ptrs_to_pages`] for whichever vector width it is compiled with.
-///
-/// # Safety
-/// As [`ptrs_to_pages`].
-#[inline(always)]
-unsafe fn ptrs_to_pages_body(
-    ptrs: &[*mut c_void],
-    base: usize,
-    size: usize,
-    dst: *mut u32,
-) -> bool {
     let mut bad = false;
     let handle = |p: *mut c_void, bad: &mut bool| {
         let off = (p as usize).wrapping_sub(base);

@@ -12,10 +12,10 @@
 //! through a thread-local table on every call and runs every per-call check
 //! (fault injection, allocation checks, flags). An I/O engine that allocates
 //! in a loop on its own worker knows which cache it uses; holding a
-//! `LocalAllocator` hoists the lookup and the checks out of the loop. The
-//! checks are folded into one mask tested with the flags (allocation checks
-//! make every flag set take the careful path) plus the fault-injection
-//! switch; statistics are per-handle counters, summed when read. The four
+//! `LocalAllocator` hoists the lookup and the checks out of the loop: the
+//! allocation-checks flag, one mask of the flags that need the careful
+//! path, and the fault-injection switch; statistics are per-handle
+//! counters, summed when read. The four
 //! fast paths are `#[inline(always)]` (DPDK's are `static inline` in its
 //! header): called out of line from a large function, as the E1 harness
 //! once did, a batch-of-one round trip cost 7.9 ns instead of 5.
@@ -62,8 +62,8 @@ pub struct LocalAllocator {
     frees: u64,
     bulk_allocs: u64,
     bulk_frees: u64,
-    /// Flags that need the careful path: `ZERO`, `COMP` and `MOVABLE`, or
-    /// every flag when allocation checks are on.
+    /// Flags that need the careful path: `ZERO`, `COMP` and `MOVABLE`
+    /// (with allocation checks on, every call takes it: `checks`).
     careful: Gfp,
     checks: bool,
     /// The allocator's fault-injection switch (kept alive by `alloc`).
@@ -139,11 +139,7 @@ impl PageAllocator {
             frees: 0,
             bulk_allocs: 0,
             bulk_frees: 0,
-            careful: if checks {
-                Gfp::all()
-            } else {
-                Gfp::ZERO | Gfp::COMP | Gfp::MOVABLE
-            },
+            careful: Gfp::ZERO | Gfp::COMP | Gfp::MOVABLE,
             checks,
             fault_on: self.fault().enabled_flag(),
             tc,
@@ -177,15 +173,10 @@ impl LocalAllocator {
         self.tc.set_len(0, self.len);
     }
 
-    /// Before a shared-path call: the shared record is current already
-    /// (every change is mirrored). After it: take its state back.
-    #[inline]
-    pub(super) fn reload(&mut self) {
-        self.resync();
-    }
-
-    /// Take the order-0 length and the counts back from the shared record,
-    /// after code using [`LocalAllocator::fast_path`]'s view changed it.
+    /// Take the order-0 length and the counts back from the shared record:
+    /// after a shared-path call (the record is current before one: every
+    /// change is mirrored), or after code using
+    /// [`LocalAllocator::fast_path`]'s view changed it.
     /// Costs five loads; needed before the handle's next call whenever
     /// such code ran (the C ABI does it at every entry).
     ///
@@ -245,7 +236,7 @@ impl LocalAllocator {
     #[inline(never)]
     pub(super) fn alloc_pages_slow(&mut self, gfp: Gfp, order: u32) -> Option<Page> {
         let p = self.alloc.core().alloc_cached(gfp, order, || self.cache());
-        self.reload();
+        self.resync();
         p
     }
 
@@ -300,7 +291,7 @@ impl LocalAllocator {
     #[inline(never)]
     pub(super) fn free_pages_slow(&mut self, page: Page, order: u32) {
         self.alloc.core().free_cached(page, order, || self.cache());
-        self.reload();
+        self.resync();
     }
 
     /// Append `nr` order-0 pages to `out` (DPDK's `rte_mempool_get_bulk`,
@@ -312,17 +303,13 @@ impl LocalAllocator {
     pub fn alloc_bulk(&mut self, gfp: Gfp, nr: usize, out: &mut Vec<Page>) -> usize {
         if nr <= self.len && self.fast(gfp) {
             out.reserve(nr);
-            let at = self.len - nr;
-            // SAFETY: slots `at..len` are initialised; `out` has room for
-            // `nr` more; the two buffers are different allocations.
+            let taken = self.take_cached(nr);
+            // SAFETY: `out` has room for `nr` more; the two buffers are
+            // different allocations.
             unsafe {
-                copy_pages_rev(out.as_mut_ptr().add(out.len()), self.buf.add(at), nr);
+                copy_pages_rev(out.as_mut_ptr().add(out.len()), taken.as_ptr(), nr);
                 out.set_len(out.len() + nr);
             }
-            self.len = at;
-            self.publish();
-            Self::count(&mut self.allocs, &self.tc.allocs, nr as u64);
-            Self::count(&mut self.bulk_allocs, &self.tc.bulk_allocs, 1);
             return nr;
         }
         self.alloc_bulk_slow(gfp, nr, out)
@@ -375,7 +362,7 @@ impl LocalAllocator {
                 None => break,
             }
         }
-        self.reload();
+        self.resync();
         out.len() - start
     }
 
@@ -391,13 +378,14 @@ impl LocalAllocator {
     pub unsafe fn free_bulk(&mut self, pages: &mut Vec<Page>) {
         let n = pages.len();
         if !self.checks && n <= self.cap - self.len {
-            // SAFETY: the pages fit above `len`; the buffers are different
-            // allocations; the handle is the cache's only user.
-            unsafe { copy_pages(self.buf.add(self.len), pages.as_ptr(), n) };
-            self.len += n;
-            self.publish();
-            Self::count(&mut self.frees, &self.tc.frees, n as u64);
-            Self::count(&mut self.bulk_frees, &self.tc.bulk_frees, 1);
+            // SAFETY: the caller's promise; every slot is written (the
+            // buffers are different allocations).
+            unsafe {
+                self.fill_cached(n, |slots| {
+                    copy_pages(slots.as_mut_ptr().cast(), pages.as_ptr(), n);
+                    true
+                })
+            };
             pages.clear();
             return;
         }
@@ -434,7 +422,7 @@ impl LocalAllocator {
             }
         }
         pages.clear();
-        self.reload();
+        self.resync();
     }
 
     /// Allocate `nr` order-0 pages and show them to `take` as one slice,
@@ -622,7 +610,7 @@ impl LocalAllocator {
     /// **Context:** never blocks.
     pub fn flush(&mut self) {
         self.alloc.core().tcache_flush_all(&self.tc);
-        self.reload();
+        self.resync();
     }
 }
 
