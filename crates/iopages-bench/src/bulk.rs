@@ -174,7 +174,9 @@ fn arena_bytes_for(max_threads: usize) -> u64 {
     (2 * in_flight * 4096).div_ceil(STEP).max(1) * STEP
 }
 
-fn batch_key(b: usize) -> String {
+/// A batch's name in tables and reports ("single" for the single-page
+/// API).
+pub(crate) fn batch_key(b: usize) -> String {
     if b == 0 {
         "single".into()
     } else {
@@ -318,7 +320,7 @@ impl<'a> Comparison<'a> {
     /// How many times faster iopages is than `peer` at this point: the
     /// median over runs of the peer's ns over iopages' in the same run.
     fn ratio_vs(&self, peer: &str, threads: Option<usize>, batch: usize) -> Option<f64> {
-        crate::c_abi::per_run_ratio(
+        crate::measure::per_run_ratio(
             self.samples(peer, threads, batch)?,
             self.samples("iopages", threads, batch)?,
         )
@@ -1010,16 +1012,21 @@ pub fn run_with_threads(
     };
     c_abi.print(runs, e1_row, best_peer);
     let like = like_for_like(&cmp, &c_abi, &plan.st_batches);
-    if !like.is_empty() {
+    // The minimum, and whether every batch has a figure (a batch without
+    // one cannot count as met).
+    let like_min =
+        (!like.is_empty()).then(|| like.iter().map(|x| x.2).fold(f64::INFINITY, f64::min));
+    let like_all = like.len() == plan.st_batches.len();
+    if let Some(min) = like_min {
         let cells: Vec<String> = like
             .iter()
             .map(|(b, p, r)| format!("{} {r:.2} ({p})", batch_key(*b)))
             .collect();
-        let min = like.iter().map(|x| x.2).fold(f64::INFINITY, f64::min);
         println!("from C ({}, the peers' own program), best page-aligned peer's ns over its own: {}; min {min:.2}", crate::c_abi::C_ROW, cells.join(", "));
         println!(
-            "  target, from C: min ratio vs best page-aligned peer, every batch >= {TARGET_MIN_RATIO_PAGE_ALIGNED:.1}: {min:.2} ({})",
-            met(min >= TARGET_MIN_RATIO_PAGE_ALIGNED)
+            "  target, from C: min ratio vs best page-aligned peer, every batch >= {TARGET_MIN_RATIO_PAGE_ALIGNED:.1}: {min:.2} ({}{})",
+            met(like_all && min >= TARGET_MIN_RATIO_PAGE_ALIGNED),
+            if like_all { "" } else { "; some batches have no figure" }
         );
     }
     let def = &configs[0].alloc;
@@ -1038,13 +1045,13 @@ pub fn run_with_threads(
     });
     let mut summary = summary(def, &single_sum[0], &bulk_sum[0], &cmp);
     summary["c_abi"] = c_abi.json(e1_row, best_peer);
-    if !like.is_empty() {
-        let min = like.iter().map(|x| x.2).fold(f64::INFINITY, f64::min);
+    if let Some(min) = like_min {
         summary["targets"]["min_ratio_vs_best_page_aligned_peer_like_for_like"] = json!({
             "what": "one thread, every batch: the best page-aligned peer's ns per page over iopages-c's (the peers' own C program)",
             "min": TARGET_MIN_RATIO_PAGE_ALIGNED,
             "figure": round2(min),
-            "met": min >= TARGET_MIN_RATIO_PAGE_ALIGNED,
+            "every_batch_measured": like_all,
+            "met": like_all && min >= TARGET_MIN_RATIO_PAGE_ALIGNED,
         });
     }
     summary["c_abi"]["like_for_like_vs_best_page_aligned_peer"] = Value::Object(
@@ -1082,7 +1089,7 @@ fn like_for_like<'a>(
         .iter()
         .filter_map(|&b| {
             let (p, _) = cmp.best_of(None, b, true)?;
-            let r = crate::c_abi::per_run_ratio(cmp.samples(p, None, b)?, c_abi.c_runs(b))?;
+            let r = crate::measure::per_run_ratio(cmp.samples(p, None, b)?, c_abi.c_runs(b))?;
             Some((b, p, r))
         })
         .collect()

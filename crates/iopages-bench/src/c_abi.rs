@@ -29,7 +29,8 @@
 //! Must never: count `iopages-c` as a peer to beat, or compare figures
 //! from different runs.
 
-use crate::measure::median;
+use crate::bulk::batch_key;
+use crate::measure::{median, per_run_ratio};
 use crate::peers::{self, PeerState};
 use crate::{met, progress, round2, BenchError};
 use iopages::{HugePages, PageAllocator};
@@ -61,26 +62,8 @@ pub struct CAbi {
     ratio: PerBatch,
 }
 
-/// The median over runs of `num[i] / den[i]`: `None` unless both have a
-/// sample from every run (a peer or row that failed in a run has fewer).
-pub fn per_run_ratio(num: &[f64], den: &[f64]) -> Option<f64> {
-    if num.len() != den.len() || num.is_empty() {
-        return None;
-    }
-    let r: Vec<f64> = num.iter().zip(den).map(|(n, d)| n / d).collect();
-    Some(median(&r))
-}
-
 fn med(m: &PerBatch, b: usize) -> Option<f64> {
     m.get(&b).filter(|v| !v.is_empty()).map(|v| median(v))
-}
-
-fn batch_key(b: usize) -> String {
-    if b == 0 {
-        "single".into()
-    } else {
-        b.to_string()
-    }
 }
 
 impl CAbi {
@@ -121,6 +104,15 @@ impl CAbi {
                 return Ok(());
             }
         };
+        let mut printed: Vec<usize> = c.iter().map(|r| r.batch).collect();
+        printed.sort_unstable();
+        let mut asked = batches.to_vec();
+        asked.sort_unstable();
+        if printed != asked {
+            return Err(BenchError::Workload(format!(
+                "{C_ROW} printed batches {printed:?}, asked {asked:?}"
+            )));
+        }
         let twin = rust_twin(batches, pages)?;
         for r in &c {
             let (b, ns) = (r.batch, r.ns_per_page);

@@ -61,6 +61,16 @@ pub fn time_once(ops: u64, mut f: impl FnMut()) -> Sample {
     }
 }
 
+/// The median over runs of `num[i] / den[i]`: `None` unless both have a
+/// sample from every run (a peer or row that failed in a run has fewer).
+pub fn per_run_ratio(num: &[f64], den: &[f64]) -> Option<f64> {
+    if num.len() != den.len() || num.is_empty() {
+        return None;
+    }
+    let r: Vec<f64> = num.iter().zip(den).map(|(n, d)| n / d).collect();
+    Some(median(&r))
+}
+
 /// The median of `v` (the mean of the middle two for an even count).
 ///
 /// # Panics

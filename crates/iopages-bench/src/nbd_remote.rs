@@ -17,7 +17,7 @@
 //! child process or a temporary file behind.
 
 use crate::harness::{Report, Table};
-use crate::measure::median;
+use crate::measure::{median, per_run_ratio};
 use crate::nbd::{
     command_line, fill_file, fio, load_sample_at, os, parse_payload_offset, parse_size, work_dirs,
     Load, LoadTarget, Plan, Sample,
@@ -748,9 +748,20 @@ fn verdicts(results: &[Results]) -> Vec<Verdict> {
         .enumerate()
         .map(|(l, &load)| {
             let [raw, ours, nbdkit] = [0, 1, 2].map(|i| results[i].median(l, load));
-            let ratio = ours.zip(nbdkit).map(|(a, b)| a / b);
-            let over = |x: Option<f64>| x.zip(raw).map(|(a, r)| a / r);
-            let (or, nr) = (over(ours), over(nbdkit));
+            // Ratios of figures of the same run (every run measures all
+            // three), then the median.
+            let figs = |i: usize| -> Option<Vec<f64>> {
+                let r = &results[i];
+                r.failed
+                    .is_none()
+                    .then(|| r.samples[l].iter().map(|s| s.figure(load)).collect())
+            };
+            let [raw_f, ours_f, nbdkit_f] = [0, 1, 2].map(figs);
+            let ratio_of = |a: &Option<Vec<f64>>, b: &Option<Vec<f64>>| {
+                per_run_ratio(a.as_deref()?, b.as_deref()?)
+            };
+            let ratio = ratio_of(&ours_f, &nbdkit_f);
+            let (or, nr) = (ratio_of(&ours_f, &raw_f), ratio_of(&nbdkit_f, &raw_f));
             Verdict {
                 load: load.key(),
                 unit: load.unit(),
