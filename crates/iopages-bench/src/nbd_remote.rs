@@ -954,7 +954,7 @@ fn report(
         "nbdcopy": "defaults; read: --no-extents export -> null:, write: a data file of the volume's size -> export, no --flush",
         "page_cache": "the remote nbdkit reads and writes its files through the page cache; both files are synced to disk before each timed load (outside it); nothing asks for a flush",
         "order": "each run starts with the next server in turn; one LUKS server against the remote at a time",
-        "bound": format!("no median may exceed the raw remote's median for the same load by more than {:.0} %", (RAW_BOUND - 1.0) * 100.0),
+        "bound": format!("no server may exceed the raw remote for the same load (median of each run's ratio) by more than {:.0} %", (RAW_BOUND - 1.0) * 100.0),
         "checks": format!("each LUKS server checks with fio verify_only the last {} MiB the other wrote with crc32c headers, then writes and checks them itself; at the end the whole volume is read through each and compared", VERIFY_BYTES / MIB),
     });
     let value = Report::new("E6 nbd remote", settings, body)
