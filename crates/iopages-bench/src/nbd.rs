@@ -755,6 +755,24 @@ impl Plan {
 
 /// Run fio (with `HOME` at `home` where given), check its exit status and
 /// every job's error field.
+/// fio over the verify region at the end of the export at `uri` (see
+/// [`Plan::verify_args`]): write it with verify headers, or (`only`) check
+/// what another server wrote there. **Returns:** an error unless fio ran
+/// and covered the whole region.
+pub(crate) fn verify_region(
+    fio_bin: &Path,
+    dir: &Path,
+    home: Option<&Path>,
+    plan: &Plan,
+    uri: &str,
+    only: bool,
+) -> Result<(), String> {
+    let v = fio(fio_bin, dir, home, plan.verify_args(uri, only), 10_000)?;
+    (v.read_bytes == VERIFY_BYTES)
+        .then_some(())
+        .ok_or(format!("checked {} of {VERIFY_BYTES} bytes", v.read_bytes))
+}
+
 pub(crate) fn fio(
     fio: &Path,
     dir: &Path,
@@ -913,18 +931,14 @@ fn measure(
     }
     let mut on_previous = None;
     if let Some(p) = previous {
-        let v = fio(
+        let v = verify_region(
             &tools.fio,
             &f.work,
             r.home.as_deref(),
-            plan.verify_args(&r.fio_uri, true),
-            10_000,
+            plan,
+            &r.fio_uri,
+            true,
         );
-        let v = v.and_then(|v| {
-            (v.read_bytes == VERIFY_BYTES)
-                .then_some(())
-                .ok_or(format!("checked {} of {VERIFY_BYTES} bytes", v.read_bytes))
-        });
         if let Err(e) = v {
             let why = format!(
                 "{} did not read back what {} wrote (fio verify_only): {e}",
@@ -948,20 +962,15 @@ fn measure(
             .map_err(|e| fail(format!("after {}: {e}", load.label())))?;
         out.push(sample);
     }
-    let v = fio(
+    verify_region(
         &tools.fio,
         &f.work,
         r.home.as_deref(),
-        plan.verify_args(&r.fio_uri, false),
-        10_000,
+        plan,
+        &r.fio_uri,
+        false,
     )
     .map_err(|e| fail(format!("read-back of its own writes (fio verify): {e}")))?;
-    if v.read_bytes != VERIFY_BYTES {
-        return Err(fail(format!(
-            "read-back of its own writes checked {} of {VERIFY_BYTES} bytes",
-            v.read_bytes
-        )));
-    }
     r.alive().map_err(fail)?;
     Ok((out, on_previous))
 }

@@ -19,8 +19,8 @@
 use crate::harness::{Report, Table};
 use crate::measure::{median, per_run_ratio};
 use crate::nbd::{
-    command_line, fill_file, fio, load_sample_at, os, parse_payload_offset, parse_size, work_dirs,
-    Load, LoadTarget, Plan, Sample,
+    command_line, fill_file, load_sample_at, os, parse_payload_offset, parse_size, verify_region,
+    work_dirs, Load, LoadTarget, Plan, Sample,
 };
 use crate::{met, progress, round2, BenchError, BenchOptions};
 use iopages_testkit::{die_with_parent, find_tool, run_tool, stop, tail_lines, wait_for_socket};
@@ -568,18 +568,7 @@ fn measure_one(
     let out = (|| {
         check_size(tools, st, &uri)?;
         if let (Some(p), true) = (previous, s != Server::Raw) {
-            let v = fio(
-                &tools.fio,
-                &st.work,
-                None,
-                st.plan.verify_args(&uri, true),
-                10_000,
-            )
-            .and_then(|v| {
-                (v.read_bytes == VERIFY_BYTES)
-                    .then_some(())
-                    .ok_or(format!("checked {} of {VERIFY_BYTES} bytes", v.read_bytes))
-            });
+            let v = verify_region(&tools.fio, &st.work, None, &st.plan, &uri, true);
             let what = format!(
                 "{} reads back the {} MiB {} wrote (fio verify_only, crc32c)",
                 s.label(),
@@ -611,20 +600,8 @@ fn measure_one(
             }
         }
         if s != Server::Raw {
-            let w = fio(
-                &tools.fio,
-                &st.work,
-                None,
-                st.plan.verify_args(&uri, false),
-                10_000,
-            )
-            .map_err(|e| format!("read-back of its own writes (fio verify): {e}"))?;
-            if w.read_bytes != VERIFY_BYTES {
-                return Err(format!(
-                    "read-back of its own writes checked {} of {VERIFY_BYTES} bytes",
-                    w.read_bytes
-                ));
-            }
+            verify_region(&tools.fio, &st.work, None, &st.plan, &uri, false)
+                .map_err(|e| format!("read-back of its own writes (fio verify): {e}"))?;
         }
         Ok(v)
     })();
