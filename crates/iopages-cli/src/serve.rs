@@ -670,10 +670,7 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
         },
         ..VolumeOptions::default()
     };
-    if let Some(w) = a.workers {
-        opts.workers = w;
-        opts.remote_workers = w;
-    }
+    opts.workers = a.workers;
     opts.kdf_limits = crate::luks_cmd::kdf_limits(a.max_kdf_memory);
     opts.allow_secondary_header = a.allow_secondary_header;
     opts.allow_discards = a.allow_discards;

@@ -172,10 +172,7 @@ fn plan(spec: &ExportSpec, c: &Common) -> Result<Planned, String> {
         IoMode::Direct => DirectIo::Require,
         IoMode::Buffered => DirectIo::Off,
     };
-    if let Some(w) = spec.workers {
-        opts.workers = w;
-        opts.remote_workers = w;
-    }
+    opts.workers = spec.workers;
     opts.kdf_limits = crate::luks_cmd::kdf_limits(spec.max_kdf_memory);
     let mut config = ExportConfig::new(spec.name.clone());
     config.read_only = spec.read_only;

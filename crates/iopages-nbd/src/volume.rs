@@ -48,12 +48,10 @@ pub const DEFAULT_REMOTE_WORKERS: usize = 64;
 pub struct VolumeOptions {
     /// Page arena size in bytes. Default [`DEFAULT_ARENA_BYTES`].
     pub arena_bytes: u64,
-    /// Crypt worker threads (default: one per core).
-    pub workers: usize,
-    /// Crypt worker threads when the image is a remote export
-    /// ([`open_remote`]), which [`VolumeOptions::workers`] does not size.
-    /// Default [`DEFAULT_REMOTE_WORKERS`].
-    pub remote_workers: usize,
+    /// Crypt worker threads; `None` (the default): one per core for an
+    /// image file, [`DEFAULT_REMOTE_WORKERS`] for a remote export
+    /// ([`open_remote`]: each worker waits a round trip per request).
+    pub workers: Option<usize>,
     /// Requests admitted to the crypt queue at once. Default 128.
     pub queue_depth: usize,
     /// Out-page strategy. Default compound.
@@ -76,13 +74,22 @@ pub struct VolumeOptions {
     pub allow_discards: bool,
 }
 
+impl VolumeOptions {
+    /// The crypt workers to start: [`VolumeOptions::workers`], else one
+    /// per core; at least one.
+    fn worker_count(&self) -> usize {
+        self.workers
+            .unwrap_or_else(|| QueueConfig::default().workers)
+            .max(1)
+    }
+}
+
 impl Default for VolumeOptions {
     fn default() -> Self {
         let q = QueueConfig::default();
         VolumeOptions {
             arena_bytes: DEFAULT_ARENA_BYTES,
-            workers: q.workers,
-            remote_workers: DEFAULT_REMOTE_WORKERS,
+            workers: None,
             queue_depth: q.queue_depth,
             strategy: TargetConfig::default().strategy,
             read_only: false,
@@ -261,7 +268,7 @@ fn build(
     let alloc = arena(luks, opts)?;
     let mut uring = UringOptions::default()
         .arena(alloc.clone())
-        .rings(opts.workers.max(1))
+        .rings(opts.worker_count())
         .direct(opts.direct)
         .read_only(opts.read_only);
     // An image file (or block device) is never mapped: another process
@@ -318,7 +325,7 @@ pub fn open_remote(
     let alloc = arena(&luks, opts)?;
     let io = "remote NBD export".to_string();
     let opts = VolumeOptions {
-        workers: opts.remote_workers,
+        workers: Some(opts.workers.unwrap_or(DEFAULT_REMOTE_WORKERS)),
         ..opts.clone()
     };
     let (queue, info) = stack(
@@ -404,7 +411,7 @@ fn stack(
     let cipher = luks
         .xts_cipher()
         .map_err(|e| invalid(format!("cannot set up aes-xts-plain64: {e}")))?;
-    let cipher = CipherPool::new(cipher, opts.workers.max(1))
+    let cipher = CipherPool::new(cipher, opts.worker_count())
         .map_err(|e| invalid(format!("cannot set up the cipher pool: {e}")))?;
     let keys_locked = cipher.keys_locked();
     let target = CryptTarget::new(
@@ -421,7 +428,7 @@ fn stack(
         Arc::new(target),
         QueueConfig {
             queue_depth: opts.queue_depth,
-            workers: opts.workers.max(1),
+            workers: opts.worker_count(),
             preallocated_out: false,
         },
     )?;
@@ -449,7 +456,7 @@ mod tests {
     fn small() -> VolumeOptions {
         VolumeOptions {
             arena_bytes: 16 << 20,
-            workers: 1,
+            workers: Some(1),
             direct: DirectIo::Off,
             ..VolumeOptions::default()
         }
