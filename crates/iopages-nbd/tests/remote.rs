@@ -588,9 +588,7 @@ fn the_in_flight_limit_is_never_exceeded() {
     // arrives for 150 ms before it answers them: with the limit at LIMIT
     // on one connection, a client may never have more out at once.
     let (_dir, spec, server) = fake_server(move |mut s| {
-        let (option, _) = greet(&mut s);
-        assert_eq!(option, OPT_GO);
-        go_ok(&mut s, 0);
+        accept_go(&mut s, 0);
         let mut answered = 0;
         let mut most = 0;
         while answered < THREADS * EACH {
@@ -737,6 +735,14 @@ fn greet(s: &mut std::os::unix::net::UnixStream) -> (u32, Vec<u8>) {
     (option, data)
 }
 
+/// The server's side up to transmission: greet, take the client's
+/// NBD_OPT_GO and answer it (`go_ok` with `flags`).
+fn accept_go(s: &mut std::os::unix::net::UnixStream, flags: u16) {
+    let (option, _) = greet(s);
+    assert_eq!(option, iopages_nbd::proto::OPT_GO);
+    go_ok(s, flags);
+}
+
 /// Answer NBD_OPT_GO: a 1 MiB export with `flags`, then ACK.
 fn go_ok(s: &mut std::os::unix::net::UnixStream, flags: u16) {
     use iopages_nbd::proto::*;
@@ -820,9 +826,7 @@ fn a_reply_with_a_bad_magic_gives_the_connection_up() {
     use std::io::{Read, Write};
     for structured in [false, true] {
         let (_dir, spec, server) = fake_server(move |mut s| {
-            let (option, _) = greet(&mut s);
-            assert_eq!(option, OPT_GO);
-            go_ok(&mut s, TFLAG_SEND_FLUSH);
+            accept_go(&mut s, TFLAG_SEND_FLUSH);
             let mut r = [0u8; REQUEST_BYTES];
             s.read_exact(&mut r).unwrap();
             let req = Request::decode(&r).unwrap();
@@ -1471,9 +1475,7 @@ fn many_reads_answered_out_of_order_each_reach_their_own_buffers() {
         _ => RECV_BUFFER_BYTES + 3 * 4096,
     };
     let (_dir, spec, server) = fake_server(move |mut s| {
-        let (option, _) = greet(&mut s);
-        assert_eq!(option, OPT_GO);
-        go_ok(&mut s, 0);
+        accept_go(&mut s, 0);
         let mut reqs = take_requests(&mut s, N);
         reqs.reverse();
         for batch in reqs.chunks(5) {
@@ -1528,9 +1530,7 @@ fn a_connection_that_dies_inside_a_reply_fails_every_read_in_flight() {
     // closes: the read being filled and every other read waiting fail at
     // once (no timeout), and so does everything after.
     let (_dir, spec, server) = fake_server(move |mut s| {
-        let (option, _) = greet(&mut s);
-        assert_eq!(option, OPT_GO);
-        go_ok(&mut s, 0);
+        accept_go(&mut s, 0);
         let reqs = take_requests(&mut s, N);
         let r = &reqs[N / 2];
         s.write_all(&simple_reply(0, r.cookie)).unwrap();
@@ -1563,9 +1563,7 @@ fn a_reply_whose_data_stalls_times_out_its_read_and_the_others() {
     // caller does not return while the reader may still write into its
     // buffer), and so do the reads waiting behind it.
     let (_dir, spec, server) = fake_server(move |mut s| {
-        let (option, _) = greet(&mut s);
-        assert_eq!(option, OPT_GO);
-        go_ok(&mut s, 0);
+        accept_go(&mut s, 0);
         let reqs = take_requests(&mut s, N);
         let r = &reqs[0];
         s.write_all(&simple_reply(0, r.cookie)).unwrap();
