@@ -9,6 +9,7 @@
 //! governs what happens when an export fails to open or unlock, not errors
 //! in the file itself.
 
+use iopages_nbd::{AllowRule, RateLimit};
 use serde::de::{self, Visitor};
 use serde::Deserialize;
 use std::ffi::OsStr;
@@ -64,6 +65,14 @@ pub struct ServerSection {
     pub strict: bool,
     /// Prometheus endpoint address (`metrics`), if any.
     pub metrics: Option<SocketAddr>,
+    /// `max-handshakes`: connections in the handshake at once.
+    pub max_handshakes: Option<usize>,
+    /// `peer-min-connections`: the floor of each peer's share of
+    /// connections.
+    pub peer_min_connections: Option<usize>,
+    /// `peer-min-inflight`: the floor of each peer's share of bytes in
+    /// flight.
+    pub peer_min_inflight: Option<u64>,
 }
 
 impl Default for ServerSection {
@@ -74,6 +83,9 @@ impl Default for ServerSection {
             unlock: Unlock::Start,
             strict: false,
             metrics: None,
+            max_handshakes: None,
+            peer_min_connections: None,
+            peer_min_inflight: None,
         }
     }
 }
@@ -155,6 +167,10 @@ pub struct ExportSpec {
     pub max_kdf_memory: Option<u64>,
     /// `inline-max` in bytes; 0: never inline (default: as `serve`).
     pub inline_max: Option<u32>,
+    /// `allow`: who may use it (empty: anyone the server admits).
+    pub allow: Vec<AllowRule>,
+    /// `rate-bytes`, `rate-requests`: its rate limits.
+    pub rate: RateLimit,
     /// 1-based line of the export's `[[export]]` header, for messages.
     pub line: usize,
 }
@@ -297,6 +313,7 @@ pub fn parse(text: &str, path: &Path) -> Result<ServeConfig, ConfigError> {
             let raw = RawServer::deserialize(ValueDeserializer::from(v.clone()))
                 .map_err(|e| at(e.span(), format!("[server]: {}", serde_message(&e, table))))?;
             raw.into_section()
+                .map_err(|m| at(Some(v.span()), format!("[server]: {m}")))?
         }
     };
 
@@ -473,22 +490,35 @@ struct RawServer {
     #[serde(default)]
     strict: bool,
     metrics: Option<SocketAddr>,
+    max_handshakes: Option<usize>,
+    peer_min_connections: Option<usize>,
+    peer_min_inflight: Option<SizeText>,
 }
 
 impl RawServer {
-    fn into_section(self) -> ServerSection {
+    fn into_section(self) -> Result<ServerSection, String> {
         let listen = if self.listen.is_empty() && self.unix.is_empty() {
             vec![DEFAULT_LISTEN]
         } else {
             self.listen
         };
-        ServerSection {
+        if self.max_handshakes == Some(0) || self.peer_min_connections == Some(0) {
+            return Err("max-handshakes and peer-min-connections must be at least 1".into());
+        }
+        let peer_min_inflight = match &self.peer_min_inflight {
+            Some(s) => Some(size("peer-min-inflight", s)?),
+            None => None,
+        };
+        Ok(ServerSection {
             listen,
             unix: self.unix,
             unlock: self.unlock,
             strict: self.strict,
             metrics: self.metrics,
-        }
+            max_handshakes: self.max_handshakes,
+            peer_min_connections: self.peer_min_connections,
+            peer_min_inflight,
+        })
     }
 }
 
@@ -511,6 +541,10 @@ struct RawExport {
     workers: Option<usize>,
     max_kdf_memory: Option<SizeText>,
     inline_max: Option<SizeText>,
+    #[serde(default)]
+    allow: Vec<String>,
+    rate_bytes: Option<SizeText>,
+    rate_requests: Option<u64>,
 }
 
 impl RawExport {
@@ -551,7 +585,27 @@ impl RawExport {
             }
             None => None,
         };
+        let allow = self
+            .allow
+            .iter()
+            .map(|r| r.parse::<AllowRule>())
+            .collect::<Result<Vec<_>, _>>()?;
+        let rate = RateLimit {
+            bytes_per_second: match &self.rate_bytes {
+                Some(s) => Some(size("rate-bytes", s)?),
+                None => None,
+            },
+            requests_per_second: self.rate_requests,
+        };
+        if rate.bytes_per_second == Some(0) || rate.requests_per_second == Some(0) {
+            return Err(
+                "rate-bytes and rate-requests must be at least 1 (leave them out for no limit)"
+                    .into(),
+            );
+        }
         Ok(ExportSpec {
+            allow,
+            rate,
             name: self.name,
             image,
             passphrase,
@@ -729,6 +783,9 @@ unix = ["/run/iopages/nbd.sock"]
 unlock = "start"
 strict = true
 metrics = "127.0.0.1:9810"
+max-handshakes = 8
+peer-min-connections = 3
+peer-min-inflight = "8M"
 
 [[export]]
 name = "vm1"
@@ -742,6 +799,9 @@ arena = "1G"
 workers = 2
 max-kdf-memory = "4G"
 inline-max = "64K"
+allow = ["psk:alice", "ip:10.0.0.0/8"]
+rate-bytes = "100M"
+rate-requests = 5000
 
 [[export]]
 name = "vm2"
@@ -768,6 +828,9 @@ passphrase-prompt = true
                 unlock: Unlock::Start,
                 strict: true,
                 metrics: Some("127.0.0.1:9810".parse().unwrap()),
+                max_handshakes: Some(8),
+                peer_min_connections: Some(3),
+                peer_min_inflight: Some(8 << 20),
             }
         );
         assert_eq!(
@@ -785,7 +848,15 @@ passphrase-prompt = true
                     workers: Some(2),
                     max_kdf_memory: Some(4 << 30),
                     inline_max: Some(64 << 10),
-                    line: 9,
+                    allow: vec![
+                        AllowRule::Psk("alice".into()),
+                        "ip:10.0.0.0/8".parse().unwrap()
+                    ],
+                    rate: RateLimit {
+                        bytes_per_second: Some(100 << 20),
+                        requests_per_second: Some(5000),
+                    },
+                    line: 12,
                 },
                 ExportSpec {
                     name: "vm2".into(),
@@ -799,7 +870,9 @@ passphrase-prompt = true
                     workers: None,
                     max_kdf_memory: None,
                     inline_max: Some(0),
-                    line: 22,
+                    allow: Vec::new(),
+                    rate: RateLimit::default(),
+                    line: 28,
                 },
                 ExportSpec {
                     name: "vm3".into(),
@@ -813,7 +886,9 @@ passphrase-prompt = true
                     workers: None,
                     max_kdf_memory: None,
                     inline_max: None,
-                    line: 30,
+                    allow: Vec::new(),
+                    rate: RateLimit::default(),
+                    line: 36,
                 },
             ]
         );
@@ -1047,6 +1122,40 @@ passphrase-prompt = true
             &format!("{MINIMAL}workers = -1\n"),
             Some(5),
             "workers: invalid value",
+        );
+    }
+
+    #[test]
+    fn config_tenant_keys_are_checked() {
+        err(
+            &format!("{MINIMAL}allow = [\"user:x\"]\n"),
+            Some(1),
+            "allow rule \"user:x\": unknown kind",
+        );
+        err(
+            &format!("{MINIMAL}allow = \"psk:a\"\n"),
+            Some(5),
+            "allow: invalid type",
+        );
+        err(
+            &format!("{MINIMAL}rate-requests = 0\n"),
+            Some(1),
+            "rate-bytes and rate-requests must be at least 1",
+        );
+        err(
+            &format!("{MINIMAL}rate-bytes = \"1Q\"\n"),
+            Some(1),
+            "rate-bytes",
+        );
+        err(
+            &format!("[server]\nmax-handshakes = 0\n{MINIMAL}"),
+            Some(1),
+            "[server]: max-handshakes and peer-min-connections must be at least 1",
+        );
+        err(
+            &format!("[server]\npeer-min-inflight = \"x\"\n{MINIMAL}"),
+            Some(1),
+            "peer-min-inflight",
         );
     }
 

@@ -80,6 +80,14 @@ enum Command {
         /// plugin, beside the raw remote (report: nbd-remote.json).
         #[arg(long)]
         remote: bool,
+        /// nbd: only the tenants row — one `iopages serve` on TCP shared by
+        /// fio from 127.0.0.1 and 8 hostile peers from 127.0.0.2-9 (silent
+        /// sockets and unread READs, then WRITE_ZEROES floods), against fio
+        /// alone. Report: nbd-tenants.json (`bench nbd` writes it after
+        /// nbd-sparse.json; with --json PATH, beside PATH as its stem +
+        /// "-tenants.json").
+        #[arg(long)]
+        tenants_only: bool,
     },
     /// Serve an encrypted volume over NBD (newstyle fixed handshake).
     ///
@@ -193,7 +201,8 @@ enum Experiment {
     Kvmalloc,
     /// E6: one LUKS1 image served by iopages, nbdkit's luks filter and
     /// qemu-nbd; fio and nbdcopy as the clients; then the sparse copy
-    /// (--sparse-only: that alone).
+    /// (--sparse-only: that alone) and the tenants row (--tenants-only:
+    /// that alone).
     Nbd,
 }
 
@@ -236,6 +245,7 @@ fn run(cli: Cli) -> Result<(), BenchError> {
             tls,
             sparse_only,
             remote,
+            tenants_only,
         } => {
             if workers.is_some() && experiment != Experiment::Crypt {
                 return Err(BenchError::Workload(
@@ -271,6 +281,11 @@ fn run(cli: Cli) -> Result<(), BenchError> {
             if sparse_only && tls {
                 return Err(BenchError::Workload(
                     "--sparse-only runs no TLS: `iopages bench nbd --sparse-only` or `iopages bench nbd --tls`".into(),
+                ));
+            }
+            if tenants_only && (experiment != Experiment::Nbd || tls || remote || sparse_only) {
+                return Err(BenchError::Workload(
+                    "--tenants-only is a run of the nbd experiment on its own: `iopages bench nbd --tenants-only`".into(),
                 ));
             }
             if threads.is_some() && !matches!(experiment, Experiment::Crypt | Experiment::Bulk) {
@@ -357,17 +372,25 @@ fn run(cli: Cli) -> Result<(), BenchError> {
                 if remote {
                     iopages_bench::nbd_remote::run(&opts, &me)?;
                 } else {
-                    if !sparse_only {
+                    if !sparse_only && !tenants_only {
                         iopages_bench::nbd::run_with(&opts, &me, tls)?;
                     }
                     // The sparse copy: its own report, beside E6's with --json
                     // PATH unless it runs alone.
-                    if !tls {
+                    if !tls && !tenants_only {
                         let mut sparse_opts = opts.clone();
                         if let (false, Some(p)) = (sparse_only, &opts.json) {
                             sparse_opts.json = Some(sparse_beside(p));
                         }
                         iopages_bench::sparse::run(&sparse_opts, &me)?;
+                    }
+                    // The tenants row: likewise, beside E6's report.
+                    if !tls && !sparse_only {
+                        let mut tenants_opts = opts.clone();
+                        if let (false, Some(p)) = (tenants_only, &opts.json) {
+                            tenants_opts.json = Some(beside(p, "tenants"));
+                        }
+                        iopages_bench::nbd_tenants::run(&tenants_opts, &me)?;
                     }
                 }
             }
@@ -395,6 +418,15 @@ fn sparse_beside(p: &std::path::Path) -> std::path::PathBuf {
         .file_stem()
         .map_or_else(|| "nbd".to_string(), |s| s.to_string_lossy().into_owned());
     p.with_file_name(format!("{stem}-sparse.json"))
+}
+
+/// Where another report of `bench nbd --json PATH` goes: beside PATH,
+/// its stem + "-" + `part` + ".json".
+fn beside(p: &std::path::Path, part: &str) -> std::path::PathBuf {
+    let stem = p
+        .file_stem()
+        .map_or_else(|| "nbd".to_string(), |s| s.to_string_lossy().into_owned());
+    p.with_file_name(format!("{stem}-{part}.json"))
 }
 
 #[cfg(test)]
@@ -466,5 +498,11 @@ mod tests {
         assert!(e.contains("--sparse-only runs no TLS"), "{e}");
         let e = bench(&["xts", "--remote"]).unwrap_err();
         assert!(e.contains("--remote belongs to the nbd experiment"), "{e}");
+        let e = bench(&["nbd", "--tenants-only", "--remote"]).unwrap_err();
+        assert!(e.contains("--tenants-only is a run of the nbd"), "{e}");
+        assert_eq!(
+            super::beside(std::path::Path::new("/r/e6.json"), "tenants"),
+            std::path::Path::new("/r/e6-tenants.json")
+        );
     }
 }

@@ -116,6 +116,7 @@ impl MetricsSource {
             .map(|name| ExportSnapshot {
                 stats: self.server.export_stats(&name).unwrap_or_default(),
                 open: self.server.export_is_open(&name).unwrap_or(false),
+                state: self.server.export_state(&name),
                 volume: probes.iter().find(|(n, _)| *n == name).map(|(_, p)| p()),
                 name,
             })
@@ -132,6 +133,7 @@ struct ExportSnapshot {
     name: String,
     stats: Stats,
     open: bool,
+    state: Option<iopages_nbd::ExportState>,
     volume: Option<VolumeStats>,
 }
 
@@ -392,7 +394,7 @@ impl Collector for Snapshot {
         // The server.
         f.one(
             "iopages_connections_open",
-            "Connections open now (handshake or transmission).",
+            "Connections open now (handshake or transmission, and those closing).",
             Gauge,
             t.open_connections,
         )?;
@@ -404,7 +406,7 @@ impl Collector for Snapshot {
         )?;
         f.one(
             "iopages_connections_refused",
-            "Connections closed at once because the connection limit was reached.",
+            "Connections refused because the connection limit was reached and the client's peer held its fair share.",
             Counter,
             t.refused_connections,
         )?;
@@ -458,8 +460,63 @@ impl Collector for Snapshot {
             Counter,
             t.budget_refusals,
         )?;
-        Ok(())
+        tenants(&mut f, t)
     }
+}
+
+/// The families of many tenants: how the limits are shared among peers
+/// (aggregated, never a label per peer), who was refused an export, and
+/// each export's state and rate limits.
+fn tenants(f: &mut Families<'_, '_>, t: &Stats) -> std::fmt::Result {
+    use MetricType::{Counter, Gauge};
+    let p = &t.peers;
+    for (name, help, ty, v) in [
+        ("iopages_handshakes", "Connections in the handshake now (a pool of their own: --max-handshakes).", Gauge, p.handshakes_open),
+        ("iopages_handshake_evictions", "Handshakes closed to admit a new connection to the full handshake pool (the least advanced of the peer holding the most).", Counter, p.handshake_evictions),
+        ("iopages_share_evictions", "Connections in transmission closed so a peer under its fair share got its guarantee.", Counter, p.share_evictions),
+        ("iopages_authorization_refusals", "Requests for an export refused by its allow rules (answered as an unknown export).", Counter, p.authorization_refusals),
+        ("iopages_peers", "Peers (TLS identities, addresses, Unix uids) with a connection now.", Gauge, p.active),
+        ("iopages_peers_at_share", "Peers holding at least their guaranteed share of connections or bytes now.", Gauge, p.at_share),
+        ("iopages_budget_share_waits", "Requests of peers past their share that waited so a peer under its share went first.", Counter, p.budget_share_waits),
+    ] {
+        f.one(name, help, ty, v)?;
+    }
+    f.per_export(
+        "iopages_export_open_failures",
+        "Opens of a lazy export that failed (each retried on a request after a backoff of 1 s doubling to 60 s).",
+        Counter,
+        |e| Some(e.stats.export.open_failures),
+    )?;
+    f.per_export(
+        "iopages_export_state",
+        "0: lazy, not opened yet; 1: open; 2: its last open failed (retried after a backoff).",
+        Gauge,
+        |e| {
+            e.state.map(|s| match s {
+                iopages_nbd::ExportState::Closed => 0,
+                iopages_nbd::ExportState::Open => 1,
+                iopages_nbd::ExportState::Failed => 2,
+            })
+        },
+    )?;
+    f.per_export(
+        "iopages_rate_limit_waits",
+        "Requests that waited for the export's rate limits.",
+        Counter,
+        |e| Some(e.stats.export.rate_waits),
+    )?;
+    f.per_export(
+        "iopages_rate_limit_bytes_per_second",
+        "The export's byte rate limit (0: none).",
+        Gauge,
+        |e| Some(e.stats.export.rate_bytes_per_second),
+    )?;
+    f.per_export(
+        "iopages_rate_limit_requests_per_second",
+        "The export's request rate limit (0: none).",
+        Gauge,
+        |e| Some(e.stats.export.rate_requests_per_second),
+    )
 }
 
 /// The snapshot in the text exposition format (OpenMetrics text, which
@@ -822,6 +879,7 @@ mod tests {
                 name: "a\"b".into(),
                 stats: st,
                 open: true,
+                state: Some(iopages_nbd::ExportState::Open),
                 volume: Some(VolumeStats {
                     arena_pages: 10,
                     arena_pages_in_use: 4,

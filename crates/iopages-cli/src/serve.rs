@@ -25,6 +25,10 @@ use std::time::{Duration, Instant};
 /// 1100–1600 MiB/s through the workers).
 pub(crate) const DEFAULT_INLINE_MAX_BYTES: u32 = 64 << 10;
 
+fn parse_rule(s: &str) -> Result<iopages_nbd::AllowRule, String> {
+    s.parse()
+}
+
 fn parse_inline(s: &str) -> Result<u32, String> {
     if s.trim() == "0" {
         return Ok(0);
@@ -49,7 +53,8 @@ pub struct ServeArgs {
     /// --unix is given.
     #[arg(long, value_name = "FILE", conflicts_with_all = [
         "image", "passphrase_file", "size", "name", "read_only", "allow_discards",
-        "inline_max", "allow_secondary_header", "max_kdf_memory", "workers"
+        "inline_max", "allow_secondary_header", "max_kdf_memory", "workers", "allow",
+        "rate_bytes", "rate_requests"
     ])]
     config: Option<PathBuf>,
     /// With --config: refuse to start when any export cannot be opened
@@ -163,15 +168,52 @@ pub struct ServeArgs {
     /// clear; use --tls require).
     #[arg(long)]
     allow_plaintext: bool,
-    /// Connections open at once; one more is closed as soon as it is
-    /// accepted.
+    /// Connections in transmission at once, shared fairly among peers (a
+    /// peer: a TLS identity, else an IP address or IPv6 /64, or a Unix
+    /// uid): when all are taken, a peer under its share gets one by
+    /// closing the newest idle connection of the peer furthest over its
+    /// own; a peer at its share is refused.
     #[arg(long, value_name = "N", default_value_t = iopages_nbd::DEFAULT_MAX_CONNECTIONS)]
     max_connections: usize,
-    /// Payload bytes in flight over all connections (read buffers and
-    /// write payloads); past it, requests wait up to --reply-timeout, then
-    /// get ENOMEM. K, M, G suffixes; at least 32M (the largest request).
+    /// Connections still in the handshake (TLS included) at once, in a
+    /// pool of their own: when it is full, a new connection closes the
+    /// least advanced handshake of the peer holding the most, so silent
+    /// sockets cannot keep a client with credentials out. Default 32 (or
+    /// the config's max-handshakes).
+    #[arg(long, value_name = "N")]
+    max_handshakes: Option<usize>,
+    /// Each peer's guaranteed share of --max-connections is at least N
+    /// (default 2, or the config's peer-min-connections; at most the
+    /// limit).
+    #[arg(long, value_name = "N")]
+    peer_min_connections: Option<usize>,
+    /// Payload bytes in flight over all connections (read buffers, write
+    /// payloads, and the chunks WRITE_ZEROES and TRIM are being served
+    /// in), shared fairly among peers; past its share, a request waits up
+    /// to --reply-timeout, then gets ENOMEM. K, M, G suffixes; at least
+    /// 32M (the largest request).
     #[arg(long, value_name = "BYTES", default_value = "256M", value_parser = crate::parse_size)]
     max_inflight: u64,
+    /// Each peer's guaranteed share of --max-inflight is at least BYTES,
+    /// and as much is kept free for peers holding less (default 16M, or
+    /// the config's peer-min-inflight).
+    #[arg(long, value_name = "BYTES", value_parser = crate::parse_size)]
+    peer_min_inflight: Option<u64>,
+    /// Who may use the export (repeatable; default: anyone admitted):
+    /// psk:NAME (a TLS PSK identity), dn:SUBJECT (a verified client
+    /// certificate's subject, RFC 4514: dn:CN=alice,O=example), uid:N and
+    /// gid:N (a Unix socket peer), ip:CIDR. Others are told the export
+    /// does not exist and do not see it listed. psk: and dn: need --tls
+    /// require (dn: with --tls-verify-peer).
+    #[arg(long = "allow", value_name = "RULE", value_parser = parse_rule)]
+    allow: Vec<iopages_nbd::AllowRule>,
+    /// Limit the export to BYTES per second read, written, zeroed or
+    /// discarded, over all its clients (K, M, G suffixes).
+    #[arg(long, value_name = "BYTES", value_parser = crate::parse_size)]
+    rate_bytes: Option<u64>,
+    /// Limit the export to N requests per second over all its clients.
+    #[arg(long, value_name = "N")]
+    rate_requests: Option<u64>,
     /// Close a connection with nothing in flight that sends nothing for
     /// SECS seconds (0: never).
     #[arg(long, value_name = "SECS", default_value_t = iopages_nbd::DEFAULT_IDLE_TIMEOUT.as_secs())]
@@ -202,8 +244,13 @@ enum TlsArg {
     Require,
 }
 
-/// The server-wide limits and TLS from the command line.
-fn server_options(a: &ServeArgs, listen: &[Listen]) -> Result<ServerOptions, String> {
+/// The server-wide limits and TLS from the command line (and the
+/// config's `[server]`, for what the command line leaves out).
+fn server_options(
+    a: &ServeArgs,
+    listen: &[Listen],
+    file: Option<&crate::config::ServerSection>,
+) -> Result<ServerOptions, String> {
     let secs = |name: &str, v: u64| {
         if v == 0 {
             Err(format!("--{name} must be at least 1 second"))
@@ -255,15 +302,43 @@ fn server_options(a: &ServeArgs, listen: &[Listen]) -> Result<ServerOptions, Str
             if let Listen::Tcp(addr) = l {
                 if !addr.ip().is_loopback() {
                     return Err(format!(
-                        "{addr} is not a loopback address: clients would read the decrypted volume in clear. Use --tls require (with --tls-certificates or --tls-psk), or pass --allow-plaintext"
+                        "{addr} is not a loopback address: clients would read the decrypted volume in clear, and anyone who reaches it could use it. Use --tls require with client authentication (--tls-psk FILE, or --tls-certificates DIR --tls-verify-peer) and --allow rules (psk:NAME, dn:SUBJECT) per export; or pass --allow-plaintext"
                     ));
                 }
             }
         }
     }
+    let pick = |flag: Option<usize>, key: Option<usize>, default, name: &str| match flag
+        .or(key)
+        .unwrap_or(default)
+    {
+        0 => Err(format!("--{name} must be at least 1")),
+        n => Ok(n),
+    };
+    let peer_min_inflight = a
+        .peer_min_inflight
+        .or(file.and_then(|f| f.peer_min_inflight))
+        .unwrap_or(iopages_nbd::DEFAULT_PEER_MIN_INFLIGHT_BYTES);
+    if peer_min_inflight == 0 {
+        return Err("--peer-min-inflight must be at least 1 byte".into());
+    }
+    let peer_min_connections = pick(
+        a.peer_min_connections,
+        file.and_then(|f| f.peer_min_connections),
+        iopages_nbd::DEFAULT_PEER_MIN_CONNECTIONS,
+        "peer-min-connections",
+    )?;
     Ok(ServerOptions {
         max_connections: a.max_connections,
+        max_handshakes: pick(
+            a.max_handshakes,
+            file.and_then(|f| f.max_handshakes),
+            iopages_nbd::DEFAULT_MAX_HANDSHAKES,
+            "max-handshakes",
+        )?,
+        peer_min_connections,
         max_inflight_bytes: a.max_inflight,
+        peer_min_inflight_bytes: peer_min_inflight,
         idle_timeout: (a.idle_timeout > 0).then(|| Duration::from_secs(a.idle_timeout)),
         reply_timeout: secs("reply-timeout", a.reply_timeout)?,
         tls,
@@ -402,8 +477,16 @@ impl Progress {
         self.last = now;
         self.last_read = s.read.bytes;
         self.last_write = s.write.bytes;
+        let p = &s.peers;
         format!(
-            "{line} | trim {} ({} MiB discarded), write-zeroes {} ({} MiB punched), block status {} | shape: write {}; read {}",
+            "{line} | peers {} ({} at their share; {} handshaking, {} handshakes closed for newcomers, {} connections given back, {} budget waits behind smaller peers, {} refused by allow rules) | trim {} ({} MiB discarded), write-zeroes {} ({} MiB punched), block status {} | shape: write {}; read {}",
+            p.active,
+            p.at_share,
+            p.handshakes_open,
+            p.handshake_evictions,
+            p.share_evictions,
+            p.budget_share_waits,
+            p.authorization_refusals,
             s.trim.requests,
             discard_bytes >> 20,
             s.write_zeroes.requests,
@@ -499,6 +582,15 @@ fn stats_json(s: &iopages_nbd::Stats, elapsed: Duration) -> serde_json::Value {
             "waits": s.budget_waits,
             "refusals": s.budget_refusals,
         },
+        "peers": {
+            "handshakes_open": s.peers.handshakes_open,
+            "handshake_evictions": s.peers.handshake_evictions,
+            "share_evictions": s.peers.share_evictions,
+            "authorization_refusals": s.peers.authorization_refusals,
+            "active": s.peers.active,
+            "at_share": s.peers.at_share,
+            "budget_share_waits": s.peers.budget_share_waits,
+        },
         "shape": {
             "sector_bytes": s.shape.sector_bytes,
             "buckets": "index k counts 2^k bytes: sizes in (2^(k-1), 2^k], offsets whose largest power-of-two divisor is 2^k (offset 0 in the last); the last bucket also takes everything larger",
@@ -508,17 +600,63 @@ fn stats_json(s: &iopages_nbd::Stats, elapsed: Duration) -> serde_json::Value {
     })
 }
 
-/// Replace `path` with `v` whole (written beside it, then renamed), so a
-/// reader never sees half a file.
+/// Each export's own figures, by name (what --stats-json adds to the
+/// totals).
+fn exports_json(server: &Server) -> serde_json::Value {
+    let mut m = serde_json::Map::new();
+    for name in server.export_names() {
+        let s = server.export_stats(name).unwrap_or_default();
+        let state = match server.export_state(name) {
+            Some(iopages_nbd::ExportState::Open) => "open",
+            Some(iopages_nbd::ExportState::Failed) => "failed",
+            _ => "closed",
+        };
+        m.insert(
+            name.to_string(),
+            serde_json::json!({
+                "state": state,
+                "open_failures": s.export.open_failures,
+                "rate_waits": s.export.rate_waits,
+                "read": {"requests": s.read.requests, "bytes": s.read.bytes},
+                "write": {"requests": s.write.requests, "bytes": s.write.bytes},
+            }),
+        );
+    }
+    serde_json::Value::Object(m)
+}
+
+/// Replace `path` with `v` whole, so a reader never sees half a file:
+/// written to a new file beside it under a random name (created with
+/// `O_EXCL | O_NOFOLLOW`, owner-only, so nobody's link or file there is
+/// followed or overwritten), then renamed over it.
 fn write_stats_json(path: &Path, v: &serde_json::Value) -> std::io::Result<()> {
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    std::fs::write(
-        &tmp,
-        serde_json::to_string_pretty(v).expect("JSON values serialize") + "\n",
-    )?;
-    std::fs::rename(&tmp, path)
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut nonce = [0u8; 8];
+    // SAFETY: getrandom fills the 8 bytes of a live local array.
+    let n = unsafe { libc::getrandom(nonce.as_mut_ptr().cast(), nonce.len(), 0) };
+    if n != nonce.len() as isize {
+        return Err(std::io::Error::last_os_error());
+    }
+    let name = path
+        .file_name()
+        .unwrap_or(path.as_os_str())
+        .to_string_lossy();
+    let tmp = path.with_file_name(format!(".{name}.{:016x}.tmp", u64::from_ne_bytes(nonce)));
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&tmp)?;
+    let text = serde_json::to_string_pretty(v).expect("JSON values serialize") + "\n";
+    let r = f
+        .write_all(text.as_bytes())
+        .and_then(|_| std::fs::rename(&tmp, path));
+    if r.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    r
 }
 
 /// The one volume of a command line without --config: an --image (a
@@ -556,6 +694,17 @@ fn single_export(
     export.handshake_timeout = Duration::from_secs(a.handshake_timeout);
     export.inline_max_bytes = a.inline_max.unwrap_or_else(|| served::default_inline(&vol));
     export.description = served::description(&vol);
+    export.allow = a.allow.clone();
+    export.rate = iopages_nbd::RateLimit {
+        bytes_per_second: a.rate_bytes,
+        requests_per_second: a.rate_requests,
+    };
+    if export.rate.bytes_per_second == Some(0) || export.rate.requests_per_second == Some(0) {
+        return Err(
+            "--rate-bytes and --rate-requests must be at least 1 (leave them out for no limit)"
+                .into(),
+        );
+    }
     let queue = Arc::clone(&vol.queue);
     volumes.lock().push(Served {
         name: a.name.clone(),
@@ -650,7 +799,7 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
                 .into(),
         );
     }
-    let server_opts = server_options(&a, &served)?;
+    let server_opts = server_options(&a, &served, cfg.as_ref().map(|c| &c.server))?;
     if a.handshake_timeout == 0 {
         return Err("--handshake-timeout must be at least 1 second".into());
     }
@@ -783,7 +932,9 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
         let Some(p) = &a.stats_json else {
             return Ok(());
         };
-        let r = write_stats_json(p, &stats_json(&server.stats(), now.elapsed()));
+        let mut v = stats_json(&server.stats(), now.elapsed());
+        v["exports"] = exports_json(server);
+        let r = write_stats_json(p, &v);
         match r {
             Err(e) if !json_failed => {
                 json_failed = true;

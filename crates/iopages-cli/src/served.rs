@@ -177,6 +177,8 @@ fn plan(spec: &ExportSpec, c: &Common) -> Result<Planned, String> {
     let mut config = ExportConfig::new(spec.name.clone());
     config.read_only = spec.read_only;
     config.handshake_timeout = c.handshake_timeout;
+    config.allow = spec.allow.clone();
+    config.rate = spec.rate;
     if let Some(d) = &spec.description {
         config.description = d.clone();
     }

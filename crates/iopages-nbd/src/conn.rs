@@ -43,6 +43,8 @@
 use crate::buffers::{Buf, Buffers};
 use crate::device::{Device, Flusher};
 use crate::proto::*;
+use crate::rate::Rate;
+use crate::shares::{Claim, PeerBudget};
 use crate::stats::Counters;
 use crate::transport::{Io, Transport};
 use crate::ExportInfo;
@@ -50,7 +52,7 @@ use iopages_crypt::backend::Extent;
 use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::io::{self, Read};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -74,54 +76,6 @@ const MAX_DISCARD_BYTES: u64 = 32 << 20;
 /// How often a request waiting for the server's byte budget looks again.
 const BUDGET_POLL: Duration = Duration::from_millis(5);
 
-/// The server's byte budget for payloads in flight, over all connections
-/// (arena and heap buffers alike).
-pub(crate) struct Budget {
-    used: AtomicU64,
-    limit: u64,
-}
-
-impl Budget {
-    pub(crate) fn new(limit: u64) -> Budget {
-        Budget {
-            used: AtomicU64::new(0),
-            limit,
-        }
-    }
-
-    fn try_acquire(&self, bytes: u64) -> bool {
-        if bytes == 0 {
-            return true;
-        }
-        let mut cur = self.used.load(Ordering::Relaxed);
-        loop {
-            if cur + bytes > self.limit {
-                return false;
-            }
-            match self.used.compare_exchange_weak(
-                cur,
-                cur + bytes,
-                Ordering::AcqRel,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => return true,
-                Err(c) => cur = c,
-            }
-        }
-    }
-
-    fn release(&self, bytes: u64) {
-        if bytes > 0 {
-            self.used.fetch_sub(bytes, Ordering::AcqRel);
-        }
-    }
-
-    /// Bytes held now.
-    pub(crate) fn used(&self) -> u64 {
-        self.used.load(Ordering::Relaxed)
-    }
-}
-
 /// The deadlines and limits a connection runs under.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ConnLimits {
@@ -143,7 +97,13 @@ pub(crate) struct ConnEnv<'a> {
     pub(crate) device: &'a Arc<dyn Device>,
     pub(crate) counters: &'a Arc<Counters>,
     pub(crate) buffers: &'a Buffers,
-    pub(crate) budget: &'a Arc<Budget>,
+    /// The server's byte budget as this connection's peer sees it.
+    pub(crate) budget: PeerBudget,
+    /// Set to the requests in flight (a connection with none is the first
+    /// closed when its peer must give one back).
+    pub(crate) busy: Arc<AtomicUsize>,
+    /// The export's rate limits.
+    pub(crate) rate: &'a Rate,
     pub(crate) zeros: &'a Arc<[u8]>,
     pub(crate) limits: ConnLimits,
     /// The client negotiated structured replies.
@@ -321,7 +281,8 @@ struct Conn {
     /// release must kick it.
     parked: AtomicBool,
     counters: Arc<Counters>,
-    budget: Arc<Budget>,
+    budget: PeerBudget,
+    busy: Arc<AtomicUsize>,
     flusher: Flusher,
     limits: ConnLimits,
     /// The client negotiated structured replies.
@@ -567,9 +528,9 @@ impl Conn {
     }
 
     /// Take a place in flight for a request of `bytes` payload bytes:
-    /// first in this connection's bounds, then in the server's budget.
-    /// `Ok(false)`: the budget stayed exhausted for the budget wait (the
-    /// request is answered ENOMEM and holds nothing).
+    /// first in this connection's bounds, then in its peer's share of the
+    /// server's budget. `Ok(false)`: the budget stayed exhausted for the
+    /// budget wait (the request is answered ENOMEM and holds nothing).
     fn acquire(&self, bytes: u64) -> io::Result<bool> {
         loop {
             {
@@ -577,6 +538,7 @@ impl Conn {
                 if !self.full(&g, bytes) {
                     g.0 += 1;
                     g.1 += bytes;
+                    self.busy.store(g.0, Ordering::Relaxed);
                     break;
                 }
             }
@@ -585,7 +547,23 @@ impl Conn {
             }
             self.pump(false, false, None, || !self.full(&self.gate.lock(), bytes))?;
         }
-        if self.budget.try_acquire(bytes) {
+        let r = self.charge(bytes);
+        if !matches!(r, Ok(true)) {
+            let mut g = self.gate.lock();
+            g.0 -= 1;
+            g.1 -= bytes;
+            self.busy.store(g.0, Ordering::Relaxed);
+        }
+        r
+    }
+
+    /// Take `bytes` of the peer's share of the server's budget, waiting
+    /// (and sending replies meanwhile) up to the budget wait: for a
+    /// request's payload, or a chunk of the work a request causes.
+    /// `Ok(false)`: the wait ran out (counted); `Err`: the connection died.
+    fn charge(&self, bytes: u64) -> io::Result<bool> {
+        let mut claim = Claim::default();
+        if self.budget.try_take(bytes, &mut claim) {
             return Ok(true);
         }
         self.counters.budget_waits.fetch_add(1, Ordering::Relaxed);
@@ -593,25 +571,51 @@ impl Conn {
         loop {
             let now = Instant::now();
             if now >= give_up || self.dead.load(Ordering::Acquire) {
-                let mut g = self.gate.lock();
-                g.0 -= 1;
-                g.1 -= bytes;
-                drop(g);
-                self.counters
-                    .budget_refusals
-                    .fetch_add(1, Ordering::Relaxed);
+                self.budget.give_up(&mut claim);
                 if self.dead.load(Ordering::Acquire) {
                     return Err(io::ErrorKind::BrokenPipe.into());
                 }
+                self.counters
+                    .budget_refusals
+                    .fetch_add(1, Ordering::Relaxed);
                 return Ok(false);
             }
-            self.pump(false, false, Some((now + BUDGET_POLL).min(give_up)), || {
+            let r = self.pump(false, false, Some((now + BUDGET_POLL).min(give_up)), || {
                 false
-            })?;
-            if self.budget.try_acquire(bytes) {
+            });
+            if let Err(e) = r {
+                self.budget.give_up(&mut claim);
+                return Err(e);
+            }
+            if self.budget.try_take(bytes, &mut claim) {
                 return Ok(true);
             }
         }
+    }
+
+    /// Give back what [`Conn::charge`] took.
+    fn uncharge(&self, bytes: u64) {
+        self.budget.give_back(bytes);
+        if self.parked.load(Ordering::SeqCst) {
+            self.t.kick();
+        }
+    }
+
+    /// Wait, sending replies meanwhile, until the export's rate limits
+    /// admit a request of `bytes`.
+    fn throttle(&self, rate: &Rate, bytes: u64) -> io::Result<()> {
+        let mut waited = false;
+        while let Err(wait) = rate.try_take(bytes) {
+            if !waited {
+                rate.waits.fetch_add(1, Ordering::Relaxed);
+                waited = true;
+            }
+            if self.dead.load(Ordering::Acquire) {
+                return Err(io::ErrorKind::BrokenPipe.into());
+            }
+            self.pump(false, false, Some(Instant::now() + wait), || false)?;
+        }
+        Ok(())
     }
 
     fn release(&self, bytes: u64) {
@@ -619,11 +623,9 @@ impl Conn {
             let mut g = self.gate.lock();
             g.0 -= 1;
             g.1 -= bytes;
+            self.busy.store(g.0, Ordering::Relaxed);
         }
-        self.budget.release(bytes);
-        if self.parked.load(Ordering::SeqCst) {
-            self.t.kick();
-        }
+        self.uncharge(bytes);
     }
 
     fn in_flight(&self) -> usize {
@@ -803,7 +805,8 @@ pub(crate) fn transmit(t: Arc<Transport>, env: &ConnEnv<'_>) {
         gate: Mutex::new((0, 0)),
         parked: AtomicBool::new(false),
         counters: Arc::clone(env.counters),
-        budget: Arc::clone(env.budget),
+        budget: env.budget.clone(),
+        busy: Arc::clone(&env.busy),
         flusher: env.device.flusher(),
         limits: env.limits,
         structured: env.structured,
@@ -874,6 +877,22 @@ fn chunks(offset: u64, len: u64) -> impl Iterator<Item = (u64, usize)> {
     })
 }
 
+/// The pieces of `len` bytes at `offset` cut at multiples of
+/// [`CHUNK_BYTES`]: (offset, length) pairs, each at most a chunk.
+fn aligned_chunks(offset: u64, len: u64) -> impl Iterator<Item = (u64, u64)> {
+    let end = offset.saturating_add(len);
+    let mut at = offset;
+    std::iter::from_fn(move || {
+        if at >= end {
+            return None;
+        }
+        let next = ((at / CHUNK_BYTES as u64) + 1) * CHUNK_BYTES as u64;
+        let r = (at, next.min(end) - at);
+        at = next.min(end);
+        Some(r)
+    })
+}
+
 /// The error a request gets before anything is done (0: none), checked
 /// in `proto.md`'s terms: flags, read-only, bounds, alignment, size.
 pub(crate) fn check_request(e: &ExportInfo, req: &Request) -> u32 {
@@ -939,17 +958,71 @@ impl Reader<'_, '_> {
 
     /// Submit encrypted zeros over `len` bytes at `offset`, one chunk of
     /// `p` each (the caller has counted them in `p`), each with FUA when
-    /// `fua_down`.
-    fn write_zeroes(&self, p: &Arc<Pending>, offset: u64, len: u64, fua_down: bool) {
+    /// `fua_down`. Each chunk is charged to the peer's share before it is
+    /// submitted and given back when written, so a huge WRITE_ZEROES
+    /// holds at most its share of the server and interleaves with other
+    /// clients' requests; chunks the share did not admit within the
+    /// budget wait fail with ENOMEM (and are not written).
+    ///
+    /// **Returns:** `Err` when the connection died (every chunk is still
+    /// completed).
+    fn write_zeroes(
+        &self,
+        p: &Arc<Pending>,
+        offset: u64,
+        len: u64,
+        fua_down: bool,
+    ) -> io::Result<()> {
+        let mut left = chunks(offset, len).count();
         for (off, n) in chunks(offset, len) {
-            let p = Arc::clone(p);
+            let charged = self.conn.charge(n as u64);
+            if !matches!(charged, Ok(true)) {
+                let error = if charged.is_err() { EIO } else { ENOMEM };
+                for _ in 0..left {
+                    p.chunk_done(error);
+                }
+                return charged.map(|_| ());
+            }
+            left -= 1;
+            let (p, conn) = (Arc::clone(p), Arc::clone(self.conn));
             self.env.device.submit_write(
                 off,
                 Box::new(Zeros(Arc::clone(self.env.zeros), n)),
                 fua_down,
-                Box::new(move |r| p.chunk_done(r.err().map_or(0, |e| errno(&e)))),
+                Box::new(move |r| {
+                    conn.uncharge(n as u64);
+                    p.chunk_done(r.err().map_or(0, |e| errno(&e)))
+                }),
             );
         }
+        Ok(())
+    }
+
+    /// Punch (or discard) `len` bytes at `offset` with `f`, in chunks cut
+    /// at multiples of [`CHUNK_BYTES`] (so no sector straddles two, and a
+    /// misaligned head or tail stays the request's own), each charged to
+    /// the peer's share while it runs.
+    ///
+    /// **Returns:** the first chunk's error (the rest are not punched),
+    /// ENOMEM as an error when the share did not admit a chunk in time;
+    /// `Err` outside when the connection died.
+    fn punch(
+        &self,
+        offset: u64,
+        len: u64,
+        f: impl Fn(u64, u64) -> io::Result<()>,
+    ) -> io::Result<io::Result<()>> {
+        for (off, n) in aligned_chunks(offset, len) {
+            if !self.conn.charge(n)? {
+                return Ok(Err(io::Error::from_raw_os_error(libc::ENOMEM)));
+            }
+            let r = f(off, n);
+            self.conn.uncharge(n);
+            if r.is_err() {
+                return Ok(r);
+            }
+        }
+        Ok(Ok(()))
     }
 
     /// Whether `req`'s FUA goes down with each of its writes (the
@@ -1114,6 +1187,65 @@ impl Reader<'_, '_> {
         Ok(())
     }
 
+    /// Serve a checked WRITE_ZEROES or TRIM (its place taken): punched
+    /// when discards are allowed (WRITE_ZEROES without NO_HOLE), else
+    /// encrypted zeros for WRITE_ZEROES and nothing for TRIM. The work is
+    /// charged to the peer's share chunk by chunk.
+    ///
+    /// **Returns:** `Err` only when the connection died (the request is
+    /// completed, with an error, either way).
+    fn zero_or_trim(&mut self, req: &Request, fast_zero: bool) -> io::Result<()> {
+        let (offset, len) = (req.offset, req.length as u64);
+        let holes = self.env.device.holes();
+        if req.command == CMD_WRITE_ZEROES && !self.punches(req) {
+            let n = chunks(offset, len).count();
+            let down = self.fua_down(req);
+            let p = self.pending_fua(req, n, 0, !down);
+            let r = self.write_zeroes(&p, offset, len, down);
+            p.chunk_done(0);
+            return r;
+        }
+        if req.command == CMD_TRIM && !self.env.export.discards {
+            // Checked, then nothing to do; FUA still flushes.
+            self.pending(req, 0, 0).chunk_done(0);
+            return Ok(());
+        }
+        // Punched: the whole sectors inside (a misaligned TRIM's head and
+        // tail stay: a discard is advisory).
+        let p = self.pending(req, 1, 0);
+        let r = if req.command == CMD_TRIM {
+            self.punch(offset, len, |o, n| holes.discard(o, n).map(|_| ()))
+        } else {
+            self.punch(offset, len, |o, n| holes.punch_zeroes(o, n))
+        };
+        let done = match r {
+            Err(dead) => Err((EIO, dead)),
+            Ok(Ok(())) => Ok(0),
+            // The backend cannot punch after all: write encrypted zeros (a
+            // fast-zero request fails instead).
+            Ok(Err(e))
+                if e.kind() == io::ErrorKind::Unsupported && req.command == CMD_WRITE_ZEROES =>
+            {
+                if fast_zero {
+                    Ok(ENOTSUP)
+                } else {
+                    p.remaining
+                        .fetch_add(chunks(offset, len).count(), Ordering::AcqRel);
+                    p.chunk_done(0);
+                    let r = self.write_zeroes(&p, offset, len, false);
+                    p.chunk_done(0);
+                    return r;
+                }
+            }
+            Ok(Err(e)) => Ok(errno(&e)),
+        };
+        p.chunk_done(match &done {
+            Ok(e) | Err((e, _)) => *e,
+        });
+        p.chunk_done(0);
+        done.map(|_| ()).map_err(|(_, dead)| dead)
+    }
+
     fn request(&mut self, req: Request) -> io::Result<()> {
         // The shape of what the client sends, served or not.
         let shape = match req.command {
@@ -1139,10 +1271,20 @@ impl Reader<'_, '_> {
         if error != 0 {
             return self.refuse(&req, error);
         }
+        let len = req.length as u64;
+        // The export's rate: one request, and the bytes it reads, writes,
+        // zeroes or punches (a flush, a block status query or a TRIM that
+        // does nothing moves none).
+        let moves = match req.command {
+            CMD_READ | CMD_WRITE | CMD_WRITE_ZEROES => true,
+            CMD_TRIM => self.env.export.discards,
+            _ => false,
+        };
+        self.conn
+            .throttle(self.env.rate, if moves { len } else { 0 })?;
         if req.command == CMD_BLOCK_STATUS {
             return self.block_status(&req);
         }
-        let len = req.length as u64;
         let payload = if matches!(req.command, CMD_READ | CMD_WRITE) {
             len
         } else {
@@ -1186,34 +1328,7 @@ impl Reader<'_, '_> {
                 }
                 p.chunk_done(0);
             }
-            CMD_WRITE_ZEROES if self.punches(&req) => {
-                let holes = device.holes();
-                let p = self.pending(&req, 1, 0);
-                match holes.punch_zeroes(req.offset, len) {
-                    Ok(()) => p.chunk_done(0),
-                    // The backend cannot punch after all: write encrypted
-                    // zeros (a fast-zero request fails instead).
-                    Err(e) if e.kind() == io::ErrorKind::Unsupported => {
-                        if fast_zero {
-                            p.chunk_done(ENOTSUP);
-                        } else {
-                            let n = chunks(req.offset, len).count();
-                            p.remaining.fetch_add(n, Ordering::AcqRel);
-                            self.write_zeroes(&p, req.offset, len, false);
-                            p.chunk_done(0);
-                        }
-                    }
-                    Err(e) => p.chunk_done(errno(&e)),
-                }
-                p.chunk_done(0);
-            }
-            CMD_WRITE_ZEROES => {
-                let n = chunks(req.offset, len).count();
-                let down = self.fua_down(&req);
-                let p = self.pending_fua(&req, n, 0, !down);
-                self.write_zeroes(&p, req.offset, len, down);
-                p.chunk_done(0);
-            }
+            CMD_WRITE_ZEROES | CMD_TRIM => self.zero_or_trim(&req, fast_zero)?,
             CMD_READ => {
                 let n = chunks(req.offset, len).count();
                 let p = self.pending(&req, n, len);
@@ -1244,19 +1359,6 @@ impl Reader<'_, '_> {
                 device.submit_flush(Box::new(move |r| {
                     q.chunk_done(r.err().map_or(0, |e| errno(&e)))
                 }));
-                p.chunk_done(0);
-            }
-            CMD_TRIM if self.env.export.discards => {
-                // The whole sectors inside; a misaligned head and tail
-                // stay (a discard is advisory).
-                let p = self.pending(&req, 1, 0);
-                let r = device.holes().discard(req.offset, len);
-                p.chunk_done(r.err().map_or(0, |e| errno(&e)));
-                p.chunk_done(0);
-            }
-            CMD_TRIM => {
-                // Checked, then nothing to do; FUA still flushes.
-                let p = self.pending(&req, 0, 0);
                 p.chunk_done(0);
             }
             _ => unreachable!("check_request() refuses unknown commands"),

@@ -5,22 +5,33 @@
 //! metadata contexts (NBD_OPT_LIST_META_CONTEXT / SET_META_CONTEXT, one
 //! context: `base:allocation`; both forgotten again by a later STARTTLS,
 //! as `proto.md` requires), NBD_OPT_EXPORT_NAME,
-//! NBD_OPT_ABORT, NBD_OPT_LIST (every export), NBD_OPT_INFO and
-//! NBD_OPT_GO (the export named, the first for the empty name, opened
-//! first if it is opened lazily), and refusing every other option with NBD_REP_ERR_UNSUP. Must never: enter
-//! transmission for an unknown export name or, when TLS is required,
-//! without TLS; read an option's data without a bound; take longer than
+//! NBD_OPT_ABORT, NBD_OPT_LIST (the exports the client may use),
+//! NBD_OPT_INFO and NBD_OPT_GO (the export named, the first for the empty
+//! name, opened first if it is opened lazily), and refusing every other
+//! option with NBD_REP_ERR_UNSUP; who the client is for the exports'
+//! `allow` rules (re-read after STARTTLS: the TLS identity) and its move
+//! from the handshake pool into its peer's share of connections, before
+//! GO's reply. Must never: enter transmission for an unknown export name,
+//! an export the client is not allowed, or, when TLS is required, without
+//! TLS; open a lazy export for a client not allowed to use it; tell a
+//! client whether an export it may not use exists (it is "unknown"); read
+//! an option's data without a bound; take longer than
 //! the handshake deadline in all (one deadline for the whole handshake,
 //! however slowly the client sends); quote more than a short, escaped
 //! prefix of a client's export name back; or go on after a bad magic or
 //! unknown client flags (the connection is closed).
 
 use crate::export::Catalog;
+use crate::peer::{Origin, Peer};
 use crate::proto::*;
+use crate::shares::Slot;
+use crate::stats::Counters;
 use crate::tls::{TlsConfig, TlsMode};
 use crate::transport::Transport;
 use crate::ExportInfo;
 use std::io::{self, Read, Write};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// Option data larger than this is discarded and refused (TOO_BIG).
@@ -31,6 +42,16 @@ const MAX_DISCARD_BYTES: u32 = 16 << 20;
 /// At most this many bytes of a client's export name are quoted back in
 /// an error message.
 const MAX_QUOTED_NAME_BYTES: usize = 64;
+
+/// What a handshake works with.
+pub(crate) struct HsEnv<'a> {
+    pub(crate) exports: &'a Catalog,
+    pub(crate) tls: Option<&'a TlsConfig>,
+    /// Where the connection comes from.
+    pub(crate) origin: Origin,
+    /// The server's counters (authorization refusals).
+    pub(crate) counters: &'a Counters,
+}
 
 /// How a handshake ended.
 pub(crate) enum Outcome {
@@ -63,6 +84,11 @@ impl Negotiated {
         self
     }
 }
+
+/// The steps a finished TLS handshake counts for, against a full
+/// handshake pool: more than any client without credentials can take
+/// before its deadline by sending options.
+const TLS_PROGRESS: usize = 1 << 40;
 
 /// The id `base:allocation` is given when selected (ids are opaque to
 /// clients and need only be unique among the selected contexts).
@@ -196,11 +222,27 @@ fn quoted(name: &[u8]) -> String {
 /// **Returns:** what to do next, or the socket's error (a missed
 /// deadline is `TimedOut`, a failed TLS handshake `PermissionDenied`).
 pub(crate) fn negotiate(
-    t: &Transport,
-    exports: &Catalog,
-    tls: Option<&TlsConfig>,
+    t: &Arc<Transport>,
+    env: &HsEnv<'_>,
+    slot: &mut Slot,
     deadline: Instant,
 ) -> io::Result<Outcome> {
+    let (exports, tls) = (env.exports, env.tls);
+    let mut peer = Peer {
+        origin: env.origin,
+        tls: None,
+    };
+    // An export the client may use (`None` also for one it may not: a
+    // refusal is told as "unknown", and counted).
+    let find = |name: &[u8], peer: &Peer| {
+        let i = exports.find_allowed(name, peer);
+        if i.is_none() && exports.find(name).is_some() {
+            env.counters
+                .authorization_refusals
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        i
+    };
     let s = &mut Hs { t, deadline };
     let mut greeting = Vec::with_capacity(18);
     greeting.extend_from_slice(&NBD_MAGIC.to_be_bytes());
@@ -211,6 +253,7 @@ pub(crate) fn negotiate(
     if client_flags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
         return Ok(Outcome::Close);
     }
+    slot.progressed_by(1);
     let fixed = client_flags & FLAG_C_FIXED_NEWSTYLE != 0;
     let no_zeroes = client_flags & FLAG_C_NO_ZEROES != 0;
     let mut agreed = Negotiated::default();
@@ -222,6 +265,7 @@ pub(crate) fn negotiate(
         }
         let option = u32::from_be_bytes(h[8..12].try_into().unwrap());
         let len = u32::from_be_bytes(h[12..16].try_into().unwrap());
+        slot.progressed_by(1);
         let tls_missing = matches!(tls, Some(c) if c.mode == TlsMode::Require) && !t.is_tls();
         if tls_missing && option == OPT_EXPORT_NAME {
             // It cannot be answered with an error: the protocol says close.
@@ -271,6 +315,10 @@ pub(crate) fn negotiate(
                 t.start_tls(&cfg.acceptor, deadline)?;
                 // What was agreed in plaintext must be agreed again.
                 agreed = Negotiated::default();
+                // Who the client is, now that TLS proved it; a handshake
+                // this far along is the last one a full pool closes.
+                peer.tls = t.tls_identity();
+                slot.progressed_by(TLS_PROGRESS);
             }
             OPT_STRUCTURED_REPLY => {
                 if len != 0 {
@@ -310,7 +358,7 @@ pub(crate) fn negotiate(
                     )?;
                     continue;
                 };
-                let Some(i) = exports.find(req.name) else {
+                let Some(i) = find(req.name, &peer) else {
                     error_reply(
                         s,
                         option,
@@ -332,12 +380,15 @@ pub(crate) fn negotiate(
             OPT_EXPORT_NAME => {
                 // No error can be sent to EXPORT_NAME: an unknown export,
                 // or one that cannot be opened, closes the connection.
-                let Some(i) = exports.find(&data) else {
+                let Some(i) = find(&data, &peer) else {
                     return Ok(Outcome::Close);
                 };
                 let Ok(live) = exports.slots[i].open() else {
                     return Ok(Outcome::Close);
                 };
+                if slot.enter_transmission(&peer.share_key(), t).is_err() {
+                    return Ok(Outcome::Close);
+                }
                 let export = &live.info;
                 let mut v = Vec::with_capacity(134);
                 v.extend_from_slice(&export.size_bytes.to_be_bytes());
@@ -358,8 +409,12 @@ pub(crate) fn negotiate(
                     error_reply(s, option, REP_ERR_INVALID, "NBD_OPT_LIST takes no data")?;
                     continue;
                 }
-                for slot in &exports.slots {
-                    let name = slot.config.name.as_bytes();
+                let mine = exports
+                    .slots
+                    .iter()
+                    .filter(|e| crate::peer::allowed(&e.config.allow, &peer));
+                for export in mine {
+                    let name = export.config.name.as_bytes();
                     let mut d = Vec::with_capacity(4 + name.len());
                     d.extend_from_slice(&(name.len() as u32).to_be_bytes());
                     d.extend_from_slice(name);
@@ -372,7 +427,7 @@ pub(crate) fn negotiate(
                     error_reply(s, option, REP_ERR_INVALID, "malformed NBD_OPT_INFO/GO data")?;
                     continue;
                 };
-                let Some(i) = exports.find(name) else {
+                let Some(i) = find(name, &peer) else {
                     error_reply(
                         s,
                         option,
@@ -391,6 +446,12 @@ pub(crate) fn negotiate(
                     )?;
                     continue;
                 };
+                if option == OPT_GO {
+                    if let Err(why) = slot.enter_transmission(&peer.share_key(), t) {
+                        error_reply(s, option, REP_ERR_POLICY, &why)?;
+                        continue;
+                    }
+                }
                 send_infos(s, option, &live.info, &infos)?;
                 s.write_all(&option_reply(option, REP_ACK, &[]))?;
                 if option == OPT_GO {

@@ -23,7 +23,10 @@
 //! | TLS credentials (X.509 directory, psktool key file) | `tls.rs` |
 //! | payload buffers in the target's arena (kvmalloc) | `buffers.rs` |
 //! | the queue, or inline service on the connection's thread; discards and the allocation map | `device.rs` |
-//! | the exports: names, the default, opening lazy ones once | `export.rs` |
+//! | the exports: names, the default, who may use each, opening lazy ones once (retried after a backoff) | `export.rs` |
+//! | who a client is (address, Unix credentials, TLS identity) and the `allow` rules | `peer.rs` |
+//! | fair shares of the limits among peers: the handshake pool, connections, bytes | `shares.rs` |
+//! | an export's rate limits (token buckets) | `rate.rs` |
 //! | listeners, threads, server-wide limits, shutdown | `server.rs` |
 //! | per-command counts | `stats.rs` |
 //! | LUKS images and the in-memory LUKS2 volume, set up as crypt stacks | `volume.rs` |
@@ -66,7 +69,13 @@
 //! delays only itself, and loses its connection once a reply has waited
 //! for the reply timeout; the handshake has one deadline in all; idle
 //! connections close; open connections and payload bytes in flight over
-//! all connections are capped. TLS (NBD_OPT_STARTTLS, X.509 or PSK, offered
+//! all connections are capped, and shared max-min fairly among the peers
+//! (`shares.rs`): a peer is its TLS identity once it has one, else its
+//! address or Unix uid; handshakes have a pool of their own in which
+//! silent sockets only ever push each other out; WRITE_ZEROES and TRIM
+//! are charged by the bytes they make the server write or punch. Each
+//! export may list who may use it ([`AllowRule`]) and limit its rate
+//! ([`RateLimit`]). TLS (NBD_OPT_STARTTLS, X.509 or PSK, offered
 //! or required) runs over the same non-blocking transport.
 //!
 //! ```no_run
@@ -104,10 +113,13 @@ mod device;
 mod error;
 mod export;
 mod handshake;
+mod peer;
 pub mod proto;
+mod rate;
 pub mod remote;
 pub(crate) mod remote_tls;
 mod server;
+mod shares;
 mod stats;
 mod stream;
 mod tls;
@@ -117,15 +129,19 @@ pub mod volume;
 pub use buffers::BufferStats;
 pub use conn::{CHUNK_BYTES, MAX_BYTES_IN_FLIGHT, MAX_REQUESTS_IN_FLIGHT};
 pub use error::{Error, Result};
-pub use export::{Export, ExportVolume, Opener};
+pub use export::{Export, ExportState, ExportVolume, Opener, OPEN_BACKOFF_FIRST, OPEN_BACKOFF_MAX};
 pub use handshake::MAX_OPTION_BYTES;
+pub use peer::{AllowRule, TlsIdentity};
+pub use rate::RateLimit;
 pub use server::{
     Listen, Listener, Server, ServerOptions, StatsHandle, DEFAULT_IDLE_TIMEOUT, DEFAULT_LISTEN,
-    DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_INFLIGHT_BYTES, HANDSHAKE_TIMEOUT, REPLY_TIMEOUT,
+    DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HANDSHAKES, DEFAULT_MAX_INFLIGHT_BYTES,
+    DEFAULT_PEER_MIN_CONNECTIONS, DEFAULT_PEER_MIN_INFLIGHT_BYTES, HANDSHAKE_TIMEOUT,
+    REPLY_TIMEOUT,
 };
 pub use stats::{
     align_bucket, latency_bucket, latency_bucket_bound_us, size_bucket, CommandStats, DirShape,
-    IoShape, Latency, LatencyHist, Stats, LATENCY_BUCKETS, SHAPE_BUCKETS,
+    ExportFigures, IoShape, Latency, LatencyHist, PeerStats, Stats, LATENCY_BUCKETS, SHAPE_BUCKETS,
 };
 pub use tls::{TlsConfig, TlsMode};
 
@@ -164,6 +180,13 @@ pub struct ExportConfig {
     /// Maximum block size: a multiple of the sector size, at most
     /// [`DEFAULT_MAX_BLOCK_BYTES`].
     pub max_block_bytes: u32,
+    /// Who may use the export (empty: anyone the server admits). A client
+    /// that matches no rule is told there is no such export and does not
+    /// see it in NBD_OPT_LIST; a lazy export is opened only for a client
+    /// that matches.
+    pub allow: Vec<AllowRule>,
+    /// Bytes and requests per second over all the export's connections.
+    pub rate: RateLimit,
 }
 
 impl ExportConfig {
@@ -178,6 +201,8 @@ impl ExportConfig {
             inline_max_bytes: 0,
             preferred_block_bytes: DEFAULT_PREFERRED_BLOCK_BYTES,
             max_block_bytes: DEFAULT_MAX_BLOCK_BYTES,
+            allow: Vec::new(),
+            rate: RateLimit::default(),
         }
     }
 }

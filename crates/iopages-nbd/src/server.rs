@@ -4,19 +4,22 @@
 //! listeners bound by others (socket activation: [`Listener`]), one
 //! accepting thread per listener, one thread per connection (handshake,
 //! then transmission), the server-wide limits ([`ServerOptions`]: open
-//! connections, payload bytes in flight, the deadlines), and shutting all
+//! connections, handshakes, payload bytes in flight, each shared fairly
+//! among peers by `shares.rs`; the deadlines), and shutting all
 //! of it down in order: stop accepting, shut every connection's socket,
 //! wait for their requests in flight to complete, join every thread, and
 //! remove the Unix sockets it created (only those). Must never: leave a
 //! thread or a request behind after [`Server::shutdown`] returns, hold
-//! more connections than `max_connections` (one more is
-//! closed at once, and counted), or stop serving other clients because
-//! one misbehaved.
+//! more connections in transmission than `max_connections` or in the
+//! handshake than `max_handshakes`, lose a connection's place when its
+//! thread panics, or stop serving other clients because one misbehaved.
 
-use crate::conn::{self, Budget, ConnEnv, ConnLimits};
+use crate::conn::{self, ConnEnv, ConnLimits};
 use crate::error::{Error, Result};
-use crate::export::{Catalog, Export, ExportVolume};
-use crate::handshake::{self, Outcome};
+use crate::export::{Catalog, Export, ExportState, ExportVolume};
+use crate::handshake::{self, HsEnv, Outcome};
+use crate::peer::Origin;
+use crate::shares::{ShareLimits, Shares, Slot};
 use crate::stats::{Counters, Stats};
 use crate::stream::Stream;
 use crate::tls::TlsConfig;
@@ -44,8 +47,14 @@ pub const REPLY_TIMEOUT: Duration = Duration::from_secs(60);
 /// connected is disconnected (one deadline for the whole handshake,
 /// however slowly the client sends).
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
-/// Connections open at once (handshake or transmission), by default.
+/// Connections in transmission at once, by default.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 64;
+/// Connections in the handshake at once, by default (a pool of its own).
+pub const DEFAULT_MAX_HANDSHAKES: usize = 32;
+/// Each peer's share of the connections is at least this, by default.
+pub const DEFAULT_PEER_MIN_CONNECTIONS: usize = 2;
+/// Each peer's share of the bytes in flight is at least this, by default.
+pub const DEFAULT_PEER_MIN_INFLIGHT_BYTES: u64 = 16 << 20;
 /// Payload bytes in flight over all connections, by default (arena and
 /// heap buffers alike).
 pub const DEFAULT_MAX_INFLIGHT_BYTES: u64 = 256 << 20;
@@ -56,14 +65,28 @@ pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
 /// Server-wide limits and TLS.
 #[derive(Clone, Debug)]
 pub struct ServerOptions {
-    /// Connections open at once; one more is closed as soon as it is
-    /// accepted (and counted in [`Stats::refused_connections`]).
+    /// Connections in transmission at once, shared fairly among peers:
+    /// when all are taken, a peer under its share gets one by closing one
+    /// of the peer furthest over its own; a peer at its share is refused
+    /// (NBD_REP_ERR_POLICY on GO; counted in
+    /// [`Stats::refused_connections`]).
     pub max_connections: usize,
-    /// Payload bytes (read buffers and write payloads) in flight over all
-    /// connections: a request that would pass it waits for others to
-    /// finish, up to the reply timeout, then gets ENOMEM. At least the
-    /// export's maximum block size.
+    /// Connections in the handshake at once (a pool of their own): when it
+    /// is full, a new connection closes the least advanced handshake of
+    /// the peer holding the most (counted in
+    /// [`PeerStats::handshake_evictions`](crate::PeerStats)).
+    pub max_handshakes: usize,
+    /// Each peer's guaranteed share of `max_connections` is at least this.
+    pub peer_min_connections: usize,
+    /// Payload bytes (read buffers and write payloads) and work (the bytes
+    /// of WRITE_ZEROES and TRIM chunks being served) in flight over all
+    /// connections, shared fairly among peers: a request that would pass
+    /// its peer's share waits, up to the reply timeout, then gets ENOMEM.
+    /// At least the export's maximum block size.
     pub max_inflight_bytes: u64,
+    /// Each peer's guaranteed share of `max_inflight_bytes` is at least
+    /// this (and it is the reserve kept for small peers).
+    pub peer_min_inflight_bytes: u64,
     /// Close a connection with nothing in flight that sends nothing for
     /// this long (`None`: never).
     pub idle_timeout: Option<Duration>,
@@ -78,7 +101,10 @@ impl Default for ServerOptions {
     fn default() -> Self {
         ServerOptions {
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_handshakes: DEFAULT_MAX_HANDSHAKES,
+            peer_min_connections: DEFAULT_PEER_MIN_CONNECTIONS,
             max_inflight_bytes: DEFAULT_MAX_INFLIGHT_BYTES,
+            peer_min_inflight_bytes: DEFAULT_PEER_MIN_INFLIGHT_BYTES,
             idle_timeout: Some(DEFAULT_IDLE_TIMEOUT),
             reply_timeout: REPLY_TIMEOUT,
             tls: None,
@@ -171,11 +197,9 @@ struct Shared {
     /// The server's own counters (connections, handshakes, TLS); each
     /// export counts its requests in its own.
     counters: Arc<Counters>,
-    budget: Arc<Budget>,
+    shares: Arc<Shares>,
     zeros: Arc<[u8]>,
     opts: ServerOptions,
-    /// When a refused connection was last reported (rate-limits the line).
-    refused_said: Mutex<Option<std::time::Instant>>,
     stopping: AtomicBool,
     conns: Mutex<Vec<ConnEntry>>,
 }
@@ -353,11 +377,7 @@ impl Server {
         if listen.is_empty() && inherited.is_empty() {
             return Err(Error::Config("no address to listen on".into()));
         }
-        if opts.max_connections == 0 {
-            return Err(Error::Config(
-                "the connection limit must be at least 1".into(),
-            ));
-        }
+        check_limits(&opts)?;
         if let Some(e) = exports
             .iter()
             .find(|e| opts.max_inflight_bytes < e.config().max_block_bytes as u64)
@@ -372,6 +392,12 @@ impl Server {
         if opts.reply_timeout.is_zero() || opts.idle_timeout.is_some_and(|t| t.is_zero()) {
             return Err(Error::Config("timeouts must be longer than 0".into()));
         }
+        check_rules(&exports, opts.tls.as_ref())?;
+        let max_request_bytes = exports
+            .iter()
+            .map(|e| e.config().max_block_bytes as u64)
+            .max()
+            .unwrap_or(0);
         let exports = Catalog::new(exports)?;
         // Before any socket file exists, so that its failure leaves none.
         let wake = Arc::new(wake_fd().map_err(|source| Error::Listen {
@@ -392,10 +418,16 @@ impl Server {
         let shared = Arc::new(Shared {
             exports,
             counters: Arc::new(Counters::default()),
-            budget: Arc::new(Budget::new(opts.max_inflight_bytes)),
+            shares: Arc::new(Shares::new(ShareLimits {
+                max_connections: opts.max_connections,
+                max_handshakes: opts.max_handshakes,
+                min_connections: opts.peer_min_connections,
+                max_bytes: opts.max_inflight_bytes,
+                min_bytes: opts.peer_min_inflight_bytes,
+                max_request_bytes,
+            })),
             zeros: std::iter::repeat_n(0u8, conn::CHUNK_BYTES).collect(),
             opts,
-            refused_said: Mutex::new(None),
             stopping: AtomicBool::new(false),
             conns: Mutex::new(Vec::new()),
         });
@@ -416,6 +448,51 @@ impl Server {
         }
         Ok(server)
     }
+}
+
+/// The limits are usable: every pool at least one, floors within them.
+fn check_limits(o: &ServerOptions) -> Result<()> {
+    let bad = |m: &str| Err(Error::Config(m.into()));
+    if o.max_connections == 0 {
+        return bad("the connection limit must be at least 1");
+    }
+    if o.max_handshakes == 0 {
+        return bad("the handshake limit must be at least 1");
+    }
+    // A floor above its limit is taken as the limit (by the shares).
+    if o.peer_min_connections == 0 || o.peer_min_inflight_bytes == 0 {
+        return bad("a peer's minimum of connections and of bytes in flight must be at least 1");
+    }
+    Ok(())
+}
+
+/// Every export's `allow` rules can match: a TLS identity needs TLS
+/// required (without it a client could skip TLS and be refused where an
+/// authenticated one would be let in, or worse, be let in on a rule that
+/// cannot be checked), with the kind of credentials the rule names.
+fn check_rules(exports: &[Export], tls: Option<&TlsConfig>) -> Result<()> {
+    use crate::peer::AllowRule;
+    for e in exports {
+        for r in &e.config().allow {
+            let why = match (r, tls) {
+                (r, _) if !r.needs_tls() => continue,
+                (_, None) => "needs TLS: --tls require with --tls-psk or --tls-certificates",
+                (_, Some(t)) if t.mode != crate::TlsMode::Require => {
+                    "needs --tls require (with --tls on, a client may stay in plaintext)"
+                }
+                (AllowRule::Psk(_), Some(t)) if t.kind() != "psk" => "needs --tls-psk FILE",
+                (AllowRule::Subject(_), Some(t)) if !t.verifies_peer() => {
+                    "needs client certificates checked: --tls-certificates DIR with --tls-verify-peer"
+                }
+                _ => continue,
+            };
+            return Err(Error::Config(format!(
+                "export {:?}: allow rule {r} {why}",
+                e.name()
+            )));
+        }
+    }
+    Ok(())
 }
 
 impl Listening {
@@ -517,6 +594,13 @@ impl Server {
         Some(self.shared.exports.slots[i].get().is_some())
     }
 
+    /// Whether export `name` is open, not opened yet, or failed (and
+    /// retried after a backoff); `None` for no such export.
+    pub fn export_state(&self, name: &str) -> Option<ExportState> {
+        let i = self.shared.exports.find(name.as_bytes())?;
+        Some(self.shared.exports.slots[i].state())
+    }
+
     /// Requests and bytes per command so far over every export, the
     /// connections, and where payload buffers came from.
     pub fn stats(&self) -> Stats {
@@ -592,13 +676,45 @@ fn stats_of(shared: &Shared) -> Stats {
         }
         s.add(&e);
     }
-    s.budget_used_bytes = shared.budget.used();
+    let sh = shared.shares.snapshot();
+    s.budget_used_bytes = sh.bytes;
+    s.peers = crate::stats::PeerStats {
+        handshakes_open: sh.handshakes,
+        handshake_evictions: shared
+            .shares
+            .counters
+            .handshake_evictions
+            .load(Ordering::Relaxed),
+        share_evictions: shared
+            .shares
+            .counters
+            .share_evictions
+            .load(Ordering::Relaxed),
+        authorization_refusals: shared
+            .counters
+            .authorization_refusals
+            .load(Ordering::Relaxed),
+        active: sh.peers,
+        at_share: sh.peers_at_share,
+        budget_share_waits: shared
+            .shares
+            .counters
+            .budget_share_waits
+            .load(Ordering::Relaxed),
+    };
+    s.refused_connections += shared.shares.counters.refused.load(Ordering::Relaxed);
     s
 }
 
 fn export_stats_at(shared: &Shared, i: usize) -> Stats {
     let slot = &shared.exports.slots[i];
     let mut s = slot.counters.snapshot();
+    s.export = crate::stats::ExportFigures {
+        open_failures: slot.open_failures.load(Ordering::Relaxed),
+        rate_waits: slot.rate.waits.load(Ordering::Relaxed),
+        rate_bytes_per_second: slot.rate.limit().bytes_per_second.unwrap_or(0),
+        rate_requests_per_second: slot.rate.limit().requests_per_second.unwrap_or(0),
+    };
     if let Some(live) = slot.get() {
         s.buffers = live.buffers.stats();
         s.shape.sector_bytes = live.info.min_block_bytes as u64;
@@ -649,6 +765,13 @@ impl StatsHandle {
     pub fn export_is_open(&self, name: &str) -> Option<bool> {
         let i = self.shared.exports.find(name.as_bytes())?;
         Some(self.shared.exports.slots[i].get().is_some())
+    }
+
+    /// Whether export `name` is open, not opened yet, or failed (and
+    /// retried after a backoff); `None` for no such export.
+    pub fn export_state(&self, name: &str) -> Option<ExportState> {
+        let i = self.shared.exports.find(name.as_bytes())?;
+        Some(self.shared.exports.slots[i].state())
     }
 
     /// Whether the server is serving (not shut down, nor shutting down).
@@ -732,16 +855,19 @@ fn accept_loop(s: &Arc<Shared>, a: Listener, wake: &OwnedFd) {
             }
         }
         let accepted = match &a {
-            Listener::Tcp(l) => l.accept().map(|(t, _)| {
+            Listener::Tcp(l) => l.accept().map(|(t, from)| {
                 let _ = t.set_nodelay(true);
-                Stream::Tcp(t)
+                (Stream::Tcp(t), Origin::Ip(from.ip()))
             }),
-            Listener::Unix(l) => l.accept().map(|(u, _)| Stream::Unix(u)),
+            Listener::Unix(l) => l.accept().map(|(u, _)| {
+                let origin = unix_origin(&u);
+                (Stream::Unix(u), origin)
+            }),
         };
         if s.stopping.load(Ordering::SeqCst) {
             return;
         }
-        let stream = match accepted {
+        let (stream, origin) = match accepted {
             Ok(st) => st,
             // Taken back by the client (or by another process sharing an
             // inherited socket) between `poll` and `accept`.
@@ -754,63 +880,108 @@ fn accept_loop(s: &Arc<Shared>, a: Listener, wake: &OwnedFd) {
             }
         };
         s.counters.connections.fetch_add(1, Ordering::Relaxed);
-        let max = s.opts.max_connections as u64;
-        // Taken before anything else, so listeners accepting at once
-        // cannot pass the limit together.
-        if s.counters.open.fetch_add(1, Ordering::AcqRel) >= max {
-            s.counters.open.fetch_sub(1, Ordering::AcqRel);
-            // Over the limit: closed at once, before the greeting (the
-            // client sees the connection end), and said once a second.
-            s.counters.refused.fetch_add(1, Ordering::Relaxed);
-            stream.shutdown();
-            drop(stream);
-            let now = std::time::Instant::now();
-            let mut said = s.refused_said.lock();
-            if said.is_none_or(|t| now.duration_since(t) >= Duration::from_secs(1)) {
-                *said = Some(now);
-                eprintln!("iopages-nbd: refusing connections: {max} are open (--max-connections)");
-            }
-            continue;
-        }
         let t = match Transport::new(stream) {
             Ok(t) => Arc::new(t),
             Err(e) => {
-                s.counters.open.fetch_sub(1, Ordering::AcqRel);
                 eprintln!("iopages-nbd: cannot set up a connection: {e}");
                 continue;
             }
         };
-        let mut conns = s.conns.lock();
-        // Join the connections that have ended.
-        let (done, live): (Vec<_>, Vec<_>) = conns.drain(..).partition(|c| c.thread.is_finished());
-        *conns = live;
-        for c in done {
-            let _ = c.thread.join();
+        start_connection(s, t, origin);
+    }
+}
+
+/// The peer credentials of a Unix socket's other end.
+fn unix_origin(u: &std::os::unix::net::UnixStream) -> Origin {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: SO_PEERCRED fills a ucred of `len` bytes that lives for the
+    // call; the descriptor is the accepted socket's.
+    let r = unsafe {
+        libc::getsockopt(
+            u.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r == 0 {
+        Origin::Unix {
+            uid: cred.uid,
+            gid: cred.gid,
         }
-        let s2 = Arc::clone(s);
-        let t2 = Arc::clone(&t);
-        match std::thread::Builder::new()
-            .name("nbd-conn".into())
-            .spawn(move || {
-                serve_connection(&s2, &t2);
-                s2.counters.open.fetch_sub(1, Ordering::Relaxed);
-            }) {
-            Ok(thread) => conns.push(ConnEntry { t, thread }),
-            Err(e) => {
-                s.counters.open.fetch_sub(1, Ordering::Relaxed);
-                eprintln!("iopages-nbd: cannot start a connection thread: {e}");
-            }
+    } else {
+        Origin::Unknown
+    }
+}
+
+/// Gives a connection's count back when its thread ends, by returning or
+/// by a panic.
+struct Open<'a>(&'a Counters);
+
+impl Drop for Open<'_> {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Give the accepted connection `t` a place in the handshake pool and a
+/// thread of its own.
+fn start_connection(s: &Arc<Shared>, t: Arc<Transport>, origin: Origin) {
+    let place = s
+        .shares
+        .admit_handshake(&crate::peer::Peer { origin, tls: None }.share_key(), &t);
+    s.counters.open.fetch_add(1, Ordering::AcqRel);
+    let mut conns = s.conns.lock();
+    // Join the connections that have ended.
+    let (done, live): (Vec<_>, Vec<_>) = conns.drain(..).partition(|c| c.thread.is_finished());
+    *conns = live;
+    for c in done {
+        let _ = c.thread.join();
+    }
+    let s2 = Arc::clone(s);
+    let t2 = Arc::clone(&t);
+    match std::thread::Builder::new()
+        .name("nbd-conn".into())
+        .spawn(move || {
+            let _open = Open(&s2.counters);
+            serve_connection(&s2, &t2, place, origin);
+        }) {
+        Ok(thread) => conns.push(ConnEntry { t, thread }),
+        Err(e) => {
+            // The closure, and so the place, is dropped with the error.
+            s.counters.open.fetch_sub(1, Ordering::AcqRel);
+            eprintln!("iopages-nbd: cannot start a connection thread: {e}");
         }
     }
 }
 
-fn serve_connection(s: &Shared, t: &Arc<Transport>) {
+/// Tests: the next connection's handler panics right after its handshake.
+#[cfg(test)]
+pub(crate) static PANIC_NEXT_CONNECTION: AtomicBool = AtomicBool::new(false);
+
+fn serve_connection(s: &Shared, t: &Arc<Transport>, mut place: Slot, origin: Origin) {
     if s.stopping.load(Ordering::SeqCst) {
         return;
     }
     let deadline = std::time::Instant::now() + s.exports.handshake_timeout();
-    match handshake::negotiate(t, &s.exports, s.opts.tls.as_ref(), deadline) {
+    let env = HsEnv {
+        exports: &s.exports,
+        tls: s.opts.tls.as_ref(),
+        origin,
+        counters: &s.counters,
+    };
+    match handshake::negotiate(t, &env, &mut place, deadline) {
         Ok(Outcome::Transmission(agreed, i)) => {
+            #[cfg(test)]
+            if PANIC_NEXT_CONNECTION.swap(false, Ordering::SeqCst) {
+                panic!("injected into a connection handler");
+            }
             if t.is_tls() {
                 s.counters.tls_sessions.fetch_add(1, Ordering::Relaxed);
             }
@@ -823,7 +994,9 @@ fn serve_connection(s: &Shared, t: &Arc<Transport>) {
                 device: &live.device,
                 counters: &slot.counters,
                 buffers: &live.buffers,
-                budget: &s.budget,
+                budget: place.budget(),
+                busy: place.busy(),
+                rate: &slot.rate,
                 zeros: &s.zeros,
                 limits: ConnLimits {
                     reply_timeout: s.opts.reply_timeout,
@@ -854,5 +1027,88 @@ fn serve_connection(s: &Shared, t: &Arc<Transport>) {
             }
             t.shutdown();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::*;
+    use iopages_crypt::backend::{Backend, RamDisk};
+    use iopages_crypt::queue::QueueConfig;
+    use iopages_crypt::target::{CipherPool, CryptTarget, TargetConfig};
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+
+    fn server() -> (iopages::PageAllocator, Server) {
+        let alloc = iopages::PageAllocator::builder()
+            .size_bytes(32 << 20)
+            .build()
+            .unwrap();
+        let disk: Arc<dyn Backend> = Arc::new(RamDisk::new(1 << 20).unwrap());
+        let key: Vec<u8> = (0u8..64).collect();
+        let xts = iopages_crypt::XtsCipher::new(&key, 512, 0).unwrap();
+        let cipher = CipherPool::new(xts, 1).unwrap();
+        let target = CryptTarget::new(&alloc, cipher, disk, TargetConfig::default()).unwrap();
+        let queue = Arc::new(CryptQueue::new(Arc::new(target), QueueConfig::default()).unwrap());
+        let opts = ServerOptions {
+            max_connections: 1,
+            ..ServerOptions::default()
+        };
+        let listen = [Listen::Tcp("127.0.0.1:0".parse().unwrap())];
+        let s = Server::start_with(queue, ExportConfig::new("v"), opts, &listen).unwrap();
+        (alloc, s)
+    }
+
+    /// Connect and send NBD_OPT_GO for "v": the reply type of its last
+    /// reply (ACK once in transmission), or `None` if the server hung up.
+    fn go(s: &Server) -> (TcpStream, Option<u32>) {
+        let mut c = TcpStream::connect(s.tcp_addr().unwrap()).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut greeting = [0u8; 18];
+        c.read_exact(&mut greeting).unwrap();
+        let mut m = (FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES)
+            .to_be_bytes()
+            .to_vec();
+        m.extend_from_slice(&IHAVEOPT.to_be_bytes());
+        m.extend_from_slice(&OPT_GO.to_be_bytes());
+        m.extend_from_slice(&7u32.to_be_bytes());
+        m.extend_from_slice(&[0, 0, 0, 1, b'v', 0, 0]);
+        c.write_all(&m).unwrap();
+        loop {
+            let mut h = [0u8; 20];
+            if c.read_exact(&mut h).is_err() {
+                return (c, None);
+            }
+            let kind = u32::from_be_bytes(h[12..16].try_into().unwrap());
+            let len = u32::from_be_bytes(h[16..20].try_into().unwrap());
+            let mut d = vec![0u8; len as usize];
+            c.read_exact(&mut d).unwrap();
+            if kind != REP_INFO {
+                return (c, Some(kind));
+            }
+        }
+    }
+
+    #[test]
+    fn a_panic_in_a_connection_handler_gives_its_slot_back() {
+        let (_alloc, s) = server();
+        PANIC_NEXT_CONNECTION.store(true, Ordering::SeqCst);
+        let (mut c, kind) = go(&s);
+        assert_eq!(kind, Some(REP_ACK));
+        // The handler panicked after the handshake: the client sees the
+        // connection end, and its place comes back.
+        let mut b = [0u8; 1];
+        assert!(matches!(c.read(&mut b), Ok(0) | Err(_)));
+        let t = std::time::Instant::now();
+        while s.stats().open_connections > 0 && t.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(s.stats().open_connections, 0);
+        assert_eq!(s.shared.shares.snapshot(), Default::default());
+        // The limit is one connection: the next one is served.
+        let (_c2, kind) = go(&s);
+        assert_eq!(kind, Some(REP_ACK));
+        assert_eq!(s.stats().refused_connections, 0);
     }
 }

@@ -74,6 +74,47 @@ pub struct Stats {
     pub latency: Latency,
     /// Requests submitted to a volume and not answered yet (a gauge).
     pub in_flight: u64,
+    /// How the server's limits are shared among its peers (the server's
+    /// figures; zero in one export's).
+    pub peers: PeerStats,
+    /// An export's own figures (summed over the exports in the server's).
+    pub export: ExportFigures,
+}
+
+/// How the server's limits are shared among its peers (aggregated: never
+/// a figure per peer).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PeerStats {
+    /// Connections in the handshake now.
+    pub handshakes_open: u64,
+    /// Handshakes closed to admit a new connection (the handshake pool
+    /// was full).
+    pub handshake_evictions: u64,
+    /// Connections in transmission closed so a peer under its share got
+    /// its guarantee.
+    pub share_evictions: u64,
+    /// Requests for an export refused by its `allow` rules.
+    pub authorization_refusals: u64,
+    /// Peers with a connection now.
+    pub active: u64,
+    /// Peers holding at least their guarantee of connections or bytes now.
+    pub at_share: u64,
+    /// Requests of peers past their share that waited so a peer under its
+    /// share went first.
+    pub budget_share_waits: u64,
+}
+
+/// One export's own figures.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ExportFigures {
+    /// Opens of a lazy export that failed.
+    pub open_failures: u64,
+    /// Requests that waited for the export's rate limits.
+    pub rate_waits: u64,
+    /// The export's byte rate limit (0: none; not summed).
+    pub rate_bytes_per_second: u64,
+    /// The export's request rate limit (0: none; not summed).
+    pub rate_requests_per_second: u64,
 }
 
 impl CommandStats {
@@ -135,6 +176,8 @@ impl Stats {
         self.latency.write.add(&o.latency.write);
         self.latency.other.add(&o.latency.other);
         self.in_flight += o.in_flight;
+        self.export.open_failures += o.export.open_failures;
+        self.export.rate_waits += o.export.rate_waits;
     }
 }
 
@@ -399,6 +442,7 @@ pub(crate) struct Counters {
     pub(crate) idle_closes: AtomicU64,
     pub(crate) budget_waits: AtomicU64,
     pub(crate) budget_refusals: AtomicU64,
+    pub(crate) authorization_refusals: AtomicU64,
     pub(crate) read_shape: ShapeCounter,
     pub(crate) write_shape: ShapeCounter,
     pub(crate) read_latency: LatencyCounter,
@@ -464,6 +508,8 @@ impl Counters {
                 other: self.other_latency.get(),
             },
             in_flight: self.in_flight.load(Ordering::Relaxed),
+            peers: PeerStats::default(),
+            export: ExportFigures::default(),
         }
     }
 }

@@ -41,6 +41,8 @@ pub struct TlsConfig {
     pub(crate) acceptor: Arc<SslAcceptor>,
     pub(crate) mode: TlsMode,
     kind: &'static str,
+    /// Clients must present a certificate that verifies.
+    verify_peer: bool,
 }
 
 impl std::fmt::Debug for TlsConfig {
@@ -110,6 +112,7 @@ impl TlsConfig {
             acceptor: Arc::new(b.build()),
             mode,
             kind: "x509",
+            verify_peer,
         })
     }
 
@@ -145,6 +148,7 @@ impl TlsConfig {
             acceptor: Arc::new(b.build()),
             mode,
             kind: "psk",
+            verify_peer: false,
         })
     }
 
@@ -156,6 +160,12 @@ impl TlsConfig {
     /// `"x509"` or `"psk"`.
     pub fn kind(&self) -> &'static str {
         self.kind
+    }
+
+    /// Whether clients must present a certificate that verifies (X.509
+    /// with `verify_peer`).
+    pub fn verifies_peer(&self) -> bool {
+        self.verify_peer
     }
 }
 

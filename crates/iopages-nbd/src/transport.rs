@@ -468,6 +468,25 @@ impl Transport {
             .map_err(|_| io::Error::other("TLS is already running"))
     }
 
+    /// What the finished TLS handshake proved about the client: its PSK
+    /// identity, or the subject of a client certificate that verified
+    /// (`None` without TLS, or with an unverified or absent certificate).
+    pub(crate) fn tls_identity(&self) -> Option<crate::peer::TlsIdentity> {
+        use crate::peer::TlsIdentity;
+        let t = self.tls.get()?.lock();
+        let ssl = t.ssl.ssl();
+        if let Some(id) = ssl.psk_identity() {
+            return Some(TlsIdentity::Psk(String::from_utf8_lossy(id).into_owned()));
+        }
+        if ssl.verify_result() != openssl::x509::X509VerifyResult::OK {
+            return None;
+        }
+        let cert = ssl.peer_certificate()?;
+        Some(TlsIdentity::Subject(crate::peer::rfc4514(
+            cert.subject_name(),
+        )))
+    }
+
     /// Send TLS's close_notify (and whatever is still gathered), if it
     /// can leave without waiting.
     pub(crate) fn close_tls(&self) {

@@ -303,7 +303,9 @@ fn an_idle_connection_is_closed_and_a_busy_one_is_not() {
 }
 
 #[test]
-fn connections_past_the_limit_are_closed_at_once_and_counted() {
+fn a_peer_at_its_share_is_refused_at_go_by_policy_and_counted() {
+    // One peer (every client here is 127.0.0.1): its share is the whole
+    // limit of 3.
     let opts = ServerOptions {
         max_connections: 3,
         ..ServerOptions::default()
@@ -314,15 +316,15 @@ fn connections_past_the_limit_are_closed_at_once_and_counted() {
         c.go();
     }
     for _ in 0..5 {
-        let mut s = TcpStream::connect(server.tcp_addr().unwrap()).unwrap();
-        assert!(
-            closed_within(&mut s, Duration::from_secs(5)),
-            "a connection past the limit is closed"
-        );
+        let mut c = connect(&server);
+        c.option(OPT_GO, &info_data(NAME, &[]));
+        let (_, kind, msg) = c.opt_reply();
+        assert_eq!(kind, REP_ERR_POLICY, "{}", String::from_utf8_lossy(&msg));
+        assert!(String::from_utf8_lossy(&msg).contains("too many connections"));
     }
     let st = server.stats();
     assert_eq!(st.refused_connections, 5);
-    assert_eq!(st.open_connections, 3);
+    assert_eq!(st.peers.active, 1);
     // One leaves; a new one is served.
     drop(held.pop());
     let t = Instant::now();
@@ -334,6 +336,37 @@ fn connections_past_the_limit_are_closed_at_once_and_counted() {
     assert_eq!(c.read(0, 4096).unwrap().len(), 4096);
     drop(held);
     drop(c);
+    finish(alloc, server);
+}
+
+#[test]
+fn silent_sockets_only_push_each_other_out_of_a_full_handshake_pool() {
+    let opts = ServerOptions {
+        max_handshakes: 4,
+        ..ServerOptions::default()
+    };
+    let (alloc, server) = start(opts, |_| {});
+    // A client that has taken a step (an option answered) ...
+    let mut polite = connect(&server);
+    polite.option(0xdead, &[]);
+    assert_eq!(polite.opt_reply().1, REP_ERR_UNSUP);
+    // ... beside many sockets that never send a byte.
+    let silent: Vec<_> = (0..20)
+        .map(|_| TcpStream::connect(server.tcp_addr().unwrap()).unwrap())
+        .collect();
+    let t = Instant::now();
+    while server.stats().peers.handshake_evictions < 17 && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let st = server.stats();
+    assert_eq!(
+        st.peers.handshake_evictions, 17,
+        "21 handshakes into a pool of 4"
+    );
+    assert_eq!(st.peers.handshakes_open, 4);
+    polite.go();
+    assert_eq!(polite.read(0, 4096).unwrap().len(), 4096);
+    drop((silent, polite));
     finish(alloc, server);
 }
 

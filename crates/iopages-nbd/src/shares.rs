@@ -1,0 +1,470 @@
+//! Fair shares of the server's limits among its peers.
+//!
+//! Owns: the handshake pool (connections that have not reached
+//! transmission), the connection pool (connections in transmission) and
+//! the byte budget (payload bytes and work in flight), each kept per peer
+//! ([`Peer::share_key`](crate::peer::Peer::share_key)), and the slots
+//! that give a connection's place back when its thread ends — also when
+//! it panics. Must never: let one peer keep another out, hold more
+//! handshakes than the pool (one more closes the least advanced
+//! handshake of the peer holding the most), or lose count of a byte.
+//!
+//! The shares are max-min fair, in the manner of a fair queue: with `n`
+//! peers in transmission each is *guaranteed* `max(floor, limit ÷ n)`
+//! connections and bytes, may *borrow* what the others leave unused, and
+//! gives borrowed capacity back when a peer under its guarantee needs it:
+//!
+//! - **Connections.** While the pool has room anyone is admitted. When it
+//!   is full, a peer under its guarantee is admitted by closing a
+//!   connection of the peer furthest over its own — its newest idle one
+//!   (nothing in flight), else its newest; a peer at its guarantee is
+//!   refused.
+//! - **Bytes.** A request within its peer's guarantee goes first; a peer
+//!   past its guarantee may borrow only while no peer under its guarantee
+//!   waits, and only while a reserve of `min(floor, limit − largest
+//!   request)` bytes stays free for peers holding less than the reserve.
+//!   The reserve is what makes the guarantee real against a client that
+//!   never reads its replies: borrowed bytes of such a client come back
+//!   only when its connection dies, so a newcomer cannot be made to wait
+//!   for them.
+//! - **Handshakes** have a pool of their own, so no number of silent
+//!   sockets can keep an authenticating client out: when it is full, a new
+//!   connection closes one handshake of the peer holding the most
+//!   handshakes (its own, when it is that peer) — the one that has made
+//!   the least progress, the oldest among equals.
+
+use crate::transport::Transport;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// The limits the shares are cut from.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ShareLimits {
+    /// Connections in transmission, over all peers.
+    pub(crate) max_connections: usize,
+    /// Connections in the handshake, over all peers.
+    pub(crate) max_handshakes: usize,
+    /// Each peer's guarantee of connections is at least this.
+    pub(crate) min_connections: usize,
+    /// Bytes in flight, over all peers.
+    pub(crate) max_bytes: u64,
+    /// Each peer's guarantee of bytes is at least this.
+    pub(crate) min_bytes: u64,
+    /// The largest single request (bytes): the reserve leaves room for it.
+    pub(crate) max_request_bytes: u64,
+}
+
+impl ShareLimits {
+    /// Bytes kept free for peers holding less than this much.
+    fn reserve_bytes(&self) -> u64 {
+        self.min_bytes
+            .min(self.max_bytes.saturating_sub(self.max_request_bytes))
+    }
+}
+
+/// What the shares have counted (read by [`Shares::snapshot`]).
+#[derive(Default)]
+pub(crate) struct ShareCounters {
+    pub(crate) handshake_evictions: AtomicU64,
+    pub(crate) share_evictions: AtomicU64,
+    pub(crate) refused: AtomicU64,
+    pub(crate) budget_share_waits: AtomicU64,
+}
+
+/// A peer's holdings.
+#[derive(Default)]
+struct Holding {
+    handshakes: usize,
+    connections: usize,
+    bytes: u64,
+}
+
+impl Holding {
+    fn is_empty(&self) -> bool {
+        self.handshakes == 0 && self.connections == 0 && self.bytes == 0
+    }
+}
+
+/// A connection in one of the pools.
+struct Member {
+    id: u64,
+    peer: Arc<str>,
+    t: Arc<Transport>,
+    /// Handshake: steps taken. Transmission: requests in flight.
+    progress: Arc<AtomicUsize>,
+}
+
+#[derive(Default)]
+struct State {
+    peers: HashMap<Arc<str>, Holding>,
+    handshakes: Vec<Member>,
+    connections: Vec<Member>,
+    /// Peers with a connection in transmission.
+    active: usize,
+    bytes: u64,
+    /// Requests of peers under their guarantee waiting for bytes.
+    under_waiting: usize,
+}
+
+impl State {
+    fn holding(&mut self, peer: &Arc<str>) -> &mut Holding {
+        self.peers.entry(Arc::clone(peer)).or_default()
+    }
+
+    /// Forget `peer` once it holds nothing.
+    fn tidy(&mut self, peer: &Arc<str>) {
+        if self.peers.get(peer).is_some_and(Holding::is_empty) {
+            self.peers.remove(peer);
+        }
+    }
+
+    fn remove_handshake(&mut self, id: u64) -> Option<Member> {
+        let i = self.handshakes.iter().position(|m| m.id == id)?;
+        let m = self.handshakes.swap_remove(i);
+        self.holding(&m.peer).handshakes -= 1;
+        self.tidy(&m.peer);
+        Some(m)
+    }
+
+    fn remove_connection(&mut self, id: u64) -> Option<Member> {
+        let i = self.connections.iter().position(|m| m.id == id)?;
+        let m = self.connections.remove(i);
+        let h = self.holding(&m.peer);
+        h.connections -= 1;
+        if h.connections == 0 {
+            self.active -= 1;
+        }
+        self.tidy(&m.peer);
+        Some(m)
+    }
+}
+
+/// The server's shares (one per server).
+pub(crate) struct Shares {
+    limits: ShareLimits,
+    state: Mutex<State>,
+    next_id: AtomicU64,
+    pub(crate) counters: ShareCounters,
+}
+
+/// A figure of the shares at one moment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct ShareSnapshot {
+    pub(crate) handshakes: u64,
+    pub(crate) connections: u64,
+    pub(crate) peers: u64,
+    pub(crate) peers_at_share: u64,
+    pub(crate) bytes: u64,
+}
+
+impl Shares {
+    pub(crate) fn new(limits: ShareLimits) -> Shares {
+        assert!(limits.max_connections > 0 && limits.max_handshakes > 0);
+        assert!(limits.max_bytes >= limits.max_request_bytes);
+        // A floor above its limit would guarantee more than there is.
+        let limits = ShareLimits {
+            min_connections: limits.min_connections.min(limits.max_connections),
+            min_bytes: limits.min_bytes.min(limits.max_bytes),
+            ..limits
+        };
+        Shares {
+            limits,
+            state: Mutex::new(State::default()),
+            next_id: AtomicU64::new(1),
+            counters: ShareCounters::default(),
+        }
+    }
+
+    /// The guarantee of `n` active peers: (connections, bytes).
+    fn guarantee(&self, n: usize) -> (usize, u64) {
+        let n = n.max(1);
+        let l = &self.limits;
+        (
+            (l.max_connections / n).max(l.min_connections),
+            (l.max_bytes / n as u64).max(l.min_bytes),
+        )
+    }
+
+    /// Take a place in the handshake pool for a new connection of `peer`,
+    /// closing another handshake if the pool is full (see the module
+    /// doc). Always admits.
+    ///
+    /// **Context:** takes the shares' lock; never blocks on a socket.
+    pub(crate) fn admit_handshake(self: &Arc<Self>, peer: &str, t: &Arc<Transport>) -> Slot {
+        let peer: Arc<str> = peer.into();
+        let progress = Arc::new(AtomicUsize::new(0));
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let mut s = self.state.lock();
+        if s.handshakes.len() >= self.limits.max_handshakes {
+            if let Some(victim) = self.handshake_victim(&s, &peer) {
+                let m = s
+                    .remove_handshake(victim)
+                    .expect("the victim is in the pool");
+                m.t.shutdown();
+                self.counters
+                    .handshake_evictions
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        s.holding(&peer).handshakes += 1;
+        s.handshakes.push(Member {
+            id,
+            peer: Arc::clone(&peer),
+            t: Arc::clone(t),
+            progress: Arc::clone(&progress),
+        });
+        debug_assert!(s.handshakes.len() <= self.limits.max_handshakes);
+        Slot {
+            shares: Arc::clone(self),
+            id,
+            peer,
+            progress,
+            stage: Stage::Handshake,
+        }
+    }
+
+    /// The handshake to close for a newcomer of `newcomer`: of the peer
+    /// holding the most (the newcomer counted), the least advanced, the
+    /// oldest among equals.
+    fn handshake_victim(&self, s: &State, newcomer: &Arc<str>) -> Option<u64> {
+        let count =
+            |p: &Arc<str>| s.peers.get(p).map_or(0, |h| h.handshakes) + usize::from(p == newcomer);
+        s.handshakes
+            .iter()
+            .min_by_key(|m| {
+                (
+                    std::cmp::Reverse(count(&m.peer)),
+                    m.progress.load(Ordering::Relaxed),
+                    m.id,
+                )
+            })
+            .map(|m| m.id)
+    }
+
+    /// Bytes the pools hold, and who: a snapshot for the statistics.
+    pub(crate) fn snapshot(&self) -> ShareSnapshot {
+        let s = self.state.lock();
+        let (gc, gb) = self.guarantee(s.active);
+        ShareSnapshot {
+            handshakes: s.handshakes.len() as u64,
+            connections: s.connections.len() as u64,
+            peers: s.peers.len() as u64,
+            peers_at_share: s
+                .peers
+                .values()
+                .filter(|h| h.connections >= gc || h.bytes >= gb)
+                .count() as u64,
+            bytes: s.bytes,
+        }
+    }
+}
+
+/// Which pool a slot is in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    Handshake,
+    Transmission,
+}
+
+/// A connection's place in the pools: given back when dropped (the
+/// connection's thread ends, by returning or by a panic), unless the
+/// connection was closed for another's sake, which gave it back then.
+pub(crate) struct Slot {
+    shares: Arc<Shares>,
+    id: u64,
+    peer: Arc<str>,
+    progress: Arc<AtomicUsize>,
+    stage: Stage,
+}
+
+impl Slot {
+    /// `steps` of the handshake were taken (they make the connection a
+    /// later choice for closing when the pool is full).
+    pub(crate) fn progressed_by(&self, steps: usize) {
+        self.progress.fetch_add(steps, Ordering::Relaxed);
+    }
+
+    /// Move from the handshake pool into transmission as `peer` (now
+    /// perhaps a TLS identity), in the connection pool's fair share.
+    ///
+    /// **Returns:** `Err` with the reason when the pool is full and the
+    /// peer already holds its guarantee (the slot is then given back
+    /// whole when dropped).
+    pub(crate) fn enter_transmission(
+        &mut self,
+        peer: &str,
+        t: &Arc<Transport>,
+    ) -> Result<(), String> {
+        assert_eq!(self.stage, Stage::Handshake);
+        let sh = Arc::clone(&self.shares);
+        let peer: Arc<str> = peer.into();
+        let mut s = sh.state.lock();
+        let held = s.peers.get(&peer).map_or(0, |h| h.connections);
+        let n = s.active + usize::from(held == 0);
+        let (g, _) = sh.guarantee(n);
+        let max = sh.limits.max_connections;
+        if s.connections.len() >= max {
+            let victim = (held < g).then(|| connection_victim(&s, g)).flatten();
+            let Some(victim) = victim else {
+                sh.counters.refused.fetch_add(1, Ordering::Relaxed);
+                return Err(format!(
+                    "too many connections: {max} are open and this client holds {held} (its share is {g})"
+                ));
+            };
+            let m = s
+                .remove_connection(victim)
+                .expect("the victim is in the pool");
+            m.t.shutdown();
+            sh.counters.share_evictions.fetch_add(1, Ordering::Relaxed);
+        }
+        if s.remove_handshake(self.id).is_none() {
+            // Closed for a newcomer meanwhile: its socket is shut down.
+            return Err("the handshake was closed for another connection".into());
+        }
+        let h = s.holding(&peer);
+        h.connections += 1;
+        if h.connections == 1 {
+            s.active += 1;
+        }
+        self.progress.store(0, Ordering::Relaxed);
+        s.connections.push(Member {
+            id: self.id,
+            peer: Arc::clone(&peer),
+            t: Arc::clone(t),
+            progress: Arc::clone(&self.progress),
+        });
+        debug_assert!(s.connections.len() <= max);
+        self.peer = peer;
+        self.stage = Stage::Transmission;
+        Ok(())
+    }
+
+    /// The requests-in-flight count that marks the connection busy (an
+    /// idle one is closed first when a peer must give one back).
+    pub(crate) fn busy(&self) -> Arc<AtomicUsize> {
+        Arc::clone(&self.progress)
+    }
+
+    /// The byte budget as this connection's peer sees it.
+    pub(crate) fn budget(&self) -> PeerBudget {
+        PeerBudget {
+            shares: Arc::clone(&self.shares),
+            peer: Arc::clone(&self.peer),
+        }
+    }
+}
+
+/// The connection of the peer furthest over the guarantee `g` to close:
+/// its newest idle connection, else its newest. `None` when no peer is
+/// over `g`.
+fn connection_victim(s: &State, g: usize) -> Option<u64> {
+    let (peer, _) = s
+        .peers
+        .iter()
+        .filter(|(_, h)| h.connections > g)
+        .max_by_key(|(_, h)| h.connections)?;
+    let mine = || s.connections.iter().rev().filter(|m| &m.peer == peer);
+    mine()
+        .find(|m| m.progress.load(Ordering::Relaxed) == 0)
+        .or_else(|| mine().next())
+        .map(|m| m.id)
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut s = self.shares.state.lock();
+        match self.stage {
+            Stage::Handshake => drop(s.remove_handshake(self.id)),
+            Stage::Transmission => drop(s.remove_connection(self.id)),
+        }
+    }
+}
+
+/// A request's wait for bytes: whether it is counted among the requests
+/// under their peer's guarantee that go first.
+#[derive(Default)]
+pub(crate) struct Claim {
+    under: bool,
+}
+
+/// One peer's view of the byte budget (a connection's).
+#[derive(Clone)]
+pub(crate) struct PeerBudget {
+    shares: Arc<Shares>,
+    peer: Arc<str>,
+}
+
+impl PeerBudget {
+    /// Take `bytes` if this peer's share allows it now (see the module
+    /// doc); if not, `claim` records whether the request waits under its
+    /// peer's guarantee (others then wait behind it). Pair a `false` that
+    /// is given up with [`PeerBudget::give_up`].
+    pub(crate) fn try_take(&self, bytes: u64, claim: &mut Claim) -> bool {
+        if bytes == 0 {
+            return true;
+        }
+        let sh = &*self.shares;
+        let mut s = sh.state.lock();
+        let (_, g) = sh.guarantee(s.active);
+        let held = s.peers.get(&self.peer).map_or(0, |h| h.bytes);
+        let within = held + bytes <= g;
+        let limit = sh.limits.max_bytes;
+        let fits = s.bytes + bytes <= limit;
+        let reserve = sh.limits.reserve_bytes();
+        let keeps_reserve =
+            fits && (limit - (s.bytes + bytes) >= reserve || held + bytes <= reserve);
+        let others_waiting = s.under_waiting - usize::from(claim.under);
+        if fits && keeps_reserve && (within || others_waiting == 0) {
+            if claim.under {
+                s.under_waiting -= 1;
+                claim.under = false;
+            }
+            s.bytes += bytes;
+            s.holding(&self.peer).bytes += bytes;
+            return true;
+        }
+        if within != claim.under {
+            if within {
+                s.under_waiting += 1;
+            } else {
+                s.under_waiting -= 1;
+            }
+            claim.under = within;
+        }
+        if !within && others_waiting > 0 {
+            sh.counters
+                .budget_share_waits
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        false
+    }
+
+    /// Stop waiting (the request gave up).
+    pub(crate) fn give_up(&self, claim: &mut Claim) {
+        if claim.under {
+            self.shares.state.lock().under_waiting -= 1;
+            claim.under = false;
+        }
+    }
+
+    /// Give back `bytes` taken by [`PeerBudget::try_take`].
+    pub(crate) fn give_back(&self, bytes: u64) {
+        if bytes == 0 {
+            return;
+        }
+        let mut s = self.shares.state.lock();
+        let h = s.holding(&self.peer);
+        assert!(
+            h.bytes >= bytes,
+            "a peer gives back more bytes than it holds"
+        );
+        h.bytes -= bytes;
+        s.bytes -= bytes;
+        s.tidy(&self.peer);
+    }
+}
+
+#[cfg(test)]
+mod tests;
