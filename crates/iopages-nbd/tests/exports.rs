@@ -1,13 +1,17 @@
 //! Several exports behind one server: listing, selecting by name (the
 //! empty name is the first), volumes kept apart, per-export counters, and
-//! lazy exports opened once by the first client that asks — a failure
-//! remembered, not retried.
+//! lazy exports opened once by the first allowed client that asks — a
+//! failure remembered for a backoff, then tried again — and the `allow`
+//! rules that hide an export from the clients who may not use it.
 
 use iopages::PageAllocator;
 use iopages_crypt::backend::{Backend, RamDisk};
 use iopages_crypt::target::TargetConfig;
 use iopages_nbd::proto::*;
-use iopages_nbd::{Export, ExportConfig, ExportVolume, Listen, Server, ServerOptions};
+use iopages_nbd::{
+    AllowRule, Export, ExportConfig, ExportState, ExportVolume, Listen, Server, ServerOptions,
+    OPEN_BACKOFF_FIRST,
+};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -231,6 +235,109 @@ fn a_lazy_export_opens_once_on_first_use_and_a_failure_is_kept() {
     assert_eq!(c.info(OPT_GO, "lazy"), Ok(4 << 20));
     assert_eq!(c.io(CMD_WRITE, 0, &[9u8; 4096], 4096).0, 0);
     assert_eq!(c.io(CMD_READ, 0, &[], 4096), (0, vec![9u8; 4096]));
+    drop(c);
+    server.shutdown();
+    alloc.leak_check().unwrap();
+}
+
+#[test]
+fn a_failed_lazy_export_is_tried_again_after_its_backoff() {
+    let alloc = arena();
+    let tries = Arc::new(AtomicUsize::new(0));
+    let (t, a) = (Arc::clone(&tries), alloc.clone());
+    let server = Server::start_exports(
+        vec![Export::lazy(
+            ExportConfig::new("store"),
+            Box::new(move || {
+                // The store is down for the first two tries.
+                if t.fetch_add(1, Ordering::SeqCst) < 2 {
+                    return Err("cannot reach the store".into());
+                }
+                Ok(volume(&a, 4 << 20, 5))
+            }),
+        )],
+        ServerOptions::default(),
+        &listen(),
+    )
+    .unwrap();
+    let mut c = Client::connect(&server);
+    assert_eq!(c.info(OPT_INFO, "store"), Err(REP_ERR_UNKNOWN));
+    // Within the first backoff (1 s): refused without trying again.
+    assert_eq!(c.info(OPT_INFO, "store"), Err(REP_ERR_UNKNOWN));
+    assert_eq!(tries.load(Ordering::SeqCst), 1);
+    assert_eq!(server.export_state("store"), Some(ExportState::Failed));
+    std::thread::sleep(OPEN_BACKOFF_FIRST + Duration::from_millis(100));
+    assert_eq!(c.info(OPT_INFO, "store"), Err(REP_ERR_UNKNOWN));
+    assert_eq!(tries.load(Ordering::SeqCst), 2);
+    // The backoff doubled: 2 s.
+    std::thread::sleep(OPEN_BACKOFF_FIRST + Duration::from_millis(100));
+    assert_eq!(c.info(OPT_INFO, "store"), Err(REP_ERR_UNKNOWN));
+    assert_eq!(tries.load(Ordering::SeqCst), 2);
+    std::thread::sleep(OPEN_BACKOFF_FIRST);
+    assert_eq!(c.info(OPT_GO, "store"), Ok(4 << 20));
+    assert_eq!(tries.load(Ordering::SeqCst), 3);
+    assert_eq!(server.export_state("store"), Some(ExportState::Open));
+    assert_eq!(
+        server.export_stats("store").unwrap().export.open_failures,
+        2
+    );
+    assert_eq!(c.io(CMD_WRITE, 0, &[4u8; 4096], 4096).0, 0);
+    drop(c);
+    server.shutdown();
+    alloc.leak_check().unwrap();
+}
+
+#[test]
+fn an_export_a_client_may_not_use_is_hidden_and_unknown_to_it() {
+    let alloc = arena();
+    let opened = Arc::new(AtomicUsize::new(0));
+    let (o, a) = (Arc::clone(&opened), alloc.clone());
+    let rule = |r: &str| vec![r.parse::<AllowRule>().unwrap()];
+    let mut mine = ExportConfig::new("mine");
+    mine.allow = rule("ip:127.0.0.0/8");
+    let mut theirs = ExportConfig::new("theirs");
+    theirs.allow = rule("ip:10.0.0.0/8");
+    let server = Server::start_exports(
+        vec![
+            Export::ready(mine, volume(&alloc, 4 << 20, 6)),
+            Export::lazy(
+                theirs,
+                Box::new(move || {
+                    o.fetch_add(1, Ordering::SeqCst);
+                    Ok(volume(&a, 4 << 20, 7))
+                }),
+            ),
+            Export::ready(ExportConfig::new("public"), volume(&alloc, 4 << 20, 8)),
+        ],
+        ServerOptions::default(),
+        &listen(),
+    )
+    .unwrap();
+    let mut c = Client::connect(&server);
+    assert_eq!(c.list(), vec!["mine", "public"]);
+    // Not allowed: told exactly what a missing export is told.
+    let refused = c.option(OPT_INFO, &info_data("theirs", &[]));
+    let missing = c.option(OPT_INFO, &info_data("nosuch", &[]));
+    assert_eq!(refused[0].0, REP_ERR_UNKNOWN);
+    assert_eq!(missing[0].0, REP_ERR_UNKNOWN);
+    assert_eq!(
+        String::from_utf8_lossy(&refused[0].1).replace("theirs", "X"),
+        String::from_utf8_lossy(&missing[0].1).replace("nosuch", "X")
+    );
+    assert_eq!(c.info(OPT_GO, "theirs"), Err(REP_ERR_UNKNOWN));
+    assert_eq!(
+        opened.load(Ordering::SeqCst),
+        0,
+        "opened for a client not allowed"
+    );
+    assert_eq!(server.stats().peers.authorization_refusals, 2);
+    assert_eq!(c.info(OPT_GO, "mine"), Ok(4 << 20));
+    assert_eq!(c.io(CMD_READ, 0, &[], 4096).0, 0);
+    // EXPORT_NAME of an export not allowed closes the connection.
+    let mut c = Client::connect(&server);
+    send_option(&mut c.0, OPT_EXPORT_NAME, b"theirs");
+    let mut b = [0u8; 1];
+    assert!(matches!(c.0.read(&mut b), Ok(0) | Err(_)));
     drop(c);
     server.shutdown();
     alloc.leak_check().unwrap();

@@ -340,6 +340,71 @@ fn a_peer_at_its_share_is_refused_at_go_by_policy_and_counted() {
 }
 
 #[test]
+fn a_write_zeroes_of_the_whole_volume_is_served_within_the_byte_budget() {
+    // The smallest budget there is (one 32 MiB request) and a
+    // WRITE_ZEROES twice as large: charged chunk by chunk, it completes
+    // without ever holding more than the budget, and gives it all back.
+    let opts = ServerOptions {
+        max_inflight_bytes: 32 << 20,
+        ..ServerOptions::default()
+    };
+    let (alloc, server) = start(opts, |_| {});
+    let mut c = connect(&server);
+    c.go();
+    assert_eq!(c.write(DISK - 4096, &[7u8; 4096]), 0);
+    c.send(CMD_WRITE_ZEROES, 3, 0, DISK as u32);
+    assert_eq!(c.reply(), (0, 3));
+    assert_eq!(c.read(DISK - 4096, 4096).unwrap(), vec![0u8; 4096]);
+    let st = server.stats();
+    assert_eq!(st.write_zeroes.requests, 1);
+    assert_eq!(st.write_zeroes.bytes, DISK);
+    assert_eq!(st.budget_refusals, 0);
+    drop(c);
+    finish(alloc, server);
+}
+
+#[test]
+fn an_export_rate_limit_is_never_exceeded() {
+    // 10 requests and 1 MiB a second, one second of each in the bucket.
+    let (alloc, server) = start(ServerOptions::default(), |e| {
+        e.rate = iopages_nbd::RateLimit {
+            bytes_per_second: Some(1 << 20),
+            requests_per_second: Some(10),
+        };
+    });
+    let mut c = connect(&server);
+    c.go();
+    let t = Instant::now();
+    for i in 0..25u64 {
+        assert_eq!(c.read(i * 4096, 4096).unwrap().len(), 4096);
+    }
+    // 25 requests at 10 a second with 10 in the bucket: at least 1.4 s
+    // (a lower bound: a slow machine only takes longer).
+    assert!(
+        t.elapsed() >= Duration::from_millis(1400),
+        "{:?}",
+        t.elapsed()
+    );
+    let t = Instant::now();
+    for i in 0..4u64 {
+        assert_eq!(c.write(i << 20, &vec![1u8; 1 << 20]), 0);
+    }
+    // 4 MiB at 1 MiB a second: at most the bucket's second (1 MiB) is
+    // free, the next request may run into debt, each later one waits
+    // for the debt before it: at least 1.9 s.
+    assert!(
+        t.elapsed() >= Duration::from_millis(1900),
+        "{:?}",
+        t.elapsed()
+    );
+    let st = server.export_stats(NAME).unwrap();
+    assert!(st.export.rate_waits >= 15, "{}", st.export.rate_waits);
+    assert_eq!(st.export.rate_requests_per_second, 10);
+    drop(c);
+    finish(alloc, server);
+}
+
+#[test]
 fn silent_sockets_only_push_each_other_out_of_a_full_handshake_pool() {
     let opts = ServerOptions {
         max_handshakes: 4,
