@@ -73,6 +73,10 @@ pub const MAX_BYTES_IN_FLIGHT: u64 = 64 << 20;
 /// server treat payloads over 2^25 bytes as an attack): reading and
 /// discarding gigabytes just to answer EINVAL would keep the server busy.
 const MAX_DISCARD_BYTES: u64 = 32 << 20;
+/// How long a request under its peer's guarantee waits for bytes before
+/// the server closes a connection of the peer furthest over its own to
+/// get them back (and again after each such wait).
+const RECALL_AFTER: Duration = Duration::from_secs(1);
 /// How often a request waiting for the server's byte budget looks again.
 const BUDGET_POLL: Duration = Duration::from_millis(5);
 
@@ -568,8 +572,15 @@ impl Conn {
         }
         self.counters.budget_waits.fetch_add(1, Ordering::Relaxed);
         let give_up = Instant::now() + self.limits.budget_wait;
+        let mut recall_at = Instant::now() + RECALL_AFTER;
         loop {
             let now = Instant::now();
+            if now >= recall_at && PeerBudget::waits_under_share(&claim) {
+                // Under its guarantee and still waiting: take borrowed
+                // bytes back from the peer furthest over its own.
+                self.budget.recall();
+                recall_at = now + RECALL_AFTER;
+            }
             if now >= give_up || self.dead.load(Ordering::Acquire) {
                 self.budget.give_up(&mut claim);
                 if self.dead.load(Ordering::Acquire) {

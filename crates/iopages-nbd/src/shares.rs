@@ -26,7 +26,10 @@
 //!   The reserve is what makes the guarantee real against a client that
 //!   never reads its replies: borrowed bytes of such a client come back
 //!   only when its connection dies, so a newcomer cannot be made to wait
-//!   for them.
+//!   for them. A request under its guarantee that still waits a second
+//!   recalls borrowed bytes: the newest busy connection of the peer
+//!   furthest over its byte guarantee is closed (its requests complete,
+//!   their replies are dropped, their bytes come back).
 //! - **Handshakes** have a pool of their own, so no number of silent
 //!   sockets can keep an authenticating client out: when it is full, a new
 //!   connection closes one handshake of the peer holding the most
@@ -439,6 +442,49 @@ impl PeerBudget {
                 .fetch_add(1, Ordering::Relaxed);
         }
         false
+    }
+
+    /// Whether the last [`PeerBudget::try_take`] with `claim` left it
+    /// waiting under its peer's guarantee.
+    pub(crate) fn waits_under_share(claim: &Claim) -> bool {
+        claim.under
+    }
+
+    /// Take borrowed bytes back for a request waiting under its peer's
+    /// guarantee: close the newest busy connection of the peer furthest
+    /// over its byte guarantee (its requests complete, their replies are
+    /// dropped, and their bytes come back — the only way back for bytes
+    /// held by replies a client never reads). Counted with the share
+    /// evictions.
+    ///
+    /// **Returns:** whether a connection was closed (none: no peer holds
+    /// more than its guarantee in a busy connection).
+    pub(crate) fn recall(&self) -> bool {
+        let sh = &*self.shares;
+        let mut s = sh.state.lock();
+        let (_, g) = sh.guarantee(s.active);
+        let Some(peer) = s
+            .peers
+            .iter()
+            .filter(|(p, h)| h.bytes > g && **p != self.peer)
+            .max_by_key(|(_, h)| h.bytes)
+            .map(|(p, _)| Arc::clone(p))
+        else {
+            return false;
+        };
+        let victim = s
+            .connections
+            .iter()
+            .rev()
+            .find(|m| m.peer == peer && m.progress.load(Ordering::Relaxed) > 0)
+            .map(|m| m.id);
+        let Some(id) = victim else {
+            return false;
+        };
+        let m = s.remove_connection(id).expect("found above");
+        m.t.shutdown();
+        sh.counters.share_evictions.fetch_add(1, Ordering::Relaxed);
+        true
     }
 
     /// Stop waiting (the request gave up).

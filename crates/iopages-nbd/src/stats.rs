@@ -46,7 +46,8 @@ pub struct Stats {
     pub buffers: crate::BufferStats,
     /// Connections open now (handshake or transmission).
     pub open_connections: u64,
-    /// Connections closed at once because `max_connections` were open.
+    /// Connections refused because `max_connections` were in
+    /// transmission and the client's peer held its share.
     pub refused_connections: u64,
     /// Handshakes that missed the handshake deadline.
     pub handshake_timeouts: u64,
@@ -433,7 +434,6 @@ pub(crate) struct Counters {
     pub(crate) write_zeroes: Counter,
     pub(crate) other: Counter,
     pub(crate) open: AtomicU64,
-    pub(crate) refused: AtomicU64,
     pub(crate) handshake_timeouts: AtomicU64,
     pub(crate) tls_sessions: AtomicU64,
     pub(crate) tls_failures: AtomicU64,
@@ -487,7 +487,8 @@ impl Counters {
             other: self.other.get(),
             buffers: crate::BufferStats::default(),
             open_connections: self.open.load(Ordering::Relaxed),
-            refused_connections: self.refused.load(Ordering::Relaxed),
+            // The server's figure comes from its shares.
+            refused_connections: 0,
             handshake_timeouts: self.handshake_timeouts.load(Ordering::Relaxed),
             tls_sessions: self.tls_sessions.load(Ordering::Relaxed),
             tls_failures: self.tls_failures.load(Ordering::Relaxed),

@@ -240,3 +240,29 @@ fn random_traffic_never_passes_the_limit_and_counts_every_byte() {
     drop(peers);
     assert_empty(&sh);
 }
+
+#[test]
+fn a_waiter_under_its_share_recalls_bytes_from_the_peer_furthest_over() {
+    let sh = Arc::new(Shares::new(limits(64, 64, 256)));
+    let (t, greedy_end) = transport();
+    let mut g = sh.admit_handshake("ip:127.0.0.2", &t);
+    g.enter_transmission("ip:127.0.0.2", &t).unwrap();
+    let greedy = g.budget();
+    assert!(greedy.try_take(200, &mut Claim::default()));
+    g.busy().store(2, Ordering::Relaxed);
+    let (_s, small) = in_transmission(&sh, "ip:127.0.0.1");
+    // 56 free, 48 asked within a guarantee of 128: it waits (reserve).
+    let mut c = Claim::default();
+    assert!(!small.try_take(48, &mut c));
+    assert!(PeerBudget::waits_under_share(&c));
+    assert!(small.recall());
+    assert!(is_shut(&greedy_end));
+    assert_eq!(sh.counters.share_evictions.load(Ordering::Relaxed), 1);
+    // The closed connection's requests complete and give their bytes back.
+    greedy.give_back(200);
+    assert!(small.try_take(48, &mut c));
+    assert!(!small.recall(), "nobody is over their guarantee now");
+    small.give_back(48);
+    drop((g, _s));
+    assert_empty(&sh);
+}
