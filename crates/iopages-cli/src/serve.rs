@@ -298,16 +298,42 @@ fn server_options(
         return Err("--tls-verify-peer goes with --tls-certificates".into());
     }
     if mode != Some(TlsMode::Require) && !a.allow_plaintext {
-        for l in listen {
-            if let Listen::Tcp(addr) = l {
-                if !addr.ip().is_loopback() {
-                    return Err(format!(
-                        "{addr} is not a loopback address: clients would read the decrypted volume in clear, and anyone who reaches it could use it. Use --tls require with client authentication (--tls-psk FILE, or --tls-certificates DIR --tls-verify-peer) and --allow rules (psk:NAME, dn:SUBJECT) per export; or pass --allow-plaintext"
-                    ));
-                }
+        refuse_plaintext_beyond_loopback(listen)?;
+    }
+    let mut o = ServerOptions {
+        max_connections: a.max_connections,
+        max_inflight_bytes: a.max_inflight,
+        idle_timeout: (a.idle_timeout > 0).then(|| Duration::from_secs(a.idle_timeout)),
+        reply_timeout: secs("reply-timeout", a.reply_timeout)?,
+        tls,
+        ..ServerOptions::default()
+    };
+    share_options(a, file, &mut o)?;
+    Ok(o)
+}
+
+/// Plaintext only on loopback: elsewhere the decrypted volume would cross
+/// the network in clear, to whoever reaches the port.
+fn refuse_plaintext_beyond_loopback(listen: &[Listen]) -> Result<(), String> {
+    for l in listen {
+        if let Listen::Tcp(addr) = l {
+            if !addr.ip().is_loopback() {
+                return Err(format!(
+                    "{addr} is not a loopback address: clients would read the decrypted volume in clear, and anyone who reaches it could use it. Use --tls require with client authentication (--tls-psk FILE, or --tls-certificates DIR --tls-verify-peer) and --allow rules (psk:NAME, dn:SUBJECT) per export; or pass --allow-plaintext"
+                ));
             }
         }
     }
+    Ok(())
+}
+
+/// The handshake pool and the floors of the peers' shares: the flag, else
+/// the config's `[server]` key, else the default.
+fn share_options(
+    a: &ServeArgs,
+    file: Option<&crate::config::ServerSection>,
+    o: &mut ServerOptions,
+) -> Result<(), String> {
     let pick = |flag: Option<usize>, key: Option<usize>, default, name: &str| match flag
         .or(key)
         .unwrap_or(default)
@@ -315,34 +341,26 @@ fn server_options(
         0 => Err(format!("--{name} must be at least 1")),
         n => Ok(n),
     };
-    let peer_min_inflight = a
+    o.peer_min_inflight_bytes = a
         .peer_min_inflight
         .or(file.and_then(|f| f.peer_min_inflight))
         .unwrap_or(iopages_nbd::DEFAULT_PEER_MIN_INFLIGHT_BYTES);
-    if peer_min_inflight == 0 {
+    if o.peer_min_inflight_bytes == 0 {
         return Err("--peer-min-inflight must be at least 1 byte".into());
     }
-    let peer_min_connections = pick(
+    o.peer_min_connections = pick(
         a.peer_min_connections,
         file.and_then(|f| f.peer_min_connections),
         iopages_nbd::DEFAULT_PEER_MIN_CONNECTIONS,
         "peer-min-connections",
     )?;
-    Ok(ServerOptions {
-        max_connections: a.max_connections,
-        max_handshakes: pick(
-            a.max_handshakes,
-            file.and_then(|f| f.max_handshakes),
-            iopages_nbd::DEFAULT_MAX_HANDSHAKES,
-            "max-handshakes",
-        )?,
-        peer_min_connections,
-        max_inflight_bytes: a.max_inflight,
-        peer_min_inflight_bytes: peer_min_inflight,
-        idle_timeout: (a.idle_timeout > 0).then(|| Duration::from_secs(a.idle_timeout)),
-        reply_timeout: secs("reply-timeout", a.reply_timeout)?,
-        tls,
-    })
+    o.max_handshakes = pick(
+        a.max_handshakes,
+        file.and_then(|f| f.max_handshakes),
+        iopages_nbd::DEFAULT_MAX_HANDSHAKES,
+        "max-handshakes",
+    )?;
+    Ok(())
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -477,16 +495,9 @@ impl Progress {
         self.last = now;
         self.last_read = s.read.bytes;
         self.last_write = s.write.bytes;
-        let p = &s.peers;
         format!(
-            "{line} | peers {} ({} at their share; {} handshaking, {} handshakes closed for newcomers, {} connections given back, {} budget waits behind smaller peers, {} refused by allow rules) | trim {} ({} MiB discarded), write-zeroes {} ({} MiB punched), block status {} | shape: write {}; read {}",
-            p.active,
-            p.at_share,
-            p.handshakes_open,
-            p.handshake_evictions,
-            p.share_evictions,
-            p.budget_share_waits,
-            p.authorization_refusals,
+            "{line} | {} | trim {} ({} MiB discarded), write-zeroes {} ({} MiB punched), block status {} | shape: write {}; read {}",
+            peers_summary(&s.peers),
             s.trim.requests,
             discard_bytes >> 20,
             s.write_zeroes.requests,
@@ -496,6 +507,20 @@ impl Progress {
             shape_summary(&s.shape.read, s.shape.sector_bytes)
         )
     }
+}
+
+/// How the limits are shared among the peers, in a few words.
+fn peers_summary(p: &iopages_nbd::PeerStats) -> String {
+    format!(
+        "peers {} ({} at their share; {} handshaking, {} handshakes closed for newcomers, {} connections given back, {} budget waits behind smaller peers, {} refused by allow rules)",
+        p.active,
+        p.at_share,
+        p.handshakes_open,
+        p.handshake_evictions,
+        p.share_evictions,
+        p.budget_share_waits,
+        p.authorization_refusals
+    )
 }
 
 /// "2^k" bytes as "512", "4K", "1M".

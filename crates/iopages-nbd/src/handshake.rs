@@ -232,17 +232,6 @@ pub(crate) fn negotiate(
         origin: env.origin,
         tls: None,
     };
-    // An export the client may use (`None` also for one it may not: a
-    // refusal is told as "unknown", and counted).
-    let find = |name: &[u8], peer: &Peer| {
-        let i = exports.find_allowed(name, peer);
-        if i.is_none() && exports.find(name).is_some() {
-            env.counters
-                .authorization_refusals
-                .fetch_add(1, Ordering::Relaxed);
-        }
-        i
-    };
     let s = &mut Hs { t, deadline };
     let mut greeting = Vec::with_capacity(18);
     greeting.extend_from_slice(&NBD_MAGIC.to_be_bytes());
@@ -358,7 +347,7 @@ pub(crate) fn negotiate(
                     )?;
                     continue;
                 };
-                let Some(i) = find(req.name, &peer) else {
+                let Some(i) = find(env, req.name, &peer) else {
                     error_reply(
                         s,
                         option,
@@ -380,7 +369,7 @@ pub(crate) fn negotiate(
             OPT_EXPORT_NAME => {
                 // No error can be sent to EXPORT_NAME: an unknown export,
                 // or one that cannot be opened, closes the connection.
-                let Some(i) = find(&data, &peer) else {
+                let Some(i) = find(env, &data, &peer) else {
                     return Ok(Outcome::Close);
                 };
                 let Ok(live) = exports.slots[i].open() else {
@@ -404,56 +393,12 @@ pub(crate) fn negotiate(
                 let _ = s.write_all(&option_reply(option, REP_ACK, &[]));
                 return Ok(Outcome::Close);
             }
-            OPT_LIST => {
-                if len != 0 {
-                    error_reply(s, option, REP_ERR_INVALID, "NBD_OPT_LIST takes no data")?;
-                    continue;
-                }
-                let mine = exports
-                    .slots
-                    .iter()
-                    .filter(|e| crate::peer::allowed(&e.config.allow, &peer));
-                for export in mine {
-                    let name = export.config.name.as_bytes();
-                    let mut d = Vec::with_capacity(4 + name.len());
-                    d.extend_from_slice(&(name.len() as u32).to_be_bytes());
-                    d.extend_from_slice(name);
-                    s.write_all(&option_reply(option, REP_SERVER, &d))?;
-                }
-                s.write_all(&option_reply(option, REP_ACK, &[]))?;
-            }
+            OPT_LIST => list(s, exports, &peer, &data)?,
             OPT_INFO | OPT_GO => {
-                let Some((name, infos)) = parse_info_request(&data) else {
-                    error_reply(s, option, REP_ERR_INVALID, "malformed NBD_OPT_INFO/GO data")?;
+                let admit = |p: &Peer| slot.enter_transmission(&p.share_key(), t);
+                let Some(i) = info_or_go(s, env, &peer, option, &data, admit)? else {
                     continue;
                 };
-                let Some(i) = find(name, &peer) else {
-                    error_reply(
-                        s,
-                        option,
-                        REP_ERR_UNKNOWN,
-                        &format!("no export named {}", quoted(name)),
-                    )?;
-                    continue;
-                };
-                let Ok(live) = exports.slots[i].open() else {
-                    // The cause is in the server's log, not for the client.
-                    error_reply(
-                        s,
-                        option,
-                        REP_ERR_UNKNOWN,
-                        &format!("export {} could not be opened", quoted(name)),
-                    )?;
-                    continue;
-                };
-                if option == OPT_GO {
-                    if let Err(why) = slot.enter_transmission(&peer.share_key(), t) {
-                        error_reply(s, option, REP_ERR_POLICY, &why)?;
-                        continue;
-                    }
-                }
-                send_infos(s, option, &live.info, &infos)?;
-                s.write_all(&option_reply(option, REP_ACK, &[]))?;
                 if option == OPT_GO {
                     return Ok(Outcome::Transmission(agreed.on(i), i));
                 }
@@ -468,6 +413,78 @@ pub(crate) fn negotiate(
             }
         }
     }
+}
+
+/// The export `name` selects if `peer` may use it; a refusal is counted,
+/// and told as "unknown" as a missing export is.
+fn find(env: &HsEnv<'_>, name: &[u8], peer: &Peer) -> Option<usize> {
+    let i = env.exports.find_allowed(name, peer);
+    if i.is_none() && env.exports.find(name).is_some() {
+        env.counters
+            .authorization_refusals
+            .fetch_add(1, Ordering::Relaxed);
+    }
+    i
+}
+
+/// Answer NBD_OPT_LIST: the exports `peer` may use.
+fn list(s: &mut Hs<'_>, exports: &Catalog, peer: &Peer, data: &[u8]) -> io::Result<()> {
+    let option = OPT_LIST;
+    if !data.is_empty() {
+        return error_reply(s, option, REP_ERR_INVALID, "NBD_OPT_LIST takes no data");
+    }
+    let mine = exports
+        .slots
+        .iter()
+        .filter(|e| crate::peer::allowed(&e.config.allow, peer));
+    for export in mine {
+        let name = export.config.name.as_bytes();
+        let mut d = Vec::with_capacity(4 + name.len());
+        d.extend_from_slice(&(name.len() as u32).to_be_bytes());
+        d.extend_from_slice(name);
+        s.write_all(&option_reply(option, REP_SERVER, &d))?;
+    }
+    s.write_all(&option_reply(option, REP_ACK, &[]))
+}
+
+/// Answer NBD_OPT_INFO or GO: the export's infos and ACK once it is
+/// allowed, open (a lazy one opened now) and — for GO — `admit`ted to
+/// transmission; an error reply otherwise.
+///
+/// **Returns:** the export's index when ACKed, `None` after an error
+/// reply.
+fn info_or_go(
+    s: &mut Hs<'_>,
+    env: &HsEnv<'_>,
+    peer: &Peer,
+    option: u32,
+    data: &[u8],
+    admit: impl FnOnce(&Peer) -> Result<(), String>,
+) -> io::Result<Option<usize>> {
+    let Some((name, infos)) = parse_info_request(data) else {
+        error_reply(s, option, REP_ERR_INVALID, "malformed NBD_OPT_INFO/GO data")?;
+        return Ok(None);
+    };
+    let Some(i) = find(env, name, peer) else {
+        let msg = format!("no export named {}", quoted(name));
+        error_reply(s, option, REP_ERR_UNKNOWN, &msg)?;
+        return Ok(None);
+    };
+    let Ok(live) = env.exports.slots[i].open() else {
+        // The cause is in the server's log, not for the client.
+        let msg = format!("export {} could not be opened", quoted(name));
+        error_reply(s, option, REP_ERR_UNKNOWN, &msg)?;
+        return Ok(None);
+    };
+    if option == OPT_GO {
+        if let Err(why) = admit(peer) {
+            error_reply(s, option, REP_ERR_POLICY, &why)?;
+            return Ok(None);
+        }
+    }
+    send_infos(s, option, &live.info, &infos)?;
+    s.write_all(&option_reply(option, REP_ACK, &[]))?;
+    Ok(Some(i))
 }
 
 /// Split NBD_OPT_INFO/GO data into the name and the requested info types.

@@ -377,27 +377,7 @@ impl Server {
         if listen.is_empty() && inherited.is_empty() {
             return Err(Error::Config("no address to listen on".into()));
         }
-        check_limits(&opts)?;
-        if let Some(e) = exports
-            .iter()
-            .find(|e| opts.max_inflight_bytes < e.config().max_block_bytes as u64)
-        {
-            return Err(Error::Config(format!(
-                "the in-flight byte budget {} must be at least the maximum block size {} of export {:?}",
-                opts.max_inflight_bytes,
-                e.config().max_block_bytes,
-                e.name()
-            )));
-        }
-        if opts.reply_timeout.is_zero() || opts.idle_timeout.is_some_and(|t| t.is_zero()) {
-            return Err(Error::Config("timeouts must be longer than 0".into()));
-        }
-        check_rules(&exports, opts.tls.as_ref())?;
-        let max_request_bytes = exports
-            .iter()
-            .map(|e| e.config().max_block_bytes as u64)
-            .max()
-            .unwrap_or(0);
+        let max_request_bytes = check_options(&exports, &opts)?;
         let exports = Catalog::new(exports)?;
         // Before any socket file exists, so that its failure leaves none.
         let wake = Arc::new(wake_fd().map_err(|source| Error::Listen {
@@ -448,6 +428,35 @@ impl Server {
         }
         Ok(server)
     }
+}
+
+/// The options are usable with these exports: the limits (below), a
+/// budget that holds each export's largest request, timeouts, and `allow`
+/// rules that can match.
+///
+/// **Returns:** the largest request of any export (bytes).
+fn check_options(exports: &[Export], opts: &ServerOptions) -> Result<u64> {
+    check_limits(opts)?;
+    if let Some(e) = exports
+        .iter()
+        .find(|e| opts.max_inflight_bytes < e.config().max_block_bytes as u64)
+    {
+        return Err(Error::Config(format!(
+            "the in-flight byte budget {} must be at least the maximum block size {} of export {:?}",
+            opts.max_inflight_bytes,
+            e.config().max_block_bytes,
+            e.name()
+        )));
+    }
+    if opts.reply_timeout.is_zero() || opts.idle_timeout.is_some_and(|t| t.is_zero()) {
+        return Err(Error::Config("timeouts must be longer than 0".into()));
+    }
+    check_rules(exports, opts.tls.as_ref())?;
+    Ok(exports
+        .iter()
+        .map(|e| e.config().max_block_bytes as u64)
+        .max()
+        .unwrap_or(0))
 }
 
 /// The limits are usable: every pool at least one, floors within them.
