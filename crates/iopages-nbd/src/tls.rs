@@ -10,8 +10,10 @@
 //! what is wrong), or accept a PSK client whose identity is not in the
 //! file.
 
+use openssl::ex_data::Index;
 use openssl::ssl::{
-    SslAcceptor, SslAcceptorBuilder, SslFiletype, SslMethod, SslOptions, SslVerifyMode, SslVersion,
+    Ssl, SslAcceptor, SslAcceptorBuilder, SslFiletype, SslMethod, SslOptions, SslVerifyMode,
+    SslVersion,
 };
 use std::collections::HashMap;
 use std::path::Path;
@@ -134,13 +136,17 @@ impl TlsConfig {
             .map_err(|e| err(format!("TLS: {e}")))?;
         b.set_cipher_list(PSK_TLS12_CIPHERS)
             .map_err(|e| err(format!("TLS: {e}")))?;
-        b.set_psk_server_callback(move |_ssl, identity, out| {
-            let key = identity
-                .and_then(|id| keys.get(id))
+        let index = psk_identity_index()?;
+        b.set_psk_server_callback(move |ssl, identity, out| {
+            let (id, key) = identity
+                .and_then(|id| keys.get_key_value(id))
                 .ok_or_else(openssl::error::ErrorStack::get)?;
             if key.len() > out.len() {
                 return Err(openssl::error::ErrorStack::get());
             }
+            // Kept on the session: under TLS 1.3 OpenSSL does not keep the
+            // identity (SSL_get_psk_identity returns NULL there).
+            ssl.set_ex_data(index, id.clone());
             out[..key.len()].copy_from_slice(key);
             Ok(key.len())
         });
@@ -170,6 +176,17 @@ impl TlsConfig {
 }
 
 type PskKeys = HashMap<Vec<u8>, Zeroizing<Vec<u8>>>;
+
+/// Where a session keeps the PSK identity its key was found for (one
+/// index for the process, made on first use).
+pub(crate) fn psk_identity_index() -> crate::Result<Index<Ssl, Vec<u8>>> {
+    static INDEX: std::sync::OnceLock<Index<Ssl, Vec<u8>>> = std::sync::OnceLock::new();
+    if let Some(i) = INDEX.get() {
+        return Ok(*i);
+    }
+    let i = Ssl::new_ex_index().map_err(|e| err(format!("TLS: {e}")))?;
+    Ok(*INDEX.get_or_init(|| i))
+}
 
 /// Parse a psktool key file: `identity:hexkey` lines, blank lines
 /// skipped.

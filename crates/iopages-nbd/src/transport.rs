@@ -475,7 +475,12 @@ impl Transport {
         use crate::peer::TlsIdentity;
         let t = self.tls.get()?.lock();
         let ssl = t.ssl.ssl();
-        if let Some(id) = ssl.psk_identity() {
+        // The identity the server's PSK callback found a key for (TLS 1.2
+        // and 1.3 alike; OpenSSL's own record of it is empty under 1.3).
+        let kept = crate::tls::psk_identity_index()
+            .ok()
+            .and_then(|i| ssl.ex_data(i));
+        if let Some(id) = kept.map(Vec::as_slice).or_else(|| ssl.psk_identity()) {
             return Some(TlsIdentity::Psk(String::from_utf8_lossy(id).into_owned()));
         }
         if ssl.verify_result() != openssl::x509::X509VerifyResult::OK {

@@ -614,6 +614,49 @@ fn psk_sessions_serve_and_a_wrong_key_or_identity_is_refused() {
     finish(alloc, server);
 }
 
+#[test]
+fn a_psk_identity_decides_the_exports_under_tls_1_2_and_1_3() {
+    use openssl::ssl::SslVersion;
+    let dir = TmpDir::new("psk-allow");
+    let file = dir.0.join("keys.psk");
+    let key: Vec<u8> = (0..32u8).collect();
+    let hex: String = key.iter().map(|b| format!("{b:02x}")).collect();
+    std::fs::write(&file, format!("alice:{hex}\nbob:{hex}\n")).unwrap();
+    let opts = ServerOptions {
+        tls: Some(TlsConfig::psk(&file, TlsMode::Require).unwrap()),
+        ..ServerOptions::default()
+    };
+    let (alloc, server) = start(opts, |e| e.allow = vec!["psk:alice".parse().unwrap()]);
+    for v in [SslVersion::TLS1_2, SslVersion::TLS1_3] {
+        let pinned = |id: &'static [u8]| {
+            let mut b = SslConnector::builder(SslMethod::tls_client()).unwrap();
+            b.set_verify(SslVerifyMode::NONE);
+            b.set_min_proto_version(Some(v)).unwrap();
+            b.set_max_proto_version(Some(v)).unwrap();
+            // TLS 1.2 offers PSK only in PSK suites.
+            b.set_cipher_list("ECDHE-PSK-AES128-CBC-SHA256:PSK-AES128-GCM-SHA256")
+                .unwrap();
+            let key = key.clone();
+            b.set_psk_client_callback(move |_, _hint, out_id, psk| {
+                out_id[..id.len()].copy_from_slice(id);
+                out_id[id.len()] = 0;
+                psk[..key.len()].copy_from_slice(&key);
+                Ok(key.len())
+            });
+            b.build()
+        };
+        let mut alice = starttls(connect(&server), pinned(b"alice")).unwrap();
+        alice.go();
+        assert_eq!(alice.read(0, 4096).unwrap().len(), 4096, "{v:?}");
+        drop(alice);
+        let mut bob = starttls(connect(&server), pinned(b"bob")).unwrap();
+        bob.option(OPT_GO, &info_data(NAME, &[]));
+        assert_eq!(bob.opt_reply().1, REP_ERR_UNKNOWN, "{v:?}");
+    }
+    assert_eq!(server.stats().peers.authorization_refusals, 2);
+    finish(alloc, server);
+}
+
 fn x509_connector(ca: &X509, client: Option<&(X509, PKey<Private>)>) -> SslConnector {
     let mut b = SslConnector::builder(SslMethod::tls_client()).unwrap();
     b.cert_store_mut().add_cert(ca.clone()).unwrap();

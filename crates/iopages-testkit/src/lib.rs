@@ -18,6 +18,7 @@
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 pub mod dir;
+pub mod hostile;
 pub mod process;
 pub mod tools;
 

@@ -1,0 +1,685 @@
+//! Hostile NBD peers over raw TCP, and a polite client beside them: the
+//! many-tenant tests (crates/iopages-cli/tests/tenants.rs) and the
+//! benchmark's hostile row start them against a real server.
+//!
+//! Every connection is bound to a chosen local IPv4 address before it
+//! connects (127.0.0.2–9 on loopback), so the server sees each hostile
+//! peer as a source address of its own. The peers: [`silent`] sockets
+//! that connect and never send (re-opened when the server closes them, if
+//! asked); [`unread_reads`], connections that send READs and never read
+//! the replies; [`zero_flood`], a connection keeping huge WRITE_ZEROES in
+//! flight. [`NbdClient`] is the minimal plaintext fixed-newstyle client
+//! they and the polite [`read_latencies`] use: NBD_OPT_GO, then simple
+//! requests and simple replies (no structured replies, no TLS).
+//!
+//! Owns: the sockets it opens and the threads that watch them, stopped
+//! and joined on drop. Must never: measure anything beyond what a caller
+//! asks for (the latencies of its own reads), or leave a thread running
+//! behind a dropped handle.
+
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::net::{Ipv4Addr, Shutdown, SocketAddr, TcpStream};
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Longest a connect may take (the server's backlog full, say).
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest the handshake or one reply of [`NbdClient::read_at`] may take.
+pub const IO_TIMEOUT: Duration = Duration::from_secs(120);
+/// The READ size of [`unread_reads`] (the largest request a server takes).
+pub const GREEDY_READ_BYTES: u32 = 32 << 20;
+/// The largest WRITE_ZEROES a request can name (4 GiB less a page: the
+/// length is a u32).
+pub const MAX_ZEROES_BYTES: u32 = 0xFFFF_F000;
+
+const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
+const IHAVEOPT: u64 = 0x4948_4156_454f_5054;
+const REPLY_MAGIC_OPT: u64 = 0x0003_e889_0455_65a9;
+const REQUEST_MAGIC: u32 = 0x2560_9513;
+const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
+const OPT_GO: u32 = 7;
+const REP_ACK: u32 = 1;
+const REP_INFO: u32 = 3;
+const REP_ERR_UNKNOWN: u32 = (1 << 31) + 6;
+const REP_ERR_POLICY: u32 = (1 << 31) + 2;
+const REP_ERR_TLS_REQD: u32 = (1 << 31) + 5;
+const FLAG_FIXED_NEWSTYLE: u16 = 1;
+const FLAG_NO_ZEROES: u16 = 2;
+
+fn sockaddr_in(ip: Ipv4Addr, port: u16) -> libc::sockaddr_in {
+    libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(ip).to_be(),
+        },
+        sin_zero: [0; 8],
+    }
+}
+
+/// A TCP connection to `server` from `local_ip` (any port): socket, bind,
+/// then connect, which std cannot do in this order.
+///
+/// **Context:** blocks up to [`CONNECT_TIMEOUT`] for the connect.
+///
+/// **Returns:** the connected, blocking stream (TCP_NODELAY on); Err for
+/// an IPv6 `server`, a bind or connect failure, or the timeout.
+pub fn connect_from(local_ip: Ipv4Addr, server: SocketAddr) -> io::Result<TcpStream> {
+    let SocketAddr::V4(server) = server else {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "hostile peers bind IPv4 addresses: the server must be IPv4",
+        ));
+    };
+    let flags = libc::SOCK_STREAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK;
+    // SAFETY: socket(2) with constant arguments, no memory of ours.
+    let fd = unsafe { libc::socket(libc::AF_INET, flags, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh socket owned by nothing else; the stream
+    // closes it on every path from here on.
+    let stream = unsafe { TcpStream::from_raw_fd(fd) };
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    let local = sockaddr_in(local_ip, 0);
+    // SAFETY: `local` is a valid sockaddr_in of `len` bytes.
+    if unsafe { libc::bind(fd, std::ptr::from_ref(&local).cast(), len) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let remote = sockaddr_in(*server.ip(), server.port());
+    // SAFETY: `remote` is a valid sockaddr_in of `len` bytes.
+    if unsafe { libc::connect(fd, std::ptr::from_ref(&remote).cast(), len) } != 0 {
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINPROGRESS) {
+            return Err(e);
+        }
+        wait_writable(fd, CONNECT_TIMEOUT)?;
+    }
+    if let Some(e) = stream.take_error()? {
+        return Err(e);
+    }
+    stream.set_nonblocking(false)?;
+    stream.set_nodelay(true)?;
+    Ok(stream)
+}
+
+/// Wait until the connecting socket `fd` is writable (connected or
+/// failed: the caller reads SO_ERROR).
+fn wait_writable(fd: libc::c_int, timeout: Duration) -> io::Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "connect timed out"));
+        }
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLOUT,
+            revents: 0,
+        };
+        let ms = left.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
+        // SAFETY: one valid pollfd, its count 1.
+        match unsafe { libc::poll(&mut p, 1, ms) } {
+            n if n > 0 => return Ok(()),
+            0 => {}
+            _ => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+}
+
+/// What a [`Silent`] group has seen, shared with its watcher thread.
+#[derive(Default)]
+struct SilentCounts {
+    open: AtomicU64,
+    closed: AtomicU64,
+    reopened: AtomicU64,
+}
+
+/// Sockets that connected and never send; a thread watches them (every
+/// 20 ms) for the server closing them, and re-opens those when asked.
+/// Dropping it stops the thread and closes them all.
+pub struct Silent {
+    stop: Arc<AtomicBool>,
+    counts: Arc<SilentCounts>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// `n` sockets from `local_ip` to `server` that never send a byte (they
+/// read and drop what the server sends, its greeting); with `reopen`, each
+/// one the server closes is opened again at once.
+///
+/// **Context:** connects all `n` before it returns (each up to
+/// [`CONNECT_TIMEOUT`]), then starts one watcher thread.
+///
+/// **Returns:** the group; Err if any of the first `n` cannot connect.
+pub fn silent(
+    n: usize,
+    local_ip: Ipv4Addr,
+    server: SocketAddr,
+    reopen: bool,
+) -> io::Result<Silent> {
+    let mut socks = Vec::with_capacity(n);
+    for _ in 0..n {
+        let s = connect_from(local_ip, server)?;
+        s.set_nonblocking(true)?;
+        socks.push(Some(s));
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let counts = Arc::new(SilentCounts::default());
+    counts.open.store(n as u64, Ordering::Relaxed);
+    let (st, c) = (stop.clone(), counts.clone());
+    let thread = std::thread::spawn(move || {
+        while !st.load(Ordering::Relaxed) {
+            for slot in socks.iter_mut() {
+                if slot.as_ref().is_some_and(closed_by_peer) {
+                    *slot = None;
+                    c.open.fetch_sub(1, Ordering::Relaxed);
+                    c.closed.fetch_add(1, Ordering::Relaxed);
+                }
+                if slot.is_none() && reopen {
+                    if let Ok(s) = connect_from(local_ip, server) {
+                        if s.set_nonblocking(true).is_ok() {
+                            *slot = Some(s);
+                            c.open.fetch_add(1, Ordering::Relaxed);
+                            c.reopened.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    });
+    Ok(Silent {
+        stop,
+        counts,
+        thread: Some(thread),
+    })
+}
+
+/// Whether the non-blocking `s` has been closed by the server (end of
+/// stream or an error); what it sent is read and dropped.
+fn closed_by_peer(s: &TcpStream) -> bool {
+    let mut buf = [0u8; 512];
+    loop {
+        match (&*s).read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return false,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(_) => return true,
+        }
+    }
+}
+
+impl Silent {
+    /// Sockets open now (as the watcher last saw them).
+    pub fn open(&self) -> u64 {
+        self.counts.open.load(Ordering::Relaxed)
+    }
+
+    /// Sockets the server has closed so far.
+    pub fn closed_by_server(&self) -> u64 {
+        self.counts.closed.load(Ordering::Relaxed)
+    }
+
+    /// Sockets opened again after the server closed them.
+    pub fn reopened(&self) -> u64 {
+        self.counts.reopened.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for Silent {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// An NBD transmission command ([`NbdClient::send`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u16)]
+pub enum Cmd {
+    /// NBD_CMD_READ: the reply carries `length` bytes.
+    Read = 0,
+    /// NBD_CMD_WRITE: the request carries `length` bytes.
+    Write = 1,
+    /// NBD_CMD_FLUSH.
+    Flush = 3,
+    /// NBD_CMD_TRIM.
+    Trim = 4,
+    /// NBD_CMD_WRITE_ZEROES.
+    WriteZeroes = 6,
+}
+
+/// A simple reply: its cookie, its NBD error (0: success; the values are
+/// Linux errno numbers) and, for a successful READ, the data.
+#[derive(Debug)]
+pub struct Reply {
+    /// The request's cookie.
+    pub cookie: u64,
+    /// 0, or an errno (EIO 5, ENOMEM 12, EINVAL 22, ENOSPC 28, …).
+    pub error: u32,
+    /// The data of a successful READ; empty otherwise.
+    pub data: Vec<u8>,
+}
+
+/// A minimal plaintext fixed-newstyle NBD client: NBD_OPT_GO for one
+/// export, then requests with simple replies.
+///
+/// Owns: its TCP stream and the lengths of its READs still unanswered
+/// (to know how much data a reply carries). Must never: negotiate
+/// structured replies, TLS or meta contexts.
+pub struct NbdClient {
+    stream: TcpStream,
+    /// The export's size in bytes (NBD_INFO_EXPORT).
+    pub size: u64,
+    /// The export's transmission flags.
+    pub flags: u16,
+    next_cookie: u64,
+    reads: HashMap<u64, u32>,
+}
+
+fn be_u16(b: &[u8]) -> u16 {
+    u16::from_be_bytes([b[0], b[1]])
+}
+fn be_u32(b: &[u8]) -> u32 {
+    u32::from_be_bytes(b[..4].try_into().unwrap())
+}
+fn be_u64(b: &[u8]) -> u64 {
+    u64::from_be_bytes(b[..8].try_into().unwrap())
+}
+
+/// An NBD_OPT_GO error reply as an io::Error: NotFound for
+/// NBD_REP_ERR_UNKNOWN, PermissionDenied for ERR_POLICY and ERR_TLS_REQD.
+fn option_error(export: &str, ty: u32, msg: &[u8]) -> io::Error {
+    let kind = match ty {
+        REP_ERR_UNKNOWN => io::ErrorKind::NotFound,
+        REP_ERR_POLICY | REP_ERR_TLS_REQD => io::ErrorKind::PermissionDenied,
+        _ => io::ErrorKind::Other,
+    };
+    let msg = String::from_utf8_lossy(msg);
+    io::Error::new(
+        kind,
+        format!("NBD_OPT_GO {export:?} refused (reply {ty:#x}): {msg}"),
+    )
+}
+
+impl NbdClient {
+    /// Connect from `local_ip` to `server` ([`connect_from`]) and open
+    /// `export` ([`NbdClient::handshake`]).
+    pub fn connect(local_ip: Ipv4Addr, server: SocketAddr, export: &str) -> io::Result<NbdClient> {
+        NbdClient::handshake(connect_from(local_ip, server)?, export)
+    }
+
+    /// The fixed-newstyle handshake on `stream`: the greeting, the client
+    /// flags, NBD_OPT_GO for `export` (NBD_REP_INFO, then NBD_REP_ACK).
+    ///
+    /// **Context:** blocks; the stream's read timeout is set to
+    /// [`IO_TIMEOUT`] (the caller may change it through [`Self::stream`]).
+    ///
+    /// **Returns:** the client in transmission; Err for a bad greeting, a
+    /// refused export (see [`option_error`]'s kinds) or a closed stream.
+    pub fn handshake(mut stream: TcpStream, export: &str) -> io::Result<NbdClient> {
+        stream.set_read_timeout(Some(IO_TIMEOUT))?;
+        let mut g = [0u8; 18];
+        stream.read_exact(&mut g)?;
+        if be_u64(&g) != NBDMAGIC || be_u64(&g[8..]) != IHAVEOPT {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "not a newstyle NBD server",
+            ));
+        }
+        let hflags = be_u16(&g[16..]);
+        let cflags = u32::from(hflags & (FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES));
+        let mut o = cflags.to_be_bytes().to_vec();
+        o.extend_from_slice(&IHAVEOPT.to_be_bytes());
+        o.extend_from_slice(&OPT_GO.to_be_bytes());
+        o.extend_from_slice(&(export.len() as u32 + 6).to_be_bytes());
+        o.extend_from_slice(&(export.len() as u32).to_be_bytes());
+        o.extend_from_slice(export.as_bytes());
+        o.extend_from_slice(&0u16.to_be_bytes());
+        stream.write_all(&o)?;
+        let (mut size, mut flags) = (None, 0);
+        loop {
+            let mut h = [0u8; 20];
+            stream.read_exact(&mut h)?;
+            let (ty, len) = (be_u32(&h[12..]), be_u32(&h[16..]));
+            if be_u64(&h) != REPLY_MAGIC_OPT || be_u32(&h[8..]) != OPT_GO || len > 1 << 20 {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "bad option reply",
+                ));
+            }
+            let mut d = vec![0u8; len as usize];
+            stream.read_exact(&mut d)?;
+            match ty {
+                REP_INFO if d.len() >= 12 && be_u16(&d) == 0 => {
+                    (size, flags) = (Some(be_u64(&d[2..])), be_u16(&d[10..]));
+                }
+                REP_INFO => {}
+                REP_ACK => break,
+                _ => return Err(option_error(export, ty, &d)),
+            }
+        }
+        let size = size.ok_or_else(|| io::Error::other("NBD_OPT_GO gave no export size"))?;
+        Ok(NbdClient {
+            stream,
+            size,
+            flags,
+            next_cookie: 1,
+            reads: HashMap::new(),
+        })
+    }
+
+    /// The TCP stream (for timeouts, or a shutdown from another thread
+    /// through `try_clone`).
+    pub fn stream(&self) -> &TcpStream {
+        &self.stream
+    }
+
+    /// Send one request: `cmd` at `offset` for `length` bytes, `payload`
+    /// after the header (a WRITE's `length` bytes; empty otherwise).
+    ///
+    /// **Returns:** its cookie (this client's count of requests).
+    pub fn send(&mut self, cmd: Cmd, offset: u64, length: u32, payload: &[u8]) -> io::Result<u64> {
+        let cookie = self.next_cookie;
+        self.next_cookie += 1;
+        let mut r = Vec::with_capacity(28 + payload.len());
+        r.extend_from_slice(&REQUEST_MAGIC.to_be_bytes());
+        r.extend_from_slice(&0u16.to_be_bytes());
+        r.extend_from_slice(&(cmd as u16).to_be_bytes());
+        r.extend_from_slice(&cookie.to_be_bytes());
+        r.extend_from_slice(&offset.to_be_bytes());
+        r.extend_from_slice(&length.to_be_bytes());
+        r.extend_from_slice(payload);
+        self.stream.write_all(&r)?;
+        if cmd == Cmd::Read {
+            self.reads.insert(cookie, length);
+        }
+        Ok(cookie)
+    }
+
+    /// The next simple reply, with its data when it answers a READ
+    /// without error.
+    ///
+    /// **Context:** blocks (the stream's read timeout applies).
+    pub fn reply(&mut self) -> io::Result<Reply> {
+        let mut h = [0u8; 16];
+        self.stream.read_exact(&mut h)?;
+        if be_u32(&h) != SIMPLE_REPLY_MAGIC {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "not a simple reply",
+            ));
+        }
+        let (error, cookie) = (be_u32(&h[4..]), be_u64(&h[8..]));
+        let len = self.reads.remove(&cookie).unwrap_or(0);
+        let mut data = Vec::new();
+        if error == 0 && len > 0 {
+            data.resize(len as usize, 0);
+            self.stream.read_exact(&mut data)?;
+        }
+        Ok(Reply {
+            cookie,
+            error,
+            data,
+        })
+    }
+
+    /// One READ of `length` bytes at `offset`, waited for (nothing else
+    /// may be in flight).
+    ///
+    /// **Returns:** the data; Err with the errno the server replied.
+    pub fn read_at(&mut self, offset: u64, length: u32) -> io::Result<Vec<u8>> {
+        let cookie = self.send(Cmd::Read, offset, length, &[])?;
+        let r = self.reply()?;
+        if r.cookie != cookie {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "reply to another cookie",
+            ));
+        }
+        match r.error {
+            0 => Ok(r.data),
+            e => Err(io::Error::from_raw_os_error(e as i32)),
+        }
+    }
+}
+
+/// `conns` connections from `local_ip` to `export`, each sending `k`
+/// READs of [`GREEDY_READ_BYTES`] (or the export's size, if smaller),
+/// spread over the export, and never reading a reply: the server holds
+/// their payload buffers until it gives up on them.
+///
+/// **Returns:** the connections (keep them to keep the pressure; drop to
+/// close); Err if one cannot connect or send.
+pub fn unread_reads(
+    conns: usize,
+    k: usize,
+    local_ip: Ipv4Addr,
+    server: SocketAddr,
+    export: &str,
+) -> io::Result<Vec<NbdClient>> {
+    let mut out = Vec::with_capacity(conns);
+    for c in 0..conns {
+        let mut cl = NbdClient::connect(local_ip, server, export)?;
+        let len = GREEDY_READ_BYTES.min((cl.size & !4095) as u32);
+        let span = (cl.size - u64::from(len)) / 4096 + 1;
+        for i in 0..k {
+            let off = ((c * k + i) as u64 * u64::from(len) / 4096 % span) * 4096;
+            cl.send(Cmd::Read, off, len, &[])?;
+        }
+        out.push(cl);
+    }
+    Ok(out)
+}
+
+/// A connection keeping WRITE_ZEROES in flight ([`zero_flood`]); its
+/// thread stops (the stream shut down, the thread joined) on drop.
+pub struct Flood {
+    stop: Arc<AtomicBool>,
+    replies: Arc<AtomicU64>,
+    errors: Arc<AtomicU64>,
+    stream: TcpStream,
+    thread: Option<JoinHandle<io::Result<()>>>,
+}
+
+/// One connection from `local_ip` to `export` that keeps `k`
+/// WRITE_ZEROES of the whole export (at most [`MAX_ZEROES_BYTES`]) in
+/// flight: it reads each reply and sends the next at once.
+///
+/// **Context:** connects before it returns, then one thread sends and
+/// reads (no read timeout: the drop shuts the stream down).
+///
+/// **Returns:** the running flood; Err if it cannot connect.
+pub fn zero_flood(
+    k: usize,
+    local_ip: Ipv4Addr,
+    server: SocketAddr,
+    export: &str,
+) -> io::Result<Flood> {
+    let mut cl = NbdClient::connect(local_ip, server, export)?;
+    cl.stream.set_read_timeout(None)?;
+    let stream = cl.stream.try_clone()?;
+    let len = MAX_ZEROES_BYTES.min((cl.size & !4095).min(u64::from(u32::MAX)) as u32);
+    let stop = Arc::new(AtomicBool::new(false));
+    let replies = Arc::new(AtomicU64::new(0));
+    let errors = Arc::new(AtomicU64::new(0));
+    let (st, rp, er) = (stop.clone(), replies.clone(), errors.clone());
+    let thread = std::thread::spawn(move || -> io::Result<()> {
+        for _ in 0..k {
+            cl.send(Cmd::WriteZeroes, 0, len, &[])?;
+        }
+        while !st.load(Ordering::Relaxed) {
+            let r = cl.reply()?;
+            rp.fetch_add(1, Ordering::Relaxed);
+            if r.error != 0 {
+                er.fetch_add(1, Ordering::Relaxed);
+            }
+            cl.send(Cmd::WriteZeroes, 0, len, &[])?;
+        }
+        Ok(())
+    });
+    Ok(Flood {
+        stop,
+        replies,
+        errors,
+        stream,
+        thread: Some(thread),
+    })
+}
+
+impl Flood {
+    /// Replies read so far.
+    pub fn replies(&self) -> u64 {
+        self.replies.load(Ordering::Relaxed)
+    }
+
+    /// Replies that carried an error.
+    pub fn errors(&self) -> u64 {
+        self.errors.load(Ordering::Relaxed)
+    }
+
+    /// Whether its thread still runs (false once the server closed the
+    /// connection or a send failed).
+    pub fn running(&self) -> bool {
+        self.thread.as_ref().is_some_and(|t| !t.is_finished())
+    }
+}
+
+impl Drop for Flood {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        let _ = self.stream.shutdown(Shutdown::Both);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The polite client's part: `n` 4 KiB READs through `client`, one at a
+/// time, at pseudo-random 4 KiB-aligned offsets over the export.
+///
+/// **Context:** blocks; each read is timed from its send to its reply.
+///
+/// **Returns:** the latency of each read, in order; Err at the first
+/// read that fails (its errno: ENOMEM when the server's budget turned it
+/// away) or breaks the stream.
+pub fn read_latencies(client: &mut NbdClient, n: usize) -> io::Result<Vec<Duration>> {
+    let pages = (client.size / 4096).max(1);
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15 ^ client.stream.as_raw_fd() as u64;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let t = Instant::now();
+        let data = client.read_at(x % pages * 4096, 4096)?;
+        out.push(t.elapsed());
+        if data.len() != 4096 {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "short read"));
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    #[test]
+    fn a_connection_comes_from_the_chosen_loopback_address() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let ip = Ipv4Addr::new(127, 0, 0, 7);
+        let _c = connect_from(ip, addr).unwrap();
+        let (_s, peer) = l.accept().unwrap();
+        assert_eq!(peer.ip(), std::net::IpAddr::V4(ip));
+    }
+
+    #[test]
+    fn silent_sockets_closed_by_the_server_are_counted_and_reopened() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let g = silent(3, Ipv4Addr::new(127, 0, 0, 3), addr, true).unwrap();
+        let first: Vec<_> = (0..3).map(|_| l.accept().unwrap().0).collect();
+        assert_eq!(g.open(), 3);
+        drop(first);
+        // Three re-opened connections arrive once the closes are seen.
+        let again: Vec<_> = (0..3).map(|_| l.accept().unwrap().0).collect();
+        let t = Instant::now();
+        while g.reopened() < 3 && t.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!((g.closed_by_server(), g.reopened(), g.open()), (3, 3, 3));
+        drop(again);
+    }
+    /// A scripted server: the greeting, one option read, then `replies`
+    /// (type, data) to NBD_OPT_GO; then, if any, one READ answered.
+    fn scripted(replies: Vec<(u32, Vec<u8>)>) -> SocketAddr {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            s.write_all(&NBDMAGIC.to_be_bytes()).unwrap();
+            s.write_all(&IHAVEOPT.to_be_bytes()).unwrap();
+            s.write_all(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes())
+                .unwrap();
+            let mut h = [0u8; 20];
+            s.read_exact(&mut h).unwrap();
+            assert_eq!((be_u64(&h[4..]), be_u32(&h[12..])), (IHAVEOPT, OPT_GO));
+            s.read_exact(&mut vec![0u8; be_u32(&h[16..]) as usize])
+                .unwrap();
+            for (ty, d) in replies {
+                let mut r = REPLY_MAGIC_OPT.to_be_bytes().to_vec();
+                r.extend_from_slice(&OPT_GO.to_be_bytes());
+                r.extend_from_slice(&ty.to_be_bytes());
+                r.extend_from_slice(&(d.len() as u32).to_be_bytes());
+                r.extend_from_slice(&d);
+                s.write_all(&r).unwrap();
+            }
+            let mut q = [0u8; 28];
+            if s.read_exact(&mut q).is_ok() {
+                let mut r = SIMPLE_REPLY_MAGIC.to_be_bytes().to_vec();
+                r.extend_from_slice(&0u32.to_be_bytes());
+                r.extend_from_slice(&q[8..16]);
+                r.extend(vec![0xa5; be_u32(&q[24..]) as usize]);
+                s.write_all(&r).unwrap();
+            }
+        });
+        addr
+    }
+
+    #[test]
+    fn go_gives_the_export_size_and_a_read_gets_its_data() {
+        let mut info = 0u16.to_be_bytes().to_vec();
+        info.extend_from_slice(&(64u64 << 20).to_be_bytes());
+        info.extend_from_slice(&1u16.to_be_bytes());
+        let addr = scripted(vec![(REP_INFO, info), (REP_ACK, vec![])]);
+        let mut c = NbdClient::connect(Ipv4Addr::new(127, 0, 0, 4), addr, "x").unwrap();
+        assert_eq!((c.size, c.flags), (64 << 20, 1));
+        assert_eq!(c.read_at(4096, 4096).unwrap(), vec![0xa5; 4096]);
+    }
+
+    #[test]
+    fn an_unknown_export_is_not_found() {
+        let addr = scripted(vec![(REP_ERR_UNKNOWN, b"no export named x".to_vec())]);
+        let e = NbdClient::connect(Ipv4Addr::new(127, 0, 0, 5), addr, "x")
+            .err()
+            .unwrap();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound);
+        assert!(e.to_string().contains("no export named x"), "{e}");
+    }
+}
