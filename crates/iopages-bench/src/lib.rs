@@ -36,6 +36,10 @@
 //! - E6 remote `nbd --remote`: the LUKS1 image's ciphertext on a remote
 //!   nbdkit file export, served by `iopages serve` and by nbdkit's luks
 //!   filter over its nbd plugin, beside the raw remote.
+//! - E6 tenants (`nbd_tenants`, part of `nbd`): one `iopages serve` on TCP
+//!   shared by fio from 127.0.0.1 and 8 hostile peers from 127.0.0.2–9
+//!   (silent sockets and unread READs, then WRITE_ZEROES floods), against
+//!   fio alone: issue 28's fairness targets.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
@@ -51,6 +55,7 @@ pub mod measure;
 pub mod mempool;
 pub mod nbd;
 pub mod nbd_remote;
+pub mod nbd_tenants;
 pub mod peers;
 pub mod plot;
 pub mod sparse;
