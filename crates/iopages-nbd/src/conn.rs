@@ -77,6 +77,9 @@ const MAX_DISCARD_BYTES: u64 = 32 << 20;
 /// the server closes a connection of the peer furthest over its own to
 /// get them back (and again after each such wait).
 const RECALL_AFTER: Duration = Duration::from_secs(1);
+/// How often a request past its peer's share, waiting to borrow bytes,
+/// looks again.
+const BORROW_POLL: Duration = Duration::from_millis(50);
 /// How often a request waiting for the server's byte budget looks again.
 const BUDGET_POLL: Duration = Duration::from_millis(5);
 
@@ -591,9 +594,14 @@ impl Conn {
                     .fetch_add(1, Ordering::Relaxed);
                 return Ok(false);
             }
-            let r = self.pump(false, false, Some((now + BUDGET_POLL).min(give_up)), || {
-                false
-            });
+            // A request past its peer's share looks again less often: it
+            // may only borrow, and its looking costs the others' CPU.
+            let poll = if PeerBudget::waits_under_share(&claim) {
+                BUDGET_POLL
+            } else {
+                BORROW_POLL
+            };
+            let r = self.pump(false, false, Some((now + poll).min(give_up)), || false);
             if let Err(e) = r {
                 self.budget.give_up(&mut claim);
                 return Err(e);

@@ -942,9 +942,13 @@ impl Drop for Open<'_> {
 /// Give the accepted connection `t` a place in the handshake pool and a
 /// thread of its own.
 fn start_connection(s: &Arc<Shared>, t: Arc<Transport>, origin: Origin) {
-    let place = s
-        .shares
-        .admit_handshake(&crate::peer::Peer { origin, tls: None }.share_key(), &t);
+    let key = crate::peer::Peer { origin, tls: None }.share_key();
+    let Some(place) = s.shares.admit_handshake(&key, &t) else {
+        // Its own peer holds the most handshakes: closed before anything
+        // is spent on it.
+        t.shutdown();
+        return;
+    };
     s.counters.open.fetch_add(1, Ordering::AcqRel);
     let mut conns = s.conns.lock();
     // Join the connections that have ended.

@@ -33,8 +33,9 @@
 //! - **Handshakes** have a pool of their own, so no number of silent
 //!   sockets can keep an authenticating client out: when it is full, a new
 //!   connection closes one handshake of the peer holding the most
-//!   handshakes (its own, when it is that peer) — the one that has made
-//!   the least progress, the oldest among equals.
+//!   handshakes — the one that has made the least progress, the oldest
+//!   among equals — or, when its own peer holds the most (ties included),
+//!   is itself closed at once, before a thread is started for it.
 
 use crate::transport::Transport;
 use parking_lot::Mutex;
@@ -192,24 +193,32 @@ impl Shares {
 
     /// Take a place in the handshake pool for a new connection of `peer`,
     /// closing another handshake if the pool is full (see the module
-    /// doc). Always admits.
+    /// doc).
     ///
     /// **Context:** takes the shares' lock; never blocks on a socket.
-    pub(crate) fn admit_handshake(self: &Arc<Self>, peer: &str, t: &Arc<Transport>) -> Slot {
+    /// **Returns:** `None` when the newcomer is itself the one to close
+    /// (its peer holds the most handshakes, ties included, and it has
+    /// done nothing yet): the caller closes it at once, before any
+    /// thread is started for it — so a peer re-opening silent sockets
+    /// costs the server an accept and a close each, nothing more.
+    pub(crate) fn admit_handshake(
+        self: &Arc<Self>,
+        peer: &str,
+        t: &Arc<Transport>,
+    ) -> Option<Slot> {
         let peer: Arc<str> = peer.into();
         let progress = Arc::new(AtomicUsize::new(0));
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let mut s = self.state.lock();
         if s.handshakes.len() >= self.limits.max_handshakes {
-            if let Some(victim) = self.handshake_victim(&s, &peer) {
-                let m = s
-                    .remove_handshake(victim)
-                    .expect("the victim is in the pool");
-                m.t.shutdown();
-                self.counters
-                    .handshake_evictions
-                    .fetch_add(1, Ordering::Relaxed);
-            }
+            self.counters
+                .handshake_evictions
+                .fetch_add(1, Ordering::Relaxed);
+            let victim = self.handshake_victim(&s, &peer)?;
+            let m = s
+                .remove_handshake(victim)
+                .expect("the victim is in the pool");
+            m.t.shutdown();
         }
         s.holding(&peer).handshakes += 1;
         s.handshakes.push(Member {
@@ -219,30 +228,29 @@ impl Shares {
             progress: Arc::clone(&progress),
         });
         debug_assert!(s.handshakes.len() <= self.limits.max_handshakes);
-        Slot {
+        Some(Slot {
             shares: Arc::clone(self),
             id,
             peer,
             progress,
             stage: Stage::Handshake,
-        }
+        })
     }
 
     /// The handshake to close for a newcomer of `newcomer`: of the peer
     /// holding the most (the newcomer counted), the least advanced, the
-    /// oldest among equals.
+    /// oldest among equals; `None` when that is the newcomer itself (its
+    /// peer holds the most, ties included).
     fn handshake_victim(&self, s: &State, newcomer: &Arc<str>) -> Option<u64> {
-        let count =
-            |p: &Arc<str>| s.peers.get(p).map_or(0, |h| h.handshakes) + usize::from(p == newcomer);
+        let held = |p: &Arc<str>| s.peers.get(p).map_or(0, |h| h.handshakes);
+        let most = s.peers.values().map(|h| h.handshakes).max().unwrap_or(0);
+        if held(newcomer) + 1 >= most {
+            return None;
+        }
         s.handshakes
             .iter()
-            .min_by_key(|m| {
-                (
-                    std::cmp::Reverse(count(&m.peer)),
-                    m.progress.load(Ordering::Relaxed),
-                    m.id,
-                )
-            })
+            .filter(|m| held(&m.peer) == most)
+            .min_by_key(|m| (m.progress.load(Ordering::Relaxed), m.id))
             .map(|m| m.id)
     }
 
@@ -390,6 +398,8 @@ impl Drop for Slot {
 #[derive(Default)]
 pub(crate) struct Claim {
     under: bool,
+    /// Its wait behind a peer under its share was counted.
+    counted: bool,
 }
 
 /// One peer's view of the byte budget (a connection's).
@@ -436,7 +446,8 @@ impl PeerBudget {
             }
             claim.under = within;
         }
-        if !within && others_waiting > 0 {
+        if !within && others_waiting > 0 && !claim.counted {
+            claim.counted = true;
             sh.counters
                 .budget_share_waits
                 .fetch_add(1, Ordering::Relaxed);

@@ -101,7 +101,7 @@ pub struct PeerStats {
     /// Peers holding at least their guarantee of connections or bytes now.
     pub at_share: u64,
     /// Requests of peers past their share that waited so a peer under its
-    /// share went first.
+    /// share went first (each request counted once).
     pub budget_share_waits: u64,
 }
 

@@ -474,7 +474,8 @@ pub fn unread_reads(
     let mut out = Vec::with_capacity(conns);
     for c in 0..conns {
         let mut cl = NbdClient::connect(local_ip, server, export)?;
-        let len = GREEDY_READ_BYTES.min((cl.size & !4095) as u32);
+        // In u64: an export a multiple of 4 GiB must not make it 0.
+        let len = u64::from(GREEDY_READ_BYTES).min(cl.size & !4095) as u32;
         let span = (cl.size - u64::from(len)) / 4096 + 1;
         for i in 0..k {
             let off = ((c * k + i) as u64 * u64::from(len) / 4096 % span) * 4096;

@@ -35,30 +35,31 @@ fn assert_empty(sh: &Shares) {
 #[test]
 fn a_full_handshake_pool_closes_the_least_advanced_handshake_of_the_biggest_holder() {
     let sh = Arc::new(Shares::new(limits(8, 4, 1 << 20)));
+    // The polite client's handshake, then a hostile peer's silent sockets
+    // fill the pool and keep coming: each newcomer of the peer holding
+    // the most is closed at once (no slot, no thread).
+    let (t, polite_end) = transport();
+    let polite = sh.admit_handshake("ip:127.0.0.1", &t).unwrap();
     let mut ends = Vec::new();
     let mut slots = Vec::new();
-    // The polite client's handshake, a step ahead of nobody.
-    let (t, polite_end) = transport();
-    let polite = sh.admit_handshake("ip:127.0.0.1", &t);
-    // Silent sockets of one hostile peer fill the pool, then keep coming.
     for _ in 0..50 {
         let (t, end) = transport();
-        slots.push(sh.admit_handshake("ip:127.0.0.2", &t));
+        slots.extend(sh.admit_handshake("ip:127.0.0.2", &t));
         ends.push(end);
     }
+    assert_eq!(slots.len(), 3, "three fit beside the polite one");
     assert_eq!(sh.snapshot().handshakes, 4);
     assert_eq!(sh.counters.handshake_evictions.load(Ordering::Relaxed), 47);
     assert!(!is_shut(&polite_end), "the polite handshake was closed");
-    // The hostile peer's oldest were closed, its newest three remain.
-    assert!(ends[..47].iter().all(is_shut));
-    assert!(!ends[47..].iter().any(is_shut));
-    // Among one peer's handshakes, the least advanced goes first.
-    slots[47].progressed_by(1);
-    slots[49].progressed_by(1);
-    let (t, _e) = transport();
-    let _late = sh.admit_handshake("ip:127.0.0.2", &t);
-    assert!(is_shut(&ends[48]) && !is_shut(&ends[47]) && !is_shut(&ends[49]));
-    drop((polite, slots, _late));
+    assert!(!ends[..3].iter().any(is_shut));
+    // A third peer's newcomer closes a handshake of the biggest holder:
+    // its least advanced, the oldest among equals.
+    slots[0].progressed_by(1);
+    let (t, _third_end) = transport();
+    let third = sh.admit_handshake("ip:127.0.0.3", &t).unwrap();
+    assert!(is_shut(&ends[1]) && !is_shut(&ends[0]) && !is_shut(&ends[2]));
+    assert!(!is_shut(&polite_end));
+    drop((polite, slots, third));
     assert_empty(&sh);
 }
 
@@ -68,28 +69,28 @@ fn a_peer_under_its_share_gets_a_connection_from_the_peer_furthest_over() {
     let mut greedy = Vec::new();
     for _ in 0..8 {
         let (t, end) = transport();
-        let mut s = sh.admit_handshake("ip:127.0.0.2", &t);
+        let mut s = sh.admit_handshake("ip:127.0.0.2", &t).unwrap();
         s.enter_transmission("ip:127.0.0.2", &t).unwrap();
         greedy.push((s, end));
     }
     // The greedy peer's newest connection is busy: its newest idle goes.
     greedy[7].0.busy().store(1, Ordering::Relaxed);
     let (t, _end) = transport();
-    let mut polite = sh.admit_handshake("ip:127.0.0.1", &t);
+    let mut polite = sh.admit_handshake("ip:127.0.0.1", &t).unwrap();
     polite.enter_transmission("ip:127.0.0.1", &t).unwrap();
     assert!(is_shut(&greedy[6].1) && !is_shut(&greedy[7].1));
     assert_eq!(sh.counters.share_evictions.load(Ordering::Relaxed), 1);
     // Two peers: a guarantee of 4 each. The greedy one (7) cannot take
     // more; the polite one may, up to its guarantee.
     let (t, _e) = transport();
-    let mut more = sh.admit_handshake("ip:127.0.0.2", &t);
+    let mut more = sh.admit_handshake("ip:127.0.0.2", &t).unwrap();
     let e = more.enter_transmission("ip:127.0.0.2", &t).unwrap_err();
     assert!(e.contains("too many connections"), "{e}");
     assert_eq!(sh.counters.refused.load(Ordering::Relaxed), 1);
     let mut polite_more = Vec::new();
     for _ in 0..3 {
         let (t, e) = transport();
-        let mut s = sh.admit_handshake("ip:127.0.0.1", &t);
+        let mut s = sh.admit_handshake("ip:127.0.0.1", &t).unwrap();
         s.enter_transmission("ip:127.0.0.1", &t).unwrap();
         polite_more.push((s, e));
     }
@@ -99,7 +100,7 @@ fn a_peer_under_its_share_gets_a_connection_from_the_peer_furthest_over() {
         (8, 2, 2)
     );
     let (t, _e) = transport();
-    let mut fifth = sh.admit_handshake("ip:127.0.0.1", &t);
+    let mut fifth = sh.admit_handshake("ip:127.0.0.1", &t).unwrap();
     assert!(fifth.enter_transmission("ip:127.0.0.1", &t).is_err());
     drop((greedy, polite, more, polite_more, fifth));
     assert_empty(&sh);
@@ -111,7 +112,7 @@ fn a_slot_dropped_by_a_panic_gives_its_place_back() {
     let sh2 = Arc::clone(&sh);
     let r = std::thread::spawn(move || {
         let (t, _e) = transport();
-        let mut s = sh2.admit_handshake("ip:127.0.0.1", &t);
+        let mut s = sh2.admit_handshake("ip:127.0.0.1", &t).unwrap();
         s.enter_transmission("ip:127.0.0.1", &t).unwrap();
         assert!(s.budget().try_take(8, &mut Claim::default()));
         panic!("injected");
@@ -132,7 +133,7 @@ fn a_slot_dropped_by_a_panic_gives_its_place_back() {
 /// A peer with a connection in transmission and its budget.
 fn in_transmission(sh: &Arc<Shares>, peer: &str) -> (Slot, PeerBudget) {
     let (t, _e) = transport();
-    let mut s = sh.admit_handshake(peer, &t);
+    let mut s = sh.admit_handshake(peer, &t).unwrap();
     s.enter_transmission(peer, &t).unwrap();
     let b = s.budget();
     (s, b)
@@ -245,7 +246,7 @@ fn random_traffic_never_passes_the_limit_and_counts_every_byte() {
 fn a_waiter_under_its_share_recalls_bytes_from_the_peer_furthest_over() {
     let sh = Arc::new(Shares::new(limits(64, 64, 256)));
     let (t, greedy_end) = transport();
-    let mut g = sh.admit_handshake("ip:127.0.0.2", &t);
+    let mut g = sh.admit_handshake("ip:127.0.0.2", &t).unwrap();
     g.enter_transmission("ip:127.0.0.2", &t).unwrap();
     let greedy = g.budget();
     assert!(greedy.try_take(200, &mut Claim::default()));
