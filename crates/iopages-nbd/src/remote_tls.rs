@@ -11,20 +11,27 @@
 //! through ([`ClientTls`], one lock around it, nobody waiting for the
 //! socket while holding it, so the reader thread and the writers of a
 //! connection use it at once). Must never: continue in plaintext when TLS
-//! was asked for, accept a server certificate that does not verify (unless
-//! the URI says `tls-verify-peer=false`), or wait for the socket past the
-//! caller's timeout.
+//! was asked for; accept a store that authenticated otherwise than the URI
+//! asked — with `tls-psk-file`, any handshake but a PSK one with that key
+//! (a store presenting a certificate, which TLS 1.3 allows in answer to a
+//! PSK, fails the handshake), with certificates, a store presenting none —
+//! or exchange application data with it before that is settled; accept a
+//! server certificate that does not verify (unless the URI says
+//! `tls-verify-peer=false`); or wait for the socket past the caller's
+//! timeout.
 
 use crate::stream::Stream;
 use openssl::ssl::{
-    ErrorCode, HandshakeError, SslConnector, SslMethod, SslOptions, SslStream, SslVerifyMode,
-    SslVersion,
+    ErrorCode, HandshakeError, Ssl, SslConnector, SslConnectorBuilder, SslMethod, SslOptions,
+    SslRef, SslStream, SslVerifyMode, SslVersion,
 };
+use openssl::x509::{X509Ref, X509StoreContextRef, X509VerifyResult};
 use parking_lot::Mutex;
 use std::io::{self, ErrorKind, IoSlice};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Small pieces of a vectored write are gathered into one TLS record of
@@ -93,14 +100,32 @@ fn login_name() -> Option<String> {
         .find(|u| !u.is_empty())
 }
 
-/// What a connection needs to start TLS: the connector and the name the
-/// server's certificate is checked against.
+/// How the store must authenticate: what the URI asked for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Expect {
+    /// A PSK handshake with the file's key for the identity: a store that
+    /// presents a certificate instead fails the handshake.
+    Psk,
+    /// An X.509 certificate (verified, chain and name, unless
+    /// `tls-verify-peer=false`): the client offers no PSK.
+    Certificate,
+}
+
+/// What a connection needs to start TLS: the connector, the name the
+/// server's certificate is checked against, and how the store must
+/// authenticate.
 #[derive(Clone)]
 pub(crate) struct Connector {
     connector: SslConnector,
     /// `Some`: verify the certificate and this name; `None`: PSK, or
     /// verification off.
     verify_name: Option<String>,
+    /// What the URI asked for.
+    expect: Expect,
+    /// The same in words, for a refusal's message: `a PSK handshake as
+    /// identity "alice" (from FILE)` or `an X.509 certificate from the
+    /// store (checked against …)`.
+    expected: String,
     /// What was checked against, for a failed handshake's message.
     checked_against: String,
 }
@@ -118,51 +143,79 @@ pub(crate) fn connector(tls: &RemoteTls, host: Option<&str>) -> io::Result<Conne
     // A server that closes without close_notify after NBD_CMD_DISC is an
     // end of stream, not an error.
     b.set_options(SslOptions::IGNORE_UNEXPECTED_EOF);
-    if let Some(file) = &tls.psk_file {
-        if tls.certificates.is_some() {
-            return Err(config_error(
-                "give tls-certificates= or tls-psk-file=, not both".into(),
-            ));
-        }
-        let keys = crate::tls::read_psk_file(file).map_err(|e| config_error(e.to_string()))?;
-        let user = match tls.username.clone().or_else(login_name) {
-            Some(u) => u,
-            None => {
-                return Err(config_error(format!(
-                    "no PSK username: add tls-username=NAME (an identity in {})",
-                    file.display()
-                )))
-            }
-        };
-        let Some(key) = keys.get(user.as_bytes()).cloned() else {
-            return Err(config_error(format!(
-                "the PSK file {} has no key for the username {user:?} (set tls-username= to one of its identities)",
-                file.display()
-            )));
-        };
-        // TLS 1.3 uses the same callback with a SHA-256 suite; TLS 1.2
-        // servers get the (EC)DHE-PSK suites, then plain PSK.
-        b.set_ciphersuites(crate::tls::PSK_TLS13_SUITES)
-            .map_err(ssl)?;
-        b.set_cipher_list(crate::tls::PSK_TLS12_CIPHERS)
-            .map_err(ssl)?;
-        let identity = user.clone().into_bytes();
-        b.set_psk_client_callback(move |_ssl, _hint, id_out, key_out| {
-            if identity.len() >= id_out.len() || key.len() > key_out.len() {
-                return Err(openssl::error::ErrorStack::get());
-            }
-            id_out[..identity.len()].copy_from_slice(&identity);
-            id_out[identity.len()] = 0;
-            key_out[..key.len()].copy_from_slice(&key);
-            Ok(key.len())
-        });
-        b.set_verify(SslVerifyMode::NONE);
-        return Ok(Connector {
-            connector: b.build(),
-            verify_name: None,
-            checked_against: format!("PSK identity {user:?} from {}", file.display()),
-        });
+    match &tls.psk_file {
+        Some(file) => psk_connector(b, tls, file),
+        None => x509_connector(b, tls, host),
     }
+}
+
+/// The connector of `tls-psk-file=file`: PSK suites only, the identity's
+/// key offered, and any certificate the store presents refused (TLS 1.3
+/// lets a store answer a PSK with a certificate).
+fn psk_connector(
+    mut b: SslConnectorBuilder,
+    tls: &RemoteTls,
+    file: &Path,
+) -> io::Result<Connector> {
+    let ssl = |e: openssl::error::ErrorStack| config_error(e.to_string());
+    if tls.certificates.is_some() {
+        return Err(config_error(
+            "give tls-certificates= or tls-psk-file=, not both".into(),
+        ));
+    }
+    let keys = crate::tls::read_psk_file(file).map_err(|e| config_error(e.to_string()))?;
+    let Some(user) = tls.username.clone().or_else(login_name) else {
+        return Err(config_error(format!(
+            "no PSK username: add tls-username=NAME (an identity in {})",
+            file.display()
+        )));
+    };
+    let Some(key) = keys.get(user.as_bytes()).cloned() else {
+        return Err(config_error(format!(
+            "the PSK file {} has no key for the username {user:?} (set tls-username= to one of its identities)",
+            file.display()
+        )));
+    };
+    // TLS 1.3 uses the same callback with a SHA-256 suite; TLS 1.2
+    // servers get the (EC)DHE-PSK suites, then plain PSK.
+    b.set_ciphersuites(crate::tls::PSK_TLS13_SUITES)
+        .map_err(ssl)?;
+    b.set_cipher_list(crate::tls::PSK_TLS12_CIPHERS)
+        .map_err(ssl)?;
+    let identity = user.clone().into_bytes();
+    b.set_psk_client_callback(move |_ssl, _hint, id_out, key_out| {
+        if identity.len() >= id_out.len() || key.len() > key_out.len() {
+            return Err(openssl::error::ErrorStack::get());
+        }
+        id_out[..identity.len()].copy_from_slice(&identity);
+        id_out[identity.len()] = 0;
+        key_out[..key.len()].copy_from_slice(&key);
+        Ok(key.len())
+    });
+    // Every certificate fails verification, so a store that presents one
+    // fails the handshake (each connection sets this again, noting the
+    // certificate for the message: `Connector::ssl`).
+    b.set_verify_callback(SslVerifyMode::PEER, |_, _| false);
+    Ok(Connector {
+        connector: b.build(),
+        verify_name: None,
+        expect: Expect::Psk,
+        expected: format!(
+            "a PSK handshake as identity {user:?} (from {})",
+            file.display()
+        ),
+        checked_against: format!("PSK identity {user:?} from {}", file.display()),
+    })
+}
+
+/// The connector of a certificate setup: `tls-certificates=DIR` (or the
+/// system's CA store), the name checked (`tls-hostname`, else `host`)
+/// unless `tls-verify-peer=false`. It offers no PSK.
+fn x509_connector(
+    mut b: SslConnectorBuilder,
+    tls: &RemoteTls,
+    host: Option<&str>,
+) -> io::Result<Connector> {
     let mut checked = "the system's CA certificates".to_string();
     if let Some(dir) = &tls.certificates {
         if !dir.is_dir() {
@@ -211,12 +264,198 @@ pub(crate) fn connector(tls: &RemoteTls, host: Option<&str>) -> io::Result<Conne
     Ok(Connector {
         connector: b.build(),
         verify_name,
+        expect: Expect::Certificate,
+        expected: format!(
+            "an X.509 certificate from the store (checked against {checked_against})"
+        ),
         checked_against,
     })
 }
 
+/// A certificate's subject as `CN=…, O=…`, for a message: it comes from
+/// the store, so control characters are dropped and it is cut at 200
+/// characters.
+fn subject_of(cert: &X509Ref) -> String {
+    let entries: Vec<String> = cert
+        .subject_name()
+        .entries()
+        .map(|e| {
+            let key = e.object().nid().short_name().unwrap_or("?");
+            match e.data().to_string() {
+                Ok(v) => format!("{key}={v}"),
+                Err(_) => format!("{key}=?"),
+            }
+        })
+        .collect();
+    let clean: String = entries
+        .join(", ")
+        .chars()
+        .filter(|c| !c.is_control())
+        .take(200)
+        .collect();
+    if clean.is_empty() {
+        "empty".to_string()
+    } else {
+        clean
+    }
+}
+
+/// The subject of the certificate a verification is about: the store's
+/// own (the chain's first), else the one at hand.
+fn presented_subject(ctx: &X509StoreContextRef) -> Option<String> {
+    ctx.chain()
+        .and_then(|c| c.iter().next())
+        .or_else(|| ctx.current_cert())
+        .map(subject_of)
+}
+
+/// The subject of the certificate a store presented, as noted during a
+/// connection's handshake (`None` until one is presented).
+type Presented = Arc<Mutex<Option<String>>>;
+
+/// An error setting a connection's TLS state up (not the store's doing).
+fn setup_error(e: openssl::error::ErrorStack) -> io::Error {
+    io::Error::other(format!("TLS: {e}"))
+}
+
+impl Connector {
+    /// A connection's TLS state, its verification noting into `presented`
+    /// the subject of any certificate the store presents; with a PSK,
+    /// every certificate fails.
+    fn ssl(&self, presented: Presented) -> io::Result<Ssl> {
+        let mut cfg = self.connector.configure().map_err(setup_error)?;
+        let name = match &self.verify_name {
+            Some(n) => n.as_str(),
+            None => {
+                cfg.set_verify_hostname(false);
+                cfg.set_use_server_name_indication(false);
+                ""
+            }
+        };
+        let mut ssl = cfg.into_ssl(name).map_err(setup_error)?;
+        let refuse_all = self.expect == Expect::Psk;
+        let mode = match (self.expect, &self.verify_name) {
+            (Expect::Certificate, None) => SslVerifyMode::NONE,
+            _ => SslVerifyMode::PEER,
+        };
+        ssl.set_verify_callback(mode, move |ok, ctx| {
+            let mut seen = presented.lock();
+            if seen.is_none() {
+                *seen = Some(presented_subject(ctx).unwrap_or_else(|| "unknown".into()));
+            }
+            if refuse_all {
+                ctx.set_error(X509VerifyResult::APPLICATION_VERIFICATION);
+            }
+            ok && !refuse_all
+        });
+        Ok(ssl)
+    }
+
+    /// Why a failed handshake (`e`, on `ssl`) did not authenticate the
+    /// store as asked: what was expected and what the store offered
+    /// (`presented`: the subject of the certificate it presented).
+    fn refusal(
+        &self,
+        ssl: &SslRef,
+        e: &openssl::ssl::Error,
+        presented: Option<String>,
+    ) -> io::Error {
+        let what = e
+            .ssl_error()
+            .map_or_else(|| e.to_string(), |s| s.to_string());
+        let presented = presented.or_else(|| {
+            ssl.peer_cert_chain()
+                .and_then(|c| c.iter().next())
+                .map(subject_of)
+        });
+        // The alert a store with no suite in common sends.
+        let no_common_suite = what.contains("alert handshake failure");
+        let expected = &self.expected;
+        let why = match (self.expect, presented) {
+            (Expect::Psk, Some(subject)) => format!(
+                "expected {expected}; the store presented an X.509 certificate (subject {subject}) instead"
+            ),
+            (Expect::Psk, None) if no_common_suite => format!(
+                "expected {expected}; the store took none of the PSK cipher suites offered, \
+                 as a store with a certificate and no PSK does ({what})"
+            ),
+            (Expect::Psk, None) if what.contains("alert unknown psk identity") => format!(
+                "expected {expected}; the store has no key for that identity ({what})"
+            ),
+            (Expect::Psk, None) => {
+                format!("expected {expected}; the store did not complete it: {what}")
+            }
+            (Expect::Certificate, None) => format!(
+                "expected {expected}; the store presented none{}: {what}",
+                if no_common_suite {
+                    ", as a store set up for PSK only does (for one, put tls-psk-file= in the URI)"
+                } else {
+                    ""
+                }
+            ),
+            (Expect::Certificate, Some(_)) if ssl.verify_result() != X509VerifyResult::OK => {
+                format!(
+                    "the server's certificate was not accepted: {} (checked against {})",
+                    ssl.verify_result().error_string(),
+                    self.checked_against
+                )
+            }
+            (Expect::Certificate, Some(_)) => {
+                format!("{what} (credentials: {})", self.checked_against)
+            }
+        };
+        io::Error::new(
+            ErrorKind::PermissionDenied,
+            format!("TLS handshake with the remote failed: {why}"),
+        )
+    }
+
+    /// After a completed handshake, before any application data: the
+    /// store authenticated as asked — with a PSK, no certificate and a
+    /// PSK session; with certificates, a certificate (the verification
+    /// already checked it).
+    fn check_session(&self, ssl: &SslRef) -> io::Result<()> {
+        let session = || {
+            let cipher = ssl.current_cipher().map_or("none", |c| c.name());
+            format!("{} {cipher}", ssl.version_str())
+        };
+        let why = match (self.expect, ssl.peer_certificate()) {
+            (Expect::Psk, Some(cert)) => format!(
+                "the store presented an X.509 certificate (subject {}) instead",
+                subject_of(&cert)
+            ),
+            (Expect::Psk, None) if !psk_session(ssl) => {
+                format!("the session ({}) is not a PSK one", session())
+            }
+            (Expect::Certificate, None) => {
+                format!("the store presented none (the session: {})", session())
+            }
+            _ => return Ok(()),
+        };
+        Err(io::Error::new(
+            ErrorKind::PermissionDenied,
+            format!(
+                "TLS handshake with the remote failed: expected {}; {why}",
+                self.expected
+            ),
+        ))
+    }
+}
+
+/// Whether `ssl`'s session was authenticated by a PSK: under TLS 1.3 the
+/// store took the PSK offered (OpenSSL counts that as a session reused;
+/// this client keeps no session to resume), under TLS 1.2 a PSK suite.
+fn psk_session(ssl: &SslRef) -> bool {
+    match ssl.version2() {
+        Some(SslVersion::TLS1_3) => ssl.session_reused(),
+        _ => ssl
+            .current_cipher()
+            .is_some_and(|c| c.name().contains("PSK")),
+    }
+}
+
 /// `dir/client-cert.pem` and `dir/client-key.pem`, when present.
-fn load_client_cert(b: &mut openssl::ssl::SslConnectorBuilder, dir: &Path) -> io::Result<()> {
+fn load_client_cert(b: &mut SslConnectorBuilder, dir: &Path) -> io::Result<()> {
     let cert = dir.join("client-cert.pem");
     let key = dir.join("client-key.pem");
     match (cert.is_file(), key.is_file()) {
@@ -298,57 +537,33 @@ impl ClientTls {
     ///
     /// **Returns:** `PermissionDenied` naming why the server was not
     /// accepted (its certificate's verification error and what it was
-    /// checked against) or why the handshake failed; `TimedOut`.
+    /// checked against; a store that authenticated otherwise than asked:
+    /// what was expected and what it offered) or why the handshake
+    /// failed; `TimedOut`.
     pub(crate) fn connect(sock: Stream, c: &Connector, timeout: Duration) -> io::Result<ClientTls> {
         let deadline = Instant::now() + timeout;
         let raw = sock.try_clone()?;
         raw.set_nonblocking(true)?;
-        let ssl_err = |e: openssl::error::ErrorStack| io::Error::other(format!("TLS: {e}"));
-        let mut cfg = c.connector.configure().map_err(ssl_err)?;
-        let name = match &c.verify_name {
-            Some(n) => n.as_str(),
-            None => {
-                cfg.set_verify_hostname(false);
-                cfg.set_use_server_name_indication(false);
-                ""
-            }
-        };
-        let ssl = cfg.into_ssl(name).map_err(ssl_err)?;
-        let mut step = ssl.connect(raw);
+        let presented = Presented::default();
+        let mut step = c.ssl(presented.clone())?.connect(raw);
         let fd = sock.as_raw_fd();
         loop {
             let mid = match step {
                 Ok(s) => {
+                    // Nothing has been sent through the session yet.
+                    c.check_session(s.ssl())?;
                     return Ok(ClientTls {
                         ssl: Mutex::new(s),
                         sock,
                         read_timeout_ns: AtomicU64::new(timeout.as_nanos() as u64),
                         write_timeout_ns: AtomicU64::new(timeout.as_nanos() as u64),
-                    })
+                    });
                 }
                 Err(HandshakeError::WouldBlock(m)) => m,
-                Err(HandshakeError::SetupFailure(e)) => return Err(ssl_err(e)),
+                Err(HandshakeError::SetupFailure(e)) => return Err(setup_error(e)),
                 Err(HandshakeError::Failure(m)) => {
-                    let verify = m.ssl().verify_result();
-                    let why = if verify != openssl::x509::X509VerifyResult::OK {
-                        format!(
-                            "the server's certificate was not accepted: {} (checked against {})",
-                            verify.error_string(),
-                            c.checked_against
-                        )
-                    } else {
-                        format!(
-                            "{} (credentials: {})",
-                            m.error()
-                                .ssl_error()
-                                .map_or_else(|| m.error().to_string(), |s| s.to_string()),
-                            c.checked_against
-                        )
-                    };
-                    return Err(io::Error::new(
-                        ErrorKind::PermissionDenied,
-                        format!("TLS handshake with the remote failed: {why}"),
-                    ));
+                    let seen = presented.lock().take();
+                    return Err(c.refusal(m.ssl(), m.error(), seen));
                 }
             };
             let events = if mid.error().code() == ErrorCode::WANT_WRITE {
