@@ -328,22 +328,26 @@ impl Conn {
         if ob.sending || DEFER_REPLIES.with(|d| d.get()) {
             return;
         }
-        self.drain(ob);
+        self.drain(ob, true);
     }
 
     /// Send what is queued without blocking, unless a thread is sending.
+    /// Called by the connection's own thread, which waits for the socket
+    /// next: it is not kicked (a kick to itself would end that wait at
+    /// once, and a client that stops reading would have it spin).
     fn flush_replies(&self) {
         let ob = self.outbox.lock();
         if ob.sending || ob.queue.is_empty() {
             return;
         }
-        self.drain(ob);
+        self.drain(ob, false);
     }
 
     /// Become the sender: send until the queue is empty or the socket is
-    /// full; in the second case the connection's thread is kicked so it
+    /// full; in the second case, with `kick` (a sender other than the
+    /// connection's thread), the connection's thread is kicked so it
     /// waits for the socket to drain.
-    fn drain<'a>(&'a self, mut ob: parking_lot::MutexGuard<'a, Outbox>) {
+    fn drain<'a>(&'a self, mut ob: parking_lot::MutexGuard<'a, Outbox>, kick: bool) {
         ob.sending = true;
         loop {
             if ob.queue.is_empty() {
@@ -352,7 +356,7 @@ impl Conn {
                 // Everything is sealed, but the socket may not have taken
                 // the last records: the connection's thread sends them as
                 // it drains.
-                if self.t.pending_out() {
+                if kick && self.t.pending_out() {
                     self.t.kick();
                 }
                 return;
@@ -373,7 +377,9 @@ impl Conn {
                 Ok(false) => {
                     ob.sending = false;
                     drop(ob);
-                    self.t.kick();
+                    if kick {
+                        self.t.kick();
+                    }
                     return;
                 }
                 Err(_) => {
@@ -515,11 +521,20 @@ impl Conn {
             return Ok(());
         }
         let timeout = until.map(|u| u.saturating_duration_since(now));
-        let r = self
-            .t
-            .wait(read && !dead, (write || backlog) && !dead, timeout);
+        let r = if dead {
+            self.t.wait_kick(timeout)
+        } else {
+            self.t.wait(read, write || backlog, timeout)
+        };
         self.parked.store(false, Ordering::SeqCst);
         let r = r?;
+        if r.hangup && !read && !dead {
+            // Shut down under us (the connection was closed for another
+            // peer's share) or broken: nothing more can be sent, and a
+            // wait that polled it again would return at once.
+            self.kill();
+            return Ok(());
+        }
         if r.writable && backlog {
             if self.t.push_out().is_err() {
                 self.kill();

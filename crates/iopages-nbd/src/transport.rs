@@ -329,9 +329,28 @@ impl Transport {
 
     /// Wait until the socket is readable (`read`), writable (`write`),
     /// the wake-up descriptor is kicked, or `timeout` passes (`None`:
-    /// no limit). A kick is consumed.
+    /// no limit). A kick is consumed. A socket hung up or in error ends
+    /// the wait too (`Ready::hangup`), even with neither `read` nor
+    /// `write`.
     pub(crate) fn wait(
         &self,
+        read: bool,
+        write: bool,
+        timeout: Option<Duration>,
+    ) -> io::Result<Ready> {
+        self.wait_on(true, read, write, timeout)
+    }
+
+    /// Wait for a kick or `timeout` only, the socket left out (a dead
+    /// connection's socket polls hung up at once: waiting on it would
+    /// spin).
+    pub(crate) fn wait_kick(&self, timeout: Option<Duration>) -> io::Result<Ready> {
+        self.wait_on(false, false, false, timeout)
+    }
+
+    fn wait_on(
+        &self,
+        socket: bool,
         read: bool,
         write: bool,
         timeout: Option<Duration>,
@@ -345,7 +364,8 @@ impl Transport {
         }
         let mut fds = [
             libc::pollfd {
-                fd: self.sock.as_raw_fd(),
+                // A negative descriptor is skipped by poll.
+                fd: if socket { self.sock.as_raw_fd() } else { -1 },
                 events,
                 revents: 0,
             },
