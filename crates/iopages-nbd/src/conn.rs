@@ -569,7 +569,7 @@ impl Conn {
             }
             self.pump(false, false, None, || !self.full(&self.gate.lock(), bytes))?;
         }
-        let r = self.charge(bytes);
+        let r = self.charge(bytes, false);
         if !matches!(r, Ok(true)) {
             let mut g = self.gate.lock();
             g.0 -= 1;
@@ -583,8 +583,10 @@ impl Conn {
     /// (and sending replies meanwhile) up to the budget wait: for a
     /// request's payload, or a chunk of the work a request causes.
     /// `Ok(false)`: the wait ran out (counted); `Err`: the connection died.
-    fn charge(&self, bytes: u64) -> io::Result<bool> {
-        let mut claim = Claim::default();
+    /// `work`: the bytes are a chunk of work (bounded by the peer's work
+    /// window too).
+    fn charge(&self, bytes: u64, work: bool) -> io::Result<bool> {
+        let mut claim = Claim::new(work);
         if self.budget.try_take(bytes, &mut claim) {
             return Ok(true);
         }
@@ -628,8 +630,8 @@ impl Conn {
     }
 
     /// Give back what [`Conn::charge`] took.
-    fn uncharge(&self, bytes: u64) {
-        self.budget.give_back(bytes);
+    fn uncharge(&self, bytes: u64, work: bool) {
+        self.budget.give_back(bytes, work);
         if self.parked.load(Ordering::SeqCst) {
             self.t.kick();
         }
@@ -659,7 +661,7 @@ impl Conn {
             g.1 -= bytes;
             self.busy.store(g.0, Ordering::Relaxed);
         }
-        self.uncharge(bytes);
+        self.uncharge(bytes, false);
     }
 
     fn in_flight(&self) -> usize {
@@ -1009,7 +1011,7 @@ impl Reader<'_, '_> {
     ) -> io::Result<()> {
         let mut left = chunks(offset, len).count();
         for (off, n) in chunks(offset, len) {
-            let charged = self.conn.charge(n as u64);
+            let charged = self.conn.charge(n as u64, true);
             if !matches!(charged, Ok(true)) {
                 let error = if charged.is_err() { EIO } else { ENOMEM };
                 for _ in 0..left {
@@ -1024,7 +1026,7 @@ impl Reader<'_, '_> {
                 Box::new(Zeros(Arc::clone(self.env.zeros), n)),
                 fua_down,
                 Box::new(move |r| {
-                    conn.uncharge(n as u64);
+                    conn.uncharge(n as u64, true);
                     p.chunk_done(r.err().map_or(0, |e| errno(&e)))
                 }),
             );
@@ -1047,11 +1049,11 @@ impl Reader<'_, '_> {
         f: impl Fn(u64, u64) -> io::Result<()>,
     ) -> io::Result<io::Result<()>> {
         for (off, n) in aligned_chunks(offset, len) {
-            if !self.conn.charge(n)? {
+            if !self.conn.charge(n, true)? {
                 return Ok(Err(io::Error::from_raw_os_error(libc::ENOMEM)));
             }
             let r = f(off, n);
-            self.conn.uncharge(n);
+            self.conn.uncharge(n, true);
             if r.is_err() {
                 return Ok(r);
             }

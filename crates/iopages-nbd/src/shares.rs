@@ -77,12 +77,22 @@ pub(crate) struct ShareCounters {
     pub(crate) budget_share_waits: AtomicU64,
 }
 
+/// Work (the chunks WRITE_ZEROES and TRIM are served in) one peer may
+/// have in flight at once, within its byte share: four 1 MiB chunks keep
+/// the crypt workers of a small machine busy with one peer's zeroing,
+/// while eight peers flooding put at most 32 MiB of it ahead of anyone
+/// else's request in the crypt queue (their whole byte shares would be
+/// 224 MiB).
+pub(crate) const WORK_WINDOW_BYTES: u64 = 4 << 20;
+
 /// A peer's holdings.
 #[derive(Default)]
 struct Holding {
     handshakes: usize,
     connections: usize,
     bytes: u64,
+    /// Of `bytes`, those that are work.
+    work: u64,
 }
 
 impl Holding {
@@ -397,9 +407,22 @@ impl Drop for Slot {
 /// under their peer's guarantee that go first.
 #[derive(Default)]
 pub(crate) struct Claim {
+    /// The bytes are work (chunks of WRITE_ZEROES or TRIM), also bounded
+    /// by the peer's work window.
+    work: bool,
     under: bool,
     /// Its wait behind a peer under its share was counted.
     counted: bool,
+}
+
+impl Claim {
+    /// A request's claim: of payload bytes, or of `work`.
+    pub(crate) fn new(work: bool) -> Claim {
+        Claim {
+            work,
+            ..Claim::default()
+        }
+    }
 }
 
 /// One peer's view of the byte budget (a connection's).
@@ -421,7 +444,14 @@ impl PeerBudget {
         let sh = &*self.shares;
         let mut s = sh.state.lock();
         let (_, g) = sh.guarantee(s.active);
-        let held = s.peers.get(&self.peer).map_or(0, |h| h.bytes);
+        let (held, work) = s
+            .peers
+            .get(&self.peer)
+            .map_or((0, 0), |h| (h.bytes, h.work));
+        if claim.work && work + bytes > WORK_WINDOW_BYTES.max(bytes) {
+            // Its own window: it waits for its own chunks, nobody else.
+            return false;
+        }
         let within = held + bytes <= g;
         let limit = sh.limits.max_bytes;
         let fits = s.bytes + bytes <= limit;
@@ -435,7 +465,11 @@ impl PeerBudget {
                 claim.under = false;
             }
             s.bytes += bytes;
-            s.holding(&self.peer).bytes += bytes;
+            let h = s.holding(&self.peer);
+            h.bytes += bytes;
+            if claim.work {
+                h.work += bytes;
+            }
             return true;
         }
         if within != claim.under {
@@ -506,8 +540,9 @@ impl PeerBudget {
         }
     }
 
-    /// Give back `bytes` taken by [`PeerBudget::try_take`].
-    pub(crate) fn give_back(&self, bytes: u64) {
+    /// Give back `bytes` taken by [`PeerBudget::try_take`] (`work`: taken
+    /// as work).
+    pub(crate) fn give_back(&self, bytes: u64, work: bool) {
         if bytes == 0 {
             return;
         }
@@ -518,6 +553,10 @@ impl PeerBudget {
             "a peer gives back more bytes than it holds"
         );
         h.bytes -= bytes;
+        if work {
+            assert!(h.work >= bytes, "a peer gives back more work than it holds");
+            h.work -= bytes;
+        }
         s.bytes -= bytes;
         s.tidy(&self.peer);
     }

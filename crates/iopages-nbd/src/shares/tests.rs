@@ -126,7 +126,7 @@ fn a_slot_dropped_by_a_panic_gives_its_place_back() {
         shares: Arc::clone(&sh),
         peer: "ip:127.0.0.1".into(),
     };
-    b.give_back(8);
+    b.give_back(8, false);
     assert_empty(&sh);
 }
 
@@ -172,9 +172,9 @@ fn bytes_are_shared_with_a_reserve_that_greedy_peers_cannot_take() {
     assert!(!greedy[0].1.try_take(4, &mut over));
     polite.give_up(&mut under);
     greedy[0].1.give_up(&mut over);
-    polite.give_back(4);
+    polite.give_back(4, false);
     for (_, b) in &greedy[..7] {
-        b.give_back(32);
+        b.give_back(32, false);
     }
     drop((greedy, _s));
     assert_empty(&sh);
@@ -194,11 +194,11 @@ fn an_under_share_waiter_goes_before_a_borrower() {
     let mut c = Claim::default();
     assert!(!big.try_take(4, &mut c));
     assert_eq!(sh.counters.budget_share_waits.load(Ordering::Relaxed), 1);
-    big.give_back(100);
+    big.give_back(100, false);
     assert!(small.try_take(48, &mut waiting));
     assert!(big.try_take(4, &mut c));
-    big.give_back(104);
-    small.give_back(48);
+    big.give_back(104, false);
+    small.give_back(48, false);
     drop((_a, _b));
     assert_empty(&sh);
 }
@@ -225,7 +225,7 @@ fn random_traffic_never_passes_the_limit_and_counts_every_byte() {
                 peers[p].1.give_up(&mut c);
             }
         } else if let Some(n) = held[p].pop() {
-            peers[p].1.give_back(n);
+            peers[p].1.give_back(n, false);
         }
         let s = sh.state.lock();
         let sum: u64 = held.iter().flatten().sum();
@@ -235,7 +235,7 @@ fn random_traffic_never_passes_the_limit_and_counts_every_byte() {
     }
     for (p, h) in held.iter().enumerate() {
         for &n in h {
-            peers[p].1.give_back(n);
+            peers[p].1.give_back(n, false);
         }
     }
     drop(peers);
@@ -260,10 +260,41 @@ fn a_waiter_under_its_share_recalls_bytes_from_the_peer_furthest_over() {
     assert!(is_shut(&greedy_end));
     assert_eq!(sh.counters.share_evictions.load(Ordering::Relaxed), 1);
     // The closed connection's requests complete and give their bytes back.
-    greedy.give_back(200);
+    greedy.give_back(200, false);
     assert!(small.try_take(48, &mut c));
     assert!(!small.recall(), "nobody is over their guarantee now");
-    small.give_back(48);
+    small.give_back(48, false);
     drop((g, _s));
+    assert_empty(&sh);
+}
+
+#[test]
+fn a_peer_has_at_most_its_work_window_of_work_in_flight() {
+    let sh = Arc::new(Shares::new(ShareLimits {
+        max_request_bytes: 1 << 20,
+        ..limits(64, 64, 256 << 20)
+    }));
+    let (_s, b) = in_transmission(&sh, "ip:127.0.0.2");
+    let chunk = 1 << 20;
+    let n = WORK_WINDOW_BYTES / chunk;
+    for _ in 0..n {
+        assert!(b.try_take(chunk, &mut Claim::new(true)));
+    }
+    // The window is full: no more work, though the share has room ...
+    let mut c = Claim::new(true);
+    assert!(!b.try_take(chunk, &mut c));
+    assert!(
+        !PeerBudget::waits_under_share(&c),
+        "its own window, not the share"
+    );
+    // ... and payloads are not held back by it.
+    assert!(b.try_take(chunk, &mut Claim::new(false)));
+    b.give_back(chunk, true);
+    assert!(b.try_take(chunk, &mut Claim::new(true)));
+    for _ in 0..n {
+        b.give_back(chunk, true);
+    }
+    b.give_back(chunk, false);
+    drop(_s);
     assert_empty(&sh);
 }
