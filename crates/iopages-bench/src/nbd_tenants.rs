@@ -352,7 +352,12 @@ impl Served {
             .arg("--passphrase-file")
             .arg(&f.pass)
             .args(["--listen", "127.0.0.1:0", "--name", OUR_EXPORT])
-            .args(["--io", "buffered", "--stats-json"])
+            // The server's default I/O (O_DIRECT where the file system
+            // takes it). Through the page cache (--io buffered) a flood's
+            // ciphertext drives the kernel into dirty-page throttling,
+            // which pauses every writer of the image, the polite client's
+            // too, outside the server's shares (docs/experiments.md).
+            .args(["--io", io_mode(), "--stats-json"])
             .arg(&stats);
         let command = command_line(&cmd);
         let file = |p: &Path| {
@@ -1179,7 +1184,7 @@ fn settings(run: &Run, opts: &BenchOptions) -> Value {
         "export_bytes": export_bytes(run.st.plan.dev),
         "polite_region_bytes": run.st.plan.dev,
         "image": "LUKS1, aes-xts-plain64, 512-bit key, sha256, 1000 PBKDF2 iterations; the export is the polite region (written with data before the runs) + 4 GiB (a hole until the floods write it; the floods zero from offset 0, over the polite region too)",
-        "server": "iopages serve --image IMG --passphrase-file P --listen 127.0.0.1:0 --name iopages --io buffered --stats-json F: every other setting at its default (--max-connections, --max-inflight, timeouts, and the fair-share flags where the server has them); a fresh server for every cell; SIGTERM after the cell, SIGKILL 5 s later",
+        "server": "iopages serve --image IMG --passphrase-file P --listen 127.0.0.1:0 --name iopages --io auto (the default; IOPAGES_TENANTS_IO=buffered for the page cache) --stats-json F: every other setting at its default (--max-connections, --max-inflight, timeouts, and the fair-share flags where the server has them); a fresh server for every cell; SIGTERM after the cell, SIGKILL 5 s later",
         "polite_client": {
             "tool": "fio, nbd engine (libnbd), nbd://127.0.0.1:PORT/iopages (source address 127.0.0.1)",
             "seconds_per_probe": run.st.plan.fio_ms as f64 / 1000.0,
@@ -1302,6 +1307,16 @@ fn make_image(tools: &Tools, f: &Files, region: u64) -> Result<u64, BenchError> 
         )));
     }
     Ok(dev)
+}
+
+/// The server's `--io` for the tenants row: `auto` (its default), or
+/// what `IOPAGES_TENANTS_IO` says (`buffered`, `direct`).
+fn io_mode() -> &'static str {
+    match std::env::var("IOPAGES_TENANTS_IO").as_deref() {
+        Ok("buffered") => "buffered",
+        Ok("direct") => "direct",
+        _ => "auto",
+    }
 }
 
 /// E6 tenants. `iopages_bin` is the `iopages` executable whose `serve`
