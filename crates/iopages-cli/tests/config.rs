@@ -10,38 +10,17 @@
 
 mod common;
 
-use common::{pattern, run, serve_cmd, tools, Dir, Served, BIN};
+use common::{export_table, luks2_image, pattern, run, serve_cmd, tools, Dir, Served, BIN};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 /// A LUKS2 image of `size` payload bytes under `pass` (cheap PBKDF2).
 fn image(dir: &Dir, name: &str, size: &str, pass: &[u8]) -> (PathBuf, PathBuf) {
-    let img = dir.join(&format!("{name}.luks"));
-    let pf = dir.join(&format!("{name}.pass"));
-    std::fs::write(&pf, pass).unwrap();
-    run(Command::new(BIN)
-        .args([
-            "luks",
-            "format",
-            "--pbkdf",
-            "pbkdf2",
-            "--iterations",
-            "1000",
-        ])
-        .arg("--size")
-        .arg(size)
-        .arg("--passphrase-file")
-        .arg(&pf)
-        .arg(&img));
-    (img, pf)
+    luks2_image(dir, name, size, pass)
 }
 
 fn export(name: &str, img: &Path, pass: &Path, extra: &str) -> String {
-    format!(
-        "[[export]]\nname = \"{name}\"\nimage = \"{}\"\npassphrase-file = \"{}\"\narena = \"64M\"\n{extra}\n",
-        img.display(),
-        pass.display()
-    )
+    export_table(name, &img.display().to_string(), pass, extra)
 }
 
 /// `iopages serve --config CONFIG EXTRA`.

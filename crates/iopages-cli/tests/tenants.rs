@@ -21,7 +21,7 @@
 
 mod common;
 
-use common::{run, serve_cmd, tools, Dir, Served, BIN};
+use common::{export_table as export, luks2_image, serve_cmd, tools, Dir, Served};
 use iopages_testkit::hostile::{read_latencies, silent, unread_reads, zero_flood, NbdClient};
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
@@ -179,32 +179,7 @@ fn nbdinfo_refused(args: &[&str], uri: &str) -> String {
 /// A LUKS2 image of `size` payload bytes (sparse; cheap PBKDF2) and its
 /// passphrase file.
 fn image(dir: &Dir, name: &str, size: &str) -> (PathBuf, PathBuf) {
-    let (img, pass) = (
-        dir.join(&format!("{name}.luks")),
-        dir.join(&format!("{name}.pass")),
-    );
-    std::fs::write(&pass, format!("{name} passphrase")).unwrap();
-    run(Command::new(BIN)
-        .args([
-            "luks",
-            "format",
-            "--pbkdf",
-            "pbkdf2",
-            "--iterations",
-            "1000",
-        ])
-        .args(["--size", size, "--passphrase-file"])
-        .arg(&pass)
-        .arg(&img));
-    (img, pass)
-}
-
-/// A `[[export]]` table for the config file.
-fn export(name: &str, image: &str, pass: &Path, extra: &str) -> String {
-    format!(
-        "[[export]]\nname = \"{name}\"\nimage = \"{image}\"\npassphrase-file = \"{}\"\narena = \"64M\"\n{extra}\n",
-        pass.display()
-    )
+    luks2_image(dir, name, size, format!("{name} passphrase").as_bytes())
 }
 
 #[test]

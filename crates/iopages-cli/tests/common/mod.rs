@@ -268,3 +268,34 @@ impl Drop for Served {
         }
     }
 }
+
+/// A LUKS2 image of `size` payload bytes (sparse; cheap PBKDF2) made by
+/// `iopages luks format` in `dir`, under the passphrase `pass` (written to
+/// its own file): the image's and the passphrase file's paths.
+pub fn luks2_image(dir: &Dir, name: &str, size: &str, pass: &[u8]) -> (PathBuf, PathBuf) {
+    let img = dir.join(&format!("{name}.luks"));
+    let pf = dir.join(&format!("{name}.pass"));
+    std::fs::write(&pf, pass).unwrap();
+    run(Command::new(BIN)
+        .args([
+            "luks",
+            "format",
+            "--pbkdf",
+            "pbkdf2",
+            "--iterations",
+            "1000",
+        ])
+        .args(["--size", size, "--passphrase-file"])
+        .arg(&pf)
+        .arg(&img));
+    (img, pf)
+}
+
+/// A `[[export]]` table of a `--config` file: `image` (a path or an NBD
+/// URI), its passphrase file, a 64 MiB arena, and `extra` lines.
+pub fn export_table(name: &str, image: &str, pass: &Path, extra: &str) -> String {
+    format!(
+        "[[export]]\nname = \"{name}\"\nimage = \"{image}\"\npassphrase-file = \"{}\"\narena = \"64M\"\n{extra}\n",
+        pass.display()
+    )
+}
