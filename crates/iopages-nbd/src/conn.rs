@@ -913,22 +913,6 @@ fn chunks(offset: u64, len: u64) -> impl Iterator<Item = (u64, usize)> {
     })
 }
 
-/// The pieces of `len` bytes at `offset` cut at multiples of
-/// [`CHUNK_BYTES`]: (offset, length) pairs, each at most a chunk.
-fn aligned_chunks(offset: u64, len: u64) -> impl Iterator<Item = (u64, u64)> {
-    let end = offset.saturating_add(len);
-    let mut at = offset;
-    std::iter::from_fn(move || {
-        if at >= end {
-            return None;
-        }
-        let next = ((at / CHUNK_BYTES as u64) + 1) * CHUNK_BYTES as u64;
-        let r = (at, next.min(end) - at);
-        at = next.min(end);
-        Some(r)
-    })
-}
-
 /// The error a request gets before anything is done (0: none), checked
 /// in `proto.md`'s terms: flags, read-only, bounds, alignment, size.
 pub(crate) fn check_request(e: &ExportInfo, req: &Request) -> u32 {
@@ -1034,31 +1018,28 @@ impl Reader<'_, '_> {
         Ok(())
     }
 
-    /// Punch (or discard) `len` bytes at `offset` with `f`, in chunks cut
-    /// at multiples of [`CHUNK_BYTES`] (so no sector straddles two, and a
-    /// misaligned head or tail stays the request's own), each charged to
-    /// the peer's share while it runs.
+    /// Punch (or discard) `len` bytes at `offset` with `f`, in one call,
+    /// charged to the peer's share (and its work window) as one chunk
+    /// while it runs. One call, not chunks: a punch runs on this
+    /// connection's own thread and queues nothing for the crypt workers,
+    /// and a cut between two calls could leave the file-system block it
+    /// falls in unpunched (a LUKS1 payload may start 512 bytes off one).
     ///
-    /// **Returns:** the first chunk's error (the rest are not punched),
-    /// ENOMEM as an error when the share did not admit a chunk in time;
-    /// `Err` outside when the connection died.
+    /// **Returns:** `f`'s result, ENOMEM as an error when the share did
+    /// not admit it in time; `Err` outside when the connection died.
     fn punch(
         &self,
         offset: u64,
         len: u64,
         f: impl Fn(u64, u64) -> io::Result<()>,
     ) -> io::Result<io::Result<()>> {
-        for (off, n) in aligned_chunks(offset, len) {
-            if !self.conn.charge(n, true)? {
-                return Ok(Err(io::Error::from_raw_os_error(libc::ENOMEM)));
-            }
-            let r = f(off, n);
-            self.conn.uncharge(n, true);
-            if r.is_err() {
-                return Ok(r);
-            }
+        let units = len.min(CHUNK_BYTES as u64);
+        if !self.conn.charge(units, true)? {
+            return Ok(Err(io::Error::from_raw_os_error(libc::ENOMEM)));
         }
-        Ok(Ok(()))
+        let r = f(offset, len);
+        self.conn.uncharge(units, true);
+        Ok(r)
     }
 
     /// Whether `req`'s FUA goes down with each of its writes (the
