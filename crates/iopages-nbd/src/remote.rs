@@ -11,9 +11,14 @@
 //! NBD_OPT_EXPORT_NAME), and transmission with simple replies over one
 //! or more connections ([`NbdRemote`], a
 //! [`Backend`]). Must never: continue in plaintext when the URI asked for
-//! TLS (a remote that does not offer it is refused); hang — a
-//! remote that stops answering fails its requests with `TimedOut` after
-//! [`RemoteOptions::timeout`] and the connection is given up; a connection
+//! TLS (a remote that does not offer it is refused); hang — every
+//! request has one deadline, its submission plus
+//! [`RemoteOptions::timeout`], that bounds its wait for an in-flight slot,
+//! for the connection's writer, every write of it (however slowly the
+//! store reads) and the wait for its reply: past it the request fails with
+//! `TimedOut` naming what it waited for, and a connection whose socket is
+//! stuck (a request left half sent, or one sent and not answered) is
+//! given up; a connection
 //! that dies fails every request waiting on it and every later one at
 //! once (there is no reconnect); or send a request the export's
 //! constraints forbid (out of range, misaligned, a write to a read-only
@@ -23,7 +28,8 @@
 //! and completes the waiting caller by cookie (a map cookie → pending
 //! request, each with its own condition variable, under the connection's
 //! mutex). Requests are written whole (header and payload) under the
-//! connection's writer mutex by the calling thread. The reader reads
+//! connection's writer mutex by the calling thread, with sends that do
+//! not block, polled until the request's deadline. The reader reads
 //! through a buffer ([`RECV_BUFFER_BYTES`]): one `read` brings in many
 //! small replies at once, and a large payload goes past the buffer
 //! straight into its destination. A read's data is put by the reader
@@ -53,6 +59,7 @@ use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
 use std::io::{self, ErrorKind, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -64,7 +71,7 @@ use std::time::{Duration, Instant};
 pub const DEFAULT_PORT: u16 = 10809;
 /// Connections opened by default (when the export allows several).
 pub const DEFAULT_CONNECTIONS: usize = 4;
-/// How long a request may wait for its reply by default.
+/// A request's deadline from its submission by default.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 /// Requests in flight per connection by default.
 pub const DEFAULT_MAX_IN_FLIGHT: usize = 64;
@@ -387,10 +394,11 @@ pub struct RemoteOptions {
     /// Refuse every write, punch and discard (`PermissionDenied`), even if
     /// the export is writable.
     pub read_only: bool,
-    /// A request not answered within this long fails with `TimedOut` and
-    /// its connection is given up; also the limit on connecting, on the
-    /// handshake, and on a stalled send or receive. Default
-    /// [`DEFAULT_TIMEOUT`].
+    /// Each request's deadline, from its submission: waiting for a slot
+    /// and for the connection's writer, sending it and waiting for its
+    /// reply all end within this, else it fails with `TimedOut` (and a
+    /// connection left half-sent or unanswered is given up); also the limit
+    /// on connecting and on the handshake. Default [`DEFAULT_TIMEOUT`].
     pub timeout: Duration,
     /// Requests in flight per connection; callers wait for a slot beyond
     /// it. Default [`DEFAULT_MAX_IN_FLIGHT`].
@@ -413,20 +421,64 @@ fn is_timeout(e: &io::Error) -> bool {
     matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut)
 }
 
-/// Write all of `bufs` to `s`; a socket timeout (the remote stopped
-/// reading for the send timeout) is an error.
-fn write_all_vectored(s: &mut Stream, bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
+/// The most buffers one `sendmsg` takes (Linux's UIO_MAXIOV).
+const MAX_IOV: usize = 1024;
+
+/// One `sendmsg` of a prefix of `bufs` that does not wait
+/// (`MSG_DONTWAIT` for this call alone: the socket stays blocking for
+/// the reader; `MSG_NOSIGNAL`: a closed peer is `EPIPE`, not a signal).
+fn send_nowait(fd: std::os::fd::RawFd, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+    // SAFETY: msghdr is plain data; zero is a valid value.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    // IoSlice is ABI-compatible with iovec on Unix; sendmsg only reads
+    // the buffers.
+    msg.msg_iov = bufs.as_ptr() as *mut libc::iovec;
+    msg.msg_iovlen = bufs.len().min(MAX_IOV) as _;
+    // SAFETY: `msg` points at `bufs`, live for the call.
+    let n = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
+/// Write all of `bufs` to `s` by `deadline`, however the remote reads:
+/// each attempt waits at most what is left (a socket's send timeout
+/// would start again with every byte the remote takes, so a remote that
+/// trickles could stretch a request for ever).
+///
+/// **Returns:** `TimedOut` naming how far it got when the deadline
+/// passes first; the socket's error.
+fn write_all_by(s: &Stream, bufs: &mut [IoSlice<'_>], deadline: Instant) -> io::Result<()> {
     let mut bufs = bufs;
+    let mut sent = 0usize;
     while !bufs.is_empty() {
-        match s.write_vectored(bufs) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let got = match s {
+            _ if left.is_zero() => Err(ErrorKind::WouldBlock.into()),
+            Stream::Tls(t) => {
+                t.set_write_timeout(left);
+                t.write_vectored(bufs)
+            }
+            _ => send_nowait(s.as_raw_fd(), bufs),
+        };
+        match got {
             Ok(0) => return Err(ErrorKind::WriteZero.into()),
-            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+            Ok(n) => {
+                sent += n;
+                IoSlice::advance_slices(&mut bufs, n);
+            }
             Err(e) if e.kind() == ErrorKind::Interrupted => {}
             Err(e) if is_timeout(&e) => {
-                return Err(io::Error::new(
-                    ErrorKind::TimedOut,
-                    "the remote stopped reading requests",
-                ))
+                if !crate::remote_tls::poll_until(s.as_raw_fd(), libc::POLLOUT, deadline)? {
+                    let why = match sent {
+                        0 => "the store stopped reading".to_string(),
+                        n => format!(
+                            "only {n} bytes left: the store stopped reading or reads too slowly"
+                        ),
+                    };
+                    return Err(io::Error::new(ErrorKind::TimedOut, why));
+                }
             }
             Err(e) => return Err(e),
         }
@@ -631,15 +683,42 @@ enum Slot {
 
 /// A request in flight.
 struct Pending {
-    /// When it was sent whole (its reply is due `timeout` later); `None`
-    /// while it waits for the writer or is being written.
-    since: Option<Instant>,
+    /// Its submission plus the timeout: every step (slot, writer, send,
+    /// reply) ends by it.
+    deadline: Instant,
+    /// Sent whole: from now on only its reply is awaited (the reader's
+    /// `overdue` check looks at these).
+    sent: bool,
     /// A READ's destination: a successful reply carries data, which the
     /// reader puts there (taken when it starts).
     dest: Option<Dest>,
     /// What the caller waits on.
     cv: Arc<Condvar>,
     state: Slot,
+}
+
+/// What a request is, for its messages, and its deadline.
+struct Call {
+    command: u16,
+    offset: u64,
+    length: u32,
+    /// Submission plus the timeout: every step ends by it.
+    deadline: Instant,
+}
+
+impl Call {
+    /// E.g. "WRITE of 4194304 bytes at offset 0", "FLUSH".
+    fn what(&self) -> String {
+        match self.command {
+            CMD_FLUSH | CMD_DISC => command_name(self.command).to_string(),
+            c => format!(
+                "{} of {} bytes at offset {}",
+                command_name(c),
+                self.length,
+                self.offset
+            ),
+        }
+    }
 }
 
 /// A connection's state, under its mutex.
@@ -695,12 +774,6 @@ impl Conn {
         io::Error::new(kind, msg)
     }
 
-    /// How long a caller waits before it gives the connection up itself
-    /// (the reader normally does so first, after `timeout`).
-    fn backstop(&self) -> Duration {
-        self.timeout * 2 + Duration::from_secs(1)
-    }
-
     /// Send one request (with `payload`'s bytes `start..start + length` for
     /// a write) and wait for its reply; a read's data goes into `read`'s
     /// bytes `start..start + length`.
@@ -719,7 +792,12 @@ impl Conn {
         self.call_flags(0, command, offset, length, payload, read, start)
     }
 
-    /// [`Conn::call`] with command flags (NBD_CMD_FLAG_FUA).
+    /// [`Conn::call`] with command flags (NBD_CMD_FLAG_FUA): one deadline,
+    /// its submission plus the timeout, for the slot, the writer, every
+    /// write and the reply.
+    ///
+    /// **Returns:** as [`Conn::call`]; `TimedOut` naming the request and
+    /// what it waited for once its deadline passed.
     #[allow(clippy::too_many_arguments)]
     fn call_flags(
         &self,
@@ -731,52 +809,18 @@ impl Conn {
         read: Option<&mut [&mut [u8]]>,
         start: usize,
     ) -> io::Result<u32> {
+        let call = Call {
+            command,
+            offset,
+            length,
+            deadline: Instant::now() + self.timeout,
+        };
         let cv = Arc::new(Condvar::new());
         let dest = match read {
             Some(segs) if command == CMD_READ => Some(Dest::new(segs, start, length as usize)),
             _ => None,
         };
-        let cookie = {
-            let mut s = self.shared.lock();
-            let until = Instant::now() + self.backstop();
-            loop {
-                if s.dead.is_some() {
-                    return Err(self.dead_error(&s));
-                }
-                if s.pending.len() < self.max_in_flight {
-                    break;
-                }
-                if self.room.wait_until(&mut s, until).timed_out()
-                    && s.dead.is_none()
-                    && s.pending.len() >= self.max_in_flight
-                {
-                    // Replies keep coming (the reader gives up a
-                    // connection whose requests go unanswered), but none
-                    // freed a slot for this caller: fail it alone.
-                    return Err(io::Error::new(
-                        ErrorKind::TimedOut,
-                        format!(
-                            "{}: no request slot free within {:?} ({} in flight)",
-                            self.name,
-                            self.backstop(),
-                            self.max_in_flight
-                        ),
-                    ));
-                }
-            }
-            let cookie = s.next_cookie;
-            s.next_cookie += 1;
-            s.pending.insert(
-                cookie,
-                Pending {
-                    since: None,
-                    dest,
-                    cv: cv.clone(),
-                    state: Slot::Waiting,
-                },
-            );
-            cookie
-        };
+        let cookie = self.take_slot(&call, dest, &cv)?;
         let header = Request {
             flags,
             command,
@@ -785,112 +829,212 @@ impl Conn {
             length,
         }
         .encode();
-        let sent = {
-            let parts = if command == CMD_WRITE {
-                sub_slices(payload, start, length as usize)
-            } else {
-                Vec::new()
-            };
-            let mut bufs: Vec<IoSlice<'_>> = std::iter::once(IoSlice::new(&header))
-                .chain(parts.iter().map(|p| IoSlice::new(p)))
-                .collect();
-            let mut w = self.writer.lock();
-            write_all_vectored(&mut w, &mut bufs)
+        let parts = if command == CMD_WRITE {
+            sub_slices(payload, start, length as usize)
+        } else {
+            Vec::new()
         };
-        if let Err(e) = sent {
-            let mut s = self.shared.lock();
-            let msg = format!(
-                "{}: sending {} failed: {e}",
-                self.name,
-                command_name(command)
-            );
-            self.kill(&mut s, e.kind(), msg);
-            // A reply may come before its request is all sent (the remote
-            // answers a header it has read), so the reader may be filling
-            // this read's buffers now: they stay borrowed until it lets go
-            // (the shut socket ends its read at once).
-            while s
-                .pending
-                .get(&cookie)
-                .is_some_and(|p| matches!(p.state, Slot::Filling))
-            {
-                cv.wait(&mut s);
-            }
-            s.pending.remove(&cookie);
-            self.room.notify_one();
-            return Err(self.dead_error(&s));
-        }
+        self.send(&call, cookie, &cv, &header, &parts)?;
+        self.wait_reply(&call, cookie, &cv)
+    }
+
+    /// Wait (by the request's deadline) for an in-flight slot and register
+    /// the request in it.
+    ///
+    /// **Returns:** its cookie; the connection's error when it was given
+    /// up; `TimedOut` when no slot came free in time (the connection is
+    /// kept: the requests holding the slots end by their own deadlines).
+    fn take_slot(&self, call: &Call, dest: Option<Dest>, cv: &Arc<Condvar>) -> io::Result<u64> {
         let mut s = self.shared.lock();
-        if let Some(p) = s.pending.get_mut(&cookie) {
-            p.since = Some(Instant::now());
-        }
-        let until = Instant::now() + self.backstop();
-        // Set once the backstop passed while the reader was filling this
-        // read's buffers: the connection is given up, and the caller waits
-        // (the reader's `read` fails at once) until the reader lets go.
-        let mut abandoned = false;
-        let state = loop {
-            let p = s
-                .pending
-                .get_mut(&cookie)
-                .expect("only its caller removes it");
-            if !matches!(p.state, Slot::Waiting | Slot::Filling) {
-                let p = s.pending.remove(&cookie).expect("looked up above");
-                self.room.notify_one();
-                break p.state;
+        loop {
+            if s.dead.is_some() {
+                return Err(self.dead_error(&s));
             }
-            if abandoned {
+            if s.pending.len() < self.max_in_flight {
+                break;
+            }
+            if self.room.wait_until(&mut s, call.deadline).timed_out()
+                && s.dead.is_none()
+                && s.pending.len() >= self.max_in_flight
+            {
+                return Err(io::Error::new(
+                    ErrorKind::TimedOut,
+                    format!(
+                        "{}: {} not sent within {:?} (no request slot came free: {} in flight)",
+                        self.name,
+                        call.what(),
+                        self.timeout,
+                        self.max_in_flight
+                    ),
+                ));
+            }
+        }
+        let cookie = s.next_cookie;
+        s.next_cookie += 1;
+        let pending = Pending {
+            deadline: call.deadline,
+            sent: false,
+            dest,
+            cv: cv.clone(),
+            state: Slot::Waiting,
+        };
+        s.pending.insert(cookie, pending);
+        Ok(cookie)
+    }
+
+    /// Write the request (`header`, then `parts`) whole under the writer
+    /// lock, both by its deadline. A request that could not take the lock
+    /// in time fails alone (nothing of it was sent); one whose writing
+    /// fails or stalls past the deadline gives the connection up (the
+    /// stream is left mid-request).
+    ///
+    /// **Returns:** the error the request fails with; it is then out of
+    /// the map (its buffers the caller's again).
+    fn send(
+        &self,
+        call: &Call,
+        cookie: u64,
+        cv: &Condvar,
+        header: &[u8],
+        parts: &[&[u8]],
+    ) -> io::Result<()> {
+        let mut bufs: Vec<IoSlice<'_>> = std::iter::once(IoSlice::new(header))
+            .chain(parts.iter().map(|p| IoSlice::new(p)))
+            .collect();
+        let sent = match self.writer.try_lock_until(call.deadline) {
+            None => Err(None),
+            // Given up while this one waited: `kill` failed it already.
+            Some(_) if !self.alive.load(Ordering::Acquire) => {
+                Err(Some(io::Error::from(ErrorKind::NotConnected)))
+            }
+            Some(w) => write_all_by(&w, &mut bufs, call.deadline).map_err(Some),
+        };
+        let mut s = self.shared.lock();
+        let e = match sent {
+            Ok(()) => {
+                if let Some(p) = s.pending.get_mut(&cookie) {
+                    p.sent = true;
+                }
+                return Ok(());
+            }
+            Err(None) => io::Error::new(
+                ErrorKind::TimedOut,
+                format!(
+                    "{}: {} not sent within {:?} (another request being sent held the \
+                     connection: the store reads too slowly)",
+                    self.name,
+                    call.what(),
+                    self.timeout
+                ),
+            ),
+            Err(Some(e)) => {
+                let msg = match e.kind() {
+                    ErrorKind::TimedOut => format!(
+                        "{}: {} not sent within {:?} ({e}); connection given up",
+                        self.name,
+                        call.what(),
+                        self.timeout
+                    ),
+                    _ => format!("{}: sending {} failed: {e}", self.name, call.what()),
+                };
+                self.kill(&mut s, e.kind(), msg);
+                self.dead_error(&s)
+            }
+        };
+        self.release(&mut s, cookie, cv);
+        Err(e)
+    }
+
+    /// Take a request that will not be answered out of the map: first
+    /// wait while the reader fills its buffers (a reply may come before
+    /// its request is all sent, the remote answering a header it has
+    /// read; a shut socket ends that `read` at once), then free its slot.
+    fn release(&self, s: &mut parking_lot::MutexGuard<'_, Shared>, cookie: u64, cv: &Condvar) {
+        while s
+            .pending
+            .get(&cookie)
+            .is_some_and(|p| matches!(p.state, Slot::Filling))
+        {
+            cv.wait(s);
+        }
+        s.pending.remove(&cookie);
+        self.room.notify_one();
+    }
+
+    /// Wait, by the request's deadline, for the reply to the request sent
+    /// as `cookie`. Past the deadline the connection is given up; a read
+    /// being filled then is waited for until the reader lets go of its
+    /// buffers (the shut socket fails its `read` at once).
+    ///
+    /// **Returns:** the reply's error code; the connection's error.
+    fn wait_reply(&self, call: &Call, cookie: u64, cv: &Condvar) -> io::Result<u32> {
+        let mut s = self.shared.lock();
+        loop {
+            let p = s.pending.get(&cookie).expect("only its caller removes it");
+            match &p.state {
+                Slot::Waiting | Slot::Filling => {}
+                Slot::Replied(errno) => {
+                    let errno = *errno;
+                    self.release(&mut s, cookie, cv);
+                    return Ok(errno);
+                }
+                Slot::Failed(kind, msg) => {
+                    let e = io::Error::new(*kind, msg.clone());
+                    self.release(&mut s, cookie, cv);
+                    return Err(e);
+                }
+            }
+            if s.dead.is_some() && matches!(p.state, Slot::Filling) {
                 cv.wait(&mut s);
                 continue;
             }
-            if cv.wait_until(&mut s, until).timed_out() {
+            if cv.wait_until(&mut s, call.deadline).timed_out() {
                 let p = s.pending.get(&cookie).expect("only its caller removes it");
-                let msg = format!(
-                    "{}: {} not answered within {:?}",
-                    self.name,
-                    command_name(command),
-                    self.backstop()
-                );
-                match p.state {
-                    Slot::Waiting => {
-                        // The reader never reaches a request once it is
-                        // out of the map: its buffers are the caller's
-                        // again.
-                        s.pending.remove(&cookie);
-                        self.kill(&mut s, ErrorKind::TimedOut, msg);
-                        return Err(self.dead_error(&s));
-                    }
-                    Slot::Filling => {
-                        self.kill(&mut s, ErrorKind::TimedOut, msg);
-                        abandoned = true;
-                    }
-                    _ => {}
+                if matches!(p.state, Slot::Waiting | Slot::Filling) {
+                    let msg = format!(
+                        "{}: the remote did not answer {} within {:?} of its submission; \
+                         connection given up",
+                        self.name,
+                        call.what(),
+                        self.timeout
+                    );
+                    // A waiting request is failed by `kill`; a read being
+                    // filled waits above for the reader to let go.
+                    self.kill(&mut s, ErrorKind::TimedOut, msg);
                 }
             }
-        };
-        drop(s);
-        match state {
-            Slot::Waiting | Slot::Filling => unreachable!("left the loop on a reply"),
-            Slot::Replied(errno) => Ok(errno),
-            Slot::Failed(kind, msg) => Err(io::Error::new(kind, msg)),
         }
     }
 
-    /// Whether a request has waited longer than the timeout (checked on
-    /// each idle tick of the reader).
+    /// Whether a request sent whole is past its deadline (checked on each
+    /// idle tick of the reader).
     fn overdue(&self, s: &Shared) -> Option<String> {
+        let now = Instant::now();
         s.pending
             .values()
-            .filter(|p| matches!(p.state, Slot::Waiting))
-            .filter_map(|p| p.since)
-            .min()
-            .filter(|since| since.elapsed() >= self.timeout)
-            .map(|_| {
+            .filter(|p| p.sent && matches!(p.state, Slot::Waiting))
+            .any(|p| p.deadline <= now)
+            .then(|| {
                 format!(
                     "{}: the remote did not answer a request within {:?}; connection given up",
                     self.name, self.timeout
                 )
             })
+    }
+
+    /// The read `cookie` could not be filled (`e`): fail it and give the
+    /// connection up, with the reason it was given up for already if it
+    /// was (its caller's deadline passed, which shut the socket).
+    fn fill_failed(&self, s: &mut Shared, cookie: u64, e: io::Error) {
+        let (kind, msg) = s.dead.clone().unwrap_or_else(|| {
+            let msg = format!("{}: receiving READ data failed: {e}", self.name);
+            (e.kind(), msg)
+        });
+        if let Some(p) = s.pending.get_mut(&cookie) {
+            p.state = Slot::Failed(kind, msg.clone());
+            p.cv.notify_one();
+        }
+        self.kill(s, kind, msg);
     }
 
     /// The reader thread: reply headers in, callers completed by cookie.
@@ -975,10 +1119,7 @@ impl Conn {
                     p.cv.notify_one();
                 }
                 Err(e) => {
-                    let msg = format!("{}: receiving READ data failed: {e}", self.name);
-                    p.state = Slot::Failed(e.kind(), msg.clone());
-                    p.cv.notify_one();
-                    self.kill(&mut s, e.kind(), msg);
+                    self.fill_failed(&mut s, cookie, e);
                     return;
                 }
             }
@@ -1806,8 +1947,12 @@ impl Drop for NbdRemote {
                     length: 0,
                 }
                 .encode();
-                let mut w = c.writer.lock();
-                let _ = write_all_vectored(&mut w, &mut [IoSlice::new(&header)]);
+                // No caller is left; a writer stuck past its deadline gave
+                // the connection up, so this waits for nothing long.
+                let deadline = Instant::now() + c.timeout;
+                if let Some(w) = c.writer.try_lock_until(deadline) {
+                    let _ = write_all_by(&w, &mut [IoSlice::new(&header)], deadline);
+                }
                 c.ctl.shutdown_how(Shutdown::Write);
             }
         }

@@ -473,7 +473,7 @@ fn load_client_cert(b: &mut SslConnectorBuilder, dir: &Path) -> io::Result<()> {
 ///
 /// **Returns:** `Ok(true)` when ready (or hung up: the next attempt sees
 /// it), `Ok(false)` when the deadline passed.
-fn poll_until(fd: i32, events: libc::c_short, deadline: Instant) -> io::Result<bool> {
+pub(crate) fn poll_until(fd: i32, events: libc::c_short, deadline: Instant) -> io::Result<bool> {
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -586,6 +586,12 @@ impl ClientTls {
     pub(crate) fn set_timeouts(&self, read: Duration, write: Duration) {
         self.read_timeout_ns
             .store(read.as_nanos() as u64, Ordering::Relaxed);
+        self.write_timeout_ns
+            .store(write.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// Writes wait at most `write` for the socket (reads keep theirs).
+    pub(crate) fn set_write_timeout(&self, write: Duration) {
         self.write_timeout_ns
             .store(write.as_nanos() as u64, Ordering::Relaxed);
     }
