@@ -5,6 +5,7 @@
 //! Skipped with a message without nbdkit, a failure under `CI=true`.
 
 mod common;
+use common::iopages_server;
 use iopages::PageAllocator;
 use iopages_crypt::backend::Backend;
 use iopages_crypt::target::{CipherPool, CryptTarget, TargetConfig};
@@ -1189,33 +1190,6 @@ fn nbd_to_a_server_requiring_tls_says_to_use_nbds() {
     let e = refused(&k.spec());
     assert_eq!(e.kind(), ErrorKind::PermissionDenied, "{e}");
     assert!(e.to_string().contains("requires TLS: use nbds://"), "{e}");
-}
-
-/// iopages's own server on 127.0.0.1 exporting "vol": an XTS target
-/// (4096-byte sectors) over `disk`, with `tls`.
-fn iopages_server(
-    disk: Arc<dyn Backend>,
-    tls: Option<iopages_nbd::TlsConfig>,
-) -> (PageAllocator, iopages_nbd::Server) {
-    use iopages_nbd::{ExportConfig, Listen, Server, ServerOptions};
-    let alloc = PageAllocator::builder()
-        .size_bytes(64 << 20)
-        .huge_pages(iopages::HugePages::Never)
-        .build()
-        .unwrap();
-    let key: Vec<u8> = (0u8..64).map(|i| i ^ 0x5a).collect();
-    let queue = common::queue_over(&alloc, disk, &key, 4096, TargetConfig::default());
-    let server = Server::start_with(
-        queue,
-        ExportConfig::new("vol"),
-        ServerOptions {
-            tls,
-            ..ServerOptions::default()
-        },
-        &[Listen::Tcp("127.0.0.1:0".parse().unwrap())],
-    )
-    .unwrap();
-    (alloc, server)
 }
 
 #[test]

@@ -11,7 +11,6 @@
 mod common;
 use iopages::PageAllocator;
 use iopages_crypt::backend::Backend;
-use iopages_crypt::target::TargetConfig;
 use iopages_nbd::proto::*;
 use iopages_nbd::remote::{NbdRemote, RemoteOptions, RemoteSpec};
 use iopages_testkit::TempDir;
@@ -281,7 +280,6 @@ fn server_over(
     iopages_nbd::Server,
     std::net::TcpStream,
 ) {
-    use iopages_nbd::{ExportConfig, Listen, Server, ServerOptions};
     let (dir, spec) = store.start();
     let remote: Arc<dyn Backend> = Arc::new(
         NbdRemote::connect(
@@ -294,20 +292,7 @@ fn server_over(
         )
         .unwrap(),
     );
-    let alloc = PageAllocator::builder()
-        .size_bytes(64 << 20)
-        .huge_pages(iopages::HugePages::Never)
-        .build()
-        .unwrap();
-    let key: Vec<u8> = (0u8..64).map(|i| i ^ 0x5a).collect();
-    let queue = common::queue_over(&alloc, remote, &key, 4096, TargetConfig::default());
-    let server = Server::start_with(
-        queue,
-        ExportConfig::new("vol"),
-        ServerOptions::default(),
-        &[Listen::Tcp("127.0.0.1:0".parse().unwrap())],
-    )
-    .unwrap();
+    let (alloc, server) = common::iopages_server(remote, None);
     let mut c = common::connect(&server);
     let replies = common::option_replies(&mut c, OPT_GO, &common::info_data("vol", &[]));
     assert_eq!(replies.last().unwrap().0, REP_ACK);

@@ -176,3 +176,30 @@ pub fn send_request(s: &mut impl Write, request: Request, payload: &[u8]) {
     v.extend_from_slice(payload);
     s.write_all(&v).unwrap();
 }
+
+/// iopages's own server on 127.0.0.1 exporting "vol": an XTS target
+/// (4096-byte sectors) over `disk` in an arena of its own, with `tls`.
+pub fn iopages_server(
+    disk: Arc<dyn Backend>,
+    tls: Option<iopages_nbd::TlsConfig>,
+) -> (PageAllocator, iopages_nbd::Server) {
+    use iopages_nbd::{ExportConfig, Listen, Server, ServerOptions};
+    let alloc = PageAllocator::builder()
+        .size_bytes(64 << 20)
+        .huge_pages(iopages::HugePages::Never)
+        .build()
+        .unwrap();
+    let key: Vec<u8> = (0u8..64).map(|i| i ^ 0x5a).collect();
+    let queue = queue_over(&alloc, disk, &key, 4096, TargetConfig::default());
+    let server = Server::start_with(
+        queue,
+        ExportConfig::new("vol"),
+        ServerOptions {
+            tls,
+            ..ServerOptions::default()
+        },
+        &[Listen::Tcp("127.0.0.1:0".parse().unwrap())],
+    )
+    .unwrap();
+    (alloc, server)
+}
