@@ -364,35 +364,7 @@ fn run(cli: Cli) -> Result<(), BenchError> {
                 iopages_bench::crypt::run_limit(&e3_opts, crypt_threads, setting)?;
             }
             if all || experiment == Experiment::Nbd {
-                let me = std::env::current_exe().map_err(|e| {
-                    BenchError::Workload(format!(
-                        "cannot find the iopages binary to serve with: {e}"
-                    ))
-                })?;
-                if remote {
-                    iopages_bench::nbd_remote::run(&opts, &me)?;
-                } else {
-                    if !sparse_only && !tenants_only {
-                        iopages_bench::nbd::run_with(&opts, &me, tls)?;
-                    }
-                    // The sparse copy: its own report, beside E6's with --json
-                    // PATH unless it runs alone.
-                    if !tls && !tenants_only {
-                        let mut sparse_opts = opts.clone();
-                        if let (false, Some(p)) = (sparse_only, &opts.json) {
-                            sparse_opts.json = Some(sparse_beside(p));
-                        }
-                        iopages_bench::sparse::run(&sparse_opts, &me)?;
-                    }
-                    // The tenants row: likewise, beside E6's report.
-                    if !tls && !sparse_only {
-                        let mut tenants_opts = opts.clone();
-                        if let (false, Some(p)) = (tenants_only, &opts.json) {
-                            tenants_opts.json = Some(beside(p, "tenants"));
-                        }
-                        iopages_bench::nbd_tenants::run(&tenants_opts, &me)?;
-                    }
-                }
+                run_nbd(&opts, tls, sparse_only, remote, tenants_only)?;
             }
             Ok(())
         }
@@ -411,13 +383,41 @@ fn e3_beside(p: &std::path::Path) -> std::path::PathBuf {
     p.with_file_name(format!("{stem}-limit.json"))
 }
 
-/// Where the sparse copy's report goes when `bench nbd --json PATH`
-/// writes E6's to PATH: beside it, PATH's stem + "-sparse.json".
-fn sparse_beside(p: &std::path::Path) -> std::path::PathBuf {
-    let stem = p
-        .file_stem()
-        .map_or_else(|| "nbd".to_string(), |s| s.to_string_lossy().into_owned());
-    p.with_file_name(format!("{stem}-sparse.json"))
+/// E6's runs as the flags ask: the remote row alone, or E6 (unless one
+/// row runs alone), then the sparse copy and the tenants row (without
+/// TLS), each with its own report — beside E6's with `--json PATH`
+/// unless it runs alone.
+fn run_nbd(
+    opts: &iopages_bench::BenchOptions,
+    tls: bool,
+    sparse_only: bool,
+    remote: bool,
+    tenants_only: bool,
+) -> Result<(), BenchError> {
+    let me = std::env::current_exe().map_err(|e| {
+        BenchError::Workload(format!("cannot find the iopages binary to serve with: {e}"))
+    })?;
+    if remote {
+        return iopages_bench::nbd_remote::run(opts, &me).map(|_| ());
+    }
+    if !sparse_only && !tenants_only {
+        iopages_bench::nbd::run_with(opts, &me, tls)?;
+    }
+    let alone = sparse_only || tenants_only;
+    let beside_e6 = |part: &str| {
+        let mut o = opts.clone();
+        if let (false, Some(p)) = (alone, &opts.json) {
+            o.json = Some(beside(p, part));
+        }
+        o
+    };
+    if !tls && !tenants_only {
+        iopages_bench::sparse::run(&beside_e6("sparse"), &me)?;
+    }
+    if !tls && !sparse_only {
+        iopages_bench::nbd_tenants::run(&beside_e6("tenants"), &me)?;
+    }
+    Ok(())
 }
 
 /// Where another report of `bench nbd --json PATH` goes: beside PATH,
@@ -435,7 +435,7 @@ mod tests {
     fn nbd_json_puts_the_sparse_copy_beside_it() {
         use std::path::Path;
         assert_eq!(
-            super::sparse_beside(Path::new("/r/e6.json")),
+            super::beside(Path::new("/r/e6.json"), "sparse"),
             Path::new("/r/e6-sparse.json")
         );
     }
