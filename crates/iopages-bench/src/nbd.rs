@@ -624,6 +624,33 @@ pub(crate) fn command_line(cmd: &Command) -> String {
         .join(" ")
 }
 
+/// A server's standard output and error logs in `work`, named by `tag`.
+pub(crate) fn logs_in(work: &Path, tag: &str) -> (PathBuf, PathBuf) {
+    (
+        work.join(format!("{tag}.out")),
+        work.join(format!("{tag}.err")),
+    )
+}
+
+/// Spawn `cmd` in `work` with no input, its output and errors written to
+/// `out` and `err`, killed (SIGTERM) if this process dies first.
+pub(crate) fn spawn_logged(
+    cmd: &mut Command,
+    work: &Path,
+    out: &Path,
+    err: &Path,
+) -> Result<std::process::Child, String> {
+    let file = |p: &Path| {
+        std::fs::File::create(p).map_err(|e| format!("cannot create {}: {e}", p.display()))
+    };
+    cmd.current_dir(work)
+        .stdin(Stdio::null())
+        .stdout(file(out)?)
+        .stderr(file(err)?);
+    die_with_parent(cmd, libc::SIGTERM);
+    cmd.spawn().map_err(|e| e.to_string())
+}
+
 /// Start `s` and wait until its socket takes connections.
 pub(crate) fn start_server(
     s: Server,
@@ -635,21 +662,8 @@ pub(crate) fn start_server(
     let _ = std::fs::remove_file(&sock);
     let mut cmd = server_command(s, tools, ours, f, &sock);
     let line = command_line(&cmd);
-    let out_log = f.work.join(format!("{}.out", s.key()));
-    let err_log = f.work.join(format!("{}.err", s.key()));
-    let file = |p: &Path| {
-        std::fs::File::create(p).map_err(|e| BenchError::Write {
-            path: p.to_path_buf(),
-            source: e,
-        })
-    };
-    cmd.current_dir(&f.work)
-        .stdin(Stdio::null())
-        .stdout(file(&out_log)?)
-        .stderr(file(&err_log)?);
-    die_with_parent(&mut cmd, libc::SIGTERM);
-    let child = cmd
-        .spawn()
+    let (out_log, err_log) = logs_in(&f.work, s.key());
+    let child = spawn_logged(&mut cmd, &f.work, &out_log, &err_log)
         .map_err(|e| workload(format!("cannot start {} ({line}): {e}", s.label())))?;
     let mut r = Running {
         server: s,

@@ -32,13 +32,13 @@ use crate::nbd::{
 };
 use crate::{met, progress, round2, BenchError, BenchOptions};
 use iopages_testkit::hostile::{self, Flood, NbdClient, Silent};
-use iopages_testkit::{die_with_parent, find_tool, run_tool, signal, stop, tail_lines};
+use iopages_testkit::{find_tool, run_tool, signal, stop, tail_lines};
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::ffi::OsString;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 /// The report's stem (`nbd-tenants.json`).
@@ -342,8 +342,7 @@ impl Served {
     /// Start the server of one cell (`tag` names its logs and statistics
     /// file) and wait for its `serving` line.
     fn start(iopages_bin: &Path, f: &Files, tag: &str) -> Result<Served, String> {
-        let out_log = f.work.join(format!("{tag}.out"));
-        let err_log = f.work.join(format!("{tag}.err"));
+        let (out_log, err_log) = crate::nbd::logs_in(&f.work, tag);
         let stats = f.work.join(format!("{tag}-stats.json"));
         let mut cmd = Command::new(iopages_bin);
         cmd.arg("serve")
@@ -360,16 +359,7 @@ impl Served {
             .args(["--io", io_mode(), "--stats-json"])
             .arg(&stats);
         let command = command_line(&cmd);
-        let file = |p: &Path| {
-            std::fs::File::create(p).map_err(|e| format!("cannot create {}: {e}", p.display()))
-        };
-        cmd.current_dir(&f.work)
-            .stdin(Stdio::null())
-            .stdout(file(&out_log)?)
-            .stderr(file(&err_log)?);
-        die_with_parent(&mut cmd, libc::SIGTERM);
-        let child = cmd
-            .spawn()
+        let child = crate::nbd::spawn_logged(&mut cmd, &f.work, &out_log, &err_log)
             .map_err(|e| format!("cannot start iopages serve ({command}): {e}"))?;
         let mut s = Served {
             child: Some(child),
