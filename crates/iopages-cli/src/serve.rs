@@ -724,12 +724,6 @@ fn single_export(
         bytes_per_second: a.rate_bytes,
         requests_per_second: a.rate_requests,
     };
-    if export.rate.bytes_per_second == Some(0) || export.rate.requests_per_second == Some(0) {
-        return Err(
-            "--rate-bytes and --rate-requests must be at least 1 (leave them out for no limit)"
-                .into(),
-        );
-    }
     let queue = Arc::clone(&vol.queue);
     volumes.lock().push(Served {
         name: a.name.clone(),

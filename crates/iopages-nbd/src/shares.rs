@@ -34,8 +34,9 @@
 //!   sockets can keep an authenticating client out: when it is full, a new
 //!   connection closes one handshake of the peer holding the most
 //!   handshakes — the one that has made the least progress, the oldest
-//!   among equals — or, when its own peer holds the most (ties included),
-//!   is itself closed at once, before a thread is started for it.
+//!   among equals — or, when its own peer already holds one and the most
+//!   (ties included), is itself closed at once, before a thread is
+//!   started for it. A peer's first handshake always gets in.
 
 use crate::transport::Transport;
 use parking_lot::Mutex;
@@ -207,10 +208,11 @@ impl Shares {
     ///
     /// **Context:** takes the shares' lock; never blocks on a socket.
     /// **Returns:** `None` when the newcomer is itself the one to close
-    /// (its peer holds the most handshakes, ties included, and it has
-    /// done nothing yet): the caller closes it at once, before any
-    /// thread is started for it — so a peer re-opening silent sockets
-    /// costs the server an accept and a close each, nothing more.
+    /// (its peer already holds a handshake and, with it, the most, ties
+    /// included; it has done nothing yet): the caller closes it at once,
+    /// before any thread is started for it — so a peer re-opening silent
+    /// sockets costs the server an accept and a close each, nothing
+    /// more.
     pub(crate) fn admit_handshake(
         self: &Arc<Self>,
         peer: &str,
@@ -250,11 +252,15 @@ impl Shares {
     /// The handshake to close for a newcomer of `newcomer`: of the peer
     /// holding the most (the newcomer counted), the least advanced, the
     /// oldest among equals; `None` when that is the newcomer itself (its
-    /// peer holds the most, ties included).
+    /// peer holds one already and the most, ties included).
     fn handshake_victim(&self, s: &State, newcomer: &Arc<str>) -> Option<u64> {
         let held = |p: &Arc<str>| s.peers.get(p).map_or(0, |h| h.handshakes);
         let most = s.peers.values().map(|h| h.handshakes).max().unwrap_or(0);
-        if held(newcomer) + 1 >= most {
+        let mine = held(newcomer);
+        // A peer's first handshake always gets in (a peer holding none
+        // is never the one to close), so no number of addresses holding
+        // one silent socket each can keep a new client out.
+        if mine > 0 && mine + 1 >= most {
             return None;
         }
         s.handshakes

@@ -298,3 +298,26 @@ fn a_peer_has_at_most_its_work_window_of_work_in_flight() {
     drop(_s);
     assert_empty(&sh);
 }
+
+#[test]
+fn a_peer_first_handshake_gets_in_whatever_many_addresses_hold() {
+    // Four addresses with one silent socket each fill the pool.
+    let sh = Arc::new(Shares::new(limits(8, 4, 1 << 20)));
+    let mut ends = Vec::new();
+    let mut slots = Vec::new();
+    for i in 2..6 {
+        let (t, end) = transport();
+        slots.push(sh.admit_handshake(&format!("ip:10.0.0.{i}"), &t).unwrap());
+        ends.push(end);
+    }
+    // A new client gets in: the oldest silent one is closed.
+    let (t, polite_end) = transport();
+    let polite = sh.admit_handshake("ip:127.0.0.1", &t).unwrap();
+    assert!(is_shut(&ends[0]) && !ends[1..].iter().any(is_shut));
+    // An address that holds one already and re-opens is closed at once.
+    let (t, _e) = transport();
+    assert!(sh.admit_handshake("ip:10.0.0.3", &t).is_none());
+    assert!(!is_shut(&polite_end));
+    drop((slots, polite));
+    assert_empty(&sh);
+}
