@@ -13,7 +13,7 @@ use iopages_crypt::XtsCipher;
 use iopages_nbd::remote::{
     NbdRemote, RemoteAddress, RemoteOptions, RemoteSpec, DEFAULT_MAX_IN_FLIGHT,
 };
-use iopages_testkit::{die_with_parent, need_tool, wait_for_socket, Reaped, TempDir};
+use iopages_testkit::{die_with_parent, need_tool, Reaped, TempDir};
 use std::io::ErrorKind;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -34,22 +34,7 @@ impl Nbdkit {
         let nbdkit = need_tool("nbdkit", who)?;
         let dir = TempDir::new("remote");
         let sock = dir.join("nbd.sock");
-        let mut cmd = Command::new(nbdkit);
-        cmd.arg("-U")
-            .arg(&sock)
-            .args(["--foreground", "--exit-with-parent"])
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null());
-        die_with_parent(&mut cmd, libc::SIGKILL);
-        let mut child = Reaped(cmd.spawn().expect("nbdkit starts"));
-        wait_for_socket(&sock, Duration::from_secs(20), || {
-            match child.0.try_wait() {
-                Ok(None) => Ok(()),
-                other => Err(format!("nbdkit exited: {other:?}")),
-            }
-        })
-        .unwrap();
+        let child = common::nbdkit_on(&nbdkit, &sock, args);
         Some(Nbdkit { child, dir, sock })
     }
 
@@ -716,17 +701,9 @@ fn expect_disc(s: &mut std::os::unix::net::UnixStream) {
 /// option's number and data.
 fn greet(s: &mut std::os::unix::net::UnixStream) -> (u32, Vec<u8>) {
     use iopages_nbd::proto::*;
-    use std::io::{Read, Write};
-    let mut g = NBD_MAGIC.to_be_bytes().to_vec();
-    g.extend_from_slice(&IHAVEOPT.to_be_bytes());
-    g.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
-    s.write_all(&g).unwrap();
-    let mut f = [0u8; 4];
-    s.read_exact(&mut f).unwrap();
-    assert_eq!(
-        u32::from_be_bytes(f),
-        FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES
-    );
+    use std::io::Read;
+    let f = common::store_greeting(s);
+    assert_eq!(f, FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES);
     let mut h = [0u8; 16];
     s.read_exact(&mut h).unwrap();
     assert_eq!(u64::from_be_bytes(h[0..8].try_into().unwrap()), IHAVEOPT);

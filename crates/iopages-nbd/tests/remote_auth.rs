@@ -9,15 +9,16 @@
 //! as asked are controls: they get past the handshake. Last, the issue's
 //! reproduction against nbdkit (skipped without it, outside CI).
 
+mod common;
+
 use iopages_crypt::backend::Backend;
 use iopages_nbd::proto::*;
 use iopages_nbd::remote::{NbdRemote, RemoteOptions, RemoteSpec};
-use iopages_testkit::{die_with_parent, need_tool, wait_for_socket, Reaped, TempDir};
+use iopages_testkit::{need_tool, Reaped, TempDir};
 use openssl::ssl::{SslAcceptor, SslFiletype, SslMethod, SslVersion};
 use std::io::{ErrorKind, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -390,23 +391,10 @@ fn stores_that_authenticate_as_asked_get_past_the_handshake() {
 fn nbdkit(dir: &TempDir, name: &str, tls: &[&str]) -> Option<(Reaped, PathBuf)> {
     let nbdkit = need_tool("nbdkit", "remote_auth against nbdkit")?;
     let sock = dir.join(&format!("{name}.sock"));
-    let mut cmd = Command::new(nbdkit);
-    cmd.arg("-U")
-        .arg(&sock)
-        .args(["--foreground", "--exit-with-parent", "--tls=require"])
-        .args(tls)
-        .args(["memory", "1M"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null());
-    die_with_parent(&mut cmd, libc::SIGKILL);
-    let mut child = Reaped(cmd.spawn().expect("nbdkit starts"));
-    wait_for_socket(&sock, Duration::from_secs(20), || {
-        match child.0.try_wait() {
-            Ok(None) => Ok(()),
-            other => Err(format!("nbdkit exited: {other:?}")),
-        }
-    })
-    .unwrap();
+    let mut args = vec!["--tls=require"];
+    args.extend_from_slice(tls);
+    args.extend(["memory", "1M"]);
+    let child = common::nbdkit_on(&nbdkit, &sock, &args);
     Some((child, sock))
 }
 

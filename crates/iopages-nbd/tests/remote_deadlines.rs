@@ -61,12 +61,7 @@ fn fake_store(script: impl FnOnce(UnixStream) + Send + 'static) -> (TempDir, Rem
 /// zeroes), the client's flags, its NBD_OPT_GO answered with a
 /// [`SIZE`]-byte export offering flush.
 fn accept_go(s: &mut UnixStream) {
-    let mut g = NBD_MAGIC.to_be_bytes().to_vec();
-    g.extend_from_slice(&IHAVEOPT.to_be_bytes());
-    g.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
-    s.write_all(&g).unwrap();
-    let mut f = [0u8; 4];
-    s.read_exact(&mut f).unwrap();
+    common::store_greeting(s);
     let mut h = [0u8; 16];
     s.read_exact(&mut h).unwrap();
     assert_eq!(u32::from_be_bytes(h[8..12].try_into().unwrap()), OPT_GO);

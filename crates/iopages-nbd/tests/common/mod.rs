@@ -203,3 +203,40 @@ pub fn iopages_server(
     .unwrap();
     (alloc, server)
 }
+
+/// `nbdkit -U SOCK --foreground --exit-with-parent ARGS…` (the tool at
+/// `nbdkit`), waited for until its socket takes connections; killed when
+/// dropped.
+pub fn nbdkit_on(
+    nbdkit: &std::path::Path,
+    sock: &std::path::Path,
+    args: &[&str],
+) -> iopages_testkit::Reaped {
+    let mut cmd = std::process::Command::new(nbdkit);
+    cmd.arg("-U")
+        .arg(sock)
+        .args(["--foreground", "--exit-with-parent"])
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null());
+    iopages_testkit::die_with_parent(&mut cmd, libc::SIGKILL);
+    let mut child = iopages_testkit::Reaped(cmd.spawn().expect("nbdkit starts"));
+    iopages_testkit::wait_for_socket(sock, Duration::from_secs(20), || match child.0.try_wait() {
+        Ok(None) => Ok(()),
+        other => Err(format!("nbdkit exited: {other:?}")),
+    })
+    .unwrap();
+    child
+}
+
+/// A scripted store's greeting (fixed newstyle, no zeroes); the client's
+/// flags.
+pub fn store_greeting(s: &mut std::os::unix::net::UnixStream) -> u32 {
+    let mut g = NBD_MAGIC.to_be_bytes().to_vec();
+    g.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    g.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+    s.write_all(&g).unwrap();
+    let mut f = [0u8; 4];
+    s.read_exact(&mut f).unwrap();
+    u32::from_be_bytes(f)
+}
