@@ -31,7 +31,7 @@
 //! | per-command counts | `stats.rs` |
 //! | LUKS images and the in-memory LUKS2 volume, set up as crypt stacks | `volume.rs` |
 //! | what can go wrong starting or running a server | `error.rs` |
-//! | an NBD client as a crypt backend: ciphertext on a remote NBD server (`nbd://`, `nbd+unix://`, over TLS `nbds://`, `nbds+unix://`) | `remote.rs` |
+//! | an NBD client as a crypt backend: ciphertext on a remote NBD server (`nbd://`, `nbd+unix://`, over TLS `nbds://`, `nbds+unix://`) | `remote/` (`uri.rs`, `wire.rs`, `conn.rs`, `mod.rs`) |
 //! | the remote client's TLS: URI settings, OpenSSL connector, the shared client session | `remote_tls.rs` |
 //!
 //! What is served: READ, WRITE, FLUSH, TRIM, WRITE_ZEROES, BLOCK_STATUS

@@ -1,0 +1,729 @@
+//! One connection to the remote: requests in flight by cookie, their
+//! deadlines, and the reader thread that completes them.
+
+use super::*;
+
+/// Whether `e` is a socket timeout (SO_RCVTIMEO / SO_SNDTIMEO expired).
+pub(super) fn is_timeout(e: &io::Error) -> bool {
+    matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut)
+}
+
+/// The most buffers one `sendmsg` takes (Linux's UIO_MAXIOV).
+pub(super) const MAX_IOV: usize = 1024;
+
+/// One `sendmsg` of a prefix of `bufs` that does not wait
+/// (`MSG_DONTWAIT` for this call alone: the socket stays blocking for
+/// the reader; `MSG_NOSIGNAL`: a closed peer is `EPIPE`, not a signal).
+pub(super) fn send_nowait(fd: std::os::fd::RawFd, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+    // SAFETY: msghdr is plain data; zero is a valid value.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    // IoSlice is ABI-compatible with iovec on Unix; sendmsg only reads
+    // the buffers.
+    msg.msg_iov = bufs.as_ptr() as *mut libc::iovec;
+    msg.msg_iovlen = bufs.len().min(MAX_IOV) as _;
+    // SAFETY: `msg` points at `bufs`, live for the call.
+    let n = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
+/// Write all of `bufs` to `s` by `deadline`, however the remote reads:
+/// each attempt waits at most what is left (a socket's send timeout
+/// would start again with every byte the remote takes, so a remote that
+/// trickles could stretch a request for ever).
+///
+/// **Returns:** `TimedOut` naming how far it got when the deadline
+/// passes first; the socket's error.
+pub(super) fn write_all_by(
+    s: &Stream,
+    bufs: &mut [IoSlice<'_>],
+    deadline: Instant,
+) -> io::Result<()> {
+    let mut bufs = bufs;
+    let mut sent = 0usize;
+    while !bufs.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let got = match s {
+            _ if left.is_zero() => Err(ErrorKind::WouldBlock.into()),
+            Stream::Tls(t) => {
+                t.set_write_timeout(left);
+                t.write_vectored(bufs)
+            }
+            _ => send_nowait(s.as_raw_fd(), bufs),
+        };
+        match got {
+            Ok(0) => return Err(ErrorKind::WriteZero.into()),
+            Ok(n) => {
+                sent += n;
+                IoSlice::advance_slices(&mut bufs, n);
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) if is_timeout(&e) => {
+                if !crate::remote_tls::poll_until(s.as_raw_fd(), libc::POLLOUT, deadline)? {
+                    let why = match sent {
+                        0 => "the store stopped reading".to_string(),
+                        n => format!(
+                            "only {n} bytes left: the store stopped reading or reads too slowly"
+                        ),
+                    };
+                    return Err(io::Error::new(ErrorKind::TimedOut, why));
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Of segments of lengths `lens` (back to back), the pieces covering
+/// `len` bytes from `start`: (segment, offset in it, bytes).
+pub(super) fn segment_ranges(
+    lens: impl Iterator<Item = usize>,
+    start: usize,
+    len: usize,
+) -> impl Iterator<Item = (usize, usize, usize)> {
+    let (mut skip, mut left) = (start, len);
+    lens.enumerate()
+        .map_while(move |(i, seg)| {
+            if left == 0 {
+                return None;
+            }
+            if skip >= seg {
+                skip -= seg;
+                return Some(None);
+            }
+            let n = (seg - skip).min(left);
+            let piece = (i, skip, n);
+            skip = 0;
+            left -= n;
+            Some(Some(piece))
+        })
+        .flatten()
+}
+
+/// The parts of `segs` (back to back) covering `len` bytes from `start`.
+pub(super) fn sub_slices<'a>(segs: &[&'a [u8]], start: usize, len: usize) -> Vec<&'a [u8]> {
+    segment_ranges(segs.iter().map(|s| s.len()), start, len)
+        .map(|(i, from, n)| &segs[i][from..from + n])
+        .collect()
+}
+
+/// The reader thread's side of the socket: what was read and not yet
+/// used stays in `buf[pos..end]`.
+pub(super) struct Recv {
+    pub(super) stream: Stream,
+    pub(super) buf: Box<[u8]>,
+    pub(super) pos: usize,
+    pub(super) end: usize,
+}
+
+impl Recv {
+    pub(super) fn new(stream: Stream, bytes: usize) -> Recv {
+        Recv {
+            stream,
+            buf: vec![0; bytes].into_boxed_slice(),
+            pos: 0,
+            end: 0,
+        }
+    }
+
+    /// Fill `out`, first from the buffer, then from the socket: into the
+    /// buffer while what is missing is smaller than it (one `read` may
+    /// bring the next replies too), else straight into `out`. On each
+    /// socket timeout `tick` is asked what to do (it is told the bytes of
+    /// `out` filled so far): `Err` gives up, `Ok(true)` means "idle, keep
+    /// waiting", `Ok(false)` lets the stall rule decide: no byte for
+    /// `stall` gives up with `TimedOut`.
+    pub(super) fn fill(
+        &mut self,
+        out: &mut [u8],
+        stall: Duration,
+        tick: &mut dyn FnMut(usize) -> io::Result<bool>,
+    ) -> io::Result<()> {
+        let mut done = 0;
+        let mut last = Instant::now();
+        while done < out.len() {
+            if self.pos < self.end {
+                let n = (self.end - self.pos).min(out.len() - done);
+                out[done..done + n].copy_from_slice(&self.buf[self.pos..self.pos + n]);
+                self.pos += n;
+                done += n;
+                continue;
+            }
+            let direct = out.len() - done >= self.buf.len();
+            let got = if direct {
+                self.stream.read(&mut out[done..])
+            } else {
+                self.pos = 0;
+                self.end = 0;
+                self.stream.read(&mut self.buf)
+            };
+            match got {
+                Ok(0) => {
+                    return Err(io::Error::new(
+                        ErrorKind::ConnectionAborted,
+                        "the remote closed the connection",
+                    ))
+                }
+                Ok(n) if direct => {
+                    done += n;
+                    last = Instant::now();
+                }
+                Ok(n) => {
+                    self.end = n;
+                    last = Instant::now();
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) if is_timeout(&e) => {
+                    if tick(done)? {
+                        last = Instant::now();
+                    } else if last.elapsed() >= stall {
+                        return Err(io::Error::new(
+                            ErrorKind::TimedOut,
+                            format!("the remote sent nothing for {stall:?}"),
+                        ));
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Fill the parts of `dest`, one after the other; a stall of `stall`
+    /// gives up.
+    pub(super) fn fill_dest(&mut self, dest: &Dest, stall: Duration) -> io::Result<()> {
+        for &(ptr, len) in &dest.parts {
+            // SAFETY: `dest` was made by `Dest::new` from buffers of the
+            // caller of `Conn::call`, which does not return (nor touch
+            // them) while its request is `Slot::Filling`, the only time
+            // the reader holds a `Dest`; the parts do not overlap.
+            let part = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
+            self.fill(part, stall, &mut |_| Ok(false))?;
+        }
+        Ok(())
+    }
+}
+
+/// Where a read's data goes: the bytes `start..start + len` of the
+/// caller's buffers (back to back), as raw parts the reader thread fills
+/// while the caller waits.
+pub(super) struct Dest {
+    pub(super) parts: Vec<(*mut u8, usize)>,
+}
+
+// SAFETY: the parts are plain bytes of buffers the caller lends for the
+// duration of its call; only one thread (the reader, while the request is
+// `Slot::Filling`) ever writes through them.
+unsafe impl Send for Dest {}
+
+impl Dest {
+    pub(super) fn new(segs: &mut [&mut [u8]], start: usize, len: usize) -> Dest {
+        let ranges: Vec<_> = segment_ranges(segs.iter().map(|s| s.len()), start, len).collect();
+        let parts = ranges
+            .into_iter()
+            .map(|(i, from, n)| (segs[i][from..from + n].as_mut_ptr(), n))
+            .collect();
+        Dest { parts }
+    }
+}
+
+/// A command's name, for messages.
+pub(super) fn command_name(command: u16) -> &'static str {
+    match command {
+        CMD_READ => "READ",
+        CMD_WRITE => "WRITE",
+        CMD_DISC => "DISC",
+        CMD_FLUSH => "FLUSH",
+        CMD_TRIM => "TRIM",
+        CMD_WRITE_ZEROES => "WRITE_ZEROES",
+        _ => "command",
+    }
+}
+
+/// The I/O error kind and name of an NBD error code.
+pub(super) fn errno_kind(errno: u32) -> (ErrorKind, &'static str) {
+    match errno {
+        EPERM => (ErrorKind::PermissionDenied, "EPERM"),
+        EIO => (ErrorKind::Other, "EIO"),
+        ENOMEM => (ErrorKind::OutOfMemory, "ENOMEM"),
+        EINVAL => (ErrorKind::InvalidInput, "EINVAL"),
+        ENOSPC => (ErrorKind::StorageFull, "ENOSPC"),
+        EOVERFLOW => (ErrorKind::InvalidInput, "EOVERFLOW"),
+        ENOTSUP => (ErrorKind::Unsupported, "ENOTSUP"),
+        ESHUTDOWN => (ErrorKind::ConnectionAborted, "ESHUTDOWN"),
+        _ => (ErrorKind::Other, "an unknown error"),
+    }
+}
+
+/// Where a request stands.
+pub(super) enum Slot {
+    /// Sent (or being sent), no reply yet.
+    Waiting,
+    /// A successful read's reply arrived: the reader is putting its data
+    /// into the caller's buffers (the caller must not return meanwhile).
+    Filling,
+    /// The reply arrived (and a read's data is in the caller's buffers):
+    /// its error code (0: success).
+    Replied(u32),
+    /// The connection was given up.
+    Failed(ErrorKind, String),
+}
+
+/// A request in flight.
+pub(super) struct Pending {
+    /// Its submission plus the timeout: every step (slot, writer, send,
+    /// reply) ends by it.
+    pub(super) deadline: Instant,
+    /// Sent whole: from now on only its reply is awaited (the reader's
+    /// `overdue` check looks at these).
+    pub(super) sent: bool,
+    /// A READ's destination: a successful reply carries data, which the
+    /// reader puts there (taken when it starts).
+    pub(super) dest: Option<Dest>,
+    /// What the caller waits on.
+    pub(super) cv: Arc<Condvar>,
+    pub(super) state: Slot,
+}
+
+/// What a request is, for its messages, and its deadline.
+pub(super) struct Call {
+    pub(super) command: u16,
+    pub(super) offset: u64,
+    pub(super) length: u32,
+    /// Submission plus the timeout: every step ends by it.
+    pub(super) deadline: Instant,
+}
+
+impl Call {
+    /// E.g. "WRITE of 4194304 bytes at offset 0", "FLUSH".
+    pub(super) fn what(&self) -> String {
+        match self.command {
+            CMD_FLUSH | CMD_DISC => command_name(self.command).to_string(),
+            c => format!(
+                "{} of {} bytes at offset {}",
+                command_name(c),
+                self.length,
+                self.offset
+            ),
+        }
+    }
+}
+
+/// A connection's state, under its mutex.
+pub(super) struct Shared {
+    pub(super) pending: HashMap<u64, Pending>,
+    pub(super) next_cookie: u64,
+    /// Why the connection was given up.
+    pub(super) dead: Option<(ErrorKind, String)>,
+    /// The remote is being dropped: EOF is expected.
+    pub(super) closing: bool,
+}
+
+/// One connection to the remote.
+pub(super) struct Conn {
+    /// "URI (connection N)", for messages.
+    pub(super) name: String,
+    /// The write half: requests are written whole under it.
+    pub(super) writer: Mutex<Stream>,
+    /// A handle to shut the socket down with.
+    pub(super) ctl: Stream,
+    pub(super) shared: Mutex<Shared>,
+    /// Callers wait here for an in-flight slot.
+    pub(super) room: Condvar,
+    pub(super) alive: AtomicBool,
+    pub(super) max_in_flight: usize,
+    pub(super) timeout: Duration,
+}
+
+impl Conn {
+    /// Give the connection up: fail every request still waiting, refuse
+    /// later ones, and shut the socket down (waking the reader and any
+    /// blocked send; a read being filled fails when the reader's next
+    /// `read` does).
+    pub(super) fn kill(&self, s: &mut Shared, kind: ErrorKind, msg: String) {
+        if s.dead.is_none() {
+            s.dead = Some((kind, msg));
+        }
+        self.alive.store(false, Ordering::Release);
+        let (kind, msg) = s.dead.clone().expect("set above");
+        for p in s.pending.values_mut() {
+            if matches!(p.state, Slot::Waiting) {
+                p.state = Slot::Failed(kind, msg.clone());
+                p.cv.notify_one();
+            }
+        }
+        self.room.notify_all();
+        self.ctl.shutdown();
+    }
+
+    /// The error for a request on a connection given up.
+    pub(super) fn dead_error(&self, s: &Shared) -> io::Error {
+        let (kind, msg) = s.dead.clone().expect("a dead connection");
+        io::Error::new(kind, msg)
+    }
+
+    /// Send one request (with `payload`'s bytes `start..start + length` for
+    /// a write) and wait for its reply; a read's data goes into `read`'s
+    /// bytes `start..start + length`.
+    ///
+    /// **Returns:** the reply's error code, or an I/O error when the
+    /// connection failed (it is then given up).
+    pub(super) fn call(
+        &self,
+        command: u16,
+        offset: u64,
+        length: u32,
+        payload: &[&[u8]],
+        read: Option<&mut [&mut [u8]]>,
+        start: usize,
+    ) -> io::Result<u32> {
+        self.call_flags(0, command, offset, length, payload, read, start)
+    }
+
+    /// [`Conn::call`] with command flags (NBD_CMD_FLAG_FUA): one deadline,
+    /// its submission plus the timeout, for the slot, the writer, every
+    /// write and the reply.
+    ///
+    /// **Returns:** as [`Conn::call`]; `TimedOut` naming the request and
+    /// what it waited for once its deadline passed.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn call_flags(
+        &self,
+        flags: u16,
+        command: u16,
+        offset: u64,
+        length: u32,
+        payload: &[&[u8]],
+        read: Option<&mut [&mut [u8]]>,
+        start: usize,
+    ) -> io::Result<u32> {
+        let call = Call {
+            command,
+            offset,
+            length,
+            deadline: Instant::now() + self.timeout,
+        };
+        let cv = Arc::new(Condvar::new());
+        let dest = match read {
+            Some(segs) if command == CMD_READ => Some(Dest::new(segs, start, length as usize)),
+            _ => None,
+        };
+        let cookie = self.take_slot(&call, dest, &cv)?;
+        let header = Request {
+            flags,
+            command,
+            cookie,
+            offset,
+            length,
+        }
+        .encode();
+        let parts = if command == CMD_WRITE {
+            sub_slices(payload, start, length as usize)
+        } else {
+            Vec::new()
+        };
+        self.send(&call, cookie, &cv, &header, &parts)?;
+        self.wait_reply(&call, cookie, &cv)
+    }
+
+    /// Wait (by the request's deadline) for an in-flight slot and register
+    /// the request in it.
+    ///
+    /// **Returns:** its cookie; the connection's error when it was given
+    /// up; `TimedOut` when no slot came free in time (the connection is
+    /// kept: the requests holding the slots end by their own deadlines).
+    pub(super) fn take_slot(
+        &self,
+        call: &Call,
+        dest: Option<Dest>,
+        cv: &Arc<Condvar>,
+    ) -> io::Result<u64> {
+        let mut s = self.shared.lock();
+        loop {
+            if s.dead.is_some() {
+                return Err(self.dead_error(&s));
+            }
+            if s.pending.len() < self.max_in_flight {
+                break;
+            }
+            if self.room.wait_until(&mut s, call.deadline).timed_out()
+                && s.dead.is_none()
+                && s.pending.len() >= self.max_in_flight
+            {
+                return Err(io::Error::new(
+                    ErrorKind::TimedOut,
+                    format!(
+                        "{}: {} not sent within {:?} (no request slot came free: {} in flight)",
+                        self.name,
+                        call.what(),
+                        self.timeout,
+                        self.max_in_flight
+                    ),
+                ));
+            }
+        }
+        let cookie = s.next_cookie;
+        s.next_cookie += 1;
+        let pending = Pending {
+            deadline: call.deadline,
+            sent: false,
+            dest,
+            cv: cv.clone(),
+            state: Slot::Waiting,
+        };
+        s.pending.insert(cookie, pending);
+        Ok(cookie)
+    }
+
+    /// Write the request (`header`, then `parts`) whole under the writer
+    /// lock, both by its deadline. A request that could not take the lock
+    /// in time fails alone (nothing of it was sent); one whose writing
+    /// fails or stalls past the deadline gives the connection up (the
+    /// stream is left mid-request).
+    ///
+    /// **Returns:** the error the request fails with; it is then out of
+    /// the map (its buffers the caller's again).
+    pub(super) fn send(
+        &self,
+        call: &Call,
+        cookie: u64,
+        cv: &Condvar,
+        header: &[u8],
+        parts: &[&[u8]],
+    ) -> io::Result<()> {
+        let mut bufs: Vec<IoSlice<'_>> = std::iter::once(IoSlice::new(header))
+            .chain(parts.iter().map(|p| IoSlice::new(p)))
+            .collect();
+        let sent = match self.writer.try_lock_until(call.deadline) {
+            None => Err(None),
+            // Given up while this one waited: `kill` failed it already.
+            Some(_) if !self.alive.load(Ordering::Acquire) => {
+                Err(Some(io::Error::from(ErrorKind::NotConnected)))
+            }
+            Some(w) => write_all_by(&w, &mut bufs, call.deadline).map_err(Some),
+        };
+        let mut s = self.shared.lock();
+        let e = match sent {
+            Ok(()) => {
+                if let Some(p) = s.pending.get_mut(&cookie) {
+                    p.sent = true;
+                }
+                return Ok(());
+            }
+            Err(None) => io::Error::new(
+                ErrorKind::TimedOut,
+                format!(
+                    "{}: {} not sent within {:?} (another request being sent held the \
+                     connection: the store reads too slowly)",
+                    self.name,
+                    call.what(),
+                    self.timeout
+                ),
+            ),
+            Err(Some(e)) => {
+                let msg = match e.kind() {
+                    ErrorKind::TimedOut => format!(
+                        "{}: {} not sent within {:?} ({e}); connection given up",
+                        self.name,
+                        call.what(),
+                        self.timeout
+                    ),
+                    _ => format!("{}: sending {} failed: {e}", self.name, call.what()),
+                };
+                self.kill(&mut s, e.kind(), msg);
+                self.dead_error(&s)
+            }
+        };
+        self.release(&mut s, cookie, cv);
+        Err(e)
+    }
+
+    /// Take a request that will not be answered out of the map: first
+    /// wait while the reader fills its buffers (a reply may come before
+    /// its request is all sent, the remote answering a header it has
+    /// read; a shut socket ends that `read` at once), then free its slot.
+    pub(super) fn release(
+        &self,
+        s: &mut parking_lot::MutexGuard<'_, Shared>,
+        cookie: u64,
+        cv: &Condvar,
+    ) {
+        while s
+            .pending
+            .get(&cookie)
+            .is_some_and(|p| matches!(p.state, Slot::Filling))
+        {
+            cv.wait(s);
+        }
+        s.pending.remove(&cookie);
+        self.room.notify_one();
+    }
+
+    /// Wait, by the request's deadline, for the reply to the request sent
+    /// as `cookie`. Past the deadline the connection is given up; a read
+    /// being filled then is waited for until the reader lets go of its
+    /// buffers (the shut socket fails its `read` at once).
+    ///
+    /// **Returns:** the reply's error code; the connection's error.
+    pub(super) fn wait_reply(&self, call: &Call, cookie: u64, cv: &Condvar) -> io::Result<u32> {
+        let mut s = self.shared.lock();
+        loop {
+            let p = s.pending.get(&cookie).expect("only its caller removes it");
+            match &p.state {
+                Slot::Waiting | Slot::Filling => {}
+                Slot::Replied(errno) => {
+                    let errno = *errno;
+                    self.release(&mut s, cookie, cv);
+                    return Ok(errno);
+                }
+                Slot::Failed(kind, msg) => {
+                    let e = io::Error::new(*kind, msg.clone());
+                    self.release(&mut s, cookie, cv);
+                    return Err(e);
+                }
+            }
+            if s.dead.is_some() && matches!(p.state, Slot::Filling) {
+                cv.wait(&mut s);
+                continue;
+            }
+            if cv.wait_until(&mut s, call.deadline).timed_out() {
+                let p = s.pending.get(&cookie).expect("only its caller removes it");
+                if matches!(p.state, Slot::Waiting | Slot::Filling) {
+                    let msg = format!(
+                        "{}: the remote did not answer {} within {:?} of its submission; \
+                         connection given up",
+                        self.name,
+                        call.what(),
+                        self.timeout
+                    );
+                    // A waiting request is failed by `kill`; a read being
+                    // filled waits above for the reader to let go.
+                    self.kill(&mut s, ErrorKind::TimedOut, msg);
+                }
+            }
+        }
+    }
+
+    /// Whether a request sent whole is past its deadline (checked on each
+    /// idle tick of the reader).
+    pub(super) fn overdue(&self, s: &Shared) -> Option<String> {
+        let now = Instant::now();
+        s.pending
+            .values()
+            .filter(|p| p.sent && matches!(p.state, Slot::Waiting))
+            .any(|p| p.deadline <= now)
+            .then(|| {
+                format!(
+                    "{}: the remote did not answer a request within {:?}; connection given up",
+                    self.name, self.timeout
+                )
+            })
+    }
+
+    /// The read `cookie` could not be filled (`e`): fail it and give the
+    /// connection up, with the reason it was given up for already if it
+    /// was (its caller's deadline passed, which shut the socket).
+    pub(super) fn fill_failed(&self, s: &mut Shared, cookie: u64, e: io::Error) {
+        let (kind, msg) = s.dead.clone().unwrap_or_else(|| {
+            let msg = format!("{}: receiving READ data failed: {e}", self.name);
+            (e.kind(), msg)
+        });
+        if let Some(p) = s.pending.get_mut(&cookie) {
+            p.state = Slot::Failed(kind, msg.clone());
+            p.cv.notify_one();
+        }
+        self.kill(s, kind, msg);
+    }
+
+    /// The reader thread: reply headers in, callers completed by cookie.
+    pub(super) fn reader(self: Arc<Conn>, stream: Stream) {
+        let mut rx = Recv::new(stream, RECV_BUFFER_BYTES);
+        loop {
+            let mut h = [0u8; SIMPLE_REPLY_BYTES];
+            let got = rx.fill(&mut h, self.timeout, &mut |done| {
+                let s = self.shared.lock();
+                if s.dead.is_some() || (s.closing && s.pending.is_empty()) {
+                    return Err(io::Error::new(ErrorKind::ConnectionAborted, "closed"));
+                }
+                if done > 0 {
+                    return Ok(false);
+                }
+                match self.overdue(&s) {
+                    Some(msg) => Err(io::Error::new(ErrorKind::TimedOut, msg)),
+                    None => Ok(true),
+                }
+            });
+            let mut s = self.shared.lock();
+            if let Err(e) = got {
+                let msg = if e.kind() == ErrorKind::TimedOut && e.to_string().contains(&self.name) {
+                    e.to_string()
+                } else {
+                    format!("{}: the connection failed: {e}", self.name)
+                };
+                if s.closing && s.pending.is_empty() {
+                    self.kill(
+                        &mut s,
+                        ErrorKind::ConnectionAborted,
+                        format!("{}: closed", self.name),
+                    );
+                } else {
+                    self.kill(&mut s, e.kind(), msg);
+                }
+                return;
+            }
+            let magic = u32::from_be_bytes(h[0..4].try_into().expect("4 bytes"));
+            let errno = u32::from_be_bytes(h[4..8].try_into().expect("4 bytes"));
+            let cookie = u64::from_be_bytes(h[8..16].try_into().expect("8 bytes"));
+            if magic != SIMPLE_REPLY_MAGIC {
+                let what = if magic == STRUCTURED_REPLY_MAGIC {
+                    "a structured reply, which was not negotiated".to_string()
+                } else {
+                    format!("a reply with the bad magic {magic:#010x}")
+                };
+                let msg = format!("{}: the remote sent {what}", self.name);
+                self.kill(&mut s, ErrorKind::InvalidData, msg);
+                return;
+            }
+            let Some(p) = s
+                .pending
+                .get_mut(&cookie)
+                .filter(|p| matches!(p.state, Slot::Waiting))
+            else {
+                let msg = format!(
+                    "{}: the remote answered cookie {cookie}, which is not in flight",
+                    self.name
+                );
+                self.kill(&mut s, ErrorKind::InvalidData, msg);
+                return;
+            };
+            let dest = if errno == 0 { p.dest.take() } else { None };
+            let Some(dest) = dest else {
+                p.state = Slot::Replied(errno);
+                p.cv.notify_one();
+                continue;
+            };
+            p.state = Slot::Filling;
+            drop(s);
+            let filled = rx.fill_dest(&dest, self.timeout);
+            drop(dest);
+            let mut s = self.shared.lock();
+            let p = s
+                .pending
+                .get_mut(&cookie)
+                .expect("its caller waits while it is filled");
+            match filled {
+                Ok(()) => {
+                    p.state = Slot::Replied(0);
+                    p.cv.notify_one();
+                }
+                Err(e) => {
+                    self.fill_failed(&mut s, cookie, e);
+                    return;
+                }
+            }
+        }
+    }
+}
