@@ -269,7 +269,7 @@ impl LatencyCounter {
         self.sum_ns.fetch_add(ns, Ordering::Relaxed);
     }
 
-    fn get(&self) -> LatencyHist {
+    pub(crate) fn get(&self) -> LatencyHist {
         LatencyHist {
             buckets: std::array::from_fn(|k| self.buckets[k].load(Ordering::Relaxed)),
             sum_ns: self.sum_ns.load(Ordering::Relaxed),

@@ -286,6 +286,23 @@ pub(super) struct Pending {
     /// What the caller waits on.
     pub(super) cv: Arc<Condvar>,
     pub(super) state: Slot,
+    /// A write the store may hold only in its cache once answered (WRITE
+    /// without FUA, WRITE_ZEROES, TRIM): its success is counted as
+    /// unflushed by the reader, before its caller can see it.
+    pub(super) unflushed: bool,
+}
+
+/// One request as its caller gives it.
+pub(super) struct Req<'p, 'r, 'b> {
+    pub(super) flags: u16,
+    pub(super) command: u16,
+    pub(super) offset: u64,
+    pub(super) length: u32,
+    /// A WRITE's payload: bytes `start..start + length` of these.
+    pub(super) payload: &'p [&'p [u8]],
+    /// A READ's destination: bytes `start..start + length` of these.
+    pub(super) read: Option<&'r mut [&'b mut [u8]]>,
+    pub(super) start: usize,
 }
 
 /// What a request is, for its messages, and its deadline.
@@ -300,14 +317,29 @@ pub(super) struct Call {
 impl Call {
     /// E.g. "WRITE of 4194304 bytes at offset 0", "FLUSH".
     pub(super) fn what(&self) -> String {
-        match self.command {
-            CMD_FLUSH | CMD_DISC => command_name(self.command).to_string(),
-            c => format!(
-                "{} of {} bytes at offset {}",
-                command_name(c),
-                self.length,
-                self.offset
-            ),
+        Call::describe(self.command, self.offset, self.length)
+    }
+
+    /// A request named as [`Call::what`] names it.
+    pub(super) fn describe(command: u16, offset: u64, length: u32) -> String {
+        match command {
+            CMD_FLUSH | CMD_DISC => command_name(command).to_string(),
+            c => format!("{} of {length} bytes at offset {offset}", command_name(c)),
+        }
+    }
+}
+
+impl Req<'_, '_, '_> {
+    /// A request without payload or destination.
+    pub(super) fn bare(command: u16, offset: u64, length: u32) -> Self {
+        Req {
+            flags: 0,
+            command,
+            offset,
+            length,
+            payload: &[],
+            read: None,
+            start: 0,
         }
     }
 }
@@ -320,6 +352,9 @@ pub(super) struct Shared {
     pub(super) dead: Option<(ErrorKind, String)>,
     /// The remote is being dropped: EOF is expected.
     pub(super) closing: bool,
+    /// The newest acknowledged-and-unflushed write on this connection (its
+    /// number in [`Durability::acked`]; 0: none).
+    pub(super) last_ack: u64,
 }
 
 /// One connection to the remote.
@@ -336,6 +371,10 @@ pub(super) struct Conn {
     pub(super) alive: AtomicBool,
     pub(super) max_in_flight: usize,
     pub(super) timeout: Duration,
+    /// The export's write accounting, shared by its connections.
+    pub(super) durability: Arc<Durability>,
+    /// The export's counters (round trips).
+    pub(super) counters: Arc<RemoteCounters>,
 }
 
 impl Conn {
@@ -346,6 +385,9 @@ impl Conn {
     pub(super) fn kill(&self, s: &mut Shared, kind: ErrorKind, msg: String) {
         if s.dead.is_none() {
             s.dead = Some((kind, msg));
+            // Before any caller learns of the death (and re-sends a FLUSH
+            // elsewhere): the writes it acknowledged unflushed may be lost.
+            self.durability.connection_died(s.last_ack);
         }
         self.alive.store(false, Ordering::Release);
         let (kind, msg) = s.dead.clone().expect("set above");
@@ -365,68 +407,86 @@ impl Conn {
         io::Error::new(kind, msg)
     }
 
-    /// Send one request (with `payload`'s bytes `start..start + length` for
-    /// a write) and wait for its reply; a read's data goes into `read`'s
-    /// bytes `start..start + length`.
+    /// Send `req` and wait for its reply, all by `deadline` (the slot, the
+    /// writer, every write and the reply); a read's data goes into its
+    /// buffers.
     ///
-    /// **Returns:** the reply's error code, or an I/O error when the
-    /// connection failed (it is then given up).
-    pub(super) fn call(
-        &self,
-        command: u16,
-        offset: u64,
-        length: u32,
-        payload: &[&[u8]],
-        read: Option<&mut [&mut [u8]]>,
-        start: usize,
-    ) -> io::Result<u32> {
-        self.call_flags(0, command, offset, length, payload, read, start)
-    }
-
-    /// [`Conn::call`] with command flags (NBD_CMD_FLAG_FUA): one deadline,
-    /// its submission plus the timeout, for the slot, the writer, every
-    /// write and the reply.
-    ///
-    /// **Returns:** as [`Conn::call`]; `TimedOut` naming the request and
-    /// what it waited for once its deadline passed.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn call_flags(
-        &self,
-        flags: u16,
-        command: u16,
-        offset: u64,
-        length: u32,
-        payload: &[&[u8]],
-        read: Option<&mut [&mut [u8]]>,
-        start: usize,
-    ) -> io::Result<u32> {
+    /// **Returns:** the reply's error code; an I/O error when the
+    /// connection failed (it is then given up: see [`Conn::is_alive`]);
+    /// `TimedOut` naming the request and what it waited for once its
+    /// deadline passed.
+    pub(super) fn call(&self, req: Req<'_, '_, '_>, deadline: Instant) -> io::Result<u32> {
         let call = Call {
-            command,
-            offset,
-            length,
-            deadline: Instant::now() + self.timeout,
+            command: req.command,
+            offset: req.offset,
+            length: req.length,
+            deadline,
         };
         let cv = Arc::new(Condvar::new());
-        let dest = match read {
-            Some(segs) if command == CMD_READ => Some(Dest::new(segs, start, length as usize)),
+        let dest = match req.read {
+            Some(segs) if req.command == CMD_READ => {
+                Some(Dest::new(segs, req.start, req.length as usize))
+            }
             _ => None,
         };
-        let cookie = self.take_slot(&call, dest, &cv)?;
+        let unflushed = matches!(req.command, CMD_WRITE | CMD_WRITE_ZEROES | CMD_TRIM)
+            && req.flags & CMD_FLAG_FUA == 0;
+        let cookie = self.take_slot(&call, dest, &cv, unflushed)?;
         let header = Request {
-            flags,
-            command,
+            flags: req.flags,
+            command: req.command,
             cookie,
-            offset,
-            length,
+            offset: req.offset,
+            length: req.length,
         }
         .encode();
-        let parts = if command == CMD_WRITE {
-            sub_slices(payload, start, length as usize)
+        let parts = if req.command == CMD_WRITE {
+            sub_slices(req.payload, req.start, req.length as usize)
         } else {
             Vec::new()
         };
+        let sent_at = Instant::now();
         self.send(&call, cookie, &cv, &header, &parts)?;
-        self.wait_reply(&call, cookie, &cv)
+        let errno = self.wait_reply(&call, cookie, &cv)?;
+        self.counters.rtt.record(sent_at.elapsed());
+        Ok(errno)
+    }
+
+    /// Whether the connection still serves (not given up).
+    pub(super) fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::Acquire)
+    }
+
+    /// Why the connection was given up ("closed" when it was not).
+    pub(super) fn death(&self) -> String {
+        let s = self.shared.lock();
+        s.dead
+            .as_ref()
+            .map_or_else(|| format!("{}: closed", self.name), |d| d.1.clone())
+    }
+
+    /// Close the connection at stop: NBD_CMD_DISC when it lives, then our
+    /// side of the socket is shut (the reader ends at the store's EOF).
+    pub(super) fn close(&self) {
+        self.shared.lock().closing = true;
+        if !self.is_alive() {
+            return;
+        }
+        let header = Request {
+            flags: 0,
+            command: CMD_DISC,
+            cookie: 0,
+            offset: 0,
+            length: 0,
+        }
+        .encode();
+        // No caller is left; a writer stuck past its deadline gave the
+        // connection up, so this waits for nothing long.
+        let deadline = Instant::now() + self.timeout;
+        if let Some(w) = self.writer.try_lock_until(deadline) {
+            let _ = write_all_by(&w, &mut [IoSlice::new(&header)], deadline);
+        }
+        self.ctl.shutdown_how(Shutdown::Write);
     }
 
     /// Wait (by the request's deadline) for an in-flight slot and register
@@ -440,6 +500,7 @@ impl Conn {
         call: &Call,
         dest: Option<Dest>,
         cv: &Arc<Condvar>,
+        unflushed: bool,
     ) -> io::Result<u64> {
         let mut s = self.shared.lock();
         loop {
@@ -473,6 +534,7 @@ impl Conn {
             dest,
             cv: cv.clone(),
             state: Slot::Waiting,
+            unflushed,
         };
         s.pending.insert(cookie, pending);
         Ok(cookie)
@@ -687,7 +749,8 @@ impl Conn {
                 self.kill(&mut s, ErrorKind::InvalidData, msg);
                 return;
             }
-            let Some(p) = s
+            let sh = &mut *s;
+            let Some(p) = sh
                 .pending
                 .get_mut(&cookie)
                 .filter(|p| matches!(p.state, Slot::Waiting))
@@ -700,6 +763,9 @@ impl Conn {
                 return;
             };
             let dest = if errno == 0 { p.dest.take() } else { None };
+            if errno == 0 && p.unflushed {
+                sh.last_ack = self.durability.acked();
+            }
             let Some(dest) = dest else {
                 p.state = Slot::Replied(errno);
                 p.cv.notify_one();

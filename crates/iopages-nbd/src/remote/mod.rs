@@ -73,6 +73,10 @@ pub const DEFAULT_PORT: u16 = 10809;
 pub const DEFAULT_CONNECTIONS: usize = 4;
 /// A request's deadline from its submission by default.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long requests wait for a store to come back by default.
+pub const DEFAULT_RECONNECT_DELAY: Duration = Duration::from_secs(10);
+/// The longest `reconnect-delay` accepted (an hour).
+pub const MAX_RECONNECT_DELAY: Duration = Duration::from_secs(3600);
 /// Requests in flight per connection by default.
 pub const DEFAULT_MAX_IN_FLIGHT: usize = 64;
 /// The largest READ or WRITE payload sent in one request (32 MiB, the
@@ -96,12 +100,15 @@ const REP_ERR_BLOCK_SIZE_REQD: u32 = REP_FLAG_ERROR | 8;
 pub const RECV_BUFFER_BYTES: usize = 64 << 10;
 
 mod conn;
+mod link;
 #[cfg(test)]
 mod tests;
 mod uri;
 mod wire;
 
 use conn::*;
+pub use link::RemoteHealth;
+use link::*;
 pub use uri::*;
 use wire::*;
 
@@ -124,6 +131,11 @@ pub struct RemoteOptions {
     /// Requests in flight per connection; callers wait for a slot beyond
     /// it. Default [`DEFAULT_MAX_IN_FLIGHT`].
     pub max_in_flight: usize,
+    /// How long requests wait for a reconnect once no connection to the
+    /// store serves, before failing (EIO); reconnect attempts go on
+    /// beyond it. A URI's `reconnect-delay=SECS` overrides it. Default
+    /// [`DEFAULT_RECONNECT_DELAY`].
+    pub reconnect_delay: Duration,
 }
 
 impl Default for RemoteOptions {
@@ -133,6 +145,7 @@ impl Default for RemoteOptions {
             read_only: false,
             timeout: DEFAULT_TIMEOUT,
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
+            reconnect_delay: DEFAULT_RECONNECT_DELAY,
         }
     }
 }
@@ -146,11 +159,12 @@ impl Default for RemoteOptions {
 /// once (up to [`RemoteOptions::max_in_flight`] per connection).
 pub struct NbdRemote {
     uri: String,
-    conns: Vec<Arc<Conn>>,
-    readers: Vec<JoinHandle<()>>,
-    next: AtomicUsize,
+    pool: Arc<Pool>,
+    /// Each connection's thread (replies, reconnects).
+    threads: Vec<JoinHandle<()>>,
     info: ExportInfo,
     read_only: bool,
+    timeout: Duration,
 }
 
 impl NbdRemote {
@@ -185,68 +199,48 @@ impl NbdRemote {
             }
             None => None,
         };
-        let open = || -> io::Result<(Stream, ExportInfo)> {
-            let mut s = dial(spec, opts.timeout)?;
-            s.set_timeouts(opts.timeout, opts.timeout)?;
-            // One deadline for the whole handshake (and its TLS handshake).
-            let deadline = Instant::now() + opts.timeout;
-            let info = handshake(&mut s, &spec.export, tls.as_ref(), deadline)?;
-            Ok((s, info))
+        let dialer = Dialer {
+            spec: spec.clone(),
+            uri: uri.clone(),
+            tls,
+            timeout: opts.timeout,
+            max_in_flight: opts.max_in_flight,
         };
-        let (first, info) = open().map_err(ctx)?;
+        let (first, info) = dialer.open(&|_| Ok(())).map_err(ctx)?;
         let n = if info.flags & TFLAG_CAN_MULTI_CONN != 0 {
             opts.connections
         } else {
             1
         };
-        let mut streams = vec![first];
-        for _ in 1..n {
-            let (s, again) = open().map_err(ctx)?;
+        let delay = spec.reconnect_delay.unwrap_or(opts.reconnect_delay);
+        let pool = Arc::new(Pool::new(n, dialer, info, delay));
+        let mut conns = vec![pool.dialer.conn(0, first, &pool).map_err(ctx)?];
+        for i in 1..n {
+            let (s, again) = pool.dialer.open(&|_| Ok(())).map_err(ctx)?;
             if again != info {
                 return Err(ctx(io::Error::new(
                     ErrorKind::InvalidData,
                     "the connections describe the export differently",
                 )));
             }
-            streams.push(s);
+            conns.push(pool.dialer.conn(i, s, &pool).map_err(ctx)?);
         }
-        let tick = (opts.timeout / 8).clamp(Duration::from_millis(1), Duration::from_millis(250));
         let mut remote = NbdRemote {
             uri: uri.clone(),
-            conns: Vec::with_capacity(n),
-            readers: Vec::with_capacity(n),
-            next: AtomicUsize::new(0),
+            pool: pool.clone(),
+            threads: Vec::with_capacity(n),
             info,
             read_only: opts.read_only || info.flags & TFLAG_READ_ONLY != 0,
+            timeout: opts.timeout,
         };
-        for (i, s) in streams.into_iter().enumerate() {
-            let prepared = (|| {
-                s.set_timeouts(tick, opts.timeout)?;
-                Ok::<_, io::Error>((s.try_clone()?, s.try_clone()?, s))
-            })();
-            let (writer, ctl, read_half) = prepared.map_err(ctx)?;
-            let conn = Arc::new(Conn {
-                name: format!("{uri} (connection {i})"),
-                writer: Mutex::new(writer),
-                ctl,
-                shared: Mutex::new(Shared {
-                    pending: HashMap::new(),
-                    next_cookie: 1,
-                    dead: None,
-                    closing: false,
-                }),
-                room: Condvar::new(),
-                alive: AtomicBool::new(true),
-                max_in_flight: opts.max_in_flight,
-                timeout: opts.timeout,
-            });
-            let c = conn.clone();
-            let reader = std::thread::Builder::new()
+        for (i, c) in conns.into_iter().enumerate() {
+            pool.install(i, c.0.clone());
+            let p = pool.clone();
+            let thread = std::thread::Builder::new()
                 .name(format!("nbd-remote-{i}"))
-                .spawn(move || c.reader(read_half))
+                .spawn(move || p.run(i, c))
                 .map_err(ctx)?;
-            remote.conns.push(conn);
-            remote.readers.push(reader);
+            remote.threads.push(thread);
         }
         Ok(remote)
     }
@@ -282,8 +276,8 @@ impl NbdRemote {
             "{}: {} bytes, {} connection{}, blocks {}/{}/{}, {}",
             self.uri,
             self.info.size,
-            self.conns.len(),
-            if self.conns.len() == 1 { "" } else { "s" },
+            self.connections(),
+            if self.connections() == 1 { "" } else { "s" },
             self.info.min_block,
             self.info.pref_block,
             self.info.max_block,
@@ -315,7 +309,16 @@ impl NbdRemote {
     /// **Returns:** 1 unless the export advertises NBD_FLAG_CAN_MULTI_CONN,
     /// then [`RemoteOptions::connections`].
     pub fn connections(&self) -> usize {
-        self.conns.len()
+        self.threads.len()
+    }
+
+    /// Whether the store is reachable, and the counters of its
+    /// connections (reconnects, re-sent requests, failures, round trips).
+    ///
+    /// **Returns:** a snapshot; `reachable` is false while no connection
+    /// serves (all of them reconnecting).
+    pub fn health(&self) -> RemoteHealth {
+        self.pool.health()
     }
 
     /// The export's minimum block size: I/Os must be whole blocks.
@@ -342,15 +345,36 @@ impl NbdRemote {
         self.read_only
     }
 
-    /// The next connection, round-robin, skipping those given up while
-    /// any is alive.
-    fn pick(&self) -> &Conn {
-        let n = self.conns.len();
-        let first = self.next.fetch_add(1, Ordering::Relaxed) % n;
-        (0..n)
-            .map(|i| &*self.conns[(first + i) % n])
-            .find(|c| c.alive.load(Ordering::Acquire))
-            .unwrap_or(&self.conns[first])
+    /// Send `req` by `deadline` on a live connection, and again on
+    /// another (or a reconnected one) while the one it went out on dies
+    /// before answering it and the deadline allows.
+    ///
+    /// **Returns:** the reply's error code; the request's error (counted
+    /// as a deadline failure when it is `TimedOut`).
+    fn call(&self, mut req: Req<'_, '_, '_>, deadline: Instant) -> io::Result<u32> {
+        let mut resend = false;
+        loop {
+            let what = || Call::describe(req.command, req.offset, req.length);
+            let conn = self.pool.live(&what, deadline)?;
+            if resend {
+                self.pool.counters.resent.fetch_add(1, Ordering::Relaxed);
+            }
+            let attempt = Req {
+                read: req.read.as_deref_mut(),
+                ..req
+            };
+            match conn.call(attempt, deadline) {
+                Ok(errno) => return Ok(errno),
+                Err(_) if !conn.is_alive() && Instant::now() < deadline => resend = true,
+                Err(e) => {
+                    if e.kind() == ErrorKind::TimedOut {
+                        let c = &self.pool.counters;
+                        c.deadline_failures.fetch_add(1, Ordering::Relaxed);
+                    }
+                    return Err(e);
+                }
+            }
+        }
     }
 
     /// Refuse, before anything is sent, what leaves the export or is not
@@ -404,12 +428,21 @@ impl NbdRemote {
         let total: usize = segments.iter().map(|s| s.len()).sum();
         self.check(offset, total as u64)?;
         self.check_writable("WRITE", offset, total as u64)?;
-        let conn = self.pick();
+        let deadline = Instant::now() + self.timeout;
         let mut pos = 0;
         while pos < total {
             let n = (total - pos).min(self.info.max_block as usize);
             let at = offset + pos as u64;
-            let errno = conn.call_flags(flags, CMD_WRITE, at, n as u32, segments, None, pos)?;
+            let req = Req {
+                flags,
+                command: CMD_WRITE,
+                offset: at,
+                length: n as u32,
+                payload: segments,
+                read: None,
+                start: pos,
+            };
+            let errno = self.call(req, deadline)?;
             if errno != 0 {
                 return Err(self.reply_error(errno, CMD_WRITE, at, n as u64));
             }
@@ -421,11 +454,11 @@ impl NbdRemote {
     /// One command without payload (TRIM, WRITE_ZEROES) over `len` bytes
     /// at `offset`, split at 1 GiB.
     fn effect(&self, command: u16, offset: u64, len: u64) -> io::Result<()> {
-        let conn = self.pick();
+        let deadline = Instant::now() + self.timeout;
         let mut pos = 0;
         while pos < len {
             let n = (len - pos).min(MAX_EFFECT_BYTES);
-            let errno = conn.call(command, offset + pos, n as u32, &[], None, 0)?;
+            let errno = self.call(Req::bare(command, offset + pos, n as u32), deadline)?;
             if errno != 0 {
                 return Err(self.reply_error(errno, command, offset + pos, n));
             }
@@ -462,12 +495,17 @@ impl Backend for NbdRemote {
     fn read_at(&self, offset: u64, segments: &mut [&mut [u8]]) -> io::Result<()> {
         let total: usize = segments.iter().map(|s| s.len()).sum();
         self.check(offset, total as u64)?;
-        let conn = self.pick();
+        let deadline = Instant::now() + self.timeout;
         let mut pos = 0;
         while pos < total {
             let n = (total - pos).min(self.info.max_block as usize);
             let at = offset + pos as u64;
-            let errno = conn.call(CMD_READ, at, n as u32, &[], Some(&mut *segments), pos)?;
+            let req = Req {
+                read: Some(&mut *segments),
+                start: pos,
+                ..Req::bare(CMD_READ, at, n as u32)
+            };
+            let errno = self.call(req, deadline)?;
             if errno != 0 {
                 return Err(self.reply_error(errno, CMD_READ, at, n as u64));
             }
@@ -478,14 +516,30 @@ impl Backend for NbdRemote {
 
     /// NBD_CMD_FLUSH on one connection when the export offers it (with
     /// several connections the export is multi-conn, where a flush on one
-    /// covers the writes completed on all); nothing otherwise.
+    /// covers the writes completed on all); nothing otherwise. Then the
+    /// durability contract: when a connection died holding writes it had
+    /// acknowledged and no FLUSH had covered, the store may have lost
+    /// them, and this FLUSH fails (once) with EIO saying so.
     fn flush(&self) -> io::Result<()> {
-        if self.info.flags & TFLAG_SEND_FLUSH == 0 {
-            return Ok(());
+        let upto = self.pool.durability.newest();
+        if self.info.flags & TFLAG_SEND_FLUSH != 0 {
+            let deadline = Instant::now() + self.timeout;
+            let errno = self.call(Req::bare(CMD_FLUSH, 0, 0), deadline)?;
+            if errno != 0 {
+                return Err(self.reply_error(errno, CMD_FLUSH, 0, 0));
+            }
         }
-        let errno = self.pick().call(CMD_FLUSH, 0, 0, &[], None, 0)?;
-        if errno != 0 {
-            return Err(self.reply_error(errno, CMD_FLUSH, 0, 0));
+        if self.pool.durability.flushed(upto) {
+            self.pool
+                .counters
+                .lost_flushes
+                .fetch_add(1, Ordering::Relaxed);
+            return Err(io::Error::other(format!(
+                "{}: FLUSH: a connection to the store died after the store had \
+                 acknowledged writes no FLUSH had covered; the store may have lost them \
+                 (redo the writes since the last successful FLUSH)",
+                self.uri
+            )));
         }
         Ok(())
     }
@@ -522,33 +576,19 @@ impl Backend for NbdRemote {
 }
 
 impl Drop for NbdRemote {
-    /// NBD_CMD_DISC on each live connection, then the reader threads are
-    /// joined (they stop at the server's EOF, or at their next tick).
+    /// Reconnecting stops; NBD_CMD_DISC on each live connection, then the
+    /// connections' threads are joined (they stop at the server's EOF, or
+    /// at their next tick).
     fn drop(&mut self) {
-        for c in &self.conns {
-            c.shared.lock().closing = true;
-            if c.alive.load(Ordering::Acquire) {
-                let header = Request {
-                    flags: 0,
-                    command: CMD_DISC,
-                    cookie: 0,
-                    offset: 0,
-                    length: 0,
-                }
-                .encode();
-                // No caller is left; a writer stuck past its deadline gave
-                // the connection up, so this waits for nothing long.
-                let deadline = Instant::now() + c.timeout;
-                if let Some(w) = c.writer.try_lock_until(deadline) {
-                    let _ = write_all_by(&w, &mut [IoSlice::new(&header)], deadline);
-                }
-                c.ctl.shutdown_how(Shutdown::Write);
-            }
+        self.pool.stop();
+        let conns = self.pool.live_conns();
+        for c in &conns {
+            c.close();
         }
-        for r in self.readers.drain(..) {
-            let _ = r.join();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
         }
-        for c in &self.conns {
+        for c in &conns {
             c.ctl.shutdown();
         }
     }

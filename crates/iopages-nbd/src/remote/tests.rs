@@ -8,6 +8,7 @@ fn tcp(host: &str, port: u16, export: &str) -> RemoteSpec {
         },
         export: export.into(),
         tls: None,
+        reconnect_delay: None,
     }
 }
 
@@ -30,6 +31,7 @@ fn good_uris_parse_and_round_trip() {
                 address: RemoteAddress::Unix("/run/nbd.sock".into()),
                 export: "vol".into(),
                 tls: None,
+                reconnect_delay: None,
             },
         ),
         (
@@ -38,6 +40,7 @@ fn good_uris_parse_and_round_trip() {
                 address: RemoteAddress::Unix("/tmp/a&b".into()),
                 export: "".into(),
                 tls: None,
+                reconnect_delay: None,
             },
         ),
         (
@@ -63,7 +66,7 @@ fn good_uris_parse_and_round_trip() {
         ),
         (
             "nbds+unix:///luks?socket=/s&tls-certificates=/c&tls-hostname=nbd.example\
-             &tls-verify-peer=0",
+             &tls-verify-peer=0&reconnect-delay=5",
             RemoteSpec {
                 address: RemoteAddress::Unix("/s".into()),
                 export: "luks".into(),
@@ -73,6 +76,7 @@ fn good_uris_parse_and_round_trip() {
                     verify_peer: false,
                     ..RemoteTls::new()
                 }),
+                reconnect_delay: Some(Duration::from_secs(5)),
             },
         ),
         (
@@ -116,6 +120,10 @@ fn bad_uris_are_refused_with_a_reason() {
         ("nbd://[::1]x/e", "junk"),
         ("nbd://u@h/e", "only for TLS"),
         ("nbd://h/e#f", "fragment"),
+        ("nbd://h/e?reconnect-delay=x", "not whole seconds"),
+        ("nbd://h/e?reconnect-delay=-1", "not whole seconds"),
+        ("nbd://h/e?reconnect-delay=3601", "from 0 to 3600"),
+        ("nbd://h/e?reconnect-delay=1&reconnect-delay=2", "twice"),
         ("nbd://h/e?tls-certificates=/x", "needs TLS: use nbds://"),
         ("nbd+unix:///e?socket=/s&tls-psk-file=/k", "needs TLS"),
         ("nbds+unix:///e", "nbds+unix:// needs ?socket=PATH"),

@@ -25,6 +25,10 @@ pub struct RemoteSpec {
     pub export: String,
     /// `nbds://`, `nbds+unix://`: TLS is required, with these settings.
     pub tls: Option<RemoteTls>,
+    /// `reconnect-delay=SECS`: how long requests wait for the store to
+    /// come back (see [`RemoteOptions::reconnect_delay`]); `None`: the
+    /// options' own.
+    pub reconnect_delay: Option<Duration>,
 }
 
 /// An `InvalidInput` error about the URI `uri`.
@@ -82,7 +86,9 @@ impl RemoteSpec {
     /// `nbds+unix://` require TLS, set with the query parameters
     /// `tls-certificates=DIR`, `tls-psk-file=FILE`, `tls-username=NAME`
     /// (or `nbds://NAME@host`), `tls-hostname=NAME`,
-    /// `tls-verify-peer=true|false` (also `1|0`) and `tls-type=x509|psk`.
+    /// `tls-verify-peer=true|false` (also `1|0`) and `tls-type=x509|psk`;
+    /// any of them may take `reconnect-delay=SECS` (whole seconds, at most
+    /// an hour).
     ///
     /// **Context:** pure. **Returns:** `InvalidInput` naming what is wrong
     /// for anything else: other schemes, user info without TLS, fragments,
@@ -115,6 +121,7 @@ impl RemoteSpec {
         let mut settings = RemoteTls::new();
         let mut seen: Vec<&str> = Vec::new();
         let mut tls_type = None;
+        let mut reconnect_delay = None;
         for pair in query.split('&').filter(|p| !p.is_empty()) {
             let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
             if seen.contains(&key) {
@@ -152,6 +159,9 @@ impl RemoteSpec {
                     }
                 }
                 "tls-type" => tls_type = Some(value.to_ascii_lowercase()),
+                "reconnect-delay" => {
+                    reconnect_delay = Some(parse_reconnect_delay(&value).map_err(|m| bad(&m))?)
+                }
                 "tls-username" | "tls-hostname" => return Err(bad(&format!("{key}= is empty"))),
                 _ => return Err(bad(&format!("unknown query parameter {key:?}"))),
             }
@@ -238,6 +248,7 @@ impl RemoteSpec {
             address,
             export,
             tls: tls.then_some(settings),
+            reconnect_delay,
         })
     }
 
@@ -277,6 +288,9 @@ impl RemoteSpec {
                 add("tls-verify-peer", "false");
             }
         }
+        if let Some(d) = self.reconnect_delay {
+            query.push(format!("reconnect-delay={}", d.as_secs()));
+        }
         if query.is_empty() {
             base
         } else {
@@ -288,5 +302,22 @@ impl RemoteSpec {
 impl std::fmt::Display for RemoteSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.uri())
+    }
+}
+
+/// `reconnect-delay`'s value: whole seconds, 0 to [`MAX_RECONNECT_DELAY`].
+///
+/// **Returns:** the delay; what is wrong with the value.
+pub fn parse_reconnect_delay(value: &str) -> Result<Duration, String> {
+    match value.parse::<u64>() {
+        Ok(n)
+            if value.bytes().all(|c| c.is_ascii_digit()) && n <= MAX_RECONNECT_DELAY.as_secs() =>
+        {
+            Ok(Duration::from_secs(n))
+        }
+        _ => Err(format!(
+            "reconnect-delay={value:?} is not whole seconds from 0 to {}",
+            MAX_RECONNECT_DELAY.as_secs()
+        )),
     }
 }
