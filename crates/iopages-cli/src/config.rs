@@ -171,6 +171,10 @@ pub struct ExportSpec {
     pub allow: Vec<AllowRule>,
     /// `rate-bytes`, `rate-requests`: its rate limits.
     pub rate: RateLimit,
+    /// `reconnect-delay` in whole seconds, for a remote image: how long
+    /// requests wait for its store to come back (default: the URI's
+    /// `reconnect-delay=`, else 10 s).
+    pub reconnect_delay: Option<std::time::Duration>,
     /// 1-based line of the export's `[[export]]` header, for messages.
     pub line: usize,
 }
@@ -545,6 +549,7 @@ struct RawExport {
     allow: Vec<String>,
     rate_bytes: Option<SizeText>,
     rate_requests: Option<u64>,
+    reconnect_delay: Option<u64>,
 }
 
 impl RawExport {
@@ -603,9 +608,20 @@ impl RawExport {
                     .into(),
             );
         }
+        let reconnect_delay = match self.reconnect_delay {
+            None => None,
+            Some(_) if !matches!(image, ImageSpec::Nbd(_)) => {
+                return Err("reconnect-delay is for an image on a remote store (nbd://…)".into())
+            }
+            Some(n) => Some(
+                iopages_nbd::remote::parse_reconnect_delay(&n.to_string())
+                    .map_err(|e| e.replace("=", " "))?,
+            ),
+        };
         Ok(ExportSpec {
             allow,
             rate,
+            reconnect_delay,
             name: self.name,
             image,
             passphrase,
@@ -810,6 +826,7 @@ passphrase-credential = "vm2.pass"
 io = "buffered"
 arena = 1048576
 inline-max = 0
+reconnect-delay = 30
 
 [[export]]
 name = "vm3"
@@ -856,6 +873,7 @@ passphrase-prompt = true
                         bytes_per_second: Some(100 << 20),
                         requests_per_second: Some(5000),
                     },
+                    reconnect_delay: None,
                     line: 12,
                 },
                 ExportSpec {
@@ -872,6 +890,7 @@ passphrase-prompt = true
                     inline_max: Some(0),
                     allow: Vec::new(),
                     rate: RateLimit::default(),
+                    reconnect_delay: Some(std::time::Duration::from_secs(30)),
                     line: 28,
                 },
                 ExportSpec {
@@ -888,6 +907,7 @@ passphrase-prompt = true
                     inline_max: None,
                     allow: Vec::new(),
                     rate: RateLimit::default(),
+                    reconnect_delay: None,
                     line: 36,
                 },
             ]

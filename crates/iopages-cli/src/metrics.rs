@@ -19,6 +19,7 @@
 //! their traffic: the endpoint may listen on any address.
 
 use iopages_crypt::strategy::OutStats;
+use iopages_nbd::remote::RemoteHealth;
 use iopages_nbd::volume::Volume;
 use iopages_nbd::{Stats, StatsHandle, LATENCY_BUCKETS};
 use prometheus_client::collector::Collector;
@@ -44,8 +45,9 @@ pub const CLIENT_TIMEOUT: Duration = Duration::from_secs(5);
 /// requests) before it is closed.
 const MAX_DROPPED_BYTES: usize = 64 << 10;
 
-/// What a volume reports: its arena and where its out pages came from.
-#[derive(Clone, Copy, Debug, Default)]
+/// What a volume reports: its arena, where its out pages came from, and
+/// its remote store's state.
+#[derive(Clone, Debug, Default)]
 pub struct VolumeStats {
     /// Pages in the volume's arena.
     pub arena_pages: u64,
@@ -53,6 +55,8 @@ pub struct VolumeStats {
     pub arena_pages_in_use: u64,
     /// The out-page allocator's counts.
     pub out: OutStats,
+    /// The remote store's reachability and counters (a remote image).
+    pub remote: Option<RemoteHealth>,
 }
 
 /// Reads a volume's statistics at scrape time.
@@ -62,6 +66,7 @@ pub type VolumeProbe = Arc<dyn Fn() -> VolumeStats + Send + Sync>;
 pub fn volume_probe(vol: &Volume) -> VolumeProbe {
     let alloc = vol.alloc.clone();
     let queue = Arc::clone(&vol.queue);
+    let remote = vol.remote.clone();
     Arc::new(move || {
         // The accounting, not `stats()`: no zone lock.
         let a = alloc.accounting();
@@ -69,6 +74,7 @@ pub fn volume_probe(vol: &Volume) -> VolumeProbe {
             arena_pages: a.total_pages as u64,
             arena_pages_in_use: a.in_use_pages as u64,
             out: queue.target().out_pages().stats(),
+            remote: remote.as_ref().map(|r| r.health()),
         }
     })
 }
@@ -306,13 +312,7 @@ impl Collector for Snapshot {
             for e in &self.exports {
                 let l = &e.stats.latency;
                 for (class, h) in [("read", &l.read), ("write", &l.write), ("other", &l.other)] {
-                    let buckets: Vec<(f64, u64)> = (0..LATENCY_BUCKETS)
-                        .map(|k| {
-                            let le = iopages_nbd::latency_bucket_bound_us(k)
-                                .map_or(f64::INFINITY, |us| us as f64 / 1e6);
-                            (le, h.buckets[k])
-                        })
-                        .collect();
+                    let buckets = hist_buckets(h);
                     let mut labels = export_label(e);
                     labels.push(("command_class", class.to_string()));
                     m.encode_family(&labels)?.encode_histogram::<NoLabelSet>(
@@ -356,20 +356,20 @@ impl Collector for Snapshot {
             "iopages_arena_pages",
             "Pages in the volume's page arena.",
             Gauge,
-            |e| e.volume.map(|v| v.arena_pages),
+            |e| e.volume.as_ref().map(|v| v.arena_pages),
         )?;
         f.per_export(
             "iopages_arena_pages_in_use",
             "Pages of the volume's arena held now.",
             Gauge,
-            |e| e.volume.map(|v| v.arena_pages_in_use),
+            |e| e.volume.as_ref().map(|v| v.arena_pages_in_use),
         )?;
         f.per_export_by(
             "iopages_out_pages",
             "Out pages (ciphertext of writes) by source: the allocation strategy's own attempt, the mempool's free pages, the mempool's reserve.",
             Counter,
             "source",
-            |e| match e.volume {
+            |e| match &e.volume {
                 Some(v) => vec![
                     ("strategy", v.out.direct_pages),
                     ("mempool", v.out.pool_pages.saturating_sub(v.out.reserve_pages)),
@@ -382,13 +382,13 @@ impl Collector for Snapshot {
             "iopages_out_compound_blocks",
             "High-order blocks among the strategy's out pages.",
             Counter,
-            |e| e.volume.map(|v| v.out.compound_blocks),
+            |e| e.volume.as_ref().map(|v| v.out.compound_blocks),
         )?;
         f.per_export(
             "iopages_mempool_reserve_waits",
             "Sleeps of writers that found the out-page mempool's reserve empty.",
             Counter,
-            |e| e.volume.map(|v| v.out.waits),
+            |e| e.volume.as_ref().map(|v| v.out.waits),
         )?;
 
         // The server.
@@ -460,8 +460,57 @@ impl Collector for Snapshot {
             Counter,
             t.budget_refusals,
         )?;
-        tenants(&mut f, t)
+        tenants(&mut f, t)?;
+        remotes(&mut f)
     }
+}
+
+/// A latency histogram's buckets as (upper bound in seconds, count).
+fn hist_buckets(h: &iopages_nbd::LatencyHist) -> Vec<(f64, u64)> {
+    (0..LATENCY_BUCKETS)
+        .map(|k| {
+            let le =
+                iopages_nbd::latency_bucket_bound_us(k).map_or(f64::INFINITY, |us| us as f64 / 1e6);
+            (le, h.buckets[k])
+        })
+        .collect()
+}
+
+/// The families of remote stores, per export on one: reachability,
+/// reconnects, re-sent requests, failures, round trips.
+fn remotes(f: &mut Families<'_, '_>) -> std::fmt::Result {
+    use MetricType::{Counter, Gauge};
+    type Get = fn(&RemoteHealth) -> u64;
+    let families: [(&str, &str, MetricType, Get); 7] = [
+        ("iopages_remote_reachable", "1 while at least one connection to the export's remote store serves; 0 while all of them reconnect.", Gauge, |r| r.reachable as u64),
+        ("iopages_remote_connections", "Connections to the remote store serving now.", Gauge, |r| r.connected as u64),
+        ("iopages_remote_reconnects", "Connections to the remote store made again after one died.", Counter, |r| r.reconnects),
+        ("iopages_remote_resent_requests", "Requests sent again after the connection they went out on died before answering.", Counter, |r| r.resent),
+        ("iopages_remote_deadline_failures", "Requests to the remote store failed for their deadline (sending, the reply, or no connection back in time).", Counter, |r| r.deadline_failures),
+        ("iopages_remote_unreachable_failures", "Requests failed at once because the remote store stayed unreachable past reconnect-delay.", Counter, |r| r.unreachable_failures),
+        ("iopages_remote_lost_flushes", "FLUSHes failed because a connection died holding acknowledged writes no FLUSH had covered.", Counter, |r| r.lost_flushes),
+    ];
+    for (name, help, ty, get) in families {
+        f.per_export(name, help, ty, |e| {
+            e.volume.as_ref().and_then(|v| v.remote.as_ref()).map(get)
+        })?;
+    }
+    let mut m = f.enc.encode_descriptor(
+        "iopages_remote_round_trip_seconds",
+        "Time from sending a request to the remote store to its reply.",
+        None,
+        MetricType::Histogram,
+    )?;
+    for e in &f.s.exports {
+        let Some(r) = e.volume.as_ref().and_then(|v| v.remote.as_ref()) else {
+            continue;
+        };
+        let h = &r.round_trips;
+        let buckets = hist_buckets(h);
+        m.encode_family(&export_label(e))?
+            .encode_histogram::<NoLabelSet>(h.sum_seconds(), h.count(), &buckets, None)?;
+    }
+    Ok(())
 }
 
 /// The families of many tenants: how the limits are shared among peers
@@ -578,7 +627,8 @@ fn answer(head: &[u8], source: &MetricsSource) -> Vec<u8> {
         return text("400 Bad Request", "bad request\n");
     }
     let path = target.split('?').next().unwrap_or("");
-    if path != "/metrics" && path != "/healthz" {
+    let export = path.strip_prefix("/healthz/");
+    if path != "/metrics" && path != "/healthz" && export.is_none() {
         return text("404 Not Found", "not found\n");
     }
     if method != "GET" {
@@ -589,12 +639,8 @@ fn answer(head: &[u8], source: &MetricsSource) -> Vec<u8> {
             "Allow: GET\r\n",
         );
     }
-    if path == "/healthz" {
-        return if source.server.is_serving() {
-            text("200 OK", "ok\n")
-        } else {
-            text("503 Service Unavailable", "stopping\n")
-        };
+    if path == "/healthz" || export.is_some() {
+        return health(source, export);
     }
     let openmetrics = lines.any(|l| {
         l.split_once(':').is_some_and(|(k, v)| {
@@ -608,6 +654,57 @@ fn answer(head: &[u8], source: &MetricsSource) -> Vec<u8> {
         "text/plain; version=0.0.4; charset=utf-8"
     };
     response("200 OK", ty, body.as_bytes(), "")
+}
+
+/// Why an export does not serve now, if it does not: its remote store is
+/// unreachable, or its last open failed.
+fn unhealthy(e: &ExportSnapshot) -> Option<String> {
+    if let Some(r) = e.volume.as_ref().and_then(|v| v.remote.as_ref()) {
+        if !r.reachable {
+            let why = r.last_error.as_deref().unwrap_or("no connection");
+            return Some(format!(
+                "its remote store is unreachable (for {:.1} s): {why}",
+                r.down_seconds
+            ));
+        }
+    }
+    (e.state == Some(iopages_nbd::ExportState::Failed))
+        .then(|| "its volume failed to open (retried after a backoff)".to_string())
+}
+
+/// `/healthz` (`export` `None`): 200 while every export serves, else 503
+/// naming the exports that do not and why; `/healthz/EXPORT` (the name
+/// %-escaped): 200 while that export serves, 503 while it does not, 404
+/// for no such export. 503 for all while the server stops.
+fn health(source: &MetricsSource, export: Option<&str>) -> Vec<u8> {
+    if !source.server.is_serving() {
+        return text("503 Service Unavailable", "stopping\n");
+    }
+    let snap = source.snapshot();
+    let Some(name) = export else {
+        let bad: Vec<String> = snap
+            .exports
+            .iter()
+            .filter_map(|e| unhealthy(e).map(|why| format!("{:?}: {why}", e.name)))
+            .collect();
+        return match bad.is_empty() {
+            true => text("200 OK", "ok\n"),
+            false => text(
+                "503 Service Unavailable",
+                &format!("unhealthy: {}\n", bad.join("; ")),
+            ),
+        };
+    };
+    let Ok(name) = iopages_nbd::remote::percent_decode(name) else {
+        return text("400 Bad Request", "bad %-escape in the export name\n");
+    };
+    match snap.exports.iter().find(|e| e.name == name) {
+        None => text("404 Not Found", "no such export\n"),
+        Some(e) => match unhealthy(e) {
+            None => text("200 OK", "ok\n"),
+            Some(why) => text("503 Service Unavailable", &format!("{why}\n")),
+        },
+    }
 }
 
 /// One client of the endpoint.

@@ -709,7 +709,9 @@ fn single_export(
     let read_only = opts.read_only;
     let (vol, generated) =
         served::open_watched(signals, "the volume", move || match (&image, pass) {
-            (Some(image), Some(pass)) => served::open_image(image, &pass, &opts).map(|v| (v, None)),
+            (Some(image), Some(pass)) => {
+                served::open_image(image, &pass, &opts, None).map(|v| (v, None))
+            }
             _ => volume::in_memory(size, &opts)
                 .map(|(v, p)| (v, Some(p)))
                 .map_err(|e| format!("cannot make the in-memory LUKS2 volume: {e}")),
@@ -997,6 +999,13 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
     }
     if let Some(m) = metrics {
         m.stop();
+    }
+    // Stopping: a remote store that is down is not waited for (requests in
+    // flight still end by their own deadlines).
+    for s in volumes.lock().iter() {
+        if let Some(r) = &s.vol.remote {
+            r.stop_waiting();
+        }
     }
     server.shutdown();
     // Every volume opened, lazy ones included, is flushed before exit.

@@ -38,11 +38,17 @@ pub type Volumes = Arc<Mutex<Vec<Served>>>;
 
 /// Open the image `image` (a path, or an `nbd://` / `nbd+unix://` URI of
 /// a remote export holding it, `nbds://` / `nbds+unix://` over TLS) with
-/// `pass`.
+/// `pass`; a remote's requests wait `reconnect` (else the URI's
+/// `reconnect-delay=`, else 10 s) for its store to come back.
 ///
 /// **Context:** derives the key (seconds, bounded by the KDF limits).
 /// **Returns:** the error, naming the image.
-pub fn open_image(image: &ImageSpec, pass: &[u8], opts: &VolumeOptions) -> Result<Volume, String> {
+pub fn open_image(
+    image: &ImageSpec,
+    pass: &[u8],
+    opts: &VolumeOptions,
+    reconnect: Option<Duration>,
+) -> Result<Volume, String> {
     match image {
         ImageSpec::Path(p) => volume::open_image(p, pass, opts).map_err(|e| {
             let m = e.to_string();
@@ -53,7 +59,10 @@ pub fn open_image(image: &ImageSpec, pass: &[u8], opts: &VolumeOptions) -> Resul
             }
         }),
         ImageSpec::Nbd(uri) => {
-            let spec = RemoteSpec::parse(uri).map_err(|e| format!("{uri}: {e}"))?;
+            let mut spec = RemoteSpec::parse(uri).map_err(|e| format!("{uri}: {e}"))?;
+            if reconnect.is_some() {
+                spec.reconnect_delay = reconnect;
+            }
             let remote = NbdRemote::connect(
                 &spec,
                 &RemoteOptions {
@@ -62,7 +71,11 @@ pub fn open_image(image: &ImageSpec, pass: &[u8], opts: &VolumeOptions) -> Resul
                 },
             )
             .map_err(|e| format!("cannot reach the remote store {uri}: {e}"))?;
-            volume::open_remote(uri, Arc::new(remote), pass, opts).map_err(|e| e.to_string())
+            let remote = Arc::new(remote);
+            let mut vol =
+                volume::open_remote(uri, remote.clone(), pass, opts).map_err(|e| e.to_string())?;
+            vol.remote = Some(remote);
+            Ok(vol)
         }
     }
 }
@@ -235,7 +248,9 @@ pub fn from_config(
                     planned.opts.clone(),
                 );
                 let what = format!("export {:?}", spec.name);
-                match open_watched(signals, &what, move || open_image(&image, &pass, &opts)) {
+                let reconnect = spec.reconnect_delay;
+                let open = move || open_image(&image, &pass, &opts, reconnect);
+                match open_watched(signals, &what, open) {
                     Ok(vol) => {
                         let (config, volume) = ready(&planned, &vol);
                         volumes.lock().push(Served {
@@ -265,7 +280,9 @@ pub fn from_config(
                 exports.push(Export::lazy(
                     config,
                     Box::new(move || {
-                        let vol = open_image(&planned.spec.image, &planned.pass, &planned.opts)?;
+                        let p = &planned;
+                        let vol =
+                            open_image(&p.spec.image, &p.pass, &p.opts, p.spec.reconnect_delay)?;
                         let (_, volume) = ready(&planned, &vol);
                         volumes.lock().push(Served {
                             name: planned.spec.name.clone(),

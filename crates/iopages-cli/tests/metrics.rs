@@ -8,9 +8,9 @@
 
 mod common;
 
-use common::{pattern, serve_cmd, succeeded, tools, Dir, Served};
+use common::{exchange, get, pattern, serve_cmd, succeeded, tools, Dir, Served};
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -45,27 +45,6 @@ fn stop(srv: Served) {
         "iopages serve exited with {st}: {}",
         std::fs::read_to_string(&stderr).unwrap_or_default()
     );
-}
-
-/// Send `request` whole and read the reply until the server closes:
-/// the status code, the head and the body (`None`: closed without a
-/// reply).
-fn exchange(addr: SocketAddr, request: &[u8]) -> Option<(u16, String, String)> {
-    let mut s = TcpStream::connect(addr).expect("connect to the metrics endpoint");
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    // The server may close before taking it all (an oversized head).
-    let _ = s.write_all(request);
-    let mut reply = Vec::new();
-    let _ = s.read_to_end(&mut reply);
-    let reply = String::from_utf8(reply).expect("a text reply");
-    let (head, body) = reply.split_once("\r\n\r\n")?;
-    let code = head.split(' ').nth(1)?.parse().ok()?;
-    Some((code, head.to_string(), body.to_string()))
-}
-
-fn get(addr: SocketAddr, path: &str) -> (u16, String, String) {
-    let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n");
-    exchange(addr, req.as_bytes()).unwrap_or_else(|| panic!("no reply to GET {path}"))
 }
 
 /// A sample's name and labels, the labels sorted.

@@ -142,6 +142,10 @@ pub struct Volume {
     pub info: VolumeInfo,
     /// The image file (for its I/O statistics); `None` for a remote image.
     pub file: Option<Arc<UringFile>>,
+    /// The remote store a remote image is on, when it is an
+    /// [`NbdRemote`](crate::remote::NbdRemote) (its health and counters);
+    /// set by whoever connected it.
+    pub remote: Option<Arc<crate::remote::NbdRemote>>,
 }
 
 fn invalid(m: String) -> io::Error {
@@ -303,6 +307,7 @@ fn build(
         alloc,
         info,
         file: Some(file),
+        remote: None,
     })
 }
 
@@ -342,6 +347,7 @@ pub fn open_remote(
         alloc,
         info,
         file: None,
+        remote: None,
     })
 }
 

@@ -8,6 +8,8 @@
 #![allow(dead_code)]
 
 use iopages_testkit::TempDir;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::mpsc;
@@ -298,4 +300,26 @@ pub fn export_table(name: &str, image: &str, pass: &Path, extra: &str) -> String
         "[[export]]\nname = \"{name}\"\nimage = \"{image}\"\npassphrase-file = \"{}\"\narena = \"64M\"\n{extra}\n",
         pass.display()
     )
+}
+
+/// Send `request` whole and read the reply until the server closes:
+/// the status code, the head and the body (`None`: closed without a
+/// reply).
+pub fn exchange(addr: SocketAddr, request: &[u8]) -> Option<(u16, String, String)> {
+    let mut s = TcpStream::connect(addr).expect("connect to the metrics endpoint");
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    // The server may close before taking it all (an oversized head).
+    let _ = s.write_all(request);
+    let mut reply = Vec::new();
+    let _ = s.read_to_end(&mut reply);
+    let reply = String::from_utf8(reply).expect("a text reply");
+    let (head, body) = reply.split_once("\r\n\r\n")?;
+    let code = head.split(' ').nth(1)?.parse().ok()?;
+    Some((code, head.to_string(), body.to_string()))
+}
+
+/// GET `path` from the HTTP endpoint at `addr`: status, head, body.
+pub fn get(addr: SocketAddr, path: &str) -> (u16, String, String) {
+    let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n");
+    exchange(addr, req.as_bytes()).unwrap_or_else(|| panic!("no reply to GET {path}"))
 }

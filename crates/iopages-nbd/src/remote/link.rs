@@ -118,6 +118,8 @@ struct PoolState {
     /// Why the last reconnect attempt failed (cleared by a success).
     attempt: Option<String>,
     stopping: bool,
+    /// Requests finding no connection fail at once.
+    no_waiting: bool,
 }
 
 impl PoolState {
@@ -161,6 +163,7 @@ impl Pool {
                 lost: None,
                 attempt: None,
                 stopping: false,
+                no_waiting: false,
             }),
             changed: Condvar::new(),
             next: AtomicUsize::new(0),
@@ -207,10 +210,14 @@ impl Pool {
             let since = *s.down_since.get_or_insert_with(Instant::now);
             let window = since + self.reconnect_delay;
             let why = self.why(&s);
-            if s.stopping {
+            if s.stopping || s.no_waiting {
                 return Err(io::Error::new(
                     ErrorKind::NotConnected,
-                    "the remote is closing",
+                    format!(
+                        "{}: {} failed: the server is stopping: {why}",
+                        self.dialer.uri,
+                        what()
+                    ),
                 ));
             }
             let now = Instant::now();
@@ -299,6 +306,12 @@ impl Pool {
             eprintln!("iopages-nbd: {why}; reconnecting");
         }
         s.lost = Some(why);
+        self.changed.notify_all();
+    }
+
+    /// Requests finding no connection fail at once from now on.
+    pub(super) fn stop_waiting(&self) {
+        self.state.lock().no_waiting = true;
         self.changed.notify_all();
     }
 

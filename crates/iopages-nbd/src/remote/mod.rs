@@ -312,6 +312,13 @@ impl NbdRemote {
         self.threads.len()
     }
 
+    /// From now on a request finding no connection serving fails at once
+    /// instead of waiting for a reconnect (the server is stopping);
+    /// requests in flight still end by their own deadlines.
+    pub fn stop_waiting(&self) {
+        self.pool.stop_waiting();
+    }
+
     /// Whether the store is reachable, and the counters of its
     /// connections (reconnects, re-sent requests, failures, round trips).
     ///

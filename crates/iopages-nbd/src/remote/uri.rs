@@ -43,7 +43,7 @@ fn bad_uri(uri: &str, msg: &str) -> io::Error {
 }
 
 /// Decode `%XX` escapes; the result must be UTF-8.
-fn percent_decode(s: &str) -> Result<String, String> {
+pub fn percent_decode(s: &str) -> Result<String, String> {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
@@ -51,6 +51,7 @@ fn percent_decode(s: &str) -> Result<String, String> {
         if b[i] == b'%' {
             let hex = b
                 .get(i + 1..i + 3)
+                .filter(|h| h.iter().all(u8::is_ascii_hexdigit))
                 .and_then(|h| std::str::from_utf8(h).ok())
                 .and_then(|h| u8::from_str_radix(h, 16).ok());
             match hex {
