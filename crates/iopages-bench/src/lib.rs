@@ -54,6 +54,7 @@ pub mod kvmalloc;
 pub mod measure;
 pub mod mempool;
 pub mod nbd;
+pub mod nbd_outage;
 pub mod nbd_remote;
 pub mod nbd_tenants;
 pub mod peers;
