@@ -700,55 +700,55 @@ impl Conn {
         self.kill(s, kind, msg);
     }
 
+    /// The next reply header; `None` once the connection failed, stalled
+    /// past a request's deadline or closed (it is then given up).
+    fn next_header(&self, rx: &mut Recv) -> Option<[u8; SIMPLE_REPLY_BYTES]> {
+        let mut h = [0u8; SIMPLE_REPLY_BYTES];
+        let got = rx.fill(&mut h, self.timeout, &mut |done| {
+            let s = self.shared.lock();
+            if s.dead.is_some() || (s.closing && s.pending.is_empty()) {
+                return Err(io::Error::new(ErrorKind::ConnectionAborted, "closed"));
+            }
+            if done > 0 {
+                return Ok(false);
+            }
+            match self.overdue(&s) {
+                Some(msg) => Err(io::Error::new(ErrorKind::TimedOut, msg)),
+                None => Ok(true),
+            }
+        });
+        let Err(e) = got else {
+            return Some(h);
+        };
+        let mut s = self.shared.lock();
+        if s.closing && s.pending.is_empty() {
+            let msg = format!("{}: closed", self.name);
+            self.kill(&mut s, ErrorKind::ConnectionAborted, msg);
+        } else if e.kind() == ErrorKind::TimedOut && e.to_string().contains(&self.name) {
+            self.kill(&mut s, e.kind(), e.to_string());
+        } else {
+            let msg = format!("{}: the connection failed: {e}", self.name);
+            self.kill(&mut s, e.kind(), msg);
+        }
+        None
+    }
+
     /// The reader thread: reply headers in, callers completed by cookie.
     pub(super) fn reader(self: Arc<Conn>, stream: Stream) {
         let mut rx = Recv::new(stream, RECV_BUFFER_BYTES);
         loop {
-            let mut h = [0u8; SIMPLE_REPLY_BYTES];
-            let got = rx.fill(&mut h, self.timeout, &mut |done| {
-                let s = self.shared.lock();
-                if s.dead.is_some() || (s.closing && s.pending.is_empty()) {
-                    return Err(io::Error::new(ErrorKind::ConnectionAborted, "closed"));
-                }
-                if done > 0 {
-                    return Ok(false);
-                }
-                match self.overdue(&s) {
-                    Some(msg) => Err(io::Error::new(ErrorKind::TimedOut, msg)),
-                    None => Ok(true),
-                }
-            });
+            let Some(h) = self.next_header(&mut rx) else {
+                return;
+            };
             let mut s = self.shared.lock();
-            if let Err(e) = got {
-                let msg = if e.kind() == ErrorKind::TimedOut && e.to_string().contains(&self.name) {
-                    e.to_string()
-                } else {
-                    format!("{}: the connection failed: {e}", self.name)
-                };
-                if s.closing && s.pending.is_empty() {
-                    self.kill(
-                        &mut s,
-                        ErrorKind::ConnectionAborted,
-                        format!("{}: closed", self.name),
-                    );
-                } else {
-                    self.kill(&mut s, e.kind(), msg);
+            let (errno, cookie) = match parse_reply(&h) {
+                Ok(r) => r,
+                Err(what) => {
+                    let msg = format!("{}: the remote sent {what}", self.name);
+                    self.kill(&mut s, ErrorKind::InvalidData, msg);
+                    return;
                 }
-                return;
-            }
-            let magic = u32::from_be_bytes(h[0..4].try_into().expect("4 bytes"));
-            let errno = u32::from_be_bytes(h[4..8].try_into().expect("4 bytes"));
-            let cookie = u64::from_be_bytes(h[8..16].try_into().expect("8 bytes"));
-            if magic != SIMPLE_REPLY_MAGIC {
-                let what = if magic == STRUCTURED_REPLY_MAGIC {
-                    "a structured reply, which was not negotiated".to_string()
-                } else {
-                    format!("a reply with the bad magic {magic:#010x}")
-                };
-                let msg = format!("{}: the remote sent {what}", self.name);
-                self.kill(&mut s, ErrorKind::InvalidData, msg);
-                return;
-            }
+            };
             let sh = &mut *s;
             let Some(p) = sh
                 .pending
@@ -791,5 +791,20 @@ impl Conn {
                 }
             }
         }
+    }
+}
+
+/// A simple reply header's error code and cookie.
+///
+/// **Returns:** what is wrong with one that is not a simple reply.
+fn parse_reply(h: &[u8; SIMPLE_REPLY_BYTES]) -> Result<(u32, u64), String> {
+    let magic = u32::from_be_bytes([h[0], h[1], h[2], h[3]]);
+    let errno = u32::from_be_bytes([h[4], h[5], h[6], h[7]]);
+    let mut c = [0u8; 8];
+    c.copy_from_slice(&h[8..16]);
+    match magic {
+        SIMPLE_REPLY_MAGIC => Ok((errno, u64::from_be_bytes(c))),
+        STRUCTURED_REPLY_MAGIC => Err("a structured reply, which was not negotiated".into()),
+        m => Err(format!("a reply with the bad magic {m:#010x}")),
     }
 }
