@@ -908,7 +908,7 @@ passphrase-prompt = true
                     allow: Vec::new(),
                     rate: RateLimit::default(),
                     reconnect_delay: None,
-                    line: 36,
+                    line: 37,
                 },
             ]
         );

@@ -986,6 +986,21 @@ mod tests {
                         reserve_pages: 1,
                         ..OutStats::default()
                     },
+                    remote: Some(RemoteHealth {
+                        connected: 3,
+                        connections: 4,
+                        reachable: true,
+                        reconnects: 2,
+                        resent: 5,
+                        lost_flushes: 1,
+                        round_trips: {
+                            let mut h = iopages_nbd::LatencyHist::default();
+                            h.buckets[3] = 2;
+                            h.sum_ns = 15_000;
+                            h
+                        },
+                        ..RemoteHealth::default()
+                    }),
                 }),
             }],
         };
@@ -1002,6 +1017,13 @@ mod tests {
             "iopages_export_open{export=\"a\\\"b\"} 1",
             "iopages_connections_open 0",
             "iopages_timeouts_total{kind=\"idle\"} 0",
+            "iopages_remote_reachable{export=\"a\\\"b\"} 1",
+            "iopages_remote_connections{export=\"a\\\"b\"} 3",
+            "iopages_remote_reconnects_total{export=\"a\\\"b\"} 2",
+            "iopages_remote_resent_requests_total{export=\"a\\\"b\"} 5",
+            "iopages_remote_lost_flushes_total{export=\"a\\\"b\"} 1",
+            "iopages_remote_round_trip_seconds_bucket{le=\"0.000008\",export=\"a\\\"b\"} 2",
+            "iopages_remote_round_trip_seconds_count{export=\"a\\\"b\"} 2",
         ] {
             assert!(t.lines().any(|l| l == want), "{want} missing from:\n{t}");
         }
