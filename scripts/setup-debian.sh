@@ -7,8 +7,11 @@
 #   python3-cryptography  the outside implementation the crypt tests decrypt
 #                         the backends' ciphertext with
 #   qemu-utils            qemu-io, qemu-img and qemu-nbd: NBD clients of the
-#                         server's interop tests, and qemu's LUKS driver, a
-#                         peer of `iopages bench nbd`
+#                         server's interop tests, qemu's LUKS driver, a peer
+#                         of `iopages bench nbd`, and qemu-nbd a remote store
+#                         of tests/stores.rs
+#   nbd-server            Debian's NBD server: a remote store of
+#                         tests/stores.rs
 #   cryptsetup-bin        cryptsetup: formats the LUKS volumes the tests open,
 #                         and checks the ones `iopages luks format` makes
 #   nbdkit                nbdkit and its luks filter: reads our LUKS1 volumes
@@ -21,12 +24,16 @@
 #                         (also under AddressSanitizer), and the header
 #                         compiled as C++
 #
+# Ceph (the third store of tests/stores.rs, and `iopages bench nbd --remote
+# --store ceph`) is not installed here: scripts/ceph-store.sh installs it
+# when asked (IOPAGES_CEPH=1 for the test).
+#
 # (The `openssl` crate builds OpenSSL from source — its `vendored` feature —
 # so building and testing need no -dev package.)
 #
 # Usage: scripts/setup-debian.sh   (as root, or with the packages installed)
 set -euo pipefail
-pkgs=(openssl python3-cryptography qemu-utils cryptsetup-bin nbdkit libnbd-bin fio gcc g++)
+pkgs=(openssl python3-cryptography qemu-utils nbd-server cryptsetup-bin nbdkit libnbd-bin fio gcc g++)
 
 missing=()
 for p in "${pkgs[@]}"; do

@@ -1,20 +1,21 @@
 //! E6 remote (`iopages bench nbd --remote`): a LUKS1 image whose
-//! ciphertext lives on a remote NBD store (an nbdkit `file` export), served
-//! decrypted by `iopages serve --image nbd+unix://…` and by nbdkit's luks
-//! filter over its nbd plugin, in turn, under E6's loads (fio's nbd engine:
-//! 1 MiB sequential write and read, 4 KiB random read/write; nbdcopy of the
-//! whole volume). The raw remote — a plaintext export of the same size on
-//! the same nbdkit server — runs the same loads: a server that decrypts in
-//! front of it cannot beat it, so a figure more than `RAW_BOUND` (10 %)
-//! above it is flagged as failed (a wrong clock, not a fast server).
+//! ciphertext lives on a remote NBD store, served decrypted by `iopages
+//! serve --image nbd+unix://…` and by nbdkit's luks filter over its nbd
+//! plugin, in turn, under E6's loads (fio's nbd engine: 1 MiB sequential
+//! write and read, 4 KiB random read/write; nbdcopy of the whole volume).
+//! The raw remote — a plaintext export of the same size on the same store
+//! — runs the same loads: a server that decrypts in front of it cannot beat
+//! it, so a figure more than `RAW_BOUND` (10 %) above it is flagged as
+//! failed (a wrong clock, not a fast server). The store (`--store`, module
+//! `store`) is an nbdkit `file` export by default, or with `--store ceph`
+//! RBD images of a single-node Ceph cluster (scripts/ceph-store.sh).
 //!
-//! Owns: the remote store (one `nbdkit file dir=…` process for the whole
-//! run, exporting `luks1.img` and `raw.img`), the two LUKS servers started
-//! and stopped in turn, the cross-checks (each LUKS server checks with fio
-//! `verify_only` what the other wrote last; at the end both read the whole
-//! volume and must return the same bytes), the table, `nbd-remote.json`.
-//! Must never: run both LUKS servers against the remote at once; leave a
-//! child process or a temporary file behind.
+//! Owns: the two LUKS servers started and stopped in turn, the
+//! cross-checks (each LUKS server checks with fio `verify_only` what the
+//! other wrote last; at the end both read the whole volume and must return
+//! the same bytes), the table, `nbd-remote.json` (`nbd-remote-ceph.json`
+//! on Ceph). Must never: run both LUKS servers against the remote at once;
+//! leave a child process or a temporary file behind.
 
 use crate::harness::{Report, Table};
 use crate::measure::{median, per_run_ratio};
@@ -36,11 +37,13 @@ use crate::nbd::{
     LUKS_HEADER_BYTES, MIB, OUR_EXPORT, RAND_DEPTH, RAND_JOBS, SEQ_DEPTH, START_TIMEOUT,
     STOP_TIMEOUT, TARGET_RATIO, VERIFY_BYTES,
 };
+mod store;
+
+pub use store::Store;
+use store::{Export, Running, LUKS_FILE, RAW_FILE};
+
 /// The volume's passphrase (the file holds exactly these bytes).
 const PASSPHRASE: &[u8] = b"iopages-e6-remote-passphrase";
-/// The remote's exports (files in its directory).
-const LUKS_FILE: &str = "luks1.img";
-const RAW_FILE: &str = "raw.img";
 /// No figure may exceed the raw remote's by more than this factor.
 const RAW_BOUND: f64 = 1.10;
 
@@ -87,7 +90,7 @@ struct Tools {
 }
 
 impl Tools {
-    fn find(dir: &Path) -> Result<Tools, BenchError> {
+    fn find(dir: &Path, store: Store) -> Result<Tools, BenchError> {
         let need = |name: &str, pkg: &str, why: &str| {
             find_tool(name).ok_or_else(|| {
                 workload(format!(
@@ -133,11 +136,13 @@ impl Tools {
             os(&[&"nbd", &"--dump-plugin"]),
             "nbdkit's nbd plugin is missing",
         )?;
-        probe(
-            &t.nbdkit,
-            os(&[&"file", &"--dump-plugin"]),
-            "nbdkit's file plugin is missing",
-        )?;
+        if store == Store::Nbdkit {
+            probe(
+                &t.nbdkit,
+                os(&[&"file", &"--dump-plugin"]),
+                "nbdkit's file plugin is missing",
+            )?;
+        }
         Ok(t)
     }
 }
@@ -217,7 +222,9 @@ struct Setup {
     store: PathBuf,
     pass: PathBuf,
     source: PathBuf,
-    remote_sock: PathBuf,
+    /// The store's exports: the LUKS1 image, the plaintext raw export.
+    luks: Export,
+    raw: Export,
     server_sock: PathBuf,
     /// The volume's size (the LUKS payload; the raw export's size) and
     /// each fio load's run time.
@@ -225,14 +232,10 @@ struct Setup {
 }
 
 impl Setup {
-    fn remote_uri(&self, export: &str) -> String {
-        format!("nbd+unix:///{export}?socket={}", self.remote_sock.display())
-    }
-
     /// The URI the loads use for `s`.
     fn uri(&self, s: Server) -> String {
         match s {
-            Server::Raw => self.remote_uri(RAW_FILE),
+            Server::Raw => self.raw.uri(),
             Server::Ours => format!(
                 "nbd+unix:///{OUR_EXPORT}?socket={}",
                 self.server_sock.display()
@@ -249,7 +252,7 @@ impl Setup {
                 cmd = Command::new(ours);
                 cmd.arg("serve")
                     .arg("--image")
-                    .arg(self.remote_uri(LUKS_FILE))
+                    .arg(self.luks.uri())
                     .arg("--passphrase-file")
                     .arg(&self.pass)
                     .arg("--unix")
@@ -265,15 +268,16 @@ impl Setup {
                     .arg(&self.server_sock)
                     .arg("--filter=luks")
                     .arg("nbd")
-                    .arg(format!("socket={}", self.remote_sock.display()))
-                    .arg(format!("export={LUKS_FILE}"))
+                    .arg(format!("socket={}", self.luks.sock.display()))
+                    .arg(format!("export={}", self.luks.name))
                     .arg(format!("passphrase=+{}", self.pass.display()));
             }
         }
         cmd
     }
 
-    /// Flush the remote's files to disk (outside the timed loads).
+    /// Flush the nbdkit store's files to disk (outside the timed loads;
+    /// on Ceph they are on the RBD images, and nothing is here).
     fn sync_store(&self) {
         for f in [LUKS_FILE, RAW_FILE] {
             if let Ok(f) = std::fs::File::open(self.store.join(f)) {
@@ -408,29 +412,42 @@ fn make_files(tools: &Tools, st: &mut Setup, payload: u64) -> Result<(), BenchEr
     fill_file(&st.source, st.plan.dev, 0xD1B5_4A32_D192_ED03)
 }
 
-/// `iopages bench nbd --remote`. `iopages_bin` is the `iopages` whose
-/// `serve` is measured. Returns the report; a failed server, a failed
-/// cross-check or a figure above the raw remote's bound is reported and
-/// then returned as an error.
+/// `iopages bench nbd --remote` on the nbdkit store (see [`run_on`]).
 pub fn run(opts: &BenchOptions, iopages_bin: &Path) -> Result<Value, BenchError> {
+    run_on(opts, iopages_bin, Store::Nbdkit)
+}
+
+/// `iopages bench nbd --remote --store STORE`. `iopages_bin` is the
+/// `iopages` whose `serve` is measured.
+///
+/// **Returns:** the report; a failed server, a failed cross-check or a
+/// figure above the raw remote's bound is reported and then returned as
+/// an error, as is a store that cannot be started (Ceph: not installable).
+pub fn run_on(opts: &BenchOptions, iopages_bin: &Path, store: Store) -> Result<Value, BenchError> {
     let (runs, payload, fio_ms) = if opts.quick {
         (1usize, 64 * MIB, 2000u64)
     } else {
         (3, 256 * MIB, 5000)
     };
-    let (json_path, _) = opts.paths("nbd-remote");
+    let (json_path, _) = opts.paths(store.stem());
     // Bound before any process: removed after they are stopped.
     let (work, socks, _dirs) = work_dirs(iopages_bin, &json_path, "nbd-remote")?;
     std::fs::create_dir_all(work.join("store")).map_err(|e| BenchError::Write {
         path: work.join("store"),
         source: e,
     })?;
-    let tools = Tools::find(&work)?;
+    let tools = Tools::find(&work, store)?;
+    let remote_sock = socks.join("remote.sock");
+    let nbdkit_export = |name: &str| Export {
+        sock: remote_sock.clone(),
+        name: name.to_string(),
+    };
     let mut st = Setup {
         store: work.join("store"),
         pass: work.join("passphrase"),
         source: work.join("source.bin"),
-        remote_sock: socks.join("remote.sock"),
+        luks: nbdkit_export(LUKS_FILE),
+        raw: nbdkit_export(RAW_FILE),
         server_sock: socks.join("server.sock"),
         work: work.clone(),
         plan: Plan { dev: 0, fio_ms },
@@ -438,8 +455,9 @@ pub fn run(opts: &BenchOptions, iopages_bin: &Path) -> Result<Value, BenchError>
     progress(
         "nbd-remote",
         format!(
-            "E6 remote: a LUKS1 image (aes-xts-plain64, 512-bit key) of {} MiB payload on a remote nbdkit file export; iopages serve and nbdkit's luks filter (nbd plugin) in front of it in turn, beside the raw remote; {runs} run(s), fio {} s per load",
+            "E6 remote: a LUKS1 image (aes-xts-plain64, 512-bit key) of {} MiB payload on {}; iopages serve and nbdkit's luks filter (nbd plugin) in front of it in turn, beside the raw remote; {runs} run(s), fio {} s per load",
             payload / MIB,
+            store.describe(),
             fio_ms as f64 / 1000.0
         ),
     );
@@ -448,24 +466,41 @@ pub fn run(opts: &BenchOptions, iopages_bin: &Path) -> Result<Value, BenchError>
         "making the LUKS1 image, the raw export and the source file",
     );
     make_files(&tools, &mut st, payload)?;
-
-    let mut remote_cmd = Command::new(&tools.nbdkit);
-    remote_cmd
-        .arg("--foreground")
-        .arg("--exit-with-parent")
-        .arg("--unix")
-        .arg(&st.remote_sock)
-        .arg("file")
-        .arg(format!("dir={}", st.store.display()));
-    progress("nbd-remote", "starting the remote store (nbdkit file)");
-    let (mut remote, remote_line) = start(
-        "remote nbdkit file",
-        "remote",
-        remote_cmd,
-        &st.remote_sock,
-        &work,
-    )
+    let mut remote = match store {
+        Store::Nbdkit => store::start_nbdkit(&tools, &st.store, &remote_sock, &work),
+        Store::Ceph => store::start_ceph(
+            &tools,
+            &st.store,
+            &socks.join("ceph"),
+            &work,
+            (payload + LUKS_HEADER_BYTES, st.plan.dev),
+        ),
+    }
     .map_err(workload)?;
+    (st.luks, st.raw) = (remote.luks.clone(), remote.raw.clone());
+    let (mut results, checks) = measure_all(&tools, &st, iopages_bin, runs, &mut remote)?;
+    results[0].command = remote.command.clone();
+    results[0].stops.push(remote.stop());
+    let stored = Stored {
+        store,
+        settings: remote.settings.clone(),
+    };
+    drop(remote);
+    report(opts, &st, &stored, runs, &results, &checks, &json_path)
+}
+
+/// Every run of every server in turn (each run starts with the next one),
+/// then the whole-volume cross-check.
+///
+/// **Returns:** the results per server and the cross-checks; Err only
+/// when the store died.
+fn measure_all(
+    tools: &Tools,
+    st: &Setup,
+    iopages_bin: &Path,
+    runs: usize,
+    remote: &mut Running,
+) -> Result<(Vec<Results>, Vec<Check>), BenchError> {
     let mut results: Vec<Results> = Server::ALL
         .iter()
         .map(|_| Results {
@@ -475,7 +510,6 @@ pub fn run(opts: &BenchOptions, iopages_bin: &Path) -> Result<Value, BenchError>
             stops: Vec::new(),
         })
         .collect();
-    results[0].command = format!("{remote_line} (export {RAW_FILE})");
     let mut checks: Vec<Check> = Vec::new();
     // The LUKS server that last wrote the verify region.
     let mut previous: Option<Server> = None;
@@ -492,8 +526,8 @@ pub fn run(opts: &BenchOptions, iopages_bin: &Path) -> Result<Value, BenchError>
             );
             let m = measure_one(
                 s,
-                &tools,
-                &st,
+                tools,
+                st,
                 iopages_bin,
                 previous,
                 &mut results[si],
@@ -502,29 +536,9 @@ pub fn run(opts: &BenchOptions, iopages_bin: &Path) -> Result<Value, BenchError>
             if let Err(e) = remote.alive() {
                 return Err(workload(format!("the remote store died: {e}")));
             }
-            match m {
-                Ok(v) => {
-                    let line = Load::ALL
-                        .iter()
-                        .zip(&v)
-                        .map(|(l, x)| format!("{} {:.0} {}", l.key(), x.figure(*l), l.unit()))
-                        .collect::<Vec<_>>()
-                        .join(", ");
-                    progress("nbd-remote", format!("  {}: {line}", s.label()));
-                    for (l, x) in v.into_iter().enumerate() {
-                        results[si].samples[l].push(x);
-                    }
-                    if s != Server::Raw {
-                        previous = Some(s);
-                    }
-                }
-                Err(why) => {
-                    progress("nbd-remote", format!("  FAILED ({}): {why}", s.label()));
-                    results[si].failed = Some(why);
-                    if s != Server::Raw {
-                        previous = None;
-                    }
-                }
+            let wrote = record(s, m, &mut results[si]);
+            if s != Server::Raw {
+                previous = wrote.then_some(s);
             }
         }
     }
@@ -533,12 +547,34 @@ pub fn run(opts: &BenchOptions, iopages_bin: &Path) -> Result<Value, BenchError>
             "nbd-remote",
             "cross-check: the whole volume read through each LUKS server",
         );
-        checks.push(whole_volume_check(&tools, &st, iopages_bin));
+        checks.push(whole_volume_check(tools, st, iopages_bin));
     }
-    let bound_stop = remote.stop();
-    drop(remote);
-    results[0].stops.push(bound_stop);
-    report(opts, &st, runs, &results, &checks, &json_path)
+    Ok((results, checks))
+}
+
+/// Keep one pass's samples (or why it failed) in `res`, with a progress
+/// line. Returns whether the pass succeeded.
+fn record(s: Server, m: Result<Vec<Sample>, String>, res: &mut Results) -> bool {
+    match m {
+        Ok(v) => {
+            let line = Load::ALL
+                .iter()
+                .zip(&v)
+                .map(|(l, x)| format!("{} {:.0} {}", l.key(), x.figure(*l), l.unit()))
+                .collect::<Vec<_>>()
+                .join(", ");
+            progress("nbd-remote", format!("  {}: {line}", s.label()));
+            for (l, x) in v.into_iter().enumerate() {
+                res.samples[l].push(x);
+            }
+            true
+        }
+        Err(why) => {
+            progress("nbd-remote", format!("  FAILED ({}): {why}", s.label()));
+            res.failed = Some(why);
+            false
+        }
+    }
 }
 
 /// One server's pass: the size, the other LUKS server's verify region,
@@ -783,18 +819,27 @@ struct Body {
     summary: Value,
 }
 
-fn report(
-    opts: &BenchOptions,
+/// The store the run used, for the report.
+struct Stored {
+    store: Store,
+    /// What it was (the report's settings).
+    settings: String,
+}
+
+/// The table: every server's figures per load, the verdicts, the checks.
+fn print_table(
     st: &Setup,
+    stored: &Stored,
     runs: usize,
     results: &[Results],
+    v: &[Verdict],
     checks: &[Check],
-    json_path: &Path,
-) -> Result<Value, BenchError> {
-    let v = verdicts(results);
+) {
     let mut t = Table::new("");
     t.line(format!(
-        "nbd --remote (E6 remote): LUKS1 (aes-xts-plain64, 512-bit key) ciphertext on a remote nbdkit file export, {} MiB volume, Unix sockets; median of {runs} run(s)",
+        "nbd --remote --store {} (E6 remote): LUKS1 (aes-xts-plain64, 512-bit key) ciphertext on {}, {} MiB volume, Unix sockets; median of {runs} run(s)",
+        stored.store.key(),
+        stored.store.describe(),
         st.plan.dev / MIB
     ));
     t.line(format!(
@@ -822,7 +867,7 @@ fn report(
         }
     }
     let f = |x: Option<f64>| x.map_or_else(|| "-".to_string(), |x| format!("{x:.2}"));
-    for (load, x) in Load::ALL.iter().zip(&v) {
+    for (load, x) in Load::ALL.iter().zip(v) {
         t.line(format!(
             "{:<13} ({}): ours / nbdkit {} (target >= {TARGET_RATIO}: {}); over raw remote: ours {}, nbdkit {}{}",
             load.key(),
@@ -839,20 +884,19 @@ fn report(
         ));
     }
     for c in checks {
-        t.line(format!(
-            "check: {}: {}{}",
-            c.what,
-            if c.ok { "ok" } else { "FAILED" },
-            if c.ok {
-                String::new()
-            } else {
-                format!(" ({})", c.detail)
-            }
-        ));
+        let how = if c.ok {
+            "ok".to_string()
+        } else {
+            format!("FAILED ({})", c.detail)
+        };
+        t.line(format!("check: {}: {how}", c.what));
     }
     t.print();
+}
 
-    let rows = Server::ALL
+/// The report's rows: per server and load, the medians and every run.
+fn rows_of(results: &[Results]) -> Vec<Row> {
+    Server::ALL
         .iter()
         .zip(results)
         .flat_map(|(&s, r)| {
@@ -866,7 +910,11 @@ fn report(
                 runs_iops: r.samples[l].iter().map(|x| x.iops.map(round2)).collect(),
             })
         })
-        .collect();
+        .collect()
+}
+
+/// What failed: servers, figures above the raw remote's bound, checks.
+fn failures_of(results: &[Results], v: &[Verdict], checks: &[Check]) -> Vec<String> {
     let mut failed: Vec<String> = Server::ALL
         .iter()
         .zip(results)
@@ -885,7 +933,57 @@ fn report(
             .filter(|c| !c.ok)
             .map(|c| format!("check failed: {}: {}", c.what, c.detail)),
     );
+    failed
+}
+
+/// How the run was set up (the report's settings).
+fn settings_of(opts: &BenchOptions, st: &Setup, stored: &Stored, runs: usize) -> Value {
+    let page_cache = match stored.store {
+        Store::Nbdkit => "the remote nbdkit reads and writes its files through the page cache; both files are synced to disk before each timed load (outside it); nothing asks for a flush",
+        Store::Ceph => "the RBD images live in the OSD's memory (memstore); the exporter's librbd cache is in front of them; nothing asks for a flush",
+    };
+    json!({
+        "runs": runs,
+        "quick": opts.quick,
+        "export_bytes": st.plan.dev,
+        "image": "LUKS1, aes-xts-plain64, 512-bit key, sha256, 1000 PBKDF2 iterations (cryptsetup); every payload byte written before the runs",
+        "store": stored.store.key(),
+        "remote": stored.settings,
+        "ours": format!("iopages serve --image {} --passphrase-file P --unix S --name {OUR_EXPORT}", st.luks.uri()),
+        "nbdkit": format!("nbdkit --unix S --filter=luks nbd socket={} export={} passphrase=+P", st.luks.sock.display(), st.luks.name),
+        "raw_remote": format!("the loads straight on the store's plaintext export ({}), of the volume's size", st.raw.uri()),
+        "fio": {
+            "engine": "nbd (libnbd)",
+            "seconds_per_load": st.plan.fio_ms as f64 / 1000.0,
+            "seq": format!("1 MiB, iodepth {SEQ_DEPTH}, 1 job, time based over the whole volume"),
+            "randrw": format!("4 KiB, 50 % reads, iodepth {RAND_DEPTH}, {RAND_JOBS} jobs, time based"),
+        },
+        "nbdcopy": "defaults; read: --no-extents export -> null:, write: a data file of the volume's size -> export, no --flush",
+        "page_cache": page_cache,
+        "order": "each run starts with the next server in turn; one LUKS server against the remote at a time",
+        "bound": format!("no server may exceed the raw remote for the same load (median of each run's ratio) by more than {:.0} %", (RAW_BOUND - 1.0) * 100.0),
+        "checks": format!("each LUKS server checks with fio verify_only the last {} MiB the other wrote with crc32c headers, then writes and checks them itself; at the end the whole volume is read through each and compared", VERIFY_BYTES / MIB),
+    })
+}
+
+/// Print the table, write the report (`nbd-remote.json`, or
+/// `nbd-remote-ceph.json` on Ceph, unless `--json`).
+///
+/// **Returns:** the report; Err after writing it when anything failed.
+fn report(
+    opts: &BenchOptions,
+    st: &Setup,
+    stored: &Stored,
+    runs: usize,
+    results: &[Results],
+    checks: &[Check],
+    json_path: &Path,
+) -> Result<Value, BenchError> {
+    let v = verdicts(results);
+    print_table(st, stored, runs, results, &v, checks);
+    let failed = failures_of(results, &v, checks);
     let summary = json!({
+        "store": stored.store.key(),
         "target_ratio": TARGET_RATIO,
         "raw_bound": RAW_BOUND,
         "loads_met": v.iter().filter(|x| x.target_met).map(|x| x.load).collect::<Vec<_>>(),
@@ -894,48 +992,28 @@ fn report(
         "checks_ok": checks.iter().all(|c| c.ok) && !checks.is_empty(),
         "failed": failed,
     });
+    let servers = Server::ALL
+        .iter()
+        .zip(results)
+        .map(|(&s, r)| {
+            let info = ServerInfo {
+                label: s.label(),
+                command: r.command.clone(),
+                failed: r.failed.clone(),
+                stops: r.stops.clone(),
+            };
+            (s.key().to_string(), json!(info))
+        })
+        .collect();
     let body = Body {
-        servers: Server::ALL
-            .iter()
-            .zip(results)
-            .map(|(&s, r)| {
-                let info = ServerInfo {
-                    label: s.label(),
-                    command: r.command.clone(),
-                    failed: r.failed.clone(),
-                    stops: r.stops.clone(),
-                };
-                (s.key().to_string(), json!(info))
-            })
-            .collect(),
-        rows,
+        servers,
+        rows: rows_of(results),
         verdicts: v,
         checks: checks.to_vec(),
         summary,
     };
-    let settings = json!({
-        "runs": runs,
-        "quick": opts.quick,
-        "export_bytes": st.plan.dev,
-        "image": "LUKS1, aes-xts-plain64, 512-bit key, sha256, 1000 PBKDF2 iterations (cryptsetup); every payload byte written before the runs",
-        "remote": format!("one nbdkit file plugin process (dir=, exports {LUKS_FILE} and {RAW_FILE}) on a Unix socket for the whole run; files through the page cache"),
-        "ours": format!("iopages serve --image nbd+unix:///{LUKS_FILE}?socket=REMOTE --passphrase-file P --unix S --name {OUR_EXPORT}"),
-        "nbdkit": format!("nbdkit --unix S --filter=luks nbd socket=REMOTE export={LUKS_FILE} passphrase=+P"),
-        "raw_remote": format!("the loads straight on the remote's plaintext export {RAW_FILE}, of the volume's size"),
-        "fio": {
-            "engine": "nbd (libnbd)",
-            "seconds_per_load": st.plan.fio_ms as f64 / 1000.0,
-            "seq": format!("1 MiB, iodepth {SEQ_DEPTH}, 1 job, time based over the whole volume"),
-            "randrw": format!("4 KiB, 50 % reads, iodepth {RAND_DEPTH}, {RAND_JOBS} jobs, time based"),
-        },
-        "nbdcopy": "defaults; read: --no-extents export -> null:, write: a data file of the volume's size -> export, no --flush",
-        "page_cache": "the remote nbdkit reads and writes its files through the page cache; both files are synced to disk before each timed load (outside it); nothing asks for a flush",
-        "order": "each run starts with the next server in turn; one LUKS server against the remote at a time",
-        "bound": format!("no server may exceed the raw remote for the same load (median of each run's ratio) by more than {:.0} %", (RAW_BOUND - 1.0) * 100.0),
-        "checks": format!("each LUKS server checks with fio verify_only the last {} MiB the other wrote with crc32c headers, then writes and checks them itself; at the end the whole volume is read through each and compared", VERIFY_BYTES / MIB),
-    });
-    let value = Report::new("E6 nbd remote", settings, body)
-        .stem("nbd-remote")
+    let value = Report::new("E6 nbd remote", settings_of(opts, st, stored, runs), body)
+        .stem(stored.store.stem())
         .emit(opts, &[])?;
     if !failed.is_empty() {
         return Err(workload(format!(

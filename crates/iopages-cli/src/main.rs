@@ -77,9 +77,18 @@ enum Command {
         sparse_only: bool,
         /// nbd: the LUKS1 image on a remote NBD export (nbdkit file),
         /// served by iopages and by nbdkit's luks filter over its nbd
-        /// plugin, beside the raw remote (report: nbd-remote.json).
+        /// plugin, beside the raw remote (report: nbd-remote.json); then
+        /// the outage row: fio verify through iopages while the store is
+        /// killed for 2 s and started again (report: nbd-outage.json).
         #[arg(long)]
         remote: bool,
+        /// nbd --remote: the store under the remote row: `nbdkit` (its file
+        /// plugin; the default) or `ceph` (RBD images of a single-node Ceph
+        /// cluster started by scripts/ceph-store.sh, which installs
+        /// Debian's Ceph where it is missing; report: nbd-remote-ceph.json;
+        /// the outage row, which kills an nbdkit store, is not run).
+        #[arg(long, value_enum, value_name = "STORE")]
+        store: Option<StoreArg>,
         /// nbd: only the tenants row — one `iopages serve` on TCP shared by
         /// fio from 127.0.0.1 and 8 hostile peers from 127.0.0.2-9 (silent
         /// sockets and unread READs, then WRITE_ZEROES floods), against fio
@@ -206,6 +215,25 @@ enum Experiment {
     Nbd,
 }
 
+/// The store of `bench nbd --remote --store`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum StoreArg {
+    /// nbdkit's file plugin over files in the page cache.
+    Nbdkit,
+    /// RBD images of a single-node Ceph cluster (scripts/ceph-store.sh).
+    Ceph,
+}
+
+/// The nbd experiment's flags, checked together.
+#[derive(Clone, Copy)]
+struct NbdFlags {
+    tls: bool,
+    sparse_only: bool,
+    remote: bool,
+    tenants_only: bool,
+    store: Option<StoreArg>,
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Limit {
     /// Just above what the writers hold at once.
@@ -245,76 +273,25 @@ fn run(cli: Cli) -> Result<(), BenchError> {
             tls,
             sparse_only,
             remote,
+            store,
             tenants_only,
         } => {
-            if workers.is_some() && experiment != Experiment::Crypt {
-                return Err(BenchError::Workload(
-                    "--workers belongs to the crypt experiment: `iopages bench crypt --workers 1,2,4`".into(),
-                ));
-            }
-            if limit.is_some() && experiment != Experiment::Crypt {
-                return Err(BenchError::Workload(
-                    "--limit belongs to the crypt experiment: `iopages bench crypt --threads 4 --limit near`".into(),
-                ));
-            }
-            if tls && experiment != Experiment::Nbd {
-                return Err(BenchError::Workload(
-                    "--tls belongs to the nbd experiment: `iopages bench nbd --tls`".into(),
-                ));
-            }
-            if remote && sparse_only {
-                return Err(BenchError::Workload(
-                    "--remote and --sparse-only are two different runs of the nbd experiment"
-                        .into(),
-                ));
-            }
-            if remote && (experiment != Experiment::Nbd || tls) {
-                return Err(BenchError::Workload(
-                    "--remote belongs to the nbd experiment, without --tls: `iopages bench nbd --remote`".into(),
-                ));
-            }
-            if sparse_only && experiment != Experiment::Nbd {
-                return Err(BenchError::Workload(
-                    "--sparse-only belongs to the nbd experiment: `iopages bench nbd --sparse-only`".into(),
-                ));
-            }
-            if sparse_only && tls {
-                return Err(BenchError::Workload(
-                    "--sparse-only runs no TLS: `iopages bench nbd --sparse-only` or `iopages bench nbd --tls`".into(),
-                ));
-            }
-            if tenants_only && (experiment != Experiment::Nbd || tls || remote || sparse_only) {
-                return Err(BenchError::Workload(
-                    "--tenants-only is a run of the nbd experiment on its own: `iopages bench nbd --tenants-only`".into(),
-                ));
-            }
-            if threads.is_some() && !matches!(experiment, Experiment::Crypt | Experiment::Bulk) {
-                return Err(BenchError::Workload(
-                    "--threads belongs to the crypt and bulk experiments: `iopages bench crypt --threads 4` or `iopages bench bulk --threads 2,4,8,16`".into(),
-                ));
-            }
-            // crypt's E3 runs one thread count; bulk checks its list itself
-            // (even counts) before it starts.
-            let crypt_threads = match (&threads, experiment) {
-                (Some(ThreadCounts(v)), Experiment::Crypt) => match v[..] {
-                    [n] => Some(n),
-                    _ => {
-                        return Err(BenchError::Workload(
-                            "crypt takes one thread count: `iopages bench crypt --threads 4` (a list such as 2,4,8,16 is for bulk)".into(),
-                        ))
-                    }
-                },
-                _ => None,
+            let nbd = NbdFlags {
+                tls,
+                sparse_only,
+                remote,
+                tenants_only,
+                store,
             };
+            check_nbd_flags(experiment, nbd)?;
+            let crypt_threads = check_thread_flags(
+                experiment,
+                threads.as_ref(),
+                workers.is_some(),
+                limit.is_some(),
+                json.is_some(),
+            )?;
             let bulk_threads = threads.as_ref().map(|t| t.0.as_slice());
-            if experiment == Experiment::Bulk {
-                iopages_bench::bulk::mt_threads(bulk_threads)?;
-            }
-            if json.is_some() && experiment == Experiment::All {
-                return Err(BenchError::Workload(
-                    "--json names one report file: give it with a single experiment (for example `iopages bench bulk --json out.json`), or use --out-dir".into(),
-                ));
-            }
             let opts = BenchOptions {
                 quick,
                 json,
@@ -322,56 +299,179 @@ fn run(cli: Cli) -> Result<(), BenchError> {
                 peers: !no_peers,
                 peers_dir,
             };
-            let all = experiment == Experiment::All;
-            if all || experiment == Experiment::Bulk {
-                iopages_bench::bulk::run_with_threads(&opts, bulk_threads)?;
-            }
-            if all || experiment == Experiment::Mempool {
-                iopages_bench::mempool::run(&opts)?;
-            }
-            if all || experiment == Experiment::Counter {
-                iopages_bench::counter::run(&opts)?;
-            }
-            if all || experiment == Experiment::Xts {
-                iopages_bench::xts::run(&opts)?;
-            }
-            if all || experiment == Experiment::Bio {
-                iopages_bench::bio::run(&opts)?;
-            }
-            if all || experiment == Experiment::Kvmalloc {
-                iopages_bench::kvmalloc::run(&opts)?;
-            }
-            if all || experiment == Experiment::Crypt {
-                let e3_only = crypt_threads.is_some() || limit.is_some();
-                if !e3_only {
-                    iopages_bench::crypt::run_with_workers(
-                        &opts,
-                        workers.as_ref().map(|w| w.0.as_slice()),
-                    )?;
-                }
-                let setting = match limit {
-                    Some(Limit::Default) => iopages_bench::crypt::LimitSetting::Default,
-                    _ => iopages_bench::crypt::LimitSetting::Near,
-                };
-                // E2 and E3 are two reports: with --json PATH, E2 goes to
-                // PATH and E3 beside it (PATH's stem + "-limit"), as
-                // --out-dir names them crypt.json and crypt-limit.json.
-                // Run alone (--threads/--limit), E3 takes PATH itself.
-                let mut e3_opts = opts.clone();
-                if let (false, Some(p)) = (e3_only, &opts.json) {
-                    e3_opts.json = Some(e3_beside(p));
-                }
-                iopages_bench::crypt::run_limit(&e3_opts, crypt_threads, setting)?;
-            }
-            if all || experiment == Experiment::Nbd {
-                run_nbd(&opts, tls, sparse_only, remote, tenants_only)?;
-            }
+            let crypt = (crypt_threads, workers.as_ref(), limit);
+            run_experiments(experiment, &opts, bulk_threads, crypt, nbd)?;
             Ok(())
         }
         Command::Serve(_) | Command::Luks { .. } => Err(BenchError::Workload(
             "serve and luks are not benchmarks".into(),
         )),
     }
+}
+
+/// Run `experiment` (every one for `All`) in order, each with its flags:
+/// bulk's thread counts, crypt's (E3's thread count, the workers, the
+/// limit) and nbd's.
+fn run_experiments(
+    experiment: Experiment,
+    opts: &BenchOptions,
+    bulk_threads: Option<&[usize]>,
+    crypt: (Option<usize>, Option<&ThreadCounts>, Option<Limit>),
+    nbd: NbdFlags,
+) -> Result<(), BenchError> {
+    let all = experiment == Experiment::All;
+    if all || experiment == Experiment::Bulk {
+        iopages_bench::bulk::run_with_threads(opts, bulk_threads)?;
+    }
+    if all || experiment == Experiment::Mempool {
+        iopages_bench::mempool::run(opts)?;
+    }
+    if all || experiment == Experiment::Counter {
+        iopages_bench::counter::run(opts)?;
+    }
+    if all || experiment == Experiment::Xts {
+        iopages_bench::xts::run(opts)?;
+    }
+    if all || experiment == Experiment::Bio {
+        iopages_bench::bio::run(opts)?;
+    }
+    if all || experiment == Experiment::Kvmalloc {
+        iopages_bench::kvmalloc::run(opts)?;
+    }
+    if all || experiment == Experiment::Crypt {
+        run_crypt(opts, crypt.0, crypt.1, crypt.2)?;
+    }
+    if all || experiment == Experiment::Nbd {
+        let NbdFlags {
+            tls,
+            sparse_only,
+            remote,
+            tenants_only,
+            store,
+        } = nbd;
+        run_nbd(opts, tls, sparse_only, remote, tenants_only, store)?;
+    }
+    Ok(())
+}
+
+/// Refuse the thread, worker, limit and report flags where they do not
+/// belong.
+///
+/// **Returns:** the thread count of crypt's E3 run alone (`--threads N`).
+fn check_thread_flags(
+    experiment: Experiment,
+    threads: Option<&ThreadCounts>,
+    workers: bool,
+    limit: bool,
+    json: bool,
+) -> Result<Option<usize>, BenchError> {
+    if workers && experiment != Experiment::Crypt {
+        return Err(BenchError::Workload(
+            "--workers belongs to the crypt experiment: `iopages bench crypt --workers 1,2,4`"
+                .into(),
+        ));
+    }
+    if limit && experiment != Experiment::Crypt {
+        return Err(BenchError::Workload(
+            "--limit belongs to the crypt experiment: `iopages bench crypt --threads 4 --limit near`".into(),
+        ));
+    }
+    if threads.is_some() && !matches!(experiment, Experiment::Crypt | Experiment::Bulk) {
+        return Err(BenchError::Workload(
+            "--threads belongs to the crypt and bulk experiments: `iopages bench crypt --threads 4` or `iopages bench bulk --threads 2,4,8,16`".into(),
+        ));
+    }
+    // crypt's E3 runs one thread count; bulk checks its list itself
+    // (even counts) before it starts.
+    let crypt_threads = match (threads, experiment) {
+        (Some(ThreadCounts(v)), Experiment::Crypt) => match v[..] {
+            [n] => Some(n),
+            _ => {
+                return Err(BenchError::Workload(
+                    "crypt takes one thread count: `iopages bench crypt --threads 4` (a list such as 2,4,8,16 is for bulk)".into(),
+                ))
+            }
+        },
+        _ => None,
+    };
+    if experiment == Experiment::Bulk {
+        iopages_bench::bulk::mt_threads(threads.map(|t| t.0.as_slice()))?;
+    }
+    if json && experiment == Experiment::All {
+        return Err(BenchError::Workload(
+            "--json names one report file: give it with a single experiment (for example `iopages bench bulk --json out.json`), or use --out-dir".into(),
+        ));
+    }
+    Ok(crypt_threads)
+}
+
+/// crypt: E2 (unless E3 runs alone), then E3.
+fn run_crypt(
+    opts: &BenchOptions,
+    crypt_threads: Option<usize>,
+    workers: Option<&ThreadCounts>,
+    limit: Option<Limit>,
+) -> Result<(), BenchError> {
+    let e3_only = crypt_threads.is_some() || limit.is_some();
+    if !e3_only {
+        iopages_bench::crypt::run_with_workers(opts, workers.map(|w| w.0.as_slice()))?;
+    }
+    let setting = match limit {
+        Some(Limit::Default) => iopages_bench::crypt::LimitSetting::Default,
+        _ => iopages_bench::crypt::LimitSetting::Near,
+    };
+    // E2 and E3 are two reports: with --json PATH, E2 goes to
+    // PATH and E3 beside it (PATH's stem + "-limit"), as
+    // --out-dir names them crypt.json and crypt-limit.json.
+    // Run alone (--threads/--limit), E3 takes PATH itself.
+    let mut e3_opts = opts.clone();
+    if let (false, Some(p)) = (e3_only, &opts.json) {
+        e3_opts.json = Some(e3_beside(p));
+    }
+    iopages_bench::crypt::run_limit(&e3_opts, crypt_threads, setting)?;
+    Ok(())
+}
+
+/// Refuse nbd flags given to another experiment or beside a flag they
+/// do not go with.
+fn check_nbd_flags(experiment: Experiment, f: NbdFlags) -> Result<(), BenchError> {
+    if f.tls && experiment != Experiment::Nbd {
+        return Err(BenchError::Workload(
+            "--tls belongs to the nbd experiment: `iopages bench nbd --tls`".into(),
+        ));
+    }
+    if f.remote && f.sparse_only {
+        return Err(BenchError::Workload(
+            "--remote and --sparse-only are two different runs of the nbd experiment".into(),
+        ));
+    }
+    if f.remote && (experiment != Experiment::Nbd || f.tls) {
+        return Err(BenchError::Workload(
+            "--remote belongs to the nbd experiment, without --tls: `iopages bench nbd --remote`"
+                .into(),
+        ));
+    }
+    if f.sparse_only && experiment != Experiment::Nbd {
+        return Err(BenchError::Workload(
+            "--sparse-only belongs to the nbd experiment: `iopages bench nbd --sparse-only`".into(),
+        ));
+    }
+    if f.sparse_only && f.tls {
+        return Err(BenchError::Workload(
+            "--sparse-only runs no TLS: `iopages bench nbd --sparse-only` or `iopages bench nbd --tls`".into(),
+        ));
+    }
+    if f.tenants_only && (experiment != Experiment::Nbd || f.tls || f.remote || f.sparse_only) {
+        return Err(BenchError::Workload(
+            "--tenants-only is a run of the nbd experiment on its own: `iopages bench nbd --tenants-only`".into(),
+        ));
+    }
+    if f.store.is_some() && !f.remote {
+        return Err(BenchError::Workload(
+            "--store belongs to the remote row: `iopages bench nbd --remote --store ceph`".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// Where E3's report goes when `bench crypt --json PATH` writes E2's to
@@ -393,12 +493,24 @@ fn run_nbd(
     sparse_only: bool,
     remote: bool,
     tenants_only: bool,
+    store: Option<StoreArg>,
 ) -> Result<(), BenchError> {
     let me = std::env::current_exe().map_err(|e| {
         BenchError::Workload(format!("cannot find the iopages binary to serve with: {e}"))
     })?;
+    if remote && store == Some(StoreArg::Ceph) {
+        // The remote row alone: the outage row kills a store of its own.
+        let ceph = iopages_bench::nbd_remote::Store::Ceph;
+        return iopages_bench::nbd_remote::run_on(opts, &me, ceph).map(|_| ());
+    }
     if remote {
-        return iopages_bench::nbd_remote::run(opts, &me).map(|_| ());
+        // The remote row, then the outage row (its own report).
+        iopages_bench::nbd_remote::run(opts, &me)?;
+        let mut o = opts.clone();
+        if let Some(p) = &opts.json {
+            o.json = Some(beside(p, "outage"));
+        }
+        return iopages_bench::nbd_outage::run(&o, &me).map(|_| ());
     }
     if !sparse_only && !tenants_only {
         iopages_bench::nbd::run_with(opts, &me, tls)?;
@@ -504,5 +616,27 @@ mod tests {
             super::beside(std::path::Path::new("/r/e6.json"), "tenants"),
             std::path::Path::new("/r/e6-tenants.json")
         );
+    }
+
+    #[test]
+    fn a_store_is_chosen_only_for_the_remote_row() {
+        let e = bench(&["nbd", "--store", "ceph"]).unwrap_err();
+        assert!(e.contains("--store belongs to the remote row"), "{e}");
+        let e = bench(&["xts", "--store", "nbdkit"]).unwrap_err();
+        assert!(e.contains("--store belongs to the remote row"), "{e}");
+        let e = bench(&["nbd", "--tenants-only", "--store", "ceph"]).unwrap_err();
+        assert!(e.contains("--store belongs to the remote row"), "{e}");
+        let e = bench(&["nbd", "--remote", "--store", "s3"]).unwrap_err();
+        assert!(e.contains("invalid value 's3'"), "{e}");
+        let cli = Cli::try_parse_from(["iopages", "bench", "nbd", "--remote", "--store", "ceph"])
+            .unwrap();
+        assert!(matches!(
+            cli.command,
+            Command::Bench {
+                remote: true,
+                store: Some(StoreArg::Ceph),
+                ..
+            }
+        ));
     }
 }

@@ -15,25 +15,12 @@
 mod common;
 
 use common::{
-    cryptsetup, decrypt, fio_verify, luks_format, pattern, run, serve_cmd, tools, Dir, Served,
+    cryptsetup, decrypt, fio_verify, luks2_by_cryptsetup, pattern, run, serve_cmd, serve_remote,
+    tools, Dir, Served,
 };
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-
-/// A LUKS2 image made by cryptsetup (cheap PBKDF2, 4096-byte sectors) of
-/// `size` bytes in all, and its passphrase file.
-fn luks2_by_cryptsetup(dir: &Dir, size: u64) -> (PathBuf, PathBuf) {
-    let (img, pass) = (dir.join("luks2.img"), dir.join("pass"));
-    std::fs::write(&pass, b"remote passphrase").unwrap();
-    luks_format(
-        &img,
-        size,
-        &pass,
-        "--type luks2 --cipher aes-xts-plain64 --key-size 512 --sector-size 4096 --pbkdf pbkdf2 --pbkdf-force-iterations 1000",
-    );
-    (img, pass)
-}
 
 /// A child killed if the test fails before it is stopped.
 struct Kid(Option<Child>);
@@ -88,21 +75,7 @@ fn remote_uri(sock: &Path) -> String {
 /// `iopages serve` over the remote image at `remote`; its URI is that of
 /// its export on `sock`.
 fn serve(remote: &str, pass: &Path, sock: &Path, stderr: &Path) -> Served {
-    let mut cmd = serve_cmd();
-    cmd.args(["--arena", "64M", "--image", remote, "--passphrase-file"])
-        .arg(pass)
-        .arg("--unix")
-        .arg(sock);
-    let mut srv = Served::spawn(cmd, stderr.to_path_buf(), |_| {});
-    assert!(
-        srv.banner
-            .iter()
-            .any(|l| l == &format!("image: {remote} (remote NBD export)")),
-        "{:?}",
-        srv.banner
-    );
-    srv.uri = format!("nbd+unix:///iopages?socket={}", sock.display());
-    srv
+    serve_remote(remote, pass, sock, stderr, &[])
 }
 
 #[test]
@@ -161,7 +134,9 @@ fn a_remote_killed_mid_run_gives_errors_and_keeps_what_was_flushed() {
     let mut remote = nbdkit(&rsock, &["file", &img.display().to_string()]);
     let sock = dir.join("s.sock");
     let err = dir.join("err");
-    let srv = serve(&remote_uri(&rsock), &pass, &sock, &err);
+    // Requests wait 1 s for the store to come back (it does not).
+    let store = format!("{}&reconnect-delay=1", remote_uri(&rsock));
+    let srv = serve(&store, &pass, &sock, &err);
     let uri = srv.uri.clone();
     let data = pattern(11, 4 << 20);
     let src = dir.join("data.raw");
@@ -175,7 +150,7 @@ fn a_remote_killed_mid_run_gives_errors_and_keeps_what_was_flushed() {
     let mut r = remote.0.take().unwrap();
     r.kill().unwrap();
     r.wait().unwrap();
-    // Now every request fails, promptly.
+    // Now every request fails, once the reconnect delay has passed.
     let t = Instant::now();
     let out = Command::new("qemu-io")
         .args(["-f", "raw", "-c", "write -P 1 8M 1M", "-c", "read 0 4k"])

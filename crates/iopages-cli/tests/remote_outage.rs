@@ -152,7 +152,10 @@ fn a_store_restarted_under_fio_verify_loses_nothing_and_health_follows_it() {
     let err = srv.stderr.clone();
     let (st, _) = srv.terminate();
     let said = std::fs::read_to_string(err).unwrap();
-    assert!(!st.success() && said.contains("may have lost them"), "{st}: {said}");
+    assert!(
+        !st.success() && said.contains("may have lost them"),
+        "{st}: {said}"
+    );
     drop(kid);
 }
 

@@ -1557,7 +1557,10 @@ fn a_reply_whose_data_stalls_times_out_its_read_and_the_others() {
         // Its own deadline, or (a read with a moment left when another's
         // deadline gave the connection up) no connection to re-send on.
         let kind = e.kind();
-        assert!(kind == ErrorKind::TimedOut || kind == ErrorKind::NotConnected, "{e}");
+        assert!(
+            kind == ErrorKind::TimedOut || kind == ErrorKind::NotConnected,
+            "{e}"
+        );
         assert!(e.to_string().contains("within 1s"), "{e}");
         assert!(took < Duration::from_secs(4), "{took:?}");
     }

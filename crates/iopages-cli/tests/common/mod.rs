@@ -199,6 +199,49 @@ pub fn serve_cmd() -> Command {
     cmd
 }
 
+/// `iopages serve` (64 MiB arena, `extra` arguments added) over the image
+/// on the remote NBD store at `remote`, on the Unix socket `sock`, stderr
+/// into the file `stderr`. Its banner must name the remote; its URI is
+/// that of its export on `sock`.
+pub fn serve_remote(
+    remote: &str,
+    pass: &Path,
+    sock: &Path,
+    stderr: &Path,
+    extra: &[&str],
+) -> Served {
+    let mut cmd = serve_cmd();
+    cmd.args(["--arena", "64M", "--image", remote, "--passphrase-file"])
+        .arg(pass)
+        .arg("--unix")
+        .arg(sock)
+        .args(extra);
+    let mut srv = Served::spawn(cmd, stderr.to_path_buf(), |_| {});
+    assert!(
+        srv.banner
+            .iter()
+            .any(|l| l == &format!("image: {remote} (remote NBD export)")),
+        "{:?}",
+        srv.banner
+    );
+    srv.uri = format!("nbd+unix:///iopages?socket={}", sock.display());
+    srv
+}
+
+/// A LUKS2 image made by cryptsetup (cheap PBKDF2, 4096-byte sectors) of
+/// `size` bytes in all, `luks2.img` in `dir`, and its passphrase file.
+pub fn luks2_by_cryptsetup(dir: &Dir, size: u64) -> (PathBuf, PathBuf) {
+    let (img, pass) = (dir.join("luks2.img"), dir.join("pass"));
+    std::fs::write(&pass, b"remote passphrase").unwrap();
+    luks_format(
+        &img,
+        size,
+        &pass,
+        "--type luks2 --cipher aes-xts-plain64 --key-size 512 --sector-size 4096 --pbkdf pbkdf2 --pbkdf-force-iterations 1000",
+    );
+    (img, pass)
+}
+
 impl Served {
     /// Starts `cmd` (from [`serve_cmd`]) with its stderr into the file
     /// `stderr` and waits for its banner, each line also given to `seen`.
