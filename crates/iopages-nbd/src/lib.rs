@@ -18,9 +18,10 @@
 //! | wire constants and headers | `proto.rs` |
 //! | option haggling (STARTTLS, structured replies, metadata contexts, GO, INFO, EXPORT_NAME, LIST, ABORT) | `handshake.rs` |
 //! | transmission: requests, chunks, non-blocking batched replies, FUA, errors, deadlines, byte budget | `conn.rs` |
-//! | the non-blocking socket, TLS sessions, `poll` and the wake-up eventfd | `transport.rs` |
+//! | the non-blocking socket, `poll` and the wake-up eventfd; STARTTLS swaps in the connection's TLS session | `transport.rs` |
 //! | a socket's byte stream (TCP or Unix, or the remote client's TLS session), cloned for replies | `stream.rs` |
 //! | TLS credentials (X.509 directory, psktool key file) | `tls.rs` |
+//! | one TLS session for both ends (a server connection, a remote client connection): the handshake by a deadline, non-blocking and timed reads and writes, close_notify; what each end verifies of the other | `tls_session.rs`, `tls_session/verify.rs` |
 //! | payload buffers in the target's arena (kvmalloc) | `buffers.rs` |
 //! | the queue, or inline service on the connection's thread; discards and the allocation map | `device.rs` |
 //! | the exports: names, the default, who may use each, opening lazy ones once (retried after a backoff) | `export.rs` |
@@ -32,7 +33,7 @@
 //! | LUKS images and the in-memory LUKS2 volume, set up as crypt stacks | `volume.rs` |
 //! | what can go wrong starting or running a server | `error.rs` |
 //! | an NBD client as a crypt backend: ciphertext on a remote NBD server (`nbd://`, `nbd+unix://`, over TLS `nbds://`, `nbds+unix://`) | `remote/` (`uri.rs`, `wire.rs`, `conn.rs`, `mod.rs`) |
-//! | the remote client's TLS: URI settings, OpenSSL connector, the shared client session | `remote_tls.rs` |
+//! | the remote client's TLS: URI settings and the OpenSSL connector | `remote_tls.rs` |
 //!
 //! What is served: READ, WRITE, FLUSH, TRIM, WRITE_ZEROES, BLOCK_STATUS
 //! and DISC. By default TRIM is checked and then does nothing (the
@@ -123,6 +124,7 @@ mod shares;
 mod stats;
 mod stream;
 mod tls;
+mod tls_session;
 mod transport;
 pub mod volume;
 

@@ -5,43 +5,28 @@
 //! directory laid out as qemu, nbdkit and libnbd lay theirs out —
 //! `ca-cert.pem`, and `client-cert.pem`/`client-key.pem` when the server
 //! wants a client certificate — or a psktool key file and a username; the
-//! hostname checked; whether the server is verified), the OpenSSL
-//! connector built from them (TLS 1.2 at least), the client handshake
-//! under a deadline, and the session a connection then reads and writes
-//! through ([`ClientTls`], one lock around it, nobody waiting for the
-//! socket while holding it, so the reader thread and the writers of a
-//! connection use it at once). Must never: continue in plaintext when TLS
-//! was asked for; accept a store that authenticated otherwise than the URI
-//! asked — with `tls-psk-file`, any handshake but a PSK one with that key
-//! (a store presenting a certificate, which TLS 1.3 allows in answer to a
-//! PSK, fails the handshake), with certificates, a store presenting none —
-//! or exchange application data with it before that is settled; accept a
-//! server certificate that does not verify (unless the URI says
-//! `tls-verify-peer=false`); or wait for the socket past the caller's
-//! timeout.
+//! hostname checked; whether the server is verified), and the OpenSSL
+//! connector built from them (TLS 1.2 at least; with a PSK, the PSK
+//! suites only and the identity's key). The session a connection then
+//! runs is the server's own type ([`ClientTls`] is a
+//! [`TlsSession`](crate::tls_session::TlsSession) over the plain stream),
+//! and what is demanded of the store — the URI's PSK or a certificate
+//! that verifies, checked during and after the handshake — is
+//! `tls_session/verify.rs`'s [`StoreCheck`]. Must never: continue in
+//! plaintext when TLS was asked for, or build a connector from settings
+//! it could not load whole (every error names the parameter or file).
 
 use crate::stream::Stream;
-use openssl::ssl::{
-    ErrorCode, HandshakeError, Ssl, SslConnector, SslConnectorBuilder, SslMethod, SslOptions,
-    SslRef, SslStream, SslVerifyMode, SslVersion,
-};
-use openssl::x509::{X509Ref, X509StoreContextRef, X509VerifyResult};
-use parking_lot::Mutex;
-use std::io::{self, ErrorKind, IoSlice};
-use std::os::fd::AsRawFd;
+/// For the remote connections' own waits (`remote/conn.rs`).
+pub(crate) use crate::tls_session::poll_until;
+use crate::tls_session::{StoreCheck, TlsSession};
+use openssl::ssl::{SslConnector, SslConnectorBuilder, SslMethod, SslOptions, SslVersion};
+use std::io::{self, ErrorKind};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-/// Small pieces of a vectored write are gathered into one TLS record of
-/// up to this many bytes (OpenSSL has no vectored write), as the server's
-/// transport does.
-use crate::transport::TLS_RECORD_BYTES as GATHER_BYTES;
-/// While a write waits for OpenSSL to read (a TLS 1.2 renegotiation), the
-/// socket is polled in slices this long: the reader thread may take the
-/// bytes first.
-const WRITE_WANTS_READ_SLICE: Duration = Duration::from_millis(10);
+/// The session of a remote connection under TLS (in `Stream::Tls`).
+pub(crate) type ClientTls = TlsSession<Stream>;
 
 /// The TLS settings of an `nbds://` or `nbds+unix://` URI (its query
 /// parameters, named as libnbd names them).
@@ -100,34 +85,26 @@ fn login_name() -> Option<String> {
         .find(|u| !u.is_empty())
 }
 
-/// How the store must authenticate: what the URI asked for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Expect {
-    /// A PSK handshake with the file's key for the identity: a store that
-    /// presents a certificate instead fails the handshake.
-    Psk,
-    /// An X.509 certificate (verified, chain and name, unless
-    /// `tls-verify-peer=false`): the client offers no PSK.
-    Certificate,
-}
-
-/// What a connection needs to start TLS: the connector, the name the
-/// server's certificate is checked against, and how the store must
-/// authenticate.
+/// What a connection needs to start TLS: the connector, and what the
+/// store must prove.
 #[derive(Clone)]
 pub(crate) struct Connector {
     connector: SslConnector,
-    /// `Some`: verify the certificate and this name; `None`: PSK, or
-    /// verification off.
-    verify_name: Option<String>,
-    /// What the URI asked for.
-    expect: Expect,
-    /// The same in words, for a refusal's message: `a PSK handshake as
-    /// identity "alice" (from FILE)` or `an X.509 certificate from the
-    /// store (checked against …)`.
-    expected: String,
-    /// What was checked against, for a failed handshake's message.
-    checked_against: String,
+    check: StoreCheck,
+}
+
+impl Connector {
+    /// Run the TLS handshake on `sock` (NBD_OPT_STARTTLS acknowledged)
+    /// within `timeout`, the store held to what the URI asked.
+    ///
+    /// **Context:** blocks up to `timeout`.
+    ///
+    /// **Returns:** the session, its reads and writes waiting `timeout`
+    /// until set otherwise; `PermissionDenied` naming why the store was
+    /// not accepted; `TimedOut`.
+    pub(crate) fn connect(&self, sock: Stream, timeout: Duration) -> io::Result<ClientTls> {
+        TlsSession::connect(sock, &self.connector, &self.check, timeout)
+    }
 }
 
 /// Build the connector for `tls`; `host` is the URI's host (`None` for a
@@ -193,18 +170,12 @@ fn psk_connector(
         Ok(key.len())
     });
     // Every certificate fails verification, so a store that presents one
-    // fails the handshake (each connection sets this again, noting the
-    // certificate for the message: `Connector::ssl`).
-    b.set_verify_callback(SslVerifyMode::PEER, |_, _| false);
+    // fails the handshake.
+    let check = StoreCheck::psk(&user, file);
+    check.configure(&mut b);
     Ok(Connector {
         connector: b.build(),
-        verify_name: None,
-        expect: Expect::Psk,
-        expected: format!(
-            "a PSK handshake as identity {user:?} (from {})",
-            file.display()
-        ),
-        checked_against: format!("PSK identity {user:?} from {}", file.display()),
+        check,
     })
 }
 
@@ -254,204 +225,14 @@ fn x509_connector(
                 )),
             }
         } else {
-            b.set_verify(SslVerifyMode::NONE);
             None
         };
-    let checked_against = match &verify_name {
-        Some(n) => format!("{checked}, host name {n:?}"),
-        None => "nothing (tls-verify-peer=false)".to_string(),
-    };
+    let check = StoreCheck::certificate(verify_name, &checked);
+    check.configure(&mut b);
     Ok(Connector {
         connector: b.build(),
-        verify_name,
-        expect: Expect::Certificate,
-        expected: format!(
-            "an X.509 certificate from the store (checked against {checked_against})"
-        ),
-        checked_against,
+        check,
     })
-}
-
-/// A certificate's subject as `CN=…, O=…`, for a message: it comes from
-/// the store, so control characters are dropped and it is cut at 200
-/// characters.
-fn subject_of(cert: &X509Ref) -> String {
-    let entries: Vec<String> = cert
-        .subject_name()
-        .entries()
-        .map(|e| {
-            let key = e.object().nid().short_name().unwrap_or("?");
-            match e.data().to_string() {
-                Ok(v) => format!("{key}={v}"),
-                Err(_) => format!("{key}=?"),
-            }
-        })
-        .collect();
-    let clean: String = entries
-        .join(", ")
-        .chars()
-        .filter(|c| !c.is_control())
-        .take(200)
-        .collect();
-    if clean.is_empty() {
-        "empty".to_string()
-    } else {
-        clean
-    }
-}
-
-/// The subject of the certificate a verification is about: the store's
-/// own (the chain's first), else the one at hand.
-fn presented_subject(ctx: &X509StoreContextRef) -> Option<String> {
-    ctx.chain()
-        .and_then(|c| c.iter().next())
-        .or_else(|| ctx.current_cert())
-        .map(subject_of)
-}
-
-/// The subject of the certificate a store presented, as noted during a
-/// connection's handshake (`None` until one is presented).
-type Presented = Arc<Mutex<Option<String>>>;
-
-/// An error setting a connection's TLS state up (not the store's doing).
-fn setup_error(e: openssl::error::ErrorStack) -> io::Error {
-    io::Error::other(format!("TLS: {e}"))
-}
-
-impl Connector {
-    /// A connection's TLS state, its verification noting into `presented`
-    /// the subject of any certificate the store presents; with a PSK,
-    /// every certificate fails.
-    fn ssl(&self, presented: Presented) -> io::Result<Ssl> {
-        let mut cfg = self.connector.configure().map_err(setup_error)?;
-        let name = match &self.verify_name {
-            Some(n) => n.as_str(),
-            None => {
-                cfg.set_verify_hostname(false);
-                cfg.set_use_server_name_indication(false);
-                ""
-            }
-        };
-        let mut ssl = cfg.into_ssl(name).map_err(setup_error)?;
-        let refuse_all = self.expect == Expect::Psk;
-        let mode = match (self.expect, &self.verify_name) {
-            (Expect::Certificate, None) => SslVerifyMode::NONE,
-            _ => SslVerifyMode::PEER,
-        };
-        ssl.set_verify_callback(mode, move |ok, ctx| {
-            let mut seen = presented.lock();
-            if seen.is_none() {
-                *seen = Some(presented_subject(ctx).unwrap_or_else(|| "unknown".into()));
-            }
-            if refuse_all {
-                ctx.set_error(X509VerifyResult::APPLICATION_VERIFICATION);
-            }
-            ok && !refuse_all
-        });
-        Ok(ssl)
-    }
-
-    /// Why a failed handshake (`e`, on `ssl`) did not authenticate the
-    /// store as asked: what was expected and what the store offered
-    /// (`presented`: the subject of the certificate it presented).
-    fn refusal(
-        &self,
-        ssl: &SslRef,
-        e: &openssl::ssl::Error,
-        presented: Option<String>,
-    ) -> io::Error {
-        let what = e
-            .ssl_error()
-            .map_or_else(|| e.to_string(), |s| s.to_string());
-        let presented = presented.or_else(|| {
-            ssl.peer_cert_chain()
-                .and_then(|c| c.iter().next())
-                .map(subject_of)
-        });
-        // The alert a store with no suite in common sends.
-        let no_common_suite = what.contains("alert handshake failure");
-        let expected = &self.expected;
-        let why = match (self.expect, presented) {
-            (Expect::Psk, Some(subject)) => format!(
-                "expected {expected}; the store presented an X.509 certificate (subject {subject}) instead"
-            ),
-            (Expect::Psk, None) if no_common_suite => format!(
-                "expected {expected}; the store took none of the PSK cipher suites offered, \
-                 as a store with a certificate and no PSK does ({what})"
-            ),
-            (Expect::Psk, None) if what.contains("alert unknown psk identity") => format!(
-                "expected {expected}; the store has no key for that identity ({what})"
-            ),
-            (Expect::Psk, None) => {
-                format!("expected {expected}; the store did not complete it: {what}")
-            }
-            (Expect::Certificate, None) => format!(
-                "expected {expected}; the store presented none{}: {what}",
-                if no_common_suite {
-                    ", as a store set up for PSK only does (for one, put tls-psk-file= in the URI)"
-                } else {
-                    ""
-                }
-            ),
-            (Expect::Certificate, Some(_)) if ssl.verify_result() != X509VerifyResult::OK => {
-                format!(
-                    "the server's certificate was not accepted: {} (checked against {})",
-                    ssl.verify_result().error_string(),
-                    self.checked_against
-                )
-            }
-            (Expect::Certificate, Some(_)) => {
-                format!("{what} (credentials: {})", self.checked_against)
-            }
-        };
-        io::Error::new(
-            ErrorKind::PermissionDenied,
-            format!("TLS handshake with the remote failed: {why}"),
-        )
-    }
-
-    /// After a completed handshake, before any application data: the
-    /// store authenticated as asked — with a PSK, no certificate and a
-    /// PSK session; with certificates, a certificate (the verification
-    /// already checked it).
-    fn check_session(&self, ssl: &SslRef) -> io::Result<()> {
-        let session = || {
-            let cipher = ssl.current_cipher().map_or("none", |c| c.name());
-            format!("{} {cipher}", ssl.version_str())
-        };
-        let why = match (self.expect, ssl.peer_certificate()) {
-            (Expect::Psk, Some(cert)) => format!(
-                "the store presented an X.509 certificate (subject {}) instead",
-                subject_of(&cert)
-            ),
-            (Expect::Psk, None) if !psk_session(ssl) => {
-                format!("the session ({}) is not a PSK one", session())
-            }
-            (Expect::Certificate, None) => {
-                format!("the store presented none (the session: {})", session())
-            }
-            _ => return Ok(()),
-        };
-        Err(io::Error::new(
-            ErrorKind::PermissionDenied,
-            format!(
-                "TLS handshake with the remote failed: expected {}; {why}",
-                self.expected
-            ),
-        ))
-    }
-}
-
-/// Whether `ssl`'s session was authenticated by a PSK: under TLS 1.3 the
-/// store took the PSK offered (OpenSSL counts that as a session reused;
-/// this client keeps no session to resume), under TLS 1.2 a PSK suite.
-fn psk_session(ssl: &SslRef) -> bool {
-    match ssl.version2() {
-        Some(SslVersion::TLS1_3) => ssl.session_reused(),
-        _ => ssl
-            .current_cipher()
-            .is_some_and(|c| c.name().contains("PSK")),
-    }
 }
 
 /// `dir/client-cert.pem` and `dir/client-key.pem`, when present.
@@ -469,218 +250,123 @@ fn load_client_cert(b: &mut SslConnectorBuilder, dir: &Path) -> io::Result<()> {
     }
 }
 
-/// Wait up to `deadline` for `events` on `fd`.
-///
-/// **Returns:** `Ok(true)` when ready (or hung up: the next attempt sees
-/// it), `Ok(false)` when the deadline passed.
-pub(crate) fn poll_until(fd: i32, events: libc::c_short, deadline: Instant) -> io::Result<bool> {
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Ok(false);
-        }
-        let mut p = libc::pollfd {
-            fd,
-            events,
-            revents: 0,
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::peer::TlsIdentity;
+    use crate::tls::{TlsConfig, TlsMode};
+    use crate::tls_session::{poll_until, Io};
+    use std::io::IoSlice;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::net::UnixStream;
+    use std::time::Instant;
+
+    const T: Duration = Duration::from_secs(20);
+
+    /// Wait for `events` on `fd` by `deadline`, or fail the test.
+    fn ready(fd: i32, events: libc::c_short, deadline: Instant) {
+        assert!(poll_until(fd, events, deadline).unwrap(), "timed out");
+    }
+
+    /// The server's and the client's ends of one PSK session ("alice")
+    /// over a socket pair, each a `TlsSession` over a `Stream`.
+    fn pair(dir: &Path) -> (TlsSession<Stream>, ClientTls) {
+        let file = dir.join("keys.psk");
+        std::fs::write(&file, "alice:000102030405060708090a0b0c0d0e0f\n").unwrap();
+        let server = TlsConfig::psk(&file, TlsMode::Require).unwrap();
+        let tls = RemoteTls {
+            psk_file: Some(file),
+            username: Some("alice".into()),
+            ..RemoteTls::new()
         };
-        let ms = left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
-        // SAFETY: one valid pollfd for the duration of the call.
-        let r = unsafe { libc::poll(&mut p, 1, ms) };
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if r > 0 {
-            return Ok(true);
-        }
+        let client = connector(&tls, None).unwrap();
+        let (a, b) = UnixStream::pair().unwrap();
+        let accept = std::thread::spawn(move || {
+            let sock = Stream::Unix(a);
+            let (fd, deadline) = (sock.as_raw_fd(), Instant::now() + T);
+            TlsSession::accept(sock, &server.acceptor, T, |read, write| {
+                let r = if read { libc::POLLIN } else { 0 };
+                let w = if write { libc::POLLOUT } else { 0 };
+                ready(fd, r | w, deadline);
+                Ok(())
+            })
+        });
+        let client = client.connect(Stream::Unix(b), T).unwrap();
+        (accept.join().unwrap().unwrap(), client)
     }
-}
 
-fn timed_out(what: &str) -> io::Error {
-    io::Error::new(ErrorKind::WouldBlock, format!("TLS: timed out {what}"))
-}
-
-/// An error of the session (after the handshake: a server refusing the
-/// client's certificate under TLS 1.3 says so only now), named as TLS's.
-fn ssl_io_error(e: openssl::ssl::Error) -> io::Error {
-    match e.into_io_error() {
-        Ok(io) => io::Error::new(io.kind(), format!("TLS session: {io}")),
-        Err(e) => io::Error::new(ErrorKind::InvalidData, format!("TLS session: {e}")),
-    }
-}
-
-/// A client TLS session on a non-blocking socket, shared by a
-/// connection's reader and writers.
-pub struct ClientTls {
-    ssl: Mutex<SslStream<Stream>>,
-    /// The socket, for `poll` and `shutdown`.
-    sock: Stream,
-    read_timeout_ns: AtomicU64,
-    write_timeout_ns: AtomicU64,
-}
-
-impl std::fmt::Debug for ClientTls {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ClientTls")
-            .field("sock", &self.sock)
-            .finish()
-    }
-}
-
-impl ClientTls {
-    /// Run the client handshake on `sock` (NBD_OPT_STARTTLS acknowledged)
-    /// within `timeout`.
-    ///
-    /// **Returns:** `PermissionDenied` naming why the server was not
-    /// accepted (its certificate's verification error and what it was
-    /// checked against; a store that authenticated otherwise than asked:
-    /// what was expected and what it offered) or why the handshake
-    /// failed; `TimedOut`.
-    pub(crate) fn connect(sock: Stream, c: &Connector, timeout: Duration) -> io::Result<ClientTls> {
-        let deadline = Instant::now() + timeout;
-        let raw = sock.try_clone()?;
-        raw.set_nonblocking(true)?;
-        let presented = Presented::default();
-        let mut step = c.ssl(presented.clone())?.connect(raw);
-        let fd = sock.as_raw_fd();
-        loop {
-            let mid = match step {
-                Ok(s) => {
-                    // Nothing has been sent through the session yet.
-                    c.check_session(s.ssl())?;
-                    return Ok(ClientTls {
-                        ssl: Mutex::new(s),
-                        sock,
-                        read_timeout_ns: AtomicU64::new(timeout.as_nanos() as u64),
-                        write_timeout_ns: AtomicU64::new(timeout.as_nanos() as u64),
-                    });
+    /// `len` bytes read from a server session with attempts.
+    fn server_read(s: &TlsSession<Stream>, len: usize) -> Vec<u8> {
+        let (mut got, deadline) = (vec![0u8; len], Instant::now() + T);
+        let mut at = 0;
+        while at < len {
+            match s.try_read(&mut got[at..]).unwrap() {
+                Io::Done(n) => {
+                    assert!(n > 0, "the client ended the stream early");
+                    at += n;
                 }
-                Err(HandshakeError::WouldBlock(m)) => m,
-                Err(HandshakeError::SetupFailure(e)) => return Err(setup_error(e)),
-                Err(HandshakeError::Failure(m)) => {
-                    let seen = presented.lock().take();
-                    return Err(c.refusal(m.ssl(), m.error(), seen));
+                Io::Blocked { write: false } => ready(s.raw_fd(), libc::POLLIN, deadline),
+                Io::Blocked { write: true } => ready(s.raw_fd(), libc::POLLOUT, deadline),
+            }
+        }
+        got
+    }
+
+    /// Send all of `buf` from a server session with attempts, batched
+    /// records pushed until none is left.
+    fn server_write(s: &TlsSession<Stream>, buf: &[u8]) {
+        let (mut at, deadline) = (0, Instant::now() + T);
+        while at < buf.len() || s.pending_out() {
+            let r = match at < buf.len() {
+                true => s.try_write(&[IoSlice::new(&buf[at..])]).unwrap(),
+                false => Io::Blocked { write: true },
+            };
+            match r {
+                Io::Done(n) => at += n,
+                Io::Blocked { write } => {
+                    let events = if write { libc::POLLOUT } else { libc::POLLIN };
+                    ready(s.raw_fd(), events | libc::POLLOUT, deadline);
+                    s.push_out().unwrap();
                 }
-            };
-            let events = if mid.error().code() == ErrorCode::WANT_WRITE {
-                libc::POLLOUT
-            } else {
-                libc::POLLIN
-            };
-            if !poll_until(fd, events, deadline)? {
-                return Err(io::Error::new(
-                    ErrorKind::TimedOut,
-                    format!("TLS handshake with the remote: no answer within {timeout:?}"),
-                ));
-            }
-            step = mid.handshake();
-        }
-    }
-
-    /// Reads and writes wait at most this long for the socket (then
-    /// `WouldBlock`, as a socket timeout would).
-    pub(crate) fn set_timeouts(&self, read: Duration, write: Duration) {
-        self.read_timeout_ns
-            .store(read.as_nanos() as u64, Ordering::Relaxed);
-        self.write_timeout_ns
-            .store(write.as_nanos() as u64, Ordering::Relaxed);
-    }
-
-    /// Writes wait at most `write` for the socket (reads keep theirs).
-    pub(crate) fn set_write_timeout(&self, write: Duration) {
-        self.write_timeout_ns
-            .store(write.as_nanos() as u64, Ordering::Relaxed);
-    }
-
-    fn deadline(ns: &AtomicU64) -> Instant {
-        Instant::now() + Duration::from_nanos(ns.load(Ordering::Relaxed))
-    }
-
-    /// Read plaintext; `Ok(0)` at the end of the stream.
-    pub(crate) fn read(&self, buf: &mut [u8]) -> io::Result<usize> {
-        if buf.is_empty() {
-            return Ok(0);
-        }
-        let deadline = Self::deadline(&self.read_timeout_ns);
-        loop {
-            let r = self.ssl.lock().ssl_read(buf);
-            let events = match r {
-                Ok(n) => return Ok(n),
-                Err(e) => match e.code() {
-                    ErrorCode::WANT_READ => libc::POLLIN,
-                    ErrorCode::WANT_WRITE => libc::POLLOUT,
-                    ErrorCode::ZERO_RETURN => return Ok(0),
-                    ErrorCode::SYSCALL if e.io_error().is_none() => return Ok(0),
-                    _ => return Err(ssl_io_error(e)),
-                },
-            };
-            if !poll_until(self.sock.as_raw_fd(), events, deadline)? {
-                return Err(timed_out("waiting for the remote's data"));
             }
         }
     }
 
-    /// Seal and send a prefix of `buf`.
-    pub(crate) fn write(&self, buf: &[u8]) -> io::Result<usize> {
-        if buf.is_empty() {
-            return Ok(0);
-        }
-        let deadline = Self::deadline(&self.write_timeout_ns);
-        loop {
-            let r = self.ssl.lock().ssl_write(buf);
-            let (events, until) = match r {
-                Ok(n) => return Ok(n),
-                Err(e) => match e.code() {
-                    ErrorCode::WANT_WRITE => (libc::POLLOUT, deadline),
-                    ErrorCode::WANT_READ => (
-                        libc::POLLIN,
-                        deadline.min(Instant::now() + WRITE_WANTS_READ_SLICE),
-                    ),
-                    _ => return Err(ssl_io_error(e)),
-                },
-            };
-            if !poll_until(self.sock.as_raw_fd(), events, until)? && Instant::now() >= deadline {
-                return Err(timed_out("waiting for the remote to take data"));
+    #[test]
+    fn both_ends_run_one_session_type_and_the_server_learns_the_psk_identity() {
+        let dir = iopages_testkit::TempDir::new("tls-session");
+        let (server, client) = pair(dir.path());
+        assert_eq!(
+            server.client_identity(),
+            Some(TlsIdentity::Psk("alice".into()))
+        );
+        // A request header and a payload of many records, in one vectored
+        // write; then everything the server sends back, up to close_notify.
+        let sent: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+        let len = sent.len();
+        let remote = std::thread::spawn(move || {
+            let mut iov = [IoSlice::new(&sent[..28]), IoSlice::new(&sent[28..])];
+            let mut bufs = &mut iov[..];
+            while !bufs.is_empty() {
+                let n = client.write_vectored(bufs).unwrap();
+                IoSlice::advance_slices(&mut bufs, n);
             }
-        }
-    }
-
-    /// Seal a prefix of `bufs`: small pieces gathered into one record.
-    pub(crate) fn write_vectored(&self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
-        let Some(first) = bufs.iter().find(|b| !b.is_empty()) else {
-            return Ok(0);
-        };
-        if first.len() >= GATHER_BYTES {
-            return self.write(first);
-        }
-        // As large as what is gathered (a request header alone is 28
-        // bytes), not a whole record each time.
-        let total: usize = bufs.iter().map(|b| b.len()).sum();
-        let mut gathered = Vec::with_capacity(total.min(GATHER_BYTES));
-        for b in bufs {
-            let room = GATHER_BYTES - gathered.len();
-            if room == 0 {
-                break;
+            let (mut back, mut buf) = (Vec::new(), [0u8; 4096]);
+            loop {
+                match client.read(&mut buf).unwrap() {
+                    0 => return (sent, back),
+                    n => back.extend_from_slice(&buf[..n]),
+                }
             }
-            gathered.extend_from_slice(&b[..b.len().min(room)]);
-        }
-        self.write(&gathered)
-    }
-
-    /// Send close_notify if it can leave at once, then shut `how` down.
-    pub(crate) fn shutdown_how(&self, how: std::net::Shutdown) {
-        if how != std::net::Shutdown::Read {
-            let _ = self.ssl.lock().shutdown();
-        }
-        self.sock.shutdown_how(how);
-    }
-
-    /// The socket's descriptor.
-    pub(crate) fn raw_fd(&self) -> i32 {
-        self.sock.as_raw_fd()
+        });
+        let got = server_read(&server, len);
+        server_write(&server, &got);
+        server.close_notify();
+        let (sent, back) = remote.join().unwrap();
+        assert!(got == sent, "the server read what the client wrote");
+        assert!(
+            back == sent,
+            "the client read what the server wrote, then the end"
+        );
     }
 }

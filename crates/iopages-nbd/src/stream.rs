@@ -2,8 +2,10 @@
 //! store's client side only) a TLS session over one.
 //!
 //! Owns: reading and writing one socket, cloning it for the reply side,
-//! and shutting it down. Must never: hide an I/O error (every error goes
-//! to the caller, which closes the connection).
+//! and shutting it down; and lending the plain socket to a
+//! [`TlsSession`] (the [`Socket`] it runs over, on the server's side and
+//! the client's). Must never: hide an I/O error (every error goes to the
+//! caller, which closes the connection).
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream};
@@ -11,7 +13,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::remote_tls::ClientTls;
+use crate::tls_session::{Socket, TlsSession};
 
 /// An accepted connection.
 #[derive(Debug)]
@@ -23,7 +25,7 @@ pub enum Stream {
     /// A client TLS session (the remote store after NBD_OPT_STARTTLS):
     /// clones share the session; the socket is non-blocking underneath
     /// and the timeouts are the session's.
-    Tls(Arc<ClientTls>),
+    Tls(Arc<TlsSession<Stream>>),
 }
 
 impl Stream {
@@ -86,6 +88,28 @@ impl Stream {
                 "a TLS stream cannot be made non-blocking",
             )),
         }
+    }
+}
+
+/// The plain socket under a TLS session. A session's own stream is never
+/// one (`Tls` only ever wraps a `Tcp` or `Unix` stream).
+impl Socket for Stream {
+    fn recv(&self, buf: &mut [u8]) -> io::Result<usize> {
+        let mut s = self;
+        s.read(buf)
+    }
+
+    fn send(&self, buf: &[u8]) -> io::Result<usize> {
+        let mut s = self;
+        s.write(buf)
+    }
+
+    fn nonblocking(&self) -> io::Result<()> {
+        self.set_nonblocking(true)
+    }
+
+    fn shut(&self, how: Shutdown) {
+        self.shutdown_how(how);
     }
 }
 

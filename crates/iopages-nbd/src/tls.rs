@@ -8,12 +8,12 @@
 //! option but STARTTLS and ABORT before it). Must never: start with
 //! credentials it could not load whole (every error names the file and
 //! what is wrong), or accept a PSK client whose identity is not in the
-//! file.
+//! file. The session these credentials start, and what it proves about a
+//! client, are `tls_session.rs`'s; the PSK file format and suites serve
+//! the remote client (`remote_tls.rs`) too.
 
-use openssl::ex_data::Index;
 use openssl::ssl::{
-    Ssl, SslAcceptor, SslAcceptorBuilder, SslFiletype, SslMethod, SslOptions, SslVerifyMode,
-    SslVersion,
+    SslAcceptor, SslAcceptorBuilder, SslFiletype, SslMethod, SslOptions, SslVerifyMode, SslVersion,
 };
 use std::collections::HashMap;
 use std::path::Path;
@@ -136,7 +136,8 @@ impl TlsConfig {
             .map_err(|e| err(format!("TLS: {e}")))?;
         b.set_cipher_list(PSK_TLS12_CIPHERS)
             .map_err(|e| err(format!("TLS: {e}")))?;
-        let index = psk_identity_index()?;
+        // Where the session keeps the identity for `tls_session` to read.
+        let index = crate::tls_session::psk_identity_index()?;
         b.set_psk_server_callback(move |ssl, identity, out| {
             let (id, key) = identity
                 .and_then(|id| keys.get_key_value(id))
@@ -176,17 +177,6 @@ impl TlsConfig {
 }
 
 type PskKeys = HashMap<Vec<u8>, Zeroizing<Vec<u8>>>;
-
-/// Where a session keeps the PSK identity its key was found for (one
-/// index for the process, made on first use).
-pub(crate) fn psk_identity_index() -> crate::Result<Index<Ssl, Vec<u8>>> {
-    static INDEX: std::sync::OnceLock<Index<Ssl, Vec<u8>>> = std::sync::OnceLock::new();
-    if let Some(i) = INDEX.get() {
-        return Ok(*i);
-    }
-    let i = Ssl::new_ex_index().map_err(|e| err(format!("TLS: {e}")))?;
-    Ok(*INDEX.get_or_init(|| i))
-}
 
 /// Parse a psktool key file: `identity:hexkey` lines, blank lines
 /// skipped.

@@ -1,32 +1,23 @@
 //! A connection's transport: a non-blocking socket, optionally under TLS,
 //! and a wake-up descriptor.
 //!
-//! Owns: trying reads and writes without ever blocking (plain or through
-//! OpenSSL after NBD_OPT_STARTTLS), waiting for readiness with `poll(2)`
-//! up to a deadline, the TLS handshake under a deadline, and the eventfd
-//! other threads use to wake the connection's own thread. Must never:
-//! block a thread other than the connection's own (crypt workers call
-//! [`Transport::try_write`] and must get `Blocked` back instead of
-//! waiting), or let two threads drive the TLS session at once (one lock
-//! around it; nobody waits while holding it).
+//! Owns: trying reads and writes without ever blocking (plain, or through
+//! the connection's [`TlsSession`] after NBD_OPT_STARTTLS — the session
+//! is swapped in under the same calls, so nothing above knows TLS is
+//! there), waiting for readiness with `poll(2)` up to a deadline, and the
+//! eventfd other threads use to wake the connection's own thread. Must
+//! never: block a thread other than the connection's own (crypt workers
+//! call [`Transport::try_write`] and must get `Blocked` back instead of
+//! waiting).
 
 use crate::stream::Stream;
-use openssl::ssl::{ErrorCode, HandshakeError, Ssl, SslAcceptor, SslStream};
-use parking_lot::Mutex;
+pub(crate) use crate::tls_session::Io;
+use crate::tls_session::TlsSession;
+use openssl::ssl::SslAcceptor;
 use std::io::{self, IoSlice, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
-
-/// The outcome of a non-blocking attempt.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Io {
-    /// This many bytes moved (0 on a read: end of stream).
-    Done(usize),
-    /// Nothing can move until the socket is ready: readable (`false`) or
-    /// writable (`true`). A TLS session may need either for either.
-    Blocked { write: bool },
-}
 
 /// What a wait found.
 #[derive(Clone, Copy, Debug, Default)]
@@ -39,180 +30,12 @@ pub(crate) struct Ready {
     pub(crate) woken: bool,
 }
 
-/// A TLS record's largest plaintext: small pieces (reply headers, small
-/// reads) are gathered into one record's worth before sealing; a piece at
-/// least this large is sealed straight from where it lies.
-pub(crate) const TLS_RECORD_BYTES: usize = 16 << 10;
-
-/// Sealed records waiting for the socket, at most (past it, OpenSSL is
-/// told to retry: the session's writes stop until the socket drains).
-const TLS_OUT_BYTES: usize = 256 << 10;
-
-/// The socket as OpenSSL sees it: records it seals are gathered here and
-/// leave in one `send` of up to [`TLS_OUT_BYTES`] instead of one system
-/// call per 16 KiB record (which cost the server and the client a wake-up
-/// each). Reads go straight to the socket (OpenSSL reads ahead).
-struct SealedOut {
-    sock: Stream,
-    out: Vec<u8>,
-    sent: usize,
-}
-
-impl SealedOut {
-    fn pending(&self) -> usize {
-        self.out.len() - self.sent
-    }
-
-    /// Send what is gathered, without blocking; `Ok` even when the socket
-    /// takes only part (the rest waits for the next call).
-    fn push(&mut self) -> io::Result<()> {
-        while self.sent < self.out.len() {
-            match (&self.sock).write(&self.out[self.sent..]) {
-                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(n) => self.sent += n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-        if self.sent == self.out.len() {
-            self.out.clear();
-            self.sent = 0;
-        }
-        Ok(())
-    }
-}
-
-impl Read for SealedOut {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        (&self.sock).read(buf)
-    }
-}
-
-impl Write for SealedOut {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        if self.pending() + buf.len() > TLS_OUT_BYTES {
-            self.push()?;
-            if self.pending() + buf.len() > TLS_OUT_BYTES && self.pending() > 0 {
-                return Err(io::ErrorKind::WouldBlock.into());
-            }
-        }
-        if self.sent > 0 && self.sent == self.out.len() {
-            self.out.clear();
-            self.sent = 0;
-        }
-        self.out.extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    /// OpenSSL flushes at the end of each handshake flight: send what the
-    /// socket takes now; the rest goes as the caller waits for the socket
-    /// (every wait includes "writable" while records are pending).
-    fn flush(&mut self) -> io::Result<()> {
-        self.push()
-    }
-}
-
-struct Tls {
-    ssl: SslStream<SealedOut>,
-    /// Small pieces gathered for one record (OpenSSL has no vectored
-    /// write), and how much of it OpenSSL has taken.
-    stage: Vec<u8>,
-    staged_sent: usize,
-}
-
-impl Tls {
-    /// Seal and send a prefix of `bufs` without blocking.
-    ///
-    /// The caller keeps unsent bytes in order and offers them again, from
-    /// the first byte not reported written: so staged bytes not yet taken
-    /// are the front of `bufs`, and are sent from the stage without a
-    /// second copy; and after `WANT_WRITE` OpenSSL gets the same bytes
-    /// again (at least as many), as it requires of a retried write.
-    fn write(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<Io> {
-        let r = self.seal(bufs);
-        self.ssl.get_mut().push()?;
-        r
-    }
-
-    /// Sealed records not yet taken by the socket.
-    fn pending(&self) -> bool {
-        self.ssl.get_ref().pending() > 0
-    }
-
-    fn seal(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<Io> {
-        let mut done = 0usize;
-        loop {
-            let r = if self.staged_sent < self.stage.len() {
-                let r = self.ssl.ssl_write(&self.stage[self.staged_sent..]);
-                if let Ok(n) = r {
-                    self.staged_sent += n;
-                }
-                r
-            } else {
-                // The front: `done` bytes into `bufs`.
-                let mut skip = done;
-                let mut at = None;
-                for (i, b) in bufs.iter().enumerate() {
-                    if skip < b.len() {
-                        at = Some((i, skip));
-                        break;
-                    }
-                    skip -= b.len();
-                }
-                let Some((i, off)) = at else {
-                    return Ok(Io::Done(done));
-                };
-                if bufs[i].len() - off >= TLS_RECORD_BYTES {
-                    self.ssl.ssl_write(&bufs[i][off..])
-                } else {
-                    self.stage.clear();
-                    self.staged_sent = 0;
-                    let mut off = off;
-                    for b in &bufs[i..] {
-                        let room = TLS_RECORD_BYTES - self.stage.len();
-                        if room == 0 {
-                            break;
-                        }
-                        let piece = &b[off..];
-                        self.stage
-                            .extend_from_slice(&piece[..piece.len().min(room)]);
-                        off = 0;
-                    }
-                    continue;
-                }
-            };
-            match r {
-                Ok(n) => done += n,
-                Err(e) => {
-                    let write = match e.code() {
-                        ErrorCode::WANT_WRITE => true,
-                        ErrorCode::WANT_READ => false,
-                        _ => return Err(ssl_err(e)),
-                    };
-                    return Ok(if done > 0 {
-                        Io::Done(done)
-                    } else {
-                        Io::Blocked { write }
-                    });
-                }
-            }
-        }
-    }
-}
-
 /// A connection's transport.
 pub(crate) struct Transport {
     sock: Stream,
-    tls: OnceLock<Mutex<Tls>>,
+    /// The TLS session, from the end of the STARTTLS handshake on.
+    tls: OnceLock<TlsSession<Stream>>,
     wake: OwnedFd,
-}
-
-fn ssl_err(e: openssl::ssl::Error) -> io::Error {
-    match e.into_io_error() {
-        Ok(io) => io,
-        Err(e) => io::Error::other(format!("TLS: {e}")),
-    }
 }
 
 impl Transport {
@@ -241,13 +64,13 @@ impl Transport {
     /// thread then waits for "writable" too, and calls
     /// [`Transport::push_out`]).
     pub(crate) fn pending_out(&self) -> bool {
-        self.tls.get().is_some_and(|t| t.lock().pending())
+        self.tls.get().is_some_and(TlsSession::pending_out)
     }
 
     /// Send sealed TLS records waiting for the socket, without blocking.
     pub(crate) fn push_out(&self) -> io::Result<()> {
         match self.tls.get() {
-            Some(t) => t.lock().ssl.get_mut().push(),
+            Some(t) => t.push_out(),
             None => Ok(()),
         }
     }
@@ -278,19 +101,7 @@ impl Transport {
             return Ok(Io::Done(0));
         }
         if let Some(tls) = self.tls.get() {
-            let mut t = tls.lock();
-            return match t.ssl.ssl_read(buf) {
-                Ok(n) => Ok(Io::Done(n)),
-                Err(e) => match e.code() {
-                    ErrorCode::WANT_READ => Ok(Io::Blocked { write: false }),
-                    ErrorCode::WANT_WRITE => Ok(Io::Blocked { write: true }),
-                    // A close_notify, or the peer gone without one: the
-                    // end of the stream either way.
-                    ErrorCode::ZERO_RETURN => Ok(Io::Done(0)),
-                    ErrorCode::SYSCALL if e.io_error().is_none() => Ok(Io::Done(0)),
-                    _ => Err(ssl_err(e)),
-                },
-            };
+            return tls.try_read(buf);
         }
         loop {
             match (&self.sock).read(buf) {
@@ -310,7 +121,7 @@ impl Transport {
     /// under TLS, sealed or staged bytes are pending on them.
     pub(crate) fn try_write(&self, bufs: &[IoSlice<'_>]) -> io::Result<Io> {
         if let Some(tls) = self.tls.get() {
-            return tls.lock().write(bufs);
+            return tls.try_write(bufs);
         }
         loop {
             match (&self.sock).write_vectored(bufs) {
@@ -440,51 +251,20 @@ impl Transport {
     }
 
     /// Run the server side of a TLS handshake on the socket, all of it
-    /// before `deadline`; from then on every read and write goes through
-    /// the session.
+    /// before `deadline` (a kick ends a wait early, not the handshake);
+    /// from then on every read and write goes through the session.
+    ///
+    /// **Returns:** `PermissionDenied` when the handshake fails,
+    /// `TimedOut` past `deadline`.
     pub(crate) fn start_tls(&self, acceptor: &SslAcceptor, deadline: Instant) -> io::Result<()> {
         if self.is_tls() {
             return Err(io::Error::other("TLS is already running"));
         }
-        let ssl = Ssl::new(acceptor.context()).map_err(io::Error::other)?;
-        let sock = SealedOut {
-            sock: self.sock.try_clone()?,
-            out: Vec::new(),
-            sent: 0,
-        };
-        let mut step = ssl.accept(sock);
-        loop {
-            let mut mid = match step {
-                Ok(s) => return self.set_tls(s),
-                Err(HandshakeError::WouldBlock(m)) => m,
-                Err(HandshakeError::SetupFailure(e)) => return Err(io::Error::other(e)),
-                Err(HandshakeError::Failure(mut m)) => {
-                    // The alert, so the client learns why.
-                    let _ = m.get_mut().push();
-                    return Err(io::Error::new(
-                        io::ErrorKind::PermissionDenied,
-                        format!("TLS handshake failed: {}", m.error()),
-                    ));
-                }
-            };
-            // Records of the last flight may still be gathered: wait for
-            // the socket to take them as well as for the client's answer.
-            mid.get_mut().push()?;
-            let write = mid.error().code() == ErrorCode::WANT_WRITE || mid.get_ref().pending() > 0;
-            self.wait(true, write, Some(time_left(deadline)?))?;
-            mid.get_mut().push()?;
-            step = mid.handshake();
-        }
-    }
-
-    fn set_tls(&self, mut ssl: SslStream<SealedOut>) -> io::Result<()> {
-        ssl.get_mut().push()?;
+        let wait = |read, write| self.wait(read, write, Some(time_left(deadline)?)).map(drop);
+        let left = deadline.saturating_duration_since(Instant::now());
+        let session = TlsSession::accept(self.sock.try_clone()?, acceptor, left, wait)?;
         self.tls
-            .set(Mutex::new(Tls {
-                ssl,
-                stage: Vec::with_capacity(TLS_RECORD_BYTES),
-                staged_sent: 0,
-            }))
+            .set(session)
             .map_err(|_| io::Error::other("TLS is already running"))
     }
 
@@ -492,33 +272,14 @@ impl Transport {
     /// identity, or the subject of a client certificate that verified
     /// (`None` without TLS, or with an unverified or absent certificate).
     pub(crate) fn tls_identity(&self) -> Option<crate::peer::TlsIdentity> {
-        use crate::peer::TlsIdentity;
-        let t = self.tls.get()?.lock();
-        let ssl = t.ssl.ssl();
-        // The identity the server's PSK callback found a key for (TLS 1.2
-        // and 1.3 alike; OpenSSL's own record of it is empty under 1.3).
-        let kept = crate::tls::psk_identity_index()
-            .ok()
-            .and_then(|i| ssl.ex_data(i));
-        if let Some(id) = kept.map(Vec::as_slice).or_else(|| ssl.psk_identity()) {
-            return Some(TlsIdentity::Psk(String::from_utf8_lossy(id).into_owned()));
-        }
-        if ssl.verify_result() != openssl::x509::X509VerifyResult::OK {
-            return None;
-        }
-        let cert = ssl.peer_certificate()?;
-        Some(TlsIdentity::Subject(crate::peer::rfc4514(
-            cert.subject_name(),
-        )))
+        self.tls.get()?.client_identity()
     }
 
     /// Send TLS's close_notify (and whatever is still gathered), if it
     /// can leave without waiting.
     pub(crate) fn close_tls(&self) {
         if let Some(tls) = self.tls.get() {
-            let mut t = tls.lock();
-            let _ = t.ssl.shutdown();
-            let _ = t.ssl.get_mut().push();
+            tls.close_notify();
         }
     }
 }

@@ -173,10 +173,12 @@ fn a_store_that_stops_reading_fails_the_stuck_write_and_the_read_behind_it() {
             .any(|m| m.contains("WRITE of 4194304 bytes at offset 0 not sent within")),
         "{msgs:?}"
     );
-    // The connection is given up: later requests fail at once.
+    // The connection is given up; a later request (on a reconnected
+    // connection the store does not read either, or none) fails by its
+    // deadline too.
     let t = Instant::now();
     assert!(remote.read_at(0, &mut [&mut [0u8; 4096]]).is_err());
-    assert!(t.elapsed() < Duration::from_secs(1));
+    assert!(t.elapsed() < T + Duration::from_secs(1));
     drop_within(remote);
 }
 

@@ -273,6 +273,13 @@ impl Pool {
         }
     }
 
+    /// [`Pool::why`] once anything failed (a connection given up, taken
+    /// out or not, or an attempt); `None` before.
+    fn why_any(&self, s: &PoolState) -> Option<String> {
+        let dying = self.conns.read().iter().flatten().any(|c| !c.is_alive());
+        (s.lost.is_some() || s.attempt.is_some() || dying).then(|| self.why(s))
+    }
+
     /// Put `conn` in slot `i` (the store is reachable again).
     ///
     /// **Returns:** `false` at stop (then `conn` is closed instead).
@@ -354,7 +361,7 @@ impl Pool {
                 (0, Some(t)) => t.elapsed().as_secs_f64(),
                 _ => 0.0,
             },
-            last_error: (s.lost.is_some() || s.attempt.is_some()).then(|| s.why()),
+            last_error: self.why_any(&s),
             reconnects: get(&c.reconnects),
             resent: get(&c.resent),
             deadline_failures: get(&c.deadline_failures),

@@ -266,7 +266,10 @@ pub(super) fn starttls(s: &mut Stream, tls: &Connector, deadline: Instant) -> io
             "handshake: timed out before the TLS handshake",
         ));
     }
-    *s = Stream::Tls(Arc::new(ClientTls::connect(plain, tls, left)?));
+    // From here the socket is the session's (the same session type as
+    // the server's connections run).
+    let session: ClientTls = tls.connect(plain, left)?;
+    *s = Stream::Tls(Arc::new(session));
     Ok(())
 }
 
