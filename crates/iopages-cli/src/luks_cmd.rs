@@ -33,7 +33,8 @@ pub enum LuksCommand {
     Format(FormatArgs),
     /// Open a volume's header with a passphrase and describe it.
     Check {
-        /// The LUKS image (file or block device).
+        /// The LUKS image: a file, a block device, or an NBD URI
+        /// (`nbd://`, `nbd+unix://`, `nbds://`, `nbds+unix://`).
         image: PathBuf,
         /// The passphrase: the file's exact bytes, or `-` for one line of
         /// standard input.
@@ -75,6 +76,27 @@ pub enum LuksCommand {
         #[arg(long)]
         allow_secondary_header: bool,
     },
+    /// Show a volume's header as `cryptsetup luksDump` does (no
+    /// passphrase; never key material); --json prints LUKS2's metadata.
+    Dump(crate::luks_header::DumpArgs),
+    /// Save a volume's whole header area (headers and key slots) to a new
+    /// file, as `cryptsetup luksHeaderBackup` does.
+    HeaderBackup(crate::luks_header::HeaderBackupArgs),
+    /// Write a saved header area back over a volume's header, as
+    /// `cryptsetup luksHeaderRestore` does (--yes to replace another
+    /// volume's header).
+    HeaderRestore(crate::luks_header::HeaderRestoreArgs),
+    /// Add a passphrase in a free key slot, unlocked by an existing one
+    /// (as `cryptsetup luksAddKey`).
+    AddKey(crate::luks_keys::AddKeyArgs),
+    /// Remove the key slot a passphrase opens (as `cryptsetup
+    /// luksRemoveKey`).
+    RemoveKey(crate::luks_keys::RemoveKeyArgs),
+    /// Replace the passphrase of the key slot it opens (as `cryptsetup
+    /// luksChangeKey`).
+    ChangeKey(crate::luks_keys::ChangeKeyArgs),
+    /// Remove a key slot by number (as `cryptsetup luksKillSlot`).
+    KillSlot(crate::luks_keys::KillSlotArgs),
 }
 
 #[derive(clap::Args)]
@@ -164,35 +186,12 @@ pub fn run(cmd: LuksCommand) -> Result<(), String> {
             passphrase_file,
             max_kdf_memory,
             allow_secondary_header,
-        } => {
-            let pass = read_passphrase(&passphrase_file)?;
-            let v = luks::open_path_with_options(
-                &image,
-                &pass,
-                &kdf_limits(max_kdf_memory),
-                &LuksOpenOptions::new().allow_secondary_header(allow_secondary_header),
-            )
-            .map_err(|e| open_error(&image, e))?;
-            let dev = device_bytes(&image)?;
-            println!(
-                "{}: {} {}, {}-bit key, {}-byte sectors, payload {} bytes at offset {}, key slot {} opened{}, uuid {}",
-                image.display(),
-                version_name(v.version()),
-                v.cipher_spec(),
-                v.master_key().len() * 8,
-                v.sector_size(),
-                v.data_size_bytes(dev),
-                v.data_offset_bytes(),
-                v.keyslot(),
-                if v.used_secondary_header() {
-                    " (primary header damaged: the secondary copy was used)"
-                } else {
-                    ""
-                },
-                luks::printable(v.uuid())
-            );
-            Ok(())
-        }
+        } => check(
+            &image,
+            &passphrase_file,
+            &kdf_limits(max_kdf_memory),
+            &LuksOpenOptions::new().allow_secondary_header(allow_secondary_header),
+        ),
         LuksCommand::Decrypt {
             image,
             output,
@@ -208,7 +207,56 @@ pub fn run(cmd: LuksCommand) -> Result<(), String> {
             &kdf_limits(max_kdf_memory),
             &LuksOpenOptions::new().allow_secondary_header(allow_secondary_header),
         ),
+        LuksCommand::Dump(a) => crate::luks_header::dump(a),
+        LuksCommand::HeaderBackup(a) => crate::luks_header::header_backup(a),
+        LuksCommand::HeaderRestore(a) => crate::luks_header::header_restore(a),
+        LuksCommand::AddKey(a) => crate::luks_keys::add_key(a),
+        LuksCommand::RemoveKey(a) => crate::luks_keys::remove_key(a),
+        LuksCommand::ChangeKey(a) => crate::luks_keys::change_key(a),
+        LuksCommand::KillSlot(a) => crate::luks_keys::kill_slot(a),
     }
+}
+
+/// `luks check`: open IMAGE (a file, a block device or an NBD URI) with
+/// the passphrase and describe it.
+fn check(
+    image: &Path,
+    passphrase_file: &Path,
+    limits: &KdfLimits,
+    opts: &LuksOpenOptions,
+) -> Result<(), String> {
+    let pass = read_passphrase(passphrase_file)?;
+    let target = crate::luks_target::open(image, false)?;
+    let (v, dev) = match (target.file(), target.backend()) {
+        (Some(_), _) => (
+            luks::open_path_with_options(image, &pass, limits, opts)
+                .map_err(|e| open_error(image, e))?,
+            device_bytes(image)?,
+        ),
+        (None, Some(b)) => (
+            luks::open_backend(b, &pass, limits, opts).map_err(|e| open_error(image, e))?,
+            b.size_bytes(),
+        ),
+        (None, None) => return Err(format!("{}: nothing to open", target.describe())),
+    };
+    println!(
+        "{}: {} {}, {}-bit key, {}-byte sectors, payload {} bytes at offset {}, key slot {} opened{}, uuid {}",
+        image.display(),
+        version_name(v.version()),
+        v.cipher_spec(),
+        v.master_key().len() * 8,
+        v.sector_size(),
+        v.data_size_bytes(dev),
+        v.data_offset_bytes(),
+        v.keyslot(),
+        if v.used_secondary_header() {
+            " (primary header damaged: the secondary copy was used)"
+        } else {
+            ""
+        },
+        luks::printable(v.uuid())
+    );
+    Ok(())
 }
 
 /// An open error for the command line: a key slot over the memory limit
@@ -413,7 +461,8 @@ fn decrypt(
         luks::open_with_options(&src, &pass, limits, open).map_err(|e| open_error(image, e))?;
     let dev = device_bytes(image)?;
     let ss = vol.sector_size() as u64;
-    let size = vol.data_size_bytes(dev) / ss * ss;
+    // A header-only image (a header backup) opens but has no payload.
+    let size = vol.payload_bytes(dev).map_err(|e| open_error(image, e))? / ss * ss;
     let mut cipher = vol
         .xts_cipher()
         .map_err(|e| format!("cannot set up {}: {e}", vol.cipher_spec()))?;

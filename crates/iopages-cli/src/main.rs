@@ -119,6 +119,9 @@ enum Command {
 mod activation;
 mod config;
 mod luks_cmd;
+mod luks_header;
+mod luks_keys;
+mod luks_target;
 mod metrics;
 mod passphrase;
 mod serve;
@@ -213,6 +216,11 @@ enum Experiment {
     /// (--sparse-only: that alone) and the tenants row (--tenants-only:
     /// that alone).
     Nbd,
+    /// Key changes on a served volume: fio's random load alone and during
+    /// 20 `luks change-key`s, against the KDF's CPU share; and the unlock
+    /// cost of a default `luks add-key` slot against cryptsetup's (not
+    /// part of `all`; report keys.json).
+    Keys,
 }
 
 /// The store of `bench nbd --remote --store`.
@@ -350,6 +358,11 @@ fn run_experiments(
             store,
         } = nbd;
         run_nbd(opts, tls, sparse_only, remote, tenants_only, store)?;
+    }
+    if experiment == Experiment::Keys {
+        let me = std::env::current_exe()
+            .map_err(|e| BenchError::Workload(format!("cannot find the iopages binary: {e}")))?;
+        iopages_bench::luks_keys::run(opts, &me)?;
     }
     Ok(())
 }

@@ -361,13 +361,14 @@ fn rule2_key_material_offset_must_not_overflow() {
     );
 }
 
-// ---- rule 3: the device holds every area and the payload offset --------
+// ---- rule 3: the device holds every key-material area -------------------
 
 #[test]
 fn rule3_truncation_at_every_structural_boundary_is_an_error() {
     let dir = Dir::new("luks1-rules", "truncated");
     let orig = volume(&dir, "rule3_truncation");
-    let need = (PAYLOAD + 1) * 512;
+    // The end of the last key-material area: what cryptsetup requires.
+    let need = (8 + SLOT_STEP * 7 + AREA) * 512;
     // The header itself.
     for len in [0usize, 8, 591] {
         match open(&dir, &format!("cut{len}"), &orig[..len]) {
@@ -378,15 +379,17 @@ fn rule3_truncation_at_every_structural_boundary_is_an_error() {
             other => panic!("cut at {len}: {other:?}"),
         }
     }
-    // The end of each key-material area (and a sector short of it), and
-    // the payload offset: the device must hold all eight areas and one
-    // payload sector.
+    // The end of each key-material area but the last (and a sector short
+    // of each): the device must hold all eight areas.
     let mut cuts = vec![592u64, 4096];
     for i in 0..8 {
         let end = (8 + SLOT_STEP * i + AREA) * 512;
-        cuts.extend([end - 512, end]);
+        cuts.push(end - 512);
+        if end < need {
+            cuts.push(end);
+        }
     }
-    cuts.extend([PAYLOAD * 512 - 1, PAYLOAD * 512, need - 1]);
+    cuts.push(need - 1);
     for len in cuts {
         let e = open(&dir, &format!("cut{len}"), &orig[..len as usize])
             .err()
@@ -402,9 +405,27 @@ fn rule3_truncation_at_every_structural_boundary_is_an_error() {
             other => panic!("cut at {len}: {other:?}"),
         }
     }
-    // One payload sector: it opens.
-    let v = open(&dir, "one-sector", &orig[..need as usize]).unwrap();
-    assert_eq!(v.data_size_bytes(need), 512);
+    // Every area whole, but no payload sector: a header-only image (a
+    // header backup) opens, and has no payload to serve.
+    for len in [
+        need,
+        PAYLOAD * 512 - 1,
+        PAYLOAD * 512,
+        (PAYLOAD + 1) * 512 - 1,
+    ] {
+        let v = open(&dir, &format!("header-only{len}"), &orig[..len as usize]).unwrap();
+        assert_eq!(v.data_size_bytes(len), 0);
+        let e = v.payload_bytes(len).unwrap_err();
+        assert!(matches!(e, LuksError::NoPayload(_)), "{len}: {e}");
+        assert!(
+            e.to_string().starts_with("no payload: a header-only image"),
+            "{e}"
+        );
+    }
+    // One payload sector: it opens, and has one.
+    let one = (PAYLOAD + 1) * 512;
+    let v = open(&dir, "one-sector", &orig[..one as usize]).unwrap();
+    assert_eq!(v.payload_bytes(one).unwrap(), 512);
 }
 
 #[test]
@@ -424,7 +445,7 @@ fn rule3_areas_after_the_payload_offset_are_refused_not_read_short() {
     let short = (4096 + 1) * 512;
     match open(&dir, "short", &b[..short]) {
         Err(LuksError::Truncated { needed, have }) => {
-            assert_eq!((needed, have), ((8192 + 1) * 512, short as u64))
+            assert_eq!((needed, have), (8192 * 512, short as u64))
         }
         other => panic!("{other:?}"),
     }

@@ -373,18 +373,12 @@ fn arena(luks: &LuksVolume, opts: &VolumeOptions) -> io::Result<PageAllocator> {
         })
 }
 
-/// The crypt stack over `file` (the whole image): the payload window, the
-/// cipher pool, the target and its queue, and what was built.
-fn stack(
-    alloc: &PageAllocator,
-    file: Arc<dyn Backend>,
-    luks: &LuksVolume,
-    opts: &VolumeOptions,
-    image: Option<PathBuf>,
-    remote: Option<String>,
-    io: String,
-) -> io::Result<(Arc<CryptQueue<CipherPool>>, VolumeInfo)> {
-    let device = file.size_bytes();
+/// The bytes of payload to serve on an image of `device` bytes: whole
+/// sectors (dm-crypt maps only whole sectors), within a fixed segment.
+/// A header-only image (a header backup, a detached header) has nothing
+/// to serve: refused before anything else is said about it.
+fn payload_to_serve(luks: &LuksVolume, device: u64) -> io::Result<u64> {
+    let size = luks.payload_bytes(device).map_err(io::Error::from)?;
     if let Some(seg) = luks.segment_size_bytes() {
         let end = luks.data_offset_bytes().checked_add(seg);
         if end.is_none_or(|end| end > device) {
@@ -398,17 +392,22 @@ fn stack(
             ));
         }
     }
-    let size = luks.data_size_bytes(device);
     let ss = luks.sector_size() as u64;
-    if size == 0 || luks.data_offset_bytes() >= device {
-        return Err(invalid(format!(
-            "the image ({device} bytes) has no payload after its header (payload offset {})",
-            luks.data_offset_bytes()
-        )));
-    }
-    // A payload that is not whole sectors is served up to its last whole
-    // sector, as dm-crypt maps only whole sectors.
-    let size = size - size % ss;
+    Ok(size - size % ss)
+}
+
+/// The crypt stack over `file` (the whole image): the payload window, the
+/// cipher pool, the target and its queue, and what was built.
+fn stack(
+    alloc: &PageAllocator,
+    file: Arc<dyn Backend>,
+    luks: &LuksVolume,
+    opts: &VolumeOptions,
+    image: Option<PathBuf>,
+    remote: Option<String>,
+    io: String,
+) -> io::Result<(Arc<CryptQueue<CipherPool>>, VolumeInfo)> {
+    let size = payload_to_serve(luks, file.size_bytes())?;
     let backend: Arc<dyn Backend> = Arc::new(Window::new(
         Arc::clone(&file) as Arc<dyn Backend>,
         luks.data_offset_bytes(),

@@ -366,3 +366,83 @@ pub fn get(addr: SocketAddr, path: &str) -> (u16, String, String) {
     let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n");
     exchange(addr, req.as_bytes()).unwrap_or_else(|| panic!("no reply to GET {path}"))
 }
+
+/// A `luksDump` report (cryptsetup's or `iopages luks dump`'s) as
+/// `section/item/field → value`: hex continued on later lines joined,
+/// white space collapsed. Two reports showing the same fields with the
+/// same values give the same map.
+pub fn dump_fields(text: &str) -> std::collections::BTreeMap<String, String> {
+    let mut map = std::collections::BTreeMap::new();
+    let (mut section, mut item, mut last) = (String::new(), String::new(), String::new());
+    for l in text.lines() {
+        let words = l.split_whitespace().collect::<Vec<_>>().join(" ");
+        let Some((name, value)) = words.split_once(':') else {
+            if l.starts_with(char::is_whitespace) && !last.is_empty() && !words.is_empty() {
+                let v: &mut String = map.get_mut(&last).unwrap();
+                v.push(' ');
+                v.push_str(&words);
+            }
+            continue;
+        };
+        let (name, value) = (name.trim().to_string(), value.trim().to_string());
+        let key = match (l.starts_with('\t'), l.starts_with("  ")) {
+            (true, _) if item.is_empty() => format!("{section}/{name}"),
+            (true, _) => format!("{section}/{item}/{name}"),
+            (false, true) => {
+                item = name.clone();
+                format!("{section}/{name}")
+            }
+            (false, false) => {
+                section = name.clone();
+                item.clear();
+                name
+            }
+        };
+        map.insert(key.clone(), value);
+        last = key;
+    }
+    map
+}
+
+/// An nbdkit child serving a plugin on a Unix socket, killed on drop.
+pub struct NbdKit(Option<Child>);
+
+impl NbdKit {
+    /// nbdkit's `file` plugin over `file` on the Unix socket `sock`, up
+    /// (nbdinfo reaches it) when this returns; its `nbd+unix://` URI.
+    pub fn file(sock: &Path, file: &Path) -> (NbdKit, String) {
+        let child = Command::new("nbdkit")
+            .arg("-U")
+            .arg(sock)
+            .args(["--foreground", "--exit-with-parent", "file"])
+            .arg(file)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("nbdkit starts");
+        let kit = NbdKit(Some(child));
+        let uri = format!("nbd+unix:///?socket={}", sock.display());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !Command::new("nbdinfo")
+            .args(["--size", &uri])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+        {
+            assert!(Instant::now() < deadline, "nbdkit did not come up");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        (kit, uri)
+    }
+}
+
+impl Drop for NbdKit {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}

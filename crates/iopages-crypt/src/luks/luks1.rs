@@ -369,10 +369,11 @@ pub(crate) fn plan(h: &Header) -> Result<Parsed, LuksError> {
     })
 }
 
-/// Bytes a device needs for the header `h` (already planned): all eight
-/// key-material areas and the payload offset, plus one payload sector —
-/// a volume with no payload at all is a truncated image.
-fn device_bytes_needed(h: &Header) -> u64 {
+/// Bytes a device needs for the header `h` (already planned): the end of
+/// the last of the eight key-material areas, as cryptsetup requires. A
+/// device that ends there or before the payload is a header-only image (a
+/// header backup): it is inspected and opened, never served.
+pub(crate) fn device_bytes_needed(h: &Header) -> u64 {
     let sectors = area_sectors(h.key_bytes);
     let areas_end = h
         .slots
@@ -380,12 +381,12 @@ fn device_bytes_needed(h: &Header) -> u64 {
         .map(|s| u64::from(s.key_material_offset) + sectors)
         .max()
         .unwrap_or(0);
-    areas_end.max(u64::from(h.payload_offset) + 1) * SECTOR
+    areas_end * SECTOR
 }
 
 /// Read and plan the LUKS1 header of `dev`, and check that the device
-/// holds all eight key-material areas and at least one sector of payload
-/// ([`LuksError::Truncated`] names the bytes needed and present).
+/// holds all eight key-material areas ([`LuksError::Truncated`] names the
+/// bytes needed and present).
 pub(crate) fn parse(dev: &Dev<'_>) -> Result<Parsed, LuksError> {
     let mut b = [0u8; HEADER_BYTES];
     dev.read_at(0, &mut b)?;
@@ -605,7 +606,11 @@ mod tests {
         h.key_bytes = 32;
         let p = plan(&h).unwrap();
         assert!(p.slots.is_empty());
-        // Truncated at the payload offset: no payload sector.
-        assert_eq!(device_bytes_needed(&h), (4096 + 1) * 512);
+        // The last key-material area's end (a header-only image may end
+        // there).
+        assert_eq!(
+            device_bytes_needed(&h),
+            (u64::from(o[7]) + area_sectors(32)) * 512
+        );
     }
 }

@@ -52,7 +52,7 @@ pub const FORMAT_KEYSLOTS_OFFSET: u64 = 2 * FORMAT_HDR_SIZE;
 /// Where [`format()`] puts the data segment (cryptsetup's default 16 MiB).
 pub const FORMAT_DATA_OFFSET: u64 = 16 << 20;
 /// Keyslot areas are aligned to 4 KiB.
-const AREA_ALIGN: u64 = 4096;
+pub(super) const AREA_ALIGN: u64 = 4096;
 
 const OFF_VERSION: usize = 6;
 const OFF_HDR_SIZE: usize = 8;
@@ -535,7 +535,7 @@ fn listing(digests: &Map<String, Value>, member: &str, name: &str) -> usize {
 /// may hold that this crate does not implement (ciphers, KDFs, segment
 /// types...) is left to [`plan`]. More than `max_keyslots` keyslots is
 /// refused first, before any is looked at.
-fn validate(json: &Value, hdr_size: u64, max_keyslots: usize) -> Result<(), LuksError> {
+pub(super) fn validate(json: &Value, hdr_size: u64, max_keyslots: usize) -> Result<(), LuksError> {
     let root = obj(json, "the top level")?;
     let keyslots = obj(field(root, "keyslots", "")?, "keyslots")?;
     check_keyslot_count(keyslots.len(), max_keyslots)?;
@@ -782,12 +782,16 @@ fn corrupt(path: &str, m: &str) -> LuksError {
     LuksError::Corrupt(format!("LUKS2 metadata: {path} {m}"))
 }
 
-fn obj<'a>(v: &'a Value, path: &str) -> Result<&'a Map<String, Value>, LuksError> {
+pub(super) fn obj<'a>(v: &'a Value, path: &str) -> Result<&'a Map<String, Value>, LuksError> {
     v.as_object()
         .ok_or_else(|| corrupt(path, "is not an object"))
 }
 
-fn field<'a>(m: &'a Map<String, Value>, key: &str, path: &str) -> Result<&'a Value, LuksError> {
+pub(super) fn field<'a>(
+    m: &'a Map<String, Value>,
+    key: &str,
+    path: &str,
+) -> Result<&'a Value, LuksError> {
     m.get(key).ok_or_else(|| {
         if path.is_empty() {
             corrupt(key, "is missing")
@@ -804,7 +808,7 @@ fn str_of<'a>(m: &'a Map<String, Value>, key: &str, path: &str) -> Result<&'a st
 }
 
 /// A u64 the spec writes as a decimal string (offsets, sizes).
-fn u64_str(m: &Map<String, Value>, key: &str, path: &str) -> Result<u64, LuksError> {
+pub(super) fn u64_str(m: &Map<String, Value>, key: &str, path: &str) -> Result<u64, LuksError> {
     let s = str_of(m, key, path)?;
     decimal(s).ok_or_else(|| {
         corrupt(
@@ -1238,8 +1242,31 @@ pub(crate) fn plan(
     })
 }
 
-fn b64e(b: &[u8]) -> String {
+pub(super) fn b64e(b: &[u8]) -> String {
     base64::engine::general_purpose::STANDARD.encode(b)
+}
+
+/// A keyslot's `kdf` object for `pbkdf` with `salt`.
+pub(super) fn kdf_json(pbkdf: &Pbkdf, salt: &[u8]) -> Value {
+    match pbkdf.costs() {
+        KdfCosts::Pbkdf2 { hash, iterations } => json!({
+            "type": "pbkdf2",
+            "hash": hash.name(),
+            "iterations": iterations,
+            "salt": b64e(salt),
+        }),
+        KdfCosts::Argon2 {
+            time,
+            memory_kib,
+            parallel,
+        } => json!({
+            "type": pbkdf.name(),
+            "time": time,
+            "memory": memory_kib,
+            "cpus": parallel,
+            "salt": b64e(salt),
+        }),
+    }
 }
 
 /// Format `dev` as LUKS2 (options already checked).
@@ -1273,25 +1300,7 @@ pub(crate) fn format(
     let area = seal_keyslot(key.as_slice(), passphrase, &opts.pbkdf, &slot_salt, af_hash)?;
     let area_size = round_up(area.len() as u64, AREA_ALIGN).unwrap_or(u64::MAX);
 
-    let kdf_json = match opts.pbkdf.costs() {
-        KdfCosts::Pbkdf2 { hash, iterations } => json!({
-            "type": "pbkdf2",
-            "hash": hash.name(),
-            "iterations": iterations,
-            "salt": b64e(&slot_salt),
-        }),
-        KdfCosts::Argon2 {
-            time,
-            memory_kib,
-            parallel,
-        } => json!({
-            "type": opts.pbkdf.name(),
-            "time": time,
-            "memory": memory_kib,
-            "cpus": parallel,
-            "salt": b64e(&slot_salt),
-        }),
-    };
+    let kdf_json = kdf_json(&opts.pbkdf, &slot_salt);
     let metadata = json!({
         "keyslots": {
             "0": {

@@ -42,6 +42,8 @@
 //! | PBKDF2 (`hash-spec`, `kdf.type = "pbkdf2"`), Argon2i/Argon2id | [`Pbkdf`], [`enum@Hash`] | `kdf.rs` |
 //! | limits on KDF costs and keyslot count (cryptsetup's `crypt_pbkdf_get_limits`, `LUKS2_KEYSLOTS_MAX`) | [`KdfLimits`] | `limits.rs` |
 //! | keyslot area cipher (`aes-xts-plain64`, 512-byte sectors, IV from 0) | `area_cipher` | this file |
+//! | the header's public fields (`luksDump`), LUKS2 JSON as stored | [`dump()`], [`LuksDump`] | `dump.rs` |
+//! | the header area (`luksHeaderBackup`/`luksHeaderRestore`) | [`backup_header`], [`restore_header`] | `backup.rs` |
 //! | `struct volume_key`, wiped and locked | [`MasterKey`], `SecretBuf` | `key.rs` |
 //! | dm-crypt table cryptsetup would load | [`LuksVolume::xts_cipher`] | this file |
 //!
@@ -69,11 +71,14 @@
 //!   used.
 //! - Validation follows cryptsetup's metadata rules for every field read:
 //!   LUKS1 (every slot's state, stripes and key-material area, no
-//!   overlaps, the device holding all eight areas and a payload sector)
+//!   overlaps, the device holding all eight areas)
 //!   and LUKS2 (the JSON area's framing, `keyslots_size` and every area
 //!   inside it without overlaps, digests/keyslots/segments/tokens
 //!   referring to each other, segment alignment and flags, the device
-//!   holding both header copies, the keyslots area and a data sector).
+//!   holding both header copies and the keyslots area). A device that
+//!   ends there, with no payload sector (a header backup), is a
+//!   header-only image: inspected, dumped and opened, never served
+//!   ([`LuksVolume::payload_bytes`], [`LuksError::NoPayload`]).
 //!   The LUKS2 secondary header is never used when the primary area holds
 //!   another format's signature (LVM2, ext4, XFS, btrfs, swap, MD RAID,
 //!   partition tables, LUKS1): [`LuksError::AmbiguousSignatures`], unless
@@ -105,24 +110,36 @@
 //!   (cryptsetup's `mlockall`).
 
 mod af;
+mod backup;
 mod calibrate;
+mod dump;
 mod kdf;
 mod key;
+mod keyslots;
 mod limits;
 mod luks1;
 mod luks2;
+mod manage;
+mod manage1;
+mod manage2;
 
 pub use af::STRIPES;
+pub use backup::{
+    backup_header, backup_header_backend, restore_header, restore_header_backend, HeaderArea,
+    RestoreOptions, Restored,
+};
 pub use calibrate::{
     argon2_memory_cap, available_memory_kib, calibrate, default_lanes, Calibrated, KdfKind,
     KdfTarget, DEFAULT_ARGON2_MEMORY_CAP_KIB, DEFAULT_ITER_TIME,
 };
+pub use dump::{dump, dump_backend, LuksDump};
 pub use kdf::{
     Hash, Pbkdf, ARGON2_MAX_MEMORY_KIB, ARGON2_MAX_PARALLEL_FORMAT, ARGON2_MIN_MEMORY_KIB,
     ARGON2_MIN_TIME, PBKDF2_MIN_ITERATIONS,
 };
 pub use key::MasterKey;
 pub use limits::{KdfLimits, LUKS2_KEYSLOTS_MAX};
+pub use manage::{add_key, change_key, kill_slot, remove_key, HeaderDevice, KeyChange, KeyOptions};
 
 use crate::XtsCipher;
 use key::SecretBuf;
@@ -220,6 +237,24 @@ pub enum LuksError {
     /// ([`LuksOpenOptions::allow_secondary_header`]).
     #[error("ambiguous signatures: {0}")]
     AmbiguousSignatures(String),
+    /// A key verb ([`add_key`], [`remove_key`], [`change_key`],
+    /// [`kill_slot`]) cannot be done as asked: the slot is in use or not,
+    /// the slot table is full, or it would remove the last usable slot.
+    /// Nothing was written.
+    #[error("{0}")]
+    KeySlot(String),
+    /// The image holds a whole header but no payload sector after it (a
+    /// header backup, an image cut at its data offset) or its payload is
+    /// elsewhere (a detached header): it can be inspected, dumped and
+    /// opened, never served or decrypted. The message says why.
+    #[error("no payload: a header-only image ({0})")]
+    NoPayload(String),
+    /// A header restore ([`restore_header`]) was refused before anything
+    /// was written: the backup is not a LUKS header, or does not fit the
+    /// image, or is another volume's and replacing it was not allowed
+    /// ([`RestoreOptions::replace_other_volume`]). The message says which.
+    #[error("header restore refused: {0}")]
+    RestoreRefused(String),
 }
 
 impl From<LuksError> for std::io::Error {
@@ -239,8 +274,10 @@ impl From<LuksError> for std::io::Error {
             LuksError::Corrupt(_) | LuksError::OverLimit(_) | LuksError::AmbiguousSignatures(_) => {
                 ErrorKind::InvalidData
             }
-            LuksError::Truncated { .. } => ErrorKind::UnexpectedEof,
-            LuksError::InvalidOptions(_) => ErrorKind::InvalidInput,
+            LuksError::Truncated { .. } | LuksError::NoPayload(_) => ErrorKind::UnexpectedEof,
+            LuksError::InvalidOptions(_) | LuksError::KeySlot(_) | LuksError::RestoreRefused(_) => {
+                ErrorKind::InvalidInput
+            }
             LuksError::Cancelled => ErrorKind::Other,
         };
         match e {
@@ -493,6 +530,28 @@ impl LuksVolume {
         len - len % self.sector_size as u64
     }
 
+    /// The payload to serve or decrypt on a device of `device_bytes`:
+    /// [`Self::data_size_bytes`], which must hold at least one sector.
+    ///
+    /// **Returns:** [`LuksError::NoPayload`] for a header-only image (the
+    /// device ends within the first payload sector) or a detached header
+    /// (data offset 0: the payload is on another device).
+    pub fn payload_bytes(&self, device_bytes: u64) -> Result<u64, LuksError> {
+        if self.data_offset == 0 {
+            return Err(LuksError::NoPayload(
+                "a detached header: its payload is on another device".to_string(),
+            ));
+        }
+        let size = self.data_size_bytes(device_bytes);
+        if size == 0 {
+            return Err(LuksError::NoPayload(format!(
+                "the {device_bytes}-byte image ends before a {}-byte payload sector at offset {}",
+                self.sector_size, self.data_offset
+            )));
+        }
+        Ok(size)
+    }
+
     /// The data segment's fixed size in bytes (LUKS2), or `None` when it
     /// runs to the end of the device (LUKS1, LUKS2 `"dynamic"`).
     pub fn segment_size_bytes(&self) -> Option<u64> {
@@ -687,8 +746,24 @@ impl<'a> Dev<'a> {
         })
     }
 
+    /// Write `buf` at `offset`: a file with one positioned write, a
+    /// backend with one write of whole [`BACKEND_READ_ALIGN`]-byte blocks
+    /// (the partial blocks at either edge read first and merged).
     pub(crate) fn write_at(&self, offset: u64, buf: &[u8]) -> Result<(), LuksError> {
-        Ok(self.file()?.write_all_at(buf, offset)?)
+        match self.src {
+            Src::File(f) => Ok(f.write_all_at(buf, offset)?),
+            Src::Backend(b) => Ok(write_aligned(b, offset, buf, self.size)?),
+        }
+    }
+
+    /// Make every write so far durable: `fsync` for a file, a flush for a
+    /// backend. The key verbs call it between the steps whose order keeps
+    /// a volume openable through a crash.
+    pub(crate) fn sync(&self) -> Result<(), LuksError> {
+        match self.src {
+            Src::File(f) => Ok(f.sync_all()?),
+            Src::Backend(b) => Ok(b.flush()?),
+        }
     }
 
     /// Write zeros over `[offset, offset + len)`.
@@ -721,6 +796,38 @@ fn read_aligned(
     let from = (offset - start) as usize;
     buf.copy_from_slice(&block[from..from + buf.len()]);
     Ok(())
+}
+
+/// Write `buf` at `offset` of `b` (of `size` bytes) as one write of whole
+/// [`BACKEND_READ_ALIGN`]-byte blocks (clipped to the device's end); the
+/// bytes of the edge blocks outside `buf` are read first and kept.
+fn write_aligned(
+    b: &dyn crate::backend::Backend,
+    offset: u64,
+    buf: &[u8],
+    size: u64,
+) -> std::io::Result<()> {
+    let end = offset + buf.len() as u64;
+    if end > size {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!(
+                "write of {} bytes at {offset} leaves the {size}-byte device",
+                buf.len()
+            ),
+        ));
+    }
+    let start = offset & !(BACKEND_READ_ALIGN - 1);
+    let stop = round_up(end, BACKEND_READ_ALIGN)
+        .unwrap_or(u64::MAX)
+        .min(size);
+    let mut block = vec![0u8; (stop - start) as usize];
+    if start != offset || stop != end {
+        b.read_at(start, &mut [&mut block[..]])?;
+    }
+    let from = (offset - start) as usize;
+    block[from..from + buf.len()].copy_from_slice(buf);
+    b.write_at(start, &[&block[..]])
 }
 
 /// A block device's size: `BLKGETSIZE64`, as the io_uring backend asks it.
@@ -967,21 +1074,11 @@ fn open_dev(
         slots,
     } = parse(dev, limits.max_keyslots, opts)?;
     limits.check_keyslot_count(info.version, info.keyslots.len())?;
-    if info.version == LuksVersion::Luks2 {
-        // As cryptsetup's activation ("Device is too small"): a LUKS2
-        // volume whose device ends at or before its data offset has no
-        // payload to serve (a truncated image).
-        let needed = info
-            .data_offset_bytes
-            .saturating_add(info.sector_size as u64);
-        if dev.size() < needed {
-            return Err(LuksError::Truncated {
-                needed,
-                have: dev.size(),
-            });
-        }
-    }
-    if let Some(size) = info.data_size_bytes {
+    // A device ending at or before the data offset is a header-only image
+    // (a header backup): it opens, as cryptsetup opens one for its key
+    // verbs; [`LuksVolume::payload_bytes`] refuses to serve it.
+    let header_only = dev.size() <= info.data_offset_bytes;
+    if let Some(size) = info.data_size_bytes.filter(|_| !header_only) {
         let end = info.data_offset_bytes.checked_add(size);
         if end.is_none_or(|end| end > dev.size()) {
             return Err(LuksError::Corrupt(format!(
