@@ -51,6 +51,7 @@ pub mod counter;
 pub mod crypt;
 pub mod harness;
 pub mod kvmalloc;
+pub mod luks_keys;
 pub mod measure;
 pub mod mempool;
 pub mod nbd;
