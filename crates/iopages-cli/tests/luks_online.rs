@@ -163,3 +163,65 @@ fn key_verbs_on_a_served_remote_leave_the_clients_undisturbed() {
     assert!(opens(&img.display().to_string(), &dir.join("b.pass")));
     assert!(!opens(&img.display().to_string(), &pass));
 }
+
+#[test]
+fn a_verb_racing_another_on_one_image_fails_at_once_with_nothing_changed() {
+    if !tools(&["flock"]) {
+        return;
+    }
+    let dir = Dir::new("online-race");
+    let (img, pass) = luks2_image(&dir, "disk", "16M", b"first passphrase");
+    let new = dir.join("new.pass");
+    std::fs::write(&new, b"second passphrase").unwrap();
+    let before = std::fs::read(&img).unwrap();
+    // Another writer holds the image's lock (as a running verb does).
+    // -o: flock keeps the lock itself (not its child), so killing it
+    // releases the lock.
+    let mut holder = Command::new("flock")
+        .args(["-x", "-o"])
+        .arg(&img)
+        .args(["sleep", "30"])
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    let out = luks(&[
+        &"add-key",
+        &img,
+        &"--passphrase-file",
+        &pass,
+        &"--new-passphrase-file",
+        &new,
+        &"--pbkdf",
+        &"pbkdf2",
+        &"--iterations",
+        &"1000",
+    ]);
+    let _ = holder.kill();
+    let _ = holder.wait();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && said.contains("is locked"),
+        "{said}"
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "no waiting for the lock"
+    );
+    assert!(std::fs::read(&img).unwrap() == before, "nothing changed");
+    // Once the other is done, the verb goes through.
+    let args: [&dyn AsRef<std::ffi::OsStr>; 10] = [
+        &"add-key",
+        &img,
+        &"--passphrase-file",
+        &pass,
+        &"--new-passphrase-file",
+        &new,
+        &"--pbkdf",
+        &"pbkdf2",
+        &"--iterations",
+        &"1000",
+    ];
+    ok(luks(&args), "add-key after the race");
+    assert!(opens(&img.display().to_string(), &new));
+}
