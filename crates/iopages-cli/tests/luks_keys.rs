@@ -7,10 +7,9 @@
 
 mod common;
 
-use common::{cryptsetup, luks_format, run, tools, Dir, BIN};
+use common::{cryptsetup, luks_format, run, tools, Dir, NbdKit, BIN};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
 
 const CHEAP: [&str; 4] = ["--pbkdf", "pbkdf2", "--iterations", "1000"];
 const TYPES: [&str; 2] = ["luks1", "luks2"];
@@ -296,39 +295,6 @@ fn refusals_change_nothing_and_say_why() {
     );
 }
 
-/// A child process killed when dropped.
-struct Kid(Child);
-
-impl Drop for Kid {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// nbdkit's `file` plugin serving `img` on the Unix socket `sock`: its
-/// URI once it answers.
-fn nbdkit_file(sock: &Path, img: &Path) -> (Kid, String) {
-    let child = Command::new("nbdkit")
-        .arg("-U")
-        .arg(sock)
-        .args(["--foreground", "--exit-with-parent", "file"])
-        .arg(img)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("nbdkit starts");
-    let uri = format!("nbd+unix:///?socket={}", sock.display());
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !sock.exists() {
-        assert!(Instant::now() < deadline, "nbdkit did not come up");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    std::thread::sleep(Duration::from_millis(100));
-    (Kid(child), uri)
-}
-
 #[test]
 fn key_verbs_on_a_remote_header_behind_nbdkit() {
     if !tools(&["cryptsetup", "nbdkit"]) {
@@ -338,7 +304,7 @@ fn key_verbs_on_a_remote_header_behind_nbdkit() {
         let dir = Dir::new(&format!("remote-{ty}"));
         let k = passes(&dir);
         let img = cryptsetup_image(&dir, ty, &k[0]);
-        let (_kid, uri) = nbdkit_file(&dir.join("sock"), &img);
+        let (_kid, uri) = NbdKit::file(&dir.join("sock"), &img);
         iopages_verbs(&uri, &img, &k, &format!("{ty} behind nbdkit"));
     }
 }

@@ -11,9 +11,11 @@
 
 mod common;
 
-use common::{cryptsetup, fio_verify, luks2_image, run, serve_cmd, tools, Dir, Served, BIN};
+use common::{
+    cryptsetup, fio_verify, luks2_image, run, serve_cmd, tools, Dir, NbdKit, Served, BIN,
+};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 /// `iopages luks ARGS…`.
@@ -115,36 +117,6 @@ fn key_verbs_on_a_served_file_leave_the_clients_undisturbed() {
         .arg(&img));
 }
 
-/// nbdkit's `file` plugin over `img` on `sock`, up once nbdinfo reaches it.
-fn nbdkit(sock: &Path, img: &Path) -> Child {
-    let child = Command::new("nbdkit")
-        .arg("-U")
-        .arg(sock)
-        .args(["--foreground", "--exit-with-parent", "file"])
-        .arg(img)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("nbdkit starts");
-    let uri = format!("nbd+unix:///?socket={}", sock.display());
-    let t = Instant::now();
-    while !Command::new("nbdinfo")
-        .args(["--size", &uri])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-    {
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "nbdkit did not come up"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    child
-}
-
 #[test]
 fn key_verbs_on_a_served_remote_leave_the_clients_undisturbed() {
     if !tools(&["fio", "nbdkit", "nbdinfo"]) {
@@ -153,12 +125,11 @@ fn key_verbs_on_a_served_remote_leave_the_clients_undisturbed() {
     let dir = Dir::new("online-remote");
     let (img, pass) = luks2_image(&dir, "disk", "64M", b"first passphrase");
     let sock: PathBuf = dir.join("store.sock");
-    let mut store = nbdkit(&sock, &img);
+    let (store, _) = NbdKit::file(&sock, &img);
     let image = format!("nbd+unix:///?socket={}", sock.display());
     let srv = serve(&dir, &image, &pass);
     rotate_while_served(&dir, &image, &pass, srv);
-    let _ = store.kill();
-    let _ = store.wait();
+    drop(store);
     // Offline, the file itself: the same passphrases.
     assert!(opens(&img.display().to_string(), &dir.join("b.pass")));
     assert!(!opens(&img.display().to_string(), &pass));

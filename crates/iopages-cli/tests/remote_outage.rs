@@ -11,49 +11,17 @@
 
 mod common;
 
-use common::{fio_verify, get, luks2_image, serve_cmd, tools, Dir, Served};
+use common::{fio_verify, get, luks2_image, serve_cmd, tools, Dir, NbdKit, Served};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// nbdkit's `file` plugin over `img` on the Unix socket `sock`, up once
-/// nbdinfo reaches it.
-fn store(sock: &Path, img: &Path) -> Child {
+/// nbdkit's `file` plugin over `img` on `sock` (a socket file a killed
+/// one left removed first).
+fn store(sock: &Path, img: &Path) -> NbdKit {
     let _ = std::fs::remove_file(sock);
-    let child = Command::new("nbdkit")
-        .arg("-U")
-        .arg(sock)
-        .args(["--foreground", "--exit-with-parent", "file"])
-        .arg(img)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("nbdkit starts");
-    let uri = format!("nbd+unix:///?socket={}", sock.display());
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !Command::new("nbdinfo")
-        .args(["--size", &uri])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-    {
-        assert!(Instant::now() < deadline, "nbdkit did not come up");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    child
-}
-
-/// A child killed when dropped.
-struct Kid(Child);
-
-impl Drop for Kid {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
+    NbdKit::file(sock, img).0
 }
 
 /// `iopages serve` of the image on the store at `sock` as the export
@@ -113,7 +81,7 @@ fn a_store_restarted_under_fio_verify_loses_nothing_and_health_follows_it() {
     let dir = Dir::new("outage");
     let (img, pass) = luks2_image(&dir, "disk.img", "64M", b"outage");
     let sock = dir.join("store.sock");
-    let mut kid = Kid(store(&sock, &img));
+    let mut kid = store(&sock, &img);
     let (srv, m) = serve(&dir, &sock, &pass, "");
     until(m, "/healthz", 200);
     until(m, "/healthz/disk", 200);
@@ -121,8 +89,7 @@ fn a_store_restarted_under_fio_verify_loses_nothing_and_health_follows_it() {
     let uri = format!("nbd+unix:///disk?socket={}", dir.join("s.sock").display());
     let fio = std::thread::spawn(move || fio_verify(&uri, "48M"));
     std::thread::sleep(Duration::from_millis(1500));
-    kid.0.kill().unwrap();
-    kid.0.wait().unwrap();
+    drop(kid);
     let all = until(m, "/healthz", 503);
     assert!(
         all.contains("\"disk\"") && all.contains("unreachable"),
@@ -131,7 +98,7 @@ fn a_store_restarted_under_fio_verify_loses_nothing_and_health_follows_it() {
     let one = until(m, "/healthz/disk", 503);
     assert!(one.contains("remote store is unreachable"), "{one}");
     std::thread::sleep(Duration::from_secs(1));
-    kid = Kid(store(&sock, &img));
+    kid = store(&sock, &img);
     until(m, "/healthz", 200);
     until(m, "/healthz/disk", 200);
     let job = fio.join().expect("fio ran");
@@ -167,10 +134,10 @@ fn sigterm_while_the_store_is_stopped_exits_within_the_deadline() {
     let dir = Dir::new("outage-stop");
     let (img, pass) = luks2_image(&dir, "disk.img", "64M", b"outage");
     let sock = dir.join("store.sock");
-    let kid = Kid(store(&sock, &img));
+    let kid = store(&sock, &img);
     let (srv, m) = serve(&dir, &sock, &pass, "");
     until(m, "/healthz", 200);
-    let pid = kid.0.id() as i32;
+    let pid = kid.pid();
     // SAFETY: kill has no memory arguments; the pid is our own child's.
     unsafe { libc::kill(pid, libc::SIGSTOP) };
     let uri = format!("nbd+unix:///disk?socket={}", dir.join("s.sock").display());

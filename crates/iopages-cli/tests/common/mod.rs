@@ -436,6 +436,11 @@ impl NbdKit {
         }
         (kit, uri)
     }
+
+    /// Its process id (to stop it with SIGSTOP, say).
+    pub fn pid(&self) -> i32 {
+        self.0.as_ref().map_or(0, |c| c.id() as i32)
+    }
 }
 
 impl Drop for NbdKit {
