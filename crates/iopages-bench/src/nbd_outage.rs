@@ -17,12 +17,13 @@
 
 use crate::harness::{Report, Table};
 use crate::nbd::{command_line, os, work_dirs};
+use crate::nbd_remote::{start, Proc};
 use crate::{progress, round2, BenchError, BenchOptions};
-use iopages_testkit::{die_with_parent, find_tool, run_tool, stop, tail_lines, wait_for_socket};
+use iopages_testkit::{find_tool, run_tool, tail_lines};
 use serde::Serialize;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// Seconds lost beyond the downtime the target allows.
@@ -34,59 +35,6 @@ const LOG_MS: u64 = 100;
 
 fn workload(e: impl std::fmt::Display) -> BenchError {
     BenchError::Workload(format!("nbd-outage: {e}"))
-}
-
-/// A child process stopped (SIGTERM, then SIGKILL) and reaped when dropped.
-struct Kid(Option<Child>, &'static str, PathBuf);
-
-impl Kid {
-    /// Start `cmd` with its stderr in `log` and wait for `sock`.
-    fn start(
-        name: &'static str,
-        mut cmd: Command,
-        sock: &Path,
-        log: PathBuf,
-    ) -> Result<Kid, String> {
-        let _ = std::fs::remove_file(sock);
-        let line = command_line(&cmd);
-        let f = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
-        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(f);
-        die_with_parent(&mut cmd, libc::SIGTERM);
-        let child = cmd
-            .spawn()
-            .map_err(|e| format!("cannot start {name} ({line}): {e}"))?;
-        let mut k = Kid(Some(child), name, log);
-        wait_for_socket(sock, Duration::from_secs(60), || k.alive())
-            .map_err(|e| format!("{name} did not start: {e} (command: {line})"))?;
-        Ok(k)
-    }
-
-    fn alive(&mut self) -> Result<(), String> {
-        match self.0.as_mut().map(|c| c.try_wait()) {
-            Some(Ok(None)) => Ok(()),
-            other => Err(format!(
-                "{} exited ({other:?}): {}",
-                self.1,
-                tail_lines(&std::fs::read_to_string(&self.2).unwrap_or_default())
-            )),
-        }
-    }
-
-    /// SIGKILL (a crash), reaped.
-    fn kill(&mut self) {
-        if let Some(mut c) = self.0.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Drop for Kid {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.0.take() {
-            stop(&mut c, Duration::from_secs(40));
-        }
-    }
 }
 
 /// One fio run's figures.
@@ -138,21 +86,17 @@ struct Setup {
 }
 
 impl Setup {
-    fn store(&self) -> Result<Kid, String> {
+    fn store(&self) -> Result<Proc, String> {
         let mut cmd = Command::new(&self.nbdkit);
         cmd.args(["--foreground", "--exit-with-parent", "--unix"])
             .arg(&self.store_sock)
             .arg("file")
             .arg(&self.image);
-        Kid::start(
-            "nbdkit file (the store)",
-            cmd,
-            &self.store_sock,
-            self.work.join("store.err"),
-        )
+        let name = "nbdkit file (the store)";
+        start(name, "store", cmd, &self.store_sock, &self.work).map(|(p, _)| p)
     }
 
-    fn server(&self) -> Result<Kid, String> {
+    fn server(&self) -> Result<Proc, String> {
         let mut cmd = Command::new(&self.iopages);
         cmd.args(["serve", "--arena", "256M", "--image"])
             .arg(format!("nbd+unix:///?socket={}", self.store_sock.display()))
@@ -160,12 +104,7 @@ impl Setup {
             .arg(&self.pass)
             .arg("--unix")
             .arg(&self.server_sock);
-        Kid::start(
-            "iopages serve",
-            cmd,
-            &self.server_sock,
-            self.work.join("serve.err"),
-        )
+        start("iopages serve", "serve", cmd, &self.server_sock, &self.work).map(|(p, _)| p)
     }
 
     /// fio for `seconds`: 4 KiB random writes, each block read back and
@@ -208,7 +147,7 @@ fn ios_of(json: &Value) -> u64 {
 
 /// One fio run; with `outage`, the store is killed `seconds / 2 - downtime
 /// / 2` in and started again `downtime` later.
-fn run_once(st: &Setup, outage: bool, store: &mut Kid) -> Result<Outcome, String> {
+fn run_once(st: &Setup, outage: bool, store: &mut Proc) -> Result<Outcome, String> {
     let tag = if outage { "outage" } else { "steady" };
     let mut cmd = st.fio(tag);
     cmd.stdout(Stdio::piped()).stderr(Stdio::piped());

@@ -148,7 +148,7 @@ impl Tools {
 }
 
 /// A server process: SIGTERM (then SIGKILL) and reaped when dropped.
-struct Proc {
+pub(crate) struct Proc {
     name: &'static str,
     child: Option<Child>,
     err_log: PathBuf,
@@ -174,6 +174,14 @@ impl Proc {
             None => "not running".into(),
         }
     }
+
+    /// SIGKILL (a crash), reaped.
+    pub(crate) fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
 }
 
 impl Drop for Proc {
@@ -183,7 +191,7 @@ impl Drop for Proc {
 }
 
 /// Start `cmd` (logs under `work/<key>.err`) and wait for `sock`.
-fn start(
+pub(crate) fn start(
     name: &'static str,
     key: &str,
     mut cmd: Command,

@@ -595,29 +595,8 @@ impl RawExport {
             .iter()
             .map(|r| r.parse::<AllowRule>())
             .collect::<Result<Vec<_>, _>>()?;
-        let rate = RateLimit {
-            bytes_per_second: match &self.rate_bytes {
-                Some(s) => Some(size("rate-bytes", s)?),
-                None => None,
-            },
-            requests_per_second: self.rate_requests,
-        };
-        if rate.bytes_per_second == Some(0) || rate.requests_per_second == Some(0) {
-            return Err(
-                "rate-bytes and rate-requests must be at least 1 (leave them out for no limit)"
-                    .into(),
-            );
-        }
-        let reconnect_delay = match self.reconnect_delay {
-            None => None,
-            Some(_) if !matches!(image, ImageSpec::Nbd(_)) => {
-                return Err("reconnect-delay is for an image on a remote store (nbd://…)".into())
-            }
-            Some(n) => Some(
-                iopages_nbd::remote::parse_reconnect_delay(&n.to_string())
-                    .map_err(|e| e.replace("=", " "))?,
-            ),
-        };
+        let rate = self.rate()?;
+        let reconnect_delay = self.reconnect_delay(&image)?;
         Ok(ExportSpec {
             allow,
             rate,
@@ -634,6 +613,38 @@ impl RawExport {
             max_kdf_memory,
             inline_max,
             line,
+        })
+    }
+
+    /// `rate-bytes` and `rate-requests`, each at least 1 when given.
+    fn rate(&self) -> Result<RateLimit, String> {
+        let rate = RateLimit {
+            bytes_per_second: match &self.rate_bytes {
+                Some(s) => Some(size("rate-bytes", s)?),
+                None => None,
+            },
+            requests_per_second: self.rate_requests,
+        };
+        if rate.bytes_per_second == Some(0) || rate.requests_per_second == Some(0) {
+            return Err(
+                "rate-bytes and rate-requests must be at least 1 (leave them out for no limit)"
+                    .into(),
+            );
+        }
+        Ok(rate)
+    }
+
+    /// `reconnect-delay`, only for a remote image.
+    fn reconnect_delay(&self, image: &ImageSpec) -> Result<Option<std::time::Duration>, String> {
+        Ok(match self.reconnect_delay {
+            None => None,
+            Some(_) if !matches!(image, ImageSpec::Nbd(_)) => {
+                return Err("reconnect-delay is for an image on a remote store (nbd://…)".into())
+            }
+            Some(n) => Some(
+                iopages_nbd::remote::parse_reconnect_delay(&n.to_string())
+                    .map_err(|e| e.replace("=", " "))?,
+            ),
         })
     }
 

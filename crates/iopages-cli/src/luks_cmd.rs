@@ -159,16 +159,65 @@ enum VersionArg {
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum PbkdfArg {
+pub(crate) enum PbkdfArg {
     Pbkdf2,
     Argon2i,
     Argon2id,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum HashArg {
+pub(crate) enum HashArg {
     Sha1,
     Sha256,
+}
+
+impl HashArg {
+    pub(crate) fn hash(self) -> Hash {
+        match self {
+            HashArg::Sha1 => Hash::Sha1,
+            HashArg::Sha256 => Hash::Sha256,
+        }
+    }
+}
+
+impl PbkdfArg {
+    /// The KDF, PBKDF2 with `hash`.
+    pub(crate) fn kind(self, hash: Hash) -> KdfKind {
+        match self {
+            PbkdfArg::Pbkdf2 => KdfKind::Pbkdf2(hash),
+            PbkdfArg::Argon2i => KdfKind::Argon2i,
+            PbkdfArg::Argon2id => KdfKind::Argon2id,
+        }
+    }
+}
+
+/// What to calibrate a new key slot's `kind` to, from the KDF flags
+/// `format` and the key verbs share (`--iterations`, `--memory`,
+/// `--parallel`, `--iter-time`).
+///
+/// **Returns:** the target; the error for Argon2 costs given to PBKDF2 or
+/// an `--iter-time` of 0.
+pub(crate) fn kdf_target(
+    kind: KdfKind,
+    iterations: Option<u32>,
+    memory: Option<u32>,
+    parallel: Option<u32>,
+    iter_time_ms: u64,
+) -> Result<KdfTarget, String> {
+    if matches!(kind, KdfKind::Pbkdf2(_)) && (memory.is_some() || parallel.is_some()) {
+        return Err(
+            "--memory and --parallel are Argon2 costs: PBKDF2 has --iterations only".into(),
+        );
+    }
+    if iter_time_ms == 0 {
+        return Err("--iter-time 0: give the unlock time to aim for, in milliseconds".into());
+    }
+    Ok(KdfTarget {
+        iterations,
+        memory_kib: memory,
+        parallel,
+        ..KdfTarget::new(kind, std::time::Duration::from_millis(iter_time_ms))
+    })
 }
 
 fn version_name(v: LuksVersion) -> &'static str {
@@ -298,30 +347,8 @@ fn format(a: FormatArgs) -> Result<(), String> {
         LuksVersion::Luks1 => PbkdfArg::Pbkdf2,
         LuksVersion::Luks2 => PbkdfArg::Argon2id,
     });
-    let kind = match pbkdf_kind {
-        PbkdfArg::Pbkdf2 => {
-            if a.memory.is_some() || a.parallel.is_some() {
-                return Err(
-                    "--memory and --parallel are Argon2 costs: PBKDF2 has --iterations only".into(),
-                );
-            }
-            KdfKind::Pbkdf2(match a.hash {
-                HashArg::Sha1 => Hash::Sha1,
-                HashArg::Sha256 => Hash::Sha256,
-            })
-        }
-        PbkdfArg::Argon2i => KdfKind::Argon2i,
-        PbkdfArg::Argon2id => KdfKind::Argon2id,
-    };
-    if a.iter_time == 0 {
-        return Err("--iter-time 0: give the unlock time to aim for, in milliseconds".into());
-    }
-    let target = KdfTarget {
-        iterations: a.iterations,
-        memory_kib: a.memory,
-        parallel: a.parallel,
-        ..KdfTarget::new(kind, std::time::Duration::from_millis(a.iter_time))
-    };
+    let kind = pbkdf_kind.kind(a.hash.hash());
+    let target = kdf_target(kind, a.iterations, a.memory, a.parallel, a.iter_time)?;
     let base = FormatOptions {
         version,
         key_bytes: a.key_size / 8,

@@ -9,15 +9,15 @@
 //! read both passphrases from standard input, write a header without the
 //! image's exclusive lock (`luks_target`), or print a passphrase.
 
-use crate::luks_cmd::kdf_limits;
+use crate::luks_cmd::{kdf_limits, kdf_target, HashArg, PbkdfArg};
 use crate::luks_target::{self, Target};
 use crate::passphrase::read_passphrase;
 use iopages_crypt::luks::{
-    self, Hash, HeaderDevice, KdfKind, KdfTarget, KeyChange, KeyOptions, LuksError, LuksInfo,
-    LuksVersion, Pbkdf,
+    self, Hash, HeaderDevice, KdfKind, KeyChange, KeyOptions, LuksError, LuksInfo, LuksVersion,
+    Pbkdf,
 };
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// The new key slot's key derivation, as `luks format` takes it.
 #[derive(clap::Args)]
@@ -45,19 +45,6 @@ pub struct KdfArgs {
     /// suffixes; default 1G, at most 4G).
     #[arg(long, value_name = "BYTES", value_parser = crate::parse_size)]
     max_kdf_memory: Option<u64>,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum PbkdfArg {
-    Pbkdf2,
-    Argon2i,
-    Argon2id,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum HashArg {
-    Sha1,
-    Sha256,
 }
 
 #[derive(clap::Args)]
@@ -174,35 +161,18 @@ fn new_slot_kdf(a: &KdfArgs, info: &LuksInfo) -> Result<Pbkdf, String> {
         Some(Pbkdf::Pbkdf2 { hash, .. }) if info.version == LuksVersion::Luks1 => Some(hash),
         _ => None,
     });
-    let hash = match a.hash {
-        Some(HashArg::Sha1) => Hash::Sha1,
-        Some(HashArg::Sha256) => Hash::Sha256,
-        None => header_hash.unwrap_or(Hash::Sha256),
-    };
+    let hash = a
+        .hash
+        .map_or(header_hash.unwrap_or(Hash::Sha256), HashArg::hash);
     let kind = match a.pbkdf {
-        Some(PbkdfArg::Argon2i) => KdfKind::Argon2i,
-        Some(PbkdfArg::Argon2id) => KdfKind::Argon2id,
-        Some(PbkdfArg::Pbkdf2) => KdfKind::Pbkdf2(hash),
+        Some(p) => p.kind(hash),
         None if info.version == LuksVersion::Luks1 => KdfKind::Pbkdf2(hash),
         None => KdfKind::Argon2id,
     };
     if info.version == LuksVersion::Luks1 && !matches!(kind, KdfKind::Pbkdf2(_)) {
         return Err(format!("{}: LUKS1 key slots use PBKDF2 only", kind.name()));
     }
-    if matches!(kind, KdfKind::Pbkdf2(_)) && (a.memory.is_some() || a.parallel.is_some()) {
-        return Err(
-            "--memory and --parallel are Argon2 costs: PBKDF2 has --iterations only".into(),
-        );
-    }
-    if a.iter_time == 0 {
-        return Err("--iter-time 0: give the unlock time to aim for, in milliseconds".into());
-    }
-    let target = KdfTarget {
-        iterations: a.iterations,
-        memory_kib: a.memory,
-        parallel: a.parallel,
-        ..KdfTarget::new(kind, Duration::from_millis(a.iter_time))
-    };
+    let target = kdf_target(kind, a.iterations, a.memory, a.parallel, a.iter_time)?;
     let benchmark = match kind {
         KdfKind::Pbkdf2(_) => a.iterations.is_none(),
         _ => a.iterations.is_none() || a.memory.is_none(),
