@@ -266,6 +266,15 @@ pub fn run(cmd: LuksCommand) -> Result<(), String> {
     }
 }
 
+/// "payload N bytes at offset O", or why there is none (a header-only
+/// image, a detached header).
+fn payload_text(v: &luks::LuksVolume, device_bytes: u64) -> String {
+    match v.payload_bytes(device_bytes) {
+        Ok(n) => format!("payload {n} bytes at offset {}", v.data_offset_bytes()),
+        Err(e) => e.to_string(),
+    }
+}
+
 /// `luks check`: open IMAGE (a file, a block device or an NBD URI) with
 /// the passphrase and describe it.
 fn check(
@@ -289,14 +298,13 @@ fn check(
         (None, None) => return Err(format!("{}: nothing to open", target.describe())),
     };
     println!(
-        "{}: {} {}, {}-bit key, {}-byte sectors, payload {} bytes at offset {}, key slot {} opened{}, uuid {}",
+        "{}: {} {}, {}-bit key, {}-byte sectors, {}, key slot {} opened{}, uuid {}",
         image.display(),
         version_name(v.version()),
         v.cipher_spec(),
         v.master_key().len() * 8,
         v.sector_size(),
-        v.data_size_bytes(dev),
-        v.data_offset_bytes(),
+        payload_text(&v, dev),
         v.keyslot(),
         if v.used_secondary_header() {
             " (primary header damaged: the secondary copy was used)"

@@ -3,7 +3,8 @@
 //! `--json` is the JSON area; a backup restores with `cryptsetup
 //! luksHeaderRestore` and cryptsetup's backup restores with ours; a
 //! restore that does not fit is refused with the image unchanged; a
-//! header-only image is checked and dumped, never decrypted; the same
+//! header-only image and a detached header are checked and dumped,
+//! never decrypted; key verbs on a detached header; the same
 //! verbs on a remote nbdkit store (`nbd+unix://`).
 //!
 //! cryptsetup, nbdkit and nbdinfo are outside tools: where one is missing
@@ -93,7 +94,7 @@ fn our_backup_restores_with_cryptsetup_and_theirs_with_ours() {
         let check = run(iopages(&["check"], &[&ours])
             .arg("--passphrase-file")
             .arg(&pass));
-        assert!(check.contains("payload 0 bytes"), "{check}");
+        assert!(check.contains("no payload: a header-only image"), "{check}");
         // Ours → cryptsetup luksHeaderRestore onto a wiped copy.
         let copy = dir.join(&format!("{ty}.copy"));
         wiped_copy(&img, &copy, len);
@@ -197,6 +198,67 @@ fn a_header_only_image_is_checked_and_dumped_but_never_decrypted() {
     );
     assert!(e.contains("no payload: a header-only image"), "{e}");
     assert!(!out.exists(), "decrypt left an output behind");
+}
+
+/// A detached header (`cryptsetup luksFormat --header`, data offset 0)
+/// is checked, dumped and takes key verbs that cryptsetup then honours;
+/// decrypting it says its payload is elsewhere.
+#[test]
+fn a_detached_header_takes_key_verbs_but_is_never_decrypted() {
+    if !tools(&["cryptsetup"]) {
+        return;
+    }
+    let dir = Dir::new("detached");
+    let (data, old, new) = (dir.join("data"), dir.join("old"), dir.join("new"));
+    std::fs::write(&old, b"detached old").unwrap();
+    std::fs::write(&new, b"detached new").unwrap();
+    std::fs::File::create(&data).unwrap().set_len(4 << 20).unwrap();
+    for ty in ["luks1", "luks2"] {
+        let hdr = dir.join(&format!("{ty}.hdr"));
+        std::fs::File::create(&hdr).unwrap().set_len(16 << 20).unwrap();
+        run(cryptsetup()
+            .args(["luksFormat", "--batch-mode", "--type", ty, "--header"])
+            .arg(&hdr)
+            .args(FAST.split_whitespace())
+            .arg("--key-file")
+            .arg(&old)
+            .arg(&data));
+        let check = run(iopages(&["check"], &[&hdr])
+            .arg("--passphrase-file")
+            .arg(&old));
+        assert!(check.contains("a detached header"), "{ty}: {check}");
+        run(iopages(&["change-key"], &[&hdr])
+            .args(["--passphrase-file"])
+            .arg(&old)
+            .arg("--new-passphrase-file")
+            .arg(&new)
+            .args(["--pbkdf", "pbkdf2", "--iter-time", "50"]));
+        let opens = |pass: &Path| {
+            cryptsetup()
+                .args(["open", "--test-passphrase", "--header"])
+                .arg(&hdr)
+                .arg("--key-file")
+                .arg(pass)
+                .arg(&data)
+                .status()
+                .unwrap()
+                .success()
+        };
+        assert!(opens(&new) && !opens(&old), "{ty}: cryptsetup after change-key");
+        assert_eq!(
+            dump_fields(&run(&mut iopages(&["dump"], &[&hdr]))),
+            dump_fields(&run(cryptsetup().arg("luksDump").arg(&hdr))),
+            "{ty}"
+        );
+        let out = dir.join("plain");
+        let e = fails(
+            iopages(&["decrypt"], &[&hdr, &out])
+                .arg("--passphrase-file")
+                .arg(&new),
+        );
+        assert!(e.contains("a detached header"), "{ty}: {e}");
+        assert!(!out.exists(), "{ty}: decrypt left an output behind");
+    }
 }
 
 #[test]

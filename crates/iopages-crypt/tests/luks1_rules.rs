@@ -537,12 +537,15 @@ fn rule4_key_bytes_and_payload_offset() {
         open(&dir, "48", &b),
         Err(LuksError::UnsupportedCipher(m)) if m.contains("key-bytes 48")
     ));
-    // Payload offset 0 is a detached header: not done here.
+    // Payload offset 0 is a detached header: it opens (key material is
+    // then bounded by nothing but the other slots), and has no payload.
     let mut b = orig.clone();
     put32(&mut b, PAYLOAD_OFFSET, 0);
+    let v = open(&dir, "detached", &b).unwrap();
+    assert_eq!(v.data_offset_bytes(), 0);
     assert!(matches!(
-        open(&dir, "detached", &b),
-        Err(LuksError::Unsupported(m)) if m.contains("payload-offset 0")
+        v.payload_bytes(b.len() as u64),
+        Err(LuksError::NoPayload(m)) if m.contains("detached header")
     ));
     // cryptsetup does not require an aligned payload offset (1.x volumes
     // have 1032 or 2056): neither does this.

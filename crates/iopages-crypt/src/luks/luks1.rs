@@ -243,7 +243,9 @@ fn check_key_slots(h: &Header, sectors: u64) -> Result<(), LuksError> {
                  sectors) ends at sector {end}, which overflows the 32-bit sector fields"
             )));
         }
-        if end > payload {
+        // A detached header (payload-offset 0) keeps its payload on
+        // another device: nothing here to run into, as in cryptsetup.
+        if payload != 0 && end > payload {
             return Err(LuksError::Corrupt(format!(
                 "LUKS1 keyslot {i}: key material at key-material-offset {offset} ({sectors} \
                  sectors, to sector {end}) runs past the payload offset (payload-offset \
@@ -272,7 +274,8 @@ fn check_key_slots(h: &Header, sectors: u64) -> Result<(), LuksError> {
 /// Check a decoded header and turn it into a slot plan. Applies every
 /// check cryptsetup makes when it loads a LUKS1 header, and refuses
 /// what this crate does not do (ciphers other than `aes-xts-plain64`,
-/// hashes other than sha1/sha256/sha512, detached headers); the device
+/// hashes other than sha1/sha256/sha512). A detached header (payload
+/// offset 0) is accepted: it opens, its payload is elsewhere. The device
 /// size is checked by [`parse`].
 pub(crate) fn plan(h: &Header) -> Result<Parsed, LuksError> {
     let hash = hash_spec(&h.hash_spec)?;
@@ -293,11 +296,6 @@ pub(crate) fn plan(h: &Header) -> Result<Parsed, LuksError> {
         return Err(LuksError::Corrupt(
             "LUKS1 mk-digest-iter 0: the volume-key digest needs at least 1 PBKDF2 iteration"
                 .to_string(),
-        ));
-    }
-    if h.payload_offset == 0 {
-        return Err(LuksError::Unsupported(
-            "LUKS1 payload-offset 0: a detached header".to_string(),
         ));
     }
     let sectors = area_sectors(h.key_bytes);

@@ -911,13 +911,9 @@ fn parse_segment(json: &Map<String, Value>, hdr_size: u64) -> Result<SegmentJson
         )));
     }
     let offset = u64_str(s, "offset", &path)?;
-    if offset == 0 {
-        return Err(LuksError::Unsupported(format!(
-            "detached header: {path}.offset is 0, so the data lives on another device than \
-             this header (cryptsetup --header); detached LUKS2 headers are not supported"
-        )));
-    }
-    if offset < 2 * hdr_size {
+    // Offset 0 is a detached header (cryptsetup --header): the data lives
+    // on another device; the header opens, its payload is elsewhere.
+    if offset != 0 && offset < 2 * hdr_size {
         return Err(corrupt(
             &format!("{path}.offset"),
             &format!("{offset} overlaps the two {hdr_size}-byte header copies"),
@@ -1077,7 +1073,10 @@ fn plan_keyslot(
             ),
         ));
     }
-    if area_offset < 2 * hdr_size || area_offset.saturating_add(area_len) > seg.offset {
+    // validate() kept every area inside the keyslots area; a detached
+    // header's data (offset 0) is on another device and bounds nothing.
+    let past_data = seg.offset != 0 && area_offset.saturating_add(area_len) > seg.offset;
+    if area_offset < 2 * hdr_size || past_data {
         return Err(corrupt(
             &format!("{area_path}.offset"),
             &format!(

@@ -66,7 +66,8 @@
 //!
 //! - Only `aes-xts-plain64` with 32- or 64-byte keys, for data and
 //!   keyslots; other ciphers are refused with [`LuksError::UnsupportedCipher`].
-//!   No detached headers, no LUKS2 integrity, no online-reencryption
+//!   A detached header opens (key verbs, dump) but is not served: its
+//!   data is on another device. No LUKS2 integrity, no online-reencryption
 //!   segments; tokens are validated (shape, keyslots they name) but not
 //!   used.
 //! - Validation follows cryptsetup's metadata rules for every field read:
@@ -197,8 +198,8 @@ pub enum LuksError {
     /// A keyslot uses a key derivation this crate does not do.
     #[error("unsupported key derivation: {0}")]
     UnsupportedKdf(String),
-    /// A LUKS feature this crate does not implement (detached header,
-    /// integrity, reencryption segments, unusual sector size...).
+    /// A LUKS feature this crate does not implement (integrity,
+    /// reencryption segments, unusual sector size...).
     #[error("unsupported LUKS feature: {0}")]
     Unsupported(String),
     /// The header is damaged or not a LUKS header; the message names what
