@@ -212,10 +212,16 @@ fn a_detached_header_takes_key_verbs_but_is_never_decrypted() {
     let (data, old, new) = (dir.join("data"), dir.join("old"), dir.join("new"));
     std::fs::write(&old, b"detached old").unwrap();
     std::fs::write(&new, b"detached new").unwrap();
-    std::fs::File::create(&data).unwrap().set_len(4 << 20).unwrap();
+    std::fs::File::create(&data)
+        .unwrap()
+        .set_len(4 << 20)
+        .unwrap();
     for ty in ["luks1", "luks2"] {
         let hdr = dir.join(&format!("{ty}.hdr"));
-        std::fs::File::create(&hdr).unwrap().set_len(16 << 20).unwrap();
+        std::fs::File::create(&hdr)
+            .unwrap()
+            .set_len(16 << 20)
+            .unwrap();
         run(cryptsetup()
             .args(["luksFormat", "--batch-mode", "--type", ty, "--header"])
             .arg(&hdr)
@@ -244,7 +250,10 @@ fn a_detached_header_takes_key_verbs_but_is_never_decrypted() {
                 .unwrap()
                 .success()
         };
-        assert!(opens(&new) && !opens(&old), "{ty}: cryptsetup after change-key");
+        assert!(
+            opens(&new) && !opens(&old),
+            "{ty}: cryptsetup after change-key"
+        );
         assert_eq!(
             dump_fields(&run(&mut iopages(&["dump"], &[&hdr]))),
             dump_fields(&run(cryptsetup().arg("luksDump").arg(&hdr))),
