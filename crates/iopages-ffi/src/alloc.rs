@@ -39,30 +39,28 @@ pub struct iopages_local {
 /// per-lcore cache. Get it once per handle with `iopages_local_fast_path`;
 /// it is valid until the handle is destroyed, and belongs to the handle's
 /// thread, like the handle. Read-only for callers: the inline functions
-/// are the only code meant to follow its pointers. The length and counts
-/// are the handle's shared record (other threads read them for the
-/// statistics and the accounting): the handle's thread is their only
-/// writer, and loads and stores them with relaxed atomics.
+/// are the only code meant to follow its pointers. The length is the
+/// handle's shared record (other threads read it for the accounting): the
+/// handle's thread is its only writer, and loads and stores it with
+/// relaxed atomics. Inline hits count nothing (the library counts them
+/// only when built to count every call, and then serves every call).
 #[repr(C)]
 pub struct iopages_local_fast {
     /// The handle, for the full path.
     pub local: *mut iopages_local,
     /// The cached pages, `buf[0 .. *len]` (page handles).
     pub buf: *mut u32,
-    /// How many pages are cached.
+    /// How many pages are cached: the handle's only copy of its length.
     pub len: *mut usize,
-    /// Most pages the cache holds.
+    /// A free is served inline only while `*len` is below this: the
+    /// cache's capacity, or 0 when checks or counting every call send
+    /// every free to the library.
     pub cap: usize,
-    /// Pages allocated through the handle's cache.
-    pub allocs: *mut u64,
-    /// Pages freed into the handle's cache.
-    pub frees: *mut u64,
-    /// Bulk allocation calls.
-    pub bulk_allocs: *mut u64,
-    /// Bulk free calls.
-    pub bulk_frees: *mut u64,
-    /// Fault injection switch (load with relaxed atomics; non-zero: on).
-    pub fault_on: *const u8,
+    /// An allocation is served inline only while `*len` is above this
+    /// (load with relaxed atomics): 0, or `SIZE_MAX` while fault
+    /// injection is on, or for good with checks or counting on. One
+    /// compare stands for every condition but the gfp mask.
+    pub floor: *const usize,
     /// First byte of the arena.
     pub base: *mut u8,
     /// Arena size in bytes.
@@ -71,8 +69,6 @@ pub struct iopages_local_fast {
     pub careful: u32,
     /// Every gfp bit the library knows (others: the full path refuses).
     pub known: u32,
-    /// Allocation checks on: every call takes the full path.
-    pub checks: bool,
 }
 
 impl iopages_local_fast {
@@ -82,32 +78,24 @@ impl iopages_local_fast {
         buf: std::ptr::null_mut(),
         len: std::ptr::null_mut(),
         cap: 0,
-        allocs: std::ptr::null_mut(),
-        frees: std::ptr::null_mut(),
-        bulk_allocs: std::ptr::null_mut(),
-        bulk_frees: std::ptr::null_mut(),
-        fault_on: std::ptr::null(),
+        floor: std::ptr::null(),
         base: std::ptr::null_mut(),
         arena_bytes: 0,
         careful: 0,
         known: 0,
-        checks: false,
     };
 }
 
-/// The handle behind `l` (NULL: `None`), its Rust state first taken back
-/// from the shared record, which the header's inline functions change
-/// alone (see `LocalAllocator::resync`). Every call on a handle goes
-/// through here or does the same after `obj_mut`.
+/// The handle behind `l` (NULL: `None`). The header's inline functions
+/// change the handle's shared record, which is the handle's only copy of
+/// its state, so nothing needs taking back.
 ///
 /// # Safety
 /// `l` is NULL or a live handle only this thread uses.
 #[inline(always)]
 unsafe fn handle_mut<'a>(l: *mut iopages_local) -> Option<&'a mut iopages_local> {
     // SAFETY: the caller's promise.
-    let h = unsafe { l.as_mut() }?;
-    h.local.resync();
-    Some(h)
+    unsafe { l.as_mut() }
 }
 
 /// Huge pages: base pages only.
@@ -825,16 +813,11 @@ pub unsafe extern "C" fn iopages_local_create(
                 buf: v.buf,
                 len: v.len as *mut usize,
                 cap: v.cap,
-                allocs: v.allocs as *mut u64,
-                frees: v.frees as *mut u64,
-                bulk_allocs: v.bulk_allocs as *mut u64,
-                bulk_frees: v.bulk_frees as *mut u64,
-                fault_on: v.fault_on.cast(),
+                floor: v.floor.cast(),
                 base: base as *mut u8,
                 arena_bytes: n as usize * PAGE_SIZE,
                 careful: v.careful,
                 known: Gfp::all().bits(),
-                checks: v.checks,
             });
         }
         // SAFETY: checked not NULL; the caller's contract says writable.
@@ -853,7 +836,7 @@ pub unsafe extern "C" fn iopages_local_create(
 /// **Context:** never blocks. **Returns:** the view, valid until the
 /// handle is destroyed; NULL for a NULL handle.
 #[no_mangle]
-pub unsafe extern "C" fn iopages_local_fast_path_v2(
+pub unsafe extern "C" fn iopages_local_fast_path_v3(
     l: *mut iopages_local,
 ) -> *const iopages_local_fast {
     if l.is_null() {
@@ -894,7 +877,6 @@ pub unsafe extern "C" fn iopages_local_alloc_pages(
     guard_int(|| {
         // SAFETY: the caller passes NULL or a handle only this thread uses.
         let l = unsafe { obj_mut(l, "local")? };
-        l.local.resync();
         // SAFETY: the caller passes NULL or a writable page.
         unsafe { alloc_into(order, gfp_flags, page, |g| l.local.alloc_pages(g, order)) }
     })
@@ -913,7 +895,6 @@ pub unsafe extern "C" fn iopages_local_free_pages(
     guard_int(|| {
         // SAFETY: the caller passes NULL or a handle only this thread uses.
         let l = unsafe { obj_mut(l, "local")? };
-        l.local.resync();
         let p = to_page(l.nr_pages, page)?;
         check_free(l.local.allocator(), p, order)?;
         // SAFETY: checked to be an allocated block of the arena (fully with
@@ -939,7 +920,6 @@ pub unsafe extern "C" fn iopages_local_alloc_bulk(
     guard_long(|| {
         // SAFETY: the caller passes NULL or a handle only this thread uses.
         let l = unsafe { obj_mut(l, "local")? };
-        l.local.resync();
         let g = gfp(gfp_flags)?;
         // SAFETY: the caller passes NULL or an array of `n` pages.
         let out = unsafe { slice_mut(pages, n, "pages")? };
@@ -967,7 +947,6 @@ pub unsafe extern "C" fn iopages_local_free_bulk(
     guard_int(|| {
         // SAFETY: the caller passes NULL or a handle only this thread uses.
         let l = unsafe { obj_mut(l, "local")? };
-        l.local.resync();
         // SAFETY: the caller passes NULL or an array of `n` pages.
         let pages = unsafe { slice(pages, n, "pages")? };
         let pages = checked_pages(l.local.allocator(), pages)?;
@@ -1025,7 +1004,6 @@ unsafe fn local_alloc_page_ptr_slow(l: *mut iopages_local, gfp_flags: u32) -> *m
         let Ok(l) = (unsafe { obj_mut(l, "local") }) else {
             return std::ptr::null_mut();
         };
-        l.local.resync();
         let Ok(g) = gfp(gfp_flags) else {
             return std::ptr::null_mut();
         };
@@ -1077,7 +1055,6 @@ unsafe fn local_free_page_ptr_slow(l: *mut iopages_local, ptr: *mut c_void) -> c
     guard_int(|| {
         // SAFETY: the caller passes NULL or a handle only this thread uses.
         let l = unsafe { obj_mut(l, "local")? };
-        l.local.resync();
         let Some(page) = page_of_ptr(l.base, l.nr_pages, ptr) else {
             return Err(fail(
                 libc::EINVAL,
@@ -1143,7 +1120,6 @@ unsafe fn local_alloc_bulk_ptrs_slow(
     guard_long(|| {
         // SAFETY: the caller passes NULL or a handle only this thread uses.
         let l = unsafe { obj_mut(l, "local")? };
-        l.local.resync();
         let g = gfp(gfp_flags)?;
         // SAFETY: the caller passes NULL or an array of `n` pointers.
         let out = unsafe { slice_mut(ptrs, n, "ptrs")? };
@@ -1210,7 +1186,6 @@ unsafe fn local_free_bulk_ptrs_slow(
     guard_int(|| {
         // SAFETY: the caller passes NULL or a handle only this thread uses.
         let l = unsafe { obj_mut(l, "local")? };
-        l.local.resync();
         // SAFETY: the caller passes NULL or an array of `n` pointers.
         let ptrs = unsafe { slice(ptrs, n, "ptrs")? };
         let (base, size) = (l.base, l.nr_pages as usize * PAGE_SIZE);

@@ -2,12 +2,14 @@
 //!
 //! Owns: the decision whether one allocation attempt fails on purpose.
 //! Must never: fail a `NOFAIL` allocation, or cost anything when off — the
-//! allocator reads one relaxed flag, and while it is on, every allocation
-//! leaves the lock-free fast path so that each one is considered.
+//! fast paths compare a cache's length with one floor (see
+//! [`FaultInjector::alloc_floor`]) that switching injection on raises above
+//! every length, so that each allocation leaves the fast path and is
+//! considered.
 
 use crate::gfp::Gfp;
 use parking_lot::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 
 /// Which allocations fail on purpose, and how often.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -46,6 +48,12 @@ impl Default for FaultConfig {
 /// The allocator's fault injector. Off until [`FaultInjector::enable`].
 pub struct FaultInjector {
     enabled: AtomicBool,
+    /// The allocation fast paths' floor: a cache hit is taken only while
+    /// the cache holds more than this many blocks. 0, or `usize::MAX`
+    /// while injection is on or the allocator is careful for good
+    /// (`careful`: allocation checks, or every call counted).
+    floor: AtomicUsize,
+    careful: AtomicBool,
     state: Mutex<State>,
     injected: AtomicU64,
 }
@@ -60,6 +68,8 @@ impl Default for FaultInjector {
     fn default() -> Self {
         FaultInjector {
             enabled: AtomicBool::new(false),
+            floor: AtomicUsize::new(0),
+            careful: AtomicBool::new(false),
             state: Mutex::new(State {
                 cfg: FaultConfig::default(),
                 attempts: 0,
@@ -78,22 +88,40 @@ impl FaultInjector {
         s.attempts = 0;
         s.cfg = cfg;
         self.enabled.store(true, Relaxed);
+        self.floor.store(usize::MAX, Relaxed);
     }
 
     /// Stop failing allocations.
     pub fn disable(&self) {
+        let _s = self.state.lock();
         self.enabled.store(false, Relaxed);
+        if !self.careful.load(Relaxed) {
+            self.floor.store(0, Relaxed);
+        }
+    }
+
+    /// Keep every allocation off the fast paths for good (set once, when
+    /// the allocator is built with checks or with every call counted).
+    pub(crate) fn set_careful(&self) {
+        self.careful.store(true, Relaxed);
+        self.floor.store(usize::MAX, Relaxed);
+    }
+
+    /// The fast paths' floor: an order-`o` cache hit is taken only when
+    /// the cache holds more blocks than this (`len > floor`, one compare).
+    /// 0 normally; `usize::MAX` while injection is on or the allocator is
+    /// careful, so that no length passes. Written with relaxed stores:
+    /// the thread that switches injection on sees the change at once,
+    /// other threads at their next load.
+    #[inline(always)]
+    pub(crate) fn alloc_floor(&self) -> &AtomicUsize {
+        &self.floor
     }
 
     /// Whether injection is on (one relaxed load).
     #[inline]
     pub fn is_enabled(&self) -> bool {
         self.enabled.load(Relaxed)
-    }
-
-    /// The switch itself, for a handle that reads it on its fast path.
-    pub(crate) fn enabled_flag(&self) -> *const AtomicBool {
-        &self.enabled
     }
 
     /// Failures injected since the allocator was created.

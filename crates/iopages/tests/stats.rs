@@ -86,7 +86,7 @@ fn a_new_allocator_has_everything_free_in_largest_blocks_and_zero_counters() {
 #[test]
 fn thread_cache_allocs_and_frees_are_counted() {
     // One per-CPU set: the default limits then give each thread cache 64 pages.
-    let alloc = builder(8).nr_cpus(1).build().unwrap();
+    let alloc = builder(8).nr_cpus(1).fast_path_stats(true).build().unwrap();
     let pages: Vec<Page> = (0..10)
         .map(|_| alloc.alloc_pages(Gfp::KERNEL, 0).unwrap())
         .collect();
@@ -245,7 +245,7 @@ fn bulk_free_calls_does_not_move_when_nothing_is_freed() {
 
 #[test]
 fn bulk_alloc_calls_counts_every_call_once_whatever_path_serves_it() {
-    let alloc = builder(8).build().unwrap();
+    let alloc = builder(8).fast_path_stats(true).build().unwrap();
     let mut pages = Vec::new();
     // One empty slot: served by the single-page path.
     let mut one = [None; 1];
@@ -400,7 +400,7 @@ fn accounting_adds_up_at_every_step() {
 #[test]
 fn other_threads_caches_are_counted_and_their_counters_survive_exit() {
     // One per-CPU set: the default limits then give each thread cache 64 pages.
-    let alloc = builder(8).nr_cpus(1).build().unwrap();
+    let alloc = builder(8).nr_cpus(1).fast_path_stats(true).build().unwrap();
     let ready = Arc::new(Barrier::new(2));
     let go = Arc::new(Barrier::new(2));
     let h = {
@@ -509,4 +509,52 @@ fn drained_batches_park_in_the_depot_and_come_back_without_the_buddy() {
         "a zero-sized depot holds nothing"
     );
     off.leak_check().unwrap();
+}
+
+/// Counting off (the default) and checks off: a cache hit counts nothing;
+/// the careful path (a refill, a flush, a handle's slow path) still
+/// counts, the counts never go down, and a handle's are kept when it is
+/// dropped.
+#[test]
+fn without_fast_path_stats_hits_are_not_counted_and_nothing_is_lost() {
+    let alloc = builder(8).nr_cpus(1).checks(false).build().unwrap();
+    let pages: Vec<Page> = (0..10)
+        .map(|_| alloc.alloc_pages(Gfp::KERNEL, 0).unwrap())
+        .collect();
+    let s = alloc.stats();
+    // The first call found the cache empty: the careful path refilled it
+    // and counted that one page; the nine hits after it count nothing.
+    assert_eq!(s.alloc_thread_cache, 1, "{s}");
+    assert_eq!(s.thread_cache_refills, 1, "{s}");
+    assert_eq!(s.in_use_pages, 10);
+    for p in pages {
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages(p, 0) };
+    }
+    let s2 = alloc.stats();
+    assert_eq!(s2.free_thread_cache, 0, "every free was a hit: {s2}");
+    assert!(s2.alloc_thread_cache >= s.alloc_thread_cache);
+    // A handle: its first bulk call takes the careful path (counted), a
+    // second one from the warm cache is a hit (not counted); both are
+    // kept after the handle is dropped.
+    let mut local = alloc.local();
+    let mut v = Vec::new();
+    assert_eq!(local.alloc_bulk(Gfp::KERNEL, 8, &mut v), 8);
+    // SAFETY: just allocated here, each once.
+    unsafe { local.free_bulk(&mut v) };
+    assert_eq!(local.alloc_bulk(Gfp::KERNEL, 8, &mut v), 8);
+    // SAFETY: as above.
+    unsafe { local.free_bulk(&mut v) };
+    let s3 = alloc.stats();
+    assert_eq!(s3.bulk_alloc_calls - s2.bulk_alloc_calls, 1, "{s3}");
+    assert_eq!(s3.alloc_thread_cache - s2.alloc_thread_cache, 8, "{s3}");
+    drop(local);
+    let s4 = alloc.stats();
+    assert_eq!(
+        s4.bulk_alloc_calls, s3.bulk_alloc_calls,
+        "folded on drop: {s4}"
+    );
+    assert_eq!(s4.alloc_thread_cache, s3.alloc_thread_cache);
+    assert_eq!(s4.thread_cache_flushes, s3.thread_cache_flushes + 1);
+    assert_no_leaks(&alloc);
 }

@@ -34,6 +34,7 @@ pub struct PageAllocatorBuilder {
     pub(crate) local_cache_pages: usize,
     pub(crate) depot_pages: Option<usize>,
     pub(crate) checks: bool,
+    pub(crate) fast_path_stats: bool,
     pub(crate) background_reclaim: bool,
 }
 
@@ -50,6 +51,7 @@ impl Default for PageAllocatorBuilder {
             local_cache_pages: DEFAULT_LOCAL_CACHE_PAGES,
             depot_pages: None,
             checks: cfg!(debug_assertions),
+            fast_path_stats: false,
             background_reclaim: true,
         }
     }
@@ -123,6 +125,19 @@ impl PageAllocatorBuilder {
     /// frees of pages never allocated (default: on in debug builds).
     pub fn checks(mut self, on: bool) -> Self {
         self.checks = on;
+        self
+    }
+
+    /// Count every call in [`crate::Stats`], cache hits included (default:
+    /// off). Off, the fast paths count nothing — a cache hit is a length
+    /// compare and a copy — so `alloc_thread_cache`, `free_thread_cache`,
+    /// `bulk_alloc_calls` and `bulk_free_calls` count only the calls that
+    /// took the careful path (a refill, a flush, flags that need
+    /// preparing, checks, fault injection). On, every call takes the
+    /// careful path, which counts it: exact figures, at the careful
+    /// path's cost. With checks on, every call is counted either way.
+    pub fn fast_path_stats(mut self, on: bool) -> Self {
+        self.fast_path_stats = on;
         self
     }
 

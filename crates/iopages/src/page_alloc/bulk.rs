@@ -5,6 +5,7 @@
 //! batch. Must never: call the caller's callback with an allocator lock
 //! held, or lose the pages of a callback round that panicked.
 
+use super::fastpath::PREPARED;
 use super::{Core, PageAllocator, FAST};
 use crate::buddy::frame::{clear_slots, copy_pages, Page};
 use crate::gfp::Gfp;
@@ -51,19 +52,21 @@ impl PageAllocator {
         let core = &*self.core;
         let nr = slots.len();
         if let [slot @ None] = slots {
-            self.count_bulk(false);
+            if core.careful {
+                self.count_bulk(false);
+            }
             *slot = self.alloc_pages(gfp, 0);
             return slot.is_some() as usize;
         }
-        if nr > 1 && !core.fault.is_enabled() && !core.checks && !gfp.contains(Gfp::ZERO) {
+        if nr > 1 && !gfp.intersects(PREPARED) {
             // Fast path: every slot empty and the whole batch in this
-            // thread's cache — one copy.
+            // thread's cache above the floor (raised by fault injection,
+            // checks, counting) — one copy, nothing counted.
             if let Some(tc) = self.tcache() {
-                if tc.len(0) >= nr && slots.iter().all(Option::is_none) {
-                    bump(&tc.bulk_allocs, 1);
+                let floor = core.fault.alloc_floor().load(Relaxed);
+                if tc.len(0) >= nr.saturating_add(floor) && slots.iter().all(Option::is_none) {
                     // SAFETY: this thread owns `tc`.
                     copy_into(slots, unsafe { tc.take_top(0, nr) });
-                    bump(&tc.allocs, nr as u64);
                     return nr;
                 }
             }
@@ -177,17 +180,20 @@ impl PageAllocator {
         let nr = slots.len();
         if let [Some(page)] = *slots {
             slots[0] = None;
-            self.count_bulk(true);
+            if self.core.careful {
+                self.count_bulk(true);
+            }
             // SAFETY: the caller owns the page (this function's contract).
             unsafe { self.free_pages(page, 0) };
             return 1;
         }
-        if nr > 1 && !self.core.checks {
+        if nr > 1 {
             // Fast path: every slot full and room for all in this thread's
-            // cache — one copy in, one clear.
+            // cache below its fast capacity (0 with checks or counting on)
+            // — one copy in, one clear, nothing counted.
             if let Some(tc) = self.tcache() {
-                if tc.cap[0] - tc.len(0) >= nr && slots.iter().all(Option::is_some) {
-                    bump(&tc.bulk_frees, 1);
+                if tc.fast_cap.saturating_sub(tc.len(0)) >= nr && slots.iter().all(Option::is_some)
+                {
                     // SAFETY: every slot is `Some`, which has exactly the
                     // page's representation; this thread owns `tc` and the
                     // pages fit.
@@ -198,7 +204,6 @@ impl PageAllocator {
                         );
                         clear_slots(slots.as_mut_ptr(), nr);
                     }
-                    bump(&tc.frees, nr as u64);
                     return nr;
                 }
             }

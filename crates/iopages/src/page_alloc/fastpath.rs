@@ -24,6 +24,10 @@ use crate::percpu::tcache::{Tcache, LAST};
 use std::cell::Cell;
 use std::sync::atomic::{Ordering::Acquire, Ordering::Relaxed};
 
+/// Flags whose pages need preparing (zeroing, a compound head): never a
+/// fast-path hit.
+pub(super) const PREPARED: Gfp = Gfp::ZERO.union(Gfp::COMP);
+
 impl PageAllocator {
     /// Allocate a block of 2^`order` contiguous frames.
     ///
@@ -92,8 +96,12 @@ impl Core {
 
     /// One block through a page cache (`cache()`: the caller's thread
     /// cache or handle, asked only when a cache may serve), else the
-    /// uncached path. Movable pages bypass the type-agnostic caches (see
-    /// compaction.rs), and fault injection sees every attempt.
+    /// uncached path. The hit is one compare of the cache's length with
+    /// the fault injector's floor ([`Tcache::pop_unchecked`]), after tests
+    /// of `order` and `gfp` that fold away when they are constants; every
+    /// other condition (fault injection, checks, counting every call) has
+    /// raised the floor, and sends the call to [`Core::alloc_careful`].
+    /// Movable pages bypass the type-agnostic caches (see compaction.rs).
     #[inline(always)]
     pub(super) fn alloc_cached<'t>(
         &self,
@@ -101,18 +109,40 @@ impl Core {
         order: u32,
         cache: impl FnOnce() -> Option<&'t Tcache>,
     ) -> Option<Page> {
-        if order <= PCP_MAX_ORDER && !self.fault.is_enabled() && !gfp.contains(Gfp::MOVABLE) {
-            if let Some(tc) = cache() {
-                if let Some(page) = self.tcache_alloc(tc, order) {
-                    return Some(self.prep_new_page(page, order, gfp));
-                }
+        if order > PCP_MAX_ORDER || gfp.contains(Gfp::MOVABLE) {
+            return self.alloc_uncached(gfp, order);
+        }
+        let tc = cache();
+        if let Some(tc) = tc.filter(|_| !gfp.intersects(PREPARED)) {
+            let floor = self.fault.alloc_floor().load(Relaxed);
+            // SAFETY: `tc` is the caller's own cache (true of every `tc`
+            // in this file).
+            if let Some(page) = unsafe { tc.pop_unchecked(order, floor) } {
+                return Some(page);
+            }
+        }
+        self.alloc_careful(gfp, order, tc)
+    }
+
+    /// Everything a cache hit skips: fault injection (which sees every
+    /// attempt), the refill, preparation (`ZERO`, `COMP`, checks) and the
+    /// statistics. `order <= PCP_MAX_ORDER`, not movable.
+    #[cold]
+    #[inline(never)]
+    pub(super) fn alloc_careful(&self, gfp: Gfp, order: u32, tc: Option<&Tcache>) -> Option<Page> {
+        debug_assert!(order <= PCP_MAX_ORDER && !gfp.contains(Gfp::MOVABLE));
+        if let Some(tc) = tc.filter(|_| !self.fault.is_enabled()) {
+            if let Some(page) = self.tcache_alloc(tc, order) {
+                return Some(self.prep_new_page(page, order, gfp));
             }
         }
         self.alloc_uncached(gfp, order)
     }
 
-    /// Free one block through a page cache (as [`Core::alloc_cached`]),
-    /// after the allocation checks.
+    /// Free one block through a page cache (as [`Core::alloc_cached`]):
+    /// an order-0 page is one compare of the cache's length with its
+    /// fast capacity ([`Tcache::push_unchecked`]; 0 when every call must
+    /// be checked or counted); the rest goes to [`Core::free_careful`].
     #[inline(always)]
     pub(super) fn free_cached<'t>(
         &self,
@@ -120,16 +150,31 @@ impl Core {
         order: u32,
         cache: impl FnOnce() -> Option<&'t Tcache>,
     ) {
-        if order > 0 || self.checks {
-            self.free_prep(page, order);
+        if order > PCP_MAX_ORDER {
+            return self.free_careful(page, order, None);
         }
-        if order <= PCP_MAX_ORDER {
-            if let Some(tc) = cache() {
-                self.tcache_free(tc, page, order);
+        let tc = cache();
+        if let Some(tc) = tc.filter(|_| order == 0) {
+            // SAFETY: the caller owns `page` (its promise, passed on).
+            if unsafe { tc.push_unchecked(page) } {
                 return;
             }
         }
-        self.free_uncached(page, order);
+        self.free_careful(page, order, tc)
+    }
+
+    /// The checks a fast free skips, then the cache (flushing half when
+    /// full, counting the free) or the uncached path.
+    #[cold]
+    #[inline(never)]
+    pub(super) fn free_careful(&self, page: Page, order: u32, tc: Option<&Tcache>) {
+        if order > 0 || self.checks {
+            self.free_prep(page, order);
+        }
+        match tc {
+            Some(tc) if order <= PCP_MAX_ORDER => self.tcache_free(tc, page, order),
+            _ => self.free_uncached(page, order),
+        }
     }
 
     #[inline]

@@ -88,6 +88,9 @@ struct Core {
     local_cap: [usize; PCP_ORDERS],
     tcache_on: bool,
     checks: bool,
+    /// Every call takes the careful path: checks on, or every call
+    /// counted ([`PageAllocatorBuilder::fast_path_stats`]).
+    careful: bool,
     fault: FaultInjector,
     shrinkers: ShrinkerRegistry,
     /// Owners of movable pages and their migration callbacks.
@@ -139,6 +142,11 @@ impl PageAllocator {
         let pcp = (0..b.resolved_cpus())
             .map(|_| PcpSet::new(&limits))
             .collect();
+        let careful = b.checks || b.fast_path_stats;
+        let fault = FaultInjector::default();
+        if careful {
+            fault.set_careful();
+        }
         Ok(PageAllocator {
             core: Arc::new_cyclic(|me| Core {
                 id: NEXT_ID.fetch_add(1, Relaxed),
@@ -150,7 +158,8 @@ impl PageAllocator {
                 local_cap,
                 tcache_on: tcache_cap[0] > 0,
                 checks: b.checks,
-                fault: FaultInjector::default(),
+                careful,
+                fault,
                 shrinkers: ShrinkerRegistry::default(),
                 movable: MovableRegistry::new(nr_pages),
                 tcaches: Mutex::new(Vec::new()),
@@ -410,6 +419,9 @@ impl Owner for Core {
     }
     fn tcache_cap(&self) -> [usize; PCP_ORDERS] {
         self.tcache_cap
+    }
+    fn careful(&self) -> bool {
+        self.careful
     }
     fn tcache_register(&self, tc: &Arc<Tcache>) {
         self.tcaches.lock().push(Arc::clone(tc));

@@ -30,6 +30,10 @@ pub(crate) struct Tcache {
     bufs: [UnsafeCell<Box<[MaybeUninit<Page>]>>; PCP_ORDERS],
     lens: [AtomicUsize; PCP_ORDERS],
     pub cap: [usize; PCP_ORDERS],
+    /// The order-0 length below which a fast-path free may push: the
+    /// capacity, or 0 for a careful allocator (checks on, or every call
+    /// counted), whose frees all take the careful path.
+    pub fast_cap: usize,
     pub allocs: AtomicU64,
     pub frees: AtomicU64,
     pub refills: AtomicU64,
@@ -47,8 +51,9 @@ unsafe impl Sync for Tcache {}
 unsafe impl Send for Tcache {}
 
 impl Tcache {
-    pub(crate) fn new(cap: [usize; PCP_ORDERS]) -> Tcache {
+    pub(crate) fn new(cap: [usize; PCP_ORDERS], careful: bool) -> Tcache {
         Tcache {
+            fast_cap: if careful { 0 } else { cap[0] },
             bufs: std::array::from_fn(|o| {
                 UnsafeCell::new((0..cap[o]).map(|_| MaybeUninit::uninit()).collect())
             }),
@@ -105,6 +110,42 @@ impl Tcache {
     pub(crate) unsafe fn raw(&self, order: u32) -> *mut Page {
         // SAFETY: owner thread (the caller's promise).
         unsafe { self.buf(order) }.as_mut_ptr().cast::<Page>()
+    }
+
+    /// The fast path's pop: the most recently cached block when more than
+    /// `floor` are cached (`floor`: [`crate::fault::FaultInjector::alloc_floor`]),
+    /// with no other test — no statistics, no preparation, no checks.
+    ///
+    /// # Safety
+    /// Owner thread only.
+    #[inline(always)]
+    pub(crate) unsafe fn pop_unchecked(&self, order: u32, floor: usize) -> Option<Page> {
+        let n = self.len(order);
+        if n <= floor {
+            return None;
+        }
+        debug_assert!(n <= self.cap[order as usize]);
+        self.set_len(order, n - 1);
+        // SAFETY: owner thread; slots below the old `len` are initialised.
+        Some(unsafe { self.buf(order)[n - 1].assume_init() })
+    }
+
+    /// The fast path's push of an order-0 block: `false` (nothing done)
+    /// unless the stack is below [`Tcache::fast_cap`]; no other test.
+    ///
+    /// # Safety
+    /// Owner thread only; the caller owns `page`.
+    #[inline(always)]
+    pub(crate) unsafe fn push_unchecked(&self, page: Page) -> bool {
+        let n = self.len(0);
+        if n >= self.fast_cap {
+            return false;
+        }
+        debug_assert!(self.fast_cap <= self.cap[0]);
+        // SAFETY: owner thread; `n < fast_cap <= cap`.
+        unsafe { self.buf(0)[n].write(page) };
+        self.set_len(0, n + 1);
+        true
     }
 
     /// Pop the most recently cached block.
@@ -261,6 +302,9 @@ impl Tcache {
 pub(crate) trait Owner: Send + Sync + 'static {
     fn id(&self) -> u64;
     fn tcache_cap(&self) -> [usize; PCP_ORDERS];
+    /// Whether every call takes the careful path (checks on, or every
+    /// call counted): new caches then refuse fast-path frees.
+    fn careful(&self) -> bool;
     fn tcache_register(&self, tc: &Arc<Tcache>);
     /// Flush `tc` into the allocator and drop it from the registry (the
     /// owning thread is exiting).
@@ -321,7 +365,7 @@ impl<O: Owner> ThreadCaches<O> {
         match entries.iter().position(|e| e.id == id) {
             Some(i) => entries.swap(0, i),
             None => {
-                let tc = Arc::new(Tcache::new(owner.tcache_cap()));
+                let tc = Arc::new(Tcache::new(owner.tcache_cap(), owner.careful()));
                 owner.tcache_register(&tc);
                 entries.push(Entry {
                     id,
@@ -368,7 +412,7 @@ mod tests {
     #[test]
     fn check_accepts_blocks_in_range_and_aligned() {
         let a = arena();
-        let tc = Tcache::new([4, 2, 2, 2]);
+        let tc = Tcache::new([4, 2, 2, 2], false);
         // SAFETY: this thread owns the cache; the pages fit.
         unsafe {
             tc.extend(0, &[Page::from_pfn(0), Page::from_pfn(1023)]);
@@ -381,7 +425,7 @@ mod tests {
     #[should_panic(expected = "not an order-0 block of this arena")]
     fn check_catches_a_block_outside_the_arena() {
         let a = arena();
-        let tc = Tcache::new([4, 2, 2, 2]);
+        let tc = Tcache::new([4, 2, 2, 2], false);
         // SAFETY: this thread owns the cache; the page fits.
         unsafe {
             tc.extend(0, &[Page::from_pfn(1024)]);
@@ -393,7 +437,7 @@ mod tests {
     #[should_panic(expected = "not an order-2 block of this arena")]
     fn check_catches_a_misaligned_block() {
         let a = arena();
-        let tc = Tcache::new([4, 2, 2, 2]);
+        let tc = Tcache::new([4, 2, 2, 2], false);
         // SAFETY: this thread owns the cache; the page fits.
         unsafe {
             tc.extend(2, &[Page::from_pfn(6)]);
