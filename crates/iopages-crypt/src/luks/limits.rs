@@ -56,8 +56,8 @@ pub struct KdfLimits {
     /// [`Self::max_argon2_work_kib`].
     pub max_argon2_time: u32,
     /// Most Argon2 lanes (`cpus`) of a keyslot. Default 16: cryptsetup
-    /// formats with at most 4; lanes are computed one after another here,
-    /// so they add no memory or time, only a bound on odd headers.
+    /// formats with at most 4; lanes add no memory or work (they run in
+    /// at most min(lanes, CPUs) threads), only a bound on odd headers.
     pub max_argon2_lanes: u32,
     /// Most Argon2 work of a keyslot: memory in KiB times passes, the
     /// number of 1 KiB blocks computed, which is what its CPU time is

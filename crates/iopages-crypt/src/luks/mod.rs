@@ -106,11 +106,11 @@
 //!   of Argon2 work, 32 keyslots (as cryptsetup). A keyslot over a limit
 //!   is not tried. A fixed data segment running past the device is
 //!   refused (dm-crypt would refuse the table).
-//! - Argon2 lanes are computed one after another, not in threads.
 //! - The volume key is `mlock`ed alone, not the whole process
 //!   (cryptsetup's `mlockall`).
 
 mod af;
+mod argon2;
 mod backup;
 mod calibrate;
 mod dump;
