@@ -2,7 +2,8 @@
 //! cryptsetup, both ways: what iopages changes, cryptsetup opens (and
 //! `luksDump` lists); what cryptsetup's `luksAddKey`, `luksChangeKey`,
 //! `luksRemoveKey` and `luksKillSlot` change, iopages opens; and the same
-//! verbs on a header stored behind nbdkit (`nbd+unix://`). Cheap KDFs
+//! verbs on a header stored behind nbdkit (`nbd+unix://`); on a loop
+//! device, cryptsetup waits for the lock iopages holds. Cheap KDFs
 //! throughout (PBKDF2, 1000 iterations).
 
 mod common;
@@ -306,5 +307,120 @@ fn key_verbs_on_a_remote_header_behind_nbdkit() {
         let img = cryptsetup_image(&dir, ty, &k[0]);
         let (_kid, uri) = NbdKit::file(&dir.join("sock"), &img);
         iopages_verbs(&uri, &img, &k, &format!("{ty} behind nbdkit"));
+    }
+}
+
+/// A loop device over a new sparse file, detached when dropped; `None`
+/// where loop devices cannot be had (not root, no losetup, refused).
+struct LoopDev {
+    dev: PathBuf,
+}
+
+impl LoopDev {
+    fn new(file: &Path, size: u64) -> Option<LoopDev> {
+        // SAFETY: geteuid reads the caller's effective user id; no memory.
+        if unsafe { libc::geteuid() } != 0 || !tools(&["losetup"]) {
+            eprintln!("skipped: loop devices need root and losetup");
+            return None;
+        }
+        std::fs::File::create(file).unwrap().set_len(size).unwrap();
+        let out = Command::new("losetup")
+            .args(["--find", "--show"])
+            .arg(file)
+            .output()
+            .unwrap();
+        if !out.status.success() {
+            eprintln!("skipped: losetup: {}", String::from_utf8_lossy(&out.stderr));
+            return None;
+        }
+        let dev = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        Some(LoopDev { dev })
+    }
+}
+
+impl Drop for LoopDev {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").arg("-d").arg(&self.dev).status();
+    }
+}
+
+/// On a block device iopages takes cryptsetup's own lock
+/// (`/run/cryptsetup/L_MAJ:MIN`) beside its flock: a `cryptsetup
+/// luksAddKey` started while `iopages luks add-key` derives a slow slot
+/// waits for it, and both slots are there afterwards — neither change is
+/// lost. And a second iopages verb meanwhile fails at once.
+#[test]
+fn on_a_block_device_cryptsetup_waits_for_iopages_lock() {
+    if !tools(&["cryptsetup"]) {
+        return;
+    }
+    let dir = Dir::new("keys-blockdev");
+    let k = passes(&dir);
+    let Some(lo) = LoopDev::new(&dir.join("backing"), 24 << 20) else {
+        return;
+    };
+    run(cryptsetup()
+        .args(["luksFormat", "--batch-mode", "--type", "luks2"])
+        .args(["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"])
+        .arg("--key-file")
+        .arg(&k[0])
+        .arg(&lo.dev));
+    // A slow slot (about 3 s of PBKDF2) keeps iopages in its verb, the
+    // locks held from the start.
+    let start = std::time::Instant::now();
+    let ours = Command::new(BIN)
+        .args(["luks", "add-key"])
+        .arg(&lo.dev)
+        .arg("--passphrase-file")
+        .arg(&k[0])
+        .arg("--new-passphrase-file")
+        .arg(&k[1])
+        .args(["--pbkdf", "pbkdf2", "--iter-time", "3000"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(700));
+    let racing = Command::new(BIN)
+        .args(["luks", "kill-slot", "--yes"])
+        .arg(&lo.dev)
+        .arg("0")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!racing.status.success(), "a second iopages verb ran");
+    let why = String::from_utf8_lossy(&racing.stderr);
+    assert!(why.contains("is locked by another process"), "{why}");
+    let theirs = cryptsetup()
+        .args(["luksAddKey", "--batch-mode"])
+        .args(["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"])
+        .arg("--key-file")
+        .arg(&k[0])
+        .arg(&lo.dev)
+        .arg(&k[2])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let cs_done = start.elapsed();
+    let ours_out = ours.wait_with_output().unwrap();
+    assert!(
+        ours_out.status.success(),
+        "iopages add-key: {}",
+        String::from_utf8_lossy(&ours_out.stderr)
+    );
+    assert!(
+        theirs.status.success(),
+        "cryptsetup luksAddKey: {}",
+        String::from_utf8_lossy(&theirs.stderr)
+    );
+    // cryptsetup's own KDF is cheap: it could only take this long by
+    // waiting for the lock iopages held through its ~3 s derivation.
+    assert!(
+        cs_done >= std::time::Duration::from_millis(2000),
+        "cryptsetup finished after {cs_done:?}, while iopages held the lock"
+    );
+    for key in &k[..3] {
+        assert!(cryptsetup_opens(&lo.dev, key), "{key:?} does not open");
     }
 }
