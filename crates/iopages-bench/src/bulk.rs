@@ -1029,6 +1029,7 @@ pub fn run_with_threads(
             if like_all { "" } else { "; some batches have no figure" }
         );
     }
+    let io_row = crate::io_shaped::run(&configs[0].alloc, runs, plan.peer_pages)?;
     let def = &configs[0].alloc;
     let settings = json!({
         "quick": opts.quick,
@@ -1045,6 +1046,7 @@ pub fn run_with_threads(
     });
     let mut summary = summary(def, &single_sum[0], &bulk_sum[0], &cmp);
     summary["c_abi"] = c_abi.json(e1_row, best_peer);
+    summary["io_shaped"] = io_row;
     if let Some(min) = like_min {
         summary["targets"]["min_ratio_vs_best_page_aligned_peer_like_for_like"] = json!({
             "what": "one thread, every batch: the best page-aligned peer's ns per page over iopages-c's (the peers' own C program)",

@@ -50,6 +50,7 @@ pub mod c_abi;
 pub mod counter;
 pub mod crypt;
 pub mod harness;
+pub mod io_shaped;
 pub mod kvmalloc;
 pub mod luks_keys;
 pub mod measure;
