@@ -1270,13 +1270,14 @@ static inline int iopages_fast_free_bulk_ptrs(const struct iopages_local_fast *f
     size_t len = iopages_fast__len_(f);
     if (n > IOPAGES_FAST_BULK_MAX || len + n > f->cap || ptrs == NULL)
         return iopages_local_free_bulk_ptrs(f->local, ptrs, n);
-    /* A batch of up to 4 is converted into a small array and stored as one
-     * 16-byte copy when the slots above the length allow it: the next
-     * allocation's loads of those slots then all forward from one store,
-     * where one store per slot made the CPU's forwarding predictor guess
-     * wrong once per round (batches of 2: 14 ns per page, not 3). */
+    /* A batch of 2 to 4 is converted into a small array and stored as one
+     * copy (8 bytes for 2, 16 for 3 or 4) when the slots above the length
+     * allow it: the next allocation's loads of those slots then all
+     * forward from one store, where one store per slot made the CPU's
+     * forwarding predictor guess wrong once per round (batches of 2: 14 ns
+     * per page, not 3). One page is one store either way. */
     uint32_t small[4] = {0, 0, 0, 0};
-    int via_small = n <= 4 && len + 4 <= f->cap;
+    int via_small = n >= 2 && n <= 4 && len + 4 <= f->cap;
     uint32_t *slot = via_small ? small : f->buf + len;
     /* Every address a page start (the offsets' low bits, or-ed) inside the
      * arena (the largest offset; one below the base wraps to a huge one):
@@ -1291,7 +1292,7 @@ static inline int iopages_fast_free_bulk_ptrs(const struct iopages_local_fast *f
     if ((low % IOPAGES_PAGE_SIZE) != 0 || top >= f->arena_bytes)
         return iopages_local_free_bulk_ptrs(f->local, ptrs, n);
     if (via_small)
-        memcpy(f->buf + len, small, sizeof small);
+        memcpy(f->buf + len, small, n == 2 ? 8 : sizeof small);
     iopages_fast__set_len_(f, len + n);
     return 0;
 }

@@ -11,9 +11,9 @@
 //! reservation (a header can ask for gigabytes), leave derived bytes or
 //! Argon2 memory unwiped, or panic on parameters read from a header.
 
+use super::argon2::{Argon2Error, Variant};
 use super::key::SecretBuf;
 use super::LuksError;
-use super::argon2::{Argon2Error, Variant};
 use openssl::hash::MessageDigest;
 use zeroize::Zeroize;
 
@@ -422,14 +422,16 @@ fn argon2(
     }
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = u32::try_from(cpus).unwrap_or(u32::MAX).min(parallel);
-    super::argon2::derive(variant, passphrase, salt, time, memory_kib, parallel, threads, out)
-        .map_err(|e| match e {
-            Argon2Error::OutOfMemory { .. } => LuksError::Io(std::io::Error::new(
-                std::io::ErrorKind::OutOfMemory,
-                format!("{name}: {e}"),
-            )),
-            e => LuksError::Corrupt(format!("{name} refused the keyslot's parameters: {e}")),
-        })
+    super::argon2::derive(
+        variant, passphrase, salt, time, memory_kib, parallel, threads, out,
+    )
+    .map_err(|e| match e {
+        Argon2Error::OutOfMemory { .. } => LuksError::Io(std::io::Error::new(
+            std::io::ErrorKind::OutOfMemory,
+            format!("{name}: {e}"),
+        )),
+        e => LuksError::Corrupt(format!("{name} refused the keyslot's parameters: {e}")),
+    })
 }
 
 /// Compare without an early exit.
