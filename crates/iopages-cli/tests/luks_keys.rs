@@ -344,6 +344,24 @@ impl Drop for LoopDev {
     }
 }
 
+/// `iopages luks add-key` of a slow slot (about 3 s of PBKDF2), which
+/// keeps iopages in its verb with the locks held from the start.
+fn slow_add_key(dev: &Path, old: &Path, new: &Path) -> std::process::Child {
+    Command::new(BIN)
+        .args(["luks", "add-key"])
+        .arg(dev)
+        .arg("--passphrase-file")
+        .arg(old)
+        .arg("--new-passphrase-file")
+        .arg(new)
+        .args(["--pbkdf", "pbkdf2", "--iter-time", "3000"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
 /// On a block device iopages takes cryptsetup's own lock
 /// (`/run/cryptsetup/L_MAJ:MIN`) beside its flock: a `cryptsetup
 /// luksAddKey` started while `iopages luks add-key` derives a slow slot
@@ -365,22 +383,8 @@ fn on_a_block_device_cryptsetup_waits_for_iopages_lock() {
         .arg("--key-file")
         .arg(&k[0])
         .arg(&lo.dev));
-    // A slow slot (about 3 s of PBKDF2) keeps iopages in its verb, the
-    // locks held from the start.
     let start = std::time::Instant::now();
-    let ours = Command::new(BIN)
-        .args(["luks", "add-key"])
-        .arg(&lo.dev)
-        .arg("--passphrase-file")
-        .arg(&k[0])
-        .arg("--new-passphrase-file")
-        .arg(&k[1])
-        .args(["--pbkdf", "pbkdf2", "--iter-time", "3000"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let ours = slow_add_key(&lo.dev, &k[0], &k[1]);
     std::thread::sleep(std::time::Duration::from_millis(700));
     let racing = Command::new(BIN)
         .args(["luks", "kill-slot", "--yes"])
