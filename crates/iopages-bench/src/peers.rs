@@ -322,9 +322,13 @@ impl Addrs {
         (self.base + p.pfn() as usize * iopages::PAGE_SIZE) as *mut u8
     }
 
+    /// The page at `a`, converted as the C header's inline free converts
+    /// it: the frame number masked to 31 bits, which tells the compiler
+    /// it is never `u32::MAX`, so the conversion loop has no panic branch
+    /// and vectorises (the arena holds fewer than 2^31 pages).
     #[inline(always)]
     fn page(self, a: *mut u8) -> Page {
-        Page::from_pfn(((a as usize - self.base) / iopages::PAGE_SIZE) as u32)
+        Page::from_pfn(((a as usize - self.base) / iopages::PAGE_SIZE) as u32 & 0x7fff_ffff)
     }
 
     /// Up to `out.len()` pages into `out` as addresses, converted in the

@@ -596,8 +596,8 @@ impl LocalAllocator {
     }
 
     /// [`LocalAllocator::fill_unchecked`] for a batch of 2 to `SMALL`:
-    /// `fill` writes a small array, which goes into the cache as one store
-    /// (8 bytes for 2 pages, 16 for 3 or 4). The next allocation reads the slots one by one; with
+    /// `fill` writes a small array, which goes into the cache as one
+    /// 8-byte store per two slots. The next allocation reads the slots one by one; with
     /// one store behind all of them the CPU's store-to-load forwarding
     /// predictor pairs every such load with the same store, where one
     /// store per slot made it guess wrong and flush the pipeline once per
@@ -616,16 +616,18 @@ impl LocalAllocator {
         if !fill(&mut tmp[..nr]) {
             return false;
         }
+        // Each slot's bits, read as the 4 bytes `fill` wrote; packed in
+        // pairs, so each 8-byte store below covers two slots.
+        // SAFETY: every element is initialised (placeholders past `nr`).
+        let raw = |i: usize| u64::from(unsafe { tmp[i].assume_init() }.pfn().wrapping_add(1));
         // SAFETY: `len + SMALL <= cap`: the slots are inside the buffer,
         // and those from `len` on are not the cache's; the ones past `nr`
-        // get `tmp`'s placeholders and stay above the length.
+        // get placeholders and stay above the length.
         unsafe {
-            let at = self.buf.add(len);
-            if nr == 2 {
-                at.cast::<[MaybeUninit<Page>; 2]>()
-                    .write_unaligned([tmp[0], tmp[1]]);
-            } else {
-                at.cast::<[MaybeUninit<Page>; SMALL]>().write_unaligned(tmp);
+            let at = self.buf.add(len).cast::<u64>();
+            at.write_unaligned(raw(0) | raw(1) << 32);
+            if nr > 2 {
+                at.add(1).write_unaligned(raw(2) | raw(3) << 32);
             }
         }
         self.set_len(len + nr);
