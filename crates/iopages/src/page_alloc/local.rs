@@ -597,11 +597,12 @@ impl LocalAllocator {
 
     /// [`LocalAllocator::fill_unchecked`] for a batch of 2 to `SMALL`:
     /// `fill` writes a small array, which goes into the cache as one
-    /// 8-byte store per two slots. The next allocation reads the slots one by one; with
-    /// one store behind all of them the CPU's store-to-load forwarding
-    /// predictor pairs every such load with the same store, where one
-    /// store per slot made it guess wrong and flush the pipeline once per
-    /// round (E1, AMD EPYC: batches of 2 cost 14 ns per page, of 4 3).
+    /// 8-byte store per two slots. The next allocation reads the slots
+    /// one by one (or two by two, vectorised); with fewer, wider stores
+    /// behind them the CPU's store-to-load forwarding predictor pairs the
+    /// loads with the right stores, where one store per slot made it guess
+    /// wrong and flush the pipeline once per round (E1, AMD EPYC: batches
+    /// of 2 cost 14 ns per page, of 4 3).
     ///
     /// # Safety
     /// As [`LocalAllocator::fill_unchecked`], and `len + SMALL <= cap`.
