@@ -500,10 +500,8 @@ fn an_inherited_socket_shut_down_by_its_owner_does_not_spin_the_acceptor() {
     // The owner shuts the socket down under the server: the listener
     // polls ready (hung up) from now on.
     // SAFETY: shutdown on a descriptor the test owns.
-    assert_eq!(
-        unsafe { libc::shutdown(owner.as_raw_fd(), libc::SHUT_RDWR) },
-        0
-    );
+    let rc = unsafe { libc::shutdown(owner.as_raw_fd(), libc::SHUT_RDWR) };
+    assert_eq!(rc, 0);
     std::thread::sleep(Duration::from_millis(100));
     let before = acceptors_cpu_ticks();
     std::thread::sleep(Duration::from_millis(1000));

@@ -612,11 +612,8 @@ fn free_pages_bulk_array_frees_every_page_and_empties_every_slot() {
         let mut full = [None; 70];
         assert_eq!(alloc.alloc_pages_bulk_array(Gfp::KERNEL, &mut full), 70);
         // SAFETY: the test allocated these pages and gives them up here, once.
-        assert_eq!(
-            unsafe { alloc.free_pages_bulk_array(&mut full) },
-            70,
-            "{name}"
-        );
+        let freed = unsafe { alloc.free_pages_bulk_array(&mut full) };
+        assert_eq!(freed, 70, "{name}");
         assert!(
             full.iter().all(Option::is_none),
             "{name}: slots must be emptied"
@@ -633,28 +630,20 @@ fn free_pages_bulk_array_frees_every_page_and_empties_every_slot() {
         let left = holes.iter().filter(|s| s.is_some()).count();
         assert_eq!(in_use(&alloc), left, "{name}");
         // SAFETY: the test allocated these pages and gives them up here, once.
-        assert_eq!(
-            unsafe { alloc.free_pages_bulk_array(&mut holes) },
-            left,
-            "{name}"
-        );
+        let freed = unsafe { alloc.free_pages_bulk_array(&mut holes) };
+        assert_eq!(freed, left, "{name}");
         assert!(holes.iter().all(Option::is_none));
         // Nothing to free.
-        assert_eq!(
-            unsafe { alloc.free_pages_bulk_array(&mut holes) },
-            0,
-            "{name}"
-        );
+        // SAFETY: every slot is empty: nothing is given up.
+        let freed = unsafe { alloc.free_pages_bulk_array(&mut holes) };
+        assert_eq!(freed, 0, "{name}");
         // SAFETY: the test allocated these pages and gives them up here, once.
         assert_eq!(unsafe { alloc.free_pages_bulk_array(&mut []) }, 0, "{name}");
         // One page.
         let mut one = [alloc.alloc_pages(Gfp::KERNEL, 0)];
         // SAFETY: the test allocated these pages and gives them up here, once.
-        assert_eq!(
-            unsafe { alloc.free_pages_bulk_array(&mut one) },
-            1,
-            "{name}"
-        );
+        let freed = unsafe { alloc.free_pages_bulk_array(&mut one) };
+        assert_eq!(freed, 1, "{name}");
         assert_eq!(one, [None]);
         assert_no_leaks(&alloc);
     }

@@ -43,6 +43,7 @@ fn single_alloc_fails_while_enabled_and_succeeds_after_disable() {
     assert_eq!(alloc.alloc_pages(Gfp::KERNEL, MAX_ORDER), None);
     assert!(alloc.alloc_box(Gfp::KERNEL, 1).is_none());
     // Frees still work while injection is on.
+    // SAFETY: the test allocated this block and gives it up here, once.
     unsafe { alloc.free_pages(held, 2) };
     assert_eq!(alloc.accounting().in_use_pages, 0);
     alloc.fault().disable();
@@ -305,6 +306,7 @@ fn bulk_under_half_probability_returns_partial_fills_and_never_leaks() {
     let distinct: std::collections::HashSet<Page> = held.iter().copied().collect();
     assert_eq!(distinct.len(), held.len());
     // Free while still enabled: frees are never injected.
+    // SAFETY: the test allocated these pages and gives them up here, once.
     unsafe { alloc.free_pages_bulk(&held) };
     alloc.fault().disable();
     assert_no_leaks(&alloc);

@@ -592,6 +592,8 @@ fn view_and_handle(careful: Careful) {
             }
             2 if held.len() < 1400 => {
                 let mut batch = Vec::new();
+                // SAFETY: `raw` is the live handle, used by one call at a
+                // time.
                 let n = unsafe {
                     (*raw).alloc_bulk(Gfp::KERNEL, 1 + (r as usize >> 4) % 90, &mut batch)
                 };
@@ -610,6 +612,7 @@ fn view_and_handle(careful: Careful) {
                     via_view_frees += 1;
                 } else {
                     handle_frees += 1;
+                    // SAFETY: the page is held here once and given up.
                     unsafe { (*raw).free_pages(p, 0) };
                 }
             }
@@ -621,6 +624,7 @@ fn view_and_handle(careful: Careful) {
                     batch.push(p);
                 }
                 handle_frees += k as u64;
+                // SAFETY: the pages are held here once each and given up.
                 unsafe { (*raw).free_bulk(&mut batch) };
             }
             _ => {}
@@ -649,6 +653,7 @@ fn view_and_handle(careful: Careful) {
     }
     for (p, t) in held.drain(..) {
         check_tag(&alloc, p, t);
+        // SAFETY: the page is held here once and given up.
         unsafe { (*raw).free_pages(p, 0) };
     }
     drop(local);
