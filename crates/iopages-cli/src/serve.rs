@@ -862,7 +862,7 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
         }
     };
     let names: Vec<String> = exports.iter().map(|e| e.name().to_string()).collect();
-    let server = Server::start_exports_on(exports, server_opts, &listen, inherited)
+    let mut server = Server::start_exports_on(exports, server_opts, &listen, inherited)
         .map_err(|e| e.to_string())?;
     // --metrics, or the file's `metrics`: every export, its volume once
     // open (lazy ones when their first client opens them).
@@ -993,10 +993,6 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
         }
         let _ = std::io::stdout().flush();
     }
-    let line = progress.line(&server, &volumes.lock());
-    if let Err(e) = emit_json(&server) {
-        eprintln!("warning: {e}");
-    }
     if let Some(m) = metrics {
         m.stop();
     }
@@ -1006,6 +1002,14 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
         if let Some(r) = &s.vol.remote {
             r.stop_waiting();
         }
+    }
+    // The last line and --stats-json are the figures as stopped: every
+    // connection closed and every budget given back (a client that had
+    // just hung up is no longer counted as open).
+    server.stop_serving();
+    let line = progress.line(&server, &volumes.lock());
+    if let Err(e) = emit_json(&server) {
+        eprintln!("warning: {e}");
     }
     server.shutdown();
     // Every volume opened, lazy ones included, is flushed before exit.

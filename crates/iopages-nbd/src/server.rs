@@ -646,6 +646,14 @@ impl Server {
         drop(self);
     }
 
+    /// What [`Server::shutdown`] does, keeping the server readable: its
+    /// statistics afterwards are the final ones (no connection open, every
+    /// budget given back). Shutting down or dropping it later does nothing
+    /// more.
+    pub fn stop_serving(&mut self) {
+        self.stop();
+    }
+
     fn stop(&mut self) {
         self.shared.stopping.store(true, Ordering::SeqCst);
         // Wake every acceptor (see `wake`).
