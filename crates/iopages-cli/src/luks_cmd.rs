@@ -127,23 +127,8 @@ pub struct FormatArgs {
     /// PBKDF2's hash (and LUKS1's hash spec).
     #[arg(long, value_enum, default_value_t = HashArg::Sha256)]
     hash: HashArg,
-    /// Unlock time to aim for, in milliseconds, as cryptsetup's
-    /// --iter-time: the key derivation is benchmarked on this machine and
-    /// its costs scaled to take about this long (Argon2: memory first, up
-    /// to 1 GiB and half the available memory, then passes). Costs given
-    /// with --iterations, --memory or --parallel are kept as given.
-    #[arg(long, value_name = "MS", default_value_t = 2000)]
-    iter_time: u64,
-    /// PBKDF2 iterations, or Argon2 passes (time cost); skips their
-    /// benchmark.
-    #[arg(long, value_name = "N")]
-    iterations: Option<u32>,
-    /// Argon2 memory cost in KiB; skips its benchmark.
-    #[arg(long, value_name = "KIB")]
-    memory: Option<u32>,
-    /// Argon2 lanes (default 4, or one per CPU on fewer CPUs).
-    #[arg(long, value_name = "N")]
-    parallel: Option<u32>,
+    #[command(flatten)]
+    costs: KdfCostArgs,
     /// A label (LUKS2).
     #[arg(long)]
     label: Option<String>,
@@ -188,6 +173,41 @@ impl PbkdfArg {
             PbkdfArg::Argon2i => KdfKind::Argon2i,
             PbkdfArg::Argon2id => KdfKind::Argon2id,
         }
+    }
+}
+
+/// The key-derivation cost flags `format` and the key verbs share.
+#[derive(clap::Args, Debug)]
+pub(crate) struct KdfCostArgs {
+    /// Unlock time to aim for, in milliseconds, as cryptsetup's
+    /// --iter-time: the key derivation is benchmarked on this machine and
+    /// its costs scaled to take about this long (Argon2: memory first, up
+    /// to 1 GiB and half the available memory, then passes). Costs given
+    /// with --iterations, --memory or --parallel are kept as given.
+    #[arg(long, value_name = "MS", default_value_t = 2000)]
+    pub iter_time: u64,
+    /// PBKDF2 iterations, or Argon2 passes (time cost); skips their
+    /// benchmark.
+    #[arg(long, value_name = "N")]
+    pub iterations: Option<u32>,
+    /// Argon2 memory cost in KiB; skips its benchmark.
+    #[arg(long, value_name = "KIB")]
+    pub memory: Option<u32>,
+    /// Argon2 lanes (default 4, or one per CPU on fewer CPUs).
+    #[arg(long, value_name = "N")]
+    pub parallel: Option<u32>,
+}
+
+impl KdfCostArgs {
+    /// What to calibrate a new key slot of `kind` for (see [`kdf_target`]).
+    pub(crate) fn target(&self, kind: KdfKind) -> Result<KdfTarget, String> {
+        kdf_target(
+            kind,
+            self.iterations,
+            self.memory,
+            self.parallel,
+            self.iter_time,
+        )
     }
 }
 
@@ -356,7 +376,7 @@ fn format(a: FormatArgs) -> Result<(), String> {
         LuksVersion::Luks2 => PbkdfArg::Argon2id,
     });
     let kind = pbkdf_kind.kind(a.hash.hash());
-    let target = kdf_target(kind, a.iterations, a.memory, a.parallel, a.iter_time)?;
+    let target = a.costs.target(kind)?;
     let base = FormatOptions {
         version,
         key_bytes: a.key_size / 8,
@@ -654,10 +674,12 @@ mod tests {
             sector_size: 512,
             pbkdf: None,
             hash: HashArg::Sha256,
-            iter_time: 100,
-            iterations: None,
-            memory: None,
-            parallel: None,
+            costs: KdfCostArgs {
+                iter_time: 100,
+                iterations: None,
+                memory: None,
+                parallel: None,
+            },
             label: None,
             yes: false,
         }
@@ -681,30 +703,42 @@ mod tests {
         // Memory or lanes for PBKDF2: refused, nothing written.
         let img2 = dir.0.join("l1b.img");
         for (memory, parallel) in [(Some(1024), None), (None, Some(2))] {
+            let base = format_args(img2.clone(), pass.clone());
             let e = format(FormatArgs {
-                memory,
-                parallel,
-                ..format_args(img2.clone(), pass.clone())
+                costs: KdfCostArgs {
+                    memory,
+                    parallel,
+                    ..base.costs
+                },
+                ..base
             })
             .unwrap_err();
             assert!(e.contains("Argon2 costs"), "{e}");
         }
         assert!(!img2.exists());
+        let base = format_args(img2.clone(), pass.clone());
         let e = format(FormatArgs {
-            iter_time: 0,
-            ..format_args(img2.clone(), pass.clone())
+            costs: KdfCostArgs {
+                iter_time: 0,
+                ..base.costs
+            },
+            ..base
         })
         .unwrap_err();
         assert!(e.contains("--iter-time 0"), "{e}");
         // Every Argon2 cost given: kept as given.
         let img3 = dir.0.join("l2.img");
+        let base = format_args(img3.clone(), pass.clone());
         format(FormatArgs {
             version: VersionArg::Luks2,
             size: Some(4096),
-            iterations: Some(4),
-            memory: Some(64),
-            parallel: Some(1),
-            ..format_args(img3.clone(), pass.clone())
+            costs: KdfCostArgs {
+                iterations: Some(4),
+                memory: Some(64),
+                parallel: Some(1),
+                ..base.costs
+            },
+            ..base
         })
         .unwrap();
         let info = luks::inspect(&std::fs::File::open(&img3).unwrap()).unwrap();

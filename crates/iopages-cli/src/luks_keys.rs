@@ -9,7 +9,7 @@
 //! read both passphrases from standard input, write a header without the
 //! image's exclusive lock (`luks_target`), or print a passphrase.
 
-use crate::luks_cmd::{kdf_limits, kdf_target, HashArg, PbkdfArg};
+use crate::luks_cmd::{kdf_limits, HashArg, KdfCostArgs, PbkdfArg};
 use crate::luks_target::{self, Target};
 use crate::passphrase::read_passphrase;
 use iopages_crypt::luks::{
@@ -29,18 +29,8 @@ pub struct KdfArgs {
     /// PBKDF2's hash (LUKS1: default and only choice the header's hash).
     #[arg(long, value_enum)]
     hash: Option<HashArg>,
-    /// Unlock time to aim for, in milliseconds (as `luks format`).
-    #[arg(long, value_name = "MS", default_value_t = 2000)]
-    iter_time: u64,
-    /// PBKDF2 iterations, or Argon2 passes; skips their benchmark.
-    #[arg(long, value_name = "N")]
-    iterations: Option<u32>,
-    /// Argon2 memory cost in KiB; skips its benchmark.
-    #[arg(long, value_name = "KIB")]
-    memory: Option<u32>,
-    /// Argon2 lanes.
-    #[arg(long, value_name = "N")]
-    parallel: Option<u32>,
+    #[command(flatten)]
+    costs: KdfCostArgs,
     /// Most Argon2 memory a key slot may ask for when unlocking (K, M, G
     /// suffixes; default 1G, at most 4G).
     #[arg(long, value_name = "BYTES", value_parser = crate::parse_size)]
@@ -172,10 +162,10 @@ fn new_slot_kdf(a: &KdfArgs, info: &LuksInfo) -> Result<Pbkdf, String> {
     if info.version == LuksVersion::Luks1 && !matches!(kind, KdfKind::Pbkdf2(_)) {
         return Err(format!("{}: LUKS1 key slots use PBKDF2 only", kind.name()));
     }
-    let target = kdf_target(kind, a.iterations, a.memory, a.parallel, a.iter_time)?;
+    let target = a.costs.target(kind)?;
     let benchmark = match kind {
-        KdfKind::Pbkdf2(_) => a.iterations.is_none(),
-        _ => a.iterations.is_none() || a.memory.is_none(),
+        KdfKind::Pbkdf2(_) => a.costs.iterations.is_none(),
+        _ => a.costs.iterations.is_none() || a.costs.memory.is_none(),
     };
     if benchmark {
         eprintln!("benchmarking {} for the new key slot...", kind.name());
