@@ -7,9 +7,11 @@
 //! Every test that runs threads waits for them with a deadline and fails
 //! loudly, naming what is stuck, instead of hanging.
 
+mod common;
+use common::{assert_no_leaks, builder};
 use iopages::{
-    memalloc_noio_scope, BoxSource, ElementSource, Error, FaultConfig, Gfp, HugePages, Mempool,
-    Page, PageAllocator, PagePool, PageSource,
+    memalloc_noio_scope, BoxSource, ElementSource, Error, FaultConfig, Gfp, Mempool, Page,
+    PageAllocator, PagePool, PageSource,
 };
 use std::collections::HashSet;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -22,17 +24,7 @@ use std::time::{Duration, Instant};
 const DEADLINE: Duration = Duration::from_secs(60);
 
 fn small(mib: u64) -> PageAllocator {
-    PageAllocator::builder()
-        .size_bytes(mib << 20)
-        .huge_pages(HugePages::Never)
-        .build()
-        .unwrap()
-}
-
-fn assert_no_leaks(alloc: &PageAllocator) {
-    alloc
-        .leak_check()
-        .unwrap_or_else(|a| panic!("pages leaked: {a}"));
+    builder(mib).build().unwrap()
 }
 
 /// Take every page the arena has, reserves below the watermarks included,
