@@ -4,7 +4,9 @@
 use crate::{
     fail, gfp, guard, guard_int, guard_long, iopages_page, obj, obj_mut, put, slice, slice_mut,
 };
-use iopages::{Gfp, HugePages, LocalAllocator, Page, PageAllocator, MAX_ORDER, PAGE_SIZE};
+use iopages::{
+    Gfp, HugePages, LocalAllocator, Page, PageAllocator, PageAllocatorBuilder, MAX_ORDER, PAGE_SIZE,
+};
 use std::ffi::{c_char, c_int, c_void};
 use std::fmt::Write as _;
 
@@ -225,6 +227,47 @@ fn setting(v: i64, name: &str) -> Result<Option<usize>, c_int> {
     }
 }
 
+/// The allocator builder `c` asks for.
+///
+/// **Returns:** -EINVAL (the message names the setting) for a value out of
+/// range.
+fn builder_from(c: &iopages_config) -> Result<PageAllocatorBuilder, c_int> {
+    let huge = match c.huge_pages {
+        IOPAGES_HUGE_NEVER => HugePages::Never,
+        IOPAGES_HUGE_TRY => HugePages::Try,
+        IOPAGES_HUGE_REQUIRE => HugePages::Require,
+        h => return Err(fail(libc::EINVAL, format!("huge_pages = {h}: 0, 1 or 2"))),
+    };
+    let mut b = PageAllocator::builder()
+        .size_bytes(c.size_bytes)
+        .huge_pages(huge)
+        .populate(c.populate);
+    match c.checks {
+        -1 => {}
+        0 | 1 => b = b.checks(c.checks == 1),
+        v => return Err(fail(libc::EINVAL, format!("checks = {v}: -1, 0 or 1"))),
+    }
+    match c.background_reclaim {
+        0 | 1 => b = b.background_reclaim(c.background_reclaim == 1),
+        v => {
+            return Err(fail(
+                libc::EINVAL,
+                format!("background_reclaim = {v}: 0 or 1"),
+            ))
+        }
+    }
+    if let Some(n) = setting(c.nr_cpus, "nr_cpus")? {
+        b = b.nr_cpus(n);
+    }
+    if let Some(n) = setting(c.thread_cache_pages, "thread_cache_pages")? {
+        b = b.thread_cache_pages(n);
+    }
+    if let Some(n) = setting(c.local_cache_pages, "local_cache_pages")? {
+        b = b.local_cache_pages(n);
+    }
+    Ok(b)
+}
+
 /// Create an allocator with `cfg` (NULL: the defaults) into `*out`.
 ///
 /// **Context:** may block while the kernel maps memory (and faults it in
@@ -256,40 +299,7 @@ pub unsafe extern "C" fn iopages_allocator_create(
         if let Some(given) = unsafe { cfg.as_ref() } {
             c = *given;
         }
-        let huge = match c.huge_pages {
-            IOPAGES_HUGE_NEVER => HugePages::Never,
-            IOPAGES_HUGE_TRY => HugePages::Try,
-            IOPAGES_HUGE_REQUIRE => HugePages::Require,
-            h => return Err(fail(libc::EINVAL, format!("huge_pages = {h}: 0, 1 or 2"))),
-        };
-        let mut b = PageAllocator::builder()
-            .size_bytes(c.size_bytes)
-            .huge_pages(huge)
-            .populate(c.populate);
-        match c.checks {
-            -1 => {}
-            0 | 1 => b = b.checks(c.checks == 1),
-            v => return Err(fail(libc::EINVAL, format!("checks = {v}: -1, 0 or 1"))),
-        }
-        match c.background_reclaim {
-            0 | 1 => b = b.background_reclaim(c.background_reclaim == 1),
-            v => {
-                return Err(fail(
-                    libc::EINVAL,
-                    format!("background_reclaim = {v}: 0 or 1"),
-                ))
-            }
-        }
-        if let Some(n) = setting(c.nr_cpus, "nr_cpus")? {
-            b = b.nr_cpus(n);
-        }
-        if let Some(n) = setting(c.thread_cache_pages, "thread_cache_pages")? {
-            b = b.thread_cache_pages(n);
-        }
-        if let Some(n) = setting(c.local_cache_pages, "local_cache_pages")? {
-            b = b.local_cache_pages(n);
-        }
-        let alloc = b.build().map_err(|e| {
+        let alloc = builder_from(&c)?.build().map_err(|e| {
             let errno = match e {
                 iopages::Error::BadArenaSize { .. } | iopages::Error::BadSetting { .. } => {
                     libc::EINVAL

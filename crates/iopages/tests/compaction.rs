@@ -499,11 +499,9 @@ fn injected_faults_in_compaction_targets_skip_migrations_and_corrupt_nothing() {
     assert_no_leaks(&alloc);
 }
 
-#[test]
-fn concurrent_cache_traffic_during_compaction_keeps_every_page_intact() {
-    let alloc = quiet(16);
-    let cache = Arc::new(cache_without_shrinker(&alloc));
-    // Half the arena as cache pages on odd frames only.
+/// Half the arena as cache pages on odd frames only; returns their keys,
+/// sorted.
+fn fill_odd_frames(cache: &PageCache) -> Vec<u64> {
     let mut k = 0;
     while cache.insert(k, &contents(k, 0)).is_ok() {
         k += 1;
@@ -513,82 +511,102 @@ fn concurrent_cache_traffic_during_compaction_keeps_every_page_intact() {
             cache.remove(key);
         }
     }
-    let keys: Vec<u64> = {
-        let mut v = cache.keys();
-        v.sort_unstable();
-        v
-    };
+    let mut v = cache.keys();
+    v.sort_unstable();
+    v
+}
+
+/// A worker's traffic on its keys until `stop` (and at least 3 rounds):
+/// every live key reads back its last version; now and then a key is
+/// rewritten or removed. Returns each key's final version (`u64::MAX`:
+/// removed).
+fn cache_traffic(cache: &PageCache, mine: &[u64], stop: &AtomicBool) -> HashMap<u64, u64> {
+    let mut buf = [0u8; PAGE_SIZE];
+    let mut version: HashMap<u64, u64> = mine.iter().map(|&k| (k, 0)).collect();
+    let mut round = 0u64;
+    while !stop.load(Relaxed) || round < 3 {
+        round += 1;
+        for (i, &k) in mine.iter().enumerate() {
+            let v = version[&k];
+            if v != u64::MAX {
+                assert!(cache.get(k, &mut buf), "key {k} lost");
+                assert!(buf == *contents(k, v), "key {k} version {v} corrupted");
+            }
+            match (i as u64 + round) % 16 {
+                0 => {
+                    let nv = round;
+                    if cache.insert(k, &contents(k, nv)).is_ok() {
+                        version.insert(k, nv);
+                    }
+                }
+                1 if v != u64::MAX => {
+                    assert!(cache.remove(k));
+                    version.insert(k, u64::MAX);
+                }
+                _ => {}
+            }
+        }
+    }
+    version
+}
+
+/// One round: compact and take every block made until compaction fails,
+/// give the blocks back, and fragment the arena again with filler keys
+/// (from `*filler` on) on even frames. Records each compaction's result.
+fn compact_and_refragment(
+    alloc: &PageAllocator,
+    cache: &PageCache,
+    filler: &mut u64,
+    results: &mut Vec<CompactResult>,
+) {
+    let mut blocks = Vec::new();
+    for i in 0.. {
+        let order = 3 + i % 4;
+        let r = alloc.compact(order);
+        results.push(r);
+        if r != CompactResult::Success {
+            break;
+        }
+        match alloc.alloc_pages(Gfp::NOWAIT, order) {
+            Some(b) => blocks.push((b, order)),
+            None => break,
+        }
+    }
+    for (b, order) in blocks {
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages(b, order) };
+    }
+    alloc.drain_all();
+    let first = *filler;
+    while cache.insert(*filler, &contents(*filler, 0)).is_ok() {
+        *filler += 1;
+    }
+    for key in first..*filler {
+        if cache.page_of(key).is_some_and(|p| p.pfn() % 2 == 0) {
+            cache.remove(key);
+        }
+    }
+}
+
+#[test]
+fn concurrent_cache_traffic_during_compaction_keeps_every_page_intact() {
+    let alloc = quiet(16);
+    let cache = Arc::new(cache_without_shrinker(&alloc));
+    let keys = fill_odd_frames(&cache);
     let stop = Arc::new(AtomicBool::new(false));
     let workers: Vec<_> = (0..2)
         .map(|t| {
             let cache = Arc::clone(&cache);
             let stop = Arc::clone(&stop);
             let mine: Vec<u64> = keys.iter().copied().skip(t).step_by(2).collect();
-            std::thread::spawn(move || {
-                let mut buf = [0u8; PAGE_SIZE];
-                let mut version: HashMap<u64, u64> = mine.iter().map(|&k| (k, 0)).collect();
-                let mut round = 0u64;
-                while !stop.load(Relaxed) || round < 3 {
-                    round += 1;
-                    for (i, &k) in mine.iter().enumerate() {
-                        let v = version[&k];
-                        if v != u64::MAX {
-                            assert!(cache.get(k, &mut buf), "key {k} lost");
-                            assert!(buf == *contents(k, v), "key {k} version {v} corrupted");
-                        }
-                        match (i as u64 + round) % 16 {
-                            0 => {
-                                let nv = round;
-                                if cache.insert(k, &contents(k, nv)).is_ok() {
-                                    version.insert(k, nv);
-                                }
-                            }
-                            1 if v != u64::MAX => {
-                                assert!(cache.remove(k));
-                                version.insert(k, u64::MAX);
-                            }
-                            _ => {}
-                        }
-                    }
-                }
-                version
-            })
+            std::thread::spawn(move || cache_traffic(&cache, &mine, &stop))
         })
         .collect();
-    // Rounds of: compact and take every block made until compaction
-    // fails, give the blocks back, and fragment the arena again with filler
-    // keys on even frames — so that every round moves pages while the
-    // workers use them.
+    // Every round moves pages while the workers use them.
     let mut results = Vec::new();
     let mut filler = 1u64 << 40;
     for _round in 0..6 {
-        let mut blocks = Vec::new();
-        for i in 0.. {
-            let order = 3 + i % 4;
-            let r = alloc.compact(order);
-            results.push(r);
-            if r != CompactResult::Success {
-                break;
-            }
-            match alloc.alloc_pages(Gfp::NOWAIT, order) {
-                Some(b) => blocks.push((b, order)),
-                None => break,
-            }
-        }
-        for (b, order) in blocks {
-            // SAFETY: the test allocated these pages and gives them up here, once.
-            unsafe { alloc.free_pages(b, order) };
-        }
-        alloc.drain_all();
-        let first = filler;
-        while cache.insert(filler, &contents(filler, 0)).is_ok() {
-            filler += 1;
-        }
-        for key in first..filler {
-            if cache.page_of(key).is_some_and(|p| p.pfn() % 2 == 0) {
-                cache.remove(key);
-            }
-        }
+        compact_and_refragment(&alloc, &cache, &mut filler, &mut results);
     }
     stop.store(true, Relaxed);
     let mut final_versions = HashMap::new();

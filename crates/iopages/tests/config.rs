@@ -1,15 +1,13 @@
 //! Configuration errors, and what each allocation flag means.
 
 mod common;
-use common::{assert_no_leaks, builder};
+use common::{assert_no_leaks, builder, BarrenShrinker, Holding, HoldingShrinker};
 use iopages::flags;
 use iopages::{
     memalloc_nofs_scope, memalloc_noio_scope, Error, Gfp, Page, PageAllocator,
-    PageAllocatorBuilder, PcpLimits, Shrinker, Watermarks, MAX_ORDER, MAX_RECLAIM_RETRIES,
-    PAGE_SIZE,
+    PageAllocatorBuilder, PcpLimits, Watermarks, MAX_ORDER, MAX_RECLAIM_RETRIES, PAGE_SIZE,
 };
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 fn build_err(b: PageAllocatorBuilder) -> Error {
     match b.build() {
@@ -474,89 +472,30 @@ fn atomic_goes_below_min_down_to_half_of_min() {
     assert_no_leaks(&alloc);
 }
 
-/// A cache that holds pages of the allocator and gives them back when asked.
-struct HoldingShrinker {
-    alloc: PageAllocator,
-    pages: Mutex<Vec<Page>>,
-    scans: AtomicUsize,
-    io: bool,
-    fs: bool,
-}
+/// A cache whose reclaim may start I/O.
+const NEEDS_IO: Holding = Holding {
+    needs_io: true,
+    needs_fs: false,
+    free_in_bulk: false,
+};
 
-impl HoldingShrinker {
-    fn new(alloc: &PageAllocator, pages: Vec<Page>, io: bool, fs: bool) -> Arc<HoldingShrinker> {
-        Arc::new(HoldingShrinker {
-            alloc: alloc.clone(),
-            pages: Mutex::new(pages),
-            scans: AtomicUsize::new(0),
-            io,
-            fs,
-        })
-    }
-    fn scans(&self) -> usize {
-        self.scans.load(Relaxed)
-    }
-    fn take_all(&self) -> Vec<Page> {
-        std::mem::take(&mut *self.pages.lock().unwrap())
-    }
-}
-
-impl Shrinker for HoldingShrinker {
-    fn name(&self) -> &str {
-        "test-holding"
-    }
-    fn count_objects(&self) -> usize {
-        self.pages.lock().unwrap().len()
-    }
-    fn scan_objects(&self, nr_to_scan: usize) -> usize {
-        self.scans.fetch_add(1, Relaxed);
-        let mut pages = self.pages.lock().unwrap();
-        let n = nr_to_scan.min(pages.len());
-        for _ in 0..n {
-            let p = pages.pop().unwrap();
-            // SAFETY: the test allocated these pages and gives them up here, once.
-            unsafe { self.alloc.free_pages(p, 0) };
-        }
-        n
-    }
-    fn needs_io(&self) -> bool {
-        self.io
-    }
-    fn needs_fs(&self) -> bool {
-        self.fs
-    }
-}
-
-/// A shrinker that always claims to hold something and never frees it.
-#[derive(Default)]
-struct BarrenShrinker {
-    scans: AtomicUsize,
-}
-
-impl Shrinker for BarrenShrinker {
-    fn name(&self) -> &str {
-        "test-barren"
-    }
-    fn count_objects(&self) -> usize {
-        1
-    }
-    fn scan_objects(&self, _nr: usize) -> usize {
-        self.scans.fetch_add(1, Relaxed);
-        0
-    }
-}
+/// A cache whose reclaim may enter the filesystem.
+const NEEDS_FS: Holding = Holding {
+    needs_io: false,
+    needs_fs: true,
+    free_in_bulk: false,
+};
 
 /// Exhaust with NOWAIT, hand `give` of the held pages to a shrinker.
 fn exhausted_with_shrinker(
     alloc: &PageAllocator,
     give: usize,
-    io: bool,
-    fs: bool,
+    how: Holding,
 ) -> (Vec<Page>, Arc<HoldingShrinker>, iopages::ShrinkerId) {
     let mut held = exhaust(alloc, Gfp::NOWAIT);
     assert!(held.len() > give);
     let given = held.split_off(held.len() - give);
-    let s = HoldingShrinker::new(alloc, given, io, fs);
+    let s = HoldingShrinker::new(alloc, given, how);
     let id = alloc.shrinkers().register(s.clone());
     (held, s, id)
 }
@@ -564,7 +503,7 @@ fn exhausted_with_shrinker(
 #[test]
 fn kernel_allocation_in_an_exhausted_arena_succeeds_through_a_shrinker() {
     let alloc = exact();
-    let (mut held, s, id) = exhausted_with_shrinker(&alloc, 16, false, false);
+    let (mut held, s, id) = exhausted_with_shrinker(&alloc, 16, Holding::default());
     assert_eq!(
         alloc.alloc_pages(Gfp::NOWAIT, 0),
         None,
@@ -593,7 +532,7 @@ fn kernel_allocation_uses_pages_a_shrinker_frees_on_the_allocating_thread() {
     // Thread caches on (64 pages), default per-CPU limits: a shrinker that
     // frees 16 pages, one per reclaim round, from the allocating thread.
     let alloc = cached().build().unwrap();
-    let (mut held, s, id) = exhausted_with_shrinker(&alloc, 16, false, false);
+    let (mut held, s, id) = exhausted_with_shrinker(&alloc, 16, Holding::default());
     let got = alloc.alloc_pages(Gfp::KERNEL, 0);
     let freed = alloc.stats().shrinker_pages_freed;
     assert!(
@@ -653,21 +592,21 @@ fn higher_order_allocation_uses_the_callers_cached_pages() {
 fn noretry_fails_after_one_reclaim_round() {
     let alloc = exact();
     let held = exhaust(&alloc, Gfp::NOWAIT);
-    let s = Arc::new(BarrenShrinker::default());
+    let s = BarrenShrinker::claiming_one();
     let id = alloc.shrinkers().register(s.clone());
     let before = alloc.stats().direct_reclaim;
     assert_eq!(alloc.alloc_pages(Gfp::KERNEL | Gfp::NORETRY, 0), None);
-    assert_eq!(s.scans.load(Relaxed), 1, "NORETRY: one round of reclaim");
+    assert_eq!(s.scans(), 1, "NORETRY: one round of reclaim");
     assert_eq!(alloc.stats().direct_reclaim, before + 1);
     // Without NORETRY it retries until MAX_RECLAIM_RETRIES rounds made no
     // progress.
     assert_eq!(alloc.alloc_pages(Gfp::KERNEL, 0), None);
-    assert_eq!(s.scans.load(Relaxed), 1 + MAX_RECLAIM_RETRIES as usize);
+    assert_eq!(s.scans(), 1 + MAX_RECLAIM_RETRIES as usize);
     // Costly orders give up after one round unless RETRY_MAYFAIL.
     assert_eq!(alloc.alloc_pages(Gfp::KERNEL, 4), None);
-    assert_eq!(s.scans.load(Relaxed), 2 + MAX_RECLAIM_RETRIES as usize);
+    assert_eq!(s.scans(), 2 + MAX_RECLAIM_RETRIES as usize);
     assert_eq!(alloc.alloc_pages(Gfp::KERNEL | Gfp::RETRY_MAYFAIL, 4), None);
-    assert_eq!(s.scans.load(Relaxed), 2 + 2 * MAX_RECLAIM_RETRIES as usize);
+    assert_eq!(s.scans(), 2 + 2 * MAX_RECLAIM_RETRIES as usize);
     assert!(alloc.shrinkers().unregister(id));
     // SAFETY: the test allocated these pages and gives them up here, once.
     unsafe { alloc.free_pages_bulk(&held) };
@@ -677,7 +616,7 @@ fn noretry_fails_after_one_reclaim_round() {
 #[test]
 fn noio_scope_keeps_a_needs_io_shrinker_from_being_called() {
     let alloc = exact();
-    let (mut held, io, id) = exhausted_with_shrinker(&alloc, 16, true, false);
+    let (mut held, io, id) = exhausted_with_shrinker(&alloc, 16, NEEDS_IO);
     {
         let _noio = memalloc_noio_scope();
         assert_eq!(alloc.alloc_pages(Gfp::KERNEL, 0), None);
@@ -716,8 +655,8 @@ fn noio_scope_keeps_a_needs_io_shrinker_from_being_called() {
 #[test]
 fn noio_and_nofs_scopes_keep_a_needs_fs_shrinker_from_being_called_but_not_others() {
     let alloc = exact();
-    let (mut held, fs, fs_id) = exhausted_with_shrinker(&alloc, 8, false, true);
-    let plain = HoldingShrinker::new(&alloc, held.split_off(held.len() - 8), false, false);
+    let (mut held, fs, fs_id) = exhausted_with_shrinker(&alloc, 8, NEEDS_FS);
+    let plain = HoldingShrinker::new(&alloc, held.split_off(held.len() - 8), Holding::default());
     let plain_id = alloc.shrinkers().register(plain.clone());
     {
         let _nofs = memalloc_nofs_scope();

@@ -7,46 +7,17 @@
 //! settled statistics.
 
 mod common;
-use common::builder;
-use iopages::{Gfp, Page, PageAllocator, Shrinker};
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
+use common::{builder, Holding, HoldingShrinker};
+use iopages::{Gfp, PageAllocator, Shrinker};
 use std::time::{Duration, Instant};
-
-/// A cache of pages that gives them back when asked.
-struct Cache {
-    alloc: PageAllocator,
-    pages: Mutex<Vec<Page>>,
-    scans: AtomicUsize,
-}
-
-impl Shrinker for Cache {
-    fn name(&self) -> &str {
-        "test-cache"
-    }
-    fn count_objects(&self) -> usize {
-        self.pages.lock().unwrap().len()
-    }
-    fn scan_objects(&self, nr: usize) -> usize {
-        self.scans.fetch_add(1, Relaxed);
-        let mut pages = self.pages.lock().unwrap();
-        let n = nr.min(pages.len());
-        let at = pages.len() - n;
-        let freed: Vec<Page> = pages.drain(at..).collect();
-        drop(pages);
-        // SAFETY: the test allocated these pages and gives them up here, once.
-        unsafe { self.alloc.free_pages_bulk(&freed) };
-        n
-    }
-}
 
 /// Fill the arena with cache pages until an allocation drops the zone
 /// below its low watermark (which wakes background reclaim).
-fn fill(alloc: &PageAllocator, cache: &Cache) {
+fn fill(alloc: &PageAllocator, cache: &HoldingShrinker) {
     let low = alloc.watermarks().low;
     while alloc.accounting().buddy_free_pages + alloc.accounting().depot_pages > low / 2 {
         match alloc.alloc_pages(Gfp::NOWAIT, 0) {
-            Some(p) => cache.pages.lock().unwrap().push(p),
+            Some(p) => cache.hold(p),
             None => break,
         }
     }
@@ -68,27 +39,29 @@ fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
 #[test]
 fn below_low_it_reclaims_to_high_then_sleeps_and_can_be_stopped() {
     let alloc = builder(16).build().unwrap();
-    let cache = Arc::new(Cache {
-        alloc: alloc.clone(),
-        pages: Mutex::new(Vec::new()),
-        scans: AtomicUsize::new(0),
-    });
+    let bulk = Holding {
+        free_in_bulk: true,
+        ..Holding::default()
+    };
+    let cache = HoldingShrinker::new(&alloc, Vec::new(), bulk);
     let id = alloc.shrinkers().register(cache.clone());
     assert!(!alloc.kswapd_running(), "started only by a wake-up");
     fill(&alloc, &cache);
     let held = cache.count_objects();
     assert!(held > 0);
     let high = alloc.watermarks().high;
+    // A round's counters are bumped after its pages are freed: wait for
+    // both, or the statistics can be read between the two.
     wait_until("background reclaim to reach the high watermark", || {
         let a = alloc.accounting();
-        a.buddy_free_pages + a.depot_pages >= high
+        a.buddy_free_pages + a.depot_pages >= high && alloc.kswapd_stats().0 >= 1
     });
     let (rounds, reclaimed) = alloc.kswapd_stats();
     assert!(
         rounds >= 1 && reclaimed > 0,
         "rounds {rounds}, reclaimed {reclaimed}"
     );
-    assert!(cache.scans.load(Relaxed) > 0);
+    assert!(cache.scans() > 0);
     assert!(
         (reclaimed as usize) < held,
         "it stops near high instead of emptying the cache ({reclaimed} of {held})"
@@ -122,12 +95,12 @@ fn below_low_it_reclaims_to_high_then_sleeps_and_can_be_stopped() {
         // allocation reaches the zone, fails the low watermark and wakes
         // background reclaim.
         if let Some(p) = alloc.alloc_pages(Gfp::NOWAIT, 0) {
-            cache.pages.lock().unwrap().push(p);
+            cache.hold(p);
         }
         alloc.kswapd_stats().0 > settled.0
     });
     alloc.shrinkers().unregister(id);
-    let rest = std::mem::take(&mut *cache.pages.lock().unwrap());
+    let rest = cache.take_all();
     // SAFETY: the test allocated these pages and gives them up here, once.
     unsafe { alloc.free_pages_bulk(&rest) };
     common::assert_no_leaks(&alloc);

@@ -8,7 +8,7 @@
 
 mod common;
 use common::{assert_no_leaks, builder};
-use iopages::{FaultConfig, Gfp, Page, PageAllocator, PAGE_SIZE};
+use iopages::{FaultConfig, Gfp, LocalAllocator, LocalFastPath, Page, PageAllocator, PAGE_SIZE};
 use std::sync::{mpsc, Arc, Barrier};
 use std::thread;
 
@@ -289,15 +289,15 @@ fn pages_cross_threads_through_the_depot_as_whole_magazines() {
     assert_no_leaks(&alloc);
 }
 
+/// A batch of tagged pages passed around the ring.
+type Batch = Vec<(Page, u64)>;
+
 /// 16 threads in a ring: each allocates (handle or shared API, single or
 /// bulk), tags, sends to the next thread, which checks and frees (again
 /// through a handle or the shared API). On 2 cores this oversubscribes.
 fn ring_stress(alloc: PageAllocator) {
     const THREADS: usize = 16;
-    const ROUNDS: u64 = 1500;
-    let (txs, rxs): (Vec<_>, Vec<_>) = (0..THREADS)
-        .map(|_| mpsc::sync_channel::<Vec<(Page, u64)>>(8))
-        .unzip();
+    let (txs, rxs): (Vec<_>, Vec<_>) = (0..THREADS).map(|_| mpsc::sync_channel::<Batch>(8)).unzip();
     let mut rxs: Vec<_> = rxs.into_iter().map(Some).collect();
     let start = Arc::new(Barrier::new(THREADS));
     let hs: Vec<_> = txs
@@ -306,60 +306,7 @@ fn ring_stress(alloc: PageAllocator) {
         .map(|(id, tx)| {
             let rx = rxs[(id + THREADS - 1) % THREADS].take().unwrap();
             let (a, start) = (alloc.clone(), start.clone());
-            thread::spawn(move || {
-                let mut local = a.local();
-                let use_handle = id % 2 == 0;
-                let mut sent = 0u64;
-                let mut freed = 0u64;
-                let mut free_batch =
-                    |batch: Vec<(Page, u64)>, local: &mut iopages::LocalAllocator, i: u64| {
-                        for &(p, t) in &batch {
-                            check_tag(&a, p, t);
-                        }
-                        freed += batch.len() as u64;
-                        let mut pages: Vec<Page> = batch.iter().map(|&(p, _)| p).collect();
-                        if i % 3 == 0 {
-                            for p in pages {
-                                // SAFETY: the test allocated these pages and gives them up here, once.
-                                unsafe { local.free_pages(p, 0) };
-                            }
-                        } else if use_handle {
-                            // SAFETY: the pages came from this allocator and are given up here, once.
-                            unsafe { local.free_bulk(&mut pages) };
-                        } else {
-                            // SAFETY: the test allocated these pages and gives them up here, once.
-                            unsafe { a.free_pages_bulk(&pages) };
-                        }
-                    };
-                start.wait();
-                for i in 0..ROUNDS {
-                    let nr = 1 + (i as usize * 7 + id) % 64;
-                    let mut pages = Vec::new();
-                    if use_handle {
-                        local.alloc_bulk(Gfp::KERNEL | Gfp::NOWARN, nr, &mut pages);
-                    } else {
-                        a.alloc_pages_bulk_list(Gfp::KERNEL | Gfp::NOWARN, nr, &mut pages);
-                    }
-                    let batch: Vec<(Page, u64)> = pages
-                        .into_iter()
-                        .map(|p| {
-                            let t = (id as u64) << 48 | i << 16 | u64::from(p.pfn() & 0xffff);
-                            write_tag(&a, p, t);
-                            (p, t)
-                        })
-                        .collect();
-                    sent += batch.len() as u64;
-                    tx.send(batch).unwrap();
-                    while let Ok(b) = rx.try_recv() {
-                        free_batch(b, &mut local, i);
-                    }
-                }
-                drop(tx);
-                for b in rx.iter() {
-                    free_batch(b, &mut local, 0);
-                }
-                (sent, freed)
-            })
+            thread::spawn(move || ring_member(&a, id, &start, tx, rx))
         })
         .collect();
     let (mut sent, mut freed) = (0, 0);
@@ -372,6 +319,80 @@ fn ring_stress(alloc: PageAllocator) {
     assert!(sent > 16 * 1500, "too few pages moved: {sent}");
     assert_eq!(alloc.accounting().thread_cache_pages, 0);
     assert_no_leaks(&alloc);
+}
+
+/// Thread `id` of the ring (even ids through a handle, odd ones through
+/// the shared API): allocate, tag and send a batch each round, check and
+/// free what the previous thread sent. Returns (pages sent, pages freed).
+fn ring_member(
+    a: &PageAllocator,
+    id: usize,
+    start: &Barrier,
+    tx: mpsc::SyncSender<Batch>,
+    rx: mpsc::Receiver<Batch>,
+) -> (u64, u64) {
+    const ROUNDS: u64 = 1500;
+    let mut local = a.local();
+    let use_handle = id % 2 == 0;
+    let mut sent = 0u64;
+    let mut freed = 0u64;
+    start.wait();
+    for i in 0..ROUNDS {
+        let nr = 1 + (i as usize * 7 + id) % 64;
+        let mut pages = Vec::new();
+        if use_handle {
+            local.alloc_bulk(Gfp::KERNEL | Gfp::NOWARN, nr, &mut pages);
+        } else {
+            a.alloc_pages_bulk_list(Gfp::KERNEL | Gfp::NOWARN, nr, &mut pages);
+        }
+        let batch: Batch = pages
+            .into_iter()
+            .map(|p| {
+                let t = (id as u64) << 48 | i << 16 | u64::from(p.pfn() & 0xffff);
+                write_tag(a, p, t);
+                (p, t)
+            })
+            .collect();
+        sent += batch.len() as u64;
+        tx.send(batch).unwrap();
+        while let Ok(b) = rx.try_recv() {
+            freed += free_ring_batch(a, &mut local, b, i, use_handle);
+        }
+    }
+    drop(tx);
+    for b in rx.iter() {
+        freed += free_ring_batch(a, &mut local, b, 0, use_handle);
+    }
+    (sent, freed)
+}
+
+/// Check a received batch's tags and free it: one by one through the
+/// handle every third round, else in bulk through the handle or the
+/// shared API. Returns how many pages it freed.
+fn free_ring_batch(
+    a: &PageAllocator,
+    local: &mut LocalAllocator,
+    batch: Batch,
+    i: u64,
+    use_handle: bool,
+) -> u64 {
+    for &(p, t) in &batch {
+        check_tag(a, p, t);
+    }
+    let mut pages: Vec<Page> = batch.iter().map(|&(p, _)| p).collect();
+    if i % 3 == 0 {
+        for p in pages {
+            // SAFETY: the test allocated these pages and gives them up here, once.
+            unsafe { local.free_pages(p, 0) };
+        }
+    } else if use_handle {
+        // SAFETY: the pages came from this allocator and are given up here, once.
+        unsafe { local.free_bulk(&mut pages) };
+    } else {
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { a.free_pages_bulk(&pages) };
+    }
+    batch.len() as u64
 }
 
 #[test]
@@ -409,95 +430,111 @@ fn the_slice_and_slot_forms_hand_each_page_to_one_owner_and_refuse_cleanly() {
         // SAFETY: just allocated here, given up once.
         unsafe { local.free_bulk(&mut v) };
         for nr in [0, 1, 8, 32, 300] {
-            let mut held: Vec<Page> =
-                local.alloc_bulk_with(Gfp::KERNEL, nr, &mut spill, |s| s.to_vec());
-            assert_eq!(held.len(), nr, "checks {checks}, nr {nr}");
-            let mut s = held.clone();
-            s.sort_by_key(|p| p.pfn());
-            s.dedup();
-            assert_eq!(s.len(), nr, "a page handed out twice");
-            assert_eq!(alloc.accounting().in_use_pages, nr);
-            for (i, &p) in held.iter().enumerate() {
-                write_tag(&alloc, p, i as u64);
-            }
-            // Pages still held are never handed out again.
-            let other = local.alloc_pages(Gfp::KERNEL, 0).unwrap();
-            assert!(
-                !held.contains(&other),
-                "pfn {} handed out while held",
-                other.pfn()
-            );
-            // SAFETY: allocated here, given up once.
-            unsafe { local.free_pages(other, 0) };
-            for (i, &p) in held.iter().enumerate() {
-                check_tag(&alloc, p, i as u64);
-            }
-            // A refused batch frees nothing: the pages are still held.
-            // SAFETY: `fill` returns false, so nothing is given up.
-            let kept = unsafe {
-                local.free_bulk_with(nr, &mut spill, |slots| {
-                    for (d, &p) in slots.iter_mut().zip(&held) {
-                        d.write(p);
-                    }
-                    false
-                })
-            };
-            assert!(!kept);
-            assert_eq!(
-                alloc.accounting().in_use_pages,
-                nr,
-                "a refused batch freed pages"
-            );
-            // SAFETY: every slot written with a page held here, given up once.
-            let freed = unsafe {
-                local.free_bulk_with(nr, &mut spill, |slots| {
-                    for (d, &p) in slots.iter_mut().zip(&held) {
-                        d.write(p);
-                    }
-                    true
-                })
-            };
-            assert!(freed);
-            held.clear();
-            assert_eq!(alloc.accounting().in_use_pages, 0);
+            callback_forms_round_trip(&alloc, &mut local, &mut spill, checks, nr);
         }
-        // The fast-path-only forms: served from the cache with checks off,
-        // declined (nothing done) where the full path is needed.
-        let got = local.alloc_bulk_cached(Gfp::KERNEL, 8, |s| s.to_vec());
-        let single = local.alloc_cached(Gfp::KERNEL);
-        assert_eq!(got.is_some(), !checks);
-        assert_eq!(single.is_some(), !checks);
-        assert!(local
-            .alloc_bulk_cached(Gfp::KERNEL, 1 << 20, |s| s.len())
-            .is_none());
-        assert!(local.alloc_cached(Gfp::KERNEL | Gfp::ZERO).is_none());
-        let p = local.alloc_pages(Gfp::KERNEL, 0).unwrap();
-        // SAFETY: allocated here, given up once (when accepted).
-        let took = unsafe { local.free_cached(p) };
-        assert_eq!(took, !checks);
-        if !took {
-            // SAFETY: declined above, so still ours; given up once.
-            unsafe { local.free_pages(p, 0) };
-        }
-        let mut back: Vec<Page> = got.into_iter().flatten().chain(single).collect();
-        let n = back.len();
-        // SAFETY: every slot written with a page held here, given up once.
-        let r = unsafe {
-            local.free_bulk_cached(n, |slots| {
-                for (d, &p) in slots.iter_mut().zip(&back) {
-                    d.write(p);
-                }
-                true
-            })
-        };
-        // An empty batch has nothing to check: served either way.
-        assert_eq!(r, (!checks || n == 0).then_some(true));
-        if r.is_none() {
-            // SAFETY: declined, so still ours; given up once.
-            unsafe { local.free_bulk(&mut back) };
-        }
+        fast_path_only_forms(&mut local, checks);
         drop(local);
         assert_no_leaks(&alloc);
+    }
+}
+
+/// `nr` pages through `alloc_bulk_with`, each to one owner and counted
+/// while held; a refused `free_bulk_with` frees nothing, an accepted one
+/// frees them all.
+fn callback_forms_round_trip(
+    alloc: &PageAllocator,
+    local: &mut LocalAllocator,
+    spill: &mut Vec<Page>,
+    checks: bool,
+    nr: usize,
+) {
+    let mut held: Vec<Page> = local.alloc_bulk_with(Gfp::KERNEL, nr, spill, |s| s.to_vec());
+    assert_eq!(held.len(), nr, "checks {checks}, nr {nr}");
+    let mut s = held.clone();
+    s.sort_by_key(|p| p.pfn());
+    s.dedup();
+    assert_eq!(s.len(), nr, "a page handed out twice");
+    assert_eq!(alloc.accounting().in_use_pages, nr);
+    for (i, &p) in held.iter().enumerate() {
+        write_tag(alloc, p, i as u64);
+    }
+    // Pages still held are never handed out again.
+    let other = local.alloc_pages(Gfp::KERNEL, 0).unwrap();
+    assert!(
+        !held.contains(&other),
+        "pfn {} handed out while held",
+        other.pfn()
+    );
+    // SAFETY: allocated here, given up once.
+    unsafe { local.free_pages(other, 0) };
+    for (i, &p) in held.iter().enumerate() {
+        check_tag(alloc, p, i as u64);
+    }
+    // A refused batch frees nothing: the pages are still held.
+    // SAFETY: `fill` returns false, so nothing is given up.
+    let kept = unsafe {
+        local.free_bulk_with(nr, spill, |slots| {
+            for (d, &p) in slots.iter_mut().zip(&held) {
+                d.write(p);
+            }
+            false
+        })
+    };
+    assert!(!kept);
+    assert_eq!(
+        alloc.accounting().in_use_pages,
+        nr,
+        "a refused batch freed pages"
+    );
+    // SAFETY: every slot written with a page held here, given up once.
+    let freed = unsafe {
+        local.free_bulk_with(nr, spill, |slots| {
+            for (d, &p) in slots.iter_mut().zip(&held) {
+                d.write(p);
+            }
+            true
+        })
+    };
+    assert!(freed);
+    held.clear();
+    assert_eq!(alloc.accounting().in_use_pages, 0);
+}
+
+/// The fast-path-only forms: served from the cache with checks off,
+/// declined (nothing done) where the full path is needed.
+fn fast_path_only_forms(local: &mut LocalAllocator, checks: bool) {
+    let got = local.alloc_bulk_cached(Gfp::KERNEL, 8, |s| s.to_vec());
+    let single = local.alloc_cached(Gfp::KERNEL);
+    assert_eq!(got.is_some(), !checks);
+    assert_eq!(single.is_some(), !checks);
+    assert!(local
+        .alloc_bulk_cached(Gfp::KERNEL, 1 << 20, |s| s.len())
+        .is_none());
+    assert!(local.alloc_cached(Gfp::KERNEL | Gfp::ZERO).is_none());
+    let p = local.alloc_pages(Gfp::KERNEL, 0).unwrap();
+    // SAFETY: allocated here, given up once (when accepted).
+    let took = unsafe { local.free_cached(p) };
+    assert_eq!(took, !checks);
+    if !took {
+        // SAFETY: declined above, so still ours; given up once.
+        unsafe { local.free_pages(p, 0) };
+    }
+    let mut back: Vec<Page> = got.into_iter().flatten().chain(single).collect();
+    let n = back.len();
+    // SAFETY: every slot written with a page held here, given up once.
+    let r = unsafe {
+        local.free_bulk_cached(n, |slots| {
+            for (d, &p) in slots.iter_mut().zip(&back) {
+                d.write(p);
+            }
+            true
+        })
+    };
+    // An empty batch has nothing to check: served either way.
+    assert_eq!(r, (!checks || n == 0).then_some(true));
+    if r.is_none() {
+        // SAFETY: declined, so still ours; given up once.
+        unsafe { local.free_bulk(&mut back) };
     }
 }
 
@@ -550,6 +587,92 @@ fn the_fast_path_view_and_the_handle_take_turns() {
     }
 }
 
+/// What one run of [`view_and_handle`] holds and counted.
+#[derive(Default)]
+struct Turns {
+    held: Vec<(Page, u64)>,
+    tag: u64,
+    via_view_allocs: u64,
+    via_view_frees: u64,
+    handle_allocs: u64,
+    handle_frees: u64,
+}
+
+/// Every method uses the handle through `raw` only, one call at a time,
+/// and frees only pages held here, once.
+impl Turns {
+    /// Tag `p` with a fresh tag and hold it.
+    fn hold(&mut self, alloc: &PageAllocator, p: Page) {
+        self.tag += 1;
+        write_tag(alloc, p, self.tag);
+        self.held.push((p, self.tag));
+    }
+
+    /// One page, from the view when it has one.
+    fn alloc_one(&mut self, alloc: &PageAllocator, raw: *mut LocalAllocator, v: &LocalFastPath) {
+        let p = match pop_or_refill(raw, v) {
+            (p, true) => {
+                self.via_view_allocs += 1;
+                p
+            }
+            (p, false) => {
+                self.handle_allocs += 1;
+                p
+            }
+        };
+        self.hold(alloc, p);
+    }
+
+    /// A bulk allocation through the handle.
+    fn alloc_batch(&mut self, alloc: &PageAllocator, raw: *mut LocalAllocator, r: u32) {
+        let mut batch = Vec::new();
+        // SAFETY: `raw` is the live handle, used by one call at a time.
+        let n = unsafe { (*raw).alloc_bulk(Gfp::KERNEL, 1 + (r as usize >> 4) % 90, &mut batch) };
+        assert_eq!(n, batch.len());
+        self.handle_allocs += n as u64;
+        for p in batch {
+            self.hold(alloc, p);
+        }
+    }
+
+    /// Free the newest page: into the view, or (cache full) the handle.
+    fn free_one(&mut self, alloc: &PageAllocator, raw: *mut LocalAllocator, v: &LocalFastPath) {
+        let (p, t) = self.held.pop().unwrap();
+        check_tag(alloc, p, t);
+        if view::push(v, p) {
+            self.via_view_frees += 1;
+        } else {
+            self.handle_frees += 1;
+            // SAFETY: the page is held here once and given up.
+            unsafe { (*raw).free_pages(p, 0) };
+        }
+    }
+
+    /// Free a batch of the newest pages in bulk through the handle.
+    fn free_batch(&mut self, alloc: &PageAllocator, raw: *mut LocalAllocator, r: u32) {
+        let k = (1 + (r as usize >> 4) % 70).min(self.held.len());
+        let mut batch: Vec<Page> = Vec::new();
+        for (p, t) in self.held.drain(self.held.len() - k..) {
+            check_tag(alloc, p, t);
+            batch.push(p);
+        }
+        self.handle_frees += k as u64;
+        // SAFETY: the pages are held here once each and given up.
+        unsafe { (*raw).free_bulk(&mut batch) };
+    }
+
+    /// Step `r` of the pseudo-random walk.
+    fn step(&mut self, alloc: &PageAllocator, raw: *mut LocalAllocator, v: &LocalFastPath, r: u32) {
+        match r % 6 {
+            0 | 1 if self.held.len() < 1500 => self.alloc_one(alloc, raw, v),
+            2 if self.held.len() < 1400 => self.alloc_batch(alloc, raw, r),
+            3 | 4 if !self.held.is_empty() => self.free_one(alloc, raw, v),
+            _ if !self.held.is_empty() => self.free_batch(alloc, raw, r),
+            _ => {}
+        }
+    }
+}
+
 fn view_and_handle(careful: Careful) {
     let alloc = builder(16)
         .checks(careful == Careful::Checks)
@@ -557,14 +680,11 @@ fn view_and_handle(careful: Careful) {
         .build()
         .unwrap();
     let mut local = alloc.local();
-    let raw: *mut iopages::LocalAllocator = &mut local;
+    let raw: *mut LocalAllocator = &mut local;
     // SAFETY: `local` lives and stays put for the whole test; the view is
     // used only between calls on the handle.
-    let v = unsafe { iopages::LocalAllocator::fast_path(raw) };
-    let mut held = Vec::new();
-    let mut tag = 0u64;
-    let (mut via_view_allocs, mut via_view_frees) = (0u64, 0u64);
-    let (mut handle_allocs, mut handle_frees) = (0u64, 0u64);
+    let v = unsafe { LocalAllocator::fast_path(raw) };
+    let mut turns = Turns::default();
     let counts = || {
         let s = alloc.stats();
         (s.alloc_thread_cache, s.free_thread_cache)
@@ -572,63 +692,7 @@ fn view_and_handle(careful: Careful) {
     let mut last = counts();
     for step in 0..4000u32 {
         let r = step.wrapping_mul(2_654_435_761) >> 7;
-        // SAFETY (every `unsafe` below): the handle is used through `raw`
-        // only, one call at a time, and pages freed are held here once.
-        match r % 6 {
-            0 | 1 if held.len() < 1500 => {
-                let p = match pop_or_refill(raw, &v) {
-                    (p, true) => {
-                        via_view_allocs += 1;
-                        p
-                    }
-                    (p, false) => {
-                        handle_allocs += 1;
-                        p
-                    }
-                };
-                tag += 1;
-                write_tag(&alloc, p, tag);
-                held.push((p, tag));
-            }
-            2 if held.len() < 1400 => {
-                let mut batch = Vec::new();
-                // SAFETY: `raw` is the live handle, used by one call at a
-                // time.
-                let n = unsafe {
-                    (*raw).alloc_bulk(Gfp::KERNEL, 1 + (r as usize >> 4) % 90, &mut batch)
-                };
-                assert_eq!(n, batch.len());
-                handle_allocs += n as u64;
-                for p in batch {
-                    tag += 1;
-                    write_tag(&alloc, p, tag);
-                    held.push((p, tag));
-                }
-            }
-            3 | 4 if !held.is_empty() => {
-                let (p, t) = held.pop().unwrap();
-                check_tag(&alloc, p, t);
-                if view::push(&v, p) {
-                    via_view_frees += 1;
-                } else {
-                    handle_frees += 1;
-                    // SAFETY: the page is held here once and given up.
-                    unsafe { (*raw).free_pages(p, 0) };
-                }
-            }
-            _ if !held.is_empty() => {
-                let k = (1 + (r as usize >> 4) % 70).min(held.len());
-                let mut batch: Vec<Page> = Vec::new();
-                for (p, t) in held.drain(held.len() - k..) {
-                    check_tag(&alloc, p, t);
-                    batch.push(p);
-                }
-                handle_frees += k as u64;
-                // SAFETY: the pages are held here once each and given up.
-                unsafe { (*raw).free_bulk(&mut batch) };
-            }
-            _ => {}
-        }
+        turns.step(&alloc, raw, &v, r);
         let now = counts();
         assert!(
             now.0 >= last.0 && now.1 >= last.1,
@@ -637,21 +701,21 @@ fn view_and_handle(careful: Careful) {
         last = now;
         if step % 250 == 0 {
             let a = alloc.accounting();
-            assert_eq!(a.in_use_pages, held.len(), "step {step}");
+            assert_eq!(a.in_use_pages, turns.held.len(), "step {step}");
         }
     }
     if careful == Careful::No {
-        assert!(via_view_allocs > 100 && via_view_frees > 100);
+        assert!(turns.via_view_allocs > 100 && turns.via_view_frees > 100);
     } else {
         // Careful: the view declines every call, and the full path
         // counts every page (the counts are exact).
-        assert_eq!((via_view_allocs, via_view_frees), (0, 0));
+        assert_eq!((turns.via_view_allocs, turns.via_view_frees), (0, 0));
         assert!(
-            last.0 >= handle_allocs && last.1 >= handle_frees,
+            last.0 >= turns.handle_allocs && last.1 >= turns.handle_frees,
             "{last:?}"
         );
     }
-    for (p, t) in held.drain(..) {
+    for (p, t) in turns.held.drain(..) {
         check_tag(&alloc, p, t);
         // SAFETY: the page is held here once and given up.
         unsafe { (*raw).free_pages(p, 0) };
@@ -662,7 +726,7 @@ fn view_and_handle(careful: Careful) {
 
 /// A page from the view, or (cache empty) from the handle; `true` when
 /// the view served it.
-fn pop_or_refill(raw: *mut iopages::LocalAllocator, v: &iopages::LocalFastPath) -> (Page, bool) {
+fn pop_or_refill(raw: *mut LocalAllocator, v: &LocalFastPath) -> (Page, bool) {
     if let Some(p) = view::pop(v) {
         return (p, true);
     }
@@ -714,7 +778,7 @@ fn the_fast_path_declines_exactly_when_the_call_must_be_careful() {
         // SAFETY: just allocated here, each once.
         unsafe { local.free_bulk(&mut warm) };
         assert!(local.cached_pages() >= 16);
-        let hit = |local: &mut iopages::LocalAllocator, gfp: Gfp| {
+        let hit = |local: &mut LocalAllocator, gfp: Gfp| {
             let p = local.alloc_cached(gfp);
             if let Some(p) = p {
                 // SAFETY: allocated here, given up once.

@@ -7,9 +7,11 @@
 //! Every test that runs threads waits for them with a deadline and fails
 //! loudly, naming what is stuck, instead of hanging.
 
+mod common;
+use common::{assert_no_leaks, builder};
 use iopages::{
-    memalloc_noio_scope, BoxSource, ElementSource, Error, FaultConfig, Gfp, HugePages, Mempool,
-    Page, PageAllocator, PagePool, PageSource,
+    memalloc_noio_scope, BoxSource, ElementSource, Error, FaultConfig, Gfp, Mempool, Page,
+    PageAllocator, PagePool, PageSource,
 };
 use std::collections::HashSet;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -22,17 +24,7 @@ use std::time::{Duration, Instant};
 const DEADLINE: Duration = Duration::from_secs(60);
 
 fn small(mib: u64) -> PageAllocator {
-    PageAllocator::builder()
-        .size_bytes(mib << 20)
-        .huge_pages(HugePages::Never)
-        .build()
-        .unwrap()
-}
-
-fn assert_no_leaks(alloc: &PageAllocator) {
-    alloc
-        .leak_check()
-        .unwrap_or_else(|a| panic!("pages leaked: {a}"));
+    builder(mib).build().unwrap()
 }
 
 /// Take every page the arena has, reserves below the watermarks included,
@@ -112,6 +104,66 @@ fn check(alloc: &PageAllocator, p: Page, v: u64) {
 
 // ---- forward progress ----------------------------------------------------------
 
+/// One blocking single allocation: tagged, checked after a yield, freed.
+fn pool_single(pool: &PagePool, alloc: &PageAllocator, stamp: u64) {
+    let p = pool.alloc(Gfp::KERNEL).expect("blocking alloc failed");
+    tag(alloc, p, stamp);
+    thread::yield_now();
+    check(alloc, p, stamp);
+    // SAFETY: the elements came from this pool and are given up here, once.
+    unsafe { pool.free_raw(p) };
+}
+
+/// One blocking bulk (array) allocation of `k` pages: every slot filled,
+/// tagged, checked after a yield, freed and emptied.
+fn pool_bulk_array(pool: &PagePool, alloc: &PageAllocator, k: usize, stamp: u64) {
+    let mut slots = vec![None; k];
+    assert_eq!(pool.alloc_bulk(Gfp::KERNEL, &mut slots), k);
+    for (j, p) in slots.iter().enumerate() {
+        tag(alloc, p.expect("every slot filled"), stamp + (j as u64) * 7);
+    }
+    thread::yield_now();
+    for (j, p) in slots.iter().enumerate() {
+        check(alloc, p.unwrap(), stamp + (j as u64) * 7);
+    }
+    // SAFETY: the elements came from this pool and are given up here, once.
+    unsafe { pool.free_bulk_slots_raw(&mut slots) };
+    assert!(slots.iter().all(Option::is_none));
+}
+
+/// One blocking callback allocation of `k` pages into `pages` (empty on
+/// entry and on return): tagged, checked after a yield, freed.
+fn pool_bulk_cb(
+    pool: &PagePool,
+    alloc: &PageAllocator,
+    k: usize,
+    stamp: u64,
+    pages: &mut Vec<Page>,
+) {
+    assert_eq!(pool.alloc_bulk_cb(Gfp::NOIO, k, |p| pages.push(p)), k);
+    assert_eq!(pages.len(), k);
+    for (j, &p) in pages.iter().enumerate() {
+        tag(alloc, p, stamp ^ j as u64);
+    }
+    thread::yield_now();
+    for (j, &p) in pages.iter().enumerate() {
+        check(alloc, p, stamp ^ j as u64);
+    }
+    // SAFETY: the elements came from this pool and are given up here, once.
+    unsafe { pool.free_bulk_raw(pages) };
+    assert!(pages.is_empty());
+}
+
+/// One blocking single allocation inside a NOIO scope.
+fn pool_single_noio(pool: &PagePool, alloc: &PageAllocator, stamp: u64) {
+    let _noio = memalloc_noio_scope();
+    let p = pool.alloc(Gfp::KERNEL).expect("blocking alloc failed");
+    tag(alloc, p, stamp);
+    check(alloc, p, stamp);
+    // SAFETY: the elements came from this pool and are given up here, once.
+    unsafe { pool.free_raw(p) };
+}
+
 /// The headline test: the arena completely consumed by another
 /// holder, six threads each doing 1500 blocking cycles of single, bulk
 /// (array) and callback allocations of up to 16 pages against a reserve of
@@ -133,54 +185,10 @@ fn blocking_callers_always_get_their_pages_with_the_arena_exhausted() {
                 let k = 1 + (i * 7 + t) % 16;
                 let stamp = ((t as u64) << 32) | i as u64;
                 match (i + t) % 4 {
-                    0 => {
-                        let p = pool.alloc(Gfp::KERNEL).expect("blocking alloc failed");
-                        tag(&alloc, p, stamp);
-                        thread::yield_now();
-                        check(&alloc, p, stamp);
-                        // SAFETY: the elements came from this pool and are given up here, once.
-                        unsafe { pool.free_raw(p) };
-                    }
-                    1 => {
-                        let mut slots = vec![None; k];
-                        assert_eq!(pool.alloc_bulk(Gfp::KERNEL, &mut slots), k);
-                        for (j, p) in slots.iter().enumerate() {
-                            tag(
-                                &alloc,
-                                p.expect("every slot filled"),
-                                stamp + (j as u64) * 7,
-                            );
-                        }
-                        thread::yield_now();
-                        for (j, p) in slots.iter().enumerate() {
-                            check(&alloc, p.unwrap(), stamp + (j as u64) * 7);
-                        }
-                        // SAFETY: the elements came from this pool and are given up here, once.
-                        unsafe { pool.free_bulk_slots_raw(&mut slots) };
-                        assert!(slots.iter().all(Option::is_none));
-                    }
-                    2 => {
-                        assert_eq!(pool.alloc_bulk_cb(Gfp::NOIO, k, |p| pages.push(p)), k);
-                        assert_eq!(pages.len(), k);
-                        for (j, &p) in pages.iter().enumerate() {
-                            tag(&alloc, p, stamp ^ j as u64);
-                        }
-                        thread::yield_now();
-                        for (j, &p) in pages.iter().enumerate() {
-                            check(&alloc, p, stamp ^ j as u64);
-                        }
-                        // SAFETY: the elements came from this pool and are given up here, once.
-                        unsafe { pool.free_bulk_raw(&mut pages) };
-                        assert!(pages.is_empty());
-                    }
-                    _ => {
-                        let _noio = memalloc_noio_scope();
-                        let p = pool.alloc(Gfp::KERNEL).expect("blocking alloc failed");
-                        tag(&alloc, p, !stamp);
-                        check(&alloc, p, !stamp);
-                        // SAFETY: the elements came from this pool and are given up here, once.
-                        unsafe { pool.free_raw(p) };
-                    }
+                    0 => pool_single(&pool, &alloc, stamp),
+                    1 => pool_bulk_array(&pool, &alloc, k, stamp),
+                    2 => pool_bulk_cb(&pool, &alloc, k, stamp, &mut pages),
+                    _ => pool_single_noio(&pool, &alloc, !stamp),
                 }
             }
         });

@@ -110,91 +110,123 @@ fn run(builder: PageAllocatorBuilder, ops: Vec<Op>) -> Result<(), TestCaseError>
     let total = alloc.accounting().total_pages;
     let mut m = Model::new(total);
     for op in ops {
-        match op {
-            Op::Alloc { order } => {
-                if let Some(p) = alloc.alloc_pages(Gfp::NOWAIT, order) {
-                    m.take(p, order)?;
-                }
-            }
-            Op::Free { which } => {
-                if !m.held.is_empty() {
-                    let (p, order) = m.release(which.index(m.held.len()));
-                    // SAFETY: the test allocated these pages and gives them up here, once.
-                    unsafe { alloc.free_pages(p, order) };
-                }
-            }
-            Op::BulkArray { len, prefill, seed } => {
-                // Pre-fill some slots with order-0 pages the test holds; they
-                // stay the test's, the array only keeps them.
-                let mut slots = vec![None; len];
-                let mut x = seed | 1;
-                let mut pre = Vec::new();
-                for &(p, order) in m.held.iter().filter(|h| h.1 == 0).take(prefill.min(len)) {
-                    debug_assert_eq!(order, 0);
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    let i = (x % len as u64) as usize;
-                    if slots[i].is_none() {
-                        slots[i] = Some(p);
-                        pre.push((i, p));
-                    }
-                }
-                let n = alloc.alloc_pages_bulk_array(Gfp::NOWAIT, &mut slots);
-                let filled = slots.iter().filter(|s| s.is_some()).count();
-                prop_assert_eq!(n, filled, "count must equal the filled slots");
-                for &(i, p) in &pre {
-                    prop_assert_eq!(slots[i], Some(p), "pre-filled slot {} changed", i);
-                }
-                for (i, s) in slots.iter().enumerate() {
-                    if let Some(p) = *s {
-                        if !pre.iter().any(|&(j, _)| j == i) {
-                            m.take(p, 0)?;
-                        }
-                    }
-                }
-            }
-            Op::BulkList { nr } => {
-                let mut list = Vec::new();
-                let n = alloc.alloc_pages_bulk_list(Gfp::NOWAIT, nr, &mut list);
-                prop_assert_eq!(n, list.len());
-                prop_assert!(n <= nr);
-                for p in list {
-                    m.take(p, 0)?;
-                }
-            }
-            Op::BulkFree { nr } => {
-                let mut pages = Vec::new();
-                let mut i = 0;
-                while i < m.held.len() && pages.len() < nr {
-                    if m.held[i].1 == 0 {
-                        pages.push(m.release(i).0);
-                    } else {
-                        i += 1;
-                    }
-                }
-                // SAFETY: the test allocated these pages and gives them up here, once.
-                unsafe { alloc.free_pages_bulk(&pages) };
-            }
-            Op::DrainAll => alloc.drain_all(),
-            Op::FlushThreadCache => alloc.flush_thread_cache(),
-        }
-        let a = alloc.accounting();
-        prop_assert_eq!(
-            a.in_use_pages,
-            m.pages,
-            "allocator and test disagree on pages in use: {}",
-            a
-        );
-        prop_assert_eq!(
-            a.buddy_free_pages
-                + a.depot_pages
-                + a.pcp_pages
-                + a.thread_cache_pages
-                + a.in_use_pages,
-            total
-        );
+        apply(&alloc, &mut m, op)?;
+        check_accounting(&alloc, &m, total)?;
     }
+    release_all_and_check(&alloc, &mut m, total)
+}
+
+/// Run one operation on the allocator and the model.
+fn apply(alloc: &PageAllocator, m: &mut Model, op: Op) -> Result<(), TestCaseError> {
+    match op {
+        Op::Alloc { order } => {
+            if let Some(p) = alloc.alloc_pages(Gfp::NOWAIT, order) {
+                m.take(p, order)?;
+            }
+        }
+        Op::Free { which } => {
+            if !m.held.is_empty() {
+                let (p, order) = m.release(which.index(m.held.len()));
+                // SAFETY: the test allocated these pages and gives them up here, once.
+                unsafe { alloc.free_pages(p, order) };
+            }
+        }
+        Op::BulkArray { len, prefill, seed } => bulk_array(alloc, m, len, prefill, seed)?,
+        Op::BulkList { nr } => {
+            let mut list = Vec::new();
+            let n = alloc.alloc_pages_bulk_list(Gfp::NOWAIT, nr, &mut list);
+            prop_assert_eq!(n, list.len());
+            prop_assert!(n <= nr);
+            for p in list {
+                m.take(p, 0)?;
+            }
+        }
+        Op::BulkFree { nr } => bulk_free(alloc, m, nr),
+        Op::DrainAll => alloc.drain_all(),
+        Op::FlushThreadCache => alloc.flush_thread_cache(),
+    }
+    Ok(())
+}
+
+/// Fill an array of `len` slots in bulk, some pre-filled with order-0
+/// pages the test holds (they stay the test's, the array only keeps
+/// them): the count is the filled slots, and pre-filled slots are kept.
+fn bulk_array(
+    alloc: &PageAllocator,
+    m: &mut Model,
+    len: usize,
+    prefill: usize,
+    seed: u64,
+) -> Result<(), TestCaseError> {
+    let mut slots = vec![None; len];
+    let mut x = seed | 1;
+    let mut pre = Vec::new();
+    for &(p, order) in m.held.iter().filter(|h| h.1 == 0).take(prefill.min(len)) {
+        debug_assert_eq!(order, 0);
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let i = (x % len as u64) as usize;
+        if slots[i].is_none() {
+            slots[i] = Some(p);
+            pre.push((i, p));
+        }
+    }
+    let n = alloc.alloc_pages_bulk_array(Gfp::NOWAIT, &mut slots);
+    let filled = slots.iter().filter(|s| s.is_some()).count();
+    prop_assert_eq!(n, filled, "count must equal the filled slots");
+    for &(i, p) in &pre {
+        prop_assert_eq!(slots[i], Some(p), "pre-filled slot {} changed", i);
+    }
+    for (i, s) in slots.iter().enumerate() {
+        if let Some(p) = *s {
+            if !pre.iter().any(|&(j, _)| j == i) {
+                m.take(p, 0)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Free up to `nr` of the order-0 pages the test holds, in one bulk call.
+fn bulk_free(alloc: &PageAllocator, m: &mut Model, nr: usize) {
+    let mut pages = Vec::new();
+    let mut i = 0;
+    while i < m.held.len() && pages.len() < nr {
+        if m.held[i].1 == 0 {
+            pages.push(m.release(i).0);
+        } else {
+            i += 1;
+        }
+    }
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { alloc.free_pages_bulk(&pages) };
+}
+
+/// The allocator's in-use count is what the test holds, and every page is
+/// somewhere.
+fn check_accounting(alloc: &PageAllocator, m: &Model, total: usize) -> Result<(), TestCaseError> {
+    let a = alloc.accounting();
+    prop_assert_eq!(
+        a.in_use_pages,
+        m.pages,
+        "allocator and test disagree on pages in use: {}",
+        a
+    );
+    prop_assert_eq!(
+        a.buddy_free_pages + a.depot_pages + a.pcp_pages + a.thread_cache_pages + a.in_use_pages,
+        total
+    );
+    Ok(())
+}
+
+/// Free everything the test holds: nothing leaked, and the largest blocks
+/// are restored.
+fn release_all_and_check(
+    alloc: &PageAllocator,
+    m: &mut Model,
+    total: usize,
+) -> Result<(), TestCaseError> {
     while let Some(&(p, order)) = m.held.last() {
         m.release(m.held.len() - 1);
         // SAFETY: the test allocated these pages and gives them up here, once.

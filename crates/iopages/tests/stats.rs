@@ -1,7 +1,7 @@
 //! Statistics and accounting move as the allocator is used.
 
 mod common;
-use common::builder;
+use common::{assert_no_leaks, assert_no_leaks_after, builder};
 use iopages::{Accounting, Gfp, Page, PageAllocator, Stats, Watermarks, MAX_ORDER};
 use std::sync::{Arc, Barrier};
 
@@ -31,23 +31,6 @@ fn assert_consistent(s: &Stats) {
     assert_eq!(
         s.free_pages + s.depot_pages + s.pcp_pages + s.thread_cache_pages + s.in_use_pages,
         s.total_pages
-    );
-}
-
-fn assert_no_leaks_after(alloc: &PageAllocator, held: &[Page]) {
-    // SAFETY: the test allocated these pages and gives them up here, once.
-    unsafe { alloc.free_pages_bulk(held) };
-    assert_no_leaks(alloc);
-}
-
-fn assert_no_leaks(alloc: &PageAllocator) {
-    let a = alloc
-        .leak_check()
-        .unwrap_or_else(|a| panic!("pages leaked: {a}"));
-    assert_eq!(a.buddy_free_pages, a.total_pages);
-    assert_eq!(
-        alloc.stats().free_blocks_by_order[MAX_ORDER as usize],
-        a.total_pages >> MAX_ORDER
     );
 }
 

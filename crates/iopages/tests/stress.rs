@@ -7,8 +7,8 @@
 //! allocator's own checks off.
 
 mod common;
-use common::builder;
-use iopages::{Gfp, Page, PageAllocator, MAX_ORDER, PAGE_SIZE};
+use common::{assert_no_leaks, builder};
+use iopages::{Gfp, Page, PageAllocator, PAGE_SIZE};
 use std::sync::mpsc;
 use std::sync::{Arc, Barrier};
 use std::thread;
@@ -83,155 +83,212 @@ struct Tally {
     received: u64,
 }
 
+/// One thread of the ring: the blocks it holds, its random choices and
+/// what it counted.
+struct Worker {
+    alloc: PageAllocator,
+    id: usize,
+    rng: Rng,
+    held: Vec<Block>,
+    seq: u64,
+    t: Tally,
+    tx: mpsc::Sender<Msg>,
+}
+
 fn worker(
     alloc: PageAllocator,
     id: usize,
     tx: mpsc::Sender<Msg>,
     rx: mpsc::Receiver<Msg>,
 ) -> Tally {
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ ((id as u64 + 1) * 0x1234_5678_9abc_def1));
-    let mut held: Vec<Block> = Vec::new();
-    let mut seq = 0u64;
-    let mut t = Tally::default();
-    let mut new_tag = || {
-        seq += 1;
-        (id as u64) << 56 | seq
+    let mut w = Worker {
+        alloc,
+        id,
+        rng: Rng(0x9e37_79b9_7f4a_7c15 ^ ((id as u64 + 1) * 0x1234_5678_9abc_def1)),
+        held: Vec::new(),
+        seq: 0,
+        t: Tally::default(),
+        tx,
     };
-    let receive = |msg: Msg, t: &mut Tally| match msg {
+    for _ in 0..ROUNDS {
+        match w.rng.below(10) {
+            0..=3 => w.alloc_one(),
+            4..=5 => w.free_one(),
+            6 => w.bulk_to_next(),
+            7 => w.send_one(),
+            _ => {
+                for msg in rx.try_iter() {
+                    w.receive(msg);
+                }
+            }
+        }
+        w.bound_and_spot_check();
+    }
+    w.free_held();
+    let Worker {
+        alloc, mut t, tx, ..
+    } = w;
+    drop(tx);
+    // The ring ends when the previous thread has dropped its sender.
+    for msg in rx.iter() {
+        receive(&alloc, msg, &mut t);
+    }
+    t
+}
+
+/// Check and free a message from the previous thread.
+fn receive(alloc: &PageAllocator, msg: Msg, t: &mut Tally) {
+    match msg {
         Msg::One(b) => {
-            check(&alloc, &b);
+            check(alloc, &b);
             // SAFETY: the test allocated these pages and gives them up here, once.
             unsafe { alloc.free_pages(b.page, b.order) };
             t.received += 1;
         }
         Msg::Bulk(blocks) => {
             for b in &blocks {
-                check(&alloc, b);
+                check(alloc, b);
             }
             let pages: Vec<Page> = blocks.iter().map(|b| b.page).collect();
             // SAFETY: the test allocated these pages and gives them up here, once.
             unsafe { alloc.free_pages_bulk(&pages) };
             t.received += 1;
         }
-    };
-    for _ in 0..ROUNDS {
-        match rng.below(10) {
-            0..=3 => {
-                let order = rng.below(6) as u32;
-                let gfp = if rng.below(2) == 0 {
-                    Gfp::KERNEL
-                } else {
-                    Gfp::NOWAIT
+    }
+}
+
+impl Worker {
+    /// A tag no other block in the test carries.
+    fn new_tag(&mut self) -> u64 {
+        self.seq += 1;
+        (self.id as u64) << 56 | self.seq
+    }
+
+    fn random_gfp(&mut self) -> Gfp {
+        if self.rng.below(2) == 0 {
+            Gfp::KERNEL
+        } else {
+            Gfp::NOWAIT
+        }
+    }
+
+    fn receive(&mut self, msg: Msg) {
+        receive(&self.alloc, msg, &mut self.t);
+    }
+
+    /// Allocate one aligned block of a random order, tag it and hold it.
+    fn alloc_one(&mut self) {
+        let order = self.rng.below(6) as u32;
+        let gfp = self.random_gfp();
+        match self.alloc.alloc_pages(gfp, order) {
+            Some(page) => {
+                assert_eq!(
+                    page.pfn() % (1 << order),
+                    0,
+                    "unaligned order-{order} block"
+                );
+                let b = Block {
+                    page,
+                    order,
+                    tag: self.new_tag(),
                 };
-                match alloc.alloc_pages(gfp, order) {
-                    Some(page) => {
-                        assert_eq!(
-                            page.pfn() % (1 << order),
-                            0,
-                            "unaligned order-{order} block"
-                        );
-                        let b = Block {
-                            page,
-                            order,
-                            tag: new_tag(),
-                        };
-                        tag(&alloc, &b);
-                        held.push(b);
-                        t.allocs += 1;
-                    }
-                    None => t.failures += 1,
-                }
+                tag(&self.alloc, &b);
+                self.held.push(b);
+                self.t.allocs += 1;
             }
-            4..=5 => {
-                if !held.is_empty() {
-                    let b = held.swap_remove(rng.below(held.len() as u64) as usize);
-                    check(&alloc, &b);
-                    // SAFETY: the test allocated these pages and gives them up here, once.
-                    unsafe { alloc.free_pages(b.page, b.order) };
-                }
+            None => self.t.failures += 1,
+        }
+    }
+
+    /// Check and free a random held block here.
+    fn free_one(&mut self) {
+        if !self.held.is_empty() {
+            let b = self
+                .held
+                .swap_remove(self.rng.below(self.held.len() as u64) as usize);
+            check(&self.alloc, &b);
+            // SAFETY: the test allocated these pages and gives them up here, once.
+            unsafe { self.alloc.free_pages(b.page, b.order) };
+        }
+    }
+
+    /// Bulk allocation here (in one of the three forms), bulk free on the
+    /// next thread.
+    fn bulk_to_next(&mut self) {
+        let mut pages = Vec::new();
+        let nr = 1 + self.rng.below(48) as usize;
+        let gfp = self.random_gfp();
+        match self.rng.below(3) {
+            0 => {
+                self.alloc.alloc_pages_bulk_list(gfp, nr, &mut pages);
             }
-            6 => {
-                // Bulk allocation here, bulk free on the next thread.
-                let mut pages = Vec::new();
-                let nr = 1 + rng.below(48) as usize;
-                let gfp = if rng.below(2) == 0 {
-                    Gfp::KERNEL
-                } else {
-                    Gfp::NOWAIT
-                };
-                match rng.below(3) {
-                    0 => {
-                        alloc.alloc_pages_bulk_list(gfp, nr, &mut pages);
-                    }
-                    1 => {
-                        let mut slots = vec![None; nr];
-                        alloc.alloc_pages_bulk_array(gfp, &mut slots);
-                        pages.extend(slots.into_iter().flatten());
-                    }
-                    _ => {
-                        alloc.alloc_pages_bulk_cb(gfp, nr, |p| pages.push(p));
-                    }
-                }
-                let blocks: Vec<Block> = pages
-                    .into_iter()
-                    .map(|page| Block {
-                        page,
-                        order: 0,
-                        tag: new_tag(),
-                    })
-                    .collect();
-                for b in &blocks {
-                    tag(&alloc, b);
-                }
-                t.allocs += blocks.len() as u64;
-                if !blocks.is_empty() {
-                    tx.send(Msg::Bulk(blocks)).unwrap();
-                    t.sent += 1;
-                }
-            }
-            7 => {
-                // A single block freed on the next thread.
-                if !held.is_empty() {
-                    let b = held.swap_remove(rng.below(held.len() as u64) as usize);
-                    tx.send(Msg::One(b)).unwrap();
-                    t.sent += 1;
-                }
+            1 => {
+                let mut slots = vec![None; nr];
+                self.alloc.alloc_pages_bulk_array(gfp, &mut slots);
+                pages.extend(slots.into_iter().flatten());
             }
             _ => {
-                for msg in rx.try_iter() {
-                    receive(msg, &mut t);
-                }
+                self.alloc.alloc_pages_bulk_cb(gfp, nr, |p| pages.push(p));
             }
         }
-        // Keep the working set bounded so that the arena does not run dry.
-        while held.len() > MAX_HELD {
-            let b = held.swap_remove(0);
-            check(&alloc, &b);
+        let blocks: Vec<Block> = pages
+            .into_iter()
+            .map(|page| Block {
+                page,
+                order: 0,
+                tag: self.new_tag(),
+            })
+            .collect();
+        for b in &blocks {
+            tag(&self.alloc, b);
+        }
+        self.t.allocs += blocks.len() as u64;
+        if !blocks.is_empty() {
+            self.tx.send(Msg::Bulk(blocks)).unwrap();
+            self.t.sent += 1;
+        }
+    }
+
+    /// A single held block freed on the next thread.
+    fn send_one(&mut self) {
+        if !self.held.is_empty() {
+            let b = self
+                .held
+                .swap_remove(self.rng.below(self.held.len() as u64) as usize);
+            self.tx.send(Msg::One(b)).unwrap();
+            self.t.sent += 1;
+        }
+    }
+
+    /// Keep the working set bounded so that the arena does not run dry,
+    /// and check that a random held block still carries its tag while
+    /// other threads churn.
+    fn bound_and_spot_check(&mut self) {
+        while self.held.len() > MAX_HELD {
+            let b = self.held.swap_remove(0);
+            check(&self.alloc, &b);
             // SAFETY: the test allocated these pages and gives them up here, once.
-            unsafe { alloc.free_pages(b.page, b.order) };
+            unsafe { self.alloc.free_pages(b.page, b.order) };
         }
-        // Blocks must still carry their tags while other threads churn.
-        if let Some(b) = held.get(rng.below(held.len().max(1) as u64) as usize) {
-            check(&alloc, b);
+        let at = self.rng.below(self.held.len().max(1) as u64) as usize;
+        if let Some(b) = self.held.get(at) {
+            check(&self.alloc, b);
         }
     }
-    for b in held.drain(..) {
-        check(&alloc, &b);
-        // SAFETY: the test allocated these pages and gives them up here, once.
-        unsafe { alloc.free_pages(b.page, b.order) };
+
+    /// Check and free every block still held.
+    fn free_held(&mut self) {
+        for b in self.held.drain(..) {
+            check(&self.alloc, &b);
+            // SAFETY: the test allocated these pages and gives them up here, once.
+            unsafe { self.alloc.free_pages(b.page, b.order) };
+        }
     }
-    drop(tx);
-    // The ring ends when the previous thread has dropped its sender.
-    for msg in rx.iter() {
-        receive(msg, &mut t);
-    }
-    t
 }
 
 /// Run the workers on a ring of channels, join them, and check that nothing
 /// leaked and every largest block came back.
 fn stress(alloc: PageAllocator) {
-    let total = alloc.accounting().total_pages;
     // Worker i sends on channel i and receives on channel i - 1: a ring.
     let (txs, rxs): (Vec<_>, Vec<_>) = (0..THREADS).map(|_| mpsc::channel::<Msg>()).unzip();
     let mut rxs: Vec<Option<mpsc::Receiver<Msg>>> = rxs.into_iter().map(Some).collect();
@@ -269,17 +326,7 @@ fn stress(alloc: PageAllocator) {
         0,
         "exited threads left cached pages"
     );
-    alloc.drain_all();
-    let a = alloc
-        .leak_check()
-        .unwrap_or_else(|a| panic!("pages leaked: {a}"));
-    assert_eq!(a.buddy_free_pages, total);
-    let s = alloc.stats();
-    assert_eq!(
-        s.free_blocks_by_order[MAX_ORDER as usize],
-        total >> MAX_ORDER,
-        "largest blocks not restored:\n{s}"
-    );
+    assert_no_leaks(&alloc);
 }
 
 #[test]
@@ -315,7 +362,6 @@ fn threads_never_share_a_block_in_a_tight_arena() {
 #[test]
 fn pages_bulk_allocated_on_one_thread_are_bulk_freed_on_another() {
     let alloc = builder(8).build().unwrap();
-    let total = alloc.accounting().total_pages;
     let (tx, rx) = mpsc::channel::<Vec<Page>>();
     let producer = {
         let a = alloc.clone();
@@ -359,14 +405,7 @@ fn pages_bulk_allocated_on_one_thread_are_bulk_freed_on_another() {
     let freed = consumer.join().unwrap();
     assert_eq!(made, freed);
     assert!(made > 1000);
-    let a = alloc
-        .leak_check()
-        .unwrap_or_else(|a| panic!("pages leaked: {a}"));
-    assert_eq!(a.buddy_free_pages, total);
-    assert_eq!(
-        alloc.stats().free_blocks_by_order[MAX_ORDER as usize],
-        total >> MAX_ORDER
-    );
+    assert_no_leaks(&alloc);
 }
 
 #[test]
@@ -405,10 +444,5 @@ fn a_live_threads_cached_pages_are_not_in_use_and_come_back_at_exit() {
         a.thread_cache_pages, 0,
         "thread exit must flush its cache: {a}"
     );
-    let a = alloc.leak_check().unwrap();
-    assert_eq!(a.buddy_free_pages, a.total_pages);
-    assert_eq!(
-        alloc.stats().free_blocks_by_order[MAX_ORDER as usize],
-        a.total_pages >> MAX_ORDER
-    );
+    assert_no_leaks(&alloc);
 }

@@ -9,14 +9,13 @@
 //! process's mappings, hold it exclusively.
 
 mod common;
-use common::{assert_no_leaks, builder};
+use common::{assert_no_leaks, builder, BarrenShrinker};
 use iopages::{
-    FaultConfig, Gfp, KvKind, KvPolicy, Kvmalloc, Page, PageAllocator, Shrinker, VmBox, Vmalloc,
+    FaultConfig, Gfp, KvKind, KvPolicy, Kvmalloc, Page, PageAllocator, VmBox, Vmalloc,
     VmallocConfig, MAX_ORDER, PAGE_SIZE,
 };
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
-use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
-use std::thread::{self, ThreadId};
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::thread;
 
 static VMAS: RwLock<()> = RwLock::new(());
 
@@ -615,28 +614,6 @@ fn injected_mapping_failures_undo_every_mapping() {
     assert_no_leaks(&alloc);
 }
 
-/// A cache that holds nothing and records the direct reclaim runs made on
-/// one thread (background reclaim runs elsewhere and is not counted).
-struct Watcher {
-    thread: ThreadId,
-    calls: AtomicUsize,
-}
-
-impl Shrinker for Watcher {
-    fn name(&self) -> &str {
-        "watcher"
-    }
-    fn count_objects(&self) -> usize {
-        if thread::current().id() == self.thread {
-            self.calls.fetch_add(1, Relaxed);
-        }
-        0
-    }
-    fn scan_objects(&self, _: usize) -> usize {
-        0
-    }
-}
-
 #[test]
 fn fail_fast_skips_direct_reclaim_and_legacy_runs_it() {
     let _g = shared();
@@ -647,10 +624,7 @@ fn fail_fast_skips_direct_reclaim_and_legacy_runs_it() {
         let b = kv.kvmalloc(256 << 10, Gfp::KERNEL, policy).unwrap();
         assert_eq!(b.kind(), KvKind::Contiguous { order: 6 }, "{policy:?}");
     }
-    let watcher = Arc::new(Watcher {
-        thread: thread::current().id(),
-        calls: AtomicUsize::new(0),
-    });
+    let watcher = BarrenShrinker::watching_this_thread();
     let id = alloc.shrinkers().register(watcher.clone());
     let held = fragment(&alloc, |pfn| pfn % 2 == 1);
 
@@ -660,11 +634,7 @@ fn fail_fast_skips_direct_reclaim_and_legacy_runs_it() {
         .unwrap();
     assert_eq!(b.kind(), KvKind::Vmalloc { nr_runs: 16 });
     b.as_mut_slice().fill(1);
-    assert_eq!(
-        watcher.calls.load(Relaxed),
-        0,
-        "fail-fast ran direct reclaim"
-    );
+    assert_eq!(watcher.counts(), 0, "fail-fast ran direct reclaim");
     assert!(
         alloc.stats().kswapd_wakeups > wakeups,
         "fail-fast wakes background reclaim"
@@ -676,7 +646,7 @@ fn fail_fast_skips_direct_reclaim_and_legacy_runs_it() {
     assert_eq!(c.kind(), KvKind::Vmalloc { nr_runs: 16 });
     c.as_mut_slice().fill(2);
     assert!(
-        watcher.calls.load(Relaxed) >= 1,
+        watcher.counts() >= 1,
         "legacy runs direct reclaim before falling back"
     );
 
