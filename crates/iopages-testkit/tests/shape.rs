@@ -811,6 +811,28 @@ fn the_unsafe_outside_the_core_is_the_documented_inventory() {
     );
 }
 
+/// The one TLS session type: OpenSSL's session (`SslStream`) is driven in
+/// one source file of the workspace, which both the NBD server and the
+/// remote store's client use — never a second poll loop and error mapping
+/// beside it.
+#[test]
+fn one_file_drives_tls_sessions() {
+    let mut drivers = Vec::new();
+    for dir in crate_dirs() {
+        for p in rs_files(&dir.join("src")) {
+            let text = blank_comments_and_strings(&read(&p));
+            if tokens(&text).iter().any(|t| t.text == "SslStream") {
+                drivers.push(rel(&p));
+            }
+        }
+    }
+    assert_eq!(
+        drivers.len(),
+        1,
+        "OpenSSL sessions must be driven in exactly one file; found {drivers:?}"
+    );
+}
+
 // ---- the checkers, on known input -----------------------------------------
 
 /// (path under `src/`, source) pairs.
