@@ -2,7 +2,8 @@
 //! as `cryptsetup luksFormat` does with its benchmark (`--iter-time`).
 //!
 //! Owns: [`KdfTarget`] (what to calibrate and which costs are fixed),
-//! [`calibrate`] (a short benchmark, scaled to the target) and
+//! [`calibrate`] and [`Pbkdf::calibrate`] (a short benchmark, scaled to
+//! the target) and
 //! [`Calibrated`] (the choice, what bounded it, and how it reads on a
 //! terminal); the memory bound ([`available_memory_kib`],
 //! [`argon2_memory_cap`]) and the default lane count ([`default_lanes`]).
@@ -289,6 +290,21 @@ pub fn calibrate(target: &KdfTarget, key_bytes: usize) -> Result<Calibrated, Luk
             calibrate_pbkdf2(target, hash, key_bytes, &limits)
         }
         KdfKind::Argon2i | KdfKind::Argon2id => calibrate_argon2(target, key_bytes, &limits),
+    }
+}
+
+impl Pbkdf {
+    /// The costs of `kind` for `iter_time` of unlock time on this machine,
+    /// chosen as cryptsetup's benchmark does (this machine's memory and
+    /// CPUs bound Argon2; nothing fixed): see [`calibrate()`] and
+    /// [`KdfTarget`] to fix some costs. `key_bytes` is the volume key's
+    /// length (PBKDF2's cost depends on it).
+    pub fn calibrate(
+        kind: KdfKind,
+        iter_time: Duration,
+        key_bytes: usize,
+    ) -> Result<Calibrated, LuksError> {
+        calibrate(&KdfTarget::new(kind, iter_time), key_bytes)
     }
 }
 
