@@ -335,16 +335,19 @@ fn check_fields(h: &Header) -> Result<(Hash, usize, u64), LuksError> {
     Ok((hash, key_bytes, sectors))
 }
 
+/// What a reader sees of each active key slot, and its plan (both in
+/// slot order).
+type SlotPlans = (Vec<KeyslotInfo>, Vec<Result<SlotPlan, LuksError>>);
+
 /// The plans of the active key slots (each with `area_len` bytes of key
 /// material and the header's volume-key digest), and what each is to a
 /// reader; an active slot with 0 iterations is refused.
-#[allow(clippy::type_complexity)]
 fn slot_plans(
     h: &Header,
     hash: Hash,
     key_bytes: usize,
     area_len: u64,
-) -> Result<(Vec<KeyslotInfo>, Vec<Result<SlotPlan, LuksError>>), LuksError> {
+) -> Result<SlotPlans, LuksError> {
     let digest = || Digest {
         field: "mk-digest-iter".to_string(),
         hash,

@@ -125,12 +125,6 @@ impl UringFile {
         })
     }
 
-    /// Buffered I/O ([`DirectIo::Off`], or the fallback where `O_DIRECT` is
-    /// refused): `preadv` / `pwritev` on the calling thread. Through
-    /// io_uring a buffered write to ext4 cannot complete without blocking,
-    /// so the kernel hands every one to an io-wq worker thread: two more
-    /// context switches per I/O, which cost more than the copy into the
-
     /// Plan a direct call: entries in file order; unaligned runs through
     /// bounces of at most `chunk` bytes (counted as bounced segments).
     pub(super) fn plan(&self, segs: &[Seg], chunk: usize) -> io::Result<Plan<'_>> {
@@ -233,8 +227,6 @@ impl UringFile {
             }
         }
     }
-
-    /// Submit every entry in `ops` (in waves of the ring's size if there
 
     /// Before a write: a block at an edge of the call that the write
     /// covers only partly is read first (into its own aligned buffer,

@@ -17,8 +17,9 @@
 //!
 //! ## How one call runs
 //!
-//! 1. The range is checked with [`check_range`]; nothing is submitted for a
-//!    refused request.
+//! 1. The range is checked with
+//!    [`check_range`](crate::backend::check_range); nothing is submitted
+//!    for a refused request.
 //! 2. A ring is picked: `try_lock` round robin from a rotating start, then a
 //!    blocking lock, so several threads have I/Os in flight at once.
 //! 3. Each segment becomes one or more submission entries (at most 1 GiB

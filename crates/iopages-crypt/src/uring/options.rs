@@ -1,4 +1,4 @@
-//! How a [`UringFile`](super::UringFile) is opened and what it counts:
+//! How a [`UringFile`] is opened and what it counts:
 //! the public options and the statistics.
 //!
 //! Owns: [`DirectIo`], [`UringOptions`] (fields, defaults and builder

@@ -116,8 +116,6 @@ impl UringFile {
         }
     }
 
-    /// An aligned bounce buffer of `len` bytes (a multiple of the block)
-
     /// Submit every entry in `ops` (in waves of the ring's size if there
     /// are more) and reap them all, resubmitting short and interrupted
     /// transfers. Returns the first error only once nothing is in flight.
