@@ -19,12 +19,8 @@ use std::os::fd::AsRawFd;
 const BLKDISCARD: u64 = 0x1277;
 
 impl UringFile {
-    /// `fallocate(PUNCH_HOLE | KEEP_SIZE)`: a regular file (a memfd too)
-    /// deallocates the range, a block device (Linux 4.9 and later) zeroes
-    /// it without writing zeros, or refuses (`Unsupported`) where it cannot
-    /// guarantee zeros. The page cache drops the range (the file's mapping
-    /// reads zeros afterwards); this backend keeps no copy of the file's
-    /// bytes, so nothing else needs invalidating.
+    /// [`Backend::punch`] (documented on this type's `Backend` impl):
+    /// the range checked, then `fallocate(PUNCH_HOLE | KEEP_SIZE)`.
     pub(super) fn punch_range(&self, offset: u64, len: u64) -> io::Result<()> {
         self.check_discard(offset, len, "punch")?;
         if len == 0 {
@@ -33,9 +29,9 @@ impl UringFile {
         self.punch_hole(offset, len)
     }
 
-    /// A regular file: a punched hole. A block device: a zeroing punch
-    /// where the device offers one, else `BLKDISCARD` (whose range may read
-    /// back as zeros or as what it held).
+    /// [`Backend::discard`] (documented on this type's `Backend` impl):
+    /// the range checked, then a punch, or `BLKDISCARD` where a block
+    /// device cannot punch.
     pub(super) fn discard_range(&self, offset: u64, len: u64) -> io::Result<()> {
         self.check_discard(offset, len, "discard")?;
         if len == 0 {
@@ -59,9 +55,9 @@ impl UringFile {
         Ok(())
     }
 
-    /// A regular file's data and holes, from `lseek(SEEK_DATA)` and
-    /// `lseek(SEEK_HOLE)`; a block device: all allocated. A file system
-    /// without hole tracking reports the whole file as data.
+    /// [`Backend::extents`] (documented on this type's `Backend` impl):
+    /// a regular file's data and holes from `lseek(SEEK_DATA /
+    /// SEEK_HOLE)`; a block device is all data.
     pub(super) fn extents_of(
         &self,
         offset: u64,
