@@ -742,8 +742,15 @@ mod tests {
         }
         drop(replaced);
         assert_eq!(store.stored_pages(), 15);
-        // A copied, unaligned write lands in the stored pages and in new
-        // zeroed pages for blocks never written.
+        copied_writes_land_and_refused_pages_stay_put(&alloc, &store);
+        drop(store);
+        alloc.leak_check().unwrap();
+    }
+
+    /// A copied, unaligned write lands in the stored pages and in new
+    /// zeroed pages for blocks never written; pages past the end, a
+    /// compound folio, or another arena's page are refused, nothing moved.
+    fn copied_writes_land_and_refused_pages_stay_put(alloc: &PageAllocator, store: &PageStore) {
         let data = vec![0xeeu8; 6000];
         store.write_at((200 << 10) - 1000, &[&data]).unwrap();
         let mut back = vec![0u8; 8192];
@@ -753,11 +760,11 @@ mod tests {
         assert!(store.write_at(1 << 20, &[&[0u8; 512]]).is_err());
         // Past the end, a compound folio, or another arena's page: refused,
         // nothing moved.
-        let mut replaced = FolioBuffer::new(&alloc);
-        let mut one = FolioBuffer::new(&alloc);
+        let mut replaced = FolioBuffer::new(alloc);
+        let mut one = FolioBuffer::new(alloc);
         assert!(one.push_alloc(Gfp::KERNEL, 0));
         assert!(store.store_pages(1 << 20, &mut one, &mut replaced).is_err());
-        let mut big = FolioBuffer::new(&alloc);
+        let mut big = FolioBuffer::new(alloc);
         assert!(big.push_alloc(Gfp::KERNEL, 1));
         let e = store.store_pages(0, &mut big, &mut replaced).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
@@ -779,7 +786,5 @@ mod tests {
         assert!(replaced.folios().is_empty());
         drop((one, big, foreign, replaced));
         other.leak_check().unwrap();
-        drop(store);
-        alloc.leak_check().unwrap();
     }
 }

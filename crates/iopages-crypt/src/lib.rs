@@ -19,10 +19,10 @@
 //! | error codes | [`Error`] | `error.rs` |
 //! | `crypt_alloc_buffer`, `crypt_page_alloc`, pages per client | [`strategy::OutAllocator`] (per-page, bulk, compound), the page limit | `strategy.rs` |
 //! | `brd` (RAM disk), the block device below | [`backend::Backend`], [`backend::RamDisk`], [`backend::PageStore`] | `backend.rs` |
-//! | a file or block device under the target | [`uring::UringFile`] (io_uring, `O_DIRECT`, fixed buffers) | `uring.rs` |
+//! | a file or block device under the target | [`uring::UringFile`] (io_uring, `O_DIRECT`, fixed buffers) | `uring/` |
 //! | `iomap` direct I/O: pin, build the bio folio by folio, submit, unpin | [`dio`] | `dio.rs` |
 //! | `crypt_map` write/read paths, per-CPU transforms | [`target::CryptTarget`], [`target::CipherPool`] | `target.rs` |
-//! | the `allow_discards` table option, `REQ_OP_DISCARD` / `REQ_OP_WRITE_ZEROES` | [`target::TargetConfig::allow_discards`], [`target::CryptTarget::discard`], [`target::CryptTarget::punch_zeroes`], [`backend::Backend::punch`] | `target.rs`, `backend.rs`, `uring.rs` |
+//! | the `allow_discards` table option, `REQ_OP_DISCARD` / `REQ_OP_WRITE_ZEROES` | [`target::TargetConfig::allow_discards`], [`target::CryptTarget::discard`], [`target::CryptTarget::punch_zeroes`], [`backend::Backend::punch`] | `target.rs`, `backend.rs`, `uring/holes.rs` |
 //! | cryptsetup's LUKS1/LUKS2 headers, keyslots, AF splitter, PBKDF2/Argon2 (userspace, not kernel) | [`luks::open`], [`luks::format`], [`luks::LuksVolume`] | `luks/` |
 //! | `kcryptd` workqueue, the tag set's queue depth and wake batch | [`queue::CryptQueue`] | `queue.rs`, `admission.rs` |
 //!

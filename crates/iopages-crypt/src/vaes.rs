@@ -168,31 +168,14 @@ unsafe fn xts_pass<const NR: usize, const DEC: bool, const NT: bool>(
 ) {
     let mut k = [_mm256_setzero_si256(); 15];
     let mut kt = [_mm256_setzero_si256(); 15];
-    for r in 0..=NR {
-        // SAFETY: each round key is 16 readable bytes; `loadu` needs no
-        // alignment.
-        let (kr, ktr) = unsafe {
-            (
-                _mm_loadu_si128(keys[r].as_ptr().cast()),
-                _mm_loadu_si128(tweak_keys[r].as_ptr().cast()),
-            )
-        };
-        k[r] = _mm256_broadcastsi128_si256(kr);
-        kt[r] = _mm256_broadcastsi128_si256(ktr);
-    }
+    broadcast_keys::<NR>(keys, &mut k);
+    broadcast_keys::<NR>(tweak_keys, &mut kt);
     let batch_bytes = job.sector_bytes * FIRST_TWEAK_BATCH;
     let mut first = [0u8; 16 * FIRST_TWEAK_BATCH];
     let mut tw = [_mm256_setzero_si256(); 8];
     for (b, out_batch) in dst.chunks_mut(batch_bytes).enumerate() {
         // First tweaks of this batch: E_K2(plain64 IV), 16 at a time.
-        let first_sector = (b * FIRST_TWEAK_BATCH) as u64;
-        for (i, iv) in first.chunks_exact_mut(16).enumerate() {
-            let sector = job
-                .first_iv
-                .wrapping_add((first_sector + i as u64).wrapping_mul(job.iv_step));
-            iv[..8].copy_from_slice(&sector.to_le_bytes());
-            iv[8..].fill(0);
-        }
+        batch_ivs(&job, (b * FIRST_TWEAK_BATCH) as u64, &mut first);
         // SAFETY: this function's caller promised AES-NI, AVX2 and VAES.
         unsafe { encrypt_16::<NR>(&kt, &mut first) };
         for (s, out) in out_batch.chunks_exact_mut(job.sector_bytes).enumerate() {
@@ -207,45 +190,12 @@ unsafe fn xts_pass<const NR: usize, const DEC: bool, const NT: bool>(
                     Some(src) => src[offset + c * STEP_BYTES..][..STEP_BYTES].as_ptr(),
                     None => o.cast_const(),
                 };
-                let mut x = [_mm256_setzero_si256(); 8];
-                for j in 0..8 {
-                    // SAFETY: `i` starts STEP_BYTES (256) readable bytes,
-                    // of `src` or of this step of `dst`; `loadu` needs no
-                    // alignment.
-                    let p = unsafe { _mm256_loadu_si256(i.add(32 * j).cast()) };
-                    x[j] = _mm256_xor_si256(p, _mm256_xor_si256(tw[j], k[0]));
-                }
-                for kr in &k[1..NR] {
-                    for xj in &mut x {
-                        *xj = if DEC {
-                            _mm256_aesdec_epi128(*xj, *kr)
-                        } else {
-                            _mm256_aesenc_epi128(*xj, *kr)
-                        };
-                    }
-                    round_barrier(&mut x);
-                }
-                for j in 0..8 {
-                    // The last round ends with a key XOR, so folding the
-                    // tweak into that key also unmasks the block.
-                    let last = _mm256_xor_si256(k[NR], tw[j]);
-                    let y = if DEC {
-                        _mm256_aesdeclast_epi128(x[j], last)
-                    } else {
-                        _mm256_aesenclast_epi128(x[j], last)
-                    };
-                    // SAFETY: `o` starts this step's 256 writable bytes of
-                    // `dst`; with `NT` the caller promised `dst` 32-byte
-                    // aligned, and steps and offsets are multiples of 32.
-                    unsafe {
-                        if NT {
-                            _mm256_stream_si256(o.add(32 * j).cast(), y);
-                        } else {
-                            _mm256_storeu_si256(o.add(32 * j).cast(), y);
-                        }
-                    }
-                    tw[j] = mul_alpha16(tw[j]);
-                }
+                // SAFETY: `i` starts STEP_BYTES readable bytes (of `src` or
+                // of this step of `dst`), `o` this step's STEP_BYTES writable
+                // bytes of `dst`; with `NT` the caller promised `dst`
+                // 32-byte aligned, and steps and offsets are multiples of
+                // 32. This function's caller promised the CPU features.
+                unsafe { xts_step::<NR, DEC, NT>(&k, &mut tw, i, o) };
             }
         }
     }
@@ -258,6 +208,88 @@ unsafe fn xts_pass<const NR: usize, const DEC: bool, const NT: bool>(
     wipe(&mut tw);
     wipe(&mut k);
     wipe(&mut kt);
+}
+
+/// The `NR + 1` round keys of `keys`, each broadcast to both 128-bit
+/// lanes, into `k` (the caller's, which it wipes: no copy is left here).
+#[inline]
+#[target_feature(enable = "aes,avx2,vaes,vpclmulqdq")]
+fn broadcast_keys<const NR: usize>(keys: &RoundKeys, k: &mut [__m256i; 15]) {
+    for r in 0..=NR {
+        // SAFETY: each round key is 16 readable bytes; `loadu` needs no
+        // alignment.
+        let kr = unsafe { _mm_loadu_si128(keys[r].as_ptr().cast()) };
+        k[r] = _mm256_broadcastsi128_si256(kr);
+    }
+}
+
+/// The plain64 IVs of the batch's sectors, from `first_sector` (counted
+/// from the job's first), into `first` (16 bytes each).
+#[inline]
+fn batch_ivs(job: &Job<'_>, first_sector: u64, first: &mut [u8; 16 * FIRST_TWEAK_BATCH]) {
+    for (i, iv) in first.chunks_exact_mut(16).enumerate() {
+        let sector = job
+            .first_iv
+            .wrapping_add((first_sector + i as u64).wrapping_mul(job.iv_step));
+        iv[..8].copy_from_slice(&sector.to_le_bytes());
+        iv[8..].fill(0);
+    }
+}
+
+/// One step of a sector: STEP_BYTES (16 blocks, eight registers) from `i`
+/// through the cipher with round keys `k` and tweaks `tw` into `o`; the
+/// tweaks move on by 16 blocks.
+///
+/// # Safety
+/// The CPU has AES-NI, AVX2, VAES and VPCLMULQDQ. `i` starts STEP_BYTES
+/// readable bytes and `o` STEP_BYTES writable bytes (they may be the same
+/// bytes); with `NT`, `o` is 32-byte aligned.
+#[inline]
+#[target_feature(enable = "aes,avx2,vaes,vpclmulqdq")]
+unsafe fn xts_step<const NR: usize, const DEC: bool, const NT: bool>(
+    k: &[__m256i; 15],
+    tw: &mut [__m256i; 8],
+    i: *const u8,
+    o: *mut u8,
+) {
+    let mut x = [_mm256_setzero_si256(); 8];
+    for j in 0..8 {
+        // SAFETY: `i` starts STEP_BYTES (256) readable bytes, of `src` or
+        // of this step of `dst`; `loadu` needs no alignment.
+        let p = unsafe { _mm256_loadu_si256(i.add(32 * j).cast()) };
+        x[j] = _mm256_xor_si256(p, _mm256_xor_si256(tw[j], k[0]));
+    }
+    for kr in &k[1..NR] {
+        for xj in &mut x {
+            *xj = if DEC {
+                _mm256_aesdec_epi128(*xj, *kr)
+            } else {
+                _mm256_aesenc_epi128(*xj, *kr)
+            };
+        }
+        round_barrier(&mut x);
+    }
+    for j in 0..8 {
+        // The last round ends with a key XOR, so folding the tweak into
+        // that key also unmasks the block.
+        let last = _mm256_xor_si256(k[NR], tw[j]);
+        let y = if DEC {
+            _mm256_aesdeclast_epi128(x[j], last)
+        } else {
+            _mm256_aesenclast_epi128(x[j], last)
+        };
+        // SAFETY: `o` starts this step's 256 writable bytes of `dst`; with
+        // `NT` the caller promised `o` 32-byte aligned, and offsets are
+        // multiples of 32.
+        unsafe {
+            if NT {
+                _mm256_stream_si256(o.add(32 * j).cast(), y);
+            } else {
+                _mm256_storeu_si256(o.add(32 * j).cast(), y);
+            }
+        }
+        tw[j] = mul_alpha16(tw[j]);
+    }
 }
 
 /// Encrypt 16 blocks in place (the first tweaks of a batch).

@@ -269,106 +269,130 @@ fn block_size(path: &Path) -> u64 {
 
 #[test]
 fn a_file_punches_holes_refuses_out_of_range_and_read_only_and_reports_its_extents() {
-    const SIZE: u64 = 1 << 20;
     for dir in dirs() {
         for direct in [DirectIo::Auto, DirectIo::Off] {
             let tmp = TempFile::new(&dir, "file");
-            let f = open_file(&tmp.0, SIZE, direct);
+            let f = open_file(&tmp.0, FILE_SIZE, direct);
             let what = format!("{} {direct:?}", dir.display());
-            // A fresh sparse file: one hole, whatever the bound.
-            assert_eq!(
-                f.extents(0, SIZE, 1).unwrap(),
-                vec![ext(SIZE, true)],
-                "{what}"
-            );
-            assert_eq!(f.extents(777, 1000, 5).unwrap(), vec![ext(1000, true)]);
-            assert!(f.extents(0, 0, 5).unwrap().is_empty());
-            // Data at 64 KiB, 192 KiB and 512 KiB (64 KiB each, whole
-            // blocks of any file system).
-            for k in [1u64, 3, 8] {
-                f.write_at(k << 16, &[&pattern(64 << 10, k)]).unwrap();
-            }
-            let v = f.extents(0, SIZE, 16).unwrap();
-            well_formed(&v);
-            let d = 64 << 10;
-            assert_eq!(
-                v,
-                vec![
-                    ext(d, true),
-                    ext(d, false),
-                    ext(d, true),
-                    ext(d, false),
-                    ext(4 * d, true),
-                    ext(d, false),
-                    ext(SIZE - 9 * d, true),
-                ],
-                "{what}"
-            );
-            // Clipped to the range, bounded by max_extents.
-            assert_eq!(
-                f.extents(d + 100, d, 16).unwrap(),
-                vec![ext(d - 100, false), ext(100, true)],
-                "{what}"
-            );
-            assert_eq!(
-                f.extents(1000, SIZE - 1000, 3).unwrap(),
-                vec![ext(d - 1000, true), ext(d, false), ext(d, true)],
-                "{what}"
-            );
+            a_sparse_file_reports_its_extents(&f, &what);
             punch_contract(&f, &what);
-            // The contract's punches left holes of the whole blocks they
-            // covered: 8 KiB at 8 KiB, 4 KiB at 32 KiB.
-            let bs = block_size(&tmp.0).max(4096);
-            if bs == 4096 {
-                assert_eq!(
-                    f.extents(0, 40 << 10, 16).unwrap(),
-                    vec![
-                        ext(8192, false),
-                        ext(8192, true),
-                        ext(16384, false),
-                        ext(4096, true),
-                        ext(4096, false)
-                    ],
-                    "{what}"
-                );
-            }
-            // Punch whole blocks out of the file written all over again:
-            // the extents show the one hole.
-            f.write_at(0, &[&pattern(SIZE as usize, 11)]).unwrap();
-            f.punch(4 * bs, 2 * bs).unwrap();
-            let v = f.extents(0, SIZE, 16).unwrap();
-            assert_eq!(
-                v,
-                vec![
-                    ext(4 * bs, false),
-                    ext(2 * bs, true),
-                    ext(SIZE - 6 * bs, false)
-                ],
-                "{what}"
-            );
-            assert_eq!(std::fs::metadata(&tmp.0).unwrap().len(), SIZE, "KEEP_SIZE");
+            punched_blocks_show_as_holes(&f, &tmp.0, &what);
             drop(f);
-            // Read-only: refused, nothing touched.
-            let before = std::fs::read(&tmp.0).unwrap();
-            let ro = UringFile::open(
-                &tmp.0,
-                UringOptions {
-                    read_only: true,
-                    rings: 1,
-                    direct,
-                    ..UringOptions::default()
-                },
-            )
-            .unwrap();
-            assert!(!ro.can_punch());
-            let e = ro.punch(0, 4096).unwrap_err();
-            assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{e}");
-            assert!(e.to_string().contains(&*tmp.0.to_string_lossy()), "{e}");
-            let e = ro.discard(0, 4096).unwrap_err();
-            assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{e}");
-            assert!(std::fs::read(&tmp.0).unwrap() == before);
+            a_read_only_file_refuses_punches(&tmp.0, direct);
         }
     }
+}
+
+/// The file size of [`a_file_punches_holes_refuses_out_of_range_and_read_only_and_reports_its_extents`].
+const FILE_SIZE: u64 = 1 << 20;
+
+/// A fresh sparse file is one hole; after writes at 64, 192 and 512 KiB
+/// its extents show them, clipped to the range asked and bounded by
+/// `max_extents`.
+fn a_sparse_file_reports_its_extents(f: &UringFile, what: &str) {
+    const SIZE: u64 = FILE_SIZE;
+    // A fresh sparse file: one hole, whatever the bound.
+    assert_eq!(
+        f.extents(0, SIZE, 1).unwrap(),
+        vec![ext(SIZE, true)],
+        "{what}"
+    );
+    assert_eq!(f.extents(777, 1000, 5).unwrap(), vec![ext(1000, true)]);
+    assert!(f.extents(0, 0, 5).unwrap().is_empty());
+    // Data at 64 KiB, 192 KiB and 512 KiB (64 KiB each, whole
+    // blocks of any file system).
+    for k in [1u64, 3, 8] {
+        f.write_at(k << 16, &[&pattern(64 << 10, k)]).unwrap();
+    }
+    let v = f.extents(0, SIZE, 16).unwrap();
+    well_formed(&v);
+    let d = 64 << 10;
+    assert_eq!(
+        v,
+        vec![
+            ext(d, true),
+            ext(d, false),
+            ext(d, true),
+            ext(d, false),
+            ext(4 * d, true),
+            ext(d, false),
+            ext(SIZE - 9 * d, true),
+        ],
+        "{what}"
+    );
+    // Clipped to the range, bounded by max_extents.
+    assert_eq!(
+        f.extents(d + 100, d, 16).unwrap(),
+        vec![ext(d - 100, false), ext(100, true)],
+        "{what}"
+    );
+    assert_eq!(
+        f.extents(1000, SIZE - 1000, 3).unwrap(),
+        vec![ext(d - 1000, true), ext(d, false), ext(d, true)],
+        "{what}"
+    );
+}
+
+/// After [`punch_contract`]'s punches, and after punching whole blocks
+/// out of the file written all over again, the extents show the holes;
+/// the file keeps its size.
+fn punched_blocks_show_as_holes(f: &UringFile, path: &Path, what: &str) {
+    const SIZE: u64 = FILE_SIZE;
+    // The contract's punches left holes of the whole blocks they
+    // covered: 8 KiB at 8 KiB, 4 KiB at 32 KiB.
+    let bs = block_size(path).max(4096);
+    if bs == 4096 {
+        assert_eq!(
+            f.extents(0, 40 << 10, 16).unwrap(),
+            vec![
+                ext(8192, false),
+                ext(8192, true),
+                ext(16384, false),
+                ext(4096, true),
+                ext(4096, false)
+            ],
+            "{what}"
+        );
+    }
+    // Punch whole blocks out of the file written all over again:
+    // the extents show the one hole.
+    f.write_at(0, &[&pattern(SIZE as usize, 11)]).unwrap();
+    f.punch(4 * bs, 2 * bs).unwrap();
+    let v = f.extents(0, SIZE, 16).unwrap();
+    assert_eq!(
+        v,
+        vec![
+            ext(4 * bs, false),
+            ext(2 * bs, true),
+            ext(SIZE - 6 * bs, false)
+        ],
+        "{what}"
+    );
+    assert_eq!(std::fs::metadata(path).unwrap().len(), SIZE, "KEEP_SIZE");
+}
+
+/// The file opened read-only: punches and discards are refused, nothing
+/// touched.
+fn a_read_only_file_refuses_punches(path: &Path, direct: DirectIo) {
+    // Read-only: refused, nothing touched.
+    let before = std::fs::read(path).unwrap();
+    let ro = UringFile::open(
+        path,
+        UringOptions {
+            read_only: true,
+            rings: 1,
+            direct,
+            ..UringOptions::default()
+        },
+    )
+    .unwrap();
+    assert!(!ro.can_punch());
+    let e = ro.punch(0, 4096).unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{e}");
+    assert!(e.to_string().contains(&*path.to_string_lossy()), "{e}");
+    let e = ro.discard(0, 4096).unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{e}");
+    assert!(std::fs::read(path).unwrap() == before);
 }
 
 #[test]

@@ -454,73 +454,98 @@ fn our_volumes_pass_cryptsetup() {
             .unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(vol.version(), opts.version);
         assert_eq!(vol.sector_size(), opts.sector_size);
-
-        let dump = run_ok(Command::new(&cs).arg("luksDump").arg(&img));
-        if let Some(label) = &opts.label {
-            assert!(
-                dump.contains(label.as_str()),
-                "{name}: label missing from\n{dump}"
-            );
-        }
-        assert!(
-            dump.contains(&vol.uuid().to_string()),
-            "{name}: uuid missing from\n{dump}"
-        );
-        assert_eq!(
-            dumped_data_offset(&cs, &img),
-            vol.data_offset_bytes(),
-            "{name}"
-        );
-        if opts.version == LuksVersion::Luks2 {
-            assert!(
-                dump.contains(&format!("sector: {} [bytes]", opts.sector_size)),
-                "{name}: sector size missing from\n{dump}"
-            );
-            assert!(
-                dump.contains(opts.pbkdf.name()),
-                "{name}: kdf missing from\n{dump}"
-            );
-        }
-
-        let ok = run(Command::new(&cs)
-            .args(["open", "--test-passphrase", "--key-file"])
-            .arg(&pass)
-            .arg(&img));
-        assert!(
-            ok.status.success(),
-            "{name}: cryptsetup open --test-passphrase failed: {}",
-            String::from_utf8_lossy(&ok.stderr)
-        );
-        let bad = run(Command::new(&cs)
-            .args(["open", "--test-passphrase", "--key-file"])
-            .arg(&wrong)
-            .arg(&img));
-        assert!(
-            !bad.status.success(),
-            "{name}: cryptsetup accepted a wrong passphrase"
-        );
-
+        dump_shows_our_volume(&cs, &img, name, &opts, &vol);
+        cryptsetup_checks_our_passphrase(&cs, &img, name, &pass, &wrong);
         assert_eq!(dumped_key(&cs, &img, &pass), vol.master_key(), "{name}");
         // And it opens here too.
         let again = luks::open_path(&img, PASS).unwrap();
         assert_eq!(again.master_key(), vol.master_key());
         assert_eq!(again.label(), opts.label.as_deref());
-
-        // cryptsetup can add a keyslot to our header (rewriting it), and
-        // the result still opens here with either passphrase.
-        run_ok(
-            Command::new(&cs)
-                .args(["luksAddKey", "-q", "--key-file"])
-                .arg(&pass)
-                .args(PBKDF2_1000)
-                .arg(&img)
-                .arg(&pass2),
-        );
-        let second = luks::open_path(&img, PASS2).unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert_eq!(second.keyslot(), 1, "{name}");
-        assert_eq!(second.master_key(), vol.master_key());
-        assert_eq!(luks::open_path(&img, PASS).unwrap().keyslot(), 0);
+        cryptsetup_adds_a_keyslot_we_open(&cs, &img, name, (&pass, &pass2), &vol);
     }
+}
+
+/// `luksDump` of our volume `img` shows its label, uuid, data offset and,
+/// for LUKS2, its sector size and KDF.
+fn dump_shows_our_volume(
+    cs: &Path,
+    img: &Path,
+    name: &str,
+    opts: &FormatOptions,
+    vol: &LuksVolume,
+) {
+    let dump = run_ok(Command::new(cs).arg("luksDump").arg(img));
+    if let Some(label) = &opts.label {
+        assert!(
+            dump.contains(label.as_str()),
+            "{name}: label missing from\n{dump}"
+        );
+    }
+    assert!(
+        dump.contains(&vol.uuid().to_string()),
+        "{name}: uuid missing from\n{dump}"
+    );
+    assert_eq!(
+        dumped_data_offset(cs, img),
+        vol.data_offset_bytes(),
+        "{name}"
+    );
+    if opts.version == LuksVersion::Luks2 {
+        assert!(
+            dump.contains(&format!("sector: {} [bytes]", opts.sector_size)),
+            "{name}: sector size missing from\n{dump}"
+        );
+        assert!(
+            dump.contains(opts.pbkdf.name()),
+            "{name}: kdf missing from\n{dump}"
+        );
+    }
+}
+
+/// `cryptsetup open --test-passphrase` accepts our volume's passphrase
+/// (in the file `pass`) and refuses a wrong one (in `wrong`).
+fn cryptsetup_checks_our_passphrase(cs: &Path, img: &Path, name: &str, pass: &Path, wrong: &Path) {
+    let ok = run(Command::new(cs)
+        .args(["open", "--test-passphrase", "--key-file"])
+        .arg(pass)
+        .arg(img));
+    assert!(
+        ok.status.success(),
+        "{name}: cryptsetup open --test-passphrase failed: {}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    let bad = run(Command::new(cs)
+        .args(["open", "--test-passphrase", "--key-file"])
+        .arg(wrong)
+        .arg(img));
+    assert!(
+        !bad.status.success(),
+        "{name}: cryptsetup accepted a wrong passphrase"
+    );
+}
+
+/// cryptsetup can add a keyslot to our header (rewriting it), and the
+/// result still opens here with either passphrase (`pass`, `pass2`: the
+/// files holding them).
+fn cryptsetup_adds_a_keyslot_we_open(
+    cs: &Path,
+    img: &Path,
+    name: &str,
+    (pass, pass2): (&Path, &Path),
+    vol: &LuksVolume,
+) {
+    run_ok(
+        Command::new(cs)
+            .args(["luksAddKey", "-q", "--key-file"])
+            .arg(pass)
+            .args(PBKDF2_1000)
+            .arg(img)
+            .arg(pass2),
+    );
+    let second = luks::open_path(img, PASS2).unwrap_or_else(|e| panic!("{name}: {e}"));
+    assert_eq!(second.keyslot(), 1, "{name}");
+    assert_eq!(second.master_key(), vol.master_key());
+    assert_eq!(luks::open_path(img, PASS).unwrap().keyslot(), 0);
 }
 
 // ---- data layout against nbdkit's luks filter (LUKS1) -----------------
@@ -632,58 +657,78 @@ fn luks1_corruption_and_truncation_name_what_is_wrong() {
     .unwrap();
     assert_eq!(vol.data_offset_bytes(), 2 << 20);
     let orig = bytes_of(&img);
-    let check = |name: &str, bytes: Vec<u8>| -> LuksError {
-        open_err(&with_bytes(&dir, name, &bytes), PASS)
-    };
+    luks1_damaged_fields_are_named(&dir, &orig);
+    luks1_truncation_is_named(&dir, &orig);
 
-    let e = check("magic", flipped(&orig, 0));
+    // io::Error conversion keeps the meaning.
+    let e: std::io::Error = LuksError::WrongPassphrase.into();
+    assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied);
+    let e: std::io::Error = LuksError::Corrupt("x".into()).into();
+    assert_eq!(e.kind(), std::io::ErrorKind::InvalidData);
+}
+
+/// The error of opening `bytes` (written to `name` in `dir`) with [`PASS`].
+fn check_in(dir: &Dir, name: &str, bytes: Vec<u8>) -> LuksError {
+    open_err(&with_bytes(dir, name, &bytes), PASS)
+}
+
+/// A LUKS1 volume (`orig`) with one header field or key material damaged:
+/// each refusal names what is wrong.
+fn luks1_damaged_fields_are_named(dir: &Dir, orig: &[u8]) {
+    let check = |name: &str, bytes: Vec<u8>| check_in(dir, name, bytes);
+    let e = check("magic", flipped(orig, 0));
     assert!(
         matches!(&e, LuksError::Corrupt(m) if m.contains("magic")),
         "{e}"
     );
-    let e = check("version", flipped(&orig, 7));
+    let e = check("version", flipped(orig, 7));
     assert!(
         matches!(&e, LuksError::Corrupt(m) if m.contains("magic") || m.contains("version")),
         "{e}"
     );
-    let mut b = orig.clone();
+    let mut b = orig.to_vec();
     b[8..8 + 7].copy_from_slice(b"twofish");
     let e = check("cipher", b);
     assert!(
         matches!(&e, LuksError::UnsupportedCipher(m) if m.contains("twofish")),
         "{e}"
     );
-    let mut b = orig.clone();
+    let mut b = orig.to_vec();
     b[72..72 + 6].copy_from_slice(b"sha384");
     assert!(matches!(check("hash", b), LuksError::UnsupportedKdf(_)));
     // mk-digest (offset 112): the right passphrase no longer checks.
     assert!(matches!(
-        check("digest", flipped(&orig, 112)),
+        check("digest", flipped(orig, 112)),
         LuksError::WrongPassphrase
     ));
     // Key material of slot 0 (sector 8).
     assert!(matches!(
-        check("material", flipped(&orig, 4096 + 1000)),
+        check("material", flipped(orig, 4096 + 1000)),
         LuksError::WrongPassphrase
     ));
     // Slot 0's state word.
-    let e = check("state", flipped(&orig, 208));
+    let e = check("state", flipped(orig, 208));
     assert!(
         matches!(&e, LuksError::Corrupt(m) if m.contains("keyslot 0")),
         "{e}"
     );
     // Key size 48 bytes.
-    let mut b = orig.clone();
+    let mut b = orig.to_vec();
     b[108..112].copy_from_slice(&48u32.to_be_bytes());
     assert!(matches!(
         check("keysize", b),
         LuksError::UnsupportedCipher(_)
     ));
     // Every slot disabled.
-    let mut b = orig.clone();
+    let mut b = orig.to_vec();
     b[208..212].copy_from_slice(&0xDEADu32.to_be_bytes());
     assert!(matches!(check("noslot", b), LuksError::NoKeyslot));
+}
 
+/// A LUKS1 volume (`orig`) cut short anywhere before the end of its last
+/// key-material area: refused as truncated, with the bytes it has.
+fn luks1_truncation_is_named(dir: &Dir, orig: &[u8]) {
+    let check = |name: &str, bytes: Vec<u8>| check_in(dir, name, bytes);
     let area_end = 4096 + 256_000;
     for len in [0usize, 5, 100, 591, 592, 4096, 100_000, area_end - 1] {
         let e = check(&format!("trunc{len}"), orig[..len].to_vec());
@@ -705,12 +750,6 @@ fn luks1_corruption_and_truncation_name_what_is_wrong() {
         }
         other => panic!("short: {other}"),
     }
-
-    // io::Error conversion keeps the meaning.
-    let e: std::io::Error = LuksError::WrongPassphrase.into();
-    assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied);
-    let e: std::io::Error = LuksError::Corrupt("x".into()).into();
-    assert_eq!(e.kind(), std::io::ErrorKind::InvalidData);
 }
 
 /// Rewrite both LUKS2 header copies with edited JSON and fresh checksums.
@@ -741,15 +780,21 @@ fn luks2_corruption_falls_back_to_the_secondary_header_and_names_what_is_wrong()
     )
     .unwrap();
     let orig = bytes_of(&img);
+    luks2_damaged_copies_fall_back_or_are_named(&dir, &orig, &vol);
+    luks2_bad_metadata_is_named(&dir, &orig);
+    luks2_truncation_is_named(&dir, &orig);
+}
+
+/// A LUKS2 volume (`orig`, formatted as `vol`): intact it opens from the
+/// primary; a damaged primary falls back to the secondary; both copies
+/// damaged name both reasons; damaged key material is a wrong passphrase.
+fn luks2_damaged_copies_fall_back_or_are_named(dir: &Dir, orig: &[u8], vol: &LuksVolume) {
     let open_ok = |name: &str, bytes: &[u8]| -> LuksVolume {
-        luks::open_path(with_bytes(&dir, name, bytes), PASS)
+        luks::open_path(with_bytes(dir, name, bytes), PASS)
             .unwrap_or_else(|e| panic!("{name}: {e}"))
     };
-    let check = |name: &str, bytes: Vec<u8>| -> LuksError {
-        open_err(&with_bytes(&dir, name, &bytes), PASS)
-    };
-
-    let v = open_ok("intact", &orig);
+    let check = |name: &str, bytes: Vec<u8>| check_in(dir, name, bytes);
+    let v = open_ok("intact", orig);
     assert!(!v.used_secondary_header());
     assert_eq!(v.master_key(), vol.master_key());
 
@@ -761,20 +806,20 @@ fn luks2_corruption_falls_back_to_the_secondary_header_and_names_what_is_wrong()
         ("uuid", 170),
         ("hdrsize", 14),
     ] {
-        let v = open_ok(what, &flipped(&orig, at));
+        let v = open_ok(what, &flipped(orig, at));
         assert!(v.used_secondary_header(), "{what}");
         assert_eq!(v.master_key(), vol.master_key(), "{what}");
         assert_eq!(v.uuid(), vol.uuid());
     }
     // Both copies damaged: both reasons are named.
-    let mut b = flipped(&orig, 4100);
+    let mut b = flipped(orig, 4100);
     b[16384 + 4100] ^= 1;
     let e = check("both", b);
     assert!(
         matches!(&e, LuksError::Corrupt(m) if m.contains("primary") && m.contains("secondary") && m.contains("checksum")),
         "{e}"
     );
-    let mut b = flipped(&orig, 0);
+    let mut b = flipped(orig, 0);
     b[16384] ^= 1;
     let e = check("bothmagic", b);
     assert!(
@@ -784,13 +829,18 @@ fn luks2_corruption_falls_back_to_the_secondary_header_and_names_what_is_wrong()
 
     // Keyslot area: the passphrase no longer unlocks.
     assert!(matches!(
-        check("area", flipped(&orig, 32768 + 5000)),
+        check("area", flipped(orig, 32768 + 5000)),
         LuksError::WrongPassphrase
     ));
+}
 
+/// A LUKS2 volume (`orig`) whose metadata is bad under valid checksums:
+/// each refusal names what is wrong.
+fn luks2_bad_metadata_is_named(dir: &Dir, orig: &[u8]) {
+    let check = |name: &str, bytes: Vec<u8>| check_in(dir, name, bytes);
     // Valid checksums over bad metadata.
     let edited = |name: &str, edit: &dyn Fn(&mut serde_json::Value)| -> LuksError {
-        let mut b = orig.clone();
+        let mut b = orig.to_vec();
         rewrite_luks2_json(&mut b, edit);
         check(name, b)
     };
@@ -841,7 +891,7 @@ fn luks2_corruption_falls_back_to_the_secondary_header_and_names_what_is_wrong()
     );
 
     // JSON that does not parse, under a valid checksum.
-    let mut b = orig.clone();
+    let mut b = orig.to_vec();
     for off in [0usize, 16384] {
         let area = &mut b[off..off + 16384];
         area[4096..4096 + 3].copy_from_slice(b"{x:");
@@ -854,7 +904,12 @@ fn luks2_corruption_falls_back_to_the_secondary_header_and_names_what_is_wrong()
         matches!(&e, LuksError::Corrupt(m) if m.contains("bad JSON")),
         "{e}"
     );
+}
 
+/// A LUKS2 volume (`orig`) cut short before the primary, the keyslot
+/// area, the keyslots area or the data are whole: refused as truncated.
+fn luks2_truncation_is_named(dir: &Dir, orig: &[u8]) {
+    let check = |name: &str, bytes: Vec<u8>| check_in(dir, name, bytes);
     // Truncation: before the primary is whole, before the keyslot area is.
     for len in [
         0usize,
@@ -890,40 +945,7 @@ fn formatting_refuses_what_cryptsetup_would() {
     let img = dir.path("v.img");
     let l1 = FormatOptions::fast_for_tests(LuksVersion::Luks1);
     let l2 = FormatOptions::fast_for_tests(LuksVersion::Luks2);
-    let bad = [
-        FormatOptions {
-            sector_size: 4096,
-            ..l1.clone()
-        },
-        FormatOptions {
-            pbkdf: l2.pbkdf,
-            ..l1.clone()
-        },
-        FormatOptions {
-            label: Some("x".into()),
-            ..l1.clone()
-        },
-        FormatOptions {
-            key_bytes: 48,
-            ..l2.clone()
-        },
-        FormatOptions {
-            sector_size: 1024,
-            ..l2.clone()
-        },
-        FormatOptions {
-            label: Some("x".repeat(48)),
-            ..l2.clone()
-        },
-        FormatOptions {
-            pbkdf: Pbkdf::Pbkdf2 {
-                hash: Hash::Sha256,
-                iterations: 10,
-            },
-            ..l2.clone()
-        },
-    ];
-    for opts in bad {
+    for opts in bad_format_options(&l1, &l2) {
         match luks::format_path(&img, Some(20 << 20), PASS, &opts) {
             Err(LuksError::InvalidOptions(_)) => {}
             other => panic!("{opts:?}: {other:?}"),
@@ -959,6 +981,46 @@ fn formatting_refuses_what_cryptsetup_would() {
             ..
         }
     ));
+}
+
+/// Options cryptsetup refuses, from the fast LUKS1 (`l1`) and LUKS2
+/// (`l2`) ones: LUKS1 with 4096-byte sectors, Argon2 or a label; LUKS2
+/// with a 48-byte key, 1024-byte sectors, a 48-byte label or 10 PBKDF2
+/// iterations.
+fn bad_format_options(l1: &FormatOptions, l2: &FormatOptions) -> [FormatOptions; 7] {
+    [
+        FormatOptions {
+            sector_size: 4096,
+            ..l1.clone()
+        },
+        FormatOptions {
+            pbkdf: l2.pbkdf,
+            ..l1.clone()
+        },
+        FormatOptions {
+            label: Some("x".into()),
+            ..l1.clone()
+        },
+        FormatOptions {
+            key_bytes: 48,
+            ..l2.clone()
+        },
+        FormatOptions {
+            sector_size: 1024,
+            ..l2.clone()
+        },
+        FormatOptions {
+            label: Some("x".repeat(48)),
+            ..l2.clone()
+        },
+        FormatOptions {
+            pbkdf: Pbkdf::Pbkdf2 {
+                hash: Hash::Sha256,
+                iterations: 10,
+            },
+            ..l2.clone()
+        },
+    ]
 }
 
 #[test]

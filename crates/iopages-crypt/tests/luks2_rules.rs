@@ -175,15 +175,18 @@ fn corrupt_with(base: &Base, name: &str, edit: impl Fn(&mut Value), words: &[&st
 
 // ---- the rules -------------------------------------------------------
 
-/// Rule 1: a primary header area that now holds another format never
-/// falls back to the old secondary header, unless asked on purpose; a
-/// primary that is merely damaged still falls back, and says so.
-#[test]
-fn rule1_other_format_over_the_primary_refuses_the_secondary_header() {
-    let Some(base) = base("rule1") else { return };
-    let wipe = |b: &mut Vec<u8>| b[..4096].fill(0);
-    type Stamp = fn(&mut Vec<u8>);
-    let cases: &[(&str, Stamp, &str)] = &[
+/// Zero the first 4096 bytes (the primary's binary header).
+fn wipe(b: &mut [u8]) {
+    b[..4096].fill(0);
+}
+
+/// Stamp another format's signature over an image.
+type Stamp = fn(&mut Vec<u8>);
+
+/// Other formats' signatures, as blkid probes them: a name, the stamp,
+/// and the words that must name what was found.
+fn foreign_stamps() -> Vec<(&'static str, Stamp, &'static str)> {
+    vec![
         (
             "lvm",
             |b| {
@@ -235,51 +238,71 @@ fn rule1_other_format_over_the_primary_refuses_the_secondary_header() {
             |b| b[512..520].copy_from_slice(b"EFI PART"),
             "GPT partition table",
         ),
-    ];
-    for (name, stamp, found) in cases {
-        let mut b = base.bytes.clone();
-        wipe(&mut b);
-        stamp(&mut b);
-        let e = open_err(name, &b);
-        let LuksError::AmbiguousSignatures(m) = &e else {
-            panic!("{name}: {e:?}")
-        };
-        for w in [
-            *found,
-            "primary header",
-            "secondary header at offset 16384",
-            "allow_secondary_header",
-            "cryptsetup repair",
-        ] {
-            assert!(m.contains(w), "{name}: {w:?} not in: {e}");
-        }
-        assert!(e.to_string().starts_with("ambiguous signatures: "), "{e}");
-        let p = image(name, &b, b.len() as u64);
-        // inspect refuses alike; asked on purpose, both use the secondary.
-        let f = File::open(&p).unwrap();
-        assert!(matches!(
-            luks::inspect(&f),
-            Err(LuksError::AmbiguousSignatures(_))
-        ));
-        let on_purpose = LuksOpenOptions::new().allow_secondary_header(true);
-        assert!(
-            luks::inspect_with_options(&f, &on_purpose)
-                .unwrap()
-                .used_secondary_header
-        );
-        // (PASS2: keyslot 1's area is past everything stamped; btrfs's
-        // magic lands in keyslot 0's.)
-        let v = luks::open_path_with_options(&p, PASS2, &KdfLimits::default(), &on_purpose)
-            .unwrap_or_else(|e| panic!("{name}: on purpose: {e}"));
-        assert!(v.used_secondary_header());
-        assert_eq!(v.master_key(), &base.key[..]);
-        assert!(matches!(
-            luks::open_path_with_options(&p, WRONG, &KdfLimits::default(), &on_purpose),
-            Err(LuksError::WrongPassphrase)
-        ));
-        std::fs::remove_file(&p).unwrap();
-    }
+    ]
+}
 
+/// The primary wiped and stamped with another format's signature: open
+/// and inspect refuse it as ambiguous (naming what was found and how to
+/// proceed); asked on purpose, both use the secondary and open with the
+/// right passphrase only.
+fn other_format_is_named_and_opens_only_on_purpose(
+    base: &Base,
+    name: &str,
+    stamp: Stamp,
+    found: &str,
+) {
+    let mut b = base.bytes.clone();
+    wipe(&mut b);
+    stamp(&mut b);
+    let e = open_err(name, &b);
+    let LuksError::AmbiguousSignatures(m) = &e else {
+        panic!("{name}: {e:?}")
+    };
+    for w in [
+        found,
+        "primary header",
+        "secondary header at offset 16384",
+        "allow_secondary_header",
+        "cryptsetup repair",
+    ] {
+        assert!(m.contains(w), "{name}: {w:?} not in: {e}");
+    }
+    assert!(e.to_string().starts_with("ambiguous signatures: "), "{e}");
+    let p = image(name, &b, b.len() as u64);
+    // inspect refuses alike; asked on purpose, both use the secondary.
+    let f = File::open(&p).unwrap();
+    assert!(matches!(
+        luks::inspect(&f),
+        Err(LuksError::AmbiguousSignatures(_))
+    ));
+    let on_purpose = LuksOpenOptions::new().allow_secondary_header(true);
+    assert!(
+        luks::inspect_with_options(&f, &on_purpose)
+            .unwrap()
+            .used_secondary_header
+    );
+    // (PASS2: keyslot 1's area is past everything stamped; btrfs's
+    // magic lands in keyslot 0's.)
+    let v = luks::open_path_with_options(&p, PASS2, &KdfLimits::default(), &on_purpose)
+        .unwrap_or_else(|e| panic!("{name}: on purpose: {e}"));
+    assert!(v.used_secondary_header());
+    assert_eq!(v.master_key(), &base.key[..]);
+    assert!(matches!(
+        luks::open_path_with_options(&p, WRONG, &KdfLimits::default(), &on_purpose),
+        Err(LuksError::WrongPassphrase)
+    ));
+    std::fs::remove_file(&p).unwrap();
+}
+
+/// Rule 1: a primary header area that now holds another format never
+/// falls back to the old secondary header, unless asked on purpose; a
+/// primary that is merely damaged still falls back, and says so.
+#[test]
+fn rule1_other_format_over_the_primary_refuses_the_secondary_header() {
+    let Some(base) = base("rule1") else { return };
+    for (name, stamp, found) in foreign_stamps() {
+        other_format_is_named_and_opens_only_on_purpose(base, name, stamp, found);
+    }
     // A LUKS1 header written over the LUKS2 one is read as LUKS1 (and
     // here refused as damaged LUKS1), never opened through the old
     // LUKS2 secondary.
@@ -315,7 +338,13 @@ fn rule2_keyslots_size_and_keyslot_areas() {
     let j = json_of(&base.bytes, 0);
     assert_eq!(j["config"]["keyslots_size"], json!("16744448"));
     let area0 = j["keyslots"]["0"]["area"].clone();
+    keyslots_size_is_checked(base);
+    keyslot_areas_are_checked(base, &area0);
+}
 
+/// Rule 2, `config.keyslots_size` and `json_size`: present, a decimal
+/// string, aligned, ending before the data segment, matching `hdr_size`.
+fn keyslots_size_is_checked(base: &Base) {
     corrupt_with(
         base,
         "ks-missing",
@@ -358,6 +387,12 @@ fn rule2_keyslots_size_and_keyslot_areas() {
         |j| j["config"]["json_size"] = json!("4096"),
         &["config.json_size 4096 does not match", "hdr_size 16384"],
     );
+}
+
+/// Rule 2, the keyslot areas (`area0` is keyslot 0's): inside the
+/// keyslots area, not in the header copies, not overflowing, not empty,
+/// not overlapping, large enough for the key material.
+fn keyslot_areas_are_checked(base: &Base, area0: &Value) {
     // A keyslot area past the (shrunk) keyslots area.
     corrupt_with(
         base,
@@ -426,6 +461,27 @@ fn rule2_keyslots_size_and_keyslot_areas() {
 #[test]
 fn rule3_digests_tokens_and_segments() {
     let Some(base) = base("rule3") else { return };
+    digest_references_are_checked(base);
+    tokens_are_checked(base);
+    segment_fields_are_checked(base);
+    // A valid token (as systemd-cryptenroll writes) is accepted.
+    let b = edited(base, |j| {
+        j["tokens"]["0"] = json!({"type": "systemd-recovery", "keyslots": ["1"], "x": 1})
+    });
+    assert_eq!(open("token-ok", &b).unwrap().master_key(), &base.key[..]);
+    // So is a fixed segment size that is whole sectors.
+    let b = edited(base, |j| {
+        j["segments"]["0"]["size"] = json!("1048576");
+        j["segments"]["0"]["flags"] = json!(["x"]);
+    });
+    let v = open("size-ok", &b).unwrap();
+    assert_eq!(v.segment_size_bytes(), Some(1 << 20));
+}
+
+/// Rule 3, digests: each keyslot in exactly one digest, every keyslot and
+/// segment a digest names exists (named by string), every segment has a
+/// digest.
+fn digest_references_are_checked(base: &Base) {
     corrupt_with(
         base,
         "slot-no-digest",
@@ -465,6 +521,11 @@ fn rule3_digests_tokens_and_segments() {
         |j| j["digests"]["0"]["segments"] = json!([]),
         &["segments.0 is not assigned to any digest"],
     );
+}
+
+/// Rule 3, tokens: an object of numbered objects, each with a string
+/// `type` and an array of existing keyslots.
+fn tokens_are_checked(base: &Base) {
     corrupt_with(
         base,
         "tokens-array",
@@ -515,6 +576,11 @@ fn rule3_digests_tokens_and_segments() {
         |j| j["tokens"]["x"] = json!({"type": "t", "keyslots": []}),
         &["tokens has a key \"x\" that is not a number"],
     );
+}
+
+/// Rule 3, segments (and `config.flags`): flags arrays of strings, sizes,
+/// offsets, sector sizes and `iv_tweak`.
+fn segment_fields_are_checked(base: &Base) {
     corrupt_with(
         base,
         "flags-string",
@@ -572,18 +638,6 @@ fn rule3_digests_tokens_and_segments() {
         |j| j["segments"]["0"]["iv_tweak"] = json!("-1"),
         &["segments.0.iv_tweak \"-1\" is not a decimal number"],
     );
-    // A valid token (as systemd-cryptenroll writes) is accepted.
-    let b = edited(base, |j| {
-        j["tokens"]["0"] = json!({"type": "systemd-recovery", "keyslots": ["1"], "x": 1})
-    });
-    assert_eq!(open("token-ok", &b).unwrap().master_key(), &base.key[..]);
-    // So is a fixed segment size that is whole sectors.
-    let b = edited(base, |j| {
-        j["segments"]["0"]["size"] = json!("1048576");
-        j["segments"]["0"]["flags"] = json!(["x"]);
-    });
-    let v = open("size-ok", &b).unwrap();
-    assert_eq!(v.segment_size_bytes(), Some(1 << 20));
 }
 
 /// Rule 4: the JSON area starts with `{` and is zero after the text.

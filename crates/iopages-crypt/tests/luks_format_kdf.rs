@@ -193,10 +193,9 @@ fn calibrated_defaults_follow_cryptsetup() {
     assert!(long > short * 2, "{short} → {long}");
 }
 
-#[test]
-fn explicit_costs_are_kept_and_skip_their_calibration() {
-    let _serial = serial();
-    // Every cost given: nothing is benchmarked.
+/// Every cost given (PBKDF2, Argon2i): nothing is benchmarked and the
+/// costs are kept as given.
+fn every_cost_given_benchmarks_nothing() {
     let t = KdfTarget {
         iterations: Some(1234),
         ..KdfTarget::new(KdfKind::Pbkdf2(Hash::Sha1), TARGET)
@@ -229,7 +228,12 @@ fn explicit_costs_are_kept_and_skip_their_calibration() {
         }
     );
     assert!(!c.benchmarked);
+}
 
+#[test]
+fn explicit_costs_are_kept_and_skip_their_calibration() {
+    let _serial = serial();
+    every_cost_given_benchmarks_nothing();
     // Memory given: only the passes are calibrated.
     let t = KdfTarget {
         memory_kib: Some(8192),
@@ -259,8 +263,13 @@ fn explicit_costs_are_kept_and_skip_their_calibration() {
     let (_, took) = format_and_time_open(&dir, "time6.img", &opts);
     eprintln!("{c}: open took {took:?}");
     assert!(took <= TARGET * 4, "{took:?} for {c}");
+    refused_costs_are_named();
+}
 
-    // Given costs that cryptsetup or opening here would refuse.
+/// Given costs that cryptsetup or opening here would refuse: each
+/// refusal names its reason; Argon2 for LUKS1 is refused before any
+/// benchmark.
+fn refused_costs_are_named() {
     for (t, key_bytes, want) in [
         (
             KdfTarget {
@@ -380,6 +389,12 @@ fn argon2_memory_is_bounded_by_available_memory_and_by_1_gib() {
     assert!(time > 4, "{c}");
     assert_opens_under_default_limits(&c.pbkdf);
     assert!(c.to_string().contains("opening accepts"), "{c}");
+    pbkdf2_and_the_memory_cap_are_bounded();
+}
+
+/// PBKDF2 for a long target stops at 50 M iterations; the memory cap is
+/// half the available memory, at most 1 GiB.
+fn pbkdf2_and_the_memory_cap_are_bounded() {
     // The same for PBKDF2: at most 50 M iterations.
     let c = Pbkdf::calibrate(KdfKind::Pbkdf2(Hash::Sha1), Duration::from_secs(3600), 32).unwrap();
     assert_eq!(

@@ -147,30 +147,14 @@ fn every_strategy_sector_size_and_backend_round_trips_and_stores_real_xts_cipher
                     t.write(off, &model[..1 << 20]).unwrap();
                 }
                 let mut rng = Rng(0x9e37_79b9 ^ ss as u64 ^ strategy as u64);
-                let sectors = DISK as usize / ss;
                 for i in 0..60 {
-                    let r = rng.next();
-                    // Mostly page-aligned writes (the page store's no-copy
-                    // path), some of odd sector counts and offsets.
-                    let (first, n) = if i % 3 == 0 {
-                        let n = 1 + (r as usize % 200).min(sectors - 1);
-                        (((r >> 24) as usize) % (sectors - n + 1), n)
-                    } else {
-                        let per = 4096 / ss;
-                        let pages = 1 + r as usize % 64;
-                        let at = ((r >> 24) as usize) % (sectors / per - pages + 1);
-                        (at * per, pages * per)
-                    };
-                    let data: Vec<u8> = (0..n * ss)
-                        .map(|j| (j as u64).wrapping_mul(r) as u8)
-                        .collect();
-                    t.write((first * ss) as u64, &data).unwrap();
-                    model[first * ss..][..n * ss].copy_from_slice(&data);
-                    let mut raw = vec![0u8; data.len()];
-                    backend
-                        .read_at((first * ss) as u64, &mut [&mut raw])
-                        .unwrap();
-                    assert_ne!(raw, data, "{name}: the backend must hold ciphertext");
+                    random_write_stores_ciphertext(
+                        &t,
+                        &*backend,
+                        (name, ss),
+                        (i, rng.next()),
+                        &mut model,
+                    );
                 }
                 let mut back = vec![0u8; DISK as usize];
                 t.read(0, &mut back).unwrap();
@@ -203,6 +187,39 @@ fn every_strategy_sector_size_and_backend_round_trips_and_stores_real_xts_cipher
         }
     }
     eprintln!("{outside_checked} backends' ciphertext decrypted by Python's cryptography");
+}
+
+/// Write number `i` of the round trip (`r` its random draw) through `t`
+/// with `ss`-byte sectors, mirrored into `model`: the backend holds
+/// ciphertext, never the bytes written. Mostly page-aligned writes (the
+/// page store's no-copy path), some of odd sector counts and offsets.
+fn random_write_stores_ciphertext(
+    t: &CryptTarget<CipherPool>,
+    backend: &dyn Backend,
+    (name, ss): (&str, usize),
+    (i, r): (usize, u64),
+    model: &mut [u8],
+) {
+    let sectors = DISK as usize / ss;
+    let (first, n) = if i % 3 == 0 {
+        let n = 1 + (r as usize % 200).min(sectors - 1);
+        (((r >> 24) as usize) % (sectors - n + 1), n)
+    } else {
+        let per = 4096 / ss;
+        let pages = 1 + r as usize % 64;
+        let at = ((r >> 24) as usize) % (sectors / per - pages + 1);
+        (at * per, pages * per)
+    };
+    let data: Vec<u8> = (0..n * ss)
+        .map(|j| (j as u64).wrapping_mul(r) as u8)
+        .collect();
+    t.write((first * ss) as u64, &data).unwrap();
+    model[first * ss..][..n * ss].copy_from_slice(&data);
+    let mut raw = vec![0u8; data.len()];
+    backend
+        .read_at((first * ss) as u64, &mut [&mut raw])
+        .unwrap();
+    assert_ne!(raw, data, "{name}: the backend must hold ciphertext");
 }
 
 #[test]
@@ -239,34 +256,7 @@ fn under_fault_injection_and_a_page_limit_near_zero_every_write_completes_intact
                     },
                 )
                 .unwrap();
-                let (tx, rx) = std::sync::mpsc::channel();
-                let mut model = vec![0u8; DISK as usize];
-                let mut rng = Rng(0x1234 ^ strategy as u64);
-                for i in 0..200u64 {
-                    let pages = 1 + rng.next() as usize % 48;
-                    // Writes to disjoint slots so the model is order-free.
-                    let slot = (i % 64) as usize * 16 * 4096 % DISK as usize;
-                    let pages = pages.min(16);
-                    let data: Vec<u8> = (0..pages * 4096).map(|j| (j as u64 ^ i) as u8).collect();
-                    let tx = tx.clone();
-                    if i < 64 {
-                        model[slot..slot + data.len()].copy_from_slice(&data);
-                        q.submit_write(slot as u64, data.into(), move |r| tx.send(r).unwrap());
-                    } else {
-                        // Rewrite the same bytes: order does not matter.
-                        let same = model[slot..slot + data.len()].to_vec();
-                        q.submit_write(slot as u64, same.into(), move |r| tx.send(r).unwrap());
-                    }
-                    if i == 63 {
-                        q.wait_idle();
-                    }
-                }
-                drop(tx);
-                let results: Vec<_> = rx.iter().collect();
-                assert_eq!(results.len(), 200, "{name}: every write completes");
-                for r in &results {
-                    assert!(r.is_ok(), "{name}/{strategy:?}/{check:?}: {r:?}");
-                }
+                let model = queue_writes_all_complete(&q, name, strategy, check);
                 drop(q);
                 assert!(alloc.fault().injected() > 0, "{name}: faults were injected");
                 alloc.fault().disable();
@@ -286,6 +276,46 @@ fn under_fault_injection_and_a_page_limit_near_zero_every_write_completes_intact
                 .unwrap_or_else(|a| panic!("{strategy:?}/{check:?} leaked: {a}"));
         }
     }
+}
+
+/// 200 writes through `q` to 64 disjoint slots (the last 136 rewriting
+/// the same bytes, so order does not matter): every one completes
+/// without error. **Returns:** the disk's expected contents.
+fn queue_writes_all_complete(
+    q: &CryptQueue<CipherPool>,
+    name: &str,
+    strategy: Strategy,
+    check: LimitCheck,
+) -> Vec<u8> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mut model = vec![0u8; DISK as usize];
+    let mut rng = Rng(0x1234 ^ strategy as u64);
+    for i in 0..200u64 {
+        let pages = 1 + rng.next() as usize % 48;
+        // Writes to disjoint slots so the model is order-free.
+        let slot = (i % 64) as usize * 16 * 4096 % DISK as usize;
+        let pages = pages.min(16);
+        let data: Vec<u8> = (0..pages * 4096).map(|j| (j as u64 ^ i) as u8).collect();
+        let tx = tx.clone();
+        if i < 64 {
+            model[slot..slot + data.len()].copy_from_slice(&data);
+            q.submit_write(slot as u64, data.into(), move |r| tx.send(r).unwrap());
+        } else {
+            // Rewrite the same bytes: order does not matter.
+            let same = model[slot..slot + data.len()].to_vec();
+            q.submit_write(slot as u64, same.into(), move |r| tx.send(r).unwrap());
+        }
+        if i == 63 {
+            q.wait_idle();
+        }
+    }
+    drop(tx);
+    let results: Vec<_> = rx.iter().collect();
+    assert_eq!(results.len(), 200, "{name}: every write completes");
+    for r in &results {
+        assert!(r.is_ok(), "{name}/{strategy:?}/{check:?}: {r:?}");
+    }
+    model
 }
 
 #[test]

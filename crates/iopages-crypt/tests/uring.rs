@@ -522,28 +522,7 @@ fn refused_ranges_and_sizes_name_the_path_and_touch_nothing() {
     assert_eq!(f.stats(), before);
     let on_disk = std::fs::read(t.path()).unwrap();
     assert!(on_disk.iter().all(|&b| b == 0), "a refused write wrote");
-
-    // Sizes: zero or not a multiple of 512, however they arise.
-    for bad in [1000u64, 0, 513] {
-        let t = TempFile::new(&dir, "badsize");
-        let e = UringFile::open(t.path(), UringOptions::default().create_size(bad)).unwrap_err();
-        assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
-        let m = e.to_string();
-        assert!(m.contains(&t.path().display().to_string()), "{m}");
-        assert!(m.contains(&format!("size {bad} bytes")), "{m}");
-        assert!(
-            !t.path().exists(),
-            "a refused size must not create the file"
-        );
-    }
-    let t2 = TempFile::new(&dir, "oddfile");
-    std::fs::write(t2.path(), vec![0u8; 1000]).unwrap();
-    let e = UringFile::open(t2.path(), UringOptions::default()).unwrap_err();
-    assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
-    assert!(e.to_string().contains("size 1000 bytes"), "{e}");
-    let t3 = TempFile::new(&dir, "empty");
-    std::fs::write(t3.path(), b"").unwrap();
-    assert!(UringFile::open(t3.path(), UringOptions::default()).is_err());
+    refused_sizes_name_the_path(&dir);
 
     // Other refusals name the path too.
     let missing = TempFile::new(&dir, "missing");
@@ -563,6 +542,32 @@ fn refused_ranges_and_sizes_name_the_path_and_touch_nothing() {
         assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
         assert!(e.to_string().contains(&name), "{e}");
     }
+}
+
+/// Sizes zero or not a multiple of 512, however they arise (asked for,
+/// or the file's own): refused, naming the path and the size, and
+/// nothing created.
+fn refused_sizes_name_the_path(dir: &Path) {
+    for bad in [1000u64, 0, 513] {
+        let t = TempFile::new(dir, "badsize");
+        let e = UringFile::open(t.path(), UringOptions::default().create_size(bad)).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+        let m = e.to_string();
+        assert!(m.contains(&t.path().display().to_string()), "{m}");
+        assert!(m.contains(&format!("size {bad} bytes")), "{m}");
+        assert!(
+            !t.path().exists(),
+            "a refused size must not create the file"
+        );
+    }
+    let t2 = TempFile::new(dir, "oddfile");
+    std::fs::write(t2.path(), vec![0u8; 1000]).unwrap();
+    let e = UringFile::open(t2.path(), UringOptions::default()).unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+    assert!(e.to_string().contains("size 1000 bytes"), "{e}");
+    let t3 = TempFile::new(dir, "empty");
+    std::fs::write(t3.path(), b"").unwrap();
+    assert!(UringFile::open(t3.path(), UringOptions::default()).is_err());
 }
 
 #[test]

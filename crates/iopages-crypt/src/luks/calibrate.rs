@@ -2,7 +2,8 @@
 //! as `cryptsetup luksFormat` does with its benchmark (`--iter-time`).
 //!
 //! Owns: [`KdfTarget`] (what to calibrate and which costs are fixed),
-//! [`calibrate`] (a short benchmark, scaled to the target) and
+//! [`calibrate`] and [`Pbkdf::calibrate`] (a short benchmark, scaled to
+//! the target) and
 //! [`Calibrated`] (the choice, what bounded it, and how it reads on a
 //! terminal); the memory bound ([`available_memory_kib`],
 //! [`argon2_memory_cap`]) and the default lane count ([`default_lanes`]).
@@ -292,6 +293,23 @@ pub fn calibrate(target: &KdfTarget, key_bytes: usize) -> Result<Calibrated, Luk
     }
 }
 
+impl Pbkdf {
+    /// The costs of `kind` for `iter_time` of unlock time on this machine,
+    /// chosen as cryptsetup's benchmark does (this machine's memory and
+    /// CPUs bound Argon2; nothing fixed): see [`calibrate()`] and
+    /// [`KdfTarget`] to fix some costs. `key_bytes` is the volume key's
+    /// length (PBKDF2's cost depends on it).
+    pub fn calibrate(
+        kind: KdfKind,
+        iter_time: Duration,
+        key_bytes: usize,
+    ) -> Result<Calibrated, LuksError> {
+        calibrate(&KdfTarget::new(kind, iter_time), key_bytes)
+    }
+}
+
+/// [`calibrate`] for PBKDF2: a fixed count checked, or the rate
+/// benchmarked and scaled to the target.
 fn calibrate_pbkdf2(
     target: &KdfTarget,
     hash: Hash,
@@ -299,51 +317,10 @@ fn calibrate_pbkdf2(
     limits: &KdfLimits,
 ) -> Result<Calibrated, LuksError> {
     if let Some(iterations) = target.iterations {
-        let pbkdf = Pbkdf::Pbkdf2 { hash, iterations };
-        pbkdf.check_for_format()?;
-        if iterations > limits.max_pbkdf2_iterations {
-            return Err(over_open_limit(
-                "PBKDF2 iterations",
-                iterations.into(),
-                limits.max_pbkdf2_iterations.into(),
-                "max_pbkdf2_iterations",
-            ));
-        }
-        return Ok(Calibrated {
-            pbkdf,
-            benchmarked: false,
-            expected: None,
-            benchmark_time: Duration::ZERO,
-            bounds: Vec::new(),
-        });
+        return pbkdf2_fixed(hash, iterations, limits);
     }
     let t0 = Instant::now();
-    let goal = sample_goal(target.iter_time, 16, 10, 125);
-    let mut n = PBKDF2_MIN_ITERATIONS;
-    let rate = loop {
-        let took = time_one(
-            &Pbkdf::Pbkdf2 {
-                hash,
-                iterations: n,
-            },
-            key_bytes,
-        )?;
-        if took >= goal || n >= 1 << 26 {
-            // Once more at this cost; the faster run is the machine's
-            // speed (the slower one met a busy CPU or a cold cache).
-            let again = time_one(
-                &Pbkdf::Pbkdf2 {
-                    hash,
-                    iterations: n,
-                },
-                key_bytes,
-            )?;
-            break f64::from(n) / took.min(again).as_secs_f64();
-        }
-        // Jump close to the goal when far below it, else double.
-        let scale = (goal.as_secs_f64() / took.as_secs_f64()).clamp(2.0, 16.0);
-        n = (f64::from(n) * scale) as u32;
-    };
+    let rate = pbkdf2_rate(target, hash, key_bytes)?;
     let want = rate * target.iter_time.as_secs_f64();
     let mut bounds = Vec::new();
     let iterations = if want < f64::from(PBKDF2_MIN_ITERATIONS) {
@@ -369,65 +346,106 @@ fn calibrate_pbkdf2(
     })
 }
 
+/// PBKDF2 with the `iterations` the caller gave: cryptsetup's format
+/// rules, then what opening accepts; nothing benchmarked.
+fn pbkdf2_fixed(hash: Hash, iterations: u32, limits: &KdfLimits) -> Result<Calibrated, LuksError> {
+    let pbkdf = Pbkdf::Pbkdf2 { hash, iterations };
+    pbkdf.check_for_format()?;
+    if iterations > limits.max_pbkdf2_iterations {
+        return Err(over_open_limit(
+            "PBKDF2 iterations",
+            iterations.into(),
+            limits.max_pbkdf2_iterations.into(),
+            "max_pbkdf2_iterations",
+        ));
+    }
+    Ok(Calibrated {
+        pbkdf,
+        benchmarked: false,
+        expected: None,
+        benchmark_time: Duration::ZERO,
+        bounds: Vec::new(),
+    })
+}
+
+/// Step 1 for PBKDF2: this machine's iterations per second for a
+/// `key_bytes` key, from a count raised until one derivation takes a
+/// sixteenth of the target, timed twice at the last count.
+fn pbkdf2_rate(target: &KdfTarget, hash: Hash, key_bytes: usize) -> Result<f64, LuksError> {
+    let goal = sample_goal(target.iter_time, 16, 10, 125);
+    let mut n = PBKDF2_MIN_ITERATIONS;
+    loop {
+        let took = time_one(
+            &Pbkdf::Pbkdf2 {
+                hash,
+                iterations: n,
+            },
+            key_bytes,
+        )?;
+        if took >= goal || n >= 1 << 26 {
+            // Once more at this cost; the faster run is the machine's
+            // speed (the slower one met a busy CPU or a cold cache).
+            let again = time_one(
+                &Pbkdf::Pbkdf2 {
+                    hash,
+                    iterations: n,
+                },
+                key_bytes,
+            )?;
+            return Ok(f64::from(n) / took.min(again).as_secs_f64());
+        }
+        // Jump close to the goal when far below it, else double.
+        let scale = (goal.as_secs_f64() / took.as_secs_f64()).clamp(2.0, 16.0);
+        n = (f64::from(n) * scale) as u32;
+    }
+}
+
+/// The Argon2 KDF named `name` (`argon2i` or `argon2id`) with these costs.
+fn argon2_pbkdf(name: &str, time: u32, memory_kib: u32, parallel: u32) -> Pbkdf {
+    Pbkdf::argon2(name, time, memory_kib, parallel).unwrap_or(Pbkdf::Argon2id {
+        time,
+        memory_kib,
+        parallel,
+    })
+}
+
+/// What the Argon2 benchmark measured, per KiB of memory: the cost of
+/// setting the memory up and of one pass over it, in seconds.
+struct Argon2Rate {
+    setup: f64,
+    per_pass: f64,
+}
+
+impl Argon2Rate {
+    /// Predicted seconds for `mem` KiB and `t` passes.
+    fn secs(&self, mem: f64, t: f64) -> f64 {
+        mem * (self.setup + t * self.per_pass)
+    }
+
+    /// The passes that fill `budget` seconds at `mem` KiB.
+    fn passes_for(&self, budget: f64, mem: f64) -> f64 {
+        (budget / mem - self.setup) / self.per_pass
+    }
+}
+
+/// [`calibrate`] for Argon2: fixed costs checked, then the three steps of
+/// the module notes (benchmark, scale, bound by what opening accepts).
 fn calibrate_argon2(
     target: &KdfTarget,
     key_bytes: usize,
     limits: &KdfLimits,
 ) -> Result<Calibrated, LuksError> {
     let name = target.kind.name();
-    let make = |time: u32, memory_kib: u32, parallel: u32| -> Pbkdf {
-        Pbkdf::argon2(name, time, memory_kib, parallel).unwrap_or(Pbkdf::Argon2id {
-            time,
-            memory_kib,
-            parallel,
-        })
-    };
     let parallel = target.parallel.unwrap_or(target.default_parallel).max(1);
-    // Fixed costs: cryptsetup's format rules, then the open-side limits.
-    let check_fixed = |time: Option<u32>, memory: Option<u32>| -> Result<(), LuksError> {
-        make(
-            time.unwrap_or(ARGON2_MIN_TIME),
-            memory.unwrap_or((8 * parallel).max(ARGON2_MIN_MEMORY_KIB)),
-            parallel,
-        )
-        .check_for_format()?;
-        if let Some(m) = memory {
-            if m > limits.max_argon2_memory_kib {
-                return Err(over_open_limit(
-                    &format!("{name} memory (KiB)"),
-                    m.into(),
-                    limits.max_argon2_memory_kib.into(),
-                    "max_argon2_memory_kib",
-                ));
-            }
-        }
-        if let Some(t) = time {
-            if t > limits.max_argon2_time {
-                return Err(over_open_limit(
-                    &format!("{name} passes"),
-                    t.into(),
-                    limits.max_argon2_time.into(),
-                    "max_argon2_time",
-                ));
-            }
-        }
-        if let (Some(t), Some(m)) = (time, memory) {
-            let work = u64::from(t) * u64::from(m);
-            if work > limits.max_argon2_work_kib {
-                return Err(over_open_limit(
-                    &format!("{name} work (memory KiB × passes)"),
-                    work,
-                    limits.max_argon2_work_kib,
-                    "max_argon2_work_kib",
-                ));
-            }
-        }
-        Ok(())
-    };
-    check_fixed(target.iterations, target.memory_kib)?;
+    check_argon2_fixed(
+        name,
+        parallel,
+        (target.iterations, target.memory_kib),
+        limits,
+    )?;
     if let (Some(time), Some(memory_kib)) = (target.iterations, target.memory_kib) {
         return Ok(Calibrated {
-            pbkdf: make(time, memory_kib, parallel),
+            pbkdf: argon2_pbkdf(name, time, memory_kib, parallel),
             benchmarked: false,
             expected: None,
             benchmark_time: Duration::ZERO,
@@ -440,39 +458,123 @@ fn calibrate_argon2(
     let cap = argon2_memory_cap(target.available_memory_kib).min(limits.max_argon2_memory_kib);
     let cap = cap.max(floor);
 
-    // 1. Benchmark: one pass with the lanes it will have, memory growing
-    //    up to what it may use, until a pass takes a sixteenth of the
-    //    target; then two passes at that memory. The difference is the
-    //    cost of a pass, the rest the cost of setting the memory up
-    //    (allocation, page faults, the first blocks), both per KiB.
     let t0 = Instant::now();
-    let goal = sample_goal(target.iter_time, 16, 10, 125);
     let top = target.memory_kib.unwrap_or(cap);
-    let mut m = floor.max(1024).min(top);
+    let rate = argon2_rate(
+        target,
+        name,
+        parallel,
+        key_bytes,
+        (floor.max(1024).min(top), top),
+    )?;
+    let benchmark_time = t0.elapsed();
+    let (time, memory_kib) = scale_argon2(target, &rate, (floor, cap), &mut bounds);
+    let time = bound_argon2_time(time, memory_kib, limits, &mut bounds);
+    let pbkdf = argon2_pbkdf(name, time, memory_kib, parallel);
+    pbkdf.check_for_format()?;
+    let expected = rate.secs(f64::from(memory_kib), f64::from(time));
+    Ok(Calibrated {
+        pbkdf,
+        benchmarked: true,
+        expected: Some(Duration::from_secs_f64(expected)),
+        benchmark_time,
+        bounds,
+    })
+}
+
+/// The Argon2 costs the caller fixed (`(time, memory)`, each optional):
+/// cryptsetup's format rules, then the open-side limits.
+fn check_argon2_fixed(
+    name: &str,
+    parallel: u32,
+    (time, memory): (Option<u32>, Option<u32>),
+    limits: &KdfLimits,
+) -> Result<(), LuksError> {
+    argon2_pbkdf(
+        name,
+        time.unwrap_or(ARGON2_MIN_TIME),
+        memory.unwrap_or((8 * parallel).max(ARGON2_MIN_MEMORY_KIB)),
+        parallel,
+    )
+    .check_for_format()?;
+    if let Some(m) = memory {
+        if m > limits.max_argon2_memory_kib {
+            return Err(over_open_limit(
+                &format!("{name} memory (KiB)"),
+                m.into(),
+                limits.max_argon2_memory_kib.into(),
+                "max_argon2_memory_kib",
+            ));
+        }
+    }
+    if let Some(t) = time {
+        if t > limits.max_argon2_time {
+            return Err(over_open_limit(
+                &format!("{name} passes"),
+                t.into(),
+                limits.max_argon2_time.into(),
+                "max_argon2_time",
+            ));
+        }
+    }
+    if let (Some(t), Some(m)) = (time, memory) {
+        let work = u64::from(t) * u64::from(m);
+        if work > limits.max_argon2_work_kib {
+            return Err(over_open_limit(
+                &format!("{name} work (memory KiB × passes)"),
+                work,
+                limits.max_argon2_work_kib,
+                "max_argon2_work_kib",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Step 1 for Argon2: one pass with the lanes it will have, memory
+/// growing from `start` up to `top` KiB, until a pass takes a sixteenth
+/// of the target; then two passes at that memory. The difference is the
+/// cost of a pass, the rest the cost of setting the memory up
+/// (allocation, page faults, the first blocks), both per KiB.
+fn argon2_rate(
+    target: &KdfTarget,
+    name: &str,
+    parallel: u32,
+    key_bytes: usize,
+    (start, top): (u32, u32),
+) -> Result<Argon2Rate, LuksError> {
+    let goal = sample_goal(target.iter_time, 16, 10, 125);
+    let mut m = start;
     let one = loop {
-        let took = time_one(&make(1, m, parallel), key_bytes)?;
+        let took = time_one(&argon2_pbkdf(name, 1, m, parallel), key_bytes)?;
         if took >= goal || m >= top {
             break took;
         }
         let scale = (goal.as_secs_f64() / took.as_secs_f64()).clamp(2.0, 8.0);
         m = ((f64::from(m) * scale) as u64).min(u64::from(top)) as u32;
     };
-    let two = time_one(&make(2, m, parallel), key_bytes)?.as_secs_f64();
-    let benchmark_time = t0.elapsed();
+    let two = time_one(&argon2_pbkdf(name, 2, m, parallel), key_bytes)?.as_secs_f64();
     // A pass costs between a third and a half of two passes' time (the
     // set-up costs no more than a pass); noise is held to that range.
     let pass = (two - one.as_secs_f64()).clamp(two / 3.0, two / 2.0);
     let per_pass = pass / f64::from(m); // s per KiB per pass
     let setup = (two - 2.0 * pass).max(0.0) / f64::from(m); // s per KiB
-    let secs = |mem: f64, t: f64| mem * (setup + t * per_pass);
-    let budget = target.iter_time.as_secs_f64();
+    Ok(Argon2Rate { setup, per_pass })
+}
 
-    // 2. Scale to the target: memory at the minimum passes first (up to
-    //    the cap), then passes.
-    let passes_for = |mem: f64| (budget / mem - setup) / per_pass;
-    let (mut time, memory_kib) = match (target.iterations, target.memory_kib) {
+/// Step 2 for Argon2: scale to the target, memory at the minimum passes
+/// first (within `floor ..= cap`), then passes; a cost the caller gave is
+/// kept. **Returns:** the passes and the memory in KiB.
+fn scale_argon2(
+    target: &KdfTarget,
+    rate: &Argon2Rate,
+    (floor, cap): (u32, u32),
+    bounds: &mut Vec<String>,
+) -> (u32, u32) {
+    let budget = target.iter_time.as_secs_f64();
+    match (target.iterations, target.memory_kib) {
         (_, Some(mem)) => {
-            let t = passes_for(f64::from(mem)).round();
+            let t = rate.passes_for(budget, f64::from(mem)).round();
             if t < f64::from(ARGON2_MIN_TIME) {
                 bounds.push(format!(
                     "passes raised to cryptsetup's minimum of {ARGON2_MIN_TIME}"
@@ -481,20 +583,29 @@ fn calibrate_argon2(
             (t.clamp(f64::from(ARGON2_MIN_TIME), 1e9) as u32, mem)
         }
         (Some(t), None) => {
-            let want = budget / (setup + f64::from(t) * per_pass);
-            (t, fit_memory(want, floor, cap, target, &mut bounds))
+            let want = budget / (rate.setup + f64::from(t) * rate.per_pass);
+            (t, fit_memory(want, floor, cap, target, bounds))
         }
         (None, None) => {
-            let want = budget / (setup + f64::from(ARGON2_MIN_TIME) * per_pass);
-            let mem = fit_memory(want, floor, cap, target, &mut bounds);
-            let t = passes_for(f64::from(mem))
+            let want = budget / (rate.setup + f64::from(ARGON2_MIN_TIME) * rate.per_pass);
+            let mem = fit_memory(want, floor, cap, target, bounds);
+            let t = rate
+                .passes_for(budget, f64::from(mem))
                 .round()
                 .max(f64::from(ARGON2_MIN_TIME));
             (t.min(1e9) as u32, mem)
         }
-    };
+    }
+}
 
-    // 3. What opening accepts by default.
+/// Step 3 for Argon2: the passes lowered to what opening accepts by
+/// default (passes, and work at `memory_kib`), each bound noted.
+fn bound_argon2_time(
+    mut time: u32,
+    memory_kib: u32,
+    limits: &KdfLimits,
+    bounds: &mut Vec<String>,
+) -> u32 {
     if time > limits.max_argon2_time {
         time = limits.max_argon2_time;
         bounds.push(format!(
@@ -510,16 +621,7 @@ fn calibrate_argon2(
             limits.max_argon2_work_kib
         ));
     }
-    let pbkdf = make(time, memory_kib, parallel);
-    pbkdf.check_for_format()?;
-    let expected = secs(f64::from(memory_kib), f64::from(time));
-    Ok(Calibrated {
-        pbkdf,
-        benchmarked: true,
-        expected: Some(Duration::from_secs_f64(expected)),
-        benchmark_time,
-        bounds,
-    })
+    time
 }
 
 /// Memory for `want` KiB, within `floor ..= cap`; notes a bound that

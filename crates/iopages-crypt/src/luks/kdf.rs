@@ -10,6 +10,10 @@
 //! Must never: allocate Argon2 memory without a bound and a fallible
 //! reservation (a header can ask for gigabytes), leave derived bytes or
 //! Argon2 memory unwiped, or panic on parameters read from a header.
+//!
+//! Layering: the bottom of the KDF modules. `limits` (what opening
+//! accepts) and `calibrate` (what formatting chooses, including
+//! [`Pbkdf::calibrate`]) name these types; nothing here names them.
 
 use super::argon2::{Argon2Error, Variant};
 use super::key::SecretBuf;
@@ -192,19 +196,6 @@ impl Pbkdf {
             memory_kib: 64 * 1024,
             parallel: 4,
         }
-    }
-
-    /// The costs of `kind` for `iter_time` of unlock time on this machine,
-    /// chosen as cryptsetup's benchmark does (this machine's memory and
-    /// CPUs bound Argon2; nothing fixed): see [`super::calibrate()`] and
-    /// [`super::KdfTarget`] to fix some costs. `key_bytes` is the volume
-    /// key's length (PBKDF2's cost depends on it).
-    pub fn calibrate(
-        kind: super::KdfKind,
-        iter_time: std::time::Duration,
-        key_bytes: usize,
-    ) -> Result<super::Calibrated, LuksError> {
-        super::calibrate(&super::KdfTarget::new(kind, iter_time), key_bytes)
     }
 
     /// An Argon2 KDF by its LUKS2 `kdf.type` name (`"argon2i"` or

@@ -137,20 +137,13 @@ impl KdfLimits {
 
     /// A keyslot's KDF and its digest's iterations, before either runs.
     pub(crate) fn check_slot(&self, slot: &SlotPlan) -> Result<(), LuksError> {
-        let over = |what: &str, field: &str, value: u64, unit: &str, limit: u64, knob: &str| {
-            LuksError::OverLimit(format!(
-                "keyslot {}: {what} {value}{unit} ({field}) is over the limit of {limit}{unit} \
-                 (KdfLimits::{knob})",
-                slot.index
-            ))
-        };
-        let field = |name: &str| format!("{}{name}", slot.kdf_field);
         match slot.pbkdf.costs() {
             KdfCosts::Pbkdf2 { iterations, .. } => {
                 if iterations > self.max_pbkdf2_iterations {
                     return Err(over(
+                        slot,
                         "PBKDF2 iterations",
-                        &field("iterations"),
+                        &kdf_field(slot, "iterations"),
                         iterations.into(),
                         "",
                         self.max_pbkdf2_iterations.into(),
@@ -162,53 +155,11 @@ impl KdfLimits {
                 time,
                 memory_kib,
                 parallel,
-            } => {
-                let name = slot.pbkdf.name();
-                if memory_kib > self.max_argon2_memory_kib {
-                    return Err(over(
-                        &format!("{name} memory"),
-                        &field("memory"),
-                        memory_kib.into(),
-                        " KiB",
-                        self.max_argon2_memory_kib.into(),
-                        "max_argon2_memory_kib",
-                    ));
-                }
-                if time > self.max_argon2_time {
-                    return Err(over(
-                        &format!("{name} time cost"),
-                        &field("time"),
-                        time.into(),
-                        "",
-                        self.max_argon2_time.into(),
-                        "max_argon2_time",
-                    ));
-                }
-                if parallel > self.max_argon2_lanes {
-                    return Err(over(
-                        &format!("{name} lanes"),
-                        &field("cpus"),
-                        parallel.into(),
-                        "",
-                        self.max_argon2_lanes.into(),
-                        "max_argon2_lanes",
-                    ));
-                }
-                let work = u64::from(memory_kib) * u64::from(time);
-                if work > self.max_argon2_work_kib {
-                    return Err(over(
-                        &format!("{name} work (memory × time)"),
-                        &format!("{} × {}", field("memory"), field("time")),
-                        work,
-                        " KiB",
-                        self.max_argon2_work_kib,
-                        "max_argon2_work_kib",
-                    ));
-                }
-            }
+            } => self.check_argon2(slot, time, memory_kib, parallel)?,
         }
         if slot.digest.iterations > self.max_pbkdf2_iterations {
             return Err(over(
+                slot,
                 "volume-key digest PBKDF2 iterations",
                 &slot.digest.field,
                 slot.digest.iterations.into(),
@@ -219,4 +170,87 @@ impl KdfLimits {
         }
         Ok(())
     }
+
+    /// An Argon2 keyslot's memory, passes, lanes and work (memory ×
+    /// passes), in that order.
+    fn check_argon2(
+        &self,
+        slot: &SlotPlan,
+        time: u32,
+        memory_kib: u32,
+        parallel: u32,
+    ) -> Result<(), LuksError> {
+        let name = slot.pbkdf.name();
+        let field = |name: &str| kdf_field(slot, name);
+        if memory_kib > self.max_argon2_memory_kib {
+            return Err(over(
+                slot,
+                &format!("{name} memory"),
+                &field("memory"),
+                memory_kib.into(),
+                " KiB",
+                self.max_argon2_memory_kib.into(),
+                "max_argon2_memory_kib",
+            ));
+        }
+        if time > self.max_argon2_time {
+            return Err(over(
+                slot,
+                &format!("{name} time cost"),
+                &field("time"),
+                time.into(),
+                "",
+                self.max_argon2_time.into(),
+                "max_argon2_time",
+            ));
+        }
+        if parallel > self.max_argon2_lanes {
+            return Err(over(
+                slot,
+                &format!("{name} lanes"),
+                &field("cpus"),
+                parallel.into(),
+                "",
+                self.max_argon2_lanes.into(),
+                "max_argon2_lanes",
+            ));
+        }
+        let work = u64::from(memory_kib) * u64::from(time);
+        if work > self.max_argon2_work_kib {
+            return Err(over(
+                slot,
+                &format!("{name} work (memory × time)"),
+                &format!("{} × {}", field("memory"), field("time")),
+                work,
+                " KiB",
+                self.max_argon2_work_kib,
+                "max_argon2_work_kib",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The header field of `slot`'s KDF named `name` (its `kdf_field` prefix
+/// and the name).
+fn kdf_field(slot: &SlotPlan, name: &str) -> String {
+    format!("{}{name}", slot.kdf_field)
+}
+
+/// The error for `slot`'s `what` of `value` (read from `field`, in
+/// `unit`) over `limit` (`KdfLimits::{knob}`).
+fn over(
+    slot: &SlotPlan,
+    what: &str,
+    field: &str,
+    value: u64,
+    unit: &str,
+    limit: u64,
+    knob: &str,
+) -> LuksError {
+    LuksError::OverLimit(format!(
+        "keyslot {}: {what} {value}{unit} ({field}) is over the limit of {limit}{unit} \
+         (KdfLimits::{knob})",
+        slot.index
+    ))
 }

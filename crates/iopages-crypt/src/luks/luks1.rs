@@ -278,6 +278,32 @@ fn check_key_slots(h: &Header, sectors: u64) -> Result<(), LuksError> {
 /// offset 0) is accepted: it opens, its payload is elsewhere. The device
 /// size is checked by [`parse`].
 pub(crate) fn plan(h: &Header) -> Result<Parsed, LuksError> {
+    let (hash, key_bytes, sectors) = check_fields(h)?;
+    let data_offset = u64::from(h.payload_offset) * SECTOR;
+    let (infos, slots) = slot_plans(h, hash, key_bytes, sectors * SECTOR)?;
+    Ok(Parsed {
+        info: LuksInfo {
+            version: LuksVersion::Luks1,
+            uuid: h.uuid.clone(),
+            label: None,
+            cipher_spec: CIPHER_SPEC.to_string(),
+            key_bytes,
+            sector_size: SECTOR as usize,
+            data_offset_bytes: data_offset,
+            data_size_bytes: None,
+            keyslots: infos,
+            used_secondary_header: false,
+        },
+        iv_tweak: 0,
+        slots,
+    })
+}
+
+/// The header's own fields and its key slots ([`check_key_slots`]), in
+/// cryptsetup's order: the hash, the key length, the digest's iterations,
+/// then the cipher. **Returns:** the hash, the key length and the sectors
+/// of one key-material area.
+fn check_fields(h: &Header) -> Result<(Hash, usize, u64), LuksError> {
     let hash = hash_spec(&h.hash_spec)?;
     if h.key_bytes == 0 {
         return Err(LuksError::Corrupt(
@@ -306,8 +332,22 @@ pub(crate) fn plan(h: &Header) -> Result<Parsed, LuksError> {
             "{spec:?} (LUKS1 header)"
         )));
     }
-    let data_offset = u64::from(h.payload_offset) * SECTOR;
-    let area_len = sectors * SECTOR;
+    Ok((hash, key_bytes, sectors))
+}
+
+/// What a reader sees of each active key slot, and its plan (both in
+/// slot order).
+type SlotPlans = (Vec<KeyslotInfo>, Vec<Result<SlotPlan, LuksError>>);
+
+/// The plans of the active key slots (each with `area_len` bytes of key
+/// material and the header's volume-key digest), and what each is to a
+/// reader; an active slot with 0 iterations is refused.
+fn slot_plans(
+    h: &Header,
+    hash: Hash,
+    key_bytes: usize,
+    area_len: u64,
+) -> Result<SlotPlans, LuksError> {
     let digest = || Digest {
         field: "mk-digest-iter".to_string(),
         hash,
@@ -349,22 +389,7 @@ pub(crate) fn plan(h: &Header) -> Result<Parsed, LuksError> {
             digest: digest(),
         }));
     }
-    Ok(Parsed {
-        info: LuksInfo {
-            version: LuksVersion::Luks1,
-            uuid: h.uuid.clone(),
-            label: None,
-            cipher_spec: CIPHER_SPEC.to_string(),
-            key_bytes,
-            sector_size: SECTOR as usize,
-            data_offset_bytes: data_offset,
-            data_size_bytes: None,
-            keyslots: infos,
-            used_secondary_header: false,
-        },
-        iv_tweak: 0,
-        slots,
-    })
+    Ok((infos, slots))
 }
 
 /// Bytes a device needs for the header `h` (already planned): the end of
@@ -446,13 +471,6 @@ pub(crate) fn format(
     random(&mut salt0)?;
     let area = seal_keyslot(key.as_slice(), passphrase, &opts.pbkdf, &salt0, hash)?;
 
-    let slots: [Slot; KEY_SLOTS] = std::array::from_fn(|i| Slot {
-        active: if i == 0 { SLOT_ACTIVE } else { SLOT_DISABLED },
-        iterations: if i == 0 { iterations } else { 0 },
-        salt: if i == 0 { salt0 } else { [0; SALT_BYTES] },
-        key_material_offset: offsets[i],
-        stripes: af::STRIPES,
-    });
     let uuid = random_uuid()?;
     let header = Header {
         cipher_name: "aes".to_string(),
@@ -464,7 +482,7 @@ pub(crate) fn format(
         mk_digest_salt,
         mk_digest_iter: DIGEST_ITERATIONS,
         uuid: uuid.clone(),
-        slots,
+        slots: format_slots(&offsets, iterations, salt0),
     };
     dev.zero(0, data_offset)?;
     dev.write_at(u64::from(offsets[0]) * SECTOR, area.as_slice())?;
@@ -488,6 +506,22 @@ pub(crate) fn format(
         },
         key,
     ))
+}
+
+/// The key slots of a new volume: slot 0 enabled with `iterations` and
+/// `salt0`, the others disabled; each at its offset of `offsets`.
+fn format_slots(
+    offsets: &[u32; KEY_SLOTS],
+    iterations: u32,
+    salt0: [u8; SALT_BYTES],
+) -> [Slot; KEY_SLOTS] {
+    std::array::from_fn(|i| Slot {
+        active: if i == 0 { SLOT_ACTIVE } else { SLOT_DISABLED },
+        iterations: if i == 0 { iterations } else { 0 },
+        salt: if i == 0 { salt0 } else { [0; SALT_BYTES] },
+        key_material_offset: offsets[i],
+        stripes: af::STRIPES,
+    })
 }
 
 #[cfg(test)]
@@ -535,10 +569,10 @@ mod tests {
         assert_eq!(p.info.data_offset_bytes, 4096 * 512);
     }
 
-    #[test]
-    fn checks_name_what_is_wrong() {
-        let (o, _) = layout(32);
-        let mut h = Header {
+    /// A header with the default layout's slot offsets `o`, every slot
+    /// disabled, and a cipher this crate refuses (twofish-cbc).
+    fn twofish_header(o: &[u32; KEY_SLOTS]) -> Header {
+        Header {
             cipher_name: "twofish".into(),
             cipher_mode: "cbc-essiv:sha256".into(),
             hash_spec: "sha1".into(),
@@ -555,7 +589,13 @@ mod tests {
                 key_material_offset: o[i],
                 stripes: 4000,
             }),
-        };
+        }
+    }
+
+    #[test]
+    fn checks_name_what_is_wrong() {
+        let (o, _) = layout(32);
+        let mut h = twofish_header(&o);
         let e = plan(&h).err().unwrap();
         assert!(
             matches!(&e, LuksError::UnsupportedCipher(s) if s.contains("twofish-cbc-essiv:sha256")),
@@ -576,25 +616,7 @@ mod tests {
         h.slots[2].iterations = 1000;
         h.slots[2].stripes = u32::MAX;
         assert!(matches!(plan(&h), Err(LuksError::Corrupt(s)) if s.contains("stripes")));
-        h.slots[2].stripes = 4000;
-        h.slots[2].key_material_offset = 0;
-        assert!(
-            matches!(plan(&h), Err(LuksError::Corrupt(s)) if s.contains("overlaps the header"))
-        );
-        h.slots[2].key_material_offset = u32::MAX - 10;
-        assert!(matches!(plan(&h), Err(LuksError::Corrupt(s)) if s.contains("overflows")));
-        // 2^23 sectors × 512 wraps to 0 in 32 bits: cryptsetup refuses it.
-        h.slots[2].key_material_offset = 1 << 23;
-        assert!(matches!(plan(&h), Err(LuksError::Corrupt(s)) if s.contains("wraps")));
-        h.slots[2].key_material_offset = 4090;
-        assert!(matches!(plan(&h), Err(LuksError::Corrupt(s)) if s.contains("payload offset")));
-        h.slots[2].key_material_offset = o[3] - 1;
-        assert!(
-            matches!(plan(&h), Err(LuksError::Corrupt(s)) if s.contains("keyslot 2 and keyslot 3"))
-        );
-        h.slots[2].key_material_offset = o[2];
-        h.slots[2].iterations = 0;
-        assert!(matches!(plan(&h), Err(LuksError::Corrupt(s)) if s.contains("iterations 0")));
+        key_slot_checks_name_what_is_wrong(&mut h, &o);
         h.slots[2].active = SLOT_DISABLED;
         h.mk_digest_iter = 0;
         assert!(matches!(plan(&h), Err(LuksError::Corrupt(s)) if s.contains("mk-digest-iter")));
@@ -610,5 +632,28 @@ mod tests {
             device_bytes_needed(&h),
             (u64::from(o[7]) + area_sectors(32)) * 512
         );
+    }
+
+    /// Slot 2 of `h` (active, 1000 iterations, bad stripes) moved over the
+    /// header, past the offsets, over the payload and over slot 3, then
+    /// put back with 0 iterations: each named.
+    fn key_slot_checks_name_what_is_wrong(h: &mut Header, o: &[u32; KEY_SLOTS]) {
+        h.slots[2].stripes = 4000;
+        h.slots[2].key_material_offset = 0;
+        assert!(matches!(plan(h), Err(LuksError::Corrupt(s)) if s.contains("overlaps the header")));
+        h.slots[2].key_material_offset = u32::MAX - 10;
+        assert!(matches!(plan(h), Err(LuksError::Corrupt(s)) if s.contains("overflows")));
+        // 2^23 sectors × 512 wraps to 0 in 32 bits: cryptsetup refuses it.
+        h.slots[2].key_material_offset = 1 << 23;
+        assert!(matches!(plan(h), Err(LuksError::Corrupt(s)) if s.contains("wraps")));
+        h.slots[2].key_material_offset = 4090;
+        assert!(matches!(plan(h), Err(LuksError::Corrupt(s)) if s.contains("payload offset")));
+        h.slots[2].key_material_offset = o[3] - 1;
+        assert!(
+            matches!(plan(h), Err(LuksError::Corrupt(s)) if s.contains("keyslot 2 and keyslot 3"))
+        );
+        h.slots[2].key_material_offset = o[2];
+        h.slots[2].iterations = 0;
+        assert!(matches!(plan(h), Err(LuksError::Corrupt(s)) if s.contains("iterations 0")));
     }
 }

@@ -159,50 +159,9 @@ fn read_copy(
         |m: String| LuksError::Corrupt(format!("LUKS2 {which} header at offset {offset}: {m}"));
     let mut b = vec![0u8; BIN_HEADER_BYTES];
     dev.read_at(offset, &mut b)?;
-    let magic = if secondary { MAGIC_SECONDARY } else { MAGIC };
-    if b[..6] != magic {
-        return Err(what(format!(
-            "bad magic {:02x?} (expected {:02x?})",
-            &b[..6],
-            magic
-        )));
-    }
-    let version = u16::from_be_bytes([b[OFF_VERSION], b[OFF_VERSION + 1]]);
-    if version != 2 {
-        return Err(what(format!("version {version} where 2 was expected")));
-    }
-    let hdr_size = be64(&b, OFF_HDR_SIZE);
-    if !HDR_SIZES.contains(&hdr_size) {
-        return Err(what(format!(
-            "header size {hdr_size} is not one the spec allows (16 KiB to 4 MiB, a power of two)"
-        )));
-    }
-    if secondary && hdr_size != offset {
-        return Err(what(format!(
-            "header size {hdr_size} does not match its offset (the secondary copy sits right \
-             after a primary of the same size)"
-        )));
-    }
-    let hdr_offset = be64(&b, OFF_HDR_OFFSET);
-    if hdr_offset != offset {
-        return Err(what(format!("it says it lives at offset {hdr_offset}")));
-    }
+    let (hdr_size, hdr_offset) = check_fixed_fields(&b, offset, secondary, &what)?;
     let checksum_alg = text(&b, OFF_CSUM_ALG, 32, "checksum_alg")?;
-    let mut area = vec![0u8; hdr_size as usize];
-    area[..BIN_HEADER_BYTES].copy_from_slice(&b);
-    dev.read_at(
-        offset + BIN_HEADER_BYTES as u64,
-        &mut area[BIN_HEADER_BYTES..],
-    )?;
-    let mut stored = [0u8; CSUM_BYTES];
-    stored.copy_from_slice(&area[OFF_CSUM..OFF_CSUM + CSUM_BYTES]);
-    area[OFF_CSUM..OFF_CSUM + CSUM_BYTES].fill(0);
-    let (sum, n) = checksum(&checksum_alg, &area)?;
-    if sum[..n] != stored[..n] {
-        return Err(what(format!(
-            "bad checksum ({checksum_alg} over the {hdr_size}-byte header area does not match)"
-        )));
-    }
+    let area = read_checked_area(dev, &b, (offset, hdr_size), &checksum_alg, &what)?;
     let json = json_text(&area[BIN_HEADER_BYTES..]).map_err(what)?;
     let header = BinHeader {
         secondary,
@@ -224,6 +183,75 @@ fn read_copy(
         other => other,
     })?;
     Ok((header, json))
+}
+
+/// The fixed fields of the binary header `b` read at `offset`: magic,
+/// version, a size the spec allows (the secondary's equal to its offset)
+/// and the offset it says it lives at; `what` words a refusal.
+/// **Returns:** `hdr_size` and `hdr_offset`.
+fn check_fixed_fields(
+    b: &[u8],
+    offset: u64,
+    secondary: bool,
+    what: &dyn Fn(String) -> LuksError,
+) -> Result<(u64, u64), LuksError> {
+    let magic = if secondary { MAGIC_SECONDARY } else { MAGIC };
+    if b[..6] != magic {
+        return Err(what(format!(
+            "bad magic {:02x?} (expected {:02x?})",
+            &b[..6],
+            magic
+        )));
+    }
+    let version = u16::from_be_bytes([b[OFF_VERSION], b[OFF_VERSION + 1]]);
+    if version != 2 {
+        return Err(what(format!("version {version} where 2 was expected")));
+    }
+    let hdr_size = be64(b, OFF_HDR_SIZE);
+    if !HDR_SIZES.contains(&hdr_size) {
+        return Err(what(format!(
+            "header size {hdr_size} is not one the spec allows (16 KiB to 4 MiB, a power of two)"
+        )));
+    }
+    if secondary && hdr_size != offset {
+        return Err(what(format!(
+            "header size {hdr_size} does not match its offset (the secondary copy sits right \
+             after a primary of the same size)"
+        )));
+    }
+    let hdr_offset = be64(b, OFF_HDR_OFFSET);
+    if hdr_offset != offset {
+        return Err(what(format!("it says it lives at offset {hdr_offset}")));
+    }
+    Ok((hdr_size, hdr_offset))
+}
+
+/// The whole header area of the copy at `offset` (`hdr_size` bytes, its
+/// binary header `b` first), its checksum with `checksum_alg` checked
+/// against the stored one; `what` words a mismatch.
+fn read_checked_area(
+    dev: &Dev<'_>,
+    b: &[u8],
+    (offset, hdr_size): (u64, u64),
+    checksum_alg: &str,
+    what: &dyn Fn(String) -> LuksError,
+) -> Result<Vec<u8>, LuksError> {
+    let mut area = vec![0u8; hdr_size as usize];
+    area[..BIN_HEADER_BYTES].copy_from_slice(b);
+    dev.read_at(
+        offset + BIN_HEADER_BYTES as u64,
+        &mut area[BIN_HEADER_BYTES..],
+    )?;
+    let mut stored = [0u8; CSUM_BYTES];
+    stored.copy_from_slice(&area[OFF_CSUM..OFF_CSUM + CSUM_BYTES]);
+    area[OFF_CSUM..OFF_CSUM + CSUM_BYTES].fill(0);
+    let (sum, n) = checksum(checksum_alg, &area)?;
+    if sum[..n] != stored[..n] {
+        return Err(what(format!(
+            "bad checksum ({checksum_alg} over the {hdr_size}-byte header area does not match)"
+        )));
+    }
+    Ok(area)
 }
 
 /// The JSON area's framing, as cryptsetup reads it: the text starts at
@@ -281,6 +309,26 @@ fn foreign_signatures(dev: &Dev<'_>) -> Vec<String> {
     if is(0, b"XFSB") {
         found.push("an XFS superblock (\"XFSB\" at offset 0)".to_string());
     }
+    lvm_labels(&rd, &mut found);
+    if is(1024 + 56, &[0x53, 0xef]) {
+        found.push("an ext2/ext3/ext4 superblock (magic 0xEF53 at offset 1080)".to_string());
+    }
+    swap_signatures(&is, &mut found);
+    if is(65536 + 64, b"_BHRfS_M") {
+        found.push("a btrfs superblock (\"_BHRfS_M\" at offset 65600)".to_string());
+    }
+    md_superblocks(&is, dev.size(), &mut found);
+    if is(512, b"EFI PART") {
+        found.push("a GPT partition table (\"EFI PART\" at offset 512)".to_string());
+    }
+    if !luks2_primary {
+        boot_sectors(&is, &mut found);
+    }
+    found
+}
+
+/// LVM2 physical volume labels in the first four sectors.
+fn lvm_labels(rd: &dyn Fn(u64, usize) -> Option<Vec<u8>>, found: &mut Vec<String>) {
     for sector in 0..4u64 {
         let at = sector * 512;
         if let Some(b) = rd(at, 32) {
@@ -293,9 +341,11 @@ fn foreign_signatures(dev: &Dev<'_>) -> Vec<String> {
             }
         }
     }
-    if is(1024 + 56, &[0x53, 0xef]) {
-        found.push("an ext2/ext3/ext4 superblock (magic 0xEF53 at offset 1080)".to_string());
-    }
+}
+
+/// Swap signatures at the end of the first page, for the page sizes
+/// Linux uses.
+fn swap_signatures(is: &dyn Fn(u64, &[u8]) -> bool, found: &mut Vec<String>) {
     for page in [4096u64, 8192, 16384, 65536] {
         for magic in [&b"SWAPSPACE2"[..], b"SWAP-SPACE"] {
             if is(page - 10, magic) {
@@ -307,11 +357,12 @@ fn foreign_signatures(dev: &Dev<'_>) -> Vec<String> {
             }
         }
     }
-    if is(65536 + 64, b"_BHRfS_M") {
-        found.push("a btrfs superblock (\"_BHRfS_M\" at offset 65600)".to_string());
-    }
+}
+
+/// MD RAID superblocks of every version, at the start or the end of a
+/// device of `size` bytes.
+fn md_superblocks(is: &dyn Fn(u64, &[u8]) -> bool, size: u64, found: &mut Vec<String>) {
     const MD_MAGIC: [u8; 4] = [0xfc, 0x4e, 0x2b, 0xa9];
-    let size = dev.size();
     let mut md = vec![(0u64, "1.1"), (4096, "1.2")];
     if size >= 65536 * 2 {
         md.push(((size & !65535) - 65536, "0.90"));
@@ -326,25 +377,24 @@ fn foreign_signatures(dev: &Dev<'_>) -> Vec<String> {
             ));
         }
     }
-    if is(512, b"EFI PART") {
-        found.push("a GPT partition table (\"EFI PART\" at offset 512)".to_string());
+}
+
+/// Boot sectors in the first 512 bytes: NTFS, FAT, or a DOS/MBR boot
+/// signature.
+fn boot_sectors(is: &dyn Fn(u64, &[u8]) -> bool, found: &mut Vec<String>) {
+    if is(3, b"NTFS    ") {
+        found.push("an NTFS boot sector (\"NTFS\" at offset 3)".to_string());
     }
-    if !luks2_primary {
-        if is(3, b"NTFS    ") {
-            found.push("an NTFS boot sector (\"NTFS\" at offset 3)".to_string());
-        }
-        if is(510, &[0x55, 0xaa]) {
-            let fat = is(82, b"FAT32") || is(54, b"FAT12") || is(54, b"FAT16") || is(54, b"FAT  ");
-            found.push(if fat {
-                "a FAT filesystem boot sector (0x55AA at offset 510, \"FAT\" type)".to_string()
-            } else {
-                "a DOS/MBR boot signature (0x55AA at offset 510: a partition table or boot \
-                 sector)"
-                    .to_string()
-            });
-        }
+    if is(510, &[0x55, 0xaa]) {
+        let fat = is(82, b"FAT32") || is(54, b"FAT12") || is(54, b"FAT16") || is(54, b"FAT  ");
+        found.push(if fat {
+            "a FAT filesystem boot sector (0x55AA at offset 510, \"FAT\" type)".to_string()
+        } else {
+            "a DOS/MBR boot signature (0x55AA at offset 510: a partition table or boot \
+             sector)"
+                .to_string()
+        });
     }
-    found
 }
 
 /// Find the header copy to use. Returns it, its JSON, and whether it is
@@ -544,6 +594,19 @@ pub(super) fn validate(json: &Value, hdr_size: u64, max_keyslots: usize) -> Resu
     let segments = obj(field(root, "segments", "")?, "segments")?;
     let config = obj(field(root, "config", "")?, "config")?;
 
+    validate_tokens(tokens, keyslots)?;
+    validate_digests(digests, keyslots, segments)?;
+    let data_offset = validate_segments(segments, digests)?;
+    validate_keyslots(keyslots, digests)?;
+    let keyslots_size = validate_config(config, hdr_size, data_offset)?;
+    validate_keyslot_areas(keyslots, hdr_size, keyslots_size)
+}
+
+/// `tokens`: numbered, each with a `type` and the keyslots it names.
+fn validate_tokens(
+    tokens: &Map<String, Value>,
+    keyslots: &Map<String, Value>,
+) -> Result<(), LuksError> {
     for (key, t) in tokens {
         numbered(key, "tokens")?;
         let path = format!("tokens.{key}");
@@ -551,7 +614,16 @@ pub(super) fn validate(json: &Value, hdr_size: u64, max_keyslots: usize) -> Resu
         str_of(t, "type", &path)?;
         refs(t, "keyslots", &path, keyslots, "keyslot")?;
     }
+    Ok(())
+}
 
+/// `digests`: numbered, each with a `type` and the keyslots and segments
+/// it names.
+fn validate_digests(
+    digests: &Map<String, Value>,
+    keyslots: &Map<String, Value>,
+    segments: &Map<String, Value>,
+) -> Result<(), LuksError> {
     for (key, d) in digests {
         numbered(key, "digests")?;
         let path = format!("digests.{key}");
@@ -560,71 +632,113 @@ pub(super) fn validate(json: &Value, hdr_size: u64, max_keyslots: usize) -> Resu
         refs(d, "keyslots", &path, keyslots, "keyslot")?;
         refs(d, "segments", &path, segments, "segment")?;
     }
+    Ok(())
+}
 
+/// `segments`: not empty, every segment checked ([`validate_segment`]).
+/// **Returns:** the lowest crypt segment offset; 0 (a detached header)
+/// ends the search, as in cryptsetup.
+fn validate_segments(
+    segments: &Map<String, Value>,
+    digests: &Map<String, Value>,
+) -> Result<Option<u64>, LuksError> {
     if segments.is_empty() {
         return Err(corrupt("segments", "is empty: no data segment"));
     }
-    // The lowest crypt segment offset; 0 (a detached header) ends the
-    // search, as in cryptsetup.
     let mut data_offset: Option<u64> = None;
     for (key, s) in segments {
-        numbered(key, "segments")?;
-        let path = format!("segments.{key}");
-        let s = obj(s, &path)?;
-        let ty = str_of(s, "type", &path)?;
-        let offset = u64_str(s, "offset", &path)?;
-        let size = match str_of(s, "size", &path)? {
-            "dynamic" => None,
-            _ => Some(u64_str(s, "size", &path)?),
-        };
-        if !offset.is_multiple_of(512) {
-            return Err(corrupt(
-                &format!("{path}.offset"),
-                &format!("{offset} is not aligned to 512-byte sectors"),
-            ));
-        }
-        if let Some(size) = size {
-            if size == 0 || !size.is_multiple_of(512) {
-                return Err(corrupt(
-                    &format!("{path}.size"),
-                    &format!("{size} is not a positive multiple of 512 bytes"),
-                ));
-            }
-        }
-        string_array_opt(s, "flags", &path)?;
-        if ty == "crypt" {
-            let tweak = str_of(s, "iv_tweak", &path)?;
-            if decimal(tweak).is_none() {
-                return Err(corrupt(
-                    &format!("{path}.iv_tweak"),
-                    &format!("{tweak:?} is not a decimal number"),
-                ));
-            }
-            str_of(s, "encryption", &path)?;
-            let sector = num_u32(s, "sector_size", &path)?;
-            if sector == 0 || !sector.is_multiple_of(512) {
-                return Err(corrupt(
-                    &format!("{path}.sector_size"),
-                    &format!("{sector} is not a positive multiple of 512"),
-                ));
-            }
-            if let Some(size) = size {
-                if !size.is_multiple_of(u64::from(sector)) {
-                    return Err(corrupt(
-                        &format!("{path}.size"),
-                        &format!("{size} is not a multiple of the {sector}-byte sector size"),
-                    ));
-                }
-            }
-            if listing(digests, "segments", key) == 0 {
-                return Err(corrupt(&path, "is not assigned to any digest"));
-            }
+        if let Some(offset) = validate_segment(key, s, digests)? {
             if data_offset != Some(0) {
                 data_offset = Some(data_offset.map_or(offset, |o| o.min(offset)));
             }
         }
     }
+    Ok(data_offset)
+}
 
+/// One segment: a numbered key, its type, a sector-aligned offset, a
+/// `size` that is `"dynamic"` or a positive multiple of 512, string
+/// `flags`; a crypt segment's fields too ([`validate_crypt_segment`]).
+/// **Returns:** a crypt segment's offset; `None` for other types.
+fn validate_segment(
+    key: &str,
+    s: &Value,
+    digests: &Map<String, Value>,
+) -> Result<Option<u64>, LuksError> {
+    numbered(key, "segments")?;
+    let path = format!("segments.{key}");
+    let s = obj(s, &path)?;
+    let ty = str_of(s, "type", &path)?;
+    let offset = u64_str(s, "offset", &path)?;
+    let size = match str_of(s, "size", &path)? {
+        "dynamic" => None,
+        _ => Some(u64_str(s, "size", &path)?),
+    };
+    if !offset.is_multiple_of(512) {
+        return Err(corrupt(
+            &format!("{path}.offset"),
+            &format!("{offset} is not aligned to 512-byte sectors"),
+        ));
+    }
+    if let Some(size) = size {
+        if size == 0 || !size.is_multiple_of(512) {
+            return Err(corrupt(
+                &format!("{path}.size"),
+                &format!("{size} is not a positive multiple of 512 bytes"),
+            ));
+        }
+    }
+    string_array_opt(s, "flags", &path)?;
+    if ty != "crypt" {
+        return Ok(None);
+    }
+    validate_crypt_segment(s, &path, size)?;
+    if listing(digests, "segments", key) == 0 {
+        return Err(corrupt(&path, "is not assigned to any digest"));
+    }
+    Ok(Some(offset))
+}
+
+/// A crypt segment's own fields: a decimal `iv_tweak`, an `encryption`, a
+/// `sector_size` that is a positive multiple of 512 and divides a fixed
+/// `size`.
+fn validate_crypt_segment(
+    s: &Map<String, Value>,
+    path: &str,
+    size: Option<u64>,
+) -> Result<(), LuksError> {
+    let tweak = str_of(s, "iv_tweak", path)?;
+    if decimal(tweak).is_none() {
+        return Err(corrupt(
+            &format!("{path}.iv_tweak"),
+            &format!("{tweak:?} is not a decimal number"),
+        ));
+    }
+    str_of(s, "encryption", path)?;
+    let sector = num_u32(s, "sector_size", path)?;
+    if sector == 0 || !sector.is_multiple_of(512) {
+        return Err(corrupt(
+            &format!("{path}.sector_size"),
+            &format!("{sector} is not a positive multiple of 512"),
+        ));
+    }
+    if let Some(size) = size {
+        if !size.is_multiple_of(u64::from(sector)) {
+            return Err(corrupt(
+                &format!("{path}.size"),
+                &format!("{size} is not a multiple of the {sector}-byte sector size"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `keyslots`: numbered, each with a `type` and a `key_size`; a `luks2`
+/// keyslot's `kdf`, `af` and `area` shapes too, and exactly one digest.
+fn validate_keyslots(
+    keyslots: &Map<String, Value>,
+    digests: &Map<String, Value>,
+) -> Result<(), LuksError> {
     for (key, k) in keyslots {
         numbered(key, "keyslots")?;
         let path = format!("keyslots.{key}");
@@ -634,44 +748,9 @@ pub(super) fn validate(json: &Value, hdr_size: u64, max_keyslots: usize) -> Resu
         if ty != "luks2" {
             continue;
         }
-        let kdf_path = format!("{path}.kdf");
-        let kdf = obj(field(k, "kdf", &path)?, &kdf_path)?;
-        match str_of(kdf, "type", &kdf_path)? {
-            "pbkdf2" => {
-                str_of(kdf, "hash", &kdf_path)?;
-                num_u32(kdf, "iterations", &kdf_path)?;
-                str_of(kdf, "salt", &kdf_path)?;
-            }
-            "argon2i" | "argon2id" => {
-                num_u32(kdf, "time", &kdf_path)?;
-                num_u32(kdf, "memory", &kdf_path)?;
-                num_u32(kdf, "cpus", &kdf_path)?;
-                str_of(kdf, "salt", &kdf_path)?;
-            }
-            _ => {}
-        }
-        let af_path = format!("{path}.af");
-        let af = obj(field(k, "af", &path)?, &af_path)?;
-        let af_ty = str_of(af, "type", &af_path)?;
-        if af_ty != "luks1" {
-            return Err(corrupt(
-                &format!("{af_path}.type"),
-                &format!("{af_ty:?} is not an AF type (only \"luks1\" exists)"),
-            ));
-        }
-        str_of(af, "hash", &af_path)?;
-        num_u32(af, "stripes", &af_path)?;
-        let area_path = format!("{path}.area");
-        let area = obj(field(k, "area", &path)?, &area_path)?;
-        let area_ty = str_of(area, "type", &area_path)?;
-        if area_ty != "raw" {
-            return Err(corrupt(
-                &format!("{area_path}.type"),
-                &format!("{area_ty:?} is not a luks2 keyslot area type (only \"raw\")"),
-            ));
-        }
-        str_of(area, "encryption", &area_path)?;
-        num_u32(area, "key_size", &area_path)?;
+        validate_keyslot_kdf(k, &path)?;
+        validate_keyslot_af(k, &path)?;
+        validate_keyslot_area_shape(k, &path)?;
         let n = listing(digests, "keyslots", key);
         if n != 1 {
             return Err(corrupt(
@@ -680,7 +759,74 @@ pub(super) fn validate(json: &Value, hdr_size: u64, max_keyslots: usize) -> Resu
             ));
         }
     }
+    Ok(())
+}
 
+/// A `luks2` keyslot's `kdf`: a `type`, and the fields of a PBKDF2 or
+/// Argon2 KDF (other types are left to [`plan`]).
+fn validate_keyslot_kdf(k: &Map<String, Value>, path: &str) -> Result<(), LuksError> {
+    let kdf_path = format!("{path}.kdf");
+    let kdf = obj(field(k, "kdf", path)?, &kdf_path)?;
+    match str_of(kdf, "type", &kdf_path)? {
+        "pbkdf2" => {
+            str_of(kdf, "hash", &kdf_path)?;
+            num_u32(kdf, "iterations", &kdf_path)?;
+            str_of(kdf, "salt", &kdf_path)?;
+        }
+        "argon2i" | "argon2id" => {
+            num_u32(kdf, "time", &kdf_path)?;
+            num_u32(kdf, "memory", &kdf_path)?;
+            num_u32(kdf, "cpus", &kdf_path)?;
+            str_of(kdf, "salt", &kdf_path)?;
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// A `luks2` keyslot's `af`: type `"luks1"`, a `hash` and `stripes`.
+fn validate_keyslot_af(k: &Map<String, Value>, path: &str) -> Result<(), LuksError> {
+    let af_path = format!("{path}.af");
+    let af = obj(field(k, "af", path)?, &af_path)?;
+    let af_ty = str_of(af, "type", &af_path)?;
+    if af_ty != "luks1" {
+        return Err(corrupt(
+            &format!("{af_path}.type"),
+            &format!("{af_ty:?} is not an AF type (only \"luks1\" exists)"),
+        ));
+    }
+    str_of(af, "hash", &af_path)?;
+    num_u32(af, "stripes", &af_path)?;
+    Ok(())
+}
+
+/// A `luks2` keyslot's `area`: type `"raw"`, an `encryption` and a
+/// `key_size` (where it lies is [`validate_keyslot_areas`]' check).
+fn validate_keyslot_area_shape(k: &Map<String, Value>, path: &str) -> Result<(), LuksError> {
+    let area_path = format!("{path}.area");
+    let area = obj(field(k, "area", path)?, &area_path)?;
+    let area_ty = str_of(area, "type", &area_path)?;
+    if area_ty != "raw" {
+        return Err(corrupt(
+            &format!("{area_path}.type"),
+            &format!("{area_ty:?} is not a luks2 keyslot area type (only \"raw\")"),
+        ));
+    }
+    str_of(area, "encryption", &area_path)?;
+    num_u32(area, "key_size", &area_path)?;
+    Ok(())
+}
+
+/// `config`: `json_size` matching `hdr_size`, a `keyslots_size` that is a
+/// multiple of 4096 (at most `MAX_KEYSLOTS_SIZE`) and ends before the
+/// data segment at `data_offset`, string `flags` and
+/// `requirements.mandatory`.
+/// **Returns:** `keyslots_size`.
+fn validate_config(
+    config: &Map<String, Value>,
+    hdr_size: u64,
+    data_offset: Option<u64>,
+) -> Result<u64, LuksError> {
     let json_size = u64_str(config, "json_size", "config")?;
     if json_size != hdr_size - BIN_HEADER_BYTES as u64 {
         return Err(corrupt(
@@ -719,48 +865,19 @@ pub(super) fn validate(json: &Value, hdr_size: u64, max_keyslots: usize) -> Resu
         let req = obj(req, "config.requirements")?;
         string_array_opt(req, "mandatory", "config.requirements")?;
     }
+    Ok(keyslots_size)
+}
 
-    // Keyslot areas: inside [2 × hdr_size, 2 × hdr_size + keyslots_size),
-    // not empty, not overlapping.
+/// Keyslot areas: inside [2 × hdr_size, 2 × hdr_size + keyslots_size),
+/// not empty, not overlapping.
+fn validate_keyslot_areas(
+    keyslots: &Map<String, Value>,
+    hdr_size: u64,
+    keyslots_size: u64,
+) -> Result<(), LuksError> {
     let mut areas = Vec::with_capacity(keyslots.len());
     for (key, k) in keyslots {
-        let path = format!("keyslots.{key}.area");
-        let area = obj(
-            field(obj(k, &path)?, "area", &format!("keyslots.{key}"))?,
-            &path,
-        )?;
-        let offset = u64_str(area, "offset", &path)?;
-        let size = u64_str(area, "size", &path)?;
-        if offset < areas_start {
-            return Err(corrupt(
-                &format!("{path}.offset"),
-                &format!(
-                    "{offset} is inside the two {hdr_size}-byte header copies (the keyslots area \
-                     starts at {areas_start})"
-                ),
-            ));
-        }
-        if size == 0 {
-            return Err(corrupt(
-                &format!("{path}.size"),
-                "is 0: an area cannot be empty",
-            ));
-        }
-        let end = offset.checked_add(size).ok_or_else(|| {
-            corrupt(
-                &format!("{path}.size"),
-                &format!("{size} at offset {offset}: the area's end overflows"),
-            )
-        })?;
-        if end > areas_end {
-            return Err(corrupt(
-                &path,
-                &format!(
-                    "[{offset}, {end}) runs past the end of the keyslots area at {areas_end} \
-                     (2 × hdr_size {hdr_size} + config.keyslots_size {keyslots_size})"
-                ),
-            ));
-        }
+        let (offset, end) = keyslot_area_extent(key, k, hdr_size, keyslots_size)?;
         areas.push((offset, end, key.as_str()));
     }
     areas.sort_unstable();
@@ -774,6 +891,56 @@ pub(super) fn validate(json: &Value, hdr_size: u64, max_keyslots: usize) -> Resu
         }
     }
     Ok(())
+}
+
+/// One keyslot's area, checked to lie inside the keyslots area and not to
+/// be empty. **Returns:** its `[offset, end)`.
+fn keyslot_area_extent(
+    key: &str,
+    k: &Value,
+    hdr_size: u64,
+    keyslots_size: u64,
+) -> Result<(u64, u64), LuksError> {
+    let areas_start = 2 * hdr_size;
+    let areas_end = areas_start + keyslots_size;
+    let path = format!("keyslots.{key}.area");
+    let area = obj(
+        field(obj(k, &path)?, "area", &format!("keyslots.{key}"))?,
+        &path,
+    )?;
+    let offset = u64_str(area, "offset", &path)?;
+    let size = u64_str(area, "size", &path)?;
+    if offset < areas_start {
+        return Err(corrupt(
+            &format!("{path}.offset"),
+            &format!(
+                "{offset} is inside the two {hdr_size}-byte header copies (the keyslots area \
+                 starts at {areas_start})"
+            ),
+        ));
+    }
+    if size == 0 {
+        return Err(corrupt(
+            &format!("{path}.size"),
+            "is 0: an area cannot be empty",
+        ));
+    }
+    let end = offset.checked_add(size).ok_or_else(|| {
+        corrupt(
+            &format!("{path}.size"),
+            &format!("{size} at offset {offset}: the area's end overflows"),
+        )
+    })?;
+    if end > areas_end {
+        return Err(corrupt(
+            &path,
+            &format!(
+                "[{offset}, {end}) runs past the end of the keyslots area at {areas_end} \
+                 (2 × hdr_size {hdr_size} + config.keyslots_size {keyslots_size})"
+            ),
+        ));
+    }
+    Ok((offset, end))
 }
 
 // ---- JSON access, every shape checked -------------------------------
@@ -1030,8 +1197,40 @@ fn plan_keyslot(
         )));
     }
     let key_bytes = key_bytes_ok(num(k, "key_size", &path)?, &format!("{path}.key_size"))?;
+    let (stripes, af_hash) = keyslot_af(k, &path)?;
+    let (area_key_bytes, area_offset, area_size) = keyslot_area(k, &path)?;
+    let area_len = keyslot_area_len(
+        &path,
+        (key_bytes, stripes),
+        (area_offset, area_size),
+        seg.offset,
+        hdr_size,
+    )?;
+    let (pbkdf, salt) = parse_kdf(
+        obj(field(k, "kdf", &path)?, &format!("{path}.kdf"))?,
+        &format!("{path}.kdf"),
+    )?;
+    let digest = keyslot_digest(id, &path, seg, digests)?;
+    Ok(SlotPlan {
+        index: id as usize,
+        pbkdf,
+        kdf_field: format!("{path}.kdf."),
+        salt,
+        area_offset,
+        area_len,
+        area_key_bytes,
+        af_hash,
+        stripes,
+        key_bytes,
+        digest,
+    })
+}
+
+/// The keyslot at `path`'s AF splitter: the `luks1` type only.
+/// **Returns:** its stripes and hash.
+fn keyslot_af(k: &Map<String, Value>, path: &str) -> Result<(u32, Hash), LuksError> {
     let af_path = format!("{path}.af");
-    let afj = obj(field(k, "af", &path)?, &af_path)?;
+    let afj = obj(field(k, "af", path)?, &af_path)?;
     let af_ty = str_of(afj, "type", &af_path)?;
     if af_ty != "luks1" {
         return Err(LuksError::Unsupported(format!(
@@ -1040,8 +1239,14 @@ fn plan_keyslot(
     }
     let stripes = num_u32(afj, "stripes", &af_path)?;
     let af_hash = hash_of(afj, "hash", &af_path)?;
+    Ok((stripes, af_hash))
+}
+
+/// The keyslot at `path`'s area: `raw`, encrypted with [`CIPHER_SPEC`].
+/// **Returns:** its key length, offset and size.
+fn keyslot_area(k: &Map<String, Value>, path: &str) -> Result<(usize, u64, u64), LuksError> {
     let area_path = format!("{path}.area");
-    let area = obj(field(k, "area", &path)?, &area_path)?;
+    let area = obj(field(k, "area", path)?, &area_path)?;
     let area_ty = str_of(area, "type", &area_path)?;
     if area_ty != "raw" {
         return Err(LuksError::Unsupported(format!(
@@ -1060,6 +1265,21 @@ fn plan_keyslot(
     )?;
     let area_offset = u64_str(area, "offset", &area_path)?;
     let area_size = u64_str(area, "size", &area_path)?;
+    Ok((area_key_bytes, area_offset, area_size))
+}
+
+/// The length of the AF-split key material of `stripes` stripes of
+/// `key_bytes` (whole 512-byte sectors), checked to fit the keyslot's
+/// area at `area_offset` of `area_size` bytes, and the area to lie between
+/// the header copies and the data at `data_offset`.
+fn keyslot_area_len(
+    path: &str,
+    (key_bytes, stripes): (usize, u32),
+    (area_offset, area_size): (u64, u64),
+    data_offset: u64,
+    hdr_size: u64,
+) -> Result<u64, LuksError> {
+    let (af_path, area_path) = (format!("{path}.af"), format!("{path}.area"));
     let af_bytes = af::split_len(key_bytes, stripes)
         .filter(|_| stripes > 0)
         .ok_or_else(|| corrupt(&format!("{af_path}.stripes"), "is 0"))?;
@@ -1075,53 +1295,46 @@ fn plan_keyslot(
     }
     // validate() kept every area inside the keyslots area; a detached
     // header's data (offset 0) is on another device and bounds nothing.
-    let past_data = seg.offset != 0 && area_offset.saturating_add(area_len) > seg.offset;
+    let past_data = data_offset != 0 && area_offset.saturating_add(area_len) > data_offset;
     if area_offset < 2 * hdr_size || past_data {
         return Err(corrupt(
             &format!("{area_path}.offset"),
             &format!(
                 "{area_offset} puts the keyslot outside the keyslots area (between the header \
-                 copies and the data at {})",
-                seg.offset
+                 copies and the data at {data_offset})"
             ),
         ));
     }
-    let (pbkdf, salt) = parse_kdf(
-        obj(field(k, "kdf", &path)?, &format!("{path}.kdf"))?,
-        &format!("{path}.kdf"),
-    )?;
+    Ok(area_len)
+}
+
+/// The digest of keyslot `id`, which must also be bound to the data
+/// segment `seg`.
+fn keyslot_digest(
+    id: u32,
+    path: &str,
+    seg: &SegmentJson,
+    digests: &[DigestJson],
+) -> Result<Digest, LuksError> {
     let d = digests
         .iter()
         .find(|d| d.keyslots.contains(&id))
-        .ok_or_else(|| corrupt(&path, "is not referenced by any digest"))?;
+        .ok_or_else(|| corrupt(path, "is not referenced by any digest"))?;
     if !d.segments.contains(&seg.id) {
         return Err(LuksError::Unsupported(format!(
             "keyslot {id} is not bound to the data segment (an unbound key)"
         )));
     }
-    let digest = match &d.digest {
-        Ok(x) => Digest {
+    match &d.digest {
+        Ok(x) => Ok(Digest {
             field: x.field.clone(),
             hash: x.hash,
             iterations: x.iterations,
             salt: x.salt.clone(),
             value: x.value.clone(),
-        },
-        Err(e) => return Err(LuksError::Corrupt(format!("digest of keyslot {id}: {e}"))),
-    };
-    Ok(SlotPlan {
-        index: id as usize,
-        pbkdf,
-        kdf_field: format!("{path}.kdf."),
-        salt,
-        area_offset,
-        area_len,
-        area_key_bytes,
-        af_hash,
-        stripes,
-        key_bytes,
-        digest,
-    })
+        }),
+        Err(e) => Err(LuksError::Corrupt(format!("digest of keyslot {id}: {e}"))),
+    }
 }
 
 /// `config.requirements`, as cryptsetup reads it: an object whose
@@ -1202,6 +1415,32 @@ pub(crate) fn plan(
         }
         order.push((priority, id, plan));
     }
+    let (infos, slots) = try_order(order);
+    Ok(Parsed {
+        info: LuksInfo {
+            version: LuksVersion::Luks2,
+            uuid: h.uuid.clone(),
+            label: (!h.label.is_empty()).then(|| h.label.clone()),
+            cipher_spec: CIPHER_SPEC.to_string(),
+            key_bytes: key_bytes.unwrap_or(0),
+            sector_size: seg.sector_size,
+            data_offset_bytes: seg.offset,
+            data_size_bytes: seg.size,
+            keyslots: infos,
+            used_secondary_header: used_secondary,
+        },
+        iv_tweak: seg.iv_tweak,
+        slots,
+    })
+}
+
+/// The keyslots' `(priority, id, plan)` in the order they are tried
+/// (priority 2 first, then 1, each by id), and what each is to a reader.
+/// **Returns:** every keyslot's [`KeyslotInfo`], and the plans of those
+/// tried (priority 0, "ignore", is never tried, as in cryptsetup).
+fn try_order(
+    mut order: Vec<(u64, u32, Result<SlotPlan, LuksError>)>,
+) -> (Vec<KeyslotInfo>, Vec<Result<SlotPlan, LuksError>>) {
     order.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
     let mut infos = Vec::new();
     let mut slots = Vec::new();
@@ -1223,22 +1462,7 @@ pub(crate) fn plan(
             slots.push(plan);
         }
     }
-    Ok(Parsed {
-        info: LuksInfo {
-            version: LuksVersion::Luks2,
-            uuid: h.uuid.clone(),
-            label: (!h.label.is_empty()).then(|| h.label.clone()),
-            cipher_spec: CIPHER_SPEC.to_string(),
-            key_bytes: key_bytes.unwrap_or(0),
-            sector_size: seg.sector_size,
-            data_offset_bytes: seg.offset,
-            data_size_bytes: seg.size,
-            keyslots: infos,
-            used_secondary_header: used_secondary,
-        },
-        iv_tweak: seg.iv_tweak,
-        slots,
-    })
+    (infos, slots)
 }
 
 pub(super) fn b64e(b: &[u8]) -> String {
@@ -1282,7 +1506,6 @@ pub(crate) fn format(
     )?;
     let key = random_master_key(opts.key_bytes)?;
     let af_hash = Hash::Sha256;
-
     let mut digest_salt = [0u8; 32];
     random(&mut digest_salt)?;
     let mut digest = [0u8; 32];
@@ -1293,79 +1516,18 @@ pub(crate) fn format(
         DIGEST_ITERATIONS,
         &mut digest,
     )?;
-
     let mut slot_salt = [0u8; 32];
     random(&mut slot_salt)?;
     let area = seal_keyslot(key.as_slice(), passphrase, &opts.pbkdf, &slot_salt, af_hash)?;
     let area_size = round_up(area.len() as u64, AREA_ALIGN).unwrap_or(u64::MAX);
-
-    let kdf_json = kdf_json(&opts.pbkdf, &slot_salt);
-    let metadata = json!({
-        "keyslots": {
-            "0": {
-                "type": "luks2",
-                "key_size": opts.key_bytes,
-                "af": { "type": "luks1", "stripes": af::STRIPES, "hash": af_hash.name() },
-                "area": {
-                    "type": "raw",
-                    "offset": FORMAT_KEYSLOTS_OFFSET.to_string(),
-                    "size": area_size.to_string(),
-                    "encryption": CIPHER_SPEC,
-                    "key_size": opts.key_bytes,
-                },
-                "kdf": kdf_json,
-            }
-        },
-        "tokens": {},
-        "segments": {
-            "0": {
-                "type": "crypt",
-                "offset": FORMAT_DATA_OFFSET.to_string(),
-                "size": "dynamic",
-                "iv_tweak": "0",
-                "encryption": CIPHER_SPEC,
-                "sector_size": opts.sector_size,
-            }
-        },
-        "digests": {
-            "0": {
-                "type": "pbkdf2",
-                "keyslots": ["0"],
-                "segments": ["0"],
-                "hash": "sha256",
-                "iterations": DIGEST_ITERATIONS,
-                "salt": b64e(&digest_salt),
-                "digest": b64e(&digest),
-            }
-        },
-        "config": {
-            "json_size": (FORMAT_HDR_SIZE - BIN_HEADER_BYTES as u64).to_string(),
-            "keyslots_size": (FORMAT_DATA_OFFSET - FORMAT_KEYSLOTS_OFFSET).to_string(),
-        }
-    });
+    let keyslot = format_keyslot(opts, af_hash, area_size, &slot_salt);
+    let metadata = format_metadata(opts, keyslot, &digest_salt, &digest);
     let text = serde_json::to_vec(&metadata)
         .map_err(|e| LuksError::Io(std::io::Error::other(format!("JSON: {e}"))))?;
     let uuid = random_uuid()?;
     let label = opts.label.clone().unwrap_or_default();
-    let header = |secondary: bool| -> Result<Vec<u8>, LuksError> {
-        let mut salt = [0u8; 64];
-        random(&mut salt)?;
-        BinHeader {
-            secondary,
-            hdr_size: FORMAT_HDR_SIZE,
-            seqid: 1,
-            label: label.clone(),
-            checksum_alg: "sha256".to_string(),
-            salt,
-            uuid: uuid.clone(),
-            subsystem: String::new(),
-            hdr_offset: if secondary { FORMAT_HDR_SIZE } else { 0 },
-        }
-        .encode(&text)
-    };
-    let primary = header(false)?;
-    let secondary = header(true)?;
-
+    let primary = format_bin_header(false, &label, &uuid, &text)?;
+    let secondary = format_bin_header(true, &label, &uuid, &text)?;
     dev.zero(0, FORMAT_DATA_OFFSET)?;
     dev.write_at(FORMAT_KEYSLOTS_OFFSET, area.as_slice())?;
     dev.write_at(FORMAT_HDR_SIZE, &secondary)?;
@@ -1389,6 +1551,90 @@ pub(crate) fn format(
         },
         key,
     ))
+}
+
+/// Keyslot 0 of a new volume: `opts.pbkdf` with `slot_salt`, the AF
+/// splitter with `af_hash`, its `area_size`-byte area at
+/// [`FORMAT_KEYSLOTS_OFFSET`].
+fn format_keyslot(opts: &FormatOptions, af_hash: Hash, area_size: u64, slot_salt: &[u8]) -> Value {
+    json!({
+        "type": "luks2",
+        "key_size": opts.key_bytes,
+        "af": { "type": "luks1", "stripes": af::STRIPES, "hash": af_hash.name() },
+        "area": {
+            "type": "raw",
+            "offset": FORMAT_KEYSLOTS_OFFSET.to_string(),
+            "size": area_size.to_string(),
+            "encryption": CIPHER_SPEC,
+            "key_size": opts.key_bytes,
+        },
+        "kdf": kdf_json(&opts.pbkdf, slot_salt),
+    })
+}
+
+/// The JSON metadata of a new volume: `keyslot` as keyslot 0, one
+/// dynamic crypt segment at [`FORMAT_DATA_OFFSET`], the volume key's
+/// PBKDF2 `digest` with `digest_salt`, and the config of the default
+/// layout.
+fn format_metadata(
+    opts: &FormatOptions,
+    keyslot: Value,
+    digest_salt: &[u8],
+    digest: &[u8],
+) -> Value {
+    json!({
+        "keyslots": { "0": keyslot },
+        "tokens": {},
+        "segments": {
+            "0": {
+                "type": "crypt",
+                "offset": FORMAT_DATA_OFFSET.to_string(),
+                "size": "dynamic",
+                "iv_tweak": "0",
+                "encryption": CIPHER_SPEC,
+                "sector_size": opts.sector_size,
+            }
+        },
+        "digests": {
+            "0": {
+                "type": "pbkdf2",
+                "keyslots": ["0"],
+                "segments": ["0"],
+                "hash": "sha256",
+                "iterations": DIGEST_ITERATIONS,
+                "salt": b64e(digest_salt),
+                "digest": b64e(digest),
+            }
+        },
+        "config": {
+            "json_size": (FORMAT_HDR_SIZE - BIN_HEADER_BYTES as u64).to_string(),
+            "keyslots_size": (FORMAT_DATA_OFFSET - FORMAT_KEYSLOTS_OFFSET).to_string(),
+        }
+    })
+}
+
+/// A new volume's primary or `secondary` binary header (a fresh random
+/// salt, sequence id 1) over the JSON `text`.
+fn format_bin_header(
+    secondary: bool,
+    label: &str,
+    uuid: &str,
+    text: &[u8],
+) -> Result<Vec<u8>, LuksError> {
+    let mut salt = [0u8; 64];
+    random(&mut salt)?;
+    BinHeader {
+        secondary,
+        hdr_size: FORMAT_HDR_SIZE,
+        seqid: 1,
+        label: label.to_string(),
+        checksum_alg: "sha256".to_string(),
+        salt,
+        uuid: uuid.to_string(),
+        subsystem: String::new(),
+        hdr_offset: if secondary { FORMAT_HDR_SIZE } else { 0 },
+    }
+    .encode(text)
 }
 
 #[cfg(test)]
