@@ -850,6 +850,8 @@ impl Drop for MetricsServer {
     }
 }
 
+/// The endpoint's thread: wait on the wake-up socket, the listener and
+/// every client, serve what is ready, until woken (or `poll` fails).
 fn serve_loop(listener: TcpListener, woken: UnixStream, source: &MetricsSource) {
     let mut clients: Vec<Client> = Vec::new();
     let mut fds: Vec<libc::pollfd> = Vec::new();
@@ -861,31 +863,14 @@ fn serve_loop(listener: TcpListener, woken: UnixStream, source: &MetricsSource) 
             .map(|c| c.deadline.saturating_duration_since(now))
             .min()
             .map_or(-1, |d| d.as_millis().clamp(1, 60_000) as i32);
-        fds.clear();
-        let fd = |fd: i32, events: i16| libc::pollfd {
-            fd,
-            events,
-            revents: 0,
-        };
-        fds.push(fd(woken.as_raw_fd(), libc::POLLIN));
-        fds.push(fd(listener.as_raw_fd(), libc::POLLIN));
-        for c in &clients {
-            let ev = if c.wants_write() {
-                libc::POLLOUT
-            } else {
-                libc::POLLIN
-            };
-            fds.push(fd(c.stream.as_raw_fd(), ev));
-        }
-        // SAFETY: `fds` is a valid array of `fds.len()` pollfds.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
-        if n < 0 {
-            if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+        poll_set(&mut fds, &woken, &listener, &clients);
+        if let Err(e) = crate::sys::poll(&mut fds, timeout_ms) {
+            if e.kind() == io::ErrorKind::Interrupted {
                 continue;
             }
             // poll itself failed: nothing sensible to do but stop serving
             // metrics (the NBD server goes on).
-            eprintln!("metrics: poll failed: {}", io::Error::last_os_error());
+            eprintln!("metrics: poll failed: {e}");
             return;
         }
         if fds[0].revents != 0 {
@@ -893,58 +878,94 @@ fn serve_loop(listener: TcpListener, woken: UnixStream, source: &MetricsSource) 
         }
         // The clients first (their indexes match `fds[2..]`), then new
         // ones.
-        let mut i = 0;
-        let mut k = 2;
-        while i < clients.len() {
-            let rev = fds[k].revents;
-            k += 1;
-            let step = if rev & (libc::POLLERR | libc::POLLNVAL) != 0 {
-                Step::Close
-            } else if rev & libc::POLLOUT != 0 {
-                clients[i].writable()
-            } else if rev & (libc::POLLIN | libc::POLLHUP) != 0 {
-                clients[i].readable(source)
-            } else {
-                Step::Keep
-            };
-            match step {
-                Step::Keep => i += 1,
-                Step::Close => {
-                    clients.remove(i);
-                }
+        serve_clients(&mut clients, &fds[2..], source);
+        if fds[1].revents != 0 {
+            accept_clients(&listener, &mut clients);
+        }
+    }
+}
+
+/// What to wait for: the wake-up socket, the listener, then each client
+/// (its reply to send, else its request to read), in that order.
+fn poll_set(
+    fds: &mut Vec<libc::pollfd>,
+    woken: &UnixStream,
+    listener: &TcpListener,
+    clients: &[Client],
+) {
+    fds.clear();
+    let fd = |fd: i32, events: i16| libc::pollfd {
+        fd,
+        events,
+        revents: 0,
+    };
+    fds.push(fd(woken.as_raw_fd(), libc::POLLIN));
+    fds.push(fd(listener.as_raw_fd(), libc::POLLIN));
+    for c in clients {
+        let ev = if c.wants_write() {
+            libc::POLLOUT
+        } else {
+            libc::POLLIN
+        };
+        fds.push(fd(c.stream.as_raw_fd(), ev));
+    }
+}
+
+/// Serve each client what `poll` found ready (`ready[i]` is
+/// `clients[i]`'s entry), closing those that are done or failed.
+fn serve_clients(clients: &mut Vec<Client>, ready: &[libc::pollfd], source: &MetricsSource) {
+    let mut i = 0;
+    for p in ready {
+        let rev = p.revents;
+        let step = if rev & (libc::POLLERR | libc::POLLNVAL) != 0 {
+            Step::Close
+        } else if rev & libc::POLLOUT != 0 {
+            clients[i].writable()
+        } else if rev & (libc::POLLIN | libc::POLLHUP) != 0 {
+            clients[i].readable(source)
+        } else {
+            Step::Keep
+        };
+        match step {
+            Step::Keep => i += 1,
+            Step::Close => {
+                clients.remove(i);
             }
         }
-        if fds[1].revents != 0 {
-            loop {
-                match listener.accept() {
-                    Ok((stream, _)) => {
-                        if stream.set_nonblocking(true).is_err() {
-                            continue;
-                        }
-                        if clients.len() >= MAX_CONNECTIONS {
-                            // The oldest goes: a client that only holds a
-                            // connection open cannot keep scrapes out.
-                            clients.remove(0);
-                        }
-                        clients.push(Client {
-                            stream,
-                            head: Vec::new(),
-                            reply: None,
-                            draining: false,
-                            dropped: 0,
-                            deadline: Instant::now() + CLIENT_TIMEOUT,
-                        });
-                    }
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    // Out of descriptors, a connection reset before it was
-                    // taken, …: try again on the next wake-up (after a
-                    // pause, so a persistent error does not spin).
-                    Err(_) => {
-                        std::thread::sleep(Duration::from_millis(10));
-                        break;
-                    }
+    }
+}
+
+/// Take every connection waiting on the listener, the oldest client
+/// closed for each one past [`MAX_CONNECTIONS`].
+fn accept_clients(listener: &TcpListener, clients: &mut Vec<Client>) {
+    loop {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                if stream.set_nonblocking(true).is_err() {
+                    continue;
                 }
+                if clients.len() >= MAX_CONNECTIONS {
+                    // The oldest goes: a client that only holds a
+                    // connection open cannot keep scrapes out.
+                    clients.remove(0);
+                }
+                clients.push(Client {
+                    stream,
+                    head: Vec::new(),
+                    reply: None,
+                    draining: false,
+                    dropped: 0,
+                    deadline: Instant::now() + CLIENT_TIMEOUT,
+                });
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            // Out of descriptors, a connection reset before it was
+            // taken, …: try again on the next wake-up (after a pause, so
+            // a persistent error does not spin).
+            Err(_) => {
+                std::thread::sleep(Duration::from_millis(10));
+                break;
             }
         }
     }
