@@ -37,7 +37,7 @@ pub const DEFAULT_INLINE_MAX_BYTES: u32 = 64 << 10;
 /// suffixes that divides it exactly, else a plain byte count.
 pub fn size_text(bytes: u64) -> String {
     for (shift, suffix) in [(30, "G"), (20, "M"), (10, "K")] {
-        if bytes != 0 && bytes % (1 << shift) == 0 {
+        if bytes != 0 && bytes.is_multiple_of(1 << shift) {
             return format!("{}{suffix}", bytes >> shift);
         }
     }

@@ -259,210 +259,239 @@ fn commands(s: &Stats) -> [&iopages_nbd::CommandStats; 7] {
 
 impl Collector for Snapshot {
     fn encode(&self, enc: DescriptorEncoder) -> std::fmt::Result {
-        use MetricType::{Counter, Gauge};
         let t = &self.total;
         let mut f = Families { enc, s: self };
-
-        // Requests, per export.
-        f.per_export(
-            "iopages_read_bytes",
-            "Bytes of NBD reads served successfully.",
-            Counter,
-            |e| Some(e.stats.read.bytes),
-        )?;
-        f.per_export(
-            "iopages_write_bytes",
-            "Bytes of NBD writes served successfully.",
-            Counter,
-            |e| Some(e.stats.write.bytes),
-        )?;
-        f.per_export_by(
-            "iopages_requests",
-            "NBD requests served successfully, by command.",
-            Counter,
-            "command",
-            |e| {
-                COMMANDS
-                    .iter()
-                    .zip(commands(&e.stats))
-                    .map(|(n, c)| (*n, c.requests))
-                    .collect()
-            },
-        )?;
-        f.per_export_by(
-            "iopages_request_errors",
-            "NBD requests answered with an error, by command.",
-            Counter,
-            "command",
-            |e| {
-                COMMANDS
-                    .iter()
-                    .zip(commands(&e.stats))
-                    .map(|(n, c)| (*n, c.errors))
-                    .collect()
-            },
-        )?;
-        {
-            let mut m = f.enc.encode_descriptor(
-                "iopages_request_duration_seconds",
-                "Time from a request's header arriving to its reply being queued, by command class (other: flush, trim, write_zeroes).",
-                None,
-                MetricType::Histogram,
-            )?;
-            for e in &self.exports {
-                let l = &e.stats.latency;
-                for (class, h) in [("read", &l.read), ("write", &l.write), ("other", &l.other)] {
-                    let buckets = hist_buckets(h);
-                    let mut labels = export_label(e);
-                    labels.push(("command_class", class.to_string()));
-                    m.encode_family(&labels)?.encode_histogram::<NoLabelSet>(
-                        h.sum_seconds(),
-                        h.count(),
-                        &buckets,
-                        None,
-                    )?;
-                }
-            }
-        }
-        f.per_export(
-            "iopages_requests_in_flight",
-            "Requests submitted to the volume and not answered yet.",
-            Gauge,
-            |e| Some(e.stats.in_flight),
-        )?;
-        f.per_export_by(
-            "iopages_payload_buffers",
-            "Payload buffers taken, by where they came from.",
-            Counter,
-            "source",
-            |e| {
-                let b = &e.stats.buffers;
-                vec![
-                    ("arena_contiguous", b.arena_contiguous),
-                    ("arena_vmalloc", b.arena_vmalloc),
-                    ("heap", b.heap),
-                ]
-            },
-        )?;
-
-        // Volumes, per export.
-        f.per_export(
-            "iopages_export_open",
-            "1 when the export's volume is open (a lazy export opens on first use).",
-            Gauge,
-            |e| Some(e.open as u64),
-        )?;
-        f.per_export(
-            "iopages_arena_pages",
-            "Pages in the volume's page arena.",
-            Gauge,
-            |e| e.volume.as_ref().map(|v| v.arena_pages),
-        )?;
-        f.per_export(
-            "iopages_arena_pages_in_use",
-            "Pages of the volume's arena held now.",
-            Gauge,
-            |e| e.volume.as_ref().map(|v| v.arena_pages_in_use),
-        )?;
-        f.per_export_by(
-            "iopages_out_pages",
-            "Out pages (ciphertext of writes) by source: the allocation strategy's own attempt, the mempool's free pages, the mempool's reserve.",
-            Counter,
-            "source",
-            |e| match &e.volume {
-                Some(v) => vec![
-                    ("strategy", v.out.direct_pages),
-                    ("mempool", v.out.pool_pages.saturating_sub(v.out.reserve_pages)),
-                    ("reserve", v.out.reserve_pages),
-                ],
-                None => Vec::new(),
-            },
-        )?;
-        f.per_export(
-            "iopages_out_compound_blocks",
-            "High-order blocks among the strategy's out pages.",
-            Counter,
-            |e| e.volume.as_ref().map(|v| v.out.compound_blocks),
-        )?;
-        f.per_export(
-            "iopages_mempool_reserve_waits",
-            "Sleeps of writers that found the out-page mempool's reserve empty.",
-            Counter,
-            |e| e.volume.as_ref().map(|v| v.out.waits),
-        )?;
-
-        // The server.
-        f.one(
-            "iopages_connections_open",
-            "Connections open now (handshake or transmission, and those closing).",
-            Gauge,
-            t.open_connections,
-        )?;
-        f.one(
-            "iopages_connections",
-            "Connections accepted.",
-            Counter,
-            t.connections,
-        )?;
-        f.one(
-            "iopages_connections_refused",
-            "Connections refused because the connection limit was reached and the client's peer held its fair share.",
-            Counter,
-            t.refused_connections,
-        )?;
-        f.one(
-            "iopages_sessions",
-            "Connections that reached transmission.",
-            Counter,
-            t.sessions,
-        )?;
-        f.one(
-            "iopages_tls_sessions",
-            "Sessions upgraded to TLS.",
-            Counter,
-            t.tls_sessions,
-        )?;
-        f.one(
-            "iopages_tls_failures",
-            "TLS handshakes that failed.",
-            Counter,
-            t.tls_failures,
-        )?;
-        f.family(
-            "iopages_timeouts",
-            "Connections closed on a deadline: handshake, reply not taken, payload not sent, idle.",
-            Counter,
-            [
-                ("handshake", t.handshake_timeouts),
-                ("reply", t.reply_timeouts),
-                ("payload", t.payload_timeouts),
-                ("idle", t.idle_closes),
-            ]
-            .into_iter()
-            .map(|(k, v)| (vec![("kind", k.to_string())], v))
-            .collect(),
-        )?;
-        f.one(
-            "iopages_budget_used_bytes",
-            "Payload bytes in flight now, over all connections.",
-            Gauge,
-            t.budget_used_bytes,
-        )?;
-        f.one(
-            "iopages_budget_waits",
-            "Requests that waited for the payload byte budget.",
-            Counter,
-            t.budget_waits,
-        )?;
-        f.one(
-            "iopages_budget_refusals",
-            "Requests answered ENOMEM because the byte budget stayed exhausted.",
-            Counter,
-            t.budget_refusals,
-        )?;
+        requests(&mut f)?;
+        request_durations(&mut f)?;
+        request_resources(&mut f)?;
+        volumes(&mut f)?;
+        server(&mut f, t)?;
+        server_limits(&mut f, t)?;
         tenants(&mut f, t)?;
         remotes(&mut f)
     }
+}
+
+/// Requests, per export: bytes read and written, requests and errors by
+/// command.
+fn requests(f: &mut Families<'_, '_>) -> std::fmt::Result {
+    use MetricType::Counter;
+    f.per_export(
+        "iopages_read_bytes",
+        "Bytes of NBD reads served successfully.",
+        Counter,
+        |e| Some(e.stats.read.bytes),
+    )?;
+    f.per_export(
+        "iopages_write_bytes",
+        "Bytes of NBD writes served successfully.",
+        Counter,
+        |e| Some(e.stats.write.bytes),
+    )?;
+    f.per_export_by(
+        "iopages_requests",
+        "NBD requests served successfully, by command.",
+        Counter,
+        "command",
+        |e| {
+            COMMANDS
+                .iter()
+                .zip(commands(&e.stats))
+                .map(|(n, c)| (*n, c.requests))
+                .collect()
+        },
+    )?;
+    f.per_export_by(
+        "iopages_request_errors",
+        "NBD requests answered with an error, by command.",
+        Counter,
+        "command",
+        |e| {
+            COMMANDS
+                .iter()
+                .zip(commands(&e.stats))
+                .map(|(n, c)| (*n, c.errors))
+                .collect()
+        },
+    )
+}
+
+/// How long requests take, per export and command class.
+fn request_durations(f: &mut Families<'_, '_>) -> std::fmt::Result {
+    let mut m = f.enc.encode_descriptor(
+        "iopages_request_duration_seconds",
+        "Time from a request's header arriving to its reply being queued, by command class (other: flush, trim, write_zeroes).",
+        None,
+        MetricType::Histogram,
+    )?;
+    for e in &f.s.exports {
+        let l = &e.stats.latency;
+        for (class, h) in [("read", &l.read), ("write", &l.write), ("other", &l.other)] {
+            let buckets = hist_buckets(h);
+            let mut labels = export_label(e);
+            labels.push(("command_class", class.to_string()));
+            m.encode_family(&labels)?.encode_histogram::<NoLabelSet>(
+                h.sum_seconds(),
+                h.count(),
+                &buckets,
+                None,
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// What requests hold now, per export: in flight, payload buffers taken.
+fn request_resources(f: &mut Families<'_, '_>) -> std::fmt::Result {
+    use MetricType::{Counter, Gauge};
+    f.per_export(
+        "iopages_requests_in_flight",
+        "Requests submitted to the volume and not answered yet.",
+        Gauge,
+        |e| Some(e.stats.in_flight),
+    )?;
+    f.per_export_by(
+        "iopages_payload_buffers",
+        "Payload buffers taken, by where they came from.",
+        Counter,
+        "source",
+        |e| {
+            let b = &e.stats.buffers;
+            vec![
+                ("arena_contiguous", b.arena_contiguous),
+                ("arena_vmalloc", b.arena_vmalloc),
+                ("heap", b.heap),
+            ]
+        },
+    )
+}
+
+/// Volumes, per export: open or not, the page arena, out pages.
+fn volumes(f: &mut Families<'_, '_>) -> std::fmt::Result {
+    use MetricType::{Counter, Gauge};
+    f.per_export(
+        "iopages_export_open",
+        "1 when the export's volume is open (a lazy export opens on first use).",
+        Gauge,
+        |e| Some(e.open as u64),
+    )?;
+    f.per_export(
+        "iopages_arena_pages",
+        "Pages in the volume's page arena.",
+        Gauge,
+        |e| e.volume.as_ref().map(|v| v.arena_pages),
+    )?;
+    f.per_export(
+        "iopages_arena_pages_in_use",
+        "Pages of the volume's arena held now.",
+        Gauge,
+        |e| e.volume.as_ref().map(|v| v.arena_pages_in_use),
+    )?;
+    f.per_export_by(
+        "iopages_out_pages",
+        "Out pages (ciphertext of writes) by source: the allocation strategy's own attempt, the mempool's free pages, the mempool's reserve.",
+        Counter,
+        "source",
+        |e| match &e.volume {
+            Some(v) => vec![
+                ("strategy", v.out.direct_pages),
+                ("mempool", v.out.pool_pages.saturating_sub(v.out.reserve_pages)),
+                ("reserve", v.out.reserve_pages),
+            ],
+            None => Vec::new(),
+        },
+    )?;
+    f.per_export(
+        "iopages_out_compound_blocks",
+        "High-order blocks among the strategy's out pages.",
+        Counter,
+        |e| e.volume.as_ref().map(|v| v.out.compound_blocks),
+    )?;
+    f.per_export(
+        "iopages_mempool_reserve_waits",
+        "Sleeps of writers that found the out-page mempool's reserve empty.",
+        Counter,
+        |e| e.volume.as_ref().map(|v| v.out.waits),
+    )
+}
+
+/// The server's connections: open, accepted, refused, sessions, TLS.
+fn server(f: &mut Families<'_, '_>, t: &Stats) -> std::fmt::Result {
+    use MetricType::{Counter, Gauge};
+    f.one(
+        "iopages_connections_open",
+        "Connections open now (handshake or transmission, and those closing).",
+        Gauge,
+        t.open_connections,
+    )?;
+    f.one(
+        "iopages_connections",
+        "Connections accepted.",
+        Counter,
+        t.connections,
+    )?;
+    f.one(
+        "iopages_connections_refused",
+        "Connections refused because the connection limit was reached and the client's peer held its fair share.",
+        Counter,
+        t.refused_connections,
+    )?;
+    f.one(
+        "iopages_sessions",
+        "Connections that reached transmission.",
+        Counter,
+        t.sessions,
+    )?;
+    f.one(
+        "iopages_tls_sessions",
+        "Sessions upgraded to TLS.",
+        Counter,
+        t.tls_sessions,
+    )?;
+    f.one(
+        "iopages_tls_failures",
+        "TLS handshakes that failed.",
+        Counter,
+        t.tls_failures,
+    )
+}
+
+/// The server's limits: connections closed on a deadline, the payload
+/// byte budget.
+fn server_limits(f: &mut Families<'_, '_>, t: &Stats) -> std::fmt::Result {
+    use MetricType::{Counter, Gauge};
+    f.family(
+        "iopages_timeouts",
+        "Connections closed on a deadline: handshake, reply not taken, payload not sent, idle.",
+        Counter,
+        [
+            ("handshake", t.handshake_timeouts),
+            ("reply", t.reply_timeouts),
+            ("payload", t.payload_timeouts),
+            ("idle", t.idle_closes),
+        ]
+        .into_iter()
+        .map(|(k, v)| (vec![("kind", k.to_string())], v))
+        .collect(),
+    )?;
+    f.one(
+        "iopages_budget_used_bytes",
+        "Payload bytes in flight now, over all connections.",
+        Gauge,
+        t.budget_used_bytes,
+    )?;
+    f.one(
+        "iopages_budget_waits",
+        "Requests that waited for the payload byte budget.",
+        Counter,
+        t.budget_waits,
+    )?;
+    f.one(
+        "iopages_budget_refusals",
+        "Requests answered ENOMEM because the byte budget stayed exhausted.",
+        Counter,
+        t.budget_refusals,
+    )
 }
 
 /// A latency histogram's buckets as (upper bound in seconds, count).
