@@ -12,6 +12,7 @@
 //! a family we serve (a clear error naming it instead), or take sockets
 //! meant for another process (`LISTEN_PID` not ours: nothing is taken).
 
+use crate::sys;
 use iopages_nbd::{Listen, Listener};
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 
@@ -164,34 +165,12 @@ enum Family {
     Unix,
 }
 
-/// One `int` socket option of `fd`.
-fn sockopt_int(fd: RawFd, opt: libc::c_int) -> std::io::Result<libc::c_int> {
-    let mut v: libc::c_int = 0;
-    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: v and len are ours and live across the call; len is v's
-    // size, and getsockopt writes at most len bytes to v.
-    let r = unsafe {
-        libc::getsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            opt,
-            (&mut v as *mut libc::c_int).cast(),
-            &mut len,
-        )
-    };
-    if r == -1 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(v)
-}
-
 /// Whether `fd` is an open, listening stream socket, and of which family.
 fn check_listening(fd: RawFd) -> Result<Family, String> {
-    // SAFETY: F_GETFD only reads the descriptor's flags.
-    if unsafe { libc::fcntl(fd, libc::F_GETFD) } == -1 {
+    if sys::fd_flags(fd).is_err() {
         return Err("not an open file descriptor (LISTEN_FDS counts more than were passed)".into());
     }
-    let ty = match sockopt_int(fd, libc::SO_TYPE) {
+    let ty = match sys::socket_option_int(fd, libc::SO_TYPE) {
         Ok(t) => t,
         Err(e) if e.raw_os_error() == Some(libc::ENOTSOCK) => return Err("not a socket".into()),
         Err(e) => return Err(format!("cannot read its socket type: {e}")),
@@ -199,30 +178,13 @@ fn check_listening(fd: RawFd) -> Result<Family, String> {
     if ty != libc::SOCK_STREAM {
         return Err("not a stream socket (NBD needs ListenStream=)".into());
     }
-    match sockopt_int(fd, libc::SO_ACCEPTCONN) {
+    match sys::socket_option_int(fd, libc::SO_ACCEPTCONN) {
         Ok(0) => return Err("a socket that is not listening".into()),
         Ok(_) => {}
         Err(e) => return Err(format!("cannot tell whether it listens: {e}")),
     }
-    // SAFETY: sockaddr_storage is plain data, valid all zeros.
-    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
-    // SAFETY: ss and len are ours and live across the call; len is ss's
-    // size, and getsockname writes at most len bytes to it.
-    let r = unsafe {
-        libc::getsockname(
-            fd,
-            (&mut ss as *mut libc::sockaddr_storage).cast(),
-            &mut len,
-        )
-    };
-    if r == -1 {
-        return Err(format!(
-            "cannot read its address: {}",
-            std::io::Error::last_os_error()
-        ));
-    }
-    match libc::c_int::from(ss.ss_family) {
+    let family = sys::socket_family(fd).map_err(|e| format!("cannot read its address: {e}"))?;
+    match family {
         libc::AF_INET | libc::AF_INET6 => Ok(Family::Inet),
         libc::AF_UNIX => Ok(Family::Unix),
         f => Err(format!(
@@ -233,13 +195,8 @@ fn check_listening(fd: RawFd) -> Result<Family, String> {
 
 /// Mark `fd` close-on-exec (systemd passes it without the flag).
 fn set_cloexec(fd: RawFd) -> std::io::Result<()> {
-    // SAFETY: F_GETFD and F_SETFD only read and set the descriptor's flags.
-    let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
-    // SAFETY: as above.
-    if flags == -1 || unsafe { libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC) } == -1 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
+    let flags = sys::fd_flags(fd)?;
+    sys::set_fd_flags(fd, flags | libc::FD_CLOEXEC)
 }
 
 #[cfg(test)]

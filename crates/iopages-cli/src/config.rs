@@ -9,6 +9,7 @@
 //! governs what happens when an export fails to open or unlock, not errors
 //! in the file itself.
 
+use crate::defaults::DEFAULT_ARENA_BYTES;
 use iopages_nbd::{AllowRule, RateLimit};
 use serde::de::{self, Visitor};
 use serde::Deserialize;
@@ -17,7 +18,7 @@ use std::fmt;
 use std::io::Read;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
-use toml::de::{DeTable, ValueDeserializer};
+use toml::de::{DeTable, DeValue, ValueDeserializer};
 
 /// Largest configuration file read (1 MiB): far more than 256 exports
 /// need, small enough that a wrong path (a disk image) fails at once.
@@ -31,9 +32,6 @@ pub const MAX_NAME_BYTES: usize = 4096;
 
 /// Largest `max-kdf-memory` (4 GiB), as `--max-kdf-memory`.
 pub const MAX_KDF_MEMORY_BYTES: u64 = 4 << 30;
-
-/// The page arena of an export without `arena` (512 MiB, as `--arena`).
-pub const DEFAULT_ARENA_BYTES: u64 = 512 << 20;
 
 /// Where the server listens when the file names neither `listen` nor
 /// `unix` (as `serve` without `--listen`).
@@ -157,7 +155,8 @@ pub struct ExportSpec {
     pub io: IoMode,
     /// `allow-discards` (default false), as `--allow-discards`.
     pub allow_discards: bool,
-    /// `arena` in bytes: a non-zero multiple of 4096 (default 512 MiB).
+    /// `arena` in bytes: a non-zero multiple of 4096 (default
+    /// [`DEFAULT_ARENA_BYTES`]).
     pub arena_bytes: u64,
     /// `workers`: crypt worker threads, at least 1 (default: per core; 64
     /// for a remote image).
@@ -274,25 +273,52 @@ pub fn parse(text: &str, path: &Path) -> Result<ServeConfig, ConfigError> {
     if text.len() as u64 > MAX_CONFIG_BYTES {
         return Err(too_large(path));
     }
-    let at = |span: Option<std::ops::Range<usize>>, message: String| {
+    let loc = Locator { text, path };
+    let root = DeTable::parse(text).map_err(|e| loc.at(e.span(), e.message().to_string()))?;
+    let (server_value, export_value) = top_level(root.get_ref(), &loc)?;
+    let server = match server_value {
+        None => ServerSection::default(),
+        Some(v) => server_section(v, &loc)?,
+    };
+    let exports = export_list(export_value, &loc, server.unlock)?;
+    Ok(ServeConfig { server, exports })
+}
+
+/// A value of the file with its span.
+type Item<'i> = toml::Spanned<DeValue<'i>>;
+
+/// The file being parsed, to place errors in it.
+struct Locator<'a> {
+    text: &'a str,
+    path: &'a Path,
+}
+
+impl Locator<'_> {
+    /// `message` at the line and column where `span` starts (none without
+    /// a span).
+    fn at(&self, span: Option<std::ops::Range<usize>>, message: String) -> ConfigError {
         let (line, column) = match span {
             Some(s) => {
-                let (l, c) = line_col(text, s.start);
+                let (l, c) = line_col(self.text, s.start);
                 (Some(l), Some(c))
             }
             None => (None, None),
         };
         ConfigError {
-            path: path.to_path_buf(),
+            path: self.path.to_path_buf(),
             line,
             column,
             message,
         }
-    };
-    let root = DeTable::parse(text).map_err(|e| at(e.span(), e.message().to_string()))?;
-    let root = root.get_ref();
+    }
+}
 
-    // Top level: [server] and [[export]] only.
+/// The top level's `[server]` and `export` values, each if present; any
+/// other key is an error.
+fn top_level<'t, 'i>(
+    root: &'t DeTable<'i>,
+    loc: &Locator<'_>,
+) -> Result<(Option<&'t Item<'i>>, Option<&'t Item<'i>>), ConfigError> {
     let mut server_value = None;
     let mut export_value = None;
     for (k, v) in root.iter() {
@@ -300,74 +326,58 @@ pub fn parse(text: &str, path: &Path) -> Result<ServeConfig, ConfigError> {
             "server" => server_value = Some(v),
             "export" => export_value = Some(v),
             other => {
-                return Err(at(
+                return Err(loc.at(
                     Some(k.span()),
                     format!("unknown key {other:?} (expected [server] or [[export]])"),
                 ))
             }
         }
     }
+    Ok((server_value, export_value))
+}
 
-    let server = match server_value {
-        None => ServerSection::default(),
-        Some(v) => {
-            let Some(table) = v.get_ref().as_table() else {
-                return Err(at(Some(v.span()), "[server] must be a table".into()));
-            };
-            let raw = RawServer::deserialize(ValueDeserializer::from(v.clone()))
-                .map_err(|e| at(e.span(), format!("[server]: {}", serde_message(&e, table))))?;
-            raw.into_section()
-                .map_err(|m| at(Some(v.span()), format!("[server]: {m}")))?
-        }
+/// `[server]`: its keys, then the checks across them.
+fn server_section(v: &Item<'_>, loc: &Locator<'_>) -> Result<ServerSection, ConfigError> {
+    let Some(table) = v.get_ref().as_table() else {
+        return Err(loc.at(Some(v.span()), "[server] must be a table".into()));
     };
+    let raw = RawServer::deserialize(ValueDeserializer::from(v.clone()))
+        .map_err(|e| loc.at(e.span(), format!("[server]: {}", serde_message(&e, table))))?;
+    raw.into_section()
+        .map_err(|m| loc.at(Some(v.span()), format!("[server]: {m}")))
+}
 
+/// Every `[[export]]`: at least one, at most [`MAX_EXPORTS`], names
+/// unique; each checked for the server's `unlock`.
+fn export_list(
+    export_value: Option<&Item<'_>>,
+    loc: &Locator<'_>,
+    unlock: Unlock,
+) -> Result<Vec<ExportSpec>, ConfigError> {
     let Some(export_value) = export_value else {
-        return Err(at(
+        return Err(loc.at(
             None,
             "no [[export]]: describe at least one volume to serve".into(),
         ));
     };
     let Some(elements) = export_value.get_ref().as_array() else {
-        return Err(at(
+        return Err(loc.at(
             Some(export_value.span()),
             "`export` must be an array of tables: write [[export]], not [export]".into(),
         ));
     };
     if elements.is_empty() {
-        return Err(at(
+        return Err(loc.at(
             Some(export_value.span()),
             "no [[export]]: describe at least one volume to serve".into(),
         ));
     }
-
     let mut exports: Vec<ExportSpec> = Vec::with_capacity(elements.len().min(MAX_EXPORTS));
     for (i, element) in elements.iter().enumerate() {
-        let header = element.span();
-        let Some(table) = element.get_ref().as_table() else {
-            return Err(at(
-                Some(header),
-                format!("export #{}: must be a table", i + 1),
-            ));
-        };
-        let who = match table.get("name").and_then(|n| n.get_ref().as_str()) {
-            Some(name) => format!("export {}", shown_name(name)),
-            None => format!("export #{}", i + 1),
-        };
-        if i == MAX_EXPORTS {
-            return Err(at(
-                Some(header),
-                format!("{who}: more than {MAX_EXPORTS} exports in one file"),
-            ));
-        }
-        let raw = RawExport::deserialize(ValueDeserializer::from(element.clone()))
-            .map_err(|e| at(e.span(), format!("{who}: {}", serde_message(&e, table))))?;
-        let (line, _) = line_col(text, header.start);
-        let spec = raw
-            .check(line, server.unlock)
-            .map_err(|m| at(Some(header.clone()), format!("{who}: {m}")))?;
+        let (who, spec) = export_spec(i, element, loc, unlock)?;
         if let Some(first) = exports.iter().find(|x| x.name == spec.name) {
-            return Err(at(
-                Some(header),
+            return Err(loc.at(
+                Some(element.span()),
                 format!(
                     "{who}: name already used by the export at line {}",
                     first.line
@@ -376,7 +386,38 @@ pub fn parse(text: &str, path: &Path) -> Result<ServeConfig, ConfigError> {
         }
         exports.push(spec);
     }
-    Ok(ServeConfig { server, exports })
+    Ok(exports)
+}
+
+/// The `i`th `[[export]]` (from 0), and how errors name it: `export
+/// "NAME"`, or `export #N` before its name is known.
+fn export_spec(
+    i: usize,
+    element: &Item<'_>,
+    loc: &Locator<'_>,
+    unlock: Unlock,
+) -> Result<(String, ExportSpec), ConfigError> {
+    let header = element.span();
+    let Some(table) = element.get_ref().as_table() else {
+        return Err(loc.at(Some(header), format!("export #{}: must be a table", i + 1)));
+    };
+    let who = match table.get("name").and_then(|n| n.get_ref().as_str()) {
+        Some(name) => format!("export {}", shown_name(name)),
+        None => format!("export #{}", i + 1),
+    };
+    if i == MAX_EXPORTS {
+        return Err(loc.at(
+            Some(header),
+            format!("{who}: more than {MAX_EXPORTS} exports in one file"),
+        ));
+    }
+    let raw = RawExport::deserialize(ValueDeserializer::from(element.clone()))
+        .map_err(|e| loc.at(e.span(), format!("{who}: {}", serde_message(&e, table))))?;
+    let (line, _) = line_col(loc.text, header.start);
+    let spec = raw
+        .check(line, unlock)
+        .map_err(|m| loc.at(Some(header), format!("{who}: {m}")))?;
+    Ok((who, spec))
 }
 
 /// The file for the systemd credential `name`:
@@ -801,9 +842,9 @@ mod tests {
     const MINIMAL: &str =
         "[[export]]\nname = \"vm1\"\nimage = \"/img\"\npassphrase-file = \"/p\"\n";
 
-    #[test]
-    fn config_full_file_round_trips() {
-        let text = r#"
+    /// A file that sets every key: `[server]` and three exports, one per
+    /// image kind and passphrase source.
+    const FULL_FILE: &str = r#"
 [server]
 listen = ["127.0.0.1:10809", "[::1]:10810"]
 unix = ["/run/iopages/nbd.sock"]
@@ -844,84 +885,101 @@ name = "vm3"
 image = "nbd+unix:///vm3?socket=/run/store.sock"
 passphrase-prompt = true
 "#;
-        let c = ok(text);
-        assert_eq!(
-            c.server,
-            ServerSection {
-                listen: vec![
-                    "127.0.0.1:10809".parse().unwrap(),
-                    "[::1]:10810".parse().unwrap()
-                ],
-                unix: vec![PathBuf::from("/run/iopages/nbd.sock")],
-                unlock: Unlock::Start,
-                strict: true,
-                metrics: Some("127.0.0.1:9810".parse().unwrap()),
-                max_handshakes: Some(8),
-                peer_min_connections: Some(3),
-                peer_min_inflight: Some(8 << 20),
-            }
-        );
+
+    /// [`FULL_FILE`]'s `[server]`.
+    fn full_file_server() -> ServerSection {
+        ServerSection {
+            listen: vec![
+                "127.0.0.1:10809".parse().unwrap(),
+                "[::1]:10810".parse().unwrap(),
+            ],
+            unix: vec![PathBuf::from("/run/iopages/nbd.sock")],
+            unlock: Unlock::Start,
+            strict: true,
+            metrics: Some("127.0.0.1:9810".parse().unwrap()),
+            max_handshakes: Some(8),
+            peer_min_connections: Some(3),
+            peer_min_inflight: Some(8 << 20),
+        }
+    }
+
+    /// [`FULL_FILE`]'s first export: a file, every key set.
+    fn full_file_vm1() -> ExportSpec {
+        ExportSpec {
+            name: "vm1".into(),
+            image: ImageSpec::Path("/var/lib/iopages/vm1.luks".into()),
+            passphrase: PassphraseSource::File("/etc/iopages/vm1.pass".into()),
+            description: Some("the first VM".into()),
+            read_only: true,
+            io: IoMode::Direct,
+            allow_discards: true,
+            arena_bytes: 1 << 30,
+            workers: Some(2),
+            max_kdf_memory: Some(4 << 30),
+            inline_max: Some(64 << 10),
+            allow: vec![
+                AllowRule::Psk("alice".into()),
+                "ip:10.0.0.0/8".parse().unwrap(),
+            ],
+            rate: RateLimit {
+                bytes_per_second: Some(100 << 20),
+                requests_per_second: Some(5000),
+            },
+            reconnect_delay: None,
+            line: 12,
+        }
+    }
+
+    /// [`FULL_FILE`]'s second export: a remote image, a credential.
+    fn full_file_vm2() -> ExportSpec {
+        ExportSpec {
+            name: "vm2".into(),
+            image: ImageSpec::Nbd("nbd://store.example:10809/vm2".into()),
+            passphrase: PassphraseSource::Credential("vm2.pass".into()),
+            description: None,
+            read_only: false,
+            io: IoMode::Buffered,
+            allow_discards: false,
+            arena_bytes: 1 << 20,
+            workers: None,
+            max_kdf_memory: None,
+            inline_max: Some(0),
+            allow: Vec::new(),
+            rate: RateLimit::default(),
+            reconnect_delay: Some(std::time::Duration::from_secs(30)),
+            line: 28,
+        }
+    }
+
+    /// [`FULL_FILE`]'s third export: a remote image over a Unix socket, a
+    /// prompt, every default.
+    fn full_file_vm3() -> ExportSpec {
+        ExportSpec {
+            name: "vm3".into(),
+            image: ImageSpec::Nbd("nbd+unix:///vm3?socket=/run/store.sock".into()),
+            passphrase: PassphraseSource::Prompt,
+            description: None,
+            read_only: false,
+            io: IoMode::Auto,
+            allow_discards: false,
+            arena_bytes: DEFAULT_ARENA_BYTES,
+            workers: None,
+            max_kdf_memory: None,
+            inline_max: None,
+            allow: Vec::new(),
+            rate: RateLimit::default(),
+            reconnect_delay: None,
+            line: 37,
+        }
+    }
+
+    #[test]
+    fn config_full_file_round_trips() {
+        let c = ok(FULL_FILE);
+        assert_eq!(c.server, full_file_server());
         assert_eq!(
             c.exports,
-            vec![
-                ExportSpec {
-                    name: "vm1".into(),
-                    image: ImageSpec::Path("/var/lib/iopages/vm1.luks".into()),
-                    passphrase: PassphraseSource::File("/etc/iopages/vm1.pass".into()),
-                    description: Some("the first VM".into()),
-                    read_only: true,
-                    io: IoMode::Direct,
-                    allow_discards: true,
-                    arena_bytes: 1 << 30,
-                    workers: Some(2),
-                    max_kdf_memory: Some(4 << 30),
-                    inline_max: Some(64 << 10),
-                    allow: vec![
-                        AllowRule::Psk("alice".into()),
-                        "ip:10.0.0.0/8".parse().unwrap()
-                    ],
-                    rate: RateLimit {
-                        bytes_per_second: Some(100 << 20),
-                        requests_per_second: Some(5000),
-                    },
-                    reconnect_delay: None,
-                    line: 12,
-                },
-                ExportSpec {
-                    name: "vm2".into(),
-                    image: ImageSpec::Nbd("nbd://store.example:10809/vm2".into()),
-                    passphrase: PassphraseSource::Credential("vm2.pass".into()),
-                    description: None,
-                    read_only: false,
-                    io: IoMode::Buffered,
-                    allow_discards: false,
-                    arena_bytes: 1 << 20,
-                    workers: None,
-                    max_kdf_memory: None,
-                    inline_max: Some(0),
-                    allow: Vec::new(),
-                    rate: RateLimit::default(),
-                    reconnect_delay: Some(std::time::Duration::from_secs(30)),
-                    line: 28,
-                },
-                ExportSpec {
-                    name: "vm3".into(),
-                    image: ImageSpec::Nbd("nbd+unix:///vm3?socket=/run/store.sock".into()),
-                    passphrase: PassphraseSource::Prompt,
-                    description: None,
-                    read_only: false,
-                    io: IoMode::Auto,
-                    allow_discards: false,
-                    arena_bytes: DEFAULT_ARENA_BYTES,
-                    workers: None,
-                    max_kdf_memory: None,
-                    inline_max: None,
-                    allow: Vec::new(),
-                    rate: RateLimit::default(),
-                    reconnect_delay: None,
-                    line: 37,
-                },
-            ]
+            vec![full_file_vm1(), full_file_vm2(), full_file_vm3()]
         );
     }
 
@@ -939,7 +997,7 @@ passphrase-prompt = true
         assert_eq!(e.description, None);
         assert!(!e.read_only && !e.allow_discards);
         assert_eq!(e.io, IoMode::Auto);
-        assert_eq!(e.arena_bytes, 512 << 20);
+        assert_eq!(e.arena_bytes, DEFAULT_ARENA_BYTES);
         assert_eq!(
             (e.workers, e.max_kdf_memory, e.inline_max),
             (None, None, None)

@@ -7,25 +7,13 @@
 //! can read or through a symbolic link, or print a header's strings
 //! unescaped.
 
+use crate::luks_kdf::{kdf_limits, HashArg, KdfCostArgs, PbkdfArg};
 use crate::passphrase::read_passphrase;
-use iopages_crypt::luks::{
-    self, FormatOptions, Hash, KdfKind, KdfLimits, KdfTarget, LuksOpenOptions, LuksVersion,
-};
+use iopages_crypt::luks::{self, FormatOptions, KdfLimits, LuksOpenOptions, LuksVersion};
 use std::io::Write;
 use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-
-/// The key derivation limits for `--max-kdf-memory BYTES` (`None`: the
-/// default 1 GiB of Argon2 memory per key slot, cryptsetup's own default
-/// for new key slots; at most 4 GiB, cryptsetup's maximum). For every
-/// command that opens a volume with a passphrase (`serve --image` too).
-pub(crate) fn kdf_limits(max_kdf_memory: Option<u64>) -> KdfLimits {
-    match max_kdf_memory {
-        Some(bytes) => KdfLimits::default().with_max_argon2_memory_bytes(bytes),
-        None => KdfLimits::default(),
-    }
-}
 
 #[derive(clap::Subcommand)]
 pub enum LuksCommand {
@@ -141,103 +129,6 @@ pub struct FormatArgs {
 enum VersionArg {
     Luks1,
     Luks2,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub(crate) enum PbkdfArg {
-    Pbkdf2,
-    Argon2i,
-    Argon2id,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub(crate) enum HashArg {
-    Sha1,
-    Sha256,
-}
-
-impl HashArg {
-    pub(crate) fn hash(self) -> Hash {
-        match self {
-            HashArg::Sha1 => Hash::Sha1,
-            HashArg::Sha256 => Hash::Sha256,
-        }
-    }
-}
-
-impl PbkdfArg {
-    /// The KDF, PBKDF2 with `hash`.
-    pub(crate) fn kind(self, hash: Hash) -> KdfKind {
-        match self {
-            PbkdfArg::Pbkdf2 => KdfKind::Pbkdf2(hash),
-            PbkdfArg::Argon2i => KdfKind::Argon2i,
-            PbkdfArg::Argon2id => KdfKind::Argon2id,
-        }
-    }
-}
-
-/// The key-derivation cost flags `format` and the key verbs share.
-#[derive(clap::Args, Debug)]
-pub(crate) struct KdfCostArgs {
-    /// Unlock time to aim for, in milliseconds, as cryptsetup's
-    /// --iter-time: the key derivation is benchmarked on this machine and
-    /// its costs scaled to take about this long (Argon2: memory first, up
-    /// to 1 GiB and half the available memory, then passes). Costs given
-    /// with --iterations, --memory or --parallel are kept as given.
-    #[arg(long, value_name = "MS", default_value_t = 2000)]
-    pub iter_time: u64,
-    /// PBKDF2 iterations, or Argon2 passes (time cost); skips their
-    /// benchmark.
-    #[arg(long, value_name = "N")]
-    pub iterations: Option<u32>,
-    /// Argon2 memory cost in KiB; skips its benchmark.
-    #[arg(long, value_name = "KIB")]
-    pub memory: Option<u32>,
-    /// Argon2 lanes (default 4, or one per CPU on fewer CPUs).
-    #[arg(long, value_name = "N")]
-    pub parallel: Option<u32>,
-}
-
-impl KdfCostArgs {
-    /// What to calibrate a new key slot of `kind` for (see [`kdf_target`]).
-    pub(crate) fn target(&self, kind: KdfKind) -> Result<KdfTarget, String> {
-        kdf_target(
-            kind,
-            self.iterations,
-            self.memory,
-            self.parallel,
-            self.iter_time,
-        )
-    }
-}
-
-/// What to calibrate a new key slot's `kind` to, from the KDF flags
-/// `format` and the key verbs share (`--iterations`, `--memory`,
-/// `--parallel`, `--iter-time`).
-///
-/// **Returns:** the target; the error for Argon2 costs given to PBKDF2 or
-/// an `--iter-time` of 0.
-pub(crate) fn kdf_target(
-    kind: KdfKind,
-    iterations: Option<u32>,
-    memory: Option<u32>,
-    parallel: Option<u32>,
-    iter_time_ms: u64,
-) -> Result<KdfTarget, String> {
-    if matches!(kind, KdfKind::Pbkdf2(_)) && (memory.is_some() || parallel.is_some()) {
-        return Err(
-            "--memory and --parallel are Argon2 costs: PBKDF2 has --iterations only".into(),
-        );
-    }
-    if iter_time_ms == 0 {
-        return Err("--iter-time 0: give the unlock time to aim for, in milliseconds".into());
-    }
-    Ok(KdfTarget {
-        iterations,
-        memory_kib: memory,
-        parallel,
-        ..KdfTarget::new(kind, std::time::Duration::from_millis(iter_time_ms))
-    })
 }
 
 fn version_name(v: LuksVersion) -> &'static str {
@@ -361,6 +252,49 @@ fn device_bytes(path: &Path) -> Result<u64, String> {
 }
 
 fn format(a: FormatArgs) -> Result<(), String> {
+    let (base, target) = format_plan(&a)?;
+    let pass = read_passphrase(&a.passphrase_file)?;
+    let existing = std::fs::metadata(&a.image).ok();
+    let is_file = existing.as_ref().is_none_or(|m| m.is_file());
+    if let Some(m) = &existing {
+        let non_empty = if m.is_file() { m.len() > 0 } else { true };
+        if non_empty && !a.yes {
+            return Err(format!(
+                "{} is not empty: formatting destroys its data; add --yes to go ahead",
+                a.image.display()
+            ));
+        }
+    }
+    // Benchmarked only once the image may be written: a refusal above
+    // costs no benchmark.
+    let (opts, chosen) = base
+        .with_calibrated_kdf(&target)
+        .map_err(|e| format!("{}: {e}", a.image.display()))?;
+    println!("key slot 0: {chosen}");
+    let t0 = Instant::now();
+    let vol = format_image(&a, &pass, &opts, existing.is_some(), is_file)?;
+    let dev = device_bytes(&a.image)?;
+    println!(
+        "{}: {} {}, {}-bit key, {}-byte sectors, payload {} bytes at offset {}, uuid {} ({:.1} s)",
+        a.image.display(),
+        version_name(vol.version()),
+        vol.cipher_spec(),
+        vol.master_key().len() * 8,
+        vol.sector_size(),
+        vol.data_size_bytes(dev),
+        vol.data_offset_bytes(),
+        luks::printable(vol.uuid()),
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// `format`'s flags as the volume's options (their KDF still to be
+/// calibrated) and what to calibrate it for.
+///
+/// **Returns:** the error for a key size aes-xts-plain64 does not take,
+/// or KDF flags that do not go together.
+fn format_plan(a: &FormatArgs) -> Result<(FormatOptions, luks::KdfTarget), String> {
     let version = match a.version {
         VersionArg::Luks1 => LuksVersion::Luks1,
         VersionArg::Luks2 => LuksVersion::Luks2,
@@ -381,70 +315,45 @@ fn format(a: FormatArgs) -> Result<(), String> {
         version,
         key_bytes: a.key_size / 8,
         sector_size: a.sector_size,
-        // Replaced by the calibrated (or given) costs below.
+        // Replaced by the calibrated (or given) costs.
         pbkdf: FormatOptions::fast_for_tests(version).pbkdf,
         label: a.label.clone(),
     };
-    let pass = read_passphrase(&a.passphrase_file)?;
-    let existing = std::fs::metadata(&a.image).ok();
-    let is_file = existing.as_ref().is_none_or(|m| m.is_file());
-    if let Some(m) = &existing {
-        let non_empty = if m.is_file() { m.len() > 0 } else { true };
-        if non_empty && !a.yes {
+    Ok((base, target))
+}
+
+/// Write the header and key slot: with `--size`, a file made the header
+/// plus that payload; without, the image (`exists`) at its present size.
+fn format_image(
+    a: &FormatArgs,
+    pass: &[u8],
+    opts: &FormatOptions,
+    exists: bool,
+    is_file: bool,
+) -> Result<luks::LuksVolume, String> {
+    let Some(size) = a.size else {
+        if !exists {
             return Err(format!(
-                "{} is not empty: formatting destroys its data; add --yes to go ahead",
+                "{} does not exist: give --size to make it",
                 a.image.display()
             ));
         }
-    }
-    // Benchmarked only once the image may be written: a refusal above
-    // costs no benchmark.
-    let (opts, chosen) = base
-        .with_calibrated_kdf(&target)
-        .map_err(|e| format!("{}: {e}", a.image.display()))?;
-    println!("key slot 0: {chosen}");
-    let t0 = Instant::now();
-    let vol = match a.size {
-        Some(size) => {
-            if !is_file {
-                return Err("--size makes a file; leave it out for a block device".into());
-            }
-            // Room for any header, then the file is cut to header + size.
-            let v = luks::format_path(&a.image, Some((32 << 20) + size), &pass, &opts)
-                .map_err(|e| format!("{}: {e}", a.image.display()))?;
-            let f = std::fs::OpenOptions::new()
-                .write(true)
-                .open(&a.image)
-                .map_err(|e| format!("cannot open {}: {e}", a.image.display()))?;
-            f.set_len(v.data_offset_bytes() + size)
-                .map_err(|e| format!("cannot size {}: {e}", a.image.display()))?;
-            v
-        }
-        None => {
-            if existing.is_none() {
-                return Err(format!(
-                    "{} does not exist: give --size to make it",
-                    a.image.display()
-                ));
-            }
-            luks::format_path(&a.image, None, &pass, &opts)
-                .map_err(|e| format!("{}: {e}", a.image.display()))?
-        }
+        return luks::format_path(&a.image, None, pass, opts)
+            .map_err(|e| format!("{}: {e}", a.image.display()));
     };
-    let dev = device_bytes(&a.image)?;
-    println!(
-        "{}: {} {}, {}-bit key, {}-byte sectors, payload {} bytes at offset {}, uuid {} ({:.1} s)",
-        a.image.display(),
-        version_name(vol.version()),
-        vol.cipher_spec(),
-        vol.master_key().len() * 8,
-        vol.sector_size(),
-        vol.data_size_bytes(dev),
-        vol.data_offset_bytes(),
-        luks::printable(vol.uuid()),
-        t0.elapsed().as_secs_f64()
-    );
-    Ok(())
+    if !is_file {
+        return Err("--size makes a file; leave it out for a block device".into());
+    }
+    // Room for any header, then the file is cut to header + size.
+    let v = luks::format_path(&a.image, Some((32 << 20) + size), pass, opts)
+        .map_err(|e| format!("{}: {e}", a.image.display()))?;
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&a.image)
+        .map_err(|e| format!("cannot open {}: {e}", a.image.display()))?;
+    f.set_len(v.data_offset_bytes() + size)
+        .map_err(|e| format!("cannot size {}: {e}", a.image.display()))?;
+    Ok(v)
 }
 
 /// Create (or with `yes` truncate) the plaintext output: mode 0600,
@@ -522,42 +431,14 @@ fn decrypt(
         .xts_cipher()
         .map_err(|e| format!("cannot set up {}: {e}", vol.cipher_spec()))?;
     let out = create_output(output, yes)?;
-    let result = (|| -> Result<(), String> {
-        let mut buf = vec![0u8; 1 << 20];
-        let mut at = 0u64;
-        let t0 = Instant::now();
-        let mut last = t0;
-        while at < size {
-            let n = ((size - at) as usize).min(buf.len());
-            let b = &mut buf[..n];
-            src.read_exact_at(b, vol.data_offset_bytes() + at)
-                .map_err(|e| {
-                    format!(
-                        "reading {} at {}: {e}",
-                        image.display(),
-                        vol.data_offset_bytes() + at
-                    )
-                })?;
-            cipher
-                .decrypt_sectors_in_place(at / ss, b)
-                .map_err(|e| format!("decrypting at {at}: {e}"))?;
-            out.write_all_at(b, at)
-                .map_err(|e| format!("writing {}: {e}", output.display()))?;
-            at += n as u64;
-            if last.elapsed().as_secs() >= 1 {
-                last = Instant::now();
-                eprint!("\rdecrypted {} of {} MiB", at >> 20, size >> 20);
-                let _ = std::io::stderr().flush();
-            }
-        }
-        out.sync_all()
-            .map_err(|e| format!("syncing {}: {e}", output.display()))?;
-        if t0.elapsed().as_secs() >= 1 {
-            eprintln!();
-        }
-        Ok(())
-    })();
-    if let Err(e) = result {
+    let from = Plaintext {
+        src: &src,
+        image,
+        data_offset: vol.data_offset_bytes(),
+        sector_bytes: ss,
+        size,
+    };
+    if let Err(e) = from.copy(&mut cipher, &out, output) {
         // Only a regular file is removed (never a device node given as
         // the output with --yes).
         let regular = out.metadata().is_ok_and(|m| m.is_file());
@@ -576,6 +457,62 @@ fn decrypt(
         version_name(vol.version())
     );
     Ok(())
+}
+
+/// The payload of an opened image, to decrypt.
+struct Plaintext<'a> {
+    src: &'a std::fs::File,
+    /// The image's name, for messages.
+    image: &'a Path,
+    data_offset: u64,
+    sector_bytes: u64,
+    /// Whole sectors to decrypt, from the payload's start.
+    size: u64,
+}
+
+impl Plaintext<'_> {
+    /// Decrypt the whole payload into `out` (named `output`) a MiB at a
+    /// time, showing progress each second on standard error, then sync
+    /// it.
+    ///
+    /// **Returns:** the first read, decryption, write or sync error.
+    fn copy(
+        &self,
+        cipher: &mut iopages_crypt::XtsCipher,
+        out: &std::fs::File,
+        output: &Path,
+    ) -> Result<(), String> {
+        let (size, ss) = (self.size, self.sector_bytes);
+        let mut buf = vec![0u8; 1 << 20];
+        let mut at = 0u64;
+        let t0 = Instant::now();
+        let mut last = t0;
+        while at < size {
+            let n = ((size - at) as usize).min(buf.len());
+            let b = &mut buf[..n];
+            let from = self.data_offset + at;
+            self.src
+                .read_exact_at(b, from)
+                .map_err(|e| format!("reading {} at {from}: {e}", self.image.display()))?;
+            cipher
+                .decrypt_sectors_in_place(at / ss, b)
+                .map_err(|e| format!("decrypting at {at}: {e}"))?;
+            out.write_all_at(b, at)
+                .map_err(|e| format!("writing {}: {e}", output.display()))?;
+            at += n as u64;
+            if last.elapsed().as_secs() >= 1 {
+                last = Instant::now();
+                eprint!("\rdecrypted {} of {} MiB", at >> 20, size >> 20);
+                let _ = std::io::stderr().flush();
+            }
+        }
+        out.sync_all()
+            .map_err(|e| format!("syncing {}: {e}", output.display()))?;
+        if t0.elapsed().as_secs() >= 1 {
+            eprintln!();
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

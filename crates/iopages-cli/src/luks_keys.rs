@@ -9,7 +9,7 @@
 //! read both passphrases from standard input, write a header without the
 //! image's exclusive lock (`luks_target`), or print a passphrase.
 
-use crate::luks_cmd::{kdf_limits, HashArg, KdfCostArgs, PbkdfArg};
+use crate::luks_kdf::{kdf_limits, HashArg, KdfCostArgs, PbkdfArg};
 use crate::luks_target::{self, Target};
 use crate::passphrase::read_passphrase;
 use iopages_crypt::luks::{

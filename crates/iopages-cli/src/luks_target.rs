@@ -126,12 +126,9 @@ fn open_local(path: &Path, write: bool) -> Result<Target, String> {
 /// waiting.
 fn lock(file: &File, write: bool, what: &str) -> Result<(), String> {
     let op = if write { libc::LOCK_EX } else { libc::LOCK_SH } | libc::LOCK_NB;
-    // SAFETY: flock takes a descriptor we own (the file outlives the call)
-    // and no memory.
-    if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
+    let Err(e) = crate::sys::flock(file.as_raw_fd(), op) else {
         return Ok(());
-    }
-    let e = std::io::Error::last_os_error();
+    };
     if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
         return Err(format!(
             "{what} is locked by another process changing its header (iopages luks or \

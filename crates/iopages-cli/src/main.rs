@@ -118,14 +118,18 @@ enum Command {
 
 mod activation;
 mod config;
+mod defaults;
 mod luks_cmd;
 mod luks_header;
+mod luks_kdf;
 mod luks_keys;
 mod luks_target;
 mod metrics;
 mod passphrase;
 mod serve;
 mod served;
+mod signals;
+mod sys;
 
 /// Largest size the command line accepts (1 PiB).
 const MAX_SIZE_BYTES: u64 = 1 << 50;

@@ -259,210 +259,239 @@ fn commands(s: &Stats) -> [&iopages_nbd::CommandStats; 7] {
 
 impl Collector for Snapshot {
     fn encode(&self, enc: DescriptorEncoder) -> std::fmt::Result {
-        use MetricType::{Counter, Gauge};
         let t = &self.total;
         let mut f = Families { enc, s: self };
-
-        // Requests, per export.
-        f.per_export(
-            "iopages_read_bytes",
-            "Bytes of NBD reads served successfully.",
-            Counter,
-            |e| Some(e.stats.read.bytes),
-        )?;
-        f.per_export(
-            "iopages_write_bytes",
-            "Bytes of NBD writes served successfully.",
-            Counter,
-            |e| Some(e.stats.write.bytes),
-        )?;
-        f.per_export_by(
-            "iopages_requests",
-            "NBD requests served successfully, by command.",
-            Counter,
-            "command",
-            |e| {
-                COMMANDS
-                    .iter()
-                    .zip(commands(&e.stats))
-                    .map(|(n, c)| (*n, c.requests))
-                    .collect()
-            },
-        )?;
-        f.per_export_by(
-            "iopages_request_errors",
-            "NBD requests answered with an error, by command.",
-            Counter,
-            "command",
-            |e| {
-                COMMANDS
-                    .iter()
-                    .zip(commands(&e.stats))
-                    .map(|(n, c)| (*n, c.errors))
-                    .collect()
-            },
-        )?;
-        {
-            let mut m = f.enc.encode_descriptor(
-                "iopages_request_duration_seconds",
-                "Time from a request's header arriving to its reply being queued, by command class (other: flush, trim, write_zeroes).",
-                None,
-                MetricType::Histogram,
-            )?;
-            for e in &self.exports {
-                let l = &e.stats.latency;
-                for (class, h) in [("read", &l.read), ("write", &l.write), ("other", &l.other)] {
-                    let buckets = hist_buckets(h);
-                    let mut labels = export_label(e);
-                    labels.push(("command_class", class.to_string()));
-                    m.encode_family(&labels)?.encode_histogram::<NoLabelSet>(
-                        h.sum_seconds(),
-                        h.count(),
-                        &buckets,
-                        None,
-                    )?;
-                }
-            }
-        }
-        f.per_export(
-            "iopages_requests_in_flight",
-            "Requests submitted to the volume and not answered yet.",
-            Gauge,
-            |e| Some(e.stats.in_flight),
-        )?;
-        f.per_export_by(
-            "iopages_payload_buffers",
-            "Payload buffers taken, by where they came from.",
-            Counter,
-            "source",
-            |e| {
-                let b = &e.stats.buffers;
-                vec![
-                    ("arena_contiguous", b.arena_contiguous),
-                    ("arena_vmalloc", b.arena_vmalloc),
-                    ("heap", b.heap),
-                ]
-            },
-        )?;
-
-        // Volumes, per export.
-        f.per_export(
-            "iopages_export_open",
-            "1 when the export's volume is open (a lazy export opens on first use).",
-            Gauge,
-            |e| Some(e.open as u64),
-        )?;
-        f.per_export(
-            "iopages_arena_pages",
-            "Pages in the volume's page arena.",
-            Gauge,
-            |e| e.volume.as_ref().map(|v| v.arena_pages),
-        )?;
-        f.per_export(
-            "iopages_arena_pages_in_use",
-            "Pages of the volume's arena held now.",
-            Gauge,
-            |e| e.volume.as_ref().map(|v| v.arena_pages_in_use),
-        )?;
-        f.per_export_by(
-            "iopages_out_pages",
-            "Out pages (ciphertext of writes) by source: the allocation strategy's own attempt, the mempool's free pages, the mempool's reserve.",
-            Counter,
-            "source",
-            |e| match &e.volume {
-                Some(v) => vec![
-                    ("strategy", v.out.direct_pages),
-                    ("mempool", v.out.pool_pages.saturating_sub(v.out.reserve_pages)),
-                    ("reserve", v.out.reserve_pages),
-                ],
-                None => Vec::new(),
-            },
-        )?;
-        f.per_export(
-            "iopages_out_compound_blocks",
-            "High-order blocks among the strategy's out pages.",
-            Counter,
-            |e| e.volume.as_ref().map(|v| v.out.compound_blocks),
-        )?;
-        f.per_export(
-            "iopages_mempool_reserve_waits",
-            "Sleeps of writers that found the out-page mempool's reserve empty.",
-            Counter,
-            |e| e.volume.as_ref().map(|v| v.out.waits),
-        )?;
-
-        // The server.
-        f.one(
-            "iopages_connections_open",
-            "Connections open now (handshake or transmission, and those closing).",
-            Gauge,
-            t.open_connections,
-        )?;
-        f.one(
-            "iopages_connections",
-            "Connections accepted.",
-            Counter,
-            t.connections,
-        )?;
-        f.one(
-            "iopages_connections_refused",
-            "Connections refused because the connection limit was reached and the client's peer held its fair share.",
-            Counter,
-            t.refused_connections,
-        )?;
-        f.one(
-            "iopages_sessions",
-            "Connections that reached transmission.",
-            Counter,
-            t.sessions,
-        )?;
-        f.one(
-            "iopages_tls_sessions",
-            "Sessions upgraded to TLS.",
-            Counter,
-            t.tls_sessions,
-        )?;
-        f.one(
-            "iopages_tls_failures",
-            "TLS handshakes that failed.",
-            Counter,
-            t.tls_failures,
-        )?;
-        f.family(
-            "iopages_timeouts",
-            "Connections closed on a deadline: handshake, reply not taken, payload not sent, idle.",
-            Counter,
-            [
-                ("handshake", t.handshake_timeouts),
-                ("reply", t.reply_timeouts),
-                ("payload", t.payload_timeouts),
-                ("idle", t.idle_closes),
-            ]
-            .into_iter()
-            .map(|(k, v)| (vec![("kind", k.to_string())], v))
-            .collect(),
-        )?;
-        f.one(
-            "iopages_budget_used_bytes",
-            "Payload bytes in flight now, over all connections.",
-            Gauge,
-            t.budget_used_bytes,
-        )?;
-        f.one(
-            "iopages_budget_waits",
-            "Requests that waited for the payload byte budget.",
-            Counter,
-            t.budget_waits,
-        )?;
-        f.one(
-            "iopages_budget_refusals",
-            "Requests answered ENOMEM because the byte budget stayed exhausted.",
-            Counter,
-            t.budget_refusals,
-        )?;
+        requests(&mut f)?;
+        request_durations(&mut f)?;
+        request_resources(&mut f)?;
+        volumes(&mut f)?;
+        server(&mut f, t)?;
+        server_limits(&mut f, t)?;
         tenants(&mut f, t)?;
         remotes(&mut f)
     }
+}
+
+/// Requests, per export: bytes read and written, requests and errors by
+/// command.
+fn requests(f: &mut Families<'_, '_>) -> std::fmt::Result {
+    use MetricType::Counter;
+    f.per_export(
+        "iopages_read_bytes",
+        "Bytes of NBD reads served successfully.",
+        Counter,
+        |e| Some(e.stats.read.bytes),
+    )?;
+    f.per_export(
+        "iopages_write_bytes",
+        "Bytes of NBD writes served successfully.",
+        Counter,
+        |e| Some(e.stats.write.bytes),
+    )?;
+    f.per_export_by(
+        "iopages_requests",
+        "NBD requests served successfully, by command.",
+        Counter,
+        "command",
+        |e| {
+            COMMANDS
+                .iter()
+                .zip(commands(&e.stats))
+                .map(|(n, c)| (*n, c.requests))
+                .collect()
+        },
+    )?;
+    f.per_export_by(
+        "iopages_request_errors",
+        "NBD requests answered with an error, by command.",
+        Counter,
+        "command",
+        |e| {
+            COMMANDS
+                .iter()
+                .zip(commands(&e.stats))
+                .map(|(n, c)| (*n, c.errors))
+                .collect()
+        },
+    )
+}
+
+/// How long requests take, per export and command class.
+fn request_durations(f: &mut Families<'_, '_>) -> std::fmt::Result {
+    let mut m = f.enc.encode_descriptor(
+        "iopages_request_duration_seconds",
+        "Time from a request's header arriving to its reply being queued, by command class (other: flush, trim, write_zeroes).",
+        None,
+        MetricType::Histogram,
+    )?;
+    for e in &f.s.exports {
+        let l = &e.stats.latency;
+        for (class, h) in [("read", &l.read), ("write", &l.write), ("other", &l.other)] {
+            let buckets = hist_buckets(h);
+            let mut labels = export_label(e);
+            labels.push(("command_class", class.to_string()));
+            m.encode_family(&labels)?.encode_histogram::<NoLabelSet>(
+                h.sum_seconds(),
+                h.count(),
+                &buckets,
+                None,
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// What requests hold now, per export: in flight, payload buffers taken.
+fn request_resources(f: &mut Families<'_, '_>) -> std::fmt::Result {
+    use MetricType::{Counter, Gauge};
+    f.per_export(
+        "iopages_requests_in_flight",
+        "Requests submitted to the volume and not answered yet.",
+        Gauge,
+        |e| Some(e.stats.in_flight),
+    )?;
+    f.per_export_by(
+        "iopages_payload_buffers",
+        "Payload buffers taken, by where they came from.",
+        Counter,
+        "source",
+        |e| {
+            let b = &e.stats.buffers;
+            vec![
+                ("arena_contiguous", b.arena_contiguous),
+                ("arena_vmalloc", b.arena_vmalloc),
+                ("heap", b.heap),
+            ]
+        },
+    )
+}
+
+/// Volumes, per export: open or not, the page arena, out pages.
+fn volumes(f: &mut Families<'_, '_>) -> std::fmt::Result {
+    use MetricType::{Counter, Gauge};
+    f.per_export(
+        "iopages_export_open",
+        "1 when the export's volume is open (a lazy export opens on first use).",
+        Gauge,
+        |e| Some(e.open as u64),
+    )?;
+    f.per_export(
+        "iopages_arena_pages",
+        "Pages in the volume's page arena.",
+        Gauge,
+        |e| e.volume.as_ref().map(|v| v.arena_pages),
+    )?;
+    f.per_export(
+        "iopages_arena_pages_in_use",
+        "Pages of the volume's arena held now.",
+        Gauge,
+        |e| e.volume.as_ref().map(|v| v.arena_pages_in_use),
+    )?;
+    f.per_export_by(
+        "iopages_out_pages",
+        "Out pages (ciphertext of writes) by source: the allocation strategy's own attempt, the mempool's free pages, the mempool's reserve.",
+        Counter,
+        "source",
+        |e| match &e.volume {
+            Some(v) => vec![
+                ("strategy", v.out.direct_pages),
+                ("mempool", v.out.pool_pages.saturating_sub(v.out.reserve_pages)),
+                ("reserve", v.out.reserve_pages),
+            ],
+            None => Vec::new(),
+        },
+    )?;
+    f.per_export(
+        "iopages_out_compound_blocks",
+        "High-order blocks among the strategy's out pages.",
+        Counter,
+        |e| e.volume.as_ref().map(|v| v.out.compound_blocks),
+    )?;
+    f.per_export(
+        "iopages_mempool_reserve_waits",
+        "Sleeps of writers that found the out-page mempool's reserve empty.",
+        Counter,
+        |e| e.volume.as_ref().map(|v| v.out.waits),
+    )
+}
+
+/// The server's connections: open, accepted, refused, sessions, TLS.
+fn server(f: &mut Families<'_, '_>, t: &Stats) -> std::fmt::Result {
+    use MetricType::{Counter, Gauge};
+    f.one(
+        "iopages_connections_open",
+        "Connections open now (handshake or transmission, and those closing).",
+        Gauge,
+        t.open_connections,
+    )?;
+    f.one(
+        "iopages_connections",
+        "Connections accepted.",
+        Counter,
+        t.connections,
+    )?;
+    f.one(
+        "iopages_connections_refused",
+        "Connections refused because the connection limit was reached and the client's peer held its fair share.",
+        Counter,
+        t.refused_connections,
+    )?;
+    f.one(
+        "iopages_sessions",
+        "Connections that reached transmission.",
+        Counter,
+        t.sessions,
+    )?;
+    f.one(
+        "iopages_tls_sessions",
+        "Sessions upgraded to TLS.",
+        Counter,
+        t.tls_sessions,
+    )?;
+    f.one(
+        "iopages_tls_failures",
+        "TLS handshakes that failed.",
+        Counter,
+        t.tls_failures,
+    )
+}
+
+/// The server's limits: connections closed on a deadline, the payload
+/// byte budget.
+fn server_limits(f: &mut Families<'_, '_>, t: &Stats) -> std::fmt::Result {
+    use MetricType::{Counter, Gauge};
+    f.family(
+        "iopages_timeouts",
+        "Connections closed on a deadline: handshake, reply not taken, payload not sent, idle.",
+        Counter,
+        [
+            ("handshake", t.handshake_timeouts),
+            ("reply", t.reply_timeouts),
+            ("payload", t.payload_timeouts),
+            ("idle", t.idle_closes),
+        ]
+        .into_iter()
+        .map(|(k, v)| (vec![("kind", k.to_string())], v))
+        .collect(),
+    )?;
+    f.one(
+        "iopages_budget_used_bytes",
+        "Payload bytes in flight now, over all connections.",
+        Gauge,
+        t.budget_used_bytes,
+    )?;
+    f.one(
+        "iopages_budget_waits",
+        "Requests that waited for the payload byte budget.",
+        Counter,
+        t.budget_waits,
+    )?;
+    f.one(
+        "iopages_budget_refusals",
+        "Requests answered ENOMEM because the byte budget stayed exhausted.",
+        Counter,
+        t.budget_refusals,
+    )
 }
 
 /// A latency histogram's buckets as (upper bound in seconds, count).
@@ -850,6 +879,8 @@ impl Drop for MetricsServer {
     }
 }
 
+/// The endpoint's thread: wait on the wake-up socket, the listener and
+/// every client, serve what is ready, until woken (or `poll` fails).
 fn serve_loop(listener: TcpListener, woken: UnixStream, source: &MetricsSource) {
     let mut clients: Vec<Client> = Vec::new();
     let mut fds: Vec<libc::pollfd> = Vec::new();
@@ -861,31 +892,14 @@ fn serve_loop(listener: TcpListener, woken: UnixStream, source: &MetricsSource) 
             .map(|c| c.deadline.saturating_duration_since(now))
             .min()
             .map_or(-1, |d| d.as_millis().clamp(1, 60_000) as i32);
-        fds.clear();
-        let fd = |fd: i32, events: i16| libc::pollfd {
-            fd,
-            events,
-            revents: 0,
-        };
-        fds.push(fd(woken.as_raw_fd(), libc::POLLIN));
-        fds.push(fd(listener.as_raw_fd(), libc::POLLIN));
-        for c in &clients {
-            let ev = if c.wants_write() {
-                libc::POLLOUT
-            } else {
-                libc::POLLIN
-            };
-            fds.push(fd(c.stream.as_raw_fd(), ev));
-        }
-        // SAFETY: `fds` is a valid array of `fds.len()` pollfds.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
-        if n < 0 {
-            if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+        poll_set(&mut fds, &woken, &listener, &clients);
+        if let Err(e) = crate::sys::poll(&mut fds, timeout_ms) {
+            if e.kind() == io::ErrorKind::Interrupted {
                 continue;
             }
             // poll itself failed: nothing sensible to do but stop serving
             // metrics (the NBD server goes on).
-            eprintln!("metrics: poll failed: {}", io::Error::last_os_error());
+            eprintln!("metrics: poll failed: {e}");
             return;
         }
         if fds[0].revents != 0 {
@@ -893,58 +907,94 @@ fn serve_loop(listener: TcpListener, woken: UnixStream, source: &MetricsSource) 
         }
         // The clients first (their indexes match `fds[2..]`), then new
         // ones.
-        let mut i = 0;
-        let mut k = 2;
-        while i < clients.len() {
-            let rev = fds[k].revents;
-            k += 1;
-            let step = if rev & (libc::POLLERR | libc::POLLNVAL) != 0 {
-                Step::Close
-            } else if rev & libc::POLLOUT != 0 {
-                clients[i].writable()
-            } else if rev & (libc::POLLIN | libc::POLLHUP) != 0 {
-                clients[i].readable(source)
-            } else {
-                Step::Keep
-            };
-            match step {
-                Step::Keep => i += 1,
-                Step::Close => {
-                    clients.remove(i);
-                }
+        serve_clients(&mut clients, &fds[2..], source);
+        if fds[1].revents != 0 {
+            accept_clients(&listener, &mut clients);
+        }
+    }
+}
+
+/// What to wait for: the wake-up socket, the listener, then each client
+/// (its reply to send, else its request to read), in that order.
+fn poll_set(
+    fds: &mut Vec<libc::pollfd>,
+    woken: &UnixStream,
+    listener: &TcpListener,
+    clients: &[Client],
+) {
+    fds.clear();
+    let fd = |fd: i32, events: i16| libc::pollfd {
+        fd,
+        events,
+        revents: 0,
+    };
+    fds.push(fd(woken.as_raw_fd(), libc::POLLIN));
+    fds.push(fd(listener.as_raw_fd(), libc::POLLIN));
+    for c in clients {
+        let ev = if c.wants_write() {
+            libc::POLLOUT
+        } else {
+            libc::POLLIN
+        };
+        fds.push(fd(c.stream.as_raw_fd(), ev));
+    }
+}
+
+/// Serve each client what `poll` found ready (`ready[i]` is
+/// `clients[i]`'s entry), closing those that are done or failed.
+fn serve_clients(clients: &mut Vec<Client>, ready: &[libc::pollfd], source: &MetricsSource) {
+    let mut i = 0;
+    for p in ready {
+        let rev = p.revents;
+        let step = if rev & (libc::POLLERR | libc::POLLNVAL) != 0 {
+            Step::Close
+        } else if rev & libc::POLLOUT != 0 {
+            clients[i].writable()
+        } else if rev & (libc::POLLIN | libc::POLLHUP) != 0 {
+            clients[i].readable(source)
+        } else {
+            Step::Keep
+        };
+        match step {
+            Step::Keep => i += 1,
+            Step::Close => {
+                clients.remove(i);
             }
         }
-        if fds[1].revents != 0 {
-            loop {
-                match listener.accept() {
-                    Ok((stream, _)) => {
-                        if stream.set_nonblocking(true).is_err() {
-                            continue;
-                        }
-                        if clients.len() >= MAX_CONNECTIONS {
-                            // The oldest goes: a client that only holds a
-                            // connection open cannot keep scrapes out.
-                            clients.remove(0);
-                        }
-                        clients.push(Client {
-                            stream,
-                            head: Vec::new(),
-                            reply: None,
-                            draining: false,
-                            dropped: 0,
-                            deadline: Instant::now() + CLIENT_TIMEOUT,
-                        });
-                    }
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    // Out of descriptors, a connection reset before it was
-                    // taken, …: try again on the next wake-up (after a
-                    // pause, so a persistent error does not spin).
-                    Err(_) => {
-                        std::thread::sleep(Duration::from_millis(10));
-                        break;
-                    }
+    }
+}
+
+/// Take every connection waiting on the listener, the oldest client
+/// closed for each one past [`MAX_CONNECTIONS`].
+fn accept_clients(listener: &TcpListener, clients: &mut Vec<Client>) {
+    loop {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                if stream.set_nonblocking(true).is_err() {
+                    continue;
                 }
+                if clients.len() >= MAX_CONNECTIONS {
+                    // The oldest goes: a client that only holds a
+                    // connection open cannot keep scrapes out.
+                    clients.remove(0);
+                }
+                clients.push(Client {
+                    stream,
+                    head: Vec::new(),
+                    reply: None,
+                    draining: false,
+                    dropped: 0,
+                    deadline: Instant::now() + CLIENT_TIMEOUT,
+                });
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            // Out of descriptors, a connection reset before it was
+            // taken, …: try again on the next wake-up (after a pause, so
+            // a persistent error does not spin).
+            Err(_) => {
+                std::thread::sleep(Duration::from_millis(10));
+                break;
             }
         }
     }

@@ -11,7 +11,9 @@
 //! it being flushed at stop (it stays in the list).
 
 use crate::config::{self, ExportSpec, ImageSpec, IoMode, PassphraseSource, ServeConfig, Unlock};
+use crate::defaults::DEFAULT_INLINE_MAX_BYTES;
 use crate::passphrase::read_passphrase;
+use crate::signals::{self, SignalSet};
 use iopages_crypt::uring::DirectIo;
 use iopages_nbd::remote::{NbdRemote, RemoteOptions, RemoteSpec};
 use iopages_nbd::volume::{self, Volume, VolumeOptions};
@@ -97,7 +99,7 @@ pub fn image_spec(arg: &Path) -> ImageSpec {
 /// for SIGINT and SIGTERM, which stop the process at once (nothing has
 /// been written yet).
 pub fn open_watched<T: Send + 'static>(
-    signals: &libc::sigset_t,
+    signals: &SignalSet,
     what: &str,
     f: impl FnOnce() -> Result<T, String> + Send + 'static,
 ) -> Result<T, String> {
@@ -106,11 +108,11 @@ pub fn open_watched<T: Send + 'static>(
         .spawn(f)
         .map_err(|e| format!("cannot start the thread that opens {what}: {e}"))?;
     while !opening.is_finished() {
-        if let Some(sig) = crate::serve::wait_signal(signals, Some(Duration::from_millis(50))) {
-            if sig == libc::SIGINT || sig == libc::SIGTERM {
+        if let Some(sig) = signals::wait_signal(signals, Some(Duration::from_millis(50))) {
+            if signals::stops_opening(sig) {
                 eprintln!(
                     "signal {}: stopped while opening {what} (nothing was written)",
-                    if sig == libc::SIGINT { "INT" } else { "TERM" }
+                    signals::stop_name(sig)
                 );
                 std::process::exit(128 + sig);
             }
@@ -139,7 +141,7 @@ pub fn description(vol: &Volume) -> String {
 /// device or the network, which only the workers overlap).
 pub fn default_inline(vol: &Volume) -> u32 {
     if vol.file.as_ref().is_some_and(|f| !f.direct_io()) {
-        crate::serve::DEFAULT_INLINE_MAX_BYTES
+        DEFAULT_INLINE_MAX_BYTES
     } else {
         0
     }
@@ -186,7 +188,7 @@ fn plan(spec: &ExportSpec, c: &Common) -> Result<Planned, String> {
         IoMode::Buffered => DirectIo::Off,
     };
     opts.workers = spec.workers;
-    opts.kdf_limits = crate::luks_cmd::kdf_limits(spec.max_kdf_memory);
+    opts.kdf_limits = crate::luks_kdf::kdf_limits(spec.max_kdf_memory);
     let mut config = ExportConfig::new(spec.name.clone());
     config.read_only = spec.read_only;
     config.handshake_timeout = c.handshake_timeout;
@@ -225,12 +227,10 @@ fn ready(p: &Planned, vol: &Volume) -> (ExportConfig, ExportVolume) {
 pub fn from_config(
     cfg: &ServeConfig,
     c: &Common,
-    signals: &libc::sigset_t,
+    signals: &SignalSet,
     volumes: &Volumes,
 ) -> Result<Vec<Export>, String> {
     let mut exports = Vec::with_capacity(cfg.exports.len());
-    let where_ =
-        |spec: &ExportSpec, e: &str| format!("export {:?} (line {}): {e}", spec.name, spec.line);
     for spec in &cfg.exports {
         let planned = match plan(spec, c) {
             Ok(p) => p,
@@ -241,62 +241,75 @@ pub fn from_config(
             }
         };
         match cfg.server.unlock {
-            Unlock::Start => {
-                let (image, pass, opts) = (
-                    planned.spec.image.clone(),
-                    planned.pass.clone(),
-                    planned.opts.clone(),
-                );
-                let what = format!("export {:?}", spec.name);
-                let reconnect = spec.reconnect_delay;
-                let open = move || open_image(&image, &pass, &opts, reconnect);
-                match open_watched(signals, &what, open) {
-                    Ok(vol) => {
-                        let (config, volume) = ready(&planned, &vol);
-                        volumes.lock().push(Served {
-                            name: spec.name.clone(),
-                            vol,
-                            read_only: spec.read_only,
-                        });
-                        exports.push(Export::ready(config, volume));
-                    }
-                    Err(e) if c.strict => return Err(where_(spec, &e)),
-                    Err(e) => eprintln!("{}; not served", where_(spec, &e)),
-                }
-            }
-            Unlock::Lazy => {
-                let volumes = Arc::clone(volumes);
-                // Advertised before the volume is open: the inline size
-                // cannot wait to see whether O_DIRECT is taken, so only
-                // an explicitly buffered image file is served inline.
-                let mut config = planned.config.clone();
-                let buffered_file =
-                    spec.io == IoMode::Buffered && matches!(spec.image, ImageSpec::Path(_));
-                config.inline_max_bytes = spec.inline_max.unwrap_or(if buffered_file {
-                    crate::serve::DEFAULT_INLINE_MAX_BYTES
-                } else {
-                    0
-                });
-                exports.push(Export::lazy(
-                    config,
-                    Box::new(move || {
-                        let p = &planned;
-                        let vol =
-                            open_image(&p.spec.image, &p.pass, &p.opts, p.spec.reconnect_delay)?;
-                        let (_, volume) = ready(&planned, &vol);
-                        volumes.lock().push(Served {
-                            name: planned.spec.name.clone(),
-                            vol,
-                            read_only: planned.spec.read_only,
-                        });
-                        Ok(volume)
-                    }),
-                ));
-            }
+            Unlock::Start => match open_now(planned, signals, volumes) {
+                Ok(export) => exports.push(export),
+                Err(e) if c.strict => return Err(where_(spec, &e)),
+                Err(e) => eprintln!("{}; not served", where_(spec, &e)),
+            },
+            Unlock::Lazy => exports.push(open_lazily(planned, volumes)),
         }
     }
     if exports.is_empty() {
         return Err("no export of the configuration could be served".into());
     }
     Ok(exports)
+}
+
+/// An export's error as reported: its name and the line of its
+/// `[[export]]`.
+fn where_(spec: &ExportSpec, e: &str) -> String {
+    format!("export {:?} (line {}): {e}", spec.name, spec.line)
+}
+
+/// `unlock = "start"`: open the planned volume now (watching for
+/// signals), list it among the opened volumes, and serve it ready.
+fn open_now(planned: Planned, signals: &SignalSet, volumes: &Volumes) -> Result<Export, String> {
+    let spec = &planned.spec;
+    let (image, pass, opts) = (
+        spec.image.clone(),
+        planned.pass.clone(),
+        planned.opts.clone(),
+    );
+    let what = format!("export {:?}", spec.name);
+    let reconnect = spec.reconnect_delay;
+    let open = move || open_image(&image, &pass, &opts, reconnect);
+    let vol = open_watched(signals, &what, open)?;
+    let (config, volume) = ready(&planned, &vol);
+    volumes.lock().push(Served {
+        name: spec.name.clone(),
+        vol,
+        read_only: spec.read_only,
+    });
+    Ok(Export::ready(config, volume))
+}
+
+/// `unlock = "lazy"`: an export the server opens on its first client's
+/// request, listing the volume among the opened ones then.
+fn open_lazily(planned: Planned, volumes: &Volumes) -> Export {
+    let volumes = Arc::clone(volumes);
+    let spec = &planned.spec;
+    // Advertised before the volume is open: the inline size cannot wait
+    // to see whether O_DIRECT is taken, so only an explicitly buffered
+    // image file is served inline.
+    let mut config = planned.config.clone();
+    let buffered_file = spec.io == IoMode::Buffered && matches!(spec.image, ImageSpec::Path(_));
+    config.inline_max_bytes = spec.inline_max.unwrap_or(if buffered_file {
+        DEFAULT_INLINE_MAX_BYTES
+    } else {
+        0
+    });
+    Export::lazy(
+        config,
+        Box::new(move || {
+            let p = &planned;
+            let vol = open_image(&p.spec.image, &p.pass, &p.opts, p.spec.reconnect_delay)?;
+            let (_, volume) = ready(&planned, &vol);
+            volumes.lock().push(Served {
+                name: planned.spec.name.clone(),
+                vol,
+                read_only: planned.spec.read_only,
+            });
+            Ok(volume)
+        }),
+    )
 }

@@ -34,6 +34,32 @@ fn uri(sock: &Path, name: &str) -> String {
     format!("nbd+unix:///{name}?socket={}", sock.display())
 }
 
+/// Both exports of the test below written by nbdcopy at once (alpha 16
+/// MiB, beta 8 MiB of different patterns), then read back.
+///
+/// **Returns:** what alpha holds.
+fn both_written_at_once_and_read_back(dir: &Dir, sock: &Path) -> Vec<u8> {
+    let (da, db) = (pattern(1, 16 << 20), pattern(2, 8 << 20));
+    let (fa, fb) = (dir.join("a.raw"), dir.join("b.raw"));
+    std::fs::write(&fa, &da).unwrap();
+    std::fs::write(&fb, &db).unwrap();
+    let copy = |src: String, dst: String| {
+        std::thread::spawn(move || run(Command::new("nbdcopy").arg(&src).arg(&dst)))
+    };
+    let t1 = copy(fa.display().to_string(), uri(sock, "alpha"));
+    let t2 = copy(fb.display().to_string(), uri(sock, "beta"));
+    t1.join().unwrap();
+    t2.join().unwrap();
+    let (ba, bb) = (dir.join("a.back"), dir.join("b.back"));
+    let t1 = copy(uri(sock, "alpha"), ba.display().to_string());
+    let t2 = copy(uri(sock, "beta"), bb.display().to_string());
+    t1.join().unwrap();
+    t2.join().unwrap();
+    assert!(std::fs::read(&ba).unwrap() == da, "alpha reads back");
+    assert!(std::fs::read(&bb).unwrap() == db, "beta reads back");
+    da
+}
+
 #[test]
 fn two_exports_serve_at_once_and_keep_their_data_apart() {
     if !tools(&["nbdcopy", "nbdinfo"]) {
@@ -72,25 +98,7 @@ fn two_exports_serve_at_once_and_keep_their_data_apart() {
     );
     let info = run(Command::new("nbdinfo").arg(uri(&sock, "alpha")));
     assert!(info.contains("description: the first"), "{info}");
-    // Both volumes written by nbdcopy at once, then read back.
-    let (da, db) = (pattern(1, 16 << 20), pattern(2, 8 << 20));
-    let (fa, fb) = (dir.join("a.raw"), dir.join("b.raw"));
-    std::fs::write(&fa, &da).unwrap();
-    std::fs::write(&fb, &db).unwrap();
-    let copy = |src: String, dst: String| {
-        std::thread::spawn(move || run(Command::new("nbdcopy").arg(&src).arg(&dst)))
-    };
-    let t1 = copy(fa.display().to_string(), uri(&sock, "alpha"));
-    let t2 = copy(fb.display().to_string(), uri(&sock, "beta"));
-    t1.join().unwrap();
-    t2.join().unwrap();
-    let (ba, bb) = (dir.join("a.back"), dir.join("b.back"));
-    let t1 = copy(uri(&sock, "alpha"), ba.display().to_string());
-    let t2 = copy(uri(&sock, "beta"), bb.display().to_string());
-    t1.join().unwrap();
-    t2.join().unwrap();
-    assert!(std::fs::read(&ba).unwrap() == da, "alpha reads back");
-    assert!(std::fs::read(&bb).unwrap() == db, "beta reads back");
+    let da = both_written_at_once_and_read_back(&dir, &sock);
     // Discards are per export: alpha (without them) reports no holes.
     let map = run(Command::new("nbdinfo")
         .arg("--map")

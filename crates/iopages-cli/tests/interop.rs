@@ -125,6 +125,31 @@ fn cryptsetup_luks1_written_by_nbdcopy_reads_back_through_nbdkit_and_offline() {
     );
 }
 
+/// qemu-io writes two patterns to the export `iopages` on `sock`, FUA
+/// on one (0x5a over the first MiB, 0xa5 over 256 KiB at 4 MiB), and
+/// reads them back.
+fn qemu_io_writes_two_patterns_and_reads_them_back(sock: &Path) {
+    let out = run(Command::new("qemu-io")
+        .arg("--image-opts")
+        .arg(format!(
+            "driver=nbd,server.type=unix,server.path={},export=iopages",
+            sock.display()
+        ))
+        .args([
+            "-c",
+            "write -P 0x5a 0 1M",
+            "-c",
+            "write -f -P 0xa5 4M 256k",
+            "-c",
+            "read -P 0x5a 0 1M",
+            "-c",
+            "read -P 0xa5 4M 256k",
+            "-c",
+            "flush",
+        ]));
+    assert!(!out.contains("Pattern verification failed"), "{out}");
+}
+
 #[test]
 fn cryptsetup_luks2_argon2id_4k_sectors_round_trip_through_qemu_io_and_offline() {
     if !tools(&["cryptsetup", "qemu-io", "nbdcopy"]) {
@@ -165,27 +190,8 @@ fn cryptsetup_luks2_argon2id_4k_sectors_round_trip_through_qemu_io_and_offline()
         "{:?}",
         srv.banner
     );
-    // qemu-io writes two patterns, FUA on one, and reads them back.
+    qemu_io_writes_two_patterns_and_reads_them_back(&dir.join("sock"));
     let uri = srv.uri.clone();
-    let out = run(Command::new("qemu-io")
-        .arg("--image-opts")
-        .arg(format!(
-            "driver=nbd,server.type=unix,server.path={},export=iopages",
-            dir.join("sock").display()
-        ))
-        .args([
-            "-c",
-            "write -P 0x5a 0 1M",
-            "-c",
-            "write -f -P 0xa5 4M 256k",
-            "-c",
-            "read -P 0x5a 0 1M",
-            "-c",
-            "read -P 0xa5 4M 256k",
-            "-c",
-            "flush",
-        ]));
-    assert!(!out.contains("Pattern verification failed"), "{out}");
     // And qemu-img convert reads the whole export.
     let raw = dir.join("export.raw");
     run(Command::new("qemu-img")
@@ -206,15 +212,11 @@ fn cryptsetup_luks2_argon2id_4k_sectors_round_trip_through_qemu_io_and_offline()
         .all(|&b| b == 0xa5));
 }
 
-#[test]
-fn volumes_made_by_iopages_luks_format_open_in_cryptsetup_and_nbdkit() {
-    if !tools(&["cryptsetup", "nbdkit", "nbdcopy"]) {
-        return;
-    }
-    let dir = Dir::new("format");
-    let pass = write_pass(&dir, "pass", b"made here");
-    let wrong = write_pass(&dir, "wrong", b"made elsewhere");
-    for (name, args) in [
+/// The volumes `iopages luks format` makes in the test below: LUKS1 with
+/// PBKDF2, LUKS2 with Argon2id and 4096-byte sectors, LUKS2 with PBKDF2
+/// over SHA-1 and a 256-bit key.
+fn format_variants() -> [(&'static str, Vec<&'static str>); 3] {
+    [
         (
             "l1.img",
             vec![
@@ -256,40 +258,62 @@ fn volumes_made_by_iopages_luks_format_open_in_cryptsetup_and_nbdkit() {
                 "256",
             ],
         ),
-    ] {
+    ]
+}
+
+/// `iopages luks format IMG --size 4M ARGS` succeeds, and a second
+/// format without --yes is refused (the data would be lost).
+fn format_once_then_refused_without_yes(img: &Path, pass: &Path, args: &[&str]) {
+    let out = run(Command::new(BIN)
+        .args(["luks", "format"])
+        .arg(img)
+        .args(["--size", "4M", "--passphrase-file"])
+        .arg(pass)
+        .args(args));
+    assert!(out.contains("aes-xts-plain64"), "{out}");
+    let again = Command::new(BIN)
+        .args(["luks", "format"])
+        .arg(img)
+        .args(["--size", "4M", "--passphrase-file"])
+        .arg(pass)
+        .output()
+        .unwrap();
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("--yes"));
+}
+
+/// cryptsetup dumps `img`'s header, opens it with `pass` and refuses
+/// `wrong`.
+fn cryptsetup_opens_with_the_passphrase_only(img: &Path, pass: &Path, wrong: &Path) {
+    run(cryptsetup().arg("luksDump").arg(img));
+    run(cryptsetup()
+        .args(["open", "--test-passphrase", "--key-file"])
+        .arg(pass)
+        .arg(img));
+    let bad = cryptsetup()
+        .args(["open", "--test-passphrase", "--key-file"])
+        .arg(wrong)
+        .arg(img)
+        .output()
+        .unwrap();
+    assert!(
+        !bad.status.success(),
+        "cryptsetup must refuse the wrong passphrase"
+    );
+}
+
+#[test]
+fn volumes_made_by_iopages_luks_format_open_in_cryptsetup_and_nbdkit() {
+    if !tools(&["cryptsetup", "nbdkit", "nbdcopy"]) {
+        return;
+    }
+    let dir = Dir::new("format");
+    let pass = write_pass(&dir, "pass", b"made here");
+    let wrong = write_pass(&dir, "wrong", b"made elsewhere");
+    for (name, args) in format_variants() {
         let img = dir.join(name);
-        let out = run(Command::new(BIN)
-            .args(["luks", "format"])
-            .arg(&img)
-            .args(["--size", "4M", "--passphrase-file"])
-            .arg(&pass)
-            .args(&args));
-        assert!(out.contains("aes-xts-plain64"), "{out}");
-        // Refused without --yes the second time: the data would be lost.
-        let again = Command::new(BIN)
-            .args(["luks", "format"])
-            .arg(&img)
-            .args(["--size", "4M", "--passphrase-file"])
-            .arg(&pass)
-            .output()
-            .unwrap();
-        assert!(!again.status.success());
-        assert!(String::from_utf8_lossy(&again.stderr).contains("--yes"));
-        run(cryptsetup().arg("luksDump").arg(&img));
-        run(cryptsetup()
-            .args(["open", "--test-passphrase", "--key-file"])
-            .arg(&pass)
-            .arg(&img));
-        let bad = cryptsetup()
-            .args(["open", "--test-passphrase", "--key-file"])
-            .arg(&wrong)
-            .arg(&img)
-            .output()
-            .unwrap();
-        assert!(
-            !bad.status.success(),
-            "cryptsetup must refuse the wrong passphrase"
-        );
+        format_once_then_refused_without_yes(&img, &pass, &args);
+        cryptsetup_opens_with_the_passphrase_only(&img, &pass, &wrong);
         // Written through our server: LUKS1 is read back by nbdkit.
         let sock = dir.join(&format!("{name}.sock"));
         let srv = serve(
@@ -452,24 +476,23 @@ fn stats_json_carries_the_io_shape_and_a_bad_path_is_refused() {
     srv.stop();
 }
 
-#[test]
-fn bad_passphrases_and_images_are_refused_with_clear_errors() {
-    if !tools(&["cryptsetup"]) {
-        return;
-    }
-    let dir = Dir::new("bad");
-    let pass = write_pass(&dir, "pass", b"right");
-    let wrong = write_pass(&dir, "wrong", b"wrong");
-    let img = luks1_by_cryptsetup(&dir, 4 << 20, &pass);
-    let fail = |args: &[&str]| -> String {
-        let out = Command::new(BIN)
-            .args(args)
-            .stdin(Stdio::null())
-            .output()
-            .unwrap();
-        assert!(!out.status.success(), "{args:?} must fail");
-        String::from_utf8_lossy(&out.stderr).to_lowercase()
-    };
+/// Run `iopages ARGS` (standard input empty), which must fail.
+///
+/// **Returns:** its standard error, in lower case.
+fn fail(args: &[&str]) -> String {
+    let out = Command::new(BIN)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "{args:?} must fail");
+    String::from_utf8_lossy(&out.stderr).to_lowercase()
+}
+
+/// `serve` refuses `img` (LUKS1 under `pass`) with the `wrong`
+/// passphrase, without one, with --size; and an image that is missing or
+/// not LUKS; each error naming what is wrong.
+fn serve_refuses_bad_passphrases_and_images(dir: &Dir, img: &Path, pass: &Path, wrong: &Path) {
     let e = fail(&[
         "serve",
         "--image",
@@ -517,6 +540,12 @@ fn bad_passphrases_and_images_are_refused_with_clear_errors() {
         pass.to_str().unwrap(),
     ]);
     assert!(e.contains("luks") && e.contains("plain.img"), "{e}");
+}
+
+/// `luks check`, `luks decrypt` and `luks format` refuse the `wrong`
+/// passphrase or a bad key size, a failed decrypt leaving no output
+/// behind; `luks check` opens `img` with `pass`.
+fn luks_tools_refuse_bad_passphrases_and_keys(dir: &Dir, img: &Path, pass: &Path, wrong: &Path) {
     let e = fail(&[
         "luks",
         "check",
@@ -527,9 +556,9 @@ fn bad_passphrases_and_images_are_refused_with_clear_errors() {
     assert!(e.contains("passphrase"), "{e}");
     let ok = run(Command::new(BIN)
         .args(["luks", "check"])
-        .arg(&img)
+        .arg(img)
         .arg("--passphrase-file")
-        .arg(&pass));
+        .arg(pass));
     assert!(ok.contains("LUKS1") && ok.contains("key slot 0"), "{ok}");
     // A failed decrypt leaves no output behind.
     let out = dir.join("never.raw");
@@ -554,9 +583,14 @@ fn bad_passphrases_and_images_are_refused_with_clear_errors() {
         "128",
     ]);
     assert!(e.contains("key-size"), "{e}");
+}
+
+/// `luks check --passphrase-file -` opens `img` with a passphrase line
+/// ("right") on standard input.
+fn a_passphrase_line_on_stdin_opens_it(img: &Path) {
     let mut stdin_pass = Command::new(BIN)
         .args(["luks", "check"])
-        .arg(&img)
+        .arg(img)
         .args(["--passphrase-file", "-"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -580,4 +614,18 @@ fn bad_passphrases_and_images_are_refused_with_clear_errors() {
         "a passphrase line on stdin opens it"
     );
     assert!(s.contains("LUKS1"));
+}
+
+#[test]
+fn bad_passphrases_and_images_are_refused_with_clear_errors() {
+    if !tools(&["cryptsetup"]) {
+        return;
+    }
+    let dir = Dir::new("bad");
+    let pass = write_pass(&dir, "pass", b"right");
+    let wrong = write_pass(&dir, "wrong", b"wrong");
+    let img = luks1_by_cryptsetup(&dir, 4 << 20, &pass);
+    serve_refuses_bad_passphrases_and_images(&dir, &img, &pass, &wrong);
+    luks_tools_refuse_bad_passphrases_and_keys(&dir, &img, &pass, &wrong);
+    a_passphrase_line_on_stdin_opens_it(&img);
 }

@@ -178,6 +178,28 @@ fn a_remote_killed_mid_run_gives_errors_and_keeps_what_was_flushed() {
     );
 }
 
+/// Serving an image on the TLS-only remote at `rsock` over plaintext
+/// (`nbd+unix://`) is refused, and the message says what to use.
+fn plaintext_to_a_tls_remote_is_refused(rsock: &Path, pass: &Path, sock: &Path) {
+    let mut plain = serve_cmd();
+    plain
+        .args([
+            "--arena",
+            "64M",
+            "--image",
+            &remote_uri(rsock),
+            "--passphrase-file",
+        ])
+        .arg(pass)
+        .arg("--unix")
+        .arg(sock)
+        .stdin(Stdio::null());
+    let out = plain.output().unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(said.contains("requires TLS: use nbds://"), "{said}");
+}
+
 #[test]
 fn a_cryptsetup_volume_on_a_tls_remote_is_written_and_read_back_through_iopages() {
     if !tools(&["nbdkit", "nbdinfo", "nbdcopy", "qemu-io", "cryptsetup"]) {
@@ -205,25 +227,8 @@ fn a_cryptsetup_volume_on_a_tls_remote_is_written_and_read_back_through_iopages(
         ],
         &probe,
     );
-    // Plaintext to it: refused, and the message says what to use.
     let sock = dir.join("iopages.sock");
-    let mut plain = serve_cmd();
-    plain
-        .args([
-            "--arena",
-            "64M",
-            "--image",
-            &remote_uri(&rsock),
-            "--passphrase-file",
-        ])
-        .arg(&pass)
-        .arg("--unix")
-        .arg(&sock)
-        .stdin(Stdio::null());
-    let out = plain.output().unwrap();
-    let said = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
-    assert!(said.contains("requires TLS: use nbds://"), "{said}");
+    plaintext_to_a_tls_remote_is_refused(&rsock, &pass, &sock);
     let remote = format!(
         "nbds+unix:///?socket={}&tls-certificates={}&tls-hostname=localhost",
         rsock.display(),

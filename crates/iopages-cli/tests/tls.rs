@@ -154,12 +154,15 @@ impl Served {
         }
     }
 
-    fn start_iopages(tls: &Tls, sock: PathBuf, stderr: PathBuf) -> Served {
+    /// `iopages serve` of the in-memory volume with `tls`'s flags, on
+    /// `sock` (and 127.0.0.1 with `Tls::tcp`), its standard error to
+    /// `stderr`.
+    fn iopages_cmd(tls: &Tls, sock: &Path, stderr: &Path) -> Command {
         let mut cmd = Command::new(BIN);
         cmd.arg("serve")
             .args(["--size", SIZE, "--arena", "128M", "--name", EXPORT])
             .arg("--unix")
-            .arg(&sock)
+            .arg(sock)
             .args(["--tls", tls.mode]);
         if tls.tcp {
             cmd.args(["--listen", "127.0.0.1:0"]);
@@ -173,8 +176,14 @@ impl Served {
         }
         cmd.stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&stderr).unwrap());
-        let mut child = cmd.spawn().expect("iopages serve starts");
+            .stderr(std::fs::File::create(stderr).unwrap());
+        cmd
+    }
+
+    fn start_iopages(tls: &Tls, sock: PathBuf, stderr: PathBuf) -> Served {
+        let mut child = Self::iopages_cmd(tls, &sock, &stderr)
+            .spawn()
+            .expect("iopages serve starts");
         let lines = common::lines_of(child.stdout.take().unwrap());
         let mut s = Served {
             kind: Kind::Iopages,
@@ -205,19 +214,27 @@ impl Served {
             },
         );
         (s.uri, s.tcp) = (uri, tcp);
-        let want = format!("nbds+unix:///{EXPORT}?socket={}", s.sock.display());
+        s.check_printed_uris(tls, &banner);
+        s
+    }
+
+    /// The URIs `iopages serve` printed are those of `tls`'s mode: on the
+    /// socket `nbds+unix://` (or with TLS only offered, `nbd+unix://`,
+    /// kept as `nbds+unix://`), and with `Tls::tcp` on 127.0.0.1.
+    fn check_printed_uris(&mut self, tls: &Tls, banner: &[String]) {
+        let want = format!("nbds+unix:///{EXPORT}?socket={}", self.sock.display());
         if tls.mode == "require" {
-            assert_eq!(s.uri, want, "the TLS URI is printed: {banner:?}");
+            assert_eq!(self.uri, want, "the TLS URI is printed: {banner:?}");
         } else {
             // TLS offered: either URI reaches the export.
             assert!(
-                s.uri == want || s.uri == want.replacen("nbds+", "nbd+", 1),
+                self.uri == want || self.uri == want.replacen("nbds+", "nbd+", 1),
                 "{banner:?}"
             );
-            s.uri = want;
+            self.uri = want;
         }
         if tls.tcp {
-            let addr = s.tcp.clone().unwrap_or_default();
+            let addr = self.tcp.clone().unwrap_or_default();
             assert!(
                 addr.starts_with("127.0.0.1:")
                     && banner
@@ -228,7 +245,6 @@ impl Served {
                 "{banner:?}"
             );
         }
-        s
     }
 
     /// `nbdkit memory` with the TLS flags `iopages serve` was given. nbdkit
