@@ -123,6 +123,7 @@ mod server;
 mod shares;
 mod stats;
 mod stream;
+mod sys;
 mod tls;
 mod tls_session;
 mod transport;

@@ -17,8 +17,6 @@
 //! it could not load whole (every error names the parameter or file).
 
 use crate::stream::Stream;
-/// For the remote connections' own waits (`remote/conn.rs`).
-pub(crate) use crate::tls_session::poll_until;
 use crate::tls_session::{StoreCheck, TlsSession};
 use openssl::ssl::{SslConnector, SslConnectorBuilder, SslMethod, SslOptions, SslVersion};
 use std::io::{self, ErrorKind};
@@ -255,7 +253,8 @@ mod tests {
     use super::*;
     use crate::peer::TlsIdentity;
     use crate::tls::{TlsConfig, TlsMode};
-    use crate::tls_session::{poll_until, Io};
+    use crate::sys::poll_until;
+    use crate::tls_session::Io;
     use std::io::IoSlice;
     use std::os::fd::AsRawFd;
     use std::os::unix::net::UnixStream;

@@ -46,6 +46,7 @@ use std::time::{Duration, Instant};
 
 mod verify;
 pub(crate) use verify::{psk_identity_index, StoreCheck};
+use crate::sys::poll_until;
 
 /// A TLS record's largest plaintext: small pieces (reply headers, small
 /// reads, request headers) are gathered into one record's worth before
@@ -585,38 +586,6 @@ fn events(read: bool, write: bool) -> libc::c_short {
     ev
 }
 
-/// Wait up to `deadline` for `events` on `fd`.
-///
-/// **Context:** blocks up to `deadline`.
-///
-/// **Returns:** `Ok(true)` when ready (or hung up: the next attempt sees
-/// it), `Ok(false)` when the deadline passed.
-pub(crate) fn poll_until(fd: RawFd, events: libc::c_short, deadline: Instant) -> io::Result<bool> {
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Ok(false);
-        }
-        let mut p = libc::pollfd {
-            fd,
-            events,
-            revents: 0,
-        };
-        let ms = left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
-        // SAFETY: one valid pollfd for the duration of the call.
-        let r = unsafe { libc::poll(&mut p, 1, ms) };
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if r > 0 {
-            return Ok(true);
-        }
-    }
-}
 
 fn timed_out(what: &str) -> io::Error {
     io::Error::new(ErrorKind::WouldBlock, format!("TLS: timed out {what}"))

@@ -2,31 +2,11 @@
 //! deadlines, and the reader thread that completes them.
 
 use super::*;
+use crate::sys;
 
 /// Whether `e` is a socket timeout (SO_RCVTIMEO / SO_SNDTIMEO expired).
 pub(super) fn is_timeout(e: &io::Error) -> bool {
     matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut)
-}
-
-/// The most buffers one `sendmsg` takes (Linux's UIO_MAXIOV).
-pub(super) const MAX_IOV: usize = 1024;
-
-/// One `sendmsg` of a prefix of `bufs` that does not wait
-/// (`MSG_DONTWAIT` for this call alone: the socket stays blocking for
-/// the reader; `MSG_NOSIGNAL`: a closed peer is `EPIPE`, not a signal).
-pub(super) fn send_nowait(fd: std::os::fd::RawFd, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
-    // SAFETY: msghdr is plain data; zero is a valid value.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    // IoSlice is ABI-compatible with iovec on Unix; sendmsg only reads
-    // the buffers.
-    msg.msg_iov = bufs.as_ptr() as *mut libc::iovec;
-    msg.msg_iovlen = bufs.len().min(MAX_IOV) as _;
-    // SAFETY: `msg` points at `bufs`, live for the call.
-    let n = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(n as usize)
 }
 
 /// Write all of `bufs` to `s` by `deadline`, however the remote reads:
@@ -51,7 +31,7 @@ pub(super) fn write_all_by(
                 t.set_write_timeout(left);
                 t.write_vectored(bufs)
             }
-            _ => send_nowait(s.as_raw_fd(), bufs),
+            _ => sys::send_nowait(s.as_raw_fd(), bufs),
         };
         match got {
             Ok(0) => return Err(ErrorKind::WriteZero.into()),
@@ -61,7 +41,7 @@ pub(super) fn write_all_by(
             }
             Err(e) if e.kind() == ErrorKind::Interrupted => {}
             Err(e) if is_timeout(&e) => {
-                if !crate::remote_tls::poll_until(s.as_raw_fd(), libc::POLLOUT, deadline)? {
+                if !sys::poll_until(s.as_raw_fd(), libc::POLLOUT, deadline)? {
                     let why = match sent {
                         0 => "the store stopped reading".to_string(),
                         n => format!(

@@ -59,7 +59,7 @@ use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
 use std::io::{self, ErrorKind, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

@@ -379,48 +379,19 @@ pub(super) fn dial(spec: &RemoteSpec, timeout: Duration) -> io::Result<Stream> {
 /// does not accept). The stream returned is blocking.
 pub(super) fn connect_unix(path: &std::path::Path, deadline: Instant) -> io::Result<UnixStream> {
     use std::os::unix::ffi::OsStrExt;
-    use std::os::unix::io::FromRawFd;
-    let bytes = path.as_os_str().as_bytes();
-    // SAFETY: sockaddr_un is plain data; zero is a valid value.
-    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-    if bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
+    let Some(addr) = crate::sys::unix_address(path.as_os_str().as_bytes()) else {
         return Err(io::Error::new(
             ErrorKind::InvalidInput,
             format!("{}: not a usable socket path", path.display()),
         ));
-    }
-    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
-    for (d, &b) in addr.sun_path.iter_mut().zip(bytes) {
-        *d = b as libc::c_char;
-    }
-    // SAFETY: socket has no memory arguments; a non-negative result is a
-    // new descriptor, owned by the stream made from it at once.
-    let fd = unsafe {
-        libc::socket(
-            libc::AF_UNIX,
-            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-            0,
-        )
     };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: as above.
-    let stream = unsafe { UnixStream::from_raw_fd(fd) };
+    let stream = crate::sys::unix_socket()?;
     loop {
-        // SAFETY: `addr` is a live, initialised sockaddr_un of that size.
-        let r = unsafe {
-            libc::connect(
-                fd,
-                std::ptr::addr_of!(addr).cast(),
-                std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
-            )
-        };
-        if r == 0 {
+        let r = crate::sys::connect_unix(stream.as_fd(), &addr);
+        let Err(e) = r else {
             stream.set_nonblocking(false)?;
             return Ok(stream);
-        }
-        let e = io::Error::last_os_error();
+        };
         match e.raw_os_error() {
             Some(libc::EAGAIN) | Some(libc::EINTR) if Instant::now() < deadline => {
                 std::thread::sleep(Duration::from_millis(10));
