@@ -143,9 +143,9 @@ pub struct Volume {
     /// The image file (for its I/O statistics); `None` for a remote image.
     pub file: Option<Arc<UringFile>>,
     /// The remote store a remote image is on, when it is an
-    /// [`NbdRemote`](crate::remote::NbdRemote) (its health and counters);
+    /// [`NbdRemote`](crate::client::NbdRemote) (its health and counters);
     /// set by whoever connected it.
-    pub remote: Option<Arc<crate::remote::NbdRemote>>,
+    pub remote: Option<Arc<crate::client::NbdRemote>>,
 }
 
 fn invalid(m: String) -> io::Error {
@@ -306,7 +306,7 @@ fn build(
 }
 
 /// Open the LUKS volume whose image is `device` (a remote export: see
-/// [`crate::remote`]), named `uri` in messages, with `passphrase`, and
+/// [`crate::client`]), named `uri` in messages, with `passphrase`, and
 /// build its stack over it.
 ///
 /// **Returns:** as [`open_image`].

@@ -10,10 +10,10 @@
 //! call [`Transport::try_write`] and must get `Blocked` back instead of
 //! waiting).
 
-use crate::stream::Stream;
 use crate::sys;
-pub(crate) use crate::tls_session::Io;
-use crate::tls_session::TlsSession;
+pub(crate) use crate::tls::session::Io;
+use crate::tls::session::TlsSession;
+use crate::transport::stream::Stream;
 use openssl::ssl::SslAcceptor;
 use std::io::{self, IoSlice, Read, Write};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
@@ -241,7 +241,7 @@ impl Transport {
     /// What the finished TLS handshake proved about the client: its PSK
     /// identity, or the subject of a client certificate that verified
     /// (`None` without TLS, or with an unverified or absent certificate).
-    pub(crate) fn tls_identity(&self) -> Option<crate::peer::TlsIdentity> {
+    pub(crate) fn tls_identity(&self) -> Option<crate::tls::identity::TlsIdentity> {
         self.tls.get()?.client_identity()
     }
 

@@ -3,7 +3,7 @@
 //! Owns: the handshake pool (connections that have not reached
 //! transmission), the connection pool (connections in transmission) and
 //! the byte budget (payload bytes and work in flight), each kept per peer
-//! ([`Peer::share_key`](crate::peer::Peer::share_key)), and the slots
+//! ([`Peer::share_key`](crate::server::peer::Peer::share_key)), and the slots
 //! that give a connection's place back when its thread ends — also when
 //! it panics. Must never: let one peer keep another out, hold more
 //! handshakes than the pool (one more closes the least advanced
@@ -38,7 +38,7 @@
 //!   (ties included), is itself closed at once, before a thread is
 //!   started for it. A peer's first handshake always gets in.
 
-use crate::transport::Transport;
+use crate::transport::nonblocking::Transport;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};

@@ -14,17 +14,17 @@
 //! handshake than `max_handshakes`, lose a connection's place when its
 //! thread panics, or stop serving other clients because one misbehaved.
 
-use crate::conn::{self, ConnEnv, ConnLimits};
 use crate::error::{Error, Result};
-use crate::export::{Catalog, Export, ExportState, ExportVolume};
-use crate::handshake::{self, HsEnv, Outcome};
-use crate::peer::Origin;
-use crate::shares::{ShareLimits, Shares, Slot};
+use crate::server::conn::{self, ConnEnv, ConnLimits};
+use crate::server::export::{Catalog, Export, ExportState, ExportVolume};
+use crate::server::handshake::{self, HsEnv, Outcome};
+use crate::server::peer::Origin;
+use crate::server::shares::{ShareLimits, Shares, Slot};
 use crate::stats::{Counters, Stats};
-use crate::stream::Stream;
 use crate::sys;
-use crate::tls::TlsConfig;
-use crate::transport::Transport;
+use crate::tls::config::TlsConfig;
+use crate::transport::nonblocking::Transport;
+use crate::transport::stream::Stream;
 use crate::ExportConfig;
 use iopages_crypt::queue::CryptQueue;
 use iopages_crypt::target::SectorCipher;
@@ -443,7 +443,7 @@ fn check_limits(o: &ServerOptions) -> Result<()> {
 /// authenticated one would be let in, or worse, be let in on a rule that
 /// cannot be checked), with the kind of credentials the rule names.
 fn check_rules(exports: &[Export], tls: Option<&TlsConfig>) -> Result<()> {
-    use crate::peer::AllowRule;
+    use crate::server::peer::AllowRule;
     for e in exports {
         for r in &e.config().allow {
             let why = match (r, tls) {
@@ -876,7 +876,7 @@ impl Drop for Open<'_> {
 /// Give the accepted connection `t` a place in the handshake pool and a
 /// thread of its own.
 fn start_connection(s: &Arc<Shared>, t: Arc<Transport>, origin: Origin) {
-    let key = crate::peer::Peer { origin, tls: None }.share_key();
+    let key = crate::server::peer::Peer { origin, tls: None }.share_key();
     let Some(place) = s.shares.admit_handshake(&key, &t) else {
         // Its own peer holds the most handshakes: closed before anything
         // is spent on it.
