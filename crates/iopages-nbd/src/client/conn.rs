@@ -448,7 +448,15 @@ impl Conn {
     /// Close the connection at stop: NBD_CMD_DISC when it lives, then our
     /// side of the socket is shut (the reader ends at the store's EOF).
     pub(super) fn close(&self) {
-        self.shared.lock().closing = true;
+        {
+            let mut s = self.shared.lock();
+            // No caller is left: each took its request out of the map.
+            debug_assert!(
+                s.pending.is_empty(),
+                "a connection closes with requests pending"
+            );
+            s.closing = true;
+        }
         if !self.is_alive() {
             return;
         }
@@ -516,7 +524,8 @@ impl Conn {
             state: Slot::Waiting,
             unflushed,
         };
-        s.pending.insert(cookie, pending);
+        let was = s.pending.insert(cookie, pending);
+        assert!(was.is_none(), "cookie {cookie} is pending twice");
         Ok(cookie)
     }
 
@@ -600,7 +609,9 @@ impl Conn {
         {
             cv.wait(s);
         }
-        s.pending.remove(&cookie);
+        // Only its caller takes a request out of the map, once.
+        let gone = s.pending.remove(&cookie);
+        assert!(gone.is_some(), "cookie {cookie} is released twice");
         self.room.notify_one();
     }
 
@@ -760,6 +771,7 @@ impl Conn {
                 .pending
                 .get_mut(&cookie)
                 .expect("its caller waits while it is filled");
+            debug_assert!(matches!(p.state, Slot::Filling), "a read is answered twice");
             match filled {
                 Ok(()) => {
                     p.state = Slot::Replied(0);

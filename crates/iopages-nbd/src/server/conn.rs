@@ -572,6 +572,10 @@ impl Conn {
         let r = self.charge(bytes, false);
         if !matches!(r, Ok(true)) {
             let mut g = self.gate.lock();
+            assert!(
+                g.0 >= 1 && g.1 >= bytes,
+                "a place in flight is undone twice"
+            );
             g.0 -= 1;
             g.1 -= bytes;
             self.busy.store(g.0, Ordering::Relaxed);
@@ -657,6 +661,11 @@ impl Conn {
     fn release(&self, bytes: u64) {
         {
             let mut g = self.gate.lock();
+            assert!(g.0 >= 1, "a reply releases a place in flight nobody holds");
+            assert!(
+                g.1 >= bytes,
+                "a reply releases more bytes than are in flight"
+            );
             g.0 -= 1;
             g.1 -= bytes;
             self.busy.store(g.0, Ordering::Relaxed);
@@ -715,7 +724,13 @@ impl Pending {
                 .error
                 .compare_exchange(0, error, Ordering::AcqRel, Ordering::Acquire);
         }
-        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+        let left = self.remaining.fetch_sub(1, Ordering::AcqRel);
+        // A chunk completed twice would send the reply twice.
+        assert!(
+            left >= 1,
+            "a request's chunks complete more often than there are"
+        );
+        if left == 1 {
             self.finish();
         }
     }
@@ -745,7 +760,8 @@ impl Pending {
         counters
             .latency(self.command)
             .record(self.received.elapsed());
-        counters.in_flight.fetch_sub(1, Ordering::Relaxed);
+        let was = counters.in_flight.fetch_sub(1, Ordering::Relaxed);
+        debug_assert!(was >= 1, "the server's in-flight count underflows");
         let kind = if self.command != CMD_READ {
             ReplyKind::Plain
         } else if error == 0 && self.conn.structured && data.iter().all(|d| all_zero(d.as_ref())) {
@@ -868,6 +884,12 @@ pub(crate) fn transmit(t: Arc<Transport>, env: &ConnEnv<'_>) {
     DEFER_REPLIES.with(|d| d.set(false));
     conn.flush_replies();
     conn.wait_idle();
+    // Every request has completed and released its place and its bytes.
+    debug_assert_eq!(
+        *conn.gate.lock(),
+        (0, 0),
+        "a connection ends with requests in flight"
+    );
     conn.t.close_tls();
     conn.t.shutdown();
 }
