@@ -133,8 +133,15 @@ mod tls;
 mod transport;
 pub mod volume;
 
-/// A remote store: an NBD client the crypt target can sit on (the
-/// `client/` layer; see [`NbdRemote`](remote::NbdRemote)).
+/// A remote store: an NBD client the crypt target can sit on, so that a
+/// LUKS image's ciphertext lives on another NBD server while the keys and
+/// the cipher stay here. [`NbdRemote`](remote::NbdRemote) is a
+/// [`Backend`](iopages_crypt::backend::Backend) on the export an NBD URI
+/// names ([`RemoteSpec`](remote::RemoteSpec): `nbd://`, `nbd+unix://`,
+/// and over TLS `nbds://`, `nbds+unix://`); every request has one
+/// deadline, its submission plus
+/// [`RemoteOptions::timeout`](remote::RemoteOptions::timeout). Written in
+/// the `client/` layer.
 pub mod remote {
     pub use crate::client::*;
 }

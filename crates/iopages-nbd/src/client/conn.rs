@@ -205,7 +205,12 @@ impl Dest {
         let parts = ranges
             .into_iter()
             .map(|(i, from, n)| (segs[i][from..from + n].as_mut_ptr(), n))
-            .collect();
+            .collect::<Vec<(*mut u8, usize)>>();
+        debug_assert_eq!(
+            parts.iter().map(|p| p.1).sum::<usize>(),
+            len,
+            "a read's buffers cover it"
+        );
         Dest { parts }
     }
 }
@@ -526,6 +531,10 @@ impl Conn {
         };
         let was = s.pending.insert(cookie, pending);
         assert!(was.is_none(), "cookie {cookie} is pending twice");
+        debug_assert!(
+            s.pending.len() <= self.max_in_flight,
+            "more requests than slots"
+        );
         Ok(cookie)
     }
 
