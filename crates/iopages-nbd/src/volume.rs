@@ -143,7 +143,7 @@ pub struct Volume {
     /// The image file (for its I/O statistics); `None` for a remote image.
     pub file: Option<Arc<UringFile>>,
     /// The remote store a remote image is on, when it is an
-    /// [`NbdRemote`](crate::client::NbdRemote) (its health and counters);
+    /// [`NbdRemote`](crate::remote::NbdRemote) (its health and counters);
     /// set by whoever connected it.
     pub remote: Option<Arc<crate::client::NbdRemote>>,
 }
@@ -306,7 +306,7 @@ fn build(
 }
 
 /// Open the LUKS volume whose image is `device` (a remote export: see
-/// [`crate::client`]), named `uri` in messages, with `passphrase`, and
+/// [`crate::remote`]), named `uri` in messages, with `passphrase`, and
 /// build its stack over it.
 ///
 /// **Returns:** as [`open_image`].
