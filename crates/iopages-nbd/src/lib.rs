@@ -13,27 +13,42 @@
 //! every protocol error is answered on the wire or closes that one
 //! connection.
 //!
+//! The crate is in layers, each a folder whose `mod.rs` says what it
+//! owns and must never do; a layer names only the layers below it:
+//!
+//! ```text
+//!   volume.rs                     crypt stacks (over a file or a remote)
+//!   server/         client/       the NBD server; the NBD client (remote store)
+//!        transport/               a connection's socket: stream, non-blocking transport
+//!           tls/                  one TLS session type for both ends; credentials
+//!   proto.rs  stats.rs  error.rs  wire format; counters; errors
+//!            sys.rs               every system call, wrapped once
+//! ```
+//!
 //! | piece | file |
 //! |---|---|
 //! | wire constants and headers | `proto.rs` |
-//! | option haggling (STARTTLS, structured replies, metadata contexts, GO, INFO, EXPORT_NAME, LIST, ABORT) | `handshake.rs` |
-//! | transmission: requests, chunks, non-blocking batched replies, FUA, errors, deadlines, byte budget | `conn.rs` |
-//! | the non-blocking socket, `poll` and the wake-up eventfd; STARTTLS swaps in the connection's TLS session | `transport.rs` |
-//! | a socket's byte stream (TCP or Unix, or the remote client's TLS session), cloned for replies | `stream.rs` |
-//! | TLS credentials (X.509 directory, psktool key file) | `tls.rs` |
-//! | one TLS session for both ends (a server connection, a remote client connection): the handshake by a deadline, non-blocking and timed reads and writes, close_notify; what each end verifies of the other | `tls_session.rs`, `tls_session/verify.rs` |
-//! | payload buffers in the target's arena (kvmalloc) | `buffers.rs` |
-//! | the queue, or inline service on the connection's thread; discards and the allocation map | `device.rs` |
-//! | the exports: names, the default, who may use each, opening lazy ones once (retried after a backoff) | `export.rs` |
-//! | who a client is (address, Unix credentials, TLS identity) and the `allow` rules | `peer.rs` |
-//! | fair shares of the limits among peers: the handshake pool, connections, bytes | `shares.rs` |
-//! | an export's rate limits (token buckets) | `rate.rs` |
-//! | listeners, threads, server-wide limits, shutdown | `server.rs` |
-//! | per-command counts | `stats.rs` |
+//! | every system call the crate makes (`poll`, eventfd, `O_NONBLOCK`, umask, `SO_PEERCRED`, Unix connect, `sendmsg`, memfd seals) | `sys.rs` |
+//! | listeners, threads, server-wide limits, shutdown | `server/serve.rs` |
+//! | option haggling (STARTTLS, structured replies, metadata contexts, GO, INFO, EXPORT_NAME, LIST, ABORT) | `server/handshake.rs` |
+//! | transmission: requests, chunks, non-blocking batched replies, FUA, errors, deadlines, byte budget | `server/conn.rs` |
+//! | payload buffers in the target's arena (kvmalloc) | `server/buffers.rs` |
+//! | the queue, or inline service on the connection's thread; discards and the allocation map | `server/device.rs` |
+//! | the exports: names, the default, who may use each, opening lazy ones once (retried after a backoff) | `server/export.rs` |
+//! | who a client is (address, Unix credentials, TLS identity) and the `allow` rules | `server/peer.rs` |
+//! | fair shares of the limits among peers: the handshake pool, connections, bytes | `server/shares.rs` |
+//! | an export's rate limits (token buckets) | `server/rate.rs` |
+//! | the non-blocking socket, `poll` and the wake-up eventfd; STARTTLS swaps in the connection's TLS session | `transport/nonblocking.rs` |
+//! | a socket's byte stream (TCP or Unix, or the remote client's TLS session), cloned for replies | `transport/stream.rs` |
+//! | TLS credentials (X.509 directory, psktool key file) | `tls/config.rs` |
+//! | what a TLS handshake proved (PSK identity, certificate subject in RFC 4514) | `tls/identity.rs` |
+//! | one TLS session for both ends (a server connection, a remote client connection): the handshake by a deadline, non-blocking and timed reads and writes, close_notify | `tls/session.rs` |
+//! | what each end verifies of the other | `tls/verify.rs` |
+//! | per-command counts, latency and shape histograms | `stats.rs` |
 //! | LUKS images and the in-memory LUKS2 volume, set up as crypt stacks | `volume.rs` |
 //! | what can go wrong starting or running a server | `error.rs` |
-//! | an NBD client as a crypt backend: ciphertext on a remote NBD server (`nbd://`, `nbd+unix://`, over TLS `nbds://`, `nbds+unix://`) | `remote/` (`uri.rs`, `wire.rs`, `conn.rs`, `mod.rs`) |
-//! | the remote client's TLS: URI settings and the OpenSSL connector | `remote_tls.rs` |
+//! | an NBD client as a crypt backend (`iopages_nbd::remote`): ciphertext on a remote NBD server (`nbd://`, `nbd+unix://`, over TLS `nbds://`, `nbds+unix://`) | `client/` (`uri.rs`, `wire.rs`, `conn.rs`, `link.rs`, `mod.rs`) |
+//! | the remote client's TLS: URI settings and the OpenSSL connector | `client/tls.rs` |
 //!
 //! What is served: READ, WRITE, FLUSH, TRIM, WRITE_ZEROES, BLOCK_STATUS
 //! and DISC. By default TRIM is checked and then does nothing (the
@@ -71,7 +86,7 @@
 //! for the reply timeout; the handshake has one deadline in all; idle
 //! connections close; open connections and payload bytes in flight over
 //! all connections are capped, and shared max-min fairly among the peers
-//! (`shares.rs`): a peer is its TLS identity once it has one, else its
+//! (`server/shares.rs`): a peer is its TLS identity once it has one, else its
 //! address or Unix uid; handshakes have a pool of their own in which
 //! silent sockets only ever push each other out; WRITE_ZEROES and TRIM
 //! are charged by the bytes they make the server write or punch. Each
@@ -108,44 +123,50 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
-mod buffers;
-mod conn;
-mod device;
+mod client;
 mod error;
-mod export;
-mod handshake;
-mod peer;
 pub mod proto;
-mod rate;
-pub mod remote;
-pub(crate) mod remote_tls;
 mod server;
-mod shares;
 mod stats;
-mod stream;
+mod sys;
 mod tls;
-mod tls_session;
 mod transport;
 pub mod volume;
 
-pub use buffers::BufferStats;
-pub use conn::{CHUNK_BYTES, MAX_BYTES_IN_FLIGHT, MAX_REQUESTS_IN_FLIGHT};
+/// A remote store: an NBD client the crypt target can sit on, so that a
+/// LUKS image's ciphertext lives on another NBD server while the keys and
+/// the cipher stay here. [`NbdRemote`](remote::NbdRemote) is a
+/// [`Backend`](iopages_crypt::backend::Backend) on the export an NBD URI
+/// names ([`RemoteSpec`](remote::RemoteSpec): `nbd://`, `nbd+unix://`,
+/// and over TLS `nbds://`, `nbds+unix://`); every request has one
+/// deadline, its submission plus
+/// [`RemoteOptions::timeout`](remote::RemoteOptions::timeout). Written in
+/// the `client/` layer.
+pub mod remote {
+    pub use crate::client::*;
+}
+
 pub use error::{Error, Result};
-pub use export::{Export, ExportState, ExportVolume, Opener, OPEN_BACKOFF_FIRST, OPEN_BACKOFF_MAX};
-pub use handshake::MAX_OPTION_BYTES;
-pub use peer::{AllowRule, TlsIdentity};
-pub use rate::RateLimit;
-pub use server::{
+pub use server::conn::{CHUNK_BYTES, MAX_BYTES_IN_FLIGHT, MAX_REQUESTS_IN_FLIGHT};
+pub use server::export::{
+    Export, ExportState, ExportVolume, Opener, OPEN_BACKOFF_FIRST, OPEN_BACKOFF_MAX,
+};
+pub use server::handshake::MAX_OPTION_BYTES;
+pub use server::peer::AllowRule;
+pub use server::rate::RateLimit;
+pub use server::serve::{
     Listen, Listener, Server, ServerOptions, StatsHandle, DEFAULT_IDLE_TIMEOUT, DEFAULT_LISTEN,
     DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HANDSHAKES, DEFAULT_MAX_INFLIGHT_BYTES,
     DEFAULT_PEER_MIN_CONNECTIONS, DEFAULT_PEER_MIN_INFLIGHT_BYTES, HANDSHAKE_TIMEOUT,
     REPLY_TIMEOUT,
 };
 pub use stats::{
-    align_bucket, latency_bucket, latency_bucket_bound_us, size_bucket, CommandStats, DirShape,
-    ExportFigures, IoShape, Latency, LatencyHist, PeerStats, Stats, LATENCY_BUCKETS, SHAPE_BUCKETS,
+    align_bucket, latency_bucket, latency_bucket_bound_us, size_bucket, BufferStats, CommandStats,
+    DirShape, ExportFigures, IoShape, Latency, LatencyHist, PeerStats, Stats, LATENCY_BUCKETS,
+    SHAPE_BUCKETS,
 };
-pub use tls::{TlsConfig, TlsMode};
+pub use tls::config::{TlsConfig, TlsMode};
+pub use tls::identity::TlsIdentity;
 
 /// The default preferred block size advertised (bytes).
 pub const DEFAULT_PREFERRED_BLOCK_BYTES: u32 = 4096;

@@ -5,10 +5,24 @@
 //! sizes and offset alignment bumped as requests arrive (the `blkalgn`
 //! view of a workload: whether a client's I/O fits the volume's sectors),
 //! latency histograms per command class and the requests in flight, and
-//! their snapshot. Must never: block or take a lock on the I/O path.
+//! their snapshot; where payload buffers came from (filled in by the
+//! server's `buffers.rs`). Shared by the server and the remote client
+//! (its latency histograms). Must never: block or take a lock on the I/O
+//! path, or name the server or the client.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
+
+/// Where payload buffers came from, so far.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BufferStats {
+    /// Buffers that were one contiguous block of the arena.
+    pub arena_contiguous: u64,
+    /// Buffers that were a vmalloc area over arena pages.
+    pub arena_vmalloc: u64,
+    /// Buffers from the heap (the arena could give none).
+    pub heap: u64,
+}
 
 /// Counts of one command.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -43,7 +57,7 @@ pub struct Stats {
     /// Requests with an unknown command.
     pub other: CommandStats,
     /// Where payload buffers came from.
-    pub buffers: crate::BufferStats,
+    pub buffers: BufferStats,
     /// Connections open now (handshake or transmission).
     pub open_connections: u64,
     /// Connections refused because `max_connections` were in
@@ -485,7 +499,7 @@ impl Counters {
             write_zeroes: self.write_zeroes.get(),
             block_status: self.block_status.get(),
             other: self.other.get(),
-            buffers: crate::BufferStats::default(),
+            buffers: BufferStats::default(),
             open_connections: self.open.load(Ordering::Relaxed),
             // The server's figure comes from its shares.
             refused_connections: 0,

@@ -26,7 +26,7 @@ use iopages_crypt::target::{CipherPool, CryptTarget, TargetConfig};
 use iopages_crypt::uring::{DirectIo, UringFile, UringOptions};
 use std::fs::File;
 use std::io;
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use zeroize::Zeroizing;
@@ -145,7 +145,7 @@ pub struct Volume {
     /// The remote store a remote image is on, when it is an
     /// [`NbdRemote`](crate::remote::NbdRemote) (its health and counters);
     /// set by whoever connected it.
-    pub remote: Option<Arc<crate::remote::NbdRemote>>,
+    pub remote: Option<Arc<crate::client::NbdRemote>>,
 }
 
 fn invalid(m: String) -> io::Error {
@@ -229,15 +229,11 @@ pub fn in_memory(size_bytes: u64, opts: &VolumeOptions) -> io::Result<(Volume, Z
         )));
     }
     let name = c"iopages-volume";
-    // SAFETY: `name` is a NUL-terminated string; the flags are valid.
-    let fd =
-        unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
-    if fd < 0 {
-        let e = io::Error::last_os_error();
-        return Err(io::Error::new(e.kind(), format!("memfd_create: {e}")));
-    }
-    // SAFETY: `fd` was just created and is owned by nothing else.
-    let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    let file = match crate::sys::memfd_sealable(name) {
+        Ok(fd) => File::from(fd),
+        Err(e) => return Err(io::Error::new(e.kind(), format!("memfd_create: {e}"))),
+    };
+    let fd = file.as_raw_fd();
     let pass = generate_passphrase()?;
     // Room for any header (LUKS2 puts the payload at 16 MiB), then the
     // file is cut to the header plus exactly `size_bytes` of payload.
@@ -248,9 +244,7 @@ pub fn in_memory(size_bytes: u64, opts: &VolumeOptions) -> io::Result<(Volume, Z
     // Nothing can cut the memfd shorter from now on, so its read-only
     // mapping (buffered reads decrypt straight out of it) can never
     // fault past the end of the file (SIGBUS).
-    // SAFETY: F_ADD_SEALS on our own memfd, with valid seal flags.
-    if unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } != 0 {
-        let e = io::Error::last_os_error();
+    if let Err(e) = crate::sys::seal_shrink(file.as_fd()) {
         return Err(io::Error::new(e.kind(), format!("sealing the memfd: {e}")));
     }
     let luks =

@@ -2,31 +2,11 @@
 //! deadlines, and the reader thread that completes them.
 
 use super::*;
+use crate::sys;
 
 /// Whether `e` is a socket timeout (SO_RCVTIMEO / SO_SNDTIMEO expired).
 pub(super) fn is_timeout(e: &io::Error) -> bool {
     matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut)
-}
-
-/// The most buffers one `sendmsg` takes (Linux's UIO_MAXIOV).
-pub(super) const MAX_IOV: usize = 1024;
-
-/// One `sendmsg` of a prefix of `bufs` that does not wait
-/// (`MSG_DONTWAIT` for this call alone: the socket stays blocking for
-/// the reader; `MSG_NOSIGNAL`: a closed peer is `EPIPE`, not a signal).
-pub(super) fn send_nowait(fd: std::os::fd::RawFd, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
-    // SAFETY: msghdr is plain data; zero is a valid value.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    // IoSlice is ABI-compatible with iovec on Unix; sendmsg only reads
-    // the buffers.
-    msg.msg_iov = bufs.as_ptr() as *mut libc::iovec;
-    msg.msg_iovlen = bufs.len().min(MAX_IOV) as _;
-    // SAFETY: `msg` points at `bufs`, live for the call.
-    let n = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(n as usize)
 }
 
 /// Write all of `bufs` to `s` by `deadline`, however the remote reads:
@@ -51,7 +31,7 @@ pub(super) fn write_all_by(
                 t.set_write_timeout(left);
                 t.write_vectored(bufs)
             }
-            _ => send_nowait(s.as_raw_fd(), bufs),
+            _ => sys::send_nowait(s.as_raw_fd(), bufs),
         };
         match got {
             Ok(0) => return Err(ErrorKind::WriteZero.into()),
@@ -61,7 +41,7 @@ pub(super) fn write_all_by(
             }
             Err(e) if e.kind() == ErrorKind::Interrupted => {}
             Err(e) if is_timeout(&e) => {
-                if !crate::remote_tls::poll_until(s.as_raw_fd(), libc::POLLOUT, deadline)? {
+                if !sys::poll_until(s.as_raw_fd(), libc::POLLOUT, deadline)? {
                     let why = match sent {
                         0 => "the store stopped reading".to_string(),
                         n => format!(
@@ -225,7 +205,12 @@ impl Dest {
         let parts = ranges
             .into_iter()
             .map(|(i, from, n)| (segs[i][from..from + n].as_mut_ptr(), n))
-            .collect();
+            .collect::<Vec<(*mut u8, usize)>>();
+        debug_assert_eq!(
+            parts.iter().map(|p| p.1).sum::<usize>(),
+            len,
+            "a read's buffers cover it"
+        );
         Dest { parts }
     }
 }
@@ -468,7 +453,15 @@ impl Conn {
     /// Close the connection at stop: NBD_CMD_DISC when it lives, then our
     /// side of the socket is shut (the reader ends at the store's EOF).
     pub(super) fn close(&self) {
-        self.shared.lock().closing = true;
+        {
+            let mut s = self.shared.lock();
+            // No caller is left: each took its request out of the map.
+            debug_assert!(
+                s.pending.is_empty(),
+                "a connection closes with requests pending"
+            );
+            s.closing = true;
+        }
         if !self.is_alive() {
             return;
         }
@@ -536,7 +529,12 @@ impl Conn {
             state: Slot::Waiting,
             unflushed,
         };
-        s.pending.insert(cookie, pending);
+        let was = s.pending.insert(cookie, pending);
+        assert!(was.is_none(), "cookie {cookie} is pending twice");
+        debug_assert!(
+            s.pending.len() <= self.max_in_flight,
+            "more requests than slots"
+        );
         Ok(cookie)
     }
 
@@ -620,7 +618,9 @@ impl Conn {
         {
             cv.wait(s);
         }
-        s.pending.remove(&cookie);
+        // Only its caller takes a request out of the map, once.
+        let gone = s.pending.remove(&cookie);
+        assert!(gone.is_some(), "cookie {cookie} is released twice");
         self.room.notify_one();
     }
 
@@ -780,6 +780,7 @@ impl Conn {
                 .pending
                 .get_mut(&cookie)
                 .expect("its caller waits while it is filled");
+            debug_assert!(matches!(p.state, Slot::Filling), "a read is answered twice");
             match filled {
                 Ok(()) => {
                     p.state = Slot::Replied(0);

@@ -8,6 +8,7 @@
 //! fail a request because the arena is short — a buffer the arena cannot
 //! give comes from the heap instead, and is counted.
 
+use crate::stats::BufferStats;
 use iopages::{Gfp, KvBox, KvKind, KvPolicy, Kvmalloc, PageAllocator};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -33,17 +34,6 @@ impl AsMut<[u8]> for Buf {
             Buf::Heap(v) => v,
         }
     }
-}
-
-/// Where payload buffers came from, so far.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct BufferStats {
-    /// Buffers that were one contiguous block of the arena.
-    pub arena_contiguous: u64,
-    /// Buffers that were a vmalloc area over arena pages.
-    pub arena_vmalloc: u64,
-    /// Buffers from the heap (the arena could give none).
-    pub heap: u64,
 }
 
 /// The source of payload buffers, shared by a server's connections.

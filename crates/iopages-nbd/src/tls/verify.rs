@@ -17,7 +17,7 @@
 //! text from the peer into a message unbounded or with control
 //! characters.
 
-use crate::peer::TlsIdentity;
+use crate::tls::identity::TlsIdentity;
 use openssl::error::ErrorStack;
 use openssl::ex_data::Index;
 use openssl::ssl::{Ssl, SslConnector, SslConnectorBuilder, SslRef, SslVerifyMode, SslVersion};
@@ -29,7 +29,7 @@ use std::sync::Arc;
 
 /// Where a server session keeps the PSK identity its key was found for
 /// (one index for the process, made on first use): the PSK callback
-/// (`tls.rs`) sets it, [`client_identity`] reads it.
+/// (`config.rs`) sets it, [`client_identity`] reads it.
 pub(crate) fn psk_identity_index() -> crate::Result<Index<Ssl, Vec<u8>>> {
     static INDEX: std::sync::OnceLock<Index<Ssl, Vec<u8>>> = std::sync::OnceLock::new();
     if let Some(i) = INDEX.get() {
@@ -53,7 +53,7 @@ pub(crate) fn client_identity(ssl: &SslRef) -> Option<TlsIdentity> {
         return None;
     }
     let cert = ssl.peer_certificate()?;
-    Some(TlsIdentity::Subject(crate::peer::rfc4514(
+    Some(TlsIdentity::Subject(crate::tls::identity::rfc4514(
         cert.subject_name(),
     )))
 }

@@ -9,7 +9,7 @@
 //! completion (a completion holding the last reference would drop the
 //! queue on its own worker thread, which joins itself).
 
-use crate::buffers::Buf;
+use crate::server::buffers::Buf;
 use iopages::PageAllocator;
 use iopages_crypt::backend::Extent;
 use iopages_crypt::queue::{CryptQueue, Payload};

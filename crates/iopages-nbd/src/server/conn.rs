@@ -40,13 +40,13 @@
 //! NO_HOLE), and a FAST_ZERO request that cannot punch fails at once with
 //! ENOTSUP. Block status is answered on the connection's thread.
 
-use crate::buffers::{Buf, Buffers};
-use crate::device::{Device, Flusher};
 use crate::proto::*;
-use crate::rate::Rate;
-use crate::shares::{Claim, PeerBudget};
+use crate::server::buffers::{Buf, Buffers};
+use crate::server::device::{Device, Flusher};
+use crate::server::rate::Rate;
+use crate::server::shares::{Claim, PeerBudget};
 use crate::stats::Counters;
-use crate::transport::{Io, Transport};
+use crate::transport::nonblocking::{Io, Transport};
 use crate::ExportInfo;
 use iopages_crypt::backend::Extent;
 use parking_lot::Mutex;
@@ -572,6 +572,10 @@ impl Conn {
         let r = self.charge(bytes, false);
         if !matches!(r, Ok(true)) {
             let mut g = self.gate.lock();
+            assert!(
+                g.0 >= 1 && g.1 >= bytes,
+                "a place in flight is undone twice"
+            );
             g.0 -= 1;
             g.1 -= bytes;
             self.busy.store(g.0, Ordering::Relaxed);
@@ -657,6 +661,11 @@ impl Conn {
     fn release(&self, bytes: u64) {
         {
             let mut g = self.gate.lock();
+            assert!(g.0 >= 1, "a reply releases a place in flight nobody holds");
+            assert!(
+                g.1 >= bytes,
+                "a reply releases more bytes than are in flight"
+            );
             g.0 -= 1;
             g.1 -= bytes;
             self.busy.store(g.0, Ordering::Relaxed);
@@ -715,7 +724,13 @@ impl Pending {
                 .error
                 .compare_exchange(0, error, Ordering::AcqRel, Ordering::Acquire);
         }
-        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+        let left = self.remaining.fetch_sub(1, Ordering::AcqRel);
+        // A chunk completed twice would send the reply twice.
+        assert!(
+            left >= 1,
+            "a request's chunks complete more often than there are"
+        );
+        if left == 1 {
             self.finish();
         }
     }
@@ -745,7 +760,8 @@ impl Pending {
         counters
             .latency(self.command)
             .record(self.received.elapsed());
-        counters.in_flight.fetch_sub(1, Ordering::Relaxed);
+        let was = counters.in_flight.fetch_sub(1, Ordering::Relaxed);
+        debug_assert!(was >= 1, "the server's in-flight count underflows");
         let kind = if self.command != CMD_READ {
             ReplyKind::Plain
         } else if error == 0 && self.conn.structured && data.iter().all(|d| all_zero(d.as_ref())) {
@@ -868,6 +884,12 @@ pub(crate) fn transmit(t: Arc<Transport>, env: &ConnEnv<'_>) {
     DEFER_REPLIES.with(|d| d.set(false));
     conn.flush_replies();
     conn.wait_idle();
+    // Every request has completed and released its place and its bytes.
+    debug_assert_eq!(
+        *conn.gate.lock(),
+        (0, 0),
+        "a connection ends with requests in flight"
+    );
     conn.t.close_tls();
     conn.t.shutdown();
 }
@@ -1264,41 +1286,14 @@ impl Reader<'_, '_> {
     }
 
     fn request(&mut self, req: Request) -> io::Result<()> {
-        // The shape of what the client sends, served or not.
-        let shape = match req.command {
-            CMD_READ => Some(&self.conn.counters.read_shape),
-            CMD_WRITE => Some(&self.conn.counters.write_shape),
-            _ => None,
-        };
-        if let Some(c) = shape {
-            let ss = self.env.export.min_block_bytes as u64;
-            c.record(req.offset, req.length as u64, ss);
-        }
-        let mut error = check_request(self.env.export, &req);
-        if error == 0 && req.command == CMD_BLOCK_STATUS && self.env.allocation_context.is_none() {
-            // No metadata context was selected: nothing to report on.
-            error = EINVAL;
-        }
+        self.record_shape(&req);
         let fast_zero = req.flags & CMD_FLAG_FAST_ZERO != 0;
-        if error == 0 && req.command == CMD_WRITE_ZEROES && fast_zero && !self.punches(&req) {
-            // Encrypted zeros are no faster than a write: fail at once,
-            // with nothing changed (proto.md's fast-zero contract).
-            error = ENOTSUP;
-        }
+        let error = self.request_error(&req, fast_zero);
         if error != 0 {
             return self.refuse(&req, error);
         }
         let len = req.length as u64;
-        // The export's rate: one request, and the bytes it reads, writes,
-        // zeroes or punches (a flush, a block status query or a TRIM that
-        // does nothing moves none).
-        let moves = match req.command {
-            CMD_READ | CMD_WRITE | CMD_WRITE_ZEROES => true,
-            CMD_TRIM => self.env.export.discards,
-            _ => false,
-        };
-        self.conn
-            .throttle(self.env.rate, if moves { len } else { 0 })?;
+        self.conn.throttle(self.env.rate, self.rate_bytes(&req))?;
         if req.command == CMD_BLOCK_STATUS {
             return self.block_status(&req);
         }
@@ -1312,75 +1307,131 @@ impl Reader<'_, '_> {
         if !self.conn.acquire(payload)? {
             return self.refuse(&req, ENOMEM);
         }
-        let device = self.env.device;
         match req.command {
-            CMD_WRITE => {
-                // The whole payload first: a client gone mid-payload has
-                // nothing of this write submitted. Straight into arena
-                // pages (dropped, and so freed, if the client goes away
-                // mid-payload). A wait on the socket sends the deferred
-                // replies first (the pump), whatever the client waits for.
-                self.payload_due();
-                let mut bufs = Vec::with_capacity(len.div_ceil(CHUNK_BYTES as u64) as usize);
-                for (off, n) in chunks(req.offset, len) {
-                    let mut buf = self.env.buffers.get(n);
-                    if let Err(e) = self.stream.read_exact(buf.as_mut()) {
-                        drop(bufs);
-                        drop(buf);
-                        self.conn.release(len);
-                        return Err(e);
-                    }
-                    bufs.push((off, buf));
-                }
-                let down = self.fua_down(&req);
-                let p = self.pending_fua(&req, bufs.len(), len, !down);
-                for (off, buf) in bufs {
-                    let p = Arc::clone(&p);
-                    device.submit_write(
-                        off,
-                        Box::new(buf),
-                        down,
-                        Box::new(move |r| p.chunk_done(r.err().map_or(0, |e| errno(&e)))),
-                    );
-                }
-                p.chunk_done(0);
-            }
+            CMD_WRITE => self.serve_write(&req)?,
             CMD_WRITE_ZEROES | CMD_TRIM => self.zero_or_trim(&req, fast_zero)?,
-            CMD_READ => {
-                let n = chunks(req.offset, len).count();
-                let p = self.pending(&req, n, len);
-                p.read.lock().resize_with(n, || None);
-                for (i, (off, n_bytes)) in chunks(req.offset, len).enumerate() {
-                    let p = Arc::clone(&p);
-                    let buf = self.env.buffers.get(n_bytes);
-                    device.submit_read(
-                        off,
-                        buf,
-                        Box::new(move |r, buf| match r {
-                            Ok(()) => {
-                                p.read.lock()[i] = Some(buf);
-                                p.chunk_done(0);
-                            }
-                            Err(e) => {
-                                drop(buf);
-                                p.chunk_done(errno(&e))
-                            }
-                        }),
-                    );
-                }
-                p.chunk_done(0);
-            }
-            CMD_FLUSH => {
-                let p = self.pending(&req, 1, 0);
-                let q = Arc::clone(&p);
-                device.submit_flush(Box::new(move |r| {
-                    q.chunk_done(r.err().map_or(0, |e| errno(&e)))
-                }));
-                p.chunk_done(0);
-            }
+            CMD_READ => self.serve_read(&req),
+            CMD_FLUSH => self.serve_flush(&req),
             _ => unreachable!("check_request() refuses unknown commands"),
         }
         Ok(())
+    }
+
+    /// Count the shape of what the client sends, served or not.
+    fn record_shape(&self, req: &Request) {
+        let shape = match req.command {
+            CMD_READ => Some(&self.conn.counters.read_shape),
+            CMD_WRITE => Some(&self.conn.counters.write_shape),
+            _ => None,
+        };
+        if let Some(c) = shape {
+            let ss = self.env.export.min_block_bytes as u64;
+            c.record(req.offset, req.length as u64, ss);
+        }
+    }
+
+    /// The errno `req` is refused with before anything is done, 0 when it
+    /// is served.
+    fn request_error(&self, req: &Request, fast_zero: bool) -> u32 {
+        let error = check_request(self.env.export, req);
+        if error == 0 && req.command == CMD_BLOCK_STATUS && self.env.allocation_context.is_none() {
+            // No metadata context was selected: nothing to report on.
+            return EINVAL;
+        }
+        if error == 0 && req.command == CMD_WRITE_ZEROES && fast_zero && !self.punches(req) {
+            // Encrypted zeros are no faster than a write: fail at once,
+            // with nothing changed (proto.md's fast-zero contract).
+            return ENOTSUP;
+        }
+        error
+    }
+
+    /// The bytes `req` counts against the export's rate: what it reads,
+    /// writes, zeroes or punches (a flush, a block status query or a TRIM
+    /// that does nothing moves none).
+    fn rate_bytes(&self, req: &Request) -> u64 {
+        let moves = match req.command {
+            CMD_READ | CMD_WRITE | CMD_WRITE_ZEROES => true,
+            CMD_TRIM => self.env.export.discards,
+            _ => false,
+        };
+        if moves {
+            req.length as u64
+        } else {
+            0
+        }
+    }
+
+    /// NBD_CMD_WRITE: the whole payload first (a client gone mid-payload
+    /// has nothing of this write submitted), straight into arena pages
+    /// (dropped, and so freed, if the client goes away mid-payload), then
+    /// one submission per chunk. A wait on the socket sends the deferred
+    /// replies first (the pump), whatever the client waits for.
+    fn serve_write(&mut self, req: &Request) -> io::Result<()> {
+        let len = req.length as u64;
+        self.payload_due();
+        let mut bufs = Vec::with_capacity(len.div_ceil(CHUNK_BYTES as u64) as usize);
+        for (off, n) in chunks(req.offset, len) {
+            let mut buf = self.env.buffers.get(n);
+            if let Err(e) = self.stream.read_exact(buf.as_mut()) {
+                drop(bufs);
+                drop(buf);
+                self.conn.release(len);
+                return Err(e);
+            }
+            bufs.push((off, buf));
+        }
+        let down = self.fua_down(req);
+        let p = self.pending_fua(req, bufs.len(), len, !down);
+        for (off, buf) in bufs {
+            let p = Arc::clone(&p);
+            self.env.device.submit_write(
+                off,
+                Box::new(buf),
+                down,
+                Box::new(move |r| p.chunk_done(r.err().map_or(0, |e| errno(&e)))),
+            );
+        }
+        p.chunk_done(0);
+        Ok(())
+    }
+
+    /// NBD_CMD_READ: one submission per chunk, each chunk's data kept in
+    /// its place until the reply is sent whole.
+    fn serve_read(&mut self, req: &Request) {
+        let len = req.length as u64;
+        let n = chunks(req.offset, len).count();
+        let p = self.pending(req, n, len);
+        p.read.lock().resize_with(n, || None);
+        for (i, (off, n_bytes)) in chunks(req.offset, len).enumerate() {
+            let p = Arc::clone(&p);
+            let buf = self.env.buffers.get(n_bytes);
+            self.env.device.submit_read(
+                off,
+                buf,
+                Box::new(move |r, buf| match r {
+                    Ok(()) => {
+                        p.read.lock()[i] = Some(buf);
+                        p.chunk_done(0);
+                    }
+                    Err(e) => {
+                        drop(buf);
+                        p.chunk_done(errno(&e))
+                    }
+                }),
+            );
+        }
+        p.chunk_done(0);
+    }
+
+    /// NBD_CMD_FLUSH: one flush of the device.
+    fn serve_flush(&mut self, req: &Request) {
+        let p = self.pending(req, 1, 0);
+        let q = Arc::clone(&p);
+        self.env.device.submit_flush(Box::new(move |r| {
+            q.chunk_done(r.err().map_or(0, |e| errno(&e)))
+        }));
+        p.chunk_done(0);
     }
 }
 

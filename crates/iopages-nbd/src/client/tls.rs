@@ -9,17 +9,16 @@
 //! connector built from them (TLS 1.2 at least; with a PSK, the PSK
 //! suites only and the identity's key). The session a connection then
 //! runs is the server's own type ([`ClientTls`] is a
-//! [`TlsSession`](crate::tls_session::TlsSession) over the plain stream),
+//! [`TlsSession`](crate::tls::session::TlsSession) over the plain stream),
 //! and what is demanded of the store — the URI's PSK or a certificate
 //! that verifies, checked during and after the handshake — is
-//! `tls_session/verify.rs`'s [`StoreCheck`]. Must never: continue in
+//! `tls/verify.rs`'s [`StoreCheck`]. Must never: continue in
 //! plaintext when TLS was asked for, or build a connector from settings
 //! it could not load whole (every error names the parameter or file).
 
-use crate::stream::Stream;
-/// For the remote connections' own waits (`remote/conn.rs`).
-pub(crate) use crate::tls_session::poll_until;
-use crate::tls_session::{StoreCheck, TlsSession};
+use crate::tls::session::TlsSession;
+use crate::tls::verify::StoreCheck;
+use crate::transport::stream::Stream;
 use openssl::ssl::{SslConnector, SslConnectorBuilder, SslMethod, SslOptions, SslVersion};
 use std::io::{self, ErrorKind};
 use std::path::{Path, PathBuf};
@@ -140,7 +139,7 @@ fn psk_connector(
             "give tls-certificates= or tls-psk-file=, not both".into(),
         ));
     }
-    let keys = crate::tls::read_psk_file(file).map_err(|e| config_error(e.to_string()))?;
+    let keys = crate::tls::config::read_psk_file(file).map_err(|e| config_error(e.to_string()))?;
     let Some(user) = tls.username.clone().or_else(login_name) else {
         return Err(config_error(format!(
             "no PSK username: add tls-username=NAME (an identity in {})",
@@ -155,9 +154,9 @@ fn psk_connector(
     };
     // TLS 1.3 uses the same callback with a SHA-256 suite; TLS 1.2
     // servers get the (EC)DHE-PSK suites, then plain PSK.
-    b.set_ciphersuites(crate::tls::PSK_TLS13_SUITES)
+    b.set_ciphersuites(crate::tls::config::PSK_TLS13_SUITES)
         .map_err(ssl)?;
-    b.set_cipher_list(crate::tls::PSK_TLS12_CIPHERS)
+    b.set_cipher_list(crate::tls::config::PSK_TLS12_CIPHERS)
         .map_err(ssl)?;
     let identity = user.clone().into_bytes();
     b.set_psk_client_callback(move |_ssl, _hint, id_out, key_out| {
@@ -241,7 +240,7 @@ fn load_client_cert(b: &mut SslConnectorBuilder, dir: &Path) -> io::Result<()> {
     let key = dir.join("client-key.pem");
     match (cert.is_file(), key.is_file()) {
         (false, false) => Ok(()),
-        (true, true) => crate::tls::load_cert_and_key(b, &cert, &key).map_err(config_error),
+        (true, true) => crate::tls::config::load_cert_and_key(b, &cert, &key).map_err(config_error),
         (c, _) => Err(config_error(format!(
             "{} is there but {} is not (a client certificate needs both)",
             if c { cert.display() } else { key.display() },
@@ -253,9 +252,10 @@ fn load_client_cert(b: &mut SslConnectorBuilder, dir: &Path) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::peer::TlsIdentity;
-    use crate::tls::{TlsConfig, TlsMode};
-    use crate::tls_session::{poll_until, Io};
+    use crate::sys::poll_until;
+    use crate::tls::config::{TlsConfig, TlsMode};
+    use crate::tls::identity::TlsIdentity;
+    use crate::tls::session::Io;
     use std::io::IoSlice;
     use std::os::fd::AsRawFd;
     use std::os::unix::net::UnixStream;

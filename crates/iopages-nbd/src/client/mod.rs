@@ -38,9 +38,21 @@
 //! socket; the caller does not return while the reader may be writing
 //! into them. Structured replies are not negotiated. Under TLS every
 //! connection does its own STARTTLS, and its stream is a
-//! [`ClientTls`](crate::remote_tls::ClientTls) session (`remote_tls.rs`)
+//! [`ClientTls`](crate::client::tls::ClientTls) session (`client/tls.rs`)
 //! read and written the same way.
+//!
+//! The client layer's files: the URI (`uri.rs`), the client side of the
+//! handshake (`wire.rs`), one connection and its reader thread
+//! (`conn.rs`), the connections of a remote with their health and
+//! counters (`link.rs`), the URI's TLS settings and the connector
+//! (`tls.rs`), and the [`Backend`] itself (here). The threads live in
+//! `conn.rs` and `link.rs`: an event loop replacing them changes those
+//! files, not the layout. Must never: name the server (`server/`); reach
+//! the kernel except through `sys`. It is published as
+//! `iopages_nbd::remote`.
 
+pub use crate::client::tls::RemoteTls;
+use crate::client::tls::{ClientTls, Connector};
 use crate::proto::{
     Request, CMD_DISC, CMD_FLAG_FUA, CMD_FLUSH, CMD_READ, CMD_TRIM, CMD_WRITE, CMD_WRITE_ZEROES,
     EINVAL, EIO, ENOMEM, ENOSPC, ENOTSUP, EOVERFLOW, EPERM, ESHUTDOWN, FLAG_C_FIXED_NEWSTYLE,
@@ -51,15 +63,13 @@ use crate::proto::{
     TFLAG_HAS_FLAGS, TFLAG_READ_ONLY, TFLAG_SEND_FLUSH, TFLAG_SEND_FUA, TFLAG_SEND_TRIM,
     TFLAG_SEND_WRITE_ZEROES,
 };
-pub use crate::remote_tls::RemoteTls;
-use crate::remote_tls::{ClientTls, Connector};
-use crate::stream::Stream;
+use crate::transport::stream::Stream;
 use iopages_crypt::backend::{check_range, Backend};
 use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
 use std::io::{self, ErrorKind, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -103,6 +113,7 @@ mod conn;
 mod link;
 #[cfg(test)]
 mod tests;
+pub(crate) mod tls;
 mod uri;
 mod wire;
 
@@ -195,7 +206,7 @@ impl NbdRemote {
                     RemoteAddress::Tcp { host, .. } => Some(host.as_str()),
                     RemoteAddress::Unix(_) => None,
                 };
-                Some(crate::remote_tls::connector(t, host).map_err(ctx)?)
+                Some(crate::client::tls::connector(t, host).map_err(ctx)?)
             }
             None => None,
         };

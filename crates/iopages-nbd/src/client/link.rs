@@ -60,6 +60,10 @@ impl Durability {
     /// **Returns:** whether writes may have been lost since the last FLUSH
     /// reported (each loss is reported once).
     pub(super) fn flushed(&self, upto: u64) -> bool {
+        debug_assert!(
+            upto <= self.acked.load(Ordering::SeqCst),
+            "a FLUSH covers writes not yet acknowledged"
+        );
         self.flushed.fetch_max(upto, Ordering::SeqCst);
         let lost = self.lost.load(Ordering::SeqCst);
         self.reported.swap(lost, Ordering::SeqCst) != lost

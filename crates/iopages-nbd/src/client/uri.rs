@@ -118,138 +118,19 @@ impl RemoteSpec {
         if export.len() > 4096 {
             return Err(bad("the export name is longer than 4096 bytes"));
         }
-        let mut socket = None;
-        let mut settings = RemoteTls::new();
-        let mut seen: Vec<&str> = Vec::new();
-        let mut tls_type = None;
-        let mut reconnect_delay = None;
-        for pair in query.split('&').filter(|p| !p.is_empty()) {
-            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
-            if seen.contains(&key) {
-                return Err(bad(&format!("{key}= is given twice")));
-            }
-            seen.push(key);
-            let value = percent_decode(value).map_err(|m| bad(&m))?;
-            if key.starts_with("tls-") && !tls {
-                return Err(bad(&format!(
-                    "{key}= needs TLS: use nbds:// or nbds+unix://"
-                )));
-            }
-            let path = |v: String| {
-                if v.is_empty() {
-                    Err(bad(&format!("{key}= is empty")))
-                } else {
-                    Ok(Some(PathBuf::from(v)))
-                }
-            };
-            match key {
-                "socket" if unix => socket = Some(value),
-                "tls-certificates" => settings.certificates = path(value)?,
-                "tls-psk-file" => settings.psk_file = path(value)?,
-                "tls-username" if !value.is_empty() => settings.username = Some(value),
-                "tls-hostname" if !value.is_empty() => settings.hostname = Some(value),
-                "tls-verify-peer" => {
-                    settings.verify_peer = match value.to_ascii_lowercase().as_str() {
-                        "1" | "true" | "yes" | "on" => true,
-                        "0" | "false" | "no" | "off" => false,
-                        _ => {
-                            return Err(bad(&format!(
-                                "tls-verify-peer={value:?} is not a boolean (true or false)"
-                            )))
-                        }
-                    }
-                }
-                "tls-type" => tls_type = Some(value.to_ascii_lowercase()),
-                "reconnect-delay" => {
-                    reconnect_delay = Some(parse_reconnect_delay(&value).map_err(|m| bad(&m))?)
-                }
-                "tls-username" | "tls-hostname" => return Err(bad(&format!("{key}= is empty"))),
-                _ => return Err(bad(&format!("unknown query parameter {key:?}"))),
-            }
-        }
-        match tls_type.as_deref() {
-            None => {}
-            Some("x509") if settings.psk_file.is_none() => {}
-            Some("psk") if settings.psk_file.is_some() => {}
-            Some("psk") => return Err(bad("tls-type=psk needs tls-psk-file=FILE")),
-            Some("x509") => return Err(bad("tls-type=x509 with tls-psk-file= given")),
-            Some(t) => {
-                return Err(bad(&format!(
-                    "tls-type={t:?} is not supported (x509 or psk)"
-                )))
-            }
-        }
-        if settings.psk_file.is_some() && settings.certificates.is_some() {
-            return Err(bad("give tls-certificates= or tls-psk-file=, not both"));
-        }
-        let authority = match authority.rsplit_once('@') {
-            Some((user, host)) if tls => {
-                let user = percent_decode(user).map_err(|m| bad(&m))?;
-                if user.is_empty() || user.contains(':') {
-                    return Err(bad("user info must be a user name alone (user@host)"));
-                }
-                if settings.username.is_some() {
-                    return Err(bad("a user name both as user@ and tls-username="));
-                }
-                settings.username = Some(user);
-                host
-            }
-            _ => authority,
-        };
-        if authority.contains('@') {
-            return Err(bad("user info (user@) is only for TLS (nbds://user@host)"));
-        }
+        let mut q = Query::parse(query, unix, tls).map_err(|m| bad(&m))?;
+        q.check_tls().map_err(|m| bad(&m))?;
+        let authority = take_user(authority, tls, &mut q.settings).map_err(|m| bad(&m))?;
         let address = if unix {
-            if !authority.is_empty() {
-                return Err(bad(&format!(
-                    "{scheme}:// takes no host ({scheme}:///export?socket=PATH)"
-                )));
-            }
-            match socket {
-                Some(s) if !s.is_empty() => RemoteAddress::Unix(PathBuf::from(s)),
-                _ => return Err(bad(&format!("{scheme}:// needs ?socket=PATH"))),
-            }
+            unix_address(&scheme, authority, q.socket)
         } else {
-            if authority.matches(':').count() > 1 && !authority.starts_with('[') {
-                return Err(bad("an IPv6 address must be in brackets ([::1]:10809)"));
-            }
-            let (host, port) = if let Some(v6) = authority.strip_prefix('[') {
-                let (host, after) = v6
-                    .split_once(']')
-                    .ok_or_else(|| bad("an IPv6 address without its closing ]"))?;
-                match after {
-                    "" => (host, None),
-                    p => match p.strip_prefix(':') {
-                        Some(p) => (host, Some(p)),
-                        None => return Err(bad("junk after the IPv6 address")),
-                    },
-                }
-            } else {
-                match authority.split_once(':') {
-                    Some((h, p)) => (h, Some(p)),
-                    None => (authority, None),
-                }
-            };
-            if host.is_empty() {
-                return Err(bad("no host"));
-            }
-            let port = match port {
-                None | Some("") => DEFAULT_PORT,
-                Some(p) => match p.parse::<u16>() {
-                    Ok(n) if n > 0 && p.bytes().all(|c| c.is_ascii_digit()) => n,
-                    _ => return Err(bad(&format!("bad port {p:?}"))),
-                },
-            };
-            RemoteAddress::Tcp {
-                host: host.to_string(),
-                port,
-            }
+            tcp_address(authority)
         };
         Ok(RemoteSpec {
-            address,
+            address: address.map_err(|m| bad(&m))?,
             export,
-            tls: tls.then_some(settings),
-            reconnect_delay,
+            tls: tls.then_some(q.settings),
+            reconnect_delay: q.reconnect_delay,
         })
     }
 
@@ -298,6 +179,184 @@ impl RemoteSpec {
             format!("{base}?{}", query.join("&"))
         }
     }
+}
+
+/// What an NBD URI's query parameters set.
+struct Query {
+    /// `socket=PATH` (`nbd+unix` and `nbds+unix` only).
+    socket: Option<String>,
+    /// The `tls-*` parameters but `tls-type`.
+    settings: RemoteTls,
+    /// `tls-type=x509|psk`, lowercased.
+    tls_type: Option<String>,
+    /// `reconnect-delay=SECS`.
+    reconnect_delay: Option<Duration>,
+}
+
+impl Query {
+    /// Read `query` (`key=value&…`, values `%`-decoded); each key at most
+    /// once, `tls-*` keys only with TLS.
+    ///
+    /// **Returns:** the message naming the first key that is wrong.
+    fn parse(query: &str, unix: bool, tls: bool) -> Result<Query, String> {
+        let mut q = Query {
+            socket: None,
+            settings: RemoteTls::new(),
+            tls_type: None,
+            reconnect_delay: None,
+        };
+        let mut seen: Vec<&str> = Vec::new();
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+            if seen.contains(&key) {
+                return Err(format!("{key}= is given twice"));
+            }
+            seen.push(key);
+            let value = percent_decode(value)?;
+            if key.starts_with("tls-") && !tls {
+                return Err(format!("{key}= needs TLS: use nbds:// or nbds+unix://"));
+            }
+            q.set(key, value, unix)?;
+        }
+        Ok(q)
+    }
+
+    /// Take one parameter `key=value`.
+    fn set(&mut self, key: &str, value: String, unix: bool) -> Result<(), String> {
+        let path = |v: String| {
+            if v.is_empty() {
+                Err(format!("{key}= is empty"))
+            } else {
+                Ok(Some(PathBuf::from(v)))
+            }
+        };
+        let settings = &mut self.settings;
+        match key {
+            "socket" if unix => self.socket = Some(value),
+            "tls-certificates" => settings.certificates = path(value)?,
+            "tls-psk-file" => settings.psk_file = path(value)?,
+            "tls-username" if !value.is_empty() => settings.username = Some(value),
+            "tls-hostname" if !value.is_empty() => settings.hostname = Some(value),
+            "tls-verify-peer" => {
+                settings.verify_peer = match value.to_ascii_lowercase().as_str() {
+                    "1" | "true" | "yes" | "on" => true,
+                    "0" | "false" | "no" | "off" => false,
+                    _ => {
+                        return Err(format!(
+                            "tls-verify-peer={value:?} is not a boolean (true or false)"
+                        ))
+                    }
+                }
+            }
+            "tls-type" => self.tls_type = Some(value.to_ascii_lowercase()),
+            "reconnect-delay" => self.reconnect_delay = Some(parse_reconnect_delay(&value)?),
+            "tls-username" | "tls-hostname" => return Err(format!("{key}= is empty")),
+            _ => return Err(format!("unknown query parameter {key:?}")),
+        }
+        Ok(())
+    }
+
+    /// Whether `tls-type` agrees with the key files given, and at most one
+    /// kind of key file is.
+    fn check_tls(&self) -> Result<(), String> {
+        let settings = &self.settings;
+        match self.tls_type.as_deref() {
+            None => {}
+            Some("x509") if settings.psk_file.is_none() => {}
+            Some("psk") if settings.psk_file.is_some() => {}
+            Some("psk") => return Err("tls-type=psk needs tls-psk-file=FILE".into()),
+            Some("x509") => return Err("tls-type=x509 with tls-psk-file= given".into()),
+            Some(t) => return Err(format!("tls-type={t:?} is not supported (x509 or psk)")),
+        }
+        if settings.psk_file.is_some() && settings.certificates.is_some() {
+            return Err("give tls-certificates= or tls-psk-file=, not both".into());
+        }
+        Ok(())
+    }
+}
+
+/// The authority without its user info: a `user@` (TLS only) becomes the
+/// PSK user name in `settings`.
+fn take_user<'a>(
+    authority: &'a str,
+    tls: bool,
+    settings: &mut RemoteTls,
+) -> Result<&'a str, String> {
+    let authority = match authority.rsplit_once('@') {
+        Some((user, host)) if tls => {
+            let user = percent_decode(user)?;
+            if user.is_empty() || user.contains(':') {
+                return Err("user info must be a user name alone (user@host)".into());
+            }
+            if settings.username.is_some() {
+                return Err("a user name both as user@ and tls-username=".into());
+            }
+            settings.username = Some(user);
+            host
+        }
+        _ => authority,
+    };
+    if authority.contains('@') {
+        return Err("user info (user@) is only for TLS (nbds://user@host)".into());
+    }
+    Ok(authority)
+}
+
+/// The address of an `nbd+unix` or `nbds+unix` URI: no host, and the
+/// `socket=PATH` parameter.
+fn unix_address(
+    scheme: &str,
+    authority: &str,
+    socket: Option<String>,
+) -> Result<RemoteAddress, String> {
+    if !authority.is_empty() {
+        return Err(format!(
+            "{scheme}:// takes no host ({scheme}:///export?socket=PATH)"
+        ));
+    }
+    match socket {
+        Some(s) if !s.is_empty() => Ok(RemoteAddress::Unix(PathBuf::from(s))),
+        _ => Err(format!("{scheme}:// needs ?socket=PATH")),
+    }
+}
+
+/// The address of an `nbd` or `nbds` URI: `host[:port]`, an IPv6 host in
+/// brackets, the port [`DEFAULT_PORT`] when none is given.
+fn tcp_address(authority: &str) -> Result<RemoteAddress, String> {
+    if authority.matches(':').count() > 1 && !authority.starts_with('[') {
+        return Err("an IPv6 address must be in brackets ([::1]:10809)".into());
+    }
+    let (host, port) = if let Some(v6) = authority.strip_prefix('[') {
+        let (host, after) = v6
+            .split_once(']')
+            .ok_or("an IPv6 address without its closing ]")?;
+        match after {
+            "" => (host, None),
+            p => match p.strip_prefix(':') {
+                Some(p) => (host, Some(p)),
+                None => return Err("junk after the IPv6 address".into()),
+            },
+        }
+    } else {
+        match authority.split_once(':') {
+            Some((h, p)) => (h, Some(p)),
+            None => (authority, None),
+        }
+    };
+    if host.is_empty() {
+        return Err("no host".into());
+    }
+    let port = match port {
+        None | Some("") => DEFAULT_PORT,
+        Some(p) => match p.parse::<u16>() {
+            Ok(n) if n > 0 && p.bytes().all(|c| c.is_ascii_digit()) => n,
+            _ => return Err(format!("bad port {p:?}")),
+        },
+    };
+    Ok(RemoteAddress::Tcp {
+        host: host.to_string(),
+        port,
+    })
 }
 
 impl std::fmt::Display for RemoteSpec {

@@ -1,6 +1,6 @@
 //! One TLS session for both ends of NBD_OPT_STARTTLS: a server
-//! connection's (`transport.rs`) and each of the remote store's client
-//! connections (`remote_tls.rs`, the `Tls` variant of `stream.rs`).
+//! connection's (`transport/nonblocking.rs`) and each of the remote store's client
+//! connections (`client/tls.rs`, the `Tls` variant of `transport/stream.rs`).
 //!
 //! Owns: the handshake by a deadline ([`TlsSession::accept`] for the
 //! server, [`TlsSession::connect`] for the client), reads and writes that
@@ -8,7 +8,7 @@
 //! server's connection thread and crypt workers), reads and writes that
 //! wait up to a timeout ([`TlsSession::read`], [`TlsSession::write`]: the
 //! remote client's reader and writers), close_notify and shutdown, and —
-//! in `tls_session/verify.rs` — what each end checks of the other. Must
+//! in `tls/verify.rs` — what each end checks of the other. Must
 //! never: wait for the socket while holding the session's lock (so any
 //! number of threads use one session: the server's reader and its
 //! repliers, the remote client's reader and its writers); continue in
@@ -44,8 +44,8 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-mod verify;
-pub(crate) use verify::{psk_identity_index, StoreCheck};
+use crate::sys::poll_until;
+use crate::tls::verify::{self, StoreCheck};
 
 /// A TLS record's largest plaintext: small pieces (reply headers, small
 /// reads, request headers) are gathered into one record's worth before
@@ -423,7 +423,7 @@ impl<S: Socket> TlsSession<S> {
     /// What the finished server handshake proved about the client: its
     /// PSK identity, or the subject of a client certificate that verified
     /// (`None` with an unverified or absent certificate).
-    pub(crate) fn client_identity(&self) -> Option<crate::peer::TlsIdentity> {
+    pub(crate) fn client_identity(&self) -> Option<crate::tls::identity::TlsIdentity> {
         verify::client_identity(self.state.lock().ssl.ssl())
     }
 
@@ -583,39 +583,6 @@ fn events(read: bool, write: bool) -> libc::c_short {
         ev |= libc::POLLOUT;
     }
     ev
-}
-
-/// Wait up to `deadline` for `events` on `fd`.
-///
-/// **Context:** blocks up to `deadline`.
-///
-/// **Returns:** `Ok(true)` when ready (or hung up: the next attempt sees
-/// it), `Ok(false)` when the deadline passed.
-pub(crate) fn poll_until(fd: RawFd, events: libc::c_short, deadline: Instant) -> io::Result<bool> {
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Ok(false);
-        }
-        let mut p = libc::pollfd {
-            fd,
-            events,
-            revents: 0,
-        };
-        let ms = left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
-        // SAFETY: one valid pollfd for the duration of the call.
-        let r = unsafe { libc::poll(&mut p, 1, ms) };
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if r > 0 {
-            return Ok(true);
-        }
-    }
 }
 
 fn timed_out(what: &str) -> io::Error {

@@ -13,7 +13,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::tls_session::{Socket, TlsSession};
+use crate::tls::session::{Socket, TlsSession};
 
 /// An accepted connection.
 #[derive(Debug)]

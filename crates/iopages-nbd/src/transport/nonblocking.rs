@@ -10,12 +10,13 @@
 //! call [`Transport::try_write`] and must get `Blocked` back instead of
 //! waiting).
 
-use crate::stream::Stream;
-pub(crate) use crate::tls_session::Io;
-use crate::tls_session::TlsSession;
+use crate::sys;
+pub(crate) use crate::tls::session::Io;
+use crate::tls::session::TlsSession;
+use crate::transport::stream::Stream;
 use openssl::ssl::SslAcceptor;
 use std::io::{self, IoSlice, Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -42,16 +43,10 @@ impl Transport {
     /// Take `sock` over: it is made non-blocking.
     pub(crate) fn new(sock: Stream) -> io::Result<Transport> {
         sock.set_nonblocking(true)?;
-        // SAFETY: plain syscall; the descriptor is owned below.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
         Ok(Transport {
             sock,
             tls: OnceLock::new(),
-            // SAFETY: `fd` is a fresh descriptor nobody else owns.
-            wake: unsafe { OwnedFd::from_raw_fd(fd) },
+            wake: sys::eventfd()?,
         })
     }
 
@@ -83,16 +78,7 @@ impl Transport {
 
     /// Wake the connection's thread from [`Transport::wait`].
     pub(crate) fn kick(&self) {
-        let one: u64 = 1;
-        // SAFETY: writes 8 bytes from a local to our own eventfd. A full
-        // counter (EAGAIN) already means "woken".
-        unsafe {
-            libc::write(
-                self.wake.as_raw_fd(),
-                (&one as *const u64).cast(),
-                std::mem::size_of::<u64>(),
-            );
-        }
+        sys::eventfd_signal(self.wake.as_fd());
     }
 
     /// Try to read into `buf` without blocking.
@@ -186,19 +172,11 @@ impl Transport {
                 revents: 0,
             },
         ];
-        let ms = match timeout {
-            None => -1,
-            // Round up: a wait never ends before its deadline.
-            Some(t) => t.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32,
-        };
-        // SAFETY: `fds` is a valid array of two pollfds for the call.
-        let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) };
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                return Ok(Ready::default());
-            }
-            return Err(e);
+        // Rounded up: a wait never ends before its deadline.
+        match sys::poll(&mut fds, sys::poll_ms(timeout)) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => return Ok(Ready::default()),
+            Err(e) => return Err(e),
+            Ok(_) => {}
         }
         let s = fds[0].revents;
         let mut ready = Ready {
@@ -213,15 +191,7 @@ impl Transport {
             ready.writable = write;
         }
         if ready.woken {
-            let mut v: u64 = 0;
-            // SAFETY: reads 8 bytes into a local from our own eventfd.
-            unsafe {
-                libc::read(
-                    self.wake.as_raw_fd(),
-                    (&mut v as *mut u64).cast(),
-                    std::mem::size_of::<u64>(),
-                );
-            }
+            sys::eventfd_drain(self.wake.as_fd());
         }
         Ok(ready)
     }
@@ -271,7 +241,7 @@ impl Transport {
     /// What the finished TLS handshake proved about the client: its PSK
     /// identity, or the subject of a client certificate that verified
     /// (`None` without TLS, or with an unverified or absent certificate).
-    pub(crate) fn tls_identity(&self) -> Option<crate::peer::TlsIdentity> {
+    pub(crate) fn tls_identity(&self) -> Option<crate::tls::identity::TlsIdentity> {
         self.tls.get()?.client_identity()
     }
 

@@ -1,5 +1,5 @@
 use super::*;
-use crate::stream::Stream;
+use crate::transport::stream::Stream;
 
 fn transport() -> (Arc<Transport>, std::os::unix::net::UnixStream) {
     let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();

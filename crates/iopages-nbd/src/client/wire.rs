@@ -112,16 +112,15 @@ pub(super) fn opt_go(
     data.extend_from_slice(&1u16.to_be_bytes());
     data.extend_from_slice(&INFO_BLOCK_SIZE.to_be_bytes());
     send_option(s, OPT_GO, &data)?;
-    let invalid = |m: String| io::Error::new(ErrorKind::InvalidData, format!("handshake: {m}"));
     let mut export_info = None;
     let mut sizes = (1u32, 4096u32, MAX_PAYLOAD_BYTES);
     for _ in 0..MAX_GO_REPLIES {
         let (reply, d) = option_reply(s, OPT_GO, "NBD_OPT_GO", deadline)?;
-        let text = String::from_utf8_lossy(&d).into_owned();
         match reply {
             REP_ACK => {
-                let (size, flags) = export_info
-                    .ok_or_else(|| invalid("NBD_OPT_GO ended without the export's size".into()))?;
+                let (size, flags) = export_info.ok_or_else(|| {
+                    go_invalid("NBD_OPT_GO ended without the export's size".into())
+                })?;
                 let (min_block, pref_block, max_block) = sizes;
                 return Ok(Some(ExportInfo {
                     size,
@@ -131,61 +130,78 @@ pub(super) fn opt_go(
                     max_block,
                 }));
             }
-            REP_INFO if d.len() >= 2 => match u16::from_be_bytes([d[0], d[1]]) {
-                INFO_EXPORT if d.len() == 12 => {
-                    export_info = Some((
-                        u64::from_be_bytes(d[2..10].try_into().expect("8 bytes")),
-                        u16::from_be_bytes([d[10], d[11]]),
-                    ))
-                }
-                INFO_BLOCK_SIZE if d.len() == 14 => {
-                    let n = |i: usize| u32::from_be_bytes(d[i..i + 4].try_into().expect("4"));
-                    sizes = (n(2), n(6), n(10));
-                }
-                INFO_EXPORT | INFO_BLOCK_SIZE => {
-                    return Err(invalid(format!(
-                        "an information reply of {} bytes",
-                        d.len()
-                    )))
-                }
-                _ => {} // other information is not needed
-            },
-            REP_INFO => return Err(invalid("an empty information reply".into())),
+            REP_INFO => take_go_info(&d, &mut export_info, &mut sizes)?,
             REP_ERR_UNSUP => return Ok(None),
-            REP_ERR_UNKNOWN => {
-                return Err(io::Error::new(
-                    ErrorKind::NotFound,
-                    format!("the remote has no export named {export:?} ({text})"),
-                ))
-            }
-            REP_ERR_TLS_REQD => {
-                return Err(io::Error::new(
-                    ErrorKind::PermissionDenied,
-                    "the remote requires TLS: use nbds:// (or nbds+unix://) with \
-                     tls-certificates=DIR or tls-psk-file=FILE",
-                ))
-            }
-            REP_ERR_POLICY => {
-                return Err(io::Error::new(
-                    ErrorKind::PermissionDenied,
-                    format!("the remote refused export {export:?} by policy ({text})"),
-                ))
-            }
-            REP_ERR_BLOCK_SIZE_REQD => {
-                return Err(invalid("block sizes required although asked for".into()))
-            }
-            r if r & REP_FLAG_ERROR != 0 => {
-                return Err(io::Error::other(format!(
-                    "the remote refused export {export:?}: error {:#x} ({text})",
-                    r & !REP_FLAG_ERROR
-                )))
-            }
+            r if r & REP_FLAG_ERROR != 0 => return Err(go_refused(r, export, &d)),
             _ => {} // unknown replies are skipped
         }
     }
-    Err(invalid(format!(
+    Err(go_invalid(format!(
         "more than {MAX_GO_REPLIES} replies to NBD_OPT_GO without a final one"
     )))
+}
+
+/// A reply to NBD_OPT_GO that breaks the protocol.
+fn go_invalid(m: String) -> io::Error {
+    io::Error::new(ErrorKind::InvalidData, format!("handshake: {m}"))
+}
+
+/// Take one NBD_REP_INFO reply to NBD_OPT_GO: the export's size and
+/// flags, or its block sizes (other information is not needed).
+fn take_go_info(
+    d: &[u8],
+    export_info: &mut Option<(u64, u16)>,
+    sizes: &mut (u32, u32, u32),
+) -> io::Result<()> {
+    if d.len() < 2 {
+        return Err(go_invalid("an empty information reply".into()));
+    }
+    match u16::from_be_bytes([d[0], d[1]]) {
+        INFO_EXPORT if d.len() == 12 => {
+            *export_info = Some((
+                u64::from_be_bytes(d[2..10].try_into().expect("8 bytes")),
+                u16::from_be_bytes([d[10], d[11]]),
+            ))
+        }
+        INFO_BLOCK_SIZE if d.len() == 14 => {
+            let n = |i: usize| u32::from_be_bytes(d[i..i + 4].try_into().expect("4"));
+            *sizes = (n(2), n(6), n(10));
+        }
+        INFO_EXPORT | INFO_BLOCK_SIZE => {
+            return Err(go_invalid(format!(
+                "an information reply of {} bytes",
+                d.len()
+            )))
+        }
+        _ => {} // other information is not needed
+    }
+    Ok(())
+}
+
+/// The error an error reply `reply` (data `d`) to NBD_OPT_GO for
+/// `export` means.
+fn go_refused(reply: u32, export: &str, d: &[u8]) -> io::Error {
+    let text = String::from_utf8_lossy(d).into_owned();
+    match reply {
+        REP_ERR_UNKNOWN => io::Error::new(
+            ErrorKind::NotFound,
+            format!("the remote has no export named {export:?} ({text})"),
+        ),
+        REP_ERR_TLS_REQD => io::Error::new(
+            ErrorKind::PermissionDenied,
+            "the remote requires TLS: use nbds:// (or nbds+unix://) with \
+             tls-certificates=DIR or tls-psk-file=FILE",
+        ),
+        REP_ERR_POLICY => io::Error::new(
+            ErrorKind::PermissionDenied,
+            format!("the remote refused export {export:?} by policy ({text})"),
+        ),
+        REP_ERR_BLOCK_SIZE_REQD => go_invalid("block sizes required although asked for".into()),
+        r => io::Error::other(format!(
+            "the remote refused export {export:?}: error {:#x} ({text})",
+            r & !REP_FLAG_ERROR
+        )),
+    }
 }
 
 /// NBD_OPT_EXPORT_NAME for `export` (servers without NBD_OPT_GO).
@@ -379,48 +395,19 @@ pub(super) fn dial(spec: &RemoteSpec, timeout: Duration) -> io::Result<Stream> {
 /// does not accept). The stream returned is blocking.
 pub(super) fn connect_unix(path: &std::path::Path, deadline: Instant) -> io::Result<UnixStream> {
     use std::os::unix::ffi::OsStrExt;
-    use std::os::unix::io::FromRawFd;
-    let bytes = path.as_os_str().as_bytes();
-    // SAFETY: sockaddr_un is plain data; zero is a valid value.
-    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-    if bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
+    let Some(addr) = crate::sys::unix_address(path.as_os_str().as_bytes()) else {
         return Err(io::Error::new(
             ErrorKind::InvalidInput,
             format!("{}: not a usable socket path", path.display()),
         ));
-    }
-    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
-    for (d, &b) in addr.sun_path.iter_mut().zip(bytes) {
-        *d = b as libc::c_char;
-    }
-    // SAFETY: socket has no memory arguments; a non-negative result is a
-    // new descriptor, owned by the stream made from it at once.
-    let fd = unsafe {
-        libc::socket(
-            libc::AF_UNIX,
-            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-            0,
-        )
     };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: as above.
-    let stream = unsafe { UnixStream::from_raw_fd(fd) };
+    let stream = crate::sys::unix_socket()?;
     loop {
-        // SAFETY: `addr` is a live, initialised sockaddr_un of that size.
-        let r = unsafe {
-            libc::connect(
-                fd,
-                std::ptr::addr_of!(addr).cast(),
-                std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
-            )
-        };
-        if r == 0 {
+        let r = crate::sys::connect_unix(stream.as_fd(), &addr);
+        let Err(e) = r else {
             stream.set_nonblocking(false)?;
             return Ok(stream);
-        }
-        let e = io::Error::last_os_error();
+        };
         match e.raw_os_error() {
             Some(libc::EAGAIN) | Some(libc::EINTR) if Instant::now() < deadline => {
                 std::thread::sleep(Duration::from_millis(10));

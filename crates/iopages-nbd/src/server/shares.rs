@@ -3,7 +3,7 @@
 //! Owns: the handshake pool (connections that have not reached
 //! transmission), the connection pool (connections in transmission) and
 //! the byte budget (payload bytes and work in flight), each kept per peer
-//! ([`Peer::share_key`](crate::peer::Peer::share_key)), and the slots
+//! ([`Peer::share_key`](crate::server::peer::Peer::share_key)), and the slots
 //! that give a connection's place back when its thread ends — also when
 //! it panics. Must never: let one peer keep another out, hold more
 //! handshakes than the pool (one more closes the least advanced
@@ -38,7 +38,7 @@
 //!   (ties included), is itself closed at once, before a thread is
 //!   started for it. A peer's first handshake always gets in.
 
-use crate::transport::Transport;
+use crate::transport::nonblocking::Transport;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -138,7 +138,12 @@ impl State {
     fn remove_handshake(&mut self, id: u64) -> Option<Member> {
         let i = self.handshakes.iter().position(|m| m.id == id)?;
         let m = self.handshakes.swap_remove(i);
-        self.holding(&m.peer).handshakes -= 1;
+        let h = self.holding(&m.peer);
+        assert!(
+            h.handshakes >= 1,
+            "a peer ends a handshake it does not hold"
+        );
+        h.handshakes -= 1;
         self.tidy(&m.peer);
         Some(m)
     }
@@ -147,8 +152,13 @@ impl State {
         let i = self.connections.iter().position(|m| m.id == id)?;
         let m = self.connections.remove(i);
         let h = self.holding(&m.peer);
+        assert!(
+            h.connections >= 1,
+            "a peer ends a connection it does not hold"
+        );
         h.connections -= 1;
         if h.connections == 0 {
+            debug_assert!(self.active >= 1, "more peers leave than are active");
             self.active -= 1;
         }
         self.tidy(&m.peer);
@@ -471,6 +481,7 @@ impl PeerBudget {
                 claim.under = false;
             }
             s.bytes += bytes;
+            debug_assert!(s.bytes <= limit, "the server's budget is overdrawn");
             let h = s.holding(&self.peer);
             h.bytes += bytes;
             if claim.work {
@@ -541,7 +552,9 @@ impl PeerBudget {
     /// Stop waiting (the request gave up).
     pub(crate) fn give_up(&self, claim: &mut Claim) {
         if claim.under {
-            self.shares.state.lock().under_waiting -= 1;
+            let mut s = self.shares.state.lock();
+            assert!(s.under_waiting >= 1, "a claim stops waiting twice");
+            s.under_waiting -= 1;
             claim.under = false;
         }
     }
@@ -563,6 +576,10 @@ impl PeerBudget {
             assert!(h.work >= bytes, "a peer gives back more work than it holds");
             h.work -= bytes;
         }
+        assert!(
+            s.bytes >= bytes,
+            "the server's budget gets back more than it lent"
+        );
         s.bytes -= bytes;
         s.tidy(&self.peer);
     }

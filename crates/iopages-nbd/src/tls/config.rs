@@ -9,8 +9,8 @@
 //! credentials it could not load whole (every error names the file and
 //! what is wrong), or accept a PSK client whose identity is not in the
 //! file. The session these credentials start, and what it proves about a
-//! client, are `tls_session.rs`'s; the PSK file format and suites serve
-//! the remote client (`remote_tls.rs`) too.
+//! client, are `session.rs`'s; the PSK file format and suites serve
+//! the remote client (`client/tls.rs`) too.
 
 use openssl::ssl::{
     SslAcceptor, SslAcceptorBuilder, SslFiletype, SslMethod, SslOptions, SslVerifyMode, SslVersion,
@@ -136,8 +136,8 @@ impl TlsConfig {
             .map_err(|e| err(format!("TLS: {e}")))?;
         b.set_cipher_list(PSK_TLS12_CIPHERS)
             .map_err(|e| err(format!("TLS: {e}")))?;
-        // Where the session keeps the identity for `tls_session` to read.
-        let index = crate::tls_session::psk_identity_index()?;
+        // Where the session keeps the identity for the session to read.
+        let index = crate::tls::verify::psk_identity_index()?;
         b.set_psk_server_callback(move |ssl, identity, out| {
             let (id, key) = identity
                 .and_then(|id| keys.get_key_value(id))

@@ -12,9 +12,23 @@ fn tcp(host: &str, port: u16, export: &str) -> RemoteSpec {
     }
 }
 
+/// Each URI parses to its spec, and the spec's own URI parses back to it.
+fn assert_parses_and_round_trips(cases: Vec<(&str, RemoteSpec)>) {
+    for (uri, want) in cases {
+        let got = RemoteSpec::parse(uri).unwrap_or_else(|e| panic!("{uri}: {e}"));
+        assert_eq!(got, want, "{uri}");
+        assert_eq!(
+            RemoteSpec::parse(&got.uri()).unwrap(),
+            want,
+            "{}",
+            got.uri()
+        );
+    }
+}
+
 #[test]
-fn good_uris_parse_and_round_trip() {
-    let cases = [
+fn good_tcp_uris_parse_and_round_trip() {
+    assert_parses_and_round_trips(vec![
         ("nbd://example.com", tcp("example.com", 10809, "")),
         ("nbd://example.com/", tcp("example.com", 10809, "")),
         (
@@ -25,6 +39,12 @@ fn good_uris_parse_and_round_trip() {
         ("nbd://[::1]:2000/x", tcp("::1", 2000, "x")),
         ("nbd://[fe80::1]", tcp("fe80::1", 10809, "")),
         ("nbd://10.0.0.1:/e", tcp("10.0.0.1", 10809, "e")),
+    ]);
+}
+
+#[test]
+fn good_unix_uris_parse_and_round_trip() {
+    assert_parses_and_round_trips(vec![
         (
             "nbd+unix:///vol?socket=/run/nbd.sock",
             RemoteSpec {
@@ -43,6 +63,12 @@ fn good_uris_parse_and_round_trip() {
                 reconnect_delay: None,
             },
         ),
+    ]);
+}
+
+#[test]
+fn good_tls_uris_parse_and_round_trip() {
+    assert_parses_and_round_trips(vec![
         (
             "nbds://h/e?tls-certificates=/etc/pki/nbd",
             RemoteSpec {
@@ -89,17 +115,7 @@ fn good_uris_parse_and_round_trip() {
                 ..tcp("h", 10809, "")
             },
         ),
-    ];
-    for (uri, want) in cases {
-        let got = RemoteSpec::parse(uri).unwrap_or_else(|e| panic!("{uri}: {e}"));
-        assert_eq!(got, want, "{uri}");
-        assert_eq!(
-            RemoteSpec::parse(&got.uri()).unwrap(),
-            want,
-            "{}",
-            got.uri()
-        );
-    }
+    ]);
 }
 
 #[test]

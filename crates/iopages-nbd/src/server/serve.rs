@@ -14,22 +14,23 @@
 //! handshake than `max_handshakes`, lose a connection's place when its
 //! thread panics, or stop serving other clients because one misbehaved.
 
-use crate::conn::{self, ConnEnv, ConnLimits};
 use crate::error::{Error, Result};
-use crate::export::{Catalog, Export, ExportState, ExportVolume};
-use crate::handshake::{self, HsEnv, Outcome};
-use crate::peer::Origin;
-use crate::shares::{ShareLimits, Shares, Slot};
+use crate::server::conn::{self, ConnEnv, ConnLimits};
+use crate::server::export::{Catalog, Export, ExportState, ExportVolume};
+use crate::server::handshake::{self, HsEnv, Outcome};
+use crate::server::peer::Origin;
+use crate::server::shares::{ShareLimits, Shares, Slot};
 use crate::stats::{Counters, Stats};
-use crate::stream::Stream;
-use crate::tls::TlsConfig;
-use crate::transport::Transport;
+use crate::sys;
+use crate::tls::config::TlsConfig;
+use crate::transport::nonblocking::Transport;
+use crate::transport::stream::Stream;
 use crate::ExportConfig;
 use iopages_crypt::queue::CryptQueue;
 use iopages_crypt::target::SectorCipher;
 use parking_lot::Mutex;
 use std::net::{SocketAddr, TcpListener};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -246,7 +247,7 @@ impl Leftovers {
             }
         }
         for (fd, was) in self.modes.drain(..) {
-            set_nonblocking_fd(&fd, was);
+            sys::set_nonblocking(fd.as_fd(), was);
         }
     }
 }
@@ -257,44 +258,6 @@ struct Listening {
     addresses: Vec<Listen>,
     listeners: Vec<Listener>,
     left: Leftovers,
-}
-
-/// A new eventfd for [`Server::wake`].
-fn wake_fd() -> std::io::Result<OwnedFd> {
-    // SAFETY: eventfd has no memory arguments; a non-negative result is a
-    // new descriptor this function owns.
-    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: as above.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-/// Whether the open file behind `fd` is non-blocking.
-fn is_nonblocking(fd: &OwnedFd) -> std::io::Result<bool> {
-    // SAFETY: F_GETFL on a descriptor the caller owns.
-    let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
-    if flags < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(flags & libc::O_NONBLOCK != 0)
-}
-
-/// Set or clear `O_NONBLOCK` on the open file behind `fd`.
-fn set_nonblocking_fd(fd: &OwnedFd, on: bool) {
-    // SAFETY: F_GETFL / F_SETFL on a descriptor the caller owns.
-    unsafe {
-        let flags = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
-        if flags >= 0 {
-            let new = if on {
-                flags | libc::O_NONBLOCK
-            } else {
-                flags & !libc::O_NONBLOCK
-            };
-            libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, new);
-        }
-    }
 }
 
 /// The device and inode of the file at `p` (following no link).
@@ -380,7 +343,7 @@ impl Server {
         let max_request_bytes = check_options(&exports, &opts)?;
         let exports = Catalog::new(exports)?;
         // Before any socket file exists, so that its failure leaves none.
-        let wake = Arc::new(wake_fd().map_err(|source| Error::Listen {
+        let wake = Arc::new(sys::eventfd().map_err(|source| Error::Listen {
             addr: "the acceptors' wake-up eventfd".into(),
             source,
         })?);
@@ -480,7 +443,7 @@ fn check_limits(o: &ServerOptions) -> Result<()> {
 /// authenticated one would be let in, or worse, be let in on a rule that
 /// cannot be checked), with the kind of credentials the rule names.
 fn check_rules(exports: &[Export], tls: Option<&TlsConfig>) -> Result<()> {
-    use crate::peer::AllowRule;
+    use crate::server::peer::AllowRule;
     for e in exports {
         for r in &e.config().allow {
             let why = match (r, tls) {
@@ -529,16 +492,7 @@ impl Listening {
                 Listen::Unix(p) => {
                     // Owner-only from the start: the socket is created
                     // under a umask that leaves group and others out.
-                    let u = {
-                        let _g = UMASK.lock();
-                        // SAFETY: umask only swaps the process's mask;
-                        // UMASK serialises our own changes.
-                        let old = unsafe { libc::umask(0o077) };
-                        let r = UnixListener::bind(p);
-                        // SAFETY: as above.
-                        unsafe { libc::umask(old) };
-                        r.map_err(err)?
-                    };
+                    let u = sys::with_umask(0o077, || UnixListener::bind(p)).map_err(err)?;
                     bound.push(Listen::Unix(p.clone()));
                     if let Some(id) = file_id(p) {
                         left.created.push((p.clone(), id));
@@ -557,7 +511,7 @@ impl Listening {
             };
             let addr = l.address().map_err(err)?;
             let copy = l.as_fd().try_clone_to_owned().map_err(err)?;
-            let was = is_nonblocking(&copy).map_err(err)?;
+            let was = sys::is_nonblocking(copy.as_fd()).map_err(err)?;
             left.modes.push((copy, was));
             l.set_nonblocking().map_err(err)?;
             bound.push(addr);
@@ -657,11 +611,9 @@ impl Server {
     fn stop(&mut self) {
         self.shared.stopping.store(true, Ordering::SeqCst);
         // Wake every acceptor (see `wake`).
-        let one = 1u64.to_ne_bytes();
-        // SAFETY: writes 8 bytes from a live buffer to the eventfd this
-        // server owns. It cannot fail short of a counter at its maximum,
-        // which one write from zero never reaches.
-        unsafe { libc::write(self.wake.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+        // It cannot fail short of a counter at its maximum, which one
+        // write from zero never reaches.
+        sys::eventfd_signal(self.wake.as_fd());
         for h in self.acceptors.drain(..) {
             let _ = h.join();
         }
@@ -797,9 +749,6 @@ impl StatsHandle {
     }
 }
 
-/// Serialises the process umask changes around Unix socket creation.
-static UMASK: Mutex<()> = Mutex::new(());
-
 /// What an acceptor's wait ended on.
 #[derive(PartialEq)]
 enum Woken {
@@ -828,9 +777,7 @@ fn wait_for_connection(l: &Listener, wake: &OwnedFd) -> Woken {
         },
     ];
     loop {
-        // SAFETY: `fds` is a live array of two pollfds.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
-        if n > 0 {
+        if matches!(sys::poll(&mut fds, -1), Ok(n) if n > 0) {
             // The wake-up first: a stopping server accepts nothing more.
             if fds[1].revents != 0 {
                 return Woken::Stop;
@@ -846,13 +793,13 @@ fn wait_for_connection(l: &Listener, wake: &OwnedFd) -> Woken {
 
 /// Block until `wake` is written.
 fn wait_for_stop(wake: &OwnedFd) {
-    let mut fd = libc::pollfd {
+    let mut fd = [libc::pollfd {
         fd: wake.as_raw_fd(),
         events: libc::POLLIN,
         revents: 0,
-    };
-    // SAFETY: one live pollfd; EINTR polls again.
-    while unsafe { libc::poll(&mut fd, 1, -1) } <= 0 {}
+    }];
+    // EINTR polls again.
+    while !matches!(sys::poll(&mut fd, -1), Ok(n) if n > 0) {}
 }
 
 fn accept_loop(s: &Arc<Shared>, a: Listener, wake: &OwnedFd) {
@@ -910,30 +857,9 @@ fn accept_loop(s: &Arc<Shared>, a: Listener, wake: &OwnedFd) {
 
 /// The peer credentials of a Unix socket's other end.
 fn unix_origin(u: &std::os::unix::net::UnixStream) -> Origin {
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: 0,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: SO_PEERCRED fills a ucred of `len` bytes that lives for the
-    // call; the descriptor is the accepted socket's.
-    let r = unsafe {
-        libc::getsockopt(
-            u.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    if r == 0 {
-        Origin::Unix {
-            uid: cred.uid,
-            gid: cred.gid,
-        }
-    } else {
-        Origin::Unknown
+    match sys::peer_credentials(u.as_fd()) {
+        Some((uid, gid)) => Origin::Unix { uid, gid },
+        None => Origin::Unknown,
     }
 }
 
@@ -950,7 +876,7 @@ impl Drop for Open<'_> {
 /// Give the accepted connection `t` a place in the handshake pool and a
 /// thread of its own.
 fn start_connection(s: &Arc<Shared>, t: Arc<Transport>, origin: Origin) {
-    let key = crate::peer::Peer { origin, tls: None }.share_key();
+    let key = crate::server::peer::Peer { origin, tls: None }.share_key();
     let Some(place) = s.shares.admit_handshake(&key, &t) else {
         // Its own peer holds the most handshakes: closed before anything
         // is spent on it.

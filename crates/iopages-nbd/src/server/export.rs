@@ -13,11 +13,11 @@
 //! count. Must never: open a lazy export twice, or serve one whose
 //! opening failed.
 
-use crate::buffers::Buffers;
-use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::peer::{allowed, Peer};
-use crate::rate::Rate;
+use crate::server::buffers::Buffers;
+use crate::server::device::Device;
+use crate::server::peer::{allowed, Peer};
+use crate::server::rate::Rate;
 use crate::stats::Counters;
 use crate::{ExportConfig, ExportInfo};
 use iopages_crypt::queue::CryptQueue;
@@ -46,7 +46,7 @@ impl ExportVolume {
     pub fn new<C: SectorCipher + 'static>(queue: Arc<CryptQueue<C>>) -> ExportVolume {
         ExportVolume(Box::new(move |inline_max_bytes, active| {
             if inline_max_bytes > 0 {
-                Arc::new(crate::device::Inline {
+                Arc::new(crate::server::device::Inline {
                     queue,
                     max_bytes: inline_max_bytes as usize,
                     active,

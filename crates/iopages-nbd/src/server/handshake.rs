@@ -21,13 +21,13 @@
 //! prefix of a client's export name back; or go on after a bad magic or
 //! unknown client flags (the connection is closed).
 
-use crate::export::Catalog;
-use crate::peer::{Origin, Peer};
 use crate::proto::*;
-use crate::shares::Slot;
+use crate::server::export::Catalog;
+use crate::server::peer::{Origin, Peer};
+use crate::server::shares::Slot;
 use crate::stats::Counters;
-use crate::tls::{TlsConfig, TlsMode};
-use crate::transport::Transport;
+use crate::tls::config::{TlsConfig, TlsMode};
+use crate::transport::nonblocking::Transport;
 use crate::ExportInfo;
 use std::io::{self, Read, Write};
 use std::sync::atomic::Ordering;
@@ -171,8 +171,8 @@ impl Read for Hs<'_> {
         }
         loop {
             match self.t.try_read(buf)? {
-                crate::transport::Io::Done(n) => return Ok(n),
-                crate::transport::Io::Blocked { write } => {
+                crate::transport::nonblocking::Io::Done(n) => return Ok(n),
+                crate::transport::nonblocking::Io::Blocked { write } => {
                     self.t.wait_by(!write, write, self.deadline)?;
                 }
             }
@@ -227,12 +227,36 @@ pub(crate) fn negotiate(
     slot: &mut Slot,
     deadline: Instant,
 ) -> io::Result<Outcome> {
-    let (exports, tls) = (env.exports, env.tls);
-    let mut peer = Peer {
-        origin: env.origin,
-        tls: None,
+    let mut s = Hs { t, deadline };
+    let Some((fixed, no_zeroes)) = greet(&mut s, slot)? else {
+        return Ok(Outcome::Close);
     };
-    let s = &mut Hs { t, deadline };
+    let mut h = Haggle {
+        t,
+        env,
+        slot,
+        s,
+        peer: Peer {
+            origin: env.origin,
+            tls: None,
+        },
+        agreed: Negotiated::default(),
+        fixed,
+        no_zeroes,
+    };
+    loop {
+        if let Some(outcome) = h.option()? {
+            return Ok(outcome);
+        }
+    }
+}
+
+/// Send the server's greeting and read the client's flags.
+///
+/// **Returns:** whether the client speaks fixed newstyle and wants no
+/// zeroes after EXPORT_NAME; `None` when it sent flags it may not (the
+/// connection closes).
+fn greet(s: &mut Hs<'_>, slot: &mut Slot) -> io::Result<Option<(bool, bool)>> {
     let mut greeting = Vec::with_capacity(18);
     greeting.extend_from_slice(&NBD_MAGIC.to_be_bytes());
     greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());
@@ -240,178 +264,224 @@ pub(crate) fn negotiate(
     s.write_all(&greeting)?;
     let client_flags = read_u32(s)?;
     if client_flags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
-        return Ok(Outcome::Close);
+        return Ok(None);
     }
     slot.progressed_by(1);
     let fixed = client_flags & FLAG_C_FIXED_NEWSTYLE != 0;
     let no_zeroes = client_flags & FLAG_C_NO_ZEROES != 0;
-    let mut agreed = Negotiated::default();
-    loop {
+    Ok(Some((fixed, no_zeroes)))
+}
+
+/// A handshake between options: what the client is and has agreed so
+/// far. Each option's handler returns `None` to read the next option, or
+/// how the handshake ends.
+struct Haggle<'a, 'e> {
+    t: &'a Arc<Transport>,
+    env: &'a HsEnv<'e>,
+    slot: &'a mut Slot,
+    s: Hs<'a>,
+    peer: Peer,
+    agreed: Negotiated,
+    /// The client set NBD_FLAG_C_FIXED_NEWSTYLE.
+    fixed: bool,
+    /// The client set NBD_FLAG_C_NO_ZEROES.
+    no_zeroes: bool,
+}
+
+impl Haggle<'_, '_> {
+    /// Read one option, its header checked and its data bounded, and
+    /// answer it.
+    fn option(&mut self) -> io::Result<Option<Outcome>> {
         let mut h = [0u8; 16];
-        s.read_exact(&mut h)?;
+        self.s.read_exact(&mut h)?;
         if u64::from_be_bytes(h[0..8].try_into().unwrap()) != IHAVEOPT {
-            return Ok(Outcome::Close);
+            return Ok(Some(Outcome::Close));
         }
         let option = u32::from_be_bytes(h[8..12].try_into().unwrap());
         let len = u32::from_be_bytes(h[12..16].try_into().unwrap());
-        slot.progressed_by(1);
-        let tls_missing = matches!(tls, Some(c) if c.mode == TlsMode::Require) && !t.is_tls();
+        self.slot.progressed_by(1);
+        let tls_missing =
+            matches!(self.env.tls, Some(c) if c.mode == TlsMode::Require) && !self.t.is_tls();
         if tls_missing && option == OPT_EXPORT_NAME {
             // It cannot be answered with an error: the protocol says close.
-            return Ok(Outcome::Close);
+            return Ok(Some(Outcome::Close));
         }
         if len > MAX_OPTION_BYTES {
             if len > MAX_DISCARD_BYTES || option == OPT_EXPORT_NAME {
-                return Ok(Outcome::Close);
+                return Ok(Some(Outcome::Close));
             }
-            io::copy(&mut (&mut *s).take(len as u64), &mut io::sink())?;
-            error_reply(s, option, REP_ERR_TOO_BIG, "option data too large")?;
-            continue;
+            io::copy(&mut (&mut self.s).take(len as u64), &mut io::sink())?;
+            error_reply(
+                &mut self.s,
+                option,
+                REP_ERR_TOO_BIG,
+                "option data too large",
+            )?;
+            return Ok(None);
         }
         let mut data = vec![0u8; len as usize];
-        s.read_exact(&mut data)?;
+        self.s.read_exact(&mut data)?;
         if tls_missing && !matches!(option, OPT_STARTTLS | OPT_ABORT) {
+            let msg = "this server requires TLS: send NBD_OPT_STARTTLS first";
+            error_reply(&mut self.s, option, REP_ERR_TLS_REQD, msg)?;
+            return Ok(None);
+        }
+        self.dispatch(option, &data)
+    }
+
+    /// Answer `option` (its data read whole) with its own handler.
+    fn dispatch(&mut self, option: u32, data: &[u8]) -> io::Result<Option<Outcome>> {
+        match option {
+            OPT_STARTTLS => self.starttls(option, data),
+            OPT_STRUCTURED_REPLY => self.structured_reply(option, data),
+            OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => self.meta_context(option, data),
+            OPT_EXPORT_NAME => self.export_name(data),
+            OPT_ABORT => {
+                // The client may already have gone: ignore a failed ACK.
+                let _ = self.s.write_all(&option_reply(option, REP_ACK, &[]));
+                Ok(Some(Outcome::Close))
+            }
+            OPT_LIST => {
+                list(&mut self.s, self.env.exports, &self.peer, data)?;
+                Ok(None)
+            }
+            OPT_INFO | OPT_GO => self.info_or_go(option, data),
+            _ => {
+                let msg = format!("option {option} is not supported by this server");
+                error_reply(&mut self.s, option, REP_ERR_UNSUP, &msg)?;
+                Ok(None)
+            }
+        }
+    }
+
+    /// NBD_OPT_STARTTLS: acknowledge, then run the TLS handshake; what
+    /// was agreed in plaintext is forgotten.
+    fn starttls(&mut self, option: u32, data: &[u8]) -> io::Result<Option<Outcome>> {
+        let s = &mut self.s;
+        let Some(cfg) = self.env.tls else {
             error_reply(
                 s,
                 option,
-                REP_ERR_TLS_REQD,
-                "this server requires TLS: send NBD_OPT_STARTTLS first",
+                REP_ERR_POLICY,
+                "TLS is not enabled on this server",
             )?;
-            continue;
+            return Ok(None);
+        };
+        if self.t.is_tls() {
+            error_reply(s, option, REP_ERR_INVALID, "TLS is already running")?;
+            return Ok(None);
         }
-        match option {
-            OPT_STARTTLS => {
-                let Some(cfg) = tls else {
-                    error_reply(
-                        s,
-                        option,
-                        REP_ERR_POLICY,
-                        "TLS is not enabled on this server",
-                    )?;
-                    continue;
-                };
-                if t.is_tls() {
-                    error_reply(s, option, REP_ERR_INVALID, "TLS is already running")?;
-                    continue;
-                }
-                if len != 0 || !fixed {
-                    error_reply(s, option, REP_ERR_INVALID, "NBD_OPT_STARTTLS takes no data")?;
-                    continue;
-                }
-                s.write_all(&option_reply(option, REP_ACK, &[]))?;
-                // Past the ACK there is no way back to plaintext: a failed
-                // handshake ends the connection.
-                t.start_tls(&cfg.acceptor, deadline)?;
-                // What was agreed in plaintext must be agreed again.
-                agreed = Negotiated::default();
-                // Who the client is, now that TLS proved it; a handshake
-                // this far along is the last one a full pool closes.
-                peer.tls = t.tls_identity();
-                slot.progressed_by(TLS_PROGRESS);
-            }
-            OPT_STRUCTURED_REPLY => {
-                if len != 0 {
-                    error_reply(
-                        s,
-                        option,
-                        REP_ERR_INVALID,
-                        "NBD_OPT_STRUCTURED_REPLY takes no data",
-                    )?;
-                    continue;
-                }
-                s.write_all(&option_reply(option, REP_ACK, &[]))?;
-                agreed.structured = true;
-            }
-            OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
-                let set = option == OPT_SET_META_CONTEXT;
-                if set {
-                    // A SET replaces the selection, even when it fails.
-                    agreed.allocation_context = None;
-                    agreed.meta_export = None;
-                }
-                if !agreed.structured {
-                    error_reply(
-                        s,
-                        option,
-                        REP_ERR_INVALID,
-                        "metadata contexts need structured replies: send NBD_OPT_STRUCTURED_REPLY first",
-                    )?;
-                    continue;
-                }
-                let Some(req) = parse_meta_request(&data) else {
-                    error_reply(
-                        s,
-                        option,
-                        REP_ERR_INVALID,
-                        "malformed metadata context request",
-                    )?;
-                    continue;
-                };
-                let Some(i) = find(env, req.name, &peer) else {
-                    error_reply(
-                        s,
-                        option,
-                        REP_ERR_UNKNOWN,
-                        &format!("no export named {}", quoted(req.name)),
-                    )?;
-                    continue;
-                };
-                if set && selects_allocation(&req.queries) {
-                    s.write_all(&meta_context_reply(option, ALLOCATION_CONTEXT_ID))?;
-                    agreed.allocation_context = Some(ALLOCATION_CONTEXT_ID);
-                    agreed.meta_export = Some(i);
-                } else if !set && lists_allocation(&req.queries) {
-                    // A listed context's id is reserved: zero.
-                    s.write_all(&meta_context_reply(option, 0))?;
-                }
-                s.write_all(&option_reply(option, REP_ACK, &[]))?;
-            }
-            OPT_EXPORT_NAME => {
-                // No error can be sent to EXPORT_NAME: an unknown export,
-                // or one that cannot be opened, closes the connection.
-                let Some(i) = find(env, &data, &peer) else {
-                    return Ok(Outcome::Close);
-                };
-                let Ok(live) = exports.slots[i].open() else {
-                    return Ok(Outcome::Close);
-                };
-                if slot.enter_transmission(&peer.share_key(), t).is_err() {
-                    return Ok(Outcome::Close);
-                }
-                let export = &live.info;
-                let mut v = Vec::with_capacity(134);
-                v.extend_from_slice(&export.size_bytes.to_be_bytes());
-                v.extend_from_slice(&export.transmission_flags().to_be_bytes());
-                if !no_zeroes {
-                    v.extend_from_slice(&[0u8; 124]);
-                }
-                s.write_all(&v)?;
-                return Ok(Outcome::Transmission(agreed.on(i), i));
-            }
-            OPT_ABORT => {
-                // The client may already have gone: ignore a failed ACK.
-                let _ = s.write_all(&option_reply(option, REP_ACK, &[]));
-                return Ok(Outcome::Close);
-            }
-            OPT_LIST => list(s, exports, &peer, &data)?,
-            OPT_INFO | OPT_GO => {
-                let admit = |p: &Peer| slot.enter_transmission(&p.share_key(), t);
-                let Some(i) = info_or_go(s, env, &peer, option, &data, admit)? else {
-                    continue;
-                };
-                if option == OPT_GO {
-                    return Ok(Outcome::Transmission(agreed.on(i), i));
-                }
-            }
-            _ => {
-                error_reply(
-                    s,
-                    option,
-                    REP_ERR_UNSUP,
-                    &format!("option {option} is not supported by this server"),
-                )?;
-            }
+        if !data.is_empty() || !self.fixed {
+            error_reply(s, option, REP_ERR_INVALID, "NBD_OPT_STARTTLS takes no data")?;
+            return Ok(None);
         }
+        s.write_all(&option_reply(option, REP_ACK, &[]))?;
+        // Past the ACK there is no way back to plaintext: a failed
+        // handshake ends the connection.
+        self.t.start_tls(&cfg.acceptor, s.deadline)?;
+        // What was agreed in plaintext must be agreed again.
+        self.agreed = Negotiated::default();
+        // Who the client is, now that TLS proved it; a handshake this far
+        // along is the last one a full pool closes.
+        self.peer.tls = self.t.tls_identity();
+        self.slot.progressed_by(TLS_PROGRESS);
+        Ok(None)
+    }
+
+    /// NBD_OPT_STRUCTURED_REPLY: acknowledged when it carries no data.
+    fn structured_reply(&mut self, option: u32, data: &[u8]) -> io::Result<Option<Outcome>> {
+        if !data.is_empty() {
+            let msg = "NBD_OPT_STRUCTURED_REPLY takes no data";
+            error_reply(&mut self.s, option, REP_ERR_INVALID, msg)?;
+            return Ok(None);
+        }
+        self.s.write_all(&option_reply(option, REP_ACK, &[]))?;
+        self.agreed.structured = true;
+        Ok(None)
+    }
+
+    /// NBD_OPT_LIST_META_CONTEXT and NBD_OPT_SET_META_CONTEXT: only
+    /// `base:allocation` exists, and needs structured replies.
+    fn meta_context(&mut self, option: u32, data: &[u8]) -> io::Result<Option<Outcome>> {
+        let set = option == OPT_SET_META_CONTEXT;
+        if set {
+            // A SET replaces the selection, even when it fails.
+            self.agreed.allocation_context = None;
+            self.agreed.meta_export = None;
+        }
+        let s = &mut self.s;
+        if !self.agreed.structured {
+            let msg =
+                "metadata contexts need structured replies: send NBD_OPT_STRUCTURED_REPLY first";
+            error_reply(s, option, REP_ERR_INVALID, msg)?;
+            return Ok(None);
+        }
+        let Some(req) = parse_meta_request(data) else {
+            error_reply(
+                s,
+                option,
+                REP_ERR_INVALID,
+                "malformed metadata context request",
+            )?;
+            return Ok(None);
+        };
+        let Some(i) = find(self.env, req.name, &self.peer) else {
+            let msg = format!("no export named {}", quoted(req.name));
+            error_reply(s, option, REP_ERR_UNKNOWN, &msg)?;
+            return Ok(None);
+        };
+        if set && selects_allocation(&req.queries) {
+            s.write_all(&meta_context_reply(option, ALLOCATION_CONTEXT_ID))?;
+            self.agreed.allocation_context = Some(ALLOCATION_CONTEXT_ID);
+            self.agreed.meta_export = Some(i);
+        } else if !set && lists_allocation(&req.queries) {
+            // A listed context's id is reserved: zero.
+            s.write_all(&meta_context_reply(option, 0))?;
+        }
+        s.write_all(&option_reply(option, REP_ACK, &[]))?;
+        Ok(None)
+    }
+
+    /// NBD_OPT_EXPORT_NAME: no error can be sent to it, so an unknown
+    /// export, one that cannot be opened, or no room for the connection
+    /// closes it.
+    fn export_name(&mut self, data: &[u8]) -> io::Result<Option<Outcome>> {
+        let Some(i) = find(self.env, data, &self.peer) else {
+            return Ok(Some(Outcome::Close));
+        };
+        let Ok(live) = self.env.exports.slots[i].open() else {
+            return Ok(Some(Outcome::Close));
+        };
+        if self
+            .slot
+            .enter_transmission(&self.peer.share_key(), self.t)
+            .is_err()
+        {
+            return Ok(Some(Outcome::Close));
+        }
+        let export = &live.info;
+        let mut v = Vec::with_capacity(134);
+        v.extend_from_slice(&export.size_bytes.to_be_bytes());
+        v.extend_from_slice(&export.transmission_flags().to_be_bytes());
+        if !self.no_zeroes {
+            v.extend_from_slice(&[0u8; 124]);
+        }
+        self.s.write_all(&v)?;
+        Ok(Some(Outcome::Transmission(self.agreed.on(i), i)))
+    }
+
+    /// NBD_OPT_INFO and NBD_OPT_GO; GO to an export the client may use
+    /// ends the handshake.
+    fn info_or_go(&mut self, option: u32, data: &[u8]) -> io::Result<Option<Outcome>> {
+        let (slot, t) = (&mut *self.slot, self.t);
+        let admit = |p: &Peer| slot.enter_transmission(&p.share_key(), t);
+        let Some(i) = info_or_go(&mut self.s, self.env, &self.peer, option, data, admit)? else {
+            return Ok(None);
+        };
+        if option == OPT_GO {
+            return Ok(Some(Outcome::Transmission(self.agreed.on(i), i)));
+        }
+        Ok(None)
     }
 }
 
@@ -436,7 +506,7 @@ fn list(s: &mut Hs<'_>, exports: &Catalog, peer: &Peer, data: &[u8]) -> io::Resu
     let mine = exports
         .slots
         .iter()
-        .filter(|e| crate::peer::allowed(&e.config.allow, peer));
+        .filter(|e| crate::server::peer::allowed(&e.config.allow, peer));
     for export in mine {
         let name = export.config.name.as_bytes();
         let mut d = Vec::with_capacity(4 + name.len());

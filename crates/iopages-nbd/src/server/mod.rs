@@ -1,0 +1,34 @@
+//! The server layer: everything between an accepted socket and the crypt
+//! queue — the listeners and the threads that serve them, the handshake,
+//! transmission, the exports, and the limits shared among peers.
+//!
+//! Owns: the listeners, one thread per acceptor and per connection, and
+//! server-wide shutdown (`serve.rs`); option haggling up to GO or
+//! EXPORT_NAME (`handshake.rs`); transmission — requests, replies, the
+//! in-flight accounting and the byte budget of a connection (`conn.rs`);
+//! the exports and their lazy opening (`export.rs`), the device a request
+//! reaches (`device.rs`) and its payload buffers (`buffers.rs`); who a
+//! client is and the `allow` rules (`peer.rs`); fair shares of the
+//! server's limits among peers (`shares.rs`, `shares/`); an export's rate
+//! limits (`rate.rs`).
+//!
+//! Must never: name the remote client (`client/`), make a system call
+//! except through `sys`, or know whether a connection runs TLS beyond
+//! asking its [`Transport`](crate::transport::nonblocking::Transport) (STARTTLS swaps
+//! the session in underneath). The threads live in `serve.rs` and
+//! `conn.rs` only: an event loop replacing them changes those two files,
+//! not the layout.
+//!
+//! Depends on: `transport` (the connection's non-blocking socket), `tls`
+//! (credentials, the identity a handshake proved), `proto`, `stats`,
+//! `sys`, `error`.
+
+pub(crate) mod buffers;
+pub(crate) mod conn;
+pub(crate) mod device;
+pub(crate) mod export;
+pub(crate) mod handshake;
+pub(crate) mod peer;
+pub(crate) mod rate;
+pub(crate) mod serve;
+pub(crate) mod shares;
