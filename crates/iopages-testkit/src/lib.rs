@@ -10,7 +10,9 @@
 //! crates (iopages, iopages-crypt, iopages-nbd) other than as a
 //! dev-dependency, or measure anything — timings belong to iopages-bench.
 //!
-//! Modules: `tools` (`find_tool`, `need_tool`, `ci`), `process`
+//! Modules: `nbd_client` (the one raw NBD client of the tests, a
+//! scripted server's side, the wire format — independent of iopages-nbd),
+//! `tools` (`find_tool`, `need_tool`, `ci`), `process`
 //! (`Reaped`, `run_tool`, `wait_for_socket`, `stop`, `lines_of`) and
 //! `dir` (`TempDir`).
 
@@ -19,6 +21,7 @@
 
 pub mod dir;
 pub mod hostile;
+pub mod nbd_client;
 pub mod process;
 pub mod tools;
 
