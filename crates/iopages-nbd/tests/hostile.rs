@@ -250,8 +250,8 @@ fn a_peer_at_its_share_is_refused_at_go_by_policy_and_counted() {
         let mut c = connect(&server);
         let r = c.option(OPT_GO, &info_data(NAME, &[]));
         let (kind, msg) = (r[0].kind, &r[0].data);
-        assert_eq!(kind, REP_ERR_POLICY, "{}", String::from_utf8_lossy(&msg));
-        assert!(String::from_utf8_lossy(&msg).contains("too many connections"));
+        assert_eq!(kind, REP_ERR_POLICY, "{}", String::from_utf8_lossy(msg));
+        assert!(String::from_utf8_lossy(msg).contains("too many connections"));
     }
     let st = server.stats();
     assert_eq!(st.refused_connections, 5);
@@ -421,7 +421,7 @@ fn a_long_export_name_is_not_echoed_back_whole() {
     let (kind, msg) = (r[0].kind, &r[0].data);
     assert_eq!(kind, REP_ERR_UNKNOWN);
     assert!(msg.len() < 256, "{} bytes of message", msg.len());
-    assert!(String::from_utf8_lossy(&msg).contains("60000 bytes"));
+    assert!(String::from_utf8_lossy(msg).contains("60000 bytes"));
     drop(c);
     finish(alloc, server);
 }

@@ -57,7 +57,15 @@ fn go(c: &mut Client, name: &str) -> (u64, u16, [u32; 3]) {
 }
 
 /// Send one request with an explicit cookie (`payload` after it).
-fn send(c: &mut Client, command: u16, flags: u16, cookie: u64, offset: u64, length: u32, payload: &[u8]) {
+fn send(
+    c: &mut Client,
+    command: u16,
+    flags: u16,
+    cookie: u64,
+    offset: u64,
+    length: u32,
+    payload: &[u8],
+) {
     let r = Request {
         flags,
         command,
@@ -135,7 +143,10 @@ fn handshake_go_info_list_unknown_and_abort() {
     // INFO for an unknown export; malformed INFO.
     let r = c.option(OPT_INFO, &info_data("nope", &[]));
     assert_eq!(r[0].kind, REP_ERR_UNKNOWN);
-    assert_eq!(c.option(OPT_GO, &[0, 0, 0, 9, b'v'])[0].kind, REP_ERR_INVALID);
+    assert_eq!(
+        c.option(OPT_GO, &[0, 0, 0, 9, b'v'])[0].kind,
+        REP_ERR_INVALID
+    );
     // Still in the handshake: GO works, and the export serves.
     let (size, flags, bs) = go(&mut c, NAME);
     assert_eq!(size, DISK);
@@ -417,7 +428,10 @@ fn structured_replies_carry_reads_and_errors_and_leave_other_successes_simple() 
     let mut c = connect(&server);
     // The option takes no data.
     let r = c.option(OPT_STRUCTURED_REPLY, b"x");
-    assert_eq!((r[0].option, r[0].kind), (OPT_STRUCTURED_REPLY, REP_ERR_INVALID));
+    assert_eq!(
+        (r[0].option, r[0].kind),
+        (OPT_STRUCTURED_REPLY, REP_ERR_INVALID)
+    );
     let r = c.option(OPT_STRUCTURED_REPLY, &[]);
     assert_eq!((r[0].option, r[0].kind), (OPT_STRUCTURED_REPLY, REP_ACK));
     go(&mut c, NAME);
@@ -663,7 +677,9 @@ fn a_disconnect_mid_payload_loses_nothing_acknowledged_and_the_server_stays_up()
         // Disconnect without DISC, with writes in flight.
         for i in 0..16u64 {
             let d = pattern(i as u8, 64 << 10);
-            send(&mut c, CMD_WRITE,
+            send(
+                &mut c,
+                CMD_WRITE,
                 0,
                 i,
                 (2 << 20) + i * (64 << 10),

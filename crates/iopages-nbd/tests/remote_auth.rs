@@ -118,7 +118,7 @@ fn greet(s: &mut UnixStream) -> u32 {
 
 /// The client's next option's number (its data read and dropped).
 ///
-/// **Panics:** for an option without IHAVEOPT.
+/// **Panics:** for an option without the options' magic.
 fn read_option(s: &mut (impl Read + Write)) -> std::io::Result<u32> {
     match Store::new(s).read_option() {
         Err(e) if e.kind() == ErrorKind::InvalidData => panic!("{e}"),

@@ -257,14 +257,7 @@ fn a_trickling_store_fails_a_large_write_by_its_deadline_though_each_send_progre
 /// A `Server` exporting "vol" on 127.0.0.1: XTS over `store`'s remote
 /// (4096-byte sectors, the remote's only handle); a client connected and
 /// past NBD_OPT_GO.
-fn server_over(
-    store: Store,
-) -> (
-    TempDir,
-    PageAllocator,
-    iopages_nbd::Server,
-    Client,
-) {
+fn server_over(store: Store) -> (TempDir, PageAllocator, iopages_nbd::Server, Client) {
     let (dir, spec) = store.start();
     let remote: Arc<dyn Backend> = Arc::new(
         NbdRemote::connect(

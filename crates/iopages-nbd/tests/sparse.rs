@@ -81,7 +81,9 @@ fn command(c: &mut Client, command: u16, flags: u16, offset: u64, length: u32) -
 }
 
 fn write(c: &mut Client, offset: u64, data: &[u8]) {
-    let cookie = c.send(CMD_WRITE, 0, offset, data.len() as u32, data).unwrap();
+    let cookie = c
+        .send(CMD_WRITE, 0, offset, data.len() as u32, data)
+        .unwrap();
     assert_eq!(c.reply_error(cookie), 0);
 }
 
@@ -186,7 +188,10 @@ fn metadata_contexts_are_negotiated_as_proto_md_says() {
     // select nothing.
     let mut bad = meta(NAME, &["base:allocation"]);
     bad.pop();
-    assert_eq!(c.option(OPT_SET_META_CONTEXT, &bad)[0].kind, REP_ERR_INVALID);
+    assert_eq!(
+        c.option(OPT_SET_META_CONTEXT, &bad)[0].kind,
+        REP_ERR_INVALID
+    );
     let r = c.option(OPT_SET_META_CONTEXT, &meta("other", &["base:allocation"]));
     assert_eq!(r[0].kind, REP_ERR_UNKNOWN);
     let r = c.option(OPT_SET_META_CONTEXT, &meta(NAME, &["base:", "x-y:z"]));
@@ -242,19 +247,24 @@ fn block_status_reports_holes_rounded_to_sectors_and_stays_in_bounds() {
     // REQ_ONE: exactly one descriptor, no longer than asked.
     let d = block_status(&mut c, ctx, CMD_FLAG_REQ_ONE, 0, 1 << 20).unwrap();
     assert_eq!(d, vec![(64 << 10, HOLE)]);
-    let d = block_status(&mut c, ctx, CMD_FLAG_REQ_ONE, 64 << 10, 4096)
-        .unwrap();
+    let d = block_status(&mut c, ctx, CMD_FLAG_REQ_ONE, 64 << 10, 4096).unwrap();
     assert_eq!(d, vec![(4096, 0)]);
     // Past the end, misaligned, empty, unknown flags: EINVAL, and the
     // connection stays in step.
     assert_eq!(block_status(&mut c, ctx, 0, DISK - 4096, 8192), Err(EINVAL));
     assert_eq!(block_status(&mut c, ctx, 0, 512, 4096), Err(EINVAL));
     assert_eq!(block_status(&mut c, ctx, 0, 0, 0), Err(EINVAL));
-    assert_eq!(block_status(&mut c, ctx, CMD_FLAG_NO_HOLE, 0, 4096), Err(EINVAL));
+    assert_eq!(
+        block_status(&mut c, ctx, CMD_FLAG_NO_HOLE, 0, 4096),
+        Err(EINVAL)
+    );
     // A read of data is one OFFSET_DATA chunk; a read wholly in a hole
     // one OFFSET_HOLE chunk (no data on the wire); a read across both
     // OFFSET_DATA with the zeros in it.
-    assert_eq!(read_chunked(&mut c, 64 << 10, 8192), (vec![0xab; 8192], false));
+    assert_eq!(
+        read_chunked(&mut c, 64 << 10, 8192),
+        (vec![0xab; 8192], false)
+    );
     assert_eq!(
         read_chunked(&mut c, 0, 4096),
         (vec![0; 4096], true),
@@ -307,7 +317,8 @@ fn write_zeroes_punches_unless_no_hole(c: &mut Client, ctx: u32, data: &[u8]) {
         0
     );
     assert_eq!(
-        command(c, 
+        command(
+            c,
             CMD_WRITE_ZEROES,
             CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO,
             192 << 10,
@@ -316,7 +327,8 @@ fn write_zeroes_punches_unless_no_hole(c: &mut Client, ctx: u32, data: &[u8]) {
         ENOTSUP
     );
     assert_eq!(
-        command(c, 
+        command(
+            c,
             CMD_WRITE_ZEROES,
             CMD_FLAG_FAST_ZERO | CMD_FLAG_FUA,
             224 << 10,
@@ -340,9 +352,8 @@ fn write_zeroes_punches_unless_no_hole(c: &mut Client, ctx: u32, data: &[u8]) {
         assert_eq!(back[off - 1], data[off - 1], "byte before {off}");
         assert_eq!(back[off + len], data[off + len], "byte after {off}");
     }
-    let status = |c: &mut Client, off: u64| {
-        block_status(c, ctx, CMD_FLAG_REQ_ONE, off, 4096).unwrap()[0].1
-    };
+    let status =
+        |c: &mut Client, off: u64| block_status(c, ctx, CMD_FLAG_REQ_ONE, off, 4096).unwrap()[0].1;
     assert_eq!(status(c, 64 << 10), HOLE);
     assert_eq!(status(c, 128 << 10), 0, "NO_HOLE stays allocated");
     assert_eq!(status(c, 192 << 10), 0);

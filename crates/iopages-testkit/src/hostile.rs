@@ -541,7 +541,10 @@ mod tests {
 
     #[test]
     fn an_unknown_export_is_not_found() {
-        let addr = scripted(vec![(nbd_client::REP_ERR_UNKNOWN, b"no export named x".to_vec())]);
+        let addr = scripted(vec![(
+            nbd_client::REP_ERR_UNKNOWN,
+            b"no export named x".to_vec(),
+        )]);
         let e = NbdClient::connect(Ipv4Addr::new(127, 0, 0, 5), addr, "x")
             .err()
             .unwrap();

@@ -252,8 +252,7 @@ impl<S: Read + Write> Client<S> {
     /// stream's errors.
     pub fn go(&mut self, name: &str, infos: &[u16]) -> io::Result<Export> {
         self.send_option(OPT_GO, &info_data(name, infos))?;
-        self.export_replies(OPT_GO)?
-            .map_err(|r| refusal(name, &r))
+        self.export_replies(OPT_GO)?.map_err(|r| refusal(name, &r))
     }
 
     /// The replies to NBD_OPT_GO or NBD_OPT_INFO up to the final one.
