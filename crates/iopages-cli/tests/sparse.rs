@@ -20,7 +20,6 @@
 mod common;
 
 use common::{cryptsetup, luks_format, pattern, run, serve_cmd, tools, Dir, BIN};
-use std::io::{Read, Write};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::io::AsRawFd;
 use std::os::unix::net::UnixStream;
@@ -343,100 +342,47 @@ fn data_sectors(model: &[u8], sector: usize) -> Vec<(u64, u64)> {
         .collect()
 }
 
-/// A raw NBD client (newstyle fixed handshake, NBD_OPT_GO, simple
-/// replies), for requests the tools never send as they are: misaligned
-/// TRIM, WRITE_ZEROES with exactly the flags asked for.
+/// The tests' raw NBD client (`iopages_testkit::nbd_client`: newstyle
+/// fixed handshake, NBD_OPT_GO, simple replies), for requests the tools
+/// never send as they are: misaligned TRIM, WRITE_ZEROES with exactly the
+/// flags asked for. What this file adds to it: the export's size and
+/// flags beside it, reads of any length in pieces of 1 MiB, requests that
+/// must succeed, and NBD_CMD_DISC when dropped.
 mod raw {
     use super::*;
+    use iopages_testkit::nbd_client::{self as nbd, Polite};
 
-    const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
-    const IHAVEOPT: u64 = 0x4948_4156_454f_5054;
-    const OPT_REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
-    const REQUEST_MAGIC: u32 = 0x2560_9513;
-    const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
-    const OPT_GO: u32 = 7;
-    const REP_ACK: u32 = 1;
-    const REP_INFO: u32 = 3;
-    const INFO_EXPORT: u16 = 0;
-
-    pub const CMD_READ: u16 = 0;
-    pub const CMD_WRITE: u16 = 1;
-    const CMD_DISC: u16 = 2;
-    pub const CMD_TRIM: u16 = 4;
-    pub const CMD_WRITE_ZEROES: u16 = 6;
-    pub const FLAG_FUA: u16 = 1 << 0;
-    pub const FLAG_NO_HOLE: u16 = 1 << 1;
-    pub const FLAG_FAST_ZERO: u16 = 1 << 4;
-    pub const TFLAG_SEND_TRIM: u16 = 1 << 5;
-    pub const TFLAG_SEND_WRITE_ZEROES: u16 = 1 << 6;
-    pub const TFLAG_SEND_FAST_ZERO: u16 = 1 << 11;
-    pub const EPERM: u32 = 1;
-    pub const ENOTSUP: u32 = 95;
-
-    fn be16(b: &[u8]) -> u16 {
-        u16::from_be_bytes(b.try_into().unwrap())
-    }
-    fn be32(b: &[u8]) -> u32 {
-        u32::from_be_bytes(b.try_into().unwrap())
-    }
-    fn be64(b: &[u8]) -> u64 {
-        u64::from_be_bytes(b.try_into().unwrap())
-    }
+    pub use nbd::{
+        CMD_FLAG_FAST_ZERO as FLAG_FAST_ZERO, CMD_FLAG_FUA as FLAG_FUA,
+        CMD_FLAG_NO_HOLE as FLAG_NO_HOLE, CMD_READ, CMD_TRIM, CMD_WRITE, CMD_WRITE_ZEROES, ENOTSUP,
+        EPERM, TFLAG_SEND_FAST_ZERO, TFLAG_SEND_TRIM, TFLAG_SEND_WRITE_ZEROES,
+    };
 
     pub struct Client {
-        s: UnixStream,
+        c: Polite<UnixStream>,
         pub size: u64,
         pub flags: u16,
-        cookie: u64,
     }
 
     impl Client {
         /// Connected to the export `iopages` on `sock`, in transmission.
         pub fn connect(sock: &Path) -> Client {
-            let mut s = UnixStream::connect(sock).unwrap();
+            let s = UnixStream::connect(sock).unwrap();
             s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-            let mut h = [0u8; 18];
-            s.read_exact(&mut h).unwrap();
-            assert_eq!(be64(&h[..8]), NBDMAGIC);
-            assert_eq!(be64(&h[8..16]), IHAVEOPT);
-            let hflags = be16(&h[16..]);
-            assert_ne!(hflags & 1, 0, "fixed newstyle");
+            let mut c = nbd::Client::greet(s).expect("a newstyle greeting");
+            let hflags = c.handshake_flags();
+            assert_ne!(hflags & nbd::FLAG_FIXED_NEWSTYLE, 0, "fixed newstyle");
             // Fixed newstyle, and no zeroes where the server offers that.
-            s.write_all(&(1u32 | u32::from(hflags & 2)).to_be_bytes())
+            let no_zeroes = u32::from(hflags & nbd::FLAG_NO_ZEROES);
+            c.send_client_flags(nbd::FLAG_C_FIXED_NEWSTYLE | no_zeroes)
                 .unwrap();
-            let name = b"iopages";
-            let mut data = (name.len() as u32).to_be_bytes().to_vec();
-            data.extend_from_slice(name);
-            data.extend_from_slice(&0u16.to_be_bytes());
-            let mut opt = IHAVEOPT.to_be_bytes().to_vec();
-            opt.extend_from_slice(&OPT_GO.to_be_bytes());
-            opt.extend_from_slice(&(data.len() as u32).to_be_bytes());
-            opt.extend_from_slice(&data);
-            s.write_all(&opt).unwrap();
-            let mut export = None;
-            loop {
-                let mut r = [0u8; 20];
-                s.read_exact(&mut r).unwrap();
-                assert_eq!(be64(&r[..8]), OPT_REPLY_MAGIC);
-                assert_eq!(be32(&r[8..12]), OPT_GO);
-                let kind = be32(&r[12..16]);
-                let mut d = vec![0u8; be32(&r[16..]) as usize];
-                s.read_exact(&mut d).unwrap();
-                match kind {
-                    REP_ACK => break,
-                    REP_INFO if be16(&d[..2]) == INFO_EXPORT => {
-                        export = Some((be64(&d[2..10]), be16(&d[10..12])));
-                    }
-                    REP_INFO => {}
-                    _ => panic!("NBD_OPT_GO refused: reply {kind:#x} {d:?}"),
-                }
-            }
-            let (size, flags) = export.expect("NBD_INFO_EXPORT before the ACK");
+            let export = c
+                .go("iopages", &[])
+                .unwrap_or_else(|e| panic!("NBD_OPT_GO refused: {e}"));
             Client {
-                s,
-                size,
-                flags,
-                cookie: 0,
+                c: c.disconnect_on_drop(),
+                size: export.size,
+                flags: export.flags,
             }
         }
 
@@ -449,26 +395,8 @@ mod raw {
             len: u32,
             payload: &[u8],
         ) -> (u32, Vec<u8>) {
-            self.cookie += 1;
-            let mut req = REQUEST_MAGIC.to_be_bytes().to_vec();
-            req.extend_from_slice(&flags.to_be_bytes());
-            req.extend_from_slice(&cmd.to_be_bytes());
-            req.extend_from_slice(&self.cookie.to_be_bytes());
-            req.extend_from_slice(&offset.to_be_bytes());
-            req.extend_from_slice(&len.to_be_bytes());
-            req.extend_from_slice(payload);
-            self.s.write_all(&req).unwrap();
-            let mut r = [0u8; 16];
-            self.s.read_exact(&mut r).unwrap();
-            assert_eq!(be32(&r[..4]), SIMPLE_REPLY_MAGIC);
-            assert_eq!(be64(&r[8..]), self.cookie);
-            let error = be32(&r[4..8]);
-            let mut data = Vec::new();
-            if cmd == CMD_READ && error == 0 {
-                data = vec![0u8; len as usize];
-                self.s.read_exact(&mut data).unwrap();
-            }
-            (error, data)
+            let r = self.c.request(cmd, flags, offset, len, payload);
+            (r.error, r.data)
         }
 
         /// A request that must succeed.
@@ -494,16 +422,6 @@ mod raw {
                 at += n;
             }
             out
-        }
-    }
-
-    impl Drop for Client {
-        fn drop(&mut self) {
-            let mut req = REQUEST_MAGIC.to_be_bytes().to_vec();
-            req.extend_from_slice(&0u16.to_be_bytes());
-            req.extend_from_slice(&CMD_DISC.to_be_bytes());
-            req.extend_from_slice(&[0u8; 20]);
-            let _ = self.s.write_all(&req);
         }
     }
 }
@@ -657,23 +575,9 @@ fn without_allow_discards_everything_is_allocated_and_trim_keeps_the_data() {
     assert_eq!((discarded, punched), (0, 0), "nothing punched: {line}");
 }
 
-#[test]
-fn fstrim_like_discards_punch_whole_sectors_and_leave_their_neighbours() {
-    if !tools(&["nbdinfo", "qemu-io"]) {
-        return;
-    }
-    let dir = Dir::new("fstrim");
-    let size = 64 * MIB;
-    let span = 16 * MIB;
-    let srv = Served::start(&dir, "s", &["--size", "64M", "--allow-discards"]);
-    // The memory of a fresh volume: its header's.
-    let header = srv.volume_bytes();
-    assert!(header < size, "{header}");
-    srv.qemu_io(&[
-        format!("write -P 0xab 0 {span}"),
-        format!("write -P 0xef {} {MIB}", size - MIB),
-    ]);
-    let mut model = vec![0xabu8; span as usize];
+/// The TRIMs of the fstrim-like test within the first `span` bytes: edge
+/// cases, then what a file system's fstrim sends.
+fn fstrim_ranges(span: u64) -> Vec<(u64, u64)> {
     // Edge cases, then what a file system's fstrim sends: free ranges of
     // many sizes, at 4096 or 512 bytes or at any byte.
     let mut trims: Vec<(u64, u64)> = vec![
@@ -706,11 +610,21 @@ fn fstrim_like_discards_punch_whole_sectors_and_leave_their_neighbours() {
         };
         trims.push((9 * MIB + off % (5 * MIB), len));
     }
+    trims
+}
+
+/// Send every TRIM of `trims` (and qemu's discard) to `srv`, zeroing
+/// the whole sectors inside each in `model` (the first `span` bytes of a
+/// `size`-byte volume), and read the span back.
+///
+/// **Returns:** the bytes punched, request by request (overlaps counted
+/// again).
+fn trim_each(srv: &Served, trims: &[(u64, u64)], model: &mut [u8], span: u64, size: u64) -> u64 {
     let mut c = raw::Client::connect(&srv.sock);
     assert_ne!(c.flags & raw::TFLAG_SEND_TRIM, 0, "{:#x}", c.flags);
     // The bytes punched, request by request (overlaps counted again).
     let mut punched = 0;
-    for &(off, len) in &trims {
+    for &(off, len) in trims {
         c.ok(raw::CMD_TRIM, 0, off, len as u32);
         let (s, e) = inward(off, len, SECTOR);
         model[s as usize..e as usize].fill(0);
@@ -723,26 +637,19 @@ fn fstrim_like_discards_punch_whole_sectors_and_leave_their_neighbours() {
     punched += e - s;
     let zeroed = model.chunks(SECTOR as usize).filter(|c| c[0] == 0).count();
     assert!(zeroed > 100, "the trims zero {zeroed} sectors");
-    assert_same("the trimmed span", &c.read(0, span), &model);
+    assert_same("the trimmed span", &c.read(0, span), model);
     assert!(c.read(span, size - span - MIB).iter().all(|&b| b == 0));
     drop(c);
-    // Another client agrees on a few of them.
-    srv.qemu_io(&[
-        format!("read -P 0 0 {SECTOR}"),
-        format!("read -P 0xab {SECTOR} {SECTOR}"),
-        format!("read -P 0xab {} 512", 3 * MIB + 512),
-        format!("read -P 0 {} {SECTOR}", 3 * MIB + SECTOR),
-        format!("read -P 0xab {} {}", 5 * MIB, SECTOR),
-        format!("read -P 0 {} {SECTOR}", 8 * MIB + SECTOR),
-        format!("read -P 0xab {} {SECTOR}", 8 * MIB),
-        format!("read -P 0xab {} {SECTOR}", 8 * MIB + 2 * SECTOR),
-    ]);
-    let mut data = data_sectors(&model, SECTOR as usize);
-    data.push((size - MIB, size));
-    let want = expected_map(size, &data);
-    assert_eq!(srv.nbdinfo_map(), want, "the map after the trims");
-    // The export's last bytes, misaligned; then all of it at once, with
-    // FUA, as mkfs and a whole-device fstrim do.
+    punched
+}
+
+/// The export's last bytes trimmed, misaligned; then all of it at once,
+/// with FUA, as mkfs and a whole-device fstrim do: the memory goes back
+/// to the `header`'s.
+///
+/// **Returns:** the bytes punched.
+fn trim_tail_then_everything(srv: &Served, size: u64, header: u64) -> u64 {
+    let mut punched = 0;
     let mut c = raw::Client::connect(&srv.sock);
     c.ok(
         raw::CMD_TRIM,
@@ -762,6 +669,44 @@ fn fstrim_like_discards_punch_whole_sectors_and_leave_their_neighbours() {
     assert_eq!(srv.volume_bytes(), header, "memory after (from {before})");
     assert!(c.read(0, size).iter().all(|&b| b == 0), "all trimmed");
     drop(c);
+    punched
+}
+
+#[test]
+fn fstrim_like_discards_punch_whole_sectors_and_leave_their_neighbours() {
+    if !tools(&["nbdinfo", "qemu-io"]) {
+        return;
+    }
+    let dir = Dir::new("fstrim");
+    let size = 64 * MIB;
+    let span = 16 * MIB;
+    let srv = Served::start(&dir, "s", &["--size", "64M", "--allow-discards"]);
+    // The memory of a fresh volume: its header's.
+    let header = srv.volume_bytes();
+    assert!(header < size, "{header}");
+    srv.qemu_io(&[
+        format!("write -P 0xab 0 {span}"),
+        format!("write -P 0xef {} {MIB}", size - MIB),
+    ]);
+    let mut model = vec![0xabu8; span as usize];
+    let trims = fstrim_ranges(span);
+    let mut punched = trim_each(&srv, &trims, &mut model, span, size);
+    // Another client agrees on a few of them.
+    srv.qemu_io(&[
+        format!("read -P 0 0 {SECTOR}"),
+        format!("read -P 0xab {SECTOR} {SECTOR}"),
+        format!("read -P 0xab {} 512", 3 * MIB + 512),
+        format!("read -P 0 {} {SECTOR}", 3 * MIB + SECTOR),
+        format!("read -P 0xab {} {}", 5 * MIB, SECTOR),
+        format!("read -P 0 {} {SECTOR}", 8 * MIB + SECTOR),
+        format!("read -P 0xab {} {SECTOR}", 8 * MIB),
+        format!("read -P 0xab {} {SECTOR}", 8 * MIB + 2 * SECTOR),
+    ]);
+    let mut data = data_sectors(&model, SECTOR as usize);
+    data.push((size - MIB, size));
+    let want = expected_map(size, &data);
+    assert_eq!(srv.nbdinfo_map(), want, "the map after the trims");
+    punched += trim_tail_then_everything(&srv, size, header);
     let all_hole = vec![Extent {
         offset: 0,
         length: size,
@@ -774,6 +719,33 @@ fn fstrim_like_discards_punch_whole_sectors_and_leave_their_neighbours() {
     // own: at least one request from it.
     assert!(requests >= trims.len() as u64 + 3, "{line}");
     assert_eq!(discarded, punched >> 20, "{line}");
+}
+
+/// Our own WRITE_ZEROES at 9 MiB: NO_HOLE with FAST_ZERO refused with
+/// ENOTSUP (nothing written), FAST_ZERO alone punches.
+fn fast_zero_with_and_without_no_hole(srv: &Served) {
+    let mut c = raw::Client::connect(&srv.sock);
+    let want_flags = raw::TFLAG_SEND_WRITE_ZEROES | raw::TFLAG_SEND_FAST_ZERO;
+    assert_eq!(c.flags & want_flags, want_flags, "{:#x}", c.flags);
+    let (e, _) = c.request(
+        raw::CMD_WRITE_ZEROES,
+        raw::FLAG_NO_HOLE | raw::FLAG_FAST_ZERO,
+        9 * MIB,
+        MIB as u32,
+        &[],
+    );
+    assert_eq!(e, raw::ENOTSUP, "FAST_ZERO with NO_HOLE");
+    assert!(c.read(9 * MIB, MIB).iter().all(|&b| b == 0xab));
+    // FAST_ZERO alone punches.
+    c.ok(
+        raw::CMD_WRITE_ZEROES,
+        raw::FLAG_FAST_ZERO,
+        9 * MIB,
+        MIB as u32,
+    );
+    assert!(c.read(9 * MIB, MIB).iter().all(|&b| b == 0));
+    assert!(c.read(10 * MIB, 2 * MIB).iter().all(|&b| b == 0xab));
+    drop(c);
 }
 
 #[test]
@@ -821,28 +793,7 @@ fn write_zeroes_punches_unless_no_hole_and_fast_zero_fails_fast_when_it_cannot()
         "{text}"
     );
     srv.qemu_io(&[r(7, 0xab)]);
-    let mut c = raw::Client::connect(&srv.sock);
-    let want_flags = raw::TFLAG_SEND_WRITE_ZEROES | raw::TFLAG_SEND_FAST_ZERO;
-    assert_eq!(c.flags & want_flags, want_flags, "{:#x}", c.flags);
-    let (e, _) = c.request(
-        raw::CMD_WRITE_ZEROES,
-        raw::FLAG_NO_HOLE | raw::FLAG_FAST_ZERO,
-        9 * MIB,
-        MIB as u32,
-        &[],
-    );
-    assert_eq!(e, raw::ENOTSUP, "FAST_ZERO with NO_HOLE");
-    assert!(c.read(9 * MIB, MIB).iter().all(|&b| b == 0xab));
-    // FAST_ZERO alone punches.
-    c.ok(
-        raw::CMD_WRITE_ZEROES,
-        raw::FLAG_FAST_ZERO,
-        9 * MIB,
-        MIB as u32,
-    );
-    assert!(c.read(9 * MIB, MIB).iter().all(|&b| b == 0));
-    assert!(c.read(10 * MIB, 2 * MIB).iter().all(|&b| b == 0xab));
-    drop(c);
+    fast_zero_with_and_without_no_hole(&srv);
     let punched: Vec<(u64, u64)> = [3, 5, 9]
         .iter()
         .map(|&m| (m * MIB, (m + 1) * MIB))
@@ -941,12 +892,10 @@ fn a_mostly_empty_volume_copies_into_sparse_files_with_qemu_img_and_nbdcopy() {
     }
 }
 
-#[test]
-fn a_cryptsetup_luks2_image_keeps_its_header_and_data_and_gets_holes_where_discarded() {
-    if !tools(&["cryptsetup", "nbdinfo", "qemu-io"]) {
-        return;
-    }
-    let dir = Dir::new("luks2");
+/// A 64 MiB LUKS2 image made by cryptsetup in `dir` (512-byte sectors):
+/// its path, its passphrase file and its payload's offset (from
+/// cryptsetup's own description).
+fn luks2_image(dir: &Dir) -> (PathBuf, PathBuf, u64) {
     let pass = dir.join("pass");
     std::fs::write(&pass, b"sparse luks2").unwrap();
     let img = dir.join("luks2.img");
@@ -966,6 +915,118 @@ fn a_cryptsetup_luks2_image_keeps_its_header_and_data_and_gets_holes_where_disca
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("no data offset in luksDump:\n{dump}"));
     assert_eq!(data_at % SECTOR, 0, "{dump}");
+    (img, pass, data_at)
+}
+
+/// `model` written to a `payload`-byte export in 1 MiB pieces, then the
+/// `trims` (zeroing the 512-byte sectors inside in `model`), then read
+/// back.
+fn write_then_trim(srv: &Served, model: &mut [u8], trims: &[(u64, u64)], payload: u64) {
+    let mut c = raw::Client::connect(&srv.sock);
+    assert_eq!(c.size, payload);
+    for (i, chunk) in model.chunks(MIB as usize).enumerate() {
+        c.write(i as u64 * MIB, chunk);
+    }
+    for &(off, len) in trims {
+        c.ok(raw::CMD_TRIM, 0, off, len as u32);
+        let (s, e) = inward(off, len, 512);
+        model[s as usize..e as usize].fill(0);
+    }
+    assert_same("read back", &c.read(0, model.len() as u64), model);
+    drop(c);
+}
+
+/// `img` served again read-only: the same map (`want`) and contents
+/// (`model`, zeros after it), and TRIM refused.
+fn read_only_keeps_the_map_and_refuses_trim(
+    dir: &Dir,
+    img: &Path,
+    pass: &Path,
+    want: &[Extent],
+    model: &[u8],
+    payload: u64,
+) {
+    let ro = Served::on_image(dir, "ro", img, pass, &["--allow-discards", "--read-only"]);
+    assert_eq!(ro.nbdinfo_map(), want, "the map, read-only");
+    let mut c = raw::Client::connect(&ro.sock);
+    let written = model.len() as u64;
+    assert_same("read back read-only", &c.read(0, written), model);
+    assert!(c.read(written, payload - written).iter().all(|&b| b == 0));
+    let (e, _) = c.request(raw::CMD_TRIM, 0, 0, MIB as u32, &[]);
+    assert_eq!(e, raw::EPERM, "TRIM on a read-only export");
+    drop(c);
+    ro.stop();
+}
+
+/// Offline: the header is cryptsetup's (`header`), byte for byte, and
+/// still opens; the image's own holes are where the map (`want`) said,
+/// and the ciphertext of each of the `trims` is zeros.
+fn offline_image_has_the_header_and_the_holes(
+    img: &Path,
+    pass: &Path,
+    data_at: u64,
+    header: &[u8],
+    want: &[Extent],
+    trims: &[(u64, u64)],
+) {
+    let image = std::fs::read(img).unwrap();
+    assert!(
+        image[..data_at as usize] == header[..],
+        "the header changed"
+    );
+    run(cryptsetup().arg("luksDump").arg(img));
+    run(cryptsetup()
+        .args(["open", "--test-passphrase", "--key-file"])
+        .arg(pass)
+        .arg(img));
+    let f = std::fs::File::open(img).unwrap();
+    let in_file: Vec<(u64, u64)> = file_data(&f, data_at, 64 * MIB)
+        .into_iter()
+        .map(|(s, e)| (s - data_at, e - data_at))
+        .collect();
+    let payload = 64 * MIB - data_at;
+    assert_eq!(expected_map(payload, &in_file), want, "the image's holes");
+    for &(off, len) in trims {
+        let (s, e) = inward(off, len, 512);
+        let at = (data_at + s) as usize..(data_at + e) as usize;
+        assert!(
+            image[at].iter().all(|&b| b == 0),
+            "the ciphertext of {off} +{len} is zeros"
+        );
+    }
+}
+
+/// The offline reader (`iopages luks decrypt`) agrees on everything
+/// written and not discarded (`model`).
+fn offline_decrypt_agrees(dir: &Dir, img: &Path, pass: &Path, model: &[u8], payload: u64) {
+    let plain = dir.join("plain.raw");
+    run(Command::new(BIN)
+        .args(["luks", "decrypt", "--yes"])
+        .arg(img)
+        .arg(&plain)
+        .arg("--passphrase-file")
+        .arg(pass));
+    let offline = std::fs::read(&plain).unwrap();
+    assert_eq!(offline.len() as u64, payload);
+    let mut kept = 0;
+    for (s, e) in data_sectors(model, 512) {
+        assert_same(
+            &format!("offline {s}..{e}"),
+            &offline[s as usize..e as usize],
+            &model[s as usize..e as usize],
+        );
+        kept += e - s;
+    }
+    assert!(kept > 20 * MIB, "{kept}");
+}
+
+#[test]
+fn a_cryptsetup_luks2_image_keeps_its_header_and_data_and_gets_holes_where_discarded() {
+    if !tools(&["cryptsetup", "nbdinfo", "qemu-io"]) {
+        return;
+    }
+    let dir = Dir::new("luks2");
+    let (img, pass, data_at) = luks2_image(&dir);
     let payload = 64 * MIB - data_at;
     let header = std::fs::read(&img).unwrap()[..data_at as usize].to_vec();
     let srv = Served::on_image(&dir, "s", &img, &pass, &["--allow-discards"]);
@@ -984,11 +1045,6 @@ fn a_cryptsetup_luks2_image_keeps_its_header_and_data_and_gets_holes_where_disca
     assert_eq!(srv.nbdinfo_map(), fresh, "cryptsetup's sparse image, fresh");
     let written = 32 * MIB;
     let mut model = pattern(0x1f, written as usize);
-    let mut c = raw::Client::connect(&srv.sock);
-    assert_eq!(c.size, payload);
-    for (i, chunk) in model.chunks(MIB as usize).enumerate() {
-        c.write(i as u64 * MIB, chunk);
-    }
     // Sector (512) aligned and not file-system block aligned, misaligned
     // at both ends, aligned.
     let trims = [
@@ -997,13 +1053,7 @@ fn a_cryptsetup_luks2_image_keeps_its_header_and_data_and_gets_holes_where_disca
         (20 * MIB + 100, 2 * MIB),
         (30 * MIB - 700, 1500),
     ];
-    for &(off, len) in &trims {
-        c.ok(raw::CMD_TRIM, 0, off, len as u32);
-        let (s, e) = inward(off, len, 512);
-        model[s as usize..e as usize].fill(0);
-    }
-    assert_same("read back", &c.read(0, written), &model);
-    drop(c);
+    write_then_trim(&srv, &mut model, &trims, payload);
     srv.qemu_io(&[
         format!("read -P 0 {} {}", 12 * MIB + 512, MIB),
         format!("read -P 0 {} 512", 30 * MIB - 512),
@@ -1027,68 +1077,9 @@ fn a_cryptsetup_luks2_image_keeps_its_header_and_data_and_gets_holes_where_disca
         })
         .sum();
     assert_eq!(discard_counters(&line).1, punched >> 20, "{line}");
-    // Served again read-only: the same map and contents, and TRIM refused.
-    let ro = Served::on_image(
-        &dir,
-        "ro",
-        &img,
-        &pass,
-        &["--allow-discards", "--read-only"],
-    );
-    assert_eq!(ro.nbdinfo_map(), want, "the map, read-only");
-    let mut c = raw::Client::connect(&ro.sock);
-    assert_same("read back read-only", &c.read(0, written), &model);
-    assert!(c.read(written, payload - written).iter().all(|&b| b == 0));
-    let (e, _) = c.request(raw::CMD_TRIM, 0, 0, MIB as u32, &[]);
-    assert_eq!(e, raw::EPERM, "TRIM on a read-only export");
-    drop(c);
-    ro.stop();
-    // Offline: the header is cryptsetup's, byte for byte, and still
-    // opens; the image's own holes are where the map said.
-    let image = std::fs::read(&img).unwrap();
-    assert!(
-        image[..data_at as usize] == header[..],
-        "the header changed"
-    );
-    run(cryptsetup().arg("luksDump").arg(&img));
-    run(cryptsetup()
-        .args(["open", "--test-passphrase", "--key-file"])
-        .arg(&pass)
-        .arg(&img));
-    let f = std::fs::File::open(&img).unwrap();
-    let in_file: Vec<(u64, u64)> = file_data(&f, data_at, 64 * MIB)
-        .into_iter()
-        .map(|(s, e)| (s - data_at, e - data_at))
-        .collect();
-    assert_eq!(expected_map(payload, &in_file), want, "the image's holes");
-    for &(off, len) in &trims {
-        let (s, e) = inward(off, len, 512);
-        let at = (data_at + s) as usize..(data_at + e) as usize;
-        assert!(
-            image[at].iter().all(|&b| b == 0),
-            "the ciphertext of {off} +{len} is zeros"
-        );
-    }
-    // The offline reader agrees on everything written and not discarded.
-    let plain = dir.join("plain.raw");
-    run(Command::new(BIN)
-        .args(["luks", "decrypt", "--yes"])
-        .arg(&img)
-        .arg(&plain)
-        .arg("--passphrase-file")
-        .arg(&pass));
-    let offline = std::fs::read(&plain).unwrap();
-    assert_eq!(offline.len() as u64, payload);
-    let mut kept = 0;
-    for (s, e) in data_sectors(&model, 512) {
-        assert_same(
-            &format!("offline {s}..{e}"),
-            &offline[s as usize..e as usize],
-            &model[s as usize..e as usize],
-        );
-        kept += e - s;
-    }
-    assert!(kept > 20 * MIB, "{kept}");
+    read_only_keeps_the_map_and_refuses_trim(&dir, &img, &pass, &want, &model, payload);
+    offline_image_has_the_header_and_the_holes(&img, &pass, data_at, &header, &want, &trims);
+    offline_decrypt_agrees(&dir, &img, &pass, &model, payload);
 }
 
 #[test]

@@ -7,21 +7,17 @@
 use iopages::PageAllocator;
 use iopages_crypt::backend::{Backend, RamDisk};
 use iopages_crypt::target::TargetConfig;
-use iopages_nbd::proto::*;
 use iopages_nbd::{
     AllowRule, Export, ExportConfig, ExportState, ExportVolume, Listen, Server, ServerOptions,
     OPEN_BACKOFF_FIRST,
 };
-use std::io::{Read, Write};
-use std::net::TcpStream;
+use iopages_testkit::nbd_client::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 mod common;
-use common::{
-    connect, info_data, option_replies, queue_over, read_simple_reply, send_option, send_request,
-};
+use common::{connect, queue_over};
 
 fn key(seed: u8) -> Vec<u8> {
     (0..64u8).map(|i| i.wrapping_mul(29) ^ seed).collect()
@@ -51,61 +47,12 @@ fn listen() -> Vec<Listen> {
     vec![Listen::Tcp("127.0.0.1:0".parse().unwrap())]
 }
 
-struct Client(TcpStream);
-
-impl Client {
-    fn connect(server: &Server) -> Client {
-        Client(connect(server))
-    }
-
-    /// Every reply to `option` up to the final one: (type, data).
-    fn option(&mut self, option: u32, data: &[u8]) -> Vec<(u32, Vec<u8>)> {
-        option_replies(&mut self.0, option, data)
-    }
-
-    fn list(&mut self) -> Vec<String> {
-        self.option(OPT_LIST, &[])
-            .into_iter()
-            .filter(|(k, _)| *k == REP_SERVER)
-            .map(|(_, d)| {
-                let n = u32::from_be_bytes(d[0..4].try_into().unwrap()) as usize;
-                String::from_utf8(d[4..4 + n].to_vec()).unwrap()
-            })
-            .collect()
-    }
-
-    /// NBD_OPT_INFO or GO for `name`: the export's size, or the error.
-    fn info(&mut self, option: u32, name: &str) -> Result<u64, u32> {
-        let mut size = None;
-        for (kind, d) in self.option(option, &info_data(name, &[])) {
-            if kind & REP_FLAG_ERROR != 0 {
-                return Err(kind);
-            }
-            if kind == REP_INFO && u16::from_be_bytes([d[0], d[1]]) == INFO_EXPORT {
-                size = Some(u64::from_be_bytes(d[2..10].try_into().unwrap()));
-            }
-        }
-        Ok(size.expect("INFO_EXPORT"))
-    }
-
-    fn io(&mut self, command: u16, offset: u64, data: &[u8], len: u32) -> (u32, Vec<u8>) {
-        let request = Request {
-            flags: 0,
-            command,
-            cookie: 7,
-            offset,
-            length: len,
-        };
-        send_request(&mut self.0, request, data);
-        let (e, c) = read_simple_reply(&mut self.0);
-        assert_eq!(c, 7);
-        let mut back = Vec::new();
-        if command == CMD_READ && e == 0 {
-            back = vec![0u8; len as usize];
-            self.0.read_exact(&mut back).unwrap();
-        }
-        (e, back)
-    }
+/// NBD_OPT_INFO or GO for `name`: the export's size, or the error
+/// reply's type.
+fn size_of(c: &mut Client, option: u32, name: &str) -> Result<u64, u32> {
+    c.export_info(option, name, &[])
+        .map(|e| e.size)
+        .map_err(|r| r.kind)
 }
 
 #[test]
@@ -121,34 +68,30 @@ fn exports_are_listed_selected_by_name_and_kept_apart() {
     )
     .unwrap();
     assert_eq!(server.export_names(), vec!["first", "second"]);
-    let mut c = Client::connect(&server);
+    let mut c = connect(&server);
     assert_eq!(c.list(), vec!["first", "second"]);
     assert_eq!(
-        c.info(OPT_INFO, ""),
+        size_of(&mut c, OPT_INFO, ""),
         Ok(4 << 20),
         "the empty name: the first"
     );
-    assert_eq!(c.info(OPT_INFO, "second"), Ok(8 << 20));
-    assert_eq!(c.info(OPT_INFO, "third"), Err(REP_ERR_UNKNOWN));
-    assert_eq!(c.info(OPT_GO, "second"), Ok(8 << 20));
+    assert_eq!(size_of(&mut c, OPT_INFO, "second"), Ok(8 << 20));
+    assert_eq!(size_of(&mut c, OPT_INFO, "third"), Err(REP_ERR_UNKNOWN));
+    assert_eq!(size_of(&mut c, OPT_GO, "second"), Ok(8 << 20));
     let data = vec![0x33u8; 8192];
-    assert_eq!(
-        c.io(CMD_WRITE, 4 << 20, &data, 8192).0,
-        0,
-        "past the first's end"
-    );
-    assert_eq!(c.io(CMD_READ, 4 << 20, &[], 8192), (0, data.clone()));
+    assert_eq!(c.write(4 << 20, &data, 0), 0, "past the first's end");
+    assert_eq!(c.read(4 << 20, 8192), Ok(data.clone()));
     drop(c);
-    let mut c = Client::connect(&server);
-    c.info(OPT_GO, "first").unwrap();
-    assert_eq!(c.io(CMD_WRITE, 0, &data, 8192).0, 0);
-    let (e, first) = c.io(CMD_READ, 0, &[], 8192);
-    assert_eq!((e, first), (0, data.clone()));
+    let mut c = connect(&server);
+    size_of(&mut c, OPT_GO, "first").unwrap();
+    assert_eq!(c.write(0, &data, 0), 0);
+    let first = c.read(0, 8192);
+    assert_eq!(first, Ok(data.clone()));
     drop(c);
-    let mut c = Client::connect(&server);
-    c.info(OPT_GO, "second").unwrap();
-    let (_, second) = c.io(CMD_READ, 0, &[], 8192);
-    assert_ne!(second, data, "the first's write is not in the second");
+    let mut c = connect(&server);
+    size_of(&mut c, OPT_GO, "second").unwrap();
+    let second = c.read(0, 8192);
+    assert_ne!(second, Ok(data), "the first's write is not in the second");
     drop(c);
     // Per-export counters, and the server's totals over both.
     std::thread::sleep(Duration::from_millis(100));
@@ -196,7 +139,7 @@ fn a_lazy_export_opens_once_on_first_use_and_a_failure_is_kept() {
         &listen(),
     )
     .unwrap();
-    let mut c = Client::connect(&server);
+    let mut c = connect(&server);
     assert_eq!(c.list(), vec!["lazy", "broken"]);
     assert_eq!(opened.load(Ordering::SeqCst), 0, "LIST opens nothing");
     assert_eq!(server.export_is_open("lazy"), Some(false));
@@ -205,14 +148,8 @@ fn a_lazy_export_opens_once_on_first_use_and_a_failure_is_kept() {
     let threads: Vec<_> = (0..4)
         .map(|_| {
             std::thread::spawn(move || {
-                let mut s = TcpStream::connect(addr).unwrap();
-                s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-                let mut g = [0u8; 18];
-                s.read_exact(&mut g).unwrap();
-                s.write_all(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes())
-                    .unwrap();
-                let mut c = Client(s);
-                c.info(OPT_INFO, "lazy")
+                let mut c = Client::tcp(addr);
+                size_of(&mut c, OPT_INFO, "lazy")
             })
         })
         .collect();
@@ -223,18 +160,17 @@ fn a_lazy_export_opens_once_on_first_use_and_a_failure_is_kept() {
     assert_eq!(server.export_is_open("lazy"), Some(true));
     // The broken one: an error each time, the opener run once.
     for _ in 0..3 {
-        assert_eq!(c.info(OPT_INFO, "broken"), Err(REP_ERR_UNKNOWN));
+        assert_eq!(size_of(&mut c, OPT_INFO, "broken"), Err(REP_ERR_UNKNOWN));
     }
     assert_eq!(failed.load(Ordering::SeqCst), 1);
     assert_eq!(server.export_is_open("broken"), Some(false));
     // EXPORT_NAME of the broken one closes the connection.
-    send_option(&mut c.0, OPT_EXPORT_NAME, b"broken");
-    let mut b = [0u8; 1];
-    assert!(matches!(c.0.read(&mut b), Ok(0) | Err(_)));
-    let mut c = Client::connect(&server);
-    assert_eq!(c.info(OPT_GO, "lazy"), Ok(4 << 20));
-    assert_eq!(c.io(CMD_WRITE, 0, &[9u8; 4096], 4096).0, 0);
-    assert_eq!(c.io(CMD_READ, 0, &[], 4096), (0, vec![9u8; 4096]));
+    c.send_option(OPT_EXPORT_NAME, b"broken").unwrap();
+    assert!(c.closed());
+    let mut c = connect(&server);
+    assert_eq!(size_of(&mut c, OPT_GO, "lazy"), Ok(4 << 20));
+    assert_eq!(c.write(0, &[9u8; 4096], 0), 0);
+    assert_eq!(c.read(0, 4096), Ok(vec![9u8; 4096]));
     drop(c);
     server.shutdown();
     alloc.leak_check().unwrap();
@@ -260,28 +196,28 @@ fn a_failed_lazy_export_is_tried_again_after_its_backoff() {
         &listen(),
     )
     .unwrap();
-    let mut c = Client::connect(&server);
-    assert_eq!(c.info(OPT_INFO, "store"), Err(REP_ERR_UNKNOWN));
+    let mut c = connect(&server);
+    assert_eq!(size_of(&mut c, OPT_INFO, "store"), Err(REP_ERR_UNKNOWN));
     // Within the first backoff (1 s): refused without trying again.
-    assert_eq!(c.info(OPT_INFO, "store"), Err(REP_ERR_UNKNOWN));
+    assert_eq!(size_of(&mut c, OPT_INFO, "store"), Err(REP_ERR_UNKNOWN));
     assert_eq!(tries.load(Ordering::SeqCst), 1);
     assert_eq!(server.export_state("store"), Some(ExportState::Failed));
     std::thread::sleep(OPEN_BACKOFF_FIRST + Duration::from_millis(100));
-    assert_eq!(c.info(OPT_INFO, "store"), Err(REP_ERR_UNKNOWN));
+    assert_eq!(size_of(&mut c, OPT_INFO, "store"), Err(REP_ERR_UNKNOWN));
     assert_eq!(tries.load(Ordering::SeqCst), 2);
     // The backoff doubled: 2 s.
     std::thread::sleep(OPEN_BACKOFF_FIRST + Duration::from_millis(100));
-    assert_eq!(c.info(OPT_INFO, "store"), Err(REP_ERR_UNKNOWN));
+    assert_eq!(size_of(&mut c, OPT_INFO, "store"), Err(REP_ERR_UNKNOWN));
     assert_eq!(tries.load(Ordering::SeqCst), 2);
     std::thread::sleep(OPEN_BACKOFF_FIRST);
-    assert_eq!(c.info(OPT_GO, "store"), Ok(4 << 20));
+    assert_eq!(size_of(&mut c, OPT_GO, "store"), Ok(4 << 20));
     assert_eq!(tries.load(Ordering::SeqCst), 3);
     assert_eq!(server.export_state("store"), Some(ExportState::Open));
     assert_eq!(
         server.export_stats("store").unwrap().export.open_failures,
         2
     );
-    assert_eq!(c.io(CMD_WRITE, 0, &[4u8; 4096], 4096).0, 0);
+    assert_eq!(c.write(0, &[4u8; 4096], 0), 0);
     drop(c);
     server.shutdown();
     alloc.leak_check().unwrap();
@@ -313,31 +249,30 @@ fn an_export_a_client_may_not_use_is_hidden_and_unknown_to_it() {
         &listen(),
     )
     .unwrap();
-    let mut c = Client::connect(&server);
+    let mut c = connect(&server);
     assert_eq!(c.list(), vec!["mine", "public"]);
     // Not allowed: told exactly what a missing export is told.
     let refused = c.option(OPT_INFO, &info_data("theirs", &[]));
     let missing = c.option(OPT_INFO, &info_data("nosuch", &[]));
-    assert_eq!(refused[0].0, REP_ERR_UNKNOWN);
-    assert_eq!(missing[0].0, REP_ERR_UNKNOWN);
+    assert_eq!(refused[0].kind, REP_ERR_UNKNOWN);
+    assert_eq!(missing[0].kind, REP_ERR_UNKNOWN);
     assert_eq!(
-        String::from_utf8_lossy(&refused[0].1).replace("theirs", "X"),
-        String::from_utf8_lossy(&missing[0].1).replace("nosuch", "X")
+        String::from_utf8_lossy(&refused[0].data).replace("theirs", "X"),
+        String::from_utf8_lossy(&missing[0].data).replace("nosuch", "X")
     );
-    assert_eq!(c.info(OPT_GO, "theirs"), Err(REP_ERR_UNKNOWN));
+    assert_eq!(size_of(&mut c, OPT_GO, "theirs"), Err(REP_ERR_UNKNOWN));
     assert_eq!(
         opened.load(Ordering::SeqCst),
         0,
         "opened for a client not allowed"
     );
     assert_eq!(server.stats().peers.authorization_refusals, 2);
-    assert_eq!(c.info(OPT_GO, "mine"), Ok(4 << 20));
-    assert_eq!(c.io(CMD_READ, 0, &[], 4096).0, 0);
+    assert_eq!(size_of(&mut c, OPT_GO, "mine"), Ok(4 << 20));
+    assert!(c.read(0, 4096).is_ok());
     // EXPORT_NAME of an export not allowed closes the connection.
-    let mut c = Client::connect(&server);
-    send_option(&mut c.0, OPT_EXPORT_NAME, b"theirs");
-    let mut b = [0u8; 1];
-    assert!(matches!(c.0.read(&mut b), Ok(0) | Err(_)));
+    let mut c = connect(&server);
+    c.send_option(OPT_EXPORT_NAME, b"theirs").unwrap();
+    assert!(c.closed());
     drop(c);
     server.shutdown();
     alloc.leak_check().unwrap();
@@ -437,12 +372,9 @@ fn shutdown_is_prompt_with_an_inherited_socket_whose_file_was_removed() {
     let alloc = arena();
     let (dir, sock, owner, server) = serve_inherited(&alloc, "inh");
     // Served: the greeting.
-    let mut c = UnixStream::connect(&sock).unwrap();
+    let c = UnixStream::connect(&sock).unwrap();
     c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    let mut g = [0u8; 18];
-    c.read_exact(&mut g).unwrap();
-    assert_eq!(&g[..8], &NBD_MAGIC.to_be_bytes());
-    drop(c);
+    Client::greet(c).expect("a newstyle greeting");
     // The path goes (a second name of the socket stays, for the check
     // below): nothing can connect through it to wake the acceptor, and
     // stop must not wait for that.

@@ -6,14 +6,14 @@
 //! the milliseconds these take), never speed targets.
 
 use iopages::PageAllocator;
-use iopages_nbd::proto::*;
 use iopages_nbd::{ExportConfig, Listen, Server, ServerOptions, TlsConfig, TlsMode};
+use iopages_testkit::nbd_client::*;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{crypt_queue, info_data, read_opt_reply, read_simple_reply, send_option};
+use common::crypt_queue;
 
 const DISK: u64 = 64 << 20;
 const NAME: &str = "vol";
@@ -49,83 +49,18 @@ fn finish(alloc: PageAllocator, server: Server) {
     alloc.leak_check().expect("every page freed after shutdown");
 }
 
-/// A raw client over any byte stream.
-struct Client<S: Read + Write> {
-    s: S,
+/// A client of `server` past the greeting (a newstyle one), the
+/// client's flags sent.
+fn connect(server: &Server) -> Client {
+    Client::tcp(server.tcp_addr().unwrap())
 }
 
-fn greet(s: &mut TcpStream) {
-    let mut g = [0u8; 18];
-    s.read_exact(&mut g).unwrap();
-    assert_eq!(&g[0..8], b"NBDMAGIC");
-    s.write_all(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes())
-        .unwrap();
-}
-
-fn connect(server: &Server) -> Client<TcpStream> {
-    let mut s = TcpStream::connect(server.tcp_addr().unwrap()).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    greet(&mut s);
-    Client { s }
-}
-
-impl<S: Read + Write> Client<S> {
-    fn option(&mut self, option: u32, data: &[u8]) {
-        send_option(&mut self.s, option, data);
-    }
-
-    /// The next option reply: (option, reply type, data).
-    fn opt_reply(&mut self) -> (u32, u32, Vec<u8>) {
-        read_opt_reply(&mut self.s)
-    }
-
-    /// NBD_OPT_GO for the export; the replies up to the ACK.
-    fn go(&mut self) {
-        self.option(OPT_GO, &info_data(NAME, &[]));
-        loop {
-            let (_, kind, _) = self.opt_reply();
-            match kind {
-                REP_INFO => {}
-                REP_ACK => return,
-                k => panic!("GO refused: {k:#x}"),
-            }
-        }
-    }
-
-    fn send(&mut self, command: u16, cookie: u64, offset: u64, length: u32) {
-        let r = Request {
-            flags: 0,
-            command,
-            cookie,
-            offset,
-            length,
-        };
-        self.s.write_all(&r.encode()).unwrap();
-    }
-
-    /// The next simple reply: (error, cookie).
-    fn reply(&mut self) -> (u32, u64) {
-        read_simple_reply(&mut self.s)
-    }
-
-    fn read(&mut self, offset: u64, len: u32) -> Result<Vec<u8>, u32> {
-        self.send(CMD_READ, 1, offset, len);
-        let (e, c) = self.reply();
-        assert_eq!(c, 1);
-        if e != 0 {
-            return Err(e);
-        }
-        let mut d = vec![0u8; len as usize];
-        self.s.read_exact(&mut d).unwrap();
-        Ok(d)
-    }
-
-    fn write(&mut self, offset: u64, data: &[u8]) -> u32 {
-        self.send(CMD_WRITE, 2, offset, data.len() as u32);
-        self.s.write_all(data).unwrap();
-        let (e, c) = self.reply();
-        assert_eq!(c, 2);
-        e
+/// NBD_OPT_GO for the export, over any stream.
+///
+/// **Panics:** if the server refuses.
+fn go<S: Read + Write>(c: &mut Client<S>) {
+    if let Err(e) = c.go(NAME, &[]) {
+        panic!("GO refused: {e}");
     }
 }
 
@@ -175,16 +110,16 @@ fn clients_that_never_read_cannot_delay_another_clients_reply() {
     let mut stuck = Vec::new();
     for _ in 0..2 {
         let mut c = connect(&server);
-        tiny_socket_buffers(&c.s);
-        c.go();
+        tiny_socket_buffers(c.stream());
+        go(&mut c);
         for i in 0..8u64 {
-            c.send(CMD_READ, i, i << 20, 1 << 20);
+            c.send(CMD_READ, 0, i << 20, 1 << 20, &[]).unwrap();
         }
         stuck.push(c);
     }
     std::thread::sleep(Duration::from_millis(300));
     let mut ok = connect(&server);
-    ok.go();
+    go(&mut ok);
     for _ in 0..20 {
         let t = Instant::now();
         assert_eq!(ok.read(0, 4096).unwrap().len(), 4096);
@@ -194,7 +129,7 @@ fn clients_that_never_read_cannot_delay_another_clients_reply() {
             "another client's read took {took:?}"
         );
     }
-    assert_eq!(ok.write(8192, &[7u8; 4096]), 0);
+    assert_eq!(ok.write(8192, &[7u8; 4096], 0), 0);
     drop(stuck);
     drop(ok);
     finish(alloc, server);
@@ -208,10 +143,10 @@ fn a_client_that_stops_reading_loses_its_own_connection_after_the_reply_timeout(
     };
     let (alloc, server) = start(opts, |_| {});
     let mut c = connect(&server);
-    tiny_socket_buffers(&c.s);
-    c.go();
+    tiny_socket_buffers(c.stream());
+    go(&mut c);
     for i in 0..8u64 {
-        c.send(CMD_READ, i, i << 20, 1 << 20);
+        c.send(CMD_READ, 0, i << 20, 1 << 20, &[]).unwrap();
     }
     // Not reading: the replies stay queued past the timeout, then the
     // connection is given up and its bytes released.
@@ -235,7 +170,7 @@ fn a_client_that_stops_reading_loses_its_own_connection_after_the_reply_timeout(
     drop(c);
     // The server serves others as before.
     let mut ok = connect(&server);
-    ok.go();
+    go(&mut ok);
     assert_eq!(ok.read(0, 4096).unwrap().len(), 4096);
     drop(ok);
     finish(alloc, server);
@@ -246,19 +181,15 @@ fn the_handshake_has_one_deadline_however_slowly_bytes_come() {
     let (alloc, server) = start(ServerOptions::default(), |e| {
         e.handshake_timeout = Duration::from_secs(2)
     });
-    let mut s = TcpStream::connect(server.tcp_addr().unwrap()).unwrap();
-    let mut g = [0u8; 18];
-    s.read_exact(&mut g).unwrap();
+    let mut c = Client::greet(TcpStream::connect(server.tcp_addr().unwrap()).unwrap()).unwrap();
     // One byte every 300 ms: each restarted a per-byte timeout before.
     let t = Instant::now();
     let mut sent = 0;
     let flags = (FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes();
-    let mut opt = IHAVEOPT.to_be_bytes().to_vec();
-    opt.extend_from_slice(&OPT_LIST.to_be_bytes());
-    opt.extend_from_slice(&0u32.to_be_bytes());
+    let opt = option_bytes(OPT_LIST, &[]);
     let bytes: Vec<u8> = flags.iter().chain(opt.iter()).copied().collect();
     for &b in bytes.iter().cycle().take(100) {
-        if s.write_all(&[b]).is_err() {
+        if c.send_raw(&[b]).is_err() {
             break;
         }
         sent += 1;
@@ -267,7 +198,7 @@ fn the_handshake_has_one_deadline_however_slowly_bytes_come() {
             break;
         }
     }
-    assert!(closed_within(&mut s, Duration::from_secs(5)));
+    assert!(closed_within(c.stream_mut(), Duration::from_secs(5)));
     let took = t.elapsed();
     assert!(
         took < Duration::from_secs(8),
@@ -287,15 +218,15 @@ fn an_idle_connection_is_closed_and_a_busy_one_is_not() {
     };
     let (alloc, server) = start(opts, |_| {});
     let mut idle = connect(&server);
-    idle.go();
+    go(&mut idle);
     let mut busy = connect(&server);
-    busy.go();
+    go(&mut busy);
     let t = Instant::now();
     while t.elapsed() < Duration::from_millis(3500) {
         assert_eq!(busy.read(0, 4096).unwrap().len(), 4096);
         std::thread::sleep(Duration::from_millis(100));
     }
-    assert!(closed_within(&mut idle.s, Duration::from_secs(5)));
+    assert!(closed_within(idle.stream_mut(), Duration::from_secs(5)));
     assert_eq!(busy.read(0, 4096).unwrap().len(), 4096);
     assert_eq!(server.stats().idle_closes, 1);
     drop(busy);
@@ -313,14 +244,14 @@ fn a_peer_at_its_share_is_refused_at_go_by_policy_and_counted() {
     let (alloc, server) = start(opts, |_| {});
     let mut held: Vec<_> = (0..3).map(|_| connect(&server)).collect();
     for c in &mut held {
-        c.go();
+        go(c);
     }
     for _ in 0..5 {
         let mut c = connect(&server);
-        c.option(OPT_GO, &info_data(NAME, &[]));
-        let (_, kind, msg) = c.opt_reply();
-        assert_eq!(kind, REP_ERR_POLICY, "{}", String::from_utf8_lossy(&msg));
-        assert!(String::from_utf8_lossy(&msg).contains("too many connections"));
+        let r = c.option(OPT_GO, &info_data(NAME, &[]));
+        let (kind, msg) = (r[0].kind, &r[0].data);
+        assert_eq!(kind, REP_ERR_POLICY, "{}", String::from_utf8_lossy(msg));
+        assert!(String::from_utf8_lossy(msg).contains("too many connections"));
     }
     let st = server.stats();
     assert_eq!(st.refused_connections, 5);
@@ -332,7 +263,7 @@ fn a_peer_at_its_share_is_refused_at_go_by_policy_and_counted() {
         std::thread::sleep(Duration::from_millis(20));
     }
     let mut c = connect(&server);
-    c.go();
+    go(&mut c);
     assert_eq!(c.read(0, 4096).unwrap().len(), 4096);
     drop(held);
     drop(c);
@@ -350,10 +281,10 @@ fn a_write_zeroes_of_the_whole_volume_is_served_within_the_byte_budget() {
     };
     let (alloc, server) = start(opts, |_| {});
     let mut c = connect(&server);
-    c.go();
-    assert_eq!(c.write(DISK - 4096, &[7u8; 4096]), 0);
-    c.send(CMD_WRITE_ZEROES, 3, 0, DISK as u32);
-    assert_eq!(c.reply(), (0, 3));
+    go(&mut c);
+    assert_eq!(c.write(DISK - 4096, &[7u8; 4096], 0), 0);
+    let cookie = c.send(CMD_WRITE_ZEROES, 0, 0, DISK as u32, &[]).unwrap();
+    assert_eq!(c.read_simple_reply().unwrap(), (0, cookie));
     assert_eq!(c.read(DISK - 4096, 4096).unwrap(), vec![0u8; 4096]);
     let st = server.stats();
     assert_eq!(st.write_zeroes.requests, 1);
@@ -373,7 +304,7 @@ fn an_export_rate_limit_is_never_exceeded() {
         };
     });
     let mut c = connect(&server);
-    c.go();
+    go(&mut c);
     let t = Instant::now();
     for i in 0..25u64 {
         assert_eq!(c.read(i * 4096, 4096).unwrap().len(), 4096);
@@ -387,7 +318,7 @@ fn an_export_rate_limit_is_never_exceeded() {
     );
     let t = Instant::now();
     for i in 0..4u64 {
-        assert_eq!(c.write(i << 20, &vec![1u8; 1 << 20]), 0);
+        assert_eq!(c.write(i << 20, &vec![1u8; 1 << 20], 0), 0);
     }
     // 4 MiB at 1 MiB a second: at most the bucket's second (1 MiB) is
     // free, the next request may run into debt, each later one waits
@@ -413,8 +344,7 @@ fn silent_sockets_only_push_each_other_out_of_a_full_handshake_pool() {
     let (alloc, server) = start(opts, |_| {});
     // A client that has taken a step (an option answered) ...
     let mut polite = connect(&server);
-    polite.option(0xdead, &[]);
-    assert_eq!(polite.opt_reply().1, REP_ERR_UNSUP);
+    assert_eq!(polite.option(0xdead, &[])[0].kind, REP_ERR_UNSUP);
     // ... beside many sockets that never send a byte.
     let silent: Vec<_> = (0..20)
         .map(|_| TcpStream::connect(server.tcp_addr().unwrap()).unwrap())
@@ -429,7 +359,7 @@ fn silent_sockets_only_push_each_other_out_of_a_full_handshake_pool() {
         "21 handshakes into a pool of 4"
     );
     assert_eq!(st.peers.handshakes_open, 4);
-    polite.go();
+    go(&mut polite);
     assert_eq!(polite.read(0, 4096).unwrap().len(), 4096);
     drop((silent, polite));
     finish(alloc, server);
@@ -451,10 +381,10 @@ fn the_byte_budget_bounds_payloads_in_flight_across_connections() {
     let mut hogs = Vec::new();
     for _ in 0..40 {
         let mut c = connect(&server);
-        tiny_socket_buffers(&c.s);
-        c.go();
+        tiny_socket_buffers(c.stream());
+        go(&mut c);
         for i in 0..4u64 {
-            c.send(CMD_READ, i, i << 23, 8 << 20);
+            c.send(CMD_READ, 0, i << 23, 8 << 20, &[]).unwrap();
         }
         hogs.push(c);
     }
@@ -469,7 +399,7 @@ fn the_byte_budget_bounds_payloads_in_flight_across_connections() {
     assert!(server.stats().budget_waits > 0);
     // A polite client: answered (data or ENOMEM, never a hang).
     let mut ok = connect(&server);
-    ok.go();
+    go(&mut ok);
     let got = ok.read(0, 4096);
     assert!(matches!(got, Ok(_) | Err(ENOMEM)), "{got:?}");
     drop(hogs);
@@ -486,15 +416,12 @@ fn the_byte_budget_bounds_payloads_in_flight_across_connections() {
 fn a_long_export_name_is_not_echoed_back_whole() {
     let (alloc, server) = start(ServerOptions::default(), |_| {});
     let mut c = connect(&server);
-    let name = vec![b'x'; 60_000];
-    let mut d = (name.len() as u32).to_be_bytes().to_vec();
-    d.extend_from_slice(&name);
-    d.extend_from_slice(&0u16.to_be_bytes());
-    c.option(OPT_INFO, &d);
-    let (_, kind, msg) = c.opt_reply();
+    let name = "x".repeat(60_000);
+    let r = c.option(OPT_INFO, &info_data(&name, &[]));
+    let (kind, msg) = (r[0].kind, &r[0].data);
     assert_eq!(kind, REP_ERR_UNKNOWN);
     assert!(msg.len() < 256, "{} bytes of message", msg.len());
-    assert!(String::from_utf8_lossy(&msg).contains("60000 bytes"));
+    assert!(String::from_utf8_lossy(msg).contains("60000 bytes"));
     drop(c);
     finish(alloc, server);
 }
@@ -561,13 +488,13 @@ fn starttls(
     mut c: Client<TcpStream>,
     connector: SslConnector,
 ) -> Result<Client<SslStream<TcpStream>>, String> {
-    c.option(OPT_STARTTLS, &[]);
-    let (opt, kind, _) = c.opt_reply();
+    let r = c.option(OPT_STARTTLS, &[]);
+    let (opt, kind) = (r[0].option, r[0].kind);
     assert_eq!((opt, kind), (OPT_STARTTLS, REP_ACK));
     let mut cfg = connector.configure().unwrap();
     cfg.set_verify_hostname(true);
-    cfg.connect("localhost", c.s)
-        .map(|s| Client { s })
+    cfg.connect("localhost", c.into_stream())
+        .map(Client::new)
         .map_err(|e| e.to_string())
 }
 
@@ -596,9 +523,9 @@ fn psk_sessions_serve_and_a_wrong_key_or_identity_is_refused() {
     };
     let (alloc, server) = start(opts, |_| {});
     let mut c = starttls(connect(&server), psk_connector(b"alice", key.clone())).unwrap();
-    c.go();
+    go(&mut c);
     let data: Vec<u8> = (0..1 << 20).map(|i| (i * 7 % 251) as u8).collect();
-    assert_eq!(c.write(1 << 20, &data), 0);
+    assert_eq!(c.write(1 << 20, &data, 0), 0);
     assert_eq!(c.read(1 << 20, 1 << 20).unwrap(), data);
     drop(c);
     let mut wrong = key.clone();
@@ -646,12 +573,12 @@ fn a_psk_identity_decides_the_exports_under_tls_1_2_and_1_3() {
             b.build()
         };
         let mut alice = starttls(connect(&server), pinned(b"alice")).unwrap();
-        alice.go();
+        go(&mut alice);
         assert_eq!(alice.read(0, 4096).unwrap().len(), 4096, "{v:?}");
         drop(alice);
         let mut bob = starttls(connect(&server), pinned(b"bob")).unwrap();
-        bob.option(OPT_GO, &info_data(NAME, &[]));
-        assert_eq!(bob.opt_reply().1, REP_ERR_UNKNOWN, "{v:?}");
+        let r = bob.option(OPT_GO, &info_data(NAME, &[]));
+        assert_eq!(r[0].kind, REP_ERR_UNKNOWN, "{v:?}");
     }
     assert_eq!(server.stats().peers.authorization_refusals, 2);
     finish(alloc, server);
@@ -676,8 +603,8 @@ fn x509_sessions_verify_the_server_and_the_client() {
     };
     let (alloc, server) = start(opts, |_| {});
     let mut c = starttls(connect(&server), x509_connector(&p.ca, Some(&p.client))).unwrap();
-    c.go();
-    assert_eq!(c.write(0, &[0x42u8; 65536]), 0);
+    go(&mut c);
+    assert_eq!(c.write(0, &[0x42u8; 65536], 0), 0);
     assert_eq!(c.read(0, 65536).unwrap(), vec![0x42u8; 65536]);
     drop(c);
     // No client certificate: refused (the failure shows on the first read
@@ -685,16 +612,9 @@ fn x509_sessions_verify_the_server_and_the_client() {
     let refused = match starttls(connect(&server), x509_connector(&p.ca, None)) {
         Err(_) => true,
         Ok(mut c) => {
-            let mut d = (NAME.len() as u32).to_be_bytes().to_vec();
-            d.extend_from_slice(NAME.as_bytes());
-            d.extend_from_slice(&0u16.to_be_bytes());
-            let mut v = IHAVEOPT.to_be_bytes().to_vec();
-            v.extend_from_slice(&OPT_GO.to_be_bytes());
-            v.extend_from_slice(&(d.len() as u32).to_be_bytes());
-            v.extend_from_slice(&d);
-            let _ = c.s.write_all(&v);
+            let _ = c.send_option(OPT_GO, &info_data(NAME, &[]));
             let mut b = [0u8; 1];
-            !matches!(c.s.read(&mut b), Ok(1))
+            !matches!(c.stream_mut().read(&mut b), Ok(1))
         }
     };
     assert!(refused, "a client without a certificate is refused");
@@ -718,33 +638,27 @@ fn forced_tls_refuses_options_before_starttls_and_starttls_rules_hold() {
         let data = if opt == OPT_LIST {
             Vec::new()
         } else {
-            let mut d = (NAME.len() as u32).to_be_bytes().to_vec();
-            d.extend_from_slice(NAME.as_bytes());
-            d.extend_from_slice(&0u16.to_be_bytes());
-            d
+            info_data(NAME, &[])
         };
-        c.option(opt, &data);
-        let (o, kind, _) = c.opt_reply();
+        let r = c.option(opt, &data);
+        let (o, kind) = (r[0].option, r[0].kind);
         assert_eq!((o, kind), (opt, REP_ERR_TLS_REQD));
     }
     // STARTTLS with data is invalid; then a proper one works; a second
     // one under TLS is invalid too.
-    c.option(OPT_STARTTLS, &[1]);
-    assert_eq!(c.opt_reply().1, REP_ERR_INVALID);
+    assert_eq!(c.option(OPT_STARTTLS, &[1])[0].kind, REP_ERR_INVALID);
     let mut t = starttls(c, x509_connector(&p.ca, None)).unwrap();
-    t.option(OPT_STARTTLS, &[]);
-    assert_eq!(t.opt_reply().1, REP_ERR_INVALID);
-    t.go();
+    assert_eq!(t.option(OPT_STARTTLS, &[])[0].kind, REP_ERR_INVALID);
+    go(&mut t);
     assert_eq!(t.read(0, 4096).unwrap().len(), 4096);
     drop(t);
     // EXPORT_NAME before TLS cannot be refused: the server closes.
     let mut c = connect(&server);
-    c.option(OPT_EXPORT_NAME, NAME.as_bytes());
-    assert!(closed_within(&mut c.s, Duration::from_secs(5)));
+    c.send_option(OPT_EXPORT_NAME, NAME.as_bytes()).unwrap();
+    assert!(closed_within(c.stream_mut(), Duration::from_secs(5)));
     // ABORT before TLS is answered.
     let mut c = connect(&server);
-    c.option(OPT_ABORT, &[]);
-    assert_eq!(c.opt_reply().1, REP_ACK);
+    assert_eq!(c.option(OPT_ABORT, &[])[0].kind, REP_ACK);
     finish(alloc, server);
 }
 
@@ -752,9 +666,8 @@ fn forced_tls_refuses_options_before_starttls_and_starttls_rules_hold() {
 fn starttls_without_tls_is_refused_by_policy_and_tls_on_serves_both() {
     let (alloc, server) = start(ServerOptions::default(), |_| {});
     let mut c = connect(&server);
-    c.option(OPT_STARTTLS, &[]);
-    assert_eq!(c.opt_reply().1, REP_ERR_POLICY);
-    c.go();
+    assert_eq!(c.option(OPT_STARTTLS, &[])[0].kind, REP_ERR_POLICY);
+    go(&mut c);
     assert_eq!(c.read(0, 512).unwrap().len(), 512);
     drop(c);
     finish(alloc, server);
@@ -766,10 +679,10 @@ fn starttls_without_tls_is_refused_by_policy_and_tls_on_serves_both() {
     };
     let (alloc, server) = start(opts, |_| {});
     let mut plain = connect(&server);
-    plain.go();
+    go(&mut plain);
     assert_eq!(plain.read(0, 512).unwrap().len(), 512);
     let mut t = starttls(connect(&server), x509_connector(&p.ca, None)).unwrap();
-    t.go();
+    go(&mut t);
     assert_eq!(t.read(0, 512).unwrap().len(), 512);
     drop((plain, t));
     finish(alloc, server);

@@ -13,6 +13,7 @@ use iopages_crypt::XtsCipher;
 use iopages_nbd::remote::{
     NbdRemote, RemoteAddress, RemoteOptions, RemoteSpec, DEFAULT_MAX_IN_FLIGHT,
 };
+use iopages_testkit::nbd_client::*;
 use iopages_testkit::{die_with_parent, need_tool, Reaped, TempDir};
 use std::io::ErrorKind;
 use std::path::PathBuf;
@@ -582,10 +583,45 @@ fn eight_callers_share_one_request_slot_and_read_back_their_writes() {
     }
 }
 
+/// One round of the in-flight store: up to `limit` WRITEs read with
+/// their payloads (the first waited for up to 10 s, each other one for
+/// 150 ms); their cookies.
+fn take_writes(s: &mut std::os::unix::net::UnixStream, limit: usize) -> Vec<u64> {
+    use std::io::ErrorKind as K;
+    let mut out = Vec::new();
+    while out.len() < limit {
+        // The first request of a round may take its time; the others are
+        // given 150 ms to arrive.
+        let wait = if out.is_empty() { 10_000 } else { 150 };
+        s.set_read_timeout(Some(Duration::from_millis(wait)))
+            .unwrap();
+        let req = match Store::new(&mut *s).read_request() {
+            Ok(req) => req,
+            Err(e) if matches!(e.kind(), K::WouldBlock | K::TimedOut) => break,
+            Err(e) => panic!("reading a request: {e}"),
+        };
+        assert_eq!(req.command, CMD_WRITE);
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        Store::new(&mut *s).read_raw(req.length as usize).unwrap();
+        out.push(req.cookie);
+    }
+    out
+}
+
+/// Nothing more may come for 150 ms while `out` requests are unanswered.
+fn assert_nothing_more(s: &mut std::os::unix::net::UnixStream, out: usize) {
+    use std::io::{ErrorKind as K, Read};
+    s.set_read_timeout(Some(Duration::from_millis(150)))
+        .unwrap();
+    let mut b = [0u8; 1];
+    match s.read(&mut b) {
+        Err(e) if matches!(e.kind(), K::WouldBlock | K::TimedOut) => {}
+        other => panic!("a request beyond {out} in flight: {other:?}"),
+    }
+}
+
 #[test]
 fn the_in_flight_limit_is_never_exceeded() {
-    use iopages_nbd::proto::*;
-    use std::io::{ErrorKind as K, Read, Write};
     const THREADS: usize = 6;
     const EACH: usize = 4;
     const LIMIT: usize = 2;
@@ -598,37 +634,11 @@ fn the_in_flight_limit_is_never_exceeded() {
         let mut answered = 0;
         let mut most = 0;
         while answered < THREADS * EACH {
-            let mut out = Vec::new();
-            while out.len() < LIMIT {
-                // The first request of a round may take its time; the
-                // others are given 150 ms to arrive.
-                let wait = if out.is_empty() { 10_000 } else { 150 };
-                s.set_read_timeout(Some(Duration::from_millis(wait)))
-                    .unwrap();
-                let mut r = [0u8; REQUEST_BYTES];
-                match s.read_exact(&mut r) {
-                    Ok(()) => {}
-                    Err(e) if matches!(e.kind(), K::WouldBlock | K::TimedOut) => break,
-                    Err(e) => panic!("reading a request: {e}"),
-                }
-                let req = Request::decode(&r).unwrap();
-                assert_eq!(req.command, CMD_WRITE);
-                let mut data = vec![0u8; req.length as usize];
-                s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-                s.read_exact(&mut data).unwrap();
-                out.push(req.cookie);
-            }
-            // Nothing more may come while these are unanswered.
-            s.set_read_timeout(Some(Duration::from_millis(150)))
-                .unwrap();
-            let mut b = [0u8; 1];
-            match s.read(&mut b) {
-                Err(e) if matches!(e.kind(), K::WouldBlock | K::TimedOut) => {}
-                other => panic!("a request beyond {} in flight: {other:?}", out.len()),
-            }
+            let out = take_writes(&mut s, LIMIT);
+            assert_nothing_more(&mut s, out.len());
             most = most.max(out.len());
-            for c in out.drain(..) {
-                s.write_all(&simple_reply(0, c)).unwrap();
+            for c in out {
+                Store::new(&mut s).simple_reply(0, c, &[]).unwrap();
                 answered += 1;
             }
         }
@@ -711,47 +721,20 @@ fn readers(
 
 /// The scripted server's last read: the client's disconnect request.
 fn expect_disc(s: &mut std::os::unix::net::UnixStream) {
-    use iopages_nbd::proto::*;
-    use std::io::Read;
-    let mut r = [0u8; REQUEST_BYTES];
-    s.read_exact(&mut r).unwrap();
-    assert_eq!(Request::decode(&r).unwrap().command, CMD_DISC);
+    Store::new(s).expect_disconnect();
 }
 
 /// The server's side of the handshake up to the client's first option:
 /// greeting (fixed newstyle, no zeroes), the client's flags, the first
 /// option's number and data.
 fn greet(s: &mut std::os::unix::net::UnixStream) -> (u32, Vec<u8>) {
-    use iopages_nbd::proto::*;
-    use std::io::Read;
-    let f = common::store_greeting(s);
-    assert_eq!(f, FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES);
-    let mut h = [0u8; 16];
-    s.read_exact(&mut h).unwrap();
-    assert_eq!(u64::from_be_bytes(h[0..8].try_into().unwrap()), IHAVEOPT);
-    let option = u32::from_be_bytes(h[8..12].try_into().unwrap());
-    let mut data = vec![0u8; u32::from_be_bytes(h[12..16].try_into().unwrap()) as usize];
-    s.read_exact(&mut data).unwrap();
-    (option, data)
+    Store::new(s).greet_and_read_option()
 }
 
 /// The server's side up to transmission: greet, take the client's
-/// NBD_OPT_GO and answer it (`go_ok` with `flags`).
+/// NBD_OPT_GO and answer it: a 1 MiB export with `flags`, then ACK.
 fn accept_go(s: &mut std::os::unix::net::UnixStream, flags: u16) {
-    let (option, _) = greet(s);
-    assert_eq!(option, iopages_nbd::proto::OPT_GO);
-    go_ok(s, flags);
-}
-
-/// Answer NBD_OPT_GO: a 1 MiB export with `flags`, then ACK.
-fn go_ok(s: &mut std::os::unix::net::UnixStream, flags: u16) {
-    use iopages_nbd::proto::*;
-    use std::io::Write;
-    let mut info = INFO_EXPORT.to_be_bytes().to_vec();
-    info.extend_from_slice(&(1u64 << 20).to_be_bytes());
-    info.extend_from_slice(&(TFLAG_HAS_FLAGS | flags).to_be_bytes());
-    s.write_all(&option_reply(OPT_GO, REP_INFO, &info)).unwrap();
-    s.write_all(&option_reply(OPT_GO, REP_ACK, &[])).unwrap();
+    Store::new(s).accept_go(STORE_EXPORT_BYTES, flags);
 }
 
 #[test]
@@ -776,7 +759,6 @@ fn a_silent_server_times_out_the_handshake() {
 
 #[test]
 fn go_refused_as_unsupported_falls_back_to_export_name() {
-    use iopages_nbd::proto::*;
     use std::io::{Read, Write};
     let (_dir, spec, server) = fake_server(|mut s| {
         let (option, data) = greet(&mut s);
@@ -784,29 +766,23 @@ fn go_refused_as_unsupported_falls_back_to_export_name() {
         // The export name, then one information request: block sizes.
         assert_eq!(&data[4..5], b"x");
         assert_eq!(&data[5..], &[0, 1, 0, 3]);
-        s.write_all(&option_reply(OPT_GO, REP_ERR_UNSUP, b"no GO here"))
+        s.write_all(&option_reply_bytes(OPT_GO, REP_ERR_UNSUP, b"no GO here"))
             .unwrap();
-        let mut h = [0u8; 16];
-        s.read_exact(&mut h).unwrap();
-        assert_eq!(
-            u32::from_be_bytes(h[8..12].try_into().unwrap()),
-            OPT_EXPORT_NAME
-        );
-        let mut name = [0u8; 1];
-        s.read_exact(&mut name).unwrap();
-        assert_eq!(&name, b"x");
+        let (option, name) = Store::new(&mut s).read_option().unwrap();
+        assert_eq!(option, OPT_EXPORT_NAME);
+        assert_eq!(name, b"x");
         let mut reply = (2u64 << 20).to_be_bytes().to_vec();
         reply.extend_from_slice(&(TFLAG_HAS_FLAGS | TFLAG_READ_ONLY).to_be_bytes());
         s.write_all(&reply).unwrap();
         // One read, answered with data; then the disconnect.
         let mut r = [0u8; REQUEST_BYTES];
         s.read_exact(&mut r).unwrap();
-        let req = Request::decode(&r).unwrap();
+        let req = Request::parse(&r).unwrap();
         assert_eq!((req.command, req.offset, req.length), (CMD_READ, 4096, 512));
-        s.write_all(&simple_reply(0, req.cookie)).unwrap();
+        s.write_all(&simple_reply_bytes(0, req.cookie)).unwrap();
         s.write_all(&[0xa5; 512]).unwrap();
         s.read_exact(&mut r).unwrap();
-        assert_eq!(Request::decode(&r).unwrap().command, CMD_DISC);
+        assert_eq!(Request::parse(&r).unwrap().command, CMD_DISC);
     });
     let remote = NbdRemote::connect(&spec, &RemoteOptions::default()).unwrap();
     assert_eq!(remote.size_bytes(), 2 << 20);
@@ -822,18 +798,17 @@ fn go_refused_as_unsupported_falls_back_to_export_name() {
 
 #[test]
 fn a_reply_with_a_bad_magic_gives_the_connection_up() {
-    use iopages_nbd::proto::*;
     use std::io::{Read, Write};
     for structured in [false, true] {
         let (_dir, spec, server) = fake_server(move |mut s| {
             accept_go(&mut s, TFLAG_SEND_FLUSH);
             let mut r = [0u8; REQUEST_BYTES];
             s.read_exact(&mut r).unwrap();
-            let req = Request::decode(&r).unwrap();
+            let req = Request::parse(&r).unwrap();
             let bad = if structured {
-                structured_reply(REPLY_FLAG_DONE, REPLY_TYPE_NONE, req.cookie, 0).to_vec()
+                structured_reply_bytes(REPLY_FLAG_DONE, REPLY_TYPE_NONE, req.cookie, 0).to_vec()
             } else {
-                let mut b = simple_reply(0, req.cookie);
+                let mut b = simple_reply_bytes(0, req.cookie);
                 b[0] ^= 0xff;
                 b.to_vec()
             };
@@ -950,17 +925,9 @@ fn refused(spec: &RemoteSpec) -> std::io::Error {
     e
 }
 
-#[test]
-fn nbds_with_x509_over_unix_and_tcp_writes_and_reads_back() {
-    let dir = TempDir::new("remote-x509");
-    let p = pki(&dir);
-    let certs = format!("--tls-certificates={}", p.server.display());
-    let Some(k) = Nbdkit::start(
-        "remote nbds x509",
-        &["--tls=require", &certs, "memory", "16M"],
-    ) else {
-        return;
-    };
+/// nbds+unix:// to nbdkit `k` (X.509, client certificates `p`): served
+/// with tls-hostname; without it refused, unless verification is off.
+fn nbds_over_unix(k: &Nbdkit, p: &iopages_bench::nbd::Pki) {
     let uri = format!(
         "nbds+unix:///?socket={}&tls-certificates={}&tls-hostname=localhost",
         k.sock.display(),
@@ -1002,18 +969,17 @@ fn nbds_with_x509_over_unix_and_tcp_writes_and_reads_back() {
     .unwrap();
     remote.write_at(0, &[&[7u8; 4096]]).unwrap();
     drop(remote);
+}
 
+/// nbds:// over TCP to an nbdkit with the server certificates `certs`
+/// that checks client certificates too: the name in the URI is checked
+/// against the certificate's; skipped without nbdkit outside CI.
+fn nbds_over_tcp(certs: &str, p: &iopages_bench::nbd::Pki) {
     // TCP, the server checking client certificates too: the name in the
     // URI is checked against the certificate's.
     let Some((_child, port)) = nbdkit_tcp(
         "remote nbds x509 tcp",
-        &[
-            "--tls=require",
-            &certs,
-            "--tls-verify-peer",
-            "memory",
-            "16M",
-        ],
+        &["--tls=require", certs, "--tls-verify-peer", "memory", "16M"],
     ) else {
         return;
     };
@@ -1040,6 +1006,21 @@ fn nbds_with_x509_over_unix_and_tcp_writes_and_reads_back() {
     );
     let e = refused(&RemoteSpec::parse(&uri).unwrap());
     assert!(e.to_string().contains("TLS"), "{e}");
+}
+
+#[test]
+fn nbds_with_x509_over_unix_and_tcp_writes_and_reads_back() {
+    let dir = TempDir::new("remote-x509");
+    let p = pki(&dir);
+    let certs = format!("--tls-certificates={}", p.server.display());
+    let Some(k) = Nbdkit::start(
+        "remote nbds x509",
+        &["--tls=require", &certs, "memory", "16M"],
+    ) else {
+        return;
+    };
+    nbds_over_unix(&k, &p);
+    nbds_over_tcp(&certs, &p);
 }
 
 #[test]
@@ -1159,16 +1140,18 @@ fn nbds_to_a_server_without_tls_is_refused_and_never_continues_in_plaintext() {
         "{e}"
     );
     // On the wire: STARTTLS first; after the refusal, ABORT, never GO.
-    use iopages_nbd::proto::*;
     let (dir, _, server) = fake_server(|mut s| {
         let (option, _) = greet(&mut s);
         assert_eq!(option, OPT_STARTTLS);
-        use std::io::{Read, Write};
-        s.write_all(&option_reply(OPT_STARTTLS, REP_ERR_UNSUP, b"no TLS here"))
-            .unwrap();
-        let mut h = [0u8; 16];
-        s.read_exact(&mut h).unwrap();
-        assert_eq!(u32::from_be_bytes(h[8..12].try_into().unwrap()), OPT_ABORT);
+        use std::io::Write;
+        s.write_all(&option_reply_bytes(
+            OPT_STARTTLS,
+            REP_ERR_UNSUP,
+            b"no TLS here",
+        ))
+        .unwrap();
+        let (option, _) = Store::new(&mut s).read_option().unwrap();
+        assert_eq!(option, OPT_ABORT);
     });
     let uri = format!(
         "nbds+unix:///x?socket={}&tls-verify-peer=false",
@@ -1343,13 +1326,12 @@ fn without_fua_on_the_remote_a_fua_write_is_a_write_then_a_flush() {
 
 #[test]
 fn a_server_that_acks_starttls_and_then_stalls_or_misbehaves_is_given_up() {
-    use iopages_nbd::proto::*;
     use std::io::{Read, Write};
     // ACK, then silence instead of the TLS handshake: the connect timeout.
     let (dir, _, server) = fake_server(|mut s| {
         let (option, _) = greet(&mut s);
         assert_eq!(option, OPT_STARTTLS);
-        s.write_all(&option_reply(OPT_STARTTLS, REP_ACK, &[]))
+        s.write_all(&option_reply_bytes(OPT_STARTTLS, REP_ACK, &[]))
             .unwrap();
         // Read the ClientHello and whatever follows, never answering,
         // until the client gives up and closes (not until this read's own
@@ -1392,7 +1374,7 @@ fn a_server_that_acks_starttls_and_then_stalls_or_misbehaves_is_given_up() {
         let (dir, _, server) = fake_server(move |mut s| {
             let (option, _) = greet(&mut s);
             assert_eq!(option, OPT_STARTTLS);
-            let mut r = option_reply(OPT_STARTTLS, reply, &[]);
+            let mut r = option_reply_bytes(OPT_STARTTLS, reply, &[]);
             r[16..20].copy_from_slice(&len.to_be_bytes());
             s.write_all(&r).unwrap();
             let _ = s.write_all(&[0u8; 3]);
@@ -1420,17 +1402,10 @@ fn pattern(offset: u64, len: usize) -> Vec<u8> {
 }
 
 /// Read `n` requests of a scripted connection (none may be a write).
-fn take_requests(
-    s: &mut std::os::unix::net::UnixStream,
-    n: usize,
-) -> Vec<iopages_nbd::proto::Request> {
-    use iopages_nbd::proto::*;
-    use std::io::Read;
+fn take_requests(s: &mut std::os::unix::net::UnixStream, n: usize) -> Vec<Request> {
     (0..n)
         .map(|_| {
-            let mut r = [0u8; REQUEST_BYTES];
-            s.read_exact(&mut r).unwrap();
-            let req = Request::decode(&r).unwrap();
+            let req = Store::new(&mut *s).read_request().unwrap();
             assert_eq!(req.command, CMD_READ);
             req
         })
@@ -1439,7 +1414,6 @@ fn take_requests(
 
 #[test]
 fn many_reads_answered_out_of_order_each_reach_their_own_buffers() {
-    use iopages_nbd::proto::*;
     use iopages_nbd::remote::RECV_BUFFER_BYTES;
     use std::io::Write;
     // 48 readers at once: small reads (many replies in one `read` of the
@@ -1459,7 +1433,7 @@ fn many_reads_answered_out_of_order_each_reach_their_own_buffers() {
         for batch in reqs.chunks(5) {
             let mut out = Vec::new();
             for r in batch {
-                out.extend_from_slice(&simple_reply(0, r.cookie));
+                out.extend_from_slice(&simple_reply_bytes(0, r.cookie));
                 out.extend_from_slice(&pattern(r.offset, r.length as usize));
             }
             s.write_all(&out).unwrap();
@@ -1501,7 +1475,6 @@ fn many_reads_answered_out_of_order_each_reach_their_own_buffers() {
 
 #[test]
 fn a_connection_that_dies_inside_a_reply_fails_every_read_in_flight() {
-    use iopages_nbd::proto::*;
     use std::io::Write;
     const N: usize = 12;
     // The server answers one read with its header and half its data, then
@@ -1511,7 +1484,7 @@ fn a_connection_that_dies_inside_a_reply_fails_every_read_in_flight() {
         accept_go(&mut s, 0);
         let reqs = take_requests(&mut s, N);
         let r = &reqs[N / 2];
-        s.write_all(&simple_reply(0, r.cookie)).unwrap();
+        s.write_all(&simple_reply_bytes(0, r.cookie)).unwrap();
         s.write_all(&pattern(r.offset, r.length as usize / 2))
             .unwrap();
         drop(s);
@@ -1533,7 +1506,6 @@ fn a_connection_that_dies_inside_a_reply_fails_every_read_in_flight() {
 
 #[test]
 fn a_reply_whose_data_stalls_times_out_its_read_and_the_others() {
-    use iopages_nbd::proto::*;
     use std::io::Write;
     const N: usize = 6;
     // Header and a few bytes of one read's data, then silence with the
@@ -1544,7 +1516,7 @@ fn a_reply_whose_data_stalls_times_out_its_read_and_the_others() {
         accept_go(&mut s, 0);
         let reqs = take_requests(&mut s, N);
         let r = &reqs[0];
-        s.write_all(&simple_reply(0, r.cookie)).unwrap();
+        s.write_all(&simple_reply_bytes(0, r.cookie)).unwrap();
         s.write_all(&pattern(r.offset, 100)).unwrap();
         let mut rest = Vec::new();
         let _ = std::io::Read::read_to_end(&mut s, &mut rest);

@@ -12,8 +12,8 @@
 mod common;
 
 use iopages_crypt::backend::Backend;
-use iopages_nbd::proto::*;
 use iopages_nbd::remote::{NbdRemote, RemoteOptions, RemoteSpec};
+use iopages_testkit::nbd_client::*;
 use iopages_testkit::{need_tool, Reaped, TempDir};
 use openssl::ssl::{SslAcceptor, SslFiletype, SslMethod, SslVersion};
 use std::io::{ErrorKind, Read, Write};
@@ -112,32 +112,25 @@ fn acceptor(auth: &StoreAuth, version: SslVersion) -> SslAcceptor {
 /// The store's side of the handshake up to the client's first option
 /// (greeting: fixed newstyle, no zeroes; the client's flags): the option.
 fn greet(s: &mut UnixStream) -> u32 {
-    let mut g = NBD_MAGIC.to_be_bytes().to_vec();
-    g.extend_from_slice(&IHAVEOPT.to_be_bytes());
-    g.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
-    s.write_all(&g).unwrap();
-    let mut f = [0u8; 4];
-    s.read_exact(&mut f).unwrap();
+    Store::new(&mut *s).greet().expect("the client's flags");
     read_option(s).expect("the client's first option")
 }
 
 /// The client's next option's number (its data read and dropped).
-fn read_option(s: &mut impl Read) -> std::io::Result<u32> {
-    let mut h = [0u8; 16];
-    s.read_exact(&mut h)?;
-    assert_eq!(u64::from_be_bytes(h[0..8].try_into().unwrap()), IHAVEOPT);
-    let mut data = vec![0u8; u32::from_be_bytes(h[12..16].try_into().unwrap()) as usize];
-    s.read_exact(&mut data)?;
-    Ok(u32::from_be_bytes(h[8..12].try_into().unwrap()))
+///
+/// **Panics:** for an option without the options' magic.
+fn read_option(s: &mut (impl Read + Write)) -> std::io::Result<u32> {
+    match Store::new(s).read_option() {
+        Err(e) if e.kind() == ErrorKind::InvalidData => panic!("{e}"),
+        r => r.map(|(option, _)| option),
+    }
 }
 
 /// Answer NBD_OPT_GO: a 1 MiB export, then ACK.
-fn go_ok(s: &mut impl Write) {
-    let mut info = INFO_EXPORT.to_be_bytes().to_vec();
-    info.extend_from_slice(&(1u64 << 20).to_be_bytes());
-    info.extend_from_slice(&(TFLAG_HAS_FLAGS | TFLAG_SEND_FLUSH).to_be_bytes());
-    s.write_all(&option_reply(OPT_GO, REP_INFO, &info)).unwrap();
-    s.write_all(&option_reply(OPT_GO, REP_ACK, &[])).unwrap();
+fn go_ok(s: &mut (impl Read + Write)) {
+    Store::new(s)
+        .answer_go(STORE_EXPORT_BYTES, TFLAG_SEND_FLUSH)
+        .unwrap();
 }
 
 /// A fake store on a Unix socket, for one connection: it greets,
@@ -151,7 +144,8 @@ fn fake_store(acceptor: SslAcceptor) -> (TempDir, PathBuf, JoinHandle<Saw>) {
         let (mut s, _) = listener.accept().unwrap();
         s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
         assert_eq!(greet(&mut s), OPT_STARTTLS, "STARTTLS first");
-        s.write_all(&option_reply(OPT_STARTTLS, REP_ACK, &[]))
+        Store::new(&mut s)
+            .reply_option(OPT_STARTTLS, REP_ACK, &[])
             .unwrap();
         let mut tls = match acceptor.accept(s) {
             Ok(tls) => tls,
@@ -168,9 +162,9 @@ fn fake_store(acceptor: SslAcceptor) -> (TempDir, PathBuf, JoinHandle<Saw>) {
         };
         if option == OPT_GO {
             go_ok(&mut tls);
-            let mut r = [0u8; REQUEST_BYTES];
-            if tls.read_exact(&mut r).is_ok() {
-                assert_eq!(Request::decode(&r).unwrap().command, CMD_DISC);
+            match Store::new(&mut tls).read_request() {
+                Ok(r) => assert_eq!(r.command, CMD_DISC),
+                Err(e) => assert_ne!(e.kind(), ErrorKind::InvalidData, "{e}"),
             }
         }
         Saw::Option {

@@ -11,10 +11,10 @@
 mod common;
 use iopages::PageAllocator;
 use iopages_crypt::backend::Backend;
-use iopages_nbd::proto::*;
 use iopages_nbd::remote::{NbdRemote, RemoteOptions, RemoteSpec};
+use iopages_testkit::nbd_client::{self, *};
 use iopages_testkit::TempDir;
-use std::io::{ErrorKind, Read, Write};
+use std::io::{ErrorKind, Read};
 use std::os::unix::net::UnixStream;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
@@ -61,17 +61,7 @@ fn fake_store(script: impl FnOnce(UnixStream) + Send + 'static) -> (TempDir, Rem
 /// zeroes), the client's flags, its NBD_OPT_GO answered with a
 /// [`SIZE`]-byte export offering flush.
 fn accept_go(s: &mut UnixStream) {
-    common::store_greeting(s);
-    let mut h = [0u8; 16];
-    s.read_exact(&mut h).unwrap();
-    assert_eq!(u32::from_be_bytes(h[8..12].try_into().unwrap()), OPT_GO);
-    let mut data = vec![0u8; u32::from_be_bytes(h[12..16].try_into().unwrap()) as usize];
-    s.read_exact(&mut data).unwrap();
-    let mut info = INFO_EXPORT.to_be_bytes().to_vec();
-    info.extend_from_slice(&SIZE.to_be_bytes());
-    info.extend_from_slice(&(TFLAG_HAS_FLAGS | TFLAG_SEND_FLUSH).to_be_bytes());
-    s.write_all(&option_reply(OPT_GO, REP_INFO, &info)).unwrap();
-    s.write_all(&option_reply(OPT_GO, REP_ACK, &[])).unwrap();
+    nbd_client::Store::new(s).accept_go(SIZE, TFLAG_SEND_FLUSH);
 }
 
 /// Stores that misbehave after the handshake.
@@ -215,16 +205,14 @@ fn a_request_waiting_for_a_slot_is_answered_or_fails_by_its_deadline() {
     // first, would be answered after 6 s; its deadline ends it at 2 s.
     let (_dir, spec) = fake_store(|mut s| {
         accept_go(&mut s);
-        let mut r = [0u8; REQUEST_BYTES];
-        while s.read_exact(&mut r).is_ok() {
-            let req = Request::decode(&r).unwrap();
+        let mut s = nbd_client::Store::new(s);
+        while let Ok(req) = s.read_request() {
             if req.command == CMD_DISC {
                 return;
             }
             std::thread::sleep(Duration::from_millis(1500));
-            let mut reply = simple_reply(0, req.cookie).to_vec();
-            reply.resize(reply.len() + req.length as usize, 0);
-            if s.write_all(&reply).is_err() {
+            let data = vec![0u8; req.length as usize];
+            if s.simple_reply(0, req.cookie, &data).is_err() {
                 return;
             }
         }
@@ -269,14 +257,7 @@ fn a_trickling_store_fails_a_large_write_by_its_deadline_though_each_send_progre
 /// A `Server` exporting "vol" on 127.0.0.1: XTS over `store`'s remote
 /// (4096-byte sectors, the remote's only handle); a client connected and
 /// past NBD_OPT_GO.
-fn server_over(
-    store: Store,
-) -> (
-    TempDir,
-    PageAllocator,
-    iopages_nbd::Server,
-    std::net::TcpStream,
-) {
+fn server_over(store: Store) -> (TempDir, PageAllocator, iopages_nbd::Server, Client) {
     let (dir, spec) = store.start();
     let remote: Arc<dyn Backend> = Arc::new(
         NbdRemote::connect(
@@ -291,8 +272,8 @@ fn server_over(
     );
     let (alloc, server) = common::iopages_server(remote, None);
     let mut c = common::connect(&server);
-    let replies = common::option_replies(&mut c, OPT_GO, &common::info_data("vol", &[]));
-    assert_eq!(replies.last().unwrap().0, REP_ACK);
+    let replies = c.option(OPT_GO, &info_data("vol", &[]));
+    assert_eq!(replies.last().unwrap().kind, REP_ACK);
     (dir, alloc, server, c)
 }
 
@@ -307,7 +288,7 @@ fn server_stops_within_the_deadline(store: Store) {
         offset: 0,
         length: BIG as u32,
     };
-    common::send_request(&mut c, req, &vec![5u8; BIG]);
+    c.send_request(req, &vec![5u8; BIG]).unwrap();
     std::thread::sleep(Duration::from_millis(300));
     let t = Instant::now();
     within(T + Duration::from_secs(3), "the server's stop", move || {

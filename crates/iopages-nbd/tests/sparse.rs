@@ -7,16 +7,12 @@
 use iopages::PageAllocator;
 use iopages_crypt::backend::{Backend, PageStore, RamDisk};
 use iopages_crypt::target::TargetConfig;
-use iopages_nbd::proto::*;
 use iopages_nbd::{ExportConfig, Listen, Server};
-use std::io::Read;
-use std::net::TcpStream;
+use iopages_testkit::nbd_client::*;
 use std::sync::Arc;
 
 mod common;
-use common::{
-    connect, info_data, option_replies, queue_over, read_chunk, read_simple_reply, send_request,
-};
+use common::{connect, queue_over};
 
 const DISK: u64 = 4 << 20;
 const NAME: &str = "vol";
@@ -64,179 +60,92 @@ fn finish(alloc: PageAllocator, server: Server) {
 
 /// The data of NBD_OPT_LIST/SET_META_CONTEXT.
 fn meta(name: &str, queries: &[&str]) -> Vec<u8> {
-    let mut d = (name.len() as u32).to_be_bytes().to_vec();
-    d.extend_from_slice(name.as_bytes());
-    d.extend_from_slice(&(queries.len() as u32).to_be_bytes());
-    for q in queries {
-        d.extend_from_slice(&(q.len() as u32).to_be_bytes());
-        d.extend_from_slice(q.as_bytes());
-    }
-    d
+    meta_data(name, queries)
 }
 
-struct Client {
-    s: TcpStream,
-    cookie: u64,
+/// NBD_OPT_GO; the transmission flags.
+fn go(c: &mut Client) -> u16 {
+    c.go(NAME, &[]).expect("GO").flags
 }
 
-impl Client {
-    fn connect(server: &Server) -> Client {
-        Client {
-            s: connect(server),
-            cookie: 100,
+/// A command without reply data, on a structured connection: 0 for a
+/// simple success, else the error chunk's errno.
+fn command(c: &mut Client, command: u16, flags: u16, offset: u64, length: u32) -> u32 {
+    let payload = if command == CMD_WRITE {
+        vec![0u8; length as usize]
+    } else {
+        Vec::new()
+    };
+    let cookie = c.send(command, flags, offset, length, &payload).unwrap();
+    c.reply_error(cookie)
+}
+
+fn write(c: &mut Client, offset: u64, data: &[u8]) {
+    let cookie = c
+        .send(CMD_WRITE, 0, offset, data.len() as u32, data)
+        .unwrap();
+    assert_eq!(c.reply_error(cookie), 0);
+}
+
+/// A read: its bytes, and whether they came as one OFFSET_HOLE chunk.
+fn read_chunked(c: &mut Client, offset: u64, len: u32) -> (Vec<u8>, bool) {
+    let cookie = c.send(CMD_READ, 0, offset, len, &[]).unwrap();
+    let ch = c.read_chunk().unwrap();
+    assert_eq!((ch.cookie, ch.flags), (cookie, REPLY_FLAG_DONE));
+    assert_eq!(ch.offset(), offset);
+    match ch.kind {
+        REPLY_TYPE_OFFSET_DATA => (ch.payload[8..].to_vec(), false),
+        REPLY_TYPE_OFFSET_HOLE => {
+            assert_eq!(ch.payload.len(), 12);
+            assert_eq!(be32(&ch.payload[8..12]), len);
+            (vec![0; len as usize], true)
         }
+        k => panic!("a read answered with chunk type {k}"),
     }
+}
 
-    /// Send an option; every reply up to and including the final one, as
-    /// (reply type, data).
-    fn option(&mut self, option: u32, data: &[u8]) -> Vec<(u32, Vec<u8>)> {
-        option_replies(&mut self.s, option, data)
-    }
+fn read(c: &mut Client, offset: u64, len: u32) -> Vec<u8> {
+    read_chunked(c, offset, len).0
+}
 
-    fn structured(&mut self) {
-        assert_eq!(self.option(OPT_STRUCTURED_REPLY, &[])[0].0, REP_ACK);
+/// NBD_CMD_BLOCK_STATUS: Ok(descriptors as (length, flags)) from the
+/// one BLOCK_STATUS chunk of context `ctx`, or Err(errno).
+fn block_status(
+    c: &mut Client,
+    ctx: u32,
+    flags: u16,
+    offset: u64,
+    len: u32,
+) -> Result<Vec<(u32, u32)>, u32> {
+    let cookie = c.send(CMD_BLOCK_STATUS, flags, offset, len, &[]).unwrap();
+    let ch = c.read_chunk().unwrap();
+    assert_eq!((ch.cookie, ch.flags), (cookie, REPLY_FLAG_DONE));
+    if ch.kind == REPLY_TYPE_ERROR {
+        return Err(be32(&ch.payload[0..4]));
     }
+    assert_eq!(ch.kind, REPLY_TYPE_BLOCK_STATUS);
+    assert!(ch.payload.len() >= 12 && (ch.payload.len() - 4).is_multiple_of(8));
+    assert_eq!(be32(&ch.payload[0..4]), ctx);
+    let d: Vec<(u32, u32)> = ch.payload[4..]
+        .chunks_exact(8)
+        .map(|c| (be32(&c[0..4]), be32(&c[4..8])))
+        .collect();
+    // proto.md: every length non-zero; all but the last inside the
+    // request.
+    assert!(d.iter().all(|&(l, _)| l > 0));
+    let before_last: u64 = d[..d.len() - 1].iter().map(|&(l, _)| l as u64).sum();
+    assert!(before_last < len as u64);
+    Ok(d)
+}
 
-    /// NBD_OPT_GO; the transmission flags.
-    fn go(&mut self) -> u16 {
-        let mut flags = 0;
-        for (kind, d) in self.option(OPT_GO, &info_data(NAME, &[])) {
-            if kind == REP_INFO && u16::from_be_bytes([d[0], d[1]]) == INFO_EXPORT {
-                flags = u16::from_be_bytes([d[10], d[11]]);
-            }
-            assert!(kind == REP_INFO || kind == REP_ACK, "GO: {kind:#x}");
-        }
-        flags
-    }
-
-    fn send(&mut self, command: u16, flags: u16, offset: u64, length: u32, payload: &[u8]) -> u64 {
-        self.cookie += 1;
-        let request = Request {
-            flags,
-            command,
-            cookie: self.cookie,
-            offset,
-            length,
-        };
-        send_request(&mut self.s, request, payload);
-        self.cookie
-    }
-
-    /// A command without reply data, on a structured connection: 0 for a
-    /// simple success, else the error chunk's errno.
-    fn command(&mut self, command: u16, flags: u16, offset: u64, length: u32) -> u32 {
-        let payload = if command == CMD_WRITE {
-            vec![0u8; length as usize]
-        } else {
-            Vec::new()
-        };
-        let cookie = self.send(command, flags, offset, length, &payload);
-        self.reply_error(cookie)
-    }
-
-    /// The reply to a command without data: a simple success or an error
-    /// chunk (this client always negotiates structured replies).
-    fn reply_error(&mut self, cookie: u64) -> u32 {
-        let mut magic = [0u8; 4];
-        self.s.read_exact(&mut magic).unwrap();
-        let magic = u32::from_be_bytes(magic);
-        if magic == SIMPLE_REPLY_MAGIC {
-            let mut rest = [0u8; SIMPLE_REPLY_BYTES - 4];
-            self.s.read_exact(&mut rest).unwrap();
-            assert_eq!(u64::from_be_bytes(rest[4..12].try_into().unwrap()), cookie);
-            return u32::from_be_bytes(rest[0..4].try_into().unwrap());
-        }
-        assert_eq!(magic, STRUCTURED_REPLY_MAGIC);
-        let mut rest = [0u8; STRUCTURED_REPLY_BYTES - 4];
-        self.s.read_exact(&mut rest).unwrap();
-        let kind = u16::from_be_bytes([rest[2], rest[3]]);
-        assert_eq!(u64::from_be_bytes(rest[4..12].try_into().unwrap()), cookie);
-        let len = u32::from_be_bytes(rest[12..16].try_into().unwrap()) as usize;
-        let mut payload = vec![0u8; len];
-        self.s.read_exact(&mut payload).unwrap();
-        assert_eq!(kind, REPLY_TYPE_ERROR, "an error chunk");
-        u32::from_be_bytes(payload[0..4].try_into().unwrap())
-    }
-
-    fn write(&mut self, offset: u64, data: &[u8]) {
-        let cookie = self.send(CMD_WRITE, 0, offset, data.len() as u32, data);
-        assert_eq!(self.reply_error(cookie), 0);
-    }
-
-    /// A read: its bytes, and whether they came as one OFFSET_HOLE chunk.
-    fn read_chunked(&mut self, offset: u64, len: u32) -> (Vec<u8>, bool) {
-        let cookie = self.send(CMD_READ, 0, offset, len, &[]);
-        let ch = read_chunk(&mut self.s);
-        assert_eq!((ch.cookie, ch.flags), (cookie, REPLY_FLAG_DONE));
-        assert_eq!(
-            u64::from_be_bytes(ch.payload[0..8].try_into().unwrap()),
-            offset
-        );
-        match ch.kind {
-            REPLY_TYPE_OFFSET_DATA => (ch.payload[8..].to_vec(), false),
-            REPLY_TYPE_OFFSET_HOLE => {
-                assert_eq!(ch.payload.len(), 12);
-                assert_eq!(
-                    u32::from_be_bytes(ch.payload[8..12].try_into().unwrap()),
-                    len
-                );
-                (vec![0; len as usize], true)
-            }
-            k => panic!("a read answered with chunk type {k}"),
-        }
-    }
-
-    fn read(&mut self, offset: u64, len: u32) -> Vec<u8> {
-        self.read_chunked(offset, len).0
-    }
-
-    /// NBD_CMD_BLOCK_STATUS: Ok(descriptors as (length, flags)) from the
-    /// one BLOCK_STATUS chunk of context `ctx`, or Err(errno).
-    fn block_status(
-        &mut self,
-        ctx: u32,
-        flags: u16,
-        offset: u64,
-        len: u32,
-    ) -> Result<Vec<(u32, u32)>, u32> {
-        let cookie = self.send(CMD_BLOCK_STATUS, flags, offset, len, &[]);
-        let ch = read_chunk(&mut self.s);
-        assert_eq!((ch.cookie, ch.flags), (cookie, REPLY_FLAG_DONE));
-        if ch.kind == REPLY_TYPE_ERROR {
-            return Err(u32::from_be_bytes(ch.payload[0..4].try_into().unwrap()));
-        }
-        assert_eq!(ch.kind, REPLY_TYPE_BLOCK_STATUS);
-        assert!(ch.payload.len() >= 12 && (ch.payload.len() - 4).is_multiple_of(8));
-        assert_eq!(
-            u32::from_be_bytes(ch.payload[0..4].try_into().unwrap()),
-            ctx
-        );
-        let d: Vec<(u32, u32)> = ch.payload[4..]
-            .chunks_exact(8)
-            .map(|c| {
-                (
-                    u32::from_be_bytes(c[0..4].try_into().unwrap()),
-                    u32::from_be_bytes(c[4..8].try_into().unwrap()),
-                )
-            })
-            .collect();
-        // proto.md: every length non-zero; all but the last inside the
-        // request.
-        assert!(d.iter().all(|&(l, _)| l > 0));
-        let before_last: u64 = d[..d.len() - 1].iter().map(|&(l, _)| l as u64).sum();
-        assert!(before_last < len as u64);
-        Ok(d)
-    }
-
-    /// Select `base:allocation`; its context id.
-    fn select_allocation(&mut self) -> u32 {
-        let r = self.option(OPT_SET_META_CONTEXT, &meta(NAME, &["base:allocation"]));
-        assert_eq!(r.len(), 2, "one context, then ACK");
-        assert_eq!(r[0].0, REP_META_CONTEXT);
-        assert_eq!(&r[0].1[4..], b"base:allocation");
-        assert_eq!(r[1].0, REP_ACK);
-        u32::from_be_bytes(r[0].1[0..4].try_into().unwrap())
-    }
+/// Select `base:allocation`; its context id.
+fn select_allocation(c: &mut Client) -> u32 {
+    let r = c.option(OPT_SET_META_CONTEXT, &meta(NAME, &["base:allocation"]));
+    assert_eq!(r.len(), 2, "one context, then ACK");
+    assert_eq!(r[0].kind, REP_META_CONTEXT);
+    assert_eq!(&r[0].data[4..], b"base:allocation");
+    assert_eq!(r[1].kind, REP_ACK);
+    be32(&r[0].data[0..4])
 }
 
 const HOLE: u32 = STATE_HOLE | STATE_ZERO;
@@ -256,51 +165,54 @@ fn ranges(offset: u64, d: &[(u32, u32)]) -> Vec<(u64, u64, u32)> {
 #[test]
 fn metadata_contexts_are_negotiated_as_proto_md_says() {
     let (alloc, server) = start(true, 4096);
-    let mut c = Client::connect(&server);
+    let mut c = connect(&server);
     // Before structured replies: invalid, for LIST and SET.
     let r = c.option(OPT_LIST_META_CONTEXT, &meta(NAME, &[]));
-    assert_eq!(r[0].0, REP_ERR_INVALID);
+    assert_eq!(r[0].kind, REP_ERR_INVALID);
     let r = c.option(OPT_SET_META_CONTEXT, &meta(NAME, &["base:allocation"]));
-    assert_eq!(r[0].0, REP_ERR_INVALID);
-    c.structured();
+    assert_eq!(r[0].kind, REP_ERR_INVALID);
+    c.structured_replies();
     // LIST: no query and the `base:` wildcard list base:allocation (id 0);
     // another namespace lists nothing.
     for q in [&[][..], &["base:"][..], &["base:allocation"][..]] {
         let r = c.option(OPT_LIST_META_CONTEXT, &meta(NAME, q));
         assert_eq!(r.len(), 2, "{q:?}");
-        assert_eq!(r[0].0, REP_META_CONTEXT);
-        assert_eq!(r[0].1, [&[0u8; 4][..], b"base:allocation"].concat());
-        assert_eq!(r[1].0, REP_ACK);
+        assert_eq!(r[0].kind, REP_META_CONTEXT);
+        assert_eq!(r[0].data, [&[0u8; 4][..], b"base:allocation"].concat());
+        assert_eq!(r[1].kind, REP_ACK);
     }
     let r = c.option(OPT_LIST_META_CONTEXT, &meta(NAME, &["qemu:dirty-bitmap:x"]));
     assert_eq!(r.len(), 1);
-    assert_eq!(r[0].0, REP_ACK);
+    assert_eq!(r[0].kind, REP_ACK);
     // Malformed, another export: errors. The wildcard and unknown names
     // select nothing.
     let mut bad = meta(NAME, &["base:allocation"]);
     bad.pop();
-    assert_eq!(c.option(OPT_SET_META_CONTEXT, &bad)[0].0, REP_ERR_INVALID);
+    assert_eq!(
+        c.option(OPT_SET_META_CONTEXT, &bad)[0].kind,
+        REP_ERR_INVALID
+    );
     let r = c.option(OPT_SET_META_CONTEXT, &meta("other", &["base:allocation"]));
-    assert_eq!(r[0].0, REP_ERR_UNKNOWN);
+    assert_eq!(r[0].kind, REP_ERR_UNKNOWN);
     let r = c.option(OPT_SET_META_CONTEXT, &meta(NAME, &["base:", "x-y:z"]));
     assert_eq!(r.len(), 1);
-    assert_eq!(r[0].0, REP_ACK);
+    assert_eq!(r[0].kind, REP_ACK);
     // Selected, then replaced by a SET that selects nothing: block status
     // is refused.
-    c.select_allocation();
+    select_allocation(&mut c);
     let r = c.option(OPT_SET_META_CONTEXT, &meta(NAME, &[]));
     assert_eq!(r.len(), 1);
-    c.go();
-    let cookie = c.send(CMD_BLOCK_STATUS, 0, 0, 4096, &[]);
+    go(&mut c);
+    let cookie = c.send(CMD_BLOCK_STATUS, 0, 0, 4096, &[]).unwrap();
     assert_eq!(c.reply_error(cookie), EINVAL);
     drop(c);
     // Selected for the session: served.
-    let mut c = Client::connect(&server);
-    c.structured();
-    let ctx = c.select_allocation();
-    c.go();
+    let mut c = connect(&server);
+    c.structured_replies();
+    let ctx = select_allocation(&mut c);
+    go(&mut c);
     assert_eq!(
-        c.block_status(ctx, 0, 0, DISK as u32).unwrap(),
+        block_status(&mut c, ctx, 0, 0, DISK as u32).unwrap(),
         vec![(DISK as u32, HOLE)]
     );
     drop(c);
@@ -310,15 +222,15 @@ fn metadata_contexts_are_negotiated_as_proto_md_says() {
 #[test]
 fn block_status_reports_holes_rounded_to_sectors_and_stays_in_bounds() {
     let (alloc, server) = start(true, 4096);
-    let mut c = Client::connect(&server);
-    c.structured();
-    let ctx = c.select_allocation();
-    let flags = c.go();
+    let mut c = connect(&server);
+    c.structured_replies();
+    let ctx = select_allocation(&mut c);
+    let flags = go(&mut c);
     assert_ne!(flags & TFLAG_SEND_FAST_ZERO, 0, "fast zero offered");
     // Data at 64 KiB..72 KiB and at the volume's last sector.
-    c.write(64 << 10, &[0xab; 8192]);
-    c.write(DISK - 4096, &[0xcd; 4096]);
-    let d = c.block_status(ctx, 0, 0, DISK as u32).unwrap();
+    write(&mut c, 64 << 10, &[0xab; 8192]);
+    write(&mut c, DISK - 4096, &[0xcd; 4096]);
+    let d = block_status(&mut c, ctx, 0, 0, DISK as u32).unwrap();
     assert_eq!(
         ranges(0, &d),
         vec![
@@ -329,121 +241,139 @@ fn block_status_reports_holes_rounded_to_sectors_and_stays_in_bounds() {
         ]
     );
     // A request starting inside a hole, and one inside data.
-    let d = c.block_status(ctx, 0, 60 << 10, 8192).unwrap();
+    let d = block_status(&mut c, ctx, 0, 60 << 10, 8192).unwrap();
     assert_eq!(ranges(60 << 10, &d)[0], (60 << 10, 64 << 10, HOLE));
     assert_eq!(d.iter().map(|&(l, _)| l as u64).sum::<u64>(), 8192);
     // REQ_ONE: exactly one descriptor, no longer than asked.
-    let d = c.block_status(ctx, CMD_FLAG_REQ_ONE, 0, 1 << 20).unwrap();
+    let d = block_status(&mut c, ctx, CMD_FLAG_REQ_ONE, 0, 1 << 20).unwrap();
     assert_eq!(d, vec![(64 << 10, HOLE)]);
-    let d = c
-        .block_status(ctx, CMD_FLAG_REQ_ONE, 64 << 10, 4096)
-        .unwrap();
+    let d = block_status(&mut c, ctx, CMD_FLAG_REQ_ONE, 64 << 10, 4096).unwrap();
     assert_eq!(d, vec![(4096, 0)]);
     // Past the end, misaligned, empty, unknown flags: EINVAL, and the
     // connection stays in step.
-    assert_eq!(c.block_status(ctx, 0, DISK - 4096, 8192), Err(EINVAL));
-    assert_eq!(c.block_status(ctx, 0, 512, 4096), Err(EINVAL));
-    assert_eq!(c.block_status(ctx, 0, 0, 0), Err(EINVAL));
-    assert_eq!(c.block_status(ctx, CMD_FLAG_NO_HOLE, 0, 4096), Err(EINVAL));
+    assert_eq!(block_status(&mut c, ctx, 0, DISK - 4096, 8192), Err(EINVAL));
+    assert_eq!(block_status(&mut c, ctx, 0, 512, 4096), Err(EINVAL));
+    assert_eq!(block_status(&mut c, ctx, 0, 0, 0), Err(EINVAL));
+    assert_eq!(
+        block_status(&mut c, ctx, CMD_FLAG_NO_HOLE, 0, 4096),
+        Err(EINVAL)
+    );
     // A read of data is one OFFSET_DATA chunk; a read wholly in a hole
     // one OFFSET_HOLE chunk (no data on the wire); a read across both
     // OFFSET_DATA with the zeros in it.
-    assert_eq!(c.read_chunked(64 << 10, 8192), (vec![0xab; 8192], false));
     assert_eq!(
-        c.read_chunked(0, 4096),
+        read_chunked(&mut c, 64 << 10, 8192),
+        (vec![0xab; 8192], false)
+    );
+    assert_eq!(
+        read_chunked(&mut c, 0, 4096),
         (vec![0; 4096], true),
         "a hole reads as zeros"
     );
-    let (across, hole) = c.read_chunked(60 << 10, 8192);
+    let (across, hole) = read_chunked(&mut c, 60 << 10, 8192);
     assert!(!hole);
     assert_eq!(across, [vec![0u8; 4096], vec![0xab; 4096]].concat());
     drop(c);
     finish(alloc, server);
 }
 
+/// A misaligned TRIM over `data` at 0 of a volume with `sector`-byte
+/// sectors: only the whole 4096-byte blocks inside become holes; the
+/// partial sectors around keep their data.
+fn misaligned_trim_punches_whole_pages(c: &mut Client, ctx: u32, data: &[u8], sector: usize) {
+    // A misaligned TRIM: only the whole 4096-byte blocks inside go
+    // (the page store frees whole pages; partial ones read zeros in
+    // the whole sectors inside).
+    assert_eq!(command(c, CMD_TRIM, 0, 8192 + 100, 3 * 4096), 0);
+    let back = read(c, 0, 256 << 10);
+    let (lo, hi) = (
+        (8192 + 100u64).next_multiple_of(sector as u64) as usize,
+        ((8192 + 100 + 3 * 4096) / sector as u64 * sector as u64) as usize,
+    );
+    assert_eq!(back[..lo], data[..lo], "before the trim ({sector})");
+    assert!(back[lo..hi].iter().all(|&b| b == 0), "trimmed ({sector})");
+    assert_eq!(back[hi..], data[hi..], "after the trim ({sector})");
+    let d = block_status(c, ctx, 0, 0, 256 << 10).unwrap();
+    let holes: Vec<_> = ranges(0, &d)
+        .into_iter()
+        .filter(|r| r.2 == HOLE)
+        .map(|r| (r.0, r.1))
+        .collect();
+    assert!(
+        holes.contains(&(12288, 20480)),
+        "the whole pages inside the trim are holes: {holes:?}"
+    );
+}
+
+/// WRITE_ZEROES with and without NO_HOLE and FAST_ZERO over `data` at 0:
+/// which ranges read as zeros and which are holes.
+fn write_zeroes_punches_unless_no_hole(c: &mut Client, ctx: u32, data: &[u8]) {
+    // WRITE_ZEROES without NO_HOLE punches; with NO_HOLE it writes
+    // encrypted zeros (allocated); FAST_ZERO with NO_HOLE cannot be
+    // fast: ENOTSUP, nothing changed.
+    assert_eq!(command(c, CMD_WRITE_ZEROES, 0, 64 << 10, 16 << 10), 0);
+    assert_eq!(
+        command(c, CMD_WRITE_ZEROES, CMD_FLAG_NO_HOLE, 128 << 10, 16 << 10),
+        0
+    );
+    assert_eq!(
+        command(
+            c,
+            CMD_WRITE_ZEROES,
+            CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO,
+            192 << 10,
+            16 << 10
+        ),
+        ENOTSUP
+    );
+    assert_eq!(
+        command(
+            c,
+            CMD_WRITE_ZEROES,
+            CMD_FLAG_FAST_ZERO | CMD_FLAG_FUA,
+            224 << 10,
+            8192
+        ),
+        0
+    );
+    let back = read(c, 0, 256 << 10);
+    for (off, len, zero) in [
+        (64usize << 10, 16usize << 10, true),
+        (128 << 10, 16 << 10, true),
+        (192 << 10, 16 << 10, false),
+        (224 << 10, 8192, true),
+    ] {
+        let r = &back[off..off + len];
+        if zero {
+            assert!(r.iter().all(|&b| b == 0), "zeroed at {off}");
+        } else {
+            assert_eq!(r, &data[off..off + len], "untouched at {off}");
+        }
+        assert_eq!(back[off - 1], data[off - 1], "byte before {off}");
+        assert_eq!(back[off + len], data[off + len], "byte after {off}");
+    }
+    let status =
+        |c: &mut Client, off: u64| block_status(c, ctx, CMD_FLAG_REQ_ONE, off, 4096).unwrap()[0].1;
+    assert_eq!(status(c, 64 << 10), HOLE);
+    assert_eq!(status(c, 128 << 10), 0, "NO_HOLE stays allocated");
+    assert_eq!(status(c, 192 << 10), 0);
+    assert_eq!(status(c, 224 << 10), HOLE);
+}
+
 #[test]
 fn trim_and_write_zeroes_punch_whole_sectors_and_leave_neighbours_alone() {
     for sector in [512usize, 4096] {
         let (alloc, server) = start(true, sector);
-        let mut c = Client::connect(&server);
-        c.structured();
-        let ctx = c.select_allocation();
-        c.go();
+        let mut c = connect(&server);
+        c.structured_replies();
+        let ctx = select_allocation(&mut c);
+        go(&mut c);
         let data: Vec<u8> = (0..256 << 10)
             .map(|i: u32| (i * 13 % 251) as u8 + 1)
             .collect();
-        c.write(0, &data);
-        // A misaligned TRIM: only the whole 4096-byte blocks inside go
-        // (the page store frees whole pages; partial ones read zeros in
-        // the whole sectors inside).
-        assert_eq!(c.command(CMD_TRIM, 0, 8192 + 100, 3 * 4096), 0);
-        let back = c.read(0, 256 << 10);
-        let (lo, hi) = (
-            (8192 + 100u64).next_multiple_of(sector as u64) as usize,
-            ((8192 + 100 + 3 * 4096) / sector as u64 * sector as u64) as usize,
-        );
-        assert_eq!(back[..lo], data[..lo], "before the trim ({sector})");
-        assert!(back[lo..hi].iter().all(|&b| b == 0), "trimmed ({sector})");
-        assert_eq!(back[hi..], data[hi..], "after the trim ({sector})");
-        let d = c.block_status(ctx, 0, 0, 256 << 10).unwrap();
-        let holes: Vec<_> = ranges(0, &d)
-            .into_iter()
-            .filter(|r| r.2 == HOLE)
-            .map(|r| (r.0, r.1))
-            .collect();
-        assert!(
-            holes.contains(&(12288, 20480)),
-            "the whole pages inside the trim are holes: {holes:?}"
-        );
-        // WRITE_ZEROES without NO_HOLE punches; with NO_HOLE it writes
-        // encrypted zeros (allocated); FAST_ZERO with NO_HOLE cannot be
-        // fast: ENOTSUP, nothing changed.
-        assert_eq!(c.command(CMD_WRITE_ZEROES, 0, 64 << 10, 16 << 10), 0);
-        assert_eq!(
-            c.command(CMD_WRITE_ZEROES, CMD_FLAG_NO_HOLE, 128 << 10, 16 << 10),
-            0
-        );
-        assert_eq!(
-            c.command(
-                CMD_WRITE_ZEROES,
-                CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO,
-                192 << 10,
-                16 << 10
-            ),
-            ENOTSUP
-        );
-        assert_eq!(
-            c.command(
-                CMD_WRITE_ZEROES,
-                CMD_FLAG_FAST_ZERO | CMD_FLAG_FUA,
-                224 << 10,
-                8192
-            ),
-            0
-        );
-        let back = c.read(0, 256 << 10);
-        for (off, len, zero) in [
-            (64usize << 10, 16usize << 10, true),
-            (128 << 10, 16 << 10, true),
-            (192 << 10, 16 << 10, false),
-            (224 << 10, 8192, true),
-        ] {
-            let r = &back[off..off + len];
-            if zero {
-                assert!(r.iter().all(|&b| b == 0), "zeroed at {off}");
-            } else {
-                assert_eq!(r, &data[off..off + len], "untouched at {off}");
-            }
-            assert_eq!(back[off - 1], data[off - 1], "byte before {off}");
-            assert_eq!(back[off + len], data[off + len], "byte after {off}");
-        }
-        let status = |c: &mut Client, off: u64| {
-            c.block_status(ctx, CMD_FLAG_REQ_ONE, off, 4096).unwrap()[0].1
-        };
-        assert_eq!(status(&mut c, 64 << 10), HOLE);
-        assert_eq!(status(&mut c, 128 << 10), 0, "NO_HOLE stays allocated");
-        assert_eq!(status(&mut c, 192 << 10), 0);
-        assert_eq!(status(&mut c, 224 << 10), HOLE);
+        write(&mut c, 0, &data);
+        misaligned_trim_punches_whole_pages(&mut c, ctx, &data, sector);
+        write_zeroes_punches_unless_no_hole(&mut c, ctx, &data);
         drop(c);
         let stats = server.stats();
         assert_eq!(stats.trim.requests, 1);
@@ -465,30 +395,30 @@ fn trim_and_write_zeroes_punch_whole_sectors_and_leave_neighbours_alone() {
 #[test]
 fn without_discards_nothing_is_punched_and_everything_reports_allocated() {
     let (alloc, server) = start(false, 4096);
-    let mut c = Client::connect(&server);
-    c.structured();
-    let ctx = c.select_allocation();
-    let flags = c.go();
+    let mut c = connect(&server);
+    c.structured_replies();
+    let ctx = select_allocation(&mut c);
+    let flags = go(&mut c);
     assert_eq!(flags & TFLAG_SEND_FAST_ZERO, 0, "no fast zero offered");
     let data = vec![0x5au8; 64 << 10];
-    c.write(0, &data);
+    write(&mut c, 0, &data);
     // TRIM is a no-op: the data stays.
-    assert_eq!(c.command(CMD_TRIM, 0, 0, 64 << 10), 0);
-    assert_eq!(c.read(0, 64 << 10), data);
+    assert_eq!(command(&mut c, CMD_TRIM, 0, 0, 64 << 10), 0);
+    assert_eq!(read(&mut c, 0, 64 << 10), data);
     // FAST_ZERO was not advertised: EINVAL; plain WRITE_ZEROES writes
     // encrypted zeros.
     assert_eq!(
-        c.command(CMD_WRITE_ZEROES, CMD_FLAG_FAST_ZERO, 0, 4096),
+        command(&mut c, CMD_WRITE_ZEROES, CMD_FLAG_FAST_ZERO, 0, 4096),
         EINVAL
     );
-    assert_eq!(c.read(0, 4096), data[..4096]);
-    assert_eq!(c.command(CMD_WRITE_ZEROES, 0, 0, 4096), 0);
-    assert_eq!(c.read(0, 4096), vec![0; 4096]);
+    assert_eq!(read(&mut c, 0, 4096), data[..4096]);
+    assert_eq!(command(&mut c, CMD_WRITE_ZEROES, 0, 0, 4096), 0);
+    assert_eq!(read(&mut c, 0, 4096), vec![0; 4096]);
     // One allocated extent for any request (a never-written block of the
     // RAM disk decrypts to noise, not zeros).
-    let d = c.block_status(ctx, 0, 0, DISK as u32).unwrap();
+    let d = block_status(&mut c, ctx, 0, 0, DISK as u32).unwrap();
     assert_eq!(d, vec![(DISK as u32, 0)]);
-    let unwritten = c.read(1 << 20, 4096);
+    let unwritten = read(&mut c, 1 << 20, 4096);
     assert!(
         unwritten.iter().any(|&b| b != 0),
         "zero ciphertext decrypts to noise"
@@ -500,10 +430,10 @@ fn without_discards_nothing_is_punched_and_everything_reports_allocated() {
 #[test]
 fn a_simple_reply_client_gets_einval_for_block_status() {
     let (alloc, server) = start(true, 4096);
-    let mut c = Client::connect(&server);
-    c.go();
-    let cookie = c.send(CMD_BLOCK_STATUS, 0, 0, 4096, &[]);
-    let (e, got) = read_simple_reply(&mut c.s);
+    let mut c = connect(&server);
+    go(&mut c);
+    let cookie = c.send(CMD_BLOCK_STATUS, 0, 0, 4096, &[]).unwrap();
+    let (e, got) = c.read_simple_reply().unwrap();
     assert_eq!((e, got), (EINVAL, cookie));
     drop(c);
     finish(alloc, server);

@@ -10,19 +10,21 @@
 //! the replies; [`zero_flood`], a connection keeping huge WRITE_ZEROES in
 //! flight. [`NbdClient`] is the minimal plaintext fixed-newstyle client
 //! they and the polite [`read_latencies`] use: NBD_OPT_GO, then simple
-//! requests and simple replies (no structured replies, no TLS).
+//! requests and simple replies (no structured replies, no TLS), over the
+//! tests' one raw client ([`crate::nbd_client::Client`]).
 //!
 //! Owns: the sockets it opens and the threads that watch them, stopped
 //! and joined on drop. Must never: measure anything beyond what a caller
 //! asks for (the latencies of its own reads), or leave a thread running
 //! behind a dropped handle.
 
-use std::collections::HashMap;
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 use std::net::{Ipv4Addr, Shutdown, SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+
+use crate::nbd_client;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -35,20 +37,6 @@ pub const GREEDY_READ_BYTES: u32 = 32 << 20;
 /// The largest WRITE_ZEROES a request can name (4 GiB less a page: the
 /// length is a u32).
 pub const MAX_ZEROES_BYTES: u32 = 0xFFFF_F000;
-
-const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
-const IHAVEOPT: u64 = 0x4948_4156_454f_5054;
-const REPLY_MAGIC_OPT: u64 = 0x0003_e889_0455_65a9;
-const REQUEST_MAGIC: u32 = 0x2560_9513;
-const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
-const OPT_GO: u32 = 7;
-const REP_ACK: u32 = 1;
-const REP_INFO: u32 = 3;
-const REP_ERR_UNKNOWN: u32 = (1 << 31) + 6;
-const REP_ERR_POLICY: u32 = (1 << 31) + 2;
-const REP_ERR_TLS_REQD: u32 = (1 << 31) + 5;
-const FLAG_FIXED_NEWSTYLE: u16 = 1;
-const FLAG_NO_ZEROES: u16 = 2;
 
 fn sockaddr_in(ip: Ipv4Addr, port: u16) -> libc::sockaddr_in {
     libc::sockaddr_in {
@@ -262,57 +250,20 @@ pub enum Cmd {
     WriteZeroes = 6,
 }
 
-/// A simple reply: its cookie, its NBD error (0: success; the values are
-/// Linux errno numbers) and, for a successful READ, the data.
-#[derive(Debug)]
-pub struct Reply {
-    /// The request's cookie.
-    pub cookie: u64,
-    /// 0, or an errno (EIO 5, ENOMEM 12, EINVAL 22, ENOSPC 28, …).
-    pub error: u32,
-    /// The data of a successful READ; empty otherwise.
-    pub data: Vec<u8>,
-}
+pub use crate::nbd_client::Reply;
 
 /// A minimal plaintext fixed-newstyle NBD client: NBD_OPT_GO for one
-/// export, then requests with simple replies.
+/// export, then requests with simple replies — the shared
+/// [`nbd_client::Client`] with the export's size and flags beside it.
 ///
-/// Owns: its TCP stream and the lengths of its READs still unanswered
-/// (to know how much data a reply carries). Must never: negotiate
-/// structured replies, TLS or meta contexts.
+/// Owns: the client (its TCP stream and its READs still unanswered).
+/// Must never: negotiate structured replies, TLS or meta contexts.
 pub struct NbdClient {
-    stream: TcpStream,
+    inner: nbd_client::Client<TcpStream>,
     /// The export's size in bytes (NBD_INFO_EXPORT).
     pub size: u64,
     /// The export's transmission flags.
     pub flags: u16,
-    next_cookie: u64,
-    reads: HashMap<u64, u32>,
-}
-
-fn be_u16(b: &[u8]) -> u16 {
-    u16::from_be_bytes([b[0], b[1]])
-}
-fn be_u32(b: &[u8]) -> u32 {
-    u32::from_be_bytes(b[..4].try_into().unwrap())
-}
-fn be_u64(b: &[u8]) -> u64 {
-    u64::from_be_bytes(b[..8].try_into().unwrap())
-}
-
-/// An NBD_OPT_GO error reply as an io::Error: NotFound for
-/// NBD_REP_ERR_UNKNOWN, PermissionDenied for ERR_POLICY and ERR_TLS_REQD.
-fn option_error(export: &str, ty: u32, msg: &[u8]) -> io::Error {
-    let kind = match ty {
-        REP_ERR_UNKNOWN => io::ErrorKind::NotFound,
-        REP_ERR_POLICY | REP_ERR_TLS_REQD => io::ErrorKind::PermissionDenied,
-        _ => io::ErrorKind::Other,
-    };
-    let msg = String::from_utf8_lossy(msg);
-    io::Error::new(
-        kind,
-        format!("NBD_OPT_GO {export:?} refused (reply {ty:#x}): {msg}"),
-    )
 }
 
 impl NbdClient {
@@ -329,63 +280,25 @@ impl NbdClient {
     /// [`IO_TIMEOUT`] (the caller may change it through [`Self::stream`]).
     ///
     /// **Returns:** the client in transmission; Err for a bad greeting, a
-    /// refused export (see [`option_error`]'s kinds) or a closed stream.
-    pub fn handshake(mut stream: TcpStream, export: &str) -> io::Result<NbdClient> {
+    /// refused export (NotFound for NBD_REP_ERR_UNKNOWN, PermissionDenied
+    /// for ERR_POLICY and ERR_TLS_REQD) or a closed stream.
+    pub fn handshake(stream: TcpStream, export: &str) -> io::Result<NbdClient> {
         stream.set_read_timeout(Some(IO_TIMEOUT))?;
-        let mut g = [0u8; 18];
-        stream.read_exact(&mut g)?;
-        if be_u64(&g) != NBDMAGIC || be_u64(&g[8..]) != IHAVEOPT {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                "not a newstyle NBD server",
-            ));
-        }
-        let hflags = be_u16(&g[16..]);
-        let cflags = u32::from(hflags & (FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES));
-        let mut o = cflags.to_be_bytes().to_vec();
-        o.extend_from_slice(&IHAVEOPT.to_be_bytes());
-        o.extend_from_slice(&OPT_GO.to_be_bytes());
-        o.extend_from_slice(&(export.len() as u32 + 6).to_be_bytes());
-        o.extend_from_slice(&(export.len() as u32).to_be_bytes());
-        o.extend_from_slice(export.as_bytes());
-        o.extend_from_slice(&0u16.to_be_bytes());
-        stream.write_all(&o)?;
-        let (mut size, mut flags) = (None, 0);
-        loop {
-            let mut h = [0u8; 20];
-            stream.read_exact(&mut h)?;
-            let (ty, len) = (be_u32(&h[12..]), be_u32(&h[16..]));
-            if be_u64(&h) != REPLY_MAGIC_OPT || be_u32(&h[8..]) != OPT_GO || len > 1 << 20 {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    "bad option reply",
-                ));
-            }
-            let mut d = vec![0u8; len as usize];
-            stream.read_exact(&mut d)?;
-            match ty {
-                REP_INFO if d.len() >= 12 && be_u16(&d) == 0 => {
-                    (size, flags) = (Some(be_u64(&d[2..])), be_u16(&d[10..]));
-                }
-                REP_INFO => {}
-                REP_ACK => break,
-                _ => return Err(option_error(export, ty, &d)),
-            }
-        }
-        let size = size.ok_or_else(|| io::Error::other("NBD_OPT_GO gave no export size"))?;
+        let mut inner = nbd_client::Client::greet(stream)?;
+        let fixed = nbd_client::FLAG_FIXED_NEWSTYLE | nbd_client::FLAG_NO_ZEROES;
+        inner.send_client_flags(u32::from(inner.handshake_flags() & fixed))?;
+        let e = inner.go(export, &[])?;
         Ok(NbdClient {
-            stream,
-            size,
-            flags,
-            next_cookie: 1,
-            reads: HashMap::new(),
+            inner,
+            size: e.size,
+            flags: e.flags,
         })
     }
 
     /// The TCP stream (for timeouts, or a shutdown from another thread
     /// through `try_clone`).
     pub fn stream(&self) -> &TcpStream {
-        &self.stream
+        self.inner.stream()
     }
 
     /// Send one request: `cmd` at `offset` for `length` bytes, `payload`
@@ -393,21 +306,7 @@ impl NbdClient {
     ///
     /// **Returns:** its cookie (this client's count of requests).
     pub fn send(&mut self, cmd: Cmd, offset: u64, length: u32, payload: &[u8]) -> io::Result<u64> {
-        let cookie = self.next_cookie;
-        self.next_cookie += 1;
-        let mut r = Vec::with_capacity(28 + payload.len());
-        r.extend_from_slice(&REQUEST_MAGIC.to_be_bytes());
-        r.extend_from_slice(&0u16.to_be_bytes());
-        r.extend_from_slice(&(cmd as u16).to_be_bytes());
-        r.extend_from_slice(&cookie.to_be_bytes());
-        r.extend_from_slice(&offset.to_be_bytes());
-        r.extend_from_slice(&length.to_be_bytes());
-        r.extend_from_slice(payload);
-        self.stream.write_all(&r)?;
-        if cmd == Cmd::Read {
-            self.reads.insert(cookie, length);
-        }
-        Ok(cookie)
+        self.inner.send(cmd as u16, 0, offset, length, payload)
     }
 
     /// The next simple reply, with its data when it answers a READ
@@ -415,26 +314,7 @@ impl NbdClient {
     ///
     /// **Context:** blocks (the stream's read timeout applies).
     pub fn reply(&mut self) -> io::Result<Reply> {
-        let mut h = [0u8; 16];
-        self.stream.read_exact(&mut h)?;
-        if be_u32(&h) != SIMPLE_REPLY_MAGIC {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                "not a simple reply",
-            ));
-        }
-        let (error, cookie) = (be_u32(&h[4..]), be_u64(&h[8..]));
-        let len = self.reads.remove(&cookie).unwrap_or(0);
-        let mut data = Vec::new();
-        if error == 0 && len > 0 {
-            data.resize(len as usize, 0);
-            self.stream.read_exact(&mut data)?;
-        }
-        Ok(Reply {
-            cookie,
-            error,
-            data,
-        })
+        self.inner.reply()
     }
 
     /// One READ of `length` bytes at `offset`, waited for (nothing else
@@ -511,8 +391,8 @@ pub fn zero_flood(
     export: &str,
 ) -> io::Result<Flood> {
     let mut cl = NbdClient::connect(local_ip, server, export)?;
-    cl.stream.set_read_timeout(None)?;
-    let stream = cl.stream.try_clone()?;
+    cl.stream().set_read_timeout(None)?;
+    let stream = cl.stream().try_clone()?;
     let len = MAX_ZEROES_BYTES.min((cl.size & !4095).min(u64::from(u32::MAX)) as u32);
     let stop = Arc::new(AtomicBool::new(false));
     let replies = Arc::new(AtomicU64::new(0));
@@ -579,7 +459,7 @@ impl Drop for Flood {
 /// away) or breaks the stream.
 pub fn read_latencies(client: &mut NbdClient, n: usize) -> io::Result<Vec<Duration>> {
     let pages = (client.size / 4096).max(1);
-    let mut x: u64 = 0x9e37_79b9_7f4a_7c15 ^ client.stream.as_raw_fd() as u64;
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15 ^ client.stream().as_raw_fd() as u64;
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
         x ^= x << 13;
@@ -633,31 +513,15 @@ mod tests {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
         std::thread::spawn(move || {
-            let (mut s, _) = l.accept().unwrap();
-            s.write_all(&NBDMAGIC.to_be_bytes()).unwrap();
-            s.write_all(&IHAVEOPT.to_be_bytes()).unwrap();
-            s.write_all(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes())
-                .unwrap();
-            let mut h = [0u8; 20];
-            s.read_exact(&mut h).unwrap();
-            assert_eq!((be_u64(&h[4..]), be_u32(&h[12..])), (IHAVEOPT, OPT_GO));
-            s.read_exact(&mut vec![0u8; be_u32(&h[16..]) as usize])
-                .unwrap();
+            let mut s = nbd_client::Store::new(l.accept().unwrap().0);
+            let (option, _) = s.greet_and_read_option();
+            assert_eq!(option, nbd_client::OPT_GO);
             for (ty, d) in replies {
-                let mut r = REPLY_MAGIC_OPT.to_be_bytes().to_vec();
-                r.extend_from_slice(&OPT_GO.to_be_bytes());
-                r.extend_from_slice(&ty.to_be_bytes());
-                r.extend_from_slice(&(d.len() as u32).to_be_bytes());
-                r.extend_from_slice(&d);
-                s.write_all(&r).unwrap();
+                s.reply_option(nbd_client::OPT_GO, ty, &d).unwrap();
             }
-            let mut q = [0u8; 28];
-            if s.read_exact(&mut q).is_ok() {
-                let mut r = SIMPLE_REPLY_MAGIC.to_be_bytes().to_vec();
-                r.extend_from_slice(&0u32.to_be_bytes());
-                r.extend_from_slice(&q[8..16]);
-                r.extend(vec![0xa5; be_u32(&q[24..]) as usize]);
-                s.write_all(&r).unwrap();
+            if let Ok(q) = s.read_request() {
+                let data = vec![0xa5; q.length as usize];
+                s.simple_reply(0, q.cookie, &data).unwrap();
             }
         });
         addr
@@ -665,10 +529,11 @@ mod tests {
 
     #[test]
     fn go_gives_the_export_size_and_a_read_gets_its_data() {
-        let mut info = 0u16.to_be_bytes().to_vec();
-        info.extend_from_slice(&(64u64 << 20).to_be_bytes());
-        info.extend_from_slice(&1u16.to_be_bytes());
-        let addr = scripted(vec![(REP_INFO, info), (REP_ACK, vec![])]);
+        let info = nbd_client::info_export_data(64 << 20, 1);
+        let addr = scripted(vec![
+            (nbd_client::REP_INFO, info),
+            (nbd_client::REP_ACK, vec![]),
+        ]);
         let mut c = NbdClient::connect(Ipv4Addr::new(127, 0, 0, 4), addr, "x").unwrap();
         assert_eq!((c.size, c.flags), (64 << 20, 1));
         assert_eq!(c.read_at(4096, 4096).unwrap(), vec![0xa5; 4096]);
@@ -676,7 +541,10 @@ mod tests {
 
     #[test]
     fn an_unknown_export_is_not_found() {
-        let addr = scripted(vec![(REP_ERR_UNKNOWN, b"no export named x".to_vec())]);
+        let addr = scripted(vec![(
+            nbd_client::REP_ERR_UNKNOWN,
+            b"no export named x".to_vec(),
+        )]);
         let e = NbdClient::connect(Ipv4Addr::new(127, 0, 0, 5), addr, "x")
             .err()
             .unwrap();

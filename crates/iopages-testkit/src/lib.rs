@@ -13,12 +13,19 @@
 //! Modules: `tools` (`find_tool`, `need_tool`, `ci`), `process`
 //! (`Reaped`, `run_tool`, `wait_for_socket`, `stop`, `lines_of`) and
 //! `dir` (`TempDir`).
+//!
+//! NBD peers: `nbd_client` is the tests' one raw NBD client (and the
+//! scripted server side of their fake stores), an implementation of the
+//! wire format independent of iopages-nbd, so that tests check the server
+//! and the remote client against it; `hostile` starts the hostile peers
+//! and the polite client of the many-tenant tests over it.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 pub mod dir;
 pub mod hostile;
+pub mod nbd_client;
 pub mod process;
 pub mod tools;
 
