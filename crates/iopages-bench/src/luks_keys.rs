@@ -24,7 +24,7 @@ use crate::measure::median;
 use crate::nbd::{os, work_dirs};
 use crate::nbd_remote::start;
 use crate::{progress, round2, BenchError, BenchOptions};
-use iopages_testkit::{find_tool, run_tool, Ran};
+use iopages_tools::{find_tool, run_tool, Ran};
 use serde::Serialize;
 use serde_json::Value;
 use std::ffi::OsString;

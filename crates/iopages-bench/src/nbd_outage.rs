@@ -19,7 +19,7 @@ use crate::harness::{Report, Table};
 use crate::nbd::{command_line, os, work_dirs};
 use crate::nbd_remote::{start, Proc};
 use crate::{progress, round2, BenchError, BenchOptions};
-use iopages_testkit::{find_tool, run_tool, tail_lines};
+use iopages_tools::{find_tool, run_tool, tail_lines};
 use serde::Serialize;
 use serde_json::Value;
 use std::path::{Path, PathBuf};

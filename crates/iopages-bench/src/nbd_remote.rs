@@ -24,7 +24,7 @@ use crate::nbd::{
     work_dirs, Load, LoadTarget, Plan, Sample,
 };
 use crate::{met, progress, round2, BenchError, BenchOptions};
-use iopages_testkit::{die_with_parent, find_tool, run_tool, stop, tail_lines, wait_for_socket};
+use iopages_tools::{die_with_parent, find_tool, run_tool, stop, tail_lines, wait_for_socket};
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::ffi::OsString;

@@ -31,8 +31,8 @@ use crate::nbd::{
     Load, Plan, Tools, LUKS_HEADER_BYTES, MIB, OUR_EXPORT, START_TIMEOUT,
 };
 use crate::{met, progress, round2, BenchError, BenchOptions};
-use iopages_testkit::hostile::{self, Flood, NbdClient, Silent};
-use iopages_testkit::{find_tool, run_tool, signal, stop, tail_lines};
+use iopages_tools::hostile::{self, Flood, NbdClient, Silent};
+use iopages_tools::{find_tool, run_tool, signal, stop, tail_lines};
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::ffi::OsString;

@@ -241,7 +241,7 @@ pub fn run_peer(
     .map(Into::into)
     .collect();
     let dir = std::env::current_dir().map_err(|e| format!("no working directory: {e}"))?;
-    let out = iopages_testkit::run_tool(bin, &args, &dir, PEER_TIMEOUT, &[])?;
+    let out = iopages_tools::run_tool(bin, &args, &dir, PEER_TIMEOUT, &[])?;
     if !out.status.success() {
         let first = out
             .stderr

@@ -28,7 +28,7 @@ use crate::nbd::{
 };
 use crate::plot::{BarPanel, Bars};
 use crate::{met, progress, round2, BenchError, BenchOptions};
-use iopages_testkit::{find_tool, run_tool, tail_lines};
+use iopages_tools::{find_tool, run_tool, tail_lines};
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;

@@ -871,8 +871,8 @@ fn a_reply_with_a_bad_magic_gives_the_connection_up() {
 /// (`bench nbd --tls` serves with them): the server's directory
 /// (server-cert.pem for localhost and 127.0.0.1), a client's, a client
 /// without a certificate, and an unrelated CA's.
-fn pki(dir: &TempDir) -> iopages_bench::nbd::Pki {
-    iopages_bench::nbd::write_pki(&dir.join("pki")).unwrap()
+fn pki(dir: &TempDir) -> iopages_tools::Pki {
+    iopages_tools::write_pki(&dir.join("pki")).unwrap()
 }
 
 /// nbdkit listening on 127.0.0.1 (a port found free first); `None`
@@ -1094,7 +1094,7 @@ fn a_server_certificate_from_another_ca_or_for_another_name_is_refused() {
 fn nbds_with_a_psk_writes_and_reads_back_and_a_wrong_key_is_refused() {
     let dir = TempDir::new("remote-psk");
     let keys = dir.join("keys.psk");
-    iopages_bench::nbd::write_psk(&keys, "alice").unwrap();
+    iopages_tools::write_psk(&keys, "alice").unwrap();
     let psk = format!("--tls-psk={}", keys.display());
     let Some(k) = Nbdkit::start("remote nbds psk", &["--tls=require", &psk, "memory", "64M"])
     else {
@@ -1132,7 +1132,7 @@ fn nbds_with_a_psk_writes_and_reads_back_and_a_wrong_key_is_refused() {
     );
     // The right identity with another key: the handshake fails.
     let other = dir.join("other.psk");
-    iopages_bench::nbd::write_psk(&other, "alice").unwrap();
+    iopages_tools::write_psk(&other, "alice").unwrap();
     let uri = format!(
         "nbds+unix:///?socket={}&tls-psk-file={}&tls-username=alice",
         k.sock.display(),
@@ -1183,7 +1183,7 @@ fn nbds_to_a_server_without_tls_is_refused_and_never_continues_in_plaintext() {
 fn nbd_to_a_server_requiring_tls_says_to_use_nbds() {
     let dir = TempDir::new("remote-tls-reqd");
     let keys = dir.join("keys.psk");
-    iopages_bench::nbd::write_psk(&keys, "alice").unwrap();
+    iopages_tools::write_psk(&keys, "alice").unwrap();
     let psk = format!("--tls-psk={}", keys.display());
     let Some(k) = Nbdkit::start(
         "remote nbd to tls",

@@ -19,11 +19,11 @@
 
 pub mod dir;
 pub mod hostile;
-pub mod process;
-pub mod tools;
 
 pub use dir::TempDir;
-pub use process::{
-    die_with_parent, lines_of, run_tool, signal, stop, tail_lines, wait_for_socket, Ran, Reaped,
+/// Outside tools, child processes and test certificates: `iopages-tools`',
+/// where the benchmarks find them.
+pub use iopages_tools::{
+    ci, die_with_parent, find_tool, lines_of, need_tool, pki, process, run_tool, signal, stop,
+    tail_lines, tools, wait_for_socket, write_pki, write_psk, Pki, Ran, Reaped,
 };
-pub use tools::{ci, find_tool, need_tool};

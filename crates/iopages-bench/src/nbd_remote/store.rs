@@ -16,7 +16,7 @@
 use super::{start, Proc, Tools};
 use crate::nbd::{os, MIB};
 use crate::progress;
-use iopages_testkit::{find_tool, run_tool, tail_lines};
+use iopages_tools::{find_tool, run_tool, tail_lines};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
