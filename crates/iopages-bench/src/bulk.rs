@@ -18,7 +18,7 @@
 use crate::c_abi::CAbi;
 use crate::harness::{Plot, PlotFile, Report};
 use crate::measure::{median, time_once, tsc_ghz, Sample, Summary};
-use crate::peers::{self, PeerResult, PeerState, PEERS};
+use crate::peers::{self, batch_key, PeerResult, PeerState, PEERS};
 use crate::plot::Series;
 use crate::{met, round2};
 use crate::{progress, BenchError, BenchOptions};
@@ -172,16 +172,6 @@ fn arena_bytes_for(max_threads: usize) -> u64 {
     let in_flight = peers::mt_pages_in_flight(max_threads, *MT_BATCHES.iter().max().unwrap_or(&1))
         + max_threads as u64 * 256;
     (2 * in_flight * 4096).div_ceil(STEP).max(1) * STEP
-}
-
-/// A batch's name in tables and reports ("single" for the single-page
-/// API).
-pub(crate) fn batch_key(b: usize) -> String {
-    if b == 0 {
-        "single".into()
-    } else {
-        b.to_string()
-    }
 }
 
 /// Medians of one multi-thread point over its runs.

@@ -19,10 +19,11 @@
 //! Owns: its work directory, the server it starts (stopped and reaped on
 //! every path), `keys.json`. Must never: leave a child process behind.
 
+use crate::e6::common::os;
+use crate::e6::files::work_dirs;
+use crate::e6::remote::start;
 use crate::harness::{Report, Table};
 use crate::measure::median;
-use crate::nbd::{os, work_dirs};
-use crate::nbd_remote::start;
 use crate::{progress, round2, BenchError, BenchOptions};
 use iopages_tools::{find_tool, run_tool, Ran};
 use serde::Serialize;

@@ -26,6 +26,16 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
+/// A batch's name in tables and reports ("single" for the single-page
+/// API, batch 0 as the peer harness numbers it).
+pub(crate) fn batch_key(b: usize) -> String {
+    if b == 0 {
+        "single".into()
+    } else {
+        b.to_string()
+    }
+}
+
 /// The peers, in table order.
 /// `dpdk` is DPDK's mempool as users create it (cache-line-aligned 4 KiB
 /// buffers, padded to spread over memory channels); `dpdk-aligned` is the

@@ -20,12 +20,13 @@
 //! without `--allow-discards`, nbdkit and qemu-nbd must agree with each
 //! other, and the copy from ours with `--allow-discards` must be zeros.
 
+use super::common::{os, workload, MIB};
+use super::files::{fs_type, luks_format, sync_file, work_dirs, Files, LUKS_HEADER_BYTES};
+use super::report::failures;
+use super::server::{start_server, Running, Server};
+use super::tools::Tools;
 use crate::harness::{Chart, Plot, PlotFile, Report, Table};
 use crate::measure::median;
-use crate::nbd::{
-    failures, fs_type, luks_format, os, start_server, sync_file, work_dirs, workload, Files,
-    Running, Server, Tools, LUKS_HEADER_BYTES, MIB,
-};
 use crate::plot::{BarPanel, Bars};
 use crate::{met, progress, round2, BenchError, BenchOptions};
 use iopages_tools::{find_tool, run_tool, tail_lines};
@@ -398,10 +399,10 @@ impl Cell {
 #[derive(Clone, Debug, Default)]
 struct Results {
     cells: Vec<Cell>,
-    failed: Option<String>,
+    pub(super) failed: Option<String>,
     skipped: Option<String>,
-    command: String,
-    stops: Vec<String>,
+    pub(super) command: String,
+    pub(super) stops: Vec<String>,
     map: Option<MapTotals>,
 }
 
@@ -1093,7 +1094,7 @@ fn summary(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nbd::RemoveDirs;
+    use crate::e6::files::RemoveDirs;
 
     /// The command line `iopages serve` is started with for the sparse copy,
     /// for the tests.
@@ -1106,14 +1107,14 @@ mod tests {
             nbdkit: "nbdkit".into(),
             qemu_nbd: "qemu-nbd".into(),
         };
-        let cmd = crate::nbd::server_command(
+        let cmd = crate::e6::server::server_command(
             s,
             &tools,
             Path::new("/bin/iopages"),
             f,
             Path::new("/s/x.sock"),
         );
-        crate::nbd::command_line(&cmd)
+        crate::e6::server::command_line(&cmd)
     }
 
     #[test]

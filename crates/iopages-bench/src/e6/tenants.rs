@@ -24,12 +24,14 @@
 //! active peers) per load, and p99_hold_r / p99_alone_r; the figure
 //! reported is the median of the runs' ratios.
 
+use super::common::{os, workload, MIB};
+use super::files::{fill_file, luks_format, sync_file, work_dirs, Files, LUKS_HEADER_BYTES};
+use super::fio::{parse_fio, Plan};
+use super::load::Load;
+use super::server::{command_line, OUR_EXPORT, START_TIMEOUT};
+use super::tools::Tools;
 use crate::harness::{Machine, Report, Table};
 use crate::measure::median;
-use crate::nbd::{
-    command_line, fill_file, luks_format, os, parse_fio, sync_file, work_dirs, workload, Files,
-    Load, Plan, Tools, LUKS_HEADER_BYTES, MIB, OUR_EXPORT, START_TIMEOUT,
-};
 use crate::{met, progress, round2, BenchError, BenchOptions};
 use iopages_tools::hostile::{self, Flood, NbdClient, Silent};
 use iopages_tools::{find_tool, run_tool, signal, stop, tail_lines};
@@ -342,7 +344,7 @@ impl Served {
     /// Start the server of one cell (`tag` names its logs and statistics
     /// file) and wait for its `serving` line.
     fn start(iopages_bin: &Path, f: &Files, tag: &str) -> Result<Served, String> {
-        let (out_log, err_log) = crate::nbd::logs_in(&f.work, tag);
+        let (out_log, err_log) = crate::e6::server::logs_in(&f.work, tag);
         let stats = f.work.join(format!("{tag}-stats.json"));
         let mut cmd = Command::new(iopages_bin);
         cmd.arg("serve")
@@ -359,7 +361,7 @@ impl Served {
             .args(["--io", io_mode(), "--stats-json"])
             .arg(&stats);
         let command = command_line(&cmd);
-        let child = crate::nbd::spawn_logged(&mut cmd, &f.work, &out_log, &err_log)
+        let child = crate::e6::server::spawn_logged(&mut cmd, &f.work, &out_log, &err_log)
             .map_err(|e| format!("cannot start iopages serve ({command}): {e}"))?;
         let mut s = Served {
             child: Some(child),

@@ -14,7 +14,7 @@
 //! a process it did not start.
 
 use super::{start, Proc, Tools};
-use crate::nbd::{os, MIB};
+use crate::e6::common::{os, MIB};
 use crate::progress;
 use iopages_tools::{find_tool, run_tool, tail_lines};
 use std::path::{Path, PathBuf};
