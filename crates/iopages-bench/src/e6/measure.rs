@@ -117,6 +117,30 @@ pub(crate) fn load_sample_at(at: &LoadTarget, plan: &Plan, load: Load) -> Result
     })
 }
 
+/// Whether the export behind `r` has the LUKS payload's size, as the
+/// server advertises it (`nbdinfo --size`).
+fn check_size(r: &Running, tools: &Tools, f: &Files, plan: &Plan) -> Result<(), String> {
+    let info = run_tool(
+        &tools.nbdinfo,
+        &os(&[&"--size", &r.uri]),
+        &f.work,
+        Duration::from_secs(30),
+        &[],
+    )?;
+    let size = parse_size(&info.stdout);
+    if !info.status.success() || size != Some(plan.dev) {
+        return Err(format!(
+            "nbdinfo --size {}: {:?} ({}), the LUKS payload is {} bytes; stderr: {}",
+            r.uri,
+            size,
+            info.status,
+            plan.dev,
+            tail_lines(&info.stderr)
+        ));
+    }
+    Ok(())
+}
+
 /// One server's pass over every load: check the previous server's
 /// read-back region, the timed loads, then write the region for the next.
 pub(super) fn measure(
@@ -128,26 +152,7 @@ pub(super) fn measure(
 ) -> Result<(Vec<Sample>, Option<Failure>), Failure> {
     let s = r.server;
     let fail = |why: String| Failure { server: s, why };
-    // Size and multi-conn, as each server advertises them.
-    let info = run_tool(
-        &tools.nbdinfo,
-        &os(&[&"--size", &r.uri]),
-        &f.work,
-        Duration::from_secs(30),
-        &[],
-    )
-    .map_err(fail)?;
-    let size = parse_size(&info.stdout);
-    if !info.status.success() || size != Some(plan.dev) {
-        return Err(fail(format!(
-            "nbdinfo --size {}: {:?} ({}), the LUKS payload is {} bytes; stderr: {}",
-            r.uri,
-            size,
-            info.status,
-            plan.dev,
-            tail_lines(&info.stderr)
-        )));
-    }
+    check_size(r, tools, f, plan).map_err(fail)?;
     let mut on_previous = None;
     if let Some(p) = previous {
         let v = verify_region(

@@ -222,6 +222,12 @@ fn table(run: &Run, ratios: &Ratios) -> Table {
             ));
         }
     }
+    ratio_lines(&mut t, run.tls, ratios);
+    t
+}
+
+/// The table's ratio lines and targets (with `tls`, TLS's too).
+fn ratio_lines(t: &mut Table, tls: bool, ratios: &Ratios) {
     for (l, r) in &ratios.vs_peer {
         t.line(match r {
             Some((x, who)) => format!(
@@ -238,7 +244,7 @@ fn table(run: &Run, ratios: &Ratios) -> Table {
         fmt_min(ratios.min),
         met(ratios.target_met)
     ));
-    if run.tls {
+    if tls {
         for (l, r) in &ratios.tls {
             t.line(match r {
                 Some(x) => format!("ratio ours TLS / ours plaintext, {}: {x:.2}", l.short()),
@@ -255,7 +261,6 @@ fn table(run: &Run, ratios: &Ratios) -> Table {
             met(ratios.tls_target_met)
         ));
     }
-    t
 }
 
 /// The report's fields beside `settings`.
@@ -477,19 +482,29 @@ mod tests {
             .collect()
     }
 
+    /// Quick options with the reports under `dir` (<dir>/nbd-tls.json and
+    /// nbd.json).
+    fn quick_opts(dir: &Path) -> BenchOptions {
+        BenchOptions {
+            quick: true,
+            out_dir: dir.to_path_buf(),
+            ..BenchOptions::default()
+        }
+    }
+
+    /// The plan of a quick run.
+    fn quick_plan() -> Plan {
+        Plan {
+            dev: 128 * MIB,
+            fio_ms: 1500,
+        }
+    }
+
     #[test]
     fn tls_report_has_the_marker_and_both_ratios() {
         let dir = scratch("report");
-        // The reports go to <out_dir>/nbd-tls.json and nbd.json.
-        let opts = BenchOptions {
-            quick: true,
-            out_dir: dir.0[0].clone(),
-            ..BenchOptions::default()
-        };
-        let plan = Plan {
-            dev: 128 * MIB,
-            fio_ms: 1500,
-        };
+        let opts = quick_opts(&dir.0[0]);
+        let plan = quick_plan();
         let json = dir.0[0].join("nbd-tls.json");
         let svg = json.with_extension("svg");
         let servers = servers_of(true, true);
@@ -536,7 +551,13 @@ mod tests {
             serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
         assert_eq!(on_disk, r);
         assert!(svg.exists());
+    }
 
+    #[test]
+    fn plaintext_report_has_no_tls_marker_or_ratios() {
+        let dir = scratch("report-plain");
+        let opts = quick_opts(&dir.0[0]);
+        let plan = quick_plan();
         // Without --tls: no marker, no plaintext column, no TLS ratios.
         let plain_servers = servers_of(true, false);
         let plain_results = results_of(&[
@@ -547,8 +568,10 @@ mod tests {
         let plain_run = Run {
             servers: &plain_servers,
             results: &plain_results,
+            plan: &plan,
+            runs: 1,
+            fs: "tmpfs",
             tls: false,
-            ..run
         };
         let plain = report(&opts, &plain_run, &dir.0[0].join("nbd.json")).unwrap();
         assert!(plain.get("tls").is_none() && plain["settings"].get("tls").is_none());

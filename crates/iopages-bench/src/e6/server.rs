@@ -172,88 +172,98 @@ pub(crate) fn server_command(
     f: &Files,
     sock: &Path,
 ) -> Command {
-    let mut cmd;
     let tls = s.tls(f.tls.as_ref());
     match s {
-        Server::Ours | Server::OursPlain | Server::OursDiscards => {
-            cmd = Command::new(ours);
-            cmd.arg("serve")
-                .arg("--image")
-                .arg(&f.image)
-                .arg("--passphrase-file")
-                .arg(&f.pass)
-                .arg("--unix")
-                .arg(sock)
-                .arg("--name")
-                .arg(OUR_EXPORT)
-                // Through the page cache, as both peers read and write it.
-                .arg("--io")
-                .arg("buffered");
-            if s == Server::OursDiscards {
-                cmd.arg("--allow-discards");
-            }
-            if f.read_only {
-                cmd.arg("--read-only");
-            }
-            if let Some(t) = tls {
-                cmd.args(["--tls", "require", "--tls-certificates"])
-                    .arg(&t.pki.server);
-                if TLS_VERIFY_PEER {
-                    cmd.arg("--tls-verify-peer");
-                }
-            }
-        }
-        Server::Nbdkit => {
-            cmd = Command::new(&tools.nbdkit);
-            cmd.arg("--foreground")
-                .arg("--exit-with-parent")
-                .arg("--unix")
-                .arg(sock);
-            if f.read_only {
-                cmd.arg("--readonly");
-            }
-            if let Some(t) = tls {
-                cmd.arg("--tls=require")
-                    .arg(format!("--tls-certificates={}", t.pki.server.display()));
-                if TLS_VERIFY_PEER {
-                    cmd.arg("--tls-verify-peer");
-                }
-            }
-            cmd.arg("--filter=luks")
-                .arg("file")
-                .arg(format!("file={}", f.image.display()))
-                .arg(format!("passphrase=+{}", f.pass.display()));
-        }
-        Server::Qemu => {
-            cmd = Command::new(&tools.qemu_nbd);
-            if let Some(t) = tls {
-                cmd.arg("--object")
-                    .arg(format!(
-                        "tls-creds-x509,id=tls0,dir={},endpoint=server,verify-peer={}",
-                        qemu_escape(&t.pki.server),
-                        if TLS_VERIFY_PEER { "on" } else { "off" }
-                    ))
-                    .arg("--tls-creds")
-                    .arg("tls0");
-            }
-            cmd.arg("--object")
-                .arg(format!("secret,id=sec0,file={}", qemu_escape(&f.pass)))
-                .arg("--image-opts")
-                .arg(format!(
-                    "driver=luks,key-secret=sec0,file.driver=file,file.filename={}",
-                    qemu_escape(&f.image)
-                ))
-                .arg("--socket")
-                .arg(sock);
-            if f.read_only {
-                cmd.arg("--read-only");
-            }
-            cmd.arg("--persistent")
-                .arg("--shared=0")
-                .arg("--cache=writeback")
-                .arg("--aio=io_uring");
+        Server::Ours | Server::OursPlain | Server::OursDiscards => ours_command(s, ours, f, sock, tls),
+        Server::Nbdkit => nbdkit_command(tools, f, sock, tls),
+        Server::Qemu => qemu_command(tools, f, sock, tls),
+    }
+}
+
+/// `iopages serve` over the image (`s` says with discards or not).
+fn ours_command(s: Server, ours: &Path, f: &Files, sock: &Path, tls: Option<&TlsSetup>) -> Command {
+    let mut cmd = Command::new(ours);
+    cmd.arg("serve")
+        .arg("--image")
+        .arg(&f.image)
+        .arg("--passphrase-file")
+        .arg(&f.pass)
+        .arg("--unix")
+        .arg(sock)
+        .arg("--name")
+        .arg(OUR_EXPORT)
+        // Through the page cache, as both peers read and write it.
+        .arg("--io")
+        .arg("buffered");
+    if s == Server::OursDiscards {
+        cmd.arg("--allow-discards");
+    }
+    if f.read_only {
+        cmd.arg("--read-only");
+    }
+    if let Some(t) = tls {
+        cmd.args(["--tls", "require", "--tls-certificates"])
+            .arg(&t.pki.server);
+        if TLS_VERIFY_PEER {
+            cmd.arg("--tls-verify-peer");
         }
     }
+    cmd
+}
+
+/// nbdkit's file plugin under its luks filter.
+fn nbdkit_command(tools: &Tools, f: &Files, sock: &Path, tls: Option<&TlsSetup>) -> Command {
+    let mut cmd = Command::new(&tools.nbdkit);
+    cmd.arg("--foreground")
+        .arg("--exit-with-parent")
+        .arg("--unix")
+        .arg(sock);
+    if f.read_only {
+        cmd.arg("--readonly");
+    }
+    if let Some(t) = tls {
+        cmd.arg("--tls=require")
+            .arg(format!("--tls-certificates={}", t.pki.server.display()));
+        if TLS_VERIFY_PEER {
+            cmd.arg("--tls-verify-peer");
+        }
+    }
+    cmd.arg("--filter=luks")
+        .arg("file")
+        .arg(format!("file={}", f.image.display()))
+        .arg(format!("passphrase=+{}", f.pass.display()));
+    cmd
+}
+
+/// qemu-nbd with qemu's LUKS driver over the image file.
+fn qemu_command(tools: &Tools, f: &Files, sock: &Path, tls: Option<&TlsSetup>) -> Command {
+    let mut cmd = Command::new(&tools.qemu_nbd);
+    if let Some(t) = tls {
+        cmd.arg("--object")
+            .arg(format!(
+                "tls-creds-x509,id=tls0,dir={},endpoint=server,verify-peer={}",
+                qemu_escape(&t.pki.server),
+                if TLS_VERIFY_PEER { "on" } else { "off" }
+            ))
+            .arg("--tls-creds")
+            .arg("tls0");
+    }
+    cmd.arg("--object")
+        .arg(format!("secret,id=sec0,file={}", qemu_escape(&f.pass)))
+        .arg("--image-opts")
+        .arg(format!(
+            "driver=luks,key-secret=sec0,file.driver=file,file.filename={}",
+            qemu_escape(&f.image)
+        ))
+        .arg("--socket")
+        .arg(sock);
+    if f.read_only {
+        cmd.arg("--read-only");
+    }
+    cmd.arg("--persistent")
+        .arg("--shared=0")
+        .arg("--cache=writeback")
+        .arg("--aio=io_uring");
     cmd
 }
 
