@@ -1115,7 +1115,12 @@ fn print_like_for_like(like: &[(usize, &str, f64)], all: bool) -> Option<f64> {
 
 /// The like-for-like target (with `min`, see [`print_like_for_like`]) and
 /// ratios in `summary`.
-fn like_for_like_json(summary: &mut Value, like: &[(usize, &str, f64)], min: Option<f64>, all: bool) {
+fn like_for_like_json(
+    summary: &mut Value,
+    like: &[(usize, &str, f64)],
+    min: Option<f64>,
+    all: bool,
+) {
     if let Some(min) = min {
         summary["targets"]["min_ratio_vs_best_page_aligned_peer_like_for_like"] = json!({
             "what": "one thread, every batch: the best page-aligned peer's ns per page over iopages-c's (the peers' own C program)",

@@ -633,7 +633,11 @@ pub fn run_with_workers(
 }
 
 /// E2's JSON report and plot (each run's MiB/s per mode).
-fn e2_report(opts: &BenchOptions, samples: &E2Samples, summary: E2Summary) -> Result<Value, BenchError> {
+fn e2_report(
+    opts: &BenchOptions,
+    samples: &E2Samples,
+    summary: E2Summary,
+) -> Result<Value, BenchError> {
     let series: Vec<Series> = Mode::ALL
         .iter()
         .map(|&m| Series {

@@ -174,7 +174,9 @@ pub(crate) fn server_command(
 ) -> Command {
     let tls = s.tls(f.tls.as_ref());
     match s {
-        Server::Ours | Server::OursPlain | Server::OursDiscards => ours_command(s, ours, f, sock, tls),
+        Server::Ours | Server::OursPlain | Server::OursDiscards => {
+            ours_command(s, ours, f, sock, tls)
+        }
         Server::Nbdkit => nbdkit_command(tools, f, sock, tls),
         Server::Qemu => qemu_command(tools, f, sock, tls),
     }
