@@ -168,7 +168,7 @@ fn draw_panel(
         .fold(1.0f64, f64::max)
         * 1.35;
     let n = panel.categories.len() as f64;
-    let mut chart = ChartBuilder::on(&area)
+    let mut chart = ChartBuilder::on(area)
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(70)

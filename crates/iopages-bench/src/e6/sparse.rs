@@ -347,13 +347,12 @@ impl SparseTools {
         };
         let nbdkit = peer(Server::Nbdkit, "nbdkit", "nbdkit");
         let qemu_nbd = peer(Server::Qemu, "qemu-nbd", "qemu-utils");
-        if !missing.contains_key(Server::Nbdkit.key()) && peers {
-            if !luks_filter_works(&nbdkit, dir) {
-                missing.insert(
-                    Server::Nbdkit.key(),
-                    "nbdkit's luks filter is missing".into(),
-                );
-            }
+        if !missing.contains_key(Server::Nbdkit.key()) && peers && !luks_filter_works(&nbdkit, dir)
+        {
+            missing.insert(
+                Server::Nbdkit.key(),
+                "nbdkit's luks filter is missing".into(),
+            );
         }
         if !peers {
             for s in [Server::Nbdkit, Server::Qemu] {
