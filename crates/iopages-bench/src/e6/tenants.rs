@@ -61,7 +61,7 @@ pub const FAIR_TARGET: f64 = 0.8;
 /// The export is the region (1 GiB, 128 MiB with `--quick`) plus this,
 /// the region written with data, the rest a hole until a flood writes it
 /// (the floods zero from offset 0, over the region too). Not a multiple
-/// of 4 GiB on purpose: iopages-testkit's `unread_reads` sizes its READs
+/// of 4 GiB on purpose: iopages-tools' `hostile::unread_reads` sizes its READs
 /// from the export's size cast to 32 bits, which is 0 for one of 4 GiB.
 pub const FLOOD_BYTES: u64 = 4 << 30;
 
@@ -1185,7 +1185,7 @@ fn settings(run: &Run, opts: &BenchOptions) -> Value {
             "failure": "a probe whose fio fails (cannot connect, a job error, no data) beside the hostiles is a throughput of 0 and a latency of infinity; its error is reported",
         },
         "hostile_peers": {
-            "addresses": format!("127.0.0.2-127.0.0.{}, one peer each, threads of this bench (iopages-testkit's hostile module), on the same CPUs", 1 + h.peers),
+            "addresses": format!("127.0.0.2-127.0.0.{}, one peer each, threads of this bench (iopages-tools' hostile module), on the same CPUs", 1 + h.peers),
             "plan": h,
             "hold": "per peer: greedy connections first (NBD_OPT_GO, then READs of 32 MiB never read), then silent sockets (connect, never send; re-opened at once when the server closes them)",
             "flood": "per peer: connections keeping WRITE_ZEROES of 4 GiB less a page at offset 0 in flight, each reply read and the next sent at once",
