@@ -59,6 +59,23 @@ fn build_sample(
     Ok(t.elapsed().as_nanos() as f64 / iters as f64)
 }
 
+/// (segments, pages) per bio of each size, `[buffer][size]`, for each
+/// buffer of `bufs`.
+fn segments_of(
+    alloc: &PageAllocator,
+    bufs: &[Vec<Page>],
+) -> Result<Vec<Vec<(usize, usize)>>, BenchError> {
+    let mut seg = Vec::new();
+    for pages in bufs {
+        let row: Result<Vec<_>, _> = SIZES
+            .iter()
+            .map(|&size| segments(alloc, pages, size))
+            .collect();
+        seg.push(row?);
+    }
+    Ok(seg)
+}
+
 fn segments(
     alloc: &PageAllocator,
     pages: &[Page],
@@ -147,14 +164,7 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
     for (&(b, _, folio_aware), v) in configs.iter().zip(samples) {
         ns[b * 2 + folio_aware as usize].push(median(v));
     }
-    let mut seg = Vec::new();
-    for pages in &bufs {
-        let row: Result<Vec<_>, _> = SIZES
-            .iter()
-            .map(|&size| segments(&alloc, pages, size))
-            .collect();
-        seg.push(row?);
-    }
+    let seg = segments_of(&alloc, &bufs)?;
     let (direct, e2e) = direct_io(opts, &alloc, runs, file_mib)?;
     drop(folio_buf);
     drop(page_buf);
@@ -164,6 +174,21 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
 
     let f = Figures { ns, seg };
     table(&f, runs, direct, &e2e).print();
+    let plot = plot(&f);
+    let settings = Settings {
+        runs,
+        folio_bytes: 4096 << FOLIO_ORDER,
+        limits: "256 segments × 64 KiB",
+        file_mib,
+        o_direct: direct,
+    };
+    Report::new("E4 bio", settings, body(&f, e2e))
+        .stem("bio")
+        .emit(opts, &[plot])
+}
+
+/// The plot: ns per bio of each buffer and builder, by I/O size.
+fn plot(f: &Figures) -> Plot {
     let labels = [
         "64K folios, page by page",
         "64K folios, folio-aware",
@@ -180,23 +205,13 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
                 .collect(),
         })
         .collect();
-    let plot = Plot::lines(
+    Plot::lines(
         PlotFile::Main,
         "E4: build a bio and release its pins",
         "I/O size (KiB)",
         "ns per bio",
         series,
-    );
-    let settings = Settings {
-        runs,
-        folio_bytes: 4096 << FOLIO_ORDER,
-        limits: "256 segments × 64 KiB",
-        file_mib,
-        o_direct: direct,
-    };
-    Report::new("E4 bio", settings, body(&f, e2e))
-        .stem("bio")
-        .emit(opts, &[plot])
+    )
 }
 
 /// Medians of the build runs, `ns[buffer * 2 + folio-aware][size]`, and

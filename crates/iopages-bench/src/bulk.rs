@@ -18,7 +18,7 @@
 use crate::c_abi::CAbi;
 use crate::harness::{Plot, PlotFile, Report};
 use crate::measure::{median, time_once, tsc_ghz, Sample, Summary};
-use crate::peers::{self, PeerResult, PeerState, PEERS};
+use crate::peers::{self, batch_key, PeerResult, PeerState, PEERS};
 use crate::plot::Series;
 use crate::{met, round2};
 use crate::{progress, BenchError, BenchOptions};
@@ -172,16 +172,6 @@ fn arena_bytes_for(max_threads: usize) -> u64 {
     let in_flight = peers::mt_pages_in_flight(max_threads, *MT_BATCHES.iter().max().unwrap_or(&1))
         + max_threads as u64 * 256;
     (2 * in_flight * 4096).div_ceil(STEP).max(1) * STEP
-}
-
-/// A batch's name in tables and reports ("single" for the single-page
-/// API).
-pub(crate) fn batch_key(b: usize) -> String {
-    if b == 0 {
-        "single".into()
-    } else {
-        b.to_string()
-    }
 }
 
 /// Medians of one multi-thread point over its runs.
@@ -594,6 +584,17 @@ impl<'a> Comparison<'a> {
         );
         for &t in self.mt_threads {
             for &b in &MT_BATCHES {
+                self.print_mt_point(t, b);
+            }
+        }
+        self.print_mt_checks();
+    }
+
+    /// The multi-thread table's rows at `t` threads and batch `b`, and the
+    /// ratios where any peer ran there.
+    fn print_mt_point(&self, t: usize, b: usize) {
+        {
+            {
                 let mut first = true;
                 for who in self.everyone() {
                     let Some(p) = self.mt(who, t, b) else {
@@ -622,7 +623,7 @@ impl<'a> Comparison<'a> {
                 }
                 // The ratios, where any peer ran at this point.
                 if self.best(Some(t), b).is_none() {
-                    continue;
+                    return;
                 }
                 let vs_dpdk = self
                     .ratio_vs(DPDK_ALIGNED, Some(t), b)
@@ -637,6 +638,10 @@ impl<'a> Comparison<'a> {
                 );
             }
         }
+    }
+
+    /// The multi-thread part's clock check and aggregate scaling.
+    fn print_mt_checks(&self) {
         let failed = self.mt_failures();
         if failed.is_empty() {
             println!(
@@ -805,6 +810,19 @@ struct PeerPlan {
     online: usize,
 }
 
+impl PeerPlan {
+    /// The plan of a run with `opts` and `mt_threads`.
+    fn of(opts: &BenchOptions, mt_threads: Vec<usize>) -> PeerPlan {
+        PeerPlan {
+            peer_pages: if opts.quick { 64 << 10 } else { 512 << 10 },
+            mt_pages: if opts.quick { 32 << 10 } else { 1 << 20 },
+            st_batches: std::iter::once(0).chain(BATCHES).collect(),
+            mt_threads,
+            online: peers::online_cpus(),
+        }
+    }
+}
+
 /// The two iopages configurations, each in an arena of `arena_bytes`.
 fn build_configs(arena_bytes: u64) -> Result<[Config; 2], BenchError> {
     let build = |tc: usize| {
@@ -909,33 +927,7 @@ fn measure_runs(
                 record(&mut peer_runs, "iopages", &r, online);
             }
         }
-        for (name, state) in peer_states.iter_mut() {
-            let PeerState::Ready(bin) = state else {
-                continue;
-            };
-            match peers::run_peer(
-                bin,
-                peer_pages,
-                mt_pages,
-                &plan.st_batches,
-                &plan.mt_threads,
-                &MT_BATCHES,
-            ) {
-                Ok(res) => {
-                    for r in &res {
-                        record(&mut peer_runs, name, r, online);
-                    }
-                }
-                Err(why) => {
-                    progress(
-                        "bulk",
-                        format!("peer {name} failed in run {}: {why}", run + 1),
-                    );
-                    *state = PeerState::Unavailable(format!("failed in run {}: {why}", run + 1));
-                    peer_runs.remove(*name);
-                }
-            }
-        }
+        run_peers_once(plan, peer_states, &mut peer_runs, run);
         c_abi.run_once(&plan.st_batches, peer_pages, run + 1)?;
         progress("bulk", format!("run {}/{runs} done", run + 1));
     }
@@ -948,6 +940,43 @@ fn measure_runs(
         }
     }
     Ok((results, peer_runs))
+}
+
+/// Run `run` (0-based) of every peer still ready, once; a peer that
+/// fails is marked unavailable and its figures dropped.
+fn run_peers_once(
+    plan: &PeerPlan,
+    peer_states: &mut [(&'static str, PeerState)],
+    peer_runs: &mut Runs,
+    run: usize,
+) {
+    for (name, state) in peer_states.iter_mut() {
+        let PeerState::Ready(bin) = state else {
+            continue;
+        };
+        match peers::run_peer(
+            bin,
+            plan.peer_pages,
+            plan.mt_pages,
+            &plan.st_batches,
+            &plan.mt_threads,
+            &MT_BATCHES,
+        ) {
+            Ok(res) => {
+                for r in &res {
+                    record(peer_runs, name, r, plan.online);
+                }
+            }
+            Err(why) => {
+                progress(
+                    "bulk",
+                    format!("peer {name} failed in run {}: {why}", run + 1),
+                );
+                *state = PeerState::Unavailable(format!("failed in run {}: {why}", run + 1));
+                peer_runs.remove(*name);
+            }
+        }
+    }
 }
 
 /// Run E1 with the multi-thread part at `threads` (see [`mt_threads`];
@@ -969,13 +998,7 @@ pub fn run_with_threads(
     );
     let ghz = tsc_ghz(Duration::from_millis(200));
     let configs = build_configs(arena_bytes)?;
-    let plan = PeerPlan {
-        peer_pages: if opts.quick { 64 << 10 } else { 512 << 10 },
-        mt_pages: if opts.quick { 32 << 10 } else { 1 << 20 },
-        st_batches: std::iter::once(0).chain(BATCHES).collect(),
-        mt_threads,
-        online: peers::online_cpus(),
-    };
+    let plan = PeerPlan::of(opts, mt_threads);
     let mut peer_states = peer_states(opts);
     let mut c_abi = CAbi::new(
         opts.peers.then_some(opts.peers_dir.as_path()),
@@ -994,7 +1017,6 @@ pub fn run_with_threads(
         .iter()
         .map(|r| r.bulk.iter().map(|s| Summary::of(s)).collect())
         .collect();
-
     print_table(&configs, &single_sum, &bulk_sum, ghz, runs);
     let cmp = Comparison {
         runs: &peer_runs,
@@ -1012,26 +1034,34 @@ pub fn run_with_threads(
     };
     c_abi.print(runs, e1_row, best_peer);
     let like = like_for_like(&cmp, &c_abi, &plan.st_batches);
-    // The minimum, and whether every batch has a figure (a batch without
-    // one cannot count as met).
-    let like_min =
-        (!like.is_empty()).then(|| like.iter().map(|x| x.2).fold(f64::INFINITY, f64::min));
     let like_all = like.len() == plan.st_batches.len();
-    if let Some(min) = like_min {
-        let cells: Vec<String> = like
-            .iter()
-            .map(|(b, p, r)| format!("{} {r:.2} ({p})", batch_key(*b)))
-            .collect();
-        println!("from C ({}, the peers' own program), best page-aligned peer's ns over its own: {}; min {min:.2}", crate::c_abi::C_ROW, cells.join(", "));
-        println!(
-            "  target, from C: min ratio vs best page-aligned peer, every batch >= {TARGET_MIN_RATIO_PAGE_ALIGNED:.1}: {min:.2} ({}{})",
-            met(like_all && min >= TARGET_MIN_RATIO_PAGE_ALIGNED),
-            if like_all { "" } else { "; some batches have no figure" }
-        );
-    }
+    let like_min = print_like_for_like(&like, like_all);
     let io_row = crate::io_shaped::run(&configs[0].alloc, runs, plan.peer_pages)?;
     let def = &configs[0].alloc;
-    let settings = json!({
+    let settings = e1_settings(opts, (runs, pages_per_run, arena_bytes), def, &plan, ghz);
+    let mut summary = summary(def, &single_sum[0], &bulk_sum[0], &cmp);
+    summary["c_abi"] = c_abi.json(e1_row, best_peer);
+    summary["io_shaped"] = io_row;
+    like_for_like_json(&mut summary, &like, like_min, like_all);
+    let body = Body {
+        summary,
+        configs: configs_json(&configs, &single_sum, &bulk_sum),
+        kernel_reference: kernel_reference(),
+    };
+    let plots = plots(&configs, &bulk_sum, &cmp);
+    Report::new("bulk", settings, body).emit(opts, &plots)
+}
+
+/// How E1 ran: `sizes` are the runs, pages per run and arena bytes.
+fn e1_settings(
+    opts: &BenchOptions,
+    sizes: (usize, u64, u64),
+    def: &PageAllocator,
+    plan: &PeerPlan,
+    ghz: f64,
+) -> Value {
+    let (runs, pages_per_run, arena_bytes) = sizes;
+    json!({
         "quick": opts.quick,
         "runs": runs,
         "pages_per_run": pages_per_run,
@@ -1043,17 +1073,61 @@ pub fn run_with_threads(
         "pcp_high_batch_order0": [def.pcp_limits().high[0], def.pcp_limits().batch[0]],
         "tsc_ghz": round2(ghz),
         "gfp": "KERNEL",
-    });
-    let mut summary = summary(def, &single_sum[0], &bulk_sum[0], &cmp);
-    summary["c_abi"] = c_abi.json(e1_row, best_peer);
-    summary["io_shaped"] = io_row;
-    if let Some(min) = like_min {
+    })
+}
+
+/// The E1 table's two header lines: a column per configuration, then the
+/// kernel's.
+fn print_table_head(configs: &[Config]) {
+    let mut head = format!("{:>8}", "batch");
+    for c in configs {
+        head += &format!(" | {:>26}", c.name);
+    }
+    head += &format!(" | {:>14} | {:>12}", "kernel 2017", "kernel 2021");
+    println!("{head}");
+    let mut sub = format!("{:>8}", "");
+    for _ in configs {
+        sub += &format!(" | {:>7} {:>6} {:>11}", "cycles", "ns", "ns range");
+    }
+    sub += &format!(" | {:>6} {:>7} | {:>12}", "cycles", "ns", "cycles");
+    println!("{sub}");
+}
+
+/// Print the like-for-like line and its target (see [`like_for_like`]);
+/// `all`: every batch has a figure (a batch without one cannot count as
+/// met).
+///
+/// **Returns:** the minimum ratio, `None` without figures.
+fn print_like_for_like(like: &[(usize, &str, f64)], all: bool) -> Option<f64> {
+    let min = (!like.is_empty()).then(|| like.iter().map(|x| x.2).fold(f64::INFINITY, f64::min))?;
+    let cells: Vec<String> = like
+        .iter()
+        .map(|(b, p, r)| format!("{} {r:.2} ({p})", batch_key(*b)))
+        .collect();
+    println!("from C ({}, the peers' own program), best page-aligned peer's ns over its own: {}; min {min:.2}", crate::c_abi::C_ROW, cells.join(", "));
+    println!(
+        "  target, from C: min ratio vs best page-aligned peer, every batch >= {TARGET_MIN_RATIO_PAGE_ALIGNED:.1}: {min:.2} ({}{})",
+        met(all && min >= TARGET_MIN_RATIO_PAGE_ALIGNED),
+        if all { "" } else { "; some batches have no figure" }
+    );
+    Some(min)
+}
+
+/// The like-for-like target (with `min`, see [`print_like_for_like`]) and
+/// ratios in `summary`.
+fn like_for_like_json(
+    summary: &mut Value,
+    like: &[(usize, &str, f64)],
+    min: Option<f64>,
+    all: bool,
+) {
+    if let Some(min) = min {
         summary["targets"]["min_ratio_vs_best_page_aligned_peer_like_for_like"] = json!({
             "what": "one thread, every batch: the best page-aligned peer's ns per page over iopages-c's (the peers' own C program)",
             "min": TARGET_MIN_RATIO_PAGE_ALIGNED,
             "figure": round2(min),
-            "every_batch_measured": like_all,
-            "met": like_all && min >= TARGET_MIN_RATIO_PAGE_ALIGNED,
+            "every_batch_measured": all,
+            "met": all && min >= TARGET_MIN_RATIO_PAGE_ALIGNED,
         });
     }
     summary["c_abi"]["like_for_like_vs_best_page_aligned_peer"] = Value::Object(
@@ -1061,13 +1135,6 @@ pub fn run_with_threads(
             .map(|(b, p, r)| (batch_key(*b), json!({ "peer": p, "ratio": round2(*r) })))
             .collect(),
     );
-    let body = Body {
-        summary,
-        configs: configs_json(&configs, &single_sum, &bulk_sum),
-        kernel_reference: kernel_reference(),
-    };
-    let plots = plots(&configs, &bulk_sum, &cmp);
-    Report::new("bulk", settings, body).emit(opts, &plots)
 }
 
 /// The report's fields beside `settings`.
@@ -1234,18 +1301,7 @@ fn print_table(
     runs: usize,
 ) {
     println!("E1 bulk: alloc+free cost per page, one thread, warm caches (median of {runs} runs, TSC {ghz:.2} GHz)");
-    let mut head = format!("{:>8}", "batch");
-    for c in configs {
-        head += &format!(" | {:>26}", c.name);
-    }
-    head += &format!(" | {:>14} | {:>12}", "kernel 2017", "kernel 2021");
-    println!("{head}");
-    let mut sub = format!("{:>8}", "");
-    for _ in configs {
-        sub += &format!(" | {:>7} {:>6} {:>11}", "cycles", "ns", "ns range");
-    }
-    sub += &format!(" | {:>6} {:>7} | {:>12}", "cycles", "ns", "cycles");
-    println!("{sub}");
+    print_table_head(configs);
     let cell = |s: &Summary| {
         format!(
             " | {:>7.1} {:>6.2} {:>5.2}-{:<5.2}",

@@ -29,9 +29,8 @@
 //! Must never: count `iopages-c` as a peer to beat, or compare figures
 //! from different runs.
 
-use crate::bulk::batch_key;
 use crate::measure::{median, per_run_ratio};
-use crate::peers::{self, PeerState};
+use crate::peers::{self, batch_key, PeerState};
 use crate::{met, progress, round2, BenchError};
 use iopages::{HugePages, PageAllocator};
 use serde_json::{json, Map, Value};

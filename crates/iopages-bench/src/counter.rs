@@ -125,21 +125,7 @@ fn measure(mode: Mode, threads: usize, ops: u64) -> Result<(f64, f64), BenchErro
         })
         .collect();
     start_line.wait();
-    // Each thread times itself: this thread may not run again until they
-    // are done. The span is from the first start to the last finish.
-    let mut refused = 0;
-    let mut span: Option<(Instant, Instant)> = None;
-    for h in handles {
-        let (r, t0, t1) = h
-            .join()
-            .map_err(|_| BenchError::Workload("a counter thread panicked".into()))?;
-        refused += r;
-        span = Some(match span {
-            None => (t0, t1),
-            Some((a, b)) => (a.min(t0), b.max(t1)),
-        });
-    }
-    let (first, last) = span.expect("at least one thread");
+    let (refused, first, last) = join_timed(handles)?;
     let secs = (last - first).as_secs_f64();
     if refused > 0 {
         return Err(BenchError::Workload(format!(
@@ -158,6 +144,31 @@ fn measure(mode: Mode, threads: usize, ops: u64) -> Result<(f64, f64), BenchErro
         total / secs,
         secs * 1e9 * threads.min(cpus()) as f64 / total,
     ))
+}
+
+/// Join the workers of [`measure`]. Each thread times itself: this thread
+/// may not run again until they are done. The span is from the first
+/// start to the last finish.
+///
+/// **Returns:** the refused operations, the first start and the last
+/// finish.
+fn join_timed(
+    handles: Vec<std::thread::JoinHandle<(u64, Instant, Instant)>>,
+) -> Result<(u64, Instant, Instant), BenchError> {
+    let mut refused = 0;
+    let mut span: Option<(Instant, Instant)> = None;
+    for h in handles {
+        let (r, t0, t1) = h
+            .join()
+            .map_err(|_| BenchError::Workload("a counter thread panicked".into()))?;
+        refused += r;
+        span = Some(match span {
+            None => (t0, t1),
+            Some((a, b)) => (a.min(t0), b.max(t1)),
+        });
+    }
+    let (first, last) = span.expect("at least one thread");
+    Ok((refused, first, last))
 }
 
 /// The figures of one (mode, thread count): medians over the runs.
@@ -264,6 +275,11 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
         operation: "check the limit; if allowed add 1 and subtract 1 (limited_add: add 1 if within the limit, subtract 1)",
         unit: "ns_per_op is CPU time: wall time x busy threads (at most one per CPU) / operations",
     };
+    Report::new("counter", settings, body(&f)).emit(opts, &[plot(&f)])
+}
+
+/// The plot: CPU ns per operation of each mode, by threads.
+fn plot(f: &Figures) -> Plot {
     let series: Vec<Series> = MODES
         .iter()
         .enumerate()
@@ -274,14 +290,13 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
                 .collect(),
         })
         .collect();
-    let plot = Plot::lines(
+    Plot::lines(
         PlotFile::Main,
         "E3: cost of a limit check + add/sub per operation, by threads",
         "threads",
         "CPU ns per operation",
         series,
-    );
-    Report::new("counter", settings, body(&f)).emit(opts, &[plot])
+    )
 }
 
 /// The table and the lines under it.

@@ -529,6 +529,12 @@ fn e2_table(s: &E2Samples, sum: &E2Summary) -> Table {
             String::new(),
         ]);
     }
+    e2_target_lines(&mut t, sum);
+    t
+}
+
+/// The lines under E2's table: bulk against per-page, and the targets.
+fn e2_target_lines(t: &mut Table, sum: &E2Summary) {
     t.line(format!(
         "bulk vs per-page: ours {:+.1} %, seed {:+.1} %",
         (sum.bulk_vs_per_page - 1.0) * 100.0,
@@ -572,7 +578,6 @@ fn e2_table(s: &E2Samples, sum: &E2Summary) -> Table {
         sum.compound_vs_per_page,
         met(sum.bulk_vs_per_page >= 1.0 && sum.compound_vs_per_page >= 1.0)
     ));
-    t
 }
 
 /// E2 with one worker, then the bulk pipeline at each count of `workers`
@@ -624,7 +629,15 @@ pub fn run_with_workers(
     let scaling = e2_scaling(&ladder, best_cipher)?;
     let summary = e2_summary(&samples, scaling);
     e2_table(&samples, &summary).print();
+    e2_report(opts, &samples, summary)
+}
 
+/// E2's JSON report and plot (each run's MiB/s per mode).
+fn e2_report(
+    opts: &BenchOptions,
+    samples: &E2Samples,
+    summary: E2Summary,
+) -> Result<Value, BenchError> {
     let series: Vec<Series> = Mode::ALL
         .iter()
         .map(|&m| Series {
@@ -801,6 +814,43 @@ struct E3Summary {
     approx_check_ns_per_write: Option<f64>,
 }
 
+impl E3Summary {
+    /// The summary: the figures at the most threads.
+    fn of(rows: &[E3Row]) -> E3Summary {
+        let last = rows.last();
+        E3Summary {
+            threads: last.map(|r| r.threads),
+            exact_mib_s: last.map(|r| r.exact_mib_s),
+            approx_mib_s: last.map(|r| r.approx_mib_s),
+            exact_check_ns_per_write: last.map(|r| r.exact_check_ns_per_write),
+            approx_check_ns_per_write: last.map(|r| r.approx_check_ns_per_write),
+        }
+    }
+}
+
+/// E3's plot: MiB/s of each check, by writer threads.
+fn e3_plot(rows: &[E3Row]) -> Plot {
+    let pts = |f: fn(&E3Row) -> f64| -> Vec<(f64, f64)> {
+        rows.iter().map(|r| (r.threads as f64, f(r))).collect()
+    };
+    Plot::lines(
+        PlotFile::Main,
+        "E3: writes with the page limit near its threshold",
+        "writer threads",
+        "MiB/s",
+        vec![
+            Series {
+                label: "exact check".into(),
+                points: pts(|r| r.exact_mib_s),
+            },
+            Series {
+                label: "approximate check".into(),
+                points: pts(|r| r.approx_mib_s),
+            },
+        ],
+    )
+}
+
 #[derive(Serialize)]
 struct E3Body {
     rows: Vec<E3Row>,
@@ -821,27 +871,7 @@ fn e3_row(
         .size_bytes(disk + (256 << 20))
         .huge_pages(HugePages::Try)
         .build()?;
-    let store: Arc<dyn Backend> = Arc::new(PageStore::new(&alloc, disk).map_err(workload)?);
-    let limit_pages = match limit {
-        LimitSetting::Near => Some(n * (E3_WRITE_BYTES / 4096) * 3 / 2),
-        LimitSetting::Default => None,
-    };
-    let cipher = XtsCipher::new(&key(), SECTOR_BYTES, 0).map_err(workload)?;
-    let target = Arc::new(
-        CryptTarget::new(
-            &alloc,
-            CipherPool::new(cipher, n).map_err(workload)?,
-            store,
-            TargetConfig {
-                strategy: Strategy::Bulk,
-                limit_check: LimitCheck::Exact,
-                min_nr: 64,
-                limit_pages,
-                ..TargetConfig::default()
-            },
-        )
-        .map_err(workload)?,
-    );
+    let target = e3_target(&alloc, disk, n, limit)?;
     const CHECKS: [(LimitCheck, &str); 2] = [
         (LimitCheck::Exact, "exact"),
         (LimitCheck::Approximate, "approximate"),
@@ -891,6 +921,37 @@ fn e3_row(
         .leak_check()
         .map_err(|a| workload(format!("crypt: pages leaked: {a}")))?;
     Ok(row)
+}
+
+/// E3's target for `n` threads: the bulk strategy over a page-store RAM
+/// disk of `disk` bytes in `alloc`, the page limit as `limit` sets it.
+fn e3_target(
+    alloc: &PageAllocator,
+    disk: u64,
+    n: usize,
+    limit: LimitSetting,
+) -> Result<Arc<CryptTarget<CipherPool>>, BenchError> {
+    let store: Arc<dyn Backend> = Arc::new(PageStore::new(alloc, disk).map_err(workload)?);
+    let limit_pages = match limit {
+        LimitSetting::Near => Some(n * (E3_WRITE_BYTES / 4096) * 3 / 2),
+        LimitSetting::Default => None,
+    };
+    let cipher = XtsCipher::new(&key(), SECTOR_BYTES, 0).map_err(workload)?;
+    Ok(Arc::new(
+        CryptTarget::new(
+            alloc,
+            CipherPool::new(cipher, n).map_err(workload)?,
+            store,
+            TargetConfig {
+                strategy: Strategy::Bulk,
+                limit_check: LimitCheck::Exact,
+                min_nr: 64,
+                limit_pages,
+                ..TargetConfig::default()
+            },
+        )
+        .map_err(workload)?,
+    ))
 }
 
 fn e3_table(rows: &[E3Row], runs: usize, limit: LimitSetting) -> Table {
@@ -972,33 +1033,8 @@ pub fn run_limit(
         })
         .collect::<Result<Vec<_>, _>>()?;
     e3_table(&rows, runs, limit).print();
-    let pts = |f: fn(&E3Row) -> f64| -> Vec<(f64, f64)> {
-        rows.iter().map(|r| (r.threads as f64, f(r))).collect()
-    };
-    let plot = Plot::lines(
-        PlotFile::Main,
-        "E3: writes with the page limit near its threshold",
-        "writer threads",
-        "MiB/s",
-        vec![
-            Series {
-                label: "exact check".into(),
-                points: pts(|r| r.exact_mib_s),
-            },
-            Series {
-                label: "approximate check".into(),
-                points: pts(|r| r.approx_mib_s),
-            },
-        ],
-    );
-    let last = rows.last();
-    let summary = E3Summary {
-        threads: last.map(|r| r.threads),
-        exact_mib_s: last.map(|r| r.exact_mib_s),
-        approx_mib_s: last.map(|r| r.approx_mib_s),
-        exact_check_ns_per_write: last.map(|r| r.exact_check_ns_per_write),
-        approx_check_ns_per_write: last.map(|r| r.approx_check_ns_per_write),
-    };
+    let plot = e3_plot(&rows);
+    let summary = E3Summary::of(&rows);
     let settings = E3Settings {
         runs,
         writes_per_thread: writes,

@@ -180,6 +180,18 @@ struct Sample {
     map_share: f64,
 }
 
+/// vmalloc's settings: the default, or without its area cache.
+fn vmalloc_config(area_cache: bool) -> VmallocConfig {
+    if area_cache {
+        VmallocConfig::default()
+    } else {
+        VmallocConfig {
+            cache_max_areas: 0,
+            ..VmallocConfig::default()
+        }
+    }
+}
+
 fn run_policy(
     mib: u64,
     policy: KvPolicy,
@@ -189,14 +201,7 @@ fn run_policy(
 ) -> Result<(Sample, (usize, usize)), BenchError> {
     let mut arena = build(mib)?;
     let spread = arena.spread();
-    let vm_cfg = if area_cache {
-        VmallocConfig::default()
-    } else {
-        VmallocConfig {
-            cache_max_areas: 0,
-            ..VmallocConfig::default()
-        }
-    };
+    let vm_cfg = vmalloc_config(area_cache);
     let kv = Kvmalloc::with_vmalloc(Vmalloc::with_config(&arena.alloc, vm_cfg).map_err(workload)?);
     let item: Vec<u8> = (0..1 << 20).map(|i: u32| (i * 31) as u8).collect();
     // Warm up: one pass over the sizes, untimed, so that both policies

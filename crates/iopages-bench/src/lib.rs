@@ -26,7 +26,7 @@
 //! - E4 `bio`: bios built from page arrays page by page and folio by folio
 //!   (build and release of pins), and direct I/O of folio buffers through
 //!   io_uring.
-//! - E6 `nbd`: one LUKS1 image served over NBD by `iopages serve --image`,
+//! - E6 `nbd` (the folder `e6/`, whose `mod.rs` maps its files): one LUKS1 image served over NBD by `iopages serve --image`,
 //!   nbdkit's luks filter and qemu-nbd's LUKS driver in turn, under fio's
 //!   nbd engine (1 MiB sequential, 4 KiB random) and nbdcopy.
 //! - E6's sparse copy (`sparse`, part of `nbd`): a LUKS1 volume 10 %
@@ -55,14 +55,23 @@ pub mod kvmalloc;
 pub mod luks_keys;
 pub mod measure;
 pub mod mempool;
-pub mod nbd;
-pub mod nbd_outage;
-pub mod nbd_remote;
-pub mod nbd_tenants;
 pub mod peers;
 pub mod plot;
-pub mod sparse;
 pub mod xts;
+
+mod e6;
+pub use e6::{outage as nbd_outage, remote as nbd_remote, sparse, tenants as nbd_tenants};
+
+/// E6 (`iopages bench nbd`, its code in `e6/`) under the path the command
+/// and the tests have always called.
+pub mod nbd {
+    pub use crate::e6::files::TlsSetup;
+    pub use crate::e6::fio::{parse_fio, FioFigures};
+    pub use crate::e6::runs::{run, run_with};
+    /// The test certificates of `bench nbd --tls` (they live in
+    /// `iopages-tools`).
+    pub use iopages_tools::pki::{write_pki, write_psk, Pki};
+}
 
 use std::path::PathBuf;
 

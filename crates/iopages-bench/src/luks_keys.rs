@@ -19,12 +19,13 @@
 //! Owns: its work directory, the server it starts (stopped and reaped on
 //! every path), `keys.json`. Must never: leave a child process behind.
 
+use crate::e6::common::os;
+use crate::e6::files::work_dirs;
+use crate::e6::remote::start;
 use crate::harness::{Report, Table};
 use crate::measure::median;
-use crate::nbd::{os, work_dirs};
-use crate::nbd_remote::start;
 use crate::{progress, round2, BenchError, BenchOptions};
-use iopages_testkit::{find_tool, run_tool, Ran};
+use iopages_tools::{find_tool, run_tool, Ran};
 use serde::Serialize;
 use serde_json::Value;
 use std::ffi::OsString;

@@ -290,6 +290,21 @@ struct Body {
     seed_reference: SeedReference,
 }
 
+/// Each scenario's pool counters, for the report.
+fn pool_stats(scen: &[Scenario]) -> Vec<PoolStats> {
+    scen.iter()
+        .map(|s| {
+            let st = s.pool.stats();
+            PoolStats {
+                reserve_allocs: st.reserve_allocs,
+                reserve_frees: st.reserve_frees,
+                waits: st.waits,
+                failures: st.failures,
+            }
+        })
+        .collect()
+}
+
 /// Run the experiment and write its report. Returns the JSON report.
 pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
     let (runs, pages_per_run) = if opts.quick {
@@ -322,18 +337,7 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
     for (&(_, si, mi), s) in configs.iter().zip(summarise(&samples)) {
         sum[si][mi].push(s);
     }
-    let stats: Vec<PoolStats> = scen
-        .iter()
-        .map(|s| {
-            let st = s.pool.stats();
-            PoolStats {
-                reserve_allocs: st.reserve_allocs,
-                reserve_frees: st.reserve_frees,
-                waits: st.waits,
-                failures: st.failures,
-            }
-        })
-        .collect();
+    let stats = pool_stats(&scen);
     let backing = format!("{:?}", scen[0].alloc.arena().backing());
     let names: Vec<&'static str> = scen.iter().map(|s| s.name).collect();
     let keys: Vec<&'static str> = scen.iter().map(|s| s.key).collect();

@@ -26,6 +26,16 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
+/// A batch's name in tables and reports ("single" for the single-page
+/// API, batch 0 as the peer harness numbers it).
+pub(crate) fn batch_key(b: usize) -> String {
+    if b == 0 {
+        "single".into()
+    } else {
+        b.to_string()
+    }
+}
+
 /// The peers, in table order.
 /// `dpdk` is DPDK's mempool as users create it (cache-line-aligned 4 KiB
 /// buffers, padded to spread over memory channels); `dpdk-aligned` is the
@@ -218,6 +228,43 @@ fn join(v: &[usize]) -> String {
     v.iter().map(usize::to_string).collect::<Vec<_>>().join(",")
 }
 
+/// One line of a peer's output (JSON: batch, ns_per_page, and for the
+/// multi-thread part threads, pages_per_s, cpu_ns_per_page, clock_check).
+fn parse_peer_line(line: &str) -> Result<PeerResult, String> {
+    let v: serde_json::Value =
+        serde_json::from_str(line).map_err(|e| format!("bad output line {line:?}: {e}"))?;
+    let num = |k: &str| v.get(k).and_then(serde_json::Value::as_f64);
+    let (Some(batch), Some(ns)) = (num("batch"), num("ns_per_page")) else {
+        return Err(format!("output line without batch or ns_per_page: {line}"));
+    };
+    let threads = num("threads").map(|t| t as usize);
+    let mt = match threads {
+        None => None,
+        Some(_) => {
+            let check = v.get("clock_check").and_then(serde_json::Value::as_str);
+            let (Some(pages_per_s), Some(cpu_ns_per_page), Some("ok" | "failed")) =
+                (num("pages_per_s"), num("cpu_ns_per_page"), check)
+            else {
+                return Err(format!(
+                    "multi-thread line without pages_per_s, cpu_ns_per_page or clock_check \
+                     (an old harness? rebuild it with scripts/setup-peers.sh): {line}"
+                ));
+            };
+            Some(MtFigures {
+                pages_per_s,
+                cpu_ns_per_page,
+                clock_ok: check == Some("ok"),
+            })
+        }
+    };
+    Ok(PeerResult {
+        threads,
+        batch: batch as usize,
+        ns_per_page: ns,
+        mt,
+    })
+}
+
 /// One pass of a peer process: every single-thread batch, then every
 /// (threads, batch) of the multi-thread part.
 pub fn run_peer(
@@ -241,7 +288,7 @@ pub fn run_peer(
     .map(Into::into)
     .collect();
     let dir = std::env::current_dir().map_err(|e| format!("no working directory: {e}"))?;
-    let out = iopages_testkit::run_tool(bin, &args, &dir, PEER_TIMEOUT, &[])?;
+    let out = iopages_tools::run_tool(bin, &args, &dir, PEER_TIMEOUT, &[])?;
     if !out.status.success() {
         let first = out
             .stderr
@@ -253,38 +300,7 @@ pub fn run_peer(
     let text = &out.stdout;
     let mut results = Vec::new();
     for line in text.lines().filter(|l| !l.trim().is_empty()) {
-        let v: serde_json::Value =
-            serde_json::from_str(line).map_err(|e| format!("bad output line {line:?}: {e}"))?;
-        let num = |k: &str| v.get(k).and_then(serde_json::Value::as_f64);
-        let (Some(batch), Some(ns)) = (num("batch"), num("ns_per_page")) else {
-            return Err(format!("output line without batch or ns_per_page: {line}"));
-        };
-        let threads = num("threads").map(|t| t as usize);
-        let mt = match threads {
-            None => None,
-            Some(_) => {
-                let check = v.get("clock_check").and_then(serde_json::Value::as_str);
-                let (Some(pages_per_s), Some(cpu_ns_per_page), Some("ok" | "failed")) =
-                    (num("pages_per_s"), num("cpu_ns_per_page"), check)
-                else {
-                    return Err(format!(
-                        "multi-thread line without pages_per_s, cpu_ns_per_page or clock_check \
-                         (an old harness? rebuild it with scripts/setup-peers.sh): {line}"
-                    ));
-                };
-                Some(MtFigures {
-                    pages_per_s,
-                    cpu_ns_per_page,
-                    clock_ok: check == Some("ok"),
-                })
-            }
-        };
-        results.push(PeerResult {
-            threads,
-            batch: batch as usize,
-            ns_per_page: ns,
-            mt,
-        });
+        results.push(parse_peer_line(line)?);
     }
     let expected = batches.len() + threads.len() * mt_batches.len();
     if results.len() != expected {

@@ -110,7 +110,6 @@ pub fn bar_chart(path: &Path, title: &str, bars: &Bars) -> Result<(), BenchError
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(|e| err(&e))?;
     }
-    let colors = [BLUE, RED, GREEN, CYAN];
     let root = SVGBackend::new(path, (1000, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
     let mut rest = root
@@ -124,69 +123,93 @@ pub fn bar_chart(path: &Path, title: &str, bars: &Bars) -> Result<(), BenchError
         } else {
             rest.clone()
         };
-        let y_max = panel
-            .values
-            .iter()
-            .flatten()
-            .flatten()
-            .copied()
-            .fold(1.0f64, f64::max)
-            * 1.35;
-        let n = panel.categories.len() as f64;
-        let mut chart = ChartBuilder::on(&area)
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(70)
-            .build_cartesian_2d(-0.5f64..n - 0.5, 0.0..y_max)
-            .map_err(|e| err(&e))?;
-        let names = &panel.categories;
-        chart
-            .configure_mesh()
-            .disable_x_mesh()
-            .x_labels(names.len())
-            .x_label_formatter(&|x| {
-                let i = x.round();
-                if (x - i).abs() < 1e-6 && i >= 0.0 && (i as usize) < names.len() {
-                    names[i as usize].clone()
-                } else {
-                    String::new()
-                }
-            })
-            .y_label_formatter(&|y| format!("{y:.0}"))
-            .y_desc(panel.y_label.as_str())
-            .draw()
-            .map_err(|e| err(&e))?;
-        let width = 0.8 / bars.series.len() as f64;
-        for (si, label) in bars.series.iter().enumerate() {
-            let color = colors[si % colors.len()];
-            let rects: Vec<Rectangle<(f64, f64)>> = panel.values[si]
-                .iter()
-                .enumerate()
-                .filter_map(|(ci, v)| {
-                    let x0 = ci as f64 - 0.4 + si as f64 * width;
-                    Some(Rectangle::new(
-                        [(x0, 0.0), (x0 + width * 0.9, (*v)?)],
-                        color.filled(),
-                    ))
-                })
-                .collect();
-            let drawn = chart.draw_series(rects).map_err(|e| err(&e))?;
-            if pi == 0 {
-                drawn.label(label.clone()).legend(move |(x, y)| {
-                    Rectangle::new([(x, y - 5), (x + 14, y + 5)], color.filled())
-                });
-            }
-        }
-        if pi == 0 {
-            chart
-                .configure_series_labels()
-                .position(SeriesLabelPosition::UpperRight)
-                .background_style(WHITE.mix(0.85))
-                .border_style(BLACK)
-                .draw()
-                .map_err(|e| err(&e))?;
-        }
+        draw_panel(&area, panel, &bars.series, pi == 0).map_err(|e| err(&e))?;
     }
     root.present().map_err(|e| err(&e))?;
+    Ok(())
+}
+
+/// The bars of series `si` (each `width` wide, in `color`), one per
+/// category with a value.
+fn bar_rects(
+    values: &[Option<f64>],
+    si: usize,
+    width: f64,
+    color: RGBColor,
+) -> Vec<Rectangle<(f64, f64)>> {
+    values
+        .iter()
+        .enumerate()
+        .filter_map(|(ci, v)| {
+            let x0 = ci as f64 - 0.4 + si as f64 * width;
+            Some(Rectangle::new(
+                [(x0, 0.0), (x0 + width * 0.9, (*v)?)],
+                color.filled(),
+            ))
+        })
+        .collect()
+}
+
+/// One panel of a bar chart in `area`: a bar per series in each category,
+/// the legend (`legend`) in the first.
+fn draw_panel(
+    area: &DrawingArea<SVGBackend, plotters::coord::Shift>,
+    panel: &BarPanel,
+    series: &[String],
+    legend: bool,
+) -> Result<(), String> {
+    let colors = [BLUE, RED, GREEN, CYAN];
+    let y_max = panel
+        .values
+        .iter()
+        .flatten()
+        .flatten()
+        .copied()
+        .fold(1.0f64, f64::max)
+        * 1.35;
+    let n = panel.categories.len() as f64;
+    let mut chart = ChartBuilder::on(area)
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(-0.5f64..n - 0.5, 0.0..y_max)
+        .map_err(|e| e.to_string())?;
+    let names = &panel.categories;
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(names.len())
+        .x_label_formatter(&|x| {
+            let i = x.round();
+            if (x - i).abs() < 1e-6 && i >= 0.0 && (i as usize) < names.len() {
+                names[i as usize].clone()
+            } else {
+                String::new()
+            }
+        })
+        .y_label_formatter(&|y| format!("{y:.0}"))
+        .y_desc(panel.y_label.as_str())
+        .draw()
+        .map_err(|e| e.to_string())?;
+    let width = 0.8 / series.len() as f64;
+    for (si, label) in series.iter().enumerate() {
+        let color = colors[si % colors.len()];
+        let rects = bar_rects(&panel.values[si], si, width, color);
+        let drawn = chart.draw_series(rects).map_err(|e| e.to_string())?;
+        if legend {
+            drawn.label(label.clone()).legend(move |(x, y)| {
+                Rectangle::new([(x, y - 5), (x + 14, y + 5)], color.filled())
+            });
+        }
+    }
+    if legend {
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|e| e.to_string())?;
+    }
     Ok(())
 }

@@ -401,23 +401,8 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
             if opts.quick { ", once" } else { ", every run" }
         ),
     );
-    let key_of = |len: usize| -> Vec<u8> {
-        (0..len)
-            .map(|i| (i as u8).wrapping_mul(73).wrapping_add(11))
-            .collect()
-    };
     let src: Vec<u8> = (0..BUFFER_BYTES).map(|i| (i * 131 % 251) as u8).collect();
-    // Build every (candidate, key, sector) once; the harness warms each.
-    let mut runners = Vec::new();
-    for &c in &candidates {
-        for &(key_len, _) in &KEYS {
-            for &sector in &SECTORS {
-                let r = Runner::new(c, &key_of(key_len), sector)
-                    .map_err(|e| BenchError::Workload(format!("{}: {e}", c.name())))?;
-                runners.push((c, key_len, sector, r));
-            }
-        }
-    }
+    let runners = runners_of(&candidates)?;
     let mut points: Vec<Point> = (0..runners.len()).map(Point::Runner).collect();
     points.extend(KEYS.iter().map(|&(k, _)| Point::Ecb(k)));
     points.push(Point::Speed);
@@ -455,16 +440,7 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
         speed_failed: ctx.speed_failed,
     };
     table(&f, runs).print();
-    let settings = json!({
-        "quick": opts.quick,
-        "runs": runs,
-        "buffer_bytes": BUFFER_BYTES,
-        "calls_per_sample": calls,
-        "openssl_speed_seconds": speed_seconds,
-        "direction": "encrypt, out of place",
-        "key_names": {"aes-128-xts": "32-byte (256-bit) XTS key", "aes-256-xts": "64-byte (512-bit) XTS key"},
-        "openssl_speed_command": "openssl speed -evp aes-{128,256}-xts -bytes {512,4096} -seconds S",
-    });
+    let settings = settings(opts, runs, calls, speed_seconds);
     let plot = Plot::lines(
         PlotFile::Main,
         "AES-256-XTS (512-bit key), plain64 IV per sector: MB/s by sector size",
@@ -477,6 +453,43 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
         samples_mb_s: &f.samples,
     };
     Report::new("xts", settings, body).emit(opts, &[plot])
+}
+
+/// Every (candidate, key length, sector) runner, built once; the harness
+/// warms each.
+fn runners_of(
+    candidates: &[Candidate],
+) -> Result<Vec<(Candidate, usize, usize, Runner)>, BenchError> {
+    let key_of = |len: usize| -> Vec<u8> {
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(73).wrapping_add(11))
+            .collect()
+    };
+    let mut runners = Vec::new();
+    for &c in candidates {
+        for &(key_len, _) in &KEYS {
+            for &sector in &SECTORS {
+                let r = Runner::new(c, &key_of(key_len), sector)
+                    .map_err(|e| BenchError::Workload(format!("{}: {e}", c.name())))?;
+                runners.push((c, key_len, sector, r));
+            }
+        }
+    }
+    Ok(runners)
+}
+
+/// How the run was made.
+fn settings(opts: &BenchOptions, runs: usize, calls: usize, speed_seconds: u32) -> Value {
+    json!({
+        "quick": opts.quick,
+        "runs": runs,
+        "buffer_bytes": BUFFER_BYTES,
+        "calls_per_sample": calls,
+        "openssl_speed_seconds": speed_seconds,
+        "direction": "encrypt, out of place",
+        "key_names": {"aes-128-xts": "32-byte (256-bit) XTS key", "aes-256-xts": "64-byte (512-bit) XTS key"},
+        "openssl_speed_command": "openssl speed -evp aes-{128,256}-xts -bytes {512,4096} -seconds S",
+    })
 }
 
 /// The table and the lines under it.

@@ -10,8 +10,8 @@
 mod common;
 
 use common::{sigterm_and_wait, wait_for_banner, Dir, BIN};
-use std::ffi::CString;
 use iopages_testkit::nbd_client::Client;
+use std::ffi::CString;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};

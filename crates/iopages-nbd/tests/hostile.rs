@@ -452,7 +452,7 @@ impl Drop for TmpDir {
 }
 
 /// A CA, a server certificate and a client certificate, from the
-/// benchmark's generator (`iopages_bench::nbd::write_pki`, the files
+/// benchmark's generator (`iopages_tools::write_pki`, the files
 /// `bench nbd --tls` serves with): the server's directory
 /// (server-cert.pem, server-key.pem, ca-cert.pem) and the client's pieces.
 struct Pki {
@@ -467,7 +467,7 @@ struct Pki {
 
 fn pki() -> Pki {
     let tmp = TmpDir::new("pki");
-    let files = iopages_bench::nbd::write_pki(&tmp.0).unwrap();
+    let files = iopages_tools::write_pki(&tmp.0).unwrap();
     let read = |d: &std::path::Path, f: &str| std::fs::read(d.join(f)).unwrap();
     let ca = X509::from_pem(&read(&files.server, "ca-cert.pem")).unwrap();
     let client = (

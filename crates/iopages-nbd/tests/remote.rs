@@ -846,8 +846,8 @@ fn a_reply_with_a_bad_magic_gives_the_connection_up() {
 /// (`bench nbd --tls` serves with them): the server's directory
 /// (server-cert.pem for localhost and 127.0.0.1), a client's, a client
 /// without a certificate, and an unrelated CA's.
-fn pki(dir: &TempDir) -> iopages_bench::nbd::Pki {
-    iopages_bench::nbd::write_pki(&dir.join("pki")).unwrap()
+fn pki(dir: &TempDir) -> iopages_tools::Pki {
+    iopages_tools::write_pki(&dir.join("pki")).unwrap()
 }
 
 /// nbdkit listening on 127.0.0.1 (a port found free first); `None`
@@ -927,7 +927,7 @@ fn refused(spec: &RemoteSpec) -> std::io::Error {
 
 /// nbds+unix:// to nbdkit `k` (X.509, client certificates `p`): served
 /// with tls-hostname; without it refused, unless verification is off.
-fn nbds_over_unix(k: &Nbdkit, p: &iopages_bench::nbd::Pki) {
+fn nbds_over_unix(k: &Nbdkit, p: &iopages_tools::Pki) {
     let uri = format!(
         "nbds+unix:///?socket={}&tls-certificates={}&tls-hostname=localhost",
         k.sock.display(),
@@ -974,7 +974,7 @@ fn nbds_over_unix(k: &Nbdkit, p: &iopages_bench::nbd::Pki) {
 /// nbds:// over TCP to an nbdkit with the server certificates `certs`
 /// that checks client certificates too: the name in the URI is checked
 /// against the certificate's; skipped without nbdkit outside CI.
-fn nbds_over_tcp(certs: &str, p: &iopages_bench::nbd::Pki) {
+fn nbds_over_tcp(certs: &str, p: &iopages_tools::Pki) {
     // TCP, the server checking client certificates too: the name in the
     // URI is checked against the certificate's.
     let Some((_child, port)) = nbdkit_tcp(
@@ -1075,7 +1075,7 @@ fn a_server_certificate_from_another_ca_or_for_another_name_is_refused() {
 fn nbds_with_a_psk_writes_and_reads_back_and_a_wrong_key_is_refused() {
     let dir = TempDir::new("remote-psk");
     let keys = dir.join("keys.psk");
-    iopages_bench::nbd::write_psk(&keys, "alice").unwrap();
+    iopages_tools::write_psk(&keys, "alice").unwrap();
     let psk = format!("--tls-psk={}", keys.display());
     let Some(k) = Nbdkit::start("remote nbds psk", &["--tls=require", &psk, "memory", "64M"])
     else {
@@ -1113,7 +1113,7 @@ fn nbds_with_a_psk_writes_and_reads_back_and_a_wrong_key_is_refused() {
     );
     // The right identity with another key: the handshake fails.
     let other = dir.join("other.psk");
-    iopages_bench::nbd::write_psk(&other, "alice").unwrap();
+    iopages_tools::write_psk(&other, "alice").unwrap();
     let uri = format!(
         "nbds+unix:///?socket={}&tls-psk-file={}&tls-username=alice",
         k.sock.display(),
@@ -1166,7 +1166,7 @@ fn nbds_to_a_server_without_tls_is_refused_and_never_continues_in_plaintext() {
 fn nbd_to_a_server_requiring_tls_says_to_use_nbds() {
     let dir = TempDir::new("remote-tls-reqd");
     let keys = dir.join("keys.psk");
-    iopages_bench::nbd::write_psk(&keys, "alice").unwrap();
+    iopages_tools::write_psk(&keys, "alice").unwrap();
     let psk = format!("--tls-psk={}", keys.display());
     let Some(k) = Nbdkit::start(
         "remote nbd to tls",

@@ -217,10 +217,10 @@ fn refused(auth: &StoreAuth, version: SslVersion, query: &str) -> std::io::Error
 
 /// A PKI (the server's certificate is for localhost) and a PSK file for
 /// "alice" under `dir`.
-fn credentials(dir: &TempDir) -> (iopages_bench::nbd::Pki, PathBuf) {
-    let pki = iopages_bench::nbd::write_pki(&dir.join("pki")).unwrap();
+fn credentials(dir: &TempDir) -> (iopages_tools::Pki, PathBuf) {
+    let pki = iopages_tools::write_pki(&dir.join("pki")).unwrap();
     let keys = dir.join("alice.psk");
-    iopages_bench::nbd::write_psk(&keys, "alice").unwrap();
+    iopages_tools::write_psk(&keys, "alice").unwrap();
     (pki, keys)
 }
 
@@ -233,7 +233,7 @@ fn certificate_when_a_psk_was_asked(version: SslVersion) {
     let dir = TempDir::new("remote-auth-cert");
     let (pki, keys) = credentials(&dir);
     let bob = dir.join("bob.psk");
-    iopages_bench::nbd::write_psk(&bob, "bob").unwrap();
+    iopages_tools::write_psk(&bob, "bob").unwrap();
     // Under TLS 1.2 the client offers PSK suites only: the store refuses
     // them (or the identity) before it could present its certificate.
     let presented = "the store presented an X.509 certificate (subject CN=localhost) instead";

@@ -198,9 +198,9 @@ fn a_flush_after_a_restart_fails_once_and_later_ones_succeed() {
 #[test]
 fn tls_connections_reconnect_with_a_full_handshake() {
     let dir = TempDir::new("reconnect-tls");
-    let pki = iopages_bench::nbd::write_pki(&dir.join("pki")).unwrap();
+    let pki = iopages_tools::write_pki(&dir.join("pki")).unwrap();
     let keys = dir.join("keys.psk");
-    iopages_bench::nbd::write_psk(&keys, "alice").unwrap();
+    iopages_tools::write_psk(&keys, "alice").unwrap();
     let certs = format!("--tls-certificates={}", pki.server.display());
     let psk = format!("--tls-psk={}", keys.display());
     let x509 = format!(

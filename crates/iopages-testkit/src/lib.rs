@@ -1,36 +1,30 @@
-//! Dev-only support shared by iopages' integration tests and its
-//! benchmarks (`iopages-bench`): finding outside tools, supervising child
-//! processes, and temporary directories.
+//! Test-only support for iopages' integration tests: temporary
+//! directories, and the run-time helpers of `iopages-tools` re-exported
+//! under the names the tests use.
 //!
-//! Owns: the one rule for a missing outside tool (a skip with a message
-//! locally, a failure under `CI=true`, where scripts/setup-debian.sh has
-//! installed them all), the kill-on-drop child, running a tool to
-//! completion under a timeout, waiting for a server's socket, and the
-//! removed-on-drop directory. Must never: be a dependency of the library
-//! crates (iopages, iopages-crypt, iopages-nbd) other than as a
-//! dev-dependency, or measure anything — timings belong to iopages-bench.
+//! Owns: the removed-on-drop directory (`dir`, [`TempDir`]). Must never:
+//! be anything but a dev-dependency (the `iopages` binary does not link
+//! it: `tests/shape.rs` checks every `Cargo.toml`), or measure anything —
+//! timings belong to iopages-bench.
 //!
-//! Modules: `tools` (`find_tool`, `need_tool`, `ci`), `process`
-//! (`Reaped`, `run_tool`, `wait_for_socket`, `stop`, `lines_of`) and
-//! `dir` (`TempDir`).
-//!
-//! NBD peers: `nbd_client` is the tests' one raw NBD client (and the
-//! scripted server side of their fake stores), an implementation of the
-//! wire format independent of iopages-nbd, so that tests check the server
-//! and the remote client against it; `hostile` starts the hostile peers
-//! and the polite client of the many-tenant tests over it.
+//! Re-exported from `iopages-tools`, which the benchmarks use at run time
+//! too: the one rule for a missing outside tool (`tools`), child processes
+//! (`process`), test certificates (`pki`), the tests' one raw NBD client
+//! (`nbd_client`: an implementation of the wire format independent of
+//! iopages-nbd, so tests check the server and the remote client against
+//! it; `tests/one_client.rs` keeps it the only one) and the hostile peers
+//! of the many-tenant tests (`hostile`).
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 pub mod dir;
-pub mod hostile;
-pub mod nbd_client;
-pub mod process;
-pub mod tools;
 
 pub use dir::TempDir;
-pub use process::{
-    die_with_parent, lines_of, run_tool, signal, stop, tail_lines, wait_for_socket, Ran, Reaped,
+/// Outside tools, child processes, test certificates and NBD peers:
+/// `iopages-tools`', where the benchmarks find them.
+pub use iopages_tools::{
+    ci, die_with_parent, find_tool, hostile, lines_of, nbd_client, need_tool, pki, process,
+    run_tool, signal, stop, tail_lines, tools, wait_for_socket, write_pki, write_psk, Pki, Ran,
+    Reaped,
 };
-pub use tools::{ci, find_tool, need_tool};

@@ -30,12 +30,10 @@ use std::path::{Path, PathBuf};
 /// The longest a function may be, in lines.
 const MAX_FN_LINES: usize = 70;
 
-/// Functions allowed to be longer: (path, fn name, reason).
-const LONG_FN_ALLOWED: &[(&str, &str, &str)] = &[(
-    "crates/iopages-cli/src/metrics.rs",
-    "encode",
-    "flat table: one entry per metric family",
-)];
+/// Functions allowed to be longer: (path, fn name, reason) — a flat
+/// table that reads worse split. None today (the metrics encoder, the one
+/// candidate, is written one family group per function).
+const LONG_FN_ALLOWED: &[(&str, &str, &str)] = &[];
 
 /// Crates whose `unsafe` is their job (the allocator core and the C ABI):
 /// left out of the inventory.

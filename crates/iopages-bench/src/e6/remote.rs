@@ -17,14 +17,17 @@
 //! on Ceph). Must never: run both LUKS servers against the remote at once;
 //! leave a child process or a temporary file behind.
 
+use super::common::os;
+use super::files::{fill_file, work_dirs};
+use super::fio::{verify_region, Plan};
+use super::load::{Load, Sample};
+use super::measure::{load_sample_at, LoadTarget};
+use super::server::command_line;
+use super::tools::{parse_payload_offset, parse_size};
 use crate::harness::{Report, Table};
 use crate::measure::{median, per_run_ratio};
-use crate::nbd::{
-    command_line, fill_file, load_sample_at, os, parse_payload_offset, parse_size, verify_region,
-    work_dirs, Load, LoadTarget, Plan, Sample,
-};
 use crate::{met, progress, round2, BenchError, BenchOptions};
-use iopages_testkit::{die_with_parent, find_tool, run_tool, stop, tail_lines, wait_for_socket};
+use iopages_tools::{die_with_parent, find_tool, run_tool, stop, tail_lines, wait_for_socket};
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::ffi::OsString;
@@ -33,10 +36,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use crate::nbd::{
-    LUKS_HEADER_BYTES, MIB, OUR_EXPORT, RAND_DEPTH, RAND_JOBS, SEQ_DEPTH, START_TIMEOUT,
-    STOP_TIMEOUT, TARGET_RATIO, VERIFY_BYTES,
-};
+use super::common::MIB;
+use super::files::LUKS_HEADER_BYTES;
+use super::fio::{RAND_DEPTH, RAND_JOBS, SEQ_DEPTH, VERIFY_BYTES};
+use super::report::TARGET_RATIO;
+use super::server::{OUR_EXPORT, START_TIMEOUT, STOP_TIMEOUT};
 mod store;
 
 pub use store::Store;
@@ -339,10 +343,10 @@ struct Check {
 
 /// Per server: samples per load, or why it failed.
 struct Results {
-    samples: Vec<Vec<Sample>>,
-    failed: Option<String>,
-    command: String,
-    stops: Vec<String>,
+    pub(super) samples: Vec<Vec<Sample>>,
+    pub(super) failed: Option<String>,
+    pub(super) command: String,
+    pub(super) stops: Vec<String>,
 }
 
 impl Results {

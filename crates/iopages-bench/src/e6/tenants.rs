@@ -24,15 +24,17 @@
 //! active peers) per load, and p99_hold_r / p99_alone_r; the figure
 //! reported is the median of the runs' ratios.
 
+use super::common::{os, workload, MIB};
+use super::files::{fill_file, luks_format, sync_file, work_dirs, Files, LUKS_HEADER_BYTES};
+use super::fio::{parse_fio, Plan};
+use super::load::Load;
+use super::server::{command_line, OUR_EXPORT, START_TIMEOUT};
+use super::tools::Tools;
 use crate::harness::{Machine, Report, Table};
 use crate::measure::median;
-use crate::nbd::{
-    command_line, fill_file, luks_format, os, parse_fio, sync_file, work_dirs, workload, Files,
-    Load, Plan, Tools, LUKS_HEADER_BYTES, MIB, OUR_EXPORT, START_TIMEOUT,
-};
 use crate::{met, progress, round2, BenchError, BenchOptions};
-use iopages_testkit::hostile::{self, Flood, NbdClient, Silent};
-use iopages_testkit::{find_tool, run_tool, signal, stop, tail_lines};
+use iopages_tools::hostile::{self, Flood, NbdClient, Silent};
+use iopages_tools::{find_tool, run_tool, signal, stop, tail_lines};
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::ffi::OsString;
@@ -59,7 +61,7 @@ pub const FAIR_TARGET: f64 = 0.8;
 /// The export is the region (1 GiB, 128 MiB with `--quick`) plus this,
 /// the region written with data, the rest a hole until a flood writes it
 /// (the floods zero from offset 0, over the region too). Not a multiple
-/// of 4 GiB on purpose: iopages-testkit's `unread_reads` sizes its READs
+/// of 4 GiB on purpose: iopages-tools' `hostile::unread_reads` sizes its READs
 /// from the export's size cast to 32 bits, which is 0 for one of 4 GiB.
 pub const FLOOD_BYTES: u64 = 4 << 30;
 
@@ -342,7 +344,7 @@ impl Served {
     /// Start the server of one cell (`tag` names its logs and statistics
     /// file) and wait for its `serving` line.
     fn start(iopages_bin: &Path, f: &Files, tag: &str) -> Result<Served, String> {
-        let (out_log, err_log) = crate::nbd::logs_in(&f.work, tag);
+        let (out_log, err_log) = crate::e6::server::logs_in(&f.work, tag);
         let stats = f.work.join(format!("{tag}-stats.json"));
         let mut cmd = Command::new(iopages_bin);
         cmd.arg("serve")
@@ -359,7 +361,7 @@ impl Served {
             .args(["--io", io_mode(), "--stats-json"])
             .arg(&stats);
         let command = command_line(&cmd);
-        let child = crate::nbd::spawn_logged(&mut cmd, &f.work, &out_log, &err_log)
+        let child = crate::e6::server::spawn_logged(&mut cmd, &f.work, &out_log, &err_log)
             .map_err(|e| format!("cannot start iopages serve ({command}): {e}"))?;
         let mut s = Served {
             child: Some(child),
@@ -1183,7 +1185,7 @@ fn settings(run: &Run, opts: &BenchOptions) -> Value {
             "failure": "a probe whose fio fails (cannot connect, a job error, no data) beside the hostiles is a throughput of 0 and a latency of infinity; its error is reported",
         },
         "hostile_peers": {
-            "addresses": format!("127.0.0.2-127.0.0.{}, one peer each, threads of this bench (iopages-testkit's hostile module), on the same CPUs", 1 + h.peers),
+            "addresses": format!("127.0.0.2-127.0.0.{}, one peer each, threads of this bench (iopages-tools' hostile module), on the same CPUs", 1 + h.peers),
             "plan": h,
             "hold": "per peer: greedy connections first (NBD_OPT_GO, then READs of 32 MiB never read), then silent sockets (connect, never send; re-opened at once when the server closes them)",
             "flood": "per peer: connections keeping WRITE_ZEROES of 4 GiB less a page at offset 0 in flight, each reply read and the next sent at once",

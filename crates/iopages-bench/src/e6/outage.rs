@@ -15,11 +15,13 @@
 //! reaped on every path), `nbd-outage.json`. Must never: leave a child
 //! process or a temporary file behind.
 
+use super::common::os;
+use super::files::work_dirs;
+use super::remote::{start, Proc};
+use super::server::command_line;
 use crate::harness::{Report, Table};
-use crate::nbd::{command_line, os, work_dirs};
-use crate::nbd_remote::{start, Proc};
 use crate::{progress, round2, BenchError, BenchOptions};
-use iopages_testkit::{find_tool, run_tool, tail_lines};
+use iopages_tools::{find_tool, run_tool, tail_lines};
 use serde::Serialize;
 use serde_json::Value;
 use std::path::{Path, PathBuf};

@@ -14,6 +14,7 @@ use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, ChildStdout, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// Children of `cmd` get `sig` if the thread that started them goes away
@@ -153,18 +154,8 @@ pub fn run_tool(
         cmd.spawn()
             .map_err(|e| format!("could not start {name}: {e}"))?,
     );
-    let reader = |r: Option<Box<dyn Read + Send>>| {
-        std::thread::spawn(move || {
-            let mut buf = Vec::new();
-            if let Some(mut r) = r {
-                let _ = (&mut r).take(MAX_TOOL_OUTPUT).read_to_end(&mut buf);
-                let _ = std::io::copy(&mut r, &mut std::io::sink());
-            }
-            String::from_utf8_lossy(&buf).into_owned()
-        })
-    };
-    let out = reader(child.0.stdout.take().map(|r| Box::new(r) as _));
-    let err = reader(child.0.stderr.take().map(|r| Box::new(r) as _));
+    let out = read_output(child.0.stdout.take().map(|r| Box::new(r) as _));
+    let err = read_output(child.0.stderr.take().map(|r| Box::new(r) as _));
     let status = loop {
         match child.0.try_wait() {
             Ok(Some(s)) => break Some(s),
@@ -178,26 +169,8 @@ pub fn run_tool(
         signal(&child.0, libc::SIGKILL);
         let _ = child.0.wait();
     }
-    // A killed tool's child may still hold its pipes: give the readers a
-    // moment, then leave them (their output is not needed for an error
-    // beyond what they have).
-    let done = |h: &std::thread::JoinHandle<String>| {
-        status.is_some() || {
-            let t = Instant::now();
-            while !h.is_finished() && t.elapsed() < Duration::from_secs(2) {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            h.is_finished()
-        }
-    };
-    let take = |h: std::thread::JoinHandle<String>| {
-        if done(&h) {
-            h.join().unwrap_or_default()
-        } else {
-            String::new()
-        }
-    };
-    let (stdout, stderr) = (take(out), take(err));
+    let exited = status.is_some();
+    let (stdout, stderr) = (output_of(out, exited), output_of(err, exited));
     match status {
         Some(status) => Ok(Ran {
             status,
@@ -210,6 +183,37 @@ pub fn run_tool(
             timeout.as_secs(),
             tail_lines(&stderr)
         )),
+    }
+}
+
+/// A thread reading `r` to its end: the first [`MAX_TOOL_OUTPUT`] bytes
+/// kept (as text), the rest read and dropped.
+fn read_output(r: Option<Box<dyn Read + Send>>) -> JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        if let Some(mut r) = r {
+            let _ = (&mut r).take(MAX_TOOL_OUTPUT).read_to_end(&mut buf);
+            let _ = std::io::copy(&mut r, &mut std::io::sink());
+        }
+        String::from_utf8_lossy(&buf).into_owned()
+    })
+}
+
+/// What the reader `h` read. A killed tool's child (`exited` false) may
+/// still hold its pipes: give the reader a moment, then leave it (its
+/// output is not needed for an error beyond what it has).
+fn output_of(h: JoinHandle<String>, exited: bool) -> String {
+    let done = exited || {
+        let t = Instant::now();
+        while !h.is_finished() && t.elapsed() < Duration::from_secs(2) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        h.is_finished()
+    };
+    if done {
+        h.join().unwrap_or_default()
+    } else {
+        String::new()
     }
 }
 

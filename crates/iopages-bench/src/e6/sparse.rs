@@ -20,15 +20,16 @@
 //! without `--allow-discards`, nbdkit and qemu-nbd must agree with each
 //! other, and the copy from ours with `--allow-discards` must be zeros.
 
+use super::common::{os, workload, MIB};
+use super::files::{fs_type, luks_format, sync_file, work_dirs, Files, LUKS_HEADER_BYTES};
+use super::report::failures;
+use super::server::{start_server, Running, Server};
+use super::tools::Tools;
 use crate::harness::{Chart, Plot, PlotFile, Report, Table};
 use crate::measure::median;
-use crate::nbd::{
-    failures, fs_type, luks_format, os, start_server, sync_file, work_dirs, workload, Files,
-    Running, Server, Tools, LUKS_HEADER_BYTES, MIB,
-};
 use crate::plot::{BarPanel, Bars};
 use crate::{met, progress, round2, BenchError, BenchOptions};
-use iopages_testkit::{find_tool, run_tool, tail_lines};
+use iopages_tools::{find_tool, run_tool, tail_lines};
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -288,6 +289,34 @@ struct SparseTools {
     qemu_img_missing: Option<String>,
 }
 
+/// Whether `nbdkit` has its luks filter (`--dump-plugin` with it
+/// succeeds).
+fn luks_filter_works(nbdkit: &Path, dir: &Path) -> bool {
+    run_tool(
+        nbdkit,
+        &os(&[&"--filter=luks", &"null", &"--dump-plugin"]),
+        dir,
+        Duration::from_secs(30),
+        &[],
+    )
+    .is_ok_and(|r| r.status.success())
+}
+
+/// Whether `iopages_bin serve` takes `--allow-discards`: before it
+/// existed, `serve --help` did not name it.
+fn has_allow_discards(iopages_bin: &Path, dir: &Path) -> bool {
+    let help = run_tool(
+        iopages_bin,
+        &os(&[&"serve", &"--help"]),
+        dir,
+        Duration::from_secs(30),
+        &[],
+    )
+    .map(|r| r.stdout)
+    .unwrap_or_default();
+    help.contains("--allow-discards")
+}
+
 impl SparseTools {
     fn find(dir: &Path, peers: bool, iopages_bin: &Path) -> Result<SparseTools, BenchError> {
         let need = |name: &str, pkg: &str, why: &str| {
@@ -318,38 +347,19 @@ impl SparseTools {
         };
         let nbdkit = peer(Server::Nbdkit, "nbdkit", "nbdkit");
         let qemu_nbd = peer(Server::Qemu, "qemu-nbd", "qemu-utils");
-        if !missing.contains_key(Server::Nbdkit.key()) && peers {
-            let ok = run_tool(
-                &nbdkit,
-                &os(&[&"--filter=luks", &"null", &"--dump-plugin"]),
-                dir,
-                Duration::from_secs(30),
-                &[],
-            )
-            .is_ok_and(|r| r.status.success());
-            if !ok {
-                missing.insert(
-                    Server::Nbdkit.key(),
-                    "nbdkit's luks filter is missing".into(),
-                );
-            }
+        if !missing.contains_key(Server::Nbdkit.key()) && peers && !luks_filter_works(&nbdkit, dir)
+        {
+            missing.insert(
+                Server::Nbdkit.key(),
+                "nbdkit's luks filter is missing".into(),
+            );
         }
         if !peers {
             for s in [Server::Nbdkit, Server::Qemu] {
                 missing.insert(s.key(), "--no-peers".into());
             }
         }
-        // Before --allow-discards existed, `serve --help` did not name it.
-        let help = run_tool(
-            iopages_bin,
-            &os(&[&"serve", &"--help"]),
-            dir,
-            Duration::from_secs(30),
-            &[],
-        )
-        .map(|r| r.stdout)
-        .unwrap_or_default();
-        if !help.contains("--allow-discards") {
+        if !has_allow_discards(iopages_bin, dir) {
             missing.insert(
                 Server::OursDiscards.key(),
                 format!("{} serve has no --allow-discards", iopages_bin.display()),
@@ -398,10 +408,10 @@ impl Cell {
 #[derive(Clone, Debug, Default)]
 struct Results {
     cells: Vec<Cell>,
-    failed: Option<String>,
+    pub(super) failed: Option<String>,
     skipped: Option<String>,
-    command: String,
-    stops: Vec<String>,
+    pub(super) command: String,
+    pub(super) stops: Vec<String>,
     map: Option<MapTotals>,
 }
 
@@ -464,7 +474,31 @@ pub fn run(opts: &BenchOptions, iopages_bin: &Path) -> Result<Value, BenchError>
         ),
     );
 
-    // The image: a hole of the payload's size, then the LUKS1 header.
+    let (dev, written, image_allocated) = make_image(&st, iopages_bin, &f, payload, &fs)?;
+    f.read_only = true;
+    let plan = Plan {
+        dev,
+        written,
+        runs,
+        image_allocated,
+        fs,
+    };
+    let results = run_servers(&st, iopages_bin, &f, &plan);
+    report(opts, &st, &plan, &results, &json_path)
+}
+
+/// The image: a hole of the payload's size, then the LUKS1 header, and
+/// the written regions through `iopages serve` (on the file system `fs`).
+///
+/// **Returns:** the export's size, the written regions and the image's
+/// allocated bytes.
+fn make_image(
+    st: &SparseTools,
+    iopages_bin: &Path,
+    f: &Files,
+    payload: u64,
+    fs: &str,
+) -> Result<(u64, Vec<Extent>, u64), BenchError> {
     let img_err = |e| BenchError::Write {
         path: f.image.clone(),
         source: e,
@@ -472,7 +506,7 @@ pub fn run(opts: &BenchOptions, iopages_bin: &Path) -> Result<Value, BenchError>
     std::fs::File::create(&f.image)
         .and_then(|x| x.set_len(payload + LUKS_HEADER_BYTES))
         .map_err(img_err)?;
-    let dev = luks_format(&st.tools, &f)?;
+    let dev = luks_format(&st.tools, f)?;
     let written = regions(dev, REGIONS, WRITTEN_DIVISOR);
     if written.is_empty() {
         return Err(workload(format!("a {dev}-byte export is too small")));
@@ -488,7 +522,7 @@ pub fn run(opts: &BenchOptions, iopages_bin: &Path) -> Result<Value, BenchError>
             written[0].len / 1024
         ),
     );
-    write_regions(&st, iopages_bin, &f)?;
+    write_regions(st, iopages_bin, f)?;
     sync_file(&f.image);
     let image_allocated = allocated(&f.image).map_err(img_err)?;
     progress(
@@ -507,16 +541,7 @@ pub fn run(opts: &BenchOptions, iopages_bin: &Path) -> Result<Value, BenchError>
             format!("WARNING: the image is not sparse on {fs}: the copies have no holes to skip"),
         );
     }
-    f.read_only = true;
-    let plan = Plan {
-        dev,
-        written,
-        runs,
-        image_allocated,
-        fs,
-    };
-    let results = run_servers(&st, iopages_bin, &f, &plan);
-    report(opts, &st, &plan, &results, &json_path)
+    Ok((dev, written, image_allocated))
 }
 
 /// Write the regions: `iopages serve` (writable, without
@@ -628,6 +653,34 @@ fn one_server(
     out
 }
 
+/// `nbdinfo --map` of the export at `uri`, summed (and printed); `None`
+/// where nbdinfo failed.
+fn map_of(st: &SparseTools, f: &Files, uri: &str) -> Option<MapTotals> {
+    let map = run_tool(
+        &st.tools.nbdinfo,
+        &os(&[&"--map", &uri]),
+        &f.work,
+        Duration::from_secs(60),
+        &[],
+    )
+    .ok()
+    .filter(|c| c.status.success())
+    .and_then(|c| parse_map(&c.stdout));
+    if let Some(m) = map {
+        progress(
+            STEM,
+            format!(
+                "  nbdinfo --map: {} extents, {:.1} MiB data, {:.1} MiB hole, {:.1} MiB zero",
+                m.extents,
+                m.data_bytes as f64 / MIB as f64,
+                m.hole_bytes as f64 / MIB as f64,
+                m.zero_bytes as f64 / MIB as f64
+            ),
+        );
+    }
+    map
+}
+
 /// The copies of one run from the running server `r`.
 #[allow(clippy::too_many_arguments)]
 fn copies(
@@ -641,28 +694,7 @@ fn copies(
     res: &mut Results,
 ) -> Result<(), String> {
     if res.map.is_none() {
-        res.map = run_tool(
-            &st.tools.nbdinfo,
-            &os(&[&"--map", &r.uri]),
-            &f.work,
-            Duration::from_secs(60),
-            &[],
-        )
-        .ok()
-        .filter(|c| c.status.success())
-        .and_then(|c| parse_map(&c.stdout));
-        if let Some(m) = res.map {
-            progress(
-                STEM,
-                format!(
-                    "  nbdinfo --map: {} extents, {:.1} MiB data, {:.1} MiB hole, {:.1} MiB zero",
-                    m.extents,
-                    m.data_bytes as f64 / MIB as f64,
-                    m.hole_bytes as f64 / MIB as f64,
-                    m.zero_bytes as f64 / MIB as f64
-                ),
-            );
-        }
+        res.map = map_of(st, f, &r.uri);
     }
     let mut line = Vec::new();
     // Each run starts with the next client: neither always copies first
@@ -870,7 +902,17 @@ fn report(
         rows: rows(plan, results, &clients),
         summary: summary(plan, st, results, &clients, &ratios, &failed),
     };
-    let settings = json!({
+    let settings = settings(opts, plan);
+    let report = Report::new("E6 nbd sparse copy", settings, body)
+        .stem(STEM)
+        .emit(opts, &[plot])?;
+    failures(&failed, "sparse copy: ", json_path)?;
+    Ok(report)
+}
+
+/// How the sparse copy was made.
+fn settings(opts: &BenchOptions, plan: &Plan) -> Value {
+    json!({
         "runs": plan.runs,
         "quick": opts.quick,
         "export_bytes": plan.dev,
@@ -888,12 +930,7 @@ fn report(
         "time": "wall time of the client's process, best of the runs",
         "check": "first run of each server and client: the copy is the export's size; its written regions equal what was written (every server); its never-written ranges are zeros from iopages serve --allow-discards, and from every other server the same bytes (sha256) as from iopages serve without it (a hole decrypts to the same noise)",
         "target": format!("each other server's copy time / ours with --allow-discards >= {TARGET_RATIO}, per client: the median over runs of each run's ratio"),
-    });
-    let report = Report::new("E6 nbd sparse copy", settings, body)
-        .stem(STEM)
-        .emit(opts, &[plot])?;
-    failures(&failed, "sparse copy: ", json_path)?;
-    Ok(report)
+    })
 }
 
 /// What the never-written ranges of a copy held.
@@ -1093,7 +1130,7 @@ fn summary(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nbd::RemoveDirs;
+    use crate::e6::files::RemoveDirs;
 
     /// The command line `iopages serve` is started with for the sparse copy,
     /// for the tests.
@@ -1106,14 +1143,14 @@ mod tests {
             nbdkit: "nbdkit".into(),
             qemu_nbd: "qemu-nbd".into(),
         };
-        let cmd = crate::nbd::server_command(
+        let cmd = crate::e6::server::server_command(
             s,
             &tools,
             Path::new("/bin/iopages"),
             f,
             Path::new("/s/x.sock"),
         );
-        crate::nbd::command_line(&cmd)
+        crate::e6::server::command_line(&cmd)
     }
 
     #[test]

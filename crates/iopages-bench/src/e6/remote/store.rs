@@ -14,9 +14,9 @@
 //! a process it did not start.
 
 use super::{start, Proc, Tools};
-use crate::nbd::{os, MIB};
+use crate::e6::common::{os, MIB};
 use crate::progress;
-use iopages_testkit::{find_tool, run_tool, tail_lines};
+use iopages_tools::{find_tool, run_tool, tail_lines};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
