@@ -19,8 +19,9 @@
 //! `TimedOut` naming what it waited for, and a connection whose socket is
 //! stuck (a request left half sent, or one sent and not answered) is
 //! given up; a connection
-//! that dies fails every request waiting on it and every later one at
-//! once (there is no reconnect); or send a request the export's
+//! that dies fails every request waiting on it on that connection at
+//! once — each is sent again on a live connection until its deadline, and
+//! `link.rs` reconnects the dead one in the background; or send a request the export's
 //! constraints forbid (out of range, misaligned, a write to a read-only
 //! export): those are refused before anything is sent.
 //!
@@ -409,6 +410,10 @@ impl NbdRemote {
                 ),
             ));
         }
+        debug_assert!(
+            offset + len <= self.info.size,
+            "a checked range lies in the export"
+        );
         Ok(())
     }
 
@@ -460,12 +465,14 @@ impl NbdRemote {
                 read: None,
                 start: pos,
             };
+            debug_assert!(n > 0, "a split write makes progress");
             let errno = self.call(req, deadline)?;
             if errno != 0 {
                 return Err(self.reply_error(errno, CMD_WRITE, at, n as u64));
             }
             pos += n;
         }
+        debug_assert_eq!(pos, total, "every byte of the write was sent once");
         Ok(())
     }
 
@@ -476,6 +483,10 @@ impl NbdRemote {
         let mut pos = 0;
         while pos < len {
             let n = (len - pos).min(MAX_EFFECT_BYTES);
+            debug_assert!(
+                n > 0 && n <= u64::from(u32::MAX),
+                "a request's length fits NBD's"
+            );
             let errno = self.call(Req::bare(command, offset + pos, n as u32), deadline)?;
             if errno != 0 {
                 return Err(self.reply_error(errno, command, offset + pos, n));
@@ -523,12 +534,14 @@ impl Backend for NbdRemote {
                 start: pos,
                 ..Req::bare(CMD_READ, at, n as u32)
             };
+            debug_assert!(n > 0, "a split read makes progress");
             let errno = self.call(req, deadline)?;
             if errno != 0 {
                 return Err(self.reply_error(errno, CMD_READ, at, n as u64));
             }
             pos += n;
         }
+        debug_assert_eq!(pos, total, "every byte of the read was asked for once");
         Ok(())
     }
 

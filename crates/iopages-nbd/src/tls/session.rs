@@ -129,7 +129,13 @@ impl<S: Socket> SealedOut<S> {
         while self.sent < self.out.len() {
             match self.sock.send(&self.out[self.sent..]) {
                 Ok(0) => return Err(ErrorKind::WriteZero.into()),
-                Ok(n) => self.sent += n,
+                Ok(n) => {
+                    debug_assert!(
+                        n <= self.out.len() - self.sent,
+                        "send took what was offered"
+                    );
+                    self.sent += n;
+                }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
@@ -152,6 +158,7 @@ impl<S: Socket> Read for SealedOut<S> {
 impl<S: Socket> Write for SealedOut<S> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         if self.sending == Sending::Direct {
+            debug_assert_eq!(self.pending(), 0, "a direct session gathers nothing");
             return self.sock.send(buf);
         }
         if self.pending() + buf.len() > TLS_OUT_BYTES {
@@ -165,6 +172,11 @@ impl<S: Socket> Write for SealedOut<S> {
             self.sent = 0;
         }
         self.out.extend_from_slice(buf);
+        // Bounded: past the bound only when the gathered bytes were all sent.
+        debug_assert!(
+            self.pending() <= TLS_OUT_BYTES.max(buf.len()),
+            "the sealed-out buffer stays within its bound"
+        );
         Ok(buf.len())
     }
 
@@ -206,6 +218,10 @@ impl<S: Socket> Sealed<S> {
                 let r = self.ssl.ssl_write(&self.stage[self.staged_sent..]);
                 if let Ok(n) = r {
                     self.staged_sent += n;
+                    debug_assert!(
+                        self.staged_sent <= self.stage.len(),
+                        "OpenSSL took the stage once"
+                    );
                 }
                 r
             } else {

@@ -87,7 +87,12 @@ impl Transport {
             return Ok(Io::Done(0));
         }
         if let Some(tls) = self.tls.get() {
-            return tls.try_read(buf);
+            let r = tls.try_read(buf);
+            debug_assert!(
+                !matches!(r, Ok(Io::Done(n)) if n > buf.len()),
+                "a read fills at most its buffer"
+            );
+            return r;
         }
         loop {
             match (&self.sock).read(buf) {
@@ -107,7 +112,12 @@ impl Transport {
     /// under TLS, sealed or staged bytes are pending on them.
     pub(crate) fn try_write(&self, bufs: &[IoSlice<'_>]) -> io::Result<Io> {
         if let Some(tls) = self.tls.get() {
-            return tls.try_write(bufs);
+            let r = tls.try_write(bufs);
+            debug_assert!(
+                !matches!(r, Ok(Io::Done(n)) if n > bufs.iter().map(|b| b.len()).sum()),
+                "a write reports at most what it was offered"
+            );
+            return r;
         }
         loop {
             match (&self.sock).write_vectored(bufs) {
@@ -152,6 +162,7 @@ impl Transport {
         write: bool,
         timeout: Option<Duration>,
     ) -> io::Result<Ready> {
+        debug_assert!(socket || !(read || write), "waiting for a socket left out");
         let mut events = 0;
         if read {
             events |= libc::POLLIN;
@@ -233,9 +244,10 @@ impl Transport {
         let wait = |read, write| self.wait(read, write, Some(time_left(deadline)?)).map(drop);
         let left = deadline.saturating_duration_since(Instant::now());
         let session = TlsSession::accept(self.sock.try_clone()?, acceptor, left, wait)?;
-        self.tls
-            .set(session)
-            .map_err(|_| io::Error::other("TLS is already running"))
+        // Only the connection's own thread starts TLS, once (checked above).
+        let set = self.tls.set(session);
+        assert!(set.is_ok(), "TLS started twice on one connection");
+        Ok(())
     }
 
     /// What the finished TLS handshake proved about the client: its PSK
