@@ -22,29 +22,8 @@
 //! threads inside `server/` and `client/` change, and these directions
 //! stay.
 
-use std::path::{Path, PathBuf};
-
-/// Every `.rs` file under `dir`, recursively.
-fn rust_files(dir: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir(dir).unwrap() {
-        let p = e.unwrap().path();
-        if p.is_dir() {
-            out.extend(rust_files(&p));
-        } else if p.extension().is_some_and(|x| x == "rs") {
-            out.push(p);
-        }
-    }
-    out
-}
-
-/// The `src/` of crate `name` in this workspace.
-fn crate_src(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("..")
-        .join(name)
-        .join("src")
-}
+mod common;
+use common::{crate_src, rs_files as rust_files};
 
 // ---- the allocator's layers --------------------------------------------
 

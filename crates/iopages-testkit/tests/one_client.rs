@@ -9,30 +9,13 @@
 //! The patterns are assembled from pieces, so that this file does not
 //! match itself.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
+
+mod common;
+use common::{root, rs_files};
 
 /// Files that may keep a pattern, each with the reason.
 const ALLOWED: &[(&str, &str)] = &[];
-
-/// The workspace's root (this crate is `crates/iopages-testkit`).
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-/// Every `.rs` file under `dir`, recursively.
-fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for e in entries.flatten() {
-        let p = e.path();
-        if p.is_dir() {
-            rust_files(&p, out);
-        } else if p.extension().is_some_and(|x| x == "rs") {
-            out.push(p);
-        }
-    }
-}
 
 /// The protocol's magic numbers as hex digits, lower case, no `0x`
 /// (written in two halves each).
@@ -89,12 +72,12 @@ fn covered() -> Vec<PathBuf> {
     let root = root();
     let mut files = Vec::new();
     for krate in std::fs::read_dir(root.join("crates")).unwrap().flatten() {
-        rust_files(&krate.path().join("tests"), &mut files);
+        files.extend(rs_files(&krate.path().join("tests")));
     }
     let client = root.join("crates/iopages-tools/src/nbd_client");
     let mut own = Vec::new();
-    rust_files(&root.join("crates/iopages-testkit/src"), &mut own);
-    rust_files(&root.join("crates/iopages-tools/src"), &mut own);
+    own.extend(rs_files(&root.join("crates/iopages-testkit/src")));
+    own.extend(rs_files(&root.join("crates/iopages-tools/src")));
     files.extend(own.into_iter().filter(|p| !p.starts_with(&client)));
     files
 }

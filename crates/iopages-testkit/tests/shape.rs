@@ -27,6 +27,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::path::{Path, PathBuf};
 
+mod common;
+use common::{root, rs_files};
+
 /// The longest a function may be, in lines.
 const MAX_FN_LINES: usize = 70;
 
@@ -44,12 +47,6 @@ const INVENTORY_END: &str = "<!-- unsafe-inventory:end -->";
 
 // ---- the workspace on disk ------------------------------------------------
 
-/// The workspace root (`crates/..`).
-fn root() -> PathBuf {
-    let here = Path::new(env!("CARGO_MANIFEST_DIR"));
-    here.join("../..").canonicalize().expect("workspace root")
-}
-
 /// Every crate folder under `crates/`, sorted.
 fn crate_dirs() -> Vec<PathBuf> {
     let mut dirs: Vec<PathBuf> = fs::read_dir(root().join("crates"))
@@ -60,27 +57,6 @@ fn crate_dirs() -> Vec<PathBuf> {
     dirs.sort();
     assert!(dirs.len() >= 2, "no crates found under {:?}", root());
     dirs
-}
-
-/// Every `.rs` file under `dir`, recursively, sorted.
-fn rs_files(dir: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    let mut todo = vec![dir.to_path_buf()];
-    while let Some(d) = todo.pop() {
-        let Ok(entries) = fs::read_dir(&d) else {
-            continue;
-        };
-        for e in entries {
-            let p = e.expect("dir entry").path();
-            if p.is_dir() {
-                todo.push(p);
-            } else if p.extension().is_some_and(|x| x == "rs") {
-                out.push(p);
-            }
-        }
-    }
-    out.sort();
-    out
 }
 
 /// `p` relative to the workspace root, with `/` separators.
