@@ -11,6 +11,7 @@ use iopages_crypt::strategy::{LimitCheck, Strategy};
 use iopages_crypt::target::{CipherPool, CryptTarget, TargetConfig};
 use iopages_crypt::uring::{UringFile, UringOptions};
 use iopages_crypt::XtsCipher;
+use iopages_testkit::XorShift as Rng;
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -72,16 +73,6 @@ fn target(
 ) -> Arc<CryptTarget<CipherPool>> {
     let cipher = CipherPool::new(XtsCipher::new(key, ss, 0).unwrap(), 4).unwrap();
     Arc::new(CryptTarget::new(alloc, cipher, backend, cfg).unwrap())
-}
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
 }
 
 /// Decrypt `sealed` (whole sectors, the first numbered `first`) with an

@@ -14,6 +14,7 @@ use iopages_nbd::remote::{
     NbdRemote, RemoteAddress, RemoteOptions, RemoteSpec, DEFAULT_MAX_IN_FLIGHT,
 };
 use iopages_testkit::nbd_client::*;
+use iopages_testkit::XorShift as Rng;
 use iopages_testkit::{die_with_parent, need_tool, Reaped, TempDir};
 use std::io::ErrorKind;
 use std::path::PathBuf;
@@ -45,29 +46,6 @@ impl Nbdkit {
 
     fn connect(&self, opts: &RemoteOptions) -> NbdRemote {
         NbdRemote::connect(&self.spec(), opts).unwrap()
-    }
-}
-
-/// A small xorshift generator (no dependency, reproducible).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-
-    fn fill(&mut self, b: &mut [u8]) {
-        for c in b.chunks_mut(8) {
-            let v = self.next().to_le_bytes();
-            c.copy_from_slice(&v[..c.len()]);
-        }
     }
 }
 

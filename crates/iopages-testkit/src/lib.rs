@@ -26,5 +26,5 @@ pub use dir::TempDir;
 pub use iopages_tools::{
     ci, die_with_parent, find_tool, hostile, lines_of, nbd_client, need_tool, pki, process,
     run_tool, signal, stop, tail_lines, tools, wait_for_socket, write_pki, write_psk, Pki, Ran,
-    Reaped,
+    Reaped, XorShift,
 };

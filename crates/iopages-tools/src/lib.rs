@@ -13,7 +13,8 @@
 //!
 //! Modules: `tools` (`find_tool`, `need_tool`, `ci`), `process`
 //! (`Reaped`, `run_tool`, `wait_for_socket`, `stop`, `lines_of`), `pki`
-//! (`write_pki`, `write_psk`, `Pki`), `nbd_client` (the one raw NBD client
+//! (`write_pki`, `write_psk`, `Pki`), `rng` (`XorShift`, the reproducible
+//! generator of test data), `nbd_client` (the one raw NBD client
 //! of the tests and the hostile peers, and the scripted server side of the
 //! tests' fake stores: the wire format written from the protocol, not
 //! taken from iopages-nbd) and `hostile` (the hostile peers and the polite
@@ -26,10 +27,12 @@ pub mod hostile;
 pub mod nbd_client;
 pub mod pki;
 pub mod process;
+pub mod rng;
 pub mod tools;
 
 pub use pki::{write_pki, write_psk, Pki};
 pub use process::{
     die_with_parent, lines_of, run_tool, signal, stop, tail_lines, wait_for_socket, Ran, Reaped,
 };
+pub use rng::XorShift;
 pub use tools::{ci, find_tool, need_tool};
