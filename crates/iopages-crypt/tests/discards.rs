@@ -8,7 +8,10 @@
 //! model says. Without `allow_discards` nothing changes. A loop device
 //! (as root) stands for a block device.
 
-use iopages::{HugePages, PageAllocator};
+mod common;
+
+use common::{arena, target_tmp, TempFile};
+use iopages::PageAllocator;
 use iopages_crypt::backend::{Backend, Extent, PageStore, RamDisk, Window};
 use iopages_crypt::target::{CipherPool, CryptTarget, SectorCipher, TargetConfig};
 use iopages_crypt::uring::{DirectIo, UringFile, UringOptions};
@@ -19,46 +22,10 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 // ---------------------------------------------------------------- helpers
-
-fn arena(mib: u64) -> PageAllocator {
-    PageAllocator::builder()
-        .size_bytes(mib << 20)
-        .huge_pages(HugePages::Never)
-        .build()
-        .unwrap()
-}
-
-/// A path that is removed when dropped.
-struct TempFile(PathBuf);
-
-impl TempFile {
-    fn new(dir: &Path, tag: &str) -> TempFile {
-        static N: AtomicU64 = AtomicU64::new(0);
-        let n = N.fetch_add(1, Ordering::Relaxed);
-        let p = dir.join(format!(
-            "iopages-discard-{tag}-{}-{n}.img",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_file(&p);
-        TempFile(p)
-    }
-}
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-fn target_tmp() -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
 
 /// The directories to put test files in: the target directory's file
 /// system, and tmpfs where there is one.

@@ -4,7 +4,10 @@
 //! fault injection and a page limit near zero; bad requests refused before
 //! anything is written.
 
-use iopages::{FaultConfig, HugePages, PageAllocator};
+mod common;
+
+use common::arena;
+use iopages::{FaultConfig, PageAllocator};
 use iopages_crypt::backend::{Backend, PageStore, RamDisk};
 use iopages_crypt::queue::{CryptQueue, QueueConfig};
 use iopages_crypt::strategy::{LimitCheck, Strategy};
@@ -19,14 +22,6 @@ use std::sync::Arc;
 
 const STRATEGIES: [Strategy; 3] = [Strategy::PerPage, Strategy::Bulk, Strategy::Compound];
 const DISK: u64 = 4 << 20;
-
-fn arena(mib: u64) -> PageAllocator {
-    PageAllocator::builder()
-        .size_bytes(mib << 20)
-        .huge_pages(HugePages::Never)
-        .build()
-        .unwrap()
-}
 
 fn key(n: usize, seed: u8) -> Vec<u8> {
     (0..n as u8)

@@ -7,6 +7,9 @@
 //! a file truncated underneath; eight threads at once; a memlock limit that
 //! refuses the registration.
 
+mod common;
+
+use common::{target_tmp, TempFile};
 use iopages::{Gfp, HugePages, PageAllocator, PageBox};
 use iopages_crypt::backend::Backend;
 use iopages_crypt::uring::{DirectIo, UringFile, UringOptions};
@@ -14,42 +17,9 @@ use std::fs::OpenOptions;
 use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 // ---------------------------------------------------------------- helpers
-
-/// A path that is removed when dropped.
-struct TempFile(PathBuf);
-
-impl TempFile {
-    fn new(dir: &Path, tag: &str) -> TempFile {
-        static N: AtomicU64 = AtomicU64::new(0);
-        let n = N.fetch_add(1, Ordering::Relaxed);
-        let p = dir.join(format!(
-            "iopages-uring-{tag}-{}-{n}.img",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_file(&p);
-        TempFile(p)
-    }
-
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-fn target_tmp() -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
 
 fn shm() -> Option<PathBuf> {
     let d = PathBuf::from("/dev/shm");

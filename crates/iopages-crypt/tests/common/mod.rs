@@ -1,4 +1,4 @@
-//! Helpers shared by the LUKS test files: a temporary directory under
+//! Helpers shared by the crypt test files: a temporary directory under
 //! the target's temp dir, and finding outside tools (cryptsetup, nbdkit)
 //! with the skip-unless-CI rule — both from `iopages-testkit`, shared with
 //! the other crates' tests and the benchmarks.
@@ -58,4 +58,50 @@ pub fn cryptsetup_fast(cs: &std::path::Path, verb: &[&str]) -> std::process::Com
         "--key-file",
     ]);
     cmd
+}
+
+/// An arena of `mib` MiB on base pages, for the target and backend tests.
+#[allow(dead_code)]
+pub fn arena(mib: u64) -> iopages::PageAllocator {
+    iopages::PageAllocator::builder()
+        .size_bytes(mib << 20)
+        .huge_pages(iopages::HugePages::Never)
+        .build()
+        .unwrap()
+}
+
+/// A file path `iopages-<tag>-<pid>-<n>.img` under `dir`, removed (if
+/// there) when made and when dropped.
+#[allow(dead_code)]
+pub struct TempFile(pub PathBuf);
+
+#[allow(dead_code)]
+impl TempFile {
+    pub fn new(dir: &std::path::Path, tag: &str) -> TempFile {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static N: AtomicU64 = AtomicU64::new(0);
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        let p = dir.join(format!("iopages-{tag}-{}-{n}.img", std::process::id()));
+        let _ = std::fs::remove_file(&p);
+        TempFile(p)
+    }
+
+    pub fn path(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// This test target's scratch directory (`CARGO_TARGET_TMPDIR`), made if
+/// missing.
+#[allow(dead_code)]
+pub fn target_tmp() -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    std::fs::create_dir_all(&d).unwrap();
+    d
 }
