@@ -1,7 +1,9 @@
 //! Helpers shared by the crypt test files: a temporary directory under
 //! the target's temp dir, and finding outside tools (cryptsetup, nbdkit)
 //! with the skip-unless-CI rule — both from `iopages-testkit`, shared with
-//! the other crates' tests and the benchmarks.
+//! the other crates' tests and the benchmarks; and for the target,
+//! discard and io_uring tests a small arena, removed-on-drop image files
+//! (`TempFile`) and the target's scratch directory.
 
 use iopages_testkit::TempDir;
 use std::path::PathBuf;
