@@ -2,8 +2,8 @@
 //! passphrase, the copy's source file, and the certificates of `--tls`.
 //!
 //! Owns: [`Files`], [`TlsSetup`], [`work_dirs`] and [`RemoveDirs`] (made
-//! afresh, removed on drop), [`fill_file`], [`luks_format`] and
-//! [`make_image`], [`sync_file`] and [`fs_type`]. Must never: leave a
+//! afresh, removed on drop), [`fill_file`], [`luks_format`] (its
+//! cryptsetup part [`format_luks1`]) and [`make_image`], [`sync_file`] and [`fs_type`]. Must never: leave a
 //! directory behind — bind the `RemoveDirs` before any server starts.
 
 use super::common::{os, workload, MIB};
@@ -138,8 +138,22 @@ pub(crate) fn luks_format(tools: &Tools, f: &Files) -> Result<u64, BenchError> {
             source: e,
         })?
         .len();
+    format_luks1(&tools.cryptsetup, &f.pass, &f.image, len, &f.work).map_err(workload)
+}
+
+/// `cryptsetup luksFormat` of the file `image` (`len` bytes) as E6 makes
+/// it, with the key file `pass`, run in `work` (E6 and E6 remote). Returns
+/// the export's size (the bytes past the payload offset), with the image
+/// synced.
+pub(crate) fn format_luks1(
+    cryptsetup: &Path,
+    pass: &Path,
+    image: &Path,
+    len: u64,
+    work: &Path,
+) -> Result<u64, String> {
     let fmt = run_tool(
-        &tools.cryptsetup,
+        cryptsetup,
         &os(&[
             &"luksFormat",
             &"-q",
@@ -154,37 +168,33 @@ pub(crate) fn luks_format(tools: &Tools, f: &Files) -> Result<u64, BenchError> {
             &"--pbkdf-force-iterations",
             &"1000",
             &"--key-file",
-            &f.pass,
-            &f.image,
+            &pass,
+            &image,
         ]),
-        &f.work,
+        work,
         Duration::from_secs(120),
         &[],
-    )
-    .map_err(workload)?;
+    )?;
     if !fmt.status.success() {
-        return Err(workload(format!(
+        return Err(format!(
             "cryptsetup luksFormat {}: {}",
             fmt.status,
             tail_lines(&fmt.stderr)
-        )));
+        ));
     }
     let dump = run_tool(
-        &tools.cryptsetup,
-        &os(&[&"luksDump", &f.image]),
-        &f.work,
+        cryptsetup,
+        &os(&[&"luksDump", &image]),
+        work,
         Duration::from_secs(60),
         &[],
-    )
-    .map_err(workload)?;
-    let offset = parse_payload_offset(&dump.stdout)
-        .ok_or_else(|| workload("cryptsetup luksDump shows no payload offset"))?;
+    )?;
+    let offset =
+        parse_payload_offset(&dump.stdout).ok_or("cryptsetup luksDump shows no payload offset")?;
     let dev = len.checked_sub(offset).ok_or_else(|| {
-        workload(format!(
-            "the image ({len} bytes) ends before its payload offset {offset}"
-        ))
+        format!("the image ({len} bytes) ends before its payload offset {offset}")
     })?;
-    sync_file(&f.image);
+    sync_file(image);
     Ok(dev)
 }
 

@@ -8,7 +8,7 @@
 
 use super::load::Load;
 use iopages_tools::{run_tool, tail_lines};
-use serde_json::Value;
+use serde_json::{json, Value};
 use std::ffi::OsString;
 use std::path::Path;
 use std::time::Duration;
@@ -101,6 +101,23 @@ pub(crate) struct Plan {
 }
 
 impl Plan {
+    /// The report's `fio` settings: the engine, the seconds per load and
+    /// the loads' shapes (`conns`: each job is a connection; `whole`: what
+    /// the sequential loads cover).
+    pub(crate) fn settings(&self, conns: bool, whole: &str) -> Value {
+        let (one, jobs) = if conns {
+            (" (1 connection)", " (connections)")
+        } else {
+            ("", "")
+        };
+        json!({
+            "engine": "nbd (libnbd)",
+            "seconds_per_load": self.fio_ms as f64 / 1000.0,
+            "seq": format!("1 MiB, iodepth {SEQ_DEPTH}, 1 job{one}, time based over the whole {whole}"),
+            "randrw": format!("4 KiB, 50 % reads, iodepth {RAND_DEPTH}, {RAND_JOBS} jobs{jobs}, time based"),
+        })
+    }
+
     /// What every fio job of E6 starts with: JSON out, threads, the nbd
     /// engine on `uri`, the job's name.
     fn fio_common(uri: &str, name: &str) -> Vec<String> {
@@ -220,6 +237,34 @@ pub(crate) fn fio(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn settings_say_the_loads_shapes() {
+        let p = Plan {
+            dev: 0,
+            fio_ms: 2500,
+        };
+        let v = p.settings(false, "volume");
+        assert_eq!(v["engine"], "nbd (libnbd)");
+        assert_eq!(v["seconds_per_load"], 2.5);
+        assert_eq!(
+            v["seq"],
+            format!("1 MiB, iodepth {SEQ_DEPTH}, 1 job, time based over the whole volume")
+        );
+        assert_eq!(
+            v["randrw"],
+            format!("4 KiB, 50 % reads, iodepth {RAND_DEPTH}, {RAND_JOBS} jobs, time based")
+        );
+        let v = p.settings(true, "export");
+        assert_eq!(
+            v["seq"],
+            format!("1 MiB, iodepth {SEQ_DEPTH}, 1 job (1 connection), time based over the whole export")
+        );
+        assert_eq!(
+            v["randrw"],
+            format!("4 KiB, 50 % reads, iodepth {RAND_DEPTH}, {RAND_JOBS} jobs (connections), time based")
+        );
+    }
 
     /// fio 3.33 with the nbd engine against nbdkit's luks filter, randrw
     /// 4 KiB, 2 jobs, group_reporting (trimmed to the fields read; the

@@ -209,6 +209,23 @@ pub(super) struct Results {
 }
 
 impl Results {
+    /// No samples yet for any load, nothing failed.
+    pub(super) fn empty() -> Results {
+        Results {
+            samples: vec![Vec::new(); Load::ALL.len()],
+            failed: None,
+            command: String::new(),
+            stops: Vec::new(),
+            multi_conn: None,
+        }
+    }
+
+    /// The median of `load`'s figures ([`Sample::figure`]), at `l`.
+    pub(super) fn median(&self, l: usize, load: Load) -> Option<f64> {
+        let v: Vec<f64> = self.samples[l].iter().map(|s| s.figure(load)).collect();
+        (self.failed.is_none() && !v.is_empty()).then(|| median(&v))
+    }
+
     pub(super) fn median_mib(&self, l: usize) -> Option<f64> {
         (self.failed.is_none() && !self.samples[l].is_empty())
             .then(|| median(&self.samples[l].iter().map(|s| s.mib_s).collect::<Vec<_>>()))

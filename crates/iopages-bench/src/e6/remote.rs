@@ -18,19 +18,18 @@
 //! leave a child process or a temporary file behind.
 
 use super::common::os;
-use super::files::{fill_file, work_dirs};
+use super::files::{fill_file, format_luks1, work_dirs};
 use super::fio::{verify_region, Plan};
 use super::load::{Load, Sample};
-use super::measure::{load_sample_at, LoadTarget};
+use super::measure::{load_sample_at, LoadTarget, Results};
 use super::server::command_line;
-use super::tools::{parse_payload_offset, parse_size};
+use super::tools::{parse_size, probe, Tools};
 use crate::harness::{Report, Table};
-use crate::measure::{median, per_run_ratio};
+use crate::measure::per_run_ratio;
 use crate::{met, progress, round2, BenchError, BenchOptions};
-use iopages_tools::{die_with_parent, find_tool, run_tool, stop, tail_lines, wait_for_socket};
+use iopages_tools::{die_with_parent, run_tool, stop, tail_lines, wait_for_socket};
 use serde::Serialize;
 use serde_json::{json, Value};
-use std::ffi::OsString;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -38,8 +37,8 @@ use std::time::Duration;
 
 use super::common::MIB;
 use super::files::LUKS_HEADER_BYTES;
-use super::fio::{RAND_DEPTH, RAND_JOBS, SEQ_DEPTH, VERIFY_BYTES};
-use super::report::TARGET_RATIO;
+use super::fio::VERIFY_BYTES;
+use super::report::{figure_lines, figures_head, rows, Row, TARGET_RATIO};
 use super::server::{OUR_EXPORT, START_TIMEOUT, STOP_TIMEOUT};
 mod store;
 
@@ -84,71 +83,33 @@ impl Server {
     }
 }
 
-/// The outside programs.
-struct Tools {
-    cryptsetup: PathBuf,
-    fio: PathBuf,
-    nbdcopy: PathBuf,
-    nbdinfo: PathBuf,
-    nbdkit: PathBuf,
-}
-
-impl Tools {
-    fn find(dir: &Path, store: Store) -> Result<Tools, BenchError> {
-        let need = |name: &str, pkg: &str, why: &str| {
-            find_tool(name).ok_or_else(|| {
-                workload(format!(
-                    "skipped: {name} is not installed ({why}); scripts/setup-debian.sh installs it (Debian package {pkg})"
-                ))
-            })
-        };
-        let t = Tools {
-            cryptsetup: need("cryptsetup", "cryptsetup-bin", "it formats the LUKS1 image")?,
-            fio: need("fio", "fio", "its nbd engine is the load")?,
-            nbdcopy: need("nbdcopy", "libnbd-bin", "the copy load")?,
-            nbdinfo: need("nbdinfo", "libnbd-bin", "it checks each export")?,
-            nbdkit: need(
-                "nbdkit",
-                "nbdkit",
-                "the remote store and the peer (luks filter, nbd plugin)",
-            )?,
-        };
-        let probe = |prog: &Path, args: Vec<OsString>, what: &str| {
-            let ok = run_tool(prog, &args, dir, Duration::from_secs(30), &[])
-                .map(|r| r.status.success())
-                .unwrap_or(false);
-            if ok {
-                Ok(())
-            } else {
-                Err(workload(format!(
-                    "skipped: {what}; scripts/setup-debian.sh installs the Debian packages that have it"
-                )))
-            }
-        };
+/// The outside programs (qemu-nbd's name stands in; nothing starts it),
+/// with nbdkit's plugins the run needs probed.
+fn find_tools(dir: &Path, store: Store) -> Result<Tools, BenchError> {
+    let skipped = |e: String| workload(format!("skipped: {e}"));
+    let t = Tools::find_as(
+        dir,
+        Some("the remote store and the peer (luks filter, nbd plugin)"),
+        false,
+    )
+    .map_err(skipped)?;
+    probe(
+        dir,
+        &t.nbdkit,
+        &[&"nbd", &"--dump-plugin"],
+        "nbdkit's nbd plugin is missing",
+    )
+    .map_err(skipped)?;
+    if store == Store::Nbdkit {
         probe(
-            &t.fio,
-            os(&[&"--enghelp=nbd"]),
-            "this fio has no nbd engine (fio built with libnbd is needed)",
-        )?;
-        probe(
+            dir,
             &t.nbdkit,
-            os(&[&"--filter=luks", &"null", &"--dump-plugin"]),
-            "nbdkit's luks filter is missing",
-        )?;
-        probe(
-            &t.nbdkit,
-            os(&[&"nbd", &"--dump-plugin"]),
-            "nbdkit's nbd plugin is missing",
-        )?;
-        if store == Store::Nbdkit {
-            probe(
-                &t.nbdkit,
-                os(&[&"file", &"--dump-plugin"]),
-                "nbdkit's file plugin is missing",
-            )?;
-        }
-        Ok(t)
+            &[&"file", &"--dump-plugin"],
+            "nbdkit's file plugin is missing",
+        )
+        .map_err(skipped)?;
     }
+    Ok(t)
 }
 
 /// A server process: SIGTERM (then SIGKILL) and reaped when dropped.
@@ -341,31 +302,6 @@ struct Check {
     detail: String,
 }
 
-/// Per server: samples per load, or why it failed.
-struct Results {
-    pub(super) samples: Vec<Vec<Sample>>,
-    pub(super) failed: Option<String>,
-    pub(super) command: String,
-    pub(super) stops: Vec<String>,
-}
-
-impl Results {
-    fn median(&self, l: usize, load: Load) -> Option<f64> {
-        let v: Vec<f64> = self.samples[l].iter().map(|s| s.figure(load)).collect();
-        (self.failed.is_none() && !v.is_empty()).then(|| median(&v))
-    }
-
-    fn median_mib(&self, l: usize) -> Option<f64> {
-        let v: Vec<f64> = self.samples[l].iter().map(|s| s.mib_s).collect();
-        (self.failed.is_none() && !v.is_empty()).then(|| median(&v))
-    }
-
-    fn median_iops(&self, l: usize) -> Option<f64> {
-        let v: Vec<f64> = self.samples[l].iter().filter_map(|s| s.iops).collect();
-        (self.failed.is_none() && !v.is_empty()).then(|| median(&v))
-    }
-}
-
 /// The LUKS1 image in the store (data everywhere, then the header), the
 /// plaintext raw export and nbdcopy's source. Returns the volume's size.
 fn make_files(tools: &Tools, st: &mut Setup, payload: u64) -> Result<(), BenchError> {
@@ -374,52 +310,10 @@ fn make_files(tools: &Tools, st: &mut Setup, payload: u64) -> Result<(), BenchEr
         source: e,
     })?;
     let image = st.store.join(LUKS_FILE);
-    fill_file(&image, payload + LUKS_HEADER_BYTES, 0x9E37_79B9_7F4A_7C15)?;
-    let fmt = run_tool(
-        &tools.cryptsetup,
-        &os(&[
-            &"luksFormat",
-            &"-q",
-            &"--type",
-            &"luks1",
-            &"--cipher",
-            &"aes-xts-plain64",
-            &"--key-size",
-            &"512",
-            &"--hash",
-            &"sha256",
-            &"--pbkdf-force-iterations",
-            &"1000",
-            &"--key-file",
-            &st.pass,
-            &image,
-        ]),
-        &st.work,
-        Duration::from_secs(120),
-        &[],
-    )
-    .map_err(workload)?;
-    if !fmt.status.success() {
-        return Err(workload(format!(
-            "cryptsetup luksFormat {}: {}",
-            fmt.status,
-            tail_lines(&fmt.stderr)
-        )));
-    }
-    let dump = run_tool(
-        &tools.cryptsetup,
-        &os(&[&"luksDump", &image]),
-        &st.work,
-        Duration::from_secs(60),
-        &[],
-    )
-    .map_err(workload)?;
-    let offset = parse_payload_offset(&dump.stdout)
-        .ok_or_else(|| workload("cryptsetup luksDump shows no payload offset"))?;
-    st.plan.dev = payload + LUKS_HEADER_BYTES - offset;
-    if let Ok(f) = std::fs::File::open(&image) {
-        let _ = f.sync_all();
-    }
+    let len = payload + LUKS_HEADER_BYTES;
+    fill_file(&image, len, 0x9E37_79B9_7F4A_7C15)?;
+    st.plan.dev =
+        format_luks1(&tools.cryptsetup, &st.pass, &image, len, &st.work).map_err(workload)?;
     fill_file(&st.store.join(RAW_FILE), st.plan.dev, 0x2545_F491_4F6C_DD1D)?;
     fill_file(&st.source, st.plan.dev, 0xD1B5_4A32_D192_ED03)
 }
@@ -448,7 +342,7 @@ pub fn run_on(opts: &BenchOptions, iopages_bin: &Path, store: Store) -> Result<V
         path: work.join("store"),
         source: e,
     })?;
-    let tools = Tools::find(&work, store)?;
+    let tools = find_tools(&work, store)?;
     let remote_sock = socks.join("remote.sock");
     let nbdkit_export = |name: &str| Export {
         sock: remote_sock.clone(),
@@ -513,15 +407,7 @@ fn measure_all(
     runs: usize,
     remote: &mut Running,
 ) -> Result<(Vec<Results>, Vec<Check>), BenchError> {
-    let mut results: Vec<Results> = Server::ALL
-        .iter()
-        .map(|_| Results {
-            samples: vec![Vec::new(); Load::ALL.len()],
-            failed: None,
-            command: String::new(),
-            stops: Vec::new(),
-        })
-        .collect();
+    let mut results: Vec<Results> = Server::ALL.iter().map(|_| Results::empty()).collect();
     let mut checks: Vec<Check> = Vec::new();
     // The LUKS server that last wrote the verify region.
     let mut previous: Option<Server> = None;
@@ -804,17 +690,6 @@ fn verdicts(results: &[Results]) -> Vec<Verdict> {
 }
 
 #[derive(Serialize)]
-struct Row {
-    server: &'static str,
-    load: &'static str,
-    describe: &'static str,
-    mib_s: Option<f64>,
-    iops: Option<f64>,
-    runs_mib_s: Vec<f64>,
-    runs_iops: Vec<Option<f64>>,
-}
-
-#[derive(Serialize)]
 struct ServerInfo {
     label: &'static str,
     command: String,
@@ -854,29 +729,13 @@ fn print_table(
         stored.store.describe(),
         st.plan.dev / MIB
     ));
-    t.line(format!(
-        "{:<24} | {:<24} | {:>8} {:>13} | {:>8}",
-        "server", "load", "MiB/s", "min-max", "IOPS"
-    ));
+    t.line(figures_head(24));
     for (&s, r) in Server::ALL.iter().zip(results) {
         if let Some(why) = &r.failed {
             t.line(format!("{:<24} | FAILED: {why}", s.label()));
             continue;
         }
-        for (l, load) in Load::ALL.iter().enumerate() {
-            let x: Vec<f64> = r.samples[l].iter().map(|x| x.mib_s).collect();
-            let lo = x.iter().cloned().fold(f64::INFINITY, f64::min);
-            let hi = x.iter().cloned().fold(0.0, f64::max);
-            t.line(format!(
-                "{:<24} | {:<24} | {:>8.0} {:>13} | {:>8}",
-                s.label(),
-                load.label(),
-                r.median_mib(l).unwrap_or(0.0),
-                format!("{lo:.0}-{hi:.0}"),
-                r.median_iops(l)
-                    .map_or_else(|| "-".to_string(), |x| format!("{x:.0}"))
-            ));
-        }
+        figure_lines(&mut t, s.label(), 24, r);
     }
     let f = |x: Option<f64>| x.map_or_else(|| "-".to_string(), |x| format!("{x:.2}"));
     for (load, x) in Load::ALL.iter().zip(v) {
@@ -904,25 +763,6 @@ fn print_table(
         t.line(format!("check: {}: {how}", c.what));
     }
     t.print();
-}
-
-/// The report's rows: per server and load, the medians and every run.
-fn rows_of(results: &[Results]) -> Vec<Row> {
-    Server::ALL
-        .iter()
-        .zip(results)
-        .flat_map(|(&s, r)| {
-            Load::ALL.iter().enumerate().map(move |(l, load)| Row {
-                server: s.key(),
-                load: load.key(),
-                describe: load.label(),
-                mib_s: r.median_mib(l).map(round2),
-                iops: r.median_iops(l).map(round2),
-                runs_mib_s: r.samples[l].iter().map(|x| round2(x.mib_s)).collect(),
-                runs_iops: r.samples[l].iter().map(|x| x.iops.map(round2)).collect(),
-            })
-        })
-        .collect()
 }
 
 /// What failed: servers, figures above the raw remote's bound, checks.
@@ -964,12 +804,7 @@ fn settings_of(opts: &BenchOptions, st: &Setup, stored: &Stored, runs: usize) ->
         "ours": format!("iopages serve --image {} --passphrase-file P --unix S --name {OUR_EXPORT}", st.luks.uri()),
         "nbdkit": format!("nbdkit --unix S --filter=luks nbd socket={} export={} passphrase=+P", st.luks.sock.display(), st.luks.name),
         "raw_remote": format!("the loads straight on the store's plaintext export ({}), of the volume's size", st.raw.uri()),
-        "fio": {
-            "engine": "nbd (libnbd)",
-            "seconds_per_load": st.plan.fio_ms as f64 / 1000.0,
-            "seq": format!("1 MiB, iodepth {SEQ_DEPTH}, 1 job, time based over the whole volume"),
-            "randrw": format!("4 KiB, 50 % reads, iodepth {RAND_DEPTH}, {RAND_JOBS} jobs, time based"),
-        },
+        "fio": st.plan.settings(false, "volume"),
         "nbdcopy": "defaults; read: --no-extents export -> null:, write: a data file of the volume's size -> export, no --flush",
         "page_cache": page_cache,
         "order": "each run starts with the next server in turn; one LUKS server against the remote at a time",
@@ -1019,7 +854,7 @@ fn report(
         .collect();
     let body = Body {
         servers,
-        rows: rows_of(results),
+        rows: rows(Server::ALL.iter().map(|s| s.key()).zip(results)),
         verdicts: v,
         checks: checks.to_vec(),
         summary,
@@ -1040,6 +875,7 @@ fn report(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::e6::tools::parse_payload_offset;
 
     #[test]
     fn payload_offset_is_read_from_luks_dump() {
@@ -1067,9 +903,7 @@ mod tests {
                     }]
                 })
                 .collect(),
-            failed: None,
-            command: String::new(),
-            stops: Vec::new(),
+            ..Results::empty()
         }
     }
 

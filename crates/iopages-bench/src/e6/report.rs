@@ -7,7 +7,7 @@
 //! figure of a failed server, or a ratio one of whose figures is missing.
 
 use super::common::{workload, MIB};
-use super::fio::{Plan, RAND_DEPTH, RAND_JOBS, SEQ_DEPTH, VERIFY_BYTES};
+use super::fio::{Plan, VERIFY_BYTES};
 use super::load::Load;
 use super::measure::Results;
 use super::server::{Server, TLS_VERIFY_PEER};
@@ -144,7 +144,7 @@ pub(super) fn report(
             .zip(results)
             .map(|(&s, r)| (s.key(), ServerInfo::of(s, r)))
             .collect(),
-        rows: rows(run),
+        rows: rows(run.servers.iter().map(|s| s.key()).zip(run.results)),
         summary: summary(run, &ratios, &failed),
         tls: tls.then_some(true),
     };
@@ -192,10 +192,7 @@ fn table(run: &Run, ratios: &Ratios) -> Table {
         },
         run.runs
     ));
-    t.line(format!(
-        "{:<22} | {:<24} | {:>8} {:>13} | {:>8}",
-        "server", "load", "MiB/s", "min-max", "IOPS"
-    ));
+    t.line(figures_head(22));
     for (&s, r) in run.servers.iter().zip(run.results) {
         if let Some(why) = &r.failed {
             t.line(format!("{:<22} | FAILED: {why}", s.label()));
@@ -205,25 +202,41 @@ fn table(run: &Run, ratios: &Ratios) -> Table {
             t.line(format!("{:<22} | no figures", s.label()));
             continue;
         }
-        for (l, load) in Load::ALL.iter().enumerate() {
-            let v: Vec<f64> = r.samples[l].iter().map(|x| x.mib_s).collect();
-            let (lo, hi) = (
-                v.iter().cloned().fold(f64::INFINITY, f64::min),
-                v.iter().cloned().fold(0.0, f64::max),
-            );
-            t.line(format!(
-                "{:<22} | {:<24} | {:>8.0} {:>13} | {:>8}",
-                s.label(),
-                load.label(),
-                r.median_mib(l).unwrap_or(0.0),
-                format!("{lo:.0}-{hi:.0}"),
-                r.median_iops(l)
-                    .map_or_else(|| "-".to_string(), |x| format!("{x:.0}"))
-            ));
-        }
+        figure_lines(&mut t, s.label(), 22, r);
     }
     ratio_lines(&mut t, run.tls, ratios);
     t
+}
+
+/// The head of the table's figures, the server's column `w` wide (E6 and
+/// E6 remote).
+pub(super) fn figures_head(w: usize) -> String {
+    format!(
+        "{:<w$} | {:<24} | {:>8} {:>13} | {:>8}",
+        "server", "load", "MiB/s", "min-max", "IOPS"
+    )
+}
+
+/// The table's lines of one server's figures, one per load: its `label`
+/// (`w` wide), the median MiB/s and the runs' range, the median IOPS (E6
+/// and E6 remote).
+pub(super) fn figure_lines(t: &mut Table, label: &str, w: usize, r: &Results) {
+    for (l, load) in Load::ALL.iter().enumerate() {
+        let v: Vec<f64> = r.samples[l].iter().map(|x| x.mib_s).collect();
+        let (lo, hi) = (
+            v.iter().cloned().fold(f64::INFINITY, f64::min),
+            v.iter().cloned().fold(0.0, f64::max),
+        );
+        t.line(format!(
+            "{:<w$} | {:<24} | {:>8.0} {:>13} | {:>8}",
+            label,
+            load.label(),
+            r.median_mib(l).unwrap_or(0.0),
+            format!("{lo:.0}-{hi:.0}"),
+            r.median_iops(l)
+                .map_or_else(|| "-".to_string(), |x| format!("{x:.0}"))
+        ));
+    }
 }
 
 /// The table's ratio lines and targets (with `tls`, TLS's too).
@@ -238,21 +251,11 @@ fn ratio_lines(t: &mut Table, tls: bool, ratios: &Ratios) {
             None => format!("ratio ours / best peer, {}: - (no figure)", l.short()),
         });
     }
-    let fmt_min = |m: Option<f64>| m.map_or_else(|| "-".into(), |m| format!("{m:.2}"));
-    t.line(format!(
-        "target every ratio >= {TARGET_RATIO}: min {} ({})",
-        fmt_min(ratios.min),
-        met(ratios.target_met)
-    ));
+    t.line(target_line(TARGET_RATIO, ratios.min, ratios.target_met));
     if tls {
         for (l, r) in &ratios.tls {
-            t.line(match r {
-                Some(x) => format!("ratio ours TLS / ours plaintext, {}: {x:.2}", l.short()),
-                None => format!(
-                    "ratio ours TLS / ours plaintext, {}: - (no figure)",
-                    l.short()
-                ),
-            });
+            let what = format!("ratio ours TLS / ours plaintext, {}", l.short());
+            t.line(ratio_line(&what, *r));
         }
         t.line(format!(
             "target TLS within {:.0} % of plaintext (every ratio >= {TLS_TARGET_FRACTION}): min {} ({})",
@@ -261,6 +264,30 @@ fn ratio_lines(t: &mut Table, tls: bool, ratios: &Ratios) {
             met(ratios.tls_target_met)
         ));
     }
+}
+
+/// The smallest ratio for the table: two decimals, `-` when missing.
+fn fmt_min(m: Option<f64>) -> String {
+    m.map_or_else(|| "-".into(), |m| format!("{m:.2}"))
+}
+
+/// A table's line for the ratio `r` (`what: 1.23`, or `what: - (no
+/// figure)`) (E6 and the sparse copy).
+pub(super) fn ratio_line(what: &str, r: Option<f64>) -> String {
+    match r {
+        Some(x) => format!("{what}: {x:.2}"),
+        None => format!("{what}: - (no figure)"),
+    }
+}
+
+/// A table's line for the target: every ratio at least `target`, the
+/// smallest `min`, whether that is `met` (E6 and the sparse copy).
+pub(super) fn target_line(target: f64, min: Option<f64>, met_it: bool) -> String {
+    format!(
+        "target every ratio >= {target}: min {} ({})",
+        fmt_min(min),
+        met(met_it)
+    )
 }
 
 /// The report's fields beside `settings`.
@@ -295,9 +322,9 @@ impl ServerInfo {
     }
 }
 
-/// One server's figures for one load.
+/// One server's figures for one load (E6 and E6 remote).
 #[derive(Serialize)]
-struct Row {
+pub(super) struct Row {
     server: &'static str,
     load: &'static str,
     describe: &'static str,
@@ -307,13 +334,14 @@ struct Row {
     runs_iops: Vec<Option<f64>>,
 }
 
-fn rows(run: &Run) -> Vec<Row> {
-    run.servers
-        .iter()
-        .zip(run.results)
-        .flat_map(|(&s, r)| {
+/// The report's rows: per server (by its key) and load, the medians and
+/// every run (E6 and E6 remote).
+pub(super) fn rows<'a>(servers: impl IntoIterator<Item = (&'static str, &'a Results)>) -> Vec<Row> {
+    servers
+        .into_iter()
+        .flat_map(|(server, r)| {
             Load::ALL.iter().enumerate().map(move |(l, load)| Row {
-                server: s.key(),
+                server,
                 load: load.key(),
                 describe: load.label(),
                 mib_s: r.median_mib(l).map(round2),
@@ -392,12 +420,7 @@ fn settings(run: &Run, opts: &BenchOptions) -> Value {
         "file_system": run.fs,
         "page_cache": "every server reads and writes the image through the page cache (buffered I/O); nothing asks for a flush; the image is synced to disk between servers",
         "transport": "Unix socket, one per server",
-        "fio": {
-            "engine": "nbd (libnbd)",
-            "seconds_per_load": run.plan.fio_ms as f64 / 1000.0,
-            "seq": format!("1 MiB, iodepth {SEQ_DEPTH}, 1 job (1 connection), time based over the whole export"),
-            "randrw": format!("4 KiB, 50 % reads, iodepth {RAND_DEPTH}, {RAND_JOBS} jobs (connections), time based"),
-        },
+        "fio": run.plan.settings(true, "export"),
         "nbdcopy": "defaults (4 connections where the server advertises multi-conn, else 1; threads = CPUs; 256 KiB requests); read: --no-extents export -> null:, write: a data file of the export's size -> export, no --flush",
         "check": format!("each server first checks with fio verify_only the last {} MiB the previous server wrote with crc32c verify headers, then writes and checks them itself after its loads", VERIFY_BYTES / MIB),
         "order": "each run starts with the next server in turn",
@@ -450,6 +473,33 @@ mod tests {
     use super::*;
     use crate::e6::files::RemoveDirs;
     use crate::e6::load::Sample;
+
+    #[test]
+    fn shared_table_lines() {
+        assert_eq!(
+            ratio_line("ratio a / b, x", Some(2.345)),
+            "ratio a / b, x: 2.35"
+        );
+        assert_eq!(
+            ratio_line("ratio a / b, x", None),
+            "ratio a / b, x: - (no figure)"
+        );
+        assert_eq!(
+            target_line(5.0, Some(6.0), true),
+            format!("target every ratio >= 5: min 6.00 ({})", met(true))
+        );
+        assert_eq!(
+            target_line(2.0, None, false),
+            format!("target every ratio >= 2: min - ({})", met(false))
+        );
+        assert_eq!(
+            figures_head(24),
+            format!(
+                "{:<24} | {:<24} | {:>8} {:>13} | {:>8}",
+                "server", "load", "MiB/s", "min-max", "IOPS"
+            )
+        );
+    }
     use crate::e6::runs::servers_of;
 
     /// A directory under the temporary one, removed when dropped.

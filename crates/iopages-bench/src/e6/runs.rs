@@ -118,16 +118,7 @@ fn run_servers(
     f: &Files,
     plan: &Plan,
 ) -> Result<Vec<Results>, BenchError> {
-    let mut results: Vec<Results> = servers
-        .iter()
-        .map(|_| Results {
-            samples: vec![Vec::new(); Load::ALL.len()],
-            failed: None,
-            command: String::new(),
-            stops: Vec::new(),
-            multi_conn: None,
-        })
-        .collect();
+    let mut results: Vec<Results> = servers.iter().map(|_| Results::empty()).collect();
     let idx = |s: Server| servers.iter().position(|&x| x == s).expect("listed");
     // The server that last wrote the read-back region, if it passed.
     let mut previous: Option<Server> = None;

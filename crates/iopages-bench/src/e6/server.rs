@@ -412,14 +412,7 @@ mod tests {
 
     #[test]
     fn tls_server_command_lines() {
-        let tools = Tools {
-            cryptsetup: "cryptsetup".into(),
-            fio: "fio".into(),
-            nbdcopy: "nbdcopy".into(),
-            nbdinfo: "nbdinfo".into(),
-            nbdkit: "nbdkit".into(),
-            qemu_nbd: "qemu-nbd".into(),
-        };
+        let tools = Tools::named();
         let mut f = Files {
             work: "/w".into(),
             socks: "/s".into(),

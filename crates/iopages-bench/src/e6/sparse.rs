@@ -22,13 +22,13 @@
 
 use super::common::{os, workload, MIB};
 use super::files::{fs_type, luks_format, sync_file, work_dirs, Files, LUKS_HEADER_BYTES};
-use super::report::failures;
+use super::report::{failures, ratio_line, target_line};
 use super::server::{start_server, Running, Server};
 use super::tools::Tools;
 use crate::harness::{Chart, Plot, PlotFile, Report, Table};
 use crate::measure::median;
 use crate::plot::{BarPanel, Bars};
-use crate::{met, progress, round2, BenchError, BenchOptions};
+use crate::{progress, round2, BenchError, BenchOptions};
 use iopages_tools::{find_tool, run_tool, tail_lines};
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -987,24 +987,10 @@ fn table(plan: &Plan, results: &[Results], clients: &[Client], ratios: &Ratios) 
         }
     }
     for (c, s, r) in &ratios.each {
-        t.line(match r {
-            Some(x) => format!(
-                "ratio {} / ours --allow-discards, {}: {x:.2}",
-                label(*s),
-                c.key()
-            ),
-            None => format!(
-                "ratio {} / ours --allow-discards, {}: - (no figure)",
-                label(*s),
-                c.key()
-            ),
-        });
+        let what = format!("ratio {} / ours --allow-discards, {}", label(*s), c.key());
+        t.line(ratio_line(&what, *r));
     }
-    t.line(format!(
-        "target every ratio >= {TARGET_RATIO}: min {} ({})",
-        ratios.min.map_or_else(|| "-".into(), |m| format!("{m:.2}")),
-        met(ratios.target_met)
-    ));
+    t.line(target_line(TARGET_RATIO, ratios.min, ratios.target_met));
     t
 }
 
@@ -1135,14 +1121,7 @@ mod tests {
     /// The command line `iopages serve` is started with for the sparse copy,
     /// for the tests.
     fn serve_line(s: Server, f: &Files) -> String {
-        let tools = Tools {
-            cryptsetup: "cryptsetup".into(),
-            fio: "fio".into(),
-            nbdcopy: "nbdcopy".into(),
-            nbdinfo: "nbdinfo".into(),
-            nbdkit: "nbdkit".into(),
-            qemu_nbd: "qemu-nbd".into(),
-        };
+        let tools = Tools::named();
         let cmd = crate::e6::server::server_command(
             s,
             &tools,

@@ -2,15 +2,15 @@
 //! their one-line answers say.
 //!
 //! Owns: [`Tools`] (cryptsetup, fio with its nbd engine, nbdcopy, nbdinfo,
-//! and the peers' nbdkit with its luks filter and qemu-nbd), the parsing
-//! of `nbdinfo --size` and `cryptsetup luksDump`, and the multi-conn
-//! question. Must never: install a tool — a missing one is an error that
+//! and the peers' nbdkit with its luks filter and qemu-nbd; found for E6
+//! remote too), [`probe`] (a tool's feature), the parsing of `nbdinfo
+//! --size` and `cryptsetup luksDump`, and the multi-conn question. Must never: install a tool — a missing one is an error that
 //! names the Debian package.
 
 use super::common::{os, workload};
 use crate::BenchError;
 use iopages_tools::{find_tool, run_tool};
-use std::ffi::OsString;
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -26,58 +26,96 @@ pub(crate) struct Tools {
 
 impl Tools {
     pub(super) fn find(dir: &Path, peers: bool) -> Result<Tools, BenchError> {
-        let need = |name: &str, pkg: &str, why: &str| {
-            find_tool(name).ok_or_else(|| {
-                workload(format!(
-                    "{name} is not installed ({why}); scripts/setup-debian.sh installs it (Debian package {pkg})"
-                ))
-            })
-        };
-        // Without peers their names stand in; nothing starts them.
-        let peer = |name: &str, pkg: &str, why: &str| {
-            if peers {
-                need(name, pkg, why)
-            } else {
-                Ok(PathBuf::from(name))
-            }
-        };
+        Tools::find_as(
+            dir,
+            peers.then_some("a peer server, with its luks filter"),
+            peers,
+        )
+        .map_err(workload)
+    }
+
+    /// Finds cryptsetup, fio, nbdcopy and nbdinfo, then nbdkit where
+    /// `nbdkit` says what it is for and qemu-nbd with `qemu` (else their
+    /// names stand in; nothing starts them); then probes fio's nbd engine
+    /// and, with nbdkit, its luks filter (E6 and E6 remote).
+    pub(crate) fn find_as(dir: &Path, nbdkit: Option<&str>, qemu: bool) -> Result<Tools, String> {
         let t = Tools {
             cryptsetup: need("cryptsetup", "cryptsetup-bin", "it formats the LUKS1 image")?,
             fio: need("fio", "fio", "its nbd engine is the load")?,
             nbdcopy: need("nbdcopy", "libnbd-bin", "the copy load")?,
             nbdinfo: need("nbdinfo", "libnbd-bin", "it checks each export")?,
-            nbdkit: peer("nbdkit", "nbdkit", "a peer server, with its luks filter")?,
-            qemu_nbd: peer(
-                "qemu-nbd",
-                "qemu-utils",
-                "a peer server, with qemu's LUKS driver",
-            )?,
-        };
-        let probe = |prog: &Path, args: Vec<OsString>, what: &str| {
-            let ok = run_tool(prog, &args, dir, Duration::from_secs(30), &[])
-                .map(|r| r.status.success())
-                .unwrap_or(false);
-            if ok {
-                Ok(())
+            nbdkit: match nbdkit {
+                Some(why) => need("nbdkit", "nbdkit", why)?,
+                None => PathBuf::from("nbdkit"),
+            },
+            qemu_nbd: if qemu {
+                need(
+                    "qemu-nbd",
+                    "qemu-utils",
+                    "a peer server, with qemu's LUKS driver",
+                )?
             } else {
-                Err(workload(format!(
-                    "{what}; scripts/setup-debian.sh installs the Debian packages that have it"
-                )))
-            }
+                PathBuf::from("qemu-nbd")
+            },
         };
         probe(
+            dir,
             &t.fio,
-            os(&[&"--enghelp=nbd"]),
+            &[&"--enghelp=nbd"],
             "this fio has no nbd engine (fio built with libnbd is needed)",
         )?;
-        if peers {
+        if nbdkit.is_some() {
             probe(
+                dir,
                 &t.nbdkit,
-                os(&[&"--filter=luks", &"null", &"--dump-plugin"]),
+                &[&"--filter=luks", &"null", &"--dump-plugin"],
                 "nbdkit's luks filter is missing",
             )?;
         }
         Ok(t)
+    }
+
+    /// The tools by their names alone, none looked for (the tests').
+    #[cfg(test)]
+    pub(crate) fn named() -> Tools {
+        Tools {
+            cryptsetup: "cryptsetup".into(),
+            fio: "fio".into(),
+            nbdcopy: "nbdcopy".into(),
+            nbdinfo: "nbdinfo".into(),
+            nbdkit: "nbdkit".into(),
+            qemu_nbd: "qemu-nbd".into(),
+        }
+    }
+}
+
+/// `name` on the `PATH`; else why not (`why`: what E6 runs it for), with
+/// the Debian package `pkg` that has it.
+fn need(name: &str, pkg: &str, why: &str) -> Result<PathBuf, String> {
+    find_tool(name).ok_or_else(|| {
+        format!(
+            "{name} is not installed ({why}); scripts/setup-debian.sh installs it (Debian package {pkg})"
+        )
+    })
+}
+
+/// Runs `prog args` in `dir`, which must succeed; else `what` (the
+/// missing feature) is the error.
+pub(crate) fn probe(
+    dir: &Path,
+    prog: &Path,
+    args: &[&dyn AsRef<OsStr>],
+    what: &str,
+) -> Result<(), String> {
+    let ok = run_tool(prog, &os(args), dir, Duration::from_secs(30), &[])
+        .map(|r| r.status.success())
+        .unwrap_or(false);
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "{what}; scripts/setup-debian.sh installs the Debian packages that have it"
+        ))
     }
 }
 
