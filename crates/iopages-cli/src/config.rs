@@ -820,6 +820,15 @@ fn size(key: &str, s: &SizeText) -> Result<u64, String> {
 mod tests {
     use super::*;
 
+    #[test]
+    fn the_files_default_listen_address_is_the_servers() {
+        assert_eq!(
+            DEFAULT_LISTEN,
+            iopages_nbd::DEFAULT_LISTEN.parse().unwrap(),
+            "the config file's default and serve's default differ"
+        );
+    }
+
     fn path() -> &'static Path {
         Path::new("/etc/iopages.toml")
     }
