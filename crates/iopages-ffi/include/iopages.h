@@ -94,6 +94,15 @@
 #define IOPAGES_GFP_MOVABLE (1 << 12)
 
 /**
+ * The gfp bits the header's inline fast paths hand to the full call: those
+ * whose pages need preparing (`ZERO`, `COMP`), `MOVABLE`, and every bit the
+ * library does not know. A constant, so that a constant gfp folds the test
+ * away as it does in Rust; it equals the view's `careful | ~known` (a test
+ * checks), and a library that changes it changes `IOPAGES_FAST_LAYOUT`.
+ */
+#define IOPAGES_FAST_GFP_SLOW (((IOPAGES_GFP_ZERO | IOPAGES_GFP_COMP) | IOPAGES_GFP_MOVABLE) | ~((IOPAGES_GFP_MOVABLE << 1) - 1))
+
+/**
  * Ordinary allocation: may block, reclaim, do I/O and FS calls.
  */
 #define IOPAGES_GFP_KERNEL 15
@@ -1222,7 +1231,8 @@ static inline void iopages_fast__set_len_(const struct iopages_local_fast *f, si
 /* Flags that need preparing or that the library does not know: the full
  * call (a constant gfp folds this away). */
 static inline int iopages_fast__careful_(const struct iopages_local_fast *f, uint32_t gfp) {
-    return (gfp & (f->careful | ~f->known)) != 0;
+    (void)f;
+    return (gfp & IOPAGES_FAST_GFP_SLOW) != 0;
 }
 
 static inline size_t iopages_fast__floor_(const struct iopages_local_fast *f) {

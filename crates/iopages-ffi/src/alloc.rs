@@ -1390,5 +1390,23 @@ mod tests {
         }
     }
 
+    #[test]
+    fn the_headers_slow_gfp_bits_are_the_views() {
+        for checks in [0, 1] {
+            let a = small(checks);
+            let mut l = std::ptr::null_mut();
+            // SAFETY: a live allocator and handle; the view is read while
+            // the handle lives and nothing else uses it.
+            unsafe {
+                assert_eq!(iopages_local_create(a, &mut l), 0);
+                let f = &*iopages_local_fast_path_v3(l);
+                assert_eq!(f.careful | !f.known, crate::IOPAGES_FAST_GFP_SLOW);
+                assert_eq!(crate::IOPAGES_FAST_GFP_SLOW & IOPAGES_GFP_KERNEL_BITS, 0);
+                assert_eq!(iopages_local_destroy(l), 0);
+                assert_eq!(iopages_allocator_destroy(a), 0);
+            }
+        }
+    }
+
     const IOPAGES_GFP_KERNEL_BITS: u32 = crate::IOPAGES_GFP_KERNEL;
 }

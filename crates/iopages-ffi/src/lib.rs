@@ -73,6 +73,15 @@ pub const IOPAGES_GFP_ZERO: u32 = 1 << 10;
 pub const IOPAGES_GFP_COMP: u32 = 1 << 11;
 /// The caller can migrate these pages.
 pub const IOPAGES_GFP_MOVABLE: u32 = 1 << 12;
+/// The gfp bits the header's inline fast paths hand to the full call: those
+/// whose pages need preparing (`ZERO`, `COMP`), `MOVABLE`, and every bit the
+/// library does not know. A constant, so that a constant gfp folds the test
+/// away as it does in Rust; it equals the view's `careful | ~known` (a test
+/// checks), and a library that changes it changes `IOPAGES_FAST_LAYOUT`.
+pub const IOPAGES_FAST_GFP_SLOW: u32 = IOPAGES_GFP_ZERO
+    | IOPAGES_GFP_COMP
+    | IOPAGES_GFP_MOVABLE
+    | !((IOPAGES_GFP_MOVABLE << 1) - 1);
 /// Ordinary allocation: may block, reclaim, do I/O and FS calls.
 pub const IOPAGES_GFP_KERNEL: u32 = 0xf;
 /// Never blocks, wakes background reclaim, fails quietly.
