@@ -78,10 +78,8 @@ pub const IOPAGES_GFP_MOVABLE: u32 = 1 << 12;
 /// library does not know. A constant, so that a constant gfp folds the test
 /// away as it does in Rust; it equals the view's `careful | ~known` (a test
 /// checks), and a library that changes it changes `IOPAGES_FAST_LAYOUT`.
-pub const IOPAGES_FAST_GFP_SLOW: u32 = IOPAGES_GFP_ZERO
-    | IOPAGES_GFP_COMP
-    | IOPAGES_GFP_MOVABLE
-    | !((IOPAGES_GFP_MOVABLE << 1) - 1);
+pub const IOPAGES_FAST_GFP_SLOW: u32 =
+    IOPAGES_GFP_ZERO | IOPAGES_GFP_COMP | IOPAGES_GFP_MOVABLE | !((IOPAGES_GFP_MOVABLE << 1) - 1);
 /// Ordinary allocation: may block, reclaim, do I/O and FS calls.
 pub const IOPAGES_GFP_KERNEL: u32 = 0xf;
 /// Never blocks, wakes background reclaim, fails quietly.
