@@ -245,6 +245,18 @@ const COMMANDS: [&str; 7] = [
     "other",
 ];
 
+/// One figure of each command's statistics, labelled by command name.
+fn by_command(
+    s: &Stats,
+    pick: impl Fn(&iopages_nbd::CommandStats) -> u64,
+) -> Vec<(&'static str, u64)> {
+    COMMANDS
+        .iter()
+        .zip(commands(s))
+        .map(|(n, c)| (*n, pick(c)))
+        .collect()
+}
+
 fn commands(s: &Stats) -> [&iopages_nbd::CommandStats; 7] {
     [
         &s.read,
@@ -293,26 +305,14 @@ fn requests(f: &mut Families<'_, '_>) -> std::fmt::Result {
         "NBD requests served successfully, by command.",
         Counter,
         "command",
-        |e| {
-            COMMANDS
-                .iter()
-                .zip(commands(&e.stats))
-                .map(|(n, c)| (*n, c.requests))
-                .collect()
-        },
+        |e| by_command(&e.stats, |c| c.requests),
     )?;
     f.per_export_by(
         "iopages_request_errors",
         "NBD requests answered with an error, by command.",
         Counter,
         "command",
-        |e| {
-            COMMANDS
-                .iter()
-                .zip(commands(&e.stats))
-                .map(|(n, c)| (*n, c.errors))
-                .collect()
-        },
+        |e| by_command(&e.stats, |c| c.errors),
     )
 }
 

@@ -308,6 +308,19 @@ impl Catalog {
             .position(|s| s.config.name.as_bytes() == name)
     }
 
+    /// Whether export `name` is open; `None` for no such export.
+    pub(crate) fn is_open(&self, name: &str) -> Option<bool> {
+        let i = self.find(name.as_bytes())?;
+        Some(self.slots[i].get().is_some())
+    }
+
+    /// Export `name`'s state (open, not opened yet, failed); `None` for
+    /// no such export.
+    pub(crate) fn state_of(&self, name: &str) -> Option<ExportState> {
+        let i = self.find(name.as_bytes())?;
+        Some(self.slots[i].state())
+    }
+
     /// The export `name` selects if `peer` may use it; `None` both for no
     /// such export and for one `peer` is not allowed (a client cannot
     /// tell the two apart, so it cannot learn the names of others'

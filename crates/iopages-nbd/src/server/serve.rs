@@ -553,15 +553,13 @@ impl Server {
     /// Whether export `name` is open (a lazy one opens on first use);
     /// `None` for no such export.
     pub fn export_is_open(&self, name: &str) -> Option<bool> {
-        let i = self.shared.exports.find(name.as_bytes())?;
-        Some(self.shared.exports.slots[i].get().is_some())
+        self.shared.exports.is_open(name)
     }
 
     /// Whether export `name` is open, not opened yet, or failed (and
     /// retried after a backoff); `None` for no such export.
     pub fn export_state(&self, name: &str) -> Option<ExportState> {
-        let i = self.shared.exports.find(name.as_bytes())?;
-        Some(self.shared.exports.slots[i].state())
+        self.shared.exports.state_of(name)
     }
 
     /// Requests and bytes per command so far over every export, the
@@ -732,15 +730,13 @@ impl StatsHandle {
 
     /// As [`Server::export_is_open`].
     pub fn export_is_open(&self, name: &str) -> Option<bool> {
-        let i = self.shared.exports.find(name.as_bytes())?;
-        Some(self.shared.exports.slots[i].get().is_some())
+        self.shared.exports.is_open(name)
     }
 
     /// Whether export `name` is open, not opened yet, or failed (and
     /// retried after a backoff); `None` for no such export.
     pub fn export_state(&self, name: &str) -> Option<ExportState> {
-        let i = self.shared.exports.find(name.as_bytes())?;
-        Some(self.shared.exports.slots[i].state())
+        self.shared.exports.state_of(name)
     }
 
     /// Whether the server is serving (not shut down, nor shutting down).
