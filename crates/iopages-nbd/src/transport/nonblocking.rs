@@ -244,10 +244,12 @@ impl Transport {
         let wait = |read, write| self.wait(read, write, Some(time_left(deadline)?)).map(drop);
         let left = deadline.saturating_duration_since(Instant::now());
         let session = TlsSession::accept(self.sock.try_clone()?, acceptor, left, wait)?;
-        // Only the connection's own thread starts TLS, once (checked above).
-        let set = self.tls.set(session);
-        assert!(set.is_ok(), "TLS started twice on one connection");
-        Ok(())
+        // Only the connection's own thread starts TLS, once (checked above):
+        // a second session here is a bug, answered as before in release.
+        self.tls.set(session).map_err(|_| {
+            debug_assert!(false, "TLS started twice on one connection");
+            io::Error::other("TLS is already running")
+        })
     }
 
     /// What the finished TLS handshake proved about the client: its PSK
