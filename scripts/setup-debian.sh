@@ -23,6 +23,14 @@
 #   gcc, g++              the C ABI's tests: the C programs and examples
 #                         (also under AddressSanitizer), and the header
 #                         compiled as C++
+#   prometheus            promtool: checks a live /metrics scrape and the
+#                         alert rules in contrib/prometheus/
+#   systemd               systemd-analyze (verifies the packaged units) and
+#                         systemd-socket-activate (starts the packaged
+#                         binary as its socket unit would) for
+#                         scripts/test-deb.sh; no systemd as PID 1 is needed
+#   dpkg-dev, fakeroot    scripts/build-deb.sh builds the Debian package with
+#                         dpkg-deb, its files owned by root
 #
 # Ceph (the third store of tests/stores.rs, and `iopages bench nbd --remote
 # --store ceph`) is not installed here: scripts/ceph-store.sh installs it
@@ -33,7 +41,7 @@
 #
 # Usage: scripts/setup-debian.sh   (as root, or with the packages installed)
 set -euo pipefail
-pkgs=(openssl python3-cryptography qemu-utils nbd-server cryptsetup-bin nbdkit libnbd-bin fio gcc g++)
+pkgs=(openssl python3-cryptography qemu-utils nbd-server cryptsetup-bin nbdkit libnbd-bin fio gcc g++ prometheus systemd dpkg-dev fakeroot)
 
 missing=()
 for p in "${pkgs[@]}"; do
