@@ -1003,15 +1003,16 @@ mod tests {
         assert_eq!(head_end(b""), None);
     }
 
-    #[test]
-    fn the_exposition_has_histograms_with_cumulative_buckets() {
+    /// A snapshot of one export, `a"b`, on a remote store, after three
+    /// writes.
+    fn one_export() -> Snapshot {
         let mut st = Stats::default();
         st.write.requests = 3;
         st.write.bytes = 3 << 20;
         st.latency.write.buckets[3] = 2;
         st.latency.write.buckets[LATENCY_BUCKETS - 1] = 1;
         st.latency.write.sum_ns = 20_000_000_000;
-        let s = Snapshot {
+        Snapshot {
             total: st,
             exports: vec![ExportSnapshot {
                 name: "a\"b".into(),
@@ -1044,8 +1045,12 @@ mod tests {
                     }),
                 }),
             }],
-        };
-        let t = exposition(&s, Format::Text004);
+        }
+    }
+
+    #[test]
+    fn the_exposition_has_histograms_with_cumulative_buckets() {
+        let t = exposition(&one_export(), Format::Text004);
         for want in [
             "iopages_write_bytes_total{export=\"a\\\"b\"} 3145728",
             "iopages_requests_total{export=\"a\\\"b\",command=\"write\"} 3",
@@ -1068,10 +1073,17 @@ mod tests {
         ] {
             assert!(t.lines().any(|l| l == want), "{want} missing from:\n{t}");
         }
-        assert!(!t.contains("# EOF"));
-        // 0.0.4 describes a counter by its samples' name.
+    }
+
+    #[test]
+    fn each_format_describes_counters_its_own_way() {
+        let s = one_export();
+        // 0.0.4: by the samples' name, no # EOF.
+        let t = exposition(&s, Format::Text004);
         assert!(t.contains("\n# TYPE iopages_write_bytes_total counter\n"));
         assert!(!t.contains("# TYPE iopages_write_bytes counter"));
+        assert!(!t.contains("# EOF"));
+        // OpenMetrics: by the family's, # EOF at the end.
         let om = exposition(&s, Format::OpenMetrics);
         assert!(om.contains("\n# TYPE iopages_write_bytes counter\n"));
         assert!(om.ends_with("\n# EOF\n"));
