@@ -133,6 +133,11 @@ impl Format {
 
 /// `families` as a body in `format`.
 pub fn encode(families: &[Family], format: Format) -> String {
+    // A family described twice is invalid in both formats.
+    debug_assert!(
+        (0..families.len()).all(|i| families[..i].iter().all(|g| g.name != families[i].name)),
+        "a metric family named twice"
+    );
     let mut out = String::new();
     for f in families {
         debug_assert!(valid_name(f.name), "metric name {:?}", f.name);
