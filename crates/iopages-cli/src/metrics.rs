@@ -8,7 +8,10 @@
 //! head of at most [`MAX_HEAD_BYTES`], [`CLIENT_TIMEOUT`] to send it and
 //! take the reply, the oldest client closed when a new one would pass the
 //! connection limit), and turning a snapshot of the NBD server's and the
-//! volumes' statistics into metrics, encoded by `prometheus-client`.
+//! volumes' statistics into metric families — their names, help and
+//! labels are this file's; `metrics/exposition.rs` writes them in the
+//! text format the scraper asks for (Prometheus 0.0.4 unless its
+//! `Accept` header prefers OpenMetrics).
 //! Must never: block or slow the NBD server (it reads the server's atomic
 //! counters; the volume probe takes only the short locks of a per-CPU
 //! counter's sum and the mempool's statistics, as the statistics line
@@ -18,14 +21,11 @@
 //! The metrics carry no volume data, but they name the exports and show
 //! their traffic: the endpoint may listen on any address.
 
+use exposition::{Family, Format, Histogram, Kind, Labels, Value};
 use iopages_crypt::strategy::OutStats;
 use iopages_nbd::remote::RemoteHealth;
 use iopages_nbd::volume::Volume;
 use iopages_nbd::{Stats, StatsHandle, LATENCY_BUCKETS};
-use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, MetricEncoder, NoLabelSet};
-use prometheus_client::metrics::MetricType;
-use prometheus_client::registry::Registry;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
@@ -33,6 +33,8 @@ use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+mod exposition;
 
 /// Clients connected at once; a new one past it closes the oldest.
 pub const MAX_CONNECTIONS: usize = 16;
@@ -150,62 +152,60 @@ struct Snapshot {
     exports: Vec<ExportSnapshot>,
 }
 
-type Labels = Vec<(&'static str, String)>;
-
-/// Writes the metric families of a snapshot.
-struct Families<'a, 'e> {
-    enc: DescriptorEncoder<'e>,
+/// Collects the metric families of a snapshot, in the order served.
+struct Families<'a> {
+    out: Vec<Family>,
     s: &'a Snapshot,
 }
 
-impl Families<'_, '_> {
+impl Families<'_> {
     /// A family of counters or gauges: one sample per label set.
     fn family(
         &mut self,
-        name: &str,
-        help: &str,
-        ty: MetricType,
+        name: &'static str,
+        help: &'static str,
+        kind: Kind,
         samples: Vec<(Labels, u64)>,
-    ) -> std::fmt::Result {
-        let mut m = self.enc.encode_descriptor(name, help, None, ty)?;
-        let counter = matches!(ty, MetricType::Counter);
-        for (labels, v) in samples {
-            if labels.is_empty() {
-                // A bare name, not `name{}`.
-                sample(&mut m, counter, v)?;
-            } else {
-                sample(&mut m.encode_family(&labels)?, counter, v)?;
-            }
-        }
-        Ok(())
+    ) {
+        debug_assert!(kind != Kind::Histogram, "{name}");
+        let samples = samples
+            .into_iter()
+            .map(|(l, v)| (l, Value::Int(v)))
+            .collect();
+        self.out.push(Family {
+            name,
+            help,
+            kind,
+            samples,
+        });
     }
 
     /// One sample per export.
     fn per_export(
         &mut self,
-        name: &str,
-        help: &str,
-        ty: MetricType,
+        name: &'static str,
+        help: &'static str,
+        kind: Kind,
         f: impl Fn(&ExportSnapshot) -> Option<u64>,
-    ) -> std::fmt::Result {
+    ) {
         let samples = self
             .s
             .exports
             .iter()
             .filter_map(|e| f(e).map(|v| (export_label(e), v)))
             .collect();
-        self.family(name, help, ty, samples)
+        self.family(name, help, kind, samples)
     }
 
     /// One sample per export and value of `label`.
     fn per_export_by(
         &mut self,
-        name: &str,
-        help: &str,
-        ty: MetricType,
+        name: &'static str,
+        help: &'static str,
+        kind: Kind,
         label: &'static str,
         f: impl Fn(&ExportSnapshot) -> Vec<(&'static str, u64)>,
-    ) -> std::fmt::Result {
+    ) {
         let mut samples = Vec::new();
         for e in &self.s.exports {
             for (v, n) in f(e) {
@@ -214,20 +214,31 @@ impl Families<'_, '_> {
                 samples.push((l, n));
             }
         }
-        self.family(name, help, ty, samples)
+        self.family(name, help, kind, samples)
     }
 
     /// A server-wide sample.
-    fn one(&mut self, name: &str, help: &str, ty: MetricType, v: u64) -> std::fmt::Result {
-        self.family(name, help, ty, vec![(Vec::new(), v)])
+    fn one(&mut self, name: &'static str, help: &'static str, kind: Kind, v: u64) {
+        self.family(name, help, kind, vec![(Vec::new(), v)])
     }
-}
 
-fn sample(e: &mut MetricEncoder<'_>, counter: bool, v: u64) -> std::fmt::Result {
-    if counter {
-        e.encode_counter::<NoLabelSet, _, u64>(&v, None)
-    } else {
-        e.encode_gauge(&v)
+    /// A histogram family: one sample per label set.
+    fn histograms(
+        &mut self,
+        name: &'static str,
+        help: &'static str,
+        samples: Vec<(Labels, Histogram)>,
+    ) {
+        let samples = samples
+            .into_iter()
+            .map(|(l, h)| (l, Value::Hist(h)))
+            .collect();
+        self.out.push(Family {
+            name,
+            help,
+            kind: Kind::Histogram,
+            samples,
+        });
     }
 }
 
@@ -269,44 +280,49 @@ fn commands(s: &Stats) -> [&iopages_nbd::CommandStats; 7] {
     ]
 }
 
-impl Collector for Snapshot {
-    fn encode(&self, enc: DescriptorEncoder) -> std::fmt::Result {
+impl Snapshot {
+    /// Every metric family of this snapshot, in the order served.
+    fn families(&self) -> Vec<Family> {
         let t = &self.total;
-        let mut f = Families { enc, s: self };
-        requests(&mut f)?;
-        request_durations(&mut f)?;
-        request_resources(&mut f)?;
-        volumes(&mut f)?;
-        server(&mut f, t)?;
-        server_limits(&mut f, t)?;
-        tenants(&mut f, t)?;
-        remotes(&mut f)
+        let mut f = Families {
+            out: Vec::new(),
+            s: self,
+        };
+        requests(&mut f);
+        request_durations(&mut f);
+        request_resources(&mut f);
+        volumes(&mut f);
+        server(&mut f, t);
+        server_limits(&mut f, t);
+        tenants(&mut f, t);
+        remotes(&mut f);
+        f.out
     }
 }
 
 /// Requests, per export: bytes read and written, requests and errors by
 /// command.
-fn requests(f: &mut Families<'_, '_>) -> std::fmt::Result {
-    use MetricType::Counter;
+fn requests(f: &mut Families<'_>) {
+    use Kind::Counter;
     f.per_export(
         "iopages_read_bytes",
         "Bytes of NBD reads served successfully.",
         Counter,
         |e| Some(e.stats.read.bytes),
-    )?;
+    );
     f.per_export(
         "iopages_write_bytes",
         "Bytes of NBD writes served successfully.",
         Counter,
         |e| Some(e.stats.write.bytes),
-    )?;
+    );
     f.per_export_by(
         "iopages_requests",
         "NBD requests served successfully, by command.",
         Counter,
         "command",
         |e| by_command(&e.stats, |c| c.requests),
-    )?;
+    );
     f.per_export_by(
         "iopages_request_errors",
         "NBD requests answered with an error, by command.",
@@ -317,39 +333,32 @@ fn requests(f: &mut Families<'_, '_>) -> std::fmt::Result {
 }
 
 /// How long requests take, per export and command class.
-fn request_durations(f: &mut Families<'_, '_>) -> std::fmt::Result {
-    let mut m = f.enc.encode_descriptor(
-        "iopages_request_duration_seconds",
-        "Time from a request's header arriving to its reply being queued, by command class (other: flush, trim, write_zeroes).",
-        None,
-        MetricType::Histogram,
-    )?;
+fn request_durations(f: &mut Families<'_>) {
+    let mut samples = Vec::new();
     for e in &f.s.exports {
         let l = &e.stats.latency;
         for (class, h) in [("read", &l.read), ("write", &l.write), ("other", &l.other)] {
-            let buckets = hist_buckets(h);
             let mut labels = export_label(e);
             labels.push(("command_class", class.to_string()));
-            m.encode_family(&labels)?.encode_histogram::<NoLabelSet>(
-                h.sum_seconds(),
-                h.count(),
-                &buckets,
-                None,
-            )?;
+            samples.push((labels, histogram(h)));
         }
     }
-    Ok(())
+    f.histograms(
+        "iopages_request_duration_seconds",
+        "Time from a request's header arriving to its reply being queued, by command class (other: flush, trim, write_zeroes).",
+        samples,
+    );
 }
 
 /// What requests hold now, per export: in flight, payload buffers taken.
-fn request_resources(f: &mut Families<'_, '_>) -> std::fmt::Result {
-    use MetricType::{Counter, Gauge};
+fn request_resources(f: &mut Families<'_>) {
+    use Kind::{Counter, Gauge};
     f.per_export(
         "iopages_requests_in_flight",
         "Requests submitted to the volume and not answered yet.",
         Gauge,
         |e| Some(e.stats.in_flight),
-    )?;
+    );
     f.per_export_by(
         "iopages_payload_buffers",
         "Payload buffers taken, by where they came from.",
@@ -367,26 +376,26 @@ fn request_resources(f: &mut Families<'_, '_>) -> std::fmt::Result {
 }
 
 /// Volumes, per export: open or not, the page arena, out pages.
-fn volumes(f: &mut Families<'_, '_>) -> std::fmt::Result {
-    use MetricType::{Counter, Gauge};
+fn volumes(f: &mut Families<'_>) {
+    use Kind::{Counter, Gauge};
     f.per_export(
         "iopages_export_open",
         "1 when the export's volume is open (a lazy export opens on first use).",
         Gauge,
         |e| Some(e.open as u64),
-    )?;
+    );
     f.per_export(
         "iopages_arena_pages",
         "Pages in the volume's page arena.",
         Gauge,
         |e| e.volume.as_ref().map(|v| v.arena_pages),
-    )?;
+    );
     f.per_export(
         "iopages_arena_pages_in_use",
         "Pages of the volume's arena held now.",
         Gauge,
         |e| e.volume.as_ref().map(|v| v.arena_pages_in_use),
-    )?;
+    );
     f.per_export_by(
         "iopages_out_pages",
         "Out pages (ciphertext of writes) by source: the allocation strategy's own attempt, the mempool's free pages, the mempool's reserve.",
@@ -400,13 +409,13 @@ fn volumes(f: &mut Families<'_, '_>) -> std::fmt::Result {
             ],
             None => Vec::new(),
         },
-    )?;
+    );
     f.per_export(
         "iopages_out_compound_blocks",
         "High-order blocks among the strategy's out pages.",
         Counter,
         |e| e.volume.as_ref().map(|v| v.out.compound_blocks),
-    )?;
+    );
     f.per_export(
         "iopages_mempool_reserve_waits",
         "Sleeps of writers that found the out-page mempool's reserve empty.",
@@ -416,38 +425,38 @@ fn volumes(f: &mut Families<'_, '_>) -> std::fmt::Result {
 }
 
 /// The server's connections: open, accepted, refused, sessions, TLS.
-fn server(f: &mut Families<'_, '_>, t: &Stats) -> std::fmt::Result {
-    use MetricType::{Counter, Gauge};
+fn server(f: &mut Families<'_>, t: &Stats) {
+    use Kind::{Counter, Gauge};
     f.one(
         "iopages_connections_open",
         "Connections open now (handshake or transmission, and those closing).",
         Gauge,
         t.open_connections,
-    )?;
+    );
     f.one(
         "iopages_connections",
         "Connections accepted.",
         Counter,
         t.connections,
-    )?;
+    );
     f.one(
         "iopages_connections_refused",
         "Connections refused because the connection limit was reached and the client's peer held its fair share.",
         Counter,
         t.refused_connections,
-    )?;
+    );
     f.one(
         "iopages_sessions",
         "Connections that reached transmission.",
         Counter,
         t.sessions,
-    )?;
+    );
     f.one(
         "iopages_tls_sessions",
         "Sessions upgraded to TLS.",
         Counter,
         t.tls_sessions,
-    )?;
+    );
     f.one(
         "iopages_tls_failures",
         "TLS handshakes that failed.",
@@ -458,8 +467,8 @@ fn server(f: &mut Families<'_, '_>, t: &Stats) -> std::fmt::Result {
 
 /// The server's limits: connections closed on a deadline, the payload
 /// byte budget.
-fn server_limits(f: &mut Families<'_, '_>, t: &Stats) -> std::fmt::Result {
-    use MetricType::{Counter, Gauge};
+fn server_limits(f: &mut Families<'_>, t: &Stats) {
+    use Kind::{Counter, Gauge};
     f.family(
         "iopages_timeouts",
         "Connections closed on a deadline: handshake, reply not taken, payload not sent, idle.",
@@ -473,19 +482,19 @@ fn server_limits(f: &mut Families<'_, '_>, t: &Stats) -> std::fmt::Result {
         .into_iter()
         .map(|(k, v)| (vec![("kind", k.to_string())], v))
         .collect(),
-    )?;
+    );
     f.one(
         "iopages_budget_used_bytes",
         "Payload bytes in flight now, over all connections.",
         Gauge,
         t.budget_used_bytes,
-    )?;
+    );
     f.one(
         "iopages_budget_waits",
         "Requests that waited for the payload byte budget.",
         Counter,
         t.budget_waits,
-    )?;
+    );
     f.one(
         "iopages_budget_refusals",
         "Requests answered ENOMEM because the byte budget stayed exhausted.",
@@ -494,23 +503,28 @@ fn server_limits(f: &mut Families<'_, '_>, t: &Stats) -> std::fmt::Result {
     )
 }
 
-/// A latency histogram's buckets as (upper bound in seconds, count).
-fn hist_buckets(h: &iopages_nbd::LatencyHist) -> Vec<(f64, u64)> {
-    (0..LATENCY_BUCKETS)
+/// A latency histogram in seconds: each bucket's bound and count, and
+/// the sum.
+fn histogram(h: &iopages_nbd::LatencyHist) -> Histogram {
+    let buckets = (0..LATENCY_BUCKETS)
         .map(|k| {
             let le =
                 iopages_nbd::latency_bucket_bound_us(k).map_or(f64::INFINITY, |us| us as f64 / 1e6);
             (le, h.buckets[k])
         })
-        .collect()
+        .collect();
+    Histogram {
+        buckets,
+        sum: h.sum_seconds(),
+    }
 }
 
 /// The families of remote stores, per export on one: reachability,
 /// reconnects, re-sent requests, failures, round trips.
-fn remotes(f: &mut Families<'_, '_>) -> std::fmt::Result {
-    use MetricType::{Counter, Gauge};
+fn remotes(f: &mut Families<'_>) {
+    use Kind::{Counter, Gauge};
     type Get = fn(&RemoteHealth) -> u64;
-    let families: [(&str, &str, MetricType, Get); 7] = [
+    let families: [(&'static str, &'static str, Kind, Get); 7] = [
         ("iopages_remote_reachable", "1 while at least one connection to the export's remote store serves; 0 while all of them reconnect.", Gauge, |r| r.reachable as u64),
         ("iopages_remote_connections", "Connections to the remote store serving now.", Gauge, |r| r.connected as u64),
         ("iopages_remote_reconnects", "Connections to the remote store made again after one died.", Counter, |r| r.reconnects),
@@ -522,31 +536,28 @@ fn remotes(f: &mut Families<'_, '_>) -> std::fmt::Result {
     for (name, help, ty, get) in families {
         f.per_export(name, help, ty, |e| {
             e.volume.as_ref().and_then(|v| v.remote.as_ref()).map(get)
-        })?;
+        });
     }
-    let mut m = f.enc.encode_descriptor(
+    let samples =
+        f.s.exports
+            .iter()
+            .filter_map(|e| {
+                let r = e.volume.as_ref()?.remote.as_ref()?;
+                Some((export_label(e), histogram(&r.round_trips)))
+            })
+            .collect();
+    f.histograms(
         "iopages_remote_round_trip_seconds",
         "Time from sending a request to the remote store to its reply.",
-        None,
-        MetricType::Histogram,
-    )?;
-    for e in &f.s.exports {
-        let Some(r) = e.volume.as_ref().and_then(|v| v.remote.as_ref()) else {
-            continue;
-        };
-        let h = &r.round_trips;
-        let buckets = hist_buckets(h);
-        m.encode_family(&export_label(e))?
-            .encode_histogram::<NoLabelSet>(h.sum_seconds(), h.count(), &buckets, None)?;
-    }
-    Ok(())
+        samples,
+    );
 }
 
 /// The families of many tenants: how the limits are shared among peers
 /// (aggregated, never a label per peer), who was refused an export, and
 /// each export's state and rate limits.
-fn tenants(f: &mut Families<'_, '_>, t: &Stats) -> std::fmt::Result {
-    use MetricType::{Counter, Gauge};
+fn tenants(f: &mut Families<'_>, t: &Stats) {
+    use Kind::{Counter, Gauge};
     let p = &t.peers;
     for (name, help, ty, v) in [
         ("iopages_handshakes", "Connections in the handshake now (a pool of their own: --max-handshakes).", Gauge, p.handshakes_open),
@@ -557,14 +568,14 @@ fn tenants(f: &mut Families<'_, '_>, t: &Stats) -> std::fmt::Result {
         ("iopages_peers_at_share", "Peers holding at least their guaranteed share of connections or bytes now.", Gauge, p.at_share),
         ("iopages_budget_share_waits", "Requests of peers past their share that waited so a peer under its share went first.", Counter, p.budget_share_waits),
     ] {
-        f.one(name, help, ty, v)?;
+        f.one(name, help, ty, v);
     }
     f.per_export(
         "iopages_export_open_failures",
         "Opens of a lazy export that failed (each retried on a request after a backoff of 1 s doubling to 60 s).",
         Counter,
         |e| Some(e.stats.export.open_failures),
-    )?;
+    );
     f.per_export(
         "iopages_export_state",
         "0: lazy, not opened yet; 1: open; 2: its last open failed (retried after a backoff).",
@@ -576,19 +587,19 @@ fn tenants(f: &mut Families<'_, '_>, t: &Stats) -> std::fmt::Result {
                 iopages_nbd::ExportState::Failed => 2,
             })
         },
-    )?;
+    );
     f.per_export(
         "iopages_rate_limit_waits",
         "Requests that waited for the export's rate limits.",
         Counter,
         |e| Some(e.stats.export.rate_waits),
-    )?;
+    );
     f.per_export(
         "iopages_rate_limit_bytes_per_second",
         "The export's byte rate limit (0: none).",
         Gauge,
         |e| Some(e.stats.export.rate_bytes_per_second),
-    )?;
+    );
     f.per_export(
         "iopages_rate_limit_requests_per_second",
         "The export's request rate limit (0: none).",
@@ -597,24 +608,9 @@ fn tenants(f: &mut Families<'_, '_>, t: &Stats) -> std::fmt::Result {
     )
 }
 
-/// The snapshot in the text exposition format (OpenMetrics text, which
-/// Prometheus' text parser reads too; its `# EOF` line only when
-/// `openmetrics`).
-fn exposition(s: Snapshot, openmetrics: bool) -> String {
-    let mut r = Registry::default();
-    r.register_collector(Box::new(s));
-    let mut out = String::new();
-    let done = if openmetrics {
-        prometheus_client::encoding::text::encode(&mut out, &r)
-    } else {
-        prometheus_client::encoding::text::encode_registry(&mut out, &r)
-    };
-    // Writing to a String does not fail; an encoder error would be a bug:
-    // what was written so far is still served.
-    if let Err(e) = done {
-        eprintln!("metrics: encoding failed: {e}");
-    }
-    out
+/// The snapshot as a body in `format`.
+fn exposition(s: &Snapshot, format: Format) -> String {
+    exposition::encode(&s.families(), format)
 }
 
 /// A response: status line, content type, body.
@@ -671,18 +667,13 @@ fn answer(head: &[u8], source: &MetricsSource) -> Vec<u8> {
     if path == "/healthz" || export.is_some() {
         return health(source, export);
     }
-    let openmetrics = lines.any(|l| {
-        l.split_once(':').is_some_and(|(k, v)| {
-            k.trim().eq_ignore_ascii_case("accept") && v.contains("application/openmetrics-text")
-        })
+    let accepts = lines.filter_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.trim().eq_ignore_ascii_case("accept").then_some(v)
     });
-    let body = exposition(source.snapshot(), openmetrics);
-    let ty = if openmetrics {
-        "application/openmetrics-text; version=1.0.0; charset=utf-8"
-    } else {
-        "text/plain; version=0.0.4; charset=utf-8"
-    };
-    response("200 OK", ty, body.as_bytes(), "")
+    let format = Format::negotiate(accepts);
+    let body = exposition(&source.snapshot(), format);
+    response("200 OK", format.content_type(), body.as_bytes(), "")
 }
 
 /// Why an export does not serve now, if it does not: its remote store is
@@ -1012,15 +1003,16 @@ mod tests {
         assert_eq!(head_end(b""), None);
     }
 
-    #[test]
-    fn the_exposition_has_histograms_with_cumulative_buckets() {
+    /// A snapshot of one export, `a"b`, on a remote store, after three
+    /// writes.
+    fn one_export() -> Snapshot {
         let mut st = Stats::default();
         st.write.requests = 3;
         st.write.bytes = 3 << 20;
         st.latency.write.buckets[3] = 2;
         st.latency.write.buckets[LATENCY_BUCKETS - 1] = 1;
         st.latency.write.sum_ns = 20_000_000_000;
-        let s = Snapshot {
+        Snapshot {
             total: st,
             exports: vec![ExportSnapshot {
                 name: "a\"b".into(),
@@ -1053,14 +1045,18 @@ mod tests {
                     }),
                 }),
             }],
-        };
-        let t = exposition(s, false);
+        }
+    }
+
+    #[test]
+    fn the_exposition_has_histograms_with_cumulative_buckets() {
+        let t = exposition(&one_export(), Format::Text004);
         for want in [
             "iopages_write_bytes_total{export=\"a\\\"b\"} 3145728",
             "iopages_requests_total{export=\"a\\\"b\",command=\"write\"} 3",
-            "iopages_request_duration_seconds_bucket{le=\"0.000004\",export=\"a\\\"b\",command_class=\"write\"} 0",
-            "iopages_request_duration_seconds_bucket{le=\"0.000008\",export=\"a\\\"b\",command_class=\"write\"} 2",
-            "iopages_request_duration_seconds_bucket{le=\"+Inf\",export=\"a\\\"b\",command_class=\"write\"} 3",
+            "iopages_request_duration_seconds_bucket{export=\"a\\\"b\",command_class=\"write\",le=\"0.000004\"} 0",
+            "iopages_request_duration_seconds_bucket{export=\"a\\\"b\",command_class=\"write\",le=\"0.000008\"} 2",
+            "iopages_request_duration_seconds_bucket{export=\"a\\\"b\",command_class=\"write\",le=\"+Inf\"} 3",
             "iopages_request_duration_seconds_count{export=\"a\\\"b\",command_class=\"write\"} 3",
             "iopages_request_duration_seconds_sum{export=\"a\\\"b\",command_class=\"write\"} 20.0",
             "iopages_out_pages_total{export=\"a\\\"b\",source=\"mempool\"} 2",
@@ -1072,11 +1068,24 @@ mod tests {
             "iopages_remote_reconnects_total{export=\"a\\\"b\"} 2",
             "iopages_remote_resent_requests_total{export=\"a\\\"b\"} 5",
             "iopages_remote_lost_flushes_total{export=\"a\\\"b\"} 1",
-            "iopages_remote_round_trip_seconds_bucket{le=\"0.000008\",export=\"a\\\"b\"} 2",
+            "iopages_remote_round_trip_seconds_bucket{export=\"a\\\"b\",le=\"0.000008\"} 2",
             "iopages_remote_round_trip_seconds_count{export=\"a\\\"b\"} 2",
         ] {
             assert!(t.lines().any(|l| l == want), "{want} missing from:\n{t}");
         }
+    }
+
+    #[test]
+    fn each_format_describes_counters_its_own_way() {
+        let s = one_export();
+        // 0.0.4: by the samples' name, no # EOF.
+        let t = exposition(&s, Format::Text004);
+        assert!(t.contains("\n# TYPE iopages_write_bytes_total counter\n"));
+        assert!(!t.contains("# TYPE iopages_write_bytes counter"));
         assert!(!t.contains("# EOF"));
+        // OpenMetrics: by the family's, # EOF at the end.
+        let om = exposition(&s, Format::OpenMetrics);
+        assert!(om.contains("\n# TYPE iopages_write_bytes counter\n"));
+        assert!(om.ends_with("\n# EOF\n"));
     }
 }
