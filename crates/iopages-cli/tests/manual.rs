@@ -133,6 +133,11 @@ fn man_writes_a_page_for_every_command_naming_every_long_option() {
         "the walk of --help found no `luks format`: {:?}",
         tree.iter().map(|(p, _)| p).collect::<Vec<_>>()
     );
+    assert!(
+        tree.iter()
+            .any(|(p, o)| p == &["serve"] && o.contains("--config") && o.contains("--image")),
+        "the walk of --help found no options of serve"
+    );
     let dir = TempDir::new("iopages-man");
     let printed = stdout_of(&["man", "--out", dir.path().to_str().unwrap()]);
     let printed: BTreeSet<PathBuf> = printed.lines().map(PathBuf::from).collect();

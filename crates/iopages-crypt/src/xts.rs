@@ -786,3 +786,30 @@ impl OpenSslXts {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_backend_names_the_instructions_it_runs_here() {
+        for b in XtsBackend::ALL {
+            assert!(!b.instructions().is_empty(), "{}", b.name());
+        }
+        let vaes = XtsBackend::Vaes.instructions();
+        assert_eq!(
+            XtsBackend::Vaes.is_available(),
+            !vaes.starts_with("none"),
+            "{vaes}"
+        );
+        // RustCrypto's portable code runs exactly where there is no AES
+        // instruction at all.
+        #[cfg(target_arch = "x86_64")]
+        assert_eq!(
+            XtsBackend::RustCrypto
+                .instructions()
+                .starts_with("portable"),
+            !std::arch::is_x86_feature_detected!("aes")
+        );
+    }
+}
