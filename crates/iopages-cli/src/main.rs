@@ -6,7 +6,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use iopages_bench::{BenchError, BenchOptions};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -114,6 +114,35 @@ enum Command {
         #[command(subcommand)]
         command: luks_cmd::LuksCommand,
     },
+    /// Write the manual pages: iopages(1), one per subcommand, and
+    /// iopages.toml(5).
+    ///
+    /// Writes DIR/man1/iopages.1, DIR/man1/iopages-serve.1,
+    /// DIR/man1/iopages-luks-format.1, ... (a page for every subcommand at
+    /// every level) and DIR/man5/iopages.toml.5, the configuration file of
+    /// `serve --config`; creates the folders, replaces pages already there
+    /// and prints each file it wrote. For example
+    /// `iopages man --out /usr/local/share/man`, then `man iopages-serve`.
+    Man {
+        /// The folder to write man1/ and man5/ under.
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+    },
+    /// Print a shell completion script on standard output.
+    ///
+    /// Where to put it: bash, in
+    /// /usr/share/bash-completion/completions/iopages (for one user:
+    /// ~/.local/share/bash-completion/completions/iopages); zsh, as
+    /// _iopages in a folder of $fpath (/usr/share/zsh/vendor-completions/
+    /// on Debian; for one user, a folder added to $fpath before compinit);
+    /// fish, in /usr/share/fish/vendor_completions.d/iopages.fish (for one
+    /// user: ~/.config/fish/completions/iopages.fish). A new shell picks it
+    /// up.
+    Completions {
+        /// The shell the script is for.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
 }
 
 mod activation;
@@ -124,6 +153,7 @@ mod luks_header;
 mod luks_kdf;
 mod luks_keys;
 mod luks_target;
+mod manual;
 mod metrics;
 mod passphrase;
 mod serve;
@@ -254,11 +284,25 @@ enum Limit {
     Default,
 }
 
+/// The command line, parsed. `--version`'s long text (the build and
+/// this machine's code paths, with an io_uring probe) is made only when
+/// it is asked for; `-V` prints the version alone.
+fn parse_args() -> Cli {
+    let mut cmd = Cli::command();
+    if std::env::args_os().skip(1).any(|a| a == "--version") {
+        cmd = cmd.long_version(manual::version::long_version());
+    }
+    let matches = cmd.get_matches();
+    Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = parse_args();
     let result = match cli.command {
         Command::Serve(args) => serve::serve(*args),
         Command::Luks { command } => luks_cmd::run(command),
+        Command::Man { out } => manual::write_pages(Cli::command(), &out),
+        Command::Completions { shell } => manual::print_completions(Cli::command(), shell),
         command => run(Cli { command }).map_err(|e| e.to_string()),
     };
     match result {
@@ -315,9 +359,12 @@ fn run(cli: Cli) -> Result<(), BenchError> {
             run_experiments(experiment, &opts, bulk_threads, crypt, nbd)?;
             Ok(())
         }
-        Command::Serve(_) | Command::Luks { .. } => Err(BenchError::Workload(
-            "serve and luks are not benchmarks".into(),
-        )),
+        Command::Serve(_)
+        | Command::Luks { .. }
+        | Command::Man { .. }
+        | Command::Completions { .. } => {
+            Err(BenchError::Workload("only bench runs experiments".into()))
+        }
     }
 }
 
@@ -583,6 +630,13 @@ mod tests {
     }
 
     use super::*;
+
+    #[test]
+    fn the_command_line_definition_is_consistent() {
+        // clap's own checks: no two arguments share a name or a flag,
+        // every default is a possible value, ...
+        Cli::command().debug_assert();
+    }
 
     #[test]
     fn threads_take_one_number_or_a_comma_list() {

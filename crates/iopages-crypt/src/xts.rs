@@ -91,6 +91,45 @@ impl XtsBackend {
             XtsBackend::RustCrypto | XtsBackend::OpenSsl => true,
         }
     }
+
+    /// The instructions this backend runs on this CPU, for people
+    /// (`iopages --version`): [`XtsBackend::Vaes`] its own; RustCrypto's
+    /// `aes` picks VAES (on AVX-512 or AVX2 registers), AES-NI (or ARMv8's
+    /// AES) or its portable constant-time code at run time, and this names
+    /// the one it picks; OpenSSL picks for itself.
+    pub fn instructions(self) -> &'static str {
+        match self {
+            XtsBackend::Vaes if self.is_available() => "VAES and VPCLMULQDQ on AVX2 registers",
+            XtsBackend::Vaes => "none: this CPU lacks AES-NI, AVX2, VAES or VPCLMULQDQ",
+            XtsBackend::RustCrypto => rustcrypto_instructions(),
+            XtsBackend::OpenSsl => "OpenSSL's own run-time choice",
+        }
+    }
+}
+
+/// What RustCrypto's `aes` runs here, tested as it tests (its
+/// `cpufeatures` checks, in the same order).
+fn rustcrypto_instructions() -> &'static str {
+    #[cfg(any(target_arch = "x86_64", target_arch = "x86"))]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        if has!("avx512f") && has!("vaes") {
+            return "VAES on AVX-512 registers";
+        }
+        if has!("vaes") {
+            return "VAES on AVX2 registers";
+        }
+        if has!("aes") {
+            return "AES-NI";
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        if std::arch::is_aarch64_feature_detected!("aes") {
+            return "the ARMv8 AES instructions";
+        }
+    }
+    "portable constant-time code (no AES instructions here)"
 }
 
 impl Default for XtsBackend {
@@ -745,5 +784,32 @@ impl OpenSslXts {
             debug_assert_eq!(n, sector);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_backend_names_the_instructions_it_runs_here() {
+        for b in XtsBackend::ALL {
+            assert!(!b.instructions().is_empty(), "{}", b.name());
+        }
+        let vaes = XtsBackend::Vaes.instructions();
+        assert_eq!(
+            XtsBackend::Vaes.is_available(),
+            !vaes.starts_with("none"),
+            "{vaes}"
+        );
+        // RustCrypto's portable code runs exactly where there is no AES
+        // instruction at all.
+        #[cfg(target_arch = "x86_64")]
+        assert_eq!(
+            XtsBackend::RustCrypto
+                .instructions()
+                .starts_with("portable"),
+            !std::arch::is_x86_feature_detected!("aes")
+        );
     }
 }

@@ -62,7 +62,7 @@
 //! | file | owns |
 //! |---|---|
 //! | `options.rs` | [`DirectIo`], [`UringOptions`], [`UringStats`] |
-//! | `open.rs` | [`UringFile::open`]: the file, its size, the `O_DIRECT` checks and fallback, the rings, the arena's registration; `block_device_size` |
+//! | `open.rs` | [`UringFile::open`]: the file, its size, the `O_DIRECT` checks and fallback, the rings, the arena's registration; `block_device_size`; [`probe`] |
 //! | `call.rs` | one read or write call (step 1), and the buffered `preadv` / `pwritev` path |
 //! | `bounce.rs` | step 4: bounce buffers, the plan of a direct call, edge-block read-modify-write |
 //! | `submit.rs` | steps 2, 3 and 5: the ring choice, entries, the drive loop, `fdatasync` |
@@ -84,6 +84,7 @@ mod options;
 mod submit;
 
 pub(crate) use open::block_device_size;
+pub use open::probe;
 pub use options::{DirectIo, UringOptions, UringStats};
 
 use crate::backend::{Backend, Extent};

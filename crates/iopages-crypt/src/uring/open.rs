@@ -4,7 +4,8 @@
 //! Owns: [`UringFile::open`] and its steps — the options checked, the open
 //! (with `O_DIRECT` unless [`DirectIo::Off`]), the device size, the
 //! alignment direct I/O needs (`statx` / `BLKSSZGET` and probe reads),
-//! ring setup and the arena's registration — and [`block_device_size`].
+//! ring setup and the arena's registration — and [`block_device_size`]
+//! and [`probe`] (whether this kernel sets up a ring at all).
 //! Must never: take a fallback without recording why in the file's
 //! fallbacks (or, under [`DirectIo::Require`], failing the open), shrink a
 //! file, or leave fixed buffers registered on some rings and not others.
@@ -26,6 +27,8 @@ use std::sync::atomic::AtomicUsize;
 const SECTOR: u64 = 512;
 /// The smallest memory alignment used for `O_DIRECT` buffers.
 const MIN_MEM_ALIGN: usize = 4096;
+/// Said after a ring setup refused with `EPERM` or `ENOSYS`.
+const DISABLED_HINT: &str = " (io_uring is disabled here: see kernel.io_uring_disabled or seccomp)";
 
 impl UringFile {
     /// Open `path` as a backend.
@@ -220,6 +223,28 @@ fn direct_alignment(
     }
 }
 
+/// Whether io_uring can be used here: sets up one ring of one entry and
+/// closes it (what `iopages --version` reports).
+///
+/// **Context:** one `io_uring_setup` and one `close`; no file is opened.
+///
+/// **Returns:** `Ok(())`, or the kernel's refusal, with a hint where
+/// io_uring is switched off (`EPERM`, `ENOSYS`).
+pub fn probe() -> io::Result<()> {
+    match IoUring::new(1) {
+        Ok(ring) => {
+            drop(ring);
+            Ok(())
+        }
+        Err(e) => match e.raw_os_error() {
+            Some(libc::EPERM) | Some(libc::ENOSYS) => {
+                Err(io::Error::new(e.kind(), format!("{e}{DISABLED_HINT}")))
+            }
+            _ => Err(e),
+        },
+    }
+}
+
 /// `opts.rings` rings of `opts.ring_entries` entries each.
 fn make_rings(path: &Path, opts: &UringOptions) -> io::Result<Vec<IoUring>> {
     let mut rings = Vec::with_capacity(opts.rings);
@@ -229,9 +254,7 @@ fn make_rings(path: &Path, opts: &UringOptions) -> io::Result<Vec<IoUring>> {
             .build(opts.ring_entries)
             .map_err(|e| {
                 let hint = match e.raw_os_error() {
-                    Some(libc::EPERM) | Some(libc::ENOSYS) => {
-                        " (io_uring is disabled here: see kernel.io_uring_disabled or seccomp)"
-                    }
+                    Some(libc::EPERM) | Some(libc::ENOSYS) => DISABLED_HINT,
                     _ => "",
                 };
                 let n = opts.ring_entries;
