@@ -29,8 +29,10 @@
 #                         systemd-socket-activate (starts the packaged
 #                         binary as its socket unit would) for
 #                         scripts/test-deb.sh; no systemd as PID 1 is needed
-#   dpkg-dev, fakeroot    scripts/build-deb.sh builds the Debian package with
-#                         dpkg-deb, its files owned by root
+#   groff-base            groff: tests/manual.rs renders every man page and
+#                         fails on any warning
+#   dpkg-dev              dpkg-shlibdeps and dpkg-architecture for
+#                         scripts/build-deb.sh (dpkg-deb itself is dpkg's)
 #
 # Ceph (the third store of tests/stores.rs, and `iopages bench nbd --remote
 # --store ceph`) is not installed here: scripts/ceph-store.sh installs it
@@ -41,7 +43,7 @@
 #
 # Usage: scripts/setup-debian.sh   (as root, or with the packages installed)
 set -euo pipefail
-pkgs=(openssl python3-cryptography qemu-utils nbd-server cryptsetup-bin nbdkit libnbd-bin fio gcc g++ prometheus systemd dpkg-dev fakeroot)
+pkgs=(openssl python3-cryptography qemu-utils nbd-server cryptsetup-bin nbdkit libnbd-bin fio gcc g++ prometheus systemd groff-base dpkg-dev)
 
 missing=()
 for p in "${pkgs[@]}"; do
