@@ -58,8 +58,11 @@ check_binary() {
   /usr/bin/iopages --version > "$work/version" || fail "iopages --version failed"
   grep -q "$(sed -n 's/^version = "\(.*\)"$/\1/p' Cargo.toml | head -n1)" "$work/version" \
     || fail "iopages --version does not name the version: $(cat "$work/version")"
+  grep -Eq '^commit: ([0-9a-f]{12}|built outside a git checkout)' "$work/version" \
+    || fail "iopages --version does not say which commit it was built from"
+  grep -q '^aes-xts: ' "$work/version" || fail "iopages --version does not name the AES-XTS path"
   /usr/bin/iopages serve --help | grep -q -- '--image' || fail "iopages serve --help does not list --image"
-  say "$(head -n1 "$work/version")"
+  say "/usr/bin/iopages --version: $(tr '\n' ';' < "$work/version")"
 }
 
 # owner, group and mode of a path, as "user:group mode".
