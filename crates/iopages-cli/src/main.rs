@@ -15,7 +15,18 @@ use std::process::ExitCode;
 #[command(
     name = "iopages",
     version,
-    about = "The kernel's I/O memory machinery in userspace: benchmarks and tools"
+    about = "The kernel's I/O memory machinery in userspace: benchmarks and tools",
+    long_about = "The kernel's I/O memory machinery in userspace: benchmarks and tools.\n\n\
+        `iopages serve` serves AES-XTS encrypted volumes (LUKS1 or LUKS2 images, \
+        block devices, images on a remote NBD store) over NBD, with TLS, \
+        per-client limits, several exports, sparse volumes, Prometheus metrics \
+        and socket activation. `iopages luks` formats, checks and decrypts \
+        volumes and manages their key slots. `iopages bench` runs the \
+        experiments that measure the page allocator, the cipher and the server \
+        against their peers.\n\n\
+        The configuration file of `serve --config` is described in iopages.toml(5); \
+        the systemd units iopages@.socket and iopages@.service serve one volume \
+        per instance."
 )]
 struct Cli {
     #[command(subcommand)]

@@ -33,7 +33,8 @@ fn parse_inline(s: &str) -> Result<u32, String> {
 #[derive(clap::Args)]
 pub struct ServeArgs {
     /// Serve the exports a TOML file describes (several volumes behind one
-    /// port; see contrib/iopages.toml) instead of one volume: each export
+    /// port; its format is iopages.toml(5), an example is
+    /// contrib/iopages.toml) instead of one volume: each export
     /// names its image, passphrase source and settings there. The
     /// server-wide flags (listening, TLS, limits, statistics) still apply;
     /// the file's listen and unix addresses are used when no --listen or
