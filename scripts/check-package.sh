@@ -9,8 +9,9 @@
 # 3. `cargo package` of the four at once, in dependency order against a
 #    local overlay registry (the siblings are not on crates.io), including
 #    verification: each unpacked .crate is built on its own. The builds use
-#    the workspace's target directory, so the vendored OpenSSL is built once
-#    and shared with the ordinary builds;
+#    the workspace's target directory and [profile.test]'s opt-level, so
+#    they reuse what `cargo test` built (the vendored OpenSSL is not built
+#    again);
 # 4. the .crate files themselves: their sizes, a README in each, nothing
 #    over 1 MiB and nothing from a target/ directory inside.
 #
@@ -41,6 +42,17 @@ done
 crates=(iopages iopages-crypt iopages-nbd iopages-ffi)
 max_bytes=$((1 << 20))
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
+# Verification builds each unpacked crate with the dev profile, and a
+# packaged manifest carries none of the workspace's [profile.*] tables.
+# With the dev profile's opt-level set to [profile.test]'s, those builds
+# reuse every dependency `cargo test` has built in the target directory
+# (the vendored OpenSSL above all) instead of building them all again:
+# cargo's artifact hashes depend on a profile's settings, not its name.
+test_opt_level=$(awk '
+  /^\[/ { in_test = ($0 == "[profile.test]") }
+  in_test && $1 == "opt-level" { gsub(/[" ]/, "", $3); print $3 }
+' Cargo.toml)
+export CARGO_PROFILE_DEV_OPT_LEVEL="${CARGO_PROFILE_DEV_OPT_LEVEL:-${test_opt_level:-0}}"
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 fail=0
 
