@@ -59,6 +59,18 @@
 //! xts.decrypt_sectors_in_place(100, &mut sealed).unwrap();
 //! assert_eq!(sealed, plain);
 //! ```
+//!
+//! ## Requirements
+//!
+//! Linux only (the target's pages come from an [`iopages`] arena, a
+//! memfd). io_uring is needed only by [`uring::UringFile`], the backend
+//! for files and block devices; the RAM disk and the page store do not use
+//! it. OpenSSL (the [`XtsBackend::OpenSsl`] backend, PBKDF2 and the hashes
+//! of the LUKS headers, random keys) is built from source through
+//! `openssl`'s `vendored` feature: a first build needs a C compiler,
+//! `perl` and `make`, and no system libssl. The VAES backend is x86_64
+//! only and chosen at run time from the CPU's features. Rust 1.89 or later
+//! (`rust-version`); only the current stable toolchain is tested.
 
 #![warn(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]

@@ -270,10 +270,7 @@ pub unsafe extern "C" fn iopages_bio_from_buffer(
         if out.is_null() {
             return Err(fail(libc::EINVAL, "out is NULL"));
         }
-        if offset
-            .checked_add(len)
-            .map_or(true, |end| end > b.buf.len())
-        {
+        if offset.checked_add(len).is_none_or(|end| end > b.buf.len()) {
             return Err(fail(
                 libc::EINVAL,
                 format!("bytes {offset}+{len} leave the {}-byte buffer", b.buf.len()),

@@ -94,20 +94,26 @@
 //! ([`RateLimit`]). TLS (NBD_OPT_STARTTLS, X.509 or PSK, offered
 //! or required) runs over the same non-blocking transport.
 //!
-//! ```no_run
+//! A server on a RAM disk, and this crate's own NBD client ([`remote`])
+//! writing through it: the client sees its data, the disk holds only
+//! ciphertext.
+//!
+//! ```
 //! use iopages::PageAllocator;
 //! use iopages_crypt::backend::{Backend, RamDisk};
 //! use iopages_crypt::queue::{CryptQueue, QueueConfig};
 //! use iopages_crypt::target::{CipherPool, CryptTarget, TargetConfig};
 //! use iopages_crypt::XtsCipher;
+//! use iopages_nbd::remote::{NbdRemote, RemoteOptions, RemoteSpec};
 //! use iopages_nbd::{ExportConfig, Listen, Server};
 //! use std::sync::Arc;
 //!
 //! let alloc = PageAllocator::builder().size_bytes(64 << 20).build().unwrap();
-//! let disk: Arc<dyn Backend> = Arc::new(RamDisk::new(16 << 20).unwrap());
+//! let disk = Arc::new(RamDisk::new(16 << 20).unwrap());
 //! let key: Vec<u8> = (0u8..64).collect();
 //! let cipher = CipherPool::new(XtsCipher::new(&key, 512, 0).unwrap(), 2).unwrap();
-//! let target = Arc::new(CryptTarget::new(&alloc, cipher, disk, TargetConfig::default()).unwrap());
+//! let below: Arc<dyn Backend> = disk.clone();
+//! let target = Arc::new(CryptTarget::new(&alloc, cipher, below, TargetConfig::default()).unwrap());
 //! let queue = Arc::new(CryptQueue::new(target, QueueConfig::default()).unwrap());
 //! let server = Server::start(
 //!     queue,
@@ -115,9 +121,32 @@
 //!     &[Listen::Tcp("127.0.0.1:0".parse().unwrap())],
 //! )
 //! .unwrap();
-//! println!("nbd://{}/vol", server.tcp_addr().unwrap());
+//! let uri = format!("nbd://{}/vol", server.tcp_addr().unwrap());
+//!
+//! let client = NbdRemote::connect(&RemoteSpec::parse(&uri).unwrap(), &RemoteOptions::default())
+//!     .unwrap();
+//! assert_eq!(client.size_bytes(), 16 << 20);
+//! let data = vec![0x5au8; 4096];
+//! client.write_at(8192, &[&data]).unwrap();
+//! client.flush().unwrap();
+//! let mut back = vec![0u8; 4096];
+//! client.read_at(8192, &mut [&mut back]).unwrap();
+//! assert_eq!(back, data);
+//! let mut stored = vec![0u8; 4096];
+//! disk.read_at(8192, &mut [&mut stored]).unwrap();
+//! assert_ne!(stored, data);
+//!
+//! drop(client);
 //! server.shutdown();
 //! ```
+//!
+//! ## Requirements
+//!
+//! Linux only (memfd, `poll`, eventfd, `SO_PEERCRED`, io_uring for targets
+//! on files). TLS is OpenSSL's, built from source through `openssl`'s
+//! `vendored` feature: a first build needs a C compiler, `perl` and `make`,
+//! and no system libssl. Rust 1.89 or later (`rust-version`); only the
+//! current stable toolchain is tested.
 
 #![warn(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]

@@ -105,6 +105,14 @@
 //! drop(local);
 //! assert!(alloc.leak_check().is_ok());
 //! ```
+//!
+//! ## Requirements
+//!
+//! Linux only: the arena is one `memfd_create` mapping. Huge pages are
+//! used when asked for ([`HugePages`]): hugetlbfs pages need a reserve
+//! (`vm.nr_hugepages`), otherwise base pages with `MADV_HUGEPAGE`. No
+//! cargo features, no C dependencies. Rust 1.80 or later (`rust-version`);
+//! only the current stable toolchain is tested.
 
 #![warn(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
