@@ -112,7 +112,7 @@ fn build(mib: u64) -> Result<Arena, BenchError> {
         rng ^= rng << 13;
         rng ^= rng >> 7;
         rng ^= rng << 17;
-        if rng % 10 == 0 {
+        if rng.is_multiple_of(10) {
             cache.remove(k);
         }
     }
