@@ -22,16 +22,8 @@ fn serve(sock: &Path, stderr: PathBuf) -> (Served, SocketAddr) {
     let mut cmd = serve_cmd();
     cmd.args(["--size", "16M", "--arena", "128M"])
         .arg("--unix")
-        .arg(sock)
-        .args(["--metrics", "127.0.0.1:0"]);
-    let mut metrics = None;
-    let srv = Served::spawn(cmd, stderr, |l| {
-        if let Some(m) = l.strip_prefix("metrics: http://") {
-            let addr = m.strip_suffix("/metrics").expect("…/metrics");
-            metrics = Some(addr.parse().expect("a socket address"));
-        }
-    });
-    let metrics = metrics.unwrap_or_else(|| panic!("no metrics line: {:?}", srv.banner));
+        .arg(sock);
+    let (srv, metrics) = Served::spawn_with_metrics(cmd, stderr);
     assert!(srv.uri.starts_with("nbd+unix:///"), "{:?}", srv.banner);
     (srv, metrics)
 }

@@ -107,16 +107,8 @@ fn live() -> Option<&'static Scrape> {
         );
         std::fs::write(&conf, text).unwrap();
         let mut cmd = serve_cmd();
-        cmd.arg("--config")
-            .arg(&conf)
-            .args(["--metrics", "127.0.0.1:0"]);
-        let mut metrics = None;
-        let srv = Served::spawn(cmd, dir.join("serve.err"), |l| {
-            if let Some(m) = l.strip_prefix("metrics: http://") {
-                metrics = m.strip_suffix("/metrics").and_then(|a| a.parse().ok());
-            }
-        });
-        let addr: SocketAddr = metrics.unwrap_or_else(|| panic!("no metrics: {:?}", srv.banner));
+        cmd.arg("--config").arg(&conf);
+        let (srv, addr) = Served::spawn_with_metrics(cmd, dir.join("serve.err"));
         drive(&sock, "local");
         drive(&sock, "remote");
         let scrape = Scrape {

@@ -40,17 +40,8 @@ fn serve(dir: &Dir, sock: &Path, pass: &Path, extra: &str) -> (Served, SocketAdd
     )
     .unwrap();
     let mut cmd = serve_cmd();
-    cmd.arg("--config")
-        .arg(&conf)
-        .args(["--metrics", "127.0.0.1:0"]);
-    let mut metrics = None;
-    let srv = Served::spawn(cmd, dir.join("serve.err"), |l| {
-        if let Some(m) = l.strip_prefix("metrics: http://") {
-            metrics = m.strip_suffix("/metrics").and_then(|a| a.parse().ok());
-        }
-    });
-    let metrics = metrics.unwrap_or_else(|| panic!("no metrics line: {:?}", srv.banner));
-    (srv, metrics)
+    cmd.arg("--config").arg(&conf);
+    Served::spawn_with_metrics(cmd, dir.join("serve.err"))
 }
 
 /// Poll `path` until it answers `code` (within 10 s): its body.

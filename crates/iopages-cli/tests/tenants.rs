@@ -51,16 +51,8 @@ struct Server {
 impl Server {
     /// Start `cmd` (from [`serve_cmd`]) with `--metrics 127.0.0.1:0`, its
     /// stderr into `dir/NAME.err`.
-    fn start(mut cmd: Command, dir: &Dir, name: &str) -> Server {
-        cmd.args(["--metrics", "127.0.0.1:0"]);
-        let mut metrics = None;
-        let srv = Served::spawn(cmd, dir.join(&format!("{name}.err")), |l| {
-            if let Some(m) = l.strip_prefix("metrics: http://") {
-                let addr = m.strip_suffix("/metrics").expect("…/metrics");
-                metrics = Some(addr.parse().expect("a socket address"));
-            }
-        });
-        let metrics = metrics.unwrap_or_else(|| panic!("no metrics line: {:?}", srv.banner));
+    fn start(cmd: Command, dir: &Dir, name: &str) -> Server {
+        let (srv, metrics) = Served::spawn_with_metrics(cmd, dir.join(&format!("{name}.err")));
         Server { srv, metrics }
     }
 

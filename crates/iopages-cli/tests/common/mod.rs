@@ -269,6 +269,21 @@ impl Served {
         }
     }
 
+    /// [`Served::spawn`] with `--metrics 127.0.0.1:0` added to `cmd`: the
+    /// server and the metrics address its banner prints.
+    pub fn spawn_with_metrics(mut cmd: Command, stderr: PathBuf) -> (Served, SocketAddr) {
+        cmd.args(["--metrics", "127.0.0.1:0"]);
+        let mut metrics = None;
+        let srv = Served::spawn(cmd, stderr, |l| {
+            if let Some(m) = l.strip_prefix("metrics: http://") {
+                let addr = m.strip_suffix("/metrics").expect("…/metrics");
+                metrics = Some(addr.parse().expect("a socket address"));
+            }
+        });
+        let metrics = metrics.unwrap_or_else(|| panic!("no metrics line: {:?}", srv.banner));
+        (srv, metrics)
+    }
+
     /// What it has written to stderr so far.
     pub fn stderr_text(&self) -> String {
         std::fs::read_to_string(&self.stderr).unwrap_or_default()
