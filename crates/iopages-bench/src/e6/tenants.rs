@@ -164,7 +164,7 @@ impl Probe {
 /// One probe's figure in one cell, or why the polite client got none.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Figure {
-    /// MiB/s, IOPS or µs (see [`Probe::unit`]); `None` when it failed.
+    /// MiB/s, IOPS or µs (see `Probe::unit`); `None` when it failed.
     pub value: Option<f64>,
     /// fio's error, when it failed.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -59,7 +59,7 @@ pub struct ServeArgs {
     pub(super) unix: Option<PathBuf>,
     /// Serve this LUKS1 or LUKS2 image (a file or block device) instead of
     /// an in-memory volume. Needs --passphrase-file. An image on a remote
-    /// NBD server: nbd://host[:port]/export, nbd+unix:///export?socket=PATH,
+    /// NBD server: `nbd://host[:port]/export`, nbd+unix:///export?socket=PATH,
     /// or over TLS nbds://… / nbds+unix://… with tls-certificates=DIR
     /// (ca-cert.pem, client-cert.pem, client-key.pem) or tls-psk-file=FILE
     /// and tls-username=NAME; tls-hostname=NAME for a Unix socket.
