@@ -194,8 +194,24 @@ fn scripts_dir() -> PathBuf {
 /// Build the peers into `dir` (installing Debian packages where missing and
 /// allowed) and say where each stands.
 pub fn setup(dir: &Path) -> Vec<(&'static str, PeerState)> {
-    let script = scripts_dir().join("setup-peers.sh");
-    let ran = Command::new("bash").arg(&script).arg(dir).status();
+    setup_with(&scripts_dir().join("setup-peers.sh"), dir)
+}
+
+/// [`setup`] with the build script at `script`.
+fn setup_with(script: &Path, dir: &Path) -> Vec<(&'static str, PeerState)> {
+    if !script.is_file() {
+        // An installed binary (the Debian package, cargo install) has no
+        // source tree to build the peers' C harness from.
+        let why = format!(
+            "the peers are built from the iopages source tree ({} is not here): run `iopages bench` in a checkout, or pass --no-peers",
+            script.display()
+        );
+        return PEERS
+            .iter()
+            .map(|&name| (name, PeerState::Unavailable(why.clone())))
+            .collect();
+    }
+    let ran = Command::new("bash").arg(script).arg(dir).status();
     PEERS
         .iter()
         .map(|&name| {
@@ -699,6 +715,24 @@ mod tests {
         impl Drop for Dir {
             fn drop(&mut self) {
                 let _ = std::fs::remove_dir_all(&self.0);
+            }
+        }
+    }
+
+    #[test]
+    fn without_the_source_tree_every_peer_is_unavailable_and_says_why() {
+        let states = setup_with(
+            Path::new("/nonexistent/scripts/setup-peers.sh"),
+            Path::new("/nonexistent/peers"),
+        );
+        assert_eq!(states.len(), PEERS.len());
+        for (name, state) in states {
+            match state {
+                PeerState::Unavailable(why) => assert!(
+                    why.contains("source tree") && why.contains("--no-peers"),
+                    "{name}: {why}"
+                ),
+                other => panic!("{name}: {other:?}"),
             }
         }
     }
