@@ -338,3 +338,33 @@ fn every_page_renders_without_a_groff_warning() {
     }
     assert!(pages >= 3, "{printed}");
 }
+
+/// `iopages ARGS` with a standard output nobody reads (the pipe's reader
+/// closed before it starts): it must fail with a message, not panic.
+fn with_closed_stdout(args: &[&str]) -> Output {
+    let (reader, writer) = std::io::pipe().expect("a pipe");
+    drop(reader);
+    Command::new(BIN)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(writer)
+        .stderr(Stdio::piped())
+        .output()
+        .expect("iopages runs")
+}
+
+#[test]
+fn a_closed_standard_output_is_an_error_not_a_panic() {
+    let dir = TempDir::new("iopages-closed-stdout");
+    let out_dir = dir.path().to_str().unwrap().to_string();
+    for args in [
+        vec!["man", "--out", out_dir.as_str()],
+        vec!["completions", "bash"],
+    ] {
+        let out = with_closed_stdout(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert!(err.to_lowercase().contains("pipe"), "{args:?}: {err}");
+    }
+}

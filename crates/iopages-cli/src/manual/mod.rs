@@ -150,11 +150,13 @@ fn see_also(cmd: &clap::Command, parent: Option<&str>) -> String {
     roff.to_roff()
 }
 
-/// Writes `bytes` to `path` and prints the path.
+/// Writes `bytes` to `path` and prints the path (a closed standard
+/// output is an error, not a panic).
 fn write_file(path: &Path, bytes: &[u8]) -> Result<(), String> {
+    use std::io::Write;
     std::fs::write(path, bytes).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
-    println!("{}", path.display());
-    Ok(())
+    writeln!(std::io::stdout().lock(), "{}", path.display())
+        .map_err(|e| format!("wrote {} but cannot print its name: {e}", path.display()))
 }
 
 /// Prints `shell`'s completion script for `cmd` on standard output.
