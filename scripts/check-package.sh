@@ -164,7 +164,10 @@ if [ "$install_check" = 1 ]; then
   trap 'rm -rf "$root"' EXIT
   cargo install --locked --path crates/iopages-cli --root "$root" \
     --target-dir "$CARGO_TARGET_DIR"
-  if help=$("$root/bin/iopages" --help); then
+  # As a user finds it: through PATH, the way ~/.cargo/bin is.
+  found=$(PATH="$root/bin:$PATH" command -v iopages || true)
+  [ "$found" = "$root/bin/iopages" ] || bad "iopages on PATH is '$found', not the installed $root/bin/iopages"
+  if help=$(PATH="$root/bin:$PATH" iopages --help); then
     for word in serve luks bench; do
       if ! printf '%s\n' "$help" | grep -qw "$word"; then
         bad "the installed iopages --help does not mention $word"
