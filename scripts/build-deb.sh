@@ -23,7 +23,9 @@
 #   /usr/lib/tmpfiles.d/iopages.conf       /var/lib/iopages, /etc/iopages
 #   /usr/share/man/man1/iopages*.1.gz, man5/iopages.toml.5.gz
 #   bash, zsh and fish completions
-#   /usr/share/doc/iopages/                README, copyright, examples/iopages.toml
+#   /usr/share/doc/iopages/                README, copyright, observability.md,
+#                                          examples/: iopages.toml, the Prometheus
+#                                          rules, the Grafana dashboard
 #
 # `iopages bench` stays in the binary (it is a subcommand of the same
 # program, not a separate build); its outside tools are Suggests, not
@@ -92,6 +94,9 @@ install -d "$stage/usr/share/bash-completion/completions" \
 doc=$stage/usr/share/doc/iopages
 install -D -m 0644 README.md "$doc/README.md"
 install -D -m 0644 contrib/iopages.toml "$doc/examples/iopages.toml"
+install -D -m 0644 docs/observability.md "$doc/observability.md"
+install -D -m 0644 contrib/prometheus/iopages.rules.yml "$doc/examples/prometheus/iopages.rules.yml"
+install -D -m 0644 contrib/grafana/iopages.json "$doc/examples/grafana/iopages.json"
 install -D -m 0644 contrib/debian/copyright "$doc/copyright"
 
 # Maintainer scripts: user and directories at configure; nothing that needs

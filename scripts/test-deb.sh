@@ -75,6 +75,8 @@ check_layout() {
   for f in /usr/share/man/man1/iopages.1.gz /usr/share/man/man1/iopages-serve.1.gz \
       /usr/share/man/man5/iopages.toml.5.gz /usr/share/bash-completion/completions/iopages \
       /usr/share/doc/iopages/examples/iopages.toml /usr/share/doc/iopages/copyright \
+      /usr/share/doc/iopages/examples/prometheus/iopages.rules.yml \
+      /usr/share/doc/iopages/examples/grafana/iopages.json \
       "$unit_dir/iopages@.service" "$unit_dir/iopages@.socket"; do
     [ -s "$f" ] || fail "$f is missing or empty"
   done
