@@ -373,6 +373,16 @@ static void fast_calls(void) {
         CHECK(iopages_fast_alloc_page_ptr(f, 1u << 30) == NULL); /* unknown bits */
         CHECK(strstr(iopages_last_error(), "gfp") != NULL);
         CHECK(iopages_fast_free_page_ptr(f, q + 1) == -EINVAL);
+        /* The inline free's one compare (the offset rotated by the page
+         * shift against the frame count) refuses what the three tests did:
+         * misaligned inside a page, below the base, at and past the end. */
+        CHECK(iopages_fast_free_page_ptr(f, q + 2048) == -EINVAL);
+        CHECK(iopages_fast_free_page_ptr(f, (char *)f->base - 4096) == -EINVAL);
+        CHECK(iopages_fast_free_page_ptr(f, (char *)f->base - 1) == -EINVAL);
+        CHECK(iopages_fast_free_page_ptr(f, (char *)f->base + f->arena_bytes) == -EINVAL);
+        CHECK(iopages_fast_free_page_ptr(f, (char *)f->base + f->arena_bytes + 4096) == -EINVAL);
+        CHECK(iopages_fast_free_page_ptr(f, (char *)f->base + f->arena_bytes - 1) == -EINVAL);
+        CHECK(iopages_leak_check(a, &held) == -EBUSY && held.in_use_pages == 2); /* still q and z */
         CHECK(iopages_fast_free_page_ptr(f, q) == 0);
         CHECK(iopages_fast_free_page_ptr(f, z) == 0);
         if (checks) CHECK(iopages_fast_free_page_ptr(f, z) == -EINVAL); /* double free caught */
