@@ -168,10 +168,18 @@ impl Families<'_> {
         samples: Vec<(Labels, u64)>,
     ) {
         debug_assert!(kind != Kind::Histogram, "{name}");
-        let samples = samples
-            .into_iter()
-            .map(|(l, v)| (l, Value::Int(v)))
-            .collect();
+        let samples = samples.into_iter().map(|(l, v)| (l, Value::Int(v)));
+        self.push(name, help, kind, samples.collect());
+    }
+
+    /// A family as described.
+    fn push(
+        &mut self,
+        name: &'static str,
+        help: &'static str,
+        kind: Kind,
+        samples: Vec<(Labels, Value)>,
+    ) {
         self.out.push(Family {
             name,
             help,
@@ -229,16 +237,8 @@ impl Families<'_> {
         help: &'static str,
         samples: Vec<(Labels, Histogram)>,
     ) {
-        let samples = samples
-            .into_iter()
-            .map(|(l, h)| (l, Value::Hist(h)))
-            .collect();
-        self.out.push(Family {
-            name,
-            help,
-            kind: Kind::Histogram,
-            samples,
-        });
+        let samples = samples.into_iter().map(|(l, h)| (l, Value::Hist(h)));
+        self.push(name, help, Kind::Histogram, samples.collect());
     }
 }
 

@@ -151,7 +151,9 @@ fn sample_name(sample: &str) -> &str {
     sample.split(['{', ' ']).next().unwrap()
 }
 
-/// `cmd`, given `stdin`: its output.
+/// `cmd`, given `stdin`: its output. The input is written on its own
+/// thread while the output is read, so a tool that answers before it has
+/// read everything cannot fill its output pipe and stall both sides.
 fn run_with_stdin(cmd: &mut Command, stdin: &str) -> Output {
     let mut child = cmd
         .stdin(Stdio::piped())
@@ -159,13 +161,13 @@ fn run_with_stdin(cmd: &mut Command, stdin: &str) -> Output {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(stdin.as_bytes())
-        .unwrap();
-    child.wait_with_output().unwrap()
+    let mut input = child.stdin.take().unwrap();
+    std::thread::scope(|s| {
+        // A tool that exits without reading it all closes the pipe: what
+        // it said is the result either way.
+        s.spawn(move || input.write_all(stdin.as_bytes()));
+        child.wait_with_output().unwrap()
+    })
 }
 
 /// `promtool check metrics` of `body`: its exit status and what it said.

@@ -27,8 +27,16 @@ use std::sync::atomic::AtomicUsize;
 const SECTOR: u64 = 512;
 /// The smallest memory alignment used for `O_DIRECT` buffers.
 const MIN_MEM_ALIGN: usize = 4096;
-/// Said after a ring setup refused with `EPERM` or `ENOSYS`.
-const DISABLED_HINT: &str = " (io_uring is disabled here: see kernel.io_uring_disabled or seccomp)";
+/// What to add to a ring setup's error: where io_uring is switched off
+/// (`EPERM`, `ENOSYS`), where to look; nothing otherwise.
+fn disabled_hint(e: &io::Error) -> &'static str {
+    match e.raw_os_error() {
+        Some(libc::EPERM) | Some(libc::ENOSYS) => {
+            " (io_uring is disabled here: see kernel.io_uring_disabled or seccomp)"
+        }
+        _ => "",
+    }
+}
 
 impl UringFile {
     /// Open `path` as a backend.
@@ -231,18 +239,9 @@ fn direct_alignment(
 /// **Returns:** `Ok(())`, or the kernel's refusal, with a hint where
 /// io_uring is switched off (`EPERM`, `ENOSYS`).
 pub fn probe() -> io::Result<()> {
-    match IoUring::new(1) {
-        Ok(ring) => {
-            drop(ring);
-            Ok(())
-        }
-        Err(e) => match e.raw_os_error() {
-            Some(libc::EPERM) | Some(libc::ENOSYS) => {
-                Err(io::Error::new(e.kind(), format!("{e}{DISABLED_HINT}")))
-            }
-            _ => Err(e),
-        },
-    }
+    IoUring::new(1)
+        .map(drop)
+        .map_err(|e| io::Error::new(e.kind(), format!("{e}{}", disabled_hint(&e))))
 }
 
 /// `opts.rings` rings of `opts.ring_entries` entries each.
@@ -253,11 +252,7 @@ fn make_rings(path: &Path, opts: &UringOptions) -> io::Result<Vec<IoUring>> {
             .setup_clamp()
             .build(opts.ring_entries)
             .map_err(|e| {
-                let hint = match e.raw_os_error() {
-                    Some(libc::EPERM) | Some(libc::ENOSYS) => DISABLED_HINT,
-                    _ => "",
-                };
-                let n = opts.ring_entries;
+                let (n, hint) = (opts.ring_entries, disabled_hint(&e));
                 named(
                     path,
                     e.kind(),
