@@ -15,7 +15,9 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
-const BIN: &str = env!("CARGO_BIN_EXE_iopages");
+mod common;
+
+use common::BIN;
 
 /// Deepest command path walked (`iopages luks format` is 2): a bound on
 /// the walk should the help text ever list a command under itself.
@@ -37,14 +39,7 @@ fn iopages(args: &[&str]) -> Output {
 
 /// `iopages ARGS`, which must succeed; its standard output.
 fn stdout_of(args: &[&str]) -> String {
-    let out = iopages(args);
-    assert!(
-        out.status.success(),
-        "iopages {args:?} failed ({}): {}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("iopages prints UTF-8")
+    common::run(Command::new(BIN).args(args))
 }
 
 /// The lines of the `heading` section of a help text (up to the next
