@@ -79,6 +79,7 @@
 mod admission;
 pub mod backend;
 pub mod dio;
+pub mod integrity;
 mod error;
 pub mod luks;
 pub mod queue;

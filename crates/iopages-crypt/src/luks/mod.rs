@@ -143,7 +143,7 @@ pub use limits::{KdfLimits, LUKS2_KEYSLOTS_MAX};
 pub use manage::{add_key, change_key, kill_slot, remove_key, HeaderDevice, KeyChange, KeyOptions};
 
 use crate::XtsCipher;
-use key::SecretBuf;
+pub(crate) use key::SecretBuf;
 use std::borrow::Cow;
 use std::fs::File;
 use std::os::unix::fs::{FileExt, FileTypeExt};
