@@ -133,7 +133,15 @@ impl Layout {
         while data > 0 {
             let l = Layout::new(mac, data)?;
             if data + l.area_blocks <= total {
-                return Some(l);
+                // The step down may overshoot by a few blocks: climb back.
+                let mut best = l;
+                while let Some(up) = Layout::new(mac, best.data_blocks + 1) {
+                    if up.data_blocks + up.area_blocks > total {
+                        break;
+                    }
+                    best = up;
+                }
+                return Some(best);
             }
             let over = data + l.area_blocks - total;
             data = data.saturating_sub(over.max(1));
