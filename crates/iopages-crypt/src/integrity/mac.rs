@@ -76,7 +76,11 @@ impl Keys {
         if r.epoch == 0 {
             return false;
         }
-        let data = if r.flags & FLAG_ZERO != 0 { &[][..] } else { data };
+        let data = if r.flags & FLAG_ZERO != 0 {
+            &[][..]
+        } else {
+            data
+        };
         match self.compute(block, r, data) {
             Ok(mac) => openssl::memcmp::eq(&mac, &r.mac),
             Err(_) => false,
@@ -92,8 +96,8 @@ impl Keys {
         let mut out = [0u8; 32];
         match self.mac {
             Mac::HmacSha256 => {
-                let mut s =
-                    Signer::new(MessageDigest::sha256(), &self.tag_pkey).map_err(io::Error::other)?;
+                let mut s = Signer::new(MessageDigest::sha256(), &self.tag_pkey)
+                    .map_err(io::Error::other)?;
                 s.update(&head).map_err(io::Error::other)?;
                 s.update(&r.nonce).map_err(io::Error::other)?;
                 s.update(data).map_err(io::Error::other)?;
@@ -120,7 +124,8 @@ impl Keys {
     /// authenticated whatever the tags' MAC).
     pub fn superblock_mac(&self, data: &[u8]) -> io::Result<[u8; 32]> {
         let _ = &self.superblock;
-        let mut s = Signer::new(MessageDigest::sha256(), &self.sb_pkey).map_err(io::Error::other)?;
+        let mut s =
+            Signer::new(MessageDigest::sha256(), &self.sb_pkey).map_err(io::Error::other)?;
         s.update(data).map_err(io::Error::other)?;
         let mut out = [0u8; 32];
         s.sign(&mut out).map_err(io::Error::other)?;
