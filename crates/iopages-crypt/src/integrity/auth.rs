@@ -425,8 +425,9 @@ impl AuthBackend {
     }
 }
 
-/// `3-5, 9` for blocks 3, 4, 5, 9 (sorted input).
-fn block_ranges(bad: &[u64]) -> String {
+/// `3-5, 9` for blocks 3, 4, 5, 9 (sorted input): how block numbers are
+/// shown in messages.
+pub fn block_ranges(bad: &[u64]) -> String {
     let mut out = Vec::new();
     let mut i = 0;
     while i < bad.len() {

@@ -31,7 +31,7 @@ pub mod mac;
 pub mod state;
 mod tree;
 
-pub use auth::{AuthBackend, AuthOptions, AuthStats, Freshness};
+pub use auth::{block_ranges, AuthBackend, AuthOptions, AuthStats, Freshness};
 pub use layout::{Layout, Mac};
 pub use mac::Keys;
 pub use state::{Anchor, StateFile};
