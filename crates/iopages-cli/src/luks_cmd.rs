@@ -9,6 +9,7 @@
 
 use crate::luks_kdf::{kdf_limits, HashArg, KdfCostArgs, PbkdfArg};
 use crate::passphrase::read_passphrase;
+use iopages_crypt::integrity::{Anchor, Mac, StateFile};
 use iopages_crypt::luks::{self, FormatOptions, KdfLimits, LuksOpenOptions, LuksVersion};
 use std::io::Write;
 use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
@@ -105,9 +106,10 @@ pub struct FormatArgs {
     /// Key size in bits (aes-xts-plain64: 256 or 512).
     #[arg(long, value_name = "BITS", default_value_t = 512)]
     key_size: usize,
-    /// Encryption sector size (4096 only with LUKS2).
-    #[arg(long, value_name = "BYTES", default_value_t = 512)]
-    sector_size: usize,
+    /// Encryption sector size (4096 only with LUKS2) [default: 512; 4096
+    /// with --integrity, which takes no other].
+    #[arg(long, value_name = "BYTES")]
+    sector_size: Option<usize>,
     /// Key derivation of the key slot (default: argon2id for LUKS2,
     /// pbkdf2 for LUKS1, which has no other).
     #[arg(long, value_enum)]
@@ -120,9 +122,39 @@ pub struct FormatArgs {
     /// A label (LUKS2).
     #[arg(long)]
     label: Option<String>,
+    /// Make an authenticated volume (LUKS2, 4096-byte sectors): a tag of
+    /// every 4 KiB block's ciphertext under this MAC, and a hash tree over
+    /// the tags, in an integrity area after the data (about 3% of the
+    /// image). cryptsetup will not open it.
+    #[arg(long, value_enum, value_name = "MAC")]
+    integrity: Option<IntegrityArg>,
+    /// With --integrity: write the new volume's freshness state (the
+    /// root of its empty tree) to FILE, which must not exist yet; keep it
+    /// off the image's store, so that a store rolled back is caught.
+    #[arg(long, value_name = "FILE", requires = "integrity")]
+    freshness: Option<PathBuf>,
     /// Overwrite an image that is not empty (its data is lost).
     #[arg(long)]
     yes: bool,
+}
+
+/// The tags' MAC of an authenticated volume.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum IntegrityArg {
+    /// HMAC-SHA256 over each block's number, epoch and ciphertext.
+    #[value(name = "hmac-sha256")]
+    HmacSha256,
+    /// GMAC (AES-256-GCM, a random nonce per tag): the faster one.
+    Aead,
+}
+
+impl IntegrityArg {
+    fn mac(self) -> Mac {
+        match self {
+            IntegrityArg::HmacSha256 => Mac::HmacSha256,
+            IntegrityArg::Aead => Mac::Gmac,
+        }
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -186,6 +218,19 @@ fn payload_text(v: &luks::LuksVolume, device_bytes: u64) -> String {
     }
 }
 
+/// ", authenticated (MAC tags, ...)" for a volume with an integrity area;
+/// empty for one without.
+fn integrity_text(v: &luks::LuksVolume) -> String {
+    v.integrity().map_or(String::new(), |i| {
+        format!(
+            ", authenticated ({} tags, integrity area {} bytes at offset {})",
+            i.mac(),
+            i.area_bytes(),
+            i.area_offset
+        )
+    })
+}
+
 /// `luks check`: open IMAGE (a file, a block device or an NBD URI) with
 /// the passphrase and describe it.
 fn check(
@@ -209,13 +254,14 @@ fn check(
         (None, None) => return Err(format!("{}: nothing to open", target.describe())),
     };
     println!(
-        "{}: {} {}, {}-bit key, {}-byte sectors, {}, key slot {} opened{}, uuid {}",
+        "{}: {} {}, {}-bit key, {}-byte sectors, {}{}, key slot {} opened{}, uuid {}",
         image.display(),
         version_name(v.version()),
         v.cipher_spec(),
         v.master_key().len() * 8,
         v.sector_size(),
         payload_text(&v, dev),
+        integrity_text(&v),
         v.keyslot(),
         if v.used_secondary_header() {
             " (primary header damaged: the secondary copy was used)"
@@ -253,6 +299,7 @@ fn device_bytes(path: &Path) -> Result<u64, String> {
 
 fn format(a: FormatArgs) -> Result<(), String> {
     let (base, target) = format_plan(&a)?;
+    check_freshness_file(a.freshness.as_deref())?;
     let pass = read_passphrase(&a.passphrase_file)?;
     let existing = std::fs::metadata(&a.image).ok();
     let is_file = existing.as_ref().is_none_or(|m| m.is_file());
@@ -272,8 +319,11 @@ fn format(a: FormatArgs) -> Result<(), String> {
         .map_err(|e| format!("{}: {e}", a.image.display()))?;
     println!("key slot 0: {chosen}");
     let t0 = Instant::now();
-    let vol = format_image(&a, &pass, &opts, existing.is_some(), is_file)?;
+    let (vol, anchor) = format_image(&a, &pass, &opts, existing.is_some(), is_file)?;
     let dev = device_bytes(&a.image)?;
+    if let Some(anchor) = anchor {
+        integrity_done(&a, &vol, anchor)?;
+    }
     println!(
         "{}: {} {}, {}-bit key, {}-byte sectors, payload {} bytes at offset {}, uuid {} ({:.1} s)",
         a.image.display(),
@@ -289,11 +339,64 @@ fn format(a: FormatArgs) -> Result<(), String> {
     Ok(())
 }
 
+/// `--freshness FILE`: refused when FILE exists (a state file is never
+/// replaced by a format: it may be another volume's), before anything
+/// is written.
+fn check_freshness_file(path: Option<&Path>) -> Result<(), String> {
+    let Some(p) = path else { return Ok(()) };
+    match std::fs::symlink_metadata(p) {
+        Ok(_) => Err(format!(
+            "--freshness {}: the file exists (it may hold another volume's state): remove it \
+             or name a new file; nothing was written",
+            p.display()
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(format!("--freshness {}: {e}", p.display())),
+    }
+}
+
+/// After an authenticated format: the freshness state written (with
+/// `--freshness`) and what was chosen printed.
+fn integrity_done(a: &FormatArgs, vol: &luks::LuksVolume, anchor: Anchor) -> Result<(), String> {
+    let i = vol
+        .integrity()
+        .ok_or("an authenticated format made a volume without integrity")?;
+    let state = match &a.freshness {
+        Some(p) => {
+            StateFile {
+                anchor,
+                clean: true,
+            }
+            .store(p)
+            .map_err(|e| {
+                format!(
+                    "{} is formatted, but its freshness state could not be written to {}: {e}",
+                    a.image.display(),
+                    p.display()
+                )
+            })?;
+            format!(", freshness state in {}", p.display())
+        }
+        None => String::new(),
+    };
+    println!(
+        "integrity: {} tags, data {} bytes ({} blocks of 4096), integrity area {} bytes at \
+         offset {}{state}",
+        i.mac(),
+        i.layout.data_bytes(),
+        i.layout.data_blocks(),
+        i.area_bytes(),
+        i.area_offset
+    );
+    Ok(())
+}
+
 /// `format`'s flags as the volume's options (their KDF still to be
 /// calibrated) and what to calibrate it for.
 ///
 /// **Returns:** the error for a key size aes-xts-plain64 does not take,
-/// or KDF flags that do not go together.
+/// KDF flags that do not go together, or `--integrity` with LUKS1 or a
+/// sector size other than 4096.
 fn format_plan(a: &FormatArgs) -> Result<(FormatOptions, luks::KdfTarget), String> {
     let version = match a.version {
         VersionArg::Luks1 => LuksVersion::Luks1,
@@ -311,10 +414,27 @@ fn format_plan(a: &FormatArgs) -> Result<(FormatOptions, luks::KdfTarget), Strin
     });
     let kind = pbkdf_kind.kind(a.hash.hash());
     let target = a.costs.target(kind)?;
+    let sector_size = match (a.integrity, a.sector_size) {
+        (None, s) => s.unwrap_or(512),
+        (Some(_), _) if version == LuksVersion::Luks1 => {
+            return Err(
+                "--integrity needs LUKS2 (--type luks2): LUKS1 cannot carry an \
+                        authenticated volume"
+                    .into(),
+            )
+        }
+        (Some(_), None | Some(4096)) => 4096,
+        (Some(_), Some(s)) => {
+            return Err(format!(
+                "--sector-size {s} with --integrity: an authenticated volume has 4096-byte \
+                 sectors (one tag per 4 KiB block); leave --sector-size out"
+            ))
+        }
+    };
     let base = FormatOptions {
         version,
         key_bytes: a.key_size / 8,
-        sector_size: a.sector_size,
+        sector_size,
         // Replaced by the calibrated (or given) costs.
         pbkdf: FormatOptions::fast_for_tests(version).pbkdf,
         label: a.label.clone(),
@@ -324,26 +444,39 @@ fn format_plan(a: &FormatArgs) -> Result<(FormatOptions, luks::KdfTarget), Strin
 
 /// Write the header and key slot: with `--size`, a file made the header
 /// plus that payload; without, the image (`exists`) at its present size.
+/// An authenticated volume (`--integrity`) fits its data and integrity
+/// area in that payload, and comes with its anchor.
 fn format_image(
     a: &FormatArgs,
     pass: &[u8],
     opts: &FormatOptions,
     exists: bool,
     is_file: bool,
-) -> Result<luks::LuksVolume, String> {
-    let Some(size) = a.size else {
-        if !exists {
-            return Err(format!(
-                "{} does not exist: give --size to make it",
-                a.image.display()
-            ));
-        }
-        return luks::format_path(&a.image, None, pass, opts)
-            .map_err(|e| format!("{}: {e}", a.image.display()));
-    };
-    if !is_file {
+) -> Result<(luks::LuksVolume, Option<Anchor>), String> {
+    let at = |e: luks::LuksError| format!("{}: {e}", a.image.display());
+    if a.size.is_none() && !exists {
+        return Err(format!(
+            "{} does not exist: give --size to make it",
+            a.image.display()
+        ));
+    }
+    if a.size.is_some() && !is_file {
         return Err("--size makes a file; leave it out for a block device".into());
     }
+    if let Some(mac) = a.integrity.map(IntegrityArg::mac) {
+        // LUKS2's header is always FORMAT_DATA_OFFSET bytes: the file is
+        // made its final size before the layout is fitted to it.
+        let size = a.size.map(|s| luks::FORMAT_DATA_OFFSET + s);
+        let (v, anchor) =
+            luks::format_integrity_path(&a.image, size, pass, opts, mac).map_err(at)?;
+        return Ok((v, Some(anchor)));
+    }
+    let Some(size) = a.size else {
+        return Ok((
+            luks::format_path(&a.image, None, pass, opts).map_err(at)?,
+            None,
+        ));
+    };
     // Room for any header, then the file is cut to header + size.
     let v = luks::format_path(&a.image, Some((32 << 20) + size), pass, opts)
         .map_err(|e| format!("{}: {e}", a.image.display()))?;
@@ -353,7 +486,7 @@ fn format_image(
         .map_err(|e| format!("cannot open {}: {e}", a.image.display()))?;
     f.set_len(v.data_offset_bytes() + size)
         .map_err(|e| format!("cannot size {}: {e}", a.image.display()))?;
-    Ok(v)
+    Ok((v, None))
 }
 
 /// Create (or with `yes` truncate) the plaintext output: mode 0600,
@@ -608,7 +741,7 @@ mod tests {
             size: Some(8192),
             version: VersionArg::Luks1,
             key_size: 512,
-            sector_size: 512,
+            sector_size: Some(512),
             pbkdf: None,
             hash: HashArg::Sha256,
             costs: KdfCostArgs {
@@ -618,6 +751,8 @@ mod tests {
                 parallel: None,
             },
             label: None,
+            integrity: None,
+            freshness: None,
             yes: false,
         }
     }

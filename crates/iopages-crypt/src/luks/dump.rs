@@ -13,6 +13,7 @@
 //! [`super::inspect`] would refuse as damaged or truncated — a header this
 //! crate merely cannot use (another cipher, a detached header) is shown.
 
+use super::integrity_meta::INTEGRITY_TOKEN;
 use super::luks1::{self, SLOT_ACTIVE, SLOT_DISABLED};
 use super::luks2::{self, BIN_HEADER_BYTES};
 use super::MAGIC;
@@ -248,6 +249,14 @@ fn dump_luks2(dev: &Dev<'_>) -> Result<LuksDump, LuksError> {
     top(&mut out, "Subsystem", &or(&h.subsystem, "(no subsystem)"));
     let flags = list_of(config.and_then(|c| c.get("flags")));
     top(&mut out, "Flags", &or(&flags, "(no flags)"));
+    let required = config
+        .and_then(|c| c.get("requirements"))
+        .and_then(|r| r.get("mandatory"));
+    let required = list_of(required);
+    if !required.is_empty() {
+        // cryptsetup shows this line only when something is required.
+        top(&mut out, "Requirements", &required);
+    }
     if used_secondary {
         top(
             &mut out,
@@ -436,7 +445,20 @@ fn dump_tokens(out: &mut String, tokens: Option<&Value>) {
                 item(out, "Keyslot", &text_of(Some(k)));
             }
         }
+        if t.get("type").and_then(Value::as_str) == Some(INTEGRITY_TOKEN) {
+            dump_integrity_token(out, t);
+        }
     }
+}
+
+/// The geometry an `iopages-integrity` token carries.
+fn dump_integrity_token(out: &mut String, t: &Map<String, Value>) {
+    let bytes = |f: &str| format!("{} [bytes]", text_of(t.get(f)));
+    item(out, "MAC", &text_of(t.get("mac")));
+    item(out, "Data blocks", &text_of(t.get("data_blocks")));
+    item(out, "Block size", &bytes("block_size"));
+    item(out, "Area offset", &bytes("area_offset"));
+    item(out, "Area length", &bytes("area_size"));
 }
 
 fn dump_digests(out: &mut String, digests: Option<&Value>) {

@@ -293,6 +293,7 @@ pub(crate) fn plan(h: &Header) -> Result<Parsed, LuksError> {
             data_size_bytes: None,
             keyslots: infos,
             used_secondary_header: false,
+            integrity: None,
         },
         iv_tweak: 0,
         slots,
@@ -503,6 +504,7 @@ pub(crate) fn format(
                 problem: None,
             }],
             used_secondary_header: false,
+            integrity: None,
         },
         key,
     ))

@@ -19,12 +19,14 @@
 //! the whole `hdr_size` bytes (binary header and JSON area) with `csum`
 //! zeroed. The JSON text follows at byte 4096, NUL-terminated.
 
+use super::integrity_meta::{self, IntegrityInfo, SegmentView, INTEGRITY_REQUIREMENT};
 use super::kdf::{Hash, KdfCosts, Pbkdf};
 use super::{
     af, check_device_size, formatted_volume, kdf, random, random_master_key, random_uuid, round_up,
     seal_keyslot, Dev, Digest, FormatOptions, KeyslotInfo, LuksError, LuksInfo, LuksVersion,
     LuksVolume, Parsed, SlotPlan, CIPHER_SPEC, DIGEST_ITERATIONS, MAGIC,
 };
+use crate::integrity::Mac;
 use base64::Engine as _;
 use serde_json::{json, Map, Value};
 
@@ -1339,16 +1341,21 @@ fn keyslot_digest(
 
 /// `config.requirements`, as cryptsetup reads it: an object whose
 /// `mandatory` member, if present, is an array of strings. This crate
-/// implements none of the requirements (online reencryption, ...), so any
-/// mandatory one makes the volume unsupported, as an unknown one does in
-/// cryptsetup. Other members (`optional`...) are ignored, as there.
-fn check_requirements(config: &Map<String, Value>) -> Result<(), LuksError> {
+/// implements one requirement, its own [`INTEGRITY_REQUIREMENT`] (an
+/// authenticated volume; whether its token is there and right is
+/// [`integrity_meta::check`]'s question); any other mandatory one
+/// (online reencryption, ...) makes the volume unsupported, as an unknown
+/// one does in cryptsetup. Other members (`optional`...) are ignored, as
+/// there.
+///
+/// **Returns:** whether [`INTEGRITY_REQUIREMENT`] is listed.
+fn check_requirements(config: &Map<String, Value>) -> Result<bool, LuksError> {
     let Some(req) = config.get("requirements") else {
-        return Ok(());
+        return Ok(false);
     };
     let req = obj(req, "config.requirements")?;
     let Some(mandatory) = req.get("mandatory") else {
-        return Ok(());
+        return Ok(false);
     };
     let path = "config.requirements.mandatory";
     let list = mandatory
@@ -1360,12 +1367,25 @@ fn check_requirements(config: &Map<String, Value>) -> Result<(), LuksError> {
                 .ok_or_else(|| corrupt(path, "holds something that is not a string"))
         })
         .collect::<Result<Vec<_>, _>>()?;
-    if !list.is_empty() {
+    let ours = list.iter().filter(|r| **r == INTEGRITY_REQUIREMENT).count();
+    let others: Vec<&str> = list
+        .iter()
+        .copied()
+        .filter(|r| *r != INTEGRITY_REQUIREMENT)
+        .collect();
+    if !others.is_empty() {
         return Err(LuksError::Unsupported(format!(
-            "LUKS2 mandatory requirements {list:?} ({path}): none is implemented here"
+            "LUKS2 mandatory requirements {others:?} ({path}): only {INTEGRITY_REQUIREMENT:?} \
+             is implemented here"
         )));
     }
-    Ok(())
+    if ours > 1 {
+        return Err(corrupt(
+            path,
+            &format!("lists {INTEGRITY_REQUIREMENT:?} {ours} times"),
+        ));
+    }
+    Ok(ours == 1)
 }
 
 fn check_keyslot_count(n: usize, max_keyslots: usize) -> Result<(), LuksError> {
@@ -1389,8 +1409,9 @@ pub(crate) fn plan(
 ) -> Result<Parsed, LuksError> {
     let root = obj(json, "the top level")?;
     let config = obj(field(root, "config", "")?, "config")?;
-    check_requirements(config)?;
+    let required = check_requirements(config)?;
     let seg = parse_segment(root, h.hdr_size)?;
+    let integrity = integrity_of(root, required, &seg)?;
     let digests = parse_digests(root)?;
     let keyslots = obj(field(root, "keyslots", "")?, "keyslots")?;
     check_keyslot_count(keyslots.len(), max_keyslots)?;
@@ -1428,10 +1449,30 @@ pub(crate) fn plan(
             data_size_bytes: seg.size,
             keyslots: infos,
             used_secondary_header: used_secondary,
+            integrity,
         },
         iv_tweak: seg.iv_tweak,
         slots,
     })
+}
+
+/// The authenticated volume the metadata `root` describes, if any:
+/// `required` (the requirement is listed) and the tokens checked against
+/// the data segment `seg`.
+fn integrity_of(
+    root: &Map<String, Value>,
+    required: bool,
+    seg: &SegmentJson,
+) -> Result<Option<IntegrityInfo>, LuksError> {
+    let tokens = obj(field(root, "tokens", "")?, "tokens")?;
+    let path = format!("segments.{}", seg.id);
+    let view = SegmentView {
+        path: &path,
+        offset: seg.offset,
+        size: seg.size,
+        sector_size: seg.sector_size as u64,
+    };
+    integrity_meta::check(required, tokens, &view)
 }
 
 /// The keyslots' `(priority, id, plan)` in the order they are tried
@@ -1492,18 +1533,27 @@ pub(super) fn kdf_json(pbkdf: &Pbkdf, salt: &[u8]) -> Value {
     }
 }
 
-/// Format `dev` as LUKS2 (options already checked).
+/// Format `dev` as LUKS2 (options already checked); with `integrity`, an
+/// authenticated volume whose tags use that MAC (the header only: the
+/// caller initialises the area).
 pub(crate) fn format(
     dev: &Dev<'_>,
     passphrase: &[u8],
     opts: &FormatOptions,
+    integrity: Option<Mac>,
 ) -> Result<LuksVolume, LuksError> {
-    check_device_size(
-        dev.size(),
-        FORMAT_DATA_OFFSET,
-        opts.sector_size,
-        LuksVersion::Luks2,
-    )?;
+    let integrity = match integrity {
+        Some(mac) => Some(integrity_meta::fit(mac, dev.size(), FORMAT_DATA_OFFSET)?),
+        None => {
+            check_device_size(
+                dev.size(),
+                FORMAT_DATA_OFFSET,
+                opts.sector_size,
+                LuksVersion::Luks2,
+            )?;
+            None
+        }
+    };
     let key = random_master_key(opts.key_bytes)?;
     let af_hash = Hash::Sha256;
     let mut digest_salt = [0u8; 32];
@@ -1521,7 +1571,10 @@ pub(crate) fn format(
     let area = seal_keyslot(key.as_slice(), passphrase, &opts.pbkdf, &slot_salt, af_hash)?;
     let area_size = round_up(area.len() as u64, AREA_ALIGN).unwrap_or(u64::MAX);
     let keyslot = format_keyslot(opts, af_hash, area_size, &slot_salt);
-    let metadata = format_metadata(opts, keyslot, &digest_salt, &digest);
+    let mut metadata = format_metadata(opts, keyslot, &digest_salt, &digest);
+    if let Some(i) = &integrity {
+        integrity_meta::add_to_metadata(&mut metadata, i);
+    }
     let text = serde_json::to_vec(&metadata)
         .map_err(|e| LuksError::Io(std::io::Error::other(format!("JSON: {e}"))))?;
     let uuid = random_uuid()?;
@@ -1532,25 +1585,29 @@ pub(crate) fn format(
     dev.write_at(FORMAT_KEYSLOTS_OFFSET, area.as_slice())?;
     dev.write_at(FORMAT_HDR_SIZE, &secondary)?;
     dev.write_at(0, &primary)?;
-    Ok(formatted_volume(
-        LuksInfo {
-            version: LuksVersion::Luks2,
-            uuid,
-            label: opts.label.clone(),
-            cipher_spec: CIPHER_SPEC.to_string(),
-            key_bytes: opts.key_bytes,
-            sector_size: opts.sector_size,
-            data_offset_bytes: FORMAT_DATA_OFFSET,
-            data_size_bytes: None,
-            keyslots: vec![KeyslotInfo {
-                index: 0,
-                pbkdf: Some(opts.pbkdf),
-                problem: None,
-            }],
-            used_secondary_header: false,
-        },
-        key,
-    ))
+    Ok(formatted_volume(format_info(opts, uuid, integrity), key))
+}
+
+/// What a new volume's header says: `opts`, `uuid`, keyslot 0, and the
+/// `integrity` area if it is authenticated (its segment then fixed).
+fn format_info(opts: &FormatOptions, uuid: String, integrity: Option<IntegrityInfo>) -> LuksInfo {
+    LuksInfo {
+        version: LuksVersion::Luks2,
+        uuid,
+        label: opts.label.clone(),
+        cipher_spec: CIPHER_SPEC.to_string(),
+        key_bytes: opts.key_bytes,
+        sector_size: opts.sector_size,
+        data_offset_bytes: FORMAT_DATA_OFFSET,
+        data_size_bytes: integrity.as_ref().map(|i| i.layout.data_bytes()),
+        keyslots: vec![KeyslotInfo {
+            index: 0,
+            pbkdf: Some(opts.pbkdf),
+            problem: None,
+        }],
+        used_secondary_header: false,
+        integrity,
+    }
 }
 
 /// Keyslot 0 of a new volume: `opts.pbkdf` with `slot_salt`, the AF

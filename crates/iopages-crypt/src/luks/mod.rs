@@ -2,7 +2,7 @@
 //! make what cryptsetup opens, for `aes-xts-plain64`.
 //!
 //! Owns: the public API ([`open`], [`open_with`] and its [`KdfLimits`],
-//! [`format()`], [`inspect`], [`is_luks`], [`LuksVolume`],
+//! [`format()`], [`format_integrity`], [`inspect`], [`is_luks`], [`LuksVolume`],
 //! [`FormatOptions`], [`LuksError`], [`printable`]), reading and writing
 //! the device through positioned I/O (`pread`/`pwrite` on a shared
 //! `&File`), the keyslot loop common to both versions (read area → derive
@@ -46,6 +46,7 @@
 //! | the header area (`luksHeaderBackup`/`luksHeaderRestore`) | [`backup_header`], [`restore_header`] | `backup.rs` |
 //! | `struct volume_key`, wiped and locked | [`MasterKey`], `SecretBuf` | `key.rs` |
 //! | dm-crypt table cryptsetup would load | [`LuksVolume::xts_cipher`] | this file |
+//! | an authenticated volume: `config.requirements.mandatory` `iopages-integrity-v1`, the `iopages-integrity` token, the integrity area after a fixed data segment | [`IntegrityInfo`], [`format_integrity`] | `integrity_meta.rs` |
 //!
 //! ## IV convention of the data segment
 //!
@@ -67,9 +68,13 @@
 //! - Only `aes-xts-plain64` with 32- or 64-byte keys, for data and
 //!   keyslots; other ciphers are refused with [`LuksError::UnsupportedCipher`].
 //!   A detached header opens (key verbs, dump) but is not served: its
-//!   data is on another device. No LUKS2 integrity, no online-reencryption
-//!   segments; tokens are validated (shape, keyslots they name) but not
-//!   used.
+//!   data is on another device. No LUKS2 integrity (cryptsetup's
+//!   dm-integrity segments), no online-reencryption segments; tokens are
+//!   validated (shape, keyslots they name) but not used — except this
+//!   crate's own authenticated volumes ([`format_integrity`]): a
+//!   mandatory requirement of their own, which cryptsetup refuses to open,
+//!   and a token with the integrity area's geometry, checked field by
+//!   field at every open ([`LuksVolume::integrity`]).
 //! - Validation follows cryptsetup's metadata rules for every field read:
 //!   LUKS1 (every slot's state, stripes and key-material area, no
 //!   overlaps, the device holding all eight areas)
@@ -114,6 +119,7 @@ mod argon2;
 mod backup;
 mod calibrate;
 mod dump;
+mod integrity_meta;
 mod kdf;
 mod key;
 mod keyslots;
@@ -134,14 +140,17 @@ pub use calibrate::{
     KdfTarget, DEFAULT_ARGON2_MEMORY_CAP_KIB, DEFAULT_ITER_TIME,
 };
 pub use dump::{dump, dump_backend, LuksDump};
+pub use integrity_meta::{IntegrityInfo, INTEGRITY_REQUIREMENT, INTEGRITY_TOKEN};
 pub use kdf::{
     Hash, Pbkdf, ARGON2_MAX_MEMORY_KIB, ARGON2_MAX_PARALLEL_FORMAT, ARGON2_MIN_MEMORY_KIB,
     ARGON2_MIN_TIME, PBKDF2_MIN_ITERATIONS,
 };
 pub use key::MasterKey;
 pub use limits::{KdfLimits, LUKS2_KEYSLOTS_MAX};
+pub use luks2::FORMAT_DATA_OFFSET;
 pub use manage::{add_key, change_key, kill_slot, remove_key, HeaderDevice, KeyChange, KeyOptions};
 
+use crate::integrity::{Anchor, Mac};
 use crate::XtsCipher;
 pub(crate) use key::SecretBuf;
 use std::borrow::Cow;
@@ -395,6 +404,26 @@ impl FormatOptions {
         Ok((self, c))
     }
 
+    /// Check that these options can make an authenticated volume with
+    /// tags under `mac`: LUKS2 with 4096-byte sectors (one tag covers one
+    /// 4 KiB block).
+    fn check_integrity(&self, mac: Mac) -> Result<(), LuksError> {
+        if self.version != LuksVersion::Luks2 {
+            return Err(LuksError::InvalidOptions(format!(
+                "integrity ({mac}): an authenticated volume needs LUKS2 (its requirement and \
+                 token live in the LUKS2 JSON metadata); LUKS1 cannot carry one"
+            )));
+        }
+        if self.sector_size != 4096 {
+            return Err(LuksError::InvalidOptions(format!(
+                "sector size {}: an authenticated volume ({mac}) has 4096-byte sectors, one tag \
+                 per 4 KiB block",
+                self.sector_size
+            )));
+        }
+        Ok(())
+    }
+
     /// Check everything that does not depend on the device.
     fn check(&self) -> Result<(), LuksError> {
         if self.key_bytes != 32 && self.key_bytes != 64 {
@@ -458,6 +487,7 @@ pub struct LuksVolume {
     iv_tweak: u64,
     keyslot: usize,
     used_secondary: bool,
+    integrity: Option<IntegrityInfo>,
 }
 
 impl std::fmt::Debug for LuksVolume {
@@ -475,6 +505,7 @@ impl std::fmt::Debug for LuksVolume {
             .field("iv_tweak", &self.iv_tweak)
             .field("keyslot", &self.keyslot)
             .field("used_secondary_header", &self.used_secondary)
+            .field("integrity", &self.integrity)
             .finish()
     }
 }
@@ -589,6 +620,14 @@ impl LuksVolume {
     pub fn used_secondary_header(&self) -> bool {
         self.used_secondary
     }
+
+    /// Where the tags and tree of an authenticated volume (`luks format
+    /// --integrity`) live; `None` for a volume without them. Its data
+    /// segment then has the fixed size `layout.data_bytes()`
+    /// ([`Self::segment_size_bytes`]).
+    pub fn integrity(&self) -> Option<&IntegrityInfo> {
+        self.integrity.as_ref()
+    }
 }
 
 /// One keyslot as [`inspect`] reports it.
@@ -626,6 +665,9 @@ pub struct LuksInfo {
     pub keyslots: Vec<KeyslotInfo>,
     /// LUKS2: the secondary header copy was used.
     pub used_secondary_header: bool,
+    /// LUKS2: an authenticated volume's integrity area (the
+    /// `iopages-integrity-v1` requirement and its token).
+    pub integrity: Option<IntegrityInfo>,
 }
 
 /// How to check a candidate volume key.
@@ -1078,17 +1120,8 @@ fn open_dev(
     // A device ending at or before the data offset is a header-only image
     // (a header backup): it opens, as cryptsetup opens one for its key
     // verbs; [`LuksVolume::payload_bytes`] refuses to serve it.
-    let header_only = dev.size() <= info.data_offset_bytes;
-    if let Some(size) = info.data_size_bytes.filter(|_| !header_only) {
-        let end = info.data_offset_bytes.checked_add(size);
-        if end.is_none_or(|end| end > dev.size()) {
-            return Err(LuksError::Corrupt(format!(
-                "the data segment's size {size} at offset {} runs past the end of the \
-                 {}-byte device (a truncated image, or a bad size field)",
-                info.data_offset_bytes,
-                dev.size()
-            )));
-        }
+    if dev.size() > info.data_offset_bytes {
+        check_extents(&info, dev.size())?;
     }
     // Damage (a truncated or corrupt slot) outranks a slot over the
     // limits (the passphrase may be its), which outranks a wrong
@@ -1129,6 +1162,33 @@ fn open_dev(
         return Err(LuksError::WrongPassphrase);
     }
     Err(unsupported.unwrap_or(LuksError::NoKeyslot))
+}
+
+/// Check that what the header places after its data offset lies inside
+/// the device of `size` bytes: a fixed data segment (dm-crypt would refuse
+/// the table) and an authenticated volume's integrity area.
+fn check_extents(info: &LuksInfo, size: u64) -> Result<(), LuksError> {
+    if let Some(seg) = info.data_size_bytes {
+        let end = info.data_offset_bytes.checked_add(seg);
+        if end.is_none_or(|end| end > size) {
+            return Err(LuksError::Corrupt(format!(
+                "the data segment's size {seg} at offset {} runs past the end of the \
+                 {size}-byte device (a truncated image, or a bad size field)",
+                info.data_offset_bytes,
+            )));
+        }
+    }
+    if let Some(i) = &info.integrity {
+        if i.area_end() > size {
+            return Err(LuksError::Corrupt(format!(
+                "the integrity area [{}, {}) runs past the end of the {size}-byte device (a \
+                 truncated image, or a bad {INTEGRITY_TOKEN} token)",
+                i.area_offset,
+                i.area_end()
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// [`open`] the file or block device at `path`, read-only.
@@ -1210,14 +1270,62 @@ pub fn format(
     passphrase: &[u8],
     opts: &FormatOptions,
 ) -> Result<LuksVolume, LuksError> {
+    Ok(format_with(dev, passphrase, opts, None)?.0)
+}
+
+/// [`format()`] an authenticated volume whose tags use `mac`: a LUKS2
+/// header whose data segment has a fixed size and is followed by the
+/// integrity area, the largest [`Layout::fit`](crate::integrity::Layout::fit)
+/// gives for the device after the 16 MiB header; the header's
+/// `config.requirements.mandatory` lists [`INTEGRITY_REQUIREMENT`] (so
+/// cryptsetup refuses to open it) and one [`INTEGRITY_TOKEN`] token holds
+/// the geometry. The area's superblock (epoch 0, empty tree) is written
+/// after the header ([`crate::integrity::format_area`]).
+///
+/// **Returns:** the opened volume (its [`LuksVolume::integrity`] set) and
+/// the anchor a new state file holds; [`LuksError::InvalidOptions`] for
+/// LUKS1, a sector size other than 4096, or a device too small for one
+/// data block and its area.
+pub fn format_integrity(
+    dev: &File,
+    passphrase: &[u8],
+    opts: &FormatOptions,
+    mac: Mac,
+) -> Result<(LuksVolume, Anchor), LuksError> {
+    let (vol, anchor) = format_with(dev, passphrase, opts, Some(mac))?;
+    let anchor = anchor.expect("an authenticated format returns its anchor");
+    assert_eq!(anchor.mac, mac);
+    Ok((vol, anchor))
+}
+
+/// [`format()`] or [`format_integrity`]: the anchor is `Some` with `mac`.
+fn format_with(
+    dev: &File,
+    passphrase: &[u8],
+    opts: &FormatOptions,
+    mac: Option<Mac>,
+) -> Result<(LuksVolume, Option<Anchor>), LuksError> {
     opts.check()?;
+    if let Some(mac) = mac {
+        opts.check_integrity(mac)?;
+    }
     let dev = Dev::new(dev)?;
     let vol = match opts.version {
         LuksVersion::Luks1 => luks1::format(&dev, passphrase, opts)?,
-        LuksVersion::Luks2 => luks2::format(&dev, passphrase, opts)?,
+        LuksVersion::Luks2 => luks2::format(&dev, passphrase, opts, mac)?,
     };
+    let anchor = match vol.integrity() {
+        Some(i) => Some(integrity_meta::format_area(
+            &dev,
+            i,
+            vol.master_key(),
+            vol.uuid(),
+        )?),
+        None => None,
+    };
+    assert_eq!(anchor.is_some(), mac.is_some());
     dev.file()?.sync_all()?;
-    Ok(vol)
+    Ok((vol, anchor))
 }
 
 /// [`format()`] the file or block device at `path`. With `size_bytes`, a
@@ -1228,7 +1336,13 @@ pub fn format_path(
     passphrase: &[u8],
     opts: &FormatOptions,
 ) -> Result<LuksVolume, LuksError> {
-    let path = path.as_ref();
+    let f = open_for_format(path.as_ref(), size_bytes)?;
+    format(&f, passphrase, opts)
+}
+
+/// The device at `path` opened for writing; with `size_bytes`, a regular
+/// file created if missing and set to that size.
+fn open_for_format(path: &Path, size_bytes: Option<u64>) -> Result<File, LuksError> {
     let f = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -1244,7 +1358,25 @@ pub fn format_path(
         }
         f.set_len(size)?;
     }
-    format(&f, passphrase, opts)
+    Ok(f)
+}
+
+/// [`format_integrity`] the file or block device at `path`. With
+/// `size_bytes`, a regular file is created if missing and set to that
+/// size first (the header, the data and the integrity area all fit in
+/// it).
+pub fn format_integrity_path(
+    path: impl AsRef<Path>,
+    size_bytes: Option<u64>,
+    passphrase: &[u8],
+    opts: &FormatOptions,
+    mac: Mac,
+) -> Result<(LuksVolume, Anchor), LuksError> {
+    // Refused before the file is created or resized.
+    opts.check()?;
+    opts.check_integrity(mac)?;
+    let f = open_for_format(path.as_ref(), size_bytes)?;
+    format_integrity(&f, passphrase, opts, mac)
 }
 
 /// Build a [`LuksVolume`] for a freshly formatted volume.
@@ -1267,6 +1399,7 @@ fn volume(info: LuksInfo, key: SecretBuf, keyslot: usize, iv_tweak: u64) -> Luks
         iv_tweak,
         keyslot,
         used_secondary: info.used_secondary_header,
+        integrity: info.integrity,
     }
 }
 
