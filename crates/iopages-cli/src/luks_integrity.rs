@@ -28,7 +28,8 @@ pub fn local_device(image: &Path) -> Result<Arc<dyn Backend>, String> {
     }
     .read_only(true)
     .direct(DirectIo::Off);
-    let f = UringFile::open(image, opts).map_err(|e| format!("cannot open {}: {e}", image.display()))?;
+    let f = UringFile::open(image, opts)
+        .map_err(|e| format!("cannot open {}: {e}", image.display()))?;
     Ok(Arc::new(f))
 }
 

@@ -565,7 +565,8 @@ fn integrity(f: &mut Families<'_>) {
     use iopages_crypt::integrity::AuthStats;
     use Kind::Counter;
     type Get = fn(&AuthStats) -> u64;
-X, "Reads refused (EIO) because a block's tag or the tree above it did not verify: the store altered, moved or rolled back data.", Counter, |a| a.failures),
+    let families: [(&'static str, &'static str, Kind, Get); 6] = [
+        ("iopages_integrity_failures", "Reads refused (EIO) because a block's tag or the tree above it did not verify: the store altered, moved or rolled back data.", Counter, |a| a.failures),
         ("iopages_integrity_bad_blocks", "4 KiB blocks that failed verification in those reads.", Counter, |a| a.bad_blocks),
         ("iopages_integrity_commits", "Commits of the tag tree (a FLUSH with writes since the last one).", Counter, |a| a.commits),
         ("iopages_integrity_recovered_blocks", "Blocks written after the last flush of an unclean stop whose data proved them, kept by the sweep at open.", Counter, |a| a.recovered),
@@ -574,7 +575,10 @@ X, "Reads refused (EIO) because a block's tag or the tree above it did not verif
     ];
     for (name, help, ty, get) in families {
         f.per_export(name, help, ty, |e| {
-            e.volume.as_ref().and_then(|v| v.integrity.as_ref()).map(get)
+            e.volume
+                .as_ref()
+                .and_then(|v| v.integrity.as_ref())
+                .map(get)
         });
     }
 }

@@ -420,7 +420,11 @@ fn stack(
     image: Option<PathBuf>,
     remote: Option<String>,
     io: String,
-) -> io::Result<(Arc<CryptQueue<CipherPool>>, VolumeInfo, Option<Arc<AuthBackend>>)> {
+) -> io::Result<(
+    Arc<CryptQueue<CipherPool>>,
+    VolumeInfo,
+    Option<Arc<AuthBackend>>,
+)> {
     let size = payload_to_serve(luks, file.size_bytes())?;
     let name = match (&image, &remote) {
         (Some(p), _) => p.display().to_string(),
@@ -485,7 +489,11 @@ fn payload(
         let w = Window::new(Arc::clone(file), luks.data_offset_bytes(), size)?;
         return Ok((Arc::new(w), None));
     };
-    let data = Window::new(Arc::clone(file), luks.data_offset_bytes(), i.layout.data_bytes())?;
+    let data = Window::new(
+        Arc::clone(file),
+        luks.data_offset_bytes(),
+        i.layout.data_bytes(),
+    )?;
     let area = Window::new(Arc::clone(file), i.area_offset, i.area_bytes())?;
     let keys = Keys::derive(i.mac(), luks.master_key())?;
     let auth = AuthBackend::open(

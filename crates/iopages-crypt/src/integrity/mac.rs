@@ -168,8 +168,15 @@ impl Keys {
 
 /// GMAC of `head ‖ data` under `nonce` with a keyed context: GCM with
 /// both as associated data and no plaintext.
-fn gmac(ctx: &mut CipherCtx, nonce: &[u8], head: &[u8], data: &[u8], tag: &mut [u8]) -> io::Result<()> {
-    ctx.encrypt_init(None, None, Some(nonce)).map_err(io::Error::other)?;
+fn gmac(
+    ctx: &mut CipherCtx,
+    nonce: &[u8],
+    head: &[u8],
+    data: &[u8],
+    tag: &mut [u8],
+) -> io::Result<()> {
+    ctx.encrypt_init(None, None, Some(nonce))
+        .map_err(io::Error::other)?;
     ctx.cipher_update(head, None).map_err(io::Error::other)?;
     ctx.cipher_update(data, None).map_err(io::Error::other)?;
     ctx.cipher_final(&mut []).map_err(io::Error::other)?;
