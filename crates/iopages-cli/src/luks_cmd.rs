@@ -616,19 +616,7 @@ fn decrypt(
     let mut cipher = vol
         .xts_cipher()
         .map_err(|e| format!("cannot set up {}: {e}", vol.cipher_spec()))?;
-    let name = image.display().to_string();
-    let auth = match vol.integrity() {
-        Some(_) => {
-            let device = crate::luks_integrity::local_device(image)?;
-            crate::luks_integrity::open(&device, &vol, freshness, &name)?
-        }
-        None if freshness.is_some() => {
-            return Err(format!(
-                "{name}: --freshness given, but the volume is not authenticated"
-            ))
-        }
-        None => None,
-    };
+    let auth = tag_layer(image, &vol, freshness)?;
     let out = create_output(output, yes)?;
     let from = Plaintext {
         src: &src,
@@ -660,6 +648,26 @@ fn decrypt(
         version_name(vol.version())
     );
     Ok(())
+}
+
+/// The tag layer of an authenticated volume at `image`, read-only; `None`
+/// for a volume without one (where `--freshness` is an error).
+fn tag_layer(
+    image: &Path,
+    vol: &luks::LuksVolume,
+    freshness: Option<&Path>,
+) -> Result<Option<iopages_crypt::integrity::AuthBackend>, String> {
+    let name = image.display().to_string();
+    match vol.integrity() {
+        Some(_) => {
+            let device = crate::luks_integrity::local_device(image)?;
+            crate::luks_integrity::open(&device, vol, freshness, &name)
+        }
+        None if freshness.is_some() => Err(format!(
+            "{name}: --freshness given, but the volume is not authenticated"
+        )),
+        None => Ok(None),
+    }
 }
 
 /// Decrypt an authenticated volume through its tag layer: every block
