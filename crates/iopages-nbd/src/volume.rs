@@ -409,6 +409,17 @@ fn payload_to_serve(luks: &LuksVolume, device: u64) -> io::Result<u64> {
     Ok(size - size % ss)
 }
 
+/// What [`stack`] builds: the queue, what it is, and an authenticated
+/// volume's tag layer.
+type Stack = (
+    Arc<CryptQueue<CipherPool>>,
+    VolumeInfo,
+    Option<Arc<AuthBackend>>,
+);
+
+/// What the target writes to, and the tag layer when that is it.
+type Payload = (Arc<dyn Backend>, Option<Arc<AuthBackend>>);
+
 /// The crypt stack over `file` (the whole image): the payload window (an
 /// authenticated volume's tag layer over it), the cipher pool, the target
 /// and its queue, and what was built.
@@ -420,11 +431,7 @@ fn stack(
     image: Option<PathBuf>,
     remote: Option<String>,
     io: String,
-) -> io::Result<(
-    Arc<CryptQueue<CipherPool>>,
-    VolumeInfo,
-    Option<Arc<AuthBackend>>,
-)> {
+) -> io::Result<Stack> {
     let size = payload_to_serve(luks, file.size_bytes())?;
     let name = match (&image, &remote) {
         (Some(p), _) => p.display().to_string(),
@@ -484,7 +491,7 @@ fn payload(
     opts: &VolumeOptions,
     size: u64,
     name: String,
-) -> io::Result<(Arc<dyn Backend>, Option<Arc<AuthBackend>>)> {
+) -> io::Result<Payload> {
     let Some(i) = luks.integrity() else {
         let w = Window::new(Arc::clone(file), luks.data_offset_bytes(), size)?;
         return Ok((Arc::new(w), None));

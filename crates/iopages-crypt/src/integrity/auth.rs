@@ -331,7 +331,7 @@ impl AuthBackend {
 
     fn check_io(&self, offset: u64, len: u64) -> io::Result<()> {
         check_range(offset, len, self.layout.data_bytes())?;
-        if offset % BLOCK != 0 || len % BLOCK != 0 {
+        if !offset.is_multiple_of(BLOCK) || !len.is_multiple_of(BLOCK) {
             return Err(invalid(format!(
                 "integrity: I/O must be whole 4096-byte blocks ({len} bytes at {offset})"
             )));
