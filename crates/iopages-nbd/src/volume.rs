@@ -493,6 +493,13 @@ fn payload(
     name: String,
 ) -> io::Result<Payload> {
     let Some(i) = luks.integrity() else {
+        if let Some(p) = &opts.freshness.state {
+            return Err(invalid(format!(
+                "{name}: a freshness state file ({}) was given, but the volume is not \
+                 authenticated (luks format --integrity makes one that is)",
+                p.display()
+            )));
+        }
         let w = Window::new(Arc::clone(file), luks.data_offset_bytes(), size)?;
         return Ok((Arc::new(w), None));
     };
