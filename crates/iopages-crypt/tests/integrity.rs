@@ -368,3 +368,75 @@ fn concurrent_writers_and_readers_never_see_a_false_failure() {
     }
     assert_eq!(a.stats().failures, 0);
 }
+
+/// A store that can lose writes (a reconnect that dropped what it had not
+/// flushed) and then fail the next flush, as the remote store's contract
+/// says it does.
+struct Lossy {
+    inner: Arc<RamDisk>,
+    lose: std::sync::atomic::AtomicBool,
+    fail_flush: std::sync::atomic::AtomicBool,
+}
+
+impl Backend for Lossy {
+    fn size_bytes(&self) -> u64 {
+        self.inner.size_bytes()
+    }
+    fn write_at(&self, offset: u64, segments: &[&[u8]]) -> io::Result<()> {
+        if self.lose.load(std::sync::atomic::Ordering::SeqCst) {
+            return Ok(()); // acknowledged, then lost
+        }
+        self.inner.write_at(offset, segments)
+    }
+    fn read_at(&self, offset: u64, segments: &mut [&mut [u8]]) -> io::Result<()> {
+        self.inner.read_at(offset, segments)
+    }
+    fn flush(&self) -> io::Result<()> {
+        if self.fail_flush.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            return Err(io::Error::other("the store lost writes no flush had covered"));
+        }
+        self.inner.flush()
+    }
+}
+
+#[test]
+fn a_store_that_loses_writes_fails_the_flush_and_blocks_read_old_or_new_after() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let v = vol(Mac::HmacSha256, 256, "int-lossy");
+    let lossy = |d: &Arc<RamDisk>| {
+        Arc::new(Lossy {
+            inner: Arc::clone(d),
+            lose: false.into(),
+            fail_flush: false.into(),
+        })
+    };
+    let (data, area) = (lossy(&v.data), lossy(&v.area));
+    let a = AuthBackend::open(
+        data.clone(),
+        area.clone(),
+        v.layout.clone(),
+        Keys::derive(Mac::HmacSha256, &[7; 64]).unwrap(),
+        opts(&v, 64 << 20, false),
+    )
+    .unwrap();
+    write(&a, 1, 1);
+    write(&a, 70, 1);
+    a.flush().unwrap();
+    write(&a, 70, 2); // kept by the store
+    data.lose.store(true, SeqCst);
+    area.lose.store(true, SeqCst);
+    write(&a, 1, 2); // lost: neither its data nor its tag block lands
+    data.lose.store(false, SeqCst);
+    area.lose.store(false, SeqCst);
+    data.fail_flush.store(true, SeqCst);
+    assert!(a.flush().is_err(), "a flush after lost writes must fail");
+    // The next request sweeps: block 1 is its old data, block 70 its new.
+    assert_eq!(read(&a, 1).unwrap(), pattern(1, 1));
+    assert_eq!(read(&a, 70).unwrap(), pattern(70, 2));
+    a.flush().unwrap();
+    drop(a);
+    let a = open(&v);
+    assert_eq!(read(&a, 1).unwrap(), pattern(1, 1));
+    assert_eq!(read(&a, 70).unwrap(), pattern(70, 2));
+    assert_eq!(a.stats().failures, 0);
+}

@@ -271,7 +271,23 @@ impl AuthBackend {
              ({blocks} tag blocks)",
             self.opts.name, t.committed
         );
-        let (taken, newest) = t.sweep(&self.keys, &*self.data, 0..blocks)?;
+        let (mut taken, mut newest) = (0, 0);
+        let (t0, mut shown) = (std::time::Instant::now(), std::time::Instant::now());
+        let mut at = 0;
+        while at < blocks {
+            let end = (at + 1024).min(blocks);
+            let (n, e) = t.sweep(&self.keys, &*self.data, at..end)?;
+            (taken, newest) = (taken + n, newest.max(e));
+            at = end;
+            if shown.elapsed().as_secs() >= 1 {
+                shown = std::time::Instant::now();
+                eprintln!(
+                    "iopages: integrity: {}: swept {at} of {blocks} tag blocks ({:.0} s)",
+                    self.opts.name,
+                    t0.elapsed().as_secs_f64()
+                );
+            }
+        }
         t.epoch = t.epoch.max(newest + 1);
         self.epoch.store(t.epoch, Ordering::Release);
         self.recovered.fetch_add(taken, Ordering::Relaxed);
