@@ -392,8 +392,13 @@ impl Backend for Lossy {
         self.inner.read_at(offset, segments)
     }
     fn flush(&self) -> io::Result<()> {
-        if self.fail_flush.swap(false, std::sync::atomic::Ordering::SeqCst) {
-            return Err(io::Error::other("the store lost writes no flush had covered"));
+        if self
+            .fail_flush
+            .swap(false, std::sync::atomic::Ordering::SeqCst)
+        {
+            return Err(io::Error::other(
+                "the store lost writes no flush had covered",
+            ));
         }
         self.inner.flush()
     }
