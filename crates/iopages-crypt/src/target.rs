@@ -583,11 +583,12 @@ impl<C: SectorCipher> CryptTarget<C> {
             }
             let n = run.len().min(data.len() - done);
             let dst = run.split_at_mut(n).0;
-            self.cipher.encrypt_sectors_streaming(
-                sector + (done / ss) as u64,
-                &data[done..done + n],
-                &mut *dst,
-            )?;
+            let (at, src) = (sector + (done / ss) as u64, &data[done..done + n]);
+            if self.backend.reads_writes() {
+                self.cipher.encrypt_sectors(at, src, &mut *dst)?;
+            } else {
+                self.cipher.encrypt_sectors_streaming(at, src, &mut *dst)?;
+            }
             each(dst);
             done += n;
         }
