@@ -95,7 +95,26 @@ fn live() -> Option<&'static Scrape> {
         }
         let dir = Dir::new("live");
         let (local, pass) = luks2_image(&dir, "local", "16M", b"observability");
-        let (remote, _) = luks2_image(&dir, "remote", "16M", b"observability");
+        // The remote volume is authenticated, so its integrity families
+        // are exported too.
+        let remote = dir.join("remote.luks");
+        let fresh = dir.join("remote.fresh");
+        common::run(
+            std::process::Command::new(common::BIN)
+                .args([
+                    "luks",
+                    "format",
+                    "--pbkdf",
+                    "pbkdf2",
+                    "--iterations",
+                    "1000",
+                ])
+                .args(["--size", "24M", "--integrity", "aead", "--freshness"])
+                .arg(&fresh)
+                .arg("--passphrase-file")
+                .arg(&pass)
+                .arg(&remote),
+        );
         let (_store, store_uri) = NbdKit::file(&dir.join("store.sock"), &remote);
         let sock = dir.join("s.sock");
         let conf = dir.join("serve.toml");
@@ -103,7 +122,12 @@ fn live() -> Option<&'static Scrape> {
             "[server]\nunix = [\"{}\"]\n{}{}",
             sock.display(),
             export_table("local", &local.display().to_string(), &pass, ""),
-            export_table("remote", &store_uri, &pass, ""),
+            export_table(
+                "remote",
+                &store_uri,
+                &pass,
+                &format!("freshness = \"{}\"", fresh.display())
+            ),
         );
         std::fs::write(&conf, text).unwrap();
         let mut cmd = serve_cmd();
