@@ -365,7 +365,7 @@ impl AuthBackend {
         &self,
         first: u64,
         records: &[Record],
-        touched: &mut Vec<u64>,
+        touched: &mut Vec<(u64, u64)>,
     ) -> io::Result<()> {
         let mut at = 0usize;
         while at < records.len() {
@@ -377,22 +377,22 @@ impl AuthBackend {
                 t.make_room()?;
                 t.update(block, &records[at..at + n])?
             };
-            touched.push(block / RECORDS_PER_BLOCK);
+            let tb = block / RECORDS_PER_BLOCK;
             if let Err(e) = self.write_through(&wt) {
-                self.tree.lock().done(block / RECORDS_PER_BLOCK, false);
-                touched.pop();
+                self.tree.lock().done(tb, wt.id, false);
                 return Err(e);
             }
+            touched.push((tb, wt.id));
             at += n;
         }
         Ok(())
     }
 
     /// The writes through `touched` tag blocks are over.
-    fn release(&self, touched: &[u64]) {
+    fn release(&self, touched: &[(u64, u64)]) {
         let mut t = self.tree.lock();
-        for &tb in touched {
-            t.done(tb, true);
+        for &(tb, id) in touched {
+            t.done(tb, id, true);
         }
     }
 
@@ -600,6 +600,9 @@ impl Backend for AuthBackend {
     fn flush(&self) -> io::Result<()> {
         if self.opts.read_only {
             return Ok(());
+        }
+        if self.broken.load(Ordering::Acquire) {
+            return self.recover(); // it commits
         }
         let _g = self.gate.write();
         let mut t = self.tree.lock();

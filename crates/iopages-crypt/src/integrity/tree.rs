@@ -41,12 +41,15 @@ struct Node {
     io: Arc<Mutex<u64>>,
     used: u64,
     /// Records replaced by writes still in flight (their data may not be
-    /// on the store yet): a read accepts either until they finish.
-    prev: Vec<(usize, Record)>,
+    /// on the store yet), by write: a read accepts either until that
+    /// write finishes. Bounded by the writes in flight.
+    prev: Vec<(u64, usize, Record)>,
 }
 
 /// A copy of a tag block to write through to the store.
 pub(crate) struct WriteThrough {
+    /// The write this is (to say when it is [`Tree::done`]).
+    pub id: u64,
     pub data: Box<[u8]>,
     pub seq: u64,
     pub block: u64,
@@ -80,6 +83,8 @@ pub(crate) struct Tree {
     pub writes: u64,
     /// Whether changes may be written (false: a read-only check).
     writable: bool,
+    /// The next write's id.
+    next_write: u64,
 }
 
 fn zeroed() -> Box<[u8]> {
@@ -111,6 +116,7 @@ impl Tree {
             reads: 0,
             writes: 0,
             writable,
+            next_write: 0,
         }
     }
 
@@ -292,7 +298,12 @@ impl Tree {
                         tb * 64 + i as u64
                     ))
                 })?;
-                let before = n.prev.iter().rev().find(|(p, _)| *p == i).map(|(_, r)| *r);
+                let before = n
+                    .prev
+                    .iter()
+                    .rev()
+                    .find(|(_, p, _)| *p == i)
+                    .map(|(_, _, r)| *r);
                 Ok((r, before))
             })
             .collect()
@@ -305,13 +316,15 @@ impl Tree {
         self.load(0, tb)?;
         let slot = self.slot_for(&self.nodes[&(0, tb)]);
         let block = self.slot_offset(0, tb, slot);
+        self.next_write += 1;
+        let id = self.next_write;
         let n = self.nodes.get_mut(&(0, tb)).expect("loaded");
         let at = (first % super::layout::RECORDS_PER_BLOCK) as usize;
         for (i, r) in records.iter().enumerate() {
             let place = &mut n.data[(at + i) * RECORD..(at + i + 1) * RECORD];
             let old: &[u8; RECORD] = (&*place).try_into().expect("64");
             if let Some(old) = Record::decode(old) {
-                n.prev.push((at + i, old));
+                n.prev.push((id, at + i, old));
             }
             place.copy_from_slice(&r.encode());
         }
@@ -320,6 +333,7 @@ impl Tree {
         n.seq += 1;
         n.pending += 1;
         Ok(WriteThrough {
+            id,
             data: n.data.clone(),
             seq: n.seq,
             block,
@@ -327,17 +341,15 @@ impl Tree {
         })
     }
 
-    /// A write through tag block `tb` finished (`ok`: its tag block
+    /// Write `id` through tag block `tb` finished (`ok`: its tag block
     /// reached the store).
-    pub fn done(&mut self, tb: u64, ok: bool) {
+    pub fn done(&mut self, tb: u64, id: u64, ok: bool) {
         if let Some(n) = self.nodes.get_mut(&(0, tb)) {
             n.pending -= 1;
             if !ok {
                 n.stale = true;
             }
-            if n.pending == 0 {
-                n.prev.clear();
-            }
+            n.prev.retain(|(w, _, _)| *w != id);
         }
     }
 
