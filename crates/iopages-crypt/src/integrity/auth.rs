@@ -367,25 +367,79 @@ impl AuthBackend {
         records: &[Record],
         touched: &mut Vec<(u64, u64)>,
     ) -> io::Result<()> {
-        let mut at = 0usize;
-        while at < records.len() {
-            let block = first + at as u64;
-            let n =
-                ((RECORDS_PER_BLOCK - block % RECORDS_PER_BLOCK) as usize).min(records.len() - at);
-            let wt = {
-                let mut t = self.tree.lock();
-                t.make_room()?;
-                t.update(block, &records[at..at + n])?
-            };
-            let tb = block / RECORDS_PER_BLOCK;
-            if let Err(e) = self.write_through(&wt) {
-                self.tree.lock().done(tb, wt.id, false);
-                return Err(e);
+        let mut wts: Vec<WriteThrough> = Vec::new();
+        {
+            let mut t = self.tree.lock();
+            t.make_room()?;
+            let mut at = 0usize;
+            while at < records.len() {
+                let block = first + at as u64;
+                let n = ((RECORDS_PER_BLOCK - block % RECORDS_PER_BLOCK) as usize)
+                    .min(records.len() - at);
+                let wt = match t.update(block, &records[at..at + n]) {
+                    Ok(wt) => wt,
+                    Err(e) => {
+                        // Those updated already are not written through.
+                        for w in &wts {
+                            t.mark_stale(w.tb);
+                        }
+                        return Err(e);
+                    }
+                };
+                touched.push((block / RECORDS_PER_BLOCK, wt.id));
+                wts.push(wt);
+                at += n;
             }
-            touched.push((tb, wt.id));
-            at += n;
         }
-        Ok(())
+        let failed = self.write_through(&wts);
+        if failed.is_empty() {
+            return Ok(());
+        }
+        let mut t = self.tree.lock();
+        for (tb, _) in &failed {
+            t.mark_stale(*tb);
+        }
+        Err(failed.into_iter().next().expect("one").1)
+    }
+
+    /// Write the tag blocks `wts` (ascending) to the store, a run of
+    /// adjacent ones in one write, skipping any whose newer copy another
+    /// write already wrote (each block's order is its `io` lock, taken in
+    /// ascending order).
+    ///
+    /// **Returns:** the tag blocks whose write failed, with the error.
+    fn write_through(&self, wts: &[WriteThrough]) -> Vec<(u64, io::Error)> {
+        let mut guards: Vec<_> = wts.iter().map(|w| w.io.lock()).collect();
+        let mut runs: Vec<(u64, Vec<usize>)> = Vec::new();
+        for (i, w) in wts.iter().enumerate() {
+            if *guards[i] >= w.seq {
+                continue; // a newer copy of the block is already written
+            }
+            match runs.last_mut() {
+                Some((at, idx)) if *at + idx.len() as u64 * BLOCK == w.block => idx.push(i),
+                _ => runs.push((w.block, vec![i])),
+            }
+        }
+        let mut failed = Vec::new();
+        for (at, idx) in runs {
+            let segs: Vec<&[u8]> = idx.iter().map(|&i| &wts[i].data[..]).collect();
+            match self.area.write_at(at, &segs) {
+                Ok(()) => {
+                    for &i in &idx {
+                        *guards[i] = wts[i].seq;
+                    }
+                    self.tag_writes
+                        .fetch_add(idx.len() as u64, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    let msg = e.to_string();
+                    for &i in &idx {
+                        failed.push((wts[i].tb, io::Error::new(e.kind(), msg.clone())));
+                    }
+                }
+            }
+        }
+        failed
     }
 
     /// The writes through `touched` tag blocks are over.
@@ -394,17 +448,6 @@ impl AuthBackend {
         for &(tb, id) in touched {
             t.done(tb, id, true);
         }
-    }
-
-    fn write_through(&self, wt: &WriteThrough) -> io::Result<()> {
-        let mut last = wt.io.lock();
-        if *last >= wt.seq {
-            return Ok(()); // a newer copy of the block is already written
-        }
-        self.area.write_at(wt.block, &[&wt.data[..]])?;
-        self.tag_writes.fetch_add(1, Ordering::Relaxed);
-        *last = wt.seq;
-        Ok(())
     }
 
     /// The records of blocks `first..first + count`, each with the one it

@@ -85,7 +85,9 @@ pub struct Layout {
     data_blocks: u64,
     /// Nodes per level, level 0 (tag blocks) first; the last level has one.
     levels: Vec<u64>,
-    /// First area block of each level's slot pairs.
+    /// First area block of each level's slots: all its nodes' slot 0,
+    /// then all their slot 1 (so the same slot of adjacent nodes is
+    /// adjacent on the store, and one write carries a run of them).
     bases: Vec<u64>,
     area_blocks: u64,
 }
@@ -196,7 +198,7 @@ impl Layout {
 
     /// The area block of node `index` at `level` in `slot` (0 or 1).
     pub fn node_block(&self, level: usize, index: u64, slot: u8) -> u64 {
-        self.bases[level] + 2 * index + u64::from(slot & 1)
+        self.bases[level] + u64::from(slot & 1) * self.levels[level] + index
     }
 }
 
@@ -328,7 +330,7 @@ mod tests {
             assert_eq!(l.nodes(0), n.div_ceil(64));
             let mut seen = std::collections::HashSet::new();
             for lv in 0..l.depth() {
-                for i in [0, l.nodes(lv) - 1] {
+                for i in [0, l.nodes(lv) / 2, l.nodes(lv) - 1] {
                     for s in 0..2 {
                         let b = l.node_block(lv, i, s);
                         assert!((2..l.area_blocks()).contains(&b), "{n} {lv} {i}");

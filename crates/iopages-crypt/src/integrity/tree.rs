@@ -50,6 +50,8 @@ struct Node {
 pub(crate) struct WriteThrough {
     /// The write this is (to say when it is [`Tree::done`]).
     pub id: u64,
+    /// The tag block.
+    pub tb: u64,
     pub data: Box<[u8]>,
     pub seq: u64,
     pub block: u64,
@@ -334,11 +336,20 @@ impl Tree {
         n.pending += 1;
         Ok(WriteThrough {
             id,
+            tb,
             data: n.data.clone(),
             seq: n.seq,
             block,
             io: Arc::clone(&n.io),
         })
+    }
+
+    /// Tag block `tb`'s copy on the store may be older than the cache's
+    /// (a write through failed): the commit or eviction writes it.
+    pub fn mark_stale(&mut self, tb: u64) {
+        if let Some(n) = self.nodes.get_mut(&(0, tb)) {
+            n.stale = true;
+        }
     }
 
     /// Write `id` through tag block `tb` finished (`ok`: its tag block
@@ -418,10 +429,13 @@ impl Tree {
         for tb in range {
             self.make_room()?;
             let entry = self.parent_entry(0, tb)?;
+            let (s0, s1) = pair.split_at_mut(BLOCK as usize);
             self.area
-                .read_at(self.slot_offset(0, tb, 0), &mut [&mut pair[..]])?;
-            self.reads += 1;
-            let (s0, s1) = pair.split_at(BLOCK as usize);
+                .read_at(self.slot_offset(0, tb, 0), &mut [&mut s0[..]])?;
+            self.area
+                .read_at(self.slot_offset(0, tb, 1), &mut [&mut s1[..]])?;
+            self.reads += 2;
+            let (s0, s1) = (&*s0, &*s1);
             let (cur, other) = if entry.slot == 0 { (s0, s1) } else { (s1, s0) };
             let mut merged: Box<[u8]> = if entry.is_empty() {
                 zeroed()
