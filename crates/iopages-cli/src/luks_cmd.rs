@@ -125,7 +125,7 @@ pub struct FormatArgs {
     /// Make an authenticated volume (LUKS2, 4096-byte sectors): a tag of
     /// every 4 KiB block's ciphertext under this MAC, and a hash tree over
     /// the tags, in an integrity area after the data (about 3% of the
-    /// image). cryptsetup will not open it.
+    /// image). cryptsetup will not map it or change its keys.
     #[arg(long, value_enum, value_name = "MAC")]
     integrity: Option<IntegrityArg>,
     /// With --integrity: write the new volume's freshness state (the

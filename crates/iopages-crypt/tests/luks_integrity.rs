@@ -188,170 +188,163 @@ fn open_bytes(dir: &Dir, name: &str, bytes: &[u8]) -> Result<luks::LuksVolume, L
 
 /// An edit of the metadata: a name, the edit, and the words the error
 /// must hold (the field first).
-type Rule = (
-    &'static str,
-    Box<dyn Fn(&mut Value)>,
-    &'static [&'static str],
-);
+type Rule = (&'static str, Box<dyn Fn(&mut Value)>, Vec<&'static str>);
 
-fn set(path: &'static [&'static str], v: Value) -> Box<dyn Fn(&mut Value)> {
+/// Set the member at JSON pointer `at` to `v`.
+fn set(at: &'static str, v: Value) -> Box<dyn Fn(&mut Value)> {
+    Box::new(move |j: &mut Value| *j.pointer_mut(at).unwrap() = v.clone())
+}
+
+/// Remove member `key` of token 0.
+fn remove(key: &'static str) -> Box<dyn Fn(&mut Value)> {
     Box::new(move |j: &mut Value| {
-        let mut at = j;
-        for p in path {
-            at = &mut at[*p];
-        }
-        *at = v.clone();
+        j["tokens"]["0"].as_object_mut().unwrap().remove(key);
     })
 }
 
-fn token_rules(data_blocks: u64, data_bytes: u64) -> Vec<Rule> {
+/// The token's own fields: MAC, block size, keyslots, number syntax.
+fn field_rules(data_blocks: u64) -> Vec<Rule> {
+    let t = "/tokens/0";
     vec![
         (
             "mac-unknown",
-            set(&["tokens", "0", "mac"], json!("hmac-md5")),
-            &["tokens.0.mac", "hmac-md5"],
+            set("/tokens/0/mac", json!("hmac-md5")),
+            vec!["tokens.0.mac", "hmac-md5"],
         ),
         (
             "mac-missing",
-            Box::new(|j| {
-                j["tokens"]["0"].as_object_mut().unwrap().remove("mac");
-            }),
-            &["tokens.0.mac", "missing"],
+            remove("mac"),
+            vec!["tokens.0.mac", "missing"],
         ),
         (
             "mac-number",
-            set(&["tokens", "0", "mac"], json!(1)),
-            &["tokens.0.mac"],
-        ),
-        (
-            "blocks-zero",
-            set(&["tokens", "0", "data_blocks"], json!("0")),
-            &["tokens.0.data_blocks", "0 is not a block count"],
-        ),
-        (
-            "blocks-huge",
-            set(&["tokens", "0", "data_blocks"], json!("1099511627777")),
-            &["tokens.0.data_blocks"],
-        ),
-        (
-            "blocks-overflow",
-            set(
-                &["tokens", "0", "data_blocks"],
-                json!("99999999999999999999999"),
-            ),
-            &["tokens.0.data_blocks", "2^64"],
-        ),
-        (
-            "blocks-not-decimal",
-            set(&["tokens", "0", "data_blocks"], json!("0x10")),
-            &["tokens.0.data_blocks", "decimal"],
-        ),
-        (
-            "blocks-a-number",
-            set(&["tokens", "0", "data_blocks"], json!(data_blocks)),
-            &["tokens.0.data_blocks", "string"],
-        ),
-        (
-            "blocks-one-more",
-            set(
-                &["tokens", "0", "data_blocks"],
-                json!((data_blocks + 1).to_string()),
-            ),
-            &["segments.0.size", "data_blocks"],
-        ),
-        (
-            "segment-dynamic",
-            set(&["segments", "0", "size"], json!("dynamic")),
-            &["segments.0.size", "dynamic"],
-        ),
-        (
-            "segment-one-block-less",
-            set(
-                &["segments", "0", "size"],
-                json!((data_bytes - 4096).to_string()),
-            ),
-            &["segments.0.size"],
-        ),
-        (
-            "sector-512",
-            set(&["segments", "0", "sector_size"], json!(512)),
-            &["segments.0.sector_size", "4096"],
-        ),
-        (
-            "area-size",
-            set(&["tokens", "0", "area_size"], json!("4096")),
-            &["tokens.0.area_size", "4096"],
-        ),
-        (
-            "area-size-overflow",
-            set(&["tokens", "0", "area_size"], json!("18446744073709551616")),
-            &["tokens.0.area_size"],
-        ),
-        (
-            "area-offset",
-            set(
-                &["tokens", "0", "area_offset"],
-                json!((DATA_OFFSET + data_bytes + 4096).to_string()),
-            ),
-            &["tokens.0.area_offset", "right after"],
-        ),
-        (
-            "area-offset-missing",
-            Box::new(|j| {
-                j["tokens"]["0"]
-                    .as_object_mut()
-                    .unwrap()
-                    .remove("area_offset");
-            }),
-            &["tokens.0.area_offset", "missing"],
+            set("/tokens/0/mac", json!(1)),
+            vec!["tokens.0.mac"],
         ),
         (
             "block-size",
-            set(&["tokens", "0", "block_size"], json!(512)),
-            &["tokens.0.block_size", "4096"],
+            set("/tokens/0/block_size", json!(512)),
+            vec!["tokens.0.block_size", "4096"],
         ),
         (
             "block-size-string",
-            set(&["tokens", "0", "block_size"], json!("4096")),
-            &["tokens.0.block_size"],
+            set("/tokens/0/block_size", json!("4096")),
+            vec!["tokens.0.block_size"],
         ),
         (
             "token-keyslots",
-            set(&["tokens", "0", "keyslots"], json!(["0"])),
-            &["tokens.0.keyslots"],
+            set("/tokens/0/keyslots", json!(["0"])),
+            vec!["tokens.0.keyslots"],
+        ),
+        ("token-not-object", set(t, json!(["x"])), vec!["tokens.0"]),
+        (
+            "blocks-zero",
+            set("/tokens/0/data_blocks", json!("0")),
+            vec!["tokens.0.data_blocks", "0 is not a block count"],
         ),
         (
-            "token-without-requirement",
-            Box::new(|j| {
-                j["config"].as_object_mut().unwrap().remove("requirements");
-            }),
-            &["tokens.0", INTEGRITY_REQUIREMENT, "does not list"],
+            "blocks-not-decimal",
+            set("/tokens/0/data_blocks", json!("0x10")),
+            vec!["tokens.0.data_blocks", "decimal"],
         ),
         (
-            "requirement-without-token",
-            set(&["tokens"], json!({})),
-            &["tokens", "exactly one"],
+            "blocks-a-number",
+            set("/tokens/0/data_blocks", json!(data_blocks)),
+            vec!["tokens.0.data_blocks", "string"],
         ),
         (
-            "two-tokens",
-            Box::new(|j| {
-                let t = j["tokens"]["0"].clone();
-                j["tokens"]["1"] = t;
-            }),
-            &["tokens", "2 tokens", "exactly one"],
+            "area-offset-missing",
+            remove("area_offset"),
+            vec!["tokens.0.area_offset", "missing"],
         ),
         (
-            "requirement-twice",
-            set(
-                &["config", "requirements", "mandatory"],
-                json!([INTEGRITY_REQUIREMENT, INTEGRITY_REQUIREMENT]),
-            ),
-            &["config.requirements.mandatory", "2 times"],
+            "area-size-overflow",
+            set("/tokens/0/area_size", json!("18446744073709551616")),
+            vec!["tokens.0.area_size"],
+        ),
+    ]
+}
+
+/// The token against the data segment and itself: sizes, offsets.
+fn geometry_rules(data_blocks: u64, data_bytes: u64) -> Vec<Rule> {
+    let one_more = (data_blocks + 1).to_string();
+    let one_less = (data_bytes - 4096).to_string();
+    let past = (DATA_OFFSET + data_bytes + 4096).to_string();
+    vec![
+        (
+            "blocks-huge",
+            set("/tokens/0/data_blocks", json!("1099511627777")),
+            vec!["tokens.0.data_blocks"],
+        ),
+        (
+            "blocks-overflow",
+            set("/tokens/0/data_blocks", json!("99999999999999999999999")),
+            vec!["tokens.0.data_blocks", "2^64"],
+        ),
+        (
+            "blocks-one-more",
+            set("/tokens/0/data_blocks", json!(one_more)),
+            vec!["segments.0.size", "data_blocks"],
+        ),
+        (
+            "segment-dynamic",
+            set("/segments/0/size", json!("dynamic")),
+            vec!["segments.0.size", "dynamic"],
+        ),
+        (
+            "segment-one-block-less",
+            set("/segments/0/size", json!(one_less)),
+            vec!["segments.0.size"],
+        ),
+        (
+            "sector-512",
+            set("/segments/0/sector_size", json!(512)),
+            vec!["segments.0.sector_size", "4096"],
+        ),
+        (
+            "area-size",
+            set("/tokens/0/area_size", json!("4096")),
+            vec!["tokens.0.area_size", "4096"],
+        ),
+        (
+            "area-offset",
+            set("/tokens/0/area_offset", json!(past)),
+            vec!["tokens.0.area_offset", "right after"],
         ),
         (
             "segment-offset-overflow",
-            set(&["segments", "0", "offset"], json!("18446744073709547520")),
-            &["tokens.0.area_offset"],
+            set("/segments/0/offset", json!("18446744073709547520")),
+            vec!["tokens.0.area_offset"],
+        ),
+    ]
+}
+
+/// The requirement and the token go together, one of each.
+fn pairing_rules() -> Vec<Rule> {
+    let dup = Box::new(|j: &mut Value| {
+        let t = j["tokens"]["0"].clone();
+        j["tokens"]["1"] = t;
+    });
+    let no_req = Box::new(|j: &mut Value| {
+        j["config"].as_object_mut().unwrap().remove("requirements");
+    });
+    let twice = json!([INTEGRITY_REQUIREMENT, INTEGRITY_REQUIREMENT]);
+    vec![
+        (
+            "token-without-requirement",
+            no_req,
+            vec!["tokens.0", INTEGRITY_REQUIREMENT, "does not list"],
+        ),
+        (
+            "requirement-without-token",
+            set("/tokens", json!({})),
+            vec!["tokens", "exactly one"],
+        ),
+        ("two-tokens", dup, vec!["tokens", "2 tokens", "exactly one"]),
+        (
+            "requirement-twice",
+            set("/config/requirements/mandatory", twice),
+            vec!["config.requirements.mandatory", "2 times"],
         ),
     ]
 }
@@ -364,7 +357,10 @@ fn every_token_rule_broken_alone_is_refused_naming_the_field() {
     let bytes = std::fs::read(&img).unwrap();
     // The unedited copy opens after a reseal: the edit is what fails.
     assert!(open_bytes(&dir, "same", &edited(&bytes, &|_| {})).is_ok());
-    let rules = token_rules(info.layout.data_blocks(), info.layout.data_bytes());
+    let (blocks, bytes_) = (info.layout.data_blocks(), info.layout.data_bytes());
+    let mut rules = field_rules(blocks);
+    rules.extend(geometry_rules(blocks, bytes_));
+    rules.extend(pairing_rules());
     for (name, edit, words) in &rules {
         let e = open_bytes(&dir, name, &edited(&bytes, edit.as_ref())).unwrap_err();
         let LuksError::Corrupt(m) = &e else {
@@ -390,7 +386,7 @@ fn another_requirement_is_still_refused_beside_ours() {
         json!(["online-reencrypt-v2"]),
         json!(["iopages-integrity-v2"]),
     ] {
-        let edit = set(&["config", "requirements", "mandatory"], list.clone());
+        let edit = set("/config/requirements/mandatory", list.clone());
         let e = open_bytes(&dir, "req", &edited(&bytes, edit.as_ref())).unwrap_err();
         assert!(
             matches!(&e, LuksError::Unsupported(m) if m.contains("mandatory requirements")),
