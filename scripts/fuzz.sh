@@ -5,7 +5,7 @@
 # usage: scripts/fuzz.sh [--smoke] [SECONDS] [TARGET...]
 #   --smoke   short run for CI (25 s per target unless SECONDS is given)
 #   SECONDS   time per target (default 120)
-#   TARGET    luks1 luks2 nbd_handshake nbd_transmission (default: all)
+#   TARGET    luks1 luks2 nbd_handshake nbd_transmission integrity (default: all)
 #
 # Installs cargo-fuzz (pinned) if missing, builds every target into
 # $CARGO_TARGET_DIR (default target/fuzz of the main workspace, so CI's
@@ -18,7 +18,7 @@
 set -euo pipefail
 
 CARGO_FUZZ_VERSION=0.13.2
-ALL_TARGETS=(luks1 luks2 nbd_handshake nbd_transmission)
+ALL_TARGETS=(luks1 luks2 nbd_handshake nbd_transmission integrity)
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 smoke=0

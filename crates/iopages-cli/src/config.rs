@@ -155,6 +155,9 @@ pub struct ExportSpec {
     pub io: IoMode,
     /// `allow-discards` (default false), as `--allow-discards`.
     pub allow_discards: bool,
+    /// `freshness`: an authenticated image's state file, as
+    /// `--freshness`.
+    pub freshness: Option<PathBuf>,
     /// `arena` in bytes: a non-zero multiple of 4096 (default
     /// [`DEFAULT_ARENA_BYTES`]).
     pub arena_bytes: u64,
@@ -582,6 +585,7 @@ struct RawExport {
     io: IoMode,
     #[serde(default)]
     allow_discards: bool,
+    freshness: Option<PathBuf>,
     arena: Option<SizeText>,
     workers: Option<usize>,
     max_kdf_memory: Option<SizeText>,
@@ -649,6 +653,7 @@ impl RawExport {
             read_only: self.read_only,
             io: self.io,
             allow_discards: self.allow_discards,
+            freshness: self.freshness,
             arena_bytes,
             workers: self.workers,
             max_kdf_memory,
@@ -922,6 +927,7 @@ passphrase-prompt = true
             read_only: true,
             io: IoMode::Direct,
             allow_discards: true,
+            freshness: None,
             arena_bytes: 1 << 30,
             workers: Some(2),
             max_kdf_memory: Some(4 << 30),
@@ -949,6 +955,7 @@ passphrase-prompt = true
             read_only: false,
             io: IoMode::Buffered,
             allow_discards: false,
+            freshness: None,
             arena_bytes: 1 << 20,
             workers: None,
             max_kdf_memory: None,
@@ -971,6 +978,7 @@ passphrase-prompt = true
             read_only: false,
             io: IoMode::Auto,
             allow_discards: false,
+            freshness: None,
             arena_bytes: DEFAULT_ARENA_BYTES,
             workers: None,
             max_kdf_memory: None,

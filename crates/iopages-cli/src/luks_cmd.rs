@@ -38,6 +38,11 @@ pub enum LuksCommand {
         /// probably reformatted: only to recover the old volume on purpose).
         #[arg(long)]
         allow_secondary_header: bool,
+        /// An authenticated volume's freshness state file: its tags and
+        /// tree are then all verified (every block read) against it, so a store rolled back whole is
+        /// caught too (without it: against the store's own superblock).
+        #[arg(long, value_name = "FILE")]
+        freshness: Option<PathBuf>,
     },
     /// Decrypt a volume's whole payload into a raw file (offline, no
     /// server).
@@ -64,6 +69,11 @@ pub enum LuksCommand {
         /// probably reformatted: only to recover the old volume on purpose).
         #[arg(long)]
         allow_secondary_header: bool,
+        /// An authenticated volume's freshness state file: its tags and
+        /// tree are then verified (every block) against it; if any block fails, OUTPUT is removed and the error names the blocks, so a store rolled back whole is
+        /// caught too (without it: against the store's own superblock).
+        #[arg(long, value_name = "FILE")]
+        freshness: Option<PathBuf>,
     },
     /// Show a volume's header as `cryptsetup luksDump` does (no
     /// passphrase; never key material); --json prints LUKS2's metadata.
@@ -178,11 +188,13 @@ pub fn run(cmd: LuksCommand) -> Result<(), String> {
             passphrase_file,
             max_kdf_memory,
             allow_secondary_header,
+            freshness,
         } => check(
             &image,
             &passphrase_file,
             &kdf_limits(max_kdf_memory),
             &LuksOpenOptions::new().allow_secondary_header(allow_secondary_header),
+            freshness.as_deref(),
         ),
         LuksCommand::Decrypt {
             image,
@@ -191,6 +203,7 @@ pub fn run(cmd: LuksCommand) -> Result<(), String> {
             yes,
             max_kdf_memory,
             allow_secondary_header,
+            freshness,
         } => decrypt(
             &image,
             &output,
@@ -198,6 +211,7 @@ pub fn run(cmd: LuksCommand) -> Result<(), String> {
             yes,
             &kdf_limits(max_kdf_memory),
             &LuksOpenOptions::new().allow_secondary_header(allow_secondary_header),
+            freshness.as_deref(),
         ),
         LuksCommand::Dump(a) => crate::luks_header::dump(a),
         LuksCommand::HeaderBackup(a) => crate::luks_header::header_backup(a),
@@ -238,6 +252,7 @@ fn check(
     passphrase_file: &Path,
     limits: &KdfLimits,
     opts: &LuksOpenOptions,
+    freshness: Option<&Path>,
 ) -> Result<(), String> {
     let pass = read_passphrase(passphrase_file)?;
     let target = crate::luks_target::open(image, false)?;
@@ -269,6 +284,43 @@ fn check(
             ""
         },
         luks::printable(v.uuid())
+    );
+    let device = match target.shared() {
+        Some(b) => b,
+        None => crate::luks_integrity::local_device(image)?,
+    };
+    check_tags(image, &v, &device, freshness)
+}
+
+/// `luks check` of an authenticated volume: every block and the tree
+/// verified; any failure is an error naming the blocks.
+fn check_tags(
+    image: &Path,
+    v: &luks::LuksVolume,
+    device: &std::sync::Arc<dyn iopages_crypt::backend::Backend>,
+    freshness: Option<&Path>,
+) -> Result<(), String> {
+    let name = image.display().to_string();
+    let Some(auth) = crate::luks_integrity::open(device, v, freshness, &name)? else {
+        return Ok(());
+    };
+    let bad = crate::luks_integrity::read_all(&auth, |_, _| Ok(()))?;
+    let blocks = auth.layout().data_blocks();
+    if !bad.is_empty() {
+        return Err(format!(
+            "{name}: {} of {blocks} blocks failed verification: {} (4096-byte blocks of the volume)",
+            bad.len(),
+            iopages_crypt::integrity::block_ranges(&bad)
+        ));
+    }
+    println!(
+        "{name}: all {blocks} blocks and the tag tree verified ({} tags){}",
+        auth.layout().mac(),
+        if freshness.is_some() {
+            ", fresh as the state file says"
+        } else {
+            ""
+        }
     );
     Ok(())
 }
@@ -536,6 +588,7 @@ fn decrypt(
     yes: bool,
     limits: &KdfLimits,
     open: &LuksOpenOptions,
+    freshness: Option<&Path>,
 ) -> Result<(), String> {
     // Refused early, before the slow key derivation (and again, without a
     // race, when the output is created).
@@ -563,6 +616,7 @@ fn decrypt(
     let mut cipher = vol
         .xts_cipher()
         .map_err(|e| format!("cannot set up {}: {e}", vol.cipher_spec()))?;
+    let auth = tag_layer(image, &vol, freshness)?;
     let out = create_output(output, yes)?;
     let from = Plaintext {
         src: &src,
@@ -571,7 +625,11 @@ fn decrypt(
         sector_bytes: ss,
         size,
     };
-    if let Err(e) = from.copy(&mut cipher, &out, output) {
+    let copied = match &auth {
+        Some(a) => decrypt_verified(a, &mut cipher, &out, output),
+        None => from.copy(&mut cipher, &out, output),
+    };
+    if let Err(e) = copied {
         // Only a regular file is removed (never a device node given as
         // the output with --yes).
         let regular = out.metadata().is_ok_and(|m| m.is_file());
@@ -590,6 +648,61 @@ fn decrypt(
         version_name(vol.version())
     );
     Ok(())
+}
+
+/// The tag layer of an authenticated volume at `image`, read-only; `None`
+/// for a volume without one (where `--freshness` is an error).
+fn tag_layer(
+    image: &Path,
+    vol: &luks::LuksVolume,
+    freshness: Option<&Path>,
+) -> Result<Option<iopages_crypt::integrity::AuthBackend>, String> {
+    let name = image.display().to_string();
+    match vol.integrity() {
+        Some(_) => {
+            let device = crate::luks_integrity::local_device(image)?;
+            crate::luks_integrity::open(&device, vol, freshness, &name)
+        }
+        None if freshness.is_some() => Err(format!(
+            "{name}: --freshness given, but the volume is not authenticated"
+        )),
+        None => Ok(None),
+    }
+}
+
+/// Decrypt an authenticated volume through its tag layer: every block
+/// verified first; a never-written or discarded block is zeros. Any block
+/// that fails makes it an error naming the blocks (the caller removes the
+/// output: nothing unverified is handed on).
+fn decrypt_verified(
+    auth: &iopages_crypt::integrity::AuthBackend,
+    cipher: &mut iopages_crypt::XtsCipher,
+    out: &std::fs::File,
+    output: &Path,
+) -> Result<(), String> {
+    let bad = crate::luks_integrity::read_all(auth, |at, b| {
+        let mut b = b.to_vec();
+        for (i, sector) in b.chunks_mut(4096).enumerate() {
+            if sector.iter().any(|&x| x != 0) {
+                cipher
+                    .decrypt_sectors_in_place(at / 4096 + i as u64, sector)
+                    .map_err(|e| format!("decrypting at {at}: {e}"))?;
+            }
+        }
+        out.write_all_at(&b, at)
+            .map_err(|e| format!("writing {}: {e}", output.display()))
+    })?;
+    out.sync_all()
+        .map_err(|e| format!("syncing {}: {e}", output.display()))?;
+    if bad.is_empty() {
+        return Ok(());
+    }
+    Err(format!(
+        "{} block(s) failed verification: {} (4096-byte blocks of the volume); refusing to \
+         decrypt a tampered volume",
+        bad.len(),
+        iopages_crypt::integrity::block_ranges(&bad)
+    ))
 }
 
 /// The payload of an opened image, to decrypt.
@@ -692,19 +805,46 @@ mod tests {
         let (img, pass) = volume(&dir);
         let limits = KdfLimits::default();
         let out = dir.0.join("plain");
-        decrypt(&img, &out, &pass, false, &limits, &LuksOpenOptions::new()).unwrap();
+        decrypt(
+            &img,
+            &out,
+            &pass,
+            false,
+            &limits,
+            &LuksOpenOptions::new(),
+            None,
+        )
+        .unwrap();
         let m = std::fs::metadata(&out).unwrap();
         assert_eq!(m.mode() & 0o777, 0o600);
         assert_eq!(m.len(), 8192);
 
         // Existing file without --yes: refused, untouched.
         std::fs::write(&out, b"keep").unwrap();
-        let e = decrypt(&img, &out, &pass, false, &limits, &LuksOpenOptions::new()).unwrap_err();
+        let e = decrypt(
+            &img,
+            &out,
+            &pass,
+            false,
+            &limits,
+            &LuksOpenOptions::new(),
+            None,
+        )
+        .unwrap_err();
         assert!(e.contains("exists: add --yes"), "{e}");
         assert_eq!(std::fs::read(&out).unwrap(), b"keep");
         // With --yes a world-readable file is taken over and made 0600.
         std::fs::set_permissions(&out, std::fs::Permissions::from_mode(0o644)).unwrap();
-        decrypt(&img, &out, &pass, true, &limits, &LuksOpenOptions::new()).unwrap();
+        decrypt(
+            &img,
+            &out,
+            &pass,
+            true,
+            &limits,
+            &LuksOpenOptions::new(),
+            None,
+        )
+        .unwrap();
         let m = std::fs::metadata(&out).unwrap();
         assert_eq!((m.mode() & 0o777, m.len()), (0o600, 8192));
 
@@ -722,7 +862,8 @@ mod tests {
             (&dangling, false),
             (&dangling, true),
         ] {
-            let e = decrypt(&img, l, &pass, yes, &limits, &LuksOpenOptions::new()).unwrap_err();
+            let e =
+                decrypt(&img, l, &pass, yes, &limits, &LuksOpenOptions::new(), None).unwrap_err();
             assert!(e.contains("is a symbolic link"), "{e}");
         }
         assert_eq!(std::fs::read(&target).unwrap(), b"target");
@@ -837,6 +978,7 @@ mod tests {
             false,
             &kdf_limits(Some(4096)),
             &LuksOpenOptions::new(),
+            None,
         )
         .unwrap();
         assert_eq!(kdf_limits(Some(16 << 20)).max_argon2_memory_kib, 16 << 10);

@@ -54,6 +54,14 @@ impl Target {
         }
     }
 
+    /// The remote export as a shared backend, if IMAGE is one.
+    pub fn shared(&self) -> Option<Arc<dyn Backend>> {
+        match self {
+            Target::Local { .. } => None,
+            Target::Remote { remote, .. } => Some(Arc::clone(remote) as Arc<dyn Backend>),
+        }
+    }
+
     /// The path or URI, for messages.
     pub fn describe(&self) -> String {
         match self {

@@ -161,6 +161,7 @@ mod config;
 mod defaults;
 mod luks_cmd;
 mod luks_header;
+mod luks_integrity;
 mod luks_kdf;
 mod luks_keys;
 mod luks_target;

@@ -59,6 +59,8 @@ pub struct VolumeStats {
     pub out: OutStats,
     /// The remote store's reachability and counters (a remote image).
     pub remote: Option<RemoteHealth>,
+    /// An authenticated volume's tag layer: failures, commits, recovery.
+    pub integrity: Option<iopages_crypt::integrity::AuthStats>,
 }
 
 /// Reads a volume's statistics at scrape time.
@@ -69,6 +71,7 @@ pub fn volume_probe(vol: &Volume) -> VolumeProbe {
     let alloc = vol.alloc.clone();
     let queue = Arc::clone(&vol.queue);
     let remote = vol.remote.clone();
+    let auth = vol.auth.clone();
     Arc::new(move || {
         // The accounting, not `stats()`: no zone lock.
         let a = alloc.accounting();
@@ -77,6 +80,7 @@ pub fn volume_probe(vol: &Volume) -> VolumeProbe {
             arena_pages_in_use: a.in_use_pages as u64,
             out: queue.target().out_pages().stats(),
             remote: remote.as_ref().map(|r| r.health()),
+            integrity: auth.as_ref().map(|a| a.stats()),
         }
     })
 }
@@ -296,6 +300,7 @@ impl Snapshot {
         server_limits(&mut f, t);
         tenants(&mut f, t);
         remotes(&mut f);
+        integrity(&mut f);
         f.out
     }
 }
@@ -551,6 +556,31 @@ fn remotes(f: &mut Families<'_>) {
         "Time from sending a request to the remote store to its reply.",
         samples,
     );
+}
+
+/// The families of authenticated volumes, per export on one: reads
+/// refused for a block that failed verification, those blocks, commits of
+/// the tag tree, and blocks kept by a sweep after an unclean stop.
+fn integrity(f: &mut Families<'_>) {
+    use iopages_crypt::integrity::AuthStats;
+    use Kind::Counter;
+    type Get = fn(&AuthStats) -> u64;
+    let families: [(&'static str, &'static str, Kind, Get); 6] = [
+        ("iopages_integrity_failures", "Reads refused (EIO) because a block's tag or the tree above it did not verify: the store altered, moved or rolled back data.", Counter, |a| a.failures),
+        ("iopages_integrity_bad_blocks", "4 KiB blocks that failed verification in those reads.", Counter, |a| a.bad_blocks),
+        ("iopages_integrity_commits", "Commits of the tag tree (a FLUSH with writes since the last one).", Counter, |a| a.commits),
+        ("iopages_integrity_recovered_blocks", "Blocks written after the last flush of an unclean stop whose data proved them, kept by the sweep at open.", Counter, |a| a.recovered),
+        ("iopages_integrity_node_reads", "Tag blocks and tree nodes read from the store (cache misses and sweeps).", Counter, |a| a.node_reads),
+        ("iopages_integrity_node_writes", "Tag blocks and tree nodes written to the store (one tag block per write through, nodes at commits and evictions).", Counter, |a| a.node_writes),
+    ];
+    for (name, help, ty, get) in families {
+        f.per_export(name, help, ty, |e| {
+            e.volume
+                .as_ref()
+                .and_then(|v| v.integrity.as_ref())
+                .map(get)
+        });
+    }
 }
 
 /// The families of many tenants: how the limits are shared among peers
@@ -1043,6 +1073,11 @@ mod tests {
                         },
                         ..RemoteHealth::default()
                     }),
+                    integrity: Some(iopages_crypt::integrity::AuthStats {
+                        failures: 2,
+                        bad_blocks: 3,
+                        ..Default::default()
+                    }),
                 }),
             }],
         }
@@ -1068,6 +1103,8 @@ mod tests {
             "iopages_remote_reconnects_total{export=\"a\\\"b\"} 2",
             "iopages_remote_resent_requests_total{export=\"a\\\"b\"} 5",
             "iopages_remote_lost_flushes_total{export=\"a\\\"b\"} 1",
+            "iopages_integrity_failures_total{export=\"a\\\"b\"} 2",
+            "iopages_integrity_bad_blocks_total{export=\"a\\\"b\"} 3",
             "iopages_remote_round_trip_seconds_bucket{export=\"a\\\"b\",le=\"0.000008\"} 2",
             "iopages_remote_round_trip_seconds_count{export=\"a\\\"b\"} 2",
         ] {

@@ -182,6 +182,7 @@ fn plan(spec: &ExportSpec, c: &Common) -> Result<Planned, String> {
     opts.arena_bytes = spec.arena_bytes;
     opts.read_only = spec.read_only;
     opts.allow_discards = spec.allow_discards;
+    opts.freshness.state = spec.freshness.clone();
     opts.direct = match spec.io {
         IoMode::Auto => DirectIo::Auto,
         IoMode::Direct => DirectIo::Require,

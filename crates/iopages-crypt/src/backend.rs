@@ -70,6 +70,16 @@ pub trait Backend: Send + Sync {
         None
     }
 
+    /// Whether this backend reads what it is given to write before it
+    /// lets go of it (an authenticated volume's tag layer MACs each
+    /// block): the target then encrypts into the caches rather than past
+    /// them, so that the second pass finds the ciphertext there.
+    ///
+    /// **Returns:** `false` by default.
+    fn reads_writes(&self) -> bool {
+        false
+    }
+
     /// `len` bytes at `offset` readable in place (a file's mapped page
     /// cache), if this backend can offer them: the crypt target then
     /// decrypts straight from them instead of reading a copy first.

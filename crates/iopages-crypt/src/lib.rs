@@ -79,8 +79,8 @@
 mod admission;
 pub mod backend;
 pub mod dio;
-pub mod integrity;
 mod error;
+pub mod integrity;
 pub mod luks;
 pub mod queue;
 pub mod strategy;

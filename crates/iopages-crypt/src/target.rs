@@ -212,6 +212,13 @@ pub struct TargetConfig {
     /// zeros by zeroing its ciphertext, where without this they can only
     /// make it read as garbage.
     pub allow_discards: bool,
+    /// Read an encryption sector whose ciphertext is all zero bytes as
+    /// plaintext zeros, without allowing discards (default off; implied by
+    /// [`TargetConfig::allow_discards`]). For a backend that returns zero
+    /// ciphertext only for blocks it has authenticated as zeros (an
+    /// authenticated volume's never-written and discarded blocks), where a
+    /// store forging zeros is caught below the target.
+    pub sparse_reads: bool,
 }
 
 impl Default for TargetConfig {
@@ -222,6 +229,7 @@ impl Default for TargetConfig {
             min_nr: 256,
             limit_pages: None,
             allow_discards: false,
+            sparse_reads: false,
         }
     }
 }
@@ -305,6 +313,7 @@ pub struct CryptTarget<C: SectorCipher> {
     out: OutAllocator,
     timed: AtomicBool,
     allow_discards: bool,
+    sparse_reads: bool,
     counters: Counters,
 }
 
@@ -354,6 +363,7 @@ impl<C: SectorCipher> CryptTarget<C> {
             out,
             timed: AtomicBool::new(false),
             allow_discards: cfg.allow_discards,
+            sparse_reads: cfg.allow_discards || cfg.sparse_reads,
             counters: Counters {
                 writes: PercpuCounter::statistic(),
                 write_bytes: PercpuCounter::statistic(),
@@ -573,11 +583,12 @@ impl<C: SectorCipher> CryptTarget<C> {
             }
             let n = run.len().min(data.len() - done);
             let dst = run.split_at_mut(n).0;
-            self.cipher.encrypt_sectors_streaming(
-                sector + (done / ss) as u64,
-                &data[done..done + n],
-                &mut *dst,
-            )?;
+            let (at, src) = (sector + (done / ss) as u64, &data[done..done + n]);
+            if self.backend.reads_writes() {
+                self.cipher.encrypt_sectors(at, src, &mut *dst)?;
+            } else {
+                self.cipher.encrypt_sectors_streaming(at, src, &mut *dst)?;
+            }
             each(dst);
             done += n;
         }
@@ -662,11 +673,11 @@ impl<C: SectorCipher> CryptTarget<C> {
         match mapped {
             // Straight out of the page cache: one pass instead of a copy
             // and a pass.
-            Some(src) if self.allow_discards => self.decrypt_sparse_from(sector, src, buf)?,
+            Some(src) if self.sparse_reads => self.decrypt_sparse_from(sector, src, buf)?,
             Some(src) => self.cipher.decrypt_sectors_from(sector, src, buf)?,
             None => {
                 self.backend.read_at(offset, &mut [buf])?;
-                if self.allow_discards {
+                if self.sparse_reads {
                     self.decrypt_sparse(sector, buf)?;
                 } else {
                     self.cipher.decrypt_sectors(sector, buf)?;

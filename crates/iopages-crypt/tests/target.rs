@@ -221,6 +221,7 @@ fn under_fault_injection_and_a_page_limit_near_zero_every_write_completes_intact
                     min_nr: 16,
                     limit_pages: Some(1),
                     allow_discards: false,
+                    sparse_reads: false,
                 };
                 let t = target(&alloc, Arc::clone(&backend), &k, 4096, cfg);
                 // Format first: the page store then owns a page per block,

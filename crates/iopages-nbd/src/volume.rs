@@ -19,6 +19,7 @@
 
 use iopages::PageAllocator;
 use iopages_crypt::backend::{Backend, Window};
+use iopages_crypt::integrity::{AuthBackend, AuthOptions, Freshness, Keys};
 use iopages_crypt::luks::{self, FormatOptions, KdfLimits, LuksVersion, LuksVolume, Pbkdf};
 use iopages_crypt::queue::{CryptQueue, QueueConfig};
 use iopages_crypt::strategy::Strategy;
@@ -72,7 +73,17 @@ pub struct VolumeOptions {
     /// and read all-zero ciphertext sectors as zeros (see
     /// [`TargetConfig::allow_discards`]). Default off.
     pub allow_discards: bool,
+    /// An authenticated volume's freshness anchor: its local state file
+    /// (`--freshness FILE`) and whether to accept the store's tree as
+    /// fresh (`--freshness-reset`). Required to serve one writable.
+    pub freshness: Freshness,
+    /// Bytes of an authenticated volume's tag tree kept in memory,
+    /// whatever the volume's size. Default 64 MiB.
+    pub freshness_cache: usize,
 }
+
+/// Default bound on an authenticated volume's cached tag tree.
+pub const DEFAULT_FRESHNESS_CACHE: usize = 64 << 20;
 
 impl VolumeOptions {
     /// The crypt workers to start: [`VolumeOptions::workers`], else one
@@ -97,6 +108,8 @@ impl Default for VolumeOptions {
             kdf_limits: KdfLimits::default(),
             allow_secondary_header: false,
             allow_discards: false,
+            freshness: Freshness::default(),
+            freshness_cache: DEFAULT_FRESHNESS_CACHE,
         }
     }
 }
@@ -130,6 +143,8 @@ pub struct VolumeInfo {
     /// Whether the ciphers' expanded keys are locked in memory (out of
     /// swap). The volume key itself is wiped once they are built.
     pub keys_locked: bool,
+    /// The tags' MAC of an authenticated volume (`hmac-sha256`, `aead`).
+    pub integrity: Option<String>,
 }
 
 /// An opened volume: its crypt queue, ready to be served.
@@ -146,6 +161,8 @@ pub struct Volume {
     /// [`NbdRemote`](crate::remote::NbdRemote) (its health and counters);
     /// set by whoever connected it.
     pub remote: Option<Arc<crate::client::NbdRemote>>,
+    /// An authenticated volume's tag layer (its failures and commits).
+    pub auth: Option<Arc<AuthBackend>>,
 }
 
 fn invalid(m: String) -> io::Error {
@@ -295,13 +312,14 @@ fn build(
         io.push_str(f);
     }
     let device: Arc<dyn Backend> = Arc::clone(&file) as Arc<dyn Backend>;
-    let (queue, info) = stack(&alloc, device, luks, opts, image, None, io)?;
+    let (queue, info, auth) = stack(&alloc, device, luks, opts, image, None, io)?;
     Ok(Volume {
         queue,
         alloc,
         info,
         file: Some(file),
         remote: None,
+        auth,
     })
 }
 
@@ -327,7 +345,7 @@ pub fn open_remote(
         workers: Some(opts.workers.unwrap_or(DEFAULT_REMOTE_WORKERS)),
         ..opts.clone()
     };
-    let (queue, info) = stack(
+    let (queue, info, auth) = stack(
         &alloc,
         device,
         &luks,
@@ -342,6 +360,7 @@ pub fn open_remote(
         info,
         file: None,
         remote: None,
+        auth,
     })
 }
 
@@ -390,8 +409,20 @@ fn payload_to_serve(luks: &LuksVolume, device: u64) -> io::Result<u64> {
     Ok(size - size % ss)
 }
 
-/// The crypt stack over `file` (the whole image): the payload window, the
-/// cipher pool, the target and its queue, and what was built.
+/// What [`stack`] builds: the queue, what it is, and an authenticated
+/// volume's tag layer.
+type Stack = (
+    Arc<CryptQueue<CipherPool>>,
+    VolumeInfo,
+    Option<Arc<AuthBackend>>,
+);
+
+/// What the target writes to, and the tag layer when that is it.
+type Payload = (Arc<dyn Backend>, Option<Arc<AuthBackend>>);
+
+/// The crypt stack over `file` (the whole image): the payload window (an
+/// authenticated volume's tag layer over it), the cipher pool, the target
+/// and its queue, and what was built.
 fn stack(
     alloc: &PageAllocator,
     file: Arc<dyn Backend>,
@@ -400,13 +431,14 @@ fn stack(
     image: Option<PathBuf>,
     remote: Option<String>,
     io: String,
-) -> io::Result<(Arc<CryptQueue<CipherPool>>, VolumeInfo)> {
+) -> io::Result<Stack> {
     let size = payload_to_serve(luks, file.size_bytes())?;
-    let backend: Arc<dyn Backend> = Arc::new(Window::new(
-        Arc::clone(&file) as Arc<dyn Backend>,
-        luks.data_offset_bytes(),
-        size,
-    )?);
+    let name = match (&image, &remote) {
+        (Some(p), _) => p.display().to_string(),
+        (None, Some(uri)) => uri.clone(),
+        (None, None) => luks.uuid().to_string(),
+    };
+    let (backend, auth) = payload(&file, luks, opts, size, name)?;
     let cipher = luks
         .xts_cipher()
         .map_err(|e| invalid(format!("cannot set up aes-xts-plain64: {e}")))?;
@@ -416,10 +448,11 @@ fn stack(
     let target = CryptTarget::new(
         alloc,
         cipher,
-        backend,
+        Arc::clone(&backend),
         TargetConfig {
             strategy: opts.strategy,
             allow_discards: opts.allow_discards,
+            sparse_reads: auth.is_some(),
             ..TargetConfig::default()
         },
     )?;
@@ -438,14 +471,61 @@ fn stack(
         key_bits: luks.master_key().len() * 8,
         sector_size: luks.sector_size(),
         data_offset: luks.data_offset_bytes(),
-        size_bytes: size,
+        size_bytes: backend.size_bytes(),
         keyslot: luks.keyslot(),
         image,
         remote,
         io,
         keys_locked,
+        integrity: auth.as_ref().map(|a| a.layout().mac().name().to_string()),
     };
-    Ok((Arc::new(queue), info))
+    Ok((Arc::new(queue), info, auth))
+}
+
+/// What the target writes to: the payload window, or for an
+/// authenticated volume its tag layer over the data and integrity area
+/// (opened against its freshness anchor).
+fn payload(
+    file: &Arc<dyn Backend>,
+    luks: &LuksVolume,
+    opts: &VolumeOptions,
+    size: u64,
+    name: String,
+) -> io::Result<Payload> {
+    let Some(i) = luks.integrity() else {
+        if let Some(p) = &opts.freshness.state {
+            return Err(invalid(format!(
+                "{name}: a freshness state file ({}) was given, but the volume is not \
+                 authenticated (luks format --integrity makes one that is)",
+                p.display()
+            )));
+        }
+        let w = Window::new(Arc::clone(file), luks.data_offset_bytes(), size)?;
+        return Ok((Arc::new(w), None));
+    };
+    let data = Window::new(
+        Arc::clone(file),
+        luks.data_offset_bytes(),
+        i.layout.data_bytes(),
+    )?;
+    let area = Window::new(Arc::clone(file), i.area_offset, i.area_bytes())?;
+    let keys = Keys::derive(i.mac(), luks.master_key())?;
+    let auth = AuthBackend::open(
+        Arc::new(data),
+        Arc::new(area),
+        i.layout.clone(),
+        keys,
+        AuthOptions {
+            uuid: luks.uuid().to_string(),
+            freshness: opts.freshness.clone(),
+            cache_bytes: opts.freshness_cache,
+            read_only: opts.read_only,
+            name: name.clone(),
+        },
+    )
+    .map_err(|e| io::Error::new(e.kind(), format!("{name}: {e}")))?;
+    let auth = Arc::new(auth);
+    Ok((Arc::clone(&auth) as Arc<dyn Backend>, Some(auth)))
 }
 
 #[cfg(test)]

@@ -42,7 +42,7 @@ pub struct ServeArgs {
     #[arg(long, value_name = "FILE", conflicts_with_all = [
         "image", "passphrase_file", "size", "name", "read_only", "allow_discards",
         "inline_max", "allow_secondary_header", "max_kdf_memory", "workers", "allow",
-        "rate_bytes", "rate_requests"
+        "rate_bytes", "rate_requests", "freshness"
     ])]
     pub(super) config: Option<PathBuf>,
     /// With --config: refuse to start when any export cannot be opened
@@ -134,6 +134,22 @@ pub struct ServeArgs {
     /// as zeros (rather than as noise) by zeroing its ciphertext.
     #[arg(long)]
     pub(super) allow_discards: bool,
+    /// An authenticated --image's freshness state: a small local file
+    /// holding the root of the tree over its tags, rewritten atomically at
+    /// every flush, so a store that rolls back a block or the whole
+    /// volume is caught. Required to serve an authenticated volume
+    /// writable; keep it where the store cannot change it.
+    #[arg(long, value_name = "FILE")]
+    pub(super) freshness: Option<PathBuf>,
+    /// Accept the store's current tree as fresh and write a new state file
+    /// (a lost state file, or one older than the store). Whatever the
+    /// store holds now is believed: use it only when you know why.
+    #[arg(long)]
+    pub(super) freshness_reset: bool,
+    /// Memory for an authenticated volume's tag tree (per volume, whatever
+    /// its size; the rest is read from the store and verified).
+    #[arg(long, value_name = "BYTES", default_value = "64M", value_parser = parse_cache)]
+    pub(super) freshness_cache: u64,
     /// TLS (NBD's STARTTLS): off; on (offered, plaintext clients still
     /// served); require (nothing but STARTTLS before TLS). Needs
     /// --tls-certificates or --tls-psk.
@@ -423,7 +439,21 @@ pub(super) fn volume_options(a: &ServeArgs) -> VolumeOptions {
     opts.kdf_limits = crate::luks_kdf::kdf_limits(a.max_kdf_memory);
     opts.allow_secondary_header = a.allow_secondary_header;
     opts.allow_discards = a.allow_discards;
+    opts.freshness = iopages_crypt::integrity::Freshness {
+        state: a.freshness.clone(),
+        reset: a.freshness_reset,
+    };
+    opts.freshness_cache = usize::try_from(a.freshness_cache).unwrap_or(usize::MAX);
     opts
+}
+
+/// `--freshness-cache`: a size of at least 64 KiB.
+fn parse_cache(s: &str) -> Result<u64, String> {
+    let b = crate::parse_size(s)?;
+    if b < 64 << 10 {
+        return Err(format!("{s}: the tag tree cache needs at least 64K"));
+    }
+    Ok(b)
 }
 
 #[cfg(test)]

@@ -262,7 +262,7 @@ pub const FLAG_ZERO: u8 = 1;
 /// A tag record: the MAC of one block's ciphertext, bound to the block's
 /// number and the epoch it was written in. All zeros: never written (reads
 /// as zero ciphertext).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Record {
     /// The epoch the block was written in (0: never written).
     pub epoch: u64,
@@ -272,17 +272,6 @@ pub struct Record {
     pub nonce: [u8; 16],
     /// The MAC (32 bytes for HMAC-SHA256, 16 and zeros for GMAC).
     pub mac: [u8; 32],
-}
-
-impl Default for Record {
-    fn default() -> Self {
-        Record {
-            epoch: 0,
-            flags: 0,
-            nonce: [0; 16],
-            mac: [0; 32],
-        }
-    }
 }
 
 impl Record {

@@ -8,10 +8,12 @@
 
 use super::layout::{Mac, Record, FLAG_ZERO};
 use crate::luks::SecretBuf;
+use openssl::cipher_ctx::CipherCtx;
 use openssl::hash::MessageDigest;
 use openssl::pkey::{PKey, Private};
+use openssl::sha::Sha256;
 use openssl::sign::Signer;
-use openssl::symm::{Cipher, Crypter, Mode};
+use parking_lot::Mutex;
 use std::io;
 
 /// The keys derived from a volume key for its tags and superblocks.
@@ -19,8 +21,30 @@ pub struct Keys {
     mac: Mac,
     tag: SecretBuf,
     superblock: SecretBuf,
-    tag_pkey: PKey<Private>,
     sb_pkey: PKey<Private>,
+    /// HMAC's inner and outer hashes with the key's pads already absorbed
+    /// (each seal clones them: no key setup, no allocation).
+    hmac_pads: (Sha256, Sha256),
+    /// GMAC contexts with the key schedule done, reused across seals (a
+    /// seal sets only the nonce).
+    gcm: Mutex<Vec<CipherCtx>>,
+}
+
+/// HMAC-SHA256's two hashes after the key's inner and outer pads (RFC
+/// 2104; the 32-byte key is shorter than SHA-256's 64-byte block).
+fn hmac_pads(key: &[u8]) -> (Sha256, Sha256) {
+    let mut ipad = [0x36u8; 64];
+    let mut opad = [0x5cu8; 64];
+    for (i, k) in key.iter().enumerate() {
+        ipad[i] ^= k;
+        opad[i] ^= k;
+    }
+    let (mut inner, mut outer) = (Sha256::new(), Sha256::new());
+    inner.update(&ipad);
+    outer.update(&opad);
+    zeroize::Zeroize::zeroize(&mut ipad);
+    zeroize::Zeroize::zeroize(&mut opad);
+    (inner, outer)
 }
 
 fn derive(volume_key: &[u8], label: &[u8]) -> io::Result<SecretBuf> {
@@ -39,14 +63,14 @@ impl Keys {
     pub fn derive(mac: Mac, volume_key: &[u8]) -> io::Result<Keys> {
         let tag = derive(volume_key, b"iopages-integrity-v1 tag key")?;
         let superblock = derive(volume_key, b"iopages-integrity-v1 superblock key")?;
-        let tag_pkey = PKey::hmac(tag.as_slice()).map_err(io::Error::other)?;
         let sb_pkey = PKey::hmac(superblock.as_slice()).map_err(io::Error::other)?;
         Ok(Keys {
             mac,
+            hmac_pads: hmac_pads(tag.as_slice()),
             tag,
             superblock,
-            tag_pkey,
             sb_pkey,
+            gcm: Mutex::new(Vec::new()),
         })
     }
 
@@ -76,7 +100,11 @@ impl Keys {
         if r.epoch == 0 {
             return false;
         }
-        let data = if r.flags & FLAG_ZERO != 0 { &[][..] } else { data };
+        let data = if r.flags & FLAG_ZERO != 0 {
+            &[][..]
+        } else {
+            data
+        };
         match self.compute(block, r, data) {
             Ok(mac) => openssl::memcmp::eq(&mac, &r.mac),
             Err(_) => false,
@@ -92,40 +120,67 @@ impl Keys {
         let mut out = [0u8; 32];
         match self.mac {
             Mac::HmacSha256 => {
-                let mut s =
-                    Signer::new(MessageDigest::sha256(), &self.tag_pkey).map_err(io::Error::other)?;
-                s.update(&head).map_err(io::Error::other)?;
-                s.update(&r.nonce).map_err(io::Error::other)?;
-                s.update(data).map_err(io::Error::other)?;
-                s.sign(&mut out).map_err(io::Error::other)?;
+                let mut inner = self.hmac_pads.0.clone();
+                inner.update(&head);
+                inner.update(&r.nonce);
+                inner.update(data);
+                let mut outer = self.hmac_pads.1.clone();
+                outer.update(&inner.finish());
+                out = outer.finish();
             }
             Mac::Gmac => {
-                let mut c = Crypter::new(
-                    Cipher::aes_256_gcm(),
-                    Mode::Encrypt,
-                    self.tag.as_slice(),
-                    Some(&r.nonce[..12]),
-                )
-                .map_err(io::Error::other)?;
-                c.aad_update(&head).map_err(io::Error::other)?;
-                c.aad_update(data).map_err(io::Error::other)?;
-                c.finalize(&mut []).map_err(io::Error::other)?;
-                c.get_tag(&mut out[..16]).map_err(io::Error::other)?;
+                let mut ctx = self.gcm_context()?;
+                let res = gmac(&mut ctx, &r.nonce[..12], &head, data, &mut out[..16]);
+                self.gcm.lock().push(ctx);
+                res?;
             }
         }
         Ok(out)
+    }
+
+    /// A GMAC context keyed with the tag key: a pooled one, or a new one.
+    fn gcm_context(&self) -> io::Result<CipherCtx> {
+        if let Some(c) = self.gcm.lock().pop() {
+            return Ok(c);
+        }
+        let mut c = CipherCtx::new().map_err(io::Error::other)?;
+        c.encrypt_init(
+            Some(openssl::cipher::Cipher::aes_256_gcm()),
+            Some(self.tag.as_slice()),
+            None,
+        )
+        .map_err(io::Error::other)?;
+        Ok(c)
     }
 
     /// HMAC-SHA256 of `data` under the superblock key (superblocks are
     /// authenticated whatever the tags' MAC).
     pub fn superblock_mac(&self, data: &[u8]) -> io::Result<[u8; 32]> {
         let _ = &self.superblock;
-        let mut s = Signer::new(MessageDigest::sha256(), &self.sb_pkey).map_err(io::Error::other)?;
+        let mut s =
+            Signer::new(MessageDigest::sha256(), &self.sb_pkey).map_err(io::Error::other)?;
         s.update(data).map_err(io::Error::other)?;
         let mut out = [0u8; 32];
         s.sign(&mut out).map_err(io::Error::other)?;
         Ok(out)
     }
+}
+
+/// GMAC of `head ‖ data` under `nonce` with a keyed context: GCM with
+/// both as associated data and no plaintext.
+fn gmac(
+    ctx: &mut CipherCtx,
+    nonce: &[u8],
+    head: &[u8],
+    data: &[u8],
+    tag: &mut [u8],
+) -> io::Result<()> {
+    ctx.encrypt_init(None, None, Some(nonce))
+        .map_err(io::Error::other)?;
+    ctx.cipher_update(head, None).map_err(io::Error::other)?;
+    ctx.cipher_update(data, None).map_err(io::Error::other)?;
+    ctx.cipher_final(&mut []).map_err(io::Error::other)?;
+    ctx.tag(tag).map_err(io::Error::other)
 }
 
 #[cfg(test)]
@@ -155,6 +210,46 @@ mod tests {
             assert!(!k.verify(7, &Record::default(), &data));
             let other = Keys::derive(mac, &[8u8; 64]).unwrap();
             assert!(!other.verify(7, &r, &data), "another key accepted ({mac})");
+        }
+    }
+
+    /// The pads-and-clones HMAC and the pooled GMAC give what OpenSSL's
+    /// one-shot HMAC and AES-GCM give.
+    #[test]
+    fn the_fast_macs_match_openssl_one_shot() {
+        use openssl::symm::{encrypt_aead, Cipher};
+        let k = Keys::derive(Mac::HmacSha256, &[3u8; 64]).unwrap();
+        let data = vec![0xa5u8; 4096];
+        let r = k.seal(9, 4, Some(&data)).unwrap();
+        let pkey = PKey::hmac(k.tag.as_slice()).unwrap();
+        let mut s = Signer::new(MessageDigest::sha256(), &pkey).unwrap();
+        let mut head = [0u8; 48];
+        head[..16].copy_from_slice(b"iopages-tag-v1\0\0");
+        head[16..24].copy_from_slice(&9u64.to_le_bytes());
+        head[24..32].copy_from_slice(&4u64.to_le_bytes());
+        s.update(&head).unwrap();
+        s.update(&[0u8; 16]).unwrap();
+        s.update(&data).unwrap();
+        assert_eq!(s.sign_to_vec().unwrap(), r.mac.to_vec());
+
+        let g = Keys::derive(Mac::Gmac, &[3u8; 64]).unwrap();
+        for _ in 0..3 {
+            let r = g.seal(9, 4, Some(&data)).unwrap();
+            let mut aad = head.to_vec();
+            aad.extend_from_slice(&data);
+            let mut tag = [0u8; 16];
+            let ct = encrypt_aead(
+                Cipher::aes_256_gcm(),
+                g.tag.as_slice(),
+                Some(&r.nonce[..12]),
+                &aad,
+                &[],
+                &mut tag,
+            )
+            .unwrap();
+            assert!(ct.is_empty());
+            assert_eq!(&r.mac[..16], &tag);
+            assert_eq!(&r.mac[16..], &[0u8; 16]);
         }
     }
 

@@ -25,13 +25,13 @@
 //! Must never: return bytes whose tag does not verify, accept a tag block
 //! or node that does not match its parent, or overwrite a committed node.
 
-// mod auth;
+mod auth;
 pub mod layout;
 pub mod mac;
 pub mod state;
-// mod tree;
+mod tree;
 
-// pub use auth::{AuthBackend, AuthOptions, AuthStats, Freshness};
+pub use auth::{block_ranges, AuthBackend, AuthOptions, AuthStats, Freshness};
 pub use layout::{Layout, Mac};
 pub use mac::Keys;
 pub use state::{Anchor, StateFile};
@@ -45,7 +45,12 @@ use std::io;
 /// written", so nothing on the store is read for them.
 ///
 /// **Returns:** the anchor written (what a new state file holds).
-pub fn format_area(area: &dyn Backend, layout: &Layout, keys: &Keys, uuid: &str) -> io::Result<Anchor> {
+pub fn format_area(
+    area: &dyn Backend,
+    layout: &Layout,
+    keys: &Keys,
+    uuid: &str,
+) -> io::Result<Anchor> {
     if area.size_bytes() < layout.area_bytes() {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,

@@ -114,11 +114,15 @@ impl StateFile {
         }
         let version = u32::from_le_bytes(b[8..12].try_into().expect("4 bytes"));
         if version != 1 {
-            return Err(bad(format!("freshness state file version {version} is not supported")));
+            return Err(bad(format!(
+                "freshness state file version {version} is not supported"
+            )));
         }
         let flags = u32::from_le_bytes(b[12..16].try_into().expect("4 bytes"));
         if flags > 1 {
-            return Err(bad(format!("freshness state file flags {flags:#x} are unknown")));
+            return Err(bad(format!(
+                "freshness state file flags {flags:#x} are unknown"
+            )));
         }
         let anchor = get_anchor(&b[16..body.len()])
             .ok_or_else(|| bad("the freshness state file names an unknown MAC".into()))?;
