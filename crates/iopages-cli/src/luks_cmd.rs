@@ -804,47 +804,31 @@ mod tests {
         let dir = Dir::new("decrypt");
         let (img, pass) = volume(&dir);
         let limits = KdfLimits::default();
+        let to = |out: &Path, yes: bool| {
+            decrypt(
+                &img,
+                out,
+                &pass,
+                yes,
+                &limits,
+                &LuksOpenOptions::new(),
+                None,
+            )
+        };
         let out = dir.0.join("plain");
-        decrypt(
-            &img,
-            &out,
-            &pass,
-            false,
-            &limits,
-            &LuksOpenOptions::new(),
-            None,
-        )
-        .unwrap();
+        to(&out, false).unwrap();
         let m = std::fs::metadata(&out).unwrap();
         assert_eq!(m.mode() & 0o777, 0o600);
         assert_eq!(m.len(), 8192);
 
         // Existing file without --yes: refused, untouched.
         std::fs::write(&out, b"keep").unwrap();
-        let e = decrypt(
-            &img,
-            &out,
-            &pass,
-            false,
-            &limits,
-            &LuksOpenOptions::new(),
-            None,
-        )
-        .unwrap_err();
+        let e = to(&out, false).unwrap_err();
         assert!(e.contains("exists: add --yes"), "{e}");
         assert_eq!(std::fs::read(&out).unwrap(), b"keep");
         // With --yes a world-readable file is taken over and made 0600.
         std::fs::set_permissions(&out, std::fs::Permissions::from_mode(0o644)).unwrap();
-        decrypt(
-            &img,
-            &out,
-            &pass,
-            true,
-            &limits,
-            &LuksOpenOptions::new(),
-            None,
-        )
-        .unwrap();
+        to(&out, true).unwrap();
         let m = std::fs::metadata(&out).unwrap();
         assert_eq!((m.mode() & 0o777, m.len()), (0o600, 8192));
 
@@ -862,8 +846,7 @@ mod tests {
             (&dangling, false),
             (&dangling, true),
         ] {
-            let e =
-                decrypt(&img, l, &pass, yes, &limits, &LuksOpenOptions::new(), None).unwrap_err();
+            let e = to(l, yes).unwrap_err();
             assert!(e.contains("is a symbolic link"), "{e}");
         }
         assert_eq!(std::fs::read(&target).unwrap(), b"target");

@@ -16,6 +16,7 @@ use iopages_crypt::luks::{
     self, FormatOptions, HeaderDevice, IntegrityInfo, KeyOptions, LuksError, LuksVersion, Pbkdf,
     INTEGRITY_REQUIREMENT, INTEGRITY_TOKEN,
 };
+use proptest::prelude::*;
 use serde_json::{json, Value};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -373,6 +374,95 @@ fn every_token_rule_broken_alone_is_refused_naming_the_field() {
         let p = dir.path(&format!("{name}-inspect.img"));
         std::fs::write(&p, edited(&bytes, edit.as_ref())).unwrap();
         assert!(luks::inspect(&File::open(&p).unwrap()).is_err(), "{name}");
+    }
+}
+
+// ---- the token's numbers, any of them -------------------------------
+
+/// The header of an authenticated volume made once (its first MiB: both
+/// copies and keyslot 0), and its geometry.
+fn prop_base() -> &'static (Vec<u8>, IntegrityInfo) {
+    static BASE: std::sync::OnceLock<(Vec<u8>, IntegrityInfo)> = std::sync::OnceLock::new();
+    BASE.get_or_init(|| {
+        let dir = Dir::new("luks-integrity", "prop-base");
+        let (img, vol, _) = made(&dir, "base", Mac::HmacSha256);
+        let mut head = std::fs::read(&img).unwrap();
+        head.truncate(1 << 20);
+        (head, vol.integrity().unwrap().clone())
+    })
+}
+
+/// Whether a token of these numbers over a segment of `seg_size` bytes at
+/// the data offset describes a volume inside a `SIZE`-byte device: the
+/// rules, written out independently of the reader.
+fn consistent(blocks: u64, seg_size: u64, area_offset: u64, area_size: u64) -> bool {
+    let Some(layout) = Layout::new(Mac::HmacSha256, blocks) else {
+        return false;
+    };
+    let end = area_offset.checked_add(area_size);
+    blocks.checked_mul(4096) == Some(seg_size)
+        && area_size == layout.area_bytes()
+        && DATA_OFFSET.checked_add(seg_size) == Some(area_offset)
+        && end.is_some_and(|e| e <= SIZE)
+}
+
+/// A number near `good`: itself, a neighbour, or anything.
+fn near(good: u64) -> impl Strategy<Value = u64> {
+    prop_oneof![
+        6 => Just(good),
+        1 => Just(good.wrapping_add(4096)),
+        1 => Just(good.wrapping_sub(4096)),
+        1 => Just(good.wrapping_add(1)),
+        1 => Just(u64::MAX - good % 4096),
+        1 => any::<u64>(),
+    ]
+}
+
+fn numbers() -> impl Strategy<Value = (u64, u64, u64, u64)> {
+    let l = &prop_base().1.layout;
+    let area_offset = prop_base().1.area_offset;
+    (
+        near(l.data_blocks()),
+        near(l.data_bytes()),
+        near(area_offset),
+        near(l.area_bytes()),
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    /// Any numbers in the token and the segment size: the volume opens
+    /// exactly when they are consistent and inside the device (never a
+    /// panic, never an overflow), and then reports them.
+    #[test]
+    fn a_token_opens_exactly_when_its_numbers_are_consistent(
+        (blocks, seg_size, area_offset, area_size) in numbers()
+    ) {
+        let (head, _) = prop_base();
+        let b = edited(head, &move |j: &mut Value| {
+            j["tokens"]["0"]["data_blocks"] = json!(blocks.to_string());
+            j["tokens"]["0"]["area_offset"] = json!(area_offset.to_string());
+            j["tokens"]["0"]["area_size"] = json!(area_size.to_string());
+            j["segments"]["0"]["size"] = json!(seg_size.to_string());
+        });
+        let dir = Dir::new("luks-integrity", "prop");
+        let p = dir.path("v.img");
+        let f = File::create(&p).unwrap();
+        f.write_all_at(&b, 0).unwrap();
+        f.set_len(SIZE).unwrap();
+        let r = luks::open_path(&p, PASS);
+        let ok = consistent(blocks, seg_size, area_offset, area_size);
+        prop_assert_eq!(r.is_ok(), ok, "{:?}", r.as_ref().err());
+        if let Ok(v) = r {
+            let i = v.integrity().unwrap();
+            prop_assert_eq!(i.layout.data_blocks(), blocks);
+            prop_assert_eq!(i.area_offset, area_offset);
+            prop_assert_eq!(v.segment_size_bytes(), Some(seg_size));
+        } else if let Err(e) = r {
+            let fine = matches!(e, LuksError::Corrupt(_));
+            prop_assert!(fine, "{:?}", e);
+        }
     }
 }
 
