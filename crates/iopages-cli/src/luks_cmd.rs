@@ -107,7 +107,8 @@ pub struct FormatArgs {
     #[arg(long, value_name = "FILE")]
     passphrase_file: PathBuf,
     /// Payload size: the file is made the header plus this many bytes; K,
-    /// M, G suffixes. Without it the file's present size is used.
+    /// M, G suffixes (with --integrity the data and its integrity area
+    /// share them). Without it the file's present size is used.
     #[arg(long, value_name = "BYTES", value_parser = crate::parse_size)]
     size: Option<u64>,
     /// LUKS version.
