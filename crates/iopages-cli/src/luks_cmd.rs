@@ -107,7 +107,8 @@ pub struct FormatArgs {
     #[arg(long, value_name = "FILE")]
     passphrase_file: PathBuf,
     /// Payload size: the file is made the header plus this many bytes; K,
-    /// M, G suffixes. Without it the file's present size is used.
+    /// M, G suffixes (with --integrity the data and its integrity area
+    /// share them). Without it the file's present size is used.
     #[arg(long, value_name = "BYTES", value_parser = crate::parse_size)]
     size: Option<u64>,
     /// LUKS version.
@@ -135,7 +136,7 @@ pub struct FormatArgs {
     /// Make an authenticated volume (LUKS2, 4096-byte sectors): a tag of
     /// every 4 KiB block's ciphertext under this MAC, and a hash tree over
     /// the tags, in an integrity area after the data (about 3% of the
-    /// image). cryptsetup will not open it.
+    /// image). cryptsetup will not map it or change its keys.
     #[arg(long, value_enum, value_name = "MAC")]
     integrity: Option<IntegrityArg>,
     /// With --integrity: write the new volume's freshness state (the
@@ -804,47 +805,31 @@ mod tests {
         let dir = Dir::new("decrypt");
         let (img, pass) = volume(&dir);
         let limits = KdfLimits::default();
+        let to = |out: &Path, yes: bool| {
+            decrypt(
+                &img,
+                out,
+                &pass,
+                yes,
+                &limits,
+                &LuksOpenOptions::new(),
+                None,
+            )
+        };
         let out = dir.0.join("plain");
-        decrypt(
-            &img,
-            &out,
-            &pass,
-            false,
-            &limits,
-            &LuksOpenOptions::new(),
-            None,
-        )
-        .unwrap();
+        to(&out, false).unwrap();
         let m = std::fs::metadata(&out).unwrap();
         assert_eq!(m.mode() & 0o777, 0o600);
         assert_eq!(m.len(), 8192);
 
         // Existing file without --yes: refused, untouched.
         std::fs::write(&out, b"keep").unwrap();
-        let e = decrypt(
-            &img,
-            &out,
-            &pass,
-            false,
-            &limits,
-            &LuksOpenOptions::new(),
-            None,
-        )
-        .unwrap_err();
+        let e = to(&out, false).unwrap_err();
         assert!(e.contains("exists: add --yes"), "{e}");
         assert_eq!(std::fs::read(&out).unwrap(), b"keep");
         // With --yes a world-readable file is taken over and made 0600.
         std::fs::set_permissions(&out, std::fs::Permissions::from_mode(0o644)).unwrap();
-        decrypt(
-            &img,
-            &out,
-            &pass,
-            true,
-            &limits,
-            &LuksOpenOptions::new(),
-            None,
-        )
-        .unwrap();
+        to(&out, true).unwrap();
         let m = std::fs::metadata(&out).unwrap();
         assert_eq!((m.mode() & 0o777, m.len()), (0o600, 8192));
 
@@ -862,8 +847,7 @@ mod tests {
             (&dangling, false),
             (&dangling, true),
         ] {
-            let e =
-                decrypt(&img, l, &pass, yes, &limits, &LuksOpenOptions::new(), None).unwrap_err();
+            let e = to(l, yes).unwrap_err();
             assert!(e.contains("is a symbolic link"), "{e}");
         }
         assert_eq!(std::fs::read(&target).unwrap(), b"target");

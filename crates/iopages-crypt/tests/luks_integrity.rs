@@ -16,6 +16,7 @@ use iopages_crypt::luks::{
     self, FormatOptions, HeaderDevice, IntegrityInfo, KeyOptions, LuksError, LuksVersion, Pbkdf,
     INTEGRITY_REQUIREMENT, INTEGRITY_TOKEN,
 };
+use proptest::prelude::*;
 use serde_json::{json, Value};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -188,170 +189,163 @@ fn open_bytes(dir: &Dir, name: &str, bytes: &[u8]) -> Result<luks::LuksVolume, L
 
 /// An edit of the metadata: a name, the edit, and the words the error
 /// must hold (the field first).
-type Rule = (
-    &'static str,
-    Box<dyn Fn(&mut Value)>,
-    &'static [&'static str],
-);
+type Rule = (&'static str, Box<dyn Fn(&mut Value)>, Vec<&'static str>);
 
-fn set(path: &'static [&'static str], v: Value) -> Box<dyn Fn(&mut Value)> {
+/// Set the member at JSON pointer `at` to `v`.
+fn set(at: &'static str, v: Value) -> Box<dyn Fn(&mut Value)> {
+    Box::new(move |j: &mut Value| *j.pointer_mut(at).unwrap() = v.clone())
+}
+
+/// Remove member `key` of token 0.
+fn remove(key: &'static str) -> Box<dyn Fn(&mut Value)> {
     Box::new(move |j: &mut Value| {
-        let mut at = j;
-        for p in path {
-            at = &mut at[*p];
-        }
-        *at = v.clone();
+        j["tokens"]["0"].as_object_mut().unwrap().remove(key);
     })
 }
 
-fn token_rules(data_blocks: u64, data_bytes: u64) -> Vec<Rule> {
+/// The token's own fields: MAC, block size, keyslots, number syntax.
+fn field_rules(data_blocks: u64) -> Vec<Rule> {
+    let t = "/tokens/0";
     vec![
         (
             "mac-unknown",
-            set(&["tokens", "0", "mac"], json!("hmac-md5")),
-            &["tokens.0.mac", "hmac-md5"],
+            set("/tokens/0/mac", json!("hmac-md5")),
+            vec!["tokens.0.mac", "hmac-md5"],
         ),
         (
             "mac-missing",
-            Box::new(|j| {
-                j["tokens"]["0"].as_object_mut().unwrap().remove("mac");
-            }),
-            &["tokens.0.mac", "missing"],
+            remove("mac"),
+            vec!["tokens.0.mac", "missing"],
         ),
         (
             "mac-number",
-            set(&["tokens", "0", "mac"], json!(1)),
-            &["tokens.0.mac"],
-        ),
-        (
-            "blocks-zero",
-            set(&["tokens", "0", "data_blocks"], json!("0")),
-            &["tokens.0.data_blocks", "0 is not a block count"],
-        ),
-        (
-            "blocks-huge",
-            set(&["tokens", "0", "data_blocks"], json!("1099511627777")),
-            &["tokens.0.data_blocks"],
-        ),
-        (
-            "blocks-overflow",
-            set(
-                &["tokens", "0", "data_blocks"],
-                json!("99999999999999999999999"),
-            ),
-            &["tokens.0.data_blocks", "2^64"],
-        ),
-        (
-            "blocks-not-decimal",
-            set(&["tokens", "0", "data_blocks"], json!("0x10")),
-            &["tokens.0.data_blocks", "decimal"],
-        ),
-        (
-            "blocks-a-number",
-            set(&["tokens", "0", "data_blocks"], json!(data_blocks)),
-            &["tokens.0.data_blocks", "string"],
-        ),
-        (
-            "blocks-one-more",
-            set(
-                &["tokens", "0", "data_blocks"],
-                json!((data_blocks + 1).to_string()),
-            ),
-            &["segments.0.size", "data_blocks"],
-        ),
-        (
-            "segment-dynamic",
-            set(&["segments", "0", "size"], json!("dynamic")),
-            &["segments.0.size", "dynamic"],
-        ),
-        (
-            "segment-one-block-less",
-            set(
-                &["segments", "0", "size"],
-                json!((data_bytes - 4096).to_string()),
-            ),
-            &["segments.0.size"],
-        ),
-        (
-            "sector-512",
-            set(&["segments", "0", "sector_size"], json!(512)),
-            &["segments.0.sector_size", "4096"],
-        ),
-        (
-            "area-size",
-            set(&["tokens", "0", "area_size"], json!("4096")),
-            &["tokens.0.area_size", "4096"],
-        ),
-        (
-            "area-size-overflow",
-            set(&["tokens", "0", "area_size"], json!("18446744073709551616")),
-            &["tokens.0.area_size"],
-        ),
-        (
-            "area-offset",
-            set(
-                &["tokens", "0", "area_offset"],
-                json!((DATA_OFFSET + data_bytes + 4096).to_string()),
-            ),
-            &["tokens.0.area_offset", "right after"],
-        ),
-        (
-            "area-offset-missing",
-            Box::new(|j| {
-                j["tokens"]["0"]
-                    .as_object_mut()
-                    .unwrap()
-                    .remove("area_offset");
-            }),
-            &["tokens.0.area_offset", "missing"],
+            set("/tokens/0/mac", json!(1)),
+            vec!["tokens.0.mac"],
         ),
         (
             "block-size",
-            set(&["tokens", "0", "block_size"], json!(512)),
-            &["tokens.0.block_size", "4096"],
+            set("/tokens/0/block_size", json!(512)),
+            vec!["tokens.0.block_size", "4096"],
         ),
         (
             "block-size-string",
-            set(&["tokens", "0", "block_size"], json!("4096")),
-            &["tokens.0.block_size"],
+            set("/tokens/0/block_size", json!("4096")),
+            vec!["tokens.0.block_size"],
         ),
         (
             "token-keyslots",
-            set(&["tokens", "0", "keyslots"], json!(["0"])),
-            &["tokens.0.keyslots"],
+            set("/tokens/0/keyslots", json!(["0"])),
+            vec!["tokens.0.keyslots"],
+        ),
+        ("token-not-object", set(t, json!(["x"])), vec!["tokens.0"]),
+        (
+            "blocks-zero",
+            set("/tokens/0/data_blocks", json!("0")),
+            vec!["tokens.0.data_blocks", "0 is not a block count"],
         ),
         (
-            "token-without-requirement",
-            Box::new(|j| {
-                j["config"].as_object_mut().unwrap().remove("requirements");
-            }),
-            &["tokens.0", INTEGRITY_REQUIREMENT, "does not list"],
+            "blocks-not-decimal",
+            set("/tokens/0/data_blocks", json!("0x10")),
+            vec!["tokens.0.data_blocks", "decimal"],
         ),
         (
-            "requirement-without-token",
-            set(&["tokens"], json!({})),
-            &["tokens", "exactly one"],
+            "blocks-a-number",
+            set("/tokens/0/data_blocks", json!(data_blocks)),
+            vec!["tokens.0.data_blocks", "string"],
         ),
         (
-            "two-tokens",
-            Box::new(|j| {
-                let t = j["tokens"]["0"].clone();
-                j["tokens"]["1"] = t;
-            }),
-            &["tokens", "2 tokens", "exactly one"],
+            "area-offset-missing",
+            remove("area_offset"),
+            vec!["tokens.0.area_offset", "missing"],
         ),
         (
-            "requirement-twice",
-            set(
-                &["config", "requirements", "mandatory"],
-                json!([INTEGRITY_REQUIREMENT, INTEGRITY_REQUIREMENT]),
-            ),
-            &["config.requirements.mandatory", "2 times"],
+            "area-size-overflow",
+            set("/tokens/0/area_size", json!("18446744073709551616")),
+            vec!["tokens.0.area_size"],
+        ),
+    ]
+}
+
+/// The token against the data segment and itself: sizes, offsets.
+fn geometry_rules(data_blocks: u64, data_bytes: u64) -> Vec<Rule> {
+    let one_more = (data_blocks + 1).to_string();
+    let one_less = (data_bytes - 4096).to_string();
+    let past = (DATA_OFFSET + data_bytes + 4096).to_string();
+    vec![
+        (
+            "blocks-huge",
+            set("/tokens/0/data_blocks", json!("1099511627777")),
+            vec!["tokens.0.data_blocks"],
+        ),
+        (
+            "blocks-overflow",
+            set("/tokens/0/data_blocks", json!("99999999999999999999999")),
+            vec!["tokens.0.data_blocks", "2^64"],
+        ),
+        (
+            "blocks-one-more",
+            set("/tokens/0/data_blocks", json!(one_more)),
+            vec!["segments.0.size", "data_blocks"],
+        ),
+        (
+            "segment-dynamic",
+            set("/segments/0/size", json!("dynamic")),
+            vec!["segments.0.size", "dynamic"],
+        ),
+        (
+            "segment-one-block-less",
+            set("/segments/0/size", json!(one_less)),
+            vec!["segments.0.size"],
+        ),
+        (
+            "sector-512",
+            set("/segments/0/sector_size", json!(512)),
+            vec!["segments.0.sector_size", "4096"],
+        ),
+        (
+            "area-size",
+            set("/tokens/0/area_size", json!("4096")),
+            vec!["tokens.0.area_size", "4096"],
+        ),
+        (
+            "area-offset",
+            set("/tokens/0/area_offset", json!(past)),
+            vec!["tokens.0.area_offset", "right after"],
         ),
         (
             "segment-offset-overflow",
-            set(&["segments", "0", "offset"], json!("18446744073709547520")),
-            &["tokens.0.area_offset"],
+            set("/segments/0/offset", json!("18446744073709547520")),
+            vec!["tokens.0.area_offset"],
+        ),
+    ]
+}
+
+/// The requirement and the token go together, one of each.
+fn pairing_rules() -> Vec<Rule> {
+    let dup = Box::new(|j: &mut Value| {
+        let t = j["tokens"]["0"].clone();
+        j["tokens"]["1"] = t;
+    });
+    let no_req = Box::new(|j: &mut Value| {
+        j["config"].as_object_mut().unwrap().remove("requirements");
+    });
+    let twice = json!([INTEGRITY_REQUIREMENT, INTEGRITY_REQUIREMENT]);
+    vec![
+        (
+            "token-without-requirement",
+            no_req,
+            vec!["tokens.0", INTEGRITY_REQUIREMENT, "does not list"],
+        ),
+        (
+            "requirement-without-token",
+            set("/tokens", json!({})),
+            vec!["tokens", "exactly one"],
+        ),
+        ("two-tokens", dup, vec!["tokens", "2 tokens", "exactly one"]),
+        (
+            "requirement-twice",
+            set("/config/requirements/mandatory", twice),
+            vec!["config.requirements.mandatory", "2 times"],
         ),
     ]
 }
@@ -364,7 +358,10 @@ fn every_token_rule_broken_alone_is_refused_naming_the_field() {
     let bytes = std::fs::read(&img).unwrap();
     // The unedited copy opens after a reseal: the edit is what fails.
     assert!(open_bytes(&dir, "same", &edited(&bytes, &|_| {})).is_ok());
-    let rules = token_rules(info.layout.data_blocks(), info.layout.data_bytes());
+    let (blocks, bytes_) = (info.layout.data_blocks(), info.layout.data_bytes());
+    let mut rules = field_rules(blocks);
+    rules.extend(geometry_rules(blocks, bytes_));
+    rules.extend(pairing_rules());
     for (name, edit, words) in &rules {
         let e = open_bytes(&dir, name, &edited(&bytes, edit.as_ref())).unwrap_err();
         let LuksError::Corrupt(m) = &e else {
@@ -380,6 +377,95 @@ fn every_token_rule_broken_alone_is_refused_naming_the_field() {
     }
 }
 
+// ---- the token's numbers, any of them -------------------------------
+
+/// The header of an authenticated volume made once (its first MiB: both
+/// copies and keyslot 0), and its geometry.
+fn prop_base() -> &'static (Vec<u8>, IntegrityInfo) {
+    static BASE: std::sync::OnceLock<(Vec<u8>, IntegrityInfo)> = std::sync::OnceLock::new();
+    BASE.get_or_init(|| {
+        let dir = Dir::new("luks-integrity", "prop-base");
+        let (img, vol, _) = made(&dir, "base", Mac::HmacSha256);
+        let mut head = std::fs::read(&img).unwrap();
+        head.truncate(1 << 20);
+        (head, vol.integrity().unwrap().clone())
+    })
+}
+
+/// Whether a token of these numbers over a segment of `seg_size` bytes at
+/// the data offset describes a volume inside a `SIZE`-byte device: the
+/// rules, written out independently of the reader.
+fn consistent(blocks: u64, seg_size: u64, area_offset: u64, area_size: u64) -> bool {
+    let Some(layout) = Layout::new(Mac::HmacSha256, blocks) else {
+        return false;
+    };
+    let end = area_offset.checked_add(area_size);
+    blocks.checked_mul(4096) == Some(seg_size)
+        && area_size == layout.area_bytes()
+        && DATA_OFFSET.checked_add(seg_size) == Some(area_offset)
+        && end.is_some_and(|e| e <= SIZE)
+}
+
+/// A number near `good`: itself, a neighbour, or anything.
+fn near(good: u64) -> impl Strategy<Value = u64> {
+    prop_oneof![
+        6 => Just(good),
+        1 => Just(good.wrapping_add(4096)),
+        1 => Just(good.wrapping_sub(4096)),
+        1 => Just(good.wrapping_add(1)),
+        1 => Just(u64::MAX - good % 4096),
+        1 => any::<u64>(),
+    ]
+}
+
+fn numbers() -> impl Strategy<Value = (u64, u64, u64, u64)> {
+    let l = &prop_base().1.layout;
+    let area_offset = prop_base().1.area_offset;
+    (
+        near(l.data_blocks()),
+        near(l.data_bytes()),
+        near(area_offset),
+        near(l.area_bytes()),
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    /// Any numbers in the token and the segment size: the volume opens
+    /// exactly when they are consistent and inside the device (never a
+    /// panic, never an overflow), and then reports them.
+    #[test]
+    fn a_token_opens_exactly_when_its_numbers_are_consistent(
+        (blocks, seg_size, area_offset, area_size) in numbers()
+    ) {
+        let (head, _) = prop_base();
+        let b = edited(head, &move |j: &mut Value| {
+            j["tokens"]["0"]["data_blocks"] = json!(blocks.to_string());
+            j["tokens"]["0"]["area_offset"] = json!(area_offset.to_string());
+            j["tokens"]["0"]["area_size"] = json!(area_size.to_string());
+            j["segments"]["0"]["size"] = json!(seg_size.to_string());
+        });
+        let dir = Dir::new("luks-integrity", "prop");
+        let p = dir.path("v.img");
+        let f = File::create(&p).unwrap();
+        f.write_all_at(&b, 0).unwrap();
+        f.set_len(SIZE).unwrap();
+        let r = luks::open_path(&p, PASS);
+        let ok = consistent(blocks, seg_size, area_offset, area_size);
+        prop_assert_eq!(r.is_ok(), ok, "{:?}", r.as_ref().err());
+        if let Ok(v) = r {
+            let i = v.integrity().unwrap();
+            prop_assert_eq!(i.layout.data_blocks(), blocks);
+            prop_assert_eq!(i.area_offset, area_offset);
+            prop_assert_eq!(v.segment_size_bytes(), Some(seg_size));
+        } else if let Err(e) = r {
+            let fine = matches!(e, LuksError::Corrupt(_));
+            prop_assert!(fine, "{:?}", e);
+        }
+    }
+}
+
 #[test]
 fn another_requirement_is_still_refused_beside_ours() {
     let dir = Dir::new("luks-integrity", "other-req");
@@ -390,7 +476,7 @@ fn another_requirement_is_still_refused_beside_ours() {
         json!(["online-reencrypt-v2"]),
         json!(["iopages-integrity-v2"]),
     ] {
-        let edit = set(&["config", "requirements", "mandatory"], list.clone());
+        let edit = set("/config/requirements/mandatory", list.clone());
         let e = open_bytes(&dir, "req", &edited(&bytes, edit.as_ref())).unwrap_err();
         assert!(
             matches!(&e, LuksError::Unsupported(m) if m.contains("mandatory requirements")),

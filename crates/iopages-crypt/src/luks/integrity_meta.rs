@@ -97,8 +97,8 @@ pub(super) fn fit(
         let least = Layout::new(mac, 1).map_or(0, |l| l.data_bytes() + l.area_bytes());
         LuksError::InvalidOptions(format!(
             "the device is {device_bytes} bytes: an authenticated volume needs at least \
-             {} bytes ({data_offset} bytes of header and keyslots, one 4096-byte block and its \
-             {least}-byte share of data and integrity area)",
+             {} bytes ({data_offset} bytes of header and keyslots, then {least} bytes for one \
+             4096-byte data block and its integrity area)",
             data_offset + least
         ))
     })?;
