@@ -41,7 +41,7 @@ fn bytes(v: Version) -> Vec<u8> {
     match v {
         None => vec![0u8; B],
         Some((block, gen)) => (0..B)
-            .map(|i| (i as u64 ^ block.wrapping_mul(31) ^ u64::from(gen) * 7) as u8)
+            .map(|i| (i as u64 ^ block.wrapping_mul(31) ^ (u64::from(gen) * 7)) as u8)
             .collect(),
     }
 }

@@ -747,7 +747,7 @@ fn block_in_place<'a>(segments: &'a [&mut [u8]], i: u64) -> Option<&'a [u8]> {
             continue;
         }
         let from = skip as usize;
-        return s.get(from..from + BLOCK as usize).map(|b| &*b);
+        return s.get(from..from + BLOCK as usize);
     }
     None
 }
