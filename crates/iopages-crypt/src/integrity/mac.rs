@@ -4,7 +4,7 @@
 //! its own key: HMAC-SHA256 of the volume key over a fixed label), sealing
 //! a block into a [`Record`] and checking one. Must never: use the volume
 //! key itself as a MAC key, compare MACs in variable time, or reuse a GMAC
-//! nonce on purpose (each seal draws 96 random bits).
+//! nonce (a random 96-bit base per instance plus a count of its seals).
 
 use super::layout::{Mac, Record, FLAG_ZERO};
 use crate::luks::SecretBuf;
@@ -28,6 +28,13 @@ pub struct Keys {
     /// GMAC contexts with the key schedule done, reused across seals (a
     /// seal sets only the nonce).
     gcm: Mutex<Vec<CipherCtx>>,
+    /// GMAC nonces: a random 96-bit base drawn when the keys are made,
+    /// plus a count of seals (mod 2^96) — unique within this instance,
+    /// and two instances' runs overlap with probability about
+    /// (n₁ + n₂) / 2^96 — without a call to the random generator per
+    /// seal.
+    nonce_base: u128,
+    nonces: std::sync::atomic::AtomicU64,
 }
 
 /// HMAC-SHA256's two hashes after the key's inner and outer pads (RFC
@@ -64,7 +71,11 @@ impl Keys {
         let tag = derive(volume_key, b"iopages-integrity-v1 tag key")?;
         let superblock = derive(volume_key, b"iopages-integrity-v1 superblock key")?;
         let sb_pkey = PKey::hmac(superblock.as_slice()).map_err(io::Error::other)?;
+        let mut base = [0u8; 16];
+        openssl::rand::rand_bytes(&mut base[..12]).map_err(io::Error::other)?;
         Ok(Keys {
+            nonce_base: u128::from_le_bytes(base),
+            nonces: std::sync::atomic::AtomicU64::new(0),
             mac,
             hmac_pads: hmac_pads(tag.as_slice()),
             tag,
@@ -88,7 +99,9 @@ impl Keys {
             ..Record::default()
         };
         if self.mac == Mac::Gmac {
-            openssl::rand::rand_bytes(&mut r.nonce[..12]).map_err(io::Error::other)?;
+            let n = self.nonces.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let nonce = self.nonce_base.wrapping_add(u128::from(n)) & ((1u128 << 96) - 1);
+            r.nonce[..12].copy_from_slice(&nonce.to_le_bytes()[..12]);
         }
         r.mac = self.compute(block, &r, data.unwrap_or(&[]))?;
         Ok(r)
