@@ -12,27 +12,11 @@ use std::process::Command;
 
 const MIB: usize = 1 << 20;
 
-/// Format an authenticated image of `size` (cheap PBKDF2) and its state
-/// file.
+/// An authenticated image (48 MiB), its passphrase file and state file.
 fn format(dir: &Dir, mac: &str) -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) {
-    let (img, pass, state) = (dir.join("a.img"), dir.join("pass"), dir.join("a.fresh"));
+    let pass = dir.join("pass");
     std::fs::write(&pass, b"check-tags").unwrap();
-    run(Command::new(BIN)
-        .args([
-            "luks",
-            "format",
-            "--pbkdf",
-            "pbkdf2",
-            "--iterations",
-            "1000",
-            "--size",
-            "48M",
-        ])
-        .args(["--integrity", mac, "--freshness"])
-        .arg(&state)
-        .arg("--passphrase-file")
-        .arg(&pass)
-        .arg(&img));
+    let (img, state) = common::luks2_auth_image(dir, "a", "48M", &pass, mac);
     (img, pass, state)
 }
 

@@ -97,24 +97,7 @@ fn live() -> Option<&'static Scrape> {
         let (local, pass) = luks2_image(&dir, "local", "16M", b"observability");
         // The remote volume is authenticated, so its integrity families
         // are exported too.
-        let remote = dir.join("remote.luks");
-        let fresh = dir.join("remote.fresh");
-        common::run(
-            std::process::Command::new(common::BIN)
-                .args([
-                    "luks",
-                    "format",
-                    "--pbkdf",
-                    "pbkdf2",
-                    "--iterations",
-                    "1000",
-                ])
-                .args(["--size", "24M", "--integrity", "aead", "--freshness"])
-                .arg(&fresh)
-                .arg("--passphrase-file")
-                .arg(&pass)
-                .arg(&remote),
-        );
+        let (remote, fresh) = common::luks2_auth_image(&dir, "remote", "24M", &pass, "aead");
         let (_store, store_uri) = NbdKit::file(&dir.join("store.sock"), &remote);
         let sock = dir.join("s.sock");
         let conf = dir.join("serve.toml");

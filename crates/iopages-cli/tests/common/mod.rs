@@ -351,6 +351,36 @@ pub fn luks2_image(dir: &Dir, name: &str, size: &str, pass: &[u8]) -> (PathBuf, 
     (img, pf)
 }
 
+/// An authenticated LUKS2 image of `size` bytes in all (`luks format
+/// --integrity MAC`, cheap PBKDF2) in `dir` under the passphrase file
+/// `pass`, and its freshness state file: the image's and the state's
+/// paths.
+pub fn luks2_auth_image(
+    dir: &Dir,
+    name: &str,
+    size: &str,
+    pass: &Path,
+    mac: &str,
+) -> (PathBuf, PathBuf) {
+    let img = dir.join(&format!("{name}.luks"));
+    let state = dir.join(&format!("{name}.fresh"));
+    run(Command::new(BIN)
+        .args([
+            "luks",
+            "format",
+            "--pbkdf",
+            "pbkdf2",
+            "--iterations",
+            "1000",
+        ])
+        .args(["--size", size, "--integrity", mac, "--freshness"])
+        .arg(&state)
+        .arg("--passphrase-file")
+        .arg(pass)
+        .arg(&img));
+    (img, state)
+}
+
 /// A `[[export]]` table of a `--config` file: `image` (a path or an NBD
 /// URI), its passphrase file, a 64 MiB arena, and `extra` lines.
 pub fn export_table(name: &str, image: &str, pass: &Path, extra: &str) -> String {

@@ -794,44 +794,42 @@ fn for_each_block(
     Ok(())
 }
 
-/// Copy block `i` of `segments` into `out`.
-fn get_block(segments: &[&mut [u8]], i: u64, out: &mut [u8]) {
+/// Call `f(segment, offset in it, length, offset in the block)` for each
+/// piece of block `i` of segments whose lengths are `lens`.
+fn each_piece(
+    lens: impl Iterator<Item = usize>,
+    i: u64,
+    mut f: impl FnMut(usize, usize, usize, usize),
+) {
     let mut skip = i * BLOCK;
     let mut at = 0usize;
-    for s in segments {
-        let len = s.len() as u64;
-        if skip >= len {
-            skip -= len;
+    for (n, len) in lens.enumerate() {
+        if skip >= len as u64 {
+            skip -= len as u64;
             continue;
         }
         let from = skip as usize;
-        let take = (s.len() - from).min(out.len() - at);
-        out[at..at + take].copy_from_slice(&s[from..from + take]);
+        let take = (len - from).min(BLOCK as usize - at);
+        f(n, from, take, at);
         at += take;
         skip = 0;
-        if at == out.len() {
+        if at == BLOCK as usize {
             return;
         }
     }
 }
 
-/// Copy `src` over block `i` of `segments`.
+/// Copy block `i` of `segments` into `out` (a block's length).
+fn get_block(segments: &[&mut [u8]], i: u64, out: &mut [u8]) {
+    each_piece(segments.iter().map(|s| s.len()), i, |n, from, take, at| {
+        out[at..at + take].copy_from_slice(&segments[n][from..from + take]);
+    });
+}
+
+/// Copy `src` (a block's length) over block `i` of `segments`.
 fn put_block(segments: &mut [&mut [u8]], i: u64, src: &[u8]) {
-    let mut skip = i * BLOCK;
-    let mut at = 0usize;
-    for s in segments.iter_mut() {
-        let len = s.len() as u64;
-        if skip >= len {
-            skip -= len;
-            continue;
-        }
-        let from = skip as usize;
-        let take = (s.len() - from).min(src.len() - at);
-        s[from..from + take].copy_from_slice(&src[at..at + take]);
-        at += take;
-        skip = 0;
-        if at == src.len() {
-            return;
-        }
-    }
+    let lens: Vec<usize> = segments.iter().map(|s| s.len()).collect();
+    each_piece(lens.into_iter(), i, |n, from, take, at| {
+        segments[n][from..from + take].copy_from_slice(&src[at..at + take]);
+    });
 }

@@ -99,7 +99,9 @@ impl Keys {
             ..Record::default()
         };
         if self.mac == Mac::Gmac {
-            let n = self.nonces.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let n = self
+                .nonces
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let nonce = self.nonce_base.wrapping_add(u128::from(n)) & ((1u128 << 96) - 1);
             r.nonce[..12].copy_from_slice(&nonce.to_le_bytes()[..12]);
         }
