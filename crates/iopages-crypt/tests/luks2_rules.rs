@@ -17,7 +17,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 mod common;
-use common::{cryptsetup_fast, need};
+use common::{cryptsetup_fast, luks2_json as json_of, luks2_reseal as reseal, need};
 
 const PASS: &[u8] = b"correct horse battery staple";
 const PASS2: &[u8] = b"second passphrase";
@@ -119,23 +119,6 @@ fn open_err(name: &str, bytes: &[u8]) -> LuksError {
         Ok(v) => panic!("{name}: opened: {v:?}"),
         Err(e) => e,
     }
-}
-
-/// Recompute the checksum of the header copy at `off` (sha256, as
-/// cryptsetup writes it).
-fn reseal(b: &mut [u8], off: usize) {
-    let area = &mut b[off..off + HDR];
-    assert_eq!(&area[72..78], b"sha256");
-    area[448..512].fill(0);
-    let sum = openssl::sha::sha256(area);
-    area[448..480].copy_from_slice(&sum);
-}
-
-/// The JSON of the copy at `off`.
-fn json_of(b: &[u8], off: usize) -> Value {
-    let area = &b[off + 4096..off + HDR];
-    let end = area.iter().position(|&c| c == 0).unwrap();
-    serde_json::from_slice(&area[..end]).unwrap()
 }
 
 /// Replace the JSON area of the copy at `off` with `raw` (zero-padded)

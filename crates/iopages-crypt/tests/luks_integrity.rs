@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 mod common;
-use common::{cryptsetup_fast, need, Dir};
+use common::{cryptsetup_fast, luks2_json as json_of, luks2_reseal as reseal, need, Dir};
 
 const PASS: &[u8] = b"correct horse battery staple";
 const PASS2: &[u8] = b"second passphrase";
@@ -148,21 +148,6 @@ fn format_refuses_luks1_a_512_byte_sector_and_a_device_too_small() {
 }
 
 // ---- every rule of the token, broken one at a time -------------------
-
-/// Recompute the sha256 checksum of the header copy at `off`.
-fn reseal(b: &mut [u8], off: usize) {
-    let area = &mut b[off..off + HDR];
-    assert_eq!(&area[72..78], b"sha256");
-    area[448..512].fill(0);
-    let sum = openssl::sha::sha256(area);
-    area[448..480].copy_from_slice(&sum);
-}
-
-fn json_of(b: &[u8], off: usize) -> Value {
-    let area = &b[off + 4096..off + HDR];
-    let end = area.iter().position(|&c| c == 0).unwrap();
-    serde_json::from_slice(&area[..end]).unwrap()
-}
 
 /// The image `bytes` with both copies' JSON edited and resealed.
 fn edited(bytes: &[u8], edit: &dyn Fn(&mut Value)) -> Vec<u8> {

@@ -336,19 +336,27 @@ pub fn luks2_image(dir: &Dir, name: &str, size: &str, pass: &[u8]) -> (PathBuf, 
     let img = dir.join(&format!("{name}.luks"));
     let pf = dir.join(&format!("{name}.pass"));
     std::fs::write(&pf, pass).unwrap();
-    run(Command::new(BIN)
-        .args([
-            "luks",
-            "format",
-            "--pbkdf",
-            "pbkdf2",
-            "--iterations",
-            "1000",
-        ])
-        .args(["--size", size, "--passphrase-file"])
+    run(cheap_format(size)
+        .arg("--passphrase-file")
         .arg(&pf)
         .arg(&img));
     (img, pf)
+}
+
+/// `iopages luks format --pbkdf pbkdf2 --iterations 1000 --size SIZE`:
+/// the rest (passphrase, image, options) to add.
+fn cheap_format(size: &str) -> Command {
+    let mut c = Command::new(BIN);
+    c.args([
+        "luks",
+        "format",
+        "--pbkdf",
+        "pbkdf2",
+        "--iterations",
+        "1000",
+    ])
+    .args(["--size", size]);
+    c
 }
 
 /// An authenticated LUKS2 image of `size` bytes in all (`luks format
@@ -364,16 +372,8 @@ pub fn luks2_auth_image(
 ) -> (PathBuf, PathBuf) {
     let img = dir.join(&format!("{name}.luks"));
     let state = dir.join(&format!("{name}.fresh"));
-    run(Command::new(BIN)
-        .args([
-            "luks",
-            "format",
-            "--pbkdf",
-            "pbkdf2",
-            "--iterations",
-            "1000",
-        ])
-        .args(["--size", size, "--integrity", mac, "--freshness"])
+    run(cheap_format(size)
+        .args(["--integrity", mac, "--freshness"])
         .arg(&state)
         .arg("--passphrase-file")
         .arg(pass)

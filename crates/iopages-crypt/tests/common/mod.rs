@@ -107,3 +107,27 @@ pub fn target_tmp() -> PathBuf {
     std::fs::create_dir_all(&d).unwrap();
     d
 }
+
+/// Bytes of one LUKS2 header copy as `luks::format` and cryptsetup make
+/// it (16 KiB: 4 KiB binary header, then the JSON area).
+#[allow(dead_code)]
+pub const LUKS2_HDR: usize = 16384;
+
+/// Recompute the sha256 checksum of the LUKS2 header copy at `off` of
+/// the image `b` (after a test edited it).
+#[allow(dead_code)]
+pub fn luks2_reseal(b: &mut [u8], off: usize) {
+    let area = &mut b[off..off + LUKS2_HDR];
+    assert_eq!(&area[72..78], b"sha256");
+    area[448..512].fill(0);
+    let sum = openssl::sha::sha256(area);
+    area[448..480].copy_from_slice(&sum);
+}
+
+/// The JSON metadata of the LUKS2 header copy at `off` of the image `b`.
+#[allow(dead_code)]
+pub fn luks2_json(b: &[u8], off: usize) -> serde_json::Value {
+    let area = &b[off + 4096..off + LUKS2_HDR];
+    let end = area.iter().position(|&c| c == 0).unwrap();
+    serde_json::from_slice(&area[..end]).unwrap()
+}
