@@ -445,3 +445,47 @@ fn a_store_that_loses_writes_fails_the_flush_and_blocks_read_old_or_new_after() 
     assert_eq!(read(&a, 70).unwrap(), pattern(70, 2));
     assert_eq!(a.stats().failures, 0);
 }
+
+#[test]
+fn holes_are_the_blocks_whose_tags_say_zeros() {
+    use iopages_crypt::backend::Extent;
+    let v = vol(Mac::Gmac, 200, "int-holes");
+    let a = open(&v);
+    for b in [3, 4, 5, 70] {
+        write(&a, b, 1);
+    }
+    a.punch(4 * B as u64, B as u64).unwrap();
+    let e = |len: u64, hole: bool| Extent {
+        len_bytes: len * B as u64,
+        hole,
+    };
+    let all = a.extents(0, 200 * B as u64, 100).unwrap();
+    assert_eq!(
+        all,
+        vec![
+            e(3, true),
+            e(1, false),
+            e(1, true),
+            e(1, false),
+            e(64, true),
+            e(1, false),
+            e(129, true)
+        ]
+    );
+    // A range starting mid-block, and the extent cap.
+    let part = a.extents(3 * B as u64 + 100, 2 * B as u64, 2).unwrap();
+    assert_eq!(
+        part,
+        vec![
+            Extent {
+                len_bytes: B as u64 - 100,
+                hole: false
+            },
+            Extent {
+                len_bytes: B as u64,
+                hole: true
+            }
+        ]
+    );
+    assert_eq!(a.extents(0, 200 * B as u64, 2).unwrap().len(), 2);
+}

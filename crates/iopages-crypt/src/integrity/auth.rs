@@ -17,7 +17,7 @@ use super::layout::{Layout, Record, BLOCK, RECORDS_PER_BLOCK};
 use super::mac::Keys;
 use super::state::{self, Anchor, StateFile};
 use super::tree::{altered, Tree, WriteThrough};
-use crate::backend::{check_range, Backend};
+use crate::backend::{check_range, push_extent, Backend, Extent};
 use parking_lot::{Mutex, RwLock};
 use std::io;
 use std::path::PathBuf;
@@ -691,6 +691,30 @@ impl Backend for AuthBackend {
 
     fn reads_writes(&self) -> bool {
         true
+    }
+
+    /// Holes are the blocks whose tags say zeros (never written, or
+    /// discarded): authenticated, whatever the store holds there.
+    fn extents(&self, offset: u64, len: u64, max_extents: usize) -> io::Result<Vec<Extent>> {
+        check_range(offset, len, self.layout.data_bytes())?;
+        let (max, end) = (max_extents.max(1), offset + len);
+        let mut out: Vec<Extent> = Vec::new();
+        let mut at = offset;
+        while at < end {
+            let block = at / BLOCK;
+            let last = (end - 1) / BLOCK;
+            let n = (RECORDS_PER_BLOCK - block % RECORDS_PER_BLOCK).min(last - block + 1);
+            for (i, (r, _)) in self.get_records(block, n as usize)?.into_iter().enumerate() {
+                let piece = ((block + i as u64 + 1) * BLOCK).min(end) - at;
+                let hole = r.reads_zero();
+                if out.last().is_some_and(|e| e.hole != hole) && out.len() == max {
+                    return Ok(out);
+                }
+                push_extent(&mut out, piece, hole);
+                at += piece;
+            }
+        }
+        Ok(out)
     }
 }
 
