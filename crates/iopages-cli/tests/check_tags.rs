@@ -99,3 +99,29 @@ fn check_and_decrypt_verify_every_block_and_refuse_a_flipped_one() {
         "decrypt left a tampered volume's plaintext behind"
     );
 }
+
+/// The LUKS header is not authenticated (its checksums are not keyed): a
+/// store could strip an authenticated volume's requirement and token and
+/// present it as a plain volume. The state file says it is authenticated:
+/// serving a plain volume with one is refused, so that downgrade fails.
+#[test]
+fn a_plain_volume_served_with_a_freshness_state_file_is_refused() {
+    let dir = Dir::new("downgrade");
+    let (img, pass) = common::luks2_image(&dir, "plain", "24M", b"downgrade");
+    let state = dir.join("state.fresh");
+    std::fs::write(&state, b"anything").unwrap();
+    let out = serve_cmd()
+        .args(["--arena", "64M", "--image"])
+        .arg(&img)
+        .arg("--passphrase-file")
+        .arg(&pass)
+        .arg("--freshness")
+        .arg(&state)
+        .arg("--unix")
+        .arg(dir.join("s.sock"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "served: {err}");
+    assert!(err.contains("not authenticated"), "{err}");
+}
