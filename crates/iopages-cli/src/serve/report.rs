@@ -194,6 +194,9 @@ pub(super) fn print_volume(s: &Served, named: bool) {
     if !i.keys_locked {
         println!("{who}warning: the cipher keys could not be locked in memory (RLIMIT_MEMLOCK): they may be swapped out");
     }
+    if let Some(mac) = &i.integrity {
+        println!("{who}authenticated: {mac} tags on every 4 KiB block, the tree's root in the freshness state file; blocks that fail verification are refused (EIO)");
+    }
     if s.vol.queue.target().discards_allowed() {
         println!("{who}discards: on (TRIM and WRITE_ZEROES punch holes in the image, holes read as zeros; which blocks are unused is visible to whoever sees the image)");
     }
