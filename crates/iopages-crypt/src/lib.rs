@@ -23,6 +23,7 @@
 //! | `iomap` direct I/O: pin, build the bio folio by folio, submit, unpin | [`dio`] | `dio.rs` |
 //! | `crypt_map` write/read paths, per-CPU transforms | [`target::CryptTarget`], [`target::CipherPool`] | `target.rs` |
 //! | the `allow_discards` table option, `REQ_OP_DISCARD` / `REQ_OP_WRITE_ZEROES` | [`target::TargetConfig::allow_discards`], [`target::CryptTarget::discard`], [`target::CryptTarget::punch_zeroes`], [`backend::Backend::punch`] | `target.rs`, `backend.rs`, `uring/holes.rs` |
+//! | dm-integrity's per-sector tags, dm-verity's hash tree (here writable, two slots per node, the root anchored in a local state file) | [`integrity::AuthBackend`], [`integrity::Layout`], [`integrity::Keys`] | `integrity/` |
 //! | cryptsetup's LUKS1/LUKS2 headers, keyslots, AF splitter, PBKDF2/Argon2 (userspace, not kernel) | [`luks::open`], [`luks::format`], [`luks::LuksVolume`] | `luks/` |
 //! | `kcryptd` workqueue, the tag set's queue depth and wake batch | [`queue::CryptQueue`] | `queue.rs`, `admission.rs` |
 //!
