@@ -51,7 +51,7 @@ pub const HDR_SIZES: [u64; 9] = [
 pub const FORMAT_HDR_SIZE: u64 = 16 << 10;
 /// Where [`format()`] puts keyslot 0's area: after both header copies.
 pub const FORMAT_KEYSLOTS_OFFSET: u64 = 2 * FORMAT_HDR_SIZE;
-/// Where [`format()`] puts the data segment (cryptsetup's default 16 MiB).
+/// Where `luks::format` puts the data segment (cryptsetup's default 16 MiB).
 pub const FORMAT_DATA_OFFSET: u64 = 16 << 20;
 /// Keyslot areas are aligned to 4 KiB.
 pub(super) const AREA_ALIGN: u64 = 4096;
