@@ -557,7 +557,7 @@ pub fn maybe_health_check(every: u64) {
 // Authenticated volumes
 // ---------------------------------------------------------------------------
 
-/// A small authenticated volume made once per process: 200 blocks (four
+/// A small authenticated volume made once per process: 200 blocks (seven
 /// tag blocks, two tree levels), every other block written and flushed,
 /// block 7 discarded; its data, area and state file as bytes, and what
 /// each block must read as.

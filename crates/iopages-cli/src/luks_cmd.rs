@@ -135,7 +135,7 @@ pub struct FormatArgs {
     label: Option<String>,
     /// Make an authenticated volume (LUKS2, 4096-byte sectors): a tag of
     /// every 4 KiB block's ciphertext under this MAC, and a hash tree over
-    /// the tags, in an integrity area after the data (about 3% of the
+    /// the tags, in an integrity area after the data (about 6% of the
     /// image). cryptsetup will not map it or change its keys.
     #[arg(long, value_enum, value_name = "MAC")]
     integrity: Option<IntegrityArg>,

@@ -465,20 +465,25 @@ impl AuthBackend {
         Ok(out)
     }
 
-    /// Report blocks that failed: counted, logged once per request.
-    fn refuse(&self, bad: &[u64]) -> io::Error {
+    /// Report blocks that failed (`tree`: because their tag block or a
+    /// node above it did not verify): counted, logged once per request.
+    fn refuse(&self, bad: &[u64], tree: Option<&io::Error>) -> io::Error {
         self.failures.fetch_add(1, Ordering::Relaxed);
         self.bad_blocks
             .fetch_add(bad.len() as u64, Ordering::Relaxed);
         let ranges = block_ranges(bad);
+        let why = match tree {
+            Some(e) => format!(" ({e})"),
+            None => String::new(),
+        };
         eprintln!(
             "iopages: integrity: {}: {} block(s) failed verification ({ranges}; 4096-byte blocks \
-             of the volume): the read is refused",
+             of the volume){why}: the read is refused",
             self.opts.name,
             bad.len()
         );
         altered(format!(
-            "integrity: {} block(s) failed verification: {ranges}",
+            "integrity: {} block(s) failed verification: {ranges}{why}",
             bad.len()
         ))
     }
@@ -606,7 +611,16 @@ impl Backend for AuthBackend {
         self.check_io(offset, len)?;
         let first = offset / BLOCK;
         let count = (len / BLOCK) as usize;
-        let mut records = self.get_records(first, count)?;
+        let mut records = match self.get_records(first, count) {
+            Ok(r) => r,
+            // A tag block (or a node above it) did not verify: every block
+            // of the request is refused, counted and logged as a bad tag is.
+            Err(e) if e.kind() == io::ErrorKind::InvalidData => {
+                let blocks: Vec<u64> = (first..first + count as u64).collect();
+                return Err(self.refuse(&blocks, Some(&e)));
+            }
+            Err(e) => return Err(e),
+        };
         self.data.read_at(offset, segments)?;
         let mut bad = Vec::new();
         let mut scratch = vec![0u8; BLOCK as usize];
@@ -636,7 +650,7 @@ impl Backend for AuthBackend {
         if bad.is_empty() {
             Ok(())
         } else {
-            Err(self.refuse(&bad))
+            Err(self.refuse(&bad, None))
         }
     }
 

@@ -3,7 +3,9 @@
 //!
 //! Owns: the geometry of the integrity area (two superblock slots, then
 //! each level of the tree as pairs of 4 KiB slots, level 0 being the tag
-//! blocks), the 64-byte tag record and the 32-byte tree entry, and the
+//! blocks), the 64-byte tag record (a block's place in a tag block holds
+//! two: its current one and the one that write replaced) and the 32-byte
+//! tree entry, and the
 //! hash that binds a node to its place. Must never: let a count or an
 //! offset computed here overflow (every constructor checks), or read a
 //! field outside its fixed place.
@@ -14,8 +16,12 @@ use std::fmt;
 pub const BLOCK: u64 = 4096;
 /// Bytes of one tag record.
 pub const RECORD: usize = 64;
-/// Tag records in one tag block (a leaf of the tree).
-pub const RECORDS_PER_BLOCK: u64 = BLOCK / RECORD as u64;
+/// Bytes of a block's place in a tag block: its current record, then the
+/// record that write replaced (after an unclean stop the store may hold
+/// either write's data: see `tree.rs`'s sweep).
+pub const PLACE: usize = 2 * RECORD;
+/// Blocks one tag block (a leaf of the tree) covers.
+pub const RECORDS_PER_BLOCK: u64 = BLOCK / PLACE as u64;
 /// Bytes of one tree entry (a child's hash, slot and epoch).
 pub const ENTRY: usize = 32;
 /// Entries in one interior node.
@@ -129,7 +135,7 @@ impl Layout {
     /// **Returns:** `None` when not even one data block fits.
     pub fn fit(mac: Mac, bytes: u64) -> Option<Layout> {
         let total = bytes / BLOCK;
-        // The area is a little over 2/64 of the data: start from the
+        // The area is a little over 2/32 of the data: start from the
         // estimate and step down until data + area fit.
         let mut data = (total * RECORDS_PER_BLOCK / (RECORDS_PER_BLOCK + 2)).min(MAX_DATA_BLOCKS);
         while data > 0 {
@@ -324,10 +330,10 @@ mod tests {
 
     #[test]
     fn levels_shrink_to_one_root_and_slots_never_overlap() {
-        for n in [1u64, 63, 64, 65, 64 * 128, 64 * 128 + 1, 1 << 28] {
+        for n in [1u64, 31, 32, 33, 32 * 128, 32 * 128 + 1, 1 << 28] {
             let l = Layout::new(Mac::HmacSha256, n).unwrap();
             assert_eq!(l.nodes(l.depth() - 1), 1);
-            assert_eq!(l.nodes(0), n.div_ceil(64));
+            assert_eq!(l.nodes(0), n.div_ceil(32));
             let mut seen = std::collections::HashSet::new();
             for lv in 0..l.depth() {
                 for i in [0, l.nodes(lv) / 2, l.nodes(lv) - 1] {
@@ -341,7 +347,7 @@ mod tests {
                 assert!(sum > 0);
             }
             let last: u64 = l.children(0, l.nodes(0) - 1);
-            assert_eq!((l.nodes(0) - 1) * 64 + last, n);
+            assert_eq!((l.nodes(0) - 1) * 32 + last, n);
         }
         assert!(Layout::new(Mac::Gmac, 0).is_none());
         assert!(Layout::new(Mac::Gmac, MAX_DATA_BLOCKS + 1).is_none());

@@ -9,10 +9,11 @@
 //! block devices, RAM, remote stores — gets it:
 //!
 //! - **Tags** ([`layout::Record`], `mac.rs`): 64 bytes per block, the MAC
-//!   (HMAC-SHA256 or GMAC with a random nonce) of the block's number, the
+//!   (HMAC-SHA256, or GMAC with a nonce stored beside it) of the block's number, the
 //!   epoch it was written in, a zero flag and its ciphertext, under a key
 //!   derived from the volume key. They live in an area of their own after
-//!   the data, 64 to a 4 KiB tag block.
+//!   the data, 32 to a 4 KiB tag block (each with the record its write
+//!   replaced).
 //! - **Tree** (`tree.rs`): each tag block and each interior node (128
 //!   entries) has two slots on the store; a parent's [`layout::Entry`]
 //!   names the child's hash, slot and epoch. A node is written only to the

@@ -12,7 +12,7 @@
 //! the slot of its committed copy, evict a node with cached children or a
 //! tag-block write in flight, or grow past the bound by more than one path.
 
-use super::layout::{node_hash, Entry, Layout, Record, BLOCK, ENTRY, RECORD};
+use super::layout::{node_hash, Entry, Layout, Record, BLOCK, ENTRY, PLACE, RECORD};
 use super::mac::Keys;
 use crate::backend::Backend;
 use parking_lot::Mutex;
@@ -293,11 +293,13 @@ impl Tree {
         let at = (first % super::layout::RECORDS_PER_BLOCK) as usize;
         (at..at + count)
             .map(|i| {
-                let b: &[u8; RECORD] = n.data[i * RECORD..(i + 1) * RECORD].try_into().expect("64");
+                let b: &[u8; RECORD] = n.data[i * PLACE..i * PLACE + RECORD]
+                    .try_into()
+                    .expect("64");
                 let r = Record::decode(b).ok_or_else(|| {
                     altered(format!(
                         "integrity: tag of block {} is malformed",
-                        tb * 64 + i as u64
+                        tb * super::layout::RECORDS_PER_BLOCK + i as u64
                     ))
                 })?;
                 let before = n
@@ -323,12 +325,14 @@ impl Tree {
         let n = self.nodes.get_mut(&(0, tb)).expect("loaded");
         let at = (first % super::layout::RECORDS_PER_BLOCK) as usize;
         for (i, r) in records.iter().enumerate() {
-            let place = &mut n.data[(at + i) * RECORD..(at + i + 1) * RECORD];
-            let old: &[u8; RECORD] = (&*place).try_into().expect("64");
+            let place = &mut n.data[(at + i) * PLACE..(at + i + 1) * PLACE];
+            let (cur, replaced) = place.split_at_mut(RECORD);
+            let old: &[u8; RECORD] = (&*cur).try_into().expect("64");
             if let Some(old) = Record::decode(old) {
                 n.prev.push((id, at + i, old));
             }
-            place.copy_from_slice(&r.encode());
+            replaced.copy_from_slice(cur);
+            cur.copy_from_slice(&r.encode());
         }
         n.modified = true;
         n.written = Some(slot);
@@ -466,7 +470,13 @@ impl Tree {
 }
 
 /// Merge into `merged` (tag block `tb`'s committed copy) the records of
-/// `other` newer than `committed` whose data verifies.
+/// `other` (its other slot) written after the last commit whose block's
+/// data on the store verifies under them. Each place in `other` holds
+/// the block's newest record and the one that write replaced: a write's
+/// tag goes to the store before its data, so an unclean stop can leave
+/// the newer tag beside the data of the write before it, and either is a
+/// version written since the commit (a replaced record older than the
+/// commit is the committed one, already in `merged`).
 fn sweep_block(
     keys: &Keys,
     data: &dyn Backend,
@@ -484,20 +494,29 @@ fn sweep_block(
         if block * BLOCK >= data.size_bytes() {
             break;
         }
-        let o: &[u8; RECORD] = other[i * RECORD..(i + 1) * RECORD].try_into().expect("64");
-        let Some(cand) = Record::decode(o) else {
-            continue;
-        };
-        if cand.epoch <= committed || o[..] == merged[i * RECORD..(i + 1) * RECORD] {
-            continue;
-        }
-        if !cand.reads_zero() {
-            data.read_at(block * BLOCK, &mut [&mut buf[..]])?;
-        }
-        if keys.verify(block, &cand, &buf) {
-            merged[i * RECORD..(i + 1) * RECORD].copy_from_slice(o);
-            *newest = (*newest).max(cand.epoch);
-            taken += 1;
+        let mut read = false;
+        for half in 0..2 {
+            let at = i * PLACE + half * RECORD;
+            let o: &[u8; RECORD] = other[at..at + RECORD].try_into().expect("64");
+            let Some(cand) = Record::decode(o) else {
+                continue;
+            };
+            if cand.epoch <= committed || o[..] == merged[i * PLACE..i * PLACE + RECORD] {
+                continue;
+            }
+            if !cand.reads_zero() && !read {
+                data.read_at(block * BLOCK, &mut [&mut buf[..]])?;
+                read = true;
+            }
+            if keys.verify(block, &cand, &buf) {
+                let place = &mut merged[i * PLACE..(i + 1) * PLACE];
+                let (cur, replaced) = place.split_at_mut(RECORD);
+                replaced.copy_from_slice(cur);
+                cur.copy_from_slice(o);
+                *newest = (*newest).max(cand.epoch);
+                taken += 1;
+                break;
+            }
         }
     }
     Ok(taken)
