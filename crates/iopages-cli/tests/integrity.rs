@@ -291,6 +291,9 @@ fn flipped_data_bit(vol: &Vol, srv: &Srv) {
     assert_eq!(srv.counter("failures"), 2.0);
     assert_eq!(srv.counter("bad_blocks"), 2.0);
     assert!(srv.counter("commits") >= 1.0);
+    let err = srv.served.stderr_text();
+    let logged = "1 block(s) failed verification (3; 4096-byte blocks";
+    assert_eq!(err.matches(logged).count(), 2, "{err}");
     // A good write heals it.
     fill(&mut c, 2, &[3]);
     reads_as(&mut c, 3, Some(2));
@@ -513,7 +516,7 @@ fn a_zeroed_tag_area_fails_what_was_written_and_then_refuses_to_open() {
     let len = std::fs::metadata(&vol.img).unwrap().len() - vol.area_off;
     vol.put(vol.area_off, &vec![0u8; len as usize]);
     let said = refused(&vol, &uri, &[]);
-    assert!(said.contains("integrity"), "{said}");
+    assert!(said.contains("does not hold the tree"), "{said}");
 }
 
 #[test]
