@@ -673,6 +673,7 @@ fn crash_case(mac: &str, gens: u32) {
         .find_map(|l| l.split("kept ").nth(1)?.split(' ').next()?.parse().ok())
         .unwrap_or_else(|| panic!("no sweep result in {err}"));
     assert_eq!(srv.counter("recovered_blocks"), kept);
+    println!("{mac}: the sweep kept {kept} blocks written after the last flush");
     let mut c = srv.client();
     for (i, &b) in blocks.iter().enumerate() {
         let got = c
