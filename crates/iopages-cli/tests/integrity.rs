@@ -25,6 +25,7 @@ mod common;
 
 use common::{get, pattern, run, serve_cmd, tools, Dir, NbdKit, Served, BIN};
 use iopages_testkit::nbd_client::{Client, CMD_FLUSH, CMD_TRIM, CMD_WRITE};
+use std::io::Read;
 use std::net::SocketAddr;
 use std::os::unix::fs::FileExt;
 use std::os::unix::net::UnixStream;
@@ -198,7 +199,6 @@ fn refused(vol: &Vol, image: &str, extra: &[&str]) -> String {
         std::thread::sleep(Duration::from_millis(20));
     };
     let mut out = String::new();
-    use std::io::Read;
     let _ = child.0.stdout.take().unwrap().read_to_string(&mut out);
     let said = format!("{}{out}", std::fs::read_to_string(&err).unwrap());
     assert!(!status.success(), "the server started: {said}");
