@@ -89,6 +89,9 @@ pub struct AuthBackend {
     keys: Keys,
     layout: Layout,
     gate: RwLock<()>,
+    /// Write order per tag block (its number modulo the stripes): a
+    /// write holds its tag blocks' stripes from its tags to its data.
+    stripes: Box<[Mutex<()>]>,
     tree: Mutex<Tree>,
     anchor: Mutex<AnchorState>,
     epoch: AtomicU64,
@@ -163,6 +166,7 @@ impl AuthBackend {
             keys,
             layout,
             gate: RwLock::new(()),
+            stripes: (0..256).map(|_| Mutex::new(())).collect(),
             tree: Mutex::new(tree),
             anchor: Mutex::new(AnchorState { volume, next_sb }),
             epoch: AtomicU64::new(anchor.epoch + 1),
@@ -442,6 +446,20 @@ impl AuthBackend {
         failed
     }
 
+    /// Lock the write-order stripes of the tag blocks that blocks
+    /// `first..first + count` fall in (ascending, each once).
+    fn lock_stripes(&self, first: u64, count: u64) -> Vec<parking_lot::MutexGuard<'_, ()>> {
+        let (a, b) = (
+            first / RECORDS_PER_BLOCK,
+            (first + count.max(1) - 1) / RECORDS_PER_BLOCK,
+        );
+        let n = self.stripes.len() as u64;
+        let mut idx: Vec<usize> = (a..=b.min(a + n - 1)).map(|tb| (tb % n) as usize).collect();
+        idx.sort_unstable();
+        idx.dedup();
+        idx.into_iter().map(|i| self.stripes[i].lock()).collect()
+    }
+
     /// The writes through `touched` tag blocks are over.
     fn release(&self, touched: &[(u64, u64)]) {
         let mut t = self.tree.lock();
@@ -598,7 +616,10 @@ impl Backend for AuthBackend {
         })?;
         // Tags first: a write cut short (iopages killed between the two)
         // leaves a new tag beside old data, which the sweep does not take,
-        // so the block reads as before.
+        // so the block reads as before. The tag blocks' stripes are held
+        // across both, so two writes to one block (from two connections)
+        // land tag and data in the same order.
+        let _order = self.lock_stripes(first, records.len() as u64);
         let mut touched = Vec::new();
         let res = self.put_records(first, &records, &mut touched);
         let res = res.and_then(|()| self.data.write_at(offset, segments));
@@ -685,17 +706,25 @@ impl Backend for AuthBackend {
         self.check_io(offset, len)?;
         let _g = self.gate.read();
         let epoch = self.epoch.load(Ordering::Acquire);
-        let first = offset / BLOCK;
-        let records = (0..len / BLOCK)
-            .map(|i| self.keys.seal(first + i, epoch, None))
-            .collect::<io::Result<Vec<_>>>()?;
-        let mut touched = Vec::new();
-        let res = self.put_records(first, &records, &mut touched);
-        self.release(&touched);
-        res?;
-        // The tags say zeros whatever the store keeps; freeing its space is
-        // a courtesy that may be refused.
-        let _ = self.data.discard(offset, len);
+        // In pieces of 1024 blocks: a client's TRIM of any size costs a
+        // bounded list of records.
+        let (first, count) = (offset / BLOCK, len / BLOCK);
+        let mut at = 0;
+        while at < count {
+            let n = (count - at).min(1024);
+            let records = (first + at..first + at + n)
+                .map(|b| self.keys.seal(b, epoch, None))
+                .collect::<io::Result<Vec<_>>>()?;
+            let _order = self.lock_stripes(first + at, n);
+            let mut touched = Vec::new();
+            let res = self.put_records(first + at, &records, &mut touched);
+            self.release(&touched);
+            res?;
+            // The tags say zeros whatever the store keeps; freeing its
+            // space is a courtesy that may be refused.
+            let _ = self.data.discard((first + at) * BLOCK, n * BLOCK);
+            at += n;
+        }
         Ok(())
     }
 
