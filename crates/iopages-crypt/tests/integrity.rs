@@ -549,10 +549,39 @@ fn a_tag_block_that_fails_the_tree_is_counted() {
 /// Writes to the same blocks from several threads at once (two
 /// connections writing one block: undefined which lands, but it must be
 /// one of them): every block verifies afterwards, and after a reopen.
+/// A store whose writes take a varying while (so two writers' data can
+/// overtake each other).
+struct Jittery(Arc<RamDisk>, std::sync::atomic::AtomicU64);
+
+impl Backend for Jittery {
+    fn size_bytes(&self) -> u64 {
+        self.0.size_bytes()
+    }
+    fn write_at(&self, offset: u64, segments: &[&[u8]]) -> io::Result<()> {
+        let n = self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        std::thread::sleep(std::time::Duration::from_micros((n * 7919) % 300));
+        self.0.write_at(offset, segments)
+    }
+    fn read_at(&self, offset: u64, segments: &mut [&mut [u8]]) -> io::Result<()> {
+        self.0.read_at(offset, segments)
+    }
+    fn flush(&self) -> io::Result<()> {
+        self.0.flush()
+    }
+}
+
 #[test]
 fn concurrent_writes_to_the_same_blocks_leave_each_one_of_them() {
     let v = vol(Mac::HmacSha256, 96, "int-overlap");
-    let a = Arc::new(open(&v));
+    let a = AuthBackend::open(
+        Arc::new(Jittery(v.data.clone(), 0.into())),
+        Arc::new(Jittery(v.area.clone(), 3.into())),
+        v.layout.clone(),
+        Keys::derive(Mac::HmacSha256, &[7; 64]).unwrap(),
+        opts(&v, 64 << 20, false),
+    )
+    .unwrap();
+    let a = Arc::new(a);
     let threads: Vec<_> = (0..4u8)
         .map(|t| {
             let a = Arc::clone(&a);
