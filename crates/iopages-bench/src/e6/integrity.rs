@@ -31,7 +31,7 @@
 
 use super::common::{os, MIB};
 use super::files::{fill_file, sync_file, work_dirs};
-use super::fio::{verify_region, Plan, VERIFY_BYTES};
+use super::fio::{fio, verify_region, Plan, RAND_JOBS, VERIFY_BYTES};
 use super::load::{Load, Sample};
 use super::measure::{load_sample_at, LoadTarget, Results};
 use super::report::{figure_lines, figures_head, rows};
@@ -530,6 +530,42 @@ fn prefill(tools: &Tools, st: &Setup, v: Volume, ours: &Path) -> Result<(), Stri
     r.map_err(|e| format!("writing the volume before the runs: {e} (stop: {stopped})"))
 }
 
+/// fio's arguments for E6's random load with each job on its own part of
+/// the volume: jobs over the same blocks write one block from two
+/// connections at once now and then (undefined in NBD and in the block
+/// layer), which can leave an authenticated volume's block failing
+/// verification — and so a later read of it refused. Every volume runs
+/// this shape.
+fn randrw_args(plan: &Plan, uri: &str) -> Vec<std::ffi::OsString> {
+    let part = plan.dev / u64::from(RAND_JOBS) / BLOCK as u64 * BLOCK as u64;
+    let mut a = plan.fio_args(uri, Load::RandRw);
+    // fio takes the last of a repeated option.
+    a.push(format!("--size={part}").into());
+    a.push(format!("--offset_increment={part}").into());
+    a
+}
+
+/// The random load ([`randrw_args`]) at `uri`: its figure, or why fio
+/// failed or moved no data.
+fn randrw_sample(tools: &Tools, st: &Setup, uri: &str) -> Result<Sample, String> {
+    let what = Load::RandRw.label();
+    let v = fio(
+        &tools.fio,
+        &st.work,
+        None,
+        randrw_args(&st.plan, uri),
+        st.plan.fio_ms,
+    )
+    .map_err(|e| format!("{what}: {e}"))?;
+    if v.read_bytes.min(v.write_bytes) == 0 {
+        return Err(format!("{what}: fio moved no data"));
+    }
+    Ok(Sample {
+        mib_s: (v.read_bw + v.write_bw) / MIB as f64,
+        iops: Some(v.read_iops + v.write_iops),
+    })
+}
+
 /// One pass of `v`'s server: the size, the read-back of what the run
 /// before wrote (`run` > 0), the timed loads (the counters around the
 /// random one), then its own read-back.
@@ -565,7 +601,10 @@ fn measure_one(
             // The load before's writes are on disk: none pays for another's.
             st.sync_store();
             let before = s.counters()?;
-            samples.push(load_sample_at(&at, &st.plan, load)?);
+            samples.push(match load {
+                Load::RandRw => randrw_sample(tools, st, &uri)?,
+                _ => load_sample_at(&at, &st.plan, load)?,
+            });
             let after = s
                 .counters()
                 .map_err(|e| format!("after {}: {e}", load.label()))?;
@@ -958,6 +997,7 @@ fn settings_of(opts: &BenchOptions, f: &Found, store_command: &str) -> Value {
         "images": "iopages luks format IMG --size S --type luks2 --sector-size 4096 --pbkdf pbkdf2 --iterations 1000 [--integrity hmac-sha256|aead --freshness F]: the authenticated ones with S bytes for data and tags, the plain one with their data size; every block written once through its server (nbdcopy) before the runs",
         "server": format!("iopages serve --image nbd+unix:///IMG?socket=STORE --passphrase-file P --unix S --name {OUR_EXPORT} --metrics 127.0.0.1:0 [--freshness F] (the freshness files beside the store, not on it)"),
         "fio": f.st.plan.settings(false, "volume"),
+        "randrw_jobs": format!("the random load's {RAND_JOBS} jobs each on its own 1/{RAND_JOBS} of the volume (--size, --offset_increment): jobs over the same blocks now and then write one block from two connections at once, undefined in NBD, which can leave an authenticated block failing verification"),
         "nbdcopy": "defaults; read: --no-extents export -> null:, write: a data file of the volume's size -> export, no --flush",
         "page_cache": "the store's nbdkit reads and writes its files through the page cache; they are synced to disk before each timed load (outside it)",
         "order": "every run: plain, hmac-sha256, aead, one server at a time; ratios are authenticated / plain of the same run, the median and the range over the runs",
@@ -1260,6 +1300,25 @@ mod tests {
         let r = ratios(&[plain(), failed(), failed()], &c);
         assert!(r.iter().all(|x| x.median.is_none() && x.per_run.is_empty()));
         assert_eq!(r[5].target_met, Some(false));
+    }
+
+    #[test]
+    fn the_random_jobs_each_get_their_own_part() {
+        let plan = Plan {
+            dev: 65_011_712,
+            fio_ms: 1000,
+        };
+        let a: Vec<String> = randrw_args(&plan, "nbd+unix:///x")
+            .into_iter()
+            .map(|s| s.into_string().unwrap())
+            .collect();
+        let part = 65_011_712 / 2;
+        assert_eq!(part % 4096, 0);
+        assert!(a.contains(&"--rw=randrw".to_string()));
+        // The last --size wins in fio: the part, after the volume's.
+        let sizes: Vec<&String> = a.iter().filter(|x| x.starts_with("--size=")).collect();
+        assert_eq!(sizes.last().unwrap().as_str(), format!("--size={part}"));
+        assert_eq!(a.last().unwrap(), &format!("--offset_increment={part}"));
     }
 
     #[test]
