@@ -270,7 +270,7 @@ enum Experiment {
     /// E6: one LUKS1 image served by iopages, nbdkit's luks filter and
     /// qemu-nbd; fio and nbdcopy as the clients; then the sparse copy
     /// (--sparse-only: that alone) and the tenants row (--tenants-only:
-    /// that alone).
+    /// that alone); --integrity: the authenticated volumes' row alone.
     Nbd,
     /// Key changes on a served volume: fio's random load alone and during
     /// 20 `luks change-key`s, against the KDF's CPU share; and the unlock
