@@ -531,11 +531,15 @@ fn prefill(tools: &Tools, st: &Setup, v: Volume, ours: &Path) -> Result<(), Stri
 }
 
 /// fio's arguments for E6's random load with each job on its own part of
-/// the volume: jobs over the same blocks write one block from two
-/// connections at once now and then (undefined in NBD and in the block
-/// layer), which can leave an authenticated volume's block failing
-/// verification — and so a later read of it refused. Every volume runs
-/// this shape.
+/// the volume. Two jobs over the same blocks have writes to one block in
+/// flight at once (undefined in NBD and in the block layer), dozens per
+/// run, and an authenticated volume may leave such a block failing
+/// verification (docs/architecture.md, "A write"): a later read of it is
+/// refused and the volume's pass fails, measuring that rather than the
+/// cost. A job alone can still overlap itself where fio starts a new pass
+/// over its part (at most its 32 requests in flight, against tens of
+/// thousands of blocks); the read-backs catch it should it happen. Every
+/// volume runs this shape.
 fn randrw_args(plan: &Plan, uri: &str) -> Vec<std::ffi::OsString> {
     let part = plan.dev / u64::from(RAND_JOBS) / BLOCK as u64 * BLOCK as u64;
     let mut a = plan.fio_args(uri, Load::RandRw);
@@ -997,7 +1001,7 @@ fn settings_of(opts: &BenchOptions, f: &Found, store_command: &str) -> Value {
         "images": "iopages luks format IMG --size S --type luks2 --sector-size 4096 --pbkdf pbkdf2 --iterations 1000 [--integrity hmac-sha256|aead --freshness F]: the authenticated ones with S bytes for data and tags, the plain one with their data size; every block written once through its server (nbdcopy) before the runs",
         "server": format!("iopages serve --image nbd+unix:///IMG?socket=STORE --passphrase-file P --unix S --name {OUR_EXPORT} --metrics 127.0.0.1:0 [--freshness F] (the freshness files beside the store, not on it)"),
         "fio": f.st.plan.settings(false, "volume"),
-        "randrw_jobs": format!("the random load's {RAND_JOBS} jobs each on its own 1/{RAND_JOBS} of the volume (--size, --offset_increment): jobs over the same blocks now and then write one block from two connections at once, undefined in NBD, which can leave an authenticated block failing verification"),
+        "randrw_jobs": format!("the random load's {RAND_JOBS} jobs each on its own 1/{RAND_JOBS} of the volume (--size, --offset_increment), unlike E6's: jobs over the same blocks have writes to one block in flight at once (undefined in NBD), which can leave an authenticated block failing verification"),
         "nbdcopy": "defaults; read: --no-extents export -> null:, write: a data file of the volume's size -> export, no --flush",
         "page_cache": "the store's nbdkit reads and writes its files through the page cache; they are synced to disk before each timed load (outside it)",
         "order": "every run: plain, hmac-sha256, aead, one server at a time; ratios are authenticated / plain of the same run, the median and the range over the runs",
