@@ -40,6 +40,10 @@
 //!   shared by fio from 127.0.0.1 and 8 hostile peers from 127.0.0.2–9
 //!   (silent sockets and unread READs, then WRITE_ZEROES floods), against
 //!   fio alone: issue 28's fairness targets.
+//! - E6 integrity `nbd --integrity`: plain, hmac-sha256 and aead LUKS2
+//!   volumes on one nbdkit file store, served by `iopages serve` in turn,
+//!   their ratios to plain against the CPU bound of each MAC, and the
+//!   store I/Os of a 4 KiB write.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
@@ -60,7 +64,10 @@ pub mod plot;
 pub mod xts;
 
 mod e6;
-pub use e6::{outage as nbd_outage, remote as nbd_remote, sparse, tenants as nbd_tenants};
+pub use e6::{
+    integrity as nbd_integrity, outage as nbd_outage, remote as nbd_remote, sparse,
+    tenants as nbd_tenants,
+};
 
 /// E6 (`iopages bench nbd`, its code in `e6/`) under the path the command
 /// and the tests have always called.

@@ -100,6 +100,16 @@ enum Command {
         /// the outage row, which kills an nbdkit store, is not run).
         #[arg(long, value_enum, value_name = "STORE")]
         store: Option<StoreArg>,
+        /// nbd: only the integrity row — three LUKS2 volumes (4096-byte
+        /// sectors) of the same data size on one nbdkit file store: plain,
+        /// --integrity hmac-sha256 and --integrity aead, each served by
+        /// `iopages serve` in turn under E6's loads; their ratios to plain
+        /// against the CPU bound of each MAC (XTS and the MAC's
+        /// single-core rates, measured in the same run), and the store
+        /// I/Os of a 4 KiB write from the server's metrics. Report:
+        /// nbd-integrity.json.
+        #[arg(long)]
+        integrity: bool,
         /// nbd: only the tenants row — one `iopages serve` on TCP shared by
         /// fio from 127.0.0.1 and 8 hostile peers from 127.0.0.2-9 (silent
         /// sockets and unread READs, then WRITE_ZEROES floods), against fio
@@ -260,7 +270,7 @@ enum Experiment {
     /// E6: one LUKS1 image served by iopages, nbdkit's luks filter and
     /// qemu-nbd; fio and nbdcopy as the clients; then the sparse copy
     /// (--sparse-only: that alone) and the tenants row (--tenants-only:
-    /// that alone).
+    /// that alone); --integrity: the authenticated volumes' row alone.
     Nbd,
     /// Key changes on a served volume: fio's random load alone and during
     /// 20 `luks change-key`s, against the KDF's CPU share; and the unlock
@@ -286,6 +296,7 @@ struct NbdFlags {
     remote: bool,
     tenants_only: bool,
     store: Option<StoreArg>,
+    integrity: bool,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -343,6 +354,7 @@ fn run(cli: Cli) -> Result<(), BenchError> {
             remote,
             store,
             tenants_only,
+            integrity,
         } => {
             let nbd = NbdFlags {
                 tls,
@@ -350,6 +362,7 @@ fn run(cli: Cli) -> Result<(), BenchError> {
                 remote,
                 tenants_only,
                 store,
+                integrity,
             };
             check_nbd_flags(experiment, nbd)?;
             let crypt_threads = check_thread_flags(
@@ -413,12 +426,20 @@ fn run_experiments(
         run_crypt(opts, crypt.0, crypt.1, crypt.2)?;
     }
     if all || experiment == Experiment::Nbd {
+        if nbd.integrity {
+            let me = std::env::current_exe().map_err(|e| {
+                BenchError::Workload(format!("cannot find the iopages binary to serve with: {e}"))
+            })?;
+            iopages_bench::nbd_integrity::run(opts, &me)?;
+            return Ok(());
+        }
         let NbdFlags {
             tls,
             sparse_only,
             remote,
             tenants_only,
             store,
+            ..
         } = nbd;
         run_nbd(opts, tls, sparse_only, remote, tenants_only, store)?;
     }
@@ -540,6 +561,13 @@ fn check_nbd_flags(experiment: Experiment, f: NbdFlags) -> Result<(), BenchError
     if f.tenants_only && (experiment != Experiment::Nbd || f.tls || f.remote || f.sparse_only) {
         return Err(BenchError::Workload(
             "--tenants-only is a run of the nbd experiment on its own: `iopages bench nbd --tenants-only`".into(),
+        ));
+    }
+    if f.integrity
+        && (experiment != Experiment::Nbd || f.tls || f.remote || f.sparse_only || f.tenants_only)
+    {
+        return Err(BenchError::Workload(
+            "--integrity is a run of the nbd experiment on its own: `iopages bench nbd --integrity`".into(),
         ));
     }
     if f.store.is_some() && !f.remote {
@@ -699,6 +727,36 @@ mod tests {
             super::beside(std::path::Path::new("/r/e6.json"), "tenants"),
             std::path::Path::new("/r/e6-tenants.json")
         );
+    }
+
+    #[test]
+    fn the_integrity_row_runs_alone_in_the_nbd_experiment() {
+        for args in [
+            &["xts", "--integrity"][..],
+            &["all", "--integrity"],
+            &["nbd", "--integrity", "--tls"],
+            &["nbd", "--integrity", "--remote"],
+            &["nbd", "--integrity", "--sparse-only"],
+            &["nbd", "--integrity", "--tenants-only"],
+        ] {
+            let e = bench(args).unwrap_err();
+            assert!(
+                e.contains("--integrity is a run of the nbd experiment on its own"),
+                "{args:?}: {e}"
+            );
+        }
+        let e = bench(&["nbd", "--integrity", "--store", "nbdkit"]).unwrap_err();
+        assert!(e.contains("--store belongs to the remote row"), "{e}");
+        let cli =
+            Cli::try_parse_from(["iopages", "bench", "nbd", "--integrity", "--quick"]).unwrap();
+        assert!(matches!(
+            cli.command,
+            Command::Bench {
+                integrity: true,
+                quick: true,
+                ..
+            }
+        ));
     }
 
     #[test]

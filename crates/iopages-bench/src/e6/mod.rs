@@ -3,8 +3,8 @@
 //! qemu-nbd with qemu's LUKS driver — each serving the same LUKS1 image
 //! over a Unix socket, loaded by fio's nbd engine and by nbdcopy; and the
 //! runs built on the same parts: over a remote store (`remote`), the
-//! sparse copy (`sparse`), many tenants (`tenants`) and the store's outage
-//! (`outage`).
+//! sparse copy (`sparse`), many tenants (`tenants`), the store's outage
+//! (`outage`) and authenticated volumes (`integrity`).
 //!
 //! Owns, by file, from the bottom (each names only the files above it in
 //! this list):
@@ -23,9 +23,11 @@
 //!   the bars;
 //! - `runs.rs`: `iopages bench nbd` itself — every server in turn, every
 //!   run, then the report;
-//! - `remote.rs` (with `remote/store.rs`), `sparse.rs`, `tenants.rs` and
-//!   `outage.rs`: the other E6 runs, each sharing the parts above by
-//!   design (the same loads, image, servers and report helpers).
+//! - `remote.rs` (with `remote/store.rs`), `sparse.rs`, `tenants.rs`,
+//!   `outage.rs` and `integrity.rs` (plain, hmac-sha256 and aead LUKS2
+//!   volumes on one store, against the CPU bound of the MAC): the other
+//!   E6 runs, each sharing the parts above by design (the same loads,
+//!   image, servers and report helpers).
 //!
 //! Must never: measure a server whose I/O failed — a fio job's error, a
 //! tool's exit status, a failed read-back or a server that died marks the
@@ -36,6 +38,7 @@
 pub(crate) mod common;
 pub(crate) mod files;
 pub(crate) mod fio;
+pub mod integrity;
 pub(crate) mod load;
 pub(crate) mod measure;
 pub mod outage;
