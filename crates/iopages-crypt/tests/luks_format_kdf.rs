@@ -96,7 +96,7 @@ fn assert_roughly(name: &str, c: &Calibrated, took: Duration) {
     );
     assert!(c.benchmarked, "{name}: {c}");
     assert!(
-        took >= TARGET / 4 && took <= TARGET * 4,
+        in_window(took),
         "{name}: unlocking took {took:?} for a {TARGET:?} target ({c})"
     );
     let expected = c.expected.unwrap();
@@ -139,14 +139,28 @@ fn calibration_hits_roughly_the_target_time_and_the_result_opens() {
             version,
             ..FormatOptions::fast_for_tests(version)
         };
-        let (opts, c) = base
-            .with_calibrated_kdf(&KdfTarget::new(kind, TARGET))
-            .unwrap();
-        assert_eq!(opts.pbkdf, c.pbkdf);
-        assert_opens_under_default_limits(&c.pbkdf);
-        let (_, took) = format_and_time_open(&dir, &format!("{name}.img"), &opts);
-        assert_roughly(name, &c, took);
+        // Up to three calibrations: one whose benchmark and unlock saw a
+        // different load (other tests, other processes on a shared
+        // machine) may miss the window; a wrong rate misses it every time.
+        for attempt in 1..=3 {
+            let (opts, c) = base
+                .with_calibrated_kdf(&KdfTarget::new(kind, TARGET))
+                .unwrap();
+            assert_eq!(opts.pbkdf, c.pbkdf);
+            assert_opens_under_default_limits(&c.pbkdf);
+            let (_, took) = format_and_time_open(&dir, &format!("{name}.img"), &opts);
+            if attempt == 3 || in_window(took) {
+                assert_roughly(name, &c, took);
+                break;
+            }
+            eprintln!("{name}: unlock took {took:?}, outside the window: calibrating again");
+        }
     }
+}
+
+/// Whether an unlock time is within a quarter and four times the target.
+fn in_window(took: Duration) -> bool {
+    took >= TARGET / 4 && took <= TARGET * 4
 }
 
 #[test]
