@@ -144,6 +144,7 @@ fn calibration_hits_roughly_the_target_time_and_the_result_opens() {
         // machine) may miss the window; a wrong rate misses it every time.
         for attempt in 1..=3 {
             let (opts, c) = base
+                .clone()
                 .with_calibrated_kdf(&KdfTarget::new(kind, TARGET))
                 .unwrap();
             assert_eq!(opts.pbkdf, c.pbkdf);
