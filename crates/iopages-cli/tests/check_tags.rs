@@ -16,7 +16,7 @@ const MIB: usize = 1 << 20;
 fn format(dir: &Dir, mac: &str) -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) {
     let pass = dir.join("pass");
     std::fs::write(&pass, b"check-tags").unwrap();
-    let (img, state) = common::luks2_auth_image(dir, "a", "48M", &pass, mac);
+    let (img, state, _) = common::luks2_auth_image(dir, "a", "48M", &pass, mac);
     (img, pass, state)
 }
 

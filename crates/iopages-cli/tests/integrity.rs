@@ -23,7 +23,7 @@
 
 mod common;
 
-use common::{get, pattern, run, serve_cmd, tools, Dir, NbdKit, Served, BIN};
+use common::{get, pattern, run, serve_cmd, tools, Dir, NbdKit, Served};
 use iopages_testkit::nbd_client::{Client, CMD_FLUSH, CMD_TRIM, CMD_WRITE};
 use std::io::Read;
 use std::net::SocketAddr;
@@ -59,22 +59,9 @@ impl Vol {
     /// payload; the layout from what it prints.
     fn new(tag: &str, mac: &str) -> Vol {
         let dir = Dir::new(tag);
-        let (img, pass, state) = (dir.join("v.luks"), dir.join("pass"), dir.join("v.fresh"));
+        let pass = dir.join("pass");
         std::fs::write(&pass, b"authenticated passphrase").unwrap();
-        let out = run(Command::new(BIN)
-            .args([
-                "luks",
-                "format",
-                "--pbkdf",
-                "pbkdf2",
-                "--iterations",
-                "1000",
-            ])
-            .args(["--size", "40M", "--integrity", mac, "--freshness"])
-            .arg(&state)
-            .arg("--passphrase-file")
-            .arg(&pass)
-            .arg(&img));
+        let (img, state, out) = common::luks2_auth_image(&dir, "v", "40M", &pass, mac);
         let line = out
             .lines()
             .find(|l| l.starts_with("integrity: "))

@@ -97,7 +97,7 @@ fn live() -> Option<&'static Scrape> {
         let (local, pass) = luks2_image(&dir, "local", "16M", b"observability");
         // The remote volume is authenticated, so its integrity families
         // are exported too.
-        let (remote, fresh) = common::luks2_auth_image(&dir, "remote", "24M", &pass, "aead");
+        let (remote, fresh, _) = common::luks2_auth_image(&dir, "remote", "24M", &pass, "aead");
         let (_store, store_uri) = NbdKit::file(&dir.join("store.sock"), &remote);
         let sock = dir.join("s.sock");
         let conf = dir.join("serve.toml");

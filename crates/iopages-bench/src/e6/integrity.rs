@@ -230,6 +230,19 @@ impl Setup {
         )
     }
 
+    /// E6's loads against the served volume at `uri`.
+    fn target<'a>(&'a self, tools: &'a Tools, uri: &'a str) -> LoadTarget<'a> {
+        LoadTarget {
+            fio: &tools.fio,
+            nbdcopy: &tools.nbdcopy,
+            work: &self.work,
+            home: None,
+            fio_uri: uri,
+            uri,
+            source: &self.source,
+        }
+    }
+
     /// `iopages serve` of `v`'s image on the store, metrics on a free
     /// port of 127.0.0.1.
     fn serve_command(&self, v: Volume, ours: &Path) -> Command {
@@ -514,15 +527,7 @@ fn check_size(tools: &Tools, st: &Setup, uri: &str) -> Result<(), String> {
 fn prefill(tools: &Tools, st: &Setup, v: Volume, ours: &Path) -> Result<(), String> {
     let (mut s, _) = Served::start(st, v, ours)?;
     let uri = st.uri();
-    let at = LoadTarget {
-        fio: &tools.fio,
-        nbdcopy: &tools.nbdcopy,
-        work: &st.work,
-        home: None,
-        fio_uri: &uri,
-        uri: &uri,
-        source: &st.source,
-    };
+    let at = st.target(tools, &uri);
     let r = check_size(tools, st, &uri)
         .and_then(|_| load_sample_at(&at, &st.plan, Load::CopyWrite))
         .and_then(|_| s.proc.alive());
@@ -581,15 +586,7 @@ fn measure_one(
                 format!("read-back across a restart of what the run before wrote (fio verify_only): {e}")
             })?;
         }
-        let at = LoadTarget {
-            fio: &tools.fio,
-            nbdcopy: &tools.nbdcopy,
-            work: &st.work,
-            home: None,
-            fio_uri: &uri,
-            uri: &uri,
-            source: &st.source,
-        };
+        let at = st.target(tools, &uri);
         let (mut samples, mut io) = (Vec::new(), Counters::default());
         for load in Load::ALL {
             // The load before's writes are on disk: none pays for another's.

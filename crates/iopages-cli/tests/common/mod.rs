@@ -362,23 +362,23 @@ fn cheap_format(size: &str) -> Command {
 /// An authenticated LUKS2 image of `size` bytes in all (`luks format
 /// --integrity MAC`, cheap PBKDF2) in `dir` under the passphrase file
 /// `pass`, and its freshness state file: the image's and the state's
-/// paths.
+/// paths, and what the command printed (the layout).
 pub fn luks2_auth_image(
     dir: &Dir,
     name: &str,
     size: &str,
     pass: &Path,
     mac: &str,
-) -> (PathBuf, PathBuf) {
+) -> (PathBuf, PathBuf, String) {
     let img = dir.join(&format!("{name}.luks"));
     let state = dir.join(&format!("{name}.fresh"));
-    run(cheap_format(size)
+    let said = run(cheap_format(size)
         .args(["--integrity", mac, "--freshness"])
         .arg(&state)
         .arg("--passphrase-file")
         .arg(pass)
         .arg(&img));
-    (img, state)
+    (img, state, said)
 }
 
 /// A `[[export]]` table of a `--config` file: `image` (a path or an NBD
