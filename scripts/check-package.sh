@@ -125,6 +125,19 @@ step_end
 [ "$fail" = 0 ] || exit 1
 
 step_start "cargo package (with verification)"
+# cargo unpacks the overlay registry's crates under CARGO_HOME, in a
+# folder named after the registry's path (target/package/tmp-registry):
+# a checkout at the same path as an earlier one would find that run's
+# sources of these crates already unpacked, at the same version, and
+# verify against them instead of this tree's. Remove them first.
+version=$(cargo pkgid --locked -p iopages | sed 's/.*[@#]//')
+cargo_home=${CARGO_HOME:-$HOME/.cargo}
+for reg in "$cargo_home"/registry/src/-* "$cargo_home"/registry/cache/-*; do
+  [ -d "$reg" ] || continue
+  for c in "${crates[@]}"; do
+    rm -rf "${reg:?}/$c-$version" "${reg:?}/$c-$version.crate"
+  done
+done
 pkg_args=()
 for c in "${crates[@]}"; do pkg_args+=(-p "$c"); done
 cargo package --locked "${pkg_args[@]}"
