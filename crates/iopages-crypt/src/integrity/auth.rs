@@ -464,7 +464,7 @@ impl AuthBackend {
     fn release(&self, touched: &[(u64, u64)]) {
         let mut t = self.tree.lock();
         for &(tb, id) in touched {
-            t.done(tb, id, true);
+            t.done(tb, id);
         }
     }
 

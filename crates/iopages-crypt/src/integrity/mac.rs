@@ -20,7 +20,6 @@ use std::io;
 pub struct Keys {
     mac: Mac,
     tag: SecretBuf,
-    superblock: SecretBuf,
     sb_pkey: PKey<Private>,
     /// HMAC's inner and outer hashes with the key's pads already absorbed
     /// (each seal clones them: no key setup, no allocation).
@@ -79,7 +78,6 @@ impl Keys {
             mac,
             hmac_pads: hmac_pads(tag.as_slice()),
             tag,
-            superblock,
             sb_pkey,
             gcm: Mutex::new(Vec::new()),
         })
@@ -171,7 +169,6 @@ impl Keys {
     /// HMAC-SHA256 of `data` under the superblock key (superblocks are
     /// authenticated whatever the tags' MAC).
     pub fn superblock_mac(&self, data: &[u8]) -> io::Result<[u8; 32]> {
-        let _ = &self.superblock;
         let mut s =
             Signer::new(MessageDigest::sha256(), &self.sb_pkey).map_err(io::Error::other)?;
         s.update(data).map_err(io::Error::other)?;

@@ -356,14 +356,11 @@ impl Tree {
         }
     }
 
-    /// Write `id` through tag block `tb` finished (`ok`: its tag block
-    /// reached the store).
-    pub fn done(&mut self, tb: u64, id: u64, ok: bool) {
+    /// Write `id` through tag block `tb` finished (a failed write through
+    /// was marked with [`Tree::mark_stale`]).
+    pub fn done(&mut self, tb: u64, id: u64) {
         if let Some(n) = self.nodes.get_mut(&(0, tb)) {
             n.pending -= 1;
-            if !ok {
-                n.stale = true;
-            }
             n.prev.retain(|(w, _, _)| *w != id);
         }
     }
