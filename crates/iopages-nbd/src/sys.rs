@@ -1,5 +1,6 @@
 //! The system calls the crate makes, each wrapped once with the argument
-//! for its safety: `poll(2)`, the wake-up eventfd, `O_NONBLOCK` through
+//! for its safety: `poll(2)`, `epoll(7)` for idle connections, the
+//! wake-up eventfd, `O_NONBLOCK` through
 //! `fcntl(2)`, the process umask, `SO_PEERCRED`, a Unix socket connected
 //! without waiting, `sendmsg(2)` that does not wait, and the sealed memfd
 //! of an in-memory volume.
@@ -101,6 +102,76 @@ pub(crate) fn eventfd_drain(fd: BorrowedFd<'_>) {
     // SAFETY: reads 8 bytes into a live local buffer from a descriptor the
     // caller keeps open for the call.
     unsafe { libc::read(fd.as_raw_fd(), v.as_mut_ptr().cast(), v.len()) };
+}
+
+/// A new close-on-exec epoll instance: where idle connections wait
+/// without a thread each.
+pub(crate) fn epoll() -> io::Result<OwnedFd> {
+    // SAFETY: epoll_create1 has no memory arguments; a non-negative result
+    // is a new descriptor nobody else owns.
+    let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is the fresh descriptor just checked, owned from here.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Watch `fd` in the epoll instance `ep` for input or a hang-up, handing
+/// `token` back: once (`EPOLLONESHOT`: the watch is then disarmed until
+/// [`epoll_forget`]), or for good.
+pub(crate) fn epoll_watch(ep: BorrowedFd<'_>, fd: RawFd, token: u64, once: bool) -> io::Result<()> {
+    let mut events = libc::EPOLLIN | libc::EPOLLRDHUP;
+    if once {
+        events |= libc::EPOLLONESHOT;
+    }
+    let mut ev = libc::epoll_event {
+        events: events as u32,
+        u64: token,
+    };
+    // SAFETY: `ev` is a live local the kernel only reads; `ep` is open for
+    // the call and `fd` is the caller's open descriptor.
+    let r = unsafe { libc::epoll_ctl(ep.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut ev) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Stop watching `fd` in `ep` (errors ignored: a descriptor not watched
+/// has nothing to forget).
+pub(crate) fn epoll_forget(ep: BorrowedFd<'_>, fd: RawFd) {
+    let mut ev = libc::epoll_event { events: 0, u64: 0 };
+    // SAFETY: as in `epoll_watch`; the event is ignored by EPOLL_CTL_DEL
+    // but must be a valid pointer on old kernels.
+    unsafe { libc::epoll_ctl(ep.as_raw_fd(), libc::EPOLL_CTL_DEL, fd, &mut ev) };
+}
+
+/// `epoll_wait(2)` on `ep` for up to `timeout_ms` (-1: no limit): the
+/// tokens of the descriptors that became ready, written to `tokens`.
+///
+/// **Context:** blocks up to `timeout_ms`.
+///
+/// **Returns:** how many tokens were written; `Interrupted` as it came.
+pub(crate) fn epoll_wait(
+    ep: BorrowedFd<'_>,
+    tokens: &mut [u64],
+    timeout_ms: i32,
+) -> io::Result<usize> {
+    const MAX: usize = 64;
+    let mut evs = [libc::epoll_event { events: 0, u64: 0 }; MAX];
+    let n = tokens.len().min(MAX);
+    // SAFETY: `evs` is a live local array of at least `n` entries the
+    // kernel writes to; `ep` is open for the call.
+    let r = unsafe { libc::epoll_wait(ep.as_raw_fd(), evs.as_mut_ptr(), n as i32, timeout_ms) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let r = r as usize;
+    for (t, e) in tokens.iter_mut().zip(&evs[..r]) {
+        *t = e.u64;
+    }
+    Ok(r)
 }
 
 /// Whether the open file behind `fd` is non-blocking (`O_NONBLOCK`).

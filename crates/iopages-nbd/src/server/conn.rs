@@ -51,7 +51,7 @@ use crate::ExportInfo;
 use iopages_crypt::backend::Extent;
 use parking_lot::Mutex;
 use std::collections::VecDeque;
-use std::io::{self, Read};
+use std::io::{self, BufRead, Read};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -82,6 +82,12 @@ const RECALL_AFTER: Duration = Duration::from_secs(1);
 const BORROW_POLL: Duration = Duration::from_millis(50);
 /// How often a request waiting for the server's byte budget looks again.
 const BUDGET_POLL: Duration = Duration::from_millis(5);
+/// A connection with nothing in flight that receives nothing for this long
+/// gives its thread up and waits in the server's parking lot
+/// (`server/park.rs`). Long beside a request's round trip, so a client
+/// that keeps its requests coming never pays for a new thread; short
+/// beside a human's pause, so idle connections hold no thread.
+pub(crate) const PARK_AFTER: Duration = Duration::from_millis(50);
 
 /// The deadlines and limits a connection runs under.
 #[derive(Clone, Copy, Debug)]
@@ -276,8 +282,9 @@ struct Outbox {
     sending: bool,
 }
 
-/// The reply side and the in-flight bounds, shared with completions.
-struct Conn {
+/// The reply side and the in-flight bounds, shared with completions; it
+/// outlives the threads that serve the connection in turn.
+pub(crate) struct Conn {
     t: Arc<Transport>,
     outbox: Mutex<Outbox>,
     /// The connection has been given up: nothing more is sent.
@@ -797,6 +804,41 @@ enum Phase {
 struct ConnRead {
     conn: Arc<Conn>,
     phase: Phase,
+    /// Nothing of the next request has been read yet, and the thread may
+    /// be given up after this long idle (see [`PARK_AFTER`]).
+    park_after: Option<Duration>,
+}
+
+/// What ends a [`transmit`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Ended {
+    /// The connection is closed, every request in flight completed.
+    Closed,
+    /// Nothing in flight, nothing buffered, nothing received since
+    /// `since`: the connection may wait without a thread. Its idle
+    /// deadline, if any, is `deadline`.
+    Idle { deadline: Option<Instant> },
+}
+
+/// The error a read returns to unwind to [`Reader::run`] for parking.
+fn park_signal() -> io::Error {
+    io::Error::new(io::ErrorKind::WouldBlock, ParkSignal)
+}
+
+/// Marks [`park_signal`]'s error.
+#[derive(Debug)]
+struct ParkSignal;
+
+impl std::fmt::Display for ParkSignal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("idle: the connection gives its thread up")
+    }
+}
+
+impl std::error::Error for ParkSignal {}
+
+fn is_park_signal(e: &io::Error) -> bool {
+    e.get_ref().is_some_and(|i| i.is::<ParkSignal>())
 }
 
 impl Read for ConnRead {
@@ -809,48 +851,57 @@ impl Read for ConnRead {
                 Io::Done(n) => return Ok(n),
                 Io::Blocked { write } => write,
             };
-            let now = Instant::now();
-            let deadline = match &mut self.phase {
-                Phase::Payload { by } => Some(*by),
-                Phase::Header { since } => match self.conn.limits.idle_timeout {
-                    Some(idle) => {
-                        let busy = self.conn.in_flight() > 0;
-                        if busy {
-                            *since = now;
-                            None
-                        } else {
-                            Some(*since + idle)
-                        }
-                    }
-                    None => None,
-                },
-            };
-            if let Some(d) = deadline {
-                if now >= d {
-                    if matches!(self.phase, Phase::Header { .. }) {
-                        self.conn
-                            .counters
-                            .idle_closes
-                            .fetch_add(1, Ordering::Relaxed);
-                    } else {
-                        self.conn
-                            .counters
-                            .payload_timeouts
-                            .fetch_add(1, Ordering::Relaxed);
-                    }
-                    return Err(io::ErrorKind::TimedOut.into());
-                }
-            }
+            let deadline = self.wait_until(Instant::now())?;
             self.conn.pump(!write, write, deadline, || false)?;
         }
     }
 }
 
-/// Serve transmission until the client disconnects, sends NBD_CMD_DISC,
-/// breaks the protocol, misses a deadline or the socket is shut down;
-/// then wait for every request in flight to complete.
-pub(crate) fn transmit(t: Arc<Transport>, env: &ConnEnv<'_>) {
-    let conn = Arc::new(Conn {
+impl ConnRead {
+    /// Until when the thread may wait for the client now: the payload's
+    /// deadline, or (waiting for a header with nothing in flight) the idle
+    /// timeout and the time to give the thread up, whichever is first.
+    ///
+    /// **Returns:** `TimedOut` (counted) when a deadline has passed;
+    /// [`park_signal`] when the thread should be given up.
+    fn wait_until(&mut self, now: Instant) -> io::Result<Option<Instant>> {
+        let counters = &self.conn.counters;
+        let since = match &mut self.phase {
+            Phase::Payload { by } if now >= *by => {
+                counters.payload_timeouts.fetch_add(1, Ordering::Relaxed);
+                return Err(io::ErrorKind::TimedOut.into());
+            }
+            Phase::Payload { by } => return Ok(Some(*by)),
+            Phase::Header { since } => since,
+        };
+        if self.conn.in_flight() > 0 {
+            *since = now;
+            return Ok(None);
+        }
+        let idle = self.conn.limits.idle_timeout.map(|i| *since + i);
+        if idle.is_some_and(|i| now >= i) {
+            counters.idle_closes.fetch_add(1, Ordering::Relaxed);
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        // Sealed TLS records still leaving keep the thread until they are
+        // out (the pump waits for the socket to take them).
+        let park = self
+            .park_after
+            .filter(|_| !self.conn.t.pending_out())
+            .map(|p| *since + p);
+        if park.is_some_and(|p| now >= p) {
+            return Err(park_signal());
+        }
+        Ok(match (idle, park) {
+            (Some(i), Some(p)) => Some(i.min(p)),
+            (i, p) => i.or(p),
+        })
+    }
+}
+
+/// The reply side and bounds of a connection entering transmission.
+pub(crate) fn open(t: Arc<Transport>, env: &ConnEnv<'_>) -> Arc<Conn> {
+    Arc::new(Conn {
         t,
         outbox: Mutex::new(Outbox::default()),
         dead: AtomicBool::new(false),
@@ -862,7 +913,16 @@ pub(crate) fn transmit(t: Arc<Transport>, env: &ConnEnv<'_>) {
         flusher: env.device.flusher(),
         limits: env.limits,
         structured: env.structured,
-    });
+    })
+}
+
+/// Serve transmission until the client disconnects, sends NBD_CMD_DISC,
+/// breaks the protocol, misses a deadline or the socket is shut down;
+/// then wait for every request in flight to complete and close it. With
+/// `park_after`, return [`Ended::Idle`] instead once the connection has
+/// had nothing in flight and received nothing for that long, between two
+/// requests: a later call serves it again.
+pub(crate) fn transmit(conn: &Arc<Conn>, env: &ConnEnv<'_>, park_after: Option<Duration>) -> Ended {
     let mut reader = Reader {
         // Headers of pipelined requests arrive together: one read takes
         // several. A payload larger than the buffer bypasses it and lands
@@ -870,18 +930,23 @@ pub(crate) fn transmit(t: Arc<Transport>, env: &ConnEnv<'_>) {
         stream: io::BufReader::with_capacity(
             READ_BUFFER_BYTES,
             ConnRead {
-                conn: Arc::clone(&conn),
+                conn: Arc::clone(conn),
                 phase: Phase::Header {
                     since: Instant::now(),
                 },
+                park_after: None,
             },
         ),
         env,
-        conn: &conn,
+        conn,
         received: Instant::now(),
+        park_after,
     };
-    let _ = reader.run();
+    let r = reader.run();
     DEFER_REPLIES.with(|d| d.set(false));
+    if let Ok(idle @ Ended::Idle { .. }) = r {
+        return idle;
+    }
     conn.flush_replies();
     conn.wait_idle();
     // Every request has completed and released its place and its bytes.
@@ -890,6 +955,17 @@ pub(crate) fn transmit(t: Arc<Transport>, env: &ConnEnv<'_>) {
         (0, 0),
         "a connection ends with requests in flight"
     );
+    close(conn, false);
+    Ended::Closed
+}
+
+/// Close a connection with nothing in flight (an idle one: `idle_timeout`
+/// counts it as closed for idleness): TLS's close notice, if it runs TLS,
+/// then the socket.
+pub(crate) fn close(conn: &Conn, idle_timeout: bool) {
+    if idle_timeout {
+        conn.counters.idle_closes.fetch_add(1, Ordering::Relaxed);
+    }
     conn.t.close_tls();
     conn.t.shutdown();
 }
@@ -898,6 +974,8 @@ struct Reader<'a, 'e> {
     stream: io::BufReader<ConnRead>,
     env: &'a ConnEnv<'e>,
     conn: &'a Arc<Conn>,
+    /// Give the thread up after this long idle between requests.
+    park_after: Option<Duration>,
     /// When the header of the request being read arrived.
     received: Instant,
 }
@@ -1126,7 +1204,7 @@ impl Reader<'_, '_> {
         Ok(())
     }
 
-    fn run(&mut self) -> io::Result<()> {
+    fn run(&mut self) -> io::Result<Ended> {
         loop {
             // Another request already buffered: replies of requests served
             // on this thread wait and go out together; before anything
@@ -1139,16 +1217,48 @@ impl Reader<'_, '_> {
             self.stream.get_mut().phase = Phase::Header {
                 since: Instant::now(),
             };
+            if let Some(idle) = self.await_request()? {
+                return Ok(idle);
+            }
             let mut h = [0u8; REQUEST_BYTES];
             self.stream.read_exact(&mut h)?;
             self.received = Instant::now();
             let Some(req) = Request::decode(&h) else {
-                return Ok(()); // bad magic: the stream is out of step; close
+                return Ok(Ended::Closed); // bad magic: out of step; close
             };
             if req.command == CMD_DISC {
-                return Ok(());
+                return Ok(Ended::Closed);
             }
             self.request(req)?;
+        }
+    }
+
+    /// At a request boundary with nothing buffered, wait for the next
+    /// request's first bytes where the thread may be given up.
+    ///
+    /// **Returns:** `Some(Ended::Idle)` when it should be (nothing of the
+    /// stream has been consumed); `None` when bytes arrived or there was
+    /// nothing to wait for here.
+    fn await_request(&mut self) -> io::Result<Option<Ended>> {
+        if self.park_after.is_none() || !self.stream.buffer().is_empty() {
+            return Ok(None);
+        }
+        self.stream.get_mut().park_after = self.park_after;
+        let r = self.stream.fill_buf().map(|_| ());
+        let cr = self.stream.get_mut();
+        cr.park_after = None;
+        match r {
+            Err(e) if is_park_signal(&e) => {
+                let Phase::Header { since } = cr.phase else {
+                    unreachable!("a header is awaited");
+                };
+                let idle = self.conn.limits.idle_timeout;
+                Ok(Some(Ended::Idle {
+                    deadline: idle.map(|i| since + i),
+                }))
+            }
+            Err(e) => Err(e),
+            Ok(()) => Ok(None),
         }
     }
 

@@ -28,6 +28,7 @@ pub(crate) mod conn;
 pub(crate) mod device;
 pub(crate) mod export;
 pub(crate) mod handshake;
+pub(crate) mod park;
 pub(crate) mod peer;
 pub(crate) mod rate;
 pub(crate) mod serve;

@@ -17,7 +17,8 @@
 use crate::error::{Error, Result};
 use crate::server::conn::{self, ConnEnv, ConnLimits};
 use crate::server::export::{Catalog, Export, ExportState, ExportVolume};
-use crate::server::handshake::{self, HsEnv, Outcome};
+use crate::server::handshake::{self, HsEnv, Negotiated, Outcome};
+use crate::server::park::{Parking, Wake};
 use crate::server::peer::Origin;
 use crate::server::shares::{ShareLimits, Shares, Slot};
 use crate::stats::{Counters, Stats};
@@ -203,6 +204,8 @@ struct Shared {
     opts: ServerOptions,
     stopping: AtomicBool,
     conns: Mutex<Vec<ConnEntry>>,
+    /// Where idle connections in transmission wait without a thread.
+    parking: Arc<Parking<Session>>,
 }
 
 /// An NBD server exporting crypt targets, one per export.
@@ -353,6 +356,16 @@ impl Server {
             bound.left.give_back();
             return Err(e);
         }
+        let parking = match Parking::start(resume_session) {
+            Ok(p) => p,
+            Err(source) => {
+                bound.left.give_back();
+                return Err(Error::Listen {
+                    addr: "the idle connections' epoll".into(),
+                    source,
+                });
+            }
+        };
         let Listening {
             addresses,
             listeners: acceptors,
@@ -373,6 +386,7 @@ impl Server {
             opts,
             stopping: AtomicBool::new(false),
             conns: Mutex::new(Vec::new()),
+            parking,
         });
         let mut server = Server {
             shared,
@@ -616,6 +630,9 @@ impl Server {
             let _ = h.join();
         }
         self.left.give_back();
+        // No connection is resumed after this (each parked one is closed
+        // here), so every thread serving one is in `conns` below.
+        self.shared.parking.stop();
         let conns = std::mem::take(&mut *self.shared.conns.lock());
         for c in &conns {
             c.t.shutdown();
@@ -859,13 +876,22 @@ fn unix_origin(u: &std::os::unix::net::UnixStream) -> Origin {
     }
 }
 
-/// Gives a connection's count back when its thread ends, by returning or
-/// by a panic.
-struct Open<'a>(&'a Counters);
+/// Gives a connection's count back when it ends (its thread returns or
+/// panics, or it is closed while parked).
+struct Open(Arc<Counters>);
 
-impl Drop for Open<'_> {
+impl Drop for Open {
     fn drop(&mut self) {
         self.0.open.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Join the threads of `conns` that have ended.
+fn reap(conns: &mut Vec<ConnEntry>) {
+    let (done, live): (Vec<_>, Vec<_>) = conns.drain(..).partition(|c| c.thread.is_finished());
+    *conns = live;
+    for c in done {
+        let _ = c.thread.join();
     }
 }
 
@@ -881,19 +907,14 @@ fn start_connection(s: &Arc<Shared>, t: Arc<Transport>, origin: Origin) {
     };
     s.counters.open.fetch_add(1, Ordering::AcqRel);
     let mut conns = s.conns.lock();
-    // Join the connections that have ended.
-    let (done, live): (Vec<_>, Vec<_>) = conns.drain(..).partition(|c| c.thread.is_finished());
-    *conns = live;
-    for c in done {
-        let _ = c.thread.join();
-    }
+    reap(&mut conns);
     let s2 = Arc::clone(s);
     let t2 = Arc::clone(&t);
     match std::thread::Builder::new()
         .name("nbd-conn".into())
         .spawn(move || {
-            let _open = Open(&s2.counters);
-            serve_connection(&s2, &t2, place, origin);
+            let open = Open(Arc::clone(&s2.counters));
+            serve_connection(&s2, &t2, place, origin, open);
         }) {
         Ok(thread) => conns.push(ConnEntry { t, thread }),
         Err(e) => {
@@ -908,7 +929,13 @@ fn start_connection(s: &Arc<Shared>, t: Arc<Transport>, origin: Origin) {
 #[cfg(test)]
 pub(crate) static PANIC_NEXT_CONNECTION: AtomicBool = AtomicBool::new(false);
 
-fn serve_connection(s: &Shared, t: &Arc<Transport>, mut place: Slot, origin: Origin) {
+fn serve_connection(
+    s: &Arc<Shared>,
+    t: &Arc<Transport>,
+    mut place: Slot,
+    origin: Origin,
+    open: Open,
+) {
     if s.stopping.load(Ordering::SeqCst) {
         return;
     }
@@ -929,28 +956,7 @@ fn serve_connection(s: &Shared, t: &Arc<Transport>, mut place: Slot, origin: Ori
                 s.counters.tls_sessions.fetch_add(1, Ordering::Relaxed);
             }
             s.counters.sessions.fetch_add(1, Ordering::Relaxed);
-            let slot = &s.exports.slots[i];
-            let live = slot.get().expect("the handshake opened the export");
-            slot.active.fetch_add(1, Ordering::Relaxed);
-            let env = ConnEnv {
-                export: &live.info,
-                device: &live.device,
-                counters: &slot.counters,
-                buffers: &live.buffers,
-                budget: place.budget(),
-                busy: place.busy(),
-                rate: &slot.rate,
-                zeros: &s.zeros,
-                limits: ConnLimits {
-                    reply_timeout: s.opts.reply_timeout,
-                    idle_timeout: s.opts.idle_timeout,
-                    budget_wait: s.opts.reply_timeout,
-                },
-                structured: agreed.structured,
-                allocation_context: agreed.allocation_context,
-            };
-            conn::transmit(Arc::clone(t), &env);
-            slot.active.fetch_sub(1, Ordering::Relaxed);
+            run_session(Session::new(s, t, place, i, agreed, open));
         }
         Ok(Outcome::Close) => {
             t.close_tls();
@@ -970,6 +976,131 @@ fn serve_connection(s: &Shared, t: &Arc<Transport>, mut place: Slot, origin: Ori
             }
             t.shutdown();
         }
+    }
+}
+
+/// A connection in transmission and all it holds: served by one thread
+/// at a time, or parked with none (`park.rs`). Dropping it — its thread
+/// returning or panicking, or closing it while parked — gives everything
+/// back.
+struct Session {
+    s: Arc<Shared>,
+    t: Arc<Transport>,
+    /// Its place in the connection pool, and its peer's budget.
+    place: Slot,
+    /// The export it is on (an index into the catalog, which is open).
+    export: usize,
+    agreed: Negotiated,
+    conn: Arc<conn::Conn>,
+    _open: Open,
+}
+
+impl Session {
+    fn new(
+        s: &Arc<Shared>,
+        t: &Arc<Transport>,
+        place: Slot,
+        export: usize,
+        agreed: Negotiated,
+        open: Open,
+    ) -> Session {
+        s.exports.slots[export]
+            .active
+            .fetch_add(1, Ordering::Relaxed);
+        let conn = conn::open(Arc::clone(t), &env_of(s, export, &place, &agreed));
+        Session {
+            s: Arc::clone(s),
+            t: Arc::clone(t),
+            place,
+            export,
+            agreed,
+            conn,
+            _open: open,
+        }
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // Closed already unless dropped unserved (a thread that could not
+        // start): shutting a socket down twice is harmless.
+        self.t.shutdown();
+        self.s.exports.slots[self.export]
+            .active
+            .fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// What a connection on export `i` shares with the rest of the server.
+fn env_of<'a>(s: &'a Shared, i: usize, place: &Slot, agreed: &Negotiated) -> ConnEnv<'a> {
+    let slot = &s.exports.slots[i];
+    let live = slot.get().expect("the handshake opened the export");
+    ConnEnv {
+        export: &live.info,
+        device: &live.device,
+        counters: &slot.counters,
+        buffers: &live.buffers,
+        budget: place.budget(),
+        busy: place.busy(),
+        rate: &slot.rate,
+        zeros: &s.zeros,
+        limits: ConnLimits {
+            reply_timeout: s.opts.reply_timeout,
+            idle_timeout: s.opts.idle_timeout,
+            budget_wait: s.opts.reply_timeout,
+        },
+        structured: agreed.structured,
+        allocation_context: agreed.allocation_context,
+    }
+}
+
+/// Serve `session` on this thread until it closes or falls idle; an idle
+/// one is parked (its thread then ends), unless the server stops.
+fn run_session(mut session: Session) {
+    let mut park = true;
+    loop {
+        let ended = {
+            let env = env_of(&session.s, session.export, &session.place, &session.agreed);
+            let stopping = session.s.stopping.load(Ordering::SeqCst);
+            let park_after = (park && !stopping).then_some(conn::PARK_AFTER);
+            conn::transmit(&session.conn, &env, park_after)
+        };
+        let conn::Ended::Idle { deadline } = ended else {
+            return;
+        };
+        let parking = Arc::clone(&session.s.parking);
+        match parking.park(session.t.raw_fd(), deadline, session) {
+            Ok(()) => return,
+            // Stopping, or the socket cannot be watched: served here.
+            Err(back) => {
+                session = back;
+                park = false;
+            }
+        }
+    }
+}
+
+/// A parked connection's turn (see [`Parking`]): input gets it a thread
+/// again; its idle deadline or the server's stop closes it (nothing is in
+/// flight).
+fn resume_session(session: Session, why: Wake) {
+    match why {
+        Wake::Ready => {
+            let s = Arc::clone(&session.s);
+            let t = Arc::clone(&session.t);
+            let mut conns = s.conns.lock();
+            reap(&mut conns);
+            match std::thread::Builder::new()
+                .name("nbd-conn".into())
+                .spawn(move || run_session(session))
+            {
+                Ok(thread) => conns.push(ConnEntry { t, thread }),
+                // The session went with the closure: dropped, closed.
+                Err(e) => eprintln!("iopages-nbd: cannot start a connection thread: {e}"),
+            }
+        }
+        Wake::Idle => conn::close(&session.conn, true),
+        Wake::Stop => conn::close(&session.conn, false),
     }
 }
 

@@ -50,6 +50,12 @@ impl Transport {
         })
     }
 
+    /// The socket's descriptor (for watching it while the connection is
+    /// parked; the transport keeps it open).
+    pub(crate) fn raw_fd(&self) -> std::os::fd::RawFd {
+        self.sock.as_raw_fd()
+    }
+
     /// Whether the session runs under TLS.
     pub(crate) fn is_tls(&self) -> bool {
         self.tls.get().is_some()
