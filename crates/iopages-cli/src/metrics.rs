@@ -439,6 +439,12 @@ fn server(f: &mut Families<'_>, t: &Stats) {
         t.open_connections,
     );
     f.one(
+        "iopages_connections_parked",
+        "Connections in transmission idle and waiting without a thread of their own.",
+        Gauge,
+        t.parked_connections,
+    );
+    f.one(
         "iopages_connections",
         "Connections accepted.",
         Counter,

@@ -1,7 +1,8 @@
 //! The raw system calls of the `iopages` command, each wrapped once.
 //!
 //! Owns: every `libc` call the command makes that needs `unsafe` (signal
-//! masks and waits, `poll`, `getrandom`, `flock`, descriptor flags and the
+//! masks and waits, `poll`, `getrandom`, `flock`, the open files limit,
+//! descriptor flags and the
 //! socket queries of socket activation), each behind a safe function that
 //! turns `-1` into [`std::io::Error::last_os_error`] and states once, in
 //! its `// SAFETY:` comment, why the call is sound. Callers decide what an
@@ -99,6 +100,26 @@ pub fn flock(fd: RawFd, op: libc::c_int) -> io::Result<()> {
     // SAFETY: flock takes a descriptor number and no memory; on a number
     // that is not open it fails with EBADF.
     check(unsafe { libc::flock(fd, op) }).map(drop)
+}
+
+/// Raise this process's soft limit on open files to its hard limit
+/// (`RLIMIT_NOFILE`): each connection holds two descriptors, its socket
+/// and its wake-up eventfd.
+///
+/// **Returns:** the soft limit now in force.
+pub fn raise_open_files() -> io::Result<u64> {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into the live local `r`.
+    check(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) })?;
+    if r.rlim_cur < r.rlim_max {
+        r.rlim_cur = r.rlim_max;
+        // SAFETY: setrlimit only reads the live local `r`.
+        check(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &r) })?;
+    }
+    Ok(r.rlim_cur as u64)
 }
 
 /// The descriptor flags of `fd` (`fcntl(F_GETFD)`).

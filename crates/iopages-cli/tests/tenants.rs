@@ -15,18 +15,23 @@
 //! subjects against two exports (two servers: `--tls-psk` and
 //! `--tls-certificates` exclude each other on one); uid and gid rules over
 //! a Unix socket (children run as other users: needs root); a lazy export
-//! whose remote store is down at first use. nbdinfo and nbdkit are
+//! whose remote store is down at first use; a thousand connections from
+//! a thousand addresses, some busy, on a few threads. nbdinfo and nbdkit are
 //! outside tools: where one is missing the test says so and returns,
 //! except under `CI=true`, where a missing one fails.
 
 mod common;
 
 use common::{export_table as export, luks2_image, serve_cmd, tools, Dir, Served};
-use iopages_testkit::hostile::{read_latencies, silent, unread_reads, zero_flood, NbdClient};
+use iopages_testkit::hostile::{
+    peer_ip, raise_open_files, read_latencies, silent, unread_reads, zero_flood, Cmd, NbdClient,
+};
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The polite client's address.
@@ -675,5 +680,128 @@ fn a_lazy_export_whose_store_was_down_opens_once_the_store_is_back() {
     };
     assert_eq!(size.trim(), "8388608");
     assert_eq!(s.metric(state), 1.0, "open");
+    s.srv.stop();
+}
+
+/// The server's tasks (`/proc/PID/task`: its threads, io_uring's io-wq
+/// workers included).
+fn tasks(pid: i32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .expect("the server's /proc entry")
+        .count()
+}
+
+/// `n` clients in transmission, from `peer_ip(first..first + n)`, opened
+/// by 4 threads at once.
+fn open_clients(addr: SocketAddr, first: usize, n: usize) -> Vec<NbdClient> {
+    let per = n.div_ceil(4);
+    let threads: Vec<_> = (0..4)
+        .map(|k| {
+            std::thread::spawn(move || {
+                (first + k * per..(first + (k + 1) * per).min(first + n))
+                    .map(|i| {
+                        NbdClient::connect(peer_ip(i), addr, EXPORT)
+                            .unwrap_or_else(|e| panic!("client {i} ({}): {e}", peer_ip(i)))
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    threads
+        .into_iter()
+        .flat_map(|t| t.join().expect("a connecting thread"))
+        .collect()
+}
+
+/// A client reading 4 KiB at 0 over and over until `stop`, checking each
+/// read against `want`; the reads done are counted in `done`. The thread
+/// gives the client back (still connected).
+fn keep_reading(
+    mut c: NbdClient,
+    want: Arc<Vec<u8>>,
+    stop: Arc<AtomicBool>,
+    done: Arc<AtomicU64>,
+) -> std::thread::JoinHandle<NbdClient> {
+    std::thread::spawn(move || {
+        while !stop.load(Ordering::Relaxed) {
+            let got = c.read_at(0, 4096).expect("a busy client's read");
+            assert!(got == want[..], "a busy client read other data");
+            done.fetch_add(1, Ordering::Relaxed);
+        }
+        c
+    })
+}
+
+#[test]
+fn a_thousand_connections_from_a_thousand_addresses_run_on_a_few_threads() {
+    let files = raise_open_files().expect("the open files limit");
+    assert!(
+        files >= 1200,
+        "this test holds 1000 sockets: ulimit -n is {files}"
+    );
+    let dir = Dir::new("thousand");
+    let mut cmd = serve_cmd();
+    cmd.args(["--size", "16M", "--arena", "64M", "--listen", "127.0.0.1:0"])
+        .args(["--max-connections", "1100"]);
+    let s = Server::start(cmd, &dir, "serve");
+    let (addr, pid) = (s.tcp(), s.srv.pid());
+    let want = Arc::new((0..4096u32).map(|i| (i * 7 + 3) as u8).collect::<Vec<u8>>());
+    let mut polite = NbdClient::connect(POLITE, addr, EXPORT).unwrap();
+    polite.send(Cmd::Write, 0, 4096, &want).unwrap();
+    assert_eq!(
+        polite.reply().unwrap().error,
+        0,
+        "the polite client's write"
+    );
+    let mut clients = open_clients(addr, 0, 1000);
+    assert_eq!(s.metric("iopages_connections_open"), 1001.0);
+    // Two stay busy; the others (and the polite client) fall idle.
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let busy: Vec<_> = clients
+        .drain(..2)
+        .map(|c| keep_reading(c, Arc::clone(&want), Arc::clone(&stop), Arc::clone(&done)))
+        .collect();
+    s.await_metric("iopages_connections_parked", "all 999 idle ones", |v| {
+        v >= 999.0
+    });
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let n = tasks(pid);
+    assert!(
+        n <= 2 * cores + 8,
+        "{n} tasks serve 1001 connections, 2 of them busy, on {cores} cores"
+    );
+    // Every idle connection is still served, each read the data written.
+    for (i, c) in clients.iter_mut().enumerate() {
+        let got = c
+            .read_at(0, 4096)
+            .unwrap_or_else(|e| panic!("client {i}: {e}"));
+        assert!(got == want[..], "client {i} read other data");
+    }
+    assert_eq!(polite.read_at(0, 4096).unwrap(), *want);
+    let before = done.load(Ordering::Relaxed);
+    let t = Instant::now();
+    while done.load(Ordering::Relaxed) < before + 100 {
+        assert!(
+            t.elapsed() < LIVENESS,
+            "the busy clients stopped being served"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    stop.store(true, Ordering::Relaxed);
+    clients.extend(busy.into_iter().map(|b| b.join().expect("a busy client")));
+    // They fall idle again, and the tasks stay few.
+    s.await_metric("iopages_connections_parked", "all 1001 idle", |v| {
+        v >= 1001.0
+    });
+    let n = tasks(pid);
+    assert!(n <= 2 * cores + 8, "{n} tasks hold 1001 idle connections");
+    assert_eq!(s.metric("iopages_connections_open"), 1001.0);
+    drop(clients);
+    drop(polite);
+    s.await_metric("iopages_connections_open", "0 once the clients left", |v| {
+        v == 0.0
+    });
+    assert_eq!(s.metric("iopages_connections_parked"), 0.0);
     s.srv.stop();
 }

@@ -60,6 +60,9 @@ pub struct Stats {
     pub buffers: BufferStats,
     /// Connections open now (handshake or transmission).
     pub open_connections: u64,
+    /// Of those, connections in transmission idle and waiting without a
+    /// thread (nothing in flight; see `PARK_AFTER`).
+    pub parked_connections: u64,
     /// Connections refused because `max_connections` were in
     /// transmission and the client's peer held its share.
     pub refused_connections: u64,
@@ -175,6 +178,7 @@ impl Stats {
         self.buffers.arena_vmalloc += o.buffers.arena_vmalloc;
         self.buffers.heap += o.buffers.heap;
         self.open_connections += o.open_connections;
+        self.parked_connections += o.parked_connections;
         self.refused_connections += o.refused_connections;
         self.handshake_timeouts += o.handshake_timeouts;
         self.tls_sessions += o.tls_sessions;
@@ -501,6 +505,7 @@ impl Counters {
             other: self.other.get(),
             buffers: BufferStats::default(),
             open_connections: self.open.load(Ordering::Relaxed),
+            parked_connections: 0,
             // The server's figure comes from its shares.
             refused_connections: 0,
             handshake_timeouts: self.handshake_timeouts.load(Ordering::Relaxed),

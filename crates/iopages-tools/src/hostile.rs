@@ -49,6 +49,36 @@ fn sockaddr_in(ip: Ipv4Addr, port: u16) -> libc::sockaddr_in {
     }
 }
 
+/// The address of the `i`th of many peers of their own: 127.0.x.y with y
+/// in 2..=251 (127.0.0.1 is the polite client's), the whole of 127/8
+/// being loopback on Linux.
+pub fn peer_ip(i: usize) -> Ipv4Addr {
+    Ipv4Addr::new(127, 0, (i / 250) as u8, 2 + (i % 250) as u8)
+}
+
+/// Raise this process's soft limit on open files to its hard limit (a
+/// test holding a thousand connections needs more than the usual 1024).
+///
+/// **Returns:** the soft limit now in force.
+pub fn raise_open_files() -> io::Result<u64> {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into the live local `r`.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if r.rlim_cur < r.rlim_max {
+        r.rlim_cur = r.rlim_max;
+        // SAFETY: setrlimit only reads the live local `r`.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &r) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(r.rlim_cur as u64)
+}
+
 /// A TCP connection to `server` from `local_ip` (any port): socket, bind,
 /// then connect, which std cannot do in this order.
 ///

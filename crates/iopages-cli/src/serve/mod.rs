@@ -58,6 +58,7 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
     if a.handshake_timeout == 0 {
         return Err("--handshake-timeout must be at least 1 second".into());
     }
+    check_open_files(server_opts.max_connections + server_opts.max_handshakes);
     let signals = signals::block_signals();
     let opts = args::volume_options(&a);
     let volumes: Volumes = Arc::new(parking_lot::Mutex::new(Vec::new()));
@@ -75,6 +76,21 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
     flush_stdout();
     drop(generated);
     run(&a, server, metrics, &signals, &volumes)
+}
+
+/// Raise the open files limit as far as allowed, and say so when it is
+/// still short of what `connections` open at once need (two descriptors
+/// each, and some for the volumes and listeners): the server still
+/// starts, and a connection over the limit is refused at `accept`.
+fn check_open_files(connections: usize) {
+    let need = 2 * connections as u64 + 64;
+    match crate::sys::raise_open_files() {
+        Ok(have) if have < need => eprintln!(
+            "iopages: warning: {connections} connections at once need about {need} open files; the limit is {have} (ulimit -n, LimitNOFILE=)"
+        ),
+        Ok(_) => {}
+        Err(e) => eprintln!("iopages: warning: cannot read the open files limit: {e}"),
+    }
 }
 
 /// Where to listen: `--listen` and `--unix`; else the file's `listen`

@@ -660,6 +660,7 @@ fn stats_of(shared: &Shared) -> Stats {
         }
         s.add(&e);
     }
+    s.parked_connections = shared.parking.parked() as u64;
     let sh = shared.shares.snapshot();
     s.budget_used_bytes = sh.bytes;
     s.peers = crate::stats::PeerStats {
