@@ -119,7 +119,7 @@ pub fn raise_open_files() -> io::Result<u64> {
         // SAFETY: setrlimit only reads the live local `r`.
         check(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &r) })?;
     }
-    Ok(r.rlim_cur as u64)
+    Ok(r.rlim_cur)
 }
 
 /// The descriptor flags of `fd` (`fcntl(F_GETFD)`).

@@ -691,6 +691,13 @@ fn tasks(pid: i32) -> usize {
         .count()
 }
 
+/// The server's tasks are at most 2 per core and 8 more, holding `what`.
+fn few_tasks(pid: i32, what: &str) {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let n = tasks(pid);
+    assert!(n <= 2 * cores + 8, "{n} tasks on {cores} cores hold {what}");
+}
+
 /// `n` clients in transmission, from `peer_ip(first..first + n)`, opened
 /// by 4 threads at once.
 fn open_clients(addr: SocketAddr, first: usize, n: usize) -> Vec<NbdClient> {
@@ -748,11 +755,7 @@ fn a_thousand_connections_from_a_thousand_addresses_run_on_a_few_threads() {
     let want = Arc::new((0..4096u32).map(|i| (i * 7 + 3) as u8).collect::<Vec<u8>>());
     let mut polite = NbdClient::connect(POLITE, addr, EXPORT).unwrap();
     polite.send(Cmd::Write, 0, 4096, &want).unwrap();
-    assert_eq!(
-        polite.reply().unwrap().error,
-        0,
-        "the polite client's write"
-    );
+    assert_eq!(polite.reply().unwrap().error, 0, "a write");
     let mut clients = open_clients(addr, 0, 1000);
     assert_eq!(s.metric("iopages_connections_open"), 1001.0);
     // Two stay busy; the others (and the polite client) fall idle.
@@ -765,20 +768,12 @@ fn a_thousand_connections_from_a_thousand_addresses_run_on_a_few_threads() {
     s.await_metric("iopages_connections_parked", "all 999 idle ones", |v| {
         v >= 999.0
     });
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let n = tasks(pid);
-    assert!(
-        n <= 2 * cores + 8,
-        "{n} tasks serve 1001 connections, 2 of them busy, on {cores} cores"
-    );
+    few_tasks(pid, "1001 connections, 2 of them busy");
     // Every idle connection is still served, each read the data written.
-    for (i, c) in clients.iter_mut().enumerate() {
-        let got = c
-            .read_at(0, 4096)
-            .unwrap_or_else(|e| panic!("client {i}: {e}"));
-        assert!(got == want[..], "client {i} read other data");
+    for c in clients.iter_mut().chain([&mut polite]) {
+        let got = c.read_at(0, 4096).unwrap_or_else(|e| panic!("{e}"));
+        assert!(got == want[..], "a client read other data");
     }
-    assert_eq!(polite.read_at(0, 4096).unwrap(), *want);
     let before = done.load(Ordering::Relaxed);
     let t = Instant::now();
     while done.load(Ordering::Relaxed) < before + 100 {
@@ -794,8 +789,7 @@ fn a_thousand_connections_from_a_thousand_addresses_run_on_a_few_threads() {
     s.await_metric("iopages_connections_parked", "all 1001 idle", |v| {
         v >= 1001.0
     });
-    let n = tasks(pid);
-    assert!(n <= 2 * cores + 8, "{n} tasks hold 1001 idle connections");
+    few_tasks(pid, "1001 idle connections");
     assert_eq!(s.metric("iopages_connections_open"), 1001.0);
     drop(clients);
     drop(polite);

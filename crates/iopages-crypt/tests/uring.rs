@@ -302,6 +302,30 @@ fn target_dir_file_round_trips_with_heap_buffers() {
 }
 
 #[test]
+fn a_thread_submitting_to_the_rings_has_its_io_workers_capped() {
+    let t = TempFile::new(&target_tmp(), "iowq");
+    let f = UringFile::open(t.path(), UringOptions::default().create_size(1 << 20)).unwrap();
+    if !f.direct_io() {
+        // Buffered I/O is done with preadv/pwritev, never through a ring:
+        // this thread would have no io-wq to look at.
+        eprintln!("skipped: the target dir's file system refuses O_DIRECT");
+        return;
+    }
+    round_trips(&f, None, 20, 3);
+    match f.io_worker_limits() {
+        Ok(l) => assert_eq!(
+            l,
+            iopages_crypt::uring::IO_WORKERS,
+            "the limits of this thread's io-wq"
+        ),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            eprintln!("skipped: this kernel has no io-wq worker limit: {e}")
+        }
+        Err(e) => panic!("querying the io-wq limits: {e}"),
+    }
+}
+
+#[test]
 fn target_dir_file_round_trips_with_the_arena_as_fixed_buffers() {
     let alloc = arena();
     {

@@ -76,7 +76,7 @@ pub fn raise_open_files() -> io::Result<u64> {
             return Err(io::Error::last_os_error());
         }
     }
-    Ok(r.rlim_cur as u64)
+    Ok(r.rlim_cur)
 }
 
 /// A TCP connection to `server` from `local_ip` (any port): socket, bind,

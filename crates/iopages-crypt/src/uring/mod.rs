@@ -84,7 +84,7 @@ mod options;
 mod submit;
 
 pub(crate) use open::block_device_size;
-pub use open::probe;
+pub use open::{probe, IO_WORKERS};
 pub use options::{DirectIo, UringOptions, UringStats};
 
 use crate::backend::{Backend, Extent};
@@ -199,6 +199,21 @@ impl UringFile {
     /// Number of rings.
     pub fn nr_rings(&self) -> usize {
         self.rings.len()
+    }
+
+    /// The io_uring worker limits ([bounded, unbounded]) of the calling
+    /// thread's io-wq, as the first ring reports them: [`IO_WORKERS`]
+    /// once this thread has submitted I/O through the file; zeros before
+    /// (the thread has no io-wq yet).
+    ///
+    /// **Returns:** the kernel's error (`EINVAL` before Linux 5.15).
+    pub fn io_worker_limits(&self) -> io::Result<[u32; 2]> {
+        let mut query = [0u32; 2];
+        self.rings[0]
+            .lock()
+            .submitter()
+            .register_iowq_max_workers(&mut query)?;
+        Ok(query)
     }
 
     /// Counters since the open.

@@ -259,10 +259,22 @@ fn make_rings(path: &Path, opts: &UringOptions) -> io::Result<Vec<IoUring>> {
                     format!("io_uring setup ({n} entries): {e}{hint}"),
                 )
             })?;
+        // Best effort: kernels before 5.15 have no such limit (EINVAL).
+        let _ = ring
+            .submitter()
+            .register_iowq_max_workers(&mut IO_WORKERS.clone());
         rings.push(ring);
     }
     Ok(rings)
 }
+
+/// The most io_uring worker threads (io-wq) each thread submitting to a
+/// ring may have: bounded (file and block I/O that the kernel cannot
+/// issue without waiting) and unbounded (sockets, which these rings never
+/// carry). Without it the kernel allows up to 4 per CPU per submitting
+/// thread, so a server with a crypt worker per CPU could grow to
+/// hundreds of threads under buffered or non-`NOWAIT` I/O.
+pub const IO_WORKERS: [u32; 2] = [4, 1];
 
 /// The arena of `opts`, registered as fixed buffers on every ring where
 /// the kernel allows it (a refusal is recorded in `fallbacks`).

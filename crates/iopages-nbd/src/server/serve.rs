@@ -356,16 +356,13 @@ impl Server {
             bound.left.give_back();
             return Err(e);
         }
-        let parking = match Parking::start(resume_session) {
-            Ok(p) => p,
-            Err(source) => {
-                bound.left.give_back();
-                return Err(Error::Listen {
-                    addr: "the idle connections' epoll".into(),
-                    source,
-                });
+        let parking = Parking::start(resume_session).map_err(|source| {
+            bound.left.give_back();
+            Error::Listen {
+                addr: "the idle connections' epoll".into(),
+                source,
             }
-        };
+        })?;
         let Listening {
             addresses,
             listeners: acceptors,
