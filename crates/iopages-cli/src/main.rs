@@ -110,6 +110,14 @@ enum Command {
         /// nbd-integrity.json.
         #[arg(long)]
         integrity: bool,
+        /// nbd: only the connections row — one `iopages serve` (in-memory
+        /// volume, TCP) holding 1000 idle connections from 1000 loopback
+        /// addresses beside a polite client's 4 KiB reads, against the
+        /// same reads alone: the p99 ratio, the server's tasks and its
+        /// resident memory per idle connection. Report:
+        /// nbd-connections.json.
+        #[arg(long)]
+        connections: bool,
         /// nbd: only the tenants row — one `iopages serve` on TCP shared by
         /// fio from 127.0.0.1 and 8 hostile peers from 127.0.0.2-9 (silent
         /// sockets and unread READs, then WRITE_ZEROES floods), against fio
@@ -297,6 +305,7 @@ struct NbdFlags {
     tenants_only: bool,
     store: Option<StoreArg>,
     integrity: bool,
+    connections: bool,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -355,6 +364,7 @@ fn run(cli: Cli) -> Result<(), BenchError> {
             store,
             tenants_only,
             integrity,
+            connections,
         } => {
             let nbd = NbdFlags {
                 tls,
@@ -363,6 +373,7 @@ fn run(cli: Cli) -> Result<(), BenchError> {
                 tenants_only,
                 store,
                 integrity,
+                connections,
             };
             check_nbd_flags(experiment, nbd)?;
             let crypt_threads = check_thread_flags(
@@ -426,11 +437,15 @@ fn run_experiments(
         run_crypt(opts, crypt.0, crypt.1, crypt.2)?;
     }
     if all || experiment == Experiment::Nbd {
-        if nbd.integrity {
+        if nbd.integrity || nbd.connections {
             let me = std::env::current_exe().map_err(|e| {
                 BenchError::Workload(format!("cannot find the iopages binary to serve with: {e}"))
             })?;
-            iopages_bench::nbd_integrity::run(opts, &me)?;
+            if nbd.integrity {
+                iopages_bench::nbd_integrity::run(opts, &me)?;
+            } else {
+                iopages_bench::nbd_connections::run(opts, &me)?;
+            }
             return Ok(());
         }
         let NbdFlags {
@@ -568,6 +583,18 @@ fn check_nbd_flags(experiment: Experiment, f: NbdFlags) -> Result<(), BenchError
     {
         return Err(BenchError::Workload(
             "--integrity is a run of the nbd experiment on its own: `iopages bench nbd --integrity`".into(),
+        ));
+    }
+    if f.connections
+        && (experiment != Experiment::Nbd
+            || f.tls
+            || f.remote
+            || f.sparse_only
+            || f.tenants_only
+            || f.integrity)
+    {
+        return Err(BenchError::Workload(
+            "--connections is a run of the nbd experiment on its own: `iopages bench nbd --connections`".into(),
         ));
     }
     if f.store.is_some() && !f.remote {

@@ -4,7 +4,8 @@
 //! over a Unix socket, loaded by fio's nbd engine and by nbdcopy; and the
 //! runs built on the same parts: over a remote store (`remote`), the
 //! sparse copy (`sparse`), many tenants (`tenants`), the store's outage
-//! (`outage`) and authenticated volumes (`integrity`).
+//! (`outage`), authenticated volumes (`integrity`) and a thousand idle
+//! connections (`connections`).
 //!
 //! Owns, by file, from the bottom (each names only the files above it in
 //! this list):
@@ -24,7 +25,7 @@
 //! - `runs.rs`: `iopages bench nbd` itself — every server in turn, every
 //!   run, then the report;
 //! - `remote.rs` (with `remote/store.rs`), `sparse.rs`, `tenants.rs`,
-//!   `outage.rs` and `integrity.rs` (plain, hmac-sha256 and aead LUKS2
+//!   `connections.rs` (after `tenants.rs`), `outage.rs` and `integrity.rs` (plain, hmac-sha256 and aead LUKS2
 //!   volumes on one store, against the CPU bound of the MAC): the other
 //!   E6 runs, each sharing the parts above by design (the same loads,
 //!   image, servers and report helpers).
@@ -36,6 +37,7 @@
 //! file behind, on any path.
 
 pub(crate) mod common;
+pub mod connections;
 pub(crate) mod files;
 pub(crate) mod fio;
 pub mod integrity;

@@ -1,0 +1,359 @@
+//! E6 connections: one `iopages serve` (its in-memory volume, plain TCP on
+//! loopback) holding a thousand idle connections from a thousand
+//! addresses, against the same server with none: what they cost it
+//! (tasks, resident memory per connection) and what they cost a polite
+//! client's 4 KiB reads (p99 latency, one read in flight).
+//!
+//! Owns: the server's start and stop, the idle connections (each after
+//! its handshake, from 127.0.x.y, so that per-peer shares admit them),
+//! the interleaved runs (alone, then beside the thousand, on the same
+//! server), the per-run ratios, the verdicts and the `nbd-connections`
+//! report. Must never: assert a figure (the verdicts are reported), take
+//! a latency from anything but the client's own clock around each read,
+//! or leave a child process or socket behind.
+//!
+//! The figures: tasks are `/proc/PID/task` (every thread of the server,
+//! io_uring's io-wq workers included); resident memory is `VmRSS` of
+//! `/proc/PID/status`, and the cost per idle connection is the growth
+//! from alone to beside them over their count; the p99 ratio is each
+//! run's p99 beside them over its p99 alone, and the median is reported.
+
+use super::common::MIB;
+use super::files::work_dirs;
+use super::server::{command_line, logs_in, spawn_logged, START_TIMEOUT};
+use super::tenants::parse_serving;
+use crate::harness::{Report, Table};
+use crate::measure::median;
+use crate::{met, progress, round2, BenchError, BenchOptions};
+use iopages_tools::hostile::{peer_ip, raise_open_files, read_latencies, NbdClient};
+use iopages_tools::{stop, tail_lines};
+use serde::Serialize;
+use serde_json::{json, Value};
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::Path;
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+/// The report's stem (`nbd-connections.json`).
+pub const STEM: &str = "nbd-connections";
+/// Idle connections beside the polite client.
+pub const IDLE: usize = 1000;
+/// Target: the polite client's p99 beside them at most this many times
+/// its p99 alone.
+pub const P99_TARGET: f64 = 2.0;
+/// Target: resident memory per idle connection, at most.
+pub const RSS_TARGET_BYTES: f64 = 64.0 * 1024.0;
+/// The export's name (the in-memory volume's).
+const EXPORT: &str = "iopages";
+/// How long the idle connections settle before the polite reads: well
+/// past the 50 ms after which a connection gives its thread up.
+const SETTLE: Duration = Duration::from_millis(500);
+
+/// One run: the polite client alone, then beside [`IDLE`] idle
+/// connections, on the same server.
+#[derive(Clone, Debug, Serialize)]
+struct RunFigures {
+    p50_alone_us: f64,
+    p99_alone_us: f64,
+    p50_idle_us: f64,
+    p99_idle_us: f64,
+    tasks_alone: usize,
+    tasks_idle: usize,
+    rss_alone_kib: u64,
+    rss_idle_kib: u64,
+    /// (rss_idle − rss_alone) / IDLE, in bytes.
+    rss_per_idle_bytes: f64,
+    /// How long opening the idle connections took (handshakes included).
+    open_s: f64,
+}
+
+/// The `p`th percentile (0–100) of `v` in µs (nearest rank).
+fn percentile_us(v: &[Duration], p: f64) -> f64 {
+    let mut us: Vec<f64> = v.iter().map(|d| d.as_secs_f64() * 1e6).collect();
+    us.sort_by(f64::total_cmp);
+    let rank = ((p / 100.0) * us.len() as f64).ceil() as usize;
+    us[rank.clamp(1, us.len()) - 1]
+}
+
+/// The server's tasks and resident KiB now.
+fn usage(pid: u32) -> (usize, u64) {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).map_or(0, |d| d.count());
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    (tasks, vm_rss_kib(&status).unwrap_or(0))
+}
+
+/// `VmRSS` of a `/proc/PID/status` text, in KiB.
+pub fn vm_rss_kib(status: &str) -> Option<u64> {
+    let l = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    l.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// `n` idle clients in transmission from `peer_ip(0..n)`, opened by 4
+/// threads at once.
+fn open_idle(addr: SocketAddr, n: usize) -> Result<Vec<NbdClient>, String> {
+    let per = n.div_ceil(4);
+    let threads: Vec<_> = (0..4)
+        .map(|k| {
+            std::thread::spawn(move || {
+                (k * per..((k + 1) * per).min(n))
+                    .map(|i| {
+                        NbdClient::connect(peer_ip(i), addr, EXPORT)
+                            .map_err(|e| format!("idle connection {i} from {}: {e}", peer_ip(i)))
+                    })
+                    .collect::<Result<Vec<_>, String>>()
+            })
+        })
+        .collect();
+    let mut out = Vec::with_capacity(n);
+    for t in threads {
+        out.extend(t.join().map_err(|_| "a connecting thread panicked")??);
+    }
+    Ok(out)
+}
+
+/// The server: `iopages serve` on its in-memory volume, loopback TCP.
+struct Served {
+    child: Option<Child>,
+    addr: SocketAddr,
+    command: String,
+}
+
+impl Served {
+    fn start(iopages_bin: &Path, work: &Path) -> Result<Served, String> {
+        let (out, err) = logs_in(work, "serve");
+        let mut cmd = Command::new(iopages_bin);
+        cmd.args(["serve", "--size", "64M", "--arena", "128M"])
+            .args(["--listen", "127.0.0.1:0", "--max-connections"])
+            .arg((IDLE + 100).to_string());
+        let command = command_line(&cmd);
+        let child = spawn_logged(&mut cmd, work, &out, &err)
+            .map_err(|e| format!("cannot start iopages serve ({command}): {e}"))?;
+        let mut s = Served {
+            child: Some(child),
+            addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            command,
+        };
+        let t = Instant::now();
+        loop {
+            let text = std::fs::read_to_string(&out).unwrap_or_default();
+            if let Some(a) = parse_serving(&text, EXPORT) {
+                s.addr = a;
+                return Ok(s);
+            }
+            let exited = s.child.as_mut().and_then(|c| c.try_wait().ok().flatten());
+            if exited.is_some() || t.elapsed() > START_TIMEOUT {
+                let why = std::fs::read_to_string(&err).unwrap_or_default();
+                return Err(format!("iopages serve did not start: {}", tail_lines(&why)));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, Child::id)
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            stop(&mut c, Duration::from_secs(10));
+        }
+    }
+}
+
+/// One run on `srv`: `reads` polite reads alone, then the idle
+/// connections opened and settled, the same reads beside them, and the
+/// idle connections closed.
+fn one_run(srv: &Served, polite: &mut NbdClient, reads: usize) -> Result<RunFigures, String> {
+    let pid = srv.pid();
+    let lat = |c: &mut NbdClient| read_latencies(c, reads).map_err(|e| format!("polite read: {e}"));
+    let alone = lat(polite)?;
+    let (tasks_alone, rss_alone) = usage(pid);
+    let t = Instant::now();
+    let idle = open_idle(srv.addr, IDLE)?;
+    let open_s = t.elapsed().as_secs_f64();
+    std::thread::sleep(SETTLE);
+    let beside = lat(polite)?;
+    let (tasks_idle, rss_idle) = usage(pid);
+    drop(idle);
+    // The server closes them as their hang-ups arrive.
+    std::thread::sleep(SETTLE);
+    Ok(RunFigures {
+        p50_alone_us: round2(percentile_us(&alone, 50.0)),
+        p99_alone_us: round2(percentile_us(&alone, 99.0)),
+        p50_idle_us: round2(percentile_us(&beside, 50.0)),
+        p99_idle_us: round2(percentile_us(&beside, 99.0)),
+        tasks_alone,
+        tasks_idle,
+        rss_alone_kib: rss_alone,
+        rss_idle_kib: rss_idle,
+        rss_per_idle_bytes: round2((rss_idle as f64 - rss_alone as f64) * 1024.0 / IDLE as f64),
+        open_s: round2(open_s),
+    })
+}
+
+/// What the runs give, against the targets.
+#[derive(Clone, Debug, Serialize)]
+struct Summary {
+    p99_ratio_median: f64,
+    p99_ratio_runs: Vec<f64>,
+    p99_target: f64,
+    p99_met: bool,
+    tasks_idle_max: usize,
+    tasks_bound: usize,
+    tasks_met: bool,
+    rss_per_idle_bytes_median: f64,
+    /// The first run's: the cold cost (later runs reuse memory the
+    /// first left behind: freed heap, glibc's cache of thread stacks).
+    rss_per_idle_bytes_first: f64,
+    rss_target_bytes: f64,
+    rss_met: bool,
+}
+
+fn summarise(runs: &[RunFigures]) -> Summary {
+    let ratios: Vec<f64> = runs
+        .iter()
+        .map(|r| round2(r.p99_idle_us / r.p99_alone_us))
+        .collect();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let tasks_idle_max = runs.iter().map(|r| r.tasks_idle).max().unwrap_or(0);
+    let rss: Vec<f64> = runs.iter().map(|r| r.rss_per_idle_bytes).collect();
+    let p99 = median(&ratios);
+    let rss_median = median(&rss);
+    Summary {
+        p99_ratio_median: round2(p99),
+        p99_ratio_runs: ratios,
+        p99_target: P99_TARGET,
+        p99_met: p99 <= P99_TARGET,
+        tasks_idle_max,
+        tasks_bound: 2 * cores + 8,
+        tasks_met: tasks_idle_max <= 2 * cores + 8,
+        rss_per_idle_bytes_median: round2(rss_median),
+        rss_per_idle_bytes_first: rss.first().copied().unwrap_or(0.0),
+        rss_target_bytes: RSS_TARGET_BYTES,
+        rss_met: rss_median <= RSS_TARGET_BYTES
+            && rss.first().is_none_or(|&f| f <= RSS_TARGET_BYTES),
+    }
+}
+
+fn print_table(runs: &[RunFigures], s: &Summary) {
+    let mut t = Table::new(format!(
+        "E6 connections: a polite client's 4 KiB reads alone and beside {IDLE} idle connections"
+    ));
+    t.row([
+        "run",
+        "p50 alone µs",
+        "p99 alone µs",
+        "p50 idle µs",
+        "p99 idle µs",
+        "tasks",
+        "RSS/conn B",
+    ]);
+    for (i, r) in runs.iter().enumerate() {
+        t.row([
+            (i + 1).to_string(),
+            format!("{:.1}", r.p50_alone_us),
+            format!("{:.1}", r.p99_alone_us),
+            format!("{:.1}", r.p50_idle_us),
+            format!("{:.1}", r.p99_idle_us),
+            format!("{} / {}", r.tasks_alone, r.tasks_idle),
+            format!("{:.0}", r.rss_per_idle_bytes),
+        ]);
+    }
+    t.line(format!(
+        "p99 beside / alone, median {:.2} (target <= {P99_TARGET}: {}); tasks beside {} (bound 2 x cores + 8 = {}: {}); RSS per idle connection {:.0} B, first run {:.0} B (target <= {RSS_TARGET_BYTES} in both: {})",
+        s.p99_ratio_median,
+        met(s.p99_met),
+        s.tasks_idle_max,
+        s.tasks_bound,
+        met(s.tasks_met),
+        s.rss_per_idle_bytes_median,
+        s.rss_per_idle_bytes_first,
+        met(s.rss_met)
+    ));
+    t.print();
+}
+
+/// `iopages bench nbd --connections`: `iopages_bin`'s `serve` measured.
+///
+/// **Returns:** the report; Err when the server does not start or dies,
+/// or a connection or read fails (nothing is reported then).
+pub fn run(opts: &BenchOptions, iopages_bin: &Path) -> Result<Value, BenchError> {
+    let workload = BenchError::Workload;
+    let (runs, reads) = if opts.quick { (2, 2000) } else { (5, 20_000) };
+    let files = raise_open_files().map_err(|e| workload(format!("open files limit: {e}")))?;
+    if files < IDLE as u64 + 100 {
+        return Err(workload(format!(
+            "{IDLE} connections need more open files than the limit of {files} (ulimit -n)"
+        )));
+    }
+    let (json_path, _) = opts.paths(STEM);
+    let (work, _socks, _dirs) = work_dirs(iopages_bin, &json_path, STEM)?;
+    progress(
+        STEM,
+        format!(
+            "{runs} run(s): {reads} polite 4 KiB reads alone, then beside {IDLE} idle connections"
+        ),
+    );
+    let srv = Served::start(iopages_bin, &work).map_err(workload)?;
+    let mut polite = NbdClient::connect(Ipv4Addr::LOCALHOST, srv.addr, EXPORT)
+        .map_err(|e| workload(format!("the polite client: {e}")))?;
+    let mut figures = Vec::new();
+    for run in 0..runs {
+        let r = one_run(&srv, &mut polite, reads).map_err(workload)?;
+        progress(
+            STEM,
+            format!(
+                "run {}/{runs}: p99 {:.1} µs alone, {:.1} µs beside; tasks {} / {}; {:.0} B per idle connection",
+                run + 1,
+                r.p99_alone_us,
+                r.p99_idle_us,
+                r.tasks_alone,
+                r.tasks_idle,
+                r.rss_per_idle_bytes
+            ),
+        );
+        figures.push(r);
+    }
+    drop(polite);
+    let command = srv.command.clone();
+    drop(srv);
+    let s = summarise(&figures);
+    print_table(&figures, &s);
+    let settings = json!({
+        "runs": runs,
+        "reads_per_probe": reads,
+        "idle_connections": IDLE,
+        "export_bytes": 64 * MIB,
+        "server": command,
+        "quick": opts.quick,
+    });
+    Report::new(
+        "E6 nbd connections",
+        settings,
+        json!({ "runs": figures, "summary": s }),
+    )
+    .stem(STEM)
+    .emit(opts, &[])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vm_rss_is_read_in_kib() {
+        let s = "Name:\tiopages\nVmHWM:\t  9000 kB\nVmRSS:\t   12345 kB\nThreads:\t5\n";
+        assert_eq!(vm_rss_kib(s), Some(12345));
+        assert_eq!(vm_rss_kib("Name:\tx\n"), None);
+    }
+
+    #[test]
+    fn percentiles_take_the_nearest_rank() {
+        let v: Vec<Duration> = (1..=100u64).map(Duration::from_micros).collect();
+        assert_eq!(percentile_us(&v, 99.0), 99.0);
+        assert_eq!(percentile_us(&v, 50.0), 50.0);
+        assert_eq!(percentile_us(&v[..1], 99.0), 1.0);
+    }
+}
