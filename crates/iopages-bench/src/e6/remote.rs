@@ -25,7 +25,7 @@ use super::measure::{load_sample_at, LoadTarget, Results};
 use super::server::command_line;
 use super::tools::{parse_size, probe, Tools};
 use crate::harness::{Report, Table};
-use crate::measure::per_run_ratio;
+use crate::measure::{median, per_run_ratio};
 use crate::{met, progress, round2, BenchError, BenchOptions};
 use iopages_tools::{die_with_parent, run_tool, stop, tail_lines, wait_for_socket};
 use serde::Serialize;
@@ -40,8 +40,10 @@ use super::files::LUKS_HEADER_BYTES;
 use super::fio::VERIFY_BYTES;
 use super::report::{figure_lines, figures_head, rows, Row, TARGET_RATIO};
 use super::server::{OUR_EXPORT, START_TIMEOUT, STOP_TIMEOUT};
+mod cpu;
 mod store;
 
+use cpu::{CpuUse, Meter};
 pub use store::Store;
 use store::{Export, Running, LUKS_FILE, RAW_FILE};
 
@@ -120,6 +122,11 @@ pub(crate) struct Proc {
 }
 
 impl Proc {
+    /// Its process id while it runs.
+    pub(crate) fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     fn alive(&mut self) -> Result<(), String> {
         let child = self.child.as_mut().expect("running");
         match child.try_wait() {
@@ -260,8 +267,16 @@ impl Setup {
     }
 }
 
-/// One timed load on `uri`.
-fn load_sample(tools: &Tools, st: &Setup, uri: &str, load: Load) -> Result<Sample, String> {
+/// One timed load on `uri`, and the CPU it cost the store (`pids.0`), the
+/// server in front of it (`pids.1`) and the client.
+fn load_sample(
+    tools: &Tools,
+    st: &Setup,
+    uri: &str,
+    load: Load,
+    pids: (Option<u32>, Option<u32>),
+) -> Result<(Sample, CpuUse), String> {
+    let meter = Meter::start(pids.0, pids.1);
     let at = LoadTarget {
         fio: &tools.fio,
         nbdcopy: &tools.nbdcopy,
@@ -271,7 +286,10 @@ fn load_sample(tools: &Tools, st: &Setup, uri: &str, load: Load) -> Result<Sampl
         uri,
         source: &st.source,
     };
-    load_sample_at(&at, &st.plan, load)
+    let sample = load_sample_at(&at, &st.plan, load)?;
+    let fio_s = st.plan.fio_ms as f64 / 1000.0;
+    let cpu = meter.finish(load, &sample, fio_s, st.plan.dev);
+    Ok((sample, cpu))
 }
 
 /// The size `nbdinfo` sees at `uri`, which must be the volume's.
@@ -384,7 +402,7 @@ pub fn run_on(opts: &BenchOptions, iopages_bin: &Path, store: Store) -> Result<V
     }
     .map_err(workload)?;
     (st.luks, st.raw) = (remote.luks.clone(), remote.raw.clone());
-    let (mut results, checks) = measure_all(&tools, &st, iopages_bin, runs, &mut remote)?;
+    let (mut results, checks, cpu) = measure_all(&tools, &st, iopages_bin, runs, &mut remote)?;
     results[0].command = remote.command.clone();
     results[0].stops.push(remote.stop());
     let stored = Stored {
@@ -392,7 +410,12 @@ pub fn run_on(opts: &BenchOptions, iopages_bin: &Path, store: Store) -> Result<V
         settings: remote.settings.clone(),
     };
     drop(remote);
-    report(opts, &st, &stored, runs, &results, &checks, &json_path)
+    let found = Found {
+        results: &results,
+        checks: &checks,
+        cpu: &cpu,
+    };
+    report(opts, &st, &stored, runs, &found, &json_path)
 }
 
 /// Every run of every server in turn (each run starts with the next one),
@@ -406,8 +429,12 @@ fn measure_all(
     iopages_bin: &Path,
     runs: usize,
     remote: &mut Running,
-) -> Result<(Vec<Results>, Vec<Check>), BenchError> {
+) -> Result<(Vec<Results>, Vec<Check>, Tally), BenchError> {
     let mut results: Vec<Results> = Server::ALL.iter().map(|_| Results::empty()).collect();
+    let mut cpu: Tally = Server::ALL
+        .iter()
+        .map(|_| vec![Vec::new(); Load::ALL.len()])
+        .collect();
     let mut checks: Vec<Check> = Vec::new();
     // The LUKS server that last wrote the verify region.
     let mut previous: Option<Server> = None;
@@ -424,13 +451,23 @@ fn measure_all(
             );
             let m = measure_one(
                 s,
-                tools,
-                st,
-                iopages_bin,
-                previous,
+                Pass {
+                    tools,
+                    st,
+                    ours: iopages_bin,
+                    previous,
+                    store_pid: remote.pid(),
+                },
                 &mut results[si],
                 &mut checks,
             );
+            let m = m.map(|v| {
+                let (samples, uses): (Vec<Sample>, Vec<CpuUse>) = v.into_iter().unzip();
+                for (l, c) in uses.into_iter().enumerate() {
+                    cpu[si][l].push(c);
+                }
+                samples
+            });
             if let Err(e) = remote.alive() {
                 return Err(workload(format!("the remote store died: {e}")));
             }
@@ -447,7 +484,22 @@ fn measure_all(
         );
         checks.push(whole_volume_check(tools, st, iopages_bin));
     }
-    Ok((results, checks))
+    Ok((results, checks, cpu))
+}
+
+/// The CPU each load cost, `[server][load][run]`.
+type Tally = Vec<Vec<Vec<CpuUse>>>;
+
+/// What one server's pass needs besides its results.
+struct Pass<'a> {
+    tools: &'a Tools,
+    st: &'a Setup,
+    /// The `iopages` binary whose `serve` is measured.
+    ours: &'a Path,
+    /// The LUKS server that last wrote the verify region.
+    previous: Option<Server>,
+    /// The store's process (its CPU), when it is one process.
+    store_pid: Option<u32>,
 }
 
 /// Keep one pass's samples (or why it failed) in `res`, with a progress
@@ -479,13 +531,17 @@ fn record(s: Server, m: Result<Vec<Sample>, String>, res: &mut Results) -> bool 
 /// the timed loads, then this one's verify region.
 fn measure_one(
     s: Server,
-    tools: &Tools,
-    st: &Setup,
-    ours: &Path,
-    previous: Option<Server>,
+    pass: Pass<'_>,
     res: &mut Results,
     checks: &mut Vec<Check>,
-) -> Result<Vec<Sample>, String> {
+) -> Result<Vec<(Sample, CpuUse)>, String> {
+    let Pass {
+        tools,
+        st,
+        ours,
+        previous,
+        store_pid,
+    } = pass;
     let uri = st.uri(s);
     let mut server = None;
     if s != Server::Raw {
@@ -527,7 +583,8 @@ fn measure_one(
             // The writes of the load before are on disk: no load pays for
             // another's writeback.
             st.sync_store();
-            v.push(load_sample(tools, st, &uri, load)?);
+            let server_pid = server.as_ref().and_then(Proc::pid);
+            v.push(load_sample(tools, st, &uri, load, (store_pid, server_pid))?);
             if let Some(p) = server.as_mut() {
                 p.alive()
                     .map_err(|e| format!("after {}: {e}", load.label()))?;
@@ -703,7 +760,130 @@ struct Body {
     rows: Vec<Row>,
     verdicts: Vec<Verdict>,
     checks: Vec<Check>,
+    /// Where the CPU went, per load and process (`cpu.rs`).
+    cpu: Value,
     summary: Value,
+}
+
+/// What the runs found.
+struct Found<'a> {
+    results: &'a [Results],
+    checks: &'a [Check],
+    cpu: &'a Tally,
+}
+
+/// One load's CPU, as medians over the runs.
+#[derive(Clone, Debug, Serialize)]
+struct CpuRow {
+    load: &'static str,
+    /// "request" (the random load) or "GiB".
+    unit: &'static str,
+    /// Per server (raw, ours, nbdkit): CPU per unit (µs per request, or
+    /// seconds per GiB) of the client, the store, the server, and all
+    /// together.
+    per_unit: Vec<(&'static str, [Option<f64>; 4])>,
+    /// All processes' CPU over the wall time and the machine's cores,
+    /// ours.
+    ours_busy: Option<f64>,
+    /// The bound on ours / raw from CPU per unit (`cpu.rs`), median of
+    /// the runs' own.
+    bound_ours_over_raw: Option<f64>,
+}
+
+/// The medians of the tally, per load.
+fn cpu_summary(t: &Tally) -> Vec<CpuRow> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let med = |v: Vec<f64>| (!v.is_empty()).then(|| round3(median(&v)));
+    Load::ALL
+        .iter()
+        .enumerate()
+        .map(|(l, &load)| {
+            // Requests in µs of CPU, GiB in CPU seconds.
+            let scale = if load == Load::RandRw { 1e6 } else { 1.0 };
+            let per_unit = Server::ALL
+                .iter()
+                .enumerate()
+                .map(|(si, &s)| {
+                    let runs = &t[si][l];
+                    let f = |g: &dyn Fn(&CpuUse) -> Option<f64>| {
+                        med(runs
+                            .iter()
+                            .filter_map(|c| Some(g(c)? * scale / c.units(load)?))
+                            .collect())
+                    };
+                    let has_server = s != Server::Raw;
+                    (
+                        s.key(),
+                        [
+                            f(&|c| Some(c.client_s)),
+                            f(&|c| c.store_s),
+                            f(&|c| c.server_s),
+                            f(&|c| c.total_s(has_server)),
+                        ],
+                    )
+                })
+                .collect();
+            let (raw, ours) = (&t[0][l], &t[1][l]);
+            CpuRow {
+                load: load.key(),
+                unit: if load == Load::RandRw {
+                    "request"
+                } else {
+                    "GiB"
+                },
+                per_unit,
+                ours_busy: med(ours
+                    .iter()
+                    .filter_map(|c| Some(c.total_s(true)? / (c.wall_s * cores)))
+                    .collect()),
+                bound_ours_over_raw: med(raw
+                    .iter()
+                    .zip(ours)
+                    .filter_map(|(r, o)| cpu::bound(load, r, o))
+                    .collect()),
+            }
+        })
+        .collect()
+}
+
+fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+/// The CPU lines under the table.
+fn print_cpu(rows: &[CpuRow]) {
+    let mut t = Table::new("");
+    let f = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.2}"));
+    for r in rows {
+        let unit = if r.unit == "request" {
+            "CPU-µs/request"
+        } else {
+            "CPU-s/GiB"
+        };
+        let parts: Vec<String> = r
+            .per_unit
+            .iter()
+            .map(|(k, [c, st, sv, all])| {
+                format!(
+                    "{k}: client {} store {} server {} = {}",
+                    f(*c),
+                    f(*st),
+                    f(*sv),
+                    f(*all)
+                )
+            })
+            .collect();
+        t.line(format!(
+            "cpu {:<13} ({unit}) {}; ours busy {}; CPU bound on ours / raw {}",
+            r.load,
+            parts.join("; "),
+            r.ours_busy
+                .map_or("-".into(), |b| format!("{:.0} %", b * 100.0)),
+            r.bound_ours_over_raw
+                .map_or("-".into(), |b| format!("{b:.2}")),
+        ));
+    }
+    t.print();
 }
 
 /// The store the run used, for the report.
@@ -822,12 +1002,14 @@ fn report(
     st: &Setup,
     stored: &Stored,
     runs: usize,
-    results: &[Results],
-    checks: &[Check],
+    found: &Found,
     json_path: &Path,
 ) -> Result<Value, BenchError> {
+    let (results, checks) = (found.results, found.checks);
     let v = verdicts(results);
     print_table(st, stored, runs, results, &v, checks);
+    let cpu = cpu_summary(found.cpu);
+    print_cpu(&cpu);
     let failed = failures_of(results, &v, checks);
     let summary = json!({
         "store": stored.store.key(),
@@ -857,6 +1039,17 @@ fn report(
         rows: rows(Server::ALL.iter().map(|s| s.key()).zip(results)),
         verdicts: v,
         checks: checks.to_vec(),
+        cpu: json!({
+            "summary": cpu,
+            "runs": Server::ALL.iter().zip(found.cpu).map(|(s, per_load)| {
+                let loads: serde_json::Map<String, Value> = Load::ALL
+                    .iter()
+                    .zip(per_load)
+                    .map(|(l, u)| (l.key().to_string(), json!(u)))
+                    .collect();
+                (s.key().to_string(), Value::Object(loads))
+            }).collect::<serde_json::Map<String, Value>>(),
+        }),
         summary,
     };
     let value = Report::new("E6 nbd remote", settings_of(opts, st, stored, runs), body)

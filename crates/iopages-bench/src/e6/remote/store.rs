@@ -119,6 +119,14 @@ impl Running {
         }
     }
 
+    /// The store's process, when it is one (nbdkit; not a Ceph cluster).
+    pub(super) fn pid(&self) -> Option<u32> {
+        match &self.procs {
+            Procs::Nbdkit(p) => p.pid(),
+            Procs::Ceph(_) => None,
+        }
+    }
+
     /// Stop it (once); how that went, in words.
     pub(super) fn stop(&mut self) -> String {
         match &mut self.procs {
