@@ -558,25 +558,7 @@ fn measure_one(
     let out = (|| {
         check_size(tools, st, &uri)?;
         if let (Some(p), true) = (previous, s != Server::Raw) {
-            let v = verify_region(&tools.fio, &st.work, None, &st.plan, &uri, true);
-            let what = format!(
-                "{} reads back the {} MiB {} wrote (fio verify_only, crc32c)",
-                s.label(),
-                VERIFY_BYTES / MIB,
-                p.label()
-            );
-            progress(
-                "nbd-remote",
-                format!(
-                    "  cross-check: {what}: {}",
-                    if v.is_ok() { "ok" } else { "FAILED" }
-                ),
-            );
-            checks.push(Check {
-                what,
-                ok: v.is_ok(),
-                detail: v.err().unwrap_or_default(),
-            });
+            checks.push(cross_check(tools, st, &uri, s, p));
         }
         let mut v = Vec::new();
         for load in Load::ALL {
@@ -600,6 +582,24 @@ fn measure_one(
         res.stops.push(p.stop());
     }
     out
+}
+
+/// `s` reads back (fio `verify_only`) what the LUKS server `p` wrote last.
+fn cross_check(tools: &Tools, st: &Setup, uri: &str, s: Server, p: Server) -> Check {
+    let v = verify_region(&tools.fio, &st.work, None, &st.plan, uri, true);
+    let what = format!(
+        "{} reads back the {} MiB {} wrote (fio verify_only, crc32c)",
+        s.label(),
+        VERIFY_BYTES / MIB,
+        p.label()
+    );
+    let ok = if v.is_ok() { "ok" } else { "FAILED" };
+    progress("nbd-remote", format!("  cross-check: {what}: {ok}"));
+    Check {
+        what,
+        ok: v.is_ok(),
+        detail: v.err().unwrap_or_default(),
+    }
 }
 
 /// Read the whole volume through ours, then through nbdkit (one at a

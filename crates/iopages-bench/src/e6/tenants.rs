@@ -505,6 +505,20 @@ pub fn parse_stat_ticks(stat: &str) -> Option<u64> {
     Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
 }
 
+/// /proc/PID/stat's CPU ticks of the children the process has waited
+/// for (fields 16 and 17, cutime and cstime).
+pub fn parse_stat_child_ticks(stat: &str) -> Option<u64> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    Some(f.get(13)?.parse::<u64>().ok()? + f.get(14)?.parse::<u64>().ok()?)
+}
+
+/// The kernel's clock ticks per second (the unit of /proc's CPU times).
+pub(crate) fn clock_ticks() -> f64 {
+    // SAFETY: sysconf reads a constant of the system, no memory of ours.
+    unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64
+}
+
 /// A `key: value` line of /proc/PID/io.
 pub fn parse_io_field(io: &str, key: &str) -> Option<u64> {
     io.lines()
@@ -515,8 +529,7 @@ pub fn parse_io_field(io: &str, key: &str) -> Option<u64> {
 /// [`ProcUsage`] of `pid` (all `None` when /proc cannot tell).
 fn proc_usage(pid: u32) -> ProcUsage {
     let read = |f: &str| std::fs::read_to_string(format!("/proc/{pid}/{f}")).unwrap_or_default();
-    // SAFETY: sysconf reads a constant of the system, no memory of ours.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    let hz = clock_ticks();
     let io = read("io");
     ProcUsage {
         cpu_s: parse_stat_ticks(&read("stat")).map(|t| round2(t as f64 / hz)),

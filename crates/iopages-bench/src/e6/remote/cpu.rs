@@ -4,8 +4,8 @@
 //! process shares the same few cores.
 //!
 //! Owns: [`Meter`] (the CPU seconds of the three processes across one
-//! load: the client's from `getrusage(RUSAGE_CHILDREN)` — it is a child
-//! this process reaps — the store's and the server's from
+//! load: the client's from this process's own children's times in
+//! `/proc/self/stat` — it is a child this process waits for — the store's and the server's from
 //! `/proc/PID/stat`), [`CpuUse`] and the bound. Must never: count a
 //! process it could not read as zero (its figure is `None`).
 //!
@@ -17,7 +17,7 @@
 //! is as far as that CPU cost allows on this machine.
 
 use super::super::load::{Load, Sample};
-use super::super::tenants::parse_stat_ticks;
+use super::super::tenants::{clock_ticks, parse_stat_child_ticks, parse_stat_ticks};
 use crate::round2;
 use serde::Serialize;
 use std::time::Instant;
@@ -54,23 +54,16 @@ impl CpuUse {
     }
 }
 
-/// CPU seconds of this process's reaped children, and of `pid`.
+/// CPU seconds of this process's children it has waited for.
 fn children_s() -> f64 {
-    // SAFETY: an all-zero rusage is a valid value of the plain C struct.
-    let mut r: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: getrusage writes one rusage into the live local `r`.
-    if unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut r) } != 0 {
-        return 0.0;
-    }
-    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
-    tv(r.ru_utime) + tv(r.ru_stime)
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    parse_stat_child_ticks(&stat).map_or(0.0, |t| t as f64 / clock_ticks())
 }
 
+/// CPU seconds of the process `pid` so far.
 fn pid_s(pid: u32) -> Option<f64> {
-    // SAFETY: sysconf reads a constant of the system, no memory of ours.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    parse_stat_ticks(&stat).map(|t| t as f64 / hz)
+    parse_stat_ticks(&stat).map(|t| t as f64 / clock_ticks())
 }
 
 /// The CPU counters at a load's start.
