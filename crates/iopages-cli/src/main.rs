@@ -115,7 +115,9 @@ enum Command {
         /// addresses beside a polite client's 4 KiB reads, against the
         /// same reads alone: the p99 ratio, the server's tasks and its
         /// resident memory per idle connection. Report:
-        /// nbd-connections.json.
+        /// nbd-connections.json (`bench nbd` writes it after
+        /// nbd-tenants.json; with --json PATH, beside PATH as its stem +
+        /// "-connections.json").
         #[arg(long)]
         connections: bool,
         /// nbd: only the tenants row — one `iopages serve` on TCP shared by
@@ -659,6 +661,9 @@ fn run_nbd(
     }
     if !tls && !sparse_only {
         iopages_bench::nbd_tenants::run(&beside_e6("tenants"), &me)?;
+    }
+    if !tls && !sparse_only && !tenants_only {
+        iopages_bench::nbd_connections::run(&beside_e6("connections"), &me)?;
     }
     Ok(())
 }

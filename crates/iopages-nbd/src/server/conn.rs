@@ -3,7 +3,10 @@
 //!
 //! Owns: the connection's thread (it reads each request and its payload,
 //! checks it and submits it to the crypt queue in chunks, and is the only
-//! thread that ever waits on the socket), the reply side (a completion
+//! thread that ever waits on the socket; after [`PARK_AFTER`] with
+//! nothing in flight and nothing received it returns, between two
+//! requests, so the connection can wait without a thread), the reply
+//! side (a completion
 //! queues its simple reply and, if nobody is sending, tries to send the
 //! queue without blocking; what the socket does not take stays queued,
 //! and the connection's thread sends it as the socket drains), FUA (the

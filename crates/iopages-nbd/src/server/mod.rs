@@ -2,8 +2,9 @@
 //! queue — the listeners and the threads that serve them, the handshake,
 //! transmission, the exports, and the limits shared among peers.
 //!
-//! Owns: the listeners, one thread per acceptor and per connection, and
-//! server-wide shutdown (`serve.rs`); option haggling up to GO or
+//! Owns: the listeners, one thread per acceptor and per connection with
+//! work, and server-wide shutdown (`serve.rs`); idle connections held
+//! without a thread in one epoll instance (`park.rs`); option haggling up to GO or
 //! EXPORT_NAME (`handshake.rs`); transmission — requests, replies, the
 //! in-flight accounting and the byte budget of a connection (`conn.rs`);
 //! the exports and their lazy opening (`export.rs`), the device a request
@@ -16,8 +17,8 @@
 //! except through `sys`, or know whether a connection runs TLS beyond
 //! asking its [`Transport`](crate::transport::nonblocking::Transport) (STARTTLS swaps
 //! the session in underneath). The threads live in `serve.rs` and
-//! `conn.rs` only: an event loop replacing them changes those two files,
-//! not the layout.
+//! `conn.rs` (and the parking lot's one in `park.rs`): an event loop
+//! replacing them changes those files, not the layout.
 //!
 //! Depends on: `transport` (the connection's non-blocking socket), `tls`
 //! (credentials, the identity a handshake proved), `proto`, `stats`,
