@@ -225,3 +225,88 @@ impl<T: Send + 'static> Parking<T> {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::net::UnixStream;
+    use std::sync::mpsc::{channel, Receiver, Sender};
+    use std::time::Duration;
+
+    /// A parked test connection: its socket, and where its resumption is
+    /// reported.
+    type Item = (UnixStream, Sender<Wake>);
+
+    fn report((_, tx): Item, why: Wake) {
+        let _ = tx.send(why);
+    }
+
+    fn parked(p: &Parking<Item>, deadline: Option<Instant>) -> (UnixStream, Receiver<Wake>) {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let (tx, rx) = channel();
+        let fd = ours.as_raw_fd();
+        assert!(p.park(fd, deadline, (ours, tx)).is_ok());
+        (theirs, rx)
+    }
+
+    const LONG: Duration = Duration::from_secs(10);
+
+    #[test]
+    fn input_a_hang_up_and_a_deadline_each_resume_once() {
+        let p = Parking::start(report).unwrap();
+        let (mut a, ra) = parked(&p, None);
+        let (b, rb) = parked(&p, None);
+        let (_c, rc) = parked(&p, Some(Instant::now() + Duration::from_millis(50)));
+        let (_d, rd) = parked(&p, Some(Instant::now() + Duration::from_secs(3600)));
+        assert_eq!(p.parked(), 4);
+        a.write_all(b"x").unwrap();
+        assert_eq!(ra.recv_timeout(LONG), Ok(Wake::Ready));
+        drop(b);
+        assert_eq!(rb.recv_timeout(LONG), Ok(Wake::Ready));
+        assert_eq!(rc.recv_timeout(LONG), Ok(Wake::Idle));
+        // Each once: the items went with their resumption.
+        assert!(ra.recv_timeout(Duration::from_millis(100)).is_err());
+        assert!(rb.try_recv().is_err() && rc.try_recv().is_err());
+        assert_eq!(p.parked(), 1);
+        assert!(rd.try_recv().is_err(), "a far deadline resumed early");
+        p.stop();
+        assert_eq!(rd.recv_timeout(LONG), Ok(Wake::Stop));
+        assert_eq!(p.parked(), 0);
+    }
+
+    #[test]
+    fn after_the_stop_a_connection_is_handed_back() {
+        let p = Parking::start(report).unwrap();
+        p.stop();
+        let (ours, _theirs) = UnixStream::pair().unwrap();
+        let (tx, rx) = channel();
+        let fd = ours.as_raw_fd();
+        let back = p
+            .park(fd, None, (ours, tx))
+            .expect_err("parked after the stop");
+        assert_eq!(back.0.as_raw_fd(), fd);
+        assert!(rx.try_recv().is_err(), "resumed although refused");
+        p.stop(); // idempotent
+    }
+
+    #[test]
+    fn an_earlier_deadline_wakes_a_thread_waiting_for_a_later_one() {
+        let p = Parking::start(report).unwrap();
+        let (_a, ra) = parked(&p, Some(Instant::now() + Duration::from_secs(3600)));
+        // The thread now waits for an hour; a deadline of 50 ms must cut
+        // that wait short.
+        std::thread::sleep(Duration::from_millis(50));
+        let t = Instant::now();
+        let (_b, rb) = parked(&p, Some(Instant::now() + Duration::from_millis(50)));
+        assert_eq!(rb.recv_timeout(LONG), Ok(Wake::Idle));
+        assert!(
+            t.elapsed() >= Duration::from_millis(50),
+            "resumed before its deadline"
+        );
+        assert!(ra.try_recv().is_err());
+        p.stop();
+        assert_eq!(ra.recv_timeout(LONG), Ok(Wake::Stop));
+    }
+}

@@ -885,6 +885,19 @@ impl Drop for Open {
     }
 }
 
+/// Shuts a connection's socket down when its thread panics, so that its
+/// client sees the end at once (a normal return has closed it, or parked
+/// the connection, which must stay open).
+struct HangUpOnPanic(Arc<Transport>);
+
+impl Drop for HangUpOnPanic {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.shutdown();
+        }
+    }
+}
+
 /// Join the threads of `conns` that have ended.
 fn reap(conns: &mut Vec<ConnEntry>) {
     let (done, live): (Vec<_>, Vec<_>) = conns.drain(..).partition(|c| c.thread.is_finished());
@@ -912,6 +925,7 @@ fn start_connection(s: &Arc<Shared>, t: Arc<Transport>, origin: Origin) {
     match std::thread::Builder::new()
         .name("nbd-conn".into())
         .spawn(move || {
+            let _hang_up = HangUpOnPanic(Arc::clone(&t2));
             let open = Open(Arc::clone(&s2.counters));
             serve_connection(&s2, &t2, place, origin, open);
         }) {
@@ -1114,6 +1128,13 @@ mod tests {
     use std::net::TcpStream;
 
     fn server() -> (iopages::PageAllocator, Server) {
+        server_with(ServerOptions {
+            max_connections: 1,
+            ..ServerOptions::default()
+        })
+    }
+
+    fn server_with(opts: ServerOptions) -> (iopages::PageAllocator, Server) {
         let alloc = iopages::PageAllocator::builder()
             .size_bytes(32 << 20)
             .build()
@@ -1124,10 +1145,6 @@ mod tests {
         let cipher = CipherPool::new(xts, 1).unwrap();
         let target = CryptTarget::new(&alloc, cipher, disk, TargetConfig::default()).unwrap();
         let queue = Arc::new(CryptQueue::new(Arc::new(target), QueueConfig::default()).unwrap());
-        let opts = ServerOptions {
-            max_connections: 1,
-            ..ServerOptions::default()
-        };
         let listen = [Listen::Tcp("127.0.0.1:0".parse().unwrap())];
         let s = Server::start_with(queue, ExportConfig::new("v"), opts, &listen).unwrap();
         (alloc, s)
@@ -1183,5 +1200,83 @@ mod tests {
         let (_c2, kind) = go(&s);
         assert_eq!(kind, Some(REP_ACK));
         assert_eq!(s.stats().refused_connections, 0);
+    }
+
+    /// Wait (up to 10 s) for `ok` of the server's statistics.
+    fn await_stats(s: &Server, what: &str, ok: impl Fn(&Stats) -> bool) {
+        let t = std::time::Instant::now();
+        while !ok(&s.stats()) {
+            assert!(t.elapsed() < Duration::from_secs(10), "never {what}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// One READ of 512 bytes at 0 on `c`: its reply's error.
+    fn read_512(c: &mut TcpStream, cookie: u64) -> u32 {
+        let mut r = REQUEST_MAGIC.to_be_bytes().to_vec();
+        r.extend_from_slice(&0u16.to_be_bytes());
+        r.extend_from_slice(&CMD_READ.to_be_bytes());
+        r.extend_from_slice(&cookie.to_be_bytes());
+        r.extend_from_slice(&0u64.to_be_bytes());
+        r.extend_from_slice(&512u32.to_be_bytes());
+        c.write_all(&r).unwrap();
+        let mut h = [0u8; 16];
+        c.read_exact(&mut h).unwrap();
+        assert_eq!(u64::from_be_bytes(h[8..16].try_into().unwrap()), cookie);
+        let error = u32::from_be_bytes(h[4..8].try_into().unwrap());
+        if error == 0 {
+            let mut d = [0u8; 512];
+            c.read_exact(&mut d).unwrap();
+        }
+        error
+    }
+
+    #[test]
+    fn an_idle_connection_waits_without_a_thread_and_is_served_when_it_sends() {
+        let (_alloc, s) = server();
+        let (mut c, kind) = go(&s);
+        assert_eq!(kind, Some(REP_ACK));
+        for cookie in 1..=3 {
+            await_stats(&s, "parked", |st| st.parked_connections == 1);
+            assert_eq!(read_512(&mut c, cookie), 0);
+        }
+        assert_eq!(s.stats().read.requests, 3);
+        drop(c);
+        await_stats(&s, "closed", |st| st.open_connections == 0);
+        assert_eq!(s.stats().parked_connections, 0);
+        assert_eq!(s.shared.shares.snapshot(), Default::default());
+    }
+
+    #[test]
+    fn a_parked_connection_is_closed_at_its_idle_deadline_and_counted() {
+        let (_alloc, s) = server_with(ServerOptions {
+            idle_timeout: Some(Duration::from_millis(300)),
+            ..ServerOptions::default()
+        });
+        let (mut c, kind) = go(&s);
+        assert_eq!(kind, Some(REP_ACK));
+        await_stats(&s, "parked", |st| st.parked_connections == 1);
+        // The client then sees the end of the stream.
+        let mut b = [0u8; 1];
+        assert!(matches!(c.read(&mut b), Ok(0)));
+        await_stats(&s, "closed", |st| st.open_connections == 0);
+        assert_eq!(s.stats().idle_closes, 1);
+        assert_eq!(s.stats().parked_connections, 0);
+    }
+
+    #[test]
+    fn stopping_closes_parked_connections_and_leaves_nothing_open() {
+        let (_alloc, mut s) = server_with(ServerOptions::default());
+        let (mut c1, _) = go(&s);
+        let (mut c2, _) = go(&s);
+        await_stats(&s, "both parked", |st| st.parked_connections == 2);
+        s.stop_serving();
+        for c in [&mut c1, &mut c2] {
+            let mut b = [0u8; 1];
+            assert!(matches!(c.read(&mut b), Ok(0) | Err(_)));
+        }
+        let st = s.stats();
+        assert_eq!((st.open_connections, st.parked_connections), (0, 0));
+        assert_eq!(s.shared.shares.snapshot(), Default::default());
     }
 }
