@@ -527,6 +527,15 @@ fn psk_sessions_serve_and_a_wrong_key_or_identity_is_refused() {
     let data: Vec<u8> = (0..1 << 20).map(|i| (i * 7 % 251) as u8).collect();
     assert_eq!(c.write(1 << 20, &data, 0), 0);
     assert_eq!(c.read(1 << 20, 1 << 20).unwrap(), data);
+    // Idle, the TLS session waits without a thread, and is served again
+    // when the client sends.
+    let t = Instant::now();
+    while server.stats().parked_connections < 1 {
+        assert!(t.elapsed() < Duration::from_secs(10), "never parked");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(c.read(0, 4096).unwrap().len(), 4096);
+    assert_eq!(c.read(1 << 20, 1 << 20).unwrap(), data);
     drop(c);
     let mut wrong = key.clone();
     wrong[0] ^= 1;

@@ -2,7 +2,9 @@
 //! loopback) holding a thousand idle connections from a thousand
 //! addresses, against the same server with none: what they cost it
 //! (tasks, resident memory per connection) and what they cost a polite
-//! client's 4 KiB reads (p99 latency, one read in flight).
+//! client's 4 KiB reads (p99 latency, one read in flight); then, on a
+//! second server with `--tls require --tls-psk`, what a thousand idle TLS
+//! sessions cost it (tasks, resident memory per session).
 //!
 //! Owns: the server's start and stop, the idle connections (each after
 //! its handshake, from 127.0.x.y, so that per-peer shares admit them),
@@ -25,8 +27,10 @@ use super::tenants::parse_serving;
 use crate::harness::{Report, Table};
 use crate::measure::median;
 use crate::{met, progress, round2, BenchError, BenchOptions};
-use iopages_tools::hostile::{peer_ip, raise_open_files, read_latencies, NbdClient};
-use iopages_tools::{stop, tail_lines};
+use iopages_tools::hostile::{connect_from, peer_ip, raise_open_files, read_latencies, NbdClient};
+use iopages_tools::nbd_client::{self, Client};
+use iopages_tools::{stop, tail_lines, write_psk};
+use openssl::ssl::{SslConnector, SslMethod, SslVerifyMode};
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::net::{Ipv4Addr, SocketAddr};
@@ -43,6 +47,10 @@ pub const IDLE: usize = 1000;
 pub const P99_TARGET: f64 = 2.0;
 /// Target: resident memory per idle connection, at most.
 pub const RSS_TARGET_BYTES: f64 = 64.0 * 1024.0;
+/// Target: resident memory per idle TLS connection, at most.
+pub const TLS_RSS_TARGET_BYTES: f64 = 128.0 * 1024.0;
+/// The PSK identity of the TLS part.
+const PSK_IDENTITY: &str = "bench";
 /// The export's name (the in-memory volume's).
 const EXPORT: &str = "iopages";
 /// How long the idle connections settle before the polite reads: well
@@ -119,12 +127,14 @@ struct Served {
 }
 
 impl Served {
-    fn start(iopages_bin: &Path, work: &Path) -> Result<Served, String> {
-        let (out, err) = logs_in(work, "serve");
+    /// Start the server (`tag` names its logs), with `extra` arguments.
+    fn start(iopages_bin: &Path, work: &Path, tag: &str, extra: &[&str]) -> Result<Served, String> {
+        let (out, err) = logs_in(work, tag);
         let mut cmd = Command::new(iopages_bin);
         cmd.args(["serve", "--size", "64M", "--arena", "128M"])
             .args(["--listen", "127.0.0.1:0", "--max-connections"])
-            .arg((IDLE + 100).to_string());
+            .arg((IDLE + 100).to_string())
+            .args(extra);
         let command = command_line(&cmd);
         let child = spawn_logged(&mut cmd, work, &out, &err)
             .map_err(|e| format!("cannot start iopages serve ({command}): {e}"))?;
@@ -136,7 +146,8 @@ impl Served {
         let t = Instant::now();
         loop {
             let text = std::fs::read_to_string(&out).unwrap_or_default();
-            if let Some(a) = parse_serving(&text, EXPORT) {
+            let tls = text.replace("serving nbds://", "serving nbd://");
+            if let Some(a) = parse_serving(&tls, EXPORT) {
                 s.addr = a;
                 return Ok(s);
             }
@@ -160,6 +171,85 @@ impl Drop for Served {
             stop(&mut c, Duration::from_secs(10));
         }
     }
+}
+
+/// A PSK client (`key` for [`PSK_IDENTITY`]), TLS 1.2 or 1.3.
+fn psk_connector(key: Vec<u8>) -> Result<SslConnector, String> {
+    let mut b = SslConnector::builder(SslMethod::tls_client()).map_err(|e| e.to_string())?;
+    b.set_verify(SslVerifyMode::NONE);
+    b.set_psk_client_callback(move |_, _hint, id, psk| {
+        let name = PSK_IDENTITY.as_bytes();
+        id[..name.len()].copy_from_slice(name);
+        id[name.len()] = 0;
+        psk[..key.len()].copy_from_slice(&key);
+        Ok(key.len())
+    });
+    Ok(b.build())
+}
+
+/// One idle TLS client from `ip`: the greeting, STARTTLS, the TLS
+/// handshake, then NBD_OPT_GO under TLS (a blocking client: the one file
+/// that drives TLS sessions without blocking stays the server's).
+fn tls_client(
+    ip: Ipv4Addr,
+    addr: SocketAddr,
+    c: &SslConnector,
+) -> Result<Client<impl std::io::Read + std::io::Write>, String> {
+    let stream = connect_from(ip, addr).map_err(|e| e.to_string())?;
+    let mut cl = Client::greet(stream).map_err(|e| e.to_string())?;
+    cl.send_client_flags(nbd_client::FLAG_C_FIXED_NEWSTYLE | nbd_client::FLAG_C_NO_ZEROES)
+        .map_err(|e| e.to_string())?;
+    cl.send_option(nbd_client::OPT_STARTTLS, &[])
+        .map_err(|e| e.to_string())?;
+    let r = cl.read_option_reply().map_err(|e| e.to_string())?;
+    if r.kind != nbd_client::REP_ACK {
+        return Err(format!("STARTTLS answered {:#x}", r.kind));
+    }
+    let ssl = c
+        .connect("localhost", cl.into_stream())
+        .map_err(|e| format!("TLS: {e}"))?;
+    let mut cl = Client::new(ssl);
+    cl.go(EXPORT, &[]).map_err(|e| e.to_string())?;
+    Ok(cl)
+}
+
+/// The TLS part: a server with `--tls require --tls-psk`, [`IDLE`] idle
+/// TLS sessions from `peer_ip(0..)`, one at a time; the server's tasks
+/// and RSS alone and beside them.
+fn tls_idle(iopages_bin: &Path, work: &Path) -> Result<Value, String> {
+    let psk = work.join("keys.psk");
+    let hex = write_psk(&psk, PSK_IDENTITY)?;
+    let key: Vec<u8> = (0..hex.len() / 2)
+        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|e| e.to_string()))
+        .collect::<Result<_, _>>()?;
+    let connector = psk_connector(key)?;
+    let psk_arg = psk.to_string_lossy().into_owned();
+    let extra = ["--tls", "require", "--tls-psk", psk_arg.as_str()];
+    let srv = Served::start(iopages_bin, work, "serve-tls", &extra)?;
+    let (tasks_alone, rss_alone) = usage(srv.pid());
+    let t = Instant::now();
+    let clients = (0..IDLE)
+        .map(|i| {
+            tls_client(peer_ip(i), srv.addr, &connector).map_err(|e| format!("TLS client {i}: {e}"))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    let open_s = t.elapsed().as_secs_f64();
+    std::thread::sleep(SETTLE);
+    let (tasks_idle, rss_idle) = usage(srv.pid());
+    drop(clients);
+    let per = (rss_idle as f64 - rss_alone as f64) * 1024.0 / IDLE as f64;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    Ok(json!({
+        "tasks_alone": tasks_alone,
+        "tasks_idle": tasks_idle,
+        "rss_alone_kib": rss_alone,
+        "rss_idle_kib": rss_idle,
+        "rss_per_idle_bytes": round2(per),
+        "rss_target_bytes": TLS_RSS_TARGET_BYTES,
+        "rss_met": per <= TLS_RSS_TARGET_BYTES,
+        "tasks_met": tasks_idle <= 2 * cores + 8,
+        "open_s": round2(open_s),
+    }))
 }
 
 /// One run on `srv`: `reads` polite reads alone, then the idle
@@ -296,7 +386,7 @@ pub fn run(opts: &BenchOptions, iopages_bin: &Path) -> Result<Value, BenchError>
             "{runs} run(s): {reads} polite 4 KiB reads alone, then beside {IDLE} idle connections"
         ),
     );
-    let srv = Served::start(iopages_bin, &work).map_err(workload)?;
+    let srv = Served::start(iopages_bin, &work, "serve", &[]).map_err(workload)?;
     let mut polite = NbdClient::connect(Ipv4Addr::LOCALHOST, srv.addr, EXPORT)
         .map_err(|e| workload(format!("the polite client: {e}")))?;
     let mut figures = Vec::new();
@@ -319,8 +409,17 @@ pub fn run(opts: &BenchOptions, iopages_bin: &Path) -> Result<Value, BenchError>
     drop(polite);
     let command = srv.command.clone();
     drop(srv);
+    progress(STEM, format!("TLS (PSK): {IDLE} idle TLS sessions"));
+    let tls = tls_idle(iopages_bin, &work).map_err(workload)?;
     let s = summarise(&figures);
     print_table(&figures, &s);
+    println!(
+        "TLS (PSK): tasks {} / {} beside {IDLE} idle TLS sessions; RSS per idle TLS session {} B (target <= {TLS_RSS_TARGET_BYTES}: {})",
+        tls["tasks_alone"],
+        tls["tasks_idle"],
+        tls["rss_per_idle_bytes"],
+        met(tls["rss_met"] == json!(true))
+    );
     let settings = json!({
         "runs": runs,
         "reads_per_probe": reads,
@@ -332,7 +431,7 @@ pub fn run(opts: &BenchOptions, iopages_bin: &Path) -> Result<Value, BenchError>
     Report::new(
         "E6 nbd connections",
         settings,
-        json!({ "runs": figures, "summary": s }),
+        json!({ "runs": figures, "summary": s, "tls": tls }),
     )
     .stem(STEM)
     .emit(opts, &[])
