@@ -65,8 +65,8 @@ pub mod xts;
 
 mod e6;
 pub use e6::{
-    connections as nbd_connections, integrity as nbd_integrity, outage as nbd_outage,
-    remote as nbd_remote, sparse, tenants as nbd_tenants,
+    ceiling as nbd_ceiling, connections as nbd_connections, integrity as nbd_integrity,
+    outage as nbd_outage, remote as nbd_remote, sparse, tenants as nbd_tenants,
 };
 
 /// E6 (`iopages bench nbd`, its code in `e6/`) under the path the command

@@ -120,6 +120,15 @@ enum Command {
         /// "-connections.json").
         #[arg(long)]
         connections: bool,
+        /// nbd: only the ceiling row — `iopages serve --image --io
+        /// buffered` on E6's LUKS1 image against nbdkit's plain file
+        /// export of the same bytes (its payload region, no encryption),
+        /// both through the page cache, under E6's loads: ours / plain per
+        /// load against 1.0. Report: nbd-ceiling.json (`bench nbd` writes
+        /// it after nbd-connections.json; with --json PATH, beside PATH as
+        /// its stem + "-ceiling.json").
+        #[arg(long)]
+        ceiling: bool,
         /// nbd: only the tenants row — one `iopages serve` on TCP shared by
         /// fio from 127.0.0.1 and 8 hostile peers from 127.0.0.2-9 (silent
         /// sockets and unread READs, then WRITE_ZEROES floods), against fio
@@ -308,6 +317,7 @@ struct NbdFlags {
     store: Option<StoreArg>,
     integrity: bool,
     connections: bool,
+    ceiling: bool,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -367,6 +377,7 @@ fn run(cli: Cli) -> Result<(), BenchError> {
             tenants_only,
             integrity,
             connections,
+            ceiling,
         } => {
             let nbd = NbdFlags {
                 tls,
@@ -376,6 +387,7 @@ fn run(cli: Cli) -> Result<(), BenchError> {
                 store,
                 integrity,
                 connections,
+                ceiling,
             };
             check_nbd_flags(experiment, nbd)?;
             let crypt_threads = check_thread_flags(
@@ -439,14 +451,16 @@ fn run_experiments(
         run_crypt(opts, crypt.0, crypt.1, crypt.2)?;
     }
     if all || experiment == Experiment::Nbd {
-        if nbd.integrity || nbd.connections {
+        if nbd.integrity || nbd.connections || nbd.ceiling {
             let me = std::env::current_exe().map_err(|e| {
                 BenchError::Workload(format!("cannot find the iopages binary to serve with: {e}"))
             })?;
             if nbd.integrity {
                 iopages_bench::nbd_integrity::run(opts, &me)?;
-            } else {
+            } else if nbd.connections {
                 iopages_bench::nbd_connections::run(opts, &me)?;
+            } else {
+                iopages_bench::nbd_ceiling::run(opts, &me)?;
             }
             return Ok(());
         }
@@ -587,6 +601,20 @@ fn check_nbd_flags(experiment: Experiment, f: NbdFlags) -> Result<(), BenchError
             "--integrity is a run of the nbd experiment on its own: `iopages bench nbd --integrity`".into(),
         ));
     }
+    let alone = [
+        f.tls,
+        f.remote,
+        f.sparse_only,
+        f.tenants_only,
+        f.integrity,
+        f.connections,
+    ];
+    if f.ceiling && (experiment != Experiment::Nbd || alone.iter().any(|&x| x)) {
+        return Err(BenchError::Workload(
+            "--ceiling is a run of the nbd experiment on its own: `iopages bench nbd --ceiling`"
+                .into(),
+        ));
+    }
     if f.connections
         && (experiment != Experiment::Nbd
             || f.tls
@@ -664,6 +692,7 @@ fn run_nbd(
     }
     if !tls && !sparse_only && !tenants_only {
         iopages_bench::nbd_connections::run(&beside_e6("connections"), &me)?;
+        iopages_bench::nbd_ceiling::run(&beside_e6("ceiling"), &me)?;
     }
     Ok(())
 }

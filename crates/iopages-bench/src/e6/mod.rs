@@ -4,8 +4,8 @@
 //! over a Unix socket, loaded by fio's nbd engine and by nbdcopy; and the
 //! runs built on the same parts: over a remote store (`remote`), the
 //! sparse copy (`sparse`), many tenants (`tenants`), the store's outage
-//! (`outage`), authenticated volumes (`integrity`) and a thousand idle
-//! connections (`connections`).
+//! (`outage`), authenticated volumes (`integrity`), a thousand idle
+//! connections (`connections`) and the unencrypted ceiling (`ceiling`).
 //!
 //! Owns, by file, from the bottom (each names only the files above it in
 //! this list):
@@ -25,7 +25,8 @@
 //! - `runs.rs`: `iopages bench nbd` itself — every server in turn, every
 //!   run, then the report;
 //! - `remote.rs` (with `remote/store.rs`), `sparse.rs`, `tenants.rs`,
-//!   `connections.rs` (after `tenants.rs`), `outage.rs` and `integrity.rs` (plain, hmac-sha256 and aead LUKS2
+//!   `connections.rs` (after `tenants.rs`), `ceiling.rs` (after
+//!   `remote.rs`), `outage.rs` and `integrity.rs` (plain, hmac-sha256 and aead LUKS2
 //!   volumes on one store, against the CPU bound of the MAC): the other
 //!   E6 runs, each sharing the parts above by design (the same loads,
 //!   image, servers and report helpers).
@@ -36,6 +37,7 @@
 //! after the report is written; nor leave a child process or a temporary
 //! file behind, on any path.
 
+pub mod ceiling;
 pub(crate) mod common;
 pub mod connections;
 pub(crate) mod files;

@@ -1,0 +1,233 @@
+//! E6 ceiling (`iopages bench nbd --ceiling`): the encrypting server
+//! against the same bytes served with no encryption at all. One LUKS1
+//! image (E6's); `iopages serve --image IMG --io buffered` in turn with
+//! nbdkit's `file` plugin exporting the same file's payload region as it
+//! is (the ciphertext, through the `offset` filter, so the header is out
+//! of reach and the export has the volume's size), both through the page
+//! cache, under E6's loads. A server that decrypts does more work per
+//! byte than one that copies: matching it is the ceiling.
+//!
+//! Owns: the servers of each run (each run starting with the next), the
+//! per-run ratios ours / plain and their medians against the target, the
+//! table and `nbd-ceiling.json`. Must never: compare loads of different
+//! I/O modes (both sides go through the page cache), or keep a figure of
+//! a load whose tool failed. The plain export's bytes are ciphertext: no
+//! read-back is checked across the two (E6's own runs check ours).
+
+use super::common::{workload, MIB};
+use super::files::{make_image, sync_file, work_dirs, Files};
+use super::fio::Plan;
+use super::load::Load;
+use super::measure::{load_sample_at, LoadTarget, Results};
+use super::remote::start as start_proc;
+use super::report::{figure_lines, figures_head, rows};
+use super::server::OUR_EXPORT;
+use super::tools::Tools;
+use crate::harness::{Report, Table};
+use crate::measure::per_run_ratio;
+use crate::{met, progress, round2, BenchError, BenchOptions};
+use serde_json::{json, Value};
+use std::path::Path;
+use std::process::Command;
+
+/// The report's stem.
+pub const STEM: &str = "nbd-ceiling";
+/// Target: ours / plain on every load, at least.
+pub const TARGET: f64 = 1.0;
+
+/// The two servers, in table order.
+const SERVERS: [(&str, &str); 2] = [
+    ("ours", "iopages serve --io buffered"),
+    ("plain", "nbdkit file (no encryption)"),
+];
+
+/// What the run needs.
+struct Setup<'a> {
+    tools: Tools,
+    f: Files,
+    plan: Plan,
+    /// The payload's offset in the image (the LUKS header before it).
+    offset: u64,
+    iopages_bin: &'a Path,
+}
+
+impl Setup<'_> {
+    /// Server `s`'s command and its URI on `sock`.
+    fn server(&self, s: usize, sock: &Path) -> (Command, String) {
+        let mut cmd;
+        if s == 0 {
+            cmd = Command::new(self.iopages_bin);
+            cmd.arg("serve")
+                .arg("--image")
+                .arg(&self.f.image)
+                .arg("--passphrase-file")
+                .arg(&self.f.pass)
+                .arg("--unix")
+                .arg(sock)
+                .args(["--name", OUR_EXPORT, "--io", "buffered"]);
+            let uri = format!("nbd+unix:///{OUR_EXPORT}?socket={}", sock.display());
+            (cmd, uri)
+        } else {
+            cmd = Command::new(&self.tools.nbdkit);
+            cmd.args(["--foreground", "--exit-with-parent", "--unix"])
+                .arg(sock)
+                .args(["--filter=offset", "file"])
+                .arg(format!("file={}", self.f.image.display()))
+                .arg(format!("offset={}", self.offset))
+                .arg(format!("range={}", self.plan.dev));
+            (cmd, format!("nbd+unix:///?socket={}", sock.display()))
+        }
+    }
+
+    /// One pass of server `s`: every load, the image synced before each.
+    fn pass(&self, s: usize, res: &mut Results) -> Result<(), String> {
+        let sock = self.f.socks.join("ceiling.sock");
+        let (cmd, uri) = self.server(s, &sock);
+        let (proc, line) = start_proc(SERVERS[s].1, SERVERS[s].0, cmd, &sock, &self.f.work)?;
+        res.command = line;
+        for (l, &load) in Load::ALL.iter().enumerate() {
+            sync_file(&self.f.image);
+            let at = LoadTarget {
+                fio: &self.tools.fio,
+                nbdcopy: &self.tools.nbdcopy,
+                work: &self.f.work,
+                home: None,
+                fio_uri: &uri,
+                uri: &uri,
+                source: &self.f.source,
+            };
+            let x = load_sample_at(&at, &self.plan, load)?;
+            res.samples[l].push(x);
+        }
+        drop(proc);
+        Ok(())
+    }
+}
+
+/// Each load's ratio ours / plain: the median of the runs' own.
+fn ratios(res: &[Results; 2]) -> Vec<(Load, Option<f64>)> {
+    Load::ALL
+        .iter()
+        .enumerate()
+        .map(|(l, &load)| {
+            let fig = |r: &Results| {
+                r.samples[l]
+                    .iter()
+                    .map(|x| x.figure(load))
+                    .collect::<Vec<_>>()
+            };
+            (
+                load,
+                per_run_ratio(&fig(&res[0]), &fig(&res[1])).map(round2),
+            )
+        })
+        .collect()
+}
+
+/// `iopages bench nbd --ceiling`: `iopages_bin`'s `serve` measured.
+///
+/// **Returns:** the report; Err when a server fails (after the report).
+pub fn run(opts: &BenchOptions, iopages_bin: &Path) -> Result<Value, BenchError> {
+    let (runs, payload, fio_ms) = if opts.quick {
+        (1usize, 128 * MIB, 1500u64)
+    } else {
+        (3, 1024 * MIB, 5000)
+    };
+    let (json_path, _) = opts.paths(STEM);
+    let (work, socks, _dirs) = work_dirs(iopages_bin, &json_path, STEM)?;
+    let tools = Tools::find_as(&work, Some("the plain file export"), false).map_err(workload)?;
+    let f = Files {
+        image: work.join("luks1.img"),
+        pass: work.join("passphrase"),
+        source: work.join("source.bin"),
+        work: work.clone(),
+        socks,
+        tls: None,
+        read_only: false,
+    };
+    progress(
+        STEM,
+        format!("E6 ceiling: ours (--io buffered) and nbdkit's plain file export of the same image, {runs} run(s), {} MiB, fio {} s per load", payload / MIB, fio_ms as f64 / 1000.0),
+    );
+    let dev = make_image(&tools, &f, payload)?;
+    let len = std::fs::metadata(&f.image).map_or(0, |m| m.len());
+    let st = Setup {
+        tools,
+        offset: len - dev,
+        f,
+        plan: Plan { dev, fio_ms },
+        iopages_bin,
+    };
+    let mut res = [Results::empty(), Results::empty()];
+    let mut failed = None;
+    'runs: for run in 0..runs {
+        for i in 0..2 {
+            let s = (i + run) % 2;
+            progress(STEM, format!("run {}/{runs}: {}", run + 1, SERVERS[s].1));
+            if let Err(e) = st.pass(s, &mut res[s]) {
+                failed = Some(format!("{}: {e}", SERVERS[s].1));
+                break 'runs;
+            }
+        }
+    }
+    report(opts, &st, runs, &res, failed)
+}
+
+fn report(
+    opts: &BenchOptions,
+    st: &Setup,
+    runs: usize,
+    res: &[Results; 2],
+    failed: Option<String>,
+) -> Result<Value, BenchError> {
+    let r = ratios(res);
+    let mut t = Table::new(format!(
+        "E6 ceiling: {} MiB LUKS1 volume, ours against a plain file export of the same bytes, both through the page cache; median of {runs} run(s)",
+        st.plan.dev / MIB
+    ));
+    t.line(figures_head(30));
+    for (s, x) in SERVERS.iter().zip(res) {
+        figure_lines(&mut t, s.1, 30, x);
+    }
+    for (load, x) in &r {
+        let ok = x.is_some_and(|x| x >= TARGET);
+        let shown = x.map_or("-".into(), |x| format!("{x:.2}"));
+        t.line(format!(
+            "{:<13}: ours / plain {shown} (target >= {TARGET}: {})",
+            load.key(),
+            met(ok)
+        ));
+    }
+    if let Some(why) = &failed {
+        t.line(format!("FAILED: {why}"));
+    }
+    t.print();
+    let ratios: serde_json::Map<String, Value> = r
+        .iter()
+        .map(|(l, x)| (l.key().to_string(), json!(x)))
+        .collect();
+    let body = json!({
+        "rows": rows(SERVERS.iter().map(|s| s.0).zip(res.iter())),
+        "ratios_ours_over_plain": ratios,
+        "commands": { "ours": res[0].command, "plain": res[1].command },
+        "summary": {
+            "target": TARGET,
+            "target_met": r.iter().all(|(_, x)| x.is_some_and(|x| x >= TARGET)),
+            "failed": failed,
+        },
+    });
+    let settings = json!({
+        "runs": runs,
+        "volume_bytes": st.plan.dev,
+        "fio_ms": st.plan.fio_ms,
+        "quick": opts.quick,
+        "io": "buffered on both sides (ours --io buffered; nbdkit's file plugin, its default cache)",
+    });
+    let v = Report::new("E6 nbd ceiling", settings, body)
+        .stem(STEM)
+        .emit(opts, &[])?;
+    match failed {
+        Some(why) => Err(workload(format!("failed (report written): {why}"))),
+        None => Ok(v),
+    }
+}
