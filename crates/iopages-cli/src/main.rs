@@ -601,31 +601,16 @@ fn check_nbd_flags(experiment: Experiment, f: NbdFlags) -> Result<(), BenchError
             "--integrity is a run of the nbd experiment on its own: `iopages bench nbd --integrity`".into(),
         ));
     }
-    let alone = [
-        f.tls,
-        f.remote,
-        f.sparse_only,
-        f.tenants_only,
-        f.integrity,
-        f.connections,
-    ];
-    if f.ceiling && (experiment != Experiment::Nbd || alone.iter().any(|&x| x)) {
-        return Err(BenchError::Workload(
-            "--ceiling is a run of the nbd experiment on its own: `iopages bench nbd --ceiling`"
-                .into(),
-        ));
-    }
-    if f.connections
-        && (experiment != Experiment::Nbd
-            || f.tls
-            || f.remote
-            || f.sparse_only
-            || f.tenants_only
-            || f.integrity)
-    {
-        return Err(BenchError::Workload(
-            "--connections is a run of the nbd experiment on its own: `iopages bench nbd --connections`".into(),
-        ));
+    // Runs of the nbd experiment on their own: none beside another.
+    let own = [(f.connections, "--connections"), (f.ceiling, "--ceiling")];
+    let others = [f.tls, f.remote, f.sparse_only, f.tenants_only, f.integrity];
+    for (i, &(on, flag)) in own.iter().enumerate() {
+        let beside = others.iter().any(|&x| x) || own[..i].iter().any(|o| o.0);
+        if on && (experiment != Experiment::Nbd || beside) {
+            return Err(BenchError::Workload(format!(
+                "{flag} is a run of the nbd experiment on its own: `iopages bench nbd {flag}`"
+            )));
+        }
     }
     if f.store.is_some() && !f.remote {
         return Err(BenchError::Workload(
