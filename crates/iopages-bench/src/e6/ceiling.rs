@@ -231,3 +231,43 @@ fn report(
         None => Ok(v),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::e6::load::Sample;
+
+    fn res(figs: &[[f64; 5]]) -> Results {
+        let mut r = Results::empty();
+        for f in figs {
+            for (l, &load) in Load::ALL.iter().enumerate() {
+                let iops = (load == Load::RandRw).then_some(f[l]);
+                r.samples[l].push(Sample { mib_s: f[l], iops });
+            }
+        }
+        r
+    }
+
+    #[test]
+    fn each_ratio_is_the_median_of_the_runs_own() {
+        let ours = res(&[
+            [1.0, 2.0, 300.0, 4.0, 5.0],
+            [2.0, 2.0, 100.0, 4.0, 5.0],
+            [9.0, 2.0, 200.0, 4.0, 5.0],
+        ]);
+        let plain = res(&[
+            [2.0, 4.0, 100.0, 4.0, 10.0],
+            [2.0, 4.0, 100.0, 4.0, 10.0],
+            [3.0, 4.0, 100.0, 4.0, 10.0],
+        ]);
+        let r = ratios(&[ours, plain]);
+        // seq write: runs 0.5, 1.0, 3.0 -> 1.0 (not 12/7, the ratio of sums).
+        assert_eq!(r[0], (Load::SeqWrite, Some(1.0)));
+        assert_eq!(r[1].1, Some(0.5));
+        // The random load compares IOPS: 3, 1, 2 -> 2.
+        assert_eq!(r[2], (Load::RandRw, Some(2.0)));
+        assert_eq!(r[4].1, Some(0.5));
+        let none = ratios(&[Results::empty(), Results::empty()]);
+        assert!(none.iter().all(|(_, x)| x.is_none()));
+    }
+}

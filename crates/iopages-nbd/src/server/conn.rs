@@ -817,8 +817,8 @@ struct ConnRead {
 pub(crate) enum Ended {
     /// The connection is closed, every request in flight completed.
     Closed,
-    /// Nothing in flight, nothing buffered, nothing received since
-    /// `since`: the connection may wait without a thread. Its idle
+    /// Nothing in flight, nothing buffered, nothing received for
+    /// [`PARK_AFTER`]: the connection may wait without a thread. Its idle
     /// deadline, if any, is `deadline`.
     Idle { deadline: Option<Instant> },
 }

@@ -4,7 +4,8 @@
 //! listeners bound by others (socket activation: [`Listener`]), one
 //! accepting thread per listener, one thread per connection while it has
 //! work (handshake, then transmission; an idle one waits in the parking
-//! lot, `park.rs`, and gets a new thread when its client sends), the server-wide limits ([`ServerOptions`]: open
+//! lot, `park.rs`, and gets a new thread when its client sends), the
+//! server-wide limits ([`ServerOptions`]: open
 //! connections, handshakes, payload bytes in flight, each shared fairly
 //! among peers by `shares.rs`; the deadlines), and shutting all
 //! of it down in order: stop accepting, shut every connection's socket,
