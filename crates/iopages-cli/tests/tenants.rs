@@ -24,7 +24,7 @@ mod common;
 
 use common::{export_table as export, luks2_image, serve_cmd, tools, Dir, Served};
 use iopages_testkit::hostile::{
-    peer_ip, raise_open_files, read_latencies, silent, unread_reads, zero_flood, Cmd, NbdClient,
+    open_peers, raise_open_files, read_latencies, silent, unread_reads, zero_flood, Cmd, NbdClient,
 };
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
@@ -710,28 +710,6 @@ fn few_tasks(pid: i32, what: &str) {
     }
 }
 
-/// `n` clients in transmission, from `peer_ip(first..first + n)`, opened
-/// by 4 threads at once.
-fn open_clients(addr: SocketAddr, first: usize, n: usize) -> Vec<NbdClient> {
-    let per = n.div_ceil(4);
-    let threads: Vec<_> = (0..4)
-        .map(|k| {
-            std::thread::spawn(move || {
-                (first + k * per..(first + (k + 1) * per).min(first + n))
-                    .map(|i| {
-                        NbdClient::connect(peer_ip(i), addr, EXPORT)
-                            .unwrap_or_else(|e| panic!("client {i} ({}): {e}", peer_ip(i)))
-                    })
-                    .collect::<Vec<_>>()
-            })
-        })
-        .collect();
-    threads
-        .into_iter()
-        .flat_map(|t| t.join().expect("a connecting thread"))
-        .collect()
-}
-
 /// A client reading 4 KiB at 0 over and over until `stop`, checking each
 /// read against `want`; the reads done are counted in `done`. The thread
 /// gives the client back (still connected).
@@ -768,7 +746,7 @@ fn a_thousand_connections_from_a_thousand_addresses_run_on_a_few_threads() {
     let mut polite = NbdClient::connect(POLITE, addr, EXPORT).unwrap();
     polite.send(Cmd::Write, 0, 4096, &want).unwrap();
     assert_eq!(polite.reply().unwrap().error, 0, "a write");
-    let mut clients = open_clients(addr, 0, 1000);
+    let mut clients = open_peers(addr, EXPORT, 1000).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(s.metric("iopages_connections_open"), 1001.0);
     // Two stay busy; the others (and the polite client) fall idle.
     let stop = Arc::new(AtomicBool::new(false));

@@ -56,6 +56,33 @@ pub fn peer_ip(i: usize) -> Ipv4Addr {
     Ipv4Addr::new(127, 0, (i / 250) as u8, 2 + (i % 250) as u8)
 }
 
+/// `n` clients in transmission on `export`, the `i`th from
+/// [`peer_ip`]`(i)` (each a peer of its own), opened by 4 threads at once.
+///
+/// **Returns:** the clients in order; Err naming the first client that
+/// could not connect or open the export.
+pub fn open_peers(server: SocketAddr, export: &str, n: usize) -> Result<Vec<NbdClient>, String> {
+    let per = n.div_ceil(4);
+    let threads: Vec<_> = (0..4)
+        .map(|k| {
+            let export = export.to_string();
+            std::thread::spawn(move || {
+                (k * per..((k + 1) * per).min(n))
+                    .map(|i| {
+                        NbdClient::connect(peer_ip(i), server, &export)
+                            .map_err(|e| format!("client {i} from {}: {e}", peer_ip(i)))
+                    })
+                    .collect::<Result<Vec<_>, String>>()
+            })
+        })
+        .collect();
+    let mut out = Vec::with_capacity(n);
+    for t in threads {
+        out.extend(t.join().map_err(|_| "a connecting thread panicked")??);
+    }
+    Ok(out)
+}
+
 /// Raise this process's soft limit on open files to its hard limit (a
 /// test holding a thousand connections needs more than the usual 1024).
 ///

@@ -136,15 +136,7 @@ pub fn run(opts: &BenchOptions, iopages_bin: &Path) -> Result<Value, BenchError>
     let (json_path, _) = opts.paths(STEM);
     let (work, socks, _dirs) = work_dirs(iopages_bin, &json_path, STEM)?;
     let tools = Tools::find_as(&work, Some("the plain file export"), false).map_err(workload)?;
-    let f = Files {
-        image: work.join("luks1.img"),
-        pass: work.join("passphrase"),
-        source: work.join("source.bin"),
-        work: work.clone(),
-        socks,
-        tls: None,
-        read_only: false,
-    };
+    let f = Files::e6(&work, socks, None);
     progress(
         STEM,
         format!("E6 ceiling: ours (--io buffered) and nbdkit's plain file export of the same image, {runs} run(s), {} MiB, fio {} s per load", payload / MIB, fio_ms as f64 / 1000.0),

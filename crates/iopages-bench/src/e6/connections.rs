@@ -27,7 +27,9 @@ use super::tenants::parse_serving;
 use crate::harness::{Report, Table};
 use crate::measure::median;
 use crate::{met, progress, round2, BenchError, BenchOptions};
-use iopages_tools::hostile::{connect_from, peer_ip, raise_open_files, read_latencies, NbdClient};
+use iopages_tools::hostile::{
+    connect_from, open_peers, peer_ip, raise_open_files, read_latencies, NbdClient,
+};
 use iopages_tools::nbd_client::{self, Client};
 use iopages_tools::{stop, tail_lines, write_psk};
 use openssl::ssl::{SslConnector, SslMethod, SslVerifyMode};
@@ -94,29 +96,6 @@ fn usage(pid: u32) -> (usize, u64) {
 pub fn vm_rss_kib(status: &str) -> Option<u64> {
     let l = status.lines().find(|l| l.starts_with("VmRSS:"))?;
     l.split_whitespace().nth(1)?.parse().ok()
-}
-
-/// `n` idle clients in transmission from `peer_ip(0..n)`, opened by 4
-/// threads at once.
-fn open_idle(addr: SocketAddr, n: usize) -> Result<Vec<NbdClient>, String> {
-    let per = n.div_ceil(4);
-    let threads: Vec<_> = (0..4)
-        .map(|k| {
-            std::thread::spawn(move || {
-                (k * per..((k + 1) * per).min(n))
-                    .map(|i| {
-                        NbdClient::connect(peer_ip(i), addr, EXPORT)
-                            .map_err(|e| format!("idle connection {i} from {}: {e}", peer_ip(i)))
-                    })
-                    .collect::<Result<Vec<_>, String>>()
-            })
-        })
-        .collect();
-    let mut out = Vec::with_capacity(n);
-    for t in threads {
-        out.extend(t.join().map_err(|_| "a connecting thread panicked")??);
-    }
-    Ok(out)
 }
 
 /// The server: `iopages serve` on its in-memory volume, loopback TCP.
@@ -261,7 +240,7 @@ fn one_run(srv: &Served, polite: &mut NbdClient, reads: usize) -> Result<RunFigu
     let alone = lat(polite)?;
     let (tasks_alone, rss_alone) = usage(pid);
     let t = Instant::now();
-    let idle = open_idle(srv.addr, IDLE)?;
+    let idle = open_peers(srv.addr, EXPORT, IDLE)?;
     let open_s = t.elapsed().as_secs_f64();
     std::thread::sleep(SETTLE);
     let beside = lat(polite)?;

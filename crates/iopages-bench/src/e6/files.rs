@@ -61,6 +61,22 @@ pub(crate) struct Files {
     pub(crate) read_only: bool,
 }
 
+impl Files {
+    /// E6's files in `work` (`luks1.img`, `passphrase`, `source.bin`),
+    /// sockets in `socks`, read-write.
+    pub(crate) fn e6(work: &Path, socks: PathBuf, tls: Option<TlsSetup>) -> Files {
+        Files {
+            image: work.join("luks1.img"),
+            pass: work.join("passphrase"),
+            source: work.join("source.bin"),
+            work: work.to_path_buf(),
+            socks,
+            tls,
+            read_only: false,
+        }
+    }
+}
+
 /// Checks that `iopages_bin` exists, then makes afresh the work
 /// directory `TAG-work-PID` beside the report `json_path` and the
 /// sockets' directory `iopages-TAG-PID` under the temporary directory.

@@ -54,15 +54,7 @@ pub fn run_with(opts: &BenchOptions, iopages_bin: &Path, tls: bool) -> Result<Va
     } else {
         None
     };
-    let f = Files {
-        image: work.join("luks1.img"),
-        pass: work.join("passphrase"),
-        source: work.join("source.bin"),
-        work: work.clone(),
-        socks,
-        tls,
-        read_only: false,
-    };
+    let f = Files::e6(&work, socks, tls);
     let fs = fs_type(&work);
     progress(
         "nbd",
