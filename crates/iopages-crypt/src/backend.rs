@@ -16,9 +16,11 @@
 //! hands out their bytes and moves pages in and out (this file has no
 //! `unsafe`).
 
+use crate::async_io::{declined, AsyncIo, Outcome, ReadInto, Segments, WriteEnd};
 use iopages::{FolioBuffer, Gfp, PageAllocator, PageSlots, PAGE_SIZE};
 use parking_lot::RwLock;
 use std::io;
+use std::sync::Arc;
 
 /// A block device the crypt target can sit on.
 pub trait Backend: Send + Sync {
@@ -119,6 +121,12 @@ pub trait Backend: Send + Sync {
     /// default calls.
     fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
         self.punch(offset, len)
+    }
+
+    /// Reads and writes started without waiting ([`AsyncIo`]), where the
+    /// backend has them (a remote store). The default: none.
+    fn async_io(&self) -> Option<&dyn AsyncIo> {
+        None
     }
 
     /// The allocation of the bytes from `offset`: consecutive extents, the
@@ -635,6 +643,33 @@ impl Backend for Window {
     fn extents(&self, offset: u64, len: u64, max_extents: usize) -> io::Result<Vec<Extent>> {
         check_range(offset, len, self.len)?;
         self.inner.extents(self.start + offset, len, max_extents)
+    }
+
+    fn async_io(&self) -> Option<&dyn AsyncIo> {
+        self.inner.async_io().map(|_| self as &dyn AsyncIo)
+    }
+}
+
+/// The window's starts, shifted: a request leaving the window is declined
+/// (the blocking path then refuses it with its error).
+impl AsyncIo for Window {
+    fn start_write(&self, offset: u64, data: Arc<dyn Segments>, fua: bool, end: WriteEnd) {
+        match self.inner.async_io() {
+            Some(a) if check_range(offset, data.len() as u64, self.len).is_ok() => {
+                a.start_write(self.start + offset, data, fua, end)
+            }
+            _ => end(Outcome::Again(declined("outside the window"))),
+        }
+    }
+
+    fn start_read(&self, offset: u64, mut into: Box<dyn ReadInto>) {
+        let len = into.buf().len() as u64;
+        match self.inner.async_io() {
+            Some(a) if check_range(offset, len, self.len).is_ok() => {
+                a.start_read(self.start + offset, into)
+            }
+            _ => into.end(Outcome::Again(declined("outside the window"))),
+        }
     }
 }
 

@@ -78,6 +78,7 @@
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 mod admission;
+pub mod async_io;
 pub mod backend;
 pub mod dio;
 mod error;

@@ -17,6 +17,7 @@
 //! [`CipherPool`]: crate::target::CipherPool
 
 use crate::admission::{Admission, PlCell};
+use crate::async_io::{Outcome, ReadInto as AsyncReadInto, WriteEnd};
 use crate::target::{CryptTarget, SectorCipher};
 use iopages::FolioBuffer;
 use parking_lot::{Condvar, Mutex};
@@ -52,9 +53,37 @@ impl Default for QueueConfig {
 
 type WriteDone = Box<dyn FnOnce(io::Result<()>) + Send>;
 type ReadDone = Box<dyn FnOnce(io::Result<Vec<u8>>) + Send>;
-/// A read into a caller's buffer: runs the target's read on its buffer and
-/// hands both to the caller's completion.
-type ReadInto = Box<dyn FnOnce(&mut dyn FnMut(u64, &mut [u8]) -> io::Result<()>) + Send>;
+
+/// A read into a caller's buffer, and the caller's completion.
+trait ReadJob: Send {
+    fn offset(&self) -> u64;
+    fn buf(&mut self) -> &mut [u8];
+    /// Hand the result and the buffer to the caller's completion.
+    fn finish(self: Box<Self>, result: io::Result<()>);
+}
+
+struct ReadOf<B, F> {
+    offset: u64,
+    buf: B,
+    done: F,
+}
+
+impl<B, F> ReadJob for ReadOf<B, F>
+where
+    B: AsMut<[u8]> + Send,
+    F: FnOnce(io::Result<()>, B) + Send,
+{
+    fn offset(&self) -> u64 {
+        self.offset
+    }
+    fn buf(&mut self) -> &mut [u8] {
+        self.buf.as_mut()
+    }
+    fn finish(self: Box<Self>, result: io::Result<()>) {
+        let ReadOf { buf, done, .. } = *self;
+        done(result, buf);
+    }
+}
 
 /// A write's payload: any bytes the queue may hold until the write has
 /// completed (a heap buffer, or pages of the arena such as a
@@ -74,7 +103,7 @@ enum Request {
         len: usize,
         done: ReadDone,
     },
-    ReadInto(ReadInto),
+    ReadInto(Box<dyn ReadJob>),
     Flush {
         done: WriteDone,
     },
@@ -168,10 +197,10 @@ impl<C: SectorCipher + 'static> CryptQueue<C> {
     }
 
     fn submit(&self, r: Request) {
-        let s = &*self.shared;
-        s.gate.admit();
-        s.state.lock().queue.push_back(r);
-        s.work.notify_one();
+        self.shared.gate.admit();
+        if let Some(r) = start(&self.shared, r) {
+            queue(&self.shared, r);
+        }
     }
 
     /// Queue a write of `data` at byte `offset`; `done` gets its result on
@@ -221,12 +250,7 @@ impl<C: SectorCipher + 'static> CryptQueue<C> {
         buf: B,
         done: impl FnOnce(io::Result<()>, B) + Send + 'static,
     ) {
-        let run = move |read: &mut dyn FnMut(u64, &mut [u8]) -> io::Result<()>| {
-            let mut buf = buf;
-            let r = read(offset, buf.as_mut());
-            done(r, buf);
-        };
-        self.submit(Request::ReadInto(Box::new(run)));
+        self.submit(Request::ReadInto(Box::new(ReadOf { offset, buf, done })));
     }
 
     /// Queue a read of `len` bytes at byte `offset`; `done` gets the
@@ -285,10 +309,133 @@ impl<C: SectorCipher + 'static> CryptQueue<C> {
 impl<C: SectorCipher + 'static> Drop for CryptQueue<C> {
     /// Complete every admitted request, then stop the workers.
     fn drop(&mut self) {
+        // Requests started on the backend may come back for the workers.
+        self.shared.gate.wait_idle();
         self.shared.state.lock().shutdown = true;
         self.shared.work.notify_all();
         for h in self.workers.drain(..) {
             let _ = h.join();
+        }
+    }
+}
+
+/// Hand `r` (admitted) to the workers.
+fn queue<C: SectorCipher>(s: &Shared<C>, r: Request) {
+    s.state.lock().queue.push_back(r);
+    s.work.notify_one();
+}
+
+/// Start `r` on the target's asynchronous backend where it has one and
+/// takes this request, on the submitting thread: a write is encrypted
+/// here, a read decrypted where its data arrives, and each completes
+/// there, with no worker in between. **Returns:** the request when it
+/// goes to the workers instead.
+fn start<C: SectorCipher + 'static>(s: &Arc<Shared<C>>, r: Request) -> Option<Request> {
+    if s.preallocated_out || s.target.backend().async_io().is_none() {
+        return Some(r);
+    }
+    match r {
+        Request::Write {
+            offset,
+            data,
+            fua,
+            done,
+        } => start_write(s, offset, data, fua, done),
+        Request::ReadInto(job) => start_read(s, job),
+        r => Some(r),
+    }
+}
+
+fn start_write<C: SectorCipher + 'static>(
+    s: &Arc<Shared<C>>,
+    offset: u64,
+    data: Payload,
+    fua: bool,
+    done: WriteDone,
+) -> Option<Request> {
+    let since = s.target.clock();
+    let (a, sealed) = match s.target.seal(offset, (*data).as_ref(), fua) {
+        Some(sealed) => {
+            let a = s.target.backend().async_io();
+            (a.expect("sealed only for an asynchronous backend"), sealed)
+        }
+        None => {
+            return Some(Request::Write {
+                offset,
+                data,
+                fua,
+                done,
+            })
+        }
+    };
+    let (sh, len) = (Arc::clone(s), sealed.len());
+    let end: WriteEnd = Box::new(move |o| match o {
+        Outcome::Done(res) => {
+            sh.target.count_write(len, &res, since);
+            complete(&sh, || done(res));
+            drop(data);
+        }
+        Outcome::Again(_) => {
+            let r = Request::Write {
+                offset,
+                data,
+                fua,
+                done,
+            };
+            queue(&sh, r)
+        }
+    });
+    a.start_write(offset, sealed, fua, end);
+    None
+}
+
+fn start_read<C: SectorCipher + 'static>(
+    s: &Arc<Shared<C>>,
+    mut job: Box<dyn ReadJob>,
+) -> Option<Request> {
+    let offset = job.offset();
+    let a = s.target.backend().async_io();
+    match a {
+        Some(a) if s.target.reads_async(offset, job.buf().len()) => {
+            let shared = Arc::clone(s);
+            a.start_read(offset, Box::new(Started { job, shared }));
+            None
+        }
+        _ => Some(Request::ReadInto(job)),
+    }
+}
+
+/// Run a request's completion (a panic in it is caught and reported) and
+/// give its slot back.
+fn complete<C: SectorCipher>(s: &Shared<C>, done: impl FnOnce()) {
+    if catch_unwind(AssertUnwindSafe(done)).is_err() {
+        eprintln!("iopages-crypt: a request's completion panicked; the queue goes on");
+    }
+    s.gate.complete();
+}
+
+/// A read started on the asynchronous backend: decrypted in its buffer
+/// where the ciphertext arrived, then completed there; back to the workers
+/// when it comes back undone.
+struct Started<C: SectorCipher> {
+    job: Box<dyn ReadJob>,
+    shared: Arc<Shared<C>>,
+}
+
+impl<C: SectorCipher> AsyncReadInto for Started<C> {
+    fn buf(&mut self) -> &mut [u8] {
+        self.job.buf()
+    }
+
+    fn end(self: Box<Self>, outcome: Outcome) {
+        let Started { mut job, shared } = *self;
+        match outcome {
+            Outcome::Done(res) => {
+                let offset = job.offset();
+                let res = res.and_then(|()| shared.target.decrypt_read(offset, job.buf()));
+                complete(&shared, || job.finish(res));
+            }
+            Outcome::Again(_) => queue(&shared, Request::ReadInto(job)),
         }
     }
 }
@@ -332,8 +479,9 @@ fn serve<C: SectorCipher>(t: &CryptTarget<C>, r: Request, buf: Option<&mut Folio
             drop(data);
             outcome
         }
-        Request::ReadInto(run) => {
-            catch_unwind(AssertUnwindSafe(|| run(&mut |off, b| t.read(off, b))))
+        Request::ReadInto(mut job) => {
+            let res = t.read(job.offset(), job.buf());
+            catch_unwind(AssertUnwindSafe(|| job.finish(res)))
         }
         Request::Read { offset, len, done } => {
             let mut buf = vec![0u8; len];

@@ -116,6 +116,11 @@ impl OutPages {
         &mut self.buf
     }
 
+    /// The buffer that owns the pages, to read their bytes (`chunks`).
+    pub(crate) fn buffer(&self) -> &FolioBuffer {
+        &self.buf
+    }
+
     /// Move the blocks past the first `nr_pages` pages to a new
     /// `OutPages` (each keeps counting its own pages). `nr_pages` must
     /// fall on a block boundary (split first).

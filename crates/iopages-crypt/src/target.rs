@@ -21,6 +21,7 @@
 //! [`crate::queue::CryptQueue`] puts a queue depth and worker threads in
 //! front of it.
 
+use crate::async_io::Segments;
 use crate::backend::{check_range, push_extent, Backend, Extent, PageStore};
 use crate::strategy::{LimitCheck, OutAllocator, OutPages, Strategy};
 use iopages::{FolioBuffer, Gfp, PageAllocator, PercpuCounter, PAGE_SIZE};
@@ -30,6 +31,44 @@ use std::io;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// A write's ciphertext in its out pages while an asynchronous backend
+/// sends it ([`CryptTarget::seal`]): the pages go back to the target's out
+/// allocator when the last reference is dropped.
+struct Sealed<C: SectorCipher> {
+    target: Arc<CryptTarget<C>>,
+    /// Taken only by `drop`.
+    out: Option<OutPages>,
+    /// The write's bytes (the out pages may hold more).
+    len: usize,
+}
+
+impl<C: SectorCipher> Segments for Sealed<C> {
+    fn segments(&self) -> Vec<&[u8]> {
+        let out = self.out.as_ref().expect("taken only by drop");
+        let mut left = self.len;
+        out.buffer()
+            .chunks()
+            .map_while(|c| {
+                let n = c.len().min(left);
+                left -= n;
+                (n > 0).then(|| &c[..n])
+            })
+            .collect()
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl<C: SectorCipher> Drop for Sealed<C> {
+    fn drop(&mut self) {
+        if let Some(out) = self.out.take() {
+            self.target.out.free(out);
+        }
+    }
+}
 
 /// Encryption of whole sectors with a per-sector IV (the sector number).
 pub trait SectorCipher: Send + Sync {
@@ -612,6 +651,72 @@ impl<C: SectorCipher> CryptTarget<C> {
         } else {
             self.backend.write_at(offset, &segments)
         }
+    }
+
+    /// Encrypt `data` (to be written at byte `offset`) into out pages for
+    /// an asynchronous backend ([`Backend::async_io`]): the ciphertext as
+    /// [`Segments`], whose pages go back to the out allocator when the
+    /// last reference to them is dropped.
+    ///
+    /// **Context:** may block (out-page allocation at the page limit).
+    /// **Returns:** `None` (nothing allocated) when the write is not for
+    /// the asynchronous path: no such backend, nothing to write, a request
+    /// the blocking path refuses, a page-store write, or FUA on a backend
+    /// without it — or when the cipher fails (the blocking path reports
+    /// it).
+    pub fn seal(self: &Arc<Self>, offset: u64, data: &[u8], fua: bool) -> Option<Arc<dyn Segments>>
+    where
+        C: 'static,
+    {
+        self.backend.async_io()?;
+        let unfit = data.is_empty()
+            || (fua && !self.backend.native_fua())
+            || self.store_for(offset, data.len()).is_some();
+        let sector = self.check(offset, data.len()).ok().filter(|_| !unfit)?;
+        let start = now(self.timed.load(Ordering::Relaxed));
+        let mut out = self.out.alloc(data.len().div_ceil(PAGE_SIZE));
+        account(&self.counters.alloc_ns, start);
+        if self.encrypt(sector, data, out.buffer_mut(), |_| {}).is_err() {
+            self.out.free(out);
+            return None;
+        }
+        Some(Arc::new(Sealed {
+            target: Arc::clone(self),
+            out: Some(out),
+            len: data.len(),
+        }))
+    }
+
+    /// Count a write that ended elsewhere (an asynchronous one): as
+    /// [`CryptTarget::write`] counts its own.
+    pub(crate) fn count_write(&self, len: usize, result: &io::Result<()>, since: Option<Instant>) {
+        self.finish_write(len, result, since);
+    }
+
+    /// When timing is on, now (a write's start).
+    pub(crate) fn clock(&self) -> Option<Instant> {
+        now(self.timed.load(Ordering::Relaxed))
+    }
+
+    /// Whether a read of `len` bytes at `offset` can go to the
+    /// asynchronous backend (then [`CryptTarget::decrypt_read`] finishes
+    /// it).
+    pub(crate) fn reads_async(&self, offset: u64, len: usize) -> bool {
+        self.backend.async_io().is_some() && len > 0 && self.check(offset, len).is_ok()
+    }
+
+    /// Decrypt (and count) a read's ciphertext, read into `buf` from
+    /// byte `offset` by an asynchronous backend.
+    pub(crate) fn decrypt_read(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        let sector = self.check(offset, buf.len())?;
+        if self.sparse_reads {
+            self.decrypt_sparse(sector, buf)?;
+        } else {
+            self.cipher.decrypt_sectors(sector, buf)?;
+        }
+        self.counters.reads.add(1);
+        self.counters.read_bytes.add(buf.len() as i64);
+        Ok(())
     }
 
     /// Write through out pages the caller keeps instead of allocated ones:

@@ -11,6 +11,7 @@
 //! may have been lost.
 
 use super::*;
+use iopages_crypt::async_io::{declined, AsyncIo, Outcome, ReadInto, Segments, WriteEnd};
 
 /// An NBD export used as the crypt target's backend: its ciphertext lives
 /// on another NBD server.
@@ -283,16 +284,25 @@ impl NbdRemote {
 
     /// The error for an NBD error reply.
     fn reply_error(&self, errno: u32, command: u16, offset: u64, len: u64) -> io::Error {
-        let (kind, name) = errno_kind(errno);
-        io::Error::new(
-            kind,
-            format!(
-                "{}: {} of {len} bytes at offset {offset} failed on the remote: {name} ({})",
-                self.uri,
-                command_name(command),
-                crate::proto::error_message(errno)
-            ),
-        )
+        reply_error(&self.uri, errno, command, offset, len)
+    }
+
+    /// Start `then` on a live connection, or end it `Again` (nothing sent)
+    /// when none serves or the one picked has no free slot.
+    fn start(&self, then: Then) {
+        let Some(conn) = self.pool.pick() else {
+            return then.end(Outcome::Again(declined("no connection to the store serves")));
+        };
+        if let Err(then) = conn.start(then) {
+            then.end(Outcome::Again(declined("no free request slot")));
+        }
+    }
+
+    /// Whether a READ or WRITE of `len` bytes at `offset` goes out as one
+    /// request the export takes (else the blocking path splits or refuses
+    /// it).
+    fn fits(&self, offset: u64, len: usize) -> bool {
+        len > 0 && len <= self.info.max_block as usize && self.check(offset, len as u64).is_ok()
     }
 
     /// WRITE `segments` at `offset` with command `flags`, split at the
@@ -454,6 +464,59 @@ impl Backend for NbdRemote {
         self.check_writable("TRIM", offset, len)?;
         self.effect(CMD_TRIM, offset, len)
     }
+
+    fn async_io(&self) -> Option<&dyn AsyncIo> {
+        Some(self)
+    }
+}
+
+/// The largest WRITE started without waiting: the submitting thread
+/// sends it itself, and a larger one could fill the socket's buffer and
+/// hold that thread while the store reads the rest (a store that stops
+/// reading would hold it until the deadline). Larger writes go to the
+/// crypt workers, which wait for the store instead.
+pub const ASYNC_WRITE_MAX_BYTES: usize = 128 << 10;
+
+/// READ and WRITE of one request each, sent by the submitting thread and
+/// ended by the connection's reader (`started.rs`); what does not fit one
+/// request, FUA where the export lacks it, a read-only remote and a store
+/// with no live connection or free slot are declined (`Again`: the
+/// blocking path does them, with its errors).
+impl AsyncIo for NbdRemote {
+    fn start_write(&self, offset: u64, data: Arc<dyn Segments>, fua: bool, end: WriteEnd) {
+        let len = data.len();
+        let large = len > ASYNC_WRITE_MAX_BYTES;
+        if large || !self.fits(offset, len) || self.read_only || (fua && !self.native_fua()) {
+            return end(Outcome::Again(declined("a write for the blocking path")));
+        }
+        self.start(Then {
+            flags: if fua { CMD_FLAG_FUA } else { 0 },
+            command: CMD_WRITE,
+            offset,
+            length: len as u32,
+            data: Some(data),
+            write_end: Some(end),
+            read_into: None,
+            sent_at: None,
+        });
+    }
+
+    fn start_read(&self, offset: u64, mut into: Box<dyn ReadInto>) {
+        let len = into.buf().len();
+        if !self.fits(offset, len) {
+            return into.end(Outcome::Again(declined("a read for the blocking path")));
+        }
+        self.start(Then {
+            flags: 0,
+            command: CMD_READ,
+            offset,
+            length: len as u32,
+            data: None,
+            write_end: None,
+            read_into: Some(into),
+            sent_at: None,
+        });
+    }
 }
 
 impl Drop for NbdRemote {
@@ -466,8 +529,14 @@ impl Drop for NbdRemote {
         for c in &conns {
             c.close();
         }
+        // Dropped by a request's end on a reader thread (the last
+        // reference to the volume released there): that thread is left to
+        // end by itself (it sees the connection closing), not joined.
+        let me = std::thread::current().id();
         for t in self.threads.drain(..) {
-            let _ = t.join();
+            if t.thread().id() != me {
+                let _ = t.join();
+            }
         }
         for c in &conns {
             c.ctl.shutdown();

@@ -275,6 +275,9 @@ pub(super) struct Pending {
     /// without FUA, WRITE_ZEROES, TRIM): its success is counted as
     /// unflushed by the reader, before its caller can see it.
     pub(super) unflushed: bool,
+    /// A request started asynchronously: no caller waits on `cv`; its
+    /// end is called by whoever takes it out of the map (`started.rs`).
+    pub(super) then: Option<Then>,
 }
 
 /// One request as its caller gives it.
@@ -340,6 +343,9 @@ pub(super) struct Shared {
     /// The newest acknowledged-and-unflushed write on this connection (its
     /// number in [`Durability::acked`]; 0: none).
     pub(super) last_ack: u64,
+    /// The reader has ended: a started request sent from now on is ended
+    /// by its sender.
+    pub(super) reader_gone: bool,
 }
 
 /// One connection to the remote.
@@ -528,6 +534,7 @@ impl Conn {
             cv: cv.clone(),
             state: Slot::Waiting,
             unflushed,
+            then: None,
         };
         let was = s.pending.insert(cookie, pending);
         assert!(was.is_none(), "cookie {cookie} is pending twice");
@@ -554,26 +561,55 @@ impl Conn {
         header: &[u8],
         parts: &[&[u8]],
     ) -> io::Result<()> {
+        let sent = self.write_request(call, header, parts);
+        let mut s = self.shared.lock();
+        let e = match sent {
+            Ok(()) => {
+                let done = self.mark_sent(&mut s, cookie);
+                debug_assert!(done.is_none(), "a caller's request is not started");
+                return Ok(());
+            }
+            Err(e) => self.send_failed(&mut s, call, e),
+        };
+        self.release(&mut s, cookie, cv);
+        Err(e)
+    }
+
+    /// Write the request (`header`, then `parts`) whole under the writer
+    /// lock, both by the call's deadline.
+    ///
+    /// **Returns:** `Err(None)` when the lock did not come in time
+    /// (nothing sent); `Err(Some(e))` when writing failed.
+    pub(super) fn write_request(
+        &self,
+        call: &Call,
+        header: &[u8],
+        parts: &[&[u8]],
+    ) -> Result<(), Option<io::Error>> {
         let mut bufs: Vec<IoSlice<'_>> = std::iter::once(IoSlice::new(header))
             .chain(parts.iter().map(|p| IoSlice::new(p)))
             .collect();
-        let sent = match self.writer.try_lock_until(call.deadline) {
+        match self.writer.try_lock_until(call.deadline) {
             None => Err(None),
             // Given up while this one waited: `kill` failed it already.
             Some(_) if !self.alive.load(Ordering::Acquire) => {
                 Err(Some(io::Error::from(ErrorKind::NotConnected)))
             }
             Some(w) => write_all_by(&w, &mut bufs, call.deadline).map_err(Some),
-        };
-        let mut s = self.shared.lock();
-        let e = match sent {
-            Ok(()) => {
-                if let Some(p) = s.pending.get_mut(&cookie) {
-                    p.sent = true;
-                }
-                return Ok(());
-            }
-            Err(None) => io::Error::new(
+        }
+    }
+
+    /// The error a request fails with when [`Conn::write_request`] failed;
+    /// a failed write gives the connection up (the stream is left
+    /// mid-request).
+    pub(super) fn send_failed(
+        &self,
+        s: &mut Shared,
+        call: &Call,
+        sent: Option<io::Error>,
+    ) -> io::Error {
+        match sent {
+            None => io::Error::new(
                 ErrorKind::TimedOut,
                 format!(
                     "{}: {} not sent within {:?} (another request being sent held the \
@@ -583,7 +619,7 @@ impl Conn {
                     self.timeout
                 ),
             ),
-            Err(Some(e)) => {
+            Some(e) => {
                 let msg = match e.kind() {
                     ErrorKind::TimedOut => format!(
                         "{}: {} not sent within {:?} ({e}); connection given up",
@@ -593,12 +629,26 @@ impl Conn {
                     ),
                     _ => format!("{}: sending {} failed: {e}", self.name, call.what()),
                 };
-                self.kill(&mut s, e.kind(), msg);
-                self.dead_error(&s)
+                self.kill(s, e.kind(), msg);
+                self.dead_error(s)
             }
-        };
-        self.release(&mut s, cookie, cv);
-        Err(e)
+        }
+    }
+
+    /// The request `cookie` was sent whole: from now on only its reply is
+    /// awaited. A started request whose reply came while it was being
+    /// sent, or whose connection's reader has ended, is its sender's to
+    /// end: taken out of the map and returned.
+    pub(super) fn mark_sent(&self, s: &mut Shared, cookie: u64) -> Option<Pending> {
+        let p = s.pending.get_mut(&cookie)?;
+        p.sent = true;
+        let answered = matches!(p.state, Slot::Replied(_));
+        if p.then.is_none() || !(answered || s.reader_gone) {
+            return None;
+        }
+        let gone = s.pending.remove(&cookie);
+        self.room.notify_one();
+        gone
     }
 
     /// Take a request that will not be answered out of the map: first
@@ -733,10 +783,21 @@ impl Conn {
         None
     }
 
-    /// The reader thread: reply headers in, callers completed by cookie.
+    /// The reader thread: reply headers in, callers completed by cookie;
+    /// at its end, the started requests left are ended.
     pub(super) fn reader(self: Arc<Conn>, stream: Stream) {
+        self.read_replies(stream);
+        self.sweep();
+    }
+
+    fn read_replies(&self, stream: Stream) {
         let mut rx = Recv::new(stream, RECV_BUFFER_BYTES);
+        let tick = (self.timeout / 8).clamp(Duration::from_millis(1), Duration::from_millis(250));
+        let mut checked = Instant::now();
         loop {
+            if !self.check_overdue(&mut checked, tick) {
+                return;
+            }
             let Some(h) = self.next_header(&mut rx) else {
                 return;
             };
@@ -762,10 +823,16 @@ impl Conn {
                 self.kill(&mut s, ErrorKind::InvalidData, msg);
                 return;
             };
-            let dest = if errno == 0 { p.dest.take() } else { None };
             if errno == 0 && p.unflushed {
                 sh.last_ack = self.durability.acked();
             }
+            if p.then.is_some() {
+                if !self.answer_started(s, &mut rx, cookie, errno) {
+                    return;
+                }
+                continue;
+            }
+            let dest = if errno == 0 { p.dest.take() } else { None };
             let Some(dest) = dest else {
                 p.state = Slot::Replied(errno);
                 p.cv.notify_one();

@@ -180,7 +180,7 @@ impl Pool {
     }
 
     /// A live connection, round-robin, without waiting.
-    fn pick(&self) -> Option<Arc<Conn>> {
+    pub(super) fn pick(&self) -> Option<Arc<Conn>> {
         let conns = self.conns.read();
         let n = conns.len();
         let first = self.next.fetch_add(1, Ordering::Relaxed) % n;
@@ -501,6 +501,7 @@ impl Dialer {
                 dead: None,
                 closing: false,
                 last_ack: 0,
+                reader_gone: false,
             }),
             room: Condvar::new(),
             alive: AtomicBool::new(true),

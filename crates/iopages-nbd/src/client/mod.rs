@@ -114,16 +114,18 @@ pub const RECV_BUFFER_BYTES: usize = 64 << 10;
 mod backend;
 mod conn;
 mod link;
+mod started;
 #[cfg(test)]
 mod tests;
 pub(crate) mod tls;
 mod uri;
 mod wire;
 
-pub use backend::NbdRemote;
+pub use backend::{NbdRemote, ASYNC_WRITE_MAX_BYTES};
 use conn::*;
 pub use link::RemoteHealth;
 use link::*;
+use started::*;
 pub use uri::*;
 use wire::*;
 

@@ -1,0 +1,77 @@
+//! I/O that completes later, on another thread: the contract between the
+//! crypt queue and a backend that can start a request and return at once
+//! (a remote store's connections, whose reader threads complete it).
+//!
+//! Owns: [`AsyncIo`] (start a write or a read), what a started
+//! request carries ([`Segments`] for a write's ciphertext, [`ReadInto`]
+//! for a read's destination and its end) and how it ends ([`Outcome`]).
+//! Must never: end a request twice or not at all.
+//!
+//! A request ends `Again` when the backend could not take it (no live
+//! connection, no free slot, a request it only does on its blocking path)
+//! or when the connection it went out on died before answering and its
+//! deadline had not passed: nothing is known of it, and the caller does it
+//! again through the backend's blocking path (which waits for a live
+//! connection, resends, refuses what is out of range with its error, and
+//! keeps its durability accounting). Every other end is final.
+
+use std::io;
+use std::sync::Arc;
+
+/// How a started request ended.
+#[derive(Debug)]
+pub enum Outcome {
+    /// Answered: the result (a store's error reply is an error here).
+    Done(io::Result<()>),
+    /// Not done: declined, or the connection died before answering
+    /// within the request's deadline. Do it again on the blocking path.
+    Again(io::Error),
+}
+
+/// A write's bytes, back to back, kept alive by the backend until the
+/// request has been sent (every byte) or given up.
+pub trait Segments: Send + Sync {
+    /// The bytes as segments.
+    fn segments(&self) -> Vec<&[u8]>;
+    /// Their total length.
+    fn len(&self) -> usize {
+        self.segments().iter().map(|s| s.len()).sum()
+    }
+    /// Whether there are no bytes.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A write's end: called exactly once.
+pub type WriteEnd = Box<dyn FnOnce(Outcome) + Send>;
+
+/// A read's destination and its end, owned by the backend while the read
+/// is in flight.
+pub trait ReadInto: Send {
+    /// Where the data goes (its length is the read's).
+    fn buf(&mut self) -> &mut [u8];
+    /// The read ended; on `Done(Ok)` the buffer holds the data. Called
+    /// exactly once.
+    fn end(self: Box<Self>, outcome: Outcome);
+}
+
+/// A backend that can start I/O without waiting for it.
+///
+/// Both calls return at once and take the request: its end is called
+/// exactly once — on a thread of the backend's, or on this one before the
+/// call returns (declined, or answered that quickly). Nothing is sent for
+/// a request declined (`Again` at once).
+pub trait AsyncIo: Send + Sync {
+    /// Start writing `data` at byte `offset` (durable before its end with
+    /// `fua`).
+    fn start_write(&self, offset: u64, data: Arc<dyn Segments>, fua: bool, end: WriteEnd);
+
+    /// Start reading `into.buf().len()` bytes at byte `offset`.
+    fn start_read(&self, offset: u64, into: Box<dyn ReadInto>);
+}
+
+/// The error an `Again` carries when a backend declines a request.
+pub fn declined(why: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::WouldBlock, why.to_string())
+}

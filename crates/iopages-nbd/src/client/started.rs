@@ -1,0 +1,349 @@
+//! Requests started without a waiting caller ([`AsyncIo`]): sent by the
+//! submitting thread, ended by the connection's reader thread.
+//!
+//! Owns: registering a started request ([`Conn::start`]: a free slot or
+//! nothing), the reader's side of its reply (a READ's data straight into
+//! its destination, then its end), the periodic deadline check while
+//! replies keep coming, and the sweep when the reader ends. Must never:
+//! end a request twice or not at all, free a WRITE's bytes while they may
+//! still be sent, or end a request whose sender is still writing it — one
+//! answered before it was sent whole, or sent after the reader ended, is
+//! its sender's to end ([`Conn::mark_sent`]).
+//!
+//! Who ends a started request: the reader, when its reply is in and it was
+//! sent whole; the sender, when the reply came first, when its send
+//! failed, or when the reader had already ended; the reader's sweep at its
+//! end, for every request sent whole and not answered. A request of a
+//! connection that died ends `Again` (the caller does it on the blocking
+//! path, which resends it on a live connection) while its deadline has
+//! not passed, and with `TimedOut` after.
+
+use super::*;
+use crate::sys;
+use iopages_crypt::async_io::{Outcome, ReadInto, Segments, WriteEnd};
+
+/// A started request: what it is, and how it ends.
+pub(super) struct Then {
+    pub(super) flags: u16,
+    pub(super) command: u16,
+    pub(super) offset: u64,
+    pub(super) length: u32,
+    /// A WRITE's bytes, kept alive while it is sent.
+    pub(super) data: Option<Arc<dyn Segments>>,
+    /// A WRITE's end.
+    pub(super) write_end: Option<WriteEnd>,
+    /// A READ's destination and end (taken by the reader while it fills
+    /// it).
+    pub(super) read_into: Option<Box<dyn ReadInto>>,
+    /// When its sending began (for the round-trip counter).
+    pub(super) sent_at: Option<Instant>,
+}
+
+impl Then {
+    /// Call the request's end.
+    pub(super) fn end(self, outcome: Outcome) {
+        match (self.read_into, self.write_end) {
+            (Some(into), _) => into.end(outcome),
+            (None, Some(end)) => end(outcome),
+            (None, None) => debug_assert!(false, "a started request without an end"),
+        }
+    }
+
+    fn call(&self, deadline: Instant) -> Call {
+        Call {
+            command: self.command,
+            offset: self.offset,
+            length: self.length,
+            deadline,
+        }
+    }
+}
+
+impl Conn {
+    /// Start `then` on this connection without waiting: registered in a
+    /// free slot and sent whole by this thread, its reply awaited by the
+    /// reader thread. Only when the writer is free and the socket takes
+    /// the request's first bytes at once; the rest of a request the socket
+    /// took in part is written by its deadline.
+    ///
+    /// **Returns:** `Err(then)`, nothing sent, when the connection was
+    /// given up, has no free slot, or its writer or socket is busy;
+    /// otherwise its end is called exactly once (here, when its sending
+    /// failed or its reply came first).
+    pub(super) fn start(&self, mut then: Then) -> Result<(), Then> {
+        let deadline = Instant::now() + self.timeout;
+        let call = then.call(deadline);
+        let data = then.data.clone();
+        let unflushed = matches!(then.command, CMD_WRITE | CMD_WRITE_ZEROES | CMD_TRIM)
+            && then.flags & CMD_FLAG_FUA == 0;
+        let Some(w) = self.writer.try_lock() else {
+            return Err(then);
+        };
+        let (flags, command, offset, length) = (then.flags, then.command, then.offset, then.length);
+        then.sent_at = Some(Instant::now());
+        let cookie = {
+            let mut s = self.shared.lock();
+            if s.dead.is_some() || s.pending.len() >= self.max_in_flight {
+                return Err(then);
+            }
+            let cookie = s.next_cookie;
+            s.next_cookie += 1;
+            let pending = Pending {
+                deadline,
+                sent: false,
+                dest: None,
+                cv: Arc::new(Condvar::new()),
+                state: Slot::Waiting,
+                unflushed,
+                then: Some(then),
+            };
+            let was = s.pending.insert(cookie, pending);
+            assert!(was.is_none(), "cookie {cookie} is pending twice");
+            cookie
+        };
+        let header = Request {
+            flags,
+            command,
+            cookie,
+            offset,
+            length,
+        }
+        .encode();
+        let parts = data.as_ref().map_or_else(Vec::new, |d| d.segments());
+        let sent = self.try_write(&w, &header, &parts, deadline);
+        drop((w, parts));
+        match sent {
+            Some(sent) => self.after_send(&call, cookie, sent),
+            None => return self.unstart(cookie),
+        }
+        Ok(())
+    }
+
+    /// Write the request under the writer `w` (held): the first attempt
+    /// does not wait, and `None` means the socket took nothing of it;
+    /// after a first part, the rest is written by `deadline`.
+    fn try_write(
+        &self,
+        w: &Stream,
+        header: &[u8],
+        parts: &[&[u8]],
+        deadline: Instant,
+    ) -> Option<Result<(), Option<io::Error>>> {
+        let mut bufs: Vec<IoSlice<'_>> = std::iter::once(IoSlice::new(header))
+            .chain(parts.iter().map(|p| IoSlice::new(p)))
+            .collect();
+        if !self.alive.load(Ordering::Acquire) {
+            return Some(Err(Some(io::Error::from(ErrorKind::NotConnected))));
+        }
+        if let Stream::Tls(_) = w {
+            return Some(write_all_by(w, &mut bufs, deadline).map_err(Some));
+        }
+        let first = match sys::send_nowait(w.as_raw_fd(), &bufs) {
+            Ok(0) => return Some(Err(Some(ErrorKind::WriteZero.into()))),
+            Ok(n) => n,
+            Err(e) if is_timeout(&e) || e.kind() == ErrorKind::Interrupted => return None,
+            Err(e) => return Some(Err(Some(e))),
+        };
+        let mut rest: &mut [IoSlice<'_>] = &mut bufs;
+        IoSlice::advance_slices(&mut rest, first);
+        Some(write_all_by(w, rest, deadline).map_err(Some))
+    }
+
+    /// Take back a request nothing of which was sent.
+    ///
+    /// **Returns:** `Err(then)` to decline it; `Ok` when the reader is
+    /// filling a reply to it already (a store answering what it was never
+    /// sent): the reader ends it.
+    fn unstart(&self, cookie: u64) -> Result<(), Then> {
+        let mut s = self.shared.lock();
+        let p = s.pending.get_mut(&cookie).expect("only its sender takes it now");
+        if matches!(p.state, Slot::Filling) {
+            p.sent = true;
+            return Ok(());
+        }
+        let p = s.pending.remove(&cookie).expect("found above");
+        self.room.notify_one();
+        let mut then = p.then.expect("started");
+        then.sent_at = None;
+        Err(then)
+    }
+
+    /// The sender's side once its request was written (or not): mark it
+    /// sent, or fail it; end it here when that falls to the sender.
+    fn after_send(&self, call: &Call, cookie: u64, sent: Result<(), Option<io::Error>>) {
+        let mut s = self.shared.lock();
+        let ended = match sent {
+            Ok(()) => self.mark_sent(&mut s, cookie),
+            Err(e) => {
+                let e = self.send_failed(&mut s, call, e);
+                let p = s.pending.get_mut(&cookie).expect("only its sender takes it now");
+                match p.state {
+                    // The reader is filling its reply: the reader ends it.
+                    Slot::Filling => {
+                        p.sent = true;
+                        None
+                    }
+                    // Answered before its sending failed: the answer holds.
+                    Slot::Replied(_) => s.pending.remove(&cookie),
+                    Slot::Waiting | Slot::Failed(..) => {
+                        p.state = Slot::Failed(e.kind(), e.to_string());
+                        s.pending.remove(&cookie)
+                    }
+                }
+            }
+        };
+        if ended.is_some() {
+            self.room.notify_one();
+        }
+        drop(s);
+        if let Some(p) = ended {
+            self.end_started(p);
+        }
+    }
+
+    /// End a started request taken out of the map, by its state.
+    pub(super) fn end_started(&self, p: Pending) {
+        let Some(then) = p.then else {
+            debug_assert!(false, "only started requests end here");
+            return;
+        };
+        if let (Slot::Replied(_), Some(at)) = (&p.state, then.sent_at) {
+            self.counters.rtt.record(at.elapsed());
+        }
+        let outcome = match p.state {
+            Slot::Replied(0) => Outcome::Done(Ok(())),
+            Slot::Replied(errno) => Outcome::Done(Err(reply_error(
+                &self.name,
+                errno,
+                then.command,
+                then.offset,
+                then.length.into(),
+            ))),
+            Slot::Failed(kind, msg) if Instant::now() < p.deadline => {
+                self.counters.resent.fetch_add(1, Ordering::Relaxed);
+                Outcome::Again(io::Error::new(kind, msg))
+            }
+            Slot::Failed(kind, msg) => {
+                if kind == ErrorKind::TimedOut {
+                    self.counters.deadline_failures.fetch_add(1, Ordering::Relaxed);
+                }
+                Outcome::Done(Err(io::Error::new(kind, msg)))
+            }
+            Slot::Waiting | Slot::Filling => {
+                debug_assert!(false, "a started request ends unanswered");
+                Outcome::Done(Err(io::Error::other("ended unanswered")))
+            }
+        };
+        then.end(outcome);
+    }
+
+    /// The reader's side of the reply (`errno`) to the started request
+    /// `cookie`: a successful READ's data into its destination, then its
+    /// end when it was sent whole.
+    ///
+    /// **Returns:** false when the connection failed while filling (it was
+    /// given up; the reader ends).
+    pub(super) fn answer_started<'a>(
+        &'a self,
+        mut s: parking_lot::MutexGuard<'a, Shared>,
+        rx: &mut Recv,
+        cookie: u64,
+        errno: u32,
+    ) -> bool {
+        let p = s.pending.get_mut(&cookie).expect("the reader found it");
+        let into = match p.then.as_mut() {
+            Some(t) if errno == 0 => t.read_into.take(),
+            _ => None,
+        };
+        if let Some(mut into) = into {
+            p.state = Slot::Filling;
+            drop(s);
+            let filled = rx.fill(into.buf(), self.timeout, &mut |_| Ok(false));
+            s = self.shared.lock();
+            let p = s.pending.get_mut(&cookie).expect("no one takes a request being filled");
+            p.then.as_mut().expect("started").read_into = Some(into);
+            if let Err(e) = filled {
+                p.state = Slot::Waiting;
+                self.fill_failed(&mut s, cookie, e);
+                return false;
+            }
+        }
+        let p = s.pending.get_mut(&cookie).expect("the reader found it");
+        p.state = Slot::Replied(errno);
+        if !p.sent {
+            // Its sender is still writing it: the sender ends it.
+            return true;
+        }
+        let p = s.pending.remove(&cookie).expect("the reader found it");
+        self.room.notify_one();
+        drop(s);
+        self.end_started(p);
+        true
+    }
+
+    /// The reader has ended: every started request sent whole and not
+    /// answered ends (`Again` within its deadline); one still being sent
+    /// is ended by its sender.
+    pub(super) fn sweep(&self) {
+        let mut s = self.shared.lock();
+        s.reader_gone = true;
+        if s.dead.is_none() {
+            let msg = format!("{}: the connection ended", self.name);
+            self.kill(&mut s, ErrorKind::ConnectionAborted, msg);
+        }
+        let (kind, msg) = s.dead.clone().expect("given up above");
+        let mine: Vec<u64> = s
+            .pending
+            .iter()
+            .filter(|(_, p)| p.then.is_some() && p.sent)
+            .map(|(c, _)| *c)
+            .collect();
+        let mut ended = Vec::with_capacity(mine.len());
+        for c in mine {
+            let mut p = s.pending.remove(&c).expect("listed above");
+            if !matches!(p.state, Slot::Replied(_) | Slot::Failed(..)) {
+                p.state = Slot::Failed(kind, msg.clone());
+            }
+            ended.push(p);
+        }
+        self.room.notify_all();
+        drop(s);
+        for p in ended {
+            self.end_started(p);
+        }
+    }
+
+    /// While replies keep coming the reader's idle tick does not fire:
+    /// every `tick` it checks the deadlines of requests sent whole here.
+    ///
+    /// **Returns:** false when one is overdue (the connection is then
+    /// given up).
+    pub(super) fn check_overdue(&self, last: &mut Instant, tick: Duration) -> bool {
+        if last.elapsed() < tick {
+            return true;
+        }
+        *last = Instant::now();
+        let mut s = self.shared.lock();
+        match self.overdue(&s) {
+            Some(msg) => {
+                self.kill(&mut s, ErrorKind::TimedOut, msg);
+                false
+            }
+            None => true,
+        }
+    }
+}
+
+/// The error for an NBD error reply to `command` from `who` (a URI, or a
+/// connection's name).
+pub(super) fn reply_error(who: &str, errno: u32, command: u16, offset: u64, len: u64) -> io::Error {
+    let (kind, name) = errno_kind(errno);
+    io::Error::new(
+        kind,
+        format!(
+            "{who}: {} of {len} bytes at offset {offset} failed on the remote: {name} ({})",
+            command_name(command),
+            crate::proto::error_message(errno)
+        ),
+    )
+}
