@@ -535,11 +535,12 @@ fn histogram(h: &iopages_nbd::LatencyHist) -> Histogram {
 fn remotes(f: &mut Families<'_>) {
     use Kind::{Counter, Gauge};
     type Get = fn(&RemoteHealth) -> u64;
-    let families: [(&'static str, &'static str, Kind, Get); 7] = [
+    let families: [(&'static str, &'static str, Kind, Get); 8] = [
         ("iopages_remote_reachable", "1 while at least one connection to the export's remote store serves; 0 while all of them reconnect.", Gauge, |r| r.reachable as u64),
         ("iopages_remote_connections", "Connections to the remote store serving now.", Gauge, |r| r.connected as u64),
         ("iopages_remote_reconnects", "Connections to the remote store made again after one died.", Counter, |r| r.reconnects),
         ("iopages_remote_resent_requests", "Requests sent again after the connection they went out on died before answering.", Counter, |r| r.resent),
+        ("iopages_remote_started_requests", "Requests to the remote store started without a waiting thread (sent by the submitting thread, ended by the connection's reader).", Counter, |r| r.started),
         ("iopages_remote_deadline_failures", "Requests to the remote store failed for their deadline (sending, the reply, or no connection back in time).", Counter, |r| r.deadline_failures),
         ("iopages_remote_unreachable_failures", "Requests failed at once because the remote store stayed unreachable past reconnect-delay.", Counter, |r| r.unreachable_failures),
         ("iopages_remote_lost_flushes", "FLUSHes failed because a connection died holding acknowledged writes no FLUSH had covered.", Counter, |r| r.lost_flushes),

@@ -689,4 +689,213 @@ mod tests {
         drop(t);
         alloc.leak_check().unwrap();
     }
+
+    /// A backend whose reads and writes start asynchronously and end on
+    /// a thread of their own, by request number: every 4th from the
+    /// second is declined at once (on the caller's thread), every 4th
+    /// from the third comes back `Again` from the other thread, every
+    /// 7th from the fourth ends with an error; the rest are done there.
+    /// Blocking calls (what comes back to the workers) are counted.
+    struct Later {
+        disk: RamDisk,
+        started: AtomicUsize,
+        blocking: AtomicUsize,
+        delay: Duration,
+        me: std::sync::Weak<Later>,
+    }
+
+    use crate::async_io::{declined, AsyncIo, ReadInto, Segments};
+    use crate::backend::Backend as _;
+    use std::time::Duration;
+
+    impl Later {
+        fn new(delay: Duration) -> Arc<Later> {
+            Arc::new_cyclic(|me| Later {
+                disk: RamDisk::new(8 << 20).unwrap(),
+                started: AtomicUsize::new(0),
+                blocking: AtomicUsize::new(0),
+                delay,
+                me: me.clone(),
+            })
+        }
+
+        /// What request `n` does: None to decline it at once.
+        fn fate(n: usize) -> Option<&'static str> {
+            match n {
+                _ if n % 4 == 1 => None,
+                _ if n % 4 == 2 => Some("again"),
+                _ if n % 7 == 3 => Some("error"),
+                _ => Some("done"),
+            }
+        }
+
+        fn later(&self, f: impl FnOnce(&Later) + Send + 'static) {
+            let me = self.me.upgrade().unwrap();
+            std::thread::spawn(move || {
+                std::thread::sleep(me.delay);
+                f(&me);
+            });
+        }
+    }
+
+    impl crate::backend::Backend for Later {
+        fn size_bytes(&self) -> u64 {
+            self.disk.size_bytes()
+        }
+        fn write_at(&self, offset: u64, segs: &[&[u8]]) -> io::Result<()> {
+            self.blocking.fetch_add(1, Ordering::Relaxed);
+            self.disk.write_at(offset, segs)
+        }
+        fn read_at(&self, offset: u64, segs: &mut [&mut [u8]]) -> io::Result<()> {
+            self.blocking.fetch_add(1, Ordering::Relaxed);
+            self.disk.read_at(offset, segs)
+        }
+        fn flush(&self) -> io::Result<()> {
+            Ok(())
+        }
+        fn async_io(&self) -> Option<&dyn AsyncIo> {
+            Some(self)
+        }
+    }
+
+    fn fated(fate: &str) -> Outcome {
+        match fate {
+            "again" => Outcome::Again(io::Error::other("connection died")),
+            _ => Outcome::Done(Err(io::Error::other("EIO from the store"))),
+        }
+    }
+
+    impl AsyncIo for Later {
+        fn start_write(&self, offset: u64, data: Arc<dyn Segments>, _: bool, end: WriteEnd) {
+            let n = self.started.fetch_add(1, Ordering::Relaxed);
+            let Some(fate) = Later::fate(n) else {
+                return end(Outcome::Again(declined("busy")));
+            };
+            self.later(move |me| match fate {
+                "done" => {
+                    let r = me.disk.write_at(offset, &data.segments());
+                    drop(data);
+                    end(Outcome::Done(r))
+                }
+                f => {
+                    drop(data);
+                    end(fated(f))
+                }
+            });
+        }
+        fn start_read(&self, offset: u64, mut into: Box<dyn ReadInto>) {
+            let n = self.started.fetch_add(1, Ordering::Relaxed);
+            let Some(fate) = Later::fate(n) else {
+                return into.end(Outcome::Again(declined("busy")));
+            };
+            self.later(move |me| match fate {
+                "done" => {
+                    let r = me.disk.read_at(offset, &mut [into.buf()]);
+                    into.end(Outcome::Done(r))
+                }
+                f => into.end(fated(f)),
+            });
+        }
+    }
+
+    fn later_queue(delay: Duration) -> (PageAllocator, Arc<Later>, CryptQueue<CipherPool>) {
+        let alloc = PageAllocator::builder()
+            .size_bytes(64 << 20)
+            .huge_pages(iopages::HugePages::Never)
+            .build()
+            .unwrap();
+        let later = Later::new(delay);
+        let key: Vec<u8> = (0..64u8).collect();
+        let cipher = CipherPool::new(crate::XtsCipher::new(&key, 4096, 0).unwrap(), 2).unwrap();
+        let backend: Arc<dyn crate::backend::Backend> = later.clone();
+        let cfg = TargetConfig::default();
+        let t = Arc::new(CryptTarget::new(&alloc, cipher, backend, cfg).unwrap());
+        let cfg = QueueConfig {
+            queue_depth: 32,
+            workers: 2,
+            preallocated_out: false,
+        };
+        (alloc, later, CryptQueue::new(t, cfg).unwrap())
+    }
+
+    #[test]
+    fn started_requests_end_once_and_what_comes_back_again_goes_to_the_workers() {
+        let (alloc, later, q) = later_queue(Duration::from_millis(1));
+        let (tx, rx) = std::sync::mpsc::channel();
+        for i in 0..64u64 {
+            let tx = tx.clone();
+            let data: Arc<[u8]> = vec![i as u8 + 1; 8192].into();
+            q.submit_write(i * 8192, data, move |r| tx.send((i, r.is_ok())).unwrap());
+        }
+        let mut ok = vec![0usize; 64];
+        for _ in 0..64 {
+            let (i, good) = rx.recv().unwrap();
+            ok[i as usize] += usize::from(good);
+        }
+        q.wait_idle();
+        assert!(rx.try_recv().is_err(), "a write completed twice");
+        // Started n: declined (n % 4 == 1) and Again (n % 4 == 2) went to
+        // the workers and were written; errors (n % 7 == 3 otherwise)
+        // failed; the rest were written by the backend's own thread.
+        let failed: Vec<usize> = (0..64)
+            .filter(|&n| n % 4 != 1 && n % 4 != 2 && n % 7 == 3)
+            .collect();
+        assert_eq!(
+            ok.iter().filter(|&&c| c == 0).count(),
+            failed.len(),
+            "{ok:?}"
+        );
+        assert_eq!(
+            later.blocking.load(Ordering::Relaxed),
+            32,
+            "declined and Again"
+        );
+        assert_eq!(q.target().stats().writes, 64 - failed.len() as u64);
+        assert_eq!(q.target().stats().write_errors, failed.len() as u64);
+        assert_eq!(
+            q.target().out_pages().allocated_pages(),
+            0,
+            "every out page back"
+        );
+        // Reads of what was written (the failed writes' blocks are
+        // zeros), whichever way each goes.
+        let (tx, rx) = std::sync::mpsc::channel();
+        for i in 0..64u64 {
+            let tx = tx.clone();
+            q.submit_read_into(i * 8192, vec![0u8; 8192], move |r, b| {
+                tx.send((i, r.is_ok(), b)).unwrap()
+            });
+        }
+        let mut seen = 0;
+        for _ in 0..64 {
+            let (i, good, b) = rx.recv().unwrap();
+            seen += 1;
+            if good && ok[i as usize] == 1 {
+                assert!(b.iter().all(|&x| x == i as u8 + 1), "read {i}");
+            }
+        }
+        assert_eq!(seen, 64);
+        drop(q);
+        alloc.leak_check().unwrap();
+    }
+
+    #[test]
+    fn dropping_the_queue_waits_for_started_requests() {
+        let (alloc, later, q) = later_queue(Duration::from_millis(100));
+        let done = Arc::new(AtomicUsize::new(0));
+        for i in 0..8u64 {
+            let d = Arc::clone(&done);
+            q.submit_write(i * 4096, vec![1u8; 4096].into(), move |_| {
+                d.fetch_add(1, Ordering::Relaxed);
+            });
+        }
+        drop(q);
+        assert_eq!(
+            done.load(Ordering::Relaxed),
+            8,
+            "every write ended before the drop returned"
+        );
+        assert!(later.started.load(Ordering::Relaxed) >= 8);
+        alloc.leak_check().unwrap();
+    }
 }

@@ -676,7 +676,10 @@ impl<C: SectorCipher> CryptTarget<C> {
         let start = now(self.timed.load(Ordering::Relaxed));
         let mut out = self.out.alloc(data.len().div_ceil(PAGE_SIZE));
         account(&self.counters.alloc_ns, start);
-        if self.encrypt(sector, data, out.buffer_mut(), |_| {}).is_err() {
+        if self
+            .encrypt(sector, data, out.buffer_mut(), |_| {})
+            .is_err()
+        {
             self.out.free(out);
             return None;
         }

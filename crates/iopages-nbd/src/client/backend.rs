@@ -291,7 +291,9 @@ impl NbdRemote {
     /// when none serves or the one picked has no free slot.
     fn start(&self, then: Then) {
         let Some(conn) = self.pool.pick() else {
-            return then.end(Outcome::Again(declined("no connection to the store serves")));
+            return then.end(Outcome::Again(declined(
+                "no connection to the store serves",
+            )));
         };
         if let Err(then) = conn.start(then) {
             then.end(Outcome::Again(declined("no free request slot")));

@@ -75,6 +75,7 @@ impl Durability {
 pub(super) struct RemoteCounters {
     pub(super) reconnects: AtomicU64,
     pub(super) resent: AtomicU64,
+    pub(super) started: AtomicU64,
     pub(super) deadline_failures: AtomicU64,
     pub(super) unreachable_failures: AtomicU64,
     pub(super) lost_flushes: AtomicU64,
@@ -99,6 +100,9 @@ pub struct RemoteHealth {
     pub reconnects: u64,
     /// Requests sent again after their connection died unanswered.
     pub resent: u64,
+    /// Requests started without a waiting thread (sent by the submitting
+    /// thread, ended by the connection's reader).
+    pub started: u64,
     /// Requests failed for their deadline.
     pub deadline_failures: u64,
     /// Requests failed because the store stayed unreachable past
@@ -368,6 +372,7 @@ impl Pool {
             last_error: self.why_any(&s),
             reconnects: get(&c.reconnects),
             resent: get(&c.resent),
+            started: get(&c.started),
             deadline_failures: get(&c.deadline_failures),
             unreachable_failures: get(&c.unreachable_failures),
             lost_flushes: get(&c.lost_flushes),

@@ -42,6 +42,8 @@ pub(super) struct Then {
 impl Then {
     /// Call the request's end.
     pub(super) fn end(self, outcome: Outcome) {
+        // A write's pages go back before its end reports it.
+        drop(self.data);
         match (self.read_into, self.write_end) {
             (Some(into), _) => into.end(outcome),
             (None, Some(end)) => end(outcome),
@@ -111,9 +113,15 @@ impl Conn {
         .encode();
         let parts = data.as_ref().map_or_else(Vec::new, |d| d.segments());
         let sent = self.try_write(&w, &header, &parts, deadline);
+        // The bytes are the request's own from here (in the map): the
+        // last reference goes with it, before its end runs.
         drop((w, parts));
+        drop(data);
         match sent {
-            Some(sent) => self.after_send(&call, cookie, sent),
+            Some(sent) => {
+                self.counters.started.fetch_add(1, Ordering::Relaxed);
+                self.after_send(&call, cookie, sent)
+            }
             None => return self.unstart(cookie),
         }
         Ok(())
@@ -156,7 +164,10 @@ impl Conn {
     /// sent): the reader ends it.
     fn unstart(&self, cookie: u64) -> Result<(), Then> {
         let mut s = self.shared.lock();
-        let p = s.pending.get_mut(&cookie).expect("only its sender takes it now");
+        let p = s
+            .pending
+            .get_mut(&cookie)
+            .expect("only its sender takes it now");
         if matches!(p.state, Slot::Filling) {
             p.sent = true;
             return Ok(());
@@ -176,7 +187,10 @@ impl Conn {
             Ok(()) => self.mark_sent(&mut s, cookie),
             Err(e) => {
                 let e = self.send_failed(&mut s, call, e);
-                let p = s.pending.get_mut(&cookie).expect("only its sender takes it now");
+                let p = s
+                    .pending
+                    .get_mut(&cookie)
+                    .expect("only its sender takes it now");
                 match p.state {
                     // The reader is filling its reply: the reader ends it.
                     Slot::Filling => {
@@ -225,7 +239,9 @@ impl Conn {
             }
             Slot::Failed(kind, msg) => {
                 if kind == ErrorKind::TimedOut {
-                    self.counters.deadline_failures.fetch_add(1, Ordering::Relaxed);
+                    self.counters
+                        .deadline_failures
+                        .fetch_add(1, Ordering::Relaxed);
                 }
                 Outcome::Done(Err(io::Error::new(kind, msg)))
             }
@@ -260,7 +276,10 @@ impl Conn {
             drop(s);
             let filled = rx.fill(into.buf(), self.timeout, &mut |_| Ok(false));
             s = self.shared.lock();
-            let p = s.pending.get_mut(&cookie).expect("no one takes a request being filled");
+            let p = s
+                .pending
+                .get_mut(&cookie)
+                .expect("no one takes a request being filled");
             p.then.as_mut().expect("started").read_into = Some(into);
             if let Err(e) = filled {
                 p.state = Slot::Waiting;

@@ -1,0 +1,345 @@
+//! Requests started without a waiting thread (the remote client's
+//! `AsyncIo`): sent by the caller, ended once by the connection's reader
+//! — or by the sender, or by the reader's sweep when the connection dies.
+//! Scripted stores on a Unix socket answer, fail with EIO, reset the
+//! connection in the middle of a READ's data, stop answering, stop
+//! reading, or answer a WRITE before reading its payload. Every wait is
+//! bounded, so a hang fails the test instead of hanging it; the only
+//! timings asserted are liveness bounds and "not before the deadline".
+
+use iopages_crypt::async_io::{Outcome, ReadInto, Segments};
+use iopages_crypt::backend::Backend;
+use iopages_nbd::remote::{NbdRemote, RemoteOptions, RemoteSpec};
+use iopages_testkit::nbd_client::{self, *};
+use iopages_testkit::TempDir;
+use std::io::{ErrorKind, Read};
+use std::os::unix::net::UnixStream;
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The remote's timeout: every request's deadline is its start plus this.
+const T: Duration = Duration::from_secs(2);
+/// The export's size.
+const SIZE: u64 = 16 << 20;
+/// Requests at or past this offset are answered with EIO by the memory
+/// store.
+const FAILING: u64 = 8 << 20;
+
+/// A scripted store on a Unix socket: `script` runs on the first
+/// connection; later ones (reconnects) are refused.
+fn fake_store(script: impl FnOnce(UnixStream) + Send + 'static) -> (TempDir, RemoteSpec) {
+    let dir = TempDir::new("remote-started");
+    let sock = dir.join("store.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    std::thread::spawn(move || {
+        if let Ok((mut s, _)) = listener.accept() {
+            nbd_client::Store::new(&mut s).accept_go(SIZE, TFLAG_SEND_FLUSH);
+            drop(listener);
+            script(s);
+        }
+    });
+    let spec = RemoteSpec::parse(&format!("nbd+unix:///x?socket={}", sock.display())).unwrap();
+    (dir, spec)
+}
+
+/// A client over one connection, deadline [`T`].
+fn client(spec: &RemoteSpec) -> NbdRemote {
+    let opts = RemoteOptions {
+        connections: 1,
+        max_in_flight: 64,
+        timeout: T,
+        reconnect_delay: Duration::from_millis(200),
+        ..RemoteOptions::default()
+    };
+    NbdRemote::connect(spec, &opts).unwrap()
+}
+
+/// How a started request ended.
+#[derive(Debug)]
+enum Ended {
+    /// Done: a READ's data (empty for a WRITE).
+    Ok(Vec<u8>),
+    Again(String),
+    Failed(ErrorKind, String),
+}
+
+fn ended(o: Outcome, data: Vec<u8>) -> Ended {
+    match o {
+        Outcome::Done(Ok(())) => Ended::Ok(data),
+        Outcome::Done(Err(e)) => Ended::Failed(e.kind(), e.to_string()),
+        Outcome::Again(e) => Ended::Again(e.to_string()),
+    }
+}
+
+struct Bytes(Vec<u8>);
+
+impl Segments for Bytes {
+    fn segments(&self) -> Vec<&[u8]> {
+        vec![&self.0]
+    }
+}
+
+struct Into {
+    tag: u64,
+    buf: Vec<u8>,
+    tx: Sender<(u64, Ended, Instant)>,
+}
+
+impl ReadInto for Into {
+    fn buf(&mut self) -> &mut [u8] {
+        &mut self.buf
+    }
+    fn end(self: Box<Self>, outcome: Outcome) {
+        let _ = self
+            .tx
+            .send((self.tag, ended(outcome, self.buf), Instant::now()));
+    }
+}
+
+type Ends = (
+    Sender<(u64, Ended, Instant)>,
+    Receiver<(u64, Ended, Instant)>,
+);
+
+fn start_write(
+    r: &NbdRemote,
+    tx: &Sender<(u64, Ended, Instant)>,
+    tag: u64,
+    offset: u64,
+    data: Vec<u8>,
+) {
+    let a = r.async_io().expect("a remote starts requests");
+    let tx = tx.clone();
+    let end = Box::new(move |o| {
+        let _ = tx.send((tag, ended(o, Vec::new()), Instant::now()));
+    });
+    a.start_write(offset, Arc::new(Bytes(data)), false, end);
+}
+
+fn start_read(
+    r: &NbdRemote,
+    tx: &Sender<(u64, Ended, Instant)>,
+    tag: u64,
+    offset: u64,
+    len: usize,
+) {
+    let a = r.async_io().expect("a remote starts requests");
+    let into = Into {
+        tag,
+        buf: vec![0; len],
+        tx: tx.clone(),
+    };
+    a.start_read(offset, Box::new(into));
+}
+
+/// The ends of `n` requests, each within `limit`; then no other end
+/// comes (none ends twice).
+fn ends(
+    rx: &Receiver<(u64, Ended, Instant)>,
+    n: usize,
+    limit: Duration,
+) -> Vec<(u64, Ended, Instant)> {
+    let mut v: Vec<_> = (0..n)
+        .map(|i| {
+            rx.recv_timeout(limit)
+                .unwrap_or_else(|_| panic!("request end {i} of {n} did not come within {limit:?}"))
+        })
+        .collect();
+    assert!(
+        rx.recv_timeout(Duration::from_millis(200)).is_err(),
+        "a request ended twice"
+    );
+    v.sort_by_key(|e| e.0);
+    let tags: Vec<u64> = v.iter().map(|e| e.0).collect();
+    let mut unique = tags.clone();
+    unique.dedup();
+    assert_eq!(tags, unique, "a request ended twice");
+    v
+}
+
+/// A store that keeps the export in memory and answers every request,
+/// with EIO at and past [`FAILING`].
+fn memory_store(s: UnixStream) {
+    let mut mem = vec![0u8; SIZE as usize];
+    let mut st = nbd_client::Store::new(s);
+    while let Ok(r) = st.read_request() {
+        let (at, n) = (r.offset as usize, r.length as usize);
+        let errno = if r.offset >= FAILING { 5 } else { 0 };
+        let sent = match r.command {
+            CMD_WRITE => {
+                let data = st.read_raw(n).unwrap();
+                if errno == 0 {
+                    mem[at..at + n].copy_from_slice(&data);
+                }
+                st.simple_reply(errno, r.cookie, &[])
+            }
+            CMD_READ if errno == 0 => st.simple_reply(0, r.cookie, &mem[at..at + n]),
+            CMD_DISC => return,
+            _ => st.simple_reply(errno, r.cookie, &[]),
+        };
+        if sent.is_err() {
+            return;
+        }
+    }
+}
+
+#[test]
+fn started_reads_and_writes_end_once_with_the_stores_answers_and_errors() {
+    let (_dir, spec) = fake_store(memory_store);
+    let r = client(&spec);
+    let (tx, rx): Ends = mpsc::channel();
+    for i in 0..32u64 {
+        start_write(&r, &tx, i, i * 4096, vec![i as u8 + 1; 4096]);
+    }
+    start_write(&r, &tx, 32, FAILING, vec![9; 4096]);
+    for (tag, ended, _) in ends(&rx, 33, T * 2) {
+        match (tag, ended) {
+            (32, Ended::Failed(kind, msg)) => {
+                assert_eq!(kind, ErrorKind::Other);
+                assert!(
+                    msg.contains("WRITE of 4096 bytes at offset 8388608") && msg.contains("EIO"),
+                    "{msg}"
+                );
+            }
+            (_, Ended::Ok(_)) if tag < 32 => {}
+            (tag, e) => panic!("write {tag}: {e:?}"),
+        }
+    }
+    for i in 0..32u64 {
+        start_read(&r, &tx, i, i * 4096, 4096);
+    }
+    start_read(&r, &tx, 32, FAILING + 4096, 4096);
+    for (tag, ended, _) in ends(&rx, 33, T * 2) {
+        match (tag, ended) {
+            (32, Ended::Failed(_, msg)) => {
+                assert!(msg.contains("READ") && msg.contains("EIO"), "{msg}")
+            }
+            (_, Ended::Ok(data)) if tag < 32 => {
+                assert!(data.iter().all(|&b| b == tag as u8 + 1), "read {tag}")
+            }
+            (tag, e) => panic!("read {tag}: {e:?}"),
+        }
+    }
+    let h = r.health();
+    assert_eq!(h.started, 66, "every request started on the connection");
+    assert_eq!(h.resent + h.deadline_failures, 0);
+    // The blocking path still reads what the started writes wrote.
+    let mut back = vec![0u8; 4096];
+    r.read_at(5 * 4096, &mut [&mut back]).unwrap();
+    assert!(back.iter().all(|&b| b == 6));
+}
+
+#[test]
+fn a_connection_reset_mid_reply_ends_every_started_request_again() {
+    let (_dir, spec) = fake_store(|s| {
+        let mut st = nbd_client::Store::new(s);
+        let first = st.read_request().unwrap();
+        for _ in 0..2 {
+            st.read_request().unwrap();
+        }
+        // Half of the first READ's data, then the connection is reset.
+        let _ = st.simple_reply(0, first.cookie, &[7u8; 2048]);
+        std::thread::sleep(Duration::from_millis(50));
+    });
+    let r = client(&spec);
+    let (tx, rx): Ends = mpsc::channel();
+    let t0 = Instant::now();
+    for i in 0..3u64 {
+        start_read(&r, &tx, i, i * 4096, 4096);
+    }
+    for (tag, ended, at) in ends(&rx, 3, T * 2) {
+        match ended {
+            Ended::Again(msg) => assert!(
+                at < t0 + T,
+                "read {tag} ended Again past its deadline: {msg}"
+            ),
+            e => panic!("read {tag}: {e:?}"),
+        }
+    }
+    assert_eq!(r.health().resent, 3, "each goes again on the blocking path");
+    // With no connection serving, a new start is declined at once.
+    start_read(&r, &tx, 9, 0, 4096);
+    assert!(matches!(ends(&rx, 1, T)[0].1, Ended::Again(_)));
+}
+
+#[test]
+fn a_store_that_stops_answering_fails_started_requests_at_their_deadline() {
+    let (_dir, spec) = fake_store(|s| {
+        let mut st = nbd_client::Store::new(s);
+        while st.read_request().is_ok() {}
+    });
+    let r = client(&spec);
+    let (tx, rx): Ends = mpsc::channel();
+    let t0 = Instant::now();
+    for i in 0..4u64 {
+        start_read(&r, &tx, i, i * 4096, 4096);
+    }
+    for (tag, ended, at) in ends(&rx, 4, T + Duration::from_secs(3)) {
+        match ended {
+            Ended::Failed(ErrorKind::TimedOut, msg) => {
+                assert!(msg.contains("did not answer"), "{msg}");
+                assert!(at >= t0 + T, "read {tag} failed before its deadline");
+            }
+            e => panic!("read {tag}: {e:?}"),
+        }
+    }
+    assert_eq!(r.health().deadline_failures, 4);
+}
+
+#[test]
+fn a_store_that_stops_reading_holds_one_sender_at_most_until_the_deadline() {
+    let (_dir, spec) = fake_store(|_s| std::thread::sleep(Duration::from_secs(30)));
+    let r = client(&spec);
+    let (tx, rx): Ends = mpsc::channel();
+    // 8 MiB of 128 KiB writes, far past what the socket holds: the
+    // socket takes the first ones whole, one in part (its sender waits
+    // for the deadline), and the rest find the socket full or the
+    // connection given up: declined, nothing of them sent.
+    let t0 = Instant::now();
+    for i in 0..64u64 {
+        start_write(&r, &tx, i, i * (128 << 10), vec![3u8; 128 << 10]);
+    }
+    assert!(
+        t0.elapsed() < T + Duration::from_secs(3),
+        "the starts returned within the deadline"
+    );
+    let all = ends(&rx, 64, T + Duration::from_secs(3));
+    let again = all
+        .iter()
+        .filter(|e| matches!(e.1, Ended::Again(_)))
+        .count();
+    let timed_out = all
+        .iter()
+        .filter(|e| matches!(e.1, Ended::Failed(ErrorKind::TimedOut, _)))
+        .count();
+    assert!(again >= 32, "most were declined: {again} of 64");
+    assert!(timed_out >= 1, "what was sent timed out: {all:?}");
+    assert_eq!(again + timed_out, 64, "{all:?}");
+}
+
+#[test]
+fn a_reply_before_a_write_was_sent_whole_ends_it_once_with_its_bytes_all_sent() {
+    let (got_tx, got_rx) = mpsc::channel();
+    let (_dir, spec) = fake_store(move |s| {
+        let mut st = nbd_client::Store::new(s);
+        let r = st.read_request().unwrap();
+        st.simple_reply(0, r.cookie, &[]).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        let mut data = vec![0u8; r.length as usize];
+        st.stream_mut().read_exact(&mut data).unwrap();
+        got_tx.send(data).unwrap();
+        memory_store(st.into_stream());
+    });
+    let r = client(&spec);
+    let (tx, rx): Ends = mpsc::channel();
+    let data: Vec<u8> = (0..128u32 << 10).map(|i| (i % 251) as u8).collect();
+    start_write(&r, &tx, 1, 0, data.clone());
+    let e = ends(&rx, 1, T * 2);
+    assert!(matches!(e[0].1, Ended::Ok(_)), "{:?}", e[0].1);
+    let got = got_rx.recv_timeout(T).expect("the store read the payload");
+    assert!(got == data, "the store got the write's bytes");
+    // The stream is still in step: the next request is answered.
+    start_read(&r, &tx, 2, 0, 4096);
+    assert!(matches!(ends(&rx, 1, T * 2)[0].1, Ended::Ok(_)));
+}
