@@ -1543,6 +1543,10 @@ fn a_remote_volume_keeps_many_requests_in_flight_and_leaks_no_page() {
     let img_arg = format!("file={}", img.display());
     let k = Nbdkit::start("remote volume workers", &["file", &img_arg]).unwrap();
     let remote = Arc::new(k.connect(&RemoteOptions::default()));
+    let health = {
+        let r = Arc::clone(&remote);
+        move || r.health()
+    };
     let vol = volume::open_remote(
         "nbd+unix:///",
         remote,
@@ -1553,9 +1557,9 @@ fn a_remote_volume_keeps_many_requests_in_flight_and_leaks_no_page() {
         },
     )
     .unwrap();
-    // A worker waits on the remote for each request it serves: a remote
-    // volume gets enough of them to keep many requests in flight, however
-    // few cores there are.
+    // A worker waits on the remote for each request it serves (those not
+    // started on the submitting thread): a remote volume gets enough of
+    // them to keep many requests in flight, however few cores there are.
     assert_eq!(vol.queue.workers(), DEFAULT_REMOTE_WORKERS);
     let size = vol.queue.target().size_bytes();
     let blocks = size / 4096;
@@ -1586,6 +1590,12 @@ fn a_remote_volume_keeps_many_requests_in_flight_and_leaks_no_page() {
         assert!(*buf == *block(i), "block {i} reads back what was written");
     }
     vol.queue.wait_idle();
+    // Started on the submitting thread and ended by the connections'
+    // readers (a request finding its connection's slots full goes to the
+    // workers instead).
+    let h = health();
+    eprintln!("started {} of {} requests", h.started, 2 * blocks);
+    assert!(h.started >= blocks, "started {} of {}", h.started, 2 * blocks);
     let alloc = vol.alloc.clone();
     drop(vol);
     alloc.leak_check().unwrap();
