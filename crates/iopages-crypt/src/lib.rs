@@ -26,6 +26,7 @@
 //! | dm-integrity's per-sector tags, dm-verity's hash tree (here writable, two slots per node, the root anchored in a local state file) | [`integrity::AuthBackend`], [`integrity::Layout`], [`integrity::Keys`] | `integrity/` |
 //! | cryptsetup's LUKS1/LUKS2 headers, keyslots, AF splitter, PBKDF2/Argon2 (userspace, not kernel) | [`luks::open`], [`luks::format`], [`luks::LuksVolume`] | `luks/` |
 //! | `kcryptd` workqueue, the tag set's queue depth and wake batch | [`queue::CryptQueue`] | `queue.rs`, `admission.rs` |
+//! | dm-crypt's inline mode (`no_write_workqueue`) with an asynchronous device below: encrypt on the submitter, complete where the device completes | [`async_io::AsyncIo`], [`target::CryptTarget::seal`] | `async_io.rs`, `queue.rs` |
 //!
 //! ## Implementation notes
 //!

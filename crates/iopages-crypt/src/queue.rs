@@ -14,6 +14,14 @@
 //! request, so up to `workers` requests are at the backend at once and the
 //! rest wait, already admitted, in the queue.
 //!
+//! Over a backend that starts I/O without waiting
+//! ([`AsyncIo`](crate::async_io::AsyncIo): a remote store) a write is
+//! encrypted on the submitting thread and started, and a read started,
+//! with no worker: each ends on the backend's thread (a read decrypted
+//! there, in its buffer), which runs the completion; one that comes back
+//! `Again` goes to the workers as it was submitted. Either way it holds
+//! its admission until its completion has run.
+//!
 //! [`CipherPool`]: crate::target::CipherPool
 
 use crate::admission::{Admission, PlCell};

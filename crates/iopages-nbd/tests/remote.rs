@@ -1595,7 +1595,12 @@ fn a_remote_volume_keeps_many_requests_in_flight_and_leaks_no_page() {
     // workers instead).
     let h = health();
     eprintln!("started {} of {} requests", h.started, 2 * blocks);
-    assert!(h.started >= blocks, "started {} of {}", h.started, 2 * blocks);
+    assert!(
+        h.started >= blocks,
+        "started {} of {}",
+        h.started,
+        2 * blocks
+    );
     let alloc = vol.alloc.clone();
     drop(vol);
     alloc.leak_check().unwrap();

@@ -183,11 +183,21 @@ impl Pool {
         }
     }
 
-    /// A live connection, round-robin, without waiting.
+    /// A live connection without waiting: each thread keeps to its own
+    /// (threads are spread round-robin), so that the requests one client
+    /// connection sends in a burst reach the store on one connection and
+    /// their replies wake one reader once for many; the next live one
+    /// when its own is down.
     pub(super) fn pick(&self) -> Option<Arc<Conn>> {
+        thread_local!(static MINE: std::cell::Cell<usize> = const { std::cell::Cell::new(usize::MAX) });
         let conns = self.conns.read();
         let n = conns.len();
-        let first = self.next.fetch_add(1, Ordering::Relaxed) % n;
+        let first = MINE.with(|m| {
+            if m.get() == usize::MAX {
+                m.set(self.next.fetch_add(1, Ordering::Relaxed));
+            }
+            m.get()
+        }) % n;
         (0..n)
             .filter_map(|i| conns[(first + i) % n].as_ref())
             .find(|c| c.is_alive())

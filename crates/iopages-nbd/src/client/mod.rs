@@ -44,7 +44,10 @@
 //!
 //! The client layer's files: the URI (`uri.rs`), the client side of the
 //! handshake (`wire.rs`), one connection and its reader thread
-//! (`conn.rs`), the connections of a remote with their health and
+//! (`conn.rs`), requests started without a waiting thread — the
+//! [`AsyncIo`](iopages_crypt::async_io::AsyncIo) the crypt queue starts
+//! reads and small writes through, ended by the reader (`started.rs`),
+//! the connections of a remote with their health and
 //! counters (`link.rs`), the URI's TLS settings and the connector
 //! (`tls.rs`), and the [`Backend`] itself (`backend.rs`); this file keeps
 //! the defaults and [`RemoteOptions`]. The threads live in
