@@ -712,14 +712,24 @@ impl<C: SectorCipher> CryptTarget<C> {
     /// byte `offset` by an asynchronous backend.
     pub(crate) fn decrypt_read(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         let sector = self.check(offset, buf.len())?;
-        if self.sparse_reads {
-            self.decrypt_sparse(sector, buf)?;
-        } else {
-            self.cipher.decrypt_sectors(sector, buf)?;
-        }
-        self.counters.reads.add(1);
-        self.counters.read_bytes.add(buf.len() as i64);
+        self.decrypt_in_place(sector, buf)?;
+        self.count_read(buf.len());
         Ok(())
+    }
+
+    /// Decrypt a read's ciphertext in `buf` (the first sector `sector`),
+    /// holes as plaintext zeros where reads are sparse.
+    fn decrypt_in_place(&self, sector: u64, buf: &mut [u8]) -> io::Result<()> {
+        if self.sparse_reads {
+            self.decrypt_sparse(sector, buf)
+        } else {
+            self.cipher.decrypt_sectors(sector, buf)
+        }
+    }
+
+    fn count_read(&self, len: usize) {
+        self.counters.reads.add(1);
+        self.counters.read_bytes.add(len as i64);
     }
 
     /// Write through out pages the caller keeps instead of allocated ones:
@@ -785,15 +795,10 @@ impl<C: SectorCipher> CryptTarget<C> {
             Some(src) => self.cipher.decrypt_sectors_from(sector, src, buf)?,
             None => {
                 self.backend.read_at(offset, &mut [buf])?;
-                if self.sparse_reads {
-                    self.decrypt_sparse(sector, buf)?;
-                } else {
-                    self.cipher.decrypt_sectors(sector, buf)?;
-                }
+                self.decrypt_in_place(sector, buf)?;
             }
         }
-        self.counters.reads.add(1);
-        self.counters.read_bytes.add(buf.len() as i64);
+        self.count_read(buf.len());
         Ok(())
     }
 
