@@ -343,3 +343,33 @@ fn a_reply_before_a_write_was_sent_whole_ends_it_once_with_its_bytes_all_sent() 
     start_read(&r, &tx, 2, 0, 4096);
     assert!(matches!(ends(&rx, 1, T * 2)[0].1, Ended::Ok(_)));
 }
+
+#[test]
+fn a_remote_dropped_with_started_requests_in_flight_ends_each_once() {
+    let (_dir, spec) = fake_store(|s| {
+        let mut st = nbd_client::Store::new(s);
+        let reqs: Vec<_> = (0..4).map(|_| st.read_request().unwrap()).collect();
+        std::thread::sleep(Duration::from_millis(300));
+        for r in reqs {
+            let _ = st.simple_reply(0, r.cookie, &vec![r.offset as u8 + 1; r.length as usize]);
+        }
+        let _ = st.read_request();
+    });
+    let r = client(&spec);
+    let (tx, rx): Ends = mpsc::channel();
+    for i in 0..4u64 {
+        start_read(&r, &tx, i, i * 4096, 4096);
+    }
+    let t0 = Instant::now();
+    drop(r);
+    assert!(
+        t0.elapsed() < T + Duration::from_secs(3),
+        "the drop returned"
+    );
+    for (tag, ended, _) in ends(&rx, 4, T) {
+        match ended {
+            Ended::Ok(data) => assert!(data.iter().all(|&b| b == (tag * 4096) as u8 + 1)),
+            e => panic!("read {tag}: {e:?}"),
+        }
+    }
+}

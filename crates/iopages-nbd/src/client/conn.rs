@@ -462,9 +462,12 @@ impl Conn {
         {
             let mut s = self.shared.lock();
             // No caller is left: each took its request out of the map.
+            // Started requests may be (their starter did not wait): the
+            // reader ends them, by their replies or, past their deadline
+            // or at the connection's end, by its sweep.
             debug_assert!(
-                s.pending.is_empty(),
-                "a connection closes with requests pending"
+                s.pending.values().all(|p| p.then.is_some()),
+                "a connection closes with callers' requests pending"
             );
             s.closing = true;
         }
