@@ -1293,13 +1293,48 @@ fn without_fua_on_the_remote_a_fua_write_is_a_write_then_a_flush() {
     ) else {
         return;
     };
-    let remote = k.connect(&RemoteOptions::default());
+    let remote = Arc::new(k.connect(&RemoteOptions {
+        connections: 1,
+        timeout: Duration::from_secs(5),
+        ..RemoteOptions::default()
+    }));
     assert!(!remote.native_fua(), "{}", remote.info());
     remote.write_at_fua(0, &[&[5u8; 4096]]).unwrap();
     let seen = logged_after(&log, 0, 2);
     let verbs: Vec<&str> = seen.iter().map(|(v, _)| v.as_str()).collect();
     assert_eq!(verbs, ["Write", "Flush"], "{seen:?}");
     assert!(seen[0].1.contains("fua=0"), "{seen:?}");
+
+    // Through iopages's own server on one store connection: a client's
+    // FUA write is a write and then a flush, both done by a crypt worker
+    // (a flush run where the write ended — the connection's reader —
+    // would wait for a reply only that reader can read).
+    let (_alloc, server) = iopages_server(remote.clone(), None);
+    let port = server.tcp_addr().unwrap().port();
+    let client = NbdRemote::connect(
+        &RemoteSpec::parse(&format!("nbd://127.0.0.1:{port}/vol")).unwrap(),
+        &RemoteOptions {
+            connections: 1,
+            ..RemoteOptions::default()
+        },
+    )
+    .unwrap();
+    let before = logged(&log).len();
+    let t = Instant::now();
+    for i in 0..8u64 {
+        client.write_at_fua(i * 4096, &[&[i as u8; 4096]]).unwrap();
+    }
+    let seen = logged_after(&log, before, 16);
+    let verbs: Vec<&str> = seen.iter().map(|(v, _)| v.as_str()).collect();
+    assert_eq!(verbs, ["Write", "Flush"].repeat(8), "{seen:?}");
+    let h = remote.health();
+    assert_eq!(h.deadline_failures + h.resent, 0, "{h:?}");
+    eprintln!("8 FUA writes through the server in {:?}", t.elapsed());
+    let mut back = vec![0u8; 4096];
+    client.read_at(3 * 4096, &mut [&mut back]).unwrap();
+    assert!(back.iter().all(|&b| b == 3));
+    drop(client);
+    server.shutdown();
 }
 
 #[test]

@@ -1145,9 +1145,9 @@ impl Reader<'_, '_> {
         Ok(r)
     }
 
-    /// Whether `req`'s FUA goes down with each of its writes (the
-    /// target's backend makes a single write durable, as an NBD remote
-    /// offering FUA does) instead of a flush of the target after them.
+    /// Whether `req`'s FUA goes down with each of its writes
+    /// ([`Device::native_fua`](crate::server::device::Device::native_fua))
+    /// instead of a flush of the target after them.
     fn fua_down(&self, req: &Request) -> bool {
         req.flags & CMD_FLAG_FUA != 0 && self.env.device.native_fua()
     }

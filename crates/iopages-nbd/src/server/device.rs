@@ -21,7 +21,10 @@ use std::sync::Arc;
 pub(crate) type Done = Box<dyn FnOnce(io::Result<()>) + Send>;
 /// A read's completion: the result and the buffer read into.
 pub(crate) type ReadDone = Box<dyn FnOnce(io::Result<()>, Buf) + Send>;
-/// Flushes the target synchronously (for FUA, on a worker thread).
+/// Flushes the target synchronously: FUA after a request's writes where
+/// it does not go down with each ([`fua_per_write`]), on the thread that
+/// completes the last of them (a worker or the connection's thread, never
+/// a backend's own).
 pub(crate) type Flusher = Arc<dyn Fn() -> io::Result<()> + Send + Sync>;
 
 /// A block device served through a queue.
@@ -32,10 +35,12 @@ pub(crate) trait Device: Send + Sync {
     fn allocator(&self) -> PageAllocator;
     /// With `fua`, the write is durable before `done` runs (only asked
     /// for when [`Device::native_fua`]; otherwise the request's FUA is a
-    /// flush after all its writes).
+    /// flush after all its writes). `done` may run on a thread of the
+    /// backend's (a remote store's reader): it must not wait for the
+    /// device.
     fn submit_write(&self, offset: u64, data: Payload, fua: bool, done: Done);
-    /// Whether the target's backend makes one write durable by itself
-    /// (an NBD remote offering FUA): FUA then goes down with each write.
+    /// Whether a request's FUA goes down with each of its writes (see
+    /// [`fua_per_write`]) instead of one flush after them all.
     fn native_fua(&self) -> bool;
     fn submit_read(&self, offset: u64, buf: Buf, done: ReadDone);
     fn submit_flush(&self, done: Done);
@@ -71,6 +76,17 @@ impl<C: SectorCipher> Holes for CryptTarget<C> {
     }
 }
 
+/// Whether FUA goes down with each write to `t`: where its backend makes
+/// one write durable by itself (an NBD remote offering FUA), and where its
+/// writes may end on the backend's own threads (a remote store's started
+/// requests: there the write and then a flush run on a worker, because a
+/// flush after the request's last write would run on the thread that
+/// ended it — the store connection's reader, which would wait for its
+/// own reply).
+pub(crate) fn fua_per_write<C: SectorCipher>(t: &CryptTarget<C>) -> bool {
+    t.native_fua() || t.backend().async_io().is_some()
+}
+
 impl<C: SectorCipher + 'static> Device for CryptQueue<C> {
     fn size_bytes(&self) -> u64 {
         self.target().size_bytes()
@@ -85,7 +101,7 @@ impl<C: SectorCipher + 'static> Device for CryptQueue<C> {
         CryptQueue::submit_write_buf(self, offset, data, fua, done);
     }
     fn native_fua(&self) -> bool {
-        self.target().native_fua()
+        fua_per_write(self.target())
     }
     fn submit_read(&self, offset: u64, buf: Buf, done: ReadDone) {
         CryptQueue::submit_read_into(self, offset, buf, done);
@@ -150,7 +166,7 @@ impl<C: SectorCipher + 'static> Device for Inline<C> {
         done(r);
     }
     fn native_fua(&self) -> bool {
-        self.queue.target().native_fua()
+        fua_per_write(self.queue.target())
     }
     fn submit_read(&self, offset: u64, mut buf: Buf, done: ReadDone) {
         if !self.here(buf.as_ref().len()) {
