@@ -1558,6 +1558,38 @@ fn a_reply_whose_data_stalls_times_out_its_read_and_the_others() {
     server.join().expect("the scripted server");
 }
 
+/// Every block of `vol` written at once (the queue holds up to its
+/// depth), then every block read at once; each reads back what was
+/// written.
+fn write_and_read_every_block(vol: &iopages_nbd::volume::Volume, blocks: u64) {
+    let block = |i: u64| -> Arc<[u8]> { Arc::from(pattern(i * 4096 + 7, 4096)) };
+    // Every block written at once (the queue holds up to its depth), then
+    // every block read at once into buffers of the arena's pages.
+    let (tx, rx) = mpsc::channel();
+    for i in 0..blocks {
+        let tx = tx.clone();
+        vol.queue
+            .submit_write(i * 4096, block(i), move |r| drop(tx.send((i, r))));
+    }
+    for _ in 0..blocks {
+        let (i, r) = within(&rx, Duration::from_secs(20), "a queued write");
+        r.unwrap_or_else(|e| panic!("write {i}: {e}"));
+    }
+    let (tx, rx) = mpsc::channel();
+    for i in 0..blocks {
+        let tx = tx.clone();
+        vol.queue
+            .submit_read_into(i * 4096, vec![0u8; 4096], move |r, buf| {
+                drop(tx.send((i, r, buf)))
+            });
+    }
+    for _ in 0..blocks {
+        let (i, r, buf) = within(&rx, Duration::from_secs(20), "a queued read");
+        r.unwrap_or_else(|e| panic!("read {i}: {e}"));
+        assert!(*buf == *block(i), "block {i} reads back what was written");
+    }
+}
+
 #[test]
 fn a_remote_volume_keeps_many_requests_in_flight_and_leaks_no_page() {
     use iopages_crypt::luks::{self, FormatOptions, LuksVersion};
@@ -1596,34 +1628,8 @@ fn a_remote_volume_keeps_many_requests_in_flight_and_leaks_no_page() {
     // started on the submitting thread): a remote volume gets enough of
     // them to keep many requests in flight, however few cores there are.
     assert_eq!(vol.queue.workers(), DEFAULT_REMOTE_WORKERS);
-    let size = vol.queue.target().size_bytes();
-    let blocks = size / 4096;
-    let block = |i: u64| -> Arc<[u8]> { Arc::from(pattern(i * 4096 + 7, 4096)) };
-    // Every block written at once (the queue holds up to its depth), then
-    // every block read at once into buffers of the arena's pages.
-    let (tx, rx) = mpsc::channel();
-    for i in 0..blocks {
-        let tx = tx.clone();
-        vol.queue
-            .submit_write(i * 4096, block(i), move |r| drop(tx.send((i, r))));
-    }
-    for _ in 0..blocks {
-        let (i, r) = within(&rx, Duration::from_secs(20), "a queued write");
-        r.unwrap_or_else(|e| panic!("write {i}: {e}"));
-    }
-    let (tx, rx) = mpsc::channel();
-    for i in 0..blocks {
-        let tx = tx.clone();
-        vol.queue
-            .submit_read_into(i * 4096, vec![0u8; 4096], move |r, buf| {
-                drop(tx.send((i, r, buf)))
-            });
-    }
-    for _ in 0..blocks {
-        let (i, r, buf) = within(&rx, Duration::from_secs(20), "a queued read");
-        r.unwrap_or_else(|e| panic!("read {i}: {e}"));
-        assert!(*buf == *block(i), "block {i} reads back what was written");
-    }
+    let blocks = vol.queue.target().size_bytes() / 4096;
+    write_and_read_every_block(&vol, blocks);
     vol.queue.wait_idle();
     // Started on the submitting thread and ended by the connections'
     // readers (a request finding its connection's slots full goes to the

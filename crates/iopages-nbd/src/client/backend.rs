@@ -287,17 +287,19 @@ impl NbdRemote {
         reply_error(&self.uri, errno, command, offset, len)
     }
 
-    /// Start `then` on a live connection, or end it `Again` (nothing sent)
-    /// when none serves or the one picked has no free slot.
-    fn start(&self, then: Then) {
-        let Some(conn) = self.pool.pick() else {
-            return then.end(Outcome::Again(declined(
-                "no connection to the store serves",
-            )));
-        };
-        if let Err(then) = conn.start(then) {
-            then.end(Outcome::Again(declined("no free request slot")));
+    /// Start `then` on a live connection — this thread's own, else the
+    /// first other one that takes it — or end it `Again` (nothing sent)
+    /// when none serves or none has a free slot and a free writer.
+    fn start(&self, mut then: Then) {
+        for conn in self.pool.live_from_mine() {
+            match conn.start(then) {
+                Ok(()) => return,
+                Err(t) => then = t,
+            }
         }
+        then.end(Outcome::Again(declined(
+            "no connection to the store could take the request now",
+        )));
     }
 
     /// Whether a READ or WRITE of `len` bytes at `offset` goes out as one

@@ -189,6 +189,12 @@ impl Pool {
     /// their replies wake one reader once for many; the next live one
     /// when its own is down.
     pub(super) fn pick(&self) -> Option<Arc<Conn>> {
+        self.live_from_mine().into_iter().next()
+    }
+
+    /// The live connections, this thread's own first (see
+    /// [`Pool::pick`]), then the others in turn.
+    pub(super) fn live_from_mine(&self) -> Vec<Arc<Conn>> {
         thread_local!(static MINE: std::cell::Cell<usize> = const { std::cell::Cell::new(usize::MAX) });
         let conns = self.conns.read();
         let n = conns.len();
@@ -200,8 +206,9 @@ impl Pool {
         }) % n;
         (0..n)
             .filter_map(|i| conns[(first + i) % n].as_ref())
-            .find(|c| c.is_alive())
+            .filter(|c| c.is_alive())
             .cloned()
+            .collect()
     }
 
     /// A live connection for `what`: at once when one serves, else waiting

@@ -128,8 +128,9 @@ impl Conn {
     }
 
     /// Write the request under the writer `w` (held): the first attempt
-    /// does not wait, and `None` means the socket took nothing of it;
-    /// after a first part, the rest is written by `deadline`.
+    /// does not wait, and `None` means nothing of it was sent (the socket
+    /// took nothing, or the connection was given up); after a first part,
+    /// the rest is written by `deadline`.
     fn try_write(
         &self,
         w: &Stream,
@@ -141,7 +142,8 @@ impl Conn {
             .chain(parts.iter().map(|p| IoSlice::new(p)))
             .collect();
         if !self.alive.load(Ordering::Acquire) {
-            return Some(Err(Some(io::Error::from(ErrorKind::NotConnected))));
+            // Given up since it was picked: nothing sent, declined.
+            return None;
         }
         if let Stream::Tls(_) = w {
             return Some(write_all_by(w, &mut bufs, deadline).map_err(Some));
