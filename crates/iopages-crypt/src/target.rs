@@ -490,7 +490,9 @@ impl<C: SectorCipher> CryptTarget<C> {
         (offset.is_multiple_of(PAGE_SIZE as u64) && len.is_multiple_of(PAGE_SIZE)).then_some(store)
     }
 
-    fn finish_write(&self, len: usize, result: &io::Result<()>, since: Option<Instant>) {
+    /// Count a write (and, when timed, its time since `since`), whether
+    /// it ended here or on an asynchronous backend's thread.
+    pub(crate) fn finish_write(&self, len: usize, result: &io::Result<()>, since: Option<Instant>) {
         if result.is_ok() {
             self.counters.writes.add(1);
             self.counters.write_bytes.add(len as i64);
@@ -688,12 +690,6 @@ impl<C: SectorCipher> CryptTarget<C> {
             out: Some(out),
             len: data.len(),
         }))
-    }
-
-    /// Count a write that ended elsewhere (an asynchronous one): as
-    /// [`CryptTarget::write`] counts its own.
-    pub(crate) fn count_write(&self, len: usize, result: &io::Result<()>, since: Option<Instant>) {
-        self.finish_write(len, result, since);
     }
 
     /// When timing is on, now (a write's start).

@@ -1190,6 +1190,19 @@ fn iopages_own_tls_server_as_the_remote() {
 
 /// The requests nbdkit's log filter saw: (verb, the line), verbs as the
 /// filter names them (Write, Flush, ...).
+/// An NBD client of `server`'s export "vol" over TCP, one connection.
+fn client_of(server: &iopages_nbd::Server) -> NbdRemote {
+    let port = server.tcp_addr().unwrap().port();
+    NbdRemote::connect(
+        &RemoteSpec::parse(&format!("nbd://127.0.0.1:{port}/vol")).unwrap(),
+        &RemoteOptions {
+            connections: 1,
+            ..RemoteOptions::default()
+        },
+    )
+    .unwrap()
+}
+
 fn logged(log: &std::path::Path) -> Vec<(String, String)> {
     let text = std::fs::read_to_string(log).unwrap_or_default();
     text.lines()
@@ -1236,15 +1249,7 @@ fn a_fua_write_reaches_the_remote_with_fua_and_no_flush() {
     // Through iopages's own server: a client's WRITE with FUA is
     // encrypted and sent on with FUA; nothing flushes the remote.
     let (_alloc, server) = iopages_server(remote.clone(), None);
-    let port = server.tcp_addr().unwrap().port();
-    let client = NbdRemote::connect(
-        &RemoteSpec::parse(&format!("nbd://127.0.0.1:{port}/vol")).unwrap(),
-        &RemoteOptions {
-            connections: 1,
-            ..RemoteOptions::default()
-        },
-    )
-    .unwrap();
+    let client = client_of(&server);
     assert!(client.native_fua(), "iopages offers FUA: {}", client.info());
     let before = logged(&log).len();
     client.write_at_fua(0, &[&[9u8; 12288]]).unwrap();
@@ -1310,15 +1315,7 @@ fn without_fua_on_the_remote_a_fua_write_is_a_write_then_a_flush() {
     // (a flush run where the write ended — the connection's reader —
     // would wait for a reply only that reader can read).
     let (_alloc, server) = iopages_server(remote.clone(), None);
-    let port = server.tcp_addr().unwrap().port();
-    let client = NbdRemote::connect(
-        &RemoteSpec::parse(&format!("nbd://127.0.0.1:{port}/vol")).unwrap(),
-        &RemoteOptions {
-            connections: 1,
-            ..RemoteOptions::default()
-        },
-    )
-    .unwrap();
+    let client = client_of(&server);
     let before = logged(&log).len();
     let t = Instant::now();
     for i in 0..8u64 {

@@ -189,14 +189,23 @@ impl Pool {
     /// their replies wake one reader once for many; the next live one
     /// when its own is down.
     pub(super) fn pick(&self) -> Option<Arc<Conn>> {
-        self.live_from_mine().into_iter().next()
+        let conns = self.conns.read();
+        let first = self.in_turn(&conns).next().cloned();
+        first
     }
 
     /// The live connections, this thread's own first (see
     /// [`Pool::pick`]), then the others in turn.
     pub(super) fn live_from_mine(&self) -> Vec<Arc<Conn>> {
-        thread_local!(static MINE: std::cell::Cell<usize> = const { std::cell::Cell::new(usize::MAX) });
         let conns = self.conns.read();
+        let live = self.in_turn(&conns).cloned().collect();
+        live
+    }
+
+    /// The live ones of `conns`, from this thread's own (threads are
+    /// numbered round-robin on first use) on.
+    fn in_turn<'a>(&self, conns: &'a [Option<Arc<Conn>>]) -> impl Iterator<Item = &'a Arc<Conn>> {
+        thread_local!(static MINE: std::cell::Cell<usize> = const { std::cell::Cell::new(usize::MAX) });
         let n = conns.len();
         let first = MINE.with(|m| {
             if m.get() == usize::MAX {
@@ -205,10 +214,8 @@ impl Pool {
             m.get()
         }) % n;
         (0..n)
-            .filter_map(|i| conns[(first + i) % n].as_ref())
+            .filter_map(move |i| conns[(first + i) % n].as_ref())
             .filter(|c| c.is_alive())
-            .cloned()
-            .collect()
     }
 
     /// A live connection for `what`: at once when one serves, else waiting

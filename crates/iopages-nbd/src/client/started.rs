@@ -73,7 +73,8 @@ impl Conn {
     /// otherwise its end is called exactly once (here, when its sending
     /// failed or its reply came first).
     pub(super) fn start(&self, mut then: Then) -> Result<(), Then> {
-        let deadline = Instant::now() + self.timeout;
+        let now = Instant::now();
+        let deadline = now + self.timeout;
         let call = then.call(deadline);
         let data = then.data.clone();
         let unflushed = matches!(then.command, CMD_WRITE | CMD_WRITE_ZEROES | CMD_TRIM)
@@ -82,7 +83,7 @@ impl Conn {
             return Err(then);
         };
         let (flags, command, offset, length) = (then.flags, then.command, then.offset, then.length);
-        then.sent_at = Some(Instant::now());
+        then.sent_at = Some(now);
         let cookie = {
             let mut s = self.shared.lock();
             if s.dead.is_some() || s.pending.len() >= self.max_in_flight {
