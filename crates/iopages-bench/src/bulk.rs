@@ -796,8 +796,8 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
 }
 
 /// The peer comparison's sizes: the same workloads with each page's
-/// first byte written, in-process for iopages and one process per peer per
-/// run.
+/// first byte written, in-process for iopages (one-thread rows on a new
+/// arena each run) and one process per peer per run.
 struct PeerPlan {
     /// Pages per single-thread workload.
     peer_pages: u64,
@@ -898,12 +898,6 @@ fn measure_runs(
     let (peer_pages, mt_pages, online) = (plan.peer_pages, plan.mt_pages, plan.online);
     let mut peer_runs: Runs = BTreeMap::new();
     let touched = &configs[0].alloc;
-    // The single-thread peer workloads run through one handle, the API a
-    // worker loop calls (`LocalAllocator`), kept warm across runs.
-    let mut local = touched.local();
-    for &b in &plan.st_batches {
-        peers::iopages_st(&mut local, b, peer_pages / 8 + 1)?;
-    }
     for run in 0..runs {
         for (c, r) in configs.iter().zip(results.iter_mut()) {
             r.single.push(single(&c.alloc, pages_per_run)?);
@@ -911,8 +905,10 @@ fn measure_runs(
                 r.bulk[i].push(bulk(&c.alloc, b, pages_per_run)?);
             }
         }
-        for &b in &plan.st_batches {
-            let ns = peers::iopages_st(&mut local, b, peer_pages)?.ns;
+        // The single-thread peer workloads through a handle (the API a
+        // worker loop calls), on an arena of the run's own, as each peer's
+        // run has a process of its own.
+        for (&b, &ns) in &peers::iopages_st_fresh(&plan.st_batches, peer_pages)? {
             let r = PeerResult {
                 threads: None,
                 batch: b,

@@ -20,11 +20,12 @@
 //! of that ratio of ratios too (not the ratio of the two rows' separate
 //! medians against a peer, which the table also shows).
 //!
-//! Why a twin rather than E1's `iopages` row: that row's allocator has run
-//! every other E1 workload before it (its free lists are spread over the
-//! whole arena), and which pages a batch gets changes what writing their
-//! first bytes costs by more than the C ABI does. The E1 row is shown
-//! beside, for the reader to see both.
+//! Why a twin rather than E1's `iopages` row, which now runs the same
+//! way ([`peers::iopages_st_fresh`]): the twin runs right after the C
+//! process, so the pair is adjacent in time, and each arena draws its own
+//! placement of record, cache and pages, which moves small batches by more
+//! than the C ABI does. The E1 row is shown beside, for the reader to see
+//! both.
 //!
 //! Must never: count `iopages-c` as a peer to beat, or compare figures
 //! from different runs.
@@ -32,7 +33,6 @@
 use crate::measure::{median, per_run_ratio};
 use crate::peers::{self, batch_key, PeerState};
 use crate::{met, progress, round2, BenchError};
-use iopages::{HugePages, PageAllocator};
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -44,9 +44,6 @@ pub const C_ROW: &str = "iopages-c";
 pub const TARGET_C_OVER_RUST: f64 = 1.2;
 /// The smallest batch the target covers.
 pub const TARGET_MIN_BATCH: usize = 8;
-/// The harness's arena for a single-thread-only run (`peer_bench.c`).
-const HARNESS_ARENA_BYTES: u64 = 64 << 20;
-
 /// Per batch, one figure per run (0: the single-page API).
 type PerBatch = BTreeMap<usize, Vec<f64>>;
 
@@ -112,7 +109,8 @@ impl CAbi {
                 "{C_ROW} printed batches {printed:?}, asked {asked:?}"
             )));
         }
-        let twin = rust_twin(batches, pages)?;
+        let twin = peers::iopages_st_fresh(batches, pages)
+            .map_err(|e| BenchError::Workload(format!("{C_ROW} twin: {e}")))?;
         for r in &c {
             let (b, ns) = (r.batch, r.ns_per_page);
             let t = twin.get(&b).ok_or_else(|| {
@@ -254,29 +252,4 @@ impl CAbi {
             },
         })
     }
-}
-
-/// The harness's single-thread part in this process, from the state the
-/// harness starts in: ns per page by batch.
-fn rust_twin(batches: &[usize], pages: u64) -> Result<BTreeMap<usize, f64>, BenchError> {
-    let alloc = PageAllocator::builder()
-        .size_bytes(HARNESS_ARENA_BYTES)
-        .huge_pages(HugePages::Try)
-        .populate(true)
-        .checks(false)
-        .build()?;
-    let mut out = BTreeMap::new();
-    {
-        let mut local = alloc.local();
-        for &b in batches {
-            peers::iopages_st(&mut local, b, pages / 8 + 1)?;
-        }
-        for &b in batches {
-            out.insert(b, peers::iopages_st(&mut local, b, pages)?.ns);
-        }
-    }
-    alloc
-        .leak_check()
-        .map_err(|a| BenchError::Workload(format!("{C_ROW} twin: pages leaked: {a}")))?;
-    Ok(out)
 }

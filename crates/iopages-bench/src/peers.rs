@@ -4,7 +4,8 @@
 //! Owns: building the peer harness (`scripts/setup-peers.sh`), running one
 //! peer process per run and parsing its results, and the in-process iopages
 //! versions of the peer workloads (first byte of each page written, LIFO
-//! reuse; producer/consumer pairs for the multi-thread part). Must never:
+//! reuse, one thread on a new arena each run as each peer run is a new
+//! process; producer/consumer pairs for the multi-thread part). Must never:
 //! drop a peer silently — a peer that cannot be built or started is reported
 //! with its reason and the others still run — nor time a multi-thread pass
 //! from the main thread.
@@ -462,6 +463,47 @@ pub fn iopages_st(
         )));
     }
     Ok(s)
+}
+
+/// The arena of [`iopages_st_fresh`]: the C harness's, as big as each
+/// peer's pool.
+const FRESH_ARENA_BYTES: u64 = 64 << 20;
+
+/// [`iopages_st`] at each of `batches` from a fresh start, as a peer's
+/// process starts each run: a new arena of 64 MiB (populated, checks off,
+/// huge pages if the system has them), a new handle, each batch warmed
+/// once. ns per page by batch.
+///
+/// A run on its own arena and handle draws its own placement of the
+/// handle's record, its cache and its pages, as each peer's run does in
+/// its own process. Which placement a run gets moves the small-batch
+/// figures by up to 2× on the AMD EPYC VM (see docs/experiments.md), so a
+/// row that kept one arena for every run would show one draw seven times
+/// where the peers show seven draws.
+pub fn iopages_st_fresh(
+    batches: &[usize],
+    pages: u64,
+) -> Result<std::collections::BTreeMap<usize, f64>, BenchError> {
+    let alloc = PageAllocator::builder()
+        .size_bytes(FRESH_ARENA_BYTES)
+        .huge_pages(iopages::HugePages::Try)
+        .populate(true)
+        .checks(false)
+        .build()?;
+    let mut out = std::collections::BTreeMap::new();
+    {
+        let mut local = alloc.local();
+        for &b in batches {
+            iopages_st(&mut local, b, pages / 8 + 1)?;
+        }
+        for &b in batches {
+            out.insert(b, iopages_st(&mut local, b, pages)?.ns);
+        }
+    }
+    alloc
+        .leak_check()
+        .map_err(|a| BenchError::Workload(format!("pages leaked: {a}")))?;
+    Ok(out)
 }
 
 /// A single-producer single-consumer ring of page addresses, the same algorithm as
