@@ -55,7 +55,7 @@ use iopages_crypt::backend::Extent;
 use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::io::{self, BufRead, Read};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -294,9 +294,9 @@ pub(crate) struct Conn {
     dead: AtomicBool,
     /// Requests and bytes in flight on this connection.
     gate: Mutex<(usize, u64)>,
-    /// The connection's thread is (about to be) waiting in `poll`: a
-    /// release must kick it.
-    parked: AtomicBool,
+    /// What the connection's thread, (about to be) waiting in `poll`,
+    /// must be kicked for: [`Wake`] as a `u8`, 0 while it is not waiting.
+    parked: AtomicU8,
     counters: Arc<Counters>,
     budget: PeerBudget,
     busy: Arc<AtomicUsize>,
@@ -492,17 +492,18 @@ impl Conn {
     }
 
     /// Wait (on the connection's thread only) until the socket is
-    /// readable (`read`) or writable (`write`), a release or a backlog
-    /// kicks the thread, or `deadline` passes; meanwhile queued replies
-    /// are sent as the socket drains, and a reply older than the reply
-    /// timeout gives the connection up. `ready` is checked after the
-    /// thread is marked parked, so a release just before cannot be
-    /// missed.
+    /// readable (`read`) or writable (`write`), a release `wake` asks for
+    /// or a backlog kicks the thread, or `deadline` passes; meanwhile
+    /// queued replies are sent as the socket drains, and a reply older
+    /// than the reply timeout gives the connection up. `ready` is checked
+    /// after the thread is marked parked, so a release just before cannot
+    /// be missed.
     fn pump(
         &self,
         read: bool,
         write: bool,
         deadline: Option<Instant>,
+        wake: Wake,
         ready: impl Fn() -> bool,
     ) -> io::Result<()> {
         self.flush_replies();
@@ -525,9 +526,9 @@ impl Conn {
             }
             until = Some(until.map_or(due, |u| u.min(due)));
         }
-        self.parked.store(true, Ordering::SeqCst);
+        self.parked.store(wake as u8, Ordering::SeqCst);
         if ready() {
-            self.parked.store(false, Ordering::SeqCst);
+            self.parked.store(0, Ordering::SeqCst);
             return Ok(());
         }
         let timeout = until.map(|u| u.saturating_duration_since(now));
@@ -536,7 +537,7 @@ impl Conn {
         } else {
             self.t.wait(read, write || backlog, timeout)
         };
-        self.parked.store(false, Ordering::SeqCst);
+        self.parked.store(0, Ordering::SeqCst);
         let r = r?;
         if r.hangup && !read && !dead {
             // Shut down under us (the connection was closed for another
@@ -577,7 +578,8 @@ impl Conn {
             if self.dead.load(Ordering::Acquire) {
                 return Err(io::ErrorKind::BrokenPipe.into());
             }
-            self.pump(false, false, None, || !self.full(&self.gate.lock(), bytes))?;
+            let room = || !self.full(&self.gate.lock(), bytes);
+            self.pump(false, false, None, Wake::OnRelease, room)?;
         }
         let r = self.charge(bytes, false);
         if !matches!(r, Ok(true)) {
@@ -632,7 +634,8 @@ impl Conn {
             } else {
                 BORROW_POLL
             };
-            let r = self.pump(false, false, Some((now + poll).min(give_up)), || false);
+            let until = Some((now + poll).min(give_up));
+            let r = self.pump(false, false, until, Wake::OnRelease, || false);
             if let Err(e) = r {
                 self.budget.give_up(&mut claim);
                 return Err(e);
@@ -646,7 +649,16 @@ impl Conn {
     /// Give back what [`Conn::charge`] took.
     fn uncharge(&self, bytes: u64, work: bool) {
         self.budget.give_back(bytes, work);
-        if self.parked.load(Ordering::SeqCst) {
+        self.wake(false);
+    }
+
+    /// Kick the connection's thread if it waits for what a release gives
+    /// back: every release while it waits for room ([`Wake::OnRelease`]),
+    /// only the one that leaves nothing in flight (`idle`) while it waits
+    /// for the client ([`Wake::WhenIdle`]).
+    fn wake(&self, idle: bool) {
+        let parked = self.parked.load(Ordering::SeqCst);
+        if parked == Wake::OnRelease as u8 || (idle && parked == Wake::WhenIdle as u8) {
             self.t.kick();
         }
     }
@@ -663,13 +675,14 @@ impl Conn {
             if self.dead.load(Ordering::Acquire) {
                 return Err(io::ErrorKind::BrokenPipe.into());
             }
-            self.pump(false, false, Some(Instant::now() + wait), || false)?;
+            let until = Some(Instant::now() + wait);
+            self.pump(false, false, until, Wake::OnRelease, || false)?;
         }
         Ok(())
     }
 
     fn release(&self, bytes: u64) {
-        {
+        let idle = {
             let mut g = self.gate.lock();
             assert!(g.0 >= 1, "a reply releases a place in flight nobody holds");
             assert!(
@@ -679,8 +692,10 @@ impl Conn {
             g.0 -= 1;
             g.1 -= bytes;
             self.busy.store(g.0, Ordering::Relaxed);
-        }
-        self.uncharge(bytes, false);
+            g.0 == 0
+        };
+        self.budget.give_back(bytes, false);
+        self.wake(idle);
     }
 
     fn in_flight(&self) -> usize {
@@ -696,7 +711,10 @@ impl Conn {
             if idle() {
                 return;
             }
-            if self.pump(false, false, None, idle).is_err() {
+            if self
+                .pump(false, false, None, Wake::OnRelease, idle)
+                .is_err()
+            {
                 // poll itself failed: give up on the client, then wait
                 // for the completions to release their places.
                 self.kill();
@@ -810,6 +828,24 @@ struct ConnRead {
     /// Nothing of the next request has been read yet, and the thread may
     /// be given up after this long idle (see [`PARK_AFTER`]).
     park_after: Option<Duration>,
+    /// The wait for a header began with requests in flight: its idle
+    /// timers start when the last of them completes, which kicks it.
+    busy: bool,
+}
+
+/// What kicks a connection's thread waiting in [`Conn::pump`], besides
+/// its socket, a backlog of replies and its deadline.
+#[derive(Clone, Copy)]
+#[repr(u8)]
+enum Wake {
+    /// Every release (a place in flight, budget given back): the thread
+    /// waits for room.
+    OnRelease = 1,
+    /// Only the release that leaves nothing in flight: the thread waits
+    /// for the client, and its idle timers start then. (Kicking it for
+    /// every completion cost a wake-up, a `poll` and a failed `recv` per
+    /// request under load.)
+    WhenIdle = 2,
 }
 
 /// What ends a [`transmit`].
@@ -855,7 +891,10 @@ impl Read for ConnRead {
                 Io::Blocked { write } => write,
             };
             let deadline = self.wait_until(Instant::now())?;
-            self.conn.pump(!write, write, deadline, || false)?;
+            let (conn, busy) = (&self.conn, self.busy);
+            conn.pump(!write, write, deadline, Wake::WhenIdle, || {
+                busy && conn.in_flight() == 0
+            })?;
         }
     }
 }
@@ -869,6 +908,10 @@ impl ConnRead {
     /// [`park_signal`] when the thread should be given up.
     fn wait_until(&mut self, now: Instant) -> io::Result<Option<Instant>> {
         let counters = &self.conn.counters;
+        if matches!(self.phase, Phase::Payload { .. }) {
+            // A payload's wait is not about idleness.
+            self.busy = false;
+        }
         let since = match &mut self.phase {
             Phase::Payload { by } if now >= *by => {
                 counters.payload_timeouts.fetch_add(1, Ordering::Relaxed);
@@ -879,7 +922,12 @@ impl ConnRead {
         };
         if self.conn.in_flight() > 0 {
             *since = now;
+            self.busy = true;
             return Ok(None);
+        }
+        if std::mem::take(&mut self.busy) {
+            // Woken by the last completion: idle from now.
+            *since = now;
         }
         let idle = self.conn.limits.idle_timeout.map(|i| *since + i);
         if idle.is_some_and(|i| now >= i) {
@@ -909,7 +957,7 @@ pub(crate) fn open(t: Arc<Transport>, env: &ConnEnv<'_>) -> Arc<Conn> {
         outbox: Mutex::new(Outbox::default()),
         dead: AtomicBool::new(false),
         gate: Mutex::new((0, 0)),
-        parked: AtomicBool::new(false),
+        parked: AtomicU8::new(0),
         counters: Arc::clone(env.counters),
         budget: env.budget.clone(),
         busy: Arc::clone(&env.busy),
@@ -938,6 +986,7 @@ pub(crate) fn transmit(conn: &Arc<Conn>, env: &ConnEnv<'_>, park_after: Option<D
                     since: Instant::now(),
                 },
                 park_after: None,
+                busy: false,
             },
         ),
         env,

@@ -1136,11 +1136,17 @@ mod tests {
     }
 
     fn server_with(opts: ServerOptions) -> (iopages::PageAllocator, Server) {
+        server_over(Arc::new(RamDisk::new(1 << 20).unwrap()), opts)
+    }
+
+    fn server_over(
+        disk: Arc<dyn Backend>,
+        opts: ServerOptions,
+    ) -> (iopages::PageAllocator, Server) {
         let alloc = iopages::PageAllocator::builder()
             .size_bytes(32 << 20)
             .build()
             .unwrap();
-        let disk: Arc<dyn Backend> = Arc::new(RamDisk::new(1 << 20).unwrap());
         let key: Vec<u8> = (0u8..64).collect();
         let xts = iopages_crypt::XtsCipher::new(&key, 512, 0).unwrap();
         let cipher = CipherPool::new(xts, 1).unwrap();
@@ -1263,6 +1269,58 @@ mod tests {
         await_stats(&s, "closed", |st| st.open_connections == 0);
         assert_eq!(s.stats().idle_closes, 1);
         assert_eq!(s.stats().parked_connections, 0);
+    }
+
+    /// A RAM disk whose reads take `.1` (on the queue's workers).
+    struct SlowReads(RamDisk, Duration);
+
+    impl Backend for SlowReads {
+        fn size_bytes(&self) -> u64 {
+            self.0.size_bytes()
+        }
+        fn write_at(&self, offset: u64, segments: &[&[u8]]) -> std::io::Result<()> {
+            self.0.write_at(offset, segments)
+        }
+        fn read_at(&self, offset: u64, segments: &mut [&mut [u8]]) -> std::io::Result<()> {
+            std::thread::sleep(self.1);
+            self.0.read_at(offset, segments)
+        }
+        fn flush(&self) -> std::io::Result<()> {
+            self.0.flush()
+        }
+    }
+
+    /// The connection's thread is not kicked for every completion while it
+    /// waits for the client, only for the one that leaves nothing in
+    /// flight: its idle time starts there. A read slower than the idle
+    /// timeout is answered, and the connection is closed for idleness a
+    /// whole idle timeout after the answer, not at once.
+    #[test]
+    fn a_connection_is_idle_from_its_last_completion() {
+        let idle = Duration::from_millis(300);
+        let slow = SlowReads(RamDisk::new(1 << 20).unwrap(), 2 * idle);
+        let (_alloc, s) = server_over(
+            Arc::new(slow),
+            ServerOptions {
+                idle_timeout: Some(idle),
+                ..ServerOptions::default()
+            },
+        );
+        let (mut c, kind) = go(&s);
+        assert_eq!(kind, Some(REP_ACK));
+        assert_eq!(read_512(&mut c, 1), 0);
+        let answered = std::time::Instant::now();
+        let mut b = [0u8; 1];
+        assert!(matches!(c.read(&mut b), Ok(0)));
+        // Slack for the client's own wake-up after the answer.
+        let quiet = answered.elapsed();
+        assert!(
+            quiet >= idle - Duration::from_millis(50),
+            "closed {quiet:?} after the answer"
+        );
+        await_stats(&s, "closed", |st| st.open_connections == 0);
+        assert_eq!(s.stats().idle_closes, 1);
+        assert_eq!(s.stats().read.requests, 1);
     }
 
     #[test]
