@@ -112,9 +112,10 @@ enum Command {
         integrity: bool,
         /// nbd: only the connections row — one `iopages serve` (in-memory
         /// volume, TCP) holding 1000 idle connections from 1000 loopback
-        /// addresses beside a polite client's 4 KiB reads, against the
-        /// same reads alone: the p99 ratio, the server's tasks and its
-        /// resident memory per idle connection. Report:
+        /// addresses beside a polite client's 4 KiB reads, then with 8 of
+        /// them reading without pause, against the same reads alone: the
+        /// p99 ratios, the server's tasks and its resident memory per idle
+        /// connection. Report:
         /// nbd-connections.json (`bench nbd` writes it after
         /// nbd-tenants.json; with --json PATH, beside PATH as its stem +
         /// "-connections.json").

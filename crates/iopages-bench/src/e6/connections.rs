@@ -2,14 +2,15 @@
 //! loopback) holding a thousand idle connections from a thousand
 //! addresses, against the same server with none: what they cost it
 //! (tasks, resident memory per connection) and what they cost a polite
-//! client's 4 KiB reads (p99 latency, one read in flight); then, on a
-//! second server with `--tls require --tls-psk`, what a thousand idle TLS
+//! client's 4 KiB reads (p99 latency, one read in flight), and what they
+//! cost it when [`BUSY`] of them read without pause; then, on a second
+//! server with `--tls require --tls-psk`, what a thousand idle TLS
 //! sessions cost it (tasks, resident memory per session).
 //!
 //! Owns: the server's start and stop, the idle connections (each after
 //! its handshake, from 127.0.x.y, so that per-peer shares admit them),
-//! the interleaved runs (alone, then beside the thousand, on the same
-//! server), the per-run ratios, the verdicts and the `nbd-connections`
+//! the interleaved runs (alone, then beside the thousand, then beside them
+//! with some busy, on the same server), the per-run ratios, the verdicts and the `nbd-connections`
 //! report. Must never: assert a figure (the verdicts are reported), take
 //! a latency from anything but the client's own clock around each read,
 //! or leave a child process or socket behind.
@@ -38,6 +39,8 @@ use serde_json::{json, Value};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::Path;
 use std::process::{Child, Command};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The report's stem (`nbd-connections.json`).
@@ -58,6 +61,12 @@ const EXPORT: &str = "iopages";
 /// How long the idle connections settle before the polite reads: well
 /// past the 50 ms after which a connection gives its thread up.
 const SETTLE: Duration = Duration::from_millis(500);
+/// Of the thousand, how many read without pause in a run's busy part
+/// (4 KiB at random offsets, one read in flight each, each from its own
+/// address: a peer of its own).
+pub const BUSY: usize = 8;
+/// How long the busy clients read before the polite reads start.
+const WARM: Duration = Duration::from_millis(100);
 
 /// One run: the polite client alone, then beside [`IDLE`] idle
 /// connections, on the same server.
@@ -67,8 +76,15 @@ struct RunFigures {
     p99_alone_us: f64,
     p50_idle_us: f64,
     p99_idle_us: f64,
+    /// Beside the thousand with [`BUSY`] of them reading.
+    p50_busy_us: f64,
+    p99_busy_us: f64,
     tasks_alone: usize,
     tasks_idle: usize,
+    tasks_busy: usize,
+    /// The busy clients' reads per second, all together, while the polite
+    /// client read.
+    busy_reads_per_s: f64,
     rss_alone_kib: u64,
     rss_idle_kib: u64,
     /// (rss_idle − rss_alone) / IDLE, in bytes.
@@ -231,9 +247,55 @@ fn tls_idle(iopages_bin: &Path, work: &Path) -> Result<Value, String> {
     }))
 }
 
+/// The polite client's `reads` beside `idle`, [`BUSY`] of which read
+/// without pause meanwhile: its latencies, the server's tasks then, and
+/// the busy clients' reads per second. The busy ones go back to `idle`.
+fn beside_busy(
+    pid: u32,
+    idle: &mut Vec<NbdClient>,
+    polite: &mut NbdClient,
+    reads: usize,
+) -> Result<(Vec<Duration>, usize, f64), String> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let busy: Vec<_> = idle
+        .drain(..BUSY.min(idle.len()))
+        .enumerate()
+        .map(|(i, mut c)| {
+            let (stop, done) = (Arc::clone(&stop), Arc::clone(&done));
+            std::thread::spawn(move || {
+                let pages = (c.size / 4096).max(1);
+                let mut x = 0x2545_f491_4f6c_dd1d_u64 ^ (i as u64 + 1);
+                while !stop.load(Ordering::Relaxed) {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    c.read_at(x % pages * 4096, 4096)
+                        .map_err(|e| format!("busy client {i}: {e}"))?;
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok::<NbdClient, String>(c)
+            })
+        })
+        .collect();
+    std::thread::sleep(WARM);
+    let (t, before) = (Instant::now(), done.load(Ordering::Relaxed));
+    let lat = read_latencies(polite, reads).map_err(|e| format!("polite read: {e}"));
+    let tasks = usage(pid).0;
+    let rate = (done.load(Ordering::Relaxed) - before) as f64 / t.elapsed().as_secs_f64();
+    stop.store(true, Ordering::Relaxed);
+    for h in busy {
+        idle.push(
+            h.join()
+                .map_err(|_| "a busy client panicked".to_string())??,
+        );
+    }
+    Ok((lat?, tasks, rate))
+}
+
 /// One run on `srv`: `reads` polite reads alone, then the idle
-/// connections opened and settled, the same reads beside them, and the
-/// idle connections closed.
+/// connections opened and settled, the same reads beside them, then
+/// beside them with [`BUSY`] of them reading, and the connections closed.
 fn one_run(srv: &Served, polite: &mut NbdClient, reads: usize) -> Result<RunFigures, String> {
     let pid = srv.pid();
     let lat = |c: &mut NbdClient| read_latencies(c, reads).map_err(|e| format!("polite read: {e}"));
@@ -245,6 +307,8 @@ fn one_run(srv: &Served, polite: &mut NbdClient, reads: usize) -> Result<RunFigu
     std::thread::sleep(SETTLE);
     let beside = lat(polite)?;
     let (tasks_idle, rss_idle) = usage(pid);
+    let mut idle = idle;
+    let (busy, tasks_busy, busy_reads_per_s) = beside_busy(pid, &mut idle, polite, reads)?;
     drop(idle);
     // The server closes them as their hang-ups arrive.
     std::thread::sleep(SETTLE);
@@ -253,8 +317,12 @@ fn one_run(srv: &Served, polite: &mut NbdClient, reads: usize) -> Result<RunFigu
         p99_alone_us: round2(percentile_us(&alone, 99.0)),
         p50_idle_us: round2(percentile_us(&beside, 50.0)),
         p99_idle_us: round2(percentile_us(&beside, 99.0)),
+        p50_busy_us: round2(percentile_us(&busy, 50.0)),
+        p99_busy_us: round2(percentile_us(&busy, 99.0)),
         tasks_alone,
         tasks_idle,
+        tasks_busy,
+        busy_reads_per_s: round2(busy_reads_per_s),
         rss_alone_kib: rss_alone,
         rss_idle_kib: rss_idle,
         rss_per_idle_bytes: round2((rss_idle as f64 - rss_alone as f64) * 1024.0 / IDLE as f64),
@@ -269,7 +337,15 @@ struct Summary {
     p99_ratio_runs: Vec<f64>,
     p99_target: f64,
     p99_met: bool,
+    /// The same with [`BUSY`] of them reading.
+    p99_busy_ratio_median: f64,
+    p99_busy_ratio_runs: Vec<f64>,
+    p99_busy_met: bool,
     tasks_idle_max: usize,
+    /// The most tasks beside them with [`BUSY`] reading (against the same
+    /// bound).
+    tasks_busy_max: usize,
+    tasks_busy_met: bool,
     tasks_bound: usize,
     tasks_met: bool,
     rss_per_idle_bytes_median: f64,
@@ -285,8 +361,14 @@ fn summarise(runs: &[RunFigures]) -> Summary {
         .iter()
         .map(|r| round2(r.p99_idle_us / r.p99_alone_us))
         .collect();
+    let busy: Vec<f64> = runs
+        .iter()
+        .map(|r| round2(r.p99_busy_us / r.p99_alone_us))
+        .collect();
+    let busy_median = median(&busy);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let tasks_idle_max = runs.iter().map(|r| r.tasks_idle).max().unwrap_or(0);
+    let tasks_busy_max = runs.iter().map(|r| r.tasks_busy).max().unwrap_or(0);
     let rss: Vec<f64> = runs.iter().map(|r| r.rss_per_idle_bytes).collect();
     let p99 = median(&ratios);
     let rss_median = median(&rss);
@@ -295,9 +377,14 @@ fn summarise(runs: &[RunFigures]) -> Summary {
         p99_ratio_runs: ratios,
         p99_target: P99_TARGET,
         p99_met: p99 <= P99_TARGET,
+        p99_busy_ratio_median: round2(busy_median),
+        p99_busy_ratio_runs: busy,
+        p99_busy_met: busy_median <= P99_TARGET,
         tasks_idle_max,
         tasks_bound: 2 * cores + 8,
         tasks_met: tasks_idle_max <= 2 * cores + 8,
+        tasks_busy_max,
+        tasks_busy_met: tasks_busy_max <= 2 * cores + 8,
         rss_per_idle_bytes_median: round2(rss_median),
         rss_per_idle_bytes_first: rss.first().copied().unwrap_or(0.0),
         rss_target_bytes: RSS_TARGET_BYTES,
@@ -308,7 +395,7 @@ fn summarise(runs: &[RunFigures]) -> Summary {
 
 fn print_table(runs: &[RunFigures], s: &Summary) {
     let mut t = Table::new(format!(
-        "E6 connections: a polite client's 4 KiB reads alone and beside {IDLE} idle connections"
+        "E6 connections: a polite client's 4 KiB reads alone, beside {IDLE} idle connections, and beside them with {BUSY} busy"
     ));
     t.row([
         "run",
@@ -316,6 +403,8 @@ fn print_table(runs: &[RunFigures], s: &Summary) {
         "p99 alone µs",
         "p50 idle µs",
         "p99 idle µs",
+        "p99 busy µs",
+        "busy reads/s",
         "tasks",
         "RSS/conn B",
     ]);
@@ -326,17 +415,23 @@ fn print_table(runs: &[RunFigures], s: &Summary) {
             format!("{:.1}", r.p99_alone_us),
             format!("{:.1}", r.p50_idle_us),
             format!("{:.1}", r.p99_idle_us),
-            format!("{} / {}", r.tasks_alone, r.tasks_idle),
+            format!("{:.1}", r.p99_busy_us),
+            format!("{:.0}", r.busy_reads_per_s),
+            format!("{} / {} / {}", r.tasks_alone, r.tasks_idle, r.tasks_busy),
             format!("{:.0}", r.rss_per_idle_bytes),
         ]);
     }
     t.line(format!(
-        "p99 beside / alone, median {:.2} (target <= {P99_TARGET}: {}); tasks beside {} (bound 2 x cores + 8 = {}: {}); RSS per idle connection {:.0} B, first run {:.0} B (target <= {RSS_TARGET_BYTES} in both: {})",
+        "p99 beside / alone, median {:.2} (target <= {P99_TARGET}: {}); with {BUSY} of them busy {:.2} ({}); tasks beside {} ({}), with {BUSY} busy {} ({}) (bound 2 x cores + 8 = {}); RSS per idle connection {:.0} B, first run {:.0} B (target <= {RSS_TARGET_BYTES} in both: {})",
         s.p99_ratio_median,
         met(s.p99_met),
+        s.p99_busy_ratio_median,
+        met(s.p99_busy_met),
         s.tasks_idle_max,
-        s.tasks_bound,
         met(s.tasks_met),
+        s.tasks_busy_max,
+        met(s.tasks_busy_met),
+        s.tasks_bound,
         s.rss_per_idle_bytes_median,
         s.rss_per_idle_bytes_first,
         met(s.rss_met)
@@ -362,7 +457,7 @@ pub fn run(opts: &BenchOptions, iopages_bin: &Path) -> Result<Value, BenchError>
     progress(
         STEM,
         format!(
-            "{runs} run(s): {reads} polite 4 KiB reads alone, then beside {IDLE} idle connections"
+            "{runs} run(s): {reads} polite 4 KiB reads alone, then beside {IDLE} idle connections, then with {BUSY} of them busy"
         ),
     );
     let srv = Served::start(iopages_bin, &work, "serve", &[]).map_err(workload)?;
@@ -374,12 +469,14 @@ pub fn run(opts: &BenchOptions, iopages_bin: &Path) -> Result<Value, BenchError>
         progress(
             STEM,
             format!(
-                "run {}/{runs}: p99 {:.1} µs alone, {:.1} µs beside; tasks {} / {}; {:.0} B per idle connection",
+                "run {}/{runs}: p99 {:.1} µs alone, {:.1} µs beside, {:.1} µs with {BUSY} busy; tasks {} / {} / {}; {:.0} B per idle connection",
                 run + 1,
                 r.p99_alone_us,
                 r.p99_idle_us,
+                r.p99_busy_us,
                 r.tasks_alone,
                 r.tasks_idle,
+                r.tasks_busy,
                 r.rss_per_idle_bytes
             ),
         );
@@ -403,6 +500,7 @@ pub fn run(opts: &BenchOptions, iopages_bin: &Path) -> Result<Value, BenchError>
         "runs": runs,
         "reads_per_probe": reads,
         "idle_connections": IDLE,
+        "busy_connections": BUSY,
         "export_bytes": 64 * MIB,
         "server": command,
         "quick": opts.quick,
