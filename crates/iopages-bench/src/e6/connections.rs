@@ -10,8 +10,8 @@
 //! Owns: the server's start and stop, the idle connections (each after
 //! its handshake, from 127.0.x.y, so that per-peer shares admit them),
 //! the interleaved runs (alone, then beside the thousand, then beside them
-//! with some busy, on the same server), the per-run ratios, the verdicts and the `nbd-connections`
-//! report. Must never: assert a figure (the verdicts are reported), take
+//! with some busy, on the same server), the per-run ratios, the verdicts
+//! and the `nbd-connections` report. Must never: assert a figure (the verdicts are reported), take
 //! a latency from anything but the client's own clock around each read,
 //! or leave a child process or socket behind.
 //!
