@@ -40,7 +40,7 @@ use super::files::LUKS_HEADER_BYTES;
 use super::fio::VERIFY_BYTES;
 use super::report::{figure_lines, figures_head, rows, Row, TARGET_RATIO};
 use super::server::{OUR_EXPORT, START_TIMEOUT, STOP_TIMEOUT};
-mod cpu;
+pub(crate) mod cpu;
 mod store;
 
 use cpu::{CpuUse, Meter};
