@@ -125,7 +125,8 @@ enum Command {
         /// buffered` on E6's LUKS1 image against nbdkit's plain file
         /// export of the same bytes (its payload region, no encryption),
         /// both through the page cache, under E6's loads: ours / plain per
-        /// load against 1.0. Report: nbd-ceiling.json (`bench nbd` writes
+        /// load against 1.0, and each side's CPU per GiB or request with the
+        /// bound it puts on that ratio. Report: nbd-ceiling.json (`bench nbd` writes
         /// it after nbd-connections.json; with --json PATH, beside PATH as
         /// its stem + "-ceiling.json").
         #[arg(long)]
