@@ -220,6 +220,24 @@ fn cpu_lines(cpu: &[Vec<Vec<CpuUse>>; 2]) -> Vec<Value> {
         .collect()
 }
 
+/// The CPU lines under the table: each side's CPU per unit, and the bound.
+fn cpu_table_lines(t: &mut Table, cpu: &[Value]) {
+    let f = |v: &Value| match v.as_array().map(Vec::as_slice) {
+        Some([c, s, all]) => format!("client {c} server {s} = {all}"),
+        _ => "-".into(),
+    };
+    for c in cpu {
+        t.line(format!(
+            "cpu {:<13} ({}) ours: {}; plain: {}; CPU bound on ours / plain {}",
+            c["load"].as_str().unwrap_or("-"),
+            c["unit"].as_str().unwrap_or("-"),
+            f(&c["ours_client_server_total"]),
+            f(&c["plain_client_server_total"]),
+            c["bound_ours_over_plain"]
+        ));
+    }
+}
+
 fn report(
     opts: &BenchOptions,
     st: &Setup,
@@ -246,20 +264,7 @@ fn report(
             met(ok)
         ));
     }
-    let f = |v: &Value| match v.as_array().map(Vec::as_slice) {
-        Some([c, s, all]) => format!("client {c} server {s} = {all}"),
-        _ => "-".into(),
-    };
-    for c in &cpu {
-        t.line(format!(
-            "cpu {:<13} ({}) ours: {}; plain: {}; CPU bound on ours / plain {}",
-            c["load"].as_str().unwrap_or("-"),
-            c["unit"].as_str().unwrap_or("-"),
-            f(&c["ours_client_server_total"]),
-            f(&c["plain_client_server_total"]),
-            c["bound_ours_over_plain"]
-        ));
-    }
+    cpu_table_lines(&mut t, &cpu);
     if let Some(why) = &failed {
         t.line(format!("FAILED: {why}"));
     }
