@@ -1188,8 +1188,6 @@ fn iopages_own_tls_server_as_the_remote() {
 // FUA passed through: a write with FUA reaches the remote as a WRITE with
 // NBD_CMD_FLAG_FUA, and no FLUSH is sent for it.
 
-/// The requests nbdkit's log filter saw: (verb, the line), verbs as the
-/// filter names them (Write, Flush, ...).
 /// An NBD client of `server`'s export "vol" over TCP, one connection.
 fn client_of(server: &iopages_nbd::Server) -> NbdRemote {
     let port = server.tcp_addr().unwrap().port();
@@ -1203,6 +1201,8 @@ fn client_of(server: &iopages_nbd::Server) -> NbdRemote {
     .unwrap()
 }
 
+/// The requests nbdkit's log filter saw: (verb, the line), verbs as the
+/// filter names them (Write, Flush, ...).
 fn logged(log: &std::path::Path) -> Vec<(String, String)> {
     let text = std::fs::read_to_string(log).unwrap_or_default();
     text.lines()
