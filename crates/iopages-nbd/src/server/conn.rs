@@ -646,10 +646,11 @@ impl Conn {
         }
     }
 
-    /// Give back what [`Conn::charge`] took.
-    fn uncharge(&self, bytes: u64, work: bool) {
+    /// Give back what [`Conn::charge`] took; `idle`: nothing is left in
+    /// flight now (see [`Conn::wake`]).
+    fn uncharge(&self, bytes: u64, work: bool, idle: bool) {
         self.budget.give_back(bytes, work);
-        self.wake(false);
+        self.wake(idle);
     }
 
     /// Kick the connection's thread if it waits for what a release gives
@@ -694,8 +695,7 @@ impl Conn {
             self.busy.store(g.0, Ordering::Relaxed);
             g.0 == 0
         };
-        self.budget.give_back(bytes, false);
-        self.wake(idle);
+        self.uncharge(bytes, false, idle);
     }
 
     fn in_flight(&self) -> usize {
@@ -1162,7 +1162,7 @@ impl Reader<'_, '_> {
                 Box::new(Zeros(Arc::clone(self.env.zeros), n)),
                 fua_down,
                 Box::new(move |r| {
-                    conn.uncharge(n as u64, true);
+                    conn.uncharge(n as u64, true, false);
                     p.chunk_done(r.err().map_or(0, |e| errno(&e)))
                 }),
             );
@@ -1190,7 +1190,7 @@ impl Reader<'_, '_> {
             return Ok(Err(io::Error::from_raw_os_error(libc::ENOMEM)));
         }
         let r = f(offset, len);
-        self.conn.uncharge(units, true);
+        self.conn.uncharge(units, true, false);
         Ok(r)
     }
 
