@@ -62,6 +62,7 @@ pub mod mempool;
 pub mod peers;
 pub mod plot;
 pub mod xts;
+pub mod xts_pages;
 
 mod e6;
 pub use e6::{

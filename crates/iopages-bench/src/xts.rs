@@ -440,6 +440,7 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
         speed_failed: ctx.speed_failed,
     };
     table(&f, runs).print();
+    let pages = crate::xts_pages::run(runs, calls)?;
     let settings = settings(opts, runs, calls, speed_seconds);
     let plot = Plot::lines(
         PlotFile::Main,
@@ -451,6 +452,7 @@ pub fn run(opts: &BenchOptions) -> Result<Value, BenchError> {
     let body = Body {
         summary: summary(&f),
         samples_mb_s: &f.samples,
+        pages,
     };
     Report::new("xts", settings, body).emit(opts, &[plot])
 }
@@ -618,6 +620,8 @@ fn by_key<T>(f: impl Fn(usize, usize) -> Option<T>) -> ByKey<T> {
 struct Body<'a> {
     summary: Value,
     samples_mb_s: &'a Samples,
+    /// The page part ([`crate::xts_pages`]).
+    pages: Value,
 }
 
 fn summary(f: &Figures) -> Value {

@@ -98,6 +98,38 @@ pub trait SectorCipher: Send + Sync {
     fn encrypt_sectors_streaming(&self, sector: u64, src: &[u8], dst: &mut [u8]) -> io::Result<()> {
         self.encrypt_sectors(sector, src, dst)
     }
+    /// Encrypt whole sectors of `src` into `dst`'s segments, filled back
+    /// to back (each whole sectors, together as long as `src`), the first
+    /// being `sector`; `streaming` as `encrypt_sectors_streaming`. An
+    /// implementation should do it in one call (a write's out pages are
+    /// often not contiguous, and a call per page costs); this one goes
+    /// segment by segment.
+    fn encrypt_sectors_scattered(
+        &self,
+        sector: u64,
+        src: &[u8],
+        dst: &mut [&mut [u8]],
+        streaming: bool,
+    ) -> io::Result<()> {
+        let total: usize = dst.iter().map(|d| d.len()).sum();
+        if total != src.len() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("source of {} bytes, destination of {total}", src.len()),
+            ));
+        }
+        let (ss, mut done) = (self.sector_size(), 0);
+        for d in dst.iter_mut() {
+            let (at, s) = (sector + (done / ss) as u64, &src[done..done + d.len()]);
+            if streaming {
+                self.encrypt_sectors_streaming(at, s, d)?;
+            } else {
+                self.encrypt_sectors(at, s, d)?;
+            }
+            done += d.len();
+        }
+        Ok(())
+    }
 }
 
 fn other(e: iopages::Error) -> io::Error {
@@ -128,6 +160,17 @@ impl SectorCipher for Mutex<crate::XtsCipher> {
     fn encrypt_sectors_streaming(&self, sector: u64, src: &[u8], dst: &mut [u8]) -> io::Result<()> {
         self.lock()
             .encrypt_sectors_streaming(sector, src, dst)
+            .map_err(cipher_error)
+    }
+    fn encrypt_sectors_scattered(
+        &self,
+        sector: u64,
+        src: &[u8],
+        dst: &mut [&mut [u8]],
+        streaming: bool,
+    ) -> io::Result<()> {
+        self.lock()
+            .encrypt_sectors_scattered(sector, src, dst, streaming)
             .map_err(cipher_error)
     }
 }
@@ -223,6 +266,16 @@ impl SectorCipher for CipherPool {
     }
     fn encrypt_sectors_streaming(&self, sector: u64, src: &[u8], dst: &mut [u8]) -> io::Result<()> {
         self.with(|c| c.encrypt_sectors_streaming(sector, src, dst))
+            .map_err(cipher_error)
+    }
+    fn encrypt_sectors_scattered(
+        &self,
+        sector: u64,
+        src: &[u8],
+        dst: &mut [&mut [u8]],
+        streaming: bool,
+    ) -> io::Result<()> {
+        self.with(|c| c.encrypt_sectors_scattered(sector, src, dst, streaming))
             .map_err(cipher_error)
     }
 }
@@ -606,8 +659,9 @@ impl<C: SectorCipher> CryptTarget<C> {
 
     /// Encrypt `data` into the first bytes of `out`, passing each filled
     /// run's bytes to `each`. Pages that follow each other in the arena
-    /// are encrypted (and passed on) as one run: one cipher call and one
-    /// segment instead of one per page.
+    /// are one run (one segment for the backend instead of one per page),
+    /// and the runs are encrypted in one cipher call, however many there
+    /// are: a call per 4 KiB page cost a quarter of the cipher's rate.
     fn encrypt<'o>(
         &self,
         sector: u64,
@@ -616,24 +670,22 @@ impl<C: SectorCipher> CryptTarget<C> {
         mut each: impl FnMut(&'o [u8]),
     ) -> io::Result<()> {
         debug_assert!(out.len() >= data.len());
-        let ss = self.cipher.sector_size();
-        let mut done = 0;
-        for run in out.runs_mut() {
-            if done == data.len() {
-                break;
-            }
-            let n = run.len().min(data.len() - done);
-            let dst = run.split_at_mut(n).0;
-            let (at, src) = (sector + (done / ss) as u64, &data[done..done + n]);
-            if self.backend.reads_writes() {
-                self.cipher.encrypt_sectors(at, src, &mut *dst)?;
-            } else {
-                self.cipher.encrypt_sectors_streaming(at, src, &mut *dst)?;
-            }
-            each(dst);
-            done += n;
+        let mut left = data.len();
+        let mut runs: Vec<&'o mut [u8]> = out
+            .runs_mut()
+            .map_while(|run| {
+                let n = run.len().min(left);
+                left -= n;
+                (n > 0).then(|| run.split_at_mut(n).0)
+            })
+            .collect();
+        debug_assert_eq!(left, 0);
+        let streaming = !self.backend.reads_writes();
+        self.cipher
+            .encrypt_sectors_scattered(sector, data, &mut runs, streaming)?;
+        for run in runs {
+            each(run);
         }
-        debug_assert_eq!(done, data.len());
         Ok(())
     }
 

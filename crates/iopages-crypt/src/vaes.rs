@@ -89,23 +89,29 @@ impl VaesXts {
         Some(x)
     }
 
-    /// XTS over whole sectors: sector `k` of `dst` (read from `src`, or in
+    /// XTS over whole sectors of `dst`'s segments, filled back to back:
+    /// sector `k` (counted across the segments; read from `src`, or in
     /// place) has the tweak `E_K2(first_iv + k * iv_step)` (plain64, mod
-    /// 2^64).
+    /// 2^64). One pass, so the round keys are
+    /// set up, and the first tweaks encrypted 16 sectors at a time, once
+    /// for the whole request rather than once per segment.
     ///
-    /// The caller has checked: `sector_bytes` is a multiple of 256, `dst`
-    /// a whole number of sectors, `src` as long as `dst`.
-    pub(crate) fn crypt(
+    /// The caller has checked: `sector_bytes` is a multiple of 256, every
+    /// segment a multiple of `sector_bytes`, and `src`, if any, as long as
+    /// all of them.
+    pub(crate) fn crypt_segments(
         &self,
         op: Op,
         first_iv: u64,
         iv_step: u64,
         sector_bytes: usize,
         src: Option<&[u8]>,
-        dst: &mut [u8],
+        dst: &mut [&mut [u8]],
     ) {
-        assert!(sector_bytes.is_multiple_of(STEP_BYTES) && dst.len().is_multiple_of(sector_bytes));
-        assert!(src.is_none_or(|s| s.len() == dst.len()));
+        assert!(sector_bytes.is_multiple_of(STEP_BYTES));
+        assert!(dst.iter().all(|d| d.len().is_multiple_of(sector_bytes)));
+        let total: usize = dst.iter().map(|d| d.len()).sum();
+        assert!(src.is_none_or(|s| s.len() == total));
         let job = Job {
             first_iv,
             iv_step,
@@ -114,10 +120,11 @@ impl VaesXts {
         };
         // Non-temporal stores need 32-byte aligned destinations.
         let decrypt = op == Op::Decrypt;
-        let stream = op == Op::EncryptStreaming && (dst.as_ptr() as usize).is_multiple_of(32);
+        let stream = op == Op::EncryptStreaming
+            && dst.iter().all(|d| (d.as_ptr() as usize).is_multiple_of(32));
         let (enc, dec, tw) = (&self.data_enc, &self.data_dec, &self.tweak_enc);
         // SAFETY: construction checked AES-NI, AVX2, VAES and VPCLMULQDQ; the lengths
-        // are checked above, and `stream` only with an aligned `dst`.
+        // are checked above, and `stream` only with aligned segments.
         unsafe {
             match (self.rounds, decrypt, stream) {
                 (10, false, false) => xts_pass::<10, false, false>(enc, tw, job, dst),
@@ -150,40 +157,54 @@ struct Job<'a> {
     src: Option<&'a [u8]>,
 }
 
-/// One XTS pass; `NR` rounds, `DEC` for decryption (`keys` then hold the
-/// equivalent inverse cipher's round keys), `NT` to write `dst` with
-/// non-temporal stores (past the caches, without first reading the lines:
-/// for destinations the CPU will not read back soon).
+/// One XTS pass over `dst`'s segments, back to back; `NR` rounds, `DEC`
+/// for decryption (`keys` then hold the equivalent inverse cipher's round
+/// keys), `NT` to write `dst` with non-temporal stores (past the caches,
+/// without first reading the lines: for destinations the CPU will not
+/// read back soon).
 ///
 /// # Safety
-/// The CPU has AES-NI, AVX2, VAES and VPCLMULQDQ. `dst.len()` is a multiple of
-/// `job.sector_bytes`, itself a multiple of [`STEP_BYTES`]; `job.src`, if
-/// any, is as long as `dst`. With `NT`, `dst` is 32-byte aligned.
+/// The CPU has AES-NI, AVX2, VAES and VPCLMULQDQ. Each segment's length
+/// is a multiple of `job.sector_bytes`, itself a multiple of
+/// [`STEP_BYTES`]; `job.src`, if any, is as long as all segments. With
+/// `NT`, every segment is 32-byte aligned.
 #[target_feature(enable = "aes,avx2,vaes,vpclmulqdq")]
 unsafe fn xts_pass<const NR: usize, const DEC: bool, const NT: bool>(
     keys: &RoundKeys,
     tweak_keys: &RoundKeys,
     job: Job<'_>,
-    dst: &mut [u8],
+    dst: &mut [&mut [u8]],
 ) {
     let mut k = [_mm256_setzero_si256(); 15];
     let mut kt = [_mm256_setzero_si256(); 15];
     broadcast_keys::<NR>(keys, &mut k);
     broadcast_keys::<NR>(tweak_keys, &mut kt);
-    let batch_bytes = job.sector_bytes * FIRST_TWEAK_BATCH;
-    let mut first = [0u8; 16 * FIRST_TWEAK_BATCH];
+    let total = dst.iter().map(|d| d.len()).sum::<usize>() / job.sector_bytes;
+    let mut sectors = dst
+        .iter_mut()
+        .flat_map(|d| d.chunks_exact_mut(job.sector_bytes));
+    // A batch's first tweaks, two per register (sector 2j in the low lane
+    // of register j, 2j + 1 in the high lane).
+    let mut first = [_mm256_setzero_si256(); 8];
     let mut tw = [_mm256_setzero_si256(); 8];
-    for (b, out_batch) in dst.chunks_mut(batch_bytes).enumerate() {
-        // First tweaks of this batch: E_K2(plain64 IV), 16 at a time.
-        batch_ivs(&job, (b * FIRST_TWEAK_BATCH) as u64, &mut first);
+    let mut done = 0;
+    while done < total {
+        let n = (total - done).min(FIRST_TWEAK_BATCH);
+        // First tweaks of this batch: E_K2(plain64 IV), as many as it has
+        // sectors need (a one-sector request, a 4 KiB page, encrypts one
+        // register's worth, not sixteen tweaks).
+        batch_ivs(&job, done as u64, n, &mut first);
         // SAFETY: this function's caller promised AES-NI, AVX2 and VAES.
-        unsafe { encrypt_16::<NR>(&kt, &mut first) };
-        for (s, out) in out_batch.chunks_exact_mut(job.sector_bytes).enumerate() {
-            // SAFETY: a batch holds at most FIRST_TWEAK_BATCH sectors, so
-            // the 16 bytes at `16 * s` lie inside `first`.
-            let t = unsafe { _mm_loadu_si128(first[16 * s..16 * s + 16].as_ptr().cast()) };
+        unsafe { encrypt_tweaks::<NR>(&kt, &mut first, n) };
+        for (s, out) in sectors.by_ref().take(n).enumerate() {
+            let pair = first[s / 2];
+            let t = if s % 2 == 0 {
+                _mm256_castsi256_si128(pair)
+            } else {
+                _mm256_extracti128_si256::<1>(pair)
+            };
             tw = first_tweaks(t);
-            let offset = b * batch_bytes + s * job.sector_bytes;
+            let offset = (done + s) * job.sector_bytes;
             for (c, step) in out.chunks_exact_mut(STEP_BYTES).enumerate() {
                 let o = step.as_mut_ptr();
                 let i = match job.src {
@@ -192,19 +213,21 @@ unsafe fn xts_pass<const NR: usize, const DEC: bool, const NT: bool>(
                 };
                 // SAFETY: `i` starts STEP_BYTES readable bytes (of `src` or
                 // of this step of `dst`), `o` this step's STEP_BYTES writable
-                // bytes of `dst`; with `NT` the caller promised `dst`
-                // 32-byte aligned, and steps and offsets are multiples of
-                // 32. This function's caller promised the CPU features.
+                // bytes of `dst`; with `NT` the caller promised every
+                // segment 32-byte aligned, and steps and sectors are
+                // multiples of 32. This function's caller promised the CPU
+                // features.
                 unsafe { xts_step::<NR, DEC, NT>(&k, &mut tw, i, o) };
             }
         }
+        done += n;
     }
     if NT {
         // Order the weakly ordered stores before whatever publishes `dst`
         // (a lock release, a queue push) to other threads.
         _mm_sfence();
     }
-    first.zeroize();
+    wipe(&mut first);
     wipe(&mut tw);
     wipe(&mut k);
     wipe(&mut kt);
@@ -223,16 +246,18 @@ fn broadcast_keys<const NR: usize>(keys: &RoundKeys, k: &mut [__m256i; 15]) {
     }
 }
 
-/// The plain64 IVs of the batch's sectors, from `first_sector` (counted
-/// from the job's first), into `first` (16 bytes each).
+/// The plain64 IVs of the batch's first `sectors` sectors (at most
+/// [`FIRST_TWEAK_BATCH`]), from `first_sector` (counted from the job's
+/// first), into `first`: sector `i` in lane `i % 2` of register `i / 2`.
 #[inline]
-fn batch_ivs(job: &Job<'_>, first_sector: u64, first: &mut [u8; 16 * FIRST_TWEAK_BATCH]) {
-    for (i, iv) in first.chunks_exact_mut(16).enumerate() {
-        let sector = job
-            .first_iv
-            .wrapping_add((first_sector + i as u64).wrapping_mul(job.iv_step));
-        iv[..8].copy_from_slice(&sector.to_le_bytes());
-        iv[8..].fill(0);
+#[target_feature(enable = "avx2")]
+fn batch_ivs(job: &Job<'_>, first_sector: u64, sectors: usize, first: &mut [__m256i; 8]) {
+    let iv = |i: usize| {
+        job.first_iv
+            .wrapping_add((first_sector + i as u64).wrapping_mul(job.iv_step)) as i64
+    };
+    for (j, r) in first.iter_mut().enumerate().take(sectors.div_ceil(2)) {
+        *r = _mm256_set_epi64x(0, iv(2 * j + 1), 0, iv(2 * j));
     }
 }
 
@@ -292,29 +317,33 @@ unsafe fn xts_step<const NR: usize, const DEC: bool, const NT: bool>(
     }
 }
 
-/// Encrypt 16 blocks in place (the first tweaks of a batch).
+/// Encrypt the first tweaks of a batch of `sectors` in place: one
+/// register (two blocks) for one or two sectors, all eight otherwise.
 ///
 /// # Safety
 /// The CPU has AES-NI, AVX2 and VAES.
+#[inline]
 #[target_feature(enable = "aes,avx2,vaes")]
-unsafe fn encrypt_16<const NR: usize>(k: &[__m256i; 15], blocks: &mut [u8; 256]) {
-    let p = blocks.as_mut_ptr();
-    let mut x = [_mm256_setzero_si256(); 8];
-    for (j, xj) in x.iter_mut().enumerate() {
-        // SAFETY: `32 * j + 32 <= 256`, inside `blocks`; `loadu` needs no
-        // alignment.
-        *xj = _mm256_xor_si256(unsafe { _mm256_loadu_si256(p.add(32 * j).cast()) }, k[0]);
+unsafe fn encrypt_tweaks<const NR: usize>(k: &[__m256i; 15], x: &mut [__m256i; 8], sectors: usize) {
+    if sectors <= 2 {
+        let mut y = _mm256_xor_si256(x[0], k[0]);
+        for kr in &k[1..NR] {
+            y = _mm256_aesenc_epi128(y, *kr);
+        }
+        x[0] = _mm256_aesenclast_epi128(y, k[NR]);
+        return;
+    }
+    for xj in x.iter_mut() {
+        *xj = _mm256_xor_si256(*xj, k[0]);
     }
     for kr in &k[1..NR] {
-        for xj in &mut x {
+        for xj in x.iter_mut() {
             *xj = _mm256_aesenc_epi128(*xj, *kr);
         }
-        round_barrier(&mut x);
+        round_barrier(x);
     }
-    for (j, xj) in x.iter().enumerate() {
-        let y = _mm256_aesenclast_epi128(*xj, k[NR]);
-        // SAFETY: as the loads above, into the exclusively borrowed array.
-        unsafe { _mm256_storeu_si256(p.add(32 * j).cast(), y) };
+    for xj in x.iter_mut() {
+        *xj = _mm256_aesenclast_epi128(*xj, k[NR]);
     }
 }
 
