@@ -13,10 +13,42 @@
 //! deadline had not passed: nothing is known of it, and the caller does it
 //! again through the backend's blocking path (which waits for a live
 //! connection, resends, refuses what is out of range with its error, and
-//! keeps its durability accounting). Every other end is final.
+//! keeps its durability accounting) within the deadline it had when it
+//! first started ([`resumed`], [`began`]). Every other end is final.
 
+use std::cell::Cell;
 use std::io;
 use std::sync::Arc;
+use std::time::Instant;
+
+thread_local! {
+    /// When the request this thread is doing again first started.
+    static BEGAN: Cell<Option<Instant>> = const { Cell::new(None) };
+}
+
+/// Run `f` — the blocking path doing a request that ended `Again` — with
+/// `began`, the moment the request first started, readable through
+/// [`began`], so that a backend's deadline for it runs from that moment
+/// and not from the retry: one request, one deadline, whichever paths it
+/// takes. `None` (a request that never started) leaves it unset. Restored
+/// afterwards, a panic in `f` included.
+pub fn resumed<R>(began: Option<Instant>, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<Instant>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            BEGAN.with(|b| b.set(self.0));
+        }
+    }
+    let _restore = Restore(BEGAN.with(|b| b.replace(began)));
+    f()
+}
+
+/// The moment the request this thread is doing first started, when it is
+/// one being done again (inside [`resumed`]); `None` otherwise: its
+/// deadline starts now.
+pub fn began() -> Option<Instant> {
+    BEGAN.with(|b| b.get())
+}
 
 /// How a started request ended.
 #[derive(Debug)]
@@ -74,4 +106,23 @@ pub trait AsyncIo: Send + Sync {
 /// The error an `Again` carries when a backend declines a request.
 pub fn declined(why: &str) -> io::Error {
     io::Error::new(io::ErrorKind::WouldBlock, why.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn resumed_sets_the_start_for_its_closure_only_and_restores_it_after_a_panic() {
+        assert_eq!(began(), None);
+        let t = Instant::now() - Duration::from_secs(3);
+        assert_eq!(resumed(Some(t), began), Some(t));
+        assert_eq!(began(), None);
+        let inner = resumed(Some(t), || resumed(None, began));
+        assert_eq!(inner, None, "a request that never started has no start");
+        let r = std::panic::catch_unwind(|| resumed(Some(t), || panic!("in the closure")));
+        assert!(r.is_err());
+        assert_eq!(began(), None, "restored after the panic");
+    }
 }

@@ -25,7 +25,7 @@
 //! [`CipherPool`]: crate::target::CipherPool
 
 use crate::admission::{Admission, PlCell};
-use crate::async_io::{Outcome, ReadInto as AsyncReadInto, WriteEnd};
+use crate::async_io::{resumed, Outcome, ReadInto as AsyncReadInto, WriteEnd};
 use crate::target::{CryptTarget, SectorCipher};
 use iopages::FolioBuffer;
 use parking_lot::{Condvar, Mutex};
@@ -34,6 +34,7 @@ use std::io;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 /// Settings of a [`CryptQueue`].
 #[derive(Clone, Copy, Debug)]
@@ -105,13 +106,17 @@ enum Request {
         /// Durable before `done` ([`CryptTarget::write_fua`]).
         fua: bool,
         done: WriteDone,
+        /// When it first started, for one that ended `Again`.
+        began: Option<Instant>,
     },
     Read {
         offset: u64,
         len: usize,
         done: ReadDone,
     },
-    ReadInto(Box<dyn ReadJob>),
+    /// A read into the caller's buffer, and when it first started (for
+    /// one that ended `Again`).
+    ReadInto(Box<dyn ReadJob>, Option<Instant>),
     Flush {
         done: WriteDone,
     },
@@ -244,6 +249,7 @@ impl<C: SectorCipher + 'static> CryptQueue<C> {
             data,
             fua,
             done: Box::new(done),
+            began: None,
         });
     }
 
@@ -258,7 +264,10 @@ impl<C: SectorCipher + 'static> CryptQueue<C> {
         buf: B,
         done: impl FnOnce(io::Result<()>, B) + Send + 'static,
     ) {
-        self.submit(Request::ReadInto(Box::new(ReadOf { offset, buf, done })));
+        self.submit(Request::ReadInto(
+            Box::new(ReadOf { offset, buf, done }),
+            None,
+        ));
     }
 
     /// Queue a read of `len` bytes at byte `offset`; `done` gets the
@@ -348,8 +357,9 @@ fn start<C: SectorCipher + 'static>(s: &Arc<Shared<C>>, r: Request) -> Option<Re
             data,
             fua,
             done,
+            began: None,
         } => start_write(s, offset, data, fua, done),
-        Request::ReadInto(job) => start_read(s, job),
+        Request::ReadInto(job, None) => start_read(s, job),
         r => Some(r),
     }
 }
@@ -361,7 +371,7 @@ fn start_write<C: SectorCipher + 'static>(
     fua: bool,
     done: WriteDone,
 ) -> Option<Request> {
-    let since = s.target.clock();
+    let (since, began) = (s.target.clock(), Instant::now());
     let (a, sealed) = match s.target.seal(offset, (*data).as_ref(), fua) {
         Some(sealed) => {
             let a = s.target.backend().async_io();
@@ -373,6 +383,7 @@ fn start_write<C: SectorCipher + 'static>(
                 data,
                 fua,
                 done,
+                began: None,
             })
         }
     };
@@ -389,6 +400,7 @@ fn start_write<C: SectorCipher + 'static>(
                 data,
                 fua,
                 done,
+                began: Some(began),
             };
             queue(&sh, r)
         }
@@ -405,11 +417,11 @@ fn start_read<C: SectorCipher + 'static>(
     let a = s.target.backend().async_io();
     match a {
         Some(a) if s.target.reads_async(offset, job.buf().len()) => {
-            let shared = Arc::clone(s);
-            a.start_read(offset, Box::new(Started { job, shared }));
+            let (shared, began) = (Arc::clone(s), Instant::now());
+            a.start_read(offset, Box::new(Started { job, shared, began }));
             None
         }
-        _ => Some(Request::ReadInto(job)),
+        _ => Some(Request::ReadInto(job, None)),
     }
 }
 
@@ -433,6 +445,8 @@ fn report_panic<T>(outcome: std::thread::Result<T>) {
 struct Started<C: SectorCipher> {
     job: Box<dyn ReadJob>,
     shared: Arc<Shared<C>>,
+    /// When it started (the deadline of its retry runs from here).
+    began: Instant,
 }
 
 impl<C: SectorCipher> AsyncReadInto for Started<C> {
@@ -441,14 +455,18 @@ impl<C: SectorCipher> AsyncReadInto for Started<C> {
     }
 
     fn end(self: Box<Self>, outcome: Outcome) {
-        let Started { mut job, shared } = *self;
+        let Started {
+            mut job,
+            shared,
+            began,
+        } = *self;
         match outcome {
             Outcome::Done(res) => {
                 let offset = job.offset();
                 let res = res.and_then(|()| shared.target.decrypt_read(offset, job.buf()));
                 complete(&shared, || job.finish(res));
             }
-            Outcome::Again(_) => queue(&shared, Request::ReadInto(job)),
+            Outcome::Again(_) => queue(&shared, Request::ReadInto(job, Some(began))),
         }
     }
 }
@@ -483,17 +501,18 @@ fn serve<C: SectorCipher>(t: &CryptTarget<C>, r: Request, buf: Option<&mut Folio
             data,
             fua,
             done,
+            began,
         } => {
-            let res = match buf {
+            let res = resumed(began, || match buf {
                 Some(b) if !fua => t.write_with_folios(offset, (*data).as_ref(), b),
                 _ => t.write_with_fua(offset, (*data).as_ref(), fua),
-            };
+            });
             let outcome = catch_unwind(AssertUnwindSafe(|| done(res)));
             drop(data);
             outcome
         }
-        Request::ReadInto(mut job) => {
-            let res = t.read(job.offset(), job.buf());
+        Request::ReadInto(mut job, began) => {
+            let res = resumed(began, || t.read(job.offset(), job.buf()));
             catch_unwind(AssertUnwindSafe(|| job.finish(res)))
         }
         Request::Read { offset, len, done } => {
@@ -711,6 +730,9 @@ mod tests {
         disk: RamDisk,
         started: AtomicUsize,
         blocking: AtomicUsize,
+        /// For each blocking call: how long before it the request had
+        /// first started (`async_io::began`), if it had.
+        ages: parking_lot::Mutex<Vec<Option<Duration>>>,
         delay: Duration,
         me: std::sync::Weak<Later>,
     }
@@ -725,6 +747,7 @@ mod tests {
                 disk: RamDisk::new(8 << 20).unwrap(),
                 started: AtomicUsize::new(0),
                 blocking: AtomicUsize::new(0),
+                ages: parking_lot::Mutex::new(Vec::new()),
                 delay,
                 me: me.clone(),
             })
@@ -738,6 +761,12 @@ mod tests {
                 _ if n % 7 == 3 => Some("error"),
                 _ => Some("done"),
             }
+        }
+
+        fn note_blocking(&self) {
+            self.blocking.fetch_add(1, Ordering::Relaxed);
+            let age = crate::async_io::began().map(|b| b.elapsed());
+            self.ages.lock().push(age);
         }
 
         fn later(&self, f: impl FnOnce(&Later) + Send + 'static) {
@@ -754,11 +783,11 @@ mod tests {
             self.disk.size_bytes()
         }
         fn write_at(&self, offset: u64, segs: &[&[u8]]) -> io::Result<()> {
-            self.blocking.fetch_add(1, Ordering::Relaxed);
+            self.note_blocking();
             self.disk.write_at(offset, segs)
         }
         fn read_at(&self, offset: u64, segs: &mut [&mut [u8]]) -> io::Result<()> {
-            self.blocking.fetch_add(1, Ordering::Relaxed);
+            self.note_blocking();
             self.disk.read_at(offset, segs)
         }
         fn flush(&self) -> io::Result<()> {
@@ -897,6 +926,34 @@ mod tests {
             }
         }
         assert_eq!(seen, 64);
+        drop(q);
+        leak_check_soon(&alloc);
+    }
+
+    /// A request that ends `Again` is done on the blocking path inside
+    /// its first start's time: the backend sees when it began, so its
+    /// deadline runs from there, not from the retry.
+    #[test]
+    fn a_request_done_again_keeps_the_moment_it_first_started() {
+        let delay = Duration::from_millis(40);
+        let (alloc, later, q) = later_queue(delay);
+        // Fates by start: 0 done, 1 declined, 2 again, 3 error, 4 done,
+        // 5 declined, 6 again, 7 done.
+        for i in 0..8u64 {
+            q.submit_write(i * 4096, vec![1u8; 4096].into(), |_| {});
+        }
+        q.wait_idle();
+        let ages = later.ages.lock().clone();
+        assert_eq!(ages.len(), 4, "declined and Again went blocking: {ages:?}");
+        assert!(
+            ages.iter().all(Option::is_some),
+            "each knew its start: {ages:?}"
+        );
+        let waited = ages.iter().filter(|a| a.unwrap() >= delay).count();
+        assert!(
+            waited >= 2,
+            "the two Again ones began a delay earlier: {ages:?}"
+        );
         drop(q);
         leak_check_soon(&alloc);
     }

@@ -11,7 +11,7 @@
 //! may have been lost.
 
 use super::*;
-use iopages_crypt::async_io::{declined, AsyncIo, Outcome, ReadInto, Segments, WriteEnd};
+use iopages_crypt::async_io::{began, declined, AsyncIo, Outcome, ReadInto, Segments, WriteEnd};
 
 /// An NBD export used as the crypt target's backend: its ciphertext lives
 /// on another NBD server.
@@ -282,6 +282,14 @@ impl NbdRemote {
         Ok(())
     }
 
+    /// A blocking request's deadline: the timeout from now, or from when
+    /// the request first started where it is one being done again after
+    /// ending `Again` (`async_io::began`): one deadline per request,
+    /// whichever path it takes.
+    fn deadline(&self) -> Instant {
+        request_deadline(began(), Instant::now(), self.timeout)
+    }
+
     /// The error for an NBD error reply.
     fn reply_error(&self, errno: u32, command: u16, offset: u64, len: u64) -> io::Error {
         reply_error(&self.uri, errno, command, offset, len)
@@ -315,7 +323,7 @@ impl NbdRemote {
         let total: usize = segments.iter().map(|s| s.len()).sum();
         self.check(offset, total as u64)?;
         self.check_writable("WRITE", offset, total as u64)?;
-        let deadline = Instant::now() + self.timeout;
+        let deadline = self.deadline();
         let mut pos = 0;
         while pos < total {
             let n = (total - pos).min(self.info.max_block as usize);
@@ -343,7 +351,7 @@ impl NbdRemote {
     /// One command without payload (TRIM, WRITE_ZEROES) over `len` bytes
     /// at `offset`, split at 1 GiB.
     fn effect(&self, command: u16, offset: u64, len: u64) -> io::Result<()> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = self.deadline();
         let mut pos = 0;
         while pos < len {
             let n = (len - pos).min(MAX_EFFECT_BYTES);
@@ -388,7 +396,7 @@ impl Backend for NbdRemote {
     fn read_at(&self, offset: u64, segments: &mut [&mut [u8]]) -> io::Result<()> {
         let total: usize = segments.iter().map(|s| s.len()).sum();
         self.check(offset, total as u64)?;
-        let deadline = Instant::now() + self.timeout;
+        let deadline = self.deadline();
         let mut pos = 0;
         while pos < total {
             let n = (total - pos).min(self.info.max_block as usize);
@@ -481,6 +489,12 @@ impl Backend for NbdRemote {
 /// crypt workers, which wait for the store instead.
 pub const ASYNC_WRITE_MAX_BYTES: usize = 128 << 10;
 
+/// The deadline of a request whose timeout is `timeout`: from `began`
+/// when it started before (never later than `now`), else from `now`.
+fn request_deadline(began: Option<Instant>, now: Instant, timeout: Duration) -> Instant {
+    began.map_or(now, |b| b.min(now)) + timeout
+}
+
 /// READ and WRITE of one request each, sent by the submitting thread and
 /// ended by the connection's reader (`started.rs`); what does not fit one
 /// request, FUA where the export lacks it, a read-only remote and a store
@@ -545,5 +559,24 @@ impl Drop for NbdRemote {
         for c in &conns {
             c.ctl.shutdown();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::request_deadline;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn a_request_done_again_keeps_the_deadline_of_its_first_start() {
+        let now = Instant::now();
+        let t = Duration::from_secs(30);
+        assert_eq!(request_deadline(None, now, t), now + t);
+        let began = now - Duration::from_secs(12);
+        assert_eq!(request_deadline(Some(began), now, t), began + t);
+        // A start in the future (a clock read on another thread a moment
+        // later) counts from now.
+        let later = now + Duration::from_millis(5);
+        assert_eq!(request_deadline(Some(later), now, t), now + t);
     }
 }
