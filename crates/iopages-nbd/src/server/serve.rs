@@ -939,9 +939,12 @@ fn start_connection(s: &Arc<Shared>, t: Arc<Transport>, origin: Origin) {
     }
 }
 
-/// Tests: the next connection's handler panics right after its handshake.
+/// Tests: the next connection's handler of the server whose shared state
+/// lies at this address (0: none) panics right after its handshake. Named
+/// by server, so a test running beside it in the same process is spared.
 #[cfg(test)]
-pub(crate) static PANIC_NEXT_CONNECTION: AtomicBool = AtomicBool::new(false);
+pub(crate) static PANIC_NEXT_CONNECTION: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(0);
 
 fn serve_connection(
     s: &Arc<Shared>,
@@ -963,7 +966,15 @@ fn serve_connection(
     match handshake::negotiate(t, &env, &mut place, deadline) {
         Ok(Outcome::Transmission(agreed, i)) => {
             #[cfg(test)]
-            if PANIC_NEXT_CONNECTION.swap(false, Ordering::SeqCst) {
+            if PANIC_NEXT_CONNECTION
+                .compare_exchange(
+                    Arc::as_ptr(s) as usize,
+                    0,
+                    Ordering::SeqCst,
+                    Ordering::SeqCst,
+                )
+                .is_ok()
+            {
                 panic!("injected into a connection handler");
             }
             if t.is_tls() {
@@ -1190,7 +1201,7 @@ mod tests {
     #[test]
     fn a_panic_in_a_connection_handler_gives_its_slot_back() {
         let (_alloc, s) = server();
-        PANIC_NEXT_CONNECTION.store(true, Ordering::SeqCst);
+        PANIC_NEXT_CONNECTION.store(Arc::as_ptr(&s.shared) as usize, Ordering::SeqCst);
         let (mut c, kind) = go(&s);
         assert_eq!(kind, Some(REP_ACK));
         // The handler panicked after the handshake: the client sees the
