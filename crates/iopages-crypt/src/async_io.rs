@@ -13,8 +13,10 @@
 //! deadline had not passed: nothing is known of it, and the caller does it
 //! again through the backend's blocking path (which waits for a live
 //! connection, resends, refuses what is out of range with its error, and
-//! keeps its durability accounting) within the deadline it had when it
-//! first started ([`resumed`], [`began`]). Every other end is final.
+//! keeps its durability accounting) — one that had been sent within the
+//! deadline it had when it first started ([`resumed`], [`began`]), one
+//! declined at once ([`declined`]: `WouldBlock`) from scratch. Every
+//! other end is final.
 
 use std::cell::Cell;
 use std::io;

@@ -394,13 +394,13 @@ fn start_write<C: SectorCipher + 'static>(
             complete(&sh, || done(res));
             drop(data);
         }
-        Outcome::Again(_) => {
+        Outcome::Again(e) => {
             let r = Request::Write {
                 offset,
                 data,
                 fua,
                 done,
-                began: Some(began),
+                began: sent_before(&e).then_some(began),
             };
             queue(&sh, r)
         }
@@ -423,6 +423,15 @@ fn start_read<C: SectorCipher + 'static>(
         }
         _ => Some(Request::ReadInto(job, None)),
     }
+}
+
+/// Whether a request that ended `Again` with `e` had been sent (its
+/// connection died before answering), so that doing it again keeps its
+/// first start's deadline; one declined at once (`WouldBlock`, from
+/// [`declined`](crate::async_io::declined)) never left and starts over on
+/// the blocking path, like any request queued there.
+fn sent_before(e: &io::Error) -> bool {
+    e.kind() != io::ErrorKind::WouldBlock
 }
 
 /// Run a request's completion (a panic in it is caught and reported) and
@@ -466,7 +475,10 @@ impl<C: SectorCipher> AsyncReadInto for Started<C> {
                 let res = res.and_then(|()| shared.target.decrypt_read(offset, job.buf()));
                 complete(&shared, || job.finish(res));
             }
-            Outcome::Again(_) => queue(&shared, Request::ReadInto(job, Some(began))),
+            Outcome::Again(e) => {
+                let began = sent_before(&e).then_some(began);
+                queue(&shared, Request::ReadInto(job, began))
+            }
         }
     }
 }
@@ -930,9 +942,10 @@ mod tests {
         leak_check_soon(&alloc);
     }
 
-    /// A request that ends `Again` is done on the blocking path inside
-    /// its first start's time: the backend sees when it began, so its
-    /// deadline runs from there, not from the retry.
+    /// A request sent that ends `Again` is done on the blocking path
+    /// inside its first start's time: the backend sees when it began, so
+    /// its deadline runs from there, not from the retry. One declined at
+    /// once starts over.
     #[test]
     fn a_request_done_again_keeps_the_moment_it_first_started() {
         let delay = Duration::from_millis(40);
@@ -945,13 +958,12 @@ mod tests {
         q.wait_idle();
         let ages = later.ages.lock().clone();
         assert_eq!(ages.len(), 4, "declined and Again went blocking: {ages:?}");
-        assert!(
-            ages.iter().all(Option::is_some),
-            "each knew its start: {ages:?}"
-        );
-        let waited = ages.iter().filter(|a| a.unwrap() >= delay).count();
-        assert!(
-            waited >= 2,
+        // The two declined at once never left: they start over. The two
+        // whose connection "died" began a whole delay before.
+        assert_eq!(ages.iter().filter(|a| a.is_none()).count(), 2, "{ages:?}");
+        let waited = ages.iter().flatten().filter(|&&a| a >= delay).count();
+        assert_eq!(
+            waited, 2,
             "the two Again ones began a delay earlier: {ages:?}"
         );
         drop(q);
