@@ -541,3 +541,46 @@ fn without_fast_path_stats_hits_are_not_counted_and_nothing_is_lost() {
     assert_eq!(s4.thread_cache_flushes, s3.thread_cache_flushes + 1);
     assert_no_leaks(&alloc);
 }
+
+#[test]
+fn a_drain_on_another_thread_does_not_make_pages_vanish_from_the_count() {
+    // The allocator's own background reclaim drains the per-CPU lists on
+    // its thread while the caller counts; here a second thread stands in
+    // for it. Pages are moving from the lists to the zone, never in use.
+    let alloc = builder(8).thread_cache_pages(0).build().unwrap();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let drainer = {
+        let (a, stop) = (alloc.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut n = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                a.drain_all();
+                n += 1;
+                // Drains come and go, as background reclaim's rounds do.
+                std::thread::sleep(std::time::Duration::from_micros(20));
+            }
+            n
+        })
+    };
+    let mut held: Vec<Page> = Vec::new();
+    for step in 0..100_000u32 {
+        if step % 3 == 2 {
+            while held.len() > 10 {
+                // SAFETY: the test allocated these pages and gives them up here, once.
+                unsafe { alloc.free_pages(held.pop().unwrap(), 0) };
+            }
+        } else {
+            held.extend((0..20).filter_map(|_| alloc.alloc_pages(Gfp::NOWAIT, 0)));
+        }
+        let a = alloc.accounting();
+        assert_adds_up(&a);
+        assert_eq!(a.in_use_pages, held.len(), "step {step}: {a}");
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(drainer.join().unwrap() > 0, "the drainer never ran");
+    for p in held {
+        // SAFETY: the test allocated these pages and gives them up here, once.
+        unsafe { alloc.free_pages(p, 0) };
+    }
+    assert_no_leaks(&alloc);
+}

@@ -156,6 +156,15 @@ impl Core {
         self.take(order, nr, FAST, put)
     }
 
+    /// Give every free page this thread can reach back to the zone: its
+    /// own cache, every CPU's lists and the depot (one drain for
+    /// [`Core::accounting`], from the first page moved to the last).
+    pub(super) fn drain_to_zone_all(&self) {
+        let _window = self.drains.begin();
+        self.flush_own_cache();
+        self.drain_all_pcp();
+    }
+
     /// Flush the calling thread's cache, if it has one.
     pub(super) fn flush_own_cache(&self) {
         let _ = CACHES.try_with(|c| {
@@ -172,6 +181,7 @@ impl Core {
     /// drain always ends. With checks on, the zone's lists are walked
     /// afterwards.
     pub(super) fn drain_all_pcp(&self) {
+        let _window = self.drains.begin();
         for (cpu, set) in self.pcp.iter().enumerate() {
             let mut tries = 0u32;
             loop {

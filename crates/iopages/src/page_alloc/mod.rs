@@ -102,6 +102,8 @@ struct Core {
     wait_cv: Condvar,
     /// Background reclaim, started on first wake-up.
     kswapd: Kswapd<Core>,
+    /// Drains in progress, which [`Core::accounting`] waits out.
+    drains: stats::Drains,
 }
 
 /// Watermark rules of the fast path: stay above low.
@@ -168,6 +170,7 @@ impl PageAllocator {
                 wait_lock: Mutex::new(()),
                 wait_cv: Condvar::new(),
                 kswapd: Kswapd::new(me.clone(), b.background_reclaim),
+                drains: stats::Drains::default(),
             }),
         })
     }
@@ -382,11 +385,15 @@ impl PageAllocator {
     ///
     /// **Context:** may spin briefly for per-CPU locks held by other threads.
     pub fn drain_all(&self) {
-        self.flush_thread_cache();
-        self.core.drain_all_pcp();
+        self.core.drain_to_zone_all();
     }
 
-    /// Where every page is right now (racy unless the allocator is quiet).
+    /// Where every page is right now: exact while the caller's threads
+    /// neither allocate nor free (a drain on another thread — background
+    /// reclaim's, or a [`PageAllocator::drain_all`] — is waited out, never
+    /// half counted); a racy snapshot while they do.
+    ///
+    /// **Context:** may spin briefly while a drain runs.
     pub fn accounting(&self) -> Accounting {
         self.core.accounting()
     }

@@ -99,8 +99,7 @@ impl Core {
             // invisible to the zone (a shrinker running here just freed into
             // this thread's cache); give them back before deciding there is
             // no memory.
-            self.flush_own_cache();
-            self.drain_all_pcp();
+            self.drain_to_zone_all();
             if let Some(p) = self.get_page_from_freelist(order, wm, mt) {
                 return Some(p);
             }
@@ -228,8 +227,7 @@ impl ReclaimTarget for Core {
         &self.shrinkers
     }
     fn drain_to_zone(&self) {
-        self.flush_own_cache();
-        self.drain_all_pcp();
+        self.drain_to_zone_all();
     }
 }
 
@@ -241,8 +239,7 @@ impl CompactTarget for Core {
         &self.movable
     }
     fn drain_to_zone(&self) {
-        self.flush_own_cache();
-        self.drain_all_pcp();
+        self.drain_to_zone_all();
     }
     fn has_free_block(&self, order: u32) -> bool {
         self.zone.has_free_block(order)

@@ -11,7 +11,7 @@ use crate::buddy::zone::Watermarks;
 use crate::page_alloc::Core;
 use crate::percpu::tcache::Tcache;
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{fence, AtomicU64, Ordering, Ordering::Relaxed};
 
 /// Counters of the uncached and slow paths (shared atomics).
 #[derive(Default)]
@@ -191,8 +191,70 @@ pub struct Stats {
     pub fault_injected: u64,
 }
 
+/// Drains in progress, for [`Core::accounting`]: a drain moves free pages
+/// from the per-CPU lists, the depot and a thread's cache to the zone, and
+/// a count taken halfway would see a page in neither place (counted in
+/// use) or in both. Background reclaim drains on its own thread, so a
+/// caller whose threads are all quiet still meets one.
+#[derive(Default)]
+pub(super) struct Drains {
+    begun: AtomicU64,
+    ended: AtomicU64,
+}
+
+/// Ends a drain's window when dropped (a panicking drain ends it too, so
+/// the count never waits for a drain that is gone).
+pub(super) struct DrainWindow<'a>(&'a Drains);
+
+impl Drains {
+    /// Open a drain's window: every move made before the returned value
+    /// drops is inside it.
+    pub(super) fn begin(&self) -> DrainWindow<'_> {
+        self.begun.fetch_add(1, Relaxed);
+        // The moves that follow are seen only after the count that says a
+        // drain began (a reader's acquire fence pairs with this).
+        fence(Ordering::Release);
+        DrainWindow(self)
+    }
+}
+
+impl Drop for DrainWindow<'_> {
+    fn drop(&mut self) {
+        self.0.ended.fetch_add(1, Ordering::Release);
+    }
+}
+
+/// How many times a count is taken again while drains keep overlapping it
+/// before the last one is returned as it is.
+const ACCOUNTING_TRIES: u32 = 10_000;
+
 impl Core {
+    /// Where every page is: a count no drain overlapped (each drain is
+    /// short and ends, so this waits briefly at most), or after
+    /// [`ACCOUNTING_TRIES`] overlapped counts, the last one.
     pub(super) fn accounting(&self) -> Accounting {
+        let d = &self.drains;
+        let mut tries = 0u32;
+        loop {
+            let ended = d.ended.load(Ordering::Acquire);
+            let begun = d.begun.load(Ordering::Acquire);
+            let a = self.count_pages();
+            fence(Ordering::Acquire);
+            let quiet = begun == ended && d.begun.load(Relaxed) == begun;
+            tries += 1;
+            if quiet || tries >= ACCOUNTING_TRIES {
+                return a;
+            }
+            if tries % 64 == 0 {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    /// One pass over every place a free page can be (racy on its own).
+    fn count_pages(&self) -> Accounting {
         let total = self.arena.nr_pages();
         let buddy = self.zone.nr_free_pages();
         let depot = self.zone.depot.len();
