@@ -32,6 +32,11 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// A write's runs of out pages (or their ciphertext segments): on the
+/// stack up to 16 — a write whose pages mostly follow each other — and on
+/// the heap past that.
+type Runs<T> = smallvec::SmallVec<[T; 16]>;
+
 /// A write's ciphertext in its out pages while an asynchronous backend
 /// sends it ([`CryptTarget::seal`]): the pages go back to the target's out
 /// allocator when the last reference is dropped.
@@ -671,7 +676,7 @@ impl<C: SectorCipher> CryptTarget<C> {
     ) -> io::Result<()> {
         debug_assert!(out.len() >= data.len());
         let mut left = data.len();
-        let mut runs: Vec<&'o mut [u8]> = out
+        let mut runs: Runs<&'o mut [u8]> = out
             .runs_mut()
             .map_while(|run| {
                 let n = run.len().min(left);
@@ -698,7 +703,7 @@ impl<C: SectorCipher> CryptTarget<C> {
         fua: bool,
     ) -> io::Result<()> {
         // One segment per run of out pages, trimmed to the request's length.
-        let mut segments: Vec<&[u8]> = Vec::with_capacity(data.len().div_ceil(PAGE_SIZE));
+        let mut segments: Runs<&[u8]> = Runs::new();
         self.encrypt(sector, data, out, |seg| segments.push(seg))?;
         if fua {
             self.backend.write_at_fua(offset, &segments)

@@ -116,6 +116,7 @@ impl VaesXts {
             first_iv,
             iv_step,
             sector_bytes,
+            sectors: total / sector_bytes,
             src,
         };
         // Non-temporal stores need 32-byte aligned destinations.
@@ -154,6 +155,8 @@ struct Job<'a> {
     first_iv: u64,
     iv_step: u64,
     sector_bytes: usize,
+    /// Sectors in all the segments together.
+    sectors: usize,
     src: Option<&'a [u8]>,
 }
 
@@ -166,7 +169,8 @@ struct Job<'a> {
 /// # Safety
 /// The CPU has AES-NI, AVX2, VAES and VPCLMULQDQ. Each segment's length
 /// is a multiple of `job.sector_bytes`, itself a multiple of
-/// [`STEP_BYTES`]; `job.src`, if any, is as long as all segments. With
+/// [`STEP_BYTES`], and `job.sectors` sectors fill them all; `job.src`, if
+/// any, is as long as all segments. With
 /// `NT`, every segment is 32-byte aligned.
 #[target_feature(enable = "aes,avx2,vaes,vpclmulqdq")]
 unsafe fn xts_pass<const NR: usize, const DEC: bool, const NT: bool>(
@@ -179,7 +183,7 @@ unsafe fn xts_pass<const NR: usize, const DEC: bool, const NT: bool>(
     let mut kt = [_mm256_setzero_si256(); 15];
     broadcast_keys::<NR>(keys, &mut k);
     broadcast_keys::<NR>(tweak_keys, &mut kt);
-    let total = dst.iter().map(|d| d.len()).sum::<usize>() / job.sector_bytes;
+    let total = job.sectors;
     let mut sectors = dst
         .iter_mut()
         .flat_map(|d| d.chunks_exact_mut(job.sector_bytes));
