@@ -67,6 +67,10 @@ const SETTLE: Duration = Duration::from_millis(500);
 pub const BUSY: usize = 8;
 /// How long the busy clients read before the polite reads start.
 const WARM: Duration = Duration::from_millis(100);
+/// How long the polite client pauses before each of its returning reads:
+/// past the 50 ms after which its connection gives its thread up, so each
+/// read is served by a thread taken again.
+const RETURN_GAP: Duration = Duration::from_millis(80);
 
 /// One run: the polite client alone, then beside [`IDLE`] idle
 /// connections, on the same server.
@@ -74,6 +78,10 @@ const WARM: Duration = Duration::from_millis(100);
 struct RunFigures {
     p50_alone_us: f64,
     p99_alone_us: f64,
+    /// Reads after a pause of [`RETURN_GAP`] each (the connection parked
+    /// before each): what taking a thread again costs a read.
+    p50_return_us: f64,
+    max_return_us: f64,
     p50_idle_us: f64,
     p99_idle_us: f64,
     /// Beside the thousand with [`BUSY`] of them reading.
@@ -91,6 +99,23 @@ struct RunFigures {
     rss_per_idle_bytes: f64,
     /// How long opening the idle connections took (handshakes included).
     open_s: f64,
+}
+
+impl RunFigures {
+    /// The run's progress line.
+    fn brief(&self) -> String {
+        format!(
+            "p99 {:.1} µs alone, {:.1} µs beside, {:.1} µs with {BUSY} busy; p50 {:.1} µs after a pause; tasks {} / {} / {}; {:.0} B per idle connection",
+            self.p99_alone_us,
+            self.p99_idle_us,
+            self.p99_busy_us,
+            self.p50_return_us,
+            self.tasks_alone,
+            self.tasks_idle,
+            self.tasks_busy,
+            self.rss_per_idle_bytes
+        )
+    }
 }
 
 /// The `p`th percentile (0–100) of `v` in µs (nearest rank).
@@ -296,10 +321,20 @@ fn beside_busy(
 /// One run on `srv`: `reads` polite reads alone, then the idle
 /// connections opened and settled, the same reads beside them, then
 /// beside them with [`BUSY`] of them reading, and the connections closed.
-fn one_run(srv: &Served, polite: &mut NbdClient, reads: usize) -> Result<RunFigures, String> {
+fn one_run(
+    srv: &Served,
+    polite: &mut NbdClient,
+    reads: usize,
+    returns: usize,
+) -> Result<RunFigures, String> {
     let pid = srv.pid();
     let lat = |c: &mut NbdClient| read_latencies(c, reads).map_err(|e| format!("polite read: {e}"));
     let alone = lat(polite)?;
+    let mut back = Vec::with_capacity(returns);
+    for _ in 0..returns {
+        std::thread::sleep(RETURN_GAP);
+        back.extend(read_latencies(polite, 1).map_err(|e| format!("returning read: {e}"))?);
+    }
     let (tasks_alone, rss_alone) = usage(pid);
     let t = Instant::now();
     let idle = open_peers(srv.addr, EXPORT, IDLE)?;
@@ -315,6 +350,8 @@ fn one_run(srv: &Served, polite: &mut NbdClient, reads: usize) -> Result<RunFigu
     Ok(RunFigures {
         p50_alone_us: round2(percentile_us(&alone, 50.0)),
         p99_alone_us: round2(percentile_us(&alone, 99.0)),
+        p50_return_us: round2(percentile_us(&back, 50.0)),
+        max_return_us: round2(percentile_us(&back, 100.0)),
         p50_idle_us: round2(percentile_us(&beside, 50.0)),
         p99_idle_us: round2(percentile_us(&beside, 99.0)),
         p50_busy_us: round2(percentile_us(&busy, 50.0)),
@@ -354,6 +391,9 @@ struct Summary {
     rss_per_idle_bytes_first: f64,
     rss_target_bytes: f64,
     rss_met: bool,
+    /// Each run's p50 of the returning reads over its p50 alone, median
+    /// (reported, no target).
+    return_p50_ratio_median: f64,
 }
 
 fn summarise(runs: &[RunFigures]) -> Summary {
@@ -390,6 +430,12 @@ fn summarise(runs: &[RunFigures]) -> Summary {
         rss_target_bytes: RSS_TARGET_BYTES,
         rss_met: rss_median <= RSS_TARGET_BYTES
             && rss.first().is_none_or(|&f| f <= RSS_TARGET_BYTES),
+        return_p50_ratio_median: round2(median(
+            &runs
+                .iter()
+                .map(|r| r.p50_return_us / r.p50_alone_us)
+                .collect::<Vec<_>>(),
+        )),
     }
 }
 
@@ -401,6 +447,7 @@ fn print_table(runs: &[RunFigures], s: &Summary) {
         "run",
         "p50 alone µs",
         "p99 alone µs",
+        "p50 / max return µs",
         "p50 idle µs",
         "p99 idle µs",
         "p99 busy µs",
@@ -413,6 +460,7 @@ fn print_table(runs: &[RunFigures], s: &Summary) {
             (i + 1).to_string(),
             format!("{:.1}", r.p50_alone_us),
             format!("{:.1}", r.p99_alone_us),
+            format!("{:.1} / {:.1}", r.p50_return_us, r.max_return_us),
             format!("{:.1}", r.p50_idle_us),
             format!("{:.1}", r.p99_idle_us),
             format!("{:.1}", r.p99_busy_us),
@@ -436,6 +484,10 @@ fn print_table(runs: &[RunFigures], s: &Summary) {
         s.rss_per_idle_bytes_first,
         met(s.rss_met)
     ));
+    t.line(format!(
+        "a read after a pause (the connection parked, served by a thread taken again) / one alone, p50, median {:.2} (reported)",
+        s.return_p50_ratio_median
+    ));
     t.print();
 }
 
@@ -445,7 +497,11 @@ fn print_table(runs: &[RunFigures], s: &Summary) {
 /// or a connection or read fails (nothing is reported then).
 pub fn run(opts: &BenchOptions, iopages_bin: &Path) -> Result<Value, BenchError> {
     let workload = BenchError::Workload;
-    let (runs, reads) = if opts.quick { (2, 2000) } else { (5, 20_000) };
+    let (runs, reads, returns) = if opts.quick {
+        (2, 2000, 10)
+    } else {
+        (5, 20_000, 40)
+    };
     let files = raise_open_files().map_err(|e| workload(format!("open files limit: {e}")))?;
     if files < IDLE as u64 + 100 {
         return Err(workload(format!(
@@ -465,21 +521,8 @@ pub fn run(opts: &BenchOptions, iopages_bin: &Path) -> Result<Value, BenchError>
         .map_err(|e| workload(format!("the polite client: {e}")))?;
     let mut figures = Vec::new();
     for run in 0..runs {
-        let r = one_run(&srv, &mut polite, reads).map_err(workload)?;
-        progress(
-            STEM,
-            format!(
-                "run {}/{runs}: p99 {:.1} µs alone, {:.1} µs beside, {:.1} µs with {BUSY} busy; tasks {} / {} / {}; {:.0} B per idle connection",
-                run + 1,
-                r.p99_alone_us,
-                r.p99_idle_us,
-                r.p99_busy_us,
-                r.tasks_alone,
-                r.tasks_idle,
-                r.tasks_busy,
-                r.rss_per_idle_bytes
-            ),
-        );
+        let r = one_run(&srv, &mut polite, reads, returns).map_err(workload)?;
+        progress(STEM, format!("run {}/{runs}: {}", run + 1, r.brief()));
         figures.push(r);
     }
     drop(polite);
@@ -499,6 +542,8 @@ pub fn run(opts: &BenchOptions, iopages_bin: &Path) -> Result<Value, BenchError>
     let settings = json!({
         "runs": runs,
         "reads_per_probe": reads,
+        "returning_reads": returns,
+        "return_gap_ms": RETURN_GAP.as_millis() as u64,
         "idle_connections": IDLE,
         "busy_connections": BUSY,
         "export_bytes": 64 * MIB,

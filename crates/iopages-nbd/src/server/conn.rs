@@ -88,8 +88,9 @@ const BUDGET_POLL: Duration = Duration::from_millis(5);
 /// A connection with nothing in flight that receives nothing for this long
 /// gives its thread up and waits in the server's parking lot
 /// (`server/park.rs`). Long beside a request's round trip, so a client
-/// that keeps its requests coming never pays for a new thread; short
-/// beside a human's pause, so idle connections hold no thread.
+/// that keeps its requests coming never pays for a trip through the
+/// parking lot; short beside a human's pause, so idle connections hold no
+/// thread.
 pub(crate) const PARK_AFTER: Duration = Duration::from_millis(50);
 
 /// The deadlines and limits a connection runs under.

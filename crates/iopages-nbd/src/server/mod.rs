@@ -4,7 +4,8 @@
 //!
 //! Owns: the listeners, one thread per acceptor and per connection with
 //! work, and server-wide shutdown (`serve.rs`); idle connections held
-//! without a thread in one epoll instance (`park.rs`); option haggling up to GO or
+//! without a thread in one epoll instance, and the watcher threads that
+//! serve them when they come back (`park.rs`); option haggling up to GO or
 //! EXPORT_NAME (`handshake.rs`); transmission — requests, replies, the
 //! in-flight accounting and the byte budget of a connection (`conn.rs`);
 //! the exports and their lazy opening (`export.rs`), the device a request
@@ -17,7 +18,7 @@
 //! except through `sys`, or know whether a connection runs TLS beyond
 //! asking its [`Transport`](crate::transport::nonblocking::Transport) (STARTTLS swaps
 //! the session in underneath). The threads live in `serve.rs` and
-//! `conn.rs` (and the parking lot's one in `park.rs`): an event loop
+//! `conn.rs` (and the parking lot's watchers and keeper in `park.rs`): an event loop
 //! replacing them changes those files, not the layout.
 //!
 //! Depends on: `transport` (the connection's non-blocking socket), `tls`

@@ -3,43 +3,73 @@
 //! A connection in transmission with nothing in flight, nothing buffered
 //! and nothing received for [`PARK_AFTER`](crate::server::conn::PARK_AFTER)
 //! gives its thread up: its socket is watched here, in one `epoll`
-//! instance served by one thread, until the client sends something (or
-//! hangs up, or the server shuts the socket down for another peer's
-//! share), its idle deadline passes, or the server stops. Then its
-//! `resume` runs with the reason — on the parking thread, which must
-//! therefore never do more there than hand the connection to a thread of
-//! its own or close it (nothing is in flight, so closing never waits).
-//! The parking lot holds the connections as values of the caller's type
-//! (`T`) and hands each back to one function, so a connection it cannot
-//! take is handed back to the caller whole.
+//! instance, until the client sends something (or hangs up, or the server
+//! shuts the socket down for another peer's share), its idle deadline
+//! passes, or the server stops.
 //!
-//! Owns: the epoll instance, the parked connections' resumptions and
-//! their idle deadlines. Must never: resume a connection twice, lose one
-//! (every parked connection is resumed exactly once: by readiness, by its
-//! deadline or by [`Parking::stop`]), or take a connection after the stop
-//! (the caller keeps it and closes it itself).
+//! The threads that wait on the epoll instance serve what they are woken
+//! for themselves (leader/followers): the thread that takes a ready
+//! connection runs it ([`Parked::run`]) there and then, with no hand-off
+//! to another thread and no thread started, so a connection that comes
+//! back costs one wake-up, as a thread blocked on its socket would. While
+//! one serves, the others keep watching; when none is left watching, the
+//! keeper thread (`nbd-idle`, which also closes connections at their idle
+//! deadlines) starts another, so a connection that stalls its thread (a
+//! client that stops reading) never holds up the others. [`KEEP`]
+//! watchers stay however long they wait; more end after [`LINGER`] with
+//! nothing to serve.
+//!
+//! Owns: the epoll instance, the watcher threads and the keeper, the parked
+//! connections' resumptions and their idle deadlines. Must never: resume a
+//! connection twice, lose one (every parked connection is run, or closed
+//! at its deadline or by [`Parking::stop`], exactly once), take a
+//! connection after the stop (the caller keeps it and closes it itself), or
+//! end the stop before every thread has ended.
 
 use crate::sys;
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 use std::collections::{BTreeSet, HashMap};
 use std::io;
 use std::os::fd::{AsFd, OwnedFd, RawFd};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-/// Why a parked connection is resumed.
+/// Why a parked connection is closed rather than run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Wake {
-    /// Its socket has input, or hung up.
-    Ready,
     /// Its idle deadline passed with nothing received.
     Idle,
     /// The server stops.
     Stop,
 }
 
-/// The token of the parking thread's own wake-up descriptor.
+/// A parked connection.
+pub(crate) trait Parked: Send + 'static {
+    /// What the stop uses to cut it short while a watcher serves it.
+    type Handle: Send + 'static;
+    /// Its handle, taken when a watcher starts serving it.
+    fn handle(&self) -> Self::Handle;
+    /// Cut a connection being served short (it ends soon after).
+    fn cut(handle: &Self::Handle);
+    /// Its client sent something (or hung up): serve it on this thread,
+    /// until it parks again or ends.
+    fn run(self);
+    /// Close it without serving it.
+    fn close(self, why: Wake);
+}
+
+/// Watchers kept however long they wait.
+pub(crate) const KEEP: usize = 2;
+/// How long a watcher past [`KEEP`] waits for a connection before it ends.
+pub(crate) const LINGER: Duration = Duration::from_millis(100);
+
+/// How long the keeper lets every watcher be busy before it starts
+/// another: what a connection that holds its thread (a client that stops
+/// reading) can delay the others by.
+const GRACE: Duration = Duration::from_millis(1);
+
+/// The token of the stop's wake-up descriptor.
 const WAKE_TOKEN: u64 = 0;
 
 struct Entry<T> {
@@ -48,16 +78,26 @@ struct Entry<T> {
     item: T,
 }
 
-struct State<T> {
+struct State<T: Parked> {
     entries: HashMap<u64, Entry<T>>,
     /// The entries with a deadline, earliest first.
     deadlines: BTreeSet<(Instant, u64)>,
     /// The next token (0 is the wake-up descriptor's).
     next: u64,
     closed: bool,
+    /// Watchers alive, and of them those waiting on the epoll instance.
+    alive: usize,
+    watching: usize,
+    /// A watcher went to serve with none left watching: the keeper starts
+    /// one.
+    short: bool,
+    /// The connection each serving watcher runs, by watcher.
+    serving: HashMap<u64, T::Handle>,
+    next_watcher: u64,
+    threads: Vec<JoinHandle<()>>,
 }
 
-impl<T> State<T> {
+impl<T: Parked> State<T> {
     fn take(&mut self, token: u64) -> Option<Entry<T>> {
         let e = self.entries.remove(&token)?;
         if let Some(d) = e.deadline {
@@ -68,23 +108,27 @@ impl<T> State<T> {
 }
 
 /// The parking lot of a server's idle connections.
-pub(crate) struct Parking<T> {
+pub(crate) struct Parking<T: Parked> {
     ep: OwnedFd,
-    /// Written to end the thread's wait: an earlier deadline, or the stop.
+    /// Written once, at the stop, and never read: every watcher's wait
+    /// then ends at once.
     wake: OwnedFd,
     state: Mutex<State<T>>,
-    /// What every parked connection is handed back to, once.
-    resume: fn(T, Wake),
-    thread: Mutex<Option<JoinHandle<()>>>,
+    /// The keeper's wait: an earlier deadline, a watcher short, the stop.
+    keeper_cv: Condvar,
+    keeper: Mutex<Option<JoinHandle<()>>>,
+    /// Watchers kept, and how long the others linger.
+    keep: usize,
+    linger: Duration,
 }
 
-impl<T: Send + 'static> Parking<T> {
-    /// A parking lot whose connections are resumed by `resume`, and its
-    /// thread.
+impl<T: Parked> Parking<T> {
+    /// A parking lot with its keeper and `keep` watchers (at least one);
+    /// watchers past `keep` end after `linger` without a connection.
     ///
-    /// **Returns:** the error of `epoll_create1`, `eventfd` or the thread's
+    /// **Returns:** the error of `epoll_create1`, `eventfd` or a thread's
     /// start.
-    pub(crate) fn start(resume: fn(T, Wake)) -> io::Result<Arc<Parking<T>>> {
+    pub(crate) fn start(keep: usize, linger: Duration) -> io::Result<Arc<Parking<T>>> {
         let p = Arc::new(Parking {
             ep: sys::epoll()?,
             wake: sys::eventfd()?,
@@ -93,16 +137,32 @@ impl<T: Send + 'static> Parking<T> {
                 deadlines: BTreeSet::new(),
                 next: WAKE_TOKEN + 1,
                 closed: false,
+                alive: 0,
+                watching: 0,
+                short: false,
+                serving: HashMap::new(),
+                next_watcher: 0,
+                threads: Vec::new(),
             }),
-            resume,
-            thread: Mutex::new(None),
+            keeper_cv: Condvar::new(),
+            keeper: Mutex::new(None),
+            keep: keep.max(1),
+            linger,
         });
         sys::epoll_watch(p.ep.as_fd(), p.wake_fd(), WAKE_TOKEN, false)?;
         let p2 = Arc::clone(&p);
         let h = std::thread::Builder::new()
             .name("nbd-idle".into())
-            .spawn(move || p2.run())?;
-        *p.thread.lock() = Some(h);
+            .spawn(move || p2.keep_deadlines())?;
+        *p.keeper.lock() = Some(h);
+        for _ in 0..p.keep {
+            let mut s = p.state.lock();
+            if let Err(e) = p.add_watcher(&mut s) {
+                drop(s);
+                p.stop();
+                return Err(e);
+            }
+        }
         Ok(p)
     }
 
@@ -111,9 +171,23 @@ impl<T: Send + 'static> Parking<T> {
         self.wake.as_raw_fd()
     }
 
+    /// Start a watcher (the state is locked by the caller).
+    fn add_watcher(self: &Arc<Self>, s: &mut State<T>) -> io::Result<()> {
+        s.threads.retain(|t| !t.is_finished());
+        let id = s.next_watcher;
+        let me = Arc::clone(self);
+        let t = std::thread::Builder::new()
+            .name("nbd-conn".into())
+            .spawn(move || me.watch(id))?;
+        s.next_watcher += 1;
+        s.alive += 1;
+        s.threads.push(t);
+        Ok(())
+    }
+
     /// Hold `item`, the connection whose socket is `fd`, until it is
-    /// ready, its `deadline` passes or the server stops; then resume it
-    /// (see the module's notes). `fd` must stay open until then: `item`
+    /// ready, its `deadline` passes or the server stops; then run or close
+    /// it (see the module's notes). `fd` must stay open until then: `item`
     /// owns it.
     ///
     /// **Returns:** `Err(item)` after [`Parking::stop`], or when the socket
@@ -126,16 +200,19 @@ impl<T: Send + 'static> Parking<T> {
         let token = s.next;
         s.next += 1;
         let earliest = s.deadlines.first().map(|(d, _)| *d);
+        // Entered before the socket is watched: a watcher woken at once
+        // finds it.
+        s.entries.insert(token, Entry { fd, deadline, item });
         if let Err(e) = sys::epoll_watch(self.ep.as_fd(), fd, token, true) {
             eprintln!("iopages-nbd: cannot hold an idle connection without its thread: {e}");
-            return Err(item);
+            let e = s.entries.remove(&token).expect("entered above");
+            return Err(e.item);
         }
-        s.entries.insert(token, Entry { fd, deadline, item });
         if let Some(d) = deadline {
             s.deadlines.insert((d, token));
             if earliest.is_none_or(|e| d < e) {
-                // The thread may be waiting for a later deadline.
-                sys::eventfd_signal(self.wake.as_fd());
+                // The keeper may be waiting for a later deadline.
+                self.keeper_cv.notify_one();
             }
         }
         Ok(())
@@ -146,83 +223,143 @@ impl<T: Send + 'static> Parking<T> {
         self.state.lock().entries.len()
     }
 
-    /// Take no more connections, end the thread and resume every parked
-    /// connection with [`Wake::Stop`] on the calling thread. Idempotent.
+    /// How many watcher threads are alive.
+    #[cfg(test)]
+    fn watchers(&self) -> usize {
+        self.state.lock().alive
+    }
+
+    /// Take no more connections: cut every connection being served short,
+    /// close every parked one with [`Wake::Stop`] on the calling thread,
+    /// and join every thread. Idempotent.
     pub(crate) fn stop(&self) {
-        self.state.lock().closed = true;
-        sys::eventfd_signal(self.wake.as_fd());
-        if let Some(h) = self.thread.lock().take() {
-            let _ = h.join();
-        }
         let left: Vec<Entry<T>> = {
             let mut s = self.state.lock();
+            s.closed = true;
+            for h in s.serving.values() {
+                T::cut(h);
+            }
             s.deadlines.clear();
             s.entries.drain().map(|(_, e)| e).collect()
         };
+        // Never read: every watcher's wait ends now and at every later
+        // try. It cannot fail short of a counter at its maximum.
+        sys::eventfd_signal(self.wake.as_fd());
+        self.keeper_cv.notify_all();
         for e in left {
             sys::epoll_forget(self.ep.as_fd(), e.fd);
-            (self.resume)(e.item, Wake::Stop);
+            e.item.close(Wake::Stop);
+        }
+        if let Some(h) = self.keeper.lock().take() {
+            let _ = h.join();
+        }
+        // Watchers end at their next look at the state; one serving ends
+        // when its cut connection does.
+        let threads = std::mem::take(&mut self.state.lock().threads);
+        for t in threads {
+            let _ = t.join();
         }
     }
 
-    fn run(&self) {
-        let mut tokens = [0u64; 64];
+    /// A watcher: wait for a ready connection and serve it, until the
+    /// stop, or until it has waited `linger` with more than `keep` alive.
+    fn watch(self: Arc<Self>, id: u64) {
+        let mut tokens = [0u64; 1];
         loop {
             let timeout = {
-                let s = self.state.lock();
+                let mut s = self.state.lock();
                 if s.closed {
+                    s.alive -= 1;
                     return;
                 }
-                let next = s.deadlines.first().map(|(d, _)| *d);
-                sys::poll_ms(next.map(|d| d.saturating_duration_since(Instant::now())))
+                s.watching += 1;
+                (s.alive > self.keep).then_some(self.linger)
             };
-            let n = match sys::epoll_wait(self.ep.as_fd(), &mut tokens, timeout) {
+            let got = sys::epoll_wait(self.ep.as_fd(), &mut tokens, sys::poll_ms(timeout));
+            let mut s = self.state.lock();
+            s.watching -= 1;
+            let n = match got {
                 Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => 0,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => {
-                    // Cannot happen with a valid instance and buffer; say
-                    // so and keep the deadlines going.
+                    // Cannot happen with a valid instance and buffer.
                     eprintln!("iopages-nbd: epoll_wait failed: {e}");
-                    std::thread::sleep(std::time::Duration::from_millis(10));
-                    0
+                    drop(s);
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
                 }
             };
-            for (e, why) in self.due(&tokens[..n]) {
-                (self.resume)(e.item, why);
+            if s.closed || (n == 0 && s.alive > self.keep) {
+                s.alive -= 1;
+                return;
             }
+            let Some(e) = (n == 1).then(|| s.take(tokens[0])).flatten() else {
+                continue;
+            };
+            s.serving.insert(id, e.item.handle());
+            if s.watching == 0 && !s.short {
+                // None left watching: the keeper starts one.
+                s.short = true;
+                self.keeper_cv.notify_one();
+            }
+            drop(s);
+            sys::epoll_forget(self.ep.as_fd(), e.fd);
+            // A connection that panics ends alone (what it held is dropped
+            // as it unwinds); the watcher goes on.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| e.item.run()));
+            self.state.lock().serving.remove(&id);
         }
     }
 
-    /// The entries to resume after a wait that found `tokens` ready, with
-    /// why; each leaves the epoll instance and the state here.
-    fn due(&self, tokens: &[u64]) -> Vec<(Entry<T>, Wake)> {
-        let mut s = self.state.lock();
-        if s.closed {
-            // Left for `stop`, which resumes every entry.
-            return Vec::new();
-        }
-        let mut out = Vec::new();
-        for &t in tokens {
-            if t == WAKE_TOKEN {
-                sys::eventfd_drain(self.wake.as_fd());
-            } else if let Some(e) = s.take(t) {
-                out.push((e, Wake::Ready));
+    /// The keeper: close connections at their idle deadlines, and start a
+    /// watcher when none is left watching.
+    fn keep_deadlines(self: Arc<Self>) {
+        loop {
+            let due = {
+                let mut s = self.state.lock();
+                loop {
+                    if s.closed {
+                        return;
+                    }
+                    if std::mem::take(&mut s.short) && s.watching == 0 {
+                        // A watcher whose connection parks again or ends at
+                        // once is back within the grace; one held longer
+                        // gets company.
+                        self.keeper_cv.wait_for(&mut s, GRACE);
+                        // The stop may have come meanwhile.
+                        continue;
+                    }
+                    if s.watching == 0 && !s.serving.is_empty() && !s.closed {
+                        if let Err(e) = self.add_watcher(&mut s) {
+                            eprintln!(
+                                "iopages-nbd: cannot start a thread to watch idle connections: {e}"
+                            );
+                        }
+                    }
+                    let now = Instant::now();
+                    let mut due = Vec::new();
+                    while let Some(&(d, t)) = s.deadlines.first() {
+                        if d > now {
+                            break;
+                        }
+                        due.extend(s.take(t));
+                    }
+                    if !due.is_empty() {
+                        break due;
+                    }
+                    match s.deadlines.first().map(|(d, _)| *d) {
+                        Some(d) => {
+                            self.keeper_cv.wait_until(&mut s, d);
+                        }
+                        None => self.keeper_cv.wait(&mut s),
+                    }
+                }
+            };
+            for e in due {
+                sys::epoll_forget(self.ep.as_fd(), e.fd);
+                e.item.close(Wake::Idle);
             }
         }
-        let now = Instant::now();
-        while let Some(&(d, t)) = s.deadlines.first() {
-            if d > now {
-                break;
-            }
-            if let Some(e) = s.take(t) {
-                out.push((e, Wake::Idle));
-            }
-        }
-        drop(s);
-        for (e, _) in &out {
-            sys::epoll_forget(self.ep.as_fd(), e.fd);
-        }
-        out
     }
 }
 
@@ -232,81 +369,204 @@ mod tests {
     use std::io::Write;
     use std::os::fd::AsRawFd;
     use std::os::unix::net::UnixStream;
+    use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::mpsc::{channel, Receiver, Sender};
-    use std::time::Duration;
+    use std::thread::ThreadId;
 
-    /// A parked test connection: its socket, and where its resumption is
-    /// reported.
-    type Item = (UnixStream, Sender<Wake>);
-
-    fn report((_, tx): Item, why: Wake) {
-        let _ = tx.send(why);
+    /// What happened to a parked test connection.
+    #[derive(Debug, PartialEq, Eq)]
+    enum Event {
+        Ran(ThreadId),
+        Closed(Wake),
     }
 
-    fn parked(p: &Parking<Item>, deadline: Option<Instant>) -> (UnixStream, Receiver<Wake>) {
+    /// A parked test connection: its socket, where what happens to it is
+    /// reported, and (`hold`) a flag its run waits for, as a stalled
+    /// client holds its thread until the stop cuts it.
+    struct Item {
+        _sock: UnixStream,
+        tx: Sender<Event>,
+        hold: Option<Arc<AtomicBool>>,
+    }
+
+    impl Parked for Item {
+        type Handle = Option<Arc<AtomicBool>>;
+        fn handle(&self) -> Self::Handle {
+            self.hold.clone()
+        }
+        fn cut(h: &Self::Handle) {
+            if let Some(h) = h {
+                h.store(true, Ordering::SeqCst);
+            }
+        }
+        fn run(self) {
+            if let Some(h) = &self.hold {
+                while !h.load(Ordering::SeqCst) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+            let _ = self.tx.send(Event::Ran(std::thread::current().id()));
+        }
+        fn close(self, why: Wake) {
+            let _ = self.tx.send(Event::Closed(why));
+        }
+    }
+
+    /// A connection parked in `p`: the client's end, what happens to it,
+    /// and its hold flag when `hold`.
+    fn parked(
+        p: &Parking<Item>,
+        deadline: Option<Instant>,
+        hold: bool,
+    ) -> (UnixStream, Receiver<Event>, Option<Arc<AtomicBool>>) {
         let (ours, theirs) = UnixStream::pair().unwrap();
         let (tx, rx) = channel();
         let fd = ours.as_raw_fd();
-        assert!(p.park(fd, deadline, (ours, tx)).is_ok());
-        (theirs, rx)
+        let hold = hold.then(|| Arc::new(AtomicBool::new(false)));
+        let item = Item {
+            _sock: ours,
+            tx,
+            hold: hold.clone(),
+        };
+        assert!(p.park(fd, deadline, item).is_ok());
+        (theirs, rx, hold)
     }
 
     const LONG: Duration = Duration::from_secs(10);
 
+    fn ran(rx: &Receiver<Event>) -> ThreadId {
+        match rx.recv_timeout(LONG) {
+            Ok(Event::Ran(id)) => id,
+            other => panic!("expected a run, got {other:?}"),
+        }
+    }
+
     #[test]
     fn input_a_hang_up_and_a_deadline_each_resume_once() {
-        let p = Parking::start(report).unwrap();
-        let (mut a, ra) = parked(&p, None);
-        let (b, rb) = parked(&p, None);
-        let (_c, rc) = parked(&p, Some(Instant::now() + Duration::from_millis(50)));
-        let (_d, rd) = parked(&p, Some(Instant::now() + Duration::from_secs(3600)));
+        let p = Parking::start(KEEP, LINGER).unwrap();
+        let (mut a, ra, _) = parked(&p, None, false);
+        let (b, rb, _) = parked(&p, None, false);
+        let (_c, rc, _) = parked(&p, Some(Instant::now() + Duration::from_millis(50)), false);
+        let (_d, rd, _) = parked(&p, Some(Instant::now() + Duration::from_secs(3600)), false);
         assert_eq!(p.parked(), 4);
         a.write_all(b"x").unwrap();
-        assert_eq!(ra.recv_timeout(LONG), Ok(Wake::Ready));
+        ran(&ra);
         drop(b);
-        assert_eq!(rb.recv_timeout(LONG), Ok(Wake::Ready));
-        assert_eq!(rc.recv_timeout(LONG), Ok(Wake::Idle));
+        ran(&rb);
+        assert_eq!(rc.recv_timeout(LONG), Ok(Event::Closed(Wake::Idle)));
         // Each once: the items went with their resumption.
         assert!(ra.recv_timeout(Duration::from_millis(100)).is_err());
         assert!(rb.try_recv().is_err() && rc.try_recv().is_err());
         assert_eq!(p.parked(), 1);
         assert!(rd.try_recv().is_err(), "a far deadline resumed early");
         p.stop();
-        assert_eq!(rd.recv_timeout(LONG), Ok(Wake::Stop));
-        assert_eq!(p.parked(), 0);
+        assert_eq!(rd.recv_timeout(LONG), Ok(Event::Closed(Wake::Stop)));
+        assert_eq!((p.parked(), p.watchers()), (0, 0));
     }
 
     #[test]
     fn after_the_stop_a_connection_is_handed_back() {
-        let p = Parking::start(report).unwrap();
+        let p = Parking::start(KEEP, LINGER).unwrap();
         p.stop();
         let (ours, _theirs) = UnixStream::pair().unwrap();
         let (tx, rx) = channel();
         let fd = ours.as_raw_fd();
-        let back = p
-            .park(fd, None, (ours, tx))
-            .expect_err("parked after the stop");
-        assert_eq!(back.0.as_raw_fd(), fd);
+        let item = Item {
+            _sock: ours,
+            tx,
+            hold: None,
+        };
+        let back = p.park(fd, None, item).expect_err("parked after the stop");
+        assert_eq!(back._sock.as_raw_fd(), fd);
         assert!(rx.try_recv().is_err(), "resumed although refused");
         p.stop(); // idempotent
     }
 
     #[test]
-    fn an_earlier_deadline_wakes_a_thread_waiting_for_a_later_one() {
-        let p = Parking::start(report).unwrap();
-        let (_a, ra) = parked(&p, Some(Instant::now() + Duration::from_secs(3600)));
-        // The thread now waits for an hour; a deadline of 50 ms must cut
+    fn an_earlier_deadline_wakes_a_keeper_waiting_for_a_later_one() {
+        let p = Parking::start(KEEP, LINGER).unwrap();
+        let (_a, ra, _) = parked(&p, Some(Instant::now() + Duration::from_secs(3600)), false);
+        // The keeper now waits for an hour; a deadline of 50 ms must cut
         // that wait short.
         std::thread::sleep(Duration::from_millis(50));
         let t = Instant::now();
-        let (_b, rb) = parked(&p, Some(Instant::now() + Duration::from_millis(50)));
-        assert_eq!(rb.recv_timeout(LONG), Ok(Wake::Idle));
+        let (_b, rb, _) = parked(&p, Some(Instant::now() + Duration::from_millis(50)), false);
+        assert_eq!(rb.recv_timeout(LONG), Ok(Event::Closed(Wake::Idle)));
         assert!(
             t.elapsed() >= Duration::from_millis(50),
             "resumed before its deadline"
         );
         assert!(ra.try_recv().is_err());
         p.stop();
-        assert_eq!(ra.recv_timeout(LONG), Ok(Wake::Stop));
+        assert_eq!(ra.recv_timeout(LONG), Ok(Event::Closed(Wake::Stop)));
+    }
+
+    #[test]
+    fn connections_coming_back_are_served_by_the_watchers_without_new_threads() {
+        // Two kept: while one serves, the other watches, so none is ever
+        // short and no thread is started.
+        let p = Parking::start(2, LONG).unwrap();
+        let mut threads = std::collections::HashSet::new();
+        for _ in 0..20 {
+            let (mut a, ra, _) = parked(&p, None, false);
+            a.write_all(b"x").unwrap();
+            threads.insert(ran(&ra));
+        }
+        assert!(threads.len() <= 2, "{} threads served", threads.len());
+        assert_eq!(p.watchers(), 2);
+        p.stop();
+    }
+
+    #[test]
+    fn stalled_connections_never_hold_up_the_others_and_the_stop_cuts_them() {
+        let p = Parking::start(1, Duration::from_millis(20)).unwrap();
+        // Three connections that hold their threads (clients that stop
+        // reading), one after the other, and one more after them.
+        let mut stalled = Vec::new();
+        for _ in 0..3 {
+            let (mut a, ra, hold) = parked(&p, None, true);
+            a.write_all(b"x").unwrap();
+            stalled.push((a, ra, hold.unwrap()));
+        }
+        let (mut d, rd, _) = parked(&p, None, false);
+        d.write_all(b"x").unwrap();
+        ran(&rd);
+        assert!(p.watchers() >= 4, "{} watchers", p.watchers());
+        // Released, the extra watchers end after lingering, down to one.
+        let (_, ra0, hold0) = &stalled[0];
+        hold0.store(true, Ordering::SeqCst);
+        ran(ra0);
+        p.stop();
+        for (_, ra, _) in &stalled[1..] {
+            ran(ra);
+        }
+        assert_eq!(p.watchers(), 0);
+    }
+
+    #[test]
+    fn watchers_past_keep_end_after_lingering() {
+        let p = Parking::start(1, Duration::from_millis(20)).unwrap();
+        let held: Vec<_> = (0..2)
+            .map(|_| {
+                let (mut a, ra, hold) = parked(&p, None, true);
+                a.write_all(b"x").unwrap();
+                (a, ra, hold.unwrap())
+            })
+            .collect();
+        let t = Instant::now();
+        while p.watchers() < 3 && t.elapsed() < LONG {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert_eq!(p.watchers(), 3, "two serving and one watching");
+        for (_, ra, hold) in &held {
+            hold.store(true, Ordering::SeqCst);
+            ran(ra);
+        }
+        let t = Instant::now();
+        while p.watchers() > 1 && t.elapsed() < LONG {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(p.watchers(), 1);
+        p.stop();
     }
 }

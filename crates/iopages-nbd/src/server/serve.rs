@@ -4,7 +4,7 @@
 //! listeners bound by others (socket activation: [`Listener`]), one
 //! accepting thread per listener, one thread per connection while it has
 //! work (handshake, then transmission; an idle one waits in the parking
-//! lot, `park.rs`, and gets a new thread when its client sends), the
+//! lot, `park.rs`, whose watcher threads serve it when its client sends), the
 //! server-wide limits ([`ServerOptions`]: open
 //! connections, handshakes, payload bytes in flight, each shared fairly
 //! among peers by `shares.rs`; the deadlines), and shutting all
@@ -20,7 +20,7 @@ use crate::error::{Error, Result};
 use crate::server::conn::{self, ConnEnv, ConnLimits};
 use crate::server::export::{Catalog, Export, ExportState, ExportVolume};
 use crate::server::handshake::{self, HsEnv, Negotiated, Outcome};
-use crate::server::park::{Parking, Wake};
+use crate::server::park::{self, Parked, Parking, Wake};
 use crate::server::peer::Origin;
 use crate::server::shares::{ShareLimits, Shares, Slot};
 use crate::stats::{Counters, Stats};
@@ -206,7 +206,8 @@ struct Shared {
     opts: ServerOptions,
     stopping: AtomicBool,
     conns: Mutex<Vec<ConnEntry>>,
-    /// Where idle connections in transmission wait without a thread.
+    /// Where idle connections in transmission wait without a thread,
+    /// and the threads that serve them again when they send.
     parking: Arc<Parking<Session>>,
 }
 
@@ -358,7 +359,7 @@ impl Server {
             bound.left.give_back();
             return Err(e);
         }
-        let parking = Parking::start(resume_session).map_err(|source| {
+        let parking = Parking::start(park::KEEP, park::LINGER).map_err(|source| {
             bound.left.give_back();
             Error::Listen {
                 addr: "the idle connections' epoll".into(),
@@ -1105,27 +1106,22 @@ fn run_session(mut session: Session) {
     }
 }
 
-/// A parked connection's turn (see [`Parking`]): input gets it a thread
-/// again; its idle deadline or the server's stop closes it (nothing is in
-/// flight).
-fn resume_session(session: Session, why: Wake) {
-    match why {
-        Wake::Ready => {
-            let s = Arc::clone(&session.s);
-            let t = Arc::clone(&session.t);
-            let mut conns = s.conns.lock();
-            reap(&mut conns);
-            match std::thread::Builder::new()
-                .name("nbd-conn".into())
-                .spawn(move || run_session(session))
-            {
-                Ok(thread) => conns.push(ConnEntry { t, thread }),
-                // The session went with the closure: dropped, closed.
-                Err(e) => eprintln!("iopages-nbd: cannot start a connection thread: {e}"),
-            }
-        }
-        Wake::Idle => conn::close(&session.conn, true),
-        Wake::Stop => conn::close(&session.conn, false),
+/// A parked connection's turn (see [`Parking`]): input has a watcher
+/// serve it on its own thread; its idle deadline or the server's stop
+/// closes it (nothing is in flight).
+impl Parked for Session {
+    type Handle = Arc<Transport>;
+    fn handle(&self) -> Arc<Transport> {
+        Arc::clone(&self.t)
+    }
+    fn cut(t: &Arc<Transport>) {
+        t.shutdown();
+    }
+    fn run(self) {
+        run_session(self);
+    }
+    fn close(self, why: Wake) {
+        conn::close(&self.conn, why == Wake::Idle);
     }
 }
 
