@@ -180,8 +180,11 @@ impl Core {
     /// critical section that gives back what exceeds `high` itself), so a
     /// drain always ends. With checks on, the zone's lists are walked
     /// afterwards.
+    ///
+    /// Pages move from the lists to the zone here: callers open a drain
+    /// window first ([`Core::drain_to_zone_all`] does), or
+    /// [`Core::accounting`] could count a page in flight.
     pub(super) fn drain_all_pcp(&self) {
-        let _window = self.drains.begin();
         for (cpu, set) in self.pcp.iter().enumerate() {
             let mut tries = 0u32;
             loop {
