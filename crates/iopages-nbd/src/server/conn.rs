@@ -1,12 +1,13 @@
 //! Transmission on one connection: requests in, replies out, many in
 //! flight, and nothing any other thread waits on.
 //!
-//! Owns: the connection's thread (it reads each request and its payload,
-//! checks it and submits it to the crypt queue in chunks, and is the only
-//! thread that ever waits on the socket; after [`PARK_AFTER`] with
-//! nothing in flight and nothing received it returns, between two
-//! requests, so the connection can wait without a thread), the reply
-//! side (a completion
+//! Owns: the connection's thread while it has one (it reads each request
+//! and its payload, checks it and submits it to the crypt queue in
+//! chunks, and is the only thread that ever waits on the socket; between
+//! two requests, once nothing more has arrived and nothing waits to be
+//! sent, it returns — at once with requests in flight, after
+//! `ServerOptions::park_after` without — so the connection waits in the
+//! parking lot without a thread), the reply side (a completion
 //! queues its simple reply and, if nobody is sending, tries to send the
 //! queue without blocking; what the socket does not take stays queued,
 //! and the connection's thread sends it as the socket drains), FUA (the
@@ -46,6 +47,8 @@
 use crate::proto::*;
 use crate::server::buffers::{Buf, Buffers};
 use crate::server::device::{Device, Flusher};
+use crate::server::inbuf::InBuf;
+use crate::server::park;
 use crate::server::rate::Rate;
 use crate::server::shares::{Claim, PeerBudget};
 use crate::stats::Counters;
@@ -55,7 +58,7 @@ use iopages_crypt::backend::Extent;
 use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::io::{self, BufRead, Read};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -85,13 +88,6 @@ const RECALL_AFTER: Duration = Duration::from_secs(1);
 const BORROW_POLL: Duration = Duration::from_millis(50);
 /// How often a request waiting for the server's byte budget looks again.
 const BUDGET_POLL: Duration = Duration::from_millis(5);
-/// A connection with nothing in flight that receives nothing for this long
-/// gives its thread up and waits in the server's parking lot
-/// (`server/park.rs`). Long beside a request's round trip, so a client
-/// that keeps its requests coming never pays for a trip through the
-/// parking lot; short beside a human's pause, so idle connections hold no
-/// thread.
-pub(crate) const PARK_AFTER: Duration = Duration::from_millis(50);
 
 /// The deadlines and limits a connection runs under.
 #[derive(Clone, Copy, Debug)]
@@ -295,6 +291,11 @@ pub(crate) struct Conn {
     dead: AtomicBool,
     /// Requests and bytes in flight on this connection.
     gate: Mutex<(usize, u64)>,
+    /// When it was opened, and when (nanoseconds after) a completion last
+    /// left nothing in flight: where a parked connection's idle time
+    /// starts.
+    born: Instant,
+    idle_from: AtomicU64,
     /// What the connection's thread, (about to be) waiting in `poll`,
     /// must be kicked for: [`Wake`] as a `u8`, 0 while it is not waiting.
     parked: AtomicU8,
@@ -533,11 +534,13 @@ impl Conn {
             return Ok(());
         }
         let timeout = until.map(|u| u.saturating_duration_since(now));
-        let r = if dead {
-            self.t.wait_kick(timeout)
-        } else {
-            self.t.wait(read, write || backlog, timeout)
-        };
+        let r = park::waiting(|| {
+            if dead {
+                self.t.wait_kick(timeout)
+            } else {
+                self.t.wait(read, write || backlog, timeout)
+            }
+        });
         self.parked.store(0, Ordering::SeqCst);
         let r = r?;
         if r.hangup && !read && !dead {
@@ -696,7 +699,39 @@ impl Conn {
             self.busy.store(g.0, Ordering::Relaxed);
             g.0 == 0
         };
+        if idle {
+            let at = self.born.elapsed().as_nanos().min(u64::MAX as u128) as u64;
+            self.idle_from.fetch_max(at, Ordering::Relaxed);
+        }
         self.uncharge(bytes, false, idle);
+    }
+
+    /// Nothing waits to be sent: no reply queued (or one being sent by a
+    /// completion, which kicks the connection if the socket is full) and
+    /// no sealed TLS record. Kicks made before are forgotten first, so a
+    /// parked connection is resumed by a later one only.
+    fn quiet(&self) -> bool {
+        self.t.clear_kicks();
+        let ob = self.outbox.lock();
+        (ob.queue.is_empty() || ob.sending) && !self.t.pending_out()
+    }
+
+    /// When a parked connection falls to the idle timeout: the timeout
+    /// after its last completion, or after now while requests are in
+    /// flight (looked at again then). `None` without an idle timeout.
+    pub(crate) fn idle_deadline(&self) -> Option<Instant> {
+        let timeout = self.limits.idle_timeout?;
+        if self.busy() {
+            return Some(Instant::now() + timeout);
+        }
+        let from = Duration::from_nanos(self.idle_from.load(Ordering::Relaxed));
+        Some(self.born + from + timeout)
+    }
+
+    /// Requests are in flight (a parked connection's replies are still to
+    /// come).
+    pub(crate) fn busy(&self) -> bool {
+        self.in_flight() > 0
     }
 
     fn in_flight(&self) -> usize {
@@ -827,7 +862,7 @@ struct ConnRead {
     conn: Arc<Conn>,
     phase: Phase,
     /// Nothing of the next request has been read yet, and the thread may
-    /// be given up after this long idle (see [`PARK_AFTER`]).
+    /// be given up after this long idle (`ServerOptions::park_after`).
     park_after: Option<Duration>,
     /// The wait for a header began with requests in flight: its idle
     /// timers start when the last of them completes, which kicks it.
@@ -855,7 +890,8 @@ pub(crate) enum Ended {
     /// The connection is closed, every request in flight completed.
     Closed,
     /// Nothing in flight, nothing buffered, nothing received for
-    /// [`PARK_AFTER`]: the connection may wait without a thread. Its idle
+    /// `park_after`, or nothing more received and nothing to send with
+    /// requests in flight: the connection may wait without a thread. Its idle
     /// deadline, if any, is `deadline`.
     Idle { deadline: Option<Instant> },
 }
@@ -922,6 +958,13 @@ impl ConnRead {
             Phase::Header { since } => since,
         };
         if self.conn.in_flight() > 0 {
+            if self.park_after.is_some() && self.conn.quiet() {
+                // Between two requests with nothing left to send: the
+                // replies of those in flight go out from their
+                // completions, and a backlog kicks the parked connection
+                // back onto a thread.
+                return Err(park_signal());
+            }
             *since = now;
             self.busy = true;
             return Ok(None);
@@ -958,6 +1001,8 @@ pub(crate) fn open(t: Arc<Transport>, env: &ConnEnv<'_>) -> Arc<Conn> {
         outbox: Mutex::new(Outbox::default()),
         dead: AtomicBool::new(false),
         gate: Mutex::new((0, 0)),
+        born: Instant::now(),
+        idle_from: AtomicU64::new(0),
         parked: AtomicU8::new(0),
         counters: Arc::clone(env.counters),
         budget: env.budget.clone(),
@@ -979,7 +1024,7 @@ pub(crate) fn transmit(conn: &Arc<Conn>, env: &ConnEnv<'_>, park_after: Option<D
         // Headers of pipelined requests arrive together: one read takes
         // several. A payload larger than the buffer bypasses it and lands
         // in its arena buffer directly.
-        stream: io::BufReader::with_capacity(
+        stream: InBuf::new(
             READ_BUFFER_BYTES,
             ConnRead {
                 conn: Arc::clone(conn),
@@ -1012,6 +1057,14 @@ pub(crate) fn transmit(conn: &Arc<Conn>, env: &ConnEnv<'_>, park_after: Option<D
     Ended::Closed
 }
 
+/// Close a parked connection: its requests in flight (parked between
+/// requests) complete and their replies go first; then as [`close`].
+pub(crate) fn close_parked(conn: &Conn, idle_timeout: bool) {
+    conn.flush_replies();
+    conn.wait_idle();
+    close(conn, idle_timeout);
+}
+
 /// Close a connection with nothing in flight (an idle one: `idle_timeout`
 /// counts it as closed for idleness): TLS's close notice, if it runs TLS,
 /// then the socket.
@@ -1024,7 +1077,7 @@ pub(crate) fn close(conn: &Conn, idle_timeout: bool) {
 }
 
 struct Reader<'a, 'e> {
-    stream: io::BufReader<ConnRead>,
+    stream: InBuf<ConnRead>,
     env: &'a ConnEnv<'e>,
     conn: &'a Arc<Conn>,
     /// Give the thread up after this long idle between requests.

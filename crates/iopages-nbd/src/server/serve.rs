@@ -39,7 +39,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The default TCP address: loopback, the NBD port.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:10809";
@@ -65,6 +65,13 @@ pub const DEFAULT_MAX_INFLIGHT_BYTES: u64 = 256 << 20;
 /// A connection with nothing in flight that sends nothing this long is
 /// closed, by default.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// How long a connection with nothing in flight keeps its thread waiting
+/// for the client's next request, by default: not at all. Between two
+/// requests every connection waits in the parking lot, and the lot's
+/// watchers (one per core) serve whichever comes back: a few threads serve
+/// every connection.
+pub const DEFAULT_PARK_AFTER: Duration = Duration::ZERO;
 
 /// Server-wide limits and TLS.
 #[derive(Clone, Debug)]
@@ -96,6 +103,13 @@ pub struct ServerOptions {
     pub idle_timeout: Option<Duration>,
     /// See [`REPLY_TIMEOUT`].
     pub reply_timeout: Duration,
+    /// How long a connection with nothing in flight keeps the thread that
+    /// serves it waiting for its next request before it parks (see
+    /// [`DEFAULT_PARK_AFTER`]; a connection with requests in flight parks
+    /// as soon as nothing more has arrived and nothing waits to be sent).
+    /// Longer keeps a thread per active connection, as a thread-per-
+    /// connection server does.
+    pub park_after: Duration,
     /// TLS credentials and mode (`None`: plaintext only; NBD_OPT_STARTTLS
     /// is refused with NBD_REP_ERR_POLICY).
     pub tls: Option<TlsConfig>,
@@ -111,6 +125,7 @@ impl Default for ServerOptions {
             peer_min_inflight_bytes: DEFAULT_PEER_MIN_INFLIGHT_BYTES,
             idle_timeout: Some(DEFAULT_IDLE_TIMEOUT),
             reply_timeout: REPLY_TIMEOUT,
+            park_after: DEFAULT_PARK_AFTER,
             tls: None,
         }
     }
@@ -359,7 +374,7 @@ impl Server {
             bound.left.give_back();
             return Err(e);
         }
-        let parking = Parking::start(park::KEEP, park::LINGER).map_err(|source| {
+        let parking = Parking::start(park::watchers_kept(), park::LINGER).map_err(|source| {
             bound.left.give_back();
             Error::Listen {
                 addr: "the idle connections' epoll".into(),
@@ -1088,14 +1103,17 @@ fn run_session(mut session: Session) {
         let ended = {
             let env = env_of(&session.s, session.export, &session.place, &session.agreed);
             let stopping = session.s.stopping.load(Ordering::SeqCst);
-            let park_after = (park && !stopping).then_some(conn::PARK_AFTER);
+            let park_after = (park && !stopping).then_some(session.s.opts.park_after);
             conn::transmit(&session.conn, &env, park_after)
         };
         let conn::Ended::Idle { deadline } = ended else {
             return;
         };
         let parking = Arc::clone(&session.s.parking);
-        match parking.park(session.t.raw_fd(), deadline, session) {
+        // With requests in flight, a reply that finds the socket full kicks
+        // the connection's wake-up descriptor: watched too.
+        let wake = session.conn.busy().then(|| session.t.wake_fd());
+        match parking.park(session.t.raw_fd(), wake, deadline, session) {
             Ok(()) => return,
             // Stopping, or the socket cannot be watched: served here.
             Err(back) => {
@@ -1121,7 +1139,10 @@ impl Parked for Session {
         run_session(self);
     }
     fn close(self, why: Wake) {
-        conn::close(&self.conn, why == Wake::Idle);
+        conn::close_parked(&self.conn, why == Wake::Idle);
+    }
+    fn idle_deadline(&self) -> Option<Instant> {
+        self.conn.idle_deadline()
     }
 }
 
@@ -1328,6 +1349,108 @@ mod tests {
         await_stats(&s, "closed", |st| st.open_connections == 0);
         assert_eq!(s.stats().idle_closes, 1);
         assert_eq!(s.stats().read.requests, 1);
+    }
+
+    /// Send a READ of `len` bytes at 0 with `cookie`, without reading its
+    /// reply.
+    fn send_read(c: &mut TcpStream, cookie: u64, len: u32) {
+        let mut r = REQUEST_MAGIC.to_be_bytes().to_vec();
+        r.extend_from_slice(&0u16.to_be_bytes());
+        r.extend_from_slice(&CMD_READ.to_be_bytes());
+        r.extend_from_slice(&cookie.to_be_bytes());
+        r.extend_from_slice(&0u64.to_be_bytes());
+        r.extend_from_slice(&len.to_be_bytes());
+        c.write_all(&r).unwrap();
+    }
+
+    /// Read one simple reply with `len` bytes of data: its cookie and
+    /// error.
+    fn recv_reply(c: &mut TcpStream, len: usize) -> (u64, u32) {
+        let mut h = [0u8; 16];
+        c.read_exact(&mut h).unwrap();
+        assert_eq!(&h[..4], &SIMPLE_REPLY_MAGIC.to_be_bytes());
+        let error = u32::from_be_bytes(h[4..8].try_into().unwrap());
+        if error == 0 {
+            let mut d = vec![0u8; len];
+            c.read_exact(&mut d).unwrap();
+        }
+        (u64::from_be_bytes(h[8..16].try_into().unwrap()), error)
+    }
+
+    /// Between requests a connection gives its thread up even with a
+    /// request in flight; the reply still comes, from its completion.
+    #[test]
+    fn a_connection_with_a_request_in_flight_waits_without_a_thread() {
+        let slow = SlowReads(RamDisk::new(1 << 20).unwrap(), Duration::from_millis(300));
+        let (_alloc, s) = server_over(Arc::new(slow), ServerOptions::default());
+        let (mut c, kind) = go(&s);
+        assert_eq!(kind, Some(REP_ACK));
+        send_read(&mut c, 7, 512);
+        await_stats(&s, "parked with its read in flight", |st| {
+            st.parked_connections == 1 && st.in_flight == 1
+        });
+        assert_eq!(recv_reply(&mut c, 512), (7, 0));
+        assert_eq!(read_512(&mut c, 8), 0, "served again after");
+        drop(c);
+        await_stats(&s, "closed", |st| st.open_connections == 0);
+        assert_eq!(s.shared.shares.snapshot(), Default::default());
+    }
+
+    /// Replies of a parked connection that find the socket full kick it:
+    /// a watcher takes it back and sends them as the client reads.
+    #[test]
+    fn replies_that_find_the_socket_full_bring_a_parked_connection_back() {
+        const N: u64 = 96;
+        const LEN: u32 = 256 << 10;
+        let slow = SlowReads(RamDisk::new(1 << 20).unwrap(), Duration::from_millis(2));
+        let (_alloc, s) = server_over(Arc::new(slow), ServerOptions::default());
+        let (mut c, kind) = go(&s);
+        assert_eq!(kind, Some(REP_ACK));
+        for cookie in 0..N {
+            send_read(&mut c, cookie, LEN);
+        }
+        await_stats(&s, "parked with reads in flight", |st| {
+            st.parked_connections == 1 && st.in_flight > 0
+        });
+        // 24 MiB of replies: the socket fills long before they are out,
+        // and the connection is taken back to wait for it.
+        await_stats(&s, "taken back for its backlog", |st| {
+            st.parked_connections == 0 && st.in_flight > 0
+        });
+        // Replies come in the order the workers finish.
+        let mut cookies: Vec<u64> = (0..N)
+            .map(|_| {
+                let (cookie, error) = recv_reply(&mut c, LEN as usize);
+                assert_eq!(error, 0);
+                cookie
+            })
+            .collect();
+        cookies.sort_unstable();
+        assert_eq!(cookies, (0..N).collect::<Vec<_>>());
+        assert_eq!(read_512(&mut c, N), 0);
+        drop(c);
+        await_stats(&s, "closed", |st| st.open_connections == 0);
+        assert_eq!(s.stats().read.requests, N + 1);
+        assert_eq!(s.shared.shares.snapshot(), Default::default());
+    }
+
+    /// The stop lets a parked connection's request in flight complete and
+    /// its reply go out before it closes the connection.
+    #[test]
+    fn stopping_answers_a_parked_connections_request_in_flight_first() {
+        let slow = SlowReads(RamDisk::new(1 << 20).unwrap(), Duration::from_millis(300));
+        let (_alloc, mut s) = server_over(Arc::new(slow), ServerOptions::default());
+        let (mut c, _) = go(&s);
+        send_read(&mut c, 3, 512);
+        await_stats(&s, "parked with its read in flight", |st| {
+            st.parked_connections == 1 && st.in_flight == 1
+        });
+        s.stop_serving();
+        assert_eq!(recv_reply(&mut c, 512), (3, 0));
+        let mut b = [0u8; 1];
+        assert!(matches!(c.read(&mut b), Ok(0) | Err(_)));
+        assert_eq!(s.stats().in_flight, 0);
+        assert_eq!(s.stats().open_connections, 0);
     }
 
     #[test]

@@ -56,6 +56,19 @@ impl Transport {
         self.sock.as_raw_fd()
     }
 
+    /// The wake-up descriptor's (watched beside the socket while the
+    /// connection is parked with requests in flight: a reply that finds
+    /// the socket full kicks it).
+    pub(crate) fn wake_fd(&self) -> std::os::fd::RawFd {
+        self.wake.as_raw_fd()
+    }
+
+    /// Forget kicks already made (before the connection is parked, so
+    /// that only a later one resumes it).
+    pub(crate) fn clear_kicks(&self) {
+        sys::eventfd_drain(self.wake.as_fd());
+    }
+
     /// Whether the session runs under TLS.
     pub(crate) fn is_tls(&self) -> bool {
         self.tls.get().is_some()
