@@ -1033,8 +1033,14 @@ struct Session {
     export: usize,
     agreed: Negotiated,
     conn: Arc<conn::Conn>,
+    /// Its requests' lane to a backend with several connections
+    /// (`async_io::in_lane`): its own, whichever thread serves it.
+    lane: usize,
     _open: Open,
 }
+
+/// The next session's lane.
+static NEXT_LANE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 impl Session {
     fn new(
@@ -1056,6 +1062,7 @@ impl Session {
             export,
             agreed,
             conn,
+            lane: NEXT_LANE.fetch_add(1, Ordering::Relaxed),
             _open: open,
         }
     }
@@ -1104,7 +1111,9 @@ fn run_session(mut session: Session) {
             let env = env_of(&session.s, session.export, &session.place, &session.agreed);
             let stopping = session.s.stopping.load(Ordering::SeqCst);
             let park_after = (park && !stopping).then_some(session.s.opts.park_after);
-            conn::transmit(&session.conn, &env, park_after)
+            iopages_crypt::async_io::in_lane(session.lane, || {
+                conn::transmit(&session.conn, &env, park_after)
+            })
         };
         let conn::Ended::Idle { deadline } = ended else {
             return;
