@@ -222,11 +222,11 @@ pub struct ServeArgs {
     /// SECS seconds (0: never).
     #[arg(long, value_name = "SECS", default_value_t = iopages_nbd::DEFAULT_IDLE_TIMEOUT.as_secs())]
     pub(super) idle_timeout: u64,
-    /// How long a connection with nothing in flight keeps a thread waiting
-    /// for its client's next request, in milliseconds. 0 (the default):
-    /// not at all — between requests every connection waits in one epoll
-    /// instance and a few threads (one per core) serve whichever comes
-    /// back. Longer keeps a thread per active connection.
+    /// How long a thread serving a connection with nothing in flight waits
+    /// for its client's next request before it parks the connection, in
+    /// milliseconds, unless another connection is ready first. Parked
+    /// connections wait in one epoll instance, and a few threads (one per
+    /// core) serve whichever comes back. 0: park at once.
     #[arg(long, value_name = "MS", default_value_t = iopages_nbd::DEFAULT_PARK_AFTER.as_millis() as u64)]
     pub(super) park_after: u64,
     /// A client that has not taken a reply SECS seconds after it was ready

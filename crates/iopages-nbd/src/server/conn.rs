@@ -58,6 +58,7 @@ use iopages_crypt::backend::Extent;
 use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::io::{self, BufRead, Read};
+use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -508,6 +509,26 @@ impl Conn {
         wake: Wake,
         ready: impl Fn() -> bool,
     ) -> io::Result<()> {
+        self.pump_or_lot(read, write, deadline, wake, ready, None)
+            .map(|_| ())
+    }
+
+    /// As [`Conn::pump`]; with `lot` (the parking lot's epoll instance,
+    /// on a watcher lingering for its connection's next request), also
+    /// until other connections are ready there. Such a wait is not one
+    /// on the client ([`park::waiting`]): the watcher watches the lot
+    /// meanwhile.
+    ///
+    /// **Returns:** whether other connections are ready in the lot.
+    fn pump_or_lot(
+        &self,
+        read: bool,
+        write: bool,
+        deadline: Option<Instant>,
+        wake: Wake,
+        ready: impl Fn() -> bool,
+        lot: Option<RawFd>,
+    ) -> io::Result<bool> {
         self.flush_replies();
         self.discard_if_dead();
         let dead = self.dead.load(Ordering::Acquire);
@@ -524,23 +545,26 @@ impl Conn {
             if now >= due {
                 self.counters.reply_timeouts.fetch_add(1, Ordering::Relaxed);
                 self.kill();
-                return Ok(());
+                return Ok(false);
             }
             until = Some(until.map_or(due, |u| u.min(due)));
         }
         self.parked.store(wake as u8, Ordering::SeqCst);
         if ready() {
             self.parked.store(0, Ordering::SeqCst);
-            return Ok(());
+            return Ok(false);
         }
         let timeout = until.map(|u| u.saturating_duration_since(now));
-        let r = park::waiting(|| {
-            if dead {
-                self.t.wait_kick(timeout)
-            } else {
-                self.t.wait(read, write || backlog, timeout)
-            }
-        });
+        let r = match lot {
+            Some(lot) if !dead => self.t.wait_also(read, write || backlog, timeout, lot),
+            _ => park::waiting(|| {
+                if dead {
+                    self.t.wait_kick(timeout)
+                } else {
+                    self.t.wait(read, write || backlog, timeout)
+                }
+            }),
+        };
         self.parked.store(0, Ordering::SeqCst);
         let r = r?;
         if r.hangup && !read && !dead {
@@ -548,16 +572,16 @@ impl Conn {
             // peer's share) or broken: nothing more can be sent, and a
             // wait that polled it again would return at once.
             self.kill();
-            return Ok(());
+            return Ok(false);
         }
         if r.writable && backlog {
             if self.t.push_out().is_err() {
                 self.kill();
-                return Ok(());
+                return Ok(false);
             }
             self.flush_replies();
         }
-        Ok(())
+        Ok(r.other)
     }
 
     fn full(&self, g: &(usize, u64), bytes: u64) -> bool {
@@ -867,6 +891,9 @@ struct ConnRead {
     /// The wait for a header began with requests in flight: its idle
     /// timers start when the last of them completes, which kicks it.
     busy: bool,
+    /// Other connections became ready in the parking lot while this one
+    /// lingered for its next request.
+    others_ready: bool,
 }
 
 /// What kicks a connection's thread waiting in [`Conn::pump`], besides
@@ -929,14 +956,31 @@ impl Read for ConnRead {
             };
             let deadline = self.wait_until(Instant::now())?;
             let (conn, busy) = (&self.conn, self.busy);
-            conn.pump(!write, write, deadline, Wake::WhenIdle, || {
-                busy && conn.in_flight() == 0
-            })?;
+            // Lingering for the next request on a watcher: other
+            // connections ready in the lot end the linger.
+            let lot = self.lingering().then(park::lot_fd).flatten();
+            let others = conn.pump_or_lot(
+                !write,
+                write,
+                deadline,
+                Wake::WhenIdle,
+                || busy && conn.in_flight() == 0,
+                lot,
+            )?;
+            self.others_ready |= others;
         }
     }
 }
 
 impl ConnRead {
+    /// Waiting for the next request with nothing in flight, where the
+    /// thread may be given up.
+    fn lingering(&self) -> bool {
+        self.park_after.is_some()
+            && matches!(self.phase, Phase::Header { .. })
+            && self.conn.in_flight() == 0
+    }
+
     /// Until when the thread may wait for the client now: the payload's
     /// deadline, or (waiting for a header with nothing in flight) the idle
     /// timeout and the time to give the thread up, whichever is first.
@@ -984,7 +1028,9 @@ impl ConnRead {
             .park_after
             .filter(|_| !self.conn.t.pending_out())
             .map(|p| *since + p);
-        if park.is_some_and(|p| now >= p) {
+        // Other connections ready: the linger ends now.
+        let others = std::mem::take(&mut self.others_ready);
+        if park.is_some_and(|p| now >= p || others) {
             return Err(park_signal());
         }
         Ok(match (idle, park) {
@@ -1033,6 +1079,7 @@ pub(crate) fn transmit(conn: &Arc<Conn>, env: &ConnEnv<'_>, park_after: Option<D
                 },
                 park_after: None,
                 busy: false,
+                others_ready: false,
             },
         ),
         env,

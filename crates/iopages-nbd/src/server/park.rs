@@ -99,6 +99,15 @@ const GRACE: Duration = Duration::from_millis(1);
 thread_local! {
     /// On a watcher thread, its lot's count of watchers in [`waiting`].
     static WAITS: RefCell<Option<Arc<Signals>>> = const { RefCell::new(None) };
+    /// On a watcher thread, its lot's epoll instance.
+    static LOT: std::cell::Cell<Option<RawFd>> = const { std::cell::Cell::new(None) };
+}
+
+/// On a watcher thread, its lot's epoll instance: readable while other
+/// connections are ready (a connection lingering for its next request is
+/// parked then, so the watcher serves them).
+pub(crate) fn lot_fd() -> Option<RawFd> {
+    LOT.with(std::cell::Cell::get)
 }
 
 /// Run `wait`, a wait on a connection's client (its socket, its budget,
@@ -388,6 +397,10 @@ impl<T: Parked> Parking<T> {
         // kernels before 6.12 keep their slice).
         let _ = sys::set_time_slice(WATCHER_SLICE);
         WAITS.with(|w| *w.borrow_mut() = Some(Arc::clone(&self.signals)));
+        {
+            use std::os::fd::AsRawFd;
+            LOT.with(|l| l.set(Some(self.ep.as_raw_fd())));
+        }
         let mut tokens = [0u64; 1];
         loop {
             let timeout = {

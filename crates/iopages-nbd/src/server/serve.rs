@@ -66,12 +66,13 @@ pub const DEFAULT_MAX_INFLIGHT_BYTES: u64 = 256 << 20;
 /// closed, by default.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
 
-/// How long a connection with nothing in flight keeps its thread waiting
-/// for the client's next request, by default: not at all. Between two
-/// requests every connection waits in the parking lot, and the lot's
-/// watchers (one per core) serve whichever comes back: a few threads serve
-/// every connection.
-pub const DEFAULT_PARK_AFTER: Duration = Duration::ZERO;
+/// How long a watcher serving a connection with nothing in flight waits
+/// for the client's next request before it parks the connection, by
+/// default — while no other connection is ready: one that is ends the wait
+/// at once. A client alone (or sending requests back to back) keeps its
+/// watcher; under contention a few threads (one per core) serve every
+/// connection in turn.
+pub const DEFAULT_PARK_AFTER: Duration = Duration::from_millis(50);
 
 /// Server-wide limits and TLS.
 #[derive(Clone, Debug)]
@@ -103,12 +104,11 @@ pub struct ServerOptions {
     pub idle_timeout: Option<Duration>,
     /// See [`REPLY_TIMEOUT`].
     pub reply_timeout: Duration,
-    /// How long a connection with nothing in flight keeps the thread that
-    /// serves it waiting for its next request before it parks (see
-    /// [`DEFAULT_PARK_AFTER`]; a connection with requests in flight parks
-    /// as soon as nothing more has arrived and nothing waits to be sent).
-    /// Longer keeps a thread per active connection, as a thread-per-
-    /// connection server does.
+    /// How long a watcher serving a connection with nothing in flight
+    /// waits for its next request before it parks it, unless another
+    /// connection is ready first (see [`DEFAULT_PARK_AFTER`]; 0: at once;
+    /// a connection with requests in flight parks as soon as nothing more
+    /// has arrived and nothing waits to be sent).
     pub park_after: Duration,
     /// TLS credentials and mode (`None`: plaintext only; NBD_OPT_STARTTLS
     /// is refused with NBD_REP_ERR_POLICY).
@@ -1110,7 +1110,14 @@ fn run_session(mut session: Session) {
         let ended = {
             let env = env_of(&session.s, session.export, &session.place, &session.agreed);
             let stopping = session.s.stopping.load(Ordering::SeqCst);
-            let park_after = (park && !stopping).then_some(session.s.opts.park_after);
+            // A watcher lingers for the next request while no other
+            // connection is ready; any other thread (the one that ran the
+            // handshake) hands the connection to the watchers at once.
+            let linger = match park::lot_fd() {
+                Some(_) => session.s.opts.park_after,
+                None => Duration::ZERO,
+            };
+            let park_after = (park && !stopping).then_some(linger);
             iopages_crypt::async_io::in_lane(session.lane, || {
                 conn::transmit(&session.conn, &env, park_after)
             })
@@ -1180,6 +1187,14 @@ mod tests {
         disk: Arc<dyn Backend>,
         opts: ServerOptions,
     ) -> (iopages::PageAllocator, Server) {
+        server_as(disk, ExportConfig::new("v"), opts)
+    }
+
+    fn server_as(
+        disk: Arc<dyn Backend>,
+        config: ExportConfig,
+        opts: ServerOptions,
+    ) -> (iopages::PageAllocator, Server) {
         let alloc = iopages::PageAllocator::builder()
             .size_bytes(32 << 20)
             .build()
@@ -1190,7 +1205,7 @@ mod tests {
         let target = CryptTarget::new(&alloc, cipher, disk, TargetConfig::default()).unwrap();
         let queue = Arc::new(CryptQueue::new(Arc::new(target), QueueConfig::default()).unwrap());
         let listen = [Listen::Tcp("127.0.0.1:0".parse().unwrap())];
-        let s = Server::start_with(queue, ExportConfig::new("v"), opts, &listen).unwrap();
+        let s = Server::start_with(queue, config, opts, &listen).unwrap();
         (alloc, s)
     }
 
@@ -1403,6 +1418,40 @@ mod tests {
         drop(c);
         await_stats(&s, "closed", |st| st.open_connections == 0);
         assert_eq!(s.shared.shares.snapshot(), Default::default());
+    }
+
+    /// A watcher that lingers for its connection's next request stops as
+    /// soon as another connection is ready: with a linger far longer than
+    /// the test, more connections than watchers take turns and each is
+    /// served at once.
+    #[test]
+    fn a_lingering_watcher_leaves_its_connection_when_another_is_ready() {
+        // Served inline: nothing stays in flight, so a watcher lingers.
+        let mut config = ExportConfig::new("v");
+        config.inline_max_bytes = 64 << 10;
+        let opts = ServerOptions {
+            max_connections: 64,
+            park_after: Duration::from_secs(30),
+            ..ServerOptions::default()
+        };
+        let (_alloc, s) = server_as(Arc::new(RamDisk::new(1 << 20).unwrap()), config, opts);
+        let n = park::watchers_kept() + 2;
+        let mut cs: Vec<TcpStream> = (0..n).map(|_| go(&s).0).collect();
+        for c in &cs {
+            c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        }
+        let t = std::time::Instant::now();
+        for round in 0..3u64 {
+            for (i, c) in cs.iter_mut().enumerate() {
+                assert_eq!(read_512(c, round * 100 + i as u64), 0);
+            }
+        }
+        // Each read was answered once the one before it was: no read
+        // waited for a linger to run out.
+        assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
+        assert_eq!(s.stats().read.requests, 3 * n as u64);
+        drop(cs);
+        await_stats(&s, "closed", |st| st.open_connections == 0);
     }
 
     /// Replies of a parked connection that find the socket full kick it:
