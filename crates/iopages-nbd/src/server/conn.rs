@@ -894,6 +894,9 @@ struct ConnRead {
     /// Other connections became ready in the parking lot while this one
     /// lingered for its next request.
     others_ready: bool,
+    /// When the linger with requests in flight began (the idle linger
+    /// counts from `Phase::Header`'s start).
+    linger_from: Option<Instant>,
 }
 
 /// What kicks a connection's thread waiting in [`Conn::pump`], besides
@@ -973,12 +976,9 @@ impl Read for ConnRead {
 }
 
 impl ConnRead {
-    /// Waiting for the next request with nothing in flight, where the
-    /// thread may be given up.
+    /// Waiting for the next request where the thread may be given up.
     fn lingering(&self) -> bool {
-        self.park_after.is_some()
-            && matches!(self.phase, Phase::Header { .. })
-            && self.conn.in_flight() == 0
+        self.park_after.is_some() && matches!(self.phase, Phase::Header { .. })
     }
 
     /// Until when the thread may wait for the client now: the payload's
@@ -1002,16 +1002,20 @@ impl ConnRead {
             Phase::Header { since } => since,
         };
         if self.conn.in_flight() > 0 {
-            if self.park_after.is_some() && self.conn.quiet() {
-                // Between two requests with nothing left to send: the
-                // replies of those in flight go out from their
-                // completions, and a backlog kicks the parked connection
-                // back onto a thread.
-                return Err(park_signal());
-            }
             *since = now;
             self.busy = true;
-            return Ok(None);
+            let Some(linger) = self.park_after.filter(|_| self.conn.quiet()) else {
+                return Ok(None);
+            };
+            // Between two requests with nothing left to send: after the
+            // linger (or at once, others being ready) the connection
+            // parks; the replies of those in flight go out from their
+            // completions, and a backlog kicks it back onto a thread.
+            let until = *self.linger_from.get_or_insert(now) + linger;
+            if std::mem::take(&mut self.others_ready) || now >= until {
+                return Err(park_signal());
+            }
+            return Ok(Some(until));
         }
         if std::mem::take(&mut self.busy) {
             // Woken by the last completion: idle from now.
@@ -1080,6 +1084,7 @@ pub(crate) fn transmit(conn: &Arc<Conn>, env: &ConnEnv<'_>, park_after: Option<D
                 park_after: None,
                 busy: false,
                 others_ready: false,
+                linger_from: None,
             },
         ),
         env,
@@ -1396,7 +1401,9 @@ impl Reader<'_, '_> {
         if self.park_after.is_none() || !self.stream.buffer().is_empty() {
             return Ok(None);
         }
-        self.stream.get_mut().park_after = self.park_after;
+        let cr = self.stream.get_mut();
+        cr.park_after = self.park_after;
+        cr.linger_from = None;
         let r = self.stream.fill_buf().map(|_| ());
         let cr = self.stream.get_mut();
         cr.park_after = None;

@@ -1461,7 +1461,13 @@ mod tests {
         const N: u64 = 96;
         const LEN: u32 = 256 << 10;
         let slow = SlowReads(RamDisk::new(1 << 20).unwrap(), Duration::from_millis(2));
-        let (_alloc, s) = server_over(Arc::new(slow), ServerOptions::default());
+        // Parked as soon as its reads are in (no linger while replies
+        // come in).
+        let opts = ServerOptions {
+            park_after: Duration::ZERO,
+            ..ServerOptions::default()
+        };
+        let (_alloc, s) = server_over(Arc::new(slow), opts);
         let (mut c, kind) = go(&s);
         assert_eq!(kind, Some(REP_ACK));
         for cookie in 0..N {
