@@ -101,6 +101,8 @@ thread_local! {
     static WAITS: RefCell<Option<Arc<Signals>>> = const { RefCell::new(None) };
     /// On a watcher thread, its lot's epoll instance.
     static LOT: std::cell::Cell<Option<RawFd>> = const { std::cell::Cell::new(None) };
+    /// On a watcher thread, its number (its key in `State::serving`).
+    static WATCHER: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
 }
 
 /// On a watcher thread, its lot's epoll instance: readable while other
@@ -310,6 +312,11 @@ impl<T: Parked> Parking<T> {
         }
         let token = s.next;
         s.next += 1;
+        // Parked by the watcher serving it: no longer served (under the
+        // same lock, so the stop never both cuts it and closes it).
+        if let Some(id) = WATCHER.with(std::cell::Cell::get) {
+            s.serving.remove(&id);
+        }
         let earliest = s.deadlines.first().map(|(d, _)| *d);
         // Entered before the socket is watched: a watcher woken at once
         // finds it.
@@ -401,6 +408,7 @@ impl<T: Parked> Parking<T> {
             use std::os::fd::AsRawFd;
             LOT.with(|l| l.set(Some(self.ep.as_raw_fd())));
         }
+        WATCHER.with(|w| w.set(Some(id)));
         let mut tokens = [0u64; 1];
         loop {
             let timeout = {
