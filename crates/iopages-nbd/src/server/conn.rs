@@ -897,6 +897,11 @@ struct ConnRead {
     /// When the linger with requests in flight began (the idle linger
     /// counts from `Phase::Header`'s start).
     linger_from: Option<Instant>,
+    /// The wait [`ConnRead::wait_until`] set up is a linger: for the next
+    /// request, nothing waiting to be sent, the thread to be given up at
+    /// its end. Any other wait (a backlog the client does not take) is
+    /// one on the client.
+    linger: bool,
 }
 
 /// What kicks a connection's thread waiting in [`Conn::pump`], besides
@@ -961,7 +966,7 @@ impl Read for ConnRead {
             let (conn, busy) = (&self.conn, self.busy);
             // Lingering for the next request on a watcher: other
             // connections ready in the lot end the linger.
-            let lot = self.lingering().then(park::lot_fd).flatten();
+            let lot = self.linger.then(park::lot_fd).flatten();
             let others = conn.pump_or_lot(
                 !write,
                 write,
@@ -976,11 +981,6 @@ impl Read for ConnRead {
 }
 
 impl ConnRead {
-    /// Waiting for the next request where the thread may be given up.
-    fn lingering(&self) -> bool {
-        self.park_after.is_some() && matches!(self.phase, Phase::Header { .. })
-    }
-
     /// Until when the thread may wait for the client now: the payload's
     /// deadline, or (waiting for a header with nothing in flight) the idle
     /// timeout and the time to give the thread up, whichever is first.
@@ -988,6 +988,7 @@ impl ConnRead {
     /// **Returns:** `TimedOut` (counted) when a deadline has passed;
     /// [`park_signal`] when the thread should be given up.
     fn wait_until(&mut self, now: Instant) -> io::Result<Option<Instant>> {
+        self.linger = false;
         let counters = &self.conn.counters;
         if matches!(self.phase, Phase::Payload { .. }) {
             // A payload's wait is not about idleness.
@@ -1015,6 +1016,7 @@ impl ConnRead {
             if std::mem::take(&mut self.others_ready) || now >= until {
                 return Err(park_signal());
             }
+            self.linger = true;
             return Ok(Some(until));
         }
         if std::mem::take(&mut self.busy) {
@@ -1037,6 +1039,7 @@ impl ConnRead {
         if park.is_some_and(|p| now >= p || others) {
             return Err(park_signal());
         }
+        self.linger = park.is_some();
         Ok(match (idle, park) {
             (Some(i), Some(p)) => Some(i.min(p)),
             (i, p) => i.or(p),
@@ -1085,6 +1088,7 @@ pub(crate) fn transmit(conn: &Arc<Conn>, env: &ConnEnv<'_>, park_after: Option<D
                 busy: false,
                 others_ready: false,
                 linger_from: None,
+                linger: false,
             },
         ),
         env,
