@@ -5,9 +5,10 @@
 //! and its payload, checks it and submits it to the crypt queue in
 //! chunks, and is the only thread that ever waits on the socket; between
 //! two requests, once nothing more has arrived and nothing waits to be
-//! sent, it returns — at once with requests in flight, after
-//! `ServerOptions::park_after` without — so the connection waits in the
-//! parking lot without a thread), the reply side (a completion
+//! sent, it returns — on a watcher after lingering up to
+//! `ServerOptions::park_after` while no other connection is ready,
+//! elsewhere at once — so the connection waits in the parking lot
+//! without a thread), the reply side (a completion
 //! queues its simple reply and, if nobody is sending, tries to send the
 //! queue without blocking; what the socket does not take stays queued,
 //! and the connection's thread sends it as the socket drains), FUA (the
@@ -886,7 +887,7 @@ struct ConnRead {
     conn: Arc<Conn>,
     phase: Phase,
     /// Nothing of the next request has been read yet, and the thread may
-    /// be given up after this long idle (`ServerOptions::park_after`).
+    /// be given up after lingering this long (`ServerOptions::park_after`).
     park_after: Option<Duration>,
     /// The wait for a header began with requests in flight: its idle
     /// timers start when the last of them completes, which kicks it.
@@ -924,10 +925,11 @@ enum Wake {
 pub(crate) enum Ended {
     /// The connection is closed, every request in flight completed.
     Closed,
-    /// Nothing in flight, nothing buffered, nothing received for
-    /// `park_after`, or nothing more received and nothing to send with
-    /// requests in flight: the connection may wait without a thread. Its idle
-    /// deadline, if any, is `deadline`.
+    /// Nothing buffered, nothing received for `park_after` (or less, when
+    /// another connection is ready) and nothing waiting to be sent: the
+    /// connection may wait without a thread, its requests in flight, if
+    /// any, completing meanwhile. Its idle deadline, if any, is
+    /// `deadline`.
     Idle { deadline: Option<Instant> },
 }
 

@@ -2,9 +2,9 @@
 //!
 //! A connection in transmission whose next request has not arrived, with
 //! nothing buffered and nothing waiting to be sent, gives its thread up
-//! (with requests in flight at once, their replies sent by their
-//! completions; with none after `ServerOptions::park_after`, by default at
-//! once): its socket is watched here, in one `epoll` instance, until the
+//! (requests in flight or not: their completions send their replies) —
+//! after its watcher has lingered up to `ServerOptions::park_after` while
+//! no other connection was ready ([`lot_fd`]): its socket is watched here, in one `epoll` instance, until the
 //! client sends something (or hangs up, or the server shuts the socket
 //! down for another peer's share), a reply finds the socket full (its
 //! wake-up descriptor is watched too while requests are in flight), its
