@@ -1,15 +1,11 @@
-//! Connections between their requests, held without a thread: [`Parking`].
+//! Idle connections held without a thread: [`Parking`].
 //!
-//! A connection in transmission whose next request has not arrived, with
-//! nothing buffered and nothing waiting to be sent, gives its thread up
-//! (requests in flight or not: their completions send their replies) —
-//! after its watcher has lingered up to `ServerOptions::park_after` while
-//! no other connection was ready ([`lot_fd`]): its socket is watched here, in one `epoll` instance, until the
-//! client sends something (or hangs up, or the server shuts the socket
-//! down for another peer's share), a reply finds the socket full (its
-//! wake-up descriptor is watched too while requests are in flight), its
-//! idle deadline passes, or the server stops. This is the server's event
-//! loop: the watchers below serve every connection that comes back.
+//! A connection in transmission with nothing in flight, nothing buffered
+//! and nothing received for [`PARK_AFTER`](crate::server::conn::PARK_AFTER)
+//! gives its thread up: its socket is watched here, in one `epoll`
+//! instance, until the client sends something (or hangs up, or the server
+//! shuts the socket down for another peer's share), its idle deadline
+//! passes, or the server stops.
 //!
 //! The threads that wait on the epoll instance serve what they are woken
 //! for themselves (leader/followers): the thread that takes a ready
@@ -18,14 +14,10 @@
 //! back costs one wake-up, as a thread blocked on its socket would. While
 //! one serves, the others keep watching; when none is left watching, the
 //! keeper thread (`nbd-idle`, which also closes connections at their idle
-//! deadlines) starts another if one of the serving watchers waits on its
-//! client ([`waiting`]: a client that stops reading or sends a payload
-//! slowly, a budget) for [`GRACE`] — never for watchers that are only
-//! short of CPU, which more threads would not help — so a stalled
-//! connection never holds up the others. [`watchers_kept`] watchers (one
-//! per core) stay however long they wait; more end after [`LINGER`] with
-//! nothing to serve. Each asks the scheduler for a short time slice, so
-//! it runs soon after it wakes.
+//! deadlines) starts another, so a connection that stalls its thread (a
+//! client that stops reading) never holds up the others. [`KEEP`]
+//! watchers stay however long they wait; more end after [`LINGER`] with
+//! nothing to serve.
 //!
 //! Owns: the epoll instance, the watcher threads and the keeper, the parked
 //! connections' resumptions and their idle deadlines. Must never: resume a
@@ -36,11 +28,9 @@
 
 use crate::sys;
 use parking_lot::{Condvar, Mutex};
-use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap};
 use std::io;
 use std::os::fd::{AsFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -65,100 +55,25 @@ pub(crate) trait Parked: Send + 'static {
     /// Its client sent something (or hung up): serve it on this thread,
     /// until it parks again or ends.
     fn run(self);
-    /// Its idle deadline as it stands now, looked at when the one it was
-    /// parked with passes (a connection parked with requests in flight is
-    /// idle only from its last completion): a later one keeps it parked,
-    /// `None` keeps it without one.
-    fn idle_deadline(&self) -> Option<Instant>;
     /// Close it without serving it.
     fn close(self, why: Wake);
 }
 
-/// Watchers kept however long they wait, in tests.
-#[cfg(test)]
-const KEEP: usize = 2;
-
-/// Watchers kept however long they wait: one per core, at least two (so
-/// that one watches while another serves).
-pub(crate) fn watchers_kept() -> usize {
-    std::thread::available_parallelism().map_or(2, |n| n.get().max(2))
-}
-
-/// The time slice a watcher asks the scheduler for (EEVDF's custom slice;
-/// the default is 0.75 ms times 1 + log2 of the CPUs).
-const WATCHER_SLICE: Duration = Duration::from_micros(100);
-/// How long a watcher past those kept waits for a connection before it
-/// ends.
+/// Watchers kept however long they wait.
+pub(crate) const KEEP: usize = 2;
+/// How long a watcher past [`KEEP`] waits for a connection before it ends.
 pub(crate) const LINGER: Duration = Duration::from_millis(100);
 
-/// How long the keeper lets every watcher serve, one of them waiting on
-/// its client, before it starts another: what a connection that holds its
-/// thread (a client that stops reading) can delay the others by.
+/// How long the keeper lets every watcher be busy before it starts
+/// another: what a connection that holds its thread (a client that stops
+/// reading) can delay the others by.
 const GRACE: Duration = Duration::from_millis(1);
-
-thread_local! {
-    /// On a watcher thread, its lot's count of watchers in [`waiting`].
-    static WAITS: RefCell<Option<Arc<Signals>>> = const { RefCell::new(None) };
-    /// On a watcher thread, its lot's epoll instance.
-    static LOT: std::cell::Cell<Option<RawFd>> = const { std::cell::Cell::new(None) };
-    /// On a watcher thread, its number (its key in `State::serving`).
-    static WATCHER: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
-}
-
-/// On a watcher thread, its lot's epoll instance: readable while other
-/// connections are ready (a connection lingering for its next request is
-/// parked then, so the watcher serves them).
-pub(crate) fn lot_fd() -> Option<RawFd> {
-    LOT.with(std::cell::Cell::get)
-}
-
-/// Run `wait`, a wait on a connection's client (its socket, its budget,
-/// its replies' backlog) counted as such on a watcher thread: the keeper
-/// starts another watcher when every one serves and one of them waits,
-/// never for watchers that are only short of CPU.
-pub(crate) fn waiting<R>(wait: impl FnOnce() -> R) -> R {
-    struct Count(Option<Arc<Signals>>);
-    impl Drop for Count {
-        fn drop(&mut self) {
-            if let Some(c) = &self.0 {
-                c.blocked.fetch_sub(1, Ordering::SeqCst);
-            }
-        }
-    }
-    let counted = Count(WAITS.with(|w| w.borrow().clone()));
-    if let Some(c) = &counted.0 {
-        c.blocked.fetch_add(1, Ordering::SeqCst);
-        if c.saturated.load(Ordering::SeqCst) {
-            if let Some(nudge) = c.nudge.get() {
-                nudge();
-            }
-        }
-    }
-    wait()
-}
-
-/// What the watchers and the keeper share outside the state's lock.
-struct Signals {
-    /// The keeper's wait: an earlier deadline, every watcher serving, a
-    /// watcher waiting on its client, the stop.
-    keeper: Condvar,
-    /// Watchers in [`waiting`].
-    blocked: AtomicUsize,
-    /// Every watcher serves (none waits on the epoll instance).
-    saturated: AtomicBool,
-    /// Wake the keeper under the state's lock (so that it cannot miss
-    /// it between its look and its wait).
-    nudge: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>>,
-}
 
 /// The token of the stop's wake-up descriptor.
 const WAKE_TOKEN: u64 = 0;
 
 struct Entry<T> {
     fd: RawFd,
-    /// A second descriptor watched for the same connection (its wake-up
-    /// eventfd, kicked when replies wait for the socket).
-    also: Option<RawFd>,
     deadline: Option<Instant>,
     item: T,
 }
@@ -173,23 +88,13 @@ struct State<T: Parked> {
     /// Watchers alive, and of them those waiting on the epoll instance.
     alive: usize,
     watching: usize,
-    /// The keeper has let a watcher wait on its client, with none left
-    /// watching, for a grace already.
-    graced: bool,
+    /// A watcher went to serve with none left watching: the keeper starts
+    /// one.
+    short: bool,
     /// The connection each serving watcher runs, by watcher.
     serving: HashMap<u64, T::Handle>,
     next_watcher: u64,
     threads: Vec<JoinHandle<()>>,
-}
-
-impl<T> Entry<T> {
-    /// Stop watching its descriptors.
-    fn forget(&self, ep: std::os::fd::BorrowedFd<'_>) {
-        sys::epoll_forget(ep, self.fd);
-        if let Some(a) = self.also {
-            sys::epoll_forget(ep, a);
-        }
-    }
 }
 
 impl<T: Parked> State<T> {
@@ -209,7 +114,8 @@ pub(crate) struct Parking<T: Parked> {
     /// then ends at once.
     wake: OwnedFd,
     state: Mutex<State<T>>,
-    signals: Arc<Signals>,
+    /// The keeper's wait: an earlier deadline, a watcher short, the stop.
+    keeper_cv: Condvar,
     keeper: Mutex<Option<JoinHandle<()>>>,
     /// Watchers kept, and how long the others linger.
     keep: usize,
@@ -233,30 +139,17 @@ impl<T: Parked> Parking<T> {
                 closed: false,
                 alive: 0,
                 watching: 0,
-                graced: false,
+                short: false,
                 serving: HashMap::new(),
                 next_watcher: 0,
                 threads: Vec::new(),
             }),
-            signals: Arc::new(Signals {
-                keeper: Condvar::new(),
-                blocked: AtomicUsize::new(0),
-                saturated: AtomicBool::new(false),
-                nudge: std::sync::OnceLock::new(),
-            }),
+            keeper_cv: Condvar::new(),
             keeper: Mutex::new(None),
             keep: keep.max(1),
             linger,
         });
         sys::epoll_watch(p.ep.as_fd(), p.wake_fd(), WAKE_TOKEN, false)?;
-        let weak = Arc::downgrade(&p);
-        let nudge = move || {
-            if let Some(p) = weak.upgrade() {
-                let _s = p.state.lock();
-                p.signals.keeper.notify_one();
-            }
-        };
-        let _ = p.signals.nudge.set(Box::new(nudge));
         let p2 = Arc::clone(&p);
         let h = std::thread::Builder::new()
             .name("nbd-idle".into())
@@ -299,45 +192,18 @@ impl<T: Parked> Parking<T> {
     ///
     /// **Returns:** `Err(item)` after [`Parking::stop`], or when the socket
     /// cannot be watched: the caller goes on serving the connection.
-    pub(crate) fn park(
-        &self,
-        fd: RawFd,
-        also: Option<RawFd>,
-        deadline: Option<Instant>,
-        item: T,
-    ) -> Result<(), T> {
+    pub(crate) fn park(&self, fd: RawFd, deadline: Option<Instant>, item: T) -> Result<(), T> {
         let mut s = self.state.lock();
         if s.closed {
             return Err(item);
         }
         let token = s.next;
         s.next += 1;
-        // Parked by the watcher serving it: no longer served (under the
-        // same lock, so the stop never both cuts it and closes it).
-        if let Some(id) = WATCHER.with(std::cell::Cell::get) {
-            s.serving.remove(&id);
-        }
         let earliest = s.deadlines.first().map(|(d, _)| *d);
         // Entered before the socket is watched: a watcher woken at once
         // finds it.
-        s.entries.insert(
-            token,
-            Entry {
-                fd,
-                also,
-                deadline,
-                item,
-            },
-        );
-        // The socket stays in the epoll instance between parkings (its
-        // one-shot watch disarmed when it fired): re-armed in one call.
-        let watched = sys::epoll_rearm(self.ep.as_fd(), fd, token).and_then(|()| {
-            let Some(a) = also else { return Ok(()) };
-            sys::epoll_watch(self.ep.as_fd(), a, token, true).inspect_err(|_| {
-                sys::epoll_forget(self.ep.as_fd(), fd);
-            })
-        });
-        if let Err(e) = watched {
+        s.entries.insert(token, Entry { fd, deadline, item });
+        if let Err(e) = sys::epoll_watch(self.ep.as_fd(), fd, token, true) {
             eprintln!("iopages-nbd: cannot hold an idle connection without its thread: {e}");
             let e = s.entries.remove(&token).expect("entered above");
             return Err(e.item);
@@ -346,7 +212,7 @@ impl<T: Parked> Parking<T> {
             s.deadlines.insert((d, token));
             if earliest.is_none_or(|e| d < e) {
                 // The keeper may be waiting for a later deadline.
-                self.signals.keeper.notify_one();
+                self.keeper_cv.notify_one();
             }
         }
         Ok(())
@@ -379,9 +245,9 @@ impl<T: Parked> Parking<T> {
         // Never read: every watcher's wait ends now and at every later
         // try. It cannot fail short of a counter at its maximum.
         sys::eventfd_signal(self.wake.as_fd());
-        self.signals.keeper.notify_all();
+        self.keeper_cv.notify_all();
         for e in left {
-            e.forget(self.ep.as_fd());
+            sys::epoll_forget(self.ep.as_fd(), e.fd);
             e.item.close(Wake::Stop);
         }
         if let Some(h) = self.keeper.lock().take() {
@@ -398,17 +264,6 @@ impl<T: Parked> Parking<T> {
     /// A watcher: wait for a ready connection and serve it, until the
     /// stop, or until it has waited `linger` with more than `keep` alive.
     fn watch(self: Arc<Self>, id: u64) {
-        // A watcher serves every connection that comes back: asked for a
-        // short time slice, it is run soon after it wakes rather than
-        // after the client threads that its replies woke (best effort:
-        // kernels before 6.12 keep their slice).
-        let _ = sys::set_time_slice(WATCHER_SLICE);
-        WAITS.with(|w| *w.borrow_mut() = Some(Arc::clone(&self.signals)));
-        {
-            use std::os::fd::AsRawFd;
-            LOT.with(|l| l.set(Some(self.ep.as_raw_fd())));
-        }
-        WATCHER.with(|w| w.set(Some(id)));
         let mut tokens = [0u64; 1];
         loop {
             let timeout = {
@@ -418,7 +273,6 @@ impl<T: Parked> Parking<T> {
                     return;
                 }
                 s.watching += 1;
-                self.signals.saturated.store(false, Ordering::SeqCst);
                 (s.alive > self.keep).then_some(self.linger)
             };
             let got = sys::epoll_wait(self.ep.as_fd(), &mut tokens, sys::poll_ms(timeout));
@@ -443,51 +297,18 @@ impl<T: Parked> Parking<T> {
                 continue;
             };
             s.serving.insert(id, e.item.handle());
-            if s.watching == 0 {
-                // None left watching: the keeper is told when one serving
-                // waits on its client (now, or by `waiting` later).
-                self.signals.saturated.store(true, Ordering::SeqCst);
-                if self.signals.blocked.load(Ordering::SeqCst) > 0 {
-                    self.signals.keeper.notify_one();
-                }
+            if s.watching == 0 && !s.short {
+                // None left watching: the keeper starts one.
+                s.short = true;
+                self.keeper_cv.notify_one();
             }
             drop(s);
-            // The socket's watch fired and is disarmed; it stays for the
-            // next parking. A second descriptor is taken out (it may
-            // still fire).
-            if let Some(a) = e.also {
-                sys::epoll_forget(self.ep.as_fd(), a);
-            }
+            sys::epoll_forget(self.ep.as_fd(), e.fd);
             // A connection that panics ends alone (what it held is dropped
             // as it unwinds); the watcher goes on.
             let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| e.item.run()));
             self.state.lock().serving.remove(&id);
         }
-    }
-
-    /// Take the entries whose idle deadlines have passed by `now`; one
-    /// whose deadline has moved on since it parked stays, under its new
-    /// one.
-    fn due(&self, s: &mut State<T>, now: Instant) -> Vec<Entry<T>> {
-        let mut due = Vec::new();
-        while let Some(&(d, t)) = s.deadlines.first() {
-            if d > now {
-                break;
-            }
-            s.deadlines.pop_first();
-            let Some(e) = s.entries.get_mut(&t) else {
-                continue;
-            };
-            match e.item.idle_deadline() {
-                Some(later) if later > now => {
-                    e.deadline = Some(later);
-                    s.deadlines.insert((later, t));
-                }
-                None => e.deadline = None,
-                Some(_) => due.extend(s.entries.remove(&t)),
-            }
-        }
-        due
     }
 
     /// The keeper: close connections at their idle deadlines, and start a
@@ -500,38 +321,42 @@ impl<T: Parked> Parking<T> {
                     if s.closed {
                         return;
                     }
-                    // Every watcher serves: one more only if one of them
-                    // waits on its client (or its budget) past a grace —
-                    // not when they are merely short of CPU: more threads
-                    // would not serve faster then.
-                    let saturated = s.watching == 0 && !s.serving.is_empty();
-                    if saturated && self.signals.blocked.load(Ordering::SeqCst) > 0 {
-                        if !std::mem::replace(&mut s.graced, true) {
-                            self.signals.keeper.wait_for(&mut s, GRACE);
-                            // The stop may have come meanwhile.
-                            continue;
-                        }
+                    if std::mem::take(&mut s.short) && s.watching == 0 {
+                        // A watcher whose connection parks again or ends at
+                        // once is back within the grace; one held longer
+                        // gets company.
+                        self.keeper_cv.wait_for(&mut s, GRACE);
+                        // The stop may have come meanwhile.
+                        continue;
+                    }
+                    if s.watching == 0 && !s.serving.is_empty() && !s.closed {
                         if let Err(e) = self.add_watcher(&mut s) {
                             eprintln!(
                                 "iopages-nbd: cannot start a thread to watch idle connections: {e}"
                             );
                         }
                     }
-                    s.graced = false;
-                    let due = self.due(&mut s, Instant::now());
+                    let now = Instant::now();
+                    let mut due = Vec::new();
+                    while let Some(&(d, t)) = s.deadlines.first() {
+                        if d > now {
+                            break;
+                        }
+                        due.extend(s.take(t));
+                    }
                     if !due.is_empty() {
                         break due;
                     }
                     match s.deadlines.first().map(|(d, _)| *d) {
                         Some(d) => {
-                            self.signals.keeper.wait_until(&mut s, d);
+                            self.keeper_cv.wait_until(&mut s, d);
                         }
-                        None => self.signals.keeper.wait(&mut s),
+                        None => self.keeper_cv.wait(&mut s),
                     }
                 }
             };
             for e in due {
-                e.forget(self.ep.as_fd());
+                sys::epoll_forget(self.ep.as_fd(), e.fd);
                 e.item.close(Wake::Idle);
             }
         }
@@ -562,7 +387,6 @@ mod tests {
         _sock: UnixStream,
         tx: Sender<Event>,
         hold: Option<Arc<AtomicBool>>,
-        deadline: Option<Instant>,
     }
 
     impl Parked for Item {
@@ -577,20 +401,14 @@ mod tests {
         }
         fn run(self) {
             if let Some(h) = &self.hold {
-                // A wait on its client, as a connection's pump waits.
-                waiting(|| {
-                    while !h.load(Ordering::SeqCst) {
-                        std::thread::sleep(Duration::from_millis(1));
-                    }
-                });
+                while !h.load(Ordering::SeqCst) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
             }
             let _ = self.tx.send(Event::Ran(std::thread::current().id()));
         }
         fn close(self, why: Wake) {
             let _ = self.tx.send(Event::Closed(why));
-        }
-        fn idle_deadline(&self) -> Option<Instant> {
-            self.deadline
         }
     }
 
@@ -609,9 +427,8 @@ mod tests {
             _sock: ours,
             tx,
             hold: hold.clone(),
-            deadline,
         };
-        assert!(p.park(fd, None, deadline, item).is_ok());
+        assert!(p.park(fd, deadline, item).is_ok());
         (theirs, rx, hold)
     }
 
@@ -658,11 +475,8 @@ mod tests {
             _sock: ours,
             tx,
             hold: None,
-            deadline: None,
         };
-        let back = p
-            .park(fd, None, None, item)
-            .expect_err("parked after the stop");
+        let back = p.park(fd, None, item).expect_err("parked after the stop");
         assert_eq!(back._sock.as_raw_fd(), fd);
         assert!(rx.try_recv().is_err(), "resumed although refused");
         p.stop(); // idempotent
@@ -727,47 +541,6 @@ mod tests {
             ran(ra);
         }
         assert_eq!(p.watchers(), 0);
-    }
-
-    /// A watcher that serves without waiting on its client (short of CPU,
-    /// not stalled) gets no company: more threads would not serve faster.
-    #[test]
-    fn a_watcher_busy_on_the_cpu_gets_no_company() {
-        let (ours, mut theirs) = UnixStream::pair().unwrap();
-        let (tx, rx) = channel();
-        let fd = ours.as_raw_fd();
-        // `hold` set: the run spins on the CPU for 50 ms instead.
-        struct Spin(Item);
-        impl Parked for Spin {
-            type Handle = ();
-            fn handle(&self) {}
-            fn cut(_: &()) {}
-            fn run(self) {
-                let t = Instant::now();
-                while t.elapsed() < Duration::from_millis(50) {
-                    std::hint::spin_loop();
-                }
-                self.0.run();
-            }
-            fn close(self, why: Wake) {
-                self.0.close(why);
-            }
-            fn idle_deadline(&self) -> Option<Instant> {
-                None
-            }
-        }
-        let q = Parking::start(1, Duration::from_millis(20)).unwrap();
-        let item = Spin(Item {
-            _sock: ours,
-            tx,
-            hold: None,
-            deadline: None,
-        });
-        assert!(q.park(fd, None, None, item).is_ok());
-        theirs.write_all(b"x").unwrap();
-        ran(&rx);
-        assert_eq!(q.watchers(), 1, "a watcher was started for a busy one");
-        q.stop();
     }
 
     #[test]
