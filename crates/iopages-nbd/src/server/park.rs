@@ -17,7 +17,7 @@
 //! deadlines) starts another, so a connection that stalls its thread (a
 //! client that stops reading) never holds up the others. [`KEEP`]
 //! watchers stay however long they wait; more end after [`LINGER`] with
-//! nothing to serve.
+//! nothing to serve, but never the last one watching.
 //!
 //! Owns: the epoll instance, the watcher threads and the keeper, the parked
 //! connections' resumptions and their idle deadlines. Must never: resume a
@@ -262,7 +262,8 @@ impl<T: Parked> Parking<T> {
     }
 
     /// A watcher: wait for a ready connection and serve it, until the
-    /// stop, or until it has waited `linger` with more than `keep` alive.
+    /// stop, or until it has waited `linger` with more than `keep` alive
+    /// and another watching.
     fn watch(self: Arc<Self>, id: u64) {
         let mut tokens = [0u64; 1];
         loop {
@@ -289,7 +290,10 @@ impl<T: Parked> Parking<T> {
                     continue;
                 }
             };
-            if s.closed || (n == 0 && s.alive > self.keep) {
+            // A watcher past keep ends after its linger only while another
+            // watches: the kept ones may all be serving, and the keeper
+            // starts one only when a watcher goes to serve.
+            if s.closed || (n == 0 && s.alive > self.keep && s.watching > 0) {
                 s.alive -= 1;
                 return;
             }
@@ -540,6 +544,33 @@ mod tests {
         for (_, ra, _) in &stalled[1..] {
             ran(ra);
         }
+        assert_eq!(p.watchers(), 0);
+    }
+
+    #[test]
+    fn a_lingering_watcher_never_leaves_the_lot_unwatched() {
+        // One kept: a held connection takes it, the keeper starts a second
+        // watcher, and that one lingers past keep. Were it to end, the lot
+        // would have no watcher while the held one serves, and a connection
+        // coming back would wait forever (the keeper has no deadline to
+        // wake for).
+        let p = Parking::start(1, Duration::from_millis(10)).unwrap();
+        let (mut a, ra, hold) = parked(&p, None, true);
+        a.write_all(b"x").unwrap();
+        let t = Instant::now();
+        while p.watchers() < 2 && t.elapsed() < LONG {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert_eq!(p.watchers(), 2, "one serving and one watching");
+        // Many lingers later, the connection coming back is served.
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(p.watchers(), 2, "the only watcher ended");
+        let (mut b, rb, _) = parked(&p, None, false);
+        b.write_all(b"x").unwrap();
+        ran(&rb);
+        hold.unwrap().store(true, Ordering::SeqCst);
+        ran(&ra);
+        p.stop();
         assert_eq!(p.watchers(), 0);
     }
 
