@@ -440,7 +440,7 @@ fn server(f: &mut Families<'_>, t: &Stats) {
     );
     f.one(
         "iopages_connections_parked",
-        "Connections in transmission idle and waiting without a thread of their own.",
+        "Connections in transmission waiting between requests without a thread of their own.",
         Gauge,
         t.parked_connections,
     );

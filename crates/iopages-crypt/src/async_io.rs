@@ -26,6 +26,30 @@ use std::time::Instant;
 thread_local! {
     /// When the request this thread is doing again first started.
     static BEGAN: Cell<Option<Instant>> = const { Cell::new(None) };
+    /// The lane this thread's requests go in now (see [`in_lane`]).
+    static LANE: Cell<Option<usize>> = const { Cell::new(None) };
+}
+
+/// Run `f` with the requests this thread starts marked as lane `lane`: a
+/// backend with several connections keeps the requests of one lane on one
+/// of them (so that a burst from one client goes out together and its
+/// replies wake one reader once), as it otherwise keeps each thread's. A
+/// server whose few threads serve many clients in turn gives each client
+/// its own lane. Restored afterwards, a panic in `f` included.
+pub fn in_lane<R>(lane: usize, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<usize>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            LANE.with(|l| l.set(self.0));
+        }
+    }
+    let _restore = Restore(LANE.with(|l| l.replace(Some(lane))));
+    f()
+}
+
+/// The lane this thread's requests go in now ([`in_lane`]), if any.
+pub fn lane() -> Option<usize> {
+    LANE.with(Cell::get)
 }
 
 /// Run `f` — the blocking path doing a request that ended `Again` — with
@@ -114,6 +138,29 @@ pub fn declined(why: &str) -> io::Error {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[test]
+    fn a_lane_holds_for_its_closure_only_nested_ones_too_and_after_a_panic() {
+        assert_eq!(lane(), None);
+        in_lane(3, || {
+            assert_eq!(lane(), Some(3));
+            in_lane(9, || assert_eq!(lane(), Some(9)));
+            assert_eq!(lane(), Some(3));
+            let r = std::panic::catch_unwind(|| in_lane(5, || panic!("inside")));
+            assert!(r.is_err());
+            assert_eq!(lane(), Some(3));
+        });
+        assert_eq!(lane(), None);
+        // Another thread has its own.
+        assert_eq!(
+            in_lane(4, || std::thread::spawn(lane).join().unwrap()),
+            None
+        );
+        assert_eq!(
+            std::thread::spawn(|| in_lane(4, lane)).join().unwrap(),
+            Some(4)
+        );
+    }
 
     #[test]
     fn resumed_sets_the_start_for_its_closure_only_and_restores_it_after_a_panic() {

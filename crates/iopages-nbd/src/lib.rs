@@ -186,8 +186,8 @@ pub use server::rate::RateLimit;
 pub use server::serve::{
     Listen, Listener, Server, ServerOptions, StatsHandle, DEFAULT_IDLE_TIMEOUT, DEFAULT_LISTEN,
     DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HANDSHAKES, DEFAULT_MAX_INFLIGHT_BYTES,
-    DEFAULT_PEER_MIN_CONNECTIONS, DEFAULT_PEER_MIN_INFLIGHT_BYTES, HANDSHAKE_TIMEOUT,
-    REPLY_TIMEOUT,
+    DEFAULT_PARK_AFTER, DEFAULT_PEER_MIN_CONNECTIONS, DEFAULT_PEER_MIN_INFLIGHT_BYTES,
+    HANDSHAKE_TIMEOUT, REPLY_TIMEOUT,
 };
 pub use stats::{
     align_bucket, latency_bucket, latency_bucket_bound_us, size_bucket, BufferStats, CommandStats,

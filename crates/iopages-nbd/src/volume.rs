@@ -258,16 +258,22 @@ pub fn in_memory(size_bytes: u64, opts: &VolumeOptions) -> io::Result<(Volume, Z
     let made = luks::format(&file, pass.as_bytes(), &fmt).map_err(io::Error::from)?;
     file.set_len(made.data_offset_bytes() + size_bytes)?;
     drop(made);
-    // Nothing can cut the memfd shorter from now on, so its read-only
-    // mapping (buffered reads decrypt straight out of it) can never
-    // fault past the end of the file (SIGBUS).
+    // Nothing can cut the memfd shorter from now on.
     if let Err(e) = crate::sys::seal_shrink(file.as_fd()) {
         return Err(io::Error::new(e.kind(), format!("sealing the memfd: {e}")));
     }
     let luks =
         luks::open_with(&file, pass.as_bytes(), &opts.kdf_limits).map_err(io::Error::from)?;
     let path = PathBuf::from(format!("/proc/self/fd/{fd}"));
-    let vol = build(&path, None, &luks, opts)?;
+    // A memfd is memory: O_DIRECT (which shmem takes since Linux 6.6)
+    // only adds a trip through io_uring's workers to every request, where
+    // a buffered `preadv` is a copy. Only an explicit requirement gets it.
+    // Buffered, the volume is served inline by default (`--inline-max`).
+    let mut opts = opts.clone();
+    if opts.direct == DirectIo::Auto {
+        opts.direct = DirectIo::Off;
+    }
+    let vol = build(&path, None, &luks, &opts)?;
     // The UringFile opened its own descriptor of the memfd; the memory
     // lives as long as it does.
     drop(file);
@@ -286,13 +292,14 @@ fn build(
         .rings(opts.worker_count())
         .direct(opts.direct)
         .read_only(opts.read_only);
-    // An image file (or block device) is never mapped: another process
+    // Nothing is mapped. An image file (or block device): another process
     // can cut it shorter at any time, and a read copying out of a mapping
-    // past the new end raises SIGBUS, which would kill the server. Reads
-    // of an image go through `preadv`, which reports the end of file as
-    // an error instead. Only the in-memory volume, a memfd sealed against
-    // shrinking, keeps the mapping.
-    uring.map_reads = image.is_none();
+    // past the new end raises SIGBUS, which would kill the server; reads
+    // go through `preadv`, which reports the end of file as an error
+    // instead. The in-memory volume (a memfd sealed against shrinking):
+    // a read fault on one of its holes would allocate the page, so reading
+    // a fresh volume through would fill it; `preadv` reads holes as zeros.
+    uring.map_reads = false;
     let file = Arc::new(UringFile::open(path, uring)?);
     let mut io = format!(
         "{}{}",
@@ -543,9 +550,10 @@ mod tests {
 
     /// An image file is never mapped (a file cut shorter underneath would
     /// turn a mapped read into SIGBUS); reads past a truncation are
-    /// errors. The sealed in-memory volume keeps its mapping.
+    /// errors. Nor is the in-memory volume (a read fault on a hole would
+    /// fill it), which is buffered unless O_DIRECT is required.
     #[test]
-    fn image_files_are_read_with_preadv_and_only_the_sealed_memfd_is_mapped() {
+    fn image_files_and_the_memfd_are_read_with_preadv() {
         let dir = std::env::temp_dir().join(format!("iopages-volume-map-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let img = dir.join("v.img");
@@ -571,8 +579,17 @@ mod tests {
         assert!(vol.queue.target().read(0, &mut buf).is_err());
         drop(vol);
 
-        let (mem, _pass) = in_memory(1 << 20, &small()).unwrap();
-        assert!(mem.file.as_ref().unwrap().mapped(0, 256 << 10).is_some());
+        let auto = VolumeOptions {
+            direct: DirectIo::Auto,
+            ..small()
+        };
+        let (mem, _pass) = in_memory(1 << 20, &auto).unwrap();
+        let file = mem.file.as_ref().unwrap();
+        assert!(file.mapped(0, 256 << 10).is_none());
+        assert!(
+            !file.direct_io(),
+            "a memfd buffered unless O_DIRECT is required"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -222,6 +222,13 @@ pub struct ServeArgs {
     /// SECS seconds (0: never).
     #[arg(long, value_name = "SECS", default_value_t = iopages_nbd::DEFAULT_IDLE_TIMEOUT.as_secs())]
     pub(super) idle_timeout: u64,
+    /// How long a thread serving a connection with nothing in flight waits
+    /// for its client's next request before it parks the connection, in
+    /// milliseconds, unless another connection is ready first. Parked
+    /// connections wait in one epoll instance, and a few threads (one per
+    /// core) serve whichever comes back. 0: park at once.
+    #[arg(long, value_name = "MS", default_value_t = iopages_nbd::DEFAULT_PARK_AFTER.as_millis() as u64)]
+    pub(super) park_after: u64,
     /// A client that has not taken a reply SECS seconds after it was ready
     /// (or not sent a payload SECS seconds after its header) loses its
     /// connection.
@@ -309,11 +316,20 @@ pub(super) fn server_options(
         max_inflight_bytes: a.max_inflight,
         idle_timeout: (a.idle_timeout > 0).then(|| Duration::from_secs(a.idle_timeout)),
         reply_timeout: secs("reply-timeout", a.reply_timeout)?,
+        park_after: park_after(a.park_after)?,
         tls,
         ..ServerOptions::default()
     };
     share_options(a, file, &mut o)?;
     Ok(o)
+}
+
+/// `--park-after`, at most an hour (the idle timeout's default).
+fn park_after(ms: u64) -> Result<Duration, String> {
+    if ms > 3_600_000 {
+        return Err(format!("--park-after {ms}: at most 3600000 ms (an hour)"));
+    }
+    Ok(Duration::from_millis(ms))
 }
 
 /// Plaintext only on loopback: elsewhere the decrypted volume would cross

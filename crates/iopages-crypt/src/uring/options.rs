@@ -58,8 +58,11 @@ pub struct UringOptions {
     /// of the mapping while the file shrinks under it touches pages past
     /// the new end and the process gets `SIGBUS`. The size check before
     /// each mapped read narrows that window but cannot close it. Safe to
-    /// leave on for a memfd sealed with `F_SEAL_SHRINK` (what the served
-    /// in-memory volume is) or a file nothing else can open for writing.
+    /// leave on for a memfd sealed with `F_SEAL_SHRINK` or a file nothing
+    /// else can open for writing — but a memfd's hole read through the
+    /// mapping is filled (shmem allocates a page on the read fault, where
+    /// `preadv` reads zeros and allocates nothing), so a sparse memfd
+    /// (the served in-memory volume) is not mapped either.
     pub map_reads: bool,
     /// Tests only: behave as if the file system refused `O_DIRECT` at open
     /// (`EINVAL`), so the fallback path runs where it does accept it.

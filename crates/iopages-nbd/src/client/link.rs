@@ -13,6 +13,7 @@
 
 use super::*;
 use crate::stats::{LatencyCounter, LatencyHist};
+use iopages_crypt::async_io;
 use parking_lot::RwLock;
 use std::sync::atomic::AtomicU64;
 
@@ -202,16 +203,20 @@ impl Pool {
         live
     }
 
-    /// The live ones of `conns`, from this thread's own (threads are
-    /// numbered round-robin on first use) on.
+    /// The live ones of `conns`, from this thread's own on: its lane's
+    /// ([`async_io::in_lane`]: a server thread serving one client among
+    /// many), else the thread's (threads are numbered round-robin on
+    /// first use).
     fn in_turn<'a>(&self, conns: &'a [Option<Arc<Conn>>]) -> impl Iterator<Item = &'a Arc<Conn>> {
         thread_local!(static MINE: std::cell::Cell<usize> = const { std::cell::Cell::new(usize::MAX) });
         let n = conns.len();
-        let first = MINE.with(|m| {
-            if m.get() == usize::MAX {
-                m.set(self.next.fetch_add(1, Ordering::Relaxed));
-            }
-            m.get()
+        let first = async_io::lane().unwrap_or_else(|| {
+            MINE.with(|m| {
+                if m.get() == usize::MAX {
+                    m.set(self.next.fetch_add(1, Ordering::Relaxed));
+                }
+                m.get()
+            })
         }) % n;
         (0..n)
             .filter_map(move |i| conns[(first + i) % n].as_ref())

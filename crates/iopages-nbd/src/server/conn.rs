@@ -1,12 +1,14 @@
 //! Transmission on one connection: requests in, replies out, many in
 //! flight, and nothing any other thread waits on.
 //!
-//! Owns: the connection's thread (it reads each request and its payload,
-//! checks it and submits it to the crypt queue in chunks, and is the only
-//! thread that ever waits on the socket; after [`PARK_AFTER`] with
-//! nothing in flight and nothing received it returns, between two
-//! requests, so the connection can wait without a thread), the reply
-//! side (a completion
+//! Owns: the connection's thread while it has one (it reads each request
+//! and its payload, checks it and submits it to the crypt queue in
+//! chunks, and is the only thread that ever waits on the socket; between
+//! two requests, once nothing more has arrived and nothing waits to be
+//! sent, it returns — on a watcher after lingering up to
+//! `ServerOptions::park_after` while no other connection is ready,
+//! elsewhere at once — so the connection waits in the parking lot
+//! without a thread), the reply side (a completion
 //! queues its simple reply and, if nobody is sending, tries to send the
 //! queue without blocking; what the socket does not take stays queued,
 //! and the connection's thread sends it as the socket drains), FUA (the
@@ -46,6 +48,8 @@
 use crate::proto::*;
 use crate::server::buffers::{Buf, Buffers};
 use crate::server::device::{Device, Flusher};
+use crate::server::inbuf::InBuf;
+use crate::server::park;
 use crate::server::rate::Rate;
 use crate::server::shares::{Claim, PeerBudget};
 use crate::stats::Counters;
@@ -55,7 +59,8 @@ use iopages_crypt::backend::Extent;
 use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::io::{self, BufRead, Read};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, AtomicUsize, Ordering};
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -85,13 +90,6 @@ const RECALL_AFTER: Duration = Duration::from_secs(1);
 const BORROW_POLL: Duration = Duration::from_millis(50);
 /// How often a request waiting for the server's byte budget looks again.
 const BUDGET_POLL: Duration = Duration::from_millis(5);
-/// A connection with nothing in flight that receives nothing for this long
-/// gives its thread up and waits in the server's parking lot
-/// (`server/park.rs`). Long beside a request's round trip, so a client
-/// that keeps its requests coming never pays for a trip through the
-/// parking lot; short beside a human's pause, so idle connections hold no
-/// thread.
-pub(crate) const PARK_AFTER: Duration = Duration::from_millis(50);
 
 /// The deadlines and limits a connection runs under.
 #[derive(Clone, Copy, Debug)]
@@ -295,6 +293,11 @@ pub(crate) struct Conn {
     dead: AtomicBool,
     /// Requests and bytes in flight on this connection.
     gate: Mutex<(usize, u64)>,
+    /// When it was opened, and when (nanoseconds after) a completion last
+    /// left nothing in flight: where a parked connection's idle time
+    /// starts.
+    born: Instant,
+    idle_from: AtomicU64,
     /// What the connection's thread, (about to be) waiting in `poll`,
     /// must be kicked for: [`Wake`] as a `u8`, 0 while it is not waiting.
     parked: AtomicU8,
@@ -492,13 +495,25 @@ impl Conn {
         self.release(held);
     }
 
+    /// Wait (on the connection's thread only) until a release kicks the
+    /// thread and `ready` holds, or `deadline` passes: [`Conn::pump`] for
+    /// neither reading nor writing.
+    fn await_release(&self, deadline: Option<Instant>, ready: impl Fn() -> bool) -> io::Result<()> {
+        self.pump(false, false, deadline, Wake::OnRelease, ready, None)
+            .map(|_| ())
+    }
+
     /// Wait (on the connection's thread only) until the socket is
     /// readable (`read`) or writable (`write`), a release `wake` asks for
     /// or a backlog kicks the thread, or `deadline` passes; meanwhile
     /// queued replies are sent as the socket drains, and a reply older
     /// than the reply timeout gives the connection up. `ready` is checked
     /// after the thread is marked parked, so a release just before cannot
-    /// be missed.
+    /// be missed. With `lot` (the parking lot's epoll instance,
+    /// on a watcher lingering for its connection's next request), also
+    /// until other connections are ready there.
+    ///
+    /// **Returns:** whether other connections are ready in the lot.
     fn pump(
         &self,
         read: bool,
@@ -506,7 +521,8 @@ impl Conn {
         deadline: Option<Instant>,
         wake: Wake,
         ready: impl Fn() -> bool,
-    ) -> io::Result<()> {
+        lot: Option<RawFd>,
+    ) -> io::Result<bool> {
         self.flush_replies();
         self.discard_if_dead();
         let dead = self.dead.load(Ordering::Acquire);
@@ -523,20 +539,20 @@ impl Conn {
             if now >= due {
                 self.counters.reply_timeouts.fetch_add(1, Ordering::Relaxed);
                 self.kill();
-                return Ok(());
+                return Ok(false);
             }
             until = Some(until.map_or(due, |u| u.min(due)));
         }
         self.parked.store(wake as u8, Ordering::SeqCst);
         if ready() {
             self.parked.store(0, Ordering::SeqCst);
-            return Ok(());
+            return Ok(false);
         }
         let timeout = until.map(|u| u.saturating_duration_since(now));
-        let r = if dead {
-            self.t.wait_kick(timeout)
-        } else {
-            self.t.wait(read, write || backlog, timeout)
+        let r = match lot {
+            Some(lot) if !dead => self.t.wait_also(read, write || backlog, timeout, lot),
+            _ if dead => self.t.wait_kick(timeout),
+            _ => self.t.wait(read, write || backlog, timeout),
         };
         self.parked.store(0, Ordering::SeqCst);
         let r = r?;
@@ -545,16 +561,16 @@ impl Conn {
             // peer's share) or broken: nothing more can be sent, and a
             // wait that polled it again would return at once.
             self.kill();
-            return Ok(());
+            return Ok(false);
         }
         if r.writable && backlog {
             if self.t.push_out().is_err() {
                 self.kill();
-                return Ok(());
+                return Ok(false);
             }
             self.flush_replies();
         }
-        Ok(())
+        Ok(r.other)
     }
 
     fn full(&self, g: &(usize, u64), bytes: u64) -> bool {
@@ -580,7 +596,7 @@ impl Conn {
                 return Err(io::ErrorKind::BrokenPipe.into());
             }
             let room = || !self.full(&self.gate.lock(), bytes);
-            self.pump(false, false, None, Wake::OnRelease, room)?;
+            self.await_release(None, room)?;
         }
         let r = self.charge(bytes, false);
         if !matches!(r, Ok(true)) {
@@ -636,7 +652,7 @@ impl Conn {
                 BORROW_POLL
             };
             let until = Some((now + poll).min(give_up));
-            let r = self.pump(false, false, until, Wake::OnRelease, || false);
+            let r = self.await_release(until, || false);
             if let Err(e) = r {
                 self.budget.give_up(&mut claim);
                 return Err(e);
@@ -678,7 +694,7 @@ impl Conn {
                 return Err(io::ErrorKind::BrokenPipe.into());
             }
             let until = Some(Instant::now() + wait);
-            self.pump(false, false, until, Wake::OnRelease, || false)?;
+            self.await_release(until, || false)?;
         }
         Ok(())
     }
@@ -696,7 +712,37 @@ impl Conn {
             self.busy.store(g.0, Ordering::Relaxed);
             g.0 == 0
         };
+        if idle {
+            let at = self.born.elapsed().as_nanos().min(u64::MAX as u128) as u64;
+            self.idle_from.fetch_max(at, Ordering::Relaxed);
+        }
         self.uncharge(bytes, false, idle);
+    }
+
+    /// Nothing waits to be sent: no reply queued (or one being sent by a
+    /// completion, which kicks the connection if the socket is full) and
+    /// no sealed TLS record.
+    fn quiet(&self) -> bool {
+        let ob = self.outbox.lock();
+        (ob.queue.is_empty() || ob.sending) && !self.t.pending_out()
+    }
+
+    /// When a parked connection falls to the idle timeout: the timeout
+    /// after its last completion, or after now while requests are in
+    /// flight (looked at again then). `None` without an idle timeout.
+    pub(crate) fn idle_deadline(&self) -> Option<Instant> {
+        let timeout = self.limits.idle_timeout?;
+        if self.busy() {
+            return Some(Instant::now() + timeout);
+        }
+        let from = Duration::from_nanos(self.idle_from.load(Ordering::Relaxed));
+        Some(self.born + from + timeout)
+    }
+
+    /// Requests are in flight (a parked connection's replies are still to
+    /// come).
+    pub(crate) fn busy(&self) -> bool {
+        self.in_flight() > 0
     }
 
     fn in_flight(&self) -> usize {
@@ -712,10 +758,7 @@ impl Conn {
             if idle() {
                 return;
             }
-            if self
-                .pump(false, false, None, Wake::OnRelease, idle)
-                .is_err()
-            {
+            if self.await_release(None, idle).is_err() {
                 // poll itself failed: give up on the client, then wait
                 // for the completions to release their places.
                 self.kill();
@@ -827,11 +870,30 @@ struct ConnRead {
     conn: Arc<Conn>,
     phase: Phase,
     /// Nothing of the next request has been read yet, and the thread may
-    /// be given up after this long idle (see [`PARK_AFTER`]).
+    /// be given up after lingering this long (`ServerOptions::park_after`).
     park_after: Option<Duration>,
     /// The wait for a header began with requests in flight: its idle
     /// timers start when the last of them completes, which kicks it.
     busy: bool,
+    /// The thread's linger for the next request, before it is given up.
+    linger: Linger,
+}
+
+/// A connection's thread lingering for its next request before it is
+/// given up (and its watcher goes back to the parking lot).
+#[derive(Default)]
+struct Linger {
+    /// The wait [`ConnRead::wait_until`] set up is a linger: for the next
+    /// request, nothing waiting to be sent, the thread to be given up at
+    /// its end. Any other wait (a backlog the client does not take) is
+    /// one on the client.
+    on: bool,
+    /// When the linger with requests in flight began (the idle linger
+    /// counts from `Phase::Header`'s start).
+    from: Option<Instant>,
+    /// Other connections became ready in the parking lot meanwhile: the
+    /// linger ends at once.
+    others_ready: bool,
 }
 
 /// What kicks a connection's thread waiting in [`Conn::pump`], besides
@@ -854,9 +916,11 @@ enum Wake {
 pub(crate) enum Ended {
     /// The connection is closed, every request in flight completed.
     Closed,
-    /// Nothing in flight, nothing buffered, nothing received for
-    /// [`PARK_AFTER`]: the connection may wait without a thread. Its idle
-    /// deadline, if any, is `deadline`.
+    /// Nothing buffered, nothing received for `park_after` (or less, when
+    /// another connection is ready) and nothing waiting to be sent: the
+    /// connection may wait without a thread, its requests in flight, if
+    /// any, completing meanwhile. Its idle deadline, if any, is
+    /// `deadline`.
     Idle { deadline: Option<Instant> },
 }
 
@@ -893,9 +957,18 @@ impl Read for ConnRead {
             };
             let deadline = self.wait_until(Instant::now())?;
             let (conn, busy) = (&self.conn, self.busy);
-            conn.pump(!write, write, deadline, Wake::WhenIdle, || {
-                busy && conn.in_flight() == 0
-            })?;
+            // Lingering for the next request on a watcher: other
+            // connections ready in the lot end the linger.
+            let lot = self.linger.on.then(park::lot_fd).flatten();
+            let others = conn.pump(
+                !write,
+                write,
+                deadline,
+                Wake::WhenIdle,
+                || busy && conn.in_flight() == 0,
+                lot,
+            )?;
+            self.linger.others_ready |= others;
         }
     }
 }
@@ -908,6 +981,7 @@ impl ConnRead {
     /// **Returns:** `TimedOut` (counted) when a deadline has passed;
     /// [`park_signal`] when the thread should be given up.
     fn wait_until(&mut self, now: Instant) -> io::Result<Option<Instant>> {
+        self.linger.on = false;
         let counters = &self.conn.counters;
         if matches!(self.phase, Phase::Payload { .. }) {
             // A payload's wait is not about idleness.
@@ -924,7 +998,25 @@ impl ConnRead {
         if self.conn.in_flight() > 0 {
             *since = now;
             self.busy = true;
-            return Ok(None);
+            let Some(linger) = self.park_after else {
+                return Ok(None);
+            };
+            // Kicks made before are forgotten first, so a connection
+            // parked from here is resumed by a later one only.
+            self.conn.t.clear_kicks();
+            if !self.conn.quiet() {
+                return Ok(None);
+            }
+            // Between two requests with nothing left to send: after the
+            // linger (or at once, others being ready) the connection
+            // parks; the replies of those in flight go out from their
+            // completions, and a backlog kicks it back onto a thread.
+            let until = *self.linger.from.get_or_insert(now) + linger;
+            if std::mem::take(&mut self.linger.others_ready) || now >= until {
+                return Err(park_signal());
+            }
+            self.linger.on = true;
+            return Ok(Some(until));
         }
         if std::mem::take(&mut self.busy) {
             // Woken by the last completion: idle from now.
@@ -941,9 +1033,12 @@ impl ConnRead {
             .park_after
             .filter(|_| !self.conn.t.pending_out())
             .map(|p| *since + p);
-        if park.is_some_and(|p| now >= p) {
+        // Other connections ready: the linger ends now.
+        let others = std::mem::take(&mut self.linger.others_ready);
+        if park.is_some_and(|p| now >= p || others) {
             return Err(park_signal());
         }
+        self.linger.on = park.is_some();
         Ok(match (idle, park) {
             (Some(i), Some(p)) => Some(i.min(p)),
             (i, p) => i.or(p),
@@ -958,6 +1053,8 @@ pub(crate) fn open(t: Arc<Transport>, env: &ConnEnv<'_>) -> Arc<Conn> {
         outbox: Mutex::new(Outbox::default()),
         dead: AtomicBool::new(false),
         gate: Mutex::new((0, 0)),
+        born: Instant::now(),
+        idle_from: AtomicU64::new(0),
         parked: AtomicU8::new(0),
         counters: Arc::clone(env.counters),
         budget: env.budget.clone(),
@@ -979,7 +1076,7 @@ pub(crate) fn transmit(conn: &Arc<Conn>, env: &ConnEnv<'_>, park_after: Option<D
         // Headers of pipelined requests arrive together: one read takes
         // several. A payload larger than the buffer bypasses it and lands
         // in its arena buffer directly.
-        stream: io::BufReader::with_capacity(
+        stream: InBuf::new(
             READ_BUFFER_BYTES,
             ConnRead {
                 conn: Arc::clone(conn),
@@ -988,6 +1085,7 @@ pub(crate) fn transmit(conn: &Arc<Conn>, env: &ConnEnv<'_>, park_after: Option<D
                 },
                 park_after: None,
                 busy: false,
+                linger: Linger::default(),
             },
         ),
         env,
@@ -1012,6 +1110,14 @@ pub(crate) fn transmit(conn: &Arc<Conn>, env: &ConnEnv<'_>, park_after: Option<D
     Ended::Closed
 }
 
+/// Close a parked connection: its requests in flight (parked between
+/// requests) complete and their replies go first; then as [`close`].
+pub(crate) fn close_parked(conn: &Conn, idle_timeout: bool) {
+    conn.flush_replies();
+    conn.wait_idle();
+    close(conn, idle_timeout);
+}
+
 /// Close a connection with nothing in flight (an idle one: `idle_timeout`
 /// counts it as closed for idleness): TLS's close notice, if it runs TLS,
 /// then the socket.
@@ -1024,7 +1130,7 @@ pub(crate) fn close(conn: &Conn, idle_timeout: bool) {
 }
 
 struct Reader<'a, 'e> {
-    stream: io::BufReader<ConnRead>,
+    stream: InBuf<ConnRead>,
     env: &'a ConnEnv<'e>,
     conn: &'a Arc<Conn>,
     /// Give the thread up after this long idle between requests.
@@ -1296,7 +1402,9 @@ impl Reader<'_, '_> {
         if self.park_after.is_none() || !self.stream.buffer().is_empty() {
             return Ok(None);
         }
-        self.stream.get_mut().park_after = self.park_after;
+        let cr = self.stream.get_mut();
+        cr.park_after = self.park_after;
+        cr.linger.from = None;
         let r = self.stream.fill_buf().map(|_| ());
         let cr = self.stream.get_mut();
         cr.park_after = None;

@@ -2,10 +2,11 @@
 //! queue — the listeners and the threads that serve them, the handshake,
 //! transmission, the exports, and the limits shared among peers.
 //!
-//! Owns: the listeners, one thread per acceptor and per connection with
-//! work, and server-wide shutdown (`serve.rs`); idle connections held
-//! without a thread in one epoll instance, and the watcher threads that
-//! serve them when they come back (`park.rs`); option haggling up to GO or
+//! Owns: the listeners, one thread per acceptor, and server-wide shutdown
+//! (`serve.rs`); connections between their requests held without a
+//! thread in one epoll instance, and the watcher threads (one per core)
+//! that serve them when they come back (`park.rs`), each with a read
+//! buffer it keeps between connections (`inbuf.rs`); option haggling up to GO or
 //! EXPORT_NAME (`handshake.rs`); transmission — requests, replies, the
 //! in-flight accounting and the byte budget of a connection (`conn.rs`);
 //! the exports and their lazy opening (`export.rs`), the device a request
@@ -30,6 +31,7 @@ pub(crate) mod conn;
 pub(crate) mod device;
 pub(crate) mod export;
 pub(crate) mod handshake;
+pub(crate) mod inbuf;
 pub(crate) mod park;
 pub(crate) mod peer;
 pub(crate) mod rate;

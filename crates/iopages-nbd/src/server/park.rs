@@ -1,11 +1,15 @@
-//! Idle connections held without a thread: [`Parking`].
+//! Connections between their requests, held without a thread: [`Parking`].
 //!
-//! A connection in transmission with nothing in flight, nothing buffered
-//! and nothing received for [`PARK_AFTER`](crate::server::conn::PARK_AFTER)
-//! gives its thread up: its socket is watched here, in one `epoll`
-//! instance, until the client sends something (or hangs up, or the server
-//! shuts the socket down for another peer's share), its idle deadline
-//! passes, or the server stops.
+//! A connection in transmission whose next request has not arrived, with
+//! nothing buffered and nothing waiting to be sent, gives its thread up
+//! (requests in flight or not: their completions send their replies) —
+//! after its watcher has lingered up to `ServerOptions::park_after` while
+//! no other connection was ready ([`lot_fd`]): its socket is watched here, in one `epoll` instance, until the
+//! client sends something (or hangs up, or the server shuts the socket
+//! down for another peer's share), a reply finds the socket full (its
+//! wake-up descriptor is watched too while requests are in flight), its
+//! idle deadline passes, or the server stops. This is the server's event
+//! loop: the watchers below serve every connection that comes back.
 //!
 //! The threads that wait on the epoll instance serve what they are woken
 //! for themselves (leader/followers): the thread that takes a ready
@@ -14,10 +18,13 @@
 //! back costs one wake-up, as a thread blocked on its socket would. While
 //! one serves, the others keep watching; when none is left watching, the
 //! keeper thread (`nbd-idle`, which also closes connections at their idle
-//! deadlines) starts another, so a connection that stalls its thread (a
-//! client that stops reading) never holds up the others. [`KEEP`]
-//! watchers stay however long they wait; more end after [`LINGER`] with
-//! nothing to serve, but never the last one watching.
+//! deadlines) starts another once every watcher has served for [`GRACE`],
+//! so a connection that holds its thread (a client that stops reading, a
+//! WRITE_ZEROES flood waiting for its share) never holds up the others.
+//! [`watchers_kept`] watchers (one per core) stay however long they wait;
+//! more end after [`LINGER`] with nothing to serve, but never the last
+//! one watching. Each asks the scheduler for a short time slice, so it
+//! runs soon after it wakes.
 //!
 //! Owns: the epoll instance, the watcher threads and the keeper, the parked
 //! connections' resumptions and their idle deadlines. Must never: resume a
@@ -55,25 +62,59 @@ pub(crate) trait Parked: Send + 'static {
     /// Its client sent something (or hung up): serve it on this thread,
     /// until it parks again or ends.
     fn run(self);
+    /// Its idle deadline as it stands now, looked at when the one it was
+    /// parked with passes (a connection parked with requests in flight is
+    /// idle only from its last completion): a later one keeps it parked,
+    /// `None` keeps it without one.
+    fn idle_deadline(&self) -> Option<Instant>;
     /// Close it without serving it.
     fn close(self, why: Wake);
 }
 
-/// Watchers kept however long they wait.
-pub(crate) const KEEP: usize = 2;
-/// How long a watcher past [`KEEP`] waits for a connection before it ends.
+/// Watchers kept however long they wait, in tests.
+#[cfg(test)]
+const KEEP: usize = 2;
+
+/// Watchers kept however long they wait: one per core, at least two (so
+/// that one watches while another serves).
+pub(crate) fn watchers_kept() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get().max(2))
+}
+
+/// The time slice a watcher asks the scheduler for (EEVDF's custom slice;
+/// the default is 0.75 ms times 1 + log2 of the CPUs).
+const WATCHER_SLICE: Duration = Duration::from_micros(100);
+/// How long a watcher past those kept waits for a connection before it
+/// ends.
 pub(crate) const LINGER: Duration = Duration::from_millis(100);
 
-/// How long the keeper lets every watcher be busy before it starts
-/// another: what a connection that holds its thread (a client that stops
-/// reading) can delay the others by.
+/// How long the keeper lets every watcher serve before it starts another:
+/// what a connection that holds its thread (a client that stops reading)
+/// can delay the others by.
 const GRACE: Duration = Duration::from_millis(1);
+
+thread_local! {
+    /// On a watcher thread, its lot's epoll instance.
+    static LOT: std::cell::Cell<Option<RawFd>> = const { std::cell::Cell::new(None) };
+    /// On a watcher thread, its number (its key in `State::serving`).
+    static WATCHER: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
+}
+
+/// On a watcher thread, its lot's epoll instance: readable while other
+/// connections are ready (a connection lingering for its next request is
+/// parked then, so the watcher serves them).
+pub(crate) fn lot_fd() -> Option<RawFd> {
+    LOT.with(std::cell::Cell::get)
+}
 
 /// The token of the stop's wake-up descriptor.
 const WAKE_TOKEN: u64 = 0;
 
 struct Entry<T> {
     fd: RawFd,
+    /// A second descriptor watched for the same connection (its wake-up
+    /// eventfd, kicked when replies wait for the socket).
+    also: Option<RawFd>,
     deadline: Option<Instant>,
     item: T,
 }
@@ -88,13 +129,26 @@ struct State<T: Parked> {
     /// Watchers alive, and of them those waiting on the epoll instance.
     alive: usize,
     watching: usize,
-    /// A watcher went to serve with none left watching: the keeper starts
-    /// one.
-    short: bool,
+    /// Times a watcher came back to the epoll instance: a watcher serving
+    /// connections in turn comes back between them.
+    returns: u64,
+    /// The keeper waits out a grace with every watcher serving: `returns`
+    /// and the time when it began.
+    graced: Option<(u64, Instant)>,
     /// The connection each serving watcher runs, by watcher.
     serving: HashMap<u64, T::Handle>,
     next_watcher: u64,
     threads: Vec<JoinHandle<()>>,
+}
+
+impl<T> Entry<T> {
+    /// Stop watching its descriptors.
+    fn forget(&self, ep: std::os::fd::BorrowedFd<'_>) {
+        sys::epoll_forget(ep, self.fd);
+        if let Some(a) = self.also {
+            sys::epoll_forget(ep, a);
+        }
+    }
 }
 
 impl<T: Parked> State<T> {
@@ -114,7 +168,8 @@ pub(crate) struct Parking<T: Parked> {
     /// then ends at once.
     wake: OwnedFd,
     state: Mutex<State<T>>,
-    /// The keeper's wait: an earlier deadline, a watcher short, the stop.
+    /// The keeper's wait: an earlier deadline, every watcher serving, the
+    /// stop.
     keeper_cv: Condvar,
     keeper: Mutex<Option<JoinHandle<()>>>,
     /// Watchers kept, and how long the others linger.
@@ -139,7 +194,8 @@ impl<T: Parked> Parking<T> {
                 closed: false,
                 alive: 0,
                 watching: 0,
-                short: false,
+                returns: 0,
+                graced: None,
                 serving: HashMap::new(),
                 next_watcher: 0,
                 threads: Vec::new(),
@@ -192,18 +248,45 @@ impl<T: Parked> Parking<T> {
     ///
     /// **Returns:** `Err(item)` after [`Parking::stop`], or when the socket
     /// cannot be watched: the caller goes on serving the connection.
-    pub(crate) fn park(&self, fd: RawFd, deadline: Option<Instant>, item: T) -> Result<(), T> {
+    pub(crate) fn park(
+        &self,
+        fd: RawFd,
+        also: Option<RawFd>,
+        deadline: Option<Instant>,
+        item: T,
+    ) -> Result<(), T> {
         let mut s = self.state.lock();
         if s.closed {
             return Err(item);
         }
         let token = s.next;
         s.next += 1;
+        // Parked by the watcher serving it: no longer served (under the
+        // same lock, so the stop never both cuts it and closes it).
+        if let Some(id) = WATCHER.with(std::cell::Cell::get) {
+            s.serving.remove(&id);
+        }
         let earliest = s.deadlines.first().map(|(d, _)| *d);
         // Entered before the socket is watched: a watcher woken at once
         // finds it.
-        s.entries.insert(token, Entry { fd, deadline, item });
-        if let Err(e) = sys::epoll_watch(self.ep.as_fd(), fd, token, true) {
+        s.entries.insert(
+            token,
+            Entry {
+                fd,
+                also,
+                deadline,
+                item,
+            },
+        );
+        // The socket stays in the epoll instance between parkings (its
+        // one-shot watch disarmed when it fired): re-armed in one call.
+        let watched = sys::epoll_rearm(self.ep.as_fd(), fd, token).and_then(|()| {
+            let Some(a) = also else { return Ok(()) };
+            sys::epoll_watch(self.ep.as_fd(), a, token, true).inspect_err(|_| {
+                sys::epoll_forget(self.ep.as_fd(), fd);
+            })
+        });
+        if let Err(e) = watched {
             eprintln!("iopages-nbd: cannot hold an idle connection without its thread: {e}");
             let e = s.entries.remove(&token).expect("entered above");
             return Err(e.item);
@@ -247,7 +330,7 @@ impl<T: Parked> Parking<T> {
         sys::eventfd_signal(self.wake.as_fd());
         self.keeper_cv.notify_all();
         for e in left {
-            sys::epoll_forget(self.ep.as_fd(), e.fd);
+            e.forget(self.ep.as_fd());
             e.item.close(Wake::Stop);
         }
         if let Some(h) = self.keeper.lock().take() {
@@ -265,6 +348,16 @@ impl<T: Parked> Parking<T> {
     /// stop, or until it has waited `linger` with more than `keep` alive
     /// and another watching.
     fn watch(self: Arc<Self>, id: u64) {
+        // A watcher serves every connection that comes back: asked for a
+        // short time slice, it is run soon after it wakes rather than
+        // after the client threads that its replies woke (best effort:
+        // kernels before 6.12 keep their slice).
+        let _ = sys::set_time_slice(WATCHER_SLICE);
+        {
+            use std::os::fd::AsRawFd;
+            LOT.with(|l| l.set(Some(self.ep.as_raw_fd())));
+        }
+        WATCHER.with(|w| w.set(Some(id)));
         let mut tokens = [0u64; 1];
         loop {
             let timeout = {
@@ -274,6 +367,7 @@ impl<T: Parked> Parking<T> {
                     return;
                 }
                 s.watching += 1;
+                s.returns += 1;
                 (s.alive > self.keep).then_some(self.linger)
             };
             let got = sys::epoll_wait(self.ep.as_fd(), &mut tokens, sys::poll_ms(timeout));
@@ -301,13 +395,18 @@ impl<T: Parked> Parking<T> {
                 continue;
             };
             s.serving.insert(id, e.item.handle());
-            if s.watching == 0 && !s.short {
-                // None left watching: the keeper starts one.
-                s.short = true;
+            if s.watching == 0 && s.graced.is_none() {
+                // None left watching: the keeper starts one if it lasts
+                // (one already waiting out a grace looks again at its end).
                 self.keeper_cv.notify_one();
             }
             drop(s);
-            sys::epoll_forget(self.ep.as_fd(), e.fd);
+            // The socket's watch fired and is disarmed; it stays for the
+            // next parking. A second descriptor is taken out (it may
+            // still fire).
+            if let Some(a) = e.also {
+                sys::epoll_forget(self.ep.as_fd(), a);
+            }
             // A connection that panics ends alone (what it held is dropped
             // as it unwinds); the watcher goes on.
             let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| e.item.run()));
@@ -315,8 +414,68 @@ impl<T: Parked> Parking<T> {
         }
     }
 
+    /// Take the entries whose idle deadlines have passed by `now`; one
+    /// whose deadline has moved on since it parked stays, under its new
+    /// one.
+    fn due(&self, s: &mut State<T>, now: Instant) -> Vec<Entry<T>> {
+        let mut due = Vec::new();
+        while let Some(&(d, t)) = s.deadlines.first() {
+            if d > now {
+                break;
+            }
+            s.deadlines.pop_first();
+            let Some(e) = s.entries.get_mut(&t) else {
+                continue;
+            };
+            match e.item.idle_deadline() {
+                Some(later) if later > now => {
+                    e.deadline = Some(later);
+                    s.deadlines.insert((later, t));
+                }
+                None => e.deadline = None,
+                Some(_) => due.extend(s.entries.remove(&t)),
+            }
+        }
+        due
+    }
+
+    /// The keeper's look at the watchers: when every one has served, none
+    /// coming back to the epoll instance, for [`GRACE`], start another.
+    /// Watchers serving connections in turn come back between them (more
+    /// threads would not serve those faster); a watcher held by one
+    /// connection — a client that stops reading, a budget, long work such
+    /// as a WRITE_ZEROES flood — does not, whether it waits or works.
+    ///
+    /// **Returns:** `true` after waiting (part of) the grace out: the
+    /// caller looks again.
+    fn grace(self: &Arc<Self>, s: &mut parking_lot::MutexGuard<'_, State<T>>) -> bool {
+        if s.watching > 0 || s.serving.is_empty() {
+            s.graced = None;
+            return false;
+        }
+        let now = Instant::now();
+        match s.graced {
+            Some((r, since)) if r == s.returns && now >= since + GRACE => {
+                s.graced = None;
+                if let Err(e) = self.add_watcher(s) {
+                    eprintln!("iopages-nbd: cannot start a thread to watch idle connections: {e}");
+                }
+                false
+            }
+            Some((r, since)) if r == s.returns => {
+                self.keeper_cv.wait_until(s, since + GRACE);
+                true
+            }
+            _ => {
+                s.graced = Some((s.returns, now));
+                self.keeper_cv.wait_until(s, now + GRACE);
+                true
+            }
+        }
+    }
+
     /// The keeper: close connections at their idle deadlines, and start a
-    /// watcher when none is left watching.
+    /// watcher when every one has served for a grace ([`Parking::grace`]).
     fn keep_deadlines(self: Arc<Self>) {
         loop {
             let due = {
@@ -325,29 +484,11 @@ impl<T: Parked> Parking<T> {
                     if s.closed {
                         return;
                     }
-                    if std::mem::take(&mut s.short) && s.watching == 0 {
-                        // A watcher whose connection parks again or ends at
-                        // once is back within the grace; one held longer
-                        // gets company.
-                        self.keeper_cv.wait_for(&mut s, GRACE);
+                    if self.grace(&mut s) {
                         // The stop may have come meanwhile.
                         continue;
                     }
-                    if s.watching == 0 && !s.serving.is_empty() && !s.closed {
-                        if let Err(e) = self.add_watcher(&mut s) {
-                            eprintln!(
-                                "iopages-nbd: cannot start a thread to watch idle connections: {e}"
-                            );
-                        }
-                    }
-                    let now = Instant::now();
-                    let mut due = Vec::new();
-                    while let Some(&(d, t)) = s.deadlines.first() {
-                        if d > now {
-                            break;
-                        }
-                        due.extend(s.take(t));
-                    }
+                    let due = self.due(&mut s, Instant::now());
                     if !due.is_empty() {
                         break due;
                     }
@@ -360,7 +501,7 @@ impl<T: Parked> Parking<T> {
                 }
             };
             for e in due {
-                sys::epoll_forget(self.ep.as_fd(), e.fd);
+                e.forget(self.ep.as_fd());
                 e.item.close(Wake::Idle);
             }
         }
@@ -391,6 +532,7 @@ mod tests {
         _sock: UnixStream,
         tx: Sender<Event>,
         hold: Option<Arc<AtomicBool>>,
+        deadline: Option<Instant>,
     }
 
     impl Parked for Item {
@@ -414,6 +556,9 @@ mod tests {
         fn close(self, why: Wake) {
             let _ = self.tx.send(Event::Closed(why));
         }
+        fn idle_deadline(&self) -> Option<Instant> {
+            self.deadline
+        }
     }
 
     /// A connection parked in `p`: the client's end, what happens to it,
@@ -431,8 +576,9 @@ mod tests {
             _sock: ours,
             tx,
             hold: hold.clone(),
+            deadline,
         };
-        assert!(p.park(fd, deadline, item).is_ok());
+        assert!(p.park(fd, None, deadline, item).is_ok());
         (theirs, rx, hold)
     }
 
@@ -479,8 +625,11 @@ mod tests {
             _sock: ours,
             tx,
             hold: None,
+            deadline: None,
         };
-        let back = p.park(fd, None, item).expect_err("parked after the stop");
+        let back = p
+            .park(fd, None, None, item)
+            .expect_err("parked after the stop");
         assert_eq!(back._sock.as_raw_fd(), fd);
         assert!(rx.try_recv().is_err(), "resumed although refused");
         p.stop(); // idempotent
@@ -545,6 +694,59 @@ mod tests {
             ran(ra);
         }
         assert_eq!(p.watchers(), 0);
+    }
+
+    /// A watcher serving one connection long without waiting on its
+    /// client (long work, as WRITE_ZEROES floods make) gets company after
+    /// the grace: another connection is served meanwhile.
+    #[test]
+    fn a_watcher_serving_long_gets_company_after_the_grace() {
+        let (ours, mut theirs) = UnixStream::pair().unwrap();
+        let (tx, rx) = channel();
+        let fd = ours.as_raw_fd();
+        // Its run takes `.1`.
+        struct Spin(Item, Duration);
+        impl Parked for Spin {
+            type Handle = ();
+            fn handle(&self) {}
+            fn cut(_: &()) {}
+            fn run(self) {
+                std::thread::sleep(self.1);
+                self.0.run();
+            }
+            fn close(self, why: Wake) {
+                self.0.close(why);
+            }
+            fn idle_deadline(&self) -> Option<Instant> {
+                None
+            }
+        }
+        let q = Parking::start(1, Duration::from_millis(20)).unwrap();
+        let item = |sock, tx, spin| {
+            let i = Item {
+                _sock: sock,
+                tx,
+                hold: None,
+                deadline: None,
+            };
+            Spin(i, spin)
+        };
+        let spinning = item(ours, tx, Duration::from_millis(300));
+        assert!(q.park(fd, None, None, spinning).is_ok());
+        theirs.write_all(b"x").unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        let (ours_b, mut b) = UnixStream::pair().unwrap();
+        let (tb, rb) = channel();
+        let fd_b = ours_b.as_raw_fd();
+        assert!(q
+            .park(fd_b, None, None, item(ours_b, tb, Duration::ZERO))
+            .is_ok());
+        b.write_all(b"x").unwrap();
+        // Served while the first still spins.
+        ran(&rb);
+        assert!(rx.try_recv().is_err(), "the spinning one ended first");
+        ran(&rx);
+        q.stop();
     }
 
     #[test]

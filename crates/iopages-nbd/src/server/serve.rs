@@ -39,7 +39,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The default TCP address: loopback, the NBD port.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:10809";
@@ -65,6 +65,14 @@ pub const DEFAULT_MAX_INFLIGHT_BYTES: u64 = 256 << 20;
 /// A connection with nothing in flight that sends nothing this long is
 /// closed, by default.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// How long a watcher serving a connection with nothing in flight waits
+/// for the client's next request before it parks the connection, by
+/// default — while no other connection is ready: one that is ends the wait
+/// at once. A client alone (or sending requests back to back) keeps its
+/// watcher; under contention a few threads (one per core) serve every
+/// connection in turn.
+pub const DEFAULT_PARK_AFTER: Duration = Duration::from_millis(50);
 
 /// Server-wide limits and TLS.
 #[derive(Clone, Debug)]
@@ -96,6 +104,12 @@ pub struct ServerOptions {
     pub idle_timeout: Option<Duration>,
     /// See [`REPLY_TIMEOUT`].
     pub reply_timeout: Duration,
+    /// How long a watcher serving a connection with nothing in flight
+    /// waits for its next request before it parks it, unless another
+    /// connection is ready first (see [`DEFAULT_PARK_AFTER`]; 0: at once;
+    /// a connection with requests in flight parks as soon as nothing more
+    /// has arrived and nothing waits to be sent).
+    pub park_after: Duration,
     /// TLS credentials and mode (`None`: plaintext only; NBD_OPT_STARTTLS
     /// is refused with NBD_REP_ERR_POLICY).
     pub tls: Option<TlsConfig>,
@@ -111,6 +125,7 @@ impl Default for ServerOptions {
             peer_min_inflight_bytes: DEFAULT_PEER_MIN_INFLIGHT_BYTES,
             idle_timeout: Some(DEFAULT_IDLE_TIMEOUT),
             reply_timeout: REPLY_TIMEOUT,
+            park_after: DEFAULT_PARK_AFTER,
             tls: None,
         }
     }
@@ -359,7 +374,7 @@ impl Server {
             bound.left.give_back();
             return Err(e);
         }
-        let parking = Parking::start(park::KEEP, park::LINGER).map_err(|source| {
+        let parking = Parking::start(park::watchers_kept(), park::LINGER).map_err(|source| {
             bound.left.give_back();
             Error::Listen {
                 addr: "the idle connections' epoll".into(),
@@ -1018,8 +1033,14 @@ struct Session {
     export: usize,
     agreed: Negotiated,
     conn: Arc<conn::Conn>,
+    /// Its requests' lane to a backend with several connections
+    /// (`async_io::in_lane`): its own, whichever thread serves it.
+    lane: usize,
     _open: Open,
 }
+
+/// The next session's lane.
+static NEXT_LANE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 impl Session {
     fn new(
@@ -1041,6 +1062,7 @@ impl Session {
             export,
             agreed,
             conn,
+            lane: NEXT_LANE.fetch_add(1, Ordering::Relaxed),
             _open: open,
         }
     }
@@ -1088,14 +1110,26 @@ fn run_session(mut session: Session) {
         let ended = {
             let env = env_of(&session.s, session.export, &session.place, &session.agreed);
             let stopping = session.s.stopping.load(Ordering::SeqCst);
-            let park_after = (park && !stopping).then_some(conn::PARK_AFTER);
-            conn::transmit(&session.conn, &env, park_after)
+            // A watcher lingers for the next request while no other
+            // connection is ready; any other thread (the one that ran the
+            // handshake) hands the connection to the watchers at once.
+            let linger = match park::lot_fd() {
+                Some(_) => session.s.opts.park_after,
+                None => Duration::ZERO,
+            };
+            let park_after = (park && !stopping).then_some(linger);
+            iopages_crypt::async_io::in_lane(session.lane, || {
+                conn::transmit(&session.conn, &env, park_after)
+            })
         };
         let conn::Ended::Idle { deadline } = ended else {
             return;
         };
         let parking = Arc::clone(&session.s.parking);
-        match parking.park(session.t.raw_fd(), deadline, session) {
+        // With requests in flight, a reply that finds the socket full kicks
+        // the connection's wake-up descriptor: watched too.
+        let wake = session.conn.busy().then(|| session.t.wake_fd());
+        match parking.park(session.t.raw_fd(), wake, deadline, session) {
             Ok(()) => return,
             // Stopping, or the socket cannot be watched: served here.
             Err(back) => {
@@ -1121,7 +1155,10 @@ impl Parked for Session {
         run_session(self);
     }
     fn close(self, why: Wake) {
-        conn::close(&self.conn, why == Wake::Idle);
+        conn::close_parked(&self.conn, why == Wake::Idle);
+    }
+    fn idle_deadline(&self) -> Option<Instant> {
+        self.conn.idle_deadline()
     }
 }
 
@@ -1150,6 +1187,14 @@ mod tests {
         disk: Arc<dyn Backend>,
         opts: ServerOptions,
     ) -> (iopages::PageAllocator, Server) {
+        server_as(disk, ExportConfig::new("v"), opts)
+    }
+
+    fn server_as(
+        disk: Arc<dyn Backend>,
+        config: ExportConfig,
+        opts: ServerOptions,
+    ) -> (iopages::PageAllocator, Server) {
         let alloc = iopages::PageAllocator::builder()
             .size_bytes(32 << 20)
             .build()
@@ -1160,7 +1205,7 @@ mod tests {
         let target = CryptTarget::new(&alloc, cipher, disk, TargetConfig::default()).unwrap();
         let queue = Arc::new(CryptQueue::new(Arc::new(target), QueueConfig::default()).unwrap());
         let listen = [Listen::Tcp("127.0.0.1:0".parse().unwrap())];
-        let s = Server::start_with(queue, ExportConfig::new("v"), opts, &listen).unwrap();
+        let s = Server::start_with(queue, config, opts, &listen).unwrap();
         (alloc, s)
     }
 
@@ -1328,6 +1373,148 @@ mod tests {
         await_stats(&s, "closed", |st| st.open_connections == 0);
         assert_eq!(s.stats().idle_closes, 1);
         assert_eq!(s.stats().read.requests, 1);
+    }
+
+    /// Send a READ of `len` bytes at 0 with `cookie`, without reading its
+    /// reply.
+    fn send_read(c: &mut TcpStream, cookie: u64, len: u32) {
+        let mut r = REQUEST_MAGIC.to_be_bytes().to_vec();
+        r.extend_from_slice(&0u16.to_be_bytes());
+        r.extend_from_slice(&CMD_READ.to_be_bytes());
+        r.extend_from_slice(&cookie.to_be_bytes());
+        r.extend_from_slice(&0u64.to_be_bytes());
+        r.extend_from_slice(&len.to_be_bytes());
+        c.write_all(&r).unwrap();
+    }
+
+    /// Read one simple reply with `len` bytes of data: its cookie and
+    /// error.
+    fn recv_reply(c: &mut TcpStream, len: usize) -> (u64, u32) {
+        let mut h = [0u8; 16];
+        c.read_exact(&mut h).unwrap();
+        assert_eq!(&h[..4], &SIMPLE_REPLY_MAGIC.to_be_bytes());
+        let error = u32::from_be_bytes(h[4..8].try_into().unwrap());
+        if error == 0 {
+            let mut d = vec![0u8; len];
+            c.read_exact(&mut d).unwrap();
+        }
+        (u64::from_be_bytes(h[8..16].try_into().unwrap()), error)
+    }
+
+    /// Between requests a connection gives its thread up even with a
+    /// request in flight; the reply still comes, from its completion.
+    #[test]
+    fn a_connection_with_a_request_in_flight_waits_without_a_thread() {
+        let slow = SlowReads(RamDisk::new(1 << 20).unwrap(), Duration::from_millis(300));
+        let (_alloc, s) = server_over(Arc::new(slow), ServerOptions::default());
+        let (mut c, kind) = go(&s);
+        assert_eq!(kind, Some(REP_ACK));
+        send_read(&mut c, 7, 512);
+        await_stats(&s, "parked with its read in flight", |st| {
+            st.parked_connections == 1 && st.in_flight == 1
+        });
+        assert_eq!(recv_reply(&mut c, 512), (7, 0));
+        assert_eq!(read_512(&mut c, 8), 0, "served again after");
+        drop(c);
+        await_stats(&s, "closed", |st| st.open_connections == 0);
+        assert_eq!(s.shared.shares.snapshot(), Default::default());
+    }
+
+    /// A watcher that lingers for its connection's next request stops as
+    /// soon as another connection is ready: with a linger far longer than
+    /// the test, more connections than watchers take turns and each is
+    /// served at once.
+    #[test]
+    fn a_lingering_watcher_leaves_its_connection_when_another_is_ready() {
+        // Served inline: nothing stays in flight, so a watcher lingers.
+        let mut config = ExportConfig::new("v");
+        config.inline_max_bytes = 64 << 10;
+        let opts = ServerOptions {
+            max_connections: 64,
+            park_after: Duration::from_secs(30),
+            ..ServerOptions::default()
+        };
+        let (_alloc, s) = server_as(Arc::new(RamDisk::new(1 << 20).unwrap()), config, opts);
+        let n = park::watchers_kept() + 2;
+        let mut cs: Vec<TcpStream> = (0..n).map(|_| go(&s).0).collect();
+        for c in &cs {
+            c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        }
+        let t = std::time::Instant::now();
+        for round in 0..3u64 {
+            for (i, c) in cs.iter_mut().enumerate() {
+                assert_eq!(read_512(c, round * 100 + i as u64), 0);
+            }
+        }
+        // Each read was answered once the one before it was: no read
+        // waited for a linger to run out.
+        assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
+        assert_eq!(s.stats().read.requests, 3 * n as u64);
+        drop(cs);
+        await_stats(&s, "closed", |st| st.open_connections == 0);
+    }
+
+    /// Replies of a parked connection that find the socket full kick it:
+    /// a watcher takes it back and sends them as the client reads.
+    #[test]
+    fn replies_that_find_the_socket_full_bring_a_parked_connection_back() {
+        const N: u64 = 96;
+        const LEN: u32 = 256 << 10;
+        let slow = SlowReads(RamDisk::new(1 << 20).unwrap(), Duration::from_millis(2));
+        // Parked as soon as its reads are in (no linger while replies
+        // come in).
+        let opts = ServerOptions {
+            park_after: Duration::ZERO,
+            ..ServerOptions::default()
+        };
+        let (_alloc, s) = server_over(Arc::new(slow), opts);
+        let (mut c, kind) = go(&s);
+        assert_eq!(kind, Some(REP_ACK));
+        for cookie in 0..N {
+            send_read(&mut c, cookie, LEN);
+        }
+        await_stats(&s, "parked with reads in flight", |st| {
+            st.parked_connections == 1 && st.in_flight > 0
+        });
+        // 24 MiB of replies: the socket fills long before they are out,
+        // and the connection is taken back to wait for it.
+        await_stats(&s, "taken back for its backlog", |st| {
+            st.parked_connections == 0 && st.in_flight > 0
+        });
+        // Replies come in the order the workers finish.
+        let mut cookies: Vec<u64> = (0..N)
+            .map(|_| {
+                let (cookie, error) = recv_reply(&mut c, LEN as usize);
+                assert_eq!(error, 0);
+                cookie
+            })
+            .collect();
+        cookies.sort_unstable();
+        assert_eq!(cookies, (0..N).collect::<Vec<_>>());
+        assert_eq!(read_512(&mut c, N), 0);
+        drop(c);
+        await_stats(&s, "closed", |st| st.open_connections == 0);
+        assert_eq!(s.stats().read.requests, N + 1);
+        assert_eq!(s.shared.shares.snapshot(), Default::default());
+    }
+
+    /// The stop lets a parked connection's request in flight complete and
+    /// its reply go out before it closes the connection.
+    #[test]
+    fn stopping_answers_a_parked_connections_request_in_flight_first() {
+        let slow = SlowReads(RamDisk::new(1 << 20).unwrap(), Duration::from_millis(300));
+        let (_alloc, mut s) = server_over(Arc::new(slow), ServerOptions::default());
+        let (mut c, _) = go(&s);
+        send_read(&mut c, 3, 512);
+        await_stats(&s, "parked with its read in flight", |st| {
+            st.parked_connections == 1 && st.in_flight == 1
+        });
+        s.stop_serving();
+        assert_eq!(recv_reply(&mut c, 512), (3, 0));
+        let mut b = [0u8; 1];
+        assert!(matches!(c.read(&mut b), Ok(0) | Err(_)));
+        assert_eq!(s.stats().in_flight, 0);
+        assert_eq!(s.stats().open_connections, 0);
     }
 
     #[test]

@@ -16,7 +16,7 @@ use crate::tls::session::TlsSession;
 use crate::transport::stream::Stream;
 use openssl::ssl::SslAcceptor;
 use std::io::{self, IoSlice, Read, Write};
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -29,6 +29,9 @@ pub(crate) struct Ready {
     pub(crate) hangup: bool,
     /// Another thread kicked the wake-up descriptor.
     pub(crate) woken: bool,
+    /// The other descriptor waited on ([`Transport::wait_also`]) is
+    /// readable.
+    pub(crate) other: bool,
 }
 
 /// A connection's transport.
@@ -54,6 +57,19 @@ impl Transport {
     /// parked; the transport keeps it open).
     pub(crate) fn raw_fd(&self) -> std::os::fd::RawFd {
         self.sock.as_raw_fd()
+    }
+
+    /// The wake-up descriptor's (watched beside the socket while the
+    /// connection is parked with requests in flight: a reply that finds
+    /// the socket full kicks it).
+    pub(crate) fn wake_fd(&self) -> std::os::fd::RawFd {
+        self.wake.as_raw_fd()
+    }
+
+    /// Forget kicks already made (before the connection is parked, so
+    /// that only a later one resumes it).
+    pub(crate) fn clear_kicks(&self) {
+        sys::eventfd_drain(self.wake.as_fd());
     }
 
     /// Whether the session runs under TLS.
@@ -151,14 +167,26 @@ impl Transport {
         write: bool,
         timeout: Option<Duration>,
     ) -> io::Result<Ready> {
-        self.wait_on(true, read, write, timeout)
+        self.wait_on(true, read, write, timeout, None)
+    }
+
+    /// As [`Transport::wait`], and also until `also` is readable (the
+    /// parking lot's epoll instance: other connections are ready).
+    pub(crate) fn wait_also(
+        &self,
+        read: bool,
+        write: bool,
+        timeout: Option<Duration>,
+        also: RawFd,
+    ) -> io::Result<Ready> {
+        self.wait_on(true, read, write, timeout, Some(also))
     }
 
     /// Wait for a kick or `timeout` only, the socket left out (a dead
     /// connection's socket polls hung up at once: waiting on it would
     /// spin).
     pub(crate) fn wait_kick(&self, timeout: Option<Duration>) -> io::Result<Ready> {
-        self.wait_on(false, false, false, timeout)
+        self.wait_on(false, false, false, timeout, None)
     }
 
     fn wait_on(
@@ -167,6 +195,7 @@ impl Transport {
         read: bool,
         write: bool,
         timeout: Option<Duration>,
+        also: Option<RawFd>,
     ) -> io::Result<Ready> {
         debug_assert!(socket || !(read || write), "waiting for a socket left out");
         let mut events = 0;
@@ -188,6 +217,11 @@ impl Transport {
                 events: libc::POLLIN,
                 revents: 0,
             },
+            libc::pollfd {
+                fd: also.unwrap_or(-1),
+                events: libc::POLLIN,
+                revents: 0,
+            },
         ];
         // Rounded up: a wait never ends before its deadline.
         match sys::poll(&mut fds, sys::poll_ms(timeout)) {
@@ -201,6 +235,7 @@ impl Transport {
             writable: s & libc::POLLOUT != 0,
             hangup: s & (libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0,
             woken: fds[1].revents & libc::POLLIN != 0,
+            other: fds[2].revents & libc::POLLIN != 0,
         };
         if ready.hangup {
             // Let the caller's next attempt see the end or the error.
