@@ -136,6 +136,48 @@ fn clients_that_never_read_cannot_delay_another_clients_reply() {
 }
 
 #[test]
+fn clients_stalled_mid_payload_cannot_delay_another_clients_reply() {
+    // More clients than the server keeps watchers (one per core, at least
+    // two), each stalled halfway through a 1 MiB WRITE's payload: each
+    // holds the thread reading it until the payload's deadline, so the
+    // parking lot must start others for a further client to be served.
+    let (alloc, server) = start(ServerOptions::default(), |_| {});
+    let mut ok = connect(&server);
+    go(&mut ok);
+    let before = ok.read(0, 4096).unwrap();
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let half = vec![5u8; 512 << 10];
+    let mut stalled = Vec::new();
+    for i in 0..cores.max(2) as u64 + 2 {
+        let mut c = connect(&server);
+        go(&mut c);
+        c.send(CMD_WRITE, 0, i << 20, 1 << 20, &half).unwrap();
+        stalled.push(c);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    for _ in 0..20 {
+        let t = Instant::now();
+        assert_eq!(ok.read(32 << 20, 4096).unwrap().len(), 4096);
+        let took = t.elapsed();
+        assert!(
+            took < Duration::from_secs(5),
+            "another client's read took {took:?}"
+        );
+    }
+    assert_eq!(ok.write(32 << 20, &[7u8; 4096], 0), 0);
+    assert!(ok.read(32 << 20, 4096).unwrap() == [7u8; 4096], "a write");
+    // Nothing of the stalled writes landed, and nothing timed out yet.
+    assert!(
+        ok.read(0, 4096).unwrap() == before,
+        "a stalled write landed"
+    );
+    assert_eq!(server.stats().payload_timeouts, 0);
+    drop(stalled);
+    drop(ok);
+    finish(alloc, server);
+}
+
+#[test]
 fn a_client_that_stops_reading_loses_its_own_connection_after_the_reply_timeout() {
     let opts = ServerOptions {
         reply_timeout: Duration::from_secs(1),
