@@ -22,8 +22,9 @@
 //! non-blocking send), reply before every chunk of a request has
 //! completed, reply to a request twice, submit a write whose payload was
 //! not received whole, allocate a payload buffer before the request holds
-//! its bytes of the budget, leave requests in flight when the
-//! connection's thread returns, or panic on what a client sends.
+//! its bytes of the budget, close the connection with requests in flight
+//! (it may park with them, their completions sending the replies, but it
+//! closes only once each has completed), or panic on what a client sends.
 //!
 //! Errors (NBD's `proto.md`): EINVAL for unknown commands or flags,
 //! misaligned requests (not whole sectors of the target; a TRIM may be
