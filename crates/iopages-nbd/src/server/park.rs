@@ -107,6 +107,34 @@ pub(crate) fn lot_fd() -> Option<RawFd> {
     LOT.with(std::cell::Cell::get)
 }
 
+/// What the keeper does with every watcher serving.
+#[derive(Debug, PartialEq, Eq)]
+enum Grace {
+    /// Wait (the grace) until then, and look again.
+    Until(Instant),
+    /// Start a watcher.
+    Add,
+}
+
+/// The keeper's rule with every watcher serving, at `now`: `graced` is the
+/// grace it waits out (the watchers' returns to the lot when it began,
+/// and when), `returns` their returns now. A grace begins at the first
+/// look and again whenever a watcher came back meanwhile; one that ends
+/// with none back starts a watcher.
+///
+/// **Returns:** the grace to keep, and the step.
+fn grace_rule(
+    graced: Option<(u64, Instant)>,
+    returns: u64,
+    now: Instant,
+) -> (Option<(u64, Instant)>, Grace) {
+    match graced {
+        Some((r, since)) if r == returns && now >= since + GRACE => (None, Grace::Add),
+        Some((r, since)) if r == returns => (graced, Grace::Until(since + GRACE)),
+        _ => (Some((returns, now)), Grace::Until(now + GRACE)),
+    }
+}
+
 /// The token of the stop's wake-up descriptor.
 const WAKE_TOKEN: u64 = 0;
 
@@ -453,22 +481,17 @@ impl<T: Parked> Parking<T> {
             s.graced = None;
             return false;
         }
-        let now = Instant::now();
-        match s.graced {
-            Some((r, since)) if r == s.returns && now >= since + GRACE => {
-                s.graced = None;
+        let (graced, step) = grace_rule(s.graced, s.returns, Instant::now());
+        s.graced = graced;
+        match step {
+            Grace::Add => {
                 if let Err(e) = self.add_watcher(s) {
                     eprintln!("iopages-nbd: cannot start a thread to watch idle connections: {e}");
                 }
                 false
             }
-            Some((r, since)) if r == s.returns => {
-                self.keeper_cv.wait_until(s, since + GRACE);
-                true
-            }
-            _ => {
-                s.graced = Some((s.returns, now));
-                self.keeper_cv.wait_until(s, now + GRACE);
+            Grace::Until(end) => {
+                self.keeper_cv.wait_until(s, end);
                 true
             }
         }
@@ -747,6 +770,26 @@ mod tests {
         assert!(rx.try_recv().is_err(), "the spinning one ended first");
         ran(&rx);
         q.stop();
+    }
+
+    #[test]
+    fn a_grace_with_no_watcher_back_starts_one_and_a_return_restarts_it() {
+        let t0 = Instant::now();
+        // The first look begins a grace.
+        let (g, step) = grace_rule(None, 5, t0);
+        assert_eq!((g, step), (Some((5, t0)), Grace::Until(t0 + GRACE)));
+        // Woken early, none back: the same grace, waited out to its end.
+        let early = t0 + GRACE / 2;
+        assert_eq!(grace_rule(g, 5, early), (g, Grace::Until(t0 + GRACE)));
+        // At its end, none back: a watcher.
+        assert_eq!(grace_rule(g, 5, t0 + GRACE), (None, Grace::Add));
+        // A watcher came back meanwhile (serving connections in turn): a
+        // new grace from now, however long the old one ran.
+        let late = t0 + 3 * GRACE;
+        assert_eq!(
+            grace_rule(g, 6, late),
+            (Some((6, late)), Grace::Until(late + GRACE))
+        );
     }
 
     #[test]
