@@ -4,7 +4,8 @@
 //! nothing buffered and nothing waiting to be sent, gives its thread up
 //! (requests in flight or not: their completions send their replies) —
 //! after its watcher has lingered up to `ServerOptions::park_after` while
-//! no other connection was ready ([`lot_fd`]): its socket is watched here, in one `epoll` instance, until the
+//! no other connection was ready ([`lot_fd`]): its socket is watched
+//! here, in one `epoll` instance, until the
 //! client sends something (or hangs up, or the server shuts the socket
 //! down for another peer's share), a reply finds the socket full (its
 //! wake-up descriptor is watched too while requests are in flight), its
@@ -18,9 +19,11 @@
 //! back costs one wake-up, as a thread blocked on its socket would. While
 //! one serves, the others keep watching; when none is left watching, the
 //! keeper thread (`nbd-idle`, which also closes connections at their idle
-//! deadlines) starts another once every watcher has served for [`GRACE`],
-//! so a connection that holds its thread (a client that stops reading, a
-//! WRITE_ZEROES flood waiting for its share) never holds up the others.
+//! deadlines) starts another once every watcher has served for [`GRACE`]
+//! with none coming back to the epoll instance meanwhile, so a connection
+//! that holds its thread (a client that stops reading, a WRITE_ZEROES
+//! flood waiting for its share) never holds up the others; watchers
+//! serving connections in turn come back between them and get no company.
 //! [`watchers_kept`] watchers (one per core) stay however long they wait;
 //! more end after [`LINGER`] with nothing to serve, but never the last
 //! one watching. Each asks the scheduler for a short time slice, so it
@@ -474,12 +477,12 @@ impl<T: Parked> Parking<T> {
     /// connection — a client that stops reading, a budget, long work such
     /// as a WRITE_ZEROES flood — does not, whether it waits or works.
     ///
-    /// **Returns:** `true` after waiting (part of) the grace out: the
-    /// caller looks again.
-    fn grace(self: &Arc<Self>, s: &mut parking_lot::MutexGuard<'_, State<T>>) -> bool {
+    /// **Returns:** the end of the grace being waited out, if one is: the
+    /// keeper looks again then (or at an earlier deadline).
+    fn grace(self: &Arc<Self>, s: &mut State<T>) -> Option<Instant> {
         if s.watching > 0 || s.serving.is_empty() {
             s.graced = None;
-            return false;
+            return None;
         }
         let (graced, step) = grace_rule(s.graced, s.returns, Instant::now());
         s.graced = graced;
@@ -488,12 +491,9 @@ impl<T: Parked> Parking<T> {
                 if let Err(e) = self.add_watcher(s) {
                     eprintln!("iopages-nbd: cannot start a thread to watch idle connections: {e}");
                 }
-                false
+                None
             }
-            Grace::Until(end) => {
-                self.keeper_cv.wait_until(s, end);
-                true
-            }
+            Grace::Until(end) => Some(end),
         }
     }
 
@@ -507,17 +507,20 @@ impl<T: Parked> Parking<T> {
                     if s.closed {
                         return;
                     }
-                    if self.grace(&mut s) {
-                        // The stop may have come meanwhile.
-                        continue;
-                    }
+                    // Deadlines first: graces that follow each other under
+                    // a steady load must not hold idle closes back.
                     let due = self.due(&mut s, Instant::now());
                     if !due.is_empty() {
                         break due;
                     }
-                    match s.deadlines.first().map(|(d, _)| *d) {
-                        Some(d) => {
-                            self.keeper_cv.wait_until(&mut s, d);
+                    let deadline = s.deadlines.first().map(|(d, _)| *d);
+                    let until = match (self.grace(&mut s), deadline) {
+                        (Some(g), Some(d)) => Some(g.min(d)),
+                        (g, d) => g.or(d),
+                    };
+                    match until {
+                        Some(t) => {
+                            self.keeper_cv.wait_until(&mut s, t);
                         }
                         None => self.keeper_cv.wait(&mut s),
                     }
