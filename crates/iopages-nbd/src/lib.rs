@@ -176,11 +176,12 @@ pub mod remote {
 }
 
 pub use error::{Error, Result};
-pub use server::conn::{CHUNK_BYTES, MAX_BYTES_IN_FLIGHT, MAX_REQUESTS_IN_FLIGHT};
+pub use server::conn::{MAX_BYTES_IN_FLIGHT, MAX_REQUESTS_IN_FLIGHT};
 pub use server::export::{
     Export, ExportState, ExportVolume, Opener, OPEN_BACKOFF_FIRST, OPEN_BACKOFF_MAX,
 };
 pub use server::handshake::MAX_OPTION_BYTES;
+pub use server::partial::CHUNK_BYTES;
 pub use server::peer::AllowRule;
 pub use server::rate::RateLimit;
 pub use server::serve::{

@@ -76,7 +76,8 @@ pub struct Stats {
     /// Connections given up because a reply was not taken within the
     /// reply timeout.
     pub reply_timeouts: u64,
-    /// Connections closed because a payload did not arrive in time.
+    /// Connections closed because a request begun (its header or its
+    /// payload) was not whole in time.
     pub payload_timeouts: u64,
     /// Connections closed after the idle timeout.
     pub idle_closes: u64,

@@ -139,8 +139,8 @@ fn clients_that_never_read_cannot_delay_another_clients_reply() {
 fn clients_stalled_mid_payload_cannot_delay_another_clients_reply() {
     // More clients than the server keeps watchers (one per core, at least
     // two), each stalled halfway through a 1 MiB WRITE's payload: each
-    // holds the thread reading it until the payload's deadline, so the
-    // parking lot must start others for a further client to be served.
+    // parks with what it sent (or, while a watcher lingers for the rest,
+    // holds it), and a further client is served all the same.
     let (alloc, server) = start(ServerOptions::default(), |_| {});
     let mut ok = connect(&server);
     go(&mut ok);

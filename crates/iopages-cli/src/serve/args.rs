@@ -230,7 +230,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "MS", default_value_t = iopages_nbd::DEFAULT_PARK_AFTER.as_millis() as u64)]
     pub(super) park_after: u64,
     /// A client that has not taken a reply SECS seconds after it was ready
-    /// (or not sent a payload SECS seconds after its header) loses its
+    /// (or not sent a payload SECS seconds after its header, or the rest
+    /// of a header SECS seconds after its first byte) loses its
     /// connection.
     #[arg(long, value_name = "SECS", default_value_t = iopages_nbd::REPLY_TIMEOUT.as_secs())]
     pub(super) reply_timeout: u64,

@@ -4,7 +4,8 @@
 //! Owns: the connection's thread while it has one (it reads each request
 //! and its payload, checks it and submits it to the crypt queue in
 //! chunks, and is the only thread that ever waits on the socket; between
-//! two requests, once nothing more has arrived and nothing waits to be
+//! two requests, or partway through one (what arrived kept in a
+//! [`Partial`]), once nothing more has arrived and nothing waits to be
 //! sent, it returns — on a watcher after lingering up to
 //! `ServerOptions::park_after` while no other connection is ready,
 //! elsewhere at once — so the connection waits in the parking lot
@@ -15,8 +16,9 @@
 //! target is flushed after the write and before the reply), the
 //! per-connection bound on requests and bytes in flight and the server's
 //! byte budget, and the deadlines: a reply must be taken by the client
-//! within the reply timeout of being queued, a request's payload must
-//! arrive within it of its header, and a connection with nothing in
+//! within the reply timeout of being queued, a request's header must be
+//! whole within it of its first byte and its payload within it of the
+//! header, and a connection with nothing in
 //! flight that sends nothing for the idle timeout is closed. Must never:
 //! block a crypt worker on a client (a worker only ever tries a
 //! non-blocking send), reply before every chunk of a request has
@@ -51,6 +53,7 @@ use crate::server::buffers::{Buf, Buffers};
 use crate::server::device::{Device, Flusher};
 use crate::server::inbuf::InBuf;
 use crate::server::park;
+use crate::server::partial::{chunks, Partial, Whole, CHUNK_BYTES};
 use crate::server::rate::Rate;
 use crate::server::shares::{Claim, PeerBudget};
 use crate::stats::Counters;
@@ -65,11 +68,6 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize,
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Bytes per request submitted to the crypt queue: a longer NBD request is
-/// split so one submission never needs more out pages than the target's
-/// mempool reserve holds (256 pages by default), which keeps a 32 MiB write
-/// from waiting for pages only it could free.
-pub const CHUNK_BYTES: usize = 1 << 20;
 /// The connection's read buffer: request headers (and small payloads)
 /// are read in batches through it.
 const READ_BUFFER_BYTES: usize = 64 << 10;
@@ -96,7 +94,8 @@ const BUDGET_POLL: Duration = Duration::from_millis(5);
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ConnLimits {
     /// A reply not taken by the client this long after it was queued ends
-    /// the connection; so does a payload not received this long after its
+    /// the connection; so does a request header not whole this long after
+    /// its first byte, or a payload not received this long after its
     /// header.
     pub(crate) reply_timeout: Duration,
     /// A connection with nothing in flight that sends nothing for this long
@@ -309,6 +308,9 @@ pub(crate) struct Conn {
     limits: ConnLimits,
     /// The client negotiated structured replies.
     structured: bool,
+    /// The request received in part when the connection last gave its
+    /// thread up (only ever touched by the thread serving it).
+    partial: Mutex<Option<Partial>>,
 }
 
 impl Conn {
@@ -720,6 +722,16 @@ impl Conn {
         self.uncharge(bytes, false, idle);
     }
 
+    /// Drop a request received in part: its buffers freed, its place and
+    /// bytes in flight, if it took them, given back.
+    fn abandon(&self, p: Partial) {
+        let held = p.held_bytes();
+        drop(p);
+        if let Some(bytes) = held {
+            self.release(bytes);
+        }
+    }
+
     /// Nothing waits to be sent: no reply queued (or one being sent by a
     /// completion, which kicks the connection if the socket is full) and
     /// no sealed TLS record.
@@ -731,7 +743,12 @@ impl Conn {
     /// When a parked connection falls to the idle timeout: the timeout
     /// after its last completion, or after now while requests are in
     /// flight (looked at again then). `None` without an idle timeout.
+    /// Parked with a request received in part: that request's deadline.
     pub(crate) fn idle_deadline(&self) -> Option<Instant> {
+        if let Some(p) = &*self.partial.lock() {
+            // A request received in part: due whole by its deadline.
+            return Some(p.by());
+        }
         let timeout = self.limits.idle_timeout?;
         if self.busy() {
             return Some(Instant::now() + timeout);
@@ -953,7 +970,11 @@ impl Read for ConnRead {
                 return Err(io::ErrorKind::BrokenPipe.into());
             }
             let write = match self.conn.t.try_read(buf)? {
-                Io::Done(n) => return Ok(n),
+                Io::Done(n) => {
+                    // Mid-request, a linger counts from the last bytes.
+                    self.linger.from = None;
+                    return Ok(n);
+                }
                 Io::Blocked { write } => write,
             };
             let deadline = self.wait_until(Instant::now())?;
@@ -993,7 +1014,10 @@ impl ConnRead {
                 counters.payload_timeouts.fetch_add(1, Ordering::Relaxed);
                 return Err(io::ErrorKind::TimedOut.into());
             }
-            Phase::Payload { by } => return Ok(Some(*by)),
+            Phase::Payload { by } => {
+                let by = *by;
+                return self.linger_mid_request(now, by);
+            }
             Phase::Header { since } => since,
         };
         if self.conn.in_flight() > 0 {
@@ -1047,6 +1071,32 @@ impl ConnRead {
     }
 }
 
+impl ConnRead {
+    /// Mid-request (a header begun, a payload on its way) on a thread that
+    /// may be given up: linger for the rest as for a next request, then
+    /// give the thread up, what has arrived kept ([`Partial`]); elsewhere
+    /// wait until the request is due.
+    ///
+    /// **Returns:** as [`ConnRead::wait_until`].
+    fn linger_mid_request(&mut self, now: Instant, by: Instant) -> io::Result<Option<Instant>> {
+        let Some(linger) = self.park_after else {
+            return Ok(Some(by));
+        };
+        // As between requests: kicks made before are forgotten, and a
+        // backlog of replies keeps the thread (nobody would send it).
+        self.conn.t.clear_kicks();
+        if !self.conn.quiet() {
+            return Ok(Some(by));
+        }
+        let until = *self.linger.from.get_or_insert(now) + linger;
+        if std::mem::take(&mut self.linger.others_ready) || now >= until {
+            return Err(park_signal());
+        }
+        self.linger.on = true;
+        Ok(Some(until.min(by)))
+    }
+}
+
 /// The reply side and bounds of a connection entering transmission.
 pub(crate) fn open(t: Arc<Transport>, env: &ConnEnv<'_>) -> Arc<Conn> {
     Arc::new(Conn {
@@ -1063,6 +1113,7 @@ pub(crate) fn open(t: Arc<Transport>, env: &ConnEnv<'_>) -> Arc<Conn> {
         flusher: env.device.flusher(),
         limits: env.limits,
         structured: env.structured,
+        partial: Mutex::new(None),
     })
 }
 
@@ -1111,12 +1162,25 @@ pub(crate) fn transmit(conn: &Arc<Conn>, env: &ConnEnv<'_>, park_after: Option<D
     Ended::Closed
 }
 
-/// Close a parked connection: its requests in flight (parked between
-/// requests) complete and their replies go first; then as [`close`].
+/// Close a parked connection: a request it had received in part is
+/// dropped (its deadline passing is counted as a payload timeout, not an
+/// idle close), its requests in flight complete and their replies go
+/// first; then as [`close`].
 pub(crate) fn close_parked(conn: &Conn, idle_timeout: bool) {
+    let partial = conn.partial.lock().take();
+    let late = partial.is_some() && idle_timeout;
+    if let Some(p) = partial {
+        conn.abandon(p);
+    }
+    if late {
+        // Its deadline was the request's, not an idle one.
+        conn.counters
+            .payload_timeouts
+            .fetch_add(1, Ordering::Relaxed);
+    }
     conn.flush_replies();
     conn.wait_idle();
-    close(conn, idle_timeout);
+    close(conn, idle_timeout && !late);
 }
 
 /// Close a connection with nothing in flight (an idle one: `idle_timeout`
@@ -1157,20 +1221,6 @@ impl AsRef<[u8]> for Zeros {
     fn as_ref(&self) -> &[u8] {
         &self.0[..self.1]
     }
-}
-
-/// The chunks of `len` bytes at `offset`: (offset, length) pairs.
-fn chunks(offset: u64, len: u64) -> impl Iterator<Item = (u64, usize)> {
-    let mut at = 0u64;
-    std::iter::from_fn(move || {
-        if at >= len {
-            return None;
-        }
-        let n = (len - at).min(CHUNK_BYTES as u64);
-        let r = (offset + at, n as usize);
-        at += n;
-        Some(r)
-    })
 }
 
 /// The error a request gets before anything is done (0: none), checked
@@ -1341,16 +1391,16 @@ impl Reader<'_, '_> {
                 })
                 .collect(),
             Ok(_) => Vec::new(),
-            Err(e) => return self.refuse(req, errno(&e)),
+            Err(e) => return self.answer(req, errno(&e)),
         };
         if descriptors.is_empty() {
             // The target reported nothing (it always reports at least one
             // extent for a non-empty range): an I/O error, not a hang.
-            return self.refuse(req, EIO);
+            return self.answer(req, EIO);
         }
         let bytes = descriptors.len() * 8;
         if !self.conn.acquire(bytes as u64)? {
-            return self.refuse(req, ENOMEM);
+            return self.answer(req, ENOMEM);
         }
         let mut buf = self.env.buffers.get(bytes);
         for (d, (l, st)) in buf.as_mut().chunks_exact_mut(8).zip(&descriptors) {
@@ -1365,32 +1415,89 @@ impl Reader<'_, '_> {
     }
 
     fn run(&mut self) -> io::Result<Ended> {
+        // A request received in part when the connection last parked.
+        let mut next = self.conn.partial.lock().take();
         loop {
-            // Another request already buffered: replies of requests served
-            // on this thread wait and go out together; before anything
-            // may wait, the pump sends them.
-            let more = self.stream.buffer().len() >= REQUEST_BYTES;
-            DEFER_REPLIES.with(|d| d.set(more));
-            if !more {
-                self.conn.flush_replies();
-            }
-            self.stream.get_mut().phase = Phase::Header {
-                since: Instant::now(),
+            let mut p = match next.take() {
+                Some(p) => p,
+                None => match self.next_request()? {
+                    Ok(p) => p,
+                    Err(idle) => return Ok(idle),
+                },
             };
-            if let Some(idle) = self.await_request()? {
-                return Ok(idle);
-            }
-            let mut h = [0u8; REQUEST_BYTES];
-            self.stream.read_exact(&mut h)?;
-            self.received = Instant::now();
-            let Some(req) = Request::decode(&h) else {
-                return Ok(Ended::Closed); // bad magic: out of step; close
+            let whole = match self.receive(&mut p) {
+                Ok(w) => w,
+                Err(e) if is_park_signal(&e) => {
+                    // The rest of it is awaited without a thread.
+                    let deadline = Some(p.by());
+                    *self.conn.partial.lock() = Some(p);
+                    return Ok(Ended::Idle { deadline });
+                }
+                Err(e) => {
+                    self.conn.abandon(p);
+                    return Err(e);
+                }
             };
-            if req.command == CMD_DISC {
-                return Ok(Ended::Closed);
-            }
-            self.request(req)?;
+            next = match whole {
+                Whole::Header(h) => {
+                    self.received = Instant::now();
+                    let Some(req) = Request::decode(&h) else {
+                        return Ok(Ended::Closed); // bad magic: out of step; close
+                    };
+                    if req.command == CMD_DISC {
+                        return Ok(Ended::Closed);
+                    }
+                    self.request(req)?
+                }
+                Whole::Write(req, bufs) => {
+                    self.submit_write(&req, bufs);
+                    None
+                }
+                Whole::Refused(req, error) => {
+                    self.answer(&req, error)?;
+                    None
+                }
+            };
         }
+    }
+
+    /// Between requests: wait for the next one's first bytes.
+    ///
+    /// **Returns:** its header, to be read (due whole within the reply
+    /// timeout from now); `Err(Ended::Idle)` when the thread should be
+    /// given up first.
+    fn next_request(&mut self) -> io::Result<Result<Partial, Ended>> {
+        // Another request already buffered: replies of requests served
+        // on this thread wait and go out together; before anything
+        // may wait, the pump sends them.
+        let more = self.stream.buffer().len() >= REQUEST_BYTES;
+        DEFER_REPLIES.with(|d| d.set(more));
+        if !more {
+            self.conn.flush_replies();
+        }
+        self.stream.get_mut().phase = Phase::Header {
+            since: Instant::now(),
+        };
+        if let Some(idle) = self.await_request()? {
+            return Ok(Err(idle));
+        }
+        // Where the thread is not given up the first bytes are awaited
+        // here, under the idle timeout.
+        self.stream.fill_buf()?;
+        let by = Instant::now() + self.env.limits.reply_timeout;
+        Ok(Ok(Partial::header(by)))
+    }
+
+    /// Read on until `p` is whole (due by its deadline), lingering and
+    /// then giving the thread up ([`park_signal`]) where it may be.
+    fn receive(&mut self, p: &mut Partial) -> io::Result<Whole> {
+        let cr = self.stream.get_mut();
+        cr.phase = Phase::Payload { by: p.by() };
+        cr.park_after = self.park_after;
+        cr.linger.from = None;
+        let r = p.receive(&mut self.stream, self.env.buffers);
+        self.stream.get_mut().park_after = None;
+        r
     }
 
     /// At a request boundary with nothing buffered, wait for the next
@@ -1458,35 +1565,33 @@ impl Reader<'_, '_> {
         })
     }
 
-    /// From now, the payload must be whole within the reply timeout.
-    fn payload_due(&mut self) {
-        self.stream.get_mut().phase = Phase::Payload {
-            by: Instant::now() + self.env.limits.reply_timeout,
-        };
-    }
-
-    /// Read and drop a write's payload of `len` bytes.
-    fn discard(&mut self, len: u64) -> io::Result<()> {
-        self.payload_due();
+    /// Answer `req` with `error` (nothing held, nothing done); a WRITE's
+    /// payload is read and dropped first, to keep the stream in step.
+    ///
+    /// **Returns:** the WRITE's payload to drop, if any; `Err` for a
+    /// length the protocol lets a server treat as an attack.
+    fn refuse(&mut self, req: &Request, error: u32) -> io::Result<Option<Partial>> {
+        let len = req.length as u64;
+        if req.command != CMD_WRITE {
+            self.answer(req, error)?;
+            return Ok(None);
+        }
         if len > MAX_DISCARD_BYTES {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 "request length beyond 32 MiB",
             ));
         }
-        let n = io::copy(&mut (&mut self.stream).take(len), &mut io::sink())?;
-        if n != len {
-            return Err(io::ErrorKind::UnexpectedEof.into());
-        }
-        Ok(())
+        Ok(Some(Partial::Discard {
+            req: *req,
+            error,
+            left: len,
+            by: Instant::now() + self.env.limits.reply_timeout,
+        }))
     }
 
-    /// Answer `req` with `error` at once (nothing held, nothing done).
-    fn refuse(&mut self, req: &Request, error: u32) -> io::Result<()> {
-        if req.command == CMD_WRITE {
-            // Keep the stream in step: read the payload and drop it.
-            self.discard(req.length as u64)?;
-        }
+    /// Answer a refused request `error` once nothing of it is left to read.
+    fn answer(&mut self, req: &Request, error: u32) -> io::Result<()> {
         self.conn.counters.command(req.command).done(0, error);
         self.conn.acquire(0)?;
         let kind = if req.command == CMD_READ {
@@ -1557,7 +1662,11 @@ impl Reader<'_, '_> {
         done.map(|_| ()).map_err(|(_, dead)| dead)
     }
 
-    fn request(&mut self, req: Request) -> io::Result<()> {
+    /// Serve `req`, or refuse it.
+    ///
+    /// **Returns:** a WRITE's payload to receive (served, or dropped when
+    /// refused).
+    fn request(&mut self, req: Request) -> io::Result<Option<Partial>> {
         self.record_shape(&req);
         let fast_zero = req.flags & CMD_FLAG_FAST_ZERO != 0;
         let error = self.request_error(&req, fast_zero);
@@ -1567,7 +1676,7 @@ impl Reader<'_, '_> {
         let len = req.length as u64;
         self.conn.throttle(self.env.rate, self.rate_bytes(&req))?;
         if req.command == CMD_BLOCK_STATUS {
-            return self.block_status(&req);
+            return self.block_status(&req).map(|()| None);
         }
         let payload = if matches!(req.command, CMD_READ | CMD_WRITE) {
             len
@@ -1580,13 +1689,21 @@ impl Reader<'_, '_> {
             return self.refuse(&req, ENOMEM);
         }
         match req.command {
-            CMD_WRITE => self.serve_write(&req)?,
+            CMD_WRITE => {
+                // The payload comes next, due within the reply timeout.
+                return Ok(Some(Partial::Write {
+                    req,
+                    whole: Vec::new(),
+                    filling: None,
+                    by: Instant::now() + self.env.limits.reply_timeout,
+                }));
+            }
             CMD_WRITE_ZEROES | CMD_TRIM => self.zero_or_trim(&req, fast_zero)?,
             CMD_READ => self.serve_read(&req),
             CMD_FLUSH => self.serve_flush(&req),
             _ => unreachable!("check_request() refuses unknown commands"),
         }
-        Ok(())
+        Ok(None)
     }
 
     /// Count the shape of what the client sends, served or not.
@@ -1634,27 +1751,13 @@ impl Reader<'_, '_> {
         }
     }
 
-    /// NBD_CMD_WRITE: the whole payload first (a client gone mid-payload
-    /// has nothing of this write submitted), straight into arena pages
-    /// (dropped, and so freed, if the client goes away mid-payload), then
-    /// one submission per chunk. A wait on the socket sends the deferred
-    /// replies first (the pump), whatever the client waits for.
-    fn serve_write(&mut self, req: &Request) -> io::Result<()> {
-        let len = req.length as u64;
-        self.payload_due();
-        let mut bufs = Vec::with_capacity(len.div_ceil(CHUNK_BYTES as u64) as usize);
-        for (off, n) in chunks(req.offset, len) {
-            let mut buf = self.env.buffers.get(n);
-            if let Err(e) = self.stream.read_exact(buf.as_mut()) {
-                drop(bufs);
-                drop(buf);
-                self.conn.release(len);
-                return Err(e);
-            }
-            bufs.push((off, buf));
-        }
+    /// NBD_CMD_WRITE, its payload received whole (a client gone
+    /// mid-payload has nothing of its write submitted; the payload landed
+    /// straight in arena pages, chunk by chunk, [`Partial`]): one
+    /// submission per chunk.
+    fn submit_write(&mut self, req: &Request, bufs: Vec<(u64, Buf)>) {
         let down = self.fua_down(req);
-        let p = self.pending_fua(req, bufs.len(), len, !down);
+        let p = self.pending_fua(req, bufs.len(), req.length as u64, !down);
         for (off, buf) in bufs {
             let p = Arc::clone(&p);
             self.env.device.submit_write(
@@ -1665,7 +1768,6 @@ impl Reader<'_, '_> {
             );
         }
         p.chunk_done(0);
-        Ok(())
     }
 
     /// NBD_CMD_READ: one submission per chunk, each chunk's data kept in

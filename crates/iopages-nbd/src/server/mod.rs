@@ -8,7 +8,8 @@
 //! that serve them when they come back (`park.rs`), each with a read
 //! buffer it keeps between connections (`inbuf.rs`); option haggling up to GO or
 //! EXPORT_NAME (`handshake.rs`); transmission — requests, replies, the
-//! in-flight accounting and the byte budget of a connection (`conn.rs`);
+//! in-flight accounting and the byte budget of a connection (`conn.rs`), and a
+//! request received in part, kept while its connection parks (`partial.rs`);
 //! the exports and their lazy opening (`export.rs`), the device a request
 //! reaches (`device.rs`) and its payload buffers (`buffers.rs`); who a
 //! client is and the `allow` rules (`peer.rs`); fair shares of the
@@ -33,6 +34,7 @@ pub(crate) mod export;
 pub(crate) mod handshake;
 pub(crate) mod inbuf;
 pub(crate) mod park;
+pub(crate) mod partial;
 pub(crate) mod peer;
 pub(crate) mod rate;
 pub(crate) mod serve;

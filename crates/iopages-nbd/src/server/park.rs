@@ -339,7 +339,7 @@ impl<T: Parked> Parking<T> {
 
     /// How many watcher threads are alive.
     #[cfg(test)]
-    fn watchers(&self) -> usize {
+    pub(crate) fn watchers(&self) -> usize {
         self.state.lock().alive
     }
 

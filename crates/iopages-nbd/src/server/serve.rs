@@ -45,7 +45,8 @@ use std::time::{Duration, Instant};
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:10809";
 /// A reply the client has not taken this long after it was queued ends
 /// that client's connection (and only that one); so does a request
-/// payload that has not arrived this long after its header.
+/// payload that has not arrived this long after its header, or a request
+/// header not whole this long after its first byte.
 pub const REPLY_TIMEOUT: Duration = Duration::from_secs(60);
 /// A client that has not finished the handshake this long after it
 /// connected is disconnected (one deadline for the whole handshake,
@@ -397,7 +398,7 @@ impl Server {
                 min_bytes: opts.peer_min_inflight_bytes,
                 max_request_bytes,
             })),
-            zeros: std::iter::repeat_n(0u8, conn::CHUNK_BYTES).collect(),
+            zeros: std::iter::repeat_n(0u8, crate::server::partial::CHUNK_BYTES).collect(),
             opts,
             stopping: AtomicBool::new(false),
             conns: Mutex::new(Vec::new()),
@@ -1531,5 +1532,129 @@ mod tests {
         let st = s.stats();
         assert_eq!((st.open_connections, st.parked_connections), (0, 0));
         assert_eq!(s.shared.shares.snapshot(), Default::default());
+    }
+
+    /// A request header: `command` for `len` bytes at `offset`.
+    fn header(command: u16, cookie: u64, offset: u64, len: u32) -> Vec<u8> {
+        let mut r = REQUEST_MAGIC.to_be_bytes().to_vec();
+        r.extend_from_slice(&0u16.to_be_bytes());
+        r.extend_from_slice(&command.to_be_bytes());
+        r.extend_from_slice(&cookie.to_be_bytes());
+        r.extend_from_slice(&offset.to_be_bytes());
+        r.extend_from_slice(&len.to_be_bytes());
+        r
+    }
+
+    /// Clients stopped partway through a request (half a header, half a
+    /// WRITE's payload, half a refused WRITE's payload) wait without a
+    /// thread: the watchers stay those kept, another client is served,
+    /// and each request, finished later, is served as if it had come
+    /// whole. (Before, each held a watcher until its deadline, and the
+    /// keeper started one more per stalled client.)
+    #[test]
+    fn clients_stalled_mid_request_wait_without_a_thread_and_finish_later() {
+        let (alloc, s) = server_with(ServerOptions::default());
+        let kept = park::watchers_kept();
+        let data = |i: u64| vec![i as u8 + 1; 64 << 10];
+        let mut rest = Vec::new();
+        for i in 0..kept as u64 + 4 {
+            let (mut c, _) = go(&s);
+            let mut whole = match i % 3 {
+                0 => header(CMD_READ, i, 0, 512),
+                1 => [header(CMD_WRITE, i, i << 16, 64 << 10), data(i)].concat(),
+                // Beyond the 1 MiB disk: refused, its payload dropped.
+                _ => [header(CMD_WRITE, i, 2 << 20, 64 << 10), data(i)].concat(),
+            };
+            let cut = if i % 3 == 0 {
+                11
+            } else {
+                REQUEST_BYTES + (20 << 10)
+            };
+            c.write_all(&whole[..cut]).unwrap();
+            rest.push((c, whole.split_off(cut)));
+        }
+        let t = std::time::Instant::now();
+        while s.shared.parking.watchers() > kept || s.stats().parked_connections < rest.len() as u64
+        {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "{} watchers ({kept} kept), {} of {} parked",
+                s.shared.parking.watchers(),
+                s.stats().parked_connections,
+                rest.len()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let (mut other, _) = go(&s);
+        assert_eq!(read_512(&mut other, 7), 0);
+        for (i, (c, tail)) in rest.iter_mut().enumerate() {
+            c.write_all(tail).unwrap();
+            let want = match i % 3 {
+                0 => (i as u64, 0),
+                1 => (i as u64, 0),
+                _ => (i as u64, ENOSPC),
+            };
+            let len = if i % 3 == 0 { 512 } else { 0 };
+            assert_eq!(recv_reply(c, len), want, "request {i}");
+        }
+        // The writes landed whole, where they were sent.
+        for i in (1..rest.len() as u64).step_by(3) {
+            c_read_eq(&mut other, i << 16, &data(i));
+        }
+        let st = s.stats();
+        assert_eq!((st.payload_timeouts, st.idle_closes), (0, 0));
+        drop((rest, other));
+        await_stats(&s, "closed", |st| st.open_connections == 0);
+        assert_eq!(s.shared.shares.snapshot(), Default::default());
+        s.shutdown();
+        alloc.leak_check().expect("every payload buffer freed");
+    }
+
+    /// Read `len` bytes at `offset` on `c`.
+    fn read_at(c: &mut TcpStream, offset: u64, len: u32) -> Vec<u8> {
+        c.write_all(&header(CMD_READ, 99, offset, len)).unwrap();
+        let mut h = [0u8; 16];
+        c.read_exact(&mut h).unwrap();
+        assert_eq!(&h[4..8], &[0; 4], "read at {offset} failed");
+        let mut got = vec![0u8; len as usize];
+        c.read_exact(&mut got).unwrap();
+        got
+    }
+
+    /// Read `want.len()` bytes at `offset` on `c` and compare.
+    fn c_read_eq(c: &mut TcpStream, offset: u64, want: &[u8]) {
+        let got = read_at(c, offset, want.len() as u32);
+        assert!(got == want, "the data at {offset} differs");
+    }
+
+    /// A request received in part and parked is closed at its deadline
+    /// (the reply timeout), counted as a payload timeout, and gives back
+    /// its buffers and its bytes in flight; nothing of it is written.
+    #[test]
+    fn a_parked_request_received_in_part_is_closed_at_its_deadline() {
+        let (alloc, s) = server_with(ServerOptions {
+            reply_timeout: Duration::from_millis(300),
+            ..ServerOptions::default()
+        });
+        let (mut c, _) = go(&s);
+        let before = read_at(&mut c, 0, 512);
+        let whole = [header(CMD_WRITE, 1, 0, 256 << 10), vec![9u8; 256 << 10]].concat();
+        c.write_all(&whole[..REQUEST_BYTES + (100 << 10)]).unwrap();
+        await_stats(&s, "parked with its write in part", |st| {
+            st.parked_connections == 1 && st.budget_used_bytes == 256 << 10
+        });
+        let mut b = [0u8; 1];
+        assert!(matches!(c.read(&mut b), Ok(0) | Err(_)));
+        await_stats(&s, "closed", |st| st.open_connections == 0);
+        let st = s.stats();
+        assert_eq!((st.payload_timeouts, st.idle_closes), (1, 0));
+        assert_eq!((st.budget_used_bytes, st.in_flight), (0, 0));
+        assert_eq!(st.write.requests, 0, "a write of half a payload was served");
+        let (mut d, _) = go(&s);
+        c_read_eq(&mut d, 0, &before);
+        drop(d);
+        await_stats(&s, "closed", |st| st.open_connections == 0);
+        s.shutdown();
+        alloc.leak_check().expect("the payload's buffers freed");
     }
 }
