@@ -440,7 +440,7 @@ fn server(f: &mut Families<'_>, t: &Stats) {
     );
     f.one(
         "iopages_connections_parked",
-        "Connections in transmission waiting between requests without a thread of their own.",
+        "Connections waiting for their client without a thread of their own (in the handshake, or between requests in transmission).",
         Gauge,
         t.parked_connections,
     );

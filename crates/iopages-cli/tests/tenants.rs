@@ -795,3 +795,63 @@ fn a_thousand_connections_from_a_thousand_addresses_run_on_a_few_threads() {
     assert_eq!(s.metric("iopages_connections_parked"), 0.0);
     s.srv.stop();
 }
+
+/// A thousand clients stopped midway through the handshake (greeted,
+/// their flags sent, half an NBD_OPT_GO), each from an address of its
+/// own, wait without a thread: the server's tasks stay few. Each then
+/// finishes its GO and is served.
+#[test]
+fn a_thousand_handshakes_stopped_midway_wait_without_a_thread() {
+    use iopages_testkit::hostile::{connect_from, peer_ip};
+    use iopages_testkit::nbd_client::{self as wire, Client};
+    let files = raise_open_files().expect("the open files limit");
+    assert!(
+        files >= 1200,
+        "this test holds 1000 sockets: ulimit -n is {files}"
+    );
+    let dir = Dir::new("handshakes");
+    let mut cmd = serve_cmd();
+    cmd.args(["--size", "16M", "--arena", "64M", "--listen", "127.0.0.1:0"])
+        .args(["--max-connections", "1100", "--max-handshakes", "1100"]);
+    let s = Server::start(cmd, &dir, "serve");
+    let (addr, pid) = (s.tcp(), s.srv.pid());
+    let go = wire::option_bytes(wire::OPT_GO, &wire::info_data(EXPORT, &[]));
+    let cut = go.len() / 2;
+    let mut clients: Vec<Client<TcpStream>> = (0..1000)
+        .map(|i| {
+            let st = connect_from(peer_ip(i), addr).unwrap_or_else(|e| panic!("client {i}: {e}"));
+            st.set_read_timeout(Some(LIVENESS)).unwrap();
+            let mut c = Client::greet(st).expect("the greeting");
+            c.send_client_flags(wire::FLAG_C_FIXED_NEWSTYLE | wire::FLAG_C_NO_ZEROES)
+                .unwrap();
+            c.send_raw(&go[..cut]).unwrap();
+            c
+        })
+        .collect();
+    s.await_metric("iopages_handshakes", "1000 in the handshake", |v| {
+        v >= 1000.0
+    });
+    s.await_metric("iopages_connections_parked", "1000 parked", |v| v >= 1000.0);
+    few_tasks(pid, "1000 handshakes stopped midway");
+    for c in &mut clients {
+        c.send_raw(&go[cut..]).unwrap();
+        loop {
+            let r = c.read_option_reply().expect("a reply to GO");
+            assert_eq!(r.option, wire::OPT_GO);
+            if r.kind == wire::REP_ACK {
+                break;
+            }
+            assert!(!r.is_final(), "GO refused: {:#x}", r.kind);
+        }
+    }
+    assert_eq!(s.metric("iopages_handshakes"), 0.0);
+    for c in &mut clients {
+        assert_eq!(c.read(0, 4096).map(|d| d.len()), Ok(4096), "a read");
+    }
+    few_tasks(pid, "1000 connections in transmission");
+    drop(clients);
+    s.await_metric("iopages_connections_open", "0 once the clients left", |v| {
+        v == 0.0
+    });
+    s.srv.stop();
+}

@@ -60,9 +60,10 @@ pub struct Stats {
     pub buffers: BufferStats,
     /// Connections open now (handshake or transmission).
     pub open_connections: u64,
-    /// Of those, connections in transmission waiting without a thread
-    /// for their client's next request (see `ServerOptions::park_after`;
-    /// their requests in flight, if any, complete meanwhile).
+    /// Of those, connections waiting without a thread for their client:
+    /// in the handshake, or in transmission for the next request or the
+    /// rest of one (see `ServerOptions::park_after`; their requests in
+    /// flight, if any, complete meanwhile).
     pub parked_connections: u64,
     /// Connections refused because `max_connections` were in
     /// transmission and the client's peer held its share.

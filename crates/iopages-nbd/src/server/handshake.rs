@@ -1,4 +1,7 @@
-//! The newstyle fixed handshake: greeting, client flags, option haggling.
+//! The newstyle fixed handshake: greeting, client flags, option haggling,
+//! as a state machine ([`Handshake`]) that takes what the client has sent
+//! and stops where the rest has not arrived (its connection then waits in
+//! the parking lot without a thread).
 //!
 //! Owns: answering NBD_OPT_STARTTLS (upgrading the session to TLS when
 //! the server has credentials), NBD_OPT_STRUCTURED_REPLY and the
@@ -47,8 +50,6 @@ const MAX_QUOTED_NAME_BYTES: usize = 64;
 pub(crate) struct HsEnv<'a> {
     pub(crate) exports: &'a Catalog,
     pub(crate) tls: Option<&'a TlsConfig>,
-    /// Where the connection comes from.
-    pub(crate) origin: Origin,
     /// The server's counters (authorization refusals).
     pub(crate) counters: &'a Counters,
 }
@@ -156,9 +157,10 @@ fn meta_context_reply(option: u32, id: u32) -> Vec<u8> {
     option_reply(option, REP_META_CONTEXT, &d)
 }
 
-/// The handshake's view of the transport: blocking reads and writes that
-/// all end by one deadline (the handshake's total time, not a timeout per
-/// byte).
+/// The handshake's view of the transport: reads that take what has
+/// arrived and never wait for the client (`WouldBlock` then: the
+/// connection waits in the parking lot), and writes that wait, all by one
+/// deadline (the handshake's total time, not a timeout per byte).
 struct Hs<'a> {
     t: &'a Transport,
     deadline: Instant,
@@ -172,8 +174,18 @@ impl Read for Hs<'_> {
         loop {
             match self.t.try_read(buf)? {
                 crate::transport::nonblocking::Io::Done(n) => return Ok(n),
-                crate::transport::nonblocking::Io::Blocked { write } => {
-                    self.t.wait_by(!write, write, self.deadline)?;
+                // TLS must send before it can read on: that is waited for.
+                crate::transport::nonblocking::Io::Blocked { write: true } => {
+                    self.t.wait_by(false, true, self.deadline)?;
+                }
+                crate::transport::nonblocking::Io::Blocked { write: false } => {
+                    // Replies sealed under TLS go out before the wait (a
+                    // parked connection is watched for input only).
+                    self.t.push_out()?;
+                    if !self.t.pending_out() {
+                        return Err(io::ErrorKind::WouldBlock.into());
+                    }
+                    self.t.wait_by(false, true, self.deadline)?;
                 }
             }
         }
@@ -188,12 +200,6 @@ impl Write for Hs<'_> {
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
     }
-}
-
-fn read_u32(s: &mut Hs<'_>) -> io::Result<u32> {
-    let mut b = [0u8; 4];
-    s.read_exact(&mut b)?;
-    Ok(u32::from_be_bytes(b))
 }
 
 fn error_reply(s: &mut Hs<'_>, option: u32, reply: u32, msg: &str) -> io::Result<()> {
@@ -213,73 +219,22 @@ fn quoted(name: &[u8]) -> String {
     q
 }
 
-/// Run the handshake on a fresh connection, all of it before `deadline`.
-/// With `tls`, NBD_OPT_STARTTLS upgrades the session (and with
-/// [`TlsMode::Require`] nothing but STARTTLS and ABORT is answered
-/// before it).
-///
-/// **Context:** waits on the socket (the connection's own thread).
-/// **Returns:** what to do next, or the socket's error (a missed
-/// deadline is `TimedOut`, a failed TLS handshake `PermissionDenied`).
-pub(crate) fn negotiate(
-    t: &Arc<Transport>,
-    env: &HsEnv<'_>,
-    slot: &mut Slot,
-    deadline: Instant,
-) -> io::Result<Outcome> {
-    let mut s = Hs { t, deadline };
-    let Some((fixed, no_zeroes)) = greet(&mut s, slot)? else {
-        return Ok(Outcome::Close);
-    };
-    let mut h = Haggle {
-        t,
-        env,
-        slot,
-        s,
-        peer: Peer {
-            origin: env.origin,
-            tls: None,
-        },
-        agreed: Negotiated::default(),
-        fixed,
-        no_zeroes,
-    };
-    loop {
-        if let Some(outcome) = h.option()? {
-            return Ok(outcome);
-        }
-    }
+/// What the handshake waits for from the client next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Await {
+    /// Its flags (4 bytes).
+    Flags,
+    /// An option's header (16 bytes).
+    Header,
+    /// Option `option`'s data (the frame's length).
+    Data { option: u32 },
+    /// Option `option`'s data, too large to keep: `left` bytes to drop,
+    /// then it is refused (TOO_BIG).
+    TooBig { option: u32, left: u64 },
 }
 
-/// Send the server's greeting and read the client's flags.
-///
-/// **Returns:** whether the client speaks fixed newstyle and wants no
-/// zeroes after EXPORT_NAME; `None` when it sent flags it may not (the
-/// connection closes).
-fn greet(s: &mut Hs<'_>, slot: &mut Slot) -> io::Result<Option<(bool, bool)>> {
-    let mut greeting = Vec::with_capacity(18);
-    greeting.extend_from_slice(&NBD_MAGIC.to_be_bytes());
-    greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());
-    greeting.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
-    s.write_all(&greeting)?;
-    let client_flags = read_u32(s)?;
-    if client_flags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
-        return Ok(None);
-    }
-    slot.progressed_by(1);
-    let fixed = client_flags & FLAG_C_FIXED_NEWSTYLE != 0;
-    let no_zeroes = client_flags & FLAG_C_NO_ZEROES != 0;
-    Ok(Some((fixed, no_zeroes)))
-}
-
-/// A handshake between options: what the client is and has agreed so
-/// far. Each option's handler returns `None` to read the next option, or
-/// how the handshake ends.
-struct Haggle<'a, 'e> {
-    t: &'a Arc<Transport>,
-    env: &'a HsEnv<'e>,
-    slot: &'a mut Slot,
-    s: Hs<'a>,
+/// What the client is and has agreed so far.
+struct Agreed {
     peer: Peer,
     agreed: Negotiated,
     /// The client set NBD_FLAG_C_FIXED_NEWSTYLE.
@@ -288,47 +243,209 @@ struct Haggle<'a, 'e> {
     no_zeroes: bool,
 }
 
-impl Haggle<'_, '_> {
-    /// Read one option, its header checked and its data bounded, and
-    /// answer it.
-    fn option(&mut self) -> io::Result<Option<Outcome>> {
-        let mut h = [0u8; 16];
-        self.s.read_exact(&mut h)?;
-        if u64::from_be_bytes(h[0..8].try_into().unwrap()) != IHAVEOPT {
-            return Ok(Some(Outcome::Close));
+/// A handshake in progress: what it waits for, the frame of it received
+/// so far, and what was agreed. It lives with its connection, which waits
+/// for the client's next bytes without a thread ([`Handshake::step`]).
+pub(crate) struct Handshake {
+    awaiting: Await,
+    frame: Vec<u8>,
+    have: usize,
+    st: Agreed,
+    deadline: Instant,
+}
+
+impl Handshake {
+    /// Greet a fresh connection from `origin` (the whole handshake due by
+    /// `deadline`); the client's flags are awaited next.
+    ///
+    /// **Returns:** the socket's error if the greeting cannot be sent.
+    pub(crate) fn greet(t: &Transport, origin: Origin, deadline: Instant) -> io::Result<Handshake> {
+        let mut greeting = Vec::with_capacity(18);
+        greeting.extend_from_slice(&NBD_MAGIC.to_be_bytes());
+        greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());
+        greeting.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+        t.write_all_by(&greeting, deadline)?;
+        Ok(Handshake {
+            awaiting: Await::Flags,
+            frame: vec![0; 4],
+            have: 0,
+            st: Agreed {
+                peer: Peer { origin, tls: None },
+                agreed: Negotiated::default(),
+                fixed: false,
+                no_zeroes: false,
+            },
+            deadline,
+        })
+    }
+
+    /// When the whole handshake is due.
+    pub(crate) fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
+    /// Go on with the handshake: take what the client has sent, answer
+    /// each whole option, and stop where nothing more has arrived. With
+    /// TLS required (`env.tls`'s mode), NBD_OPT_STARTTLS upgrades the
+    /// session and nothing but STARTTLS and ABORT is answered before it.
+    ///
+    /// **Context:** never waits for the client's bytes; a reply's send,
+    /// the TLS handshake and a lazy export's opening may wait (up to the
+    /// deadline). **Returns:** how the handshake ended; `Ok(None)` when
+    /// the rest has not arrived yet (call again once the socket is
+    /// readable); the socket's error (a missed deadline is `TimedOut`, a
+    /// failed TLS handshake `PermissionDenied`).
+    pub(crate) fn step(
+        &mut self,
+        t: &Arc<Transport>,
+        env: &HsEnv<'_>,
+        slot: &mut Slot,
+    ) -> io::Result<Option<Outcome>> {
+        let mut s = Hs {
+            t,
+            deadline: self.deadline,
+        };
+        loop {
+            if Instant::now() >= self.deadline {
+                return Err(io::ErrorKind::TimedOut.into());
+            }
+            match self.receive(&mut s) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
+                Err(e) => return Err(e),
+            }
+            if let Some(outcome) = self.whole(t, s, env, slot)? {
+                return Ok(Some(outcome));
+            }
+            s = Hs {
+                t,
+                deadline: self.deadline,
+            };
         }
-        let option = u32::from_be_bytes(h[8..12].try_into().unwrap());
-        let len = u32::from_be_bytes(h[12..16].try_into().unwrap());
-        self.slot.progressed_by(1);
-        let tls_missing =
-            matches!(self.env.tls, Some(c) if c.mode == TlsMode::Require) && !self.t.is_tls();
+    }
+
+    /// Read on until the awaited frame is whole (or dropped, for data too
+    /// large to keep).
+    fn receive(&mut self, s: &mut Hs<'_>) -> io::Result<()> {
+        if let Await::TooBig { left, .. } = &mut self.awaiting {
+            let mut sink = [0u8; 4096];
+            while *left > 0 {
+                let n = (*left).min(sink.len() as u64) as usize;
+                match s.read(&mut sink[..n])? {
+                    0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+                    got => *left -= got as u64,
+                }
+            }
+            return Ok(());
+        }
+        while self.have < self.frame.len() {
+            match s.read(&mut self.frame[self.have..])? {
+                0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+                n => self.have += n,
+            }
+        }
+        Ok(())
+    }
+
+    /// Await `what`, a frame of `len` bytes.
+    fn expect(&mut self, what: Await, len: usize) {
+        self.awaiting = what;
+        self.frame.clear();
+        self.frame.resize(len, 0);
+        self.have = 0;
+    }
+
+    /// Act on the frame just received whole.
+    ///
+    /// **Returns:** how the handshake ends, if it does.
+    fn whole(
+        &mut self,
+        t: &Arc<Transport>,
+        mut s: Hs<'_>,
+        env: &HsEnv<'_>,
+        slot: &mut Slot,
+    ) -> io::Result<Option<Outcome>> {
+        let tls_missing = matches!(env.tls, Some(c) if c.mode == TlsMode::Require) && !t.is_tls();
+        match self.awaiting {
+            Await::Flags => {
+                let flags = u32::from_be_bytes(self.frame[..4].try_into().expect("4 bytes"));
+                if flags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
+                    return Ok(Some(Outcome::Close));
+                }
+                slot.progressed_by(1);
+                self.st.fixed = flags & FLAG_C_FIXED_NEWSTYLE != 0;
+                self.st.no_zeroes = flags & FLAG_C_NO_ZEROES != 0;
+                self.expect(Await::Header, 16);
+                Ok(None)
+            }
+            Await::Header => Ok(self.header(slot, tls_missing)),
+            Await::TooBig { option, .. } => {
+                self.expect(Await::Header, 16);
+                error_reply(&mut s, option, REP_ERR_TOO_BIG, "option data too large")?;
+                Ok(None)
+            }
+            Await::Data { option } => {
+                let data = std::mem::take(&mut self.frame);
+                self.expect(Await::Header, 16);
+                if tls_missing && !matches!(option, OPT_STARTTLS | OPT_ABORT) {
+                    let msg = "this server requires TLS: send NBD_OPT_STARTTLS first";
+                    error_reply(&mut s, option, REP_ERR_TLS_REQD, msg)?;
+                    return Ok(None);
+                }
+                let mut h = Haggle {
+                    t,
+                    env,
+                    slot,
+                    s,
+                    st: &mut self.st,
+                };
+                h.dispatch(option, &data)
+            }
+        }
+    }
+
+    /// An option's header: check it and await its data.
+    fn header(&mut self, slot: &mut Slot, tls_missing: bool) -> Option<Outcome> {
+        let h = &self.frame;
+        if u64::from_be_bytes(h[0..8].try_into().expect("8 bytes")) != IHAVEOPT {
+            return Some(Outcome::Close);
+        }
+        let option = u32::from_be_bytes(h[8..12].try_into().expect("4 bytes"));
+        let len = u32::from_be_bytes(h[12..16].try_into().expect("4 bytes"));
+        slot.progressed_by(1);
         if tls_missing && option == OPT_EXPORT_NAME {
             // It cannot be answered with an error: the protocol says close.
-            return Ok(Some(Outcome::Close));
+            return Some(Outcome::Close);
         }
         if len > MAX_OPTION_BYTES {
             if len > MAX_DISCARD_BYTES || option == OPT_EXPORT_NAME {
-                return Ok(Some(Outcome::Close));
+                return Some(Outcome::Close);
             }
-            io::copy(&mut (&mut self.s).take(len as u64), &mut io::sink())?;
-            error_reply(
-                &mut self.s,
-                option,
-                REP_ERR_TOO_BIG,
-                "option data too large",
-            )?;
-            return Ok(None);
+            self.expect(
+                Await::TooBig {
+                    option,
+                    left: len as u64,
+                },
+                0,
+            );
+            return None;
         }
-        let mut data = vec![0u8; len as usize];
-        self.s.read_exact(&mut data)?;
-        if tls_missing && !matches!(option, OPT_STARTTLS | OPT_ABORT) {
-            let msg = "this server requires TLS: send NBD_OPT_STARTTLS first";
-            error_reply(&mut self.s, option, REP_ERR_TLS_REQD, msg)?;
-            return Ok(None);
-        }
-        self.dispatch(option, &data)
+        self.expect(Await::Data { option }, len as usize);
+        None
     }
+}
 
+/// A handshake at a whole option: its handlers answer it. Each returns
+/// `None` to read the next option, or how the handshake ends.
+struct Haggle<'a, 'e> {
+    t: &'a Arc<Transport>,
+    env: &'a HsEnv<'e>,
+    slot: &'a mut Slot,
+    s: Hs<'a>,
+    st: &'a mut Agreed,
+}
+
+impl Haggle<'_, '_> {
     /// Answer `option` (its data read whole) with its own handler.
     fn dispatch(&mut self, option: u32, data: &[u8]) -> io::Result<Option<Outcome>> {
         match option {
@@ -342,7 +459,7 @@ impl Haggle<'_, '_> {
                 Ok(Some(Outcome::Close))
             }
             OPT_LIST => {
-                list(&mut self.s, self.env.exports, &self.peer, data)?;
+                list(&mut self.s, self.env.exports, &self.st.peer, data)?;
                 Ok(None)
             }
             OPT_INFO | OPT_GO => self.info_or_go(option, data),
@@ -371,7 +488,7 @@ impl Haggle<'_, '_> {
             error_reply(s, option, REP_ERR_INVALID, "TLS is already running")?;
             return Ok(None);
         }
-        if !data.is_empty() || !self.fixed {
+        if !data.is_empty() || !self.st.fixed {
             error_reply(s, option, REP_ERR_INVALID, "NBD_OPT_STARTTLS takes no data")?;
             return Ok(None);
         }
@@ -380,10 +497,10 @@ impl Haggle<'_, '_> {
         // handshake ends the connection.
         self.t.start_tls(&cfg.acceptor, s.deadline)?;
         // What was agreed in plaintext must be agreed again.
-        self.agreed = Negotiated::default();
+        self.st.agreed = Negotiated::default();
         // Who the client is, now that TLS proved it; a handshake this far
         // along is the last one a full pool closes.
-        self.peer.tls = self.t.tls_identity();
+        self.st.peer.tls = self.t.tls_identity();
         self.slot.progressed_by(TLS_PROGRESS);
         Ok(None)
     }
@@ -396,7 +513,7 @@ impl Haggle<'_, '_> {
             return Ok(None);
         }
         self.s.write_all(&option_reply(option, REP_ACK, &[]))?;
-        self.agreed.structured = true;
+        self.st.agreed.structured = true;
         Ok(None)
     }
 
@@ -406,11 +523,11 @@ impl Haggle<'_, '_> {
         let set = option == OPT_SET_META_CONTEXT;
         if set {
             // A SET replaces the selection, even when it fails.
-            self.agreed.allocation_context = None;
-            self.agreed.meta_export = None;
+            self.st.agreed.allocation_context = None;
+            self.st.agreed.meta_export = None;
         }
         let s = &mut self.s;
-        if !self.agreed.structured {
+        if !self.st.agreed.structured {
             let msg =
                 "metadata contexts need structured replies: send NBD_OPT_STRUCTURED_REPLY first";
             error_reply(s, option, REP_ERR_INVALID, msg)?;
@@ -425,15 +542,15 @@ impl Haggle<'_, '_> {
             )?;
             return Ok(None);
         };
-        let Some(i) = find(self.env, req.name, &self.peer) else {
+        let Some(i) = find(self.env, req.name, &self.st.peer) else {
             let msg = format!("no export named {}", quoted(req.name));
             error_reply(s, option, REP_ERR_UNKNOWN, &msg)?;
             return Ok(None);
         };
         if set && selects_allocation(&req.queries) {
             s.write_all(&meta_context_reply(option, ALLOCATION_CONTEXT_ID))?;
-            self.agreed.allocation_context = Some(ALLOCATION_CONTEXT_ID);
-            self.agreed.meta_export = Some(i);
+            self.st.agreed.allocation_context = Some(ALLOCATION_CONTEXT_ID);
+            self.st.agreed.meta_export = Some(i);
         } else if !set && lists_allocation(&req.queries) {
             // A listed context's id is reserved: zero.
             s.write_all(&meta_context_reply(option, 0))?;
@@ -446,7 +563,7 @@ impl Haggle<'_, '_> {
     /// export, one that cannot be opened, or no room for the connection
     /// closes it.
     fn export_name(&mut self, data: &[u8]) -> io::Result<Option<Outcome>> {
-        let Some(i) = find(self.env, data, &self.peer) else {
+        let Some(i) = find(self.env, data, &self.st.peer) else {
             return Ok(Some(Outcome::Close));
         };
         let Ok(live) = self.env.exports.slots[i].open() else {
@@ -454,7 +571,7 @@ impl Haggle<'_, '_> {
         };
         if self
             .slot
-            .enter_transmission(&self.peer.share_key(), self.t)
+            .enter_transmission(&self.st.peer.share_key(), self.t)
             .is_err()
         {
             return Ok(Some(Outcome::Close));
@@ -463,11 +580,11 @@ impl Haggle<'_, '_> {
         let mut v = Vec::with_capacity(134);
         v.extend_from_slice(&export.size_bytes.to_be_bytes());
         v.extend_from_slice(&export.transmission_flags().to_be_bytes());
-        if !self.no_zeroes {
+        if !self.st.no_zeroes {
             v.extend_from_slice(&[0u8; 124]);
         }
         self.s.write_all(&v)?;
-        Ok(Some(Outcome::Transmission(self.agreed.on(i), i)))
+        Ok(Some(Outcome::Transmission(self.st.agreed.on(i), i)))
     }
 
     /// NBD_OPT_INFO and NBD_OPT_GO; GO to an export the client may use
@@ -475,11 +592,11 @@ impl Haggle<'_, '_> {
     fn info_or_go(&mut self, option: u32, data: &[u8]) -> io::Result<Option<Outcome>> {
         let (slot, t) = (&mut *self.slot, self.t);
         let admit = |p: &Peer| slot.enter_transmission(&p.share_key(), t);
-        let Some(i) = info_or_go(&mut self.s, self.env, &self.peer, option, data, admit)? else {
+        let Some(i) = info_or_go(&mut self.s, self.env, &self.st.peer, option, data, admit)? else {
             return Ok(None);
         };
         if option == OPT_GO {
-            return Ok(Some(Outcome::Transmission(self.agreed.on(i), i)));
+            return Ok(Some(Outcome::Transmission(self.st.agreed.on(i), i)));
         }
         Ok(None)
     }

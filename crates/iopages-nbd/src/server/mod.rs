@@ -3,11 +3,12 @@
 //! transmission, the exports, and the limits shared among peers.
 //!
 //! Owns: the listeners, one thread per acceptor, and server-wide shutdown
-//! (`serve.rs`); connections between their requests held without a
-//! thread in one epoll instance, and the watcher threads (one per core)
-//! that serve them when they come back (`park.rs`), each with a read
-//! buffer it keeps between connections (`inbuf.rs`); option haggling up to GO or
-//! EXPORT_NAME (`handshake.rs`); transmission — requests, replies, the
+//! (`serve.rs`); connections waiting for their clients (in the handshake,
+//! between requests or partway through one) held without a thread in one
+//! epoll instance, and the watcher threads (one per core) that serve them
+//! when they come back (`park.rs`), each with a read buffer it keeps
+//! between connections (`inbuf.rs`); option haggling up to GO or
+//! EXPORT_NAME, resumed where the client's bytes stopped (`handshake.rs`); transmission — requests, replies, the
 //! in-flight accounting and the byte budget of a connection (`conn.rs`), and a
 //! request received in part, kept while its connection parks (`partial.rs`);
 //! the exports and their lazy opening (`export.rs`), the device a request

@@ -1,10 +1,12 @@
-//! The server: listeners, connection threads, shutdown.
+//! The server: listeners, connections, shutdown.
 //!
 //! Owns: binding TCP and Unix listeners (Unix sockets owner-only), serving
 //! listeners bound by others (socket activation: [`Listener`]), one
-//! accepting thread per listener, one thread per connection while it has
-//! work (handshake, then transmission; an idle one waits in the parking
-//! lot, `park.rs`, whose watcher threads serve it when its client sends), the
+//! accepting thread per listener, and every connection from its accept on:
+//! greeted, then parked in the parking lot (`park.rs`), whose watcher
+//! threads serve it — its handshake, then transmission — whenever its
+//! client has sent something, and park it again when nothing more has
+//! arrived (a connection has a thread only while it has work), the
 //! server-wide limits ([`ServerOptions`]: open
 //! connections, handshakes, payload bytes in flight, each shared fairly
 //! among peers by `shares.rs`; the deadlines), and shutting all
@@ -31,7 +33,6 @@ use crate::transport::stream::Stream;
 use crate::ExportConfig;
 use iopages_crypt::queue::CryptQueue;
 use iopages_crypt::target::SectorCipher;
-use parking_lot::Mutex;
 use std::net::{SocketAddr, TcpListener};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixListener;
@@ -207,11 +208,6 @@ impl AsRawFd for Listener {
     }
 }
 
-struct ConnEntry {
-    t: Arc<Transport>,
-    thread: JoinHandle<()>,
-}
-
 struct Shared {
     exports: Catalog,
     /// The server's own counters (connections, handshakes, TLS); each
@@ -221,10 +217,10 @@ struct Shared {
     zeros: Arc<[u8]>,
     opts: ServerOptions,
     stopping: AtomicBool,
-    conns: Mutex<Vec<ConnEntry>>,
-    /// Where idle connections in transmission wait without a thread,
-    /// and the threads that serve them again when they send.
-    parking: Arc<Parking<Session>>,
+    /// Where connections wait without a thread for their clients (in the
+    /// handshake, or in transmission between requests), and the threads
+    /// that serve them when they send.
+    parking: Arc<Parking<Lot>>,
 }
 
 /// An NBD server exporting crypt targets, one per export.
@@ -401,7 +397,6 @@ impl Server {
             zeros: std::iter::repeat_n(0u8, crate::server::partial::CHUNK_BYTES).collect(),
             opts,
             stopping: AtomicBool::new(false),
-            conns: Mutex::new(Vec::new()),
             parking,
         });
         let mut server = Server {
@@ -646,16 +641,9 @@ impl Server {
             let _ = h.join();
         }
         self.left.give_back();
-        // No connection is resumed after this (each parked one is closed
-        // here), so every thread serving one is in `conns` below.
+        // Every connection is in the lot from its accept on: those parked
+        // are closed, those served cut short, and every watcher joined.
         self.shared.parking.stop();
-        let conns = std::mem::take(&mut *self.shared.conns.lock());
-        for c in &conns {
-            c.t.shutdown();
-        }
-        for c in conns {
-            let _ = c.thread.join();
-        }
     }
 }
 
@@ -893,8 +881,8 @@ fn unix_origin(u: &std::os::unix::net::UnixStream) -> Origin {
     }
 }
 
-/// Gives a connection's count back when it ends (its thread returns or
-/// panics, or it is closed while parked).
+/// Gives a connection's count back when it ends (closed, dropped while
+/// parked, or dropped by a panic).
 struct Open(Arc<Counters>);
 
 impl Drop for Open {
@@ -903,9 +891,9 @@ impl Drop for Open {
     }
 }
 
-/// Shuts a connection's socket down when its thread panics, so that its
-/// client sees the end at once (a normal return has closed it, or parked
-/// the connection, which must stay open).
+/// Shuts a connection's socket down when its watcher panics serving it,
+/// so that its client sees the end at once (a normal return has closed
+/// it, or parked the connection, which must stay open).
 struct HangUpOnPanic(Arc<Transport>);
 
 impl Drop for HangUpOnPanic {
@@ -916,17 +904,8 @@ impl Drop for HangUpOnPanic {
     }
 }
 
-/// Join the threads of `conns` that have ended.
-fn reap(conns: &mut Vec<ConnEntry>) {
-    let (done, live): (Vec<_>, Vec<_>) = conns.drain(..).partition(|c| c.thread.is_finished());
-    *conns = live;
-    for c in done {
-        let _ = c.thread.join();
-    }
-}
-
-/// Give the accepted connection `t` a place in the handshake pool and a
-/// thread of its own.
+/// Give the accepted connection `t` a place in the handshake pool, greet
+/// it and park it: a watcher runs its handshake once the client answers.
 fn start_connection(s: &Arc<Shared>, t: Arc<Transport>, origin: Origin) {
     let key = crate::server::peer::Peer { origin, tls: None }.share_key();
     let Some(place) = s.shares.admit_handshake(&key, &t) else {
@@ -936,23 +915,43 @@ fn start_connection(s: &Arc<Shared>, t: Arc<Transport>, origin: Origin) {
         return;
     };
     s.counters.open.fetch_add(1, Ordering::AcqRel);
-    let mut conns = s.conns.lock();
-    reap(&mut conns);
-    let s2 = Arc::clone(s);
-    let t2 = Arc::clone(&t);
-    match std::thread::Builder::new()
-        .name("nbd-conn".into())
-        .spawn(move || {
-            let _hang_up = HangUpOnPanic(Arc::clone(&t2));
-            let open = Open(Arc::clone(&s2.counters));
-            serve_connection(&s2, &t2, place, origin, open);
-        }) {
-        Ok(thread) => conns.push(ConnEntry { t, thread }),
-        Err(e) => {
-            // The closure, and so the place, is dropped with the error.
-            s.counters.open.fetch_sub(1, Ordering::AcqRel);
-            eprintln!("iopages-nbd: cannot start a connection thread: {e}");
+    let open = Open(Arc::clone(&s.counters));
+    let deadline = Instant::now() + s.exports.handshake_timeout();
+    // A fresh socket takes the 18 bytes at once.
+    let hs = match handshake::Handshake::greet(&t, origin, deadline) {
+        Ok(hs) => hs,
+        Err(_) => {
+            t.shutdown();
+            return;
         }
+    };
+    let greeted = Greeted {
+        s: Arc::clone(s),
+        t,
+        place,
+        open,
+        hs,
+    };
+    park_handshake(Box::new(greeted));
+}
+
+/// A connection in the handshake and all it holds: its place in the
+/// handshake pool, its count, and how far its handshake has come.
+struct Greeted {
+    s: Arc<Shared>,
+    t: Arc<Transport>,
+    place: Slot,
+    open: Open,
+    hs: handshake::Handshake,
+}
+
+/// Park `g` until its client sends more (or its deadline, or the stop).
+fn park_handshake(g: Box<Greeted>) {
+    let parking = Arc::clone(&g.s.parking);
+    let (fd, deadline) = (g.t.raw_fd(), g.hs.deadline());
+    if let Err(back) = parking.park(fd, None, Some(deadline), Lot::Handshake(g)) {
+        // Stopping (or the socket cannot be watched): closed.
+        back.close(Wake::Stop);
     }
 }
 
@@ -963,29 +962,32 @@ fn start_connection(s: &Arc<Shared>, t: Arc<Transport>, origin: Origin) {
 pub(crate) static PANIC_NEXT_CONNECTION: std::sync::atomic::AtomicUsize =
     std::sync::atomic::AtomicUsize::new(0);
 
-fn serve_connection(
-    s: &Arc<Shared>,
-    t: &Arc<Transport>,
-    mut place: Slot,
-    origin: Origin,
-    open: Open,
-) {
-    if s.stopping.load(Ordering::SeqCst) {
+/// Serve `g`'s handshake on this watcher as far as the client has sent:
+/// into transmission (served here and then), closed, or parked again.
+fn run_handshake(mut g: Box<Greeted>) {
+    let _hang_up = HangUpOnPanic(Arc::clone(&g.t));
+    if g.s.stopping.load(Ordering::SeqCst) {
+        g.t.shutdown();
         return;
     }
-    let deadline = std::time::Instant::now() + s.exports.handshake_timeout();
-    let env = HsEnv {
-        exports: &s.exports,
-        tls: s.opts.tls.as_ref(),
-        origin,
-        counters: &s.counters,
+    let stepped = {
+        let Greeted {
+            s, t, place, hs, ..
+        } = &mut *g;
+        let env = HsEnv {
+            exports: &s.exports,
+            tls: s.opts.tls.as_ref(),
+            counters: &s.counters,
+        };
+        hs.step(t, &env, place)
     };
-    match handshake::negotiate(t, &env, &mut place, deadline) {
-        Ok(Outcome::Transmission(agreed, i)) => {
+    match stepped {
+        Ok(None) => park_handshake(g),
+        Ok(Some(Outcome::Transmission(agreed, i))) => {
             #[cfg(test)]
             if PANIC_NEXT_CONNECTION
                 .compare_exchange(
-                    Arc::as_ptr(s) as usize,
+                    Arc::as_ptr(&g.s) as usize,
                     0,
                     Ordering::SeqCst,
                     Ordering::SeqCst,
@@ -994,31 +996,40 @@ fn serve_connection(
             {
                 panic!("injected into a connection handler");
             }
+            let Greeted {
+                s, t, place, open, ..
+            } = *g;
             if t.is_tls() {
                 s.counters.tls_sessions.fetch_add(1, Ordering::Relaxed);
             }
             s.counters.sessions.fetch_add(1, Ordering::Relaxed);
-            run_session(Session::new(s, t, place, i, agreed, open));
+            run_session(Session::new(&s, &t, place, i, agreed, open));
         }
-        Ok(Outcome::Close) => {
-            t.close_tls();
-            t.shutdown();
+        Ok(Some(Outcome::Close)) => {
+            g.t.close_tls();
+            g.t.shutdown();
         }
         Err(e) => {
+            let counters = &g.s.counters;
             match e.kind() {
                 std::io::ErrorKind::TimedOut => {
-                    s.counters
-                        .handshake_timeouts
-                        .fetch_add(1, Ordering::Relaxed);
+                    counters.handshake_timeouts.fetch_add(1, Ordering::Relaxed);
                 }
                 std::io::ErrorKind::PermissionDenied => {
-                    s.counters.tls_failures.fetch_add(1, Ordering::Relaxed);
+                    counters.tls_failures.fetch_add(1, Ordering::Relaxed);
                 }
                 _ => {}
             }
-            t.shutdown();
+            g.t.shutdown();
         }
     }
+}
+
+/// What waits in the parking lot: a connection in the handshake, or one
+/// in transmission.
+enum Lot {
+    Handshake(Box<Greeted>),
+    Session(Session),
 }
 
 /// A connection in transmission and all it holds: served by one thread
@@ -1130,36 +1141,57 @@ fn run_session(mut session: Session) {
         // With requests in flight, a reply that finds the socket full kicks
         // the connection's wake-up descriptor: watched too.
         let wake = session.conn.busy().then(|| session.t.wake_fd());
-        match parking.park(session.t.raw_fd(), wake, deadline, session) {
+        match parking.park(session.t.raw_fd(), wake, deadline, Lot::Session(session)) {
             Ok(()) => return,
             // Stopping, or the socket cannot be watched: served here.
-            Err(back) => {
+            Err(Lot::Session(back)) => {
                 session = back;
                 park = false;
             }
+            Err(Lot::Handshake(_)) => unreachable!("a session was parked"),
         }
     }
 }
 
 /// A parked connection's turn (see [`Parking`]): input has a watcher
-/// serve it on its own thread; its idle deadline or the server's stop
-/// closes it (nothing is in flight).
-impl Parked for Session {
+/// serve it on its own thread; its deadline (the handshake's, a request's
+/// or the idle one) or the server's stop closes it.
+impl Parked for Lot {
     type Handle = Arc<Transport>;
     fn handle(&self) -> Arc<Transport> {
-        Arc::clone(&self.t)
+        match self {
+            Lot::Handshake(g) => Arc::clone(&g.t),
+            Lot::Session(s) => Arc::clone(&s.t),
+        }
     }
     fn cut(t: &Arc<Transport>) {
         t.shutdown();
     }
     fn run(self) {
-        run_session(self);
+        match self {
+            Lot::Handshake(g) => run_handshake(g),
+            Lot::Session(s) => run_session(s),
+        }
     }
     fn close(self, why: Wake) {
-        conn::close_parked(&self.conn, why == Wake::Idle);
+        match self {
+            Lot::Handshake(g) => {
+                if why == Wake::Idle {
+                    // Its deadline passed: the whole handshake's.
+                    g.s.counters
+                        .handshake_timeouts
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                g.t.shutdown();
+            }
+            Lot::Session(s) => conn::close_parked(&s.conn, why == Wake::Idle),
+        }
     }
     fn idle_deadline(&self) -> Option<Instant> {
-        self.conn.idle_deadline()
+        match self {
+            Lot::Handshake(g) => Some(g.hs.deadline()),
+            Lot::Session(s) => s.conn.idle_deadline(),
+        }
     }
 }
 
