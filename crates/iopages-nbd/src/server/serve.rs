@@ -1689,4 +1689,52 @@ mod tests {
         s.shutdown();
         alloc.leak_check().expect("the payload's buffers freed");
     }
+
+    /// A handshake sent a byte at a time waits in the parking lot between
+    /// the bytes (no thread holds it), and gets into transmission whole.
+    #[test]
+    fn a_handshake_sent_a_byte_at_a_time_waits_without_a_thread() {
+        let (alloc, s) = server_with(ServerOptions::default());
+        let kept = park::watchers_kept();
+        let mut c = TcpStream::connect(s.tcp_addr().unwrap()).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut greeting = [0u8; 18];
+        c.read_exact(&mut greeting).unwrap();
+        let mut m = (FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES)
+            .to_be_bytes()
+            .to_vec();
+        m.extend_from_slice(&IHAVEOPT.to_be_bytes());
+        m.extend_from_slice(&OPT_GO.to_be_bytes());
+        m.extend_from_slice(&7u32.to_be_bytes());
+        m.extend_from_slice(&[0, 0, 0, 1, b'v', 0, 0]);
+        for (i, b) in m.iter().enumerate() {
+            c.write_all(&[*b]).unwrap();
+            if i % 8 == 3 {
+                // Every frame boundary and the middles of frames alike.
+                await_stats(&s, "parked mid-handshake", |st| {
+                    st.parked_connections == 1 && st.peers.handshakes_open == 1
+                });
+                assert!(s.shared.parking.watchers() <= kept + 1);
+            }
+        }
+        loop {
+            let mut h = [0u8; 20];
+            c.read_exact(&mut h).unwrap();
+            let kind = u32::from_be_bytes(h[12..16].try_into().unwrap());
+            let len = u32::from_be_bytes(h[16..20].try_into().unwrap());
+            let mut d = vec![0u8; len as usize];
+            c.read_exact(&mut d).unwrap();
+            if kind != REP_INFO {
+                assert_eq!(kind, REP_ACK);
+                break;
+            }
+        }
+        assert_eq!(read_512(&mut c, 1), 0);
+        let st = s.stats();
+        assert_eq!((st.peers.handshakes_open, st.sessions), (0, 1));
+        drop(c);
+        await_stats(&s, "closed", |st| st.open_connections == 0);
+        s.shutdown();
+        alloc.leak_check().unwrap();
+    }
 }
