@@ -596,6 +596,58 @@ fn psk_sessions_serve_and_a_wrong_key_or_identity_is_refused() {
     finish(alloc, server);
 }
 
+/// Clients that send STARTTLS and then wait before their TLS handshake
+/// (more of them than the server keeps watchers) wait in the parking lot,
+/// none holding a thread; each then runs its handshake, a flight at a
+/// time, and is served.
+#[test]
+fn tls_handshakes_wait_for_their_clients_without_a_thread() {
+    let dir = TmpDir::new("psk-wait");
+    let file = dir.0.join("keys.psk");
+    let key: Vec<u8> = (0..32u8).collect();
+    let hex: String = key.iter().map(|b| format!("{b:02x}")).collect();
+    std::fs::write(&file, format!("alice:{hex}\n")).unwrap();
+    let opts = ServerOptions {
+        tls: Some(TlsConfig::psk(&file, TlsMode::Require).unwrap()),
+        ..ServerOptions::default()
+    };
+    let (alloc, server) = start(opts, |_| {});
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let n = cores.max(2) + 4;
+    let acked: Vec<_> = (0..n)
+        .map(|_| {
+            let mut c = connect(&server);
+            let r = c.option(OPT_STARTTLS, &[]);
+            assert_eq!((r[0].option, r[0].kind), (OPT_STARTTLS, REP_ACK));
+            c
+        })
+        .collect();
+    let t = Instant::now();
+    loop {
+        let st = server.stats();
+        if st.parked_connections == n as u64 && st.peers.handshakes_open == n as u64 {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "{} of {n} parked",
+            st.parked_connections
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for c in acked {
+        let mut cfg = psk_connector(b"alice", key.clone()).configure().unwrap();
+        cfg.set_verify_hostname(true);
+        let mut c = Client::new(cfg.connect("localhost", c.into_stream()).unwrap());
+        assert_eq!(c.list(), [NAME]);
+        go(&mut c);
+        assert_eq!(c.read(0, 4096).unwrap().len(), 4096);
+    }
+    let st = server.stats();
+    assert_eq!((st.tls_sessions, st.tls_failures), (n as u64, 0));
+    finish(alloc, server);
+}
+
 #[test]
 fn a_psk_identity_decides_the_exports_under_tls_1_2_and_1_3() {
     use openssl::ssl::SslVersion;

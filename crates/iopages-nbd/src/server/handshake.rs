@@ -231,6 +231,9 @@ enum Await {
     /// Option `option`'s data, too large to keep: `left` bytes to drop,
     /// then it is refused (TOO_BIG).
     TooBig { option: u32, left: u64 },
+    /// The TLS handshake after STARTTLS's ACK (the transport keeps it
+    /// while it waits for the client).
+    Tls,
 }
 
 /// What the client is and has agreed so far.
@@ -241,6 +244,8 @@ struct Agreed {
     fixed: bool,
     /// The client set NBD_FLAG_C_NO_ZEROES.
     no_zeroes: bool,
+    /// STARTTLS was acknowledged: the TLS handshake comes next.
+    starting_tls: bool,
 }
 
 /// A handshake in progress: what it waits for, the frame of it received
@@ -274,6 +279,7 @@ impl Handshake {
                 agreed: Negotiated::default(),
                 fixed: false,
                 no_zeroes: false,
+                starting_tls: false,
             },
             deadline,
         })
@@ -309,7 +315,7 @@ impl Handshake {
             if Instant::now() >= self.deadline {
                 return Err(io::ErrorKind::TimedOut.into());
             }
-            match self.receive(&mut s) {
+            match self.receive(&mut s, env) {
                 Ok(()) => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
                 Err(e) => return Err(e),
@@ -326,7 +332,17 @@ impl Handshake {
 
     /// Read on until the awaited frame is whole (or dropped, for data too
     /// large to keep).
-    fn receive(&mut self, s: &mut Hs<'_>) -> io::Result<()> {
+    fn receive(&mut self, s: &mut Hs<'_>, env: &HsEnv<'_>) -> io::Result<()> {
+        if self.awaiting == Await::Tls {
+            let acceptor = &env
+                .tls
+                .expect("STARTTLS is acknowledged with TLS on")
+                .acceptor;
+            return match s.t.accept_tls(acceptor, self.deadline)? {
+                true => Ok(()),
+                false => Err(io::ErrorKind::WouldBlock.into()),
+            };
+        }
         if let Await::TooBig { left, .. } = &mut self.awaiting {
             let mut sink = [0u8; 4096];
             while *left > 0 {
@@ -379,6 +395,16 @@ impl Handshake {
                 Ok(None)
             }
             Await::Header => Ok(self.header(slot, tls_missing)),
+            Await::Tls => {
+                // What was agreed in plaintext must be agreed again; who
+                // the client is, now that TLS proved it; a handshake this
+                // far along is the last one a full pool closes.
+                self.st.agreed = Negotiated::default();
+                self.st.peer.tls = t.tls_identity();
+                slot.progressed_by(TLS_PROGRESS);
+                self.expect(Await::Header, 16);
+                Ok(None)
+            }
             Await::TooBig { option, .. } => {
                 self.expect(Await::Header, 16);
                 error_reply(&mut s, option, REP_ERR_TOO_BIG, "option data too large")?;
@@ -399,7 +425,11 @@ impl Handshake {
                     s,
                     st: &mut self.st,
                 };
-                h.dispatch(option, &data)
+                let outcome = h.dispatch(option, &data)?;
+                if std::mem::take(&mut self.st.starting_tls) {
+                    self.expect(Await::Tls, 0);
+                }
+                Ok(outcome)
             }
         }
     }
@@ -475,7 +505,7 @@ impl Haggle<'_, '_> {
     /// was agreed in plaintext is forgotten.
     fn starttls(&mut self, option: u32, data: &[u8]) -> io::Result<Option<Outcome>> {
         let s = &mut self.s;
-        let Some(cfg) = self.env.tls else {
+        let Some(_) = self.env.tls else {
             error_reply(
                 s,
                 option,
@@ -493,15 +523,9 @@ impl Haggle<'_, '_> {
             return Ok(None);
         }
         s.write_all(&option_reply(option, REP_ACK, &[]))?;
-        // Past the ACK there is no way back to plaintext: a failed
-        // handshake ends the connection.
-        self.t.start_tls(&cfg.acceptor, s.deadline)?;
-        // What was agreed in plaintext must be agreed again.
-        self.st.agreed = Negotiated::default();
-        // Who the client is, now that TLS proved it; a handshake this far
-        // along is the last one a full pool closes.
-        self.st.peer.tls = self.t.tls_identity();
-        self.slot.progressed_by(TLS_PROGRESS);
+        // Past the ACK there is no way back to plaintext: the TLS
+        // handshake comes next, and a failed one ends the connection.
+        self.st.starting_tls = true;
         Ok(None)
     }
 

@@ -315,35 +315,102 @@ enum Finished<S> {
     Failed(MidHandshakeSslStream<SealedOut<S>>),
 }
 
+/// Where a handshake stands after a step.
+enum Advance<S> {
+    Done(SslStream<SealedOut<S>>),
+    /// It waits for the socket: readable (`read`), writable (`write`:
+    /// OpenSSL wants to write, or records of its last flight are still
+    /// gathered).
+    Wait {
+        mid: MidHandshakeSslStream<SealedOut<S>>,
+        read: bool,
+        write: bool,
+    },
+    /// The peer failed it, or it failed the peer (its alert was sent).
+    Failed(MidHandshakeSslStream<SealedOut<S>>),
+}
+
+/// Take one step of a handshake's result: what it finished, or what it
+/// waits for (what it has sealed sent as far as the socket takes it).
+fn advance<S: Socket>(
+    step: Result<SslStream<SealedOut<S>>, HandshakeError<SealedOut<S>>>,
+) -> io::Result<Advance<S>> {
+    match step {
+        Ok(mut s) => {
+            // The last flight may still be gathered.
+            s.get_mut().push()?;
+            Ok(Advance::Done(s))
+        }
+        Err(HandshakeError::WouldBlock(mut mid)) => {
+            mid.get_mut().push()?;
+            let want_write = mid.error().code() == ErrorCode::WANT_WRITE;
+            let write = want_write || mid.get_ref().pending() > 0;
+            Ok(Advance::Wait {
+                mid,
+                read: !want_write,
+                write,
+            })
+        }
+        Err(HandshakeError::SetupFailure(e)) => Err(setup_error(e)),
+        Err(HandshakeError::Failure(mut m)) => {
+            // The alert, so the peer learns why.
+            let _ = m.get_mut().push();
+            Ok(Advance::Failed(m))
+        }
+    }
+}
+
 /// Drive a handshake from its first `step` to its end: `wait(read,
 /// write)` waits for the socket (and fails once the caller's deadline
 /// passes).
 fn drive<S: Socket>(
-    mut step: Result<SslStream<SealedOut<S>>, HandshakeError<SealedOut<S>>>,
+    step: Result<SslStream<SealedOut<S>>, HandshakeError<SealedOut<S>>>,
     mut wait: impl FnMut(bool, bool) -> io::Result<()>,
 ) -> io::Result<Finished<S>> {
+    let mut a = advance(step)?;
     loop {
-        let mut mid = match step {
-            Ok(mut s) => {
-                // The last flight may still be gathered.
-                s.get_mut().push()?;
-                return Ok(Finished::Done(s));
+        match a {
+            Advance::Done(s) => return Ok(Finished::Done(s)),
+            Advance::Failed(m) => return Ok(Finished::Failed(m)),
+            Advance::Wait {
+                mut mid,
+                read,
+                write,
+            } => {
+                wait(read, write)?;
+                mid.get_mut().push()?;
+                a = advance(mid.handshake())?;
             }
-            Err(HandshakeError::WouldBlock(m)) => m,
-            Err(HandshakeError::SetupFailure(e)) => return Err(setup_error(e)),
-            Err(HandshakeError::Failure(mut m)) => {
-                // The alert, so the peer learns why.
-                let _ = m.get_mut().push();
-                return Ok(Finished::Failed(m));
-            }
-        };
-        // Records of the last flight may still be gathered: wait for the
-        // socket to take them as well as for the peer's answer.
-        mid.get_mut().push()?;
-        let want_write = mid.error().code() == ErrorCode::WANT_WRITE;
-        wait(!want_write, want_write || mid.get_ref().pending() > 0)?;
-        mid.get_mut().push()?;
-        step = mid.handshake();
+        }
+    }
+}
+
+/// The server side of a handshake that waits for its socket
+/// ([`TlsSession::accept_start`]): kept while its connection waits for
+/// the client without a thread, and resumed when the socket is ready.
+pub(crate) struct Accepting<S: Socket> {
+    mid: MidHandshakeSslStream<SealedOut<S>>,
+    fd: RawFd,
+    timeout: Duration,
+    /// It waits for the socket to take its records (not for the client).
+    pub(crate) wants_write: bool,
+}
+
+/// Where a server handshake driven without waiting stands.
+pub(crate) enum Accept<S: Socket> {
+    /// Finished: the session.
+    Done(TlsSession<S>),
+    /// It waits for the socket.
+    Waits(Accepting<S>),
+}
+
+impl<S: Socket> Accepting<S> {
+    /// Go on from where the socket stopped it.
+    ///
+    /// **Returns:** as [`TlsSession::accept_start`].
+    pub(crate) fn resume(mut self) -> io::Result<Accept<S>> {
+        self.mid.get_mut().push()?;
+        TlsSession::accepted(advance(self.mid.handshake())?, self.fd, self.timeout)
     }
 }
 
@@ -367,12 +434,15 @@ impl<S: Socket> TlsSession<S> {
     /// Run the server side of the handshake on `sock` (NBD_OPT_STARTTLS
     /// acknowledged); `wait(read, write)` waits for the socket and fails
     /// once the caller's deadline has passed. Sealed records are batched.
-    /// Timed reads and writes would wait `timeout`.
+    /// Timed reads and writes would wait `timeout`. (The server drives
+    /// its handshakes without waiting, [`TlsSession::accept_start`]; the
+    /// remote client's tests serve TLS with this.)
     ///
     /// **Context:** blocks (in `wait`) for up to the caller's deadline.
     ///
     /// **Returns:** `PermissionDenied` naming OpenSSL's reason when the
     /// handshake fails (the alert sent first); `wait`'s error.
+    #[cfg(test)]
     pub(crate) fn accept(
         sock: S,
         acceptor: &SslAcceptor,
@@ -388,6 +458,42 @@ impl<S: Socket> TlsSession<S> {
                 ErrorKind::PermissionDenied,
                 format!("TLS handshake failed: {}", m.error()),
             )),
+        }
+    }
+
+    /// Start the server side of the handshake on `sock` (NBD_OPT_STARTTLS
+    /// acknowledged) without waiting for the client: as far as what has
+    /// arrived allows. Sealed records are batched; timed reads and writes
+    /// would wait `timeout`.
+    ///
+    /// **Returns:** the session, or the handshake waiting for its socket
+    /// ([`Accepting::resume`] goes on); `PermissionDenied` naming
+    /// OpenSSL's reason when it fails (the alert sent first).
+    pub(crate) fn accept_start(
+        sock: S,
+        acceptor: &SslAcceptor,
+        timeout: Duration,
+    ) -> io::Result<Accept<S>> {
+        sock.nonblocking()?;
+        let fd = sock.as_raw_fd();
+        let ssl = Ssl::new(acceptor.context()).map_err(setup_error)?;
+        let step = ssl.accept(SealedOut::new(sock, Sending::Batched));
+        TlsSession::accepted(advance(step)?, fd, timeout)
+    }
+
+    fn accepted(a: Advance<S>, fd: RawFd, timeout: Duration) -> io::Result<Accept<S>> {
+        match a {
+            Advance::Done(s) => Ok(Accept::Done(TlsSession::new(s, fd, timeout))),
+            Advance::Failed(m) => Err(io::Error::new(
+                ErrorKind::PermissionDenied,
+                format!("TLS handshake failed: {}", m.error()),
+            )),
+            Advance::Wait { mid, write, .. } => Ok(Accept::Waits(Accepting {
+                mid,
+                fd,
+                timeout,
+                wants_write: write,
+            })),
         }
     }
 

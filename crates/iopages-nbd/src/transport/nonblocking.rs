@@ -12,7 +12,7 @@
 
 use crate::sys;
 pub(crate) use crate::tls::session::Io;
-use crate::tls::session::TlsSession;
+use crate::tls::session::{Accept, Accepting, TlsSession};
 use crate::transport::stream::Stream;
 use openssl::ssl::SslAcceptor;
 use std::io::{self, IoSlice, Read, Write};
@@ -39,6 +39,8 @@ pub(crate) struct Transport {
     sock: Stream,
     /// The TLS session, from the end of the STARTTLS handshake on.
     tls: OnceLock<TlsSession<Stream>>,
+    /// The TLS handshake while it waits for the client.
+    accepting: parking_lot::Mutex<Option<Accepting<Stream>>>,
     wake: OwnedFd,
 }
 
@@ -49,6 +51,7 @@ impl Transport {
         Ok(Transport {
             sock,
             tls: OnceLock::new(),
+            accepting: parking_lot::Mutex::new(None),
             wake: sys::eventfd()?,
         })
     }
@@ -272,25 +275,48 @@ impl Transport {
         Ok(())
     }
 
-    /// Run the server side of a TLS handshake on the socket, all of it
-    /// before `deadline` (a kick ends a wait early, not the handshake);
-    /// from then on every read and write goes through the session.
+    /// Start, or go on with, the server side of a TLS handshake on the
+    /// socket, as far as what the client has sent allows: it never waits
+    /// for the client, only (up to `deadline`) for the socket to take the
+    /// server's own records. Once it is done every read and write goes
+    /// through the session.
     ///
-    /// **Returns:** `PermissionDenied` when the handshake fails,
-    /// `TimedOut` past `deadline`.
-    pub(crate) fn start_tls(&self, acceptor: &SslAcceptor, deadline: Instant) -> io::Result<()> {
-        if self.is_tls() {
-            return Err(io::Error::other("TLS is already running"));
+    /// **Returns:** `true` once TLS runs, `false` while the handshake
+    /// waits for the client's next bytes (call again once the socket is
+    /// readable); `PermissionDenied` when the handshake fails, `TimedOut`
+    /// past `deadline`.
+    pub(crate) fn accept_tls(&self, acceptor: &SslAcceptor, deadline: Instant) -> io::Result<bool> {
+        loop {
+            let mut pending = self.accepting.lock();
+            let step = match pending.take() {
+                Some(a) => a.resume()?,
+                None if self.is_tls() => return Err(io::Error::other("TLS is already running")),
+                None => {
+                    let left = time_left(deadline)?;
+                    TlsSession::accept_start(self.sock.try_clone()?, acceptor, left)?
+                }
+            };
+            match step {
+                Accept::Done(session) => {
+                    // Only the connection's serving thread starts TLS, once
+                    // (checked above): a second session here is a bug,
+                    // answered as before in release.
+                    return self.tls.set(session).map(|()| true).map_err(|_| {
+                        debug_assert!(false, "TLS started twice on one connection");
+                        io::Error::other("TLS is already running")
+                    });
+                }
+                Accept::Waits(a) if a.wants_write => {
+                    *pending = Some(a);
+                    drop(pending);
+                    self.wait(false, true, Some(time_left(deadline)?))?;
+                }
+                Accept::Waits(a) => {
+                    *pending = Some(a);
+                    return Ok(false);
+                }
+            }
         }
-        let wait = |read, write| self.wait(read, write, Some(time_left(deadline)?)).map(drop);
-        let left = deadline.saturating_duration_since(Instant::now());
-        let session = TlsSession::accept(self.sock.try_clone()?, acceptor, left, wait)?;
-        // Only the connection's own thread starts TLS, once (checked above):
-        // a second session here is a bug, answered as before in release.
-        self.tls.set(session).map_err(|_| {
-            debug_assert!(false, "TLS started twice on one connection");
-            io::Error::other("TLS is already running")
-        })
     }
 
     /// What the finished TLS handshake proved about the client: its PSK
