@@ -176,6 +176,58 @@ fn a_lazy_export_opens_once_on_first_use_and_a_failure_is_kept() {
     alloc.leak_check().unwrap();
 }
 
+/// A lazy export's opening (a key derivation: long work) runs on the
+/// long-work thread, not on a watcher: while it goes on, other clients
+/// get through their handshakes and are served; the client that asked
+/// is answered once it is done.
+#[test]
+fn a_lazy_export_opens_off_the_watchers_while_others_are_served() {
+    let alloc = arena();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let released = std::sync::Mutex::new(released);
+    let (began_tx, began) = std::sync::mpsc::channel::<String>();
+    let a = alloc.clone();
+    let server = Server::start_exports(
+        vec![
+            Export::lazy(
+                ExportConfig::new("slow"),
+                Box::new(move || {
+                    let me = std::thread::current().name().unwrap_or("").to_string();
+                    began_tx.send(me).unwrap();
+                    // Held until the test lets it go, as a long derivation.
+                    released.lock().unwrap().recv().unwrap();
+                    Ok(volume(&a, 4 << 20, 4))
+                }),
+            ),
+            Export::ready(ExportConfig::new("quick"), volume(&alloc, 4 << 20, 5)),
+        ],
+        ServerOptions::default(),
+        &listen(),
+    )
+    .unwrap();
+    let addr = server.tcp_addr().unwrap();
+    let asker = std::thread::spawn(move || {
+        let mut c = Client::tcp(addr);
+        let size = size_of(&mut c, OPT_GO, "slow");
+        (size, c.write(0, &[3u8; 4096], 0), c.read(0, 4096))
+    });
+    let on = began.recv_timeout(Duration::from_secs(20)).unwrap();
+    assert_eq!(on, "nbd-long-work", "the opening ran on a watcher");
+    for _ in 0..20 {
+        let mut c = connect(&server);
+        assert_eq!(size_of(&mut c, OPT_GO, "quick"), Ok(4 << 20));
+        assert_eq!(c.read(0, 4096).map(|d| d.len()), Ok(4096));
+    }
+    assert_eq!(server.export_is_open("slow"), Some(false));
+    release.send(()).unwrap();
+    let (size, wrote, read) = asker.join().unwrap();
+    assert_eq!((size, wrote), (Ok(4 << 20), 0));
+    assert_eq!(read, Ok(vec![3u8; 4096]));
+    assert_eq!(server.export_is_open("slow"), Some(true));
+    server.shutdown();
+    alloc.leak_check().unwrap();
+}
+
 #[test]
 fn a_failed_lazy_export_is_tried_again_after_its_backoff() {
     let alloc = arena();

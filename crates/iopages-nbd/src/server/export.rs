@@ -211,6 +211,17 @@ impl Slot {
         }
     }
 
+    /// Whether [`Slot::open`] would open it now (lazy, not open, and its
+    /// last failure's backoff passed): long work, kept off the watchers.
+    pub(crate) fn needs_opening(&self) -> bool {
+        self.live.get().is_none()
+            && self
+                .failure
+                .lock()
+                .as_ref()
+                .is_none_or(|f| Instant::now() >= f.retry_at)
+    }
+
     /// The live state if the export is open (never opens it).
     pub(crate) fn get(&self) -> Option<&Live> {
         self.live.get()

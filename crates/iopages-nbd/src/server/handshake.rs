@@ -61,6 +61,10 @@ pub(crate) enum Outcome {
     Transmission(Negotiated, usize),
     /// Close the connection (abort, bad magic, unknown export, …).
     Close,
+    /// The option just received names the lazy export at this index,
+    /// not opened yet: open it off the watchers (a key derivation), then
+    /// step again to answer it.
+    Open(usize),
 }
 
 /// What the client and the server agreed on for transmission.
@@ -226,8 +230,9 @@ enum Await {
     Flags,
     /// An option's header (16 bytes).
     Header,
-    /// Option `option`'s data (the frame's length).
-    Data { option: u32 },
+    /// Option `option`'s data (the frame's length); `opened`: the export
+    /// it names has been opened for it (or its opening failed).
+    Data { option: u32, opened: bool },
     /// Option `option`'s data, too large to keep: `left` bytes to drop,
     /// then it is refused (TOO_BIG).
     TooBig { option: u32, left: u64 },
@@ -410,14 +415,24 @@ impl Handshake {
                 error_reply(&mut s, option, REP_ERR_TOO_BIG, "option data too large")?;
                 Ok(None)
             }
-            Await::Data { option } => {
-                let data = std::mem::take(&mut self.frame);
-                self.expect(Await::Header, 16);
+            Await::Data { option, opened } => {
                 if tls_missing && !matches!(option, OPT_STARTTLS | OPT_ABORT) {
+                    self.expect(Await::Header, 16);
                     let msg = "this server requires TLS: send NBD_OPT_STARTTLS first";
                     error_reply(&mut s, option, REP_ERR_TLS_REQD, msg)?;
                     return Ok(None);
                 }
+                if let Some(i) = self.to_open(option, env).filter(|_| !opened) {
+                    // Answered once it is open: the data is kept, and no
+                    // bytes are read meanwhile.
+                    self.awaiting = Await::Data {
+                        option,
+                        opened: true,
+                    };
+                    return Ok(Some(Outcome::Open(i)));
+                }
+                let data = std::mem::take(&mut self.frame);
+                self.expect(Await::Header, 16);
                 let mut h = Haggle {
                     t,
                     env,
@@ -432,6 +447,19 @@ impl Handshake {
                 Ok(outcome)
             }
         }
+    }
+
+    /// The lazy export that option `option` (its data received) would open
+    /// now — allowed to this client, not open, its last failure's backoff
+    /// passed — if any.
+    fn to_open(&self, option: u32, env: &HsEnv<'_>) -> Option<usize> {
+        let name = match option {
+            OPT_GO | OPT_INFO => parse_info_request(&self.frame)?.0,
+            OPT_EXPORT_NAME => &self.frame[..],
+            _ => return None,
+        };
+        let i = env.exports.find_allowed(name, &self.st.peer)?;
+        env.exports.slots[i].needs_opening().then_some(i)
     }
 
     /// An option's header: check it and await its data.
@@ -460,7 +488,13 @@ impl Handshake {
             );
             return None;
         }
-        self.expect(Await::Data { option }, len as usize);
+        self.expect(
+            Await::Data {
+                option,
+                opened: false,
+            },
+            len as usize,
+        );
         None
     }
 }

@@ -15,7 +15,8 @@
 //! reaches (`device.rs`) and its payload buffers (`buffers.rs`); who a
 //! client is and the `allow` rules (`peer.rs`); fair shares of the
 //! server's limits among peers (`shares.rs`, `shares/`); an export's rate
-//! limits (`rate.rs`).
+//! limits (`rate.rs`); long work (a lazy export's opening) queued off the
+//! watchers on a thread of its own (`longwork.rs`).
 //!
 //! Must never: name the remote client (`client/`), make a system call
 //! except through `sys`, or know whether a connection runs TLS beyond
@@ -34,6 +35,7 @@ pub(crate) mod device;
 pub(crate) mod export;
 pub(crate) mod handshake;
 pub(crate) mod inbuf;
+pub(crate) mod longwork;
 pub(crate) mod park;
 pub(crate) mod partial;
 pub(crate) mod peer;

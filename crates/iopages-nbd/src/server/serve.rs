@@ -22,6 +22,7 @@ use crate::error::{Error, Result};
 use crate::server::conn::{self, ConnEnv, ConnLimits};
 use crate::server::export::{Catalog, Export, ExportState, ExportVolume};
 use crate::server::handshake::{self, HsEnv, Negotiated, Outcome};
+use crate::server::longwork::LongWork;
 use crate::server::park::{self, Parked, Parking, Wake};
 use crate::server::peer::Origin;
 use crate::server::shares::{ShareLimits, Shares, Slot};
@@ -221,6 +222,8 @@ struct Shared {
     /// handshake, or in transmission between requests), and the threads
     /// that serve them when they send.
     parking: Arc<Parking<Lot>>,
+    /// Long work kept off the watchers (a lazy export's opening).
+    long_work: Arc<LongWork>,
 }
 
 /// An NBD server exporting crypt targets, one per export.
@@ -398,6 +401,7 @@ impl Server {
             opts,
             stopping: AtomicBool::new(false),
             parking,
+            long_work: Arc::new(LongWork::default()),
         });
         let mut server = Server {
             shared,
@@ -642,8 +646,11 @@ impl Server {
         }
         self.left.give_back();
         // Every connection is in the lot from its accept on: those parked
-        // are closed, those served cut short, and every watcher joined.
+        // are closed, those served cut short, and every watcher joined;
+        // then those waiting for long work are dropped, and its thread
+        // joined (a connection it hands back finds the lot closed).
         self.shared.parking.stop();
+        self.shared.long_work.stop();
     }
 }
 
@@ -932,7 +939,7 @@ fn start_connection(s: &Arc<Shared>, t: Arc<Transport>, origin: Origin) {
         open,
         hs,
     };
-    park_handshake(Box::new(greeted));
+    park_handshake(Box::new(greeted), false);
 }
 
 /// A connection in the handshake and all it holds: its place in the
@@ -945,14 +952,31 @@ struct Greeted {
     hs: handshake::Handshake,
 }
 
-/// Park `g` until its client sends more (or its deadline, or the stop).
-fn park_handshake(g: Box<Greeted>) {
+/// Park `g` until its client sends more (or its deadline, or the stop);
+/// `now`: until a watcher takes it, at once (its wake-up descriptor is
+/// kicked and watched too).
+fn park_handshake(g: Box<Greeted>, now: bool) {
     let parking = Arc::clone(&g.s.parking);
     let (fd, deadline) = (g.t.raw_fd(), g.hs.deadline());
-    if let Err(back) = parking.park(fd, None, Some(deadline), Lot::Handshake(g)) {
+    let wake = now.then(|| {
+        g.t.kick();
+        g.t.wake_fd()
+    });
+    if let Err(back) = parking.park(fd, wake, Some(deadline), Lot::Handshake(g)) {
         // Stopping (or the socket cannot be watched): closed.
         back.close(Wake::Stop);
     }
+}
+
+/// Open the lazy export `i` for `g` on the long-work thread, then hand
+/// `g` back to the watchers, whose next step answers the option.
+fn open_then_resume(g: Box<Greeted>, i: usize) {
+    let work = Arc::clone(&g.s.long_work);
+    work.submit(Box::new(move || {
+        // A failure is kept by the export, and answered by the next step.
+        let _ = g.s.exports.slots[i].open();
+        park_handshake(g, true);
+    }));
 }
 
 /// Tests: the next connection's handler of the server whose shared state
@@ -966,6 +990,8 @@ pub(crate) static PANIC_NEXT_CONNECTION: std::sync::atomic::AtomicUsize =
 /// into transmission (served here and then), closed, or parked again.
 fn run_handshake(mut g: Box<Greeted>) {
     let _hang_up = HangUpOnPanic(Arc::clone(&g.t));
+    // A kick that handed it back is spent.
+    g.t.clear_kicks();
     if g.s.stopping.load(Ordering::SeqCst) {
         g.t.shutdown();
         return;
@@ -982,7 +1008,8 @@ fn run_handshake(mut g: Box<Greeted>) {
         hs.step(t, &env, place)
     };
     match stepped {
-        Ok(None) => park_handshake(g),
+        Ok(None) => park_handshake(g, false),
+        Ok(Some(Outcome::Open(i))) => open_then_resume(g, i),
         Ok(Some(Outcome::Transmission(agreed, i))) => {
             #[cfg(test)]
             if PANIC_NEXT_CONNECTION
