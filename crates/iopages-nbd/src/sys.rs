@@ -184,12 +184,17 @@ pub(crate) fn set_time_slice(slice: std::time::Duration) -> io::Result<()> {
     Ok(())
 }
 
-/// Watch `fd` in `ep` once more for input or a hang-up, handing `token`
-/// back (`EPOLLONESHOT`): the watch of a descriptor watched before (and
-/// disarmed since it fired) is re-armed in one call, a new one added.
-pub(crate) fn epoll_rearm(ep: BorrowedFd<'_>, fd: RawFd, token: u64) -> io::Result<()> {
+/// Watch `fd` in `ep` once more for input or a hang-up — and, with `out`,
+/// for room to write — handing `token` back (`EPOLLONESHOT`): the watch
+/// of a descriptor watched before (and disarmed since it fired) is
+/// re-armed in one call, a new one added.
+pub(crate) fn epoll_rearm(ep: BorrowedFd<'_>, fd: RawFd, token: u64, out: bool) -> io::Result<()> {
+    let mut events = libc::EPOLLIN | libc::EPOLLRDHUP | libc::EPOLLONESHOT;
+    if out {
+        events |= libc::EPOLLOUT;
+    }
     let mut ev = libc::epoll_event {
-        events: (libc::EPOLLIN | libc::EPOLLRDHUP | libc::EPOLLONESHOT) as u32,
+        events: events as u32,
         u64: token,
     };
     // SAFETY: as in `epoll_watch`.
@@ -201,7 +206,12 @@ pub(crate) fn epoll_rearm(ep: BorrowedFd<'_>, fd: RawFd, token: u64) -> io::Resu
     if e.raw_os_error() != Some(libc::ENOENT) {
         return Err(e);
     }
-    epoll_watch(ep, fd, token, true)
+    // SAFETY: as above, with EPOLL_CTL_ADD.
+    let r = unsafe { libc::epoll_ctl(ep.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut ev) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// Stop watching `fd` in `ep` (errors ignored: a descriptor not watched

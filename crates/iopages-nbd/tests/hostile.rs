@@ -117,7 +117,13 @@ fn clients_that_never_read_cannot_delay_another_clients_reply() {
         }
         stuck.push(c);
     }
-    std::thread::sleep(Duration::from_millis(300));
+    // Their replies wait for room with the connections in the parking
+    // lot: no thread waits for them to read.
+    let t = Instant::now();
+    while server.stats().parked_connections < 2 {
+        assert!(t.elapsed() < Duration::from_secs(10), "never parked");
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let mut ok = connect(&server);
     go(&mut ok);
     for _ in 0..20 {

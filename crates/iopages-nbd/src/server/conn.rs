@@ -735,7 +735,7 @@ impl Conn {
     /// Nothing waits to be sent: no reply queued (or one being sent by a
     /// completion, which kicks the connection if the socket is full) and
     /// no sealed TLS record.
-    fn quiet(&self) -> bool {
+    pub(crate) fn quiet(&self) -> bool {
         let ob = self.outbox.lock();
         (ob.queue.is_empty() || ob.sending) && !self.t.pending_out()
     }
@@ -744,17 +744,36 @@ impl Conn {
     /// after its last completion, or after now while requests are in
     /// flight (looked at again then). `None` without an idle timeout.
     /// Parked with a request received in part: that request's deadline.
+    /// Parked with replies the socket has not taken: the oldest one's
+    /// reply timeout, if that is earlier.
     pub(crate) fn idle_deadline(&self) -> Option<Instant> {
-        if let Some(p) = &*self.partial.lock() {
+        let due = self.reply_due();
+        let base = if let Some(p) = &*self.partial.lock() {
             // A request received in part: due whole by its deadline.
-            return Some(p.by());
+            Some(p.by())
+        } else if let Some(timeout) = self.limits.idle_timeout {
+            if self.busy() {
+                Some(Instant::now() + timeout)
+            } else {
+                let from = Duration::from_nanos(self.idle_from.load(Ordering::Relaxed));
+                Some(self.born + from + timeout)
+            }
+        } else {
+            None
+        };
+        match (base, due) {
+            (Some(b), Some(d)) => Some(b.min(d)),
+            (b, d) => b.or(d),
         }
-        let timeout = self.limits.idle_timeout?;
-        if self.busy() {
-            return Some(Instant::now() + timeout);
-        }
-        let from = Duration::from_nanos(self.idle_from.load(Ordering::Relaxed));
-        Some(self.born + from + timeout)
+    }
+
+    /// When the oldest reply waiting for the socket must have been taken
+    /// by the client (none waiting: `None`).
+    pub(crate) fn reply_due(&self) -> Option<Instant> {
+        let ob = self.outbox.lock();
+        ob.queue
+            .front()
+            .map(|r| r.queued + self.limits.reply_timeout)
     }
 
     /// Requests are in flight (a parked connection's replies are still to
@@ -1029,13 +1048,12 @@ impl ConnRead {
             // Kicks made before are forgotten first, so a connection
             // parked from here is resumed by a later one only.
             self.conn.t.clear_kicks();
-            if !self.conn.quiet() {
-                return Ok(None);
-            }
-            // Between two requests with nothing left to send: after the
-            // linger (or at once, others being ready) the connection
-            // parks; the replies of those in flight go out from their
-            // completions, and a backlog kicks it back onto a thread.
+            // Between two requests: after the linger (or at once, others
+            // being ready) the connection parks; the replies of those in
+            // flight go out from their completions, a backlog the socket
+            // has not taken waits for room (the parked socket is watched
+            // for it), and a reply finding the socket full kicks it back
+            // onto a thread.
             let until = *self.linger.from.get_or_insert(now) + linger;
             if std::mem::take(&mut self.linger.others_ready) || now >= until {
                 return Err(park_signal());
@@ -1052,12 +1070,9 @@ impl ConnRead {
             counters.idle_closes.fetch_add(1, Ordering::Relaxed);
             return Err(io::ErrorKind::TimedOut.into());
         }
-        // Sealed TLS records still leaving keep the thread until they are
-        // out (the pump waits for the socket to take them).
-        let park = self
-            .park_after
-            .filter(|_| !self.conn.t.pending_out())
-            .map(|p| *since + p);
+        // Sealed TLS records still leaving wait for room in the lot, as a
+        // backlog of replies does.
+        let park = self.park_after.map(|p| *since + p);
         // Other connections ready: the linger ends now.
         let others = std::mem::take(&mut self.linger.others_ready);
         if park.is_some_and(|p| now >= p || others) {
@@ -1083,11 +1098,8 @@ impl ConnRead {
             return Ok(Some(by));
         };
         // As between requests: kicks made before are forgotten, and a
-        // backlog of replies keeps the thread (nobody would send it).
+        // backlog of replies waits for room in the lot.
         self.conn.t.clear_kicks();
-        if !self.conn.quiet() {
-            return Ok(Some(by));
-        }
         let until = *self.linger.from.get_or_insert(now) + linger;
         if std::mem::take(&mut self.linger.others_ready) || now >= until {
             return Err(park_signal());
@@ -1162,11 +1174,29 @@ pub(crate) fn transmit(conn: &Arc<Conn>, env: &ConnEnv<'_>, park_after: Option<D
     Ended::Closed
 }
 
-/// Close a parked connection: a request it had received in part is
-/// dropped (its deadline passing is counted as a payload timeout, not an
-/// idle close), its requests in flight complete and their replies go
-/// first; then as [`close`].
+/// Close a parked connection: a reply it has not taken past the reply
+/// timeout gives it up (counted as a reply timeout), a request it had
+/// received in part is dropped (its deadline passing is counted as a
+/// payload timeout), its requests in flight complete and their replies go
+/// first, as far as the client takes them (at the stop, `idle_timeout`
+/// false: what the socket does not take at once is dropped); then as
+/// [`close`].
 pub(crate) fn close_parked(conn: &Conn, idle_timeout: bool) {
+    // A reply the client has not taken in time (or, at the stop, at all:
+    // the stop waits for no client): the connection is given up, its
+    // queued replies dropped, as on a thread.
+    let overdue = conn.reply_due().is_some_and(|d| Instant::now() >= d);
+    if !idle_timeout {
+        conn.flush_replies();
+        if !conn.quiet() {
+            conn.kill();
+        }
+    }
+    if overdue {
+        conn.counters.reply_timeouts.fetch_add(1, Ordering::Relaxed);
+        conn.kill();
+    }
+    let idle_timeout = idle_timeout && !overdue;
     let partial = conn.partial.lock().take();
     let late = partial.is_some() && idle_timeout;
     if let Some(p) = partial {

@@ -273,9 +273,10 @@ impl<T: Parked> Parking<T> {
     }
 
     /// Hold `item`, the connection whose socket is `fd`, until it is
-    /// ready, its `deadline` passes or the server stops; then run or close
-    /// it (see the module's notes). `fd` must stay open until then: `item`
-    /// owns it.
+    /// ready — readable, or with `out` writable too (what it has to send
+    /// waits for room), or `also` readable — its `deadline` passes or the
+    /// server stops; then run or close it (see the module's notes). `fd`
+    /// must stay open until then: `item` owns it.
     ///
     /// **Returns:** `Err(item)` after [`Parking::stop`], or when the socket
     /// cannot be watched: the caller goes on serving the connection.
@@ -283,6 +284,7 @@ impl<T: Parked> Parking<T> {
         &self,
         fd: RawFd,
         also: Option<RawFd>,
+        out: bool,
         deadline: Option<Instant>,
         item: T,
     ) -> Result<(), T> {
@@ -311,7 +313,7 @@ impl<T: Parked> Parking<T> {
         );
         // The socket stays in the epoll instance between parkings (its
         // one-shot watch disarmed when it fired): re-armed in one call.
-        let watched = sys::epoll_rearm(self.ep.as_fd(), fd, token).and_then(|()| {
+        let watched = sys::epoll_rearm(self.ep.as_fd(), fd, token, out).and_then(|()| {
             let Some(a) = also else { return Ok(()) };
             sys::epoll_watch(self.ep.as_fd(), a, token, true).inspect_err(|_| {
                 sys::epoll_forget(self.ep.as_fd(), fd);
@@ -604,7 +606,7 @@ mod tests {
             hold: hold.clone(),
             deadline,
         };
-        assert!(p.park(fd, None, deadline, item).is_ok());
+        assert!(p.park(fd, None, false, deadline, item).is_ok());
         (theirs, rx, hold)
     }
 
@@ -654,7 +656,7 @@ mod tests {
             deadline: None,
         };
         let back = p
-            .park(fd, None, None, item)
+            .park(fd, None, false, None, item)
             .expect_err("parked after the stop");
         assert_eq!(back._sock.as_raw_fd(), fd);
         assert!(rx.try_recv().is_err(), "resumed although refused");
@@ -758,14 +760,14 @@ mod tests {
             Spin(i, spin)
         };
         let spinning = item(ours, tx, Duration::from_millis(300));
-        assert!(q.park(fd, None, None, spinning).is_ok());
+        assert!(q.park(fd, None, false, None, spinning).is_ok());
         theirs.write_all(b"x").unwrap();
         std::thread::sleep(Duration::from_millis(20));
         let (ours_b, mut b) = UnixStream::pair().unwrap();
         let (tb, rb) = channel();
         let fd_b = ours_b.as_raw_fd();
         assert!(q
-            .park(fd_b, None, None, item(ours_b, tb, Duration::ZERO))
+            .park(fd_b, None, false, None, item(ours_b, tb, Duration::ZERO))
             .is_ok());
         b.write_all(b"x").unwrap();
         // Served while the first still spins.

@@ -962,7 +962,7 @@ fn park_handshake(g: Box<Greeted>, now: bool) {
         g.t.kick();
         g.t.wake_fd()
     });
-    if let Err(back) = parking.park(fd, wake, Some(deadline), Lot::Handshake(g)) {
+    if let Err(back) = parking.park(fd, wake, false, Some(deadline), Lot::Handshake(g)) {
         // Stopping (or the socket cannot be watched): closed.
         back.close(Wake::Stop);
     }
@@ -1168,7 +1168,15 @@ fn run_session(mut session: Session) {
         // With requests in flight, a reply that finds the socket full kicks
         // the connection's wake-up descriptor: watched too.
         let wake = session.conn.busy().then(|| session.t.wake_fd());
-        match parking.park(session.t.raw_fd(), wake, deadline, Lot::Session(session)) {
+        // Replies the socket has not taken: they go once it has room, or
+        // the connection is given up when the oldest is due.
+        let out = !session.conn.quiet();
+        let deadline = match (deadline, session.conn.reply_due()) {
+            (Some(d), Some(r)) => Some(d.min(r)),
+            (d, r) => d.or(r),
+        };
+        let fd = session.t.raw_fd();
+        match parking.park(fd, wake, out, deadline, Lot::Session(session)) {
             Ok(()) => return,
             // Stopping, or the socket cannot be watched: served here.
             Err(Lot::Session(back)) => {
@@ -1517,7 +1525,7 @@ mod tests {
     /// Replies of a parked connection that find the socket full kick it:
     /// a watcher takes it back and sends them as the client reads.
     #[test]
-    fn replies_that_find_the_socket_full_bring_a_parked_connection_back() {
+    fn replies_the_socket_has_no_room_for_wait_in_the_lot_and_leave_when_it_has() {
         const N: u64 = 96;
         const LEN: u32 = 256 << 10;
         let slow = SlowReads(RamDisk::new(1 << 20).unwrap(), Duration::from_millis(2));
@@ -1536,11 +1544,15 @@ mod tests {
         await_stats(&s, "parked with reads in flight", |st| {
             st.parked_connections == 1 && st.in_flight > 0
         });
-        // 24 MiB of replies: the socket fills long before they are out,
-        // and the connection is taken back to wait for it.
-        await_stats(&s, "taken back for its backlog", |st| {
-            st.parked_connections == 0 && st.in_flight > 0
+        // 24 MiB of replies: the socket fills long before they are out.
+        // Every read done, the replies the socket had no room for wait
+        // with the connection in the lot (no thread waits for the client
+        // to read), watched for room.
+        // (Their bytes stay taken from the budget until they are sent.)
+        await_stats(&s, "parked with its backlog", |st| {
+            st.read.requests == N && st.parked_connections == 1 && st.budget_used_bytes > 0
         });
+        assert!(s.shared.parking.watchers() <= park::watchers_kept());
         // Replies come in the order the workers finish.
         let mut cookies: Vec<u64> = (0..N)
             .map(|_| {
