@@ -1,15 +1,16 @@
-//! Connections between their requests, held without a thread: [`Parking`].
+//! Connections waiting for their clients, held without a thread: [`Parking`].
 //!
-//! A connection in transmission whose next request has not arrived, with
-//! nothing buffered and nothing waiting to be sent, gives its thread up
+//! A connection whose client has not sent what comes next — its handshake's
+//! next bytes, its next request, the rest of one — gives its thread up
 //! (requests in flight or not: their completions send their replies) —
-//! after its watcher has lingered up to `ServerOptions::park_after` while
-//! no other connection was ready ([`lot_fd`]): its socket is watched
-//! here, in one `epoll` instance, until the
-//! client sends something (or hangs up, or the server shuts the socket
-//! down for another peer's share), a reply finds the socket full (its
-//! wake-up descriptor is watched too while requests are in flight), its
-//! idle deadline passes, or the server stops. This is the server's event
+//! in transmission after its watcher has lingered up to
+//! `ServerOptions::park_after` while no other connection was ready
+//! ([`lot_fd`]): its socket is watched here, in one `epoll` instance,
+//! until the client sends something (or hangs up, or the server shuts the
+//! socket down for another peer's share), the socket has room for replies
+//! waiting for it, a reply finds the socket full (its wake-up descriptor
+//! is watched too while requests are in flight), its deadline passes, or
+//! the server stops. This is the server's event
 //! loop: the watchers below serve every connection that comes back.
 //!
 //! The threads that wait on the epoll instance serve what they are woken
@@ -21,7 +22,7 @@
 //! keeper thread (`nbd-idle`, which also closes connections at their idle
 //! deadlines) starts another once every watcher has served for [`GRACE`]
 //! with none coming back to the epoll instance meanwhile, so a connection
-//! that holds its thread (a client that stops reading, a WRITE_ZEROES
+//! that holds its thread (one waiting for the byte budget, a WRITE_ZEROES
 //! flood waiting for its share) never holds up the others; watchers
 //! serving connections in turn come back between them and get no company.
 //! [`watchers_kept`] watchers (one per core) stay however long they wait;
@@ -92,7 +93,7 @@ const WATCHER_SLICE: Duration = Duration::from_micros(100);
 pub(crate) const LINGER: Duration = Duration::from_millis(100);
 
 /// How long the keeper lets every watcher serve before it starts another:
-/// what a connection that holds its thread (a client that stops reading)
+/// what a connection that holds its thread (one waiting for the budget)
 /// can delay the others by.
 const GRACE: Duration = Duration::from_millis(1);
 
@@ -476,7 +477,7 @@ impl<T: Parked> Parking<T> {
     /// coming back to the epoll instance, for [`GRACE`], start another.
     /// Watchers serving connections in turn come back between them (more
     /// threads would not serve those faster); a watcher held by one
-    /// connection — a client that stops reading, a budget, long work such
+    /// connection — room in its bounds, a budget, long work such
     /// as a WRITE_ZEROES flood — does not, whether it waits or works.
     ///
     /// **Returns:** the end of the grace being waited out, if one is: the
