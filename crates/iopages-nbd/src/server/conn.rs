@@ -1160,6 +1160,9 @@ pub(crate) fn transmit(conn: &Arc<Conn>, env: &ConnEnv<'_>, park_after: Option<D
     let r = reader.run();
     DEFER_REPLIES.with(|d| d.set(false));
     if let Ok(idle @ Ended::Idle { .. }) = r {
+        // Replies held back for a batch leave before the thread is given
+        // up (what the socket has no room for waits in the lot).
+        conn.flush_replies();
         return idle;
     }
     conn.flush_replies();
