@@ -558,9 +558,10 @@ fn psk_connector(identity: &'static [u8], key: Vec<u8>) -> SslConnector {
     b.build()
 }
 
-#[test]
-fn psk_sessions_serve_and_a_wrong_key_or_identity_is_refused() {
-    let dir = TmpDir::new("psk");
+/// A server requiring TLS with one PSK identity, "alice" (the key its
+/// second value), its key file in the first.
+fn psk_server(tag: &str) -> (TmpDir, Vec<u8>, PageAllocator, Server) {
+    let dir = TmpDir::new(tag);
     let file = dir.0.join("keys.psk");
     let key: Vec<u8> = (0..32u8).collect();
     let hex: String = key.iter().map(|b| format!("{b:02x}")).collect();
@@ -570,6 +571,12 @@ fn psk_sessions_serve_and_a_wrong_key_or_identity_is_refused() {
         ..ServerOptions::default()
     };
     let (alloc, server) = start(opts, |_| {});
+    (dir, key, alloc, server)
+}
+
+#[test]
+fn psk_sessions_serve_and_a_wrong_key_or_identity_is_refused() {
+    let (_dir, key, alloc, server) = psk_server("psk");
     let mut c = starttls(connect(&server), psk_connector(b"alice", key.clone())).unwrap();
     // Options answered one at a time under TLS: each reply leaves before
     // the handshake waits for the next option.
@@ -608,16 +615,7 @@ fn psk_sessions_serve_and_a_wrong_key_or_identity_is_refused() {
 /// time, and is served.
 #[test]
 fn tls_handshakes_wait_for_their_clients_without_a_thread() {
-    let dir = TmpDir::new("psk-wait");
-    let file = dir.0.join("keys.psk");
-    let key: Vec<u8> = (0..32u8).collect();
-    let hex: String = key.iter().map(|b| format!("{b:02x}")).collect();
-    std::fs::write(&file, format!("alice:{hex}\n")).unwrap();
-    let opts = ServerOptions {
-        tls: Some(TlsConfig::psk(&file, TlsMode::Require).unwrap()),
-        ..ServerOptions::default()
-    };
-    let (alloc, server) = start(opts, |_| {});
+    let (_dir, key, alloc, server) = psk_server("psk-wait");
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
     let n = cores.max(2) + 4;
     let acked: Vec<_> = (0..n)

@@ -1280,10 +1280,23 @@ mod tests {
     /// Connect and send NBD_OPT_GO for "v": the reply type of its last
     /// reply (ACK once in transmission), or `None` if the server hung up.
     fn go(s: &Server) -> (TcpStream, Option<u32>) {
+        let mut c = greeted(s);
+        c.write_all(&flags_and_go()).unwrap();
+        let kind = go_reply(&mut c);
+        (c, kind)
+    }
+
+    /// A client of `s` with the greeting read.
+    fn greeted(s: &Server) -> TcpStream {
         let mut c = TcpStream::connect(s.tcp_addr().unwrap()).unwrap();
         c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
         let mut greeting = [0u8; 18];
         c.read_exact(&mut greeting).unwrap();
+        c
+    }
+
+    /// The client's flags and NBD_OPT_GO for "v".
+    fn flags_and_go() -> Vec<u8> {
         let mut m = (FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES)
             .to_be_bytes()
             .to_vec();
@@ -1291,18 +1304,23 @@ mod tests {
         m.extend_from_slice(&OPT_GO.to_be_bytes());
         m.extend_from_slice(&7u32.to_be_bytes());
         m.extend_from_slice(&[0, 0, 0, 1, b'v', 0, 0]);
-        c.write_all(&m).unwrap();
+        m
+    }
+
+    /// The replies to GO up to the last: its type, or `None` if the
+    /// server hung up.
+    fn go_reply(c: &mut TcpStream) -> Option<u32> {
         loop {
             let mut h = [0u8; 20];
             if c.read_exact(&mut h).is_err() {
-                return (c, None);
+                return None;
             }
             let kind = u32::from_be_bytes(h[12..16].try_into().unwrap());
             let len = u32::from_be_bytes(h[16..20].try_into().unwrap());
             let mut d = vec![0u8; len as usize];
             c.read_exact(&mut d).unwrap();
             if kind != REP_INFO {
-                return (c, Some(kind));
+                return Some(kind);
             }
         }
     }
@@ -1735,18 +1753,8 @@ mod tests {
     fn a_handshake_sent_a_byte_at_a_time_waits_without_a_thread() {
         let (alloc, s) = server_with(ServerOptions::default());
         let kept = park::watchers_kept();
-        let mut c = TcpStream::connect(s.tcp_addr().unwrap()).unwrap();
-        c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-        let mut greeting = [0u8; 18];
-        c.read_exact(&mut greeting).unwrap();
-        let mut m = (FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES)
-            .to_be_bytes()
-            .to_vec();
-        m.extend_from_slice(&IHAVEOPT.to_be_bytes());
-        m.extend_from_slice(&OPT_GO.to_be_bytes());
-        m.extend_from_slice(&7u32.to_be_bytes());
-        m.extend_from_slice(&[0, 0, 0, 1, b'v', 0, 0]);
-        for (i, b) in m.iter().enumerate() {
+        let mut c = greeted(&s);
+        for (i, b) in flags_and_go().iter().enumerate() {
             c.write_all(&[*b]).unwrap();
             if i % 8 == 3 {
                 // Every frame boundary and the middles of frames alike.
@@ -1756,18 +1764,7 @@ mod tests {
                 assert!(s.shared.parking.watchers() <= kept + 1);
             }
         }
-        loop {
-            let mut h = [0u8; 20];
-            c.read_exact(&mut h).unwrap();
-            let kind = u32::from_be_bytes(h[12..16].try_into().unwrap());
-            let len = u32::from_be_bytes(h[16..20].try_into().unwrap());
-            let mut d = vec![0u8; len as usize];
-            c.read_exact(&mut d).unwrap();
-            if kind != REP_INFO {
-                assert_eq!(kind, REP_ACK);
-                break;
-            }
-        }
+        assert_eq!(go_reply(&mut c), Some(REP_ACK));
         assert_eq!(read_512(&mut c, 1), 0);
         let st = s.stats();
         assert_eq!((st.peers.handshakes_open, st.sessions), (0, 1));
