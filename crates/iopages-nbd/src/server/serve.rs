@@ -1773,4 +1773,60 @@ mod tests {
         s.shutdown();
         alloc.leak_check().unwrap();
     }
+
+    /// Close `c` with a reset (`SO_LINGER` 0): unsent bytes dropped.
+    fn reset(c: TcpStream) {
+        use std::os::fd::AsRawFd;
+        let l = libc::linger {
+            l_onoff: 1,
+            l_linger: 0,
+        };
+        // SAFETY: setsockopt on the test's own open socket with a live,
+        // correctly sized `linger`.
+        unsafe {
+            libc::setsockopt(
+                c.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_LINGER,
+                (&l as *const libc::linger).cast(),
+                std::mem::size_of::<libc::linger>() as libc::socklen_t,
+            );
+        }
+        drop(c);
+    }
+
+    /// Clients that reset their connections while parked — with replies
+    /// the socket had no room for, or partway through a WRITE's payload —
+    /// leave nothing behind: the connections close, their budget and
+    /// payload buffers are given back, nothing is counted as a timeout.
+    #[test]
+    fn connections_reset_while_parked_give_everything_back() {
+        const LEN: u32 = 1 << 20;
+        let (alloc, s) = server_with(ServerOptions::default());
+        let (mut backlogged, _) = go(&s);
+        for cookie in 0..16 {
+            send_read(&mut backlogged, cookie, LEN);
+        }
+        let (mut halfway, _) = go(&s);
+        let whole = [header(CMD_WRITE, 1, 0, LEN), vec![4u8; LEN as usize]].concat();
+        halfway.write_all(&whole[..(LEN / 2) as usize]).unwrap();
+        await_stats(&s, "both parked, holding their bytes", |st| {
+            st.parked_connections == 2 && st.read.requests == 16 && st.budget_used_bytes > 0
+        });
+        reset(backlogged);
+        reset(halfway);
+        await_stats(&s, "both closed", |st| st.open_connections == 0);
+        let st = s.stats();
+        assert_eq!((st.budget_used_bytes, st.parked_connections), (0, 0));
+        assert_eq!(
+            (st.payload_timeouts, st.reply_timeouts, st.idle_closes),
+            (0, 0, 0)
+        );
+        assert_eq!(st.write.requests, 0, "half a payload was written");
+        assert_eq!(s.shared.shares.snapshot(), Default::default());
+        s.shutdown();
+        alloc
+            .leak_check()
+            .expect("every payload and reply buffer freed");
+    }
 }
