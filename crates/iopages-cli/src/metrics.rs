@@ -440,7 +440,7 @@ fn server(f: &mut Families<'_>, t: &Stats) {
     );
     f.one(
         "iopages_connections_parked",
-        "Connections waiting for their client without a thread of their own (in the handshake, or between requests in transmission).",
+        "Connections waiting for their client without a thread of their own (in the handshake, or in transmission between requests, partway through one or for room for replies).",
         Gauge,
         t.parked_connections,
     );

@@ -219,8 +219,9 @@ struct Shared {
     opts: ServerOptions,
     stopping: AtomicBool,
     /// Where connections wait without a thread for their clients (in the
-    /// handshake, or in transmission between requests), and the threads
-    /// that serve them when they send.
+    /// handshake, or in transmission between requests, partway through
+    /// one or for room for their replies), and the threads that serve
+    /// them when they are ready.
     parking: Arc<Parking<Lot>>,
     /// Long work kept off the watchers (a lazy export's opening).
     long_work: Arc<LongWork>,
@@ -1141,8 +1142,9 @@ fn env_of<'a>(s: &'a Shared, i: usize, place: &Slot, agreed: &Negotiated) -> Con
     }
 }
 
-/// Serve `session` on this thread until it closes or falls idle; an idle
-/// one is parked (its thread then ends), unless the server stops.
+/// Serve `session` on this watcher until it closes or waits for its
+/// client; then it is parked (the watcher goes back to the lot), unless
+/// the server stops.
 fn run_session(mut session: Session) {
     let mut park = true;
     loop {
@@ -1150,8 +1152,8 @@ fn run_session(mut session: Session) {
             let env = env_of(&session.s, session.export, &session.place, &session.agreed);
             let stopping = session.s.stopping.load(Ordering::SeqCst);
             // A watcher lingers for the next request while no other
-            // connection is ready; any other thread (the one that ran the
-            // handshake) hands the connection to the watchers at once.
+            // connection is ready; any other thread would hand the
+            // connection to the watchers at once.
             let linger = match park::lot_fd() {
                 Some(_) => session.s.opts.park_after,
                 None => Duration::ZERO,
