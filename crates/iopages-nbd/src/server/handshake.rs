@@ -54,7 +54,7 @@ pub(crate) struct HsEnv<'a> {
     pub(crate) counters: &'a Counters,
 }
 
-/// How a handshake ended.
+/// How a handshake step ended.
 pub(crate) enum Outcome {
     /// Enter transmission on the export at this index of the catalog
     /// with what was negotiated.
@@ -65,7 +65,16 @@ pub(crate) enum Outcome {
     /// not opened yet: open it off the watchers (a key derivation), then
     /// step again to answer it.
     Open(usize),
+    /// The step took its share of frames ([`OPTIONS_PER_STEP`]) and the
+    /// handshake goes on: step again after the other connections ready
+    /// meanwhile.
+    Again,
 }
+
+/// Frames (the client's flags, option headers, data) one step takes
+/// before it lets other connections go first: a client sending options
+/// without pause holds its watcher no longer than this many answers.
+pub(crate) const OPTIONS_PER_STEP: usize = 32;
 
 /// What the client and the server agreed on for transmission.
 #[derive(Clone, Copy, Debug, Default)]
@@ -296,16 +305,18 @@ impl Handshake {
     }
 
     /// Go on with the handshake: take what the client has sent, answer
-    /// each whole option, and stop where nothing more has arrived. With
-    /// TLS required (`env.tls`'s mode), NBD_OPT_STARTTLS upgrades the
-    /// session and nothing but STARTTLS and ABORT is answered before it.
+    /// each whole option, and stop where nothing more has arrived (or
+    /// after [`OPTIONS_PER_STEP`] frames). With TLS required (`env.tls`'s
+    /// mode), NBD_OPT_STARTTLS upgrades the session and nothing but
+    /// STARTTLS and ABORT is answered before it.
     ///
-    /// **Context:** never waits for the client's bytes; a reply's send,
-    /// the TLS handshake and a lazy export's opening may wait (up to the
-    /// deadline). **Returns:** how the handshake ended; `Ok(None)` when
-    /// the rest has not arrived yet (call again once the socket is
-    /// readable); the socket's error (a missed deadline is `TimedOut`, a
-    /// failed TLS handshake `PermissionDenied`).
+    /// **Context:** never waits for the client's bytes, nor on a key
+    /// derivation ([`Outcome::Open`]); a reply's send, or a flight of the
+    /// server's TLS records, may wait for room (up to the deadline).
+    /// **Returns:** how the step ended; `Ok(None)` when the rest has not
+    /// arrived yet (call again once the socket is readable); the socket's
+    /// error (a missed deadline is `TimedOut`, a failed TLS handshake
+    /// `PermissionDenied`).
     pub(crate) fn step(
         &mut self,
         t: &Arc<Transport>,
@@ -316,7 +327,7 @@ impl Handshake {
             t,
             deadline: self.deadline,
         };
-        loop {
+        for _ in 0..OPTIONS_PER_STEP {
             if Instant::now() >= self.deadline {
                 return Err(io::ErrorKind::TimedOut.into());
             }
@@ -333,6 +344,7 @@ impl Handshake {
                 deadline: self.deadline,
             };
         }
+        Ok(Some(Outcome::Again))
     }
 
     /// Read on until the awaited frame is whole (or dropped, for data too

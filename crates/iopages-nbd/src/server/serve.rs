@@ -1011,6 +1011,8 @@ fn run_handshake(mut g: Box<Greeted>) {
     match stepped {
         Ok(None) => park_handshake(g, false),
         Ok(Some(Outcome::Open(i))) => open_then_resume(g, i),
+        // Its share of frames taken: the others ready go first.
+        Ok(Some(Outcome::Again)) => park_handshake(g, true),
         Ok(Some(Outcome::Transmission(agreed, i))) => {
             #[cfg(test)]
             if PANIC_NEXT_CONNECTION
@@ -1830,5 +1832,42 @@ mod tests {
         alloc
             .leak_check()
             .expect("every payload and reply buffer freed");
+    }
+
+    /// A client that sends a hundred options without pause (then GO) is
+    /// answered in order across the steps that each take their share
+    /// ([`handshake::OPTIONS_PER_STEP`]) and let others go first.
+    #[test]
+    fn options_sent_without_pause_are_answered_in_order_across_steps() {
+        let (alloc, s) = server_with(ServerOptions::default());
+        let mut c = greeted(&s);
+        let go = flags_and_go();
+        let mut m = go[..4].to_vec();
+        for _ in 0..100 {
+            m.extend_from_slice(&IHAVEOPT.to_be_bytes());
+            m.extend_from_slice(&OPT_LIST.to_be_bytes());
+            m.extend_from_slice(&0u32.to_be_bytes());
+        }
+        m.extend_from_slice(&go[4..]);
+        c.write_all(&m).unwrap();
+        for i in 0..100 {
+            // REP_SERVER naming "v", then the ACK.
+            for want in [REP_SERVER, REP_ACK] {
+                let mut h = [0u8; 20];
+                c.read_exact(&mut h).unwrap();
+                let option = u32::from_be_bytes(h[8..12].try_into().unwrap());
+                let kind = u32::from_be_bytes(h[12..16].try_into().unwrap());
+                let len = u32::from_be_bytes(h[16..20].try_into().unwrap());
+                assert_eq!((option, kind), (OPT_LIST, want), "LIST {i}");
+                let mut d = vec![0u8; len as usize];
+                c.read_exact(&mut d).unwrap();
+            }
+        }
+        assert_eq!(go_reply(&mut c), Some(REP_ACK));
+        assert_eq!(read_512(&mut c, 1), 0);
+        drop(c);
+        await_stats(&s, "closed", |st| st.open_connections == 0);
+        s.shutdown();
+        alloc.leak_check().unwrap();
     }
 }
