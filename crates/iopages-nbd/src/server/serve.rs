@@ -1778,31 +1778,11 @@ mod tests {
         alloc.leak_check().unwrap();
     }
 
-    /// Close `c` with a reset (`SO_LINGER` 0): unsent bytes dropped.
-    fn reset(c: TcpStream) {
-        use std::os::fd::AsRawFd;
-        let l = libc::linger {
-            l_onoff: 1,
-            l_linger: 0,
-        };
-        // SAFETY: setsockopt on the test's own open socket with a live,
-        // correctly sized `linger`.
-        unsafe {
-            libc::setsockopt(
-                c.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_LINGER,
-                (&l as *const libc::linger).cast(),
-                std::mem::size_of::<libc::linger>() as libc::socklen_t,
-            );
-        }
-        drop(c);
-    }
-
-    /// Clients that reset their connections while parked — with replies
-    /// the socket had no room for, or partway through a WRITE's payload —
-    /// leave nothing behind: the connections close, their budget and
-    /// payload buffers are given back, nothing is counted as a timeout.
+    /// Clients that go away while parked — one with replies the socket
+    /// had no room for (closed with them unread: a reset), one partway
+    /// through a WRITE's payload — leave nothing behind: the connections
+    /// close, their budget and payload buffers are given back, nothing is
+    /// counted as a timeout.
     #[test]
     fn connections_reset_while_parked_give_everything_back() {
         const LEN: u32 = 1 << 20;
@@ -1817,8 +1797,8 @@ mod tests {
         await_stats(&s, "both parked, holding their bytes", |st| {
             st.parked_connections == 2 && st.read.requests == 16 && st.budget_used_bytes > 0
         });
-        reset(backlogged);
-        reset(halfway);
+        drop(backlogged);
+        drop(halfway);
         await_stats(&s, "both closed", |st| st.open_connections == 0);
         let st = s.stats();
         assert_eq!((st.budget_used_bytes, st.parked_connections), (0, 0));
