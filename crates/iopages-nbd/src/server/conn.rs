@@ -311,6 +311,10 @@ pub(crate) struct Conn {
     /// The request received in part when the connection last gave its
     /// thread up (only ever touched by the thread serving it).
     partial: Mutex<Option<Partial>>,
+    /// Bytes of the stream read and not consumed when the connection gave
+    /// its thread up (pipelined requests behind one waiting for its
+    /// place): read first when it is served again.
+    unread: Mutex<Vec<u8>>,
 }
 
 impl Conn {
@@ -576,6 +580,22 @@ impl Conn {
         Ok(r.other)
     }
 
+    /// Whether a request of `bytes` has room in the bounds now; if not,
+    /// the next release kicks the connection (its wake-up descriptor,
+    /// watched while it is parked with requests in flight).
+    fn room_or_wake(&self, bytes: u64) -> bool {
+        if !self.full(&self.gate.lock(), bytes) {
+            return true;
+        }
+        self.parked.store(Wake::OnRelease as u8, Ordering::SeqCst);
+        // A release between the first look and the mark kicked nobody.
+        if !self.full(&self.gate.lock(), bytes) {
+            self.parked.store(0, Ordering::SeqCst);
+            return true;
+        }
+        false
+    }
+
     fn full(&self, g: &(usize, u64), bytes: u64) -> bool {
         g.0 >= MAX_REQUESTS_IN_FLIGHT || (g.0 > 0 && g.1 + bytes > MAX_BYTES_IN_FLIGHT)
     }
@@ -749,8 +769,9 @@ impl Conn {
     pub(crate) fn idle_deadline(&self) -> Option<Instant> {
         let due = self.reply_due();
         let base = if let Some(p) = &*self.partial.lock() {
-            // A request received in part: due whole by its deadline.
-            Some(p.by())
+            // A request received in part: due whole by its deadline (one
+            // waiting for its place has none of its own).
+            p.by()
         } else if let Some(timeout) = self.limits.idle_timeout {
             if self.busy() {
                 Some(Instant::now() + timeout)
@@ -774,6 +795,13 @@ impl Conn {
         ob.queue
             .front()
             .map(|r| r.queued + self.limits.reply_timeout)
+    }
+
+    /// A request waits for its place in the bounds: a parked connection's
+    /// wake-up descriptor must be watched (a release kicks it), whether
+    /// or not anything is still in flight by then.
+    pub(crate) fn waits_for_place(&self) -> bool {
+        matches!(*self.partial.lock(), Some(Partial::Place { .. }))
     }
 
     /// Requests are in flight (a parked connection's replies are still to
@@ -1126,6 +1154,7 @@ pub(crate) fn open(t: Arc<Transport>, env: &ConnEnv<'_>) -> Arc<Conn> {
         limits: env.limits,
         structured: env.structured,
         partial: Mutex::new(None),
+        unread: Mutex::new(Vec::new()),
     })
 }
 
@@ -1136,6 +1165,9 @@ pub(crate) fn open(t: Arc<Transport>, env: &ConnEnv<'_>) -> Arc<Conn> {
 /// had nothing in flight and received nothing for that long, between two
 /// requests: a later call serves it again.
 pub(crate) fn transmit(conn: &Arc<Conn>, env: &ConnEnv<'_>, park_after: Option<Duration>) -> Ended {
+    // A release marked to kick it while it waited in the lot has, or
+    // need not any more: only a wait from here marks again.
+    conn.parked.store(0, Ordering::SeqCst);
     let mut reader = Reader {
         // Headers of pipelined requests arrive together: one read takes
         // several. A payload larger than the buffer bypasses it and lands
@@ -1157,6 +1189,9 @@ pub(crate) fn transmit(conn: &Arc<Conn>, env: &ConnEnv<'_>, park_after: Option<D
         received: Instant::now(),
         park_after,
     };
+    reader
+        .stream
+        .put_back(&std::mem::take(&mut *conn.unread.lock()));
     let r = reader.run();
     DEFER_REPLIES.with(|d| d.set(false));
     if let Ok(idle @ Ended::Idle { .. }) = r {
@@ -1462,7 +1497,7 @@ impl Reader<'_, '_> {
                 Ok(w) => w,
                 Err(e) if is_park_signal(&e) => {
                     // The rest of it is awaited without a thread.
-                    let deadline = Some(p.by());
+                    let deadline = p.by();
                     *self.conn.partial.lock() = Some(p);
                     return Ok(Ended::Idle { deadline });
                 }
@@ -1490,7 +1525,16 @@ impl Reader<'_, '_> {
                     self.answer(&req, error)?;
                     None
                 }
+                Whole::Place(req) => self.admit(req)?,
             };
+            if let Some(p @ Partial::Place { .. }) = next {
+                // No room in the bounds: the connection waits for a
+                // release in the lot, which kicks it back, with what it
+                // has read of the requests behind this one.
+                *self.conn.partial.lock() = Some(p);
+                *self.conn.unread.lock() = self.stream.take_buffered();
+                return Ok(Ended::Idle { deadline: None });
+            }
         }
     }
 
@@ -1525,7 +1569,9 @@ impl Reader<'_, '_> {
     /// then giving the thread up ([`park_signal`]) where it may be.
     fn receive(&mut self, p: &mut Partial) -> io::Result<Whole> {
         let cr = self.stream.get_mut();
-        cr.phase = Phase::Payload { by: p.by() };
+        if let Some(by) = p.by() {
+            cr.phase = Phase::Payload { by };
+        }
         cr.park_after = self.park_after;
         cr.linger.from = None;
         let r = p.receive(&mut self.stream, self.env.buffers);
@@ -1706,18 +1752,34 @@ impl Reader<'_, '_> {
         if error != 0 {
             return self.refuse(&req, error);
         }
-        let len = req.length as u64;
         self.conn.throttle(self.env.rate, self.rate_bytes(&req))?;
         if req.command == CMD_BLOCK_STATUS {
             return self.block_status(&req).map(|()| None);
         }
+        self.admit(req)
+    }
+
+    /// Take `req`'s place in the connection's bounds, and its payload
+    /// bytes in the budget, before any buffer is allocated; then serve it.
+    /// On a thread that may be given up, with no room now, the request
+    /// waits for a release without the thread ([`Partial::Place`]).
+    ///
+    /// **Returns:** as [`Reader::request`].
+    fn admit(&mut self, req: Request) -> io::Result<Option<Partial>> {
+        let fast_zero = req.flags & CMD_FLAG_FAST_ZERO != 0;
         let payload = if matches!(req.command, CMD_READ | CMD_WRITE) {
-            len
+            req.length as u64
         } else {
             0
         };
-        // The request's place (and its payload bytes in the budget) before
-        // any buffer is allocated.
+        if self.park_after.is_some() {
+            // Kicks made before are spent: only a release from now brings
+            // a parked connection back.
+            self.conn.t.clear_kicks();
+            if !self.conn.room_or_wake(payload) {
+                return Ok(Some(Partial::Place { req }));
+            }
+        }
         if !self.conn.acquire(payload)? {
             return self.refuse(&req, ENOMEM);
         }

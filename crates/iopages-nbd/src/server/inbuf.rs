@@ -51,6 +51,26 @@ impl<R: Read> InBuf<R> {
         &self.buf[self.pos..self.filled]
     }
 
+    /// Take the bytes read and not consumed yet (the buffer is empty
+    /// after), to be put back by [`InBuf::put_back`] in a later one.
+    pub(crate) fn take_buffered(&mut self) -> Vec<u8> {
+        let v = self.buffer().to_vec();
+        self.pos = self.filled;
+        v
+    }
+
+    /// Put `bytes` (at most the capacity; taken from an earlier buffer of
+    /// the same stream) in front of whatever is read next.
+    ///
+    /// **Panics:** if bytes are still buffered, or `bytes` exceeds the
+    /// capacity.
+    pub(crate) fn put_back(&mut self, bytes: &[u8]) {
+        assert!(self.buffer().is_empty(), "bytes put back behind others");
+        self.buf[..bytes.len()].copy_from_slice(bytes);
+        self.pos = 0;
+        self.filled = bytes.len();
+    }
+
     pub(crate) fn get_mut(&mut self) -> &mut R {
         &mut self.inner
     }
@@ -187,5 +207,37 @@ mod tests {
         assert_eq!(r.fill_buf().unwrap(), &[1, 2, 3]);
         r.consume(3);
         assert_eq!(r.fill_buf().unwrap(), &[] as &[u8], "the end of the stream");
+    }
+
+    #[test]
+    fn bytes_taken_and_put_back_in_a_new_buffer_are_read_first_in_order() {
+        let data: Vec<u8> = (0..1000u32).map(|i| (i % 253) as u8).collect();
+        let mut r = InBuf::new(
+            64,
+            Trickle {
+                data: &data,
+                step: 50,
+                reads: 0,
+            },
+        );
+        let mut first = [0u8; 10];
+        r.read_exact(&mut first).unwrap();
+        let left = r.take_buffered();
+        assert_eq!(left, &data[10..50], "the rest of the first read");
+        assert!(r.buffer().is_empty());
+        let inner = std::mem::replace(
+            r.get_mut(),
+            Trickle {
+                data: &[],
+                step: 1,
+                reads: 0,
+            },
+        );
+        drop(r);
+        let mut again = InBuf::new(64, inner);
+        again.put_back(&left);
+        let mut rest = Vec::new();
+        again.read_to_end(&mut rest).unwrap();
+        assert_eq!(&rest[..], &data[10..]);
     }
 }

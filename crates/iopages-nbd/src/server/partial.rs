@@ -66,6 +66,10 @@ pub(crate) enum Partial {
         left: u64,
         by: Instant,
     },
+    /// A request received whole (its payload, if any, still to come) that
+    /// waits for its place in the connection's bounds: nothing to read,
+    /// nothing held, no deadline of its own (a release brings it back).
+    Place { req: Request },
 }
 
 /// A request received whole.
@@ -76,6 +80,8 @@ pub(crate) enum Whole {
     Write(Request, Vec<(u64, Buf)>),
     /// A refused WRITE whose payload has been dropped: answer `.1`.
     Refused(Request, u32),
+    /// A request to try for its place again.
+    Place(Request),
 }
 
 impl Partial {
@@ -88,12 +94,13 @@ impl Partial {
         }
     }
 
-    /// When the request must be whole.
-    pub(crate) fn by(&self) -> Instant {
+    /// When the request must be whole (`None`: waiting for its place).
+    pub(crate) fn by(&self) -> Option<Instant> {
         match self {
             Partial::Header { by, .. }
             | Partial::Write { by, .. }
-            | Partial::Discard { by, .. } => *by,
+            | Partial::Discard { by, .. } => Some(*by),
+            Partial::Place { .. } => None,
         }
     }
 
@@ -156,6 +163,7 @@ impl Partial {
                 }
                 Ok(Whole::Refused(*req, *error))
             }
+            Partial::Place { req } => Ok(Whole::Place(*req)),
         }
     }
 }

@@ -1171,7 +1171,8 @@ fn run_session(mut session: Session) {
         let parking = Arc::clone(&session.s.parking);
         // With requests in flight, a reply that finds the socket full kicks
         // the connection's wake-up descriptor: watched too.
-        let wake = session.conn.busy().then(|| session.t.wake_fd());
+        let kickable = session.conn.busy() || session.conn.waits_for_place();
+        let wake = kickable.then(|| session.t.wake_fd());
         // Replies the socket has not taken: they go once it has room, or
         // the connection is given up when the oldest is due.
         let out = !session.conn.quiet();
@@ -1847,6 +1848,46 @@ mod tests {
         assert_eq!(read_512(&mut c, 1), 0);
         drop(c);
         await_stats(&s, "closed", |st| st.open_connections == 0);
+        s.shutdown();
+        alloc.leak_check().unwrap();
+    }
+
+    /// A client that sends more requests than its bounds hold (128) and
+    /// reads none of the replies: the request past the bounds waits for a
+    /// release in the lot, the connection without a thread, and is served
+    /// once the client reads.
+    #[test]
+    fn a_request_past_the_bounds_waits_for_room_without_a_thread() {
+        const N: u64 = 200;
+        const LEN: u32 = 256 << 10;
+        let (alloc, s) = server_with(ServerOptions::default());
+        let (mut c, _) = go(&s);
+        for cookie in 0..N {
+            send_read(&mut c, cookie, LEN);
+        }
+        // 128 served (and the few whose replies the socket took), their
+        // replies more than the socket takes: the next request has no
+        // room, and the connection is parked.
+        await_stats(&s, "parked, waiting for room", |st| {
+            let served = st.read.requests;
+            served >= conn::MAX_REQUESTS_IN_FLIGHT as u64
+                && served < N
+                && st.parked_connections == 1
+        });
+        assert!(s.shared.parking.watchers() <= park::watchers_kept());
+        let mut cookies: Vec<u64> = (0..N)
+            .map(|_| {
+                let (cookie, error) = recv_reply(&mut c, LEN as usize);
+                assert_eq!(error, 0);
+                cookie
+            })
+            .collect();
+        cookies.sort_unstable();
+        assert_eq!(cookies, (0..N).collect::<Vec<_>>());
+        assert_eq!(read_512(&mut c, N), 0);
+        drop(c);
+        await_stats(&s, "closed", |st| st.open_connections == 0);
+        assert_eq!(s.shared.shares.snapshot(), Default::default());
         s.shutdown();
         alloc.leak_check().unwrap();
     }
