@@ -26,6 +26,7 @@
 
 use crate::proto::*;
 use crate::server::export::Catalog;
+use crate::server::partial;
 use crate::server::peer::{Origin, Peer};
 use crate::server::shares::Slot;
 use crate::stats::Counters;
@@ -361,23 +362,9 @@ impl Handshake {
             };
         }
         if let Await::TooBig { left, .. } = &mut self.awaiting {
-            let mut sink = [0u8; 4096];
-            while *left > 0 {
-                let n = (*left).min(sink.len() as u64) as usize;
-                match s.read(&mut sink[..n])? {
-                    0 => return Err(io::ErrorKind::UnexpectedEof.into()),
-                    got => *left -= got as u64,
-                }
-            }
-            return Ok(());
+            return partial::skip(s, left);
         }
-        while self.have < self.frame.len() {
-            match s.read(&mut self.frame[self.have..])? {
-                0 => return Err(io::ErrorKind::UnexpectedEof.into()),
-                n => self.have += n,
-            }
-        }
-        Ok(())
+        partial::fill(s, &mut self.frame, &mut self.have)
     }
 
     /// Await `what`, a frame of `len` bytes.

@@ -153,14 +153,7 @@ impl Partial {
             Partial::Discard {
                 req, error, left, ..
             } => {
-                let mut sink = [0u8; 4096];
-                while *left > 0 {
-                    let n = (*left).min(sink.len() as u64) as usize;
-                    match r.read(&mut sink[..n])? {
-                        0 => return Err(io::ErrorKind::UnexpectedEof.into()),
-                        got => *left -= got as u64,
-                    }
-                }
+                skip(r, left)?;
                 Ok(Whole::Refused(*req, *error))
             }
             Partial::Place { req } => Ok(Whole::Place(*req)),
@@ -168,9 +161,25 @@ impl Partial {
     }
 }
 
+/// Read and drop `*left` bytes from `r`, counting each read's bytes off
+/// `left` as they come (so an interrupted skip goes on where it stopped).
+pub(crate) fn skip(r: &mut impl Read, left: &mut u64) -> io::Result<()> {
+    let mut sink = [0u8; 4096];
+    while *left > 0 {
+        let n = (*left).min(sink.len() as u64) as usize;
+        match r.read(&mut sink[..n]) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(got) => *left -= got as u64,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 /// Read into `buf` from `*have` on until it is full, counting each read's
 /// bytes into `have` as they come.
-fn fill(r: &mut impl Read, buf: &mut [u8], have: &mut usize) -> io::Result<()> {
+pub(crate) fn fill(r: &mut impl Read, buf: &mut [u8], have: &mut usize) -> io::Result<()> {
     while *have < buf.len() {
         match r.read(&mut buf[*have..]) {
             Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),

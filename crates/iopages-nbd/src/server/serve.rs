@@ -1628,6 +1628,14 @@ mod tests {
         assert_eq!(s.shared.shares.snapshot(), Default::default());
     }
 
+    /// Once its clients have gone: every connection closed, the server
+    /// shut down, and every page of `alloc` freed.
+    fn closed_and_clean(s: Server, alloc: iopages::PageAllocator) {
+        await_stats(&s, "closed", |st| st.open_connections == 0);
+        s.shutdown();
+        alloc.leak_check().unwrap();
+    }
+
     /// A request header: `command` for `len` bytes at `offset`.
     fn header(command: u16, cookie: u64, offset: u64, len: u32) -> Vec<u8> {
         let mut r = REQUEST_MAGIC.to_be_bytes().to_vec();
@@ -1774,9 +1782,7 @@ mod tests {
         let st = s.stats();
         assert_eq!((st.peers.handshakes_open, st.sessions), (0, 1));
         drop(c);
-        await_stats(&s, "closed", |st| st.open_connections == 0);
-        s.shutdown();
-        alloc.leak_check().unwrap();
+        closed_and_clean(s, alloc);
     }
 
     /// Clients that go away while parked — one with replies the socket
@@ -1847,9 +1853,7 @@ mod tests {
         assert_eq!(go_reply(&mut c), Some(REP_ACK));
         assert_eq!(read_512(&mut c, 1), 0);
         drop(c);
-        await_stats(&s, "closed", |st| st.open_connections == 0);
-        s.shutdown();
-        alloc.leak_check().unwrap();
+        closed_and_clean(s, alloc);
     }
 
     /// A client that sends more requests than its bounds hold (128) and
