@@ -1577,15 +1577,7 @@ mod tests {
         });
         assert!(s.shared.parking.watchers() <= park::watchers_kept());
         // Replies come in the order the workers finish.
-        let mut cookies: Vec<u64> = (0..N)
-            .map(|_| {
-                let (cookie, error) = recv_reply(&mut c, LEN as usize);
-                assert_eq!(error, 0);
-                cookie
-            })
-            .collect();
-        cookies.sort_unstable();
-        assert_eq!(cookies, (0..N).collect::<Vec<_>>());
+        every_read_answered(&mut c, N, LEN as usize);
         assert_eq!(read_512(&mut c, N), 0);
         drop(c);
         await_stats(&s, "closed", |st| st.open_connections == 0);
@@ -1626,6 +1618,20 @@ mod tests {
         let st = s.stats();
         assert_eq!((st.open_connections, st.parked_connections), (0, 0));
         assert_eq!(s.shared.shares.snapshot(), Default::default());
+    }
+
+    /// Receive the replies to reads 0..n of `len` bytes each, in any
+    /// order: each without error, each cookie once.
+    fn every_read_answered(c: &mut TcpStream, n: u64, len: usize) {
+        let mut cookies: Vec<u64> = (0..n)
+            .map(|_| {
+                let (cookie, error) = recv_reply(c, len);
+                assert_eq!(error, 0);
+                cookie
+            })
+            .collect();
+        cookies.sort_unstable();
+        assert_eq!(cookies, (0..n).collect::<Vec<_>>());
     }
 
     /// Once its clients have gone: every connection closed, the server
@@ -1879,15 +1885,7 @@ mod tests {
                 && st.parked_connections == 1
         });
         assert!(s.shared.parking.watchers() <= park::watchers_kept());
-        let mut cookies: Vec<u64> = (0..N)
-            .map(|_| {
-                let (cookie, error) = recv_reply(&mut c, LEN as usize);
-                assert_eq!(error, 0);
-                cookie
-            })
-            .collect();
-        cookies.sort_unstable();
-        assert_eq!(cookies, (0..N).collect::<Vec<_>>());
+        every_read_answered(&mut c, N, LEN as usize);
         assert_eq!(read_512(&mut c, N), 0);
         drop(c);
         await_stats(&s, "closed", |st| st.open_connections == 0);
