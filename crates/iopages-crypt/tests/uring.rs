@@ -884,3 +884,93 @@ fn a_memlock_limit_that_refuses_registration_falls_back_to_plain_buffers() {
     });
     leak_check(&alloc);
 }
+
+/// A completion the kernel fails for now (`EINTR`, `EAGAIN`, `ECANCELED`)
+/// is asked for again: with every third completion failed so, the bytes
+/// still round-trip, the flush still lands, and the retries are counted;
+/// no bounce page is left behind.
+#[test]
+fn completions_failed_for_now_are_asked_for_again() {
+    let alloc = arena();
+    for errno in [libc::EINTR, libc::EAGAIN, libc::ECANCELED] {
+        let t = TempFile::new(&target_tmp(), "retried");
+        let opts = UringOptions::default()
+            .create_size(4 << 20)
+            .arena(alloc.clone());
+        let f = UringFile::open(t.path(), opts).unwrap();
+        f.fail_completions_for_tests(Some((errno, 3)));
+        round_trips(&f, Some(&alloc), 40, errno as u64);
+        // Every completion of the flush failed once, then it lands.
+        f.fail_completions_for_tests(Some((errno, 2)));
+        f.flush().unwrap();
+        f.fail_completions_for_tests(None);
+        let s = f.stats();
+        report("completions failed for now", &f);
+        // Reads and writes go through the rings only under O_DIRECT; the
+        // flush always does.
+        let least = if f.direct_io() { 40 } else { 1 };
+        assert!(s.retries >= least, "errno {errno}: {s:?}");
+    }
+    leak_check(&alloc);
+}
+
+/// A completion failed for good (`EIO`), or failed for now more often than
+/// the retries allow, fails its call with the path, the offset and the
+/// error — once every entry of the call was reaped, those that went
+/// through included — and the file serves the next call as before; no
+/// bounce page is left behind.
+#[test]
+fn completions_failed_for_good_fail_their_call_and_nothing_after() {
+    let alloc = arena();
+    let t = TempFile::new(&target_tmp(), "failed");
+    let opts = UringOptions::default()
+        .create_size(1 << 20)
+        .arena(alloc.clone());
+    let f = UringFile::open(t.path(), opts).unwrap();
+    let name = t.path().display().to_string();
+    // Four arena pages (an entry each under O_DIRECT) and a segment at an
+    // odd address (a bounce page).
+    let mut pages: Vec<PageBox<'_>> = (0..4)
+        .map(|_| alloc.alloc_box(Gfp::KERNEL, 0).unwrap())
+        .collect();
+    for (i, p) in pages.iter_mut().enumerate() {
+        p.as_mut_slice().fill(i as u8 + 1);
+    }
+    let odd = vec![9u8; 1001];
+    let mut segs: Vec<&[u8]> = pages.iter().map(|p| p.as_slice()).collect();
+    segs.push(&odd[1..]);
+    let whole = segs.concat();
+    // (errno, every how many completions fail): every other entry of the
+    // write fails for good; the retried kinds fail every time.
+    for (errno, every) in [(libc::EIO, 2), (libc::EAGAIN, 1), (libc::ECANCELED, 1)] {
+        let want = io::Error::from_raw_os_error(errno);
+        let mut calls = Vec::new();
+        if f.direct_io() {
+            f.fail_completions_for_tests(Some((errno, every)));
+            calls.push(f.write_at(8192, &segs).unwrap_err());
+            // One entry (a bounce): it fails every time.
+            f.fail_completions_for_tests(Some((errno, 1)));
+            let mut back = vec![0u8; whole.len()];
+            calls.push(f.read_at(8192, &mut [&mut back]).unwrap_err());
+        }
+        f.fail_completions_for_tests(Some((errno, 1)));
+        calls.push(f.flush().unwrap_err());
+        f.fail_completions_for_tests(None);
+        for e in calls {
+            let m = e.to_string();
+            assert_eq!(e.kind(), want.kind(), "{m}");
+            assert!(m.contains(&name) && m.contains(&want.to_string()), "{m}");
+        }
+        f.write_at(8192, &segs).unwrap();
+        let mut back = vec![0u8; whole.len()];
+        f.read_at(8192, &mut [&mut back]).unwrap();
+        assert!(
+            back == whole,
+            "errno {errno}: the bytes written after differ"
+        );
+        f.flush().unwrap();
+    }
+    report("completions failed for good", &f);
+    drop((f, pages));
+    leak_check(&alloc);
+}

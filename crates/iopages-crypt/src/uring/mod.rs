@@ -35,8 +35,9 @@
 //!    per-block stripe lock.
 //! 5. Every entry of the call is queued at once (in waves of the ring's
 //!    size when there are more), then completions are reaped: a short one
-//!    is resubmitted for the remainder, `EINTR` / `EAGAIN` are retried, a
-//!    zero-byte one fails with `WriteZero` / `UnexpectedEof`. After the
+//!    is resubmitted for the remainder, `EINTR` / `EAGAIN` / `ECANCELED` are
+//!    retried (at most 64 times per entry), a zero-byte one fails with
+//!    `WriteZero` / `UnexpectedEof`. After the
 //!    first error nothing new is submitted, but every outstanding entry is
 //!    still reaped before the error (naming the path and offset) returns.
 //!
@@ -149,6 +150,7 @@ pub struct UringFile {
     fallbacks: Vec<String>,
     rmw_locks: Box<[Mutex<()>]>,
     short_io: AtomicUsize,
+    faults: submit::Faults,
     counters: Counters,
 }
 
@@ -238,6 +240,18 @@ impl UringFile {
     pub fn set_short_io_for_tests(&self, max_bytes: Option<usize>) {
         self.short_io
             .store(max_bytes.map_or(0, |n| n.max(1)), Relaxed);
+    }
+
+    /// Tests only: replace the result of every `every`-th completion of
+    /// this file's rings (reads, writes and flushes through a ring; not
+    /// the `preadv` / `pwritev` of buffered I/O) with `-errno`, as if the
+    /// kernel had failed it, so the drive loop's error paths run: `EINTR`,
+    /// `EAGAIN` and `ECANCELED` are retried (at most 64 times per entry),
+    /// any other fails the call. `None` turns it off.
+    #[doc(hidden)]
+    pub fn fail_completions_for_tests(&self, fault: Option<(i32, u32)>) {
+        let (errno, every) = fault.unwrap_or((0, 0));
+        self.faults.set(errno, every);
     }
 
     /// An error about this file.

@@ -85,6 +85,7 @@ impl UringFile {
             fallbacks,
             rmw_locks: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
             short_io: AtomicUsize::new(0),
+            faults: Default::default(),
             counters: Counters::default(),
         })
     }

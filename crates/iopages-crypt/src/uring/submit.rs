@@ -7,6 +7,7 @@
 //! fixed buffer's edge), the drive loop with its retries and short-transfer
 //! resubmissions, the error of a stopped transfer, `io_uring_enter`, and
 //! `fdatasync` through a ring.
+//! The tests' completion faults ([`Faults`]) replace results here too.
 //! Must never: return while an entry it queued may still be in flight
 //! (should the ring itself keep failing, the process aborts instead),
 //! accept a zero-byte completion as progress, or retry an entry more than
@@ -19,12 +20,50 @@ use parking_lot::MutexGuard;
 use std::collections::VecDeque;
 use std::io;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicI32, AtomicU32, Ordering::Relaxed};
 
 /// The largest transfer asked of the kernel in one entry.
 const MAX_OP_BYTES: usize = 1 << 30;
-/// How often one entry is retried after `EINTR` / `EAGAIN`.
+/// How often one entry is retried after `EINTR` / `EAGAIN` /
+/// `ECANCELED`.
 const MAX_RETRIES: u32 = 64;
+
+/// Whether a failed completion with `errno` is asked for again: an
+/// interrupted or cancelled entry (nothing here cancels one, but the
+/// kernel may, as when an io-wq worker ends) or one refused for now.
+/// A read or write at a fixed offset repeats safely.
+fn retried(errno: i32) -> bool {
+    matches!(errno, libc::EINTR | libc::EAGAIN | libc::ECANCELED)
+}
+
+/// Tests only: every `every`-th completion (counted over the file's
+/// calls, flushes included) has its result replaced by `-errno`
+/// ([`UringFile::fail_completions_for_tests`]). Off (`every == 0`) it
+/// costs one relaxed load per completion.
+#[derive(Default)]
+pub(super) struct Faults {
+    errno: AtomicI32,
+    every: AtomicU32,
+    seen: AtomicU32,
+}
+
+impl Faults {
+    /// Replace every `every`-th result with `-errno`; `every == 0` ends it.
+    pub(super) fn set(&self, errno: i32, every: u32) {
+        self.errno.store(errno, Relaxed);
+        self.seen.store(0, Relaxed);
+        self.every.store(every, Relaxed);
+    }
+
+    /// The result the drive loop sees for a completion that gave `res`.
+    fn result(&self, res: i32) -> i32 {
+        let every = self.every.load(Relaxed);
+        if every == 0 || self.seen.fetch_add(1, Relaxed) % every != every - 1 {
+            return res;
+        }
+        -self.errno.load(Relaxed)
+    }
+}
 /// `user_data` of a flush entry.
 const FLUSH_TAG: u64 = u64::MAX;
 
@@ -43,7 +82,7 @@ pub(super) struct Op {
 enum Outcome {
     /// Every byte moved.
     Done,
-    /// Resubmit it (short transfer, or `EINTR` / `EAGAIN`).
+    /// Resubmit it (short transfer, or `EINTR` / `EAGAIN` / `ECANCELED`).
     Again,
     /// It failed; nothing more is asked for it.
     Failed(io::Error),
@@ -140,7 +179,7 @@ impl UringFile {
                 let i = cqe.user_data() as usize;
                 let Some(op) = ops.get_mut(i) else { continue };
                 d.inflight -= 1;
-                match self.complete(op, cqe.result(), write) {
+                match self.complete(op, self.faults.result(cqe.result()), write) {
                     Outcome::Done => {}
                     Outcome::Again => d.ready.push_back(i),
                     Outcome::Failed(e) => {
@@ -203,7 +242,7 @@ impl UringFile {
         let left = op.len - op.done;
         if res < 0 {
             let errno = -res;
-            if (errno == libc::EINTR || errno == libc::EAGAIN) && op.retries < MAX_RETRIES {
+            if retried(errno) && op.retries < MAX_RETRIES {
                 op.retries += 1;
                 self.counters.retries.fetch_add(1, Relaxed);
                 return Outcome::Again;
@@ -282,7 +321,8 @@ impl UringFile {
         }
     }
 
-    /// `fdatasync` through a ring, retried after `EINTR` / `EAGAIN`
+    /// `fdatasync` through a ring, retried after `EINTR` / `EAGAIN` /
+    /// `ECANCELED`
     /// ([`Backend::flush`](crate::backend::Backend::flush)).
     pub(super) fn fdatasync(&self) -> io::Result<()> {
         let mut ring = self.ring();
@@ -303,7 +343,7 @@ impl UringFile {
                 let done = ring
                     .completion()
                     .filter(|c| c.user_data() == FLUSH_TAG)
-                    .map(|c| c.result())
+                    .map(|c| self.faults.result(c.result()))
                     .last();
                 if let Some(r) = done {
                     break r;
@@ -312,7 +352,7 @@ impl UringFile {
             if res >= 0 {
                 return Ok(());
             }
-            if (-res == libc::EINTR || -res == libc::EAGAIN) && retries < MAX_RETRIES {
+            if retried(-res) && retries < MAX_RETRIES {
                 retries += 1;
                 self.counters.retries.fetch_add(1, Relaxed);
                 continue;
