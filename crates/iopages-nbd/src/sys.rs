@@ -184,12 +184,22 @@ pub(crate) fn set_time_slice(slice: std::time::Duration) -> io::Result<()> {
     Ok(())
 }
 
-/// Watch `fd` in `ep` once more for input or a hang-up — and, with `out`,
-/// for room to write — handing `token` back (`EPOLLONESHOT`): the watch
-/// of a descriptor watched before (and disarmed since it fired) is
-/// re-armed in one call, a new one added.
-pub(crate) fn epoll_rearm(ep: BorrowedFd<'_>, fd: RawFd, token: u64, out: bool) -> io::Result<()> {
-    let mut events = libc::EPOLLIN | libc::EPOLLRDHUP | libc::EPOLLONESHOT;
+/// Watch `fd` in `ep` once more — with `read`, for input or the peer's
+/// end of sending; with `out`, for room to write; always for a hang-up or
+/// an error — handing `token` back (`EPOLLONESHOT`): the watch of a
+/// descriptor watched before (and disarmed since it fired) is re-armed in
+/// one call, a new one added.
+pub(crate) fn epoll_rearm(
+    ep: BorrowedFd<'_>,
+    fd: RawFd,
+    token: u64,
+    read: bool,
+    out: bool,
+) -> io::Result<()> {
+    let mut events = libc::EPOLLONESHOT;
+    if read {
+        events |= libc::EPOLLIN | libc::EPOLLRDHUP;
+    }
     if out {
         events |= libc::EPOLLOUT;
     }

@@ -55,7 +55,7 @@ use crate::server::inbuf::InBuf;
 use crate::server::park;
 use crate::server::partial::{chunks, Partial, Whole, CHUNK_BYTES};
 use crate::server::rate::Rate;
-use crate::server::shares::{Claim, PeerBudget};
+use crate::server::shares::{BudgetWait, Claim, Look, PeerBudget};
 use crate::stats::Counters;
 use crate::transport::nonblocking::{Io, Transport};
 use crate::ExportInfo;
@@ -80,15 +80,6 @@ pub const MAX_BYTES_IN_FLIGHT: u64 = 64 << 20;
 /// server treat payloads over 2^25 bytes as an attack): reading and
 /// discarding gigabytes just to answer EINVAL would keep the server busy.
 const MAX_DISCARD_BYTES: u64 = 32 << 20;
-/// How long a request under its peer's guarantee waits for bytes before
-/// the server closes a connection of the peer furthest over its own to
-/// get them back (and again after each such wait).
-const RECALL_AFTER: Duration = Duration::from_secs(1);
-/// How often a request past its peer's share, waiting to borrow bytes,
-/// looks again.
-const BORROW_POLL: Duration = Duration::from_millis(50);
-/// How often a request waiting for the server's byte budget looks again.
-const BUDGET_POLL: Duration = Duration::from_millis(5);
 
 /// The deadlines and limits a connection runs under.
 #[derive(Clone, Copy, Debug)]
@@ -602,9 +593,11 @@ impl Conn {
 
     /// Take a place in flight for a request of `bytes` payload bytes:
     /// first in this connection's bounds, then in its peer's share of the
-    /// server's budget. `Ok(false)`: the budget stayed exhausted for the
-    /// budget wait (the request is answered ENOMEM and holds nothing).
-    fn acquire(&self, bytes: u64) -> io::Result<bool> {
+    /// server's budget, looking again (`wait`, a wait begun before) or
+    /// for the first time. With `park`, a request the budget has no bytes
+    /// for now does not wait on this thread: [`Admit::Wait`] hands its
+    /// wait back, nothing held, to be taken up at its next look.
+    fn acquire(&self, bytes: u64, wait: Option<Box<BudgetWait>>, park: bool) -> io::Result<Admit> {
         loop {
             {
                 let mut g = self.gate.lock();
@@ -621,8 +614,14 @@ impl Conn {
             let room = || !self.full(&self.gate.lock(), bytes);
             self.await_release(None, room)?;
         }
-        let r = self.charge(bytes, false);
-        if !matches!(r, Ok(true)) {
+        let r = match (park, wait) {
+            (true, wait) => Ok(self.charge_once(bytes, wait)),
+            (false, _) => self.charge(bytes, false).map(|taken| match taken {
+                true => Admit::Taken,
+                false => Admit::Refused,
+            }),
+        };
+        if !matches!(r, Ok(Admit::Taken)) {
             let mut g = self.gate.lock();
             assert!(
                 g.0 >= 1 && g.1 >= bytes,
@@ -635,53 +634,74 @@ impl Conn {
         r
     }
 
-    /// Take `bytes` of the peer's share of the server's budget, waiting
-    /// (and sending replies meanwhile) up to the budget wait: for a
-    /// request's payload, or a chunk of the work a request causes.
-    /// `Ok(false)`: the wait ran out (counted); `Err`: the connection died.
-    /// `work`: the bytes are a chunk of work (bounded by the peer's work
-    /// window too).
-    fn charge(&self, bytes: u64, work: bool) -> io::Result<bool> {
+    /// [`Conn::acquire`] waiting on this thread. `Ok(false)`: refused.
+    fn acquire_here(&self, bytes: u64) -> io::Result<bool> {
+        Ok(matches!(self.acquire(bytes, None, false)?, Admit::Taken))
+    }
+
+    /// Take `bytes` of the peer's share now, or begin a wait for them
+    /// (counted). `work`: the bytes are a chunk of work.
+    fn first_look(&self, bytes: u64, work: bool) -> Option<Box<BudgetWait>> {
         let mut claim = Claim::new(work);
         if self.budget.try_take(bytes, &mut claim) {
-            return Ok(true);
+            return None;
         }
         self.counters.budget_waits.fetch_add(1, Ordering::Relaxed);
-        let give_up = Instant::now() + self.limits.budget_wait;
-        let mut recall_at = Instant::now() + RECALL_AFTER;
-        loop {
-            let now = Instant::now();
-            if now >= recall_at && PeerBudget::waits_under_share(&claim) {
-                // Under its guarantee and still waiting: take borrowed
-                // bytes back from the peer furthest over its own.
-                self.budget.recall();
-                recall_at = now + RECALL_AFTER;
-            }
-            if now >= give_up || self.dead.load(Ordering::Acquire) {
-                self.budget.give_up(&mut claim);
-                if self.dead.load(Ordering::Acquire) {
-                    return Err(io::ErrorKind::BrokenPipe.into());
-                }
+        let patience = self.limits.budget_wait;
+        Some(Box::new(BudgetWait::new(
+            &self.budget,
+            claim,
+            &self.t,
+            patience,
+            Instant::now(),
+        )))
+    }
+
+    /// One look for a request's payload bytes without waiting: taken,
+    /// refused (the wait ran out: counted), or the wait to take up again
+    /// at its next look — meanwhile a release of this connection kicks it.
+    fn charge_once(&self, bytes: u64, wait: Option<Box<BudgetWait>>) -> Admit {
+        let Some(mut w) = wait.or_else(|| self.first_look(bytes, false)) else {
+            return Admit::Taken;
+        };
+        match w.look(bytes, Instant::now()) {
+            Look::Taken => Admit::Taken,
+            Look::Refused => {
                 self.counters
                     .budget_refusals
                     .fetch_add(1, Ordering::Relaxed);
-                return Ok(false);
+                Admit::Refused
             }
-            // A request past its peer's share looks again less often: it
-            // may only borrow, and its looking costs the others' CPU.
-            let poll = if PeerBudget::waits_under_share(&claim) {
-                BUDGET_POLL
-            } else {
-                BORROW_POLL
-            };
-            let until = Some((now + poll).min(give_up));
-            let r = self.await_release(until, || false);
-            if let Err(e) = r {
-                self.budget.give_up(&mut claim);
-                return Err(e);
+            Look::Wait => {
+                self.parked.store(Wake::OnRelease as u8, Ordering::SeqCst);
+                Admit::Wait(w)
             }
-            if self.budget.try_take(bytes, &mut claim) {
-                return Ok(true);
+        }
+    }
+
+    /// Take `bytes` of the peer's share of the server's budget, waiting
+    /// on this thread (and sending replies meanwhile) up to the budget
+    /// wait: for a request's payload, or a chunk of the work a request
+    /// causes. `Ok(false)`: the wait ran out (counted); `Err`: the
+    /// connection died. `work`: the bytes are a chunk of work (bounded by
+    /// the peer's work window too).
+    fn charge(&self, bytes: u64, work: bool) -> io::Result<bool> {
+        let Some(mut w) = self.first_look(bytes, work) else {
+            return Ok(true);
+        };
+        loop {
+            if self.dead.load(Ordering::Acquire) {
+                return Err(io::ErrorKind::BrokenPipe.into());
+            }
+            match w.look(bytes, Instant::now()) {
+                Look::Taken => return Ok(true),
+                Look::Refused => {
+                    self.counters
+                        .budget_refusals
+                        .fetch_add(1, Ordering::Relaxed);
+                    return Ok(false);
+                }
+                Look::Wait => self.await_release(Some(w.next()), || false)?,
             }
         }
     }
@@ -797,11 +817,25 @@ impl Conn {
             .map(|r| r.queued + self.limits.reply_timeout)
     }
 
-    /// A request waits for its place in the bounds: a parked connection's
-    /// wake-up descriptor must be watched (a release kicks it), whether
-    /// or not anything is still in flight by then.
+    /// A request waits for its place in the bounds or for bytes of the
+    /// budget: a parked connection's wake-up descriptor must be watched (a
+    /// release, or the keeper at the next look, kicks it), whether or not
+    /// anything is still in flight by then.
     pub(crate) fn waits_for_place(&self) -> bool {
         matches!(*self.partial.lock(), Some(Partial::Place { .. }))
+    }
+
+    /// A request waits for bytes of the budget, its next look has come by
+    /// `now`, and no reply is overdue: the lot runs the parked connection
+    /// (which looks) rather than closing it.
+    pub(crate) fn budget_look_due(&self, now: Instant) -> bool {
+        let look = match &*self.partial.lock() {
+            Some(Partial::Place {
+                budget: Some(w), ..
+            }) => w.next(),
+            _ => return false,
+        };
+        look <= now && self.reply_due().is_none_or(|d| d > now)
     }
 
     /// Requests are in flight (a parked connection's replies are still to
@@ -987,6 +1021,18 @@ pub(crate) enum Ended {
     /// any, completing meanwhile. Its idle deadline, if any, is
     /// `deadline`.
     Idle { deadline: Option<Instant> },
+}
+
+/// What became of a request's bid for its place and bytes in flight.
+enum Admit {
+    /// Both taken.
+    Taken,
+    /// The budget stayed exhausted for the budget wait (counted): the
+    /// request is answered ENOMEM and holds nothing.
+    Refused,
+    /// No bytes for it yet: its wait, to take up again at its next look
+    /// (nothing held meanwhile).
+    Wait(Box<BudgetWait>),
 }
 
 /// The error a read returns to unwind to [`Reader::run`] for parking.
@@ -1467,7 +1513,7 @@ impl Reader<'_, '_> {
             return self.answer(req, EIO);
         }
         let bytes = descriptors.len() * 8;
-        if !self.conn.acquire(bytes as u64)? {
+        if !self.conn.acquire_here(bytes as u64)? {
             return self.answer(req, ENOMEM);
         }
         let mut buf = self.env.buffers.get(bytes);
@@ -1485,6 +1531,15 @@ impl Reader<'_, '_> {
     fn run(&mut self) -> io::Result<Ended> {
         // A request received in part when the connection last parked.
         let mut next = self.conn.partial.lock().take();
+        if matches!(next, Some(Partial::Place { .. }))
+            && self.conn.t.wait(false, false, Some(Duration::ZERO))?.hangup
+        {
+            // Parked for its place or its bytes, its socket not watched
+            // for input: it came back for the socket's hang-up or error —
+            // its client is gone.
+            self.conn.kill();
+            return Ok(Ended::Closed);
+        }
         loop {
             let mut p = match next.take() {
                 Some(p) => p,
@@ -1525,15 +1580,18 @@ impl Reader<'_, '_> {
                     self.answer(&req, error)?;
                     None
                 }
-                Whole::Place(req) => self.admit(req)?,
+                Whole::Place(req, wait) => self.admit(req, wait)?,
             };
             if let Some(p @ Partial::Place { .. }) = next {
                 // No room in the bounds: the connection waits for a
                 // release in the lot, which kicks it back, with what it
-                // has read of the requests behind this one.
+                // has read of the requests behind this one. No bytes in
+                // the budget: the same, and the keeper kicks it at its
+                // next look.
+                let deadline = p.by();
                 *self.conn.partial.lock() = Some(p);
                 *self.conn.unread.lock() = self.stream.take_buffered();
-                return Ok(Ended::Idle { deadline: None });
+                return Ok(Ended::Idle { deadline });
             }
         }
     }
@@ -1672,7 +1730,7 @@ impl Reader<'_, '_> {
     /// Answer a refused request `error` once nothing of it is left to read.
     fn answer(&mut self, req: &Request, error: u32) -> io::Result<()> {
         self.conn.counters.command(req.command).done(0, error);
-        self.conn.acquire(0)?;
+        self.conn.acquire_here(0)?;
         let kind = if req.command == CMD_READ {
             ReplyKind::Read { offset: req.offset }
         } else {
@@ -1756,32 +1814,46 @@ impl Reader<'_, '_> {
         if req.command == CMD_BLOCK_STATUS {
             return self.block_status(&req).map(|()| None);
         }
-        self.admit(req)
+        self.admit(req, None)
     }
 
     /// Take `req`'s place in the connection's bounds, and its payload
-    /// bytes in the budget, before any buffer is allocated; then serve it.
-    /// On a thread that may be given up, with no room now, the request
-    /// waits for a release without the thread ([`Partial::Place`]).
+    /// bytes in the budget (`wait`: the wait for them begun before),
+    /// before any buffer is allocated; then serve it. On a thread that may
+    /// be given up, a request with no room now waits for a release without
+    /// the thread, and one with no bytes in the budget for its next look
+    /// ([`Partial::Place`]).
     ///
     /// **Returns:** as [`Reader::request`].
-    fn admit(&mut self, req: Request) -> io::Result<Option<Partial>> {
+    fn admit(
+        &mut self,
+        req: Request,
+        wait: Option<Box<BudgetWait>>,
+    ) -> io::Result<Option<Partial>> {
         let fast_zero = req.flags & CMD_FLAG_FAST_ZERO != 0;
         let payload = if matches!(req.command, CMD_READ | CMD_WRITE) {
             req.length as u64
         } else {
             0
         };
-        if self.park_after.is_some() {
+        let park = self.park_after.is_some();
+        if park {
             // Kicks made before are spent: only a release from now brings
             // a parked connection back.
             self.conn.t.clear_kicks();
             if !self.conn.room_or_wake(payload) {
-                return Ok(Some(Partial::Place { req }));
+                return Ok(Some(Partial::Place { req, budget: wait }));
             }
         }
-        if !self.conn.acquire(payload)? {
-            return self.refuse(&req, ENOMEM);
+        match self.conn.acquire(payload, wait, park)? {
+            Admit::Taken => {}
+            Admit::Refused => return self.refuse(&req, ENOMEM),
+            Admit::Wait(w) => {
+                return Ok(Some(Partial::Place {
+                    req,
+                    budget: Some(w),
+                }))
+            }
         }
         match req.command {
             CMD_WRITE => {

@@ -30,8 +30,14 @@
 //! one watching. Each asks the scheduler for a short time slice, so it
 //! runs soon after it wakes.
 //!
+//! A connection that waits for time itself — a request looking at the
+//! byte budget again after a few milliseconds — parks with its deadline
+//! set to that look: at it the keeper makes the connection's wake-up
+//! descriptor ready ([`Parked::turn`]) instead of closing it, and a
+//! watcher runs it.
+//!
 //! Owns: the epoll instance, the watcher threads and the keeper, the parked
-//! connections' resumptions and their idle deadlines. Must never: resume a
+//! connections' resumptions, their idle deadlines and their turns. Must never: resume a
 //! connection twice, lose one (every parked connection is run, or closed
 //! at its deadline or by [`Parking::stop`], exactly once), take a
 //! connection after the stop (the caller keeps it and closes it itself), or
@@ -45,6 +51,18 @@ use std::os::fd::{AsFd, OwnedFd, RawFd};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+/// What a parked connection's socket is watched for, beside a hang-up or
+/// an error (always).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Watch {
+    /// Input, or the peer's end of sending (not while a request read
+    /// whole waits for its place or its bytes: the input behind it stays
+    /// unread until then, and would make the socket ready again at once).
+    pub(crate) read: bool,
+    /// Room to write (replies wait for it).
+    pub(crate) out: bool,
+}
 
 /// Why a parked connection is closed rather than run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,6 +91,17 @@ pub(crate) trait Parked: Send + 'static {
     fn idle_deadline(&self) -> Option<Instant>;
     /// Close it without serving it.
     fn close(self, why: Wake);
+    /// Whether the deadline that passed (`now`) is its turn rather than
+    /// its close: it waits for time itself (a request's next look at the
+    /// byte budget). Parked with a second descriptor, it is then given
+    /// [`Parked::turn`] and stays parked without a deadline until a
+    /// watcher runs it.
+    fn turn_due(&self, _now: Instant) -> bool {
+        false
+    }
+    /// Make its second descriptor ready, so that a watcher runs it
+    /// (called by the keeper with the lot unlocked).
+    fn turn(_handle: &Self::Handle) {}
 }
 
 /// Watchers kept however long they wait, in tests.
@@ -285,7 +314,7 @@ impl<T: Parked> Parking<T> {
         &self,
         fd: RawFd,
         also: Option<RawFd>,
-        out: bool,
+        watch: Watch,
         deadline: Option<Instant>,
         item: T,
     ) -> Result<(), T> {
@@ -314,12 +343,13 @@ impl<T: Parked> Parking<T> {
         );
         // The socket stays in the epoll instance between parkings (its
         // one-shot watch disarmed when it fired): re-armed in one call.
-        let watched = sys::epoll_rearm(self.ep.as_fd(), fd, token, out).and_then(|()| {
-            let Some(a) = also else { return Ok(()) };
-            sys::epoll_watch(self.ep.as_fd(), a, token, true).inspect_err(|_| {
-                sys::epoll_forget(self.ep.as_fd(), fd);
-            })
-        });
+        let watched =
+            sys::epoll_rearm(self.ep.as_fd(), fd, token, watch.read, watch.out).and_then(|()| {
+                let Some(a) = also else { return Ok(()) };
+                sys::epoll_watch(self.ep.as_fd(), a, token, true).inspect_err(|_| {
+                    sys::epoll_forget(self.ep.as_fd(), fd);
+                })
+            });
         if let Err(e) = watched {
             eprintln!("iopages-nbd: cannot hold an idle connection without its thread: {e}");
             let e = s.entries.remove(&token).expect("entered above");
@@ -338,6 +368,12 @@ impl<T: Parked> Parking<T> {
     /// How many connections are parked.
     pub(crate) fn parked(&self) -> usize {
         self.state.lock().entries.len()
+    }
+
+    /// How many times a watcher has come back to the epoll instance.
+    #[cfg(test)]
+    pub(crate) fn returns(&self) -> u64 {
+        self.state.lock().returns
     }
 
     /// How many watcher threads are alive.
@@ -450,8 +486,10 @@ impl<T: Parked> Parking<T> {
 
     /// Take the entries whose idle deadlines have passed by `now`; one
     /// whose deadline has moved on since it parked stays, under its new
-    /// one.
-    fn due(&self, s: &mut State<T>, now: Instant) -> Vec<Entry<T>> {
+    /// one, and one whose deadline is a turn ([`Parked::turn_due`]) stays,
+    /// its handle added to `turns` (to be made ready once the lot is
+    /// unlocked).
+    fn due(&self, s: &mut State<T>, now: Instant, turns: &mut Vec<T::Handle>) -> Vec<Entry<T>> {
         let mut due = Vec::new();
         while let Some(&(d, t)) = s.deadlines.first() {
             if d > now {
@@ -467,6 +505,10 @@ impl<T: Parked> Parking<T> {
                     s.deadlines.insert((later, t));
                 }
                 None => e.deadline = None,
+                Some(_) if e.also.is_some() && e.item.turn_due(now) => {
+                    e.deadline = None;
+                    turns.push(e.item.handle());
+                }
                 Some(_) => due.extend(s.entries.remove(&t)),
             }
         }
@@ -503,6 +545,7 @@ impl<T: Parked> Parking<T> {
     /// The keeper: close connections at their idle deadlines, and start a
     /// watcher when every one has served for a grace ([`Parking::grace`]).
     fn keep_deadlines(self: Arc<Self>) {
+        let mut turns = Vec::new();
         loop {
             let due = {
                 let mut s = self.state.lock();
@@ -512,8 +555,8 @@ impl<T: Parked> Parking<T> {
                     }
                     // Deadlines first: graces that follow each other under
                     // a steady load must not hold idle closes back.
-                    let due = self.due(&mut s, Instant::now());
-                    if !due.is_empty() {
+                    let due = self.due(&mut s, Instant::now(), &mut turns);
+                    if !due.is_empty() || !turns.is_empty() {
                         break due;
                     }
                     let deadline = s.deadlines.first().map(|(d, _)| *d);
@@ -529,6 +572,9 @@ impl<T: Parked> Parking<T> {
                     }
                 }
             };
+            for h in turns.drain(..) {
+                T::turn(&h);
+            }
             for e in due {
                 e.forget(self.ep.as_fd());
                 e.item.close(Wake::Idle);
@@ -540,6 +586,11 @@ impl<T: Parked> Parking<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const READ: Watch = Watch {
+        read: true,
+        out: false,
+    };
     use std::io::Write;
     use std::os::fd::AsRawFd;
     use std::os::unix::net::UnixStream;
@@ -607,7 +658,7 @@ mod tests {
             hold: hold.clone(),
             deadline,
         };
-        assert!(p.park(fd, None, false, deadline, item).is_ok());
+        assert!(p.park(fd, None, READ, deadline, item).is_ok());
         (theirs, rx, hold)
     }
 
@@ -657,7 +708,7 @@ mod tests {
             deadline: None,
         };
         let back = p
-            .park(fd, None, false, None, item)
+            .park(fd, None, READ, None, item)
             .expect_err("parked after the stop");
         assert_eq!(back._sock.as_raw_fd(), fd);
         assert!(rx.try_recv().is_err(), "resumed although refused");
@@ -761,14 +812,14 @@ mod tests {
             Spin(i, spin)
         };
         let spinning = item(ours, tx, Duration::from_millis(300));
-        assert!(q.park(fd, None, false, None, spinning).is_ok());
+        assert!(q.park(fd, None, READ, None, spinning).is_ok());
         theirs.write_all(b"x").unwrap();
         std::thread::sleep(Duration::from_millis(20));
         let (ours_b, mut b) = UnixStream::pair().unwrap();
         let (tb, rb) = channel();
         let fd_b = ours_b.as_raw_fd();
         assert!(q
-            .park(fd_b, None, false, None, item(ours_b, tb, Duration::ZERO))
+            .park(fd_b, None, READ, None, item(ours_b, tb, Duration::ZERO))
             .is_ok());
         b.write_all(b"x").unwrap();
         // Served while the first still spins.

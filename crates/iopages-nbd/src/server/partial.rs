@@ -19,6 +19,7 @@
 
 use crate::proto::{Request, REQUEST_BYTES};
 use crate::server::buffers::{Buf, Buffers};
+use crate::server::shares::BudgetWait;
 use std::io::{self, Read};
 use std::time::Instant;
 
@@ -67,9 +68,14 @@ pub(crate) enum Partial {
         by: Instant,
     },
     /// A request received whole (its payload, if any, still to come) that
-    /// waits for its place in the connection's bounds: nothing to read,
-    /// nothing held, no deadline of its own (a release brings it back).
-    Place { req: Request },
+    /// waits for its place in the connection's bounds (a release brings it
+    /// back; no deadline of its own) or, with `budget`, for bytes of its
+    /// peer's share of the budget (its next look is its deadline, at which
+    /// it is run, not closed): nothing to read, nothing held.
+    Place {
+        req: Request,
+        budget: Option<Box<BudgetWait>>,
+    },
 }
 
 /// A request received whole.
@@ -80,8 +86,8 @@ pub(crate) enum Whole {
     Write(Request, Vec<(u64, Buf)>),
     /// A refused WRITE whose payload has been dropped: answer `.1`.
     Refused(Request, u32),
-    /// A request to try for its place again.
-    Place(Request),
+    /// A request to try for its place again, and its wait for bytes.
+    Place(Request, Option<Box<BudgetWait>>),
 }
 
 impl Partial {
@@ -94,13 +100,14 @@ impl Partial {
         }
     }
 
-    /// When the request must be whole (`None`: waiting for its place).
+    /// When the request must be whole (`None`: waiting for its place),
+    /// or, waiting for bytes, when it looks next.
     pub(crate) fn by(&self) -> Option<Instant> {
         match self {
             Partial::Header { by, .. }
             | Partial::Write { by, .. }
             | Partial::Discard { by, .. } => Some(*by),
-            Partial::Place { .. } => None,
+            Partial::Place { budget, .. } => budget.as_ref().map(|w| w.next()),
         }
     }
 
@@ -156,7 +163,7 @@ impl Partial {
                 skip(r, left)?;
                 Ok(Whole::Refused(*req, *error))
             }
-            Partial::Place { req } => Ok(Whole::Place(*req)),
+            Partial::Place { req, budget } => Ok(Whole::Place(*req, budget.take())),
         }
     }
 }

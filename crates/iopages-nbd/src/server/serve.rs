@@ -963,7 +963,16 @@ fn park_handshake(g: Box<Greeted>, now: bool) {
         g.t.kick();
         g.t.wake_fd()
     });
-    if let Err(back) = parking.park(fd, wake, false, Some(deadline), Lot::Handshake(g)) {
+    if let Err(back) = parking.park(
+        fd,
+        wake,
+        park::Watch {
+            read: true,
+            out: false,
+        },
+        Some(deadline),
+        Lot::Handshake(g),
+    ) {
         // Stopping (or the socket cannot be watched): closed.
         back.close(Wake::Stop);
     }
@@ -1174,14 +1183,19 @@ fn run_session(mut session: Session) {
         let kickable = session.conn.busy() || session.conn.waits_for_place();
         let wake = kickable.then(|| session.t.wake_fd());
         // Replies the socket has not taken: they go once it has room, or
-        // the connection is given up when the oldest is due.
-        let out = !session.conn.quiet();
+        // the connection is given up when the oldest is due. A request
+        // waiting for its place or its bytes reads nothing more until
+        // then.
+        let watch = park::Watch {
+            read: !session.conn.waits_for_place(),
+            out: !session.conn.quiet(),
+        };
         let deadline = match (deadline, session.conn.reply_due()) {
             (Some(d), Some(r)) => Some(d.min(r)),
             (d, r) => d.or(r),
         };
         let fd = session.t.raw_fd();
-        match parking.park(fd, wake, out, deadline, Lot::Session(session)) {
+        match parking.park(fd, wake, watch, deadline, Lot::Session(session)) {
             Ok(()) => return,
             // Stopping, or the socket cannot be watched: served here.
             Err(Lot::Session(back)) => {
@@ -1232,6 +1246,15 @@ impl Parked for Lot {
             Lot::Handshake(g) => Some(g.hs.deadline()),
             Lot::Session(s) => s.conn.idle_deadline(),
         }
+    }
+    fn turn_due(&self, now: Instant) -> bool {
+        match self {
+            Lot::Handshake(_) => false,
+            Lot::Session(s) => s.conn.budget_look_due(now),
+        }
+    }
+    fn turn(t: &Arc<Transport>) {
+        t.kick();
     }
 }
 
@@ -1445,6 +1468,144 @@ mod tests {
         fn flush(&self) -> std::io::Result<()> {
             self.0.flush()
         }
+    }
+
+    /// A RAM disk whose reads wait until the test lets them go.
+    struct HeldReads(RamDisk, Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>);
+
+    impl HeldReads {
+        fn new(bytes: u64) -> Arc<HeldReads> {
+            Arc::new(HeldReads(RamDisk::new(bytes).unwrap(), Arc::default()))
+        }
+        fn release(&self) {
+            *self.1 .0.lock().unwrap() = true;
+            self.1 .1.notify_all();
+        }
+    }
+
+    /// Lets the held reads go when dropped: a failing test unwinds
+    /// without waiting for them forever (dropped before the server).
+    struct Release(Arc<HeldReads>);
+
+    impl Drop for Release {
+        fn drop(&mut self) {
+            self.0.release();
+        }
+    }
+
+    impl Backend for HeldReads {
+        fn size_bytes(&self) -> u64 {
+            self.0.size_bytes()
+        }
+        fn write_at(&self, offset: u64, segments: &[&[u8]]) -> std::io::Result<()> {
+            self.0.write_at(offset, segments)
+        }
+        fn read_at(&self, offset: u64, segments: &mut [&mut [u8]]) -> std::io::Result<()> {
+            let (go, cv) = &*self.1;
+            let _go = cv.wait_while(go.lock().unwrap(), |go| !*go).unwrap();
+            self.0.read_at(offset, segments)
+        }
+        fn flush(&self) -> std::io::Result<()> {
+            self.0.flush()
+        }
+    }
+
+    /// A server with a 4 MiB byte budget (1 MiB requests at most) over
+    /// held reads, and a client (`hog`) whose 16 READs of 512 KiB spend
+    /// it: the reads admitted wait in the disk, the others for bytes.
+    fn budget_spent(
+        reply_timeout: Duration,
+    ) -> (iopages::PageAllocator, Server, Release, TcpStream) {
+        let disk = HeldReads::new(1 << 20);
+        let mut config = ExportConfig::new("v");
+        config.max_block_bytes = 1 << 20;
+        let opts = ServerOptions {
+            max_inflight_bytes: 4 << 20,
+            reply_timeout,
+            ..ServerOptions::default()
+        };
+        let (alloc, s) = server_as(disk.clone(), config, opts);
+        let (mut hog, _) = go(&s);
+        for cookie in 0..16 {
+            send_read(&mut hog, cookie, 512 << 10);
+        }
+        let disk = Release(disk);
+        await_stats(&s, "the budget spent", |st| st.budget_waits > 0);
+        (alloc, s, disk, hog)
+    }
+
+    /// Requests that find the byte budget spent wait for it in the lot,
+    /// not on a watcher: cores + 4 clients asking for 4 KiB beside one
+    /// holding the budget are all parked, the watchers settle to those
+    /// kept, and once the budget frees every one is served. (Before, each
+    /// held a watcher while it waited, and the keeper started one more for
+    /// each.)
+    #[test]
+    fn requests_waiting_for_the_byte_budget_wait_in_the_lot() {
+        let (alloc, s, disk, mut hog) = budget_spent(Duration::from_secs(30));
+        let kept = park::watchers_kept();
+        let mut waiters: Vec<TcpStream> = (0..kept + 4).map(|_| go(&s).0).collect();
+        for (i, c) in waiters.iter_mut().enumerate() {
+            send_read(c, 100 + i as u64, 4096);
+        }
+        let n = waiters.len() as u64;
+        await_stats(&s, "every waiter parked", |st| {
+            st.parked_connections == n + 1 && st.budget_waits > n
+        });
+        await_watchers(&s, kept);
+        // A request more from each, behind the one waiting: it stays
+        // unread (its socket not watched for input meanwhile), and the
+        // waiting connections are not run again and again for it.
+        for (i, c) in waiters.iter_mut().enumerate() {
+            send_read(c, 200 + i as u64, 4096);
+        }
+        let returns = s.shared.parking.returns();
+        std::thread::sleep(Duration::from_millis(300));
+        let runs = s.shared.parking.returns() - returns;
+        assert!(
+            runs < 10 * n,
+            "{runs} runs of {n} waiting connections in 300 ms"
+        );
+        let st = s.stats();
+        assert_eq!((st.read.requests, st.budget_refusals), (0, 0));
+        disk.0.release();
+        every_read_answered(&mut hog, 16, 512 << 10);
+        for (i, c) in waiters.iter_mut().enumerate() {
+            assert_eq!(recv_reply(c, 4096), (100 + i as u64, 0));
+            assert_eq!(recv_reply(c, 4096), (200 + i as u64, 0));
+        }
+        assert_eq!(s.stats().read.requests, 16 + 2 * n);
+        drop((hog, waiters));
+        closed_and_clean(s, alloc);
+    }
+
+    /// A request whose wait for the budget runs out while its connection
+    /// is parked is answered ENOMEM by the watcher that takes its last
+    /// look (counted), and the connection is served as before once the
+    /// budget frees.
+    #[test]
+    fn a_budget_wait_that_runs_out_in_the_lot_is_answered_enomem() {
+        let (alloc, s, disk, mut hog) = budget_spent(Duration::from_millis(600));
+        let mut waiters: Vec<TcpStream> = (0..3).map(|_| go(&s).0).collect();
+        for (i, c) in waiters.iter_mut().enumerate() {
+            send_read(c, 100 + i as u64, 4096);
+        }
+        for (i, c) in waiters.iter_mut().enumerate() {
+            assert_eq!(recv_reply(c, 4096), (100 + i as u64, ENOMEM));
+        }
+        assert!(s.stats().budget_refusals >= 3);
+        disk.0.release();
+        // The hog's reads: those admitted answered, those that waited out
+        // the budget wait too answered ENOMEM.
+        for _ in 0..16 {
+            let (_, error) = recv_reply(&mut hog, 512 << 10);
+            assert!(error == 0 || error == ENOMEM, "{error}");
+        }
+        for (i, c) in waiters.iter_mut().enumerate() {
+            assert_eq!(read_512(c, 200 + i as u64), 0);
+        }
+        drop((hog, waiters));
+        closed_and_clean(s, alloc);
     }
 
     /// The connection's thread is not kicked for every completion while it
@@ -1899,8 +2060,16 @@ mod tests {
                 && st.parked_connections == 1
         });
         await_watchers(&s, park::watchers_kept());
-        every_read_answered(&mut c, N, LEN as usize);
-        assert_eq!(read_512(&mut c, N), 0);
+        // One more request arriving behind the waiting one stays unread
+        // (the socket is not watched for input meanwhile): the connection
+        // is not run again and again for it.
+        send_read(&mut c, N, LEN);
+        let returns = s.shared.parking.returns();
+        std::thread::sleep(Duration::from_millis(300));
+        let runs = s.shared.parking.returns() - returns;
+        assert!(runs < 10, "{runs} runs of the waiting connection in 300 ms");
+        every_read_answered(&mut c, N + 1, LEN as usize);
+        assert_eq!(read_512(&mut c, N + 1), 0);
         drop(c);
         await_stats(&s, "closed", |st| st.open_connections == 0);
         assert_eq!(s.shared.shares.snapshot(), Default::default());

@@ -40,9 +40,22 @@
 
 use crate::transport::nonblocking::Transport;
 use parking_lot::Mutex;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How long a request under its peer's guarantee waits for bytes before the
+/// server closes a connection of the peer furthest over its own to get
+/// them back (and again after each such wait).
+const RECALL_AFTER: Duration = Duration::from_secs(1);
+/// How often a request waiting for bytes looks again by itself: bytes
+/// coming back kick the waiters they may serve (those under their peer's
+/// guarantee first), so this only bounds what no kick tells — a peer's
+/// share grown because another peer left, a borrower allowed again
+/// because no one under their guarantee waits any more. (Looking every
+/// 5 ms, 200 parked waiters cost the watchers 40 000 turns a second.)
+const LOOK_AGAIN: Duration = RECALL_AFTER;
 
 /// The limits the shares are cut from.
 #[derive(Clone, Copy, Debug)]
@@ -121,11 +134,52 @@ struct State {
     bytes: u64,
     /// Requests of peers under their guarantee waiting for bytes.
     under_waiting: usize,
+    /// Requests waiting for bytes, in the order they began to wait
+    /// (again), kicked when bytes come back.
+    waiters: VecDeque<Waiter>,
+    next_waiter: u64,
+}
+
+/// A request waiting for bytes.
+struct Waiter {
+    token: u64,
+    /// The bytes it asks for.
+    bytes: u64,
+    /// It waits under its peer's guarantee (goes first).
+    under: bool,
+    /// Its connection.
+    t: Arc<Transport>,
 }
 
 impl State {
     fn holding(&mut self, peer: &Arc<str>) -> &mut Holding {
         self.peers.entry(Arc::clone(peer)).or_default()
+    }
+
+    /// Take the waiters `bytes` given back may serve off the list, those
+    /// under their peer's guarantee first, each side longest waiting
+    /// first: as many as the bytes cover, at least one.
+    ///
+    /// **Returns:** their connections, to kick.
+    fn serve_waiters(&mut self, bytes: u64) -> Vec<Arc<Transport>> {
+        let mut kicks = Vec::new();
+        let mut room = bytes;
+        for under in [true, false] {
+            let mut i = 0;
+            while i < self.waiters.len() {
+                let w = &self.waiters[i];
+                if w.under != under {
+                    i += 1;
+                    continue;
+                }
+                if !kicks.is_empty() && w.bytes > room {
+                    return kicks;
+                }
+                room = room.saturating_sub(w.bytes);
+                kicks.extend(self.waiters.remove(i).map(|w| w.t));
+            }
+        }
+        kicks
     }
 
     /// Forget `peer` once it holds nothing.
@@ -582,6 +636,134 @@ impl PeerBudget {
         );
         s.bytes -= bytes;
         s.tidy(&self.peer);
+        let kicks = s.serve_waiters(bytes);
+        drop(s);
+        for t in kicks {
+            t.kick();
+        }
+    }
+
+    /// Count a request of `bytes` as waiting (again, after a kick took it
+    /// off) behind those waiting before it, its connection `t` kicked
+    /// when bytes come back (`under`: it waits under its peer's
+    /// guarantee). `token`: its number, given at the first wait.
+    fn await_bytes(&self, token: &mut Option<u64>, bytes: u64, under: bool, t: &Arc<Transport>) {
+        let mut s = self.shares.state.lock();
+        let token = *token.get_or_insert_with(|| {
+            s.next_waiter += 1;
+            s.next_waiter
+        });
+        match s.waiters.iter_mut().find(|w| w.token == token) {
+            Some(w) => w.under = under,
+            None => s.waiters.push_back(Waiter {
+                token,
+                bytes,
+                under,
+                t: Arc::clone(t),
+            }),
+        }
+    }
+
+    /// A request waits no more (served, refused or dropped).
+    fn stop_waiting(&self, token: Option<u64>) {
+        if let Some(id) = token {
+            self.shares.state.lock().waiters.retain(|w| w.token != id);
+        }
+    }
+}
+
+/// A request's wait for bytes of its peer's share, kept across looks —
+/// on its connection's thread, or with the connection parked between
+/// them: its claim (given up when the wait is dropped unserved), when it
+/// gives up, when it next recalls borrowed bytes, and when it looks next.
+pub(crate) struct BudgetWait {
+    budget: PeerBudget,
+    claim: Claim,
+    /// Its connection, kicked when bytes come back.
+    kick: Arc<Transport>,
+    /// Its number among the waiters (`None`: not yet counted).
+    token: Option<u64>,
+    give_up: Instant,
+    recall_at: Instant,
+    next: Instant,
+}
+
+/// What one look at the budget found.
+pub(crate) enum Look {
+    /// The bytes are taken.
+    Taken,
+    /// Not yet: look again at [`BudgetWait::next`].
+    Wait,
+    /// The wait ran out (its claim is given up).
+    Refused,
+}
+
+impl BudgetWait {
+    /// A wait that began at `now` for `claim` (its first try failed) on
+    /// the connection `kick`, given up after `patience`.
+    pub(crate) fn new(
+        budget: &PeerBudget,
+        claim: Claim,
+        kick: &Arc<Transport>,
+        patience: Duration,
+        now: Instant,
+    ) -> Self {
+        BudgetWait {
+            budget: budget.clone(),
+            claim,
+            kick: Arc::clone(kick),
+            token: None,
+            give_up: now + patience,
+            recall_at: now + RECALL_AFTER,
+            next: now,
+        }
+    }
+
+    /// When the wait looks next.
+    pub(crate) fn next(&self) -> Instant {
+        self.next
+    }
+
+    /// Look at `now`: take `bytes` if the share allows; if not, recall
+    /// borrowed bytes once a second while under its guarantee, give up
+    /// past the patience, or wait — counted among the waiters, whom bytes
+    /// coming back kick, and looking again by itself after
+    /// [`LOOK_AGAIN`].
+    pub(crate) fn look(&mut self, bytes: u64, now: Instant) -> Look {
+        if self.budget.try_take(bytes, &mut self.claim) {
+            self.budget.stop_waiting(self.token.take());
+            return Look::Taken;
+        }
+        let under = PeerBudget::waits_under_share(&self.claim);
+        if now >= self.recall_at && under {
+            // Under its guarantee and still waiting: take borrowed bytes
+            // back from the peer furthest over its own.
+            self.budget.recall();
+            self.recall_at = now + RECALL_AFTER;
+        }
+        if now >= self.give_up {
+            self.budget.give_up(&mut self.claim);
+            self.budget.stop_waiting(self.token.take());
+            return Look::Refused;
+        }
+        // Counted before the last try: bytes that come back after it kick.
+        self.budget
+            .await_bytes(&mut self.token, bytes, under, &self.kick);
+        if self.budget.try_take(bytes, &mut self.claim) {
+            self.budget.stop_waiting(self.token.take());
+            return Look::Taken;
+        }
+        self.next = (now + LOOK_AGAIN).min(self.give_up);
+        Look::Wait
+    }
+}
+
+impl Drop for BudgetWait {
+    /// A wait dropped unserved (its connection died or closed) stops
+    /// counting among those that go first, and among the waiters.
+    fn drop(&mut self) {
+        self.budget.give_up(&mut self.claim);
+        self.budget.stop_waiting(self.token.take());
     }
 }
 

@@ -29,6 +29,7 @@ fn is_shut(other: &std::os::unix::net::UnixStream) -> bool {
 fn assert_empty(sh: &Shares) {
     let s = sh.state.lock();
     assert!(s.peers.is_empty() && s.handshakes.is_empty() && s.connections.is_empty());
+    assert!(s.waiters.is_empty());
     assert_eq!((s.active, s.bytes, s.under_waiting), (0, 0, 0));
 }
 
@@ -319,5 +320,75 @@ fn a_peer_first_handshake_gets_in_whatever_many_addresses_hold() {
     assert!(sh.admit_handshake("ip:10.0.0.3", &t).is_none());
     assert!(!is_shut(&polite_end));
     drop((slots, polite));
+    assert_empty(&sh);
+}
+
+/// Whether `t` was kicked since the last look (and forget the kick).
+fn kicked(t: &Transport) -> bool {
+    let woken = t.wait_kick(Some(Duration::ZERO)).unwrap().woken;
+    t.clear_kicks();
+    woken
+}
+
+#[test]
+fn bytes_given_back_kick_the_waiters_they_may_serve() {
+    // Those under their peer's guarantee first, each side longest waiting
+    // first, as many as the bytes cover, at least one.
+    let mut s = State::default();
+    let ts: Vec<_> = (0..4).map(|_| transport()).collect();
+    for (i, (t, _)) in ts.iter().enumerate() {
+        s.waiters.push_back(Waiter {
+            token: i as u64,
+            bytes: 8,
+            under: i % 2 == 1,
+            t: Arc::clone(t),
+        });
+    }
+    let tokens = |s: &State| s.waiters.iter().map(|w| w.token).collect::<Vec<_>>();
+    let kicked_now: Vec<_> = s.serve_waiters(16).iter().map(|t| t.wake_fd()).collect();
+    assert_eq!(kicked_now, [ts[1].0.wake_fd(), ts[3].0.wake_fd()]);
+    assert_eq!(tokens(&s), [0, 2]);
+    // One byte: still one waiter looks.
+    assert_eq!(s.serve_waiters(1).len(), 1);
+    assert_eq!(tokens(&s), [2]);
+    assert_eq!(s.serve_waiters(0).len(), 1);
+    assert!(s.serve_waiters(64).is_empty());
+}
+
+#[test]
+fn a_budget_wait_is_kicked_when_bytes_come_back_and_forgotten_when_dropped() {
+    let sh = Arc::new(Shares::new(limits(64, 64, 64)));
+    let (_a, big) = in_transmission(&sh, "psk:big");
+    assert!(big.try_take(48, &mut Claim::default()));
+    let (t, _end) = transport();
+    let now = Instant::now();
+    let mut claim = Claim::default();
+    assert!(!big.try_take(32, &mut claim));
+    let mut w = BudgetWait::new(&big, claim, &t, Duration::from_secs(10), now);
+    assert!(matches!(w.look(32, now), Look::Wait));
+    assert!(w.next() > now && w.next() <= now + LOOK_AGAIN);
+    assert!(!kicked(&t));
+    assert_eq!(sh.state.lock().waiters.len(), 1);
+    // Another request of the peer ends: its bytes kick the waiter, which
+    // takes them at its look (64 bytes, a reserve of 16).
+    big.give_back(32, false);
+    assert!(kicked(&t));
+    assert!(matches!(w.look(32, Instant::now()), Look::Taken));
+    assert!(sh.state.lock().waiters.is_empty());
+    // A wait dropped unserved is no longer a waiter; one past its
+    // patience is refused.
+    let mut claim = Claim::default();
+    assert!(!big.try_take(8, &mut claim));
+    let mut w = BudgetWait::new(&big, claim, &t, Duration::ZERO, now);
+    assert!(matches!(w.look(8, now), Look::Refused));
+    assert!(sh.state.lock().waiters.is_empty());
+    let mut claim = Claim::default();
+    assert!(!big.try_take(8, &mut claim));
+    let mut w = BudgetWait::new(&big, claim, &t, Duration::from_secs(10), now);
+    assert!(matches!(w.look(8, now), Look::Wait));
+    drop(w);
+    assert!(sh.state.lock().waiters.is_empty());
+    big.give_back(48, false);
+    drop(_a);
     assert_empty(&sh);
 }
