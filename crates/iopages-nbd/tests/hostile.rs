@@ -817,3 +817,52 @@ fn bad_tls_credentials_are_clear_errors() {
     let e = TlsConfig::psk(&f, TlsMode::Require).unwrap_err();
     assert!(e.to_string().contains("line 1"), "{e}");
 }
+
+#[test]
+fn a_handshake_whose_replies_are_not_read_waits_for_room_without_a_thread() {
+    // A client on a Unix socket (fixed buffers of about 200 KiB) pipelining
+    // 10 000 LISTs and reading none of the 450 KB of answers: once the
+    // socket is full the handshake waits for room in the parking lot
+    // (before, its watcher waited in a blocking write until the
+    // handshake's deadline), reads nothing more meanwhile, and goes on as
+    // the client reads.
+    const N: usize = 10_000;
+    let key: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(3) ^ 0x11).collect();
+    let (alloc, queue) = crypt_queue(128 << 20, DISK, &key, 512);
+    let path = std::env::temp_dir().join(format!("iopages-hostile-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let listen = [Listen::Unix(path.clone())];
+    let opts = ServerOptions::default();
+    let server = Server::start_with(queue, ExportConfig::new(NAME), opts, &listen).unwrap();
+    let mut c = Client::unix(&path);
+    let mut w = c.stream().try_clone().unwrap();
+    let lists: Vec<u8> = (0..N)
+        .flat_map(|_| {
+            let mut o = IHAVEOPT.to_be_bytes().to_vec();
+            o.extend_from_slice(&OPT_LIST.to_be_bytes());
+            o.extend_from_slice(&0u32.to_be_bytes());
+            o
+        })
+        .collect();
+    let writer = std::thread::spawn(move || w.write_all(&lists).unwrap());
+    // The replies fill the socket; then the handshake stays parked.
+    let t = Instant::now();
+    while server.stats().parked_connections < 1 {
+        assert!(t.elapsed() < Duration::from_secs(10), "never parked");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let st = server.stats();
+    assert_eq!((st.parked_connections, st.peers.handshakes_open), (1, 1));
+    for i in 0..N {
+        for want in [REP_SERVER, REP_ACK] {
+            let r = c.read_option_reply().unwrap();
+            assert_eq!((r.option, r.kind), (OPT_LIST, want), "LIST {i}");
+        }
+    }
+    writer.join().unwrap();
+    go(&mut c);
+    assert_eq!(c.read(0, 4096).unwrap().len(), 4096);
+    drop(c);
+    finish(alloc, server);
+}

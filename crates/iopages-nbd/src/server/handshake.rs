@@ -70,6 +70,9 @@ pub(crate) enum Outcome {
     /// handshake goes on: step again after the other connections ready
     /// meanwhile.
     Again,
+    /// Replies the socket has not taken: step again once it has room
+    /// (nothing more is read from the client until they have left).
+    Backlog,
 }
 
 /// Frames (the client's flags, option headers, data) one step takes
@@ -173,11 +176,29 @@ fn meta_context_reply(option: u32, id: u32) -> Vec<u8> {
 
 /// The handshake's view of the transport: reads that take what has
 /// arrived and never wait for the client (`WouldBlock` then: the
-/// connection waits in the parking lot), and writes that wait, all by one
-/// deadline (the handshake's total time, not a timeout per byte).
+/// connection waits in the parking lot), and writes that queue the
+/// replies in `out`, sent without waiting between frames ([`send_out`];
+/// what the socket does not take waits with the connection in the lot).
 struct Hs<'a> {
     t: &'a Transport,
     deadline: Instant,
+    out: &'a mut Vec<u8>,
+}
+
+/// Send what `out` holds without waiting (and TLS records sealed before).
+///
+/// **Returns:** whether everything has left.
+fn send_out(t: &Transport, out: &mut Vec<u8>) -> io::Result<bool> {
+    use crate::transport::nonblocking::Io;
+    while !out.is_empty() {
+        match t.try_write(&[io::IoSlice::new(out)])? {
+            // Under TLS the same bytes are offered again after `Blocked`.
+            Io::Done(n) => drop(out.drain(..n)),
+            Io::Blocked { .. } => return Ok(false),
+        }
+    }
+    t.push_out()?;
+    Ok(!t.pending_out())
 }
 
 impl Read for Hs<'_> {
@@ -192,14 +213,10 @@ impl Read for Hs<'_> {
                 crate::transport::nonblocking::Io::Blocked { write: true } => {
                     self.t.wait_by(false, true, self.deadline)?;
                 }
+                // Replies sealed under TLS go out before the connection
+                // parks ([`send_out`]), or it waits for room in the lot.
                 crate::transport::nonblocking::Io::Blocked { write: false } => {
-                    // Replies sealed under TLS go out before the wait (a
-                    // parked connection is watched for input only).
-                    self.t.push_out()?;
-                    if !self.t.pending_out() {
-                        return Err(io::ErrorKind::WouldBlock.into());
-                    }
-                    self.t.wait_by(false, true, self.deadline)?;
+                    return Err(io::ErrorKind::WouldBlock.into());
                 }
             }
         }
@@ -208,7 +225,7 @@ impl Read for Hs<'_> {
 
 impl Write for Hs<'_> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.t.write_all_by(buf, self.deadline)?;
+        self.out.extend_from_slice(buf);
         Ok(buf.len())
     }
     fn flush(&mut self) -> io::Result<()> {
@@ -272,6 +289,10 @@ pub(crate) struct Handshake {
     have: usize,
     st: Agreed,
     deadline: Instant,
+    /// Replies not yet taken by the socket.
+    out: Vec<u8>,
+    /// Transmission agreed, entered once the replies have left.
+    finished: Option<(Negotiated, usize)>,
 }
 
 impl Handshake {
@@ -297,6 +318,8 @@ impl Handshake {
                 starting_tls: false,
             },
             deadline,
+            out: Vec::new(),
+            finished: None,
         })
     }
 
@@ -312,8 +335,10 @@ impl Handshake {
     /// STARTTLS and ABORT is answered before it.
     ///
     /// **Context:** never waits for the client's bytes, nor on a key
-    /// derivation ([`Outcome::Open`]); a reply's send, or a flight of the
-    /// server's TLS records, may wait for room (up to the deadline).
+    /// derivation ([`Outcome::Open`]), nor for room for its replies
+    /// ([`Outcome::Backlog`]); only the TLS handshake's own flights, and
+    /// TLS asking to send before it can read, may wait for room (up to
+    /// the deadline).
     /// **Returns:** how the step ended; `Ok(None)` when the rest has not
     /// arrived yet (call again once the socket is readable); the socket's
     /// error (a missed deadline is `TimedOut`, a failed TLS handshake
@@ -324,26 +349,58 @@ impl Handshake {
         env: &HsEnv<'_>,
         slot: &mut Slot,
     ) -> io::Result<Option<Outcome>> {
-        let mut s = Hs {
-            t,
-            deadline: self.deadline,
-        };
+        let mut out = std::mem::take(&mut self.out);
+        let r = self.steps(t, env, slot, &mut out);
+        self.out = out;
+        r
+    }
+
+    /// [`Handshake::step`] with the replies not yet sent in `out`: each
+    /// frame's replies leave before the next frame is read (STARTTLS's
+    /// ACK before the TLS handshake), transmission is entered once they
+    /// have all left, a close sends what the socket takes at once.
+    fn steps(
+        &mut self,
+        t: &Arc<Transport>,
+        env: &HsEnv<'_>,
+        slot: &mut Slot,
+        out: &mut Vec<u8>,
+    ) -> io::Result<Option<Outcome>> {
         for _ in 0..OPTIONS_PER_STEP {
             if Instant::now() >= self.deadline {
                 return Err(io::ErrorKind::TimedOut.into());
             }
-            match self.receive(&mut s, env) {
-                Ok(()) => {}
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
-                Err(e) => return Err(e),
+            if !send_out(t, out)? {
+                return Ok(Some(Outcome::Backlog));
             }
-            if let Some(outcome) = self.whole(t, s, env, slot)? {
-                return Ok(Some(outcome));
+            if let Some((agreed, i)) = self.finished.take() {
+                return Ok(Some(Outcome::Transmission(agreed, i)));
             }
-            s = Hs {
+            let mut s = Hs {
                 t,
                 deadline: self.deadline,
+                out,
             };
+            match self.receive(&mut s, env) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    // Sealed TLS records the socket has not taken wait
+                    // for room; else for the client.
+                    let sent = send_out(t, out)?;
+                    return Ok((!sent).then_some(Outcome::Backlog));
+                }
+                Err(e) => return Err(e),
+            }
+            match self.whole(t, s, env, slot)? {
+                Some(Outcome::Transmission(agreed, i)) => self.finished = Some((agreed, i)),
+                Some(Outcome::Close) => {
+                    // Best effort: a client that does not read loses it.
+                    let _ = send_out(t, out);
+                    return Ok(Some(Outcome::Close));
+                }
+                Some(outcome) => return Ok(Some(outcome)),
+                None => {}
+            }
         }
         Ok(Some(Outcome::Again))
     }

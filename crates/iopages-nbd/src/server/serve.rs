@@ -940,7 +940,7 @@ fn start_connection(s: &Arc<Shared>, t: Arc<Transport>, origin: Origin) {
         open,
         hs,
     };
-    park_handshake(Box::new(greeted), false);
+    park_handshake(Box::new(greeted), false, false);
 }
 
 /// A connection in the handshake and all it holds: its place in the
@@ -955,8 +955,9 @@ struct Greeted {
 
 /// Park `g` until its client sends more (or its deadline, or the stop);
 /// `now`: until a watcher takes it, at once (its wake-up descriptor is
-/// kicked and watched too).
-fn park_handshake(g: Box<Greeted>, now: bool) {
+/// kicked and watched too); `room`: until its socket has room for the
+/// replies it has not taken (its input is not watched meanwhile).
+fn park_handshake(g: Box<Greeted>, now: bool, room: bool) {
     let parking = Arc::clone(&g.s.parking);
     let (fd, deadline) = (g.t.raw_fd(), g.hs.deadline());
     let wake = now.then(|| {
@@ -967,8 +968,8 @@ fn park_handshake(g: Box<Greeted>, now: bool) {
         fd,
         wake,
         park::Watch {
-            read: true,
-            out: false,
+            read: !room,
+            out: room,
         },
         Some(deadline),
         Lot::Handshake(g),
@@ -985,7 +986,7 @@ fn open_then_resume(g: Box<Greeted>, i: usize) {
     work.submit(Box::new(move || {
         // A failure is kept by the export, and answered by the next step.
         let _ = g.s.exports.slots[i].open();
-        park_handshake(g, true);
+        park_handshake(g, true, false);
     }));
 }
 
@@ -1018,10 +1019,12 @@ fn run_handshake(mut g: Box<Greeted>) {
         hs.step(t, &env, place)
     };
     match stepped {
-        Ok(None) => park_handshake(g, false),
+        Ok(None) => park_handshake(g, false, false),
+        // Replies the socket has no room for: they wait with it.
+        Ok(Some(Outcome::Backlog)) => park_handshake(g, false, true),
         Ok(Some(Outcome::Open(i))) => open_then_resume(g, i),
         // Its share of frames taken: the others ready go first.
-        Ok(Some(Outcome::Again)) => park_handshake(g, true),
+        Ok(Some(Outcome::Again)) => park_handshake(g, true, false),
         Ok(Some(Outcome::Transmission(agreed, i))) => {
             #[cfg(test)]
             if PANIC_NEXT_CONNECTION
