@@ -336,9 +336,9 @@ impl Handshake {
     ///
     /// **Context:** never waits for the client's bytes, nor on a key
     /// derivation ([`Outcome::Open`]), nor for room for its replies
-    /// ([`Outcome::Backlog`]); only the TLS handshake's own flights, and
-    /// TLS asking to send before it can read, may wait for room (up to
-    /// the deadline).
+    /// ([`Outcome::Backlog`]), nor for room for the TLS handshake's own
+    /// flights; only TLS asking to send before it can read on may wait
+    /// for room (up to the deadline).
     /// **Returns:** how the step ended; `Ok(None)` when the rest has not
     /// arrived yet (call again once the socket is readable); the socket's
     /// error (a missed deadline is `TimedOut`, a failed TLS handshake
@@ -384,10 +384,12 @@ impl Handshake {
             match self.receive(&mut s, env) {
                 Ok(()) => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    // Sealed TLS records the socket has not taken wait
-                    // for room; else for the client.
+                    // Sealed TLS records the socket has not taken, or the
+                    // TLS handshake's own flight, wait for room; else the
+                    // client is awaited.
                     let sent = send_out(t, out)?;
-                    return Ok((!sent).then_some(Outcome::Backlog));
+                    let room = !sent || t.accept_wants_write();
+                    return Ok(room.then_some(Outcome::Backlog));
                 }
                 Err(e) => return Err(e),
             }

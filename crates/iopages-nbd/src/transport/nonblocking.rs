@@ -276,47 +276,51 @@ impl Transport {
     }
 
     /// Start, or go on with, the server side of a TLS handshake on the
-    /// socket, as far as what the client has sent allows: it never waits
-    /// for the client, only (up to `deadline`) for the socket to take the
-    /// server's own records. Once it is done every read and write goes
+    /// socket, as far as what the client has sent and the socket's room
+    /// allow: it never waits. Once it is done every read and write goes
     /// through the session.
     ///
     /// **Returns:** `true` once TLS runs, `false` while the handshake
-    /// waits for the client's next bytes (call again once the socket is
-    /// readable); `PermissionDenied` when the handshake fails, `TimedOut`
-    /// past `deadline`.
+    /// waits — for the client's next bytes, or for room for the server's
+    /// own records ([`Transport::accept_wants_write`]): call again once
+    /// the socket is ready for that; `PermissionDenied` when the handshake
+    /// fails, `TimedOut` past `deadline`.
     pub(crate) fn accept_tls(&self, acceptor: &SslAcceptor, deadline: Instant) -> io::Result<bool> {
-        loop {
-            let mut pending = self.accepting.lock();
-            let step = match pending.take() {
-                Some(a) => a.resume()?,
-                None if self.is_tls() => return Err(io::Error::other("TLS is already running")),
-                None => {
-                    let left = time_left(deadline)?;
-                    TlsSession::accept_start(self.sock.try_clone()?, acceptor, left)?
-                }
-            };
-            match step {
-                Accept::Done(session) => {
-                    // Only the connection's serving thread starts TLS, once
-                    // (checked above): a second session here is a bug,
-                    // answered as before in release.
-                    return self.tls.set(session).map(|()| true).map_err(|_| {
-                        debug_assert!(false, "TLS started twice on one connection");
-                        io::Error::other("TLS is already running")
-                    });
-                }
-                Accept::Waits(a) if a.wants_write => {
-                    *pending = Some(a);
-                    drop(pending);
-                    self.wait(false, true, Some(time_left(deadline)?))?;
-                }
-                Accept::Waits(a) => {
-                    *pending = Some(a);
-                    return Ok(false);
-                }
+        let mut pending = self.accepting.lock();
+        let step = match pending.take() {
+            Some(a) => a.resume()?,
+            None if self.is_tls() => return Err(io::Error::other("TLS is already running")),
+            None => {
+                let left = time_left(deadline)?;
+                TlsSession::accept_start(self.sock.try_clone()?, acceptor, left)?
+            }
+        };
+        match step {
+            Accept::Done(session) => {
+                // Only the connection's serving thread starts TLS, once
+                // (checked above): a second session here is a bug,
+                // answered as before in release.
+                self.tls.set(session).map(|()| true).map_err(|_| {
+                    debug_assert!(false, "TLS started twice on one connection");
+                    io::Error::other("TLS is already running")
+                })
+            }
+            // Waiting for the client's flight, or for room for ours
+            // ([`Transport::accept_wants_write`]).
+            Accept::Waits(a) => {
+                *pending = Some(a);
+                Ok(false)
             }
         }
+    }
+
+    /// The TLS handshake in progress waits for room to send its own
+    /// flight, not for the client's.
+    pub(crate) fn accept_wants_write(&self) -> bool {
+        self.accepting
+            .lock()
+            .as_ref()
+            .is_some_and(|a| a.wants_write)
     }
 
     /// What the finished TLS handshake proved about the client: its PSK
