@@ -836,14 +836,7 @@ fn a_handshake_whose_replies_are_not_read_waits_for_room_without_a_thread() {
     let server = Server::start_with(queue, ExportConfig::new(NAME), opts, &listen).unwrap();
     let mut c = Client::unix(&path);
     let mut w = c.stream().try_clone().unwrap();
-    let lists: Vec<u8> = (0..N)
-        .flat_map(|_| {
-            let mut o = IHAVEOPT.to_be_bytes().to_vec();
-            o.extend_from_slice(&OPT_LIST.to_be_bytes());
-            o.extend_from_slice(&0u32.to_be_bytes());
-            o
-        })
-        .collect();
+    let lists: Vec<u8> = (0..N).flat_map(|_| option_bytes(OPT_LIST, &[])).collect();
     let writer = std::thread::spawn(move || w.write_all(&lists).unwrap());
     // The replies fill the socket; then the handshake stays parked.
     let t = Instant::now();

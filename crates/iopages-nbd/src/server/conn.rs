@@ -306,6 +306,9 @@ pub(crate) struct Conn {
     /// its thread up (pipelined requests behind one waiting for its
     /// place): read first when it is served again.
     unread: Mutex<Vec<u8>>,
+    /// A WRITE_ZEROES whose next chunk waits for bytes of the budget
+    /// while the connection is parked ([`Partial::Work`]).
+    work: Mutex<Option<ZeroWork>>,
 }
 
 impl Conn {
@@ -615,7 +618,7 @@ impl Conn {
             self.await_release(None, room)?;
         }
         let r = match (park, wait) {
-            (true, wait) => Ok(self.charge_once(bytes, wait)),
+            (true, wait) => Ok(self.charge_once(bytes, false, wait)),
             (false, _) => self.charge(bytes, false).map(|taken| match taken {
                 true => Admit::Taken,
                 false => Admit::Refused,
@@ -657,11 +660,12 @@ impl Conn {
         )))
     }
 
-    /// One look for a request's payload bytes without waiting: taken,
+    /// One look for a request's payload bytes (or, `work`, a chunk of
+    /// work) without waiting: taken,
     /// refused (the wait ran out: counted), or the wait to take up again
     /// at its next look — meanwhile a release of this connection kicks it.
-    fn charge_once(&self, bytes: u64, wait: Option<Box<BudgetWait>>) -> Admit {
-        let Some(mut w) = wait.or_else(|| self.first_look(bytes, false)) else {
+    fn charge_once(&self, bytes: u64, work: bool, wait: Option<Box<BudgetWait>>) -> Admit {
+        let Some(mut w) = wait.or_else(|| self.first_look(bytes, work)) else {
             return Admit::Taken;
         };
         match w.look(bytes, Instant::now()) {
@@ -765,6 +769,12 @@ impl Conn {
     /// Drop a request received in part: its buffers freed, its place and
     /// bytes in flight, if it took them, given back.
     fn abandon(&self, p: Partial) {
+        if matches!(p, Partial::Work) {
+            let work = self.work.lock().take();
+            if let Some(w) = work {
+                w.fail(EIO);
+            }
+        }
         let held = p.held_bytes();
         drop(p);
         if let Some(bytes) = held {
@@ -790,8 +800,9 @@ impl Conn {
         let due = self.reply_due();
         let base = if let Some(p) = &*self.partial.lock() {
             // A request received in part: due whole by its deadline (one
-            // waiting for its place has none of its own).
-            p.by()
+            // waiting for its place has none of its own; one waiting for
+            // bytes looks again then).
+            self.parked_deadline(p)
         } else if let Some(timeout) = self.limits.idle_timeout {
             if self.busy() {
                 Some(Instant::now() + timeout)
@@ -822,7 +833,10 @@ impl Conn {
     /// release, or the keeper at the next look, kicks it), whether or not
     /// anything is still in flight by then.
     pub(crate) fn waits_for_place(&self) -> bool {
-        matches!(*self.partial.lock(), Some(Partial::Place { .. }))
+        matches!(
+            *self.partial.lock(),
+            Some(Partial::Place { .. } | Partial::Work)
+        )
     }
 
     /// A request waits for bytes of the budget, its next look has come by
@@ -830,12 +844,25 @@ impl Conn {
     /// (which looks) rather than closing it.
     pub(crate) fn budget_look_due(&self, now: Instant) -> bool {
         let look = match &*self.partial.lock() {
-            Some(Partial::Place {
-                budget: Some(w), ..
-            }) => w.next(),
+            Some(
+                p @ (Partial::Place {
+                    budget: Some(_), ..
+                }
+                | Partial::Work),
+            ) => self.parked_deadline(p),
             _ => return false,
         };
-        look <= now && self.reply_due().is_none_or(|d| d > now)
+        look.is_some_and(|l| l <= now) && self.reply_due().is_none_or(|d| d > now)
+    }
+
+    /// The deadline of a connection parked with `p`: when the request must
+    /// be whole, or, waiting for bytes, when it looks again (a
+    /// WRITE_ZEROES's work: its next chunk's).
+    fn parked_deadline(&self, p: &Partial) -> Option<Instant> {
+        match p {
+            Partial::Work => self.work.lock().as_ref()?.wait.as_ref().map(|w| w.next()),
+            p => p.by(),
+        }
     }
 
     /// Requests are in flight (a parked connection's replies are still to
@@ -886,6 +913,40 @@ struct Pending {
     read: Mutex<Vec<Option<Buf>>>,
     /// When its header arrived (the latency histograms' start).
     received: Instant,
+}
+
+/// A WRITE_ZEROES of encrypted zeros under way: its request (counting
+/// every chunk, and one more the submitter holds until the last is
+/// submitted), the next chunk's offset, the end, FUA on each chunk, and
+/// its next chunk's wait for bytes, if it waits.
+struct ZeroWork {
+    p: Arc<Pending>,
+    at: u64,
+    end: u64,
+    fua_down: bool,
+    wait: Option<Box<BudgetWait>>,
+}
+
+impl ZeroWork {
+    fn new(p: Arc<Pending>, offset: u64, len: u64, fua_down: bool) -> ZeroWork {
+        ZeroWork {
+            p,
+            at: offset,
+            end: offset + len,
+            fua_down,
+            wait: None,
+        }
+    }
+
+    /// Fail the chunks not submitted with `error`, and give the
+    /// submitter's count up: the request completes once those submitted
+    /// have.
+    fn fail(self, error: u32) {
+        for _ in chunks(self.at, self.end - self.at) {
+            self.p.chunk_done(error);
+        }
+        self.p.chunk_done(0);
+    }
 }
 
 impl Pending {
@@ -1201,6 +1262,7 @@ pub(crate) fn open(t: Arc<Transport>, env: &ConnEnv<'_>) -> Arc<Conn> {
         structured: env.structured,
         partial: Mutex::new(None),
         unread: Mutex::new(Vec::new()),
+        work: Mutex::new(None),
     })
 }
 
@@ -1400,46 +1462,83 @@ impl Reader<'_, '_> {
         self.env.export.fast_zero && req.flags & CMD_FLAG_NO_HOLE == 0
     }
 
-    /// Submit encrypted zeros over `len` bytes at `offset`, one chunk of
-    /// `p` each (the caller has counted them in `p`), each with FUA when
-    /// `fua_down`. Each chunk is charged to the peer's share before it is
-    /// submitted and given back when written, so a huge WRITE_ZEROES
-    /// holds at most its share of the server and interleaves with other
+    /// Write encrypted zeros for `w` chunk by chunk from where it stands
+    /// (one chunk of its request each, with FUA when it says so), each
+    /// chunk charged to the peer's share and its work window before it is
+    /// submitted and given back when written, so a huge WRITE_ZEROES holds
+    /// at most its share of the server and interleaves with other
     /// clients' requests; chunks the share did not admit within the
-    /// budget wait fail with ENOMEM (and are not written).
+    /// budget wait fail with ENOMEM (and are not written). On a thread that may be given up, a chunk the
+    /// share has no bytes for now does not wait here: the work is handed
+    /// back with its wait, to be taken up at its next look
+    /// ([`Partial::Work`]); elsewhere it waits here.
     ///
-    /// **Returns:** `Err` when the connection died (every chunk is still
-    /// completed).
-    fn write_zeroes(
-        &self,
-        p: &Arc<Pending>,
-        offset: u64,
-        len: u64,
-        fua_down: bool,
-    ) -> io::Result<()> {
-        let mut left = chunks(offset, len).count();
-        for (off, n) in chunks(offset, len) {
-            let charged = self.conn.charge(n as u64, true);
-            if !matches!(charged, Ok(true)) {
-                let error = if charged.is_err() { EIO } else { ENOMEM };
-                for _ in 0..left {
-                    p.chunk_done(error);
+    /// **Returns:** the work to take up again, if any; `Err` when the
+    /// connection died (the chunks left are failed).
+    fn write_zeroes(&self, mut w: ZeroWork) -> io::Result<Option<ZeroWork>> {
+        let park = self.park_after.is_some();
+        while w.at < w.end {
+            let n = (w.end - w.at).min(CHUNK_BYTES as u64);
+            let charged = if park {
+                self.conn.charge_once(n, true, w.wait.take())
+            } else {
+                match self.conn.charge(n, true) {
+                    Ok(true) => Admit::Taken,
+                    Ok(false) => Admit::Refused,
+                    Err(e) => {
+                        w.fail(EIO);
+                        return Err(e);
+                    }
                 }
-                return charged.map(|_| ());
+            };
+            match charged {
+                Admit::Taken => {}
+                Admit::Refused => {
+                    w.fail(ENOMEM);
+                    return Ok(None);
+                }
+                Admit::Wait(wait) => {
+                    w.wait = Some(wait);
+                    return Ok(Some(w));
+                }
             }
-            left -= 1;
-            let (p, conn) = (Arc::clone(p), Arc::clone(self.conn));
+            let (p, conn) = (Arc::clone(&w.p), Arc::clone(self.conn));
             self.env.device.submit_write(
-                off,
-                Box::new(Zeros(Arc::clone(self.env.zeros), n)),
-                fua_down,
+                w.at,
+                Box::new(Zeros(Arc::clone(self.env.zeros), n as usize)),
+                w.fua_down,
                 Box::new(move |r| {
-                    conn.uncharge(n as u64, true, false);
+                    conn.uncharge(n, true, false);
                     p.chunk_done(r.err().map_or(0, |e| errno(&e)))
                 }),
             );
+            w.at += n;
         }
-        Ok(())
+        // Every chunk submitted: the submitter's own count goes.
+        w.p.chunk_done(0);
+        Ok(None)
+    }
+
+    /// Start or go on with `w`; work that waits for bytes is kept with
+    /// the connection, which parks ([`Partial::Work`]).
+    fn zero_on(&mut self, w: ZeroWork) -> io::Result<Option<Partial>> {
+        let Some(w) = self.write_zeroes(w)? else {
+            return Ok(None);
+        };
+        *self.conn.work.lock() = Some(w);
+        Ok(Some(Partial::Work))
+    }
+
+    /// Take up the WRITE_ZEROES kept while the connection was parked.
+    fn resume_work(&mut self) -> io::Result<Option<Partial>> {
+        // Kicks made before are spent: only a release from now brings a
+        // parked connection back.
+        self.conn.t.clear_kicks();
+        let work = self.conn.work.lock().take();
+        match work {
+            Some(w) => self.zero_on(w),
+            None => Ok(None),
+        }
     }
 
     /// Punch (or discard) `len` bytes at `offset` with `f`, in one call,
@@ -1531,13 +1630,7 @@ impl Reader<'_, '_> {
     fn run(&mut self) -> io::Result<Ended> {
         // A request received in part when the connection last parked.
         let mut next = self.conn.partial.lock().take();
-        if matches!(next, Some(Partial::Place { .. }))
-            && self.conn.t.wait(false, false, Some(Duration::ZERO))?.hangup
-        {
-            // Parked for its place or its bytes, its socket not watched
-            // for input: it came back for the socket's hang-up or error —
-            // its client is gone.
-            self.conn.kill();
+        if self.client_gone(&mut next)? {
             return Ok(Ended::Closed);
         }
         loop {
@@ -1581,19 +1674,37 @@ impl Reader<'_, '_> {
                     None
                 }
                 Whole::Place(req, wait) => self.admit(req, wait)?,
+                Whole::Work => self.resume_work()?,
             };
-            if let Some(p @ Partial::Place { .. }) = next {
+            if let Some(p @ (Partial::Place { .. } | Partial::Work)) = next {
                 // No room in the bounds: the connection waits for a
                 // release in the lot, which kicks it back, with what it
                 // has read of the requests behind this one. No bytes in
-                // the budget: the same, and the keeper kicks it at its
-                // next look.
-                let deadline = p.by();
+                // the budget (for a request, or a WRITE_ZEROES's next
+                // chunk): the same, and the keeper kicks it at its next
+                // look.
+                let deadline = self.conn.parked_deadline(&p);
                 *self.conn.partial.lock() = Some(p);
                 *self.conn.unread.lock() = self.stream.take_buffered();
                 return Ok(Ended::Idle { deadline });
             }
         }
+    }
+
+    /// Parked for its place or its bytes (`next`), its socket not watched
+    /// for input, a connection may come back for the socket's hang-up or
+    /// error: its client is gone, and what waited is dropped (`next`
+    /// emptied).
+    fn client_gone(&mut self, next: &mut Option<Partial>) -> io::Result<bool> {
+        let waiting = matches!(next, Some(Partial::Place { .. } | Partial::Work));
+        if !waiting || !self.conn.t.wait(false, false, Some(Duration::ZERO))?.hangup {
+            return Ok(false);
+        }
+        if let Some(p) = next.take() {
+            self.conn.abandon(p);
+        }
+        self.conn.kill();
+        Ok(true)
     }
 
     /// Between requests: wait for the next one's first bytes.
@@ -1745,23 +1856,23 @@ impl Reader<'_, '_> {
     /// encrypted zeros for WRITE_ZEROES and nothing for TRIM. The work is
     /// charged to the peer's share chunk by chunk.
     ///
-    /// **Returns:** `Err` only when the connection died (the request is
-    /// completed, with an error, either way).
-    fn zero_or_trim(&mut self, req: &Request, fast_zero: bool) -> io::Result<()> {
+    /// **Returns:** [`Partial::Work`] when the encrypted zeros' next chunk
+    /// waits for bytes with the connection parked; `Err` only when the
+    /// connection died (the request is completed, with an error, either
+    /// way).
+    fn zero_or_trim(&mut self, req: &Request, fast_zero: bool) -> io::Result<Option<Partial>> {
         let (offset, len) = (req.offset, req.length as u64);
         let holes = self.env.device.holes();
         if req.command == CMD_WRITE_ZEROES && !self.punches(req) {
             let n = chunks(offset, len).count();
             let down = self.fua_down(req);
             let p = self.pending_fua(req, n, 0, !down);
-            let r = self.write_zeroes(&p, offset, len, down);
-            p.chunk_done(0);
-            return r;
+            return self.zero_on(ZeroWork::new(p, offset, len, down));
         }
         if req.command == CMD_TRIM && !self.env.export.discards {
             // Checked, then nothing to do; FUA still flushes.
             self.pending(req, 0, 0).chunk_done(0);
-            return Ok(());
+            return Ok(None);
         }
         // Punched: the whole sectors inside (a misaligned TRIM's head and
         // tail stay: a discard is advisory).
@@ -1785,9 +1896,7 @@ impl Reader<'_, '_> {
                     p.remaining
                         .fetch_add(chunks(offset, len).count(), Ordering::AcqRel);
                     p.chunk_done(0);
-                    let r = self.write_zeroes(&p, offset, len, false);
-                    p.chunk_done(0);
-                    return r;
+                    return self.zero_on(ZeroWork::new(p, offset, len, false));
                 }
             }
             Ok(Err(e)) => Ok(errno(&e)),
@@ -1796,7 +1905,7 @@ impl Reader<'_, '_> {
             Ok(e) | Err((e, _)) => *e,
         });
         p.chunk_done(0);
-        done.map(|_| ()).map_err(|(_, dead)| dead)
+        done.map(|_| None).map_err(|(_, dead)| dead)
     }
 
     /// Serve `req`, or refuse it.
@@ -1865,7 +1974,7 @@ impl Reader<'_, '_> {
                     by: Instant::now() + self.env.limits.reply_timeout,
                 }));
             }
-            CMD_WRITE_ZEROES | CMD_TRIM => self.zero_or_trim(&req, fast_zero)?,
+            CMD_WRITE_ZEROES | CMD_TRIM => return self.zero_or_trim(&req, fast_zero),
             CMD_READ => self.serve_read(&req),
             CMD_FLUSH => self.serve_flush(&req),
             _ => unreachable!("check_request() refuses unknown commands"),

@@ -76,6 +76,10 @@ pub(crate) enum Partial {
         req: Request,
         budget: Option<Box<BudgetWait>>,
     },
+    /// A WRITE_ZEROES of encrypted zeros whose next chunk waits for bytes
+    /// of the budget (the work itself is kept with the connection):
+    /// nothing to read, no deadline of its own here.
+    Work,
 }
 
 /// A request received whole.
@@ -88,6 +92,8 @@ pub(crate) enum Whole {
     Refused(Request, u32),
     /// A request to try for its place again, and its wait for bytes.
     Place(Request, Option<Box<BudgetWait>>),
+    /// Work to take up again.
+    Work,
 }
 
 impl Partial {
@@ -108,6 +114,7 @@ impl Partial {
             | Partial::Write { by, .. }
             | Partial::Discard { by, .. } => Some(*by),
             Partial::Place { budget, .. } => budget.as_ref().map(|w| w.next()),
+            Partial::Work => None,
         }
     }
 
@@ -164,6 +171,7 @@ impl Partial {
                 Ok(Whole::Refused(*req, *error))
             }
             Partial::Place { req, budget } => Ok(Whole::Place(*req, budget.take())),
+            Partial::Work => Ok(Whole::Work),
         }
     }
 }

@@ -1473,7 +1473,7 @@ mod tests {
         }
     }
 
-    /// A RAM disk whose reads wait until the test lets them go.
+    /// A RAM disk whose reads and writes wait until the test lets them go.
     struct HeldReads(RamDisk, Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>);
 
     impl HeldReads {
@@ -1483,6 +1483,10 @@ mod tests {
         fn release(&self) {
             *self.1 .0.lock().unwrap() = true;
             self.1 .1.notify_all();
+        }
+        fn wait(&self) {
+            let (go, cv) = &*self.1;
+            let _go = cv.wait_while(go.lock().unwrap(), |go| !*go).unwrap();
         }
     }
 
@@ -1501,11 +1505,11 @@ mod tests {
             self.0.size_bytes()
         }
         fn write_at(&self, offset: u64, segments: &[&[u8]]) -> std::io::Result<()> {
+            self.wait();
             self.0.write_at(offset, segments)
         }
         fn read_at(&self, offset: u64, segments: &mut [&mut [u8]]) -> std::io::Result<()> {
-            let (go, cv) = &*self.1;
-            let _go = cv.wait_while(go.lock().unwrap(), |go| !*go).unwrap();
+            self.wait();
             self.0.read_at(offset, segments)
         }
         fn flush(&self) -> std::io::Result<()> {
@@ -1579,6 +1583,39 @@ mod tests {
         }
         assert_eq!(s.stats().read.requests, 16 + 2 * n);
         drop((hog, waiters));
+        closed_and_clean(s, alloc);
+    }
+
+    /// A WRITE_ZEROES whose next chunk waits for its peer's work window
+    /// (4 MiB in the crypt queue) waits in the lot, not on a watcher:
+    /// cores + 4 clients each asking for 8 MiB of zeros over writes held
+    /// in the disk are all parked, the watchers settle to those kept, and
+    /// once the writes go every one completes. (Before, each held a
+    /// watcher while it waited.)
+    #[test]
+    fn a_write_zeroes_waiting_for_its_work_window_waits_in_the_lot() {
+        let disk = HeldReads::new(16 << 20);
+        let (alloc, s) = server_over(disk.clone(), ServerOptions::default());
+        let disk = Release(disk);
+        let kept = park::watchers_kept();
+        let mut cs: Vec<TcpStream> = (0..kept + 4).map(|_| go(&s).0).collect();
+        let n = cs.len() as u64;
+        for (i, c) in cs.iter_mut().enumerate() {
+            c.write_all(&header(CMD_WRITE_ZEROES, i as u64, 0, 8 << 20))
+                .unwrap();
+        }
+        await_stats(&s, "every flood parked", |st| st.parked_connections == n);
+        await_watchers(&s, kept);
+        assert_eq!(s.stats().write_zeroes.requests, 0);
+        // One client leaves while its flood waits: its connection still
+        // ends, and gives everything back.
+        drop(cs.pop());
+        disk.0.release();
+        for (i, c) in cs.iter_mut().enumerate() {
+            assert_eq!(recv_reply(c, 0), (i as u64, 0));
+        }
+        assert!(s.stats().write_zeroes.requests >= n - 1);
+        drop(cs);
         closed_and_clean(s, alloc);
     }
 
