@@ -1474,11 +1474,11 @@ mod tests {
     }
 
     /// A RAM disk whose reads and writes wait until the test lets them go.
-    struct HeldReads(RamDisk, Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>);
+    struct HeldDisk(RamDisk, Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>);
 
-    impl HeldReads {
-        fn new(bytes: u64) -> Arc<HeldReads> {
-            Arc::new(HeldReads(RamDisk::new(bytes).unwrap(), Arc::default()))
+    impl HeldDisk {
+        fn new(bytes: u64) -> Arc<HeldDisk> {
+            Arc::new(HeldDisk(RamDisk::new(bytes).unwrap(), Arc::default()))
         }
         fn release(&self) {
             *self.1 .0.lock().unwrap() = true;
@@ -1492,7 +1492,7 @@ mod tests {
 
     /// Lets the held reads go when dropped: a failing test unwinds
     /// without waiting for them forever (dropped before the server).
-    struct Release(Arc<HeldReads>);
+    struct Release(Arc<HeldDisk>);
 
     impl Drop for Release {
         fn drop(&mut self) {
@@ -1500,7 +1500,7 @@ mod tests {
         }
     }
 
-    impl Backend for HeldReads {
+    impl Backend for HeldDisk {
         fn size_bytes(&self) -> u64 {
             self.0.size_bytes()
         }
@@ -1523,7 +1523,7 @@ mod tests {
     fn budget_spent(
         reply_timeout: Duration,
     ) -> (iopages::PageAllocator, Server, Release, TcpStream) {
-        let disk = HeldReads::new(1 << 20);
+        let disk = HeldDisk::new(1 << 20);
         let mut config = ExportConfig::new("v");
         config.max_block_bytes = 1 << 20;
         let opts = ServerOptions {
@@ -1594,7 +1594,7 @@ mod tests {
     /// watcher while it waited.)
     #[test]
     fn a_write_zeroes_waiting_for_its_work_window_waits_in_the_lot() {
-        let disk = HeldReads::new(16 << 20);
+        let disk = HeldDisk::new(16 << 20);
         let (alloc, s) = server_over(disk.clone(), ServerOptions::default());
         let disk = Release(disk);
         let kept = park::watchers_kept();
