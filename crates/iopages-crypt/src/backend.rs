@@ -74,8 +74,9 @@ pub trait Backend: Send + Sync {
 
     /// Whether this backend reads what it is given to write before it
     /// lets go of it (an authenticated volume's tag layer MACs each
-    /// block): the target then encrypts into the caches rather than past
-    /// them, so that the second pass finds the ciphertext there.
+    /// block; a buffered file, a RAM disk or a socket copies it): the
+    /// target then encrypts into the caches rather than past them, so
+    /// that the second pass finds the ciphertext there.
     ///
     /// **Returns:** `false` by default.
     fn reads_writes(&self) -> bool {
@@ -290,6 +291,12 @@ impl Backend for RamDisk {
     }
 
     fn can_punch(&self) -> bool {
+        true
+    }
+
+    /// A write is copied into the disk's memory: the ciphertext is read
+    /// right after it is made.
+    fn reads_writes(&self) -> bool {
         true
     }
 }
@@ -626,6 +633,10 @@ impl Backend for Window {
         self.inner.mapped(self.start + offset, len)
     }
 
+    fn reads_writes(&self) -> bool {
+        self.inner.reads_writes()
+    }
+
     fn punch(&self, offset: u64, len: u64) -> io::Result<()> {
         check_range(offset, len, self.len)?;
         self.inner.punch(self.start + offset, len)
@@ -703,6 +714,8 @@ mod tests {
         w.read_at(512, &mut [&mut back]).unwrap();
         assert!(back.iter().all(|&b| b == 7));
         assert!(w.read_at(16 << 10, &mut [&mut back]).is_err());
+        // A window copies what the device under it copies.
+        assert!(d.reads_writes() && w.reads_writes());
     }
 
     #[test]
@@ -747,6 +760,8 @@ mod tests {
     fn the_page_store_keeps_handed_pages_and_gives_back_the_replaced_ones() {
         let alloc = arena();
         let store = PageStore::new(&alloc, 1 << 20).unwrap();
+        // Handed pages are kept, never read: ciphertext goes past the caches.
+        assert!(!store.reads_writes());
         let mut zeros = vec![1u8; 8192];
         store.read_at(4096, &mut [&mut zeros]).unwrap();
         assert!(

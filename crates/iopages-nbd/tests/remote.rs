@@ -296,6 +296,8 @@ fn a_crypt_target_keeps_its_ciphertext_on_the_remote() {
         return;
     };
     let remote = Arc::new(k.connect(&RemoteOptions::default()));
+    // The socket copies every write: the ciphertext is made in the caches.
+    assert!(remote.reads_writes());
     let alloc = PageAllocator::builder()
         .size_bytes(32 << 20)
         .huge_pages(iopages::HugePages::Never)

@@ -274,6 +274,13 @@ impl Backend for UringFile {
         self.mapped_bytes(offset, len)
     }
 
+    /// Buffered I/O copies a write into the page cache (the kernel reads
+    /// the ciphertext right after it is made); `O_DIRECT` hands the pages
+    /// to the device.
+    fn reads_writes(&self) -> bool {
+        !self.direct
+    }
+
     fn write_at(&self, offset: u64, segments: &[&[u8]]) -> io::Result<()> {
         let mut at = offset;
         let segs: Vec<Seg> = segments

@@ -393,6 +393,12 @@ impl Backend for NbdRemote {
         self.info.flags & TFLAG_SEND_FUA != 0
     }
 
+    /// A write is copied into the socket (or read by TLS) as it is sent:
+    /// the ciphertext is read right after it is made.
+    fn reads_writes(&self) -> bool {
+        true
+    }
+
     fn read_at(&self, offset: u64, segments: &mut [&mut [u8]]) -> io::Result<()> {
         let total: usize = segments.iter().map(|s| s.len()).sum();
         self.check(offset, total as u64)?;

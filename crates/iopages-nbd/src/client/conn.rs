@@ -97,15 +97,42 @@ pub(super) struct Recv {
     pub(super) buf: Box<[u8]>,
     pub(super) pos: usize,
     pub(super) end: usize,
+    /// How long one wait for bytes lasts before `fill` asks its tick.
+    tick: Duration,
 }
 
 impl Recv {
-    pub(super) fn new(stream: Stream, bytes: usize) -> Recv {
+    pub(super) fn new(stream: Stream, bytes: usize, tick: Duration) -> Recv {
         Recv {
             stream,
             buf: vec![0; bytes].into_boxed_slice(),
             pos: 0,
             end: 0,
+            tick,
+        }
+    }
+
+    /// One read into `buf`; a wait for bytes lasts at most the tick and
+    /// then reads as a timeout. A plain socket is waited on with `poll`
+    /// for input alone: a thread asleep inside `recv` on a Unix socket is
+    /// also woken each time the store takes some of what the writer sends
+    /// (the socket has one wait queue for both), five times or more for a
+    /// 1 MiB write.
+    fn read_some(stream: &Stream, buf: &mut [u8], tick: Duration) -> io::Result<usize> {
+        if let Stream::Tls(_) = stream {
+            let mut s = stream;
+            return s.read(buf);
+        }
+        let fd = stream.as_raw_fd();
+        match sys::recv_nowait(fd, buf) {
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                if sys::poll_until(fd, libc::POLLIN, Instant::now() + tick)? {
+                    sys::recv_nowait(fd, buf)
+                } else {
+                    Err(e)
+                }
+            }
+            r => r,
         }
     }
 
@@ -134,11 +161,11 @@ impl Recv {
             }
             let direct = out.len() - done >= self.buf.len();
             let got = if direct {
-                self.stream.read(&mut out[done..])
+                Self::read_some(&self.stream, &mut out[done..], self.tick)
             } else {
                 self.pos = 0;
                 self.end = 0;
-                self.stream.read(&mut self.buf)
+                Self::read_some(&self.stream, &mut self.buf, self.tick)
             };
             match got {
                 Ok(0) => {
@@ -794,8 +821,8 @@ impl Conn {
     }
 
     fn read_replies(&self, stream: Stream) {
-        let mut rx = Recv::new(stream, RECV_BUFFER_BYTES);
         let tick = (self.timeout / 8).clamp(Duration::from_millis(1), Duration::from_millis(250));
+        let mut rx = Recv::new(stream, RECV_BUFFER_BYTES, tick);
         let mut checked = Instant::now();
         loop {
             if !self.check_overdue(&mut checked, tick) {

@@ -33,7 +33,9 @@
 //! not block, polled until the request's deadline. The reader reads
 //! through a buffer ([`RECV_BUFFER_BYTES`]): one `read` brings in many
 //! small replies at once, and a large payload goes past the buffer
-//! straight into its destination. A read's data is put by the reader
+//! straight into its destination; it waits for bytes with `poll` for
+//! input, not asleep in `recv` (which a Unix socket also wakes for every
+//! piece of a write the store takes). A read's data is put by the reader
 //! into the waiting caller's own buffers (registered with the request),
 //! so a reply costs one wake-up of its caller and no hand-off of the
 //! socket; the caller does not return while the reader may be writing
@@ -113,6 +115,11 @@ const REP_ERR_BLOCK_SIZE_REQD: u32 = REP_FLAG_ERROR | 8;
 /// The reader thread's receive buffer: replies (headers and payloads
 /// smaller than it) are read through it, many per `read`.
 pub const RECV_BUFFER_BYTES: usize = 64 << 10;
+
+/// The send buffer asked for on each store connection (`SO_SNDBUF`,
+/// capped by the system's `net.core.wmem_max`): room for a 1 MiB write
+/// and the requests behind it.
+pub const STORE_SEND_BUFFER_BYTES: usize = 2 << 20;
 
 mod backend;
 mod conn;

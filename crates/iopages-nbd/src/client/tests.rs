@@ -194,3 +194,49 @@ fn error_codes_map_to_kinds() {
     assert_eq!(errno_kind(ENOTSUP).0, ErrorKind::Unsupported);
     assert_eq!(errno_kind(12345).0, ErrorKind::Other);
 }
+
+/// This thread's voluntary context switches so far (each a sleep and a
+/// wake-up).
+fn own_sleeps() -> u64 {
+    let status = std::fs::read_to_string("/proc/thread-self/status").unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+        .map(|v| v.trim().parse().unwrap())
+        .unwrap()
+}
+
+/// The reader waits for a reply while the writer's 1 MiB goes out on the
+/// same socket and the store takes it 16 KiB at a time: the reader sleeps
+/// until the reply, not once for every piece the store takes (asleep in
+/// `recv`, a Unix socket woke it 8 times here).
+#[test]
+fn a_reader_is_not_woken_by_what_the_store_takes_of_a_write() {
+    let (ours, store) = std::os::unix::net::UnixStream::pair().unwrap();
+    let writer = ours.try_clone().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut rx = Recv::new(Stream::Unix(ours), 4096, Duration::from_secs(5));
+        let before = own_sleeps();
+        let mut reply = [0u8; 16];
+        rx.fill(&mut reply, Duration::from_secs(20), &mut |_| Ok(true))
+            .unwrap();
+        (reply, own_sleeps() - before)
+    });
+    let sender = std::thread::spawn(move || (&writer).write_all(&vec![7u8; 1 << 20]).unwrap());
+    let mut store = store;
+    let (mut taken, mut piece) = (0, vec![0u8; 16 << 10]);
+    while taken < 1 << 20 {
+        let n = store.read(&mut piece).unwrap();
+        assert!(piece[..n].iter().all(|&b| b == 7));
+        taken += n;
+        std::thread::sleep(Duration::from_micros(300));
+    }
+    sender.join().unwrap();
+    store.write_all(&[9u8; 16]).unwrap();
+    let (reply, sleeps) = reader.join().unwrap();
+    assert_eq!(reply, [9u8; 16]);
+    assert!(
+        sleeps <= 4,
+        "the reader slept {sleeps} times waiting for one reply"
+    );
+}
