@@ -413,26 +413,6 @@ pub(crate) fn recv_nowait(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
     Ok(n as usize)
 }
 
-/// Ask for a send buffer of `bytes` on socket `fd` (the kernel caps it at
-/// `net.core.wmem_max`, doubled).
-pub(crate) fn set_send_buffer(fd: RawFd, bytes: usize) -> io::Result<()> {
-    let v = bytes.min(i32::MAX as usize) as libc::c_int;
-    // SAFETY: `v` is a live c_int for the call, and its size is passed.
-    let r = unsafe {
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_SNDBUF,
-            (&v as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if r != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
-}
-
 /// A new close-on-exec memfd named `name` that can be sealed.
 pub(crate) fn memfd_sealable(name: &CStr) -> io::Result<OwnedFd> {
     // SAFETY: `name` is a NUL-terminated string; the flags are valid.

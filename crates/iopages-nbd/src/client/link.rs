@@ -524,11 +524,6 @@ impl Dialer {
     pub(super) fn conn(&self, i: usize, s: Stream, pool: &Pool) -> io::Result<(Arc<Conn>, Stream)> {
         let tick = (self.timeout / 8).clamp(Duration::from_millis(1), Duration::from_millis(250));
         s.set_timeouts(tick, self.timeout)?;
-        // A 1 MiB write then goes out in one `sendmsg` where the system
-        // allows that much (Linux's default is about 208 KiB): the writer
-        // waits for the store less often. Only a hint: a smaller buffer
-        // works the same, slower.
-        let _ = crate::sys::set_send_buffer(s.as_raw_fd(), STORE_SEND_BUFFER_BYTES);
         let (writer, ctl) = (s.try_clone()?, s.try_clone()?);
         let conn = Arc::new(Conn {
             name: format!("{} (connection {i})", self.uri),

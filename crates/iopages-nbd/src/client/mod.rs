@@ -116,11 +116,6 @@ const REP_ERR_BLOCK_SIZE_REQD: u32 = REP_FLAG_ERROR | 8;
 /// smaller than it) are read through it, many per `read`.
 pub const RECV_BUFFER_BYTES: usize = 64 << 10;
 
-/// The send buffer asked for on each store connection (`SO_SNDBUF`,
-/// capped by the system's `net.core.wmem_max`): room for a 1 MiB write
-/// and the requests behind it.
-pub const STORE_SEND_BUFFER_BYTES: usize = 2 << 20;
-
 mod backend;
 mod conn;
 mod link;
