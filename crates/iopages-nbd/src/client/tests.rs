@@ -206,16 +206,16 @@ fn own_sleeps() -> u64 {
         .unwrap()
 }
 
-/// The reader waits for a reply while the writer's 1 MiB goes out on the
-/// same socket and the store takes it 16 KiB at a time: the reader sleeps
-/// until the reply, not once for every piece the store takes (asleep in
-/// `recv`, a Unix socket woke it 8 times here).
-#[test]
-fn a_reader_is_not_woken_by_what_the_store_takes_of_a_write() {
-    let (ours, store) = std::os::unix::net::UnixStream::pair().unwrap();
-    let writer = ours.try_clone().unwrap();
+/// The reader waits for a reply on `ours` while a writer's 1 MiB goes out
+/// on the same socket and `store` takes it 16 KiB at a time: how many
+/// times the reader slept before the reply came.
+fn reader_sleeps_beside_a_write<S: Read + Write + Send + 'static>(
+    ours: Stream,
+    writer: Stream,
+    mut store: S,
+) -> u64 {
     let reader = std::thread::spawn(move || {
-        let mut rx = Recv::new(Stream::Unix(ours), 4096, Duration::from_secs(5));
+        let mut rx = Recv::new(ours, 4096, Duration::from_secs(5));
         let before = own_sleeps();
         let mut reply = [0u8; 16];
         rx.fill(&mut reply, Duration::from_secs(20), &mut |_| Ok(true))
@@ -223,11 +223,10 @@ fn a_reader_is_not_woken_by_what_the_store_takes_of_a_write() {
         (reply, own_sleeps() - before)
     });
     let sender = std::thread::spawn(move || (&writer).write_all(&vec![7u8; 1 << 20]).unwrap());
-    let mut store = store;
     let (mut taken, mut piece) = (0, vec![0u8; 16 << 10]);
     while taken < 1 << 20 {
         let n = store.read(&mut piece).unwrap();
-        assert!(piece[..n].iter().all(|&b| b == 7));
+        assert!(n > 0 && piece[..n].iter().all(|&b| b == 7));
         taken += n;
         std::thread::sleep(Duration::from_micros(300));
     }
@@ -235,8 +234,31 @@ fn a_reader_is_not_woken_by_what_the_store_takes_of_a_write() {
     store.write_all(&[9u8; 16]).unwrap();
     let (reply, sleeps) = reader.join().unwrap();
     assert_eq!(reply, [9u8; 16]);
+    sleeps
+}
+
+/// The reader sleeps until the reply, not once for every piece of a
+/// write the store takes on the same connection (asleep in `recv`, it
+/// was woken 8 times here over a Unix socket; over loopback TCP the
+/// write fits the send buffer the kernel grows, so TCP here checks that
+/// the `poll` path reads a TCP stream as well).
+#[test]
+fn a_reader_is_not_woken_by_what_the_store_takes_of_a_write() {
+    let (ours, store) = std::os::unix::net::UnixStream::pair().unwrap();
+    let writer = Stream::Unix(ours.try_clone().unwrap());
+    let sleeps = reader_sleeps_beside_a_write(Stream::Unix(ours), writer, store);
     assert!(
         sleeps <= 4,
-        "the reader slept {sleeps} times waiting for one reply"
+        "Unix socket: the reader slept {sleeps} times waiting for one reply"
+    );
+
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let ours = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+    let (store, _) = listener.accept().unwrap();
+    let writer = Stream::Tcp(ours.try_clone().unwrap());
+    let sleeps = reader_sleeps_beside_a_write(Stream::Tcp(ours), writer, store);
+    assert!(
+        sleeps <= 4,
+        "TCP: the reader slept {sleeps} times waiting for one reply"
     );
 }
