@@ -2106,8 +2106,14 @@ mod tests {
         send_read(&mut c, N, LEN);
         let returns = s.shared.parking.returns();
         std::thread::sleep(Duration::from_millis(300));
+        // Every watcher's return counts, not only this connection's runs:
+        // on a loaded machine the others come back now and then (11 seen
+        // beside two busy loops); watched for input, it ran 17 493 times.
         let runs = s.shared.parking.returns() - returns;
-        assert!(runs < 10, "{runs} runs of the waiting connection in 300 ms");
+        assert!(
+            runs < 100,
+            "{runs} runs of the waiting connection in 300 ms"
+        );
         every_read_answered(&mut c, N + 1, LEN as usize);
         assert_eq!(read_512(&mut c, N + 1), 0);
         drop(c);
