@@ -1,16 +1,10 @@
 import socket, struct, sys, time, os
+from lotwire import IHAVEOPT, rd
+import lotwire
 # Used by scripts/lot/budget_wait.sh.
 # budget_wait.py PORT PID HOGS WAITERS: HOGS clients fill the byte budget with unread 1 MiB READs,
 # then WAITERS clients each send one 1 MiB READ (which must wait for budget); server tasks while they wait
 port=int(sys.argv[1]); pid=sys.argv[2]; hogs=int(sys.argv[3]); waiters=int(sys.argv[4])
-IHAVEOPT=0x49484156454F5054
-def rd(s,k):
-    b=b''
-    while len(b)<k:
-        x=s.recv(k-len(b))
-        if not x: raise EOFError
-        b+=x
-    return b
 name=b"iopages"; data=struct.pack(">I",len(name))+name+struct.pack(">H",0)
 def conn(i, rcvbuf=None):
     s=socket.socket()
@@ -21,10 +15,8 @@ def conn(i, rcvbuf=None):
         h=rd(s,20); _,opt,kind,l=struct.unpack(">QIII",h); rd(s,l)
         if kind==1: break
     return s
-def tasks(): return len(os.listdir("/proc/%s/task"%pid))
-def cpu():
-    f=open("/proc/%s/stat"%pid).read().rsplit(")",1)[1].split()
-    return int(f[11])+int(f[12])
+def tasks(): return lotwire.tasks(pid)
+def cpu(): return lotwire.cpu(pid)
 hs=[]
 for i in range(hogs):
     s=conn(i,4096); s.sendall(b''.join(struct.pack(">IHHQQI",0x25609513,0,0,c,0,1<<20) for c in range(100))); hs.append(s)

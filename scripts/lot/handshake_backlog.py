@@ -1,19 +1,11 @@
-import socket, struct, sys, time, os, threading
+import socket, struct, sys, time, os
+from lotwire import IHAVEOPT, rd
+import lotwire, threading
 # Used by scripts/lot/handshake_backlog.sh.
 # handshake_backlog.py SOCK PID N LISTS: N Unix clients each pipeline LISTS NBD_OPT_LIST and read nothing; server tasks and CPU
 path=sys.argv[1]; pid=sys.argv[2]; n=int(sys.argv[3]); lists=int(sys.argv[4])
-IHAVEOPT=0x49484156454F5054
-def rd(s,k):
-    b=b''
-    while len(b)<k:
-        x=s.recv(k-len(b))
-        if not x: raise EOFError
-        b+=x
-    return b
-def tasks(): return len(os.listdir("/proc/%s/task"%pid))
-def cpu():
-    f=open("/proc/%s/stat"%pid).read().rsplit(")",1)[1].split()
-    return int(f[11])+int(f[12])
+def tasks(): return lotwire.tasks(pid)
+def cpu(): return lotwire.cpu(pid)
 msg=struct.pack(">I",3)+struct.pack(">QII",IHAVEOPT,3,0)*lists
 socks=[]
 for i in range(n):
