@@ -617,13 +617,7 @@ impl Conn {
             let room = || !self.full(&self.gate.lock(), bytes);
             self.await_release(None, room)?;
         }
-        let r = match (park, wait) {
-            (true, wait) => Ok(self.charge_once(bytes, false, wait)),
-            (false, _) => self.charge(bytes, false).map(|taken| match taken {
-                true => Admit::Taken,
-                false => Admit::Refused,
-            }),
-        };
+        let r = self.charge_for(bytes, false, wait, park);
         if !matches!(r, Ok(Admit::Taken)) {
             let mut g = self.gate.lock();
             assert!(
@@ -658,6 +652,25 @@ impl Conn {
             patience,
             Instant::now(),
         )))
+    }
+
+    /// Bytes of the peer's share for a request's payload (or, `work`, a
+    /// chunk of work): with `park`, one look ([`Conn::charge_once`],
+    /// taking up `wait`); without, waiting here ([`Conn::charge`]).
+    fn charge_for(
+        &self,
+        bytes: u64,
+        work: bool,
+        wait: Option<Box<BudgetWait>>,
+        park: bool,
+    ) -> io::Result<Admit> {
+        if park {
+            return Ok(self.charge_once(bytes, work, wait));
+        }
+        Ok(match self.charge(bytes, work)? {
+            true => Admit::Taken,
+            false => Admit::Refused,
+        })
     }
 
     /// One look for a request's payload bytes (or, `work`, a chunk of
@@ -1479,25 +1492,17 @@ impl Reader<'_, '_> {
         let park = self.park_after.is_some();
         while w.at < w.end {
             let n = (w.end - w.at).min(CHUNK_BYTES as u64);
-            let charged = if park {
-                self.conn.charge_once(n, true, w.wait.take())
-            } else {
-                match self.conn.charge(n, true) {
-                    Ok(true) => Admit::Taken,
-                    Ok(false) => Admit::Refused,
-                    Err(e) => {
-                        w.fail(EIO);
-                        return Err(e);
-                    }
+            match self.conn.charge_for(n, true, w.wait.take(), park) {
+                Err(e) => {
+                    w.fail(EIO);
+                    return Err(e);
                 }
-            };
-            match charged {
-                Admit::Taken => {}
-                Admit::Refused => {
+                Ok(Admit::Taken) => {}
+                Ok(Admit::Refused) => {
                     w.fail(ENOMEM);
                     return Ok(None);
                 }
-                Admit::Wait(wait) => {
+                Ok(Admit::Wait(wait)) => {
                     w.wait = Some(wait);
                     return Ok(Some(w));
                 }
