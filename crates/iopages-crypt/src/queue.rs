@@ -127,11 +127,14 @@ struct State {
     shutdown: bool,
 }
 
-/// Completions between wake-ups of waiting submitters (the block layer's
-/// tag wake batch): a full queue is refilled a batch at a time instead of
-/// waking a submitter for every completion.
+/// Completions between wake-ups of waiting submitters: a full queue is
+/// refilled half at a time (at most 128) instead of waking a submitter for
+/// every completion. Each wake-up costs the worker that makes it more than
+/// the futex call: the woken submitter is often placed on the waker's CPU
+/// and runs there first. At depth 256 (E2) a batch of 32 left the worker
+/// idle 2.4–2.8 % of the time, a batch of 128 1.3–1.6 %.
 fn wake_batch(depth: usize) -> usize {
-    (depth / 8).clamp(1, 32)
+    (depth / 2).clamp(1, 128)
 }
 
 struct Shared<C: SectorCipher> {
