@@ -131,6 +131,14 @@ enum Command {
         /// its stem + "-ceiling.json").
         #[arg(long)]
         ceiling: bool,
+        /// nbd: only the outage row — fio 4 KiB random writes with verify
+        /// through `iopages serve` on a LUKS2 volume kept by an nbdkit
+        /// file store, once steady and once with the store killed for 2 s
+        /// (1 s with --quick) and started again: the time lost beyond the
+        /// downtime. Report: nbd-outage.json (`bench nbd --remote` runs it
+        /// after the remote row).
+        #[arg(long)]
+        outage: bool,
         /// nbd: only the tenants row — one `iopages serve` on TCP shared by
         /// fio from 127.0.0.1 and 8 hostile peers from 127.0.0.2-9 (silent
         /// sockets and unread READs, then WRITE_ZEROES floods), against fio
@@ -320,6 +328,7 @@ struct NbdFlags {
     integrity: bool,
     connections: bool,
     ceiling: bool,
+    outage: bool,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -380,6 +389,7 @@ fn run(cli: Cli) -> Result<(), BenchError> {
             integrity,
             connections,
             ceiling,
+            outage,
         } => {
             let nbd = NbdFlags {
                 tls,
@@ -390,6 +400,7 @@ fn run(cli: Cli) -> Result<(), BenchError> {
                 integrity,
                 connections,
                 ceiling,
+                outage,
             };
             check_nbd_flags(experiment, nbd)?;
             let crypt_threads = check_thread_flags(
@@ -453,7 +464,7 @@ fn run_experiments(
         run_crypt(opts, crypt.0, crypt.1, crypt.2)?;
     }
     if all || experiment == Experiment::Nbd {
-        if nbd.integrity || nbd.connections || nbd.ceiling {
+        if nbd.integrity || nbd.connections || nbd.ceiling || nbd.outage {
             let me = std::env::current_exe().map_err(|e| {
                 BenchError::Workload(format!("cannot find the iopages binary to serve with: {e}"))
             })?;
@@ -461,6 +472,8 @@ fn run_experiments(
                 iopages_bench::nbd_integrity::run(opts, &me)?;
             } else if nbd.connections {
                 iopages_bench::nbd_connections::run(opts, &me)?;
+            } else if nbd.outage {
+                iopages_bench::nbd_outage::run(opts, &me)?;
             } else {
                 iopages_bench::nbd_ceiling::run(opts, &me)?;
             }
@@ -604,7 +617,11 @@ fn check_nbd_flags(experiment: Experiment, f: NbdFlags) -> Result<(), BenchError
         ));
     }
     // Runs of the nbd experiment on their own: none beside another.
-    let own = [(f.connections, "--connections"), (f.ceiling, "--ceiling")];
+    let own = [
+        (f.connections, "--connections"),
+        (f.ceiling, "--ceiling"),
+        (f.outage, "--outage"),
+    ];
     let others = [f.tls, f.remote, f.sparse_only, f.tenants_only, f.integrity];
     for (i, &(on, flag)) in own.iter().enumerate() {
         let beside = others.iter().any(|&x| x) || own[..i].iter().any(|o| o.0);
@@ -805,6 +822,26 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    #[test]
+    fn the_outage_row_runs_alone_in_the_nbd_experiment() {
+        for args in [
+            &["crypt", "--outage"][..],
+            &["all", "--outage"],
+            &["nbd", "--outage", "--remote"],
+            &["nbd", "--outage", "--ceiling"],
+            &["nbd", "--outage", "--connections"],
+            &["nbd", "--outage", "--tenants-only"],
+        ] {
+            let e = bench(args).unwrap_err();
+            assert!(
+                e.contains("is a run of the nbd experiment on its own"),
+                "{args:?}: {e}"
+            );
+        }
+        let e = bench(&["nbd", "--outage", "--store", "nbdkit"]).unwrap_err();
+        assert!(e.contains("--store belongs to the remote row"), "{e}");
     }
 
     #[test]
