@@ -365,7 +365,9 @@ impl Addrs {
     }
 
     /// Up to `out.len()` pages into `out` as addresses, converted in the
-    /// pass that takes them from the handle's cache; how many.
+    /// pass that takes them from the handle's cache, most recently freed
+    /// first (as the C ABI's `iopages_local_alloc_bulk_ptrs` hands them
+    /// out); how many.
     #[inline(always)]
     fn alloc(
         self,
@@ -374,7 +376,7 @@ impl Addrs {
         out: &mut [*mut u8],
     ) -> usize {
         local.alloc_bulk_with(Gfp::KERNEL, out.len(), spill, |pages| {
-            for (a, &p) in out.iter_mut().zip(pages) {
+            for (a, &p) in out.iter_mut().zip(pages.iter().rev()) {
                 *a = self.addr(p);
             }
             pages.len()

@@ -750,7 +750,8 @@ int iopages_local_free_page_ptr(struct iopages_local *l, void *ptr);
 /**
  * Allocate up to `n` order-0 pages as addresses into `ptrs[0..returned]`
  * (each 4096 bytes, page-aligned): the malloc-shaped form of
- * `iopages_local_alloc_bulk`.
+ * `iopages_local_alloc_bulk`. A batch the handle's cache serves comes
+ * most recently freed first (the pages likeliest to be in the caches).
  *
  * **Context:** as `iopages_alloc_pages`; the handle's thread only.
  * **Returns:** how many were allocated; -EINVAL for NULL pointers or
@@ -1274,9 +1275,10 @@ static inline intptr_t iopages_fast_alloc_bulk_ptrs(const struct iopages_local_f
     if (n > IOPAGES_FAST_BULK_MAX || ptrs == NULL || iopages_fast__careful_(f, gfp_flags) || n > len ||
         len - n < iopages_fast__floor_(f))
         return iopages_local_alloc_bulk_ptrs(f->local, gfp_flags, ptrs, n);
-    const uint32_t *top = f->buf + (len - n);
+    /* Most recently freed first, as the exported call hands them out. */
+    const uint32_t *top = f->buf + (len - 1);
     for (size_t i = 0; i < n; i++)
-        ptrs[i] = f->base + (size_t)(top[i] - 1) * IOPAGES_PAGE_SIZE;
+        ptrs[i] = f->base + (size_t)(top[-(ptrdiff_t)i] - 1) * IOPAGES_PAGE_SIZE;
     iopages_fast__set_len_(f, len - n);
     return (intptr_t)n;
 }

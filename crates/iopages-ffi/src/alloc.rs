@@ -1083,7 +1083,8 @@ unsafe fn local_free_page_ptr_slow(l: *mut iopages_local, ptr: *mut c_void) -> c
 
 /// Allocate up to `n` order-0 pages as addresses into `ptrs[0..returned]`
 /// (each 4096 bytes, page-aligned): the malloc-shaped form of
-/// `iopages_local_alloc_bulk`.
+/// `iopages_local_alloc_bulk`. A batch the handle's cache serves comes
+/// most recently freed first (the pages likeliest to be in the caches).
 ///
 /// **Context:** as `iopages_alloc_pages`; the handle's thread only.
 /// **Returns:** how many were allocated; -EINVAL for NULL pointers or
@@ -1266,10 +1267,18 @@ fn page_of_ptr(base: usize, nr_pages: u32, ptr: *mut c_void) -> Option<Page> {
 }
 
 /// The address of every page of `pages` into `out` (the same length), in
-/// one pass (it vectorises).
+/// one pass (it vectorises), last page first: `pages` is a run of the
+/// handle's stack, whose top is the most recently freed page, so the
+/// caller gets the pages most likely still in its caches first (as
+/// [`iopages::LocalAllocator::alloc_bulk`] and DPDK's cache hand a batch
+/// out). A batch freed and taken again is then walked in the opposite
+/// order each time: the first-byte lines of page-aligned buffers all fall
+/// in one L1 set, and a batch larger than its ways then finds the last
+/// ones it touched still there (Intel Xeon, batch 16: 4.2 → 2.5 ns per
+/// page in E1).
 #[inline]
 fn pages_to_ptrs(pages: &[Page], base: usize, out: &mut [*mut c_void]) {
-    for (d, p) in out.iter_mut().zip(pages) {
+    for (d, p) in out.iter_mut().zip(pages.iter().rev()) {
         *d = ptr_of_page(base, *p);
     }
 }

@@ -436,6 +436,18 @@ static void fast_calls(void) {
             CHECK(s1.bulk_alloc_calls == s0.bulk_alloc_calls);
             CHECK(s1.bulk_free_calls == s0.bulk_free_calls);
             CHECK(s1.alloc_pcp == s0.alloc_pcp && s1.alloc_zone == s0.alloc_zone);
+            /* A batch from the cache comes most recently freed first, from
+             * the inline path and the exported call alike. */
+            for (int exported = 0; exported < 2; exported++) {
+                void *w[8];
+                CHECK(iopages_fast_alloc_bulk_ptrs(f, IOPAGES_GFP_KERNEL, v, 8) == 8);
+                CHECK(iopages_fast_free_bulk_ptrs(f, v, 8) == 0); /* v[7] on top */
+                intptr_t got = exported ? iopages_local_alloc_bulk_ptrs(l, IOPAGES_GFP_KERNEL, w, 8)
+                                        : iopages_fast_alloc_bulk_ptrs(f, IOPAGES_GFP_KERNEL, w, 8);
+                CHECK(got == 8);
+                for (int i = 0; i < 8; i++) CHECK(w[i] == v[7 - i]);
+                CHECK(iopages_fast_free_bulk_ptrs(f, w, 8) == 0);
+            }
         }
         CHECK(iopages_local_destroy(l) == 0);
         CHECK(iopages_leak_check(a, NULL) == 0);

@@ -434,7 +434,11 @@ impl LocalAllocator {
     /// slice is the top of the handle's cache; otherwise the pages are
     /// gathered in `spill` (cleared first; its capacity is reused, so keep
     /// one per handle). The pages are the caller's from the moment `take`
-    /// runs: it must keep (copy out) every one. Their order is unspecified.
+    /// runs: it must keep (copy out) every one. Their order is unspecified;
+    /// on the fast path the last page is the most recently freed, so a
+    /// caller that walks the slice from its end hands out the warmest page
+    /// first (as [`LocalAllocator::alloc_bulk`] and the C ABI's address
+    /// paths do).
     ///
     /// **Context:** as [`PageAllocator::alloc_pages`]. **Returns:** what
     /// `take` returns; the slice is shorter than `nr` when memory is short.
