@@ -794,24 +794,34 @@ mod tests {
         );
     }
 
-    #[test]
-    fn the_integrity_row_runs_alone_in_the_nbd_experiment() {
-        for args in [
-            &["xts", "--integrity"][..],
-            &["all", "--integrity"],
-            &["nbd", "--integrity", "--tls"],
-            &["nbd", "--integrity", "--remote"],
-            &["nbd", "--integrity", "--sparse-only"],
-            &["nbd", "--integrity", "--tenants-only"],
-        ] {
+    /// Each of `cases` is refused with "`flag` is a run of the nbd
+    /// experiment on its own", and `flag` beside `--store` as the remote
+    /// row's flag.
+    fn refused_unless_alone(flag: &str, cases: &[&[&str]]) {
+        for args in cases {
             let e = bench(args).unwrap_err();
             assert!(
-                e.contains("--integrity is a run of the nbd experiment on its own"),
+                e.contains(&format!("{flag} is a run of the nbd experiment on its own")),
                 "{args:?}: {e}"
             );
         }
-        let e = bench(&["nbd", "--integrity", "--store", "nbdkit"]).unwrap_err();
+        let e = bench(&["nbd", flag, "--store", "nbdkit"]).unwrap_err();
         assert!(e.contains("--store belongs to the remote row"), "{e}");
+    }
+
+    #[test]
+    fn the_integrity_row_runs_alone_in_the_nbd_experiment() {
+        refused_unless_alone(
+            "--integrity",
+            &[
+                &["xts", "--integrity"],
+                &["all", "--integrity"],
+                &["nbd", "--integrity", "--tls"],
+                &["nbd", "--integrity", "--remote"],
+                &["nbd", "--integrity", "--sparse-only"],
+                &["nbd", "--integrity", "--tenants-only"],
+            ],
+        );
         let cli =
             Cli::try_parse_from(["iopages", "bench", "nbd", "--integrity", "--quick"]).unwrap();
         assert!(matches!(
@@ -826,22 +836,19 @@ mod tests {
 
     #[test]
     fn the_outage_row_runs_alone_in_the_nbd_experiment() {
-        for args in [
-            &["crypt", "--outage"][..],
-            &["all", "--outage"],
-            &["nbd", "--outage", "--remote"],
-            &["nbd", "--outage", "--ceiling"],
-            &["nbd", "--outage", "--connections"],
-            &["nbd", "--outage", "--tenants-only"],
-        ] {
-            let e = bench(args).unwrap_err();
-            assert!(
-                e.contains("is a run of the nbd experiment on its own"),
-                "{args:?}: {e}"
-            );
-        }
-        let e = bench(&["nbd", "--outage", "--store", "nbdkit"]).unwrap_err();
-        assert!(e.contains("--store belongs to the remote row"), "{e}");
+        // Beside an earlier flag of the same kind, that flag is named.
+        let e = bench(&["nbd", "--outage", "--ceiling"]).unwrap_err();
+        assert!(e.contains("--outage is a run of the nbd"), "{e}");
+        refused_unless_alone(
+            "--outage",
+            &[
+                &["crypt", "--outage"],
+                &["all", "--outage"],
+                &["nbd", "--outage", "--remote"],
+                &["nbd", "--outage", "--connections"],
+                &["nbd", "--outage", "--tenants-only"],
+            ],
+        );
     }
 
     #[test]

@@ -405,6 +405,16 @@ typedef struct iopages_stats {
  * handle's thread is its only writer, and loads and stores it with
  * relaxed atomics. Inline hits count nothing (the library counts them
  * only when built to count every call, and then serves every call).
+ *
+ * The view never changes after `iopages_local_create`, so a copy is as
+ * good as the original: in a hot loop, copy it into a local variable
+ * (`const iopages_local_fast f = *iopages_local_fast_path(l);`, then
+ * pass `&f`). The compiler keeps a local copy's fields in registers;
+ * through a pointer it must load them again after every store through
+ * a `char *` — every write to a page — since such a store may alias
+ * anything. E1's single-page round trip, first byte written: 43
+ * instructions through the thread's pointer, 36 through a local copy
+ * (the Rust handle: 30).
  */
 typedef struct iopages_local_fast {
   /**
@@ -1249,7 +1259,7 @@ static inline void *iopages_fast_alloc_page_ptr(const struct iopages_local_fast 
         return iopages_local_alloc_page_ptr(f->local, gfp_flags);
     uint32_t page = f->buf[len - 1];
     iopages_fast__set_len_(f, len - 1);
-    return f->base + (size_t)(page - 1) * IOPAGES_PAGE_SIZE;
+    return (void *)((uintptr_t)f->base - IOPAGES_PAGE_SIZE + ((uintptr_t)page << IOPAGES_FAST__PAGE_SHIFT));
 }
 
 /** Free one page by address into the handle's cache (else the full call). */
@@ -1275,10 +1285,14 @@ static inline intptr_t iopages_fast_alloc_bulk_ptrs(const struct iopages_local_f
     if (n > IOPAGES_FAST_BULK_MAX || ptrs == NULL || iopages_fast__careful_(f, gfp_flags) || n > len ||
         len - n < iopages_fast__floor_(f))
         return iopages_local_alloc_bulk_ptrs(f->local, gfp_flags, ptrs, n);
-    /* Most recently freed first, as the exported call hands them out. */
+    /* Most recently freed first, as the exported call hands them out. A
+     * slot is the frame number + 1: one page below the base, plus the
+     * slot's pages, is the address (integer arithmetic: that point lies
+     * outside the arena). */
     const uint32_t *top = f->buf + (len - 1);
+    uintptr_t below = (uintptr_t)f->base - IOPAGES_PAGE_SIZE;
     for (size_t i = 0; i < n; i++)
-        ptrs[i] = f->base + (size_t)(top[-(ptrdiff_t)i] - 1) * IOPAGES_PAGE_SIZE;
+        ptrs[i] = (void *)(below + ((uintptr_t)top[-(ptrdiff_t)i] << IOPAGES_FAST__PAGE_SHIFT));
     iopages_fast__set_len_(f, len - n);
     return (intptr_t)n;
 }
@@ -1299,16 +1313,18 @@ static inline int iopages_fast_free_bulk_ptrs(const struct iopages_local_fast *f
     int via_small = n >= 2 && n <= 4 && len + 4 <= f->cap;
     uint32_t *slot = via_small ? small : f->buf + len;
     /* Every address a page start (the offsets' low bits, or-ed) inside the
-     * arena (the largest offset; one below the base wraps to a huge one):
-     * two cheap operations per page and one test, not two tests per page. */
-    size_t low = 0, top = 0;
+     * arena (each offset below its size; one below the base wraps to a
+     * huge one): cheap operations per page and one test, not two tests per
+     * page. Both are or-ed flags: a running maximum made each page wait
+     * for the one before (a compare and a conditional move each). */
+    size_t low = 0, out = 0;
     for (size_t i = 0; i < n; i++) {
         size_t off = (size_t)((uintptr_t)ptrs[i] - (uintptr_t)f->base);
         low |= off;
-        top = off > top ? off : top;
-        slot[i] = (uint32_t)((off / IOPAGES_PAGE_SIZE) & 0x7fffffff) + 1;
+        out |= off >= f->arena_bytes;
+        slot[i] = (uint32_t)(off / IOPAGES_PAGE_SIZE) + 1; /* unused unless all pass */
     }
-    if ((low % IOPAGES_PAGE_SIZE) != 0 || top >= f->arena_bytes)
+    if ((low % IOPAGES_PAGE_SIZE) != 0 || out)
         return iopages_local_free_bulk_ptrs(f->local, ptrs, n);
     if (via_small)
         memcpy(f->buf + len, small, n == 2 ? 8 : sizeof small);

@@ -46,6 +46,16 @@ pub struct iopages_local {
 /// handle's thread is its only writer, and loads and stores it with
 /// relaxed atomics. Inline hits count nothing (the library counts them
 /// only when built to count every call, and then serves every call).
+///
+/// The view never changes after `iopages_local_create`, so a copy is as
+/// good as the original: in a hot loop, copy it into a local variable
+/// (`const iopages_local_fast f = *iopages_local_fast_path(l);`, then
+/// pass `&f`). The compiler keeps a local copy's fields in registers;
+/// through a pointer it must load them again after every store through
+/// a `char *` — every write to a page — since such a store may alias
+/// anything. E1's single-page round trip, first byte written: 43
+/// instructions through the thread's pointer, 36 through a local copy
+/// (the Rust handle: 30).
 #[repr(C)]
 pub struct iopages_local_fast {
     /// The handle, for the full path.
