@@ -279,12 +279,28 @@ static double run_st(unsigned batch, uint64_t pages) {
     PEER_ST_BEGIN
     double t0 = now_ns();
     if (batch == 0) {
+#ifdef PEER_ST_LAG
+        /* A diagnostic build (-DPEER_ST_LAG): each round frees the page of
+         * the round before, which breaks the chain from one free's store to
+         * the next allocation's load (docs/experiments.md, the C row). */
+        char *prev = peer_st_alloc();
+        if (!prev) die("alloc");
+        for (uint64_t i = 0; i < pages; i++) {
+            char *p = peer_st_alloc();
+            if (!p) die("alloc");
+            *(volatile char *)p = 1;
+            peer_st_free(prev);
+            prev = p;
+        }
+        peer_st_free(prev);
+#else
         for (uint64_t i = 0; i < pages; i++) {
             char *p = peer_st_alloc();
             if (!p) die("alloc");
             *(volatile char *)p = 1;
             peer_st_free(p);
         }
+#endif
     } else {
         uint64_t rounds = pages / batch ? pages / batch : 1;
         for (uint64_t r = 0; r < rounds; r++) {

@@ -1252,6 +1252,18 @@ static inline size_t iopages_fast__floor_(const struct iopages_local_fast *f) {
     return __atomic_load_n(f->floor, __ATOMIC_RELAXED);
 }
 
+/* A slot is the frame number + 1, so a page's address is one page below
+ * the base plus the slot's pages (integer arithmetic: that point lies
+ * outside the arena). `below` is iopages_fast__below_(f), which a loop
+ * reads once. */
+static inline uintptr_t iopages_fast__below_(const struct iopages_local_fast *f) {
+    return (uintptr_t)f->base - IOPAGES_PAGE_SIZE;
+}
+
+static inline void *iopages_fast__addr_(uintptr_t below, uint32_t slot) {
+    return (void *)(below + ((uintptr_t)slot << IOPAGES_FAST__PAGE_SHIFT));
+}
+
 /** Allocate one page by address from the handle's cache (else the full call). */
 static inline void *iopages_fast_alloc_page_ptr(const struct iopages_local_fast *f, uint32_t gfp_flags) {
     size_t len = iopages_fast__len_(f);
@@ -1259,7 +1271,7 @@ static inline void *iopages_fast_alloc_page_ptr(const struct iopages_local_fast 
         return iopages_local_alloc_page_ptr(f->local, gfp_flags);
     uint32_t page = f->buf[len - 1];
     iopages_fast__set_len_(f, len - 1);
-    return (void *)((uintptr_t)f->base - IOPAGES_PAGE_SIZE + ((uintptr_t)page << IOPAGES_FAST__PAGE_SHIFT));
+    return iopages_fast__addr_(iopages_fast__below_(f), page);
 }
 
 /** Free one page by address into the handle's cache (else the full call). */
@@ -1285,14 +1297,11 @@ static inline intptr_t iopages_fast_alloc_bulk_ptrs(const struct iopages_local_f
     if (n > IOPAGES_FAST_BULK_MAX || ptrs == NULL || iopages_fast__careful_(f, gfp_flags) || n > len ||
         len - n < iopages_fast__floor_(f))
         return iopages_local_alloc_bulk_ptrs(f->local, gfp_flags, ptrs, n);
-    /* Most recently freed first, as the exported call hands them out. A
-     * slot is the frame number + 1: one page below the base, plus the
-     * slot's pages, is the address (integer arithmetic: that point lies
-     * outside the arena). */
+    /* Most recently freed first, as the exported call hands them out. */
     const uint32_t *top = f->buf + (len - 1);
-    uintptr_t below = (uintptr_t)f->base - IOPAGES_PAGE_SIZE;
+    uintptr_t below = iopages_fast__below_(f);
     for (size_t i = 0; i < n; i++)
-        ptrs[i] = (void *)(below + ((uintptr_t)top[-(ptrdiff_t)i] << IOPAGES_FAST__PAGE_SHIFT));
+        ptrs[i] = iopages_fast__addr_(below, top[-(ptrdiff_t)i]);
     iopages_fast__set_len_(f, len - n);
     return (intptr_t)n;
 }
