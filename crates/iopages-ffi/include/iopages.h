@@ -1285,7 +1285,14 @@ static inline int iopages_fast_free_page_ptr(const struct iopages_local_fast *f,
     size_t len = iopages_fast__len_(f);
     if (len >= f->cap || frame >= f->arena_bytes / IOPAGES_PAGE_SIZE)
         return iopages_local_free_page_ptr(f->local, ptr);
-    f->buf[len] = (uint32_t)frame + 1;
+    /* The page the last allocation took is still in the slot above the
+     * length: a branch on that, not a store, so that the next allocation's
+     * load of the slot does not wait for this free's conversion (the
+     * store's data depended on the page's address, which depended on the
+     * load before: a chain through memory each round). */
+    uint32_t slot = (uint32_t)frame + 1;
+    if (f->buf[len] != slot)
+        f->buf[len] = slot;
     iopages_fast__set_len_(f, len + 1);
     return 0;
 }

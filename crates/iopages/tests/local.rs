@@ -97,6 +97,36 @@ fn a_batch_comes_back_most_recently_freed_first() {
     assert_no_leaks(&alloc);
 }
 
+/// A single free stores its page unless the slot above the length holds
+/// it already (the page the last allocation took): a page freed out of
+/// that order is the next one out, and none is handed out twice.
+#[test]
+fn a_single_free_out_of_order_is_stored() {
+    let alloc = builder(8).checks(false).build().unwrap();
+    let mut local = alloc.local();
+    let p = local.alloc_pages(Gfp::KERNEL, 0).unwrap();
+    let q = local.alloc_pages(Gfp::KERNEL, 0).unwrap();
+    assert_ne!(p, q);
+    // SAFETY: the test allocated these pages and gives them up here, once.
+    unsafe { local.free_pages(p, 0) }; // q's slot is above the length
+    assert_eq!(local.alloc_pages(Gfp::KERNEL, 0), Some(p));
+    // SAFETY: as above.
+    unsafe { local.free_pages(p, 0) }; // p's slot: no store
+    assert_eq!(local.alloc_pages(Gfp::KERNEL, 0), Some(p));
+    // SAFETY: as above.
+    unsafe { local.free_pages(q, 0) };
+    // SAFETY: as above.
+    unsafe { local.free_pages(p, 0) };
+    assert_eq!(local.alloc_pages(Gfp::KERNEL, 0), Some(p));
+    assert_eq!(local.alloc_pages(Gfp::KERNEL, 0), Some(q));
+    // SAFETY: as above.
+    unsafe { local.free_pages(q, 0) };
+    // SAFETY: as above.
+    unsafe { local.free_pages(p, 0) };
+    drop(local);
+    assert_no_leaks(&alloc);
+}
+
 #[test]
 fn a_handle_double_free_is_caught_with_checks_on() {
     let alloc = builder(4).checks(true).build().unwrap();

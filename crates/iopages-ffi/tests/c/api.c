@@ -448,6 +448,22 @@ static void fast_calls(void) {
                 for (int i = 0; i < 8; i++) CHECK(w[i] == v[7 - i]);
                 CHECK(iopages_fast_free_bulk_ptrs(f, w, 8) == 0);
             }
+            /* A single free stores its page unless the slot above the
+             * length holds it already (the page the last allocation took):
+             * a page freed out of that order is the next one out. */
+            char *p = iopages_fast_alloc_page_ptr(f, IOPAGES_GFP_KERNEL);
+            char *q = iopages_fast_alloc_page_ptr(f, IOPAGES_GFP_KERNEL);
+            CHECK(p && q && p != q);
+            CHECK(iopages_fast_free_page_ptr(f, p) == 0); /* q's slot above */
+            CHECK(iopages_fast_alloc_page_ptr(f, IOPAGES_GFP_KERNEL) == p);
+            CHECK(iopages_fast_free_page_ptr(f, p) == 0); /* p's slot: no store */
+            CHECK(iopages_fast_alloc_page_ptr(f, IOPAGES_GFP_KERNEL) == p);
+            CHECK(iopages_fast_free_page_ptr(f, q) == 0);
+            CHECK(iopages_fast_free_page_ptr(f, p) == 0);
+            CHECK(iopages_fast_alloc_page_ptr(f, IOPAGES_GFP_KERNEL) == p);
+            CHECK(iopages_fast_alloc_page_ptr(f, IOPAGES_GFP_KERNEL) == q);
+            CHECK(iopages_fast_free_page_ptr(f, q) == 0);
+            CHECK(iopages_fast_free_page_ptr(f, p) == 0);
         }
         CHECK(iopages_local_destroy(l) == 0);
         CHECK(iopages_leak_check(a, NULL) == 0);

@@ -45,6 +45,13 @@ impl Page {
     pub fn pfn(self) -> u32 {
         self.0.get() - 1
     }
+
+    /// The number a cache slot holds for this page (its frame number + 1,
+    /// as the C view's slots).
+    #[inline(always)]
+    pub(crate) fn slot(self) -> u32 {
+        self.0.get()
+    }
 }
 
 impl std::fmt::Debug for Page {

@@ -27,7 +27,7 @@
 use crate::buddy::frame::{copy_pages, copy_pages_rev, Page};
 use crate::gfp::Gfp;
 use crate::page_alloc::fastpath::PREPARED;
-use crate::page_alloc::PageAllocator;
+use crate::page_alloc::{Core, PageAllocator};
 use crate::percpu::pcp::bump;
 use crate::percpu::tcache::{Owner, Tcache};
 use std::mem::MaybeUninit;
@@ -70,6 +70,24 @@ pub struct LocalAllocator {
     floor: *const AtomicUsize,
     tc: Arc<Tcache>,
     alloc: PageAllocator,
+}
+
+// The single-page slow paths take what they need from the handle, never
+// the handle itself: a loop around the fast paths then keeps the handle's
+// fields in registers (its address goes nowhere, so the compiler knows
+// that no store to a page writes it), and the cache length's store and
+// the next load use one register, which lets the CPU forward between
+// them early (E1's single-page round 3.3 -> 1.6 ns, Intel Xeon).
+#[cold]
+#[inline(never)]
+fn alloc_pages_slow(core: &Core, cache: Option<&Tcache>, gfp: Gfp, order: u32) -> Option<Page> {
+    core.alloc_cached(gfp, order, move || cache)
+}
+
+#[cold]
+#[inline(never)]
+fn free_pages_slow(core: &Core, cache: Option<&Tcache>, page: Page, order: u32) {
+    core.free_cached(page, order, move || cache);
 }
 
 /// Flags a fast-path allocation never serves: pages to prepare (`ZERO`,
@@ -192,7 +210,7 @@ impl LocalAllocator {
                 return Some(p);
             }
         }
-        self.alloc_pages_slow(gfp, order)
+        alloc_pages_slow(self.alloc.core(), self.cache(), gfp, order)
     }
 
     /// The fast path of [`LocalAllocator::alloc_pages`] alone: an order-0
@@ -227,12 +245,6 @@ impl LocalAllocator {
         p
     }
 
-    #[cold]
-    #[inline(never)]
-    pub(super) fn alloc_pages_slow(&mut self, gfp: Gfp, order: u32) -> Option<Page> {
-        self.alloc.core().alloc_cached(gfp, order, || self.cache())
-    }
-
     /// The handle's cache for the shared paths (none when thread caches
     /// are off).
     #[inline]
@@ -254,7 +266,7 @@ impl LocalAllocator {
         if order == 0 && unsafe { self.free_cached(page) } {
             return;
         }
-        self.free_pages_slow(page, order)
+        free_pages_slow(self.alloc.core(), self.cache(), page, order)
     }
 
     /// The fast path of [`LocalAllocator::free_pages`] for an order-0
@@ -284,16 +296,16 @@ impl LocalAllocator {
     #[inline(always)]
     unsafe fn push_unchecked(&mut self, len: usize, page: Page) {
         debug_assert!(len < self.cap && len == self.len());
-        // SAFETY: the slot is inside the buffer; the handle is the cache's
-        // only user.
-        unsafe { self.buf.add(len).write(page) };
+        // SAFETY: the slot is inside the buffer, whose every slot is
+        // initialised memory (zeroed when made; read as a number, as it may
+        // hold no page); the handle is the cache's only user.
+        unsafe {
+            let slot = self.buf.add(len);
+            if slot.cast::<u32>().read() != page.slot() {
+                slot.write(page);
+            }
+        }
         self.set_len(len + 1);
-    }
-
-    #[cold]
-    #[inline(never)]
-    pub(super) fn free_pages_slow(&mut self, page: Page, order: u32) {
-        self.alloc.core().free_cached(page, order, || self.cache());
     }
 
     /// Append `nr` order-0 pages to `out` (DPDK's `rte_mempool_get_bulk`,

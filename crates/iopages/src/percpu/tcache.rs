@@ -55,7 +55,7 @@ impl Tcache {
         Tcache {
             fast_cap: if careful { 0 } else { cap[0] },
             bufs: std::array::from_fn(|o| {
-                UnsafeCell::new((0..cap[o]).map(|_| MaybeUninit::uninit()).collect())
+                UnsafeCell::new((0..cap[o]).map(|_| MaybeUninit::zeroed()).collect())
             }),
             lens: Default::default(),
             cap,
