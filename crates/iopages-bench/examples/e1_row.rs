@@ -5,6 +5,10 @@
 //! E1's loop (`peers::iopages_st_fresh`, batch 0 = single pages) on
 //! ARENAS fresh arenas, the median ns per page of each batch.
 //!
+//! `cargo run --release -p iopages-bench --example e1_row -- io [RUNS]`:
+//! E1's I/O-shaped row alone (`iopages_bench::io_shaped::run`, 4 M pages
+//! per batch and run) on a fresh 64 MiB arena.
+//!
 //! `cargo run --release -p iopages-bench --example e1_row -- chain [lag]`:
 //! the single-page loop (alloc, first byte written, free) 20 M times, ns
 //! per page; with `lag`, each round frees the page of the round before,
@@ -18,8 +22,13 @@ fn main() {
     match args.first().map(String::as_str) {
         Some("rows") if args.len() >= 3 => rows(&args[1..]),
         Some("chain") => chain(args.get(1).map(String::as_str) == Some("lag")),
+        Some("io") => io(args
+            .get(1)
+            .map_or(3, |s| s.parse().expect("RUNS: a number"))),
         _ => {
-            eprintln!("usage: e1_row rows BATCHES ARENAS [PAGES] | e1_row chain [lag]");
+            eprintln!(
+                "usage: e1_row rows BATCHES ARENAS [PAGES] | e1_row io [RUNS] | e1_row chain [lag]"
+            );
             std::process::exit(2);
         }
     }
@@ -45,6 +54,17 @@ fn rows(args: &[String]) {
         line += &format!("{b}:{:.2} ", v[v.len() / 2]);
     }
     println!("{}", line.trim_end());
+}
+
+fn io(runs: usize) {
+    let alloc = PageAllocator::builder()
+        .size_bytes(64 << 20)
+        .populate(true)
+        .checks(false)
+        .build()
+        .expect("arena");
+    iopages_bench::io_shaped::run(&alloc, runs, 4_000_000).expect("I/O-shaped row");
+    alloc.leak_check().expect("no page leaked");
 }
 
 fn chain(lag: bool) {
