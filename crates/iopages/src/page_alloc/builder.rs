@@ -36,6 +36,7 @@ pub struct PageAllocatorBuilder {
     pub(crate) checks: bool,
     pub(crate) fast_path_stats: bool,
     pub(crate) background_reclaim: bool,
+    pub(crate) pack_small_batches: Option<bool>,
 }
 
 impl Default for PageAllocatorBuilder {
@@ -53,6 +54,7 @@ impl Default for PageAllocatorBuilder {
             checks: cfg!(debug_assertions),
             fast_path_stats: false,
             background_reclaim: true,
+            pack_small_batches: None,
         }
     }
 }
@@ -138,6 +140,20 @@ impl PageAllocatorBuilder {
     /// path's cost. With checks on, every call is counted either way.
     pub fn fast_path_stats(mut self, on: bool) -> Self {
         self.fast_path_stats = on;
+        self
+    }
+
+    /// How a [`crate::LocalAllocator`] writes a batch of 2 to 4 pages into
+    /// its cache (default: by CPU vendor). Packed (`true`, the default on
+    /// AMD): the slots paired into 8-byte stores, as AMD's store-to-load
+    /// forwarding predictor misses once per round on one 4-byte store per
+    /// slot (14 ns per page at batch 2 against 3.7). One store per slot
+    /// (`false`, the default elsewhere): on an Intel Xeon the packing cost
+    /// 2.5-3.1 ns per page at batch 4 against 2.0-2.1. The pages cached are the
+    /// same either way; only speed differs. (The C header's inline batch
+    /// free always packs.)
+    pub fn pack_small_batches(mut self, packed: bool) -> Self {
+        self.pack_small_batches = Some(packed);
         self
     }
 

@@ -68,6 +68,9 @@ pub struct LocalAllocator {
     fast_cap: usize,
     /// The allocator's allocation floor (kept alive by `alloc`).
     floor: *const AtomicUsize,
+    /// Batches of 2 to `SMALL` freed into the cache as packed stores
+    /// ([`crate::PageAllocatorBuilder::pack_small_batches`]).
+    pack_small: bool,
     tc: Arc<Tcache>,
     alloc: PageAllocator,
 }
@@ -156,6 +159,7 @@ impl PageAllocator {
             cap: tc.cap[0],
             fast_cap: tc.fast_cap,
             floor: self.fault().alloc_floor(),
+            pack_small: core.pack_small(),
             tc,
             alloc: self.clone(),
         }
@@ -596,7 +600,7 @@ impl LocalAllocator {
         fill: impl FnOnce(&mut [MaybeUninit<Page>]) -> bool,
     ) -> bool {
         debug_assert!(nr <= self.cap - len && len == self.len());
-        if (2..=SMALL).contains(&nr) && len + SMALL <= self.cap {
+        if self.pack_small && (2..=SMALL).contains(&nr) && len + SMALL <= self.cap {
             // SAFETY: as below, for `SMALL` slots.
             return unsafe { self.fill_small(len, nr, fill) };
         }

@@ -91,6 +91,9 @@ struct Core {
     /// Every call takes the careful path: checks on, or every call
     /// counted ([`PageAllocatorBuilder::fast_path_stats`]).
     careful: bool,
+    /// Handles write batches of 2 to 4 pages as packed 8-byte stores
+    /// ([`PageAllocatorBuilder::pack_small_batches`]).
+    pack_small: bool,
     fault: FaultInjector,
     shrinkers: ShrinkerRegistry,
     /// Owners of movable pages and their migration callbacks.
@@ -161,6 +164,9 @@ impl PageAllocator {
                 tcache_on: tcache_cap[0] > 0,
                 checks: b.checks,
                 careful,
+                pack_small: b
+                    .pack_small_batches
+                    .unwrap_or_else(crate::percpu::cpu::packs_small_batches),
                 fault,
                 shrinkers: ShrinkerRegistry::default(),
                 movable: MovableRegistry::new(nr_pages),
@@ -444,6 +450,11 @@ impl Core {
     /// Blocks per order a [`crate::LocalAllocator`]'s cache holds.
     pub(crate) fn local_cap(&self) -> [usize; PCP_ORDERS] {
         self.local_cap
+    }
+
+    /// Whether handles pack batches of 2 to 4 pages into 8-byte stores.
+    pub(crate) fn pack_small(&self) -> bool {
+        self.pack_small
     }
 
     /// Most pages one thread's cache can hold (0 when caches are off).
