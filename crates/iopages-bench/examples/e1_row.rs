@@ -56,25 +56,25 @@ fn rows(args: &[String]) {
     println!("{}", line.trim_end());
 }
 
-fn io(runs: usize) {
-    let alloc = PageAllocator::builder()
+/// A fresh 64 MiB arena, populated, checks off (E1's).
+fn arena() -> PageAllocator {
+    PageAllocator::builder()
         .size_bytes(64 << 20)
         .populate(true)
         .checks(false)
         .build()
-        .expect("arena");
+        .expect("arena")
+}
+
+fn io(runs: usize) {
+    let alloc = arena();
     iopages_bench::io_shaped::run(&alloc, runs, 4_000_000).expect("I/O-shaped row");
     alloc.leak_check().expect("no page leaked");
 }
 
 fn chain(lag: bool) {
     const ROUNDS: u64 = 20_000_000;
-    let alloc = PageAllocator::builder()
-        .size_bytes(64 << 20)
-        .populate(true)
-        .checks(false)
-        .build()
-        .expect("arena");
+    let alloc = arena();
     let mut l = alloc.local();
     let touch = |p: Page| {
         // SAFETY: `p` is allocated to this thread and lies in the arena.
