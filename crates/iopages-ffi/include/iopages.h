@@ -458,6 +458,14 @@ typedef struct iopages_local_fast {
    * Every gfp bit the library knows (others: the full path refuses).
    */
   uint32_t known;
+  /**
+   * Nonzero: the inline batch free writes batches of 2 to 4 pages into
+   * the cache as packed 8-byte stores; zero: one store per slot. The
+   * handle's choice (`PageAllocatorBuilder::pack_small_batches`: by
+   * default packed on AMD and Hygon cores only), so that C and Rust
+   * store small batches alike.
+   */
+  uint32_t small_packed;
 } iopages_local_fast;
 
 /**
@@ -685,7 +693,7 @@ int iopages_local_create(const struct iopages_allocator *a, struct iopages_local
  * **Context:** never blocks. **Returns:** the view, valid until the
  * handle is destroyed; NULL for a NULL handle.
  */
-const struct iopages_local_fast *iopages_local_fast_path_v3(struct iopages_local *l);
+const struct iopages_local_fast *iopages_local_fast_path_v4(struct iopages_local *l);
 
 /**
  * Destroy a handle: its cached pages go back to the allocator.
@@ -1203,12 +1211,13 @@ int iopages_mempool_stats_get(const struct iopages_mempool *p, struct iopages_me
 #ifndef IOPAGES_FAST_H
 #define IOPAGES_FAST_H
 /* The layout of struct iopages_local_fast is part of the ABI: its version
- * is the suffix of the symbol behind iopages_local_fast_path (3: one length
- * and two bounds, no counters, 2026-11-27; 2: the view over the shared
- * record, 2026-11-24), so that a program built against another layout
- * fails to load instead of misreading the view. */
-#define IOPAGES_FAST_LAYOUT 3
-#define iopages_local_fast_path(l) iopages_local_fast_path_v3(l)
+ * is the suffix of the symbol behind iopages_local_fast_path (4: the
+ * small-batch packing flag, 2026-11-29; 3: one length and two bounds, no
+ * counters, 2026-11-27; 2: the view over the shared record, 2026-11-24),
+ * so that a program built against another layout fails to load instead
+ * of misreading the view. */
+#define IOPAGES_FAST_LAYOUT 4
+#define iopages_local_fast_path(l) iopages_local_fast_path_v4(l)
 /*
  * Inline fast paths (no call into the library when the handle's cache can
  * serve the request; otherwise, and for every error, the exported call of the
@@ -1319,14 +1328,17 @@ static inline int iopages_fast_free_bulk_ptrs(const struct iopages_local_fast *f
     size_t len = iopages_fast__len_(f);
     if (n > IOPAGES_FAST_BULK_MAX || len + n > f->cap || ptrs == NULL)
         return iopages_local_free_bulk_ptrs(f->local, ptrs, n);
-    /* A batch of 2 to 4 is converted into a small array and stored as one
-     * copy (8 bytes for 2, 16 for 3 or 4) when the slots above the length
-     * allow it: the next allocation's loads of those slots then all
-     * forward from one store, where one store per slot made the CPU's
-     * forwarding predictor guess wrong once per round (batches of 2: 14 ns
-     * per page, not 3). One page is one store either way. */
+    /* Where the view says so (AMD and Hygon cores by default), a batch of
+     * 2 to 4 is converted into a small array and stored as one copy (8
+     * bytes for 2, 16 for 3 or 4) when the slots above the length allow
+     * it: the next allocation's loads of those slots then all forward
+     * from one store, where one store per slot made AMD's forwarding
+     * predictor guess wrong once per round (batches of 2: 14 ns per page,
+     * not 3). On an Intel Xeon the copy costs instead (batch 2: 6.6-8.6
+     * ns per page against 2.7-4.7), so elsewhere each slot is one store.
+     * One page is one store either way. */
     uint32_t small[4] = {0, 0, 0, 0};
-    int via_small = n >= 2 && n <= 4 && len + 4 <= f->cap;
+    int via_small = f->small_packed && n >= 2 && n <= 4 && len + 4 <= f->cap;
     uint32_t *slot = via_small ? small : f->buf + len;
     /* Every address a page start (the offsets' low bits, or-ed) inside the
      * arena (each offset below its size; one below the base wraps to a

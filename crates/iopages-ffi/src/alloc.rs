@@ -81,6 +81,12 @@ pub struct iopages_local_fast {
     pub careful: u32,
     /// Every gfp bit the library knows (others: the full path refuses).
     pub known: u32,
+    /// Nonzero: the inline batch free writes batches of 2 to 4 pages into
+    /// the cache as packed 8-byte stores; zero: one store per slot. The
+    /// handle's choice (`PageAllocatorBuilder::pack_small_batches`: by
+    /// default packed on AMD and Hygon cores only), so that C and Rust
+    /// store small batches alike.
+    pub small_packed: u32,
 }
 
 impl iopages_local_fast {
@@ -95,6 +101,7 @@ impl iopages_local_fast {
         arena_bytes: 0,
         careful: 0,
         known: 0,
+        small_packed: 0,
     };
 }
 
@@ -838,6 +845,7 @@ pub unsafe extern "C" fn iopages_local_create(
                 arena_bytes: n as usize * PAGE_SIZE,
                 careful: v.careful,
                 known: Gfp::all().bits(),
+                small_packed: u32::from(v.pack_small),
             });
         }
         // SAFETY: checked not NULL; the caller's contract says writable.
@@ -856,7 +864,7 @@ pub unsafe extern "C" fn iopages_local_create(
 /// **Context:** never blocks. **Returns:** the view, valid until the
 /// handle is destroyed; NULL for a NULL handle.
 #[no_mangle]
-pub unsafe extern "C" fn iopages_local_fast_path_v3(
+pub unsafe extern "C" fn iopages_local_fast_path_v4(
     l: *mut iopages_local,
 ) -> *const iopages_local_fast {
     if l.is_null() {
@@ -1418,7 +1426,7 @@ mod tests {
             // the handle lives and nothing else uses it.
             unsafe {
                 assert_eq!(iopages_local_create(a, &mut l), 0);
-                let f = &*iopages_local_fast_path_v3(l);
+                let f = &*iopages_local_fast_path_v4(l);
                 assert_eq!(f.careful | !f.known, crate::IOPAGES_FAST_GFP_SLOW);
                 assert_eq!(crate::IOPAGES_FAST_GFP_SLOW & IOPAGES_GFP_KERNEL_BITS, 0);
                 assert_eq!(iopages_local_destroy(l), 0);

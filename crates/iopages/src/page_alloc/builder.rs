@@ -150,8 +150,8 @@ impl PageAllocatorBuilder {
     /// slot (14 ns per page at batch 2 against 3.7). One store per slot
     /// (`false`, the default elsewhere): on an Intel Xeon the packing cost
     /// 2.5-3.1 ns per page at batch 4 against 2.0-2.1. The pages cached are the
-    /// same either way; only speed differs. (The C header's inline batch
-    /// free always packs.)
+    /// same either way; only speed differs. The C view carries the choice
+    /// to the header's inline batch free.
     pub fn pack_small_batches(mut self, packed: bool) -> Self {
         self.pack_small_batches = Some(packed);
         self

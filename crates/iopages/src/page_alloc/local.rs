@@ -139,6 +139,11 @@ pub struct LocalFastPath {
     pub floor: *const AtomicUsize,
     /// Allocation flags that need the full path.
     pub careful: u32,
+    /// Whether the handle writes batches of 2 to 4 pages into the cache
+    /// as packed 8-byte stores
+    /// ([`crate::PageAllocatorBuilder::pack_small_batches`]); code using
+    /// the view should store them the same way (only speed differs).
+    pub pack_small: bool,
 }
 
 impl PageAllocator {
@@ -674,6 +679,7 @@ impl LocalAllocator {
                 cap: (*this).fast_cap,
                 floor: (*this).floor,
                 careful: CAREFUL.bits(),
+                pack_small: (*this).pack_small,
             }
         }
     }
