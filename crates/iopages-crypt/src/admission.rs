@@ -70,6 +70,20 @@ impl<W: WaitCell> Admission<W> {
         });
     }
 
+    /// Take a slot if one is free now.
+    ///
+    /// **Returns:** whether it was taken.
+    pub(crate) fn try_admit(&self) -> bool {
+        let depth = self.depth;
+        let mut got = false;
+        self.cell.update(|c| {
+            got = c.admitted < depth;
+            c.admitted += usize::from(got);
+            false
+        });
+        got
+    }
+
     /// Give a slot back (a request completed).
     pub(crate) fn complete(&self) {
         let (depth, batch) = (self.depth, self.batch);
@@ -192,6 +206,19 @@ mod tests {
     #[test]
     fn loom_batched_wake_ups_never_strand_a_sleeper() {
         model(2, 2);
+    }
+
+    #[test]
+    fn try_admit_takes_a_free_slot_and_never_waits() {
+        let g = Admission::<PlCell>::new(2, 1);
+        assert!(g.try_admit() && g.try_admit());
+        assert!(!g.try_admit(), "no slot free");
+        assert_eq!(g.admitted(), 2);
+        g.complete();
+        assert!(g.try_admit());
+        g.complete();
+        g.complete();
+        g.wait_idle();
     }
 
     #[test]

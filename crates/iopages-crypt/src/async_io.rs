@@ -17,8 +17,16 @@
 //! deadline it had when it first started ([`resumed`], [`began`]), one
 //! declined at once ([`declined`]: `WouldBlock`) from scratch. Every
 //! other end is final.
+//!
+//! A thread that knows more requests follow at once (a server reading a
+//! client's pipelined requests from its buffer) lets backends hold the
+//! ones it starts back and send them together ([`hold_starts`]): one
+//! `sendmsg` and one wake-up of the store for many requests. It must send
+//! them ([`send_held`], or `hold_starts(false)`) before it waits for
+//! anything — a client, a free slot, a page — since what it waits for may
+//! be the end of a request it holds.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::io;
 use std::sync::Arc;
 use std::time::Instant;
@@ -28,6 +36,63 @@ thread_local! {
     static BEGAN: Cell<Option<Instant>> = const { Cell::new(None) };
     /// The lane this thread's requests go in now (see [`in_lane`]).
     static LANE: Cell<Option<usize>> = const { Cell::new(None) };
+    /// Whether requests started on this thread may be held back now.
+    static HOLDING: Cell<bool> = const { Cell::new(false) };
+    /// What holds requests this thread started, each once.
+    static HELD: RefCell<Vec<Arc<dyn Held>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Requests started on a thread and held back, to go out together
+/// ([`hold_starts`]): a backend's connection, say.
+pub trait Held: Send + Sync {
+    /// Send every request held back here (or end each as its backend
+    /// ends a request it could not send).
+    fn send_held(&self);
+}
+
+/// Let backends hold back the requests this thread starts from now on
+/// (`true`), or send every one held back now and hold no more
+/// (`false`). A backend that holds a request calls [`held_by`]; it may
+/// still send at once (its batch full). Whoever turns it on sends what is
+/// held ([`send_held`]) before the thread waits for anything.
+pub fn hold_starts(on: bool) {
+    HOLDING.with(|h| h.set(on));
+    if !on {
+        send_held();
+    }
+}
+
+/// Whether requests started on this thread now may be held back.
+pub fn holding() -> bool {
+    HOLDING.with(Cell::get)
+}
+
+/// `h` holds requests this thread started: the next [`send_held`] on this
+/// thread sends them (`h` is listed once however often it is named).
+pub fn held_by(h: Arc<dyn Held>) {
+    HELD.with(|v| {
+        let mut v = v.borrow_mut();
+        if !v
+            .iter()
+            .any(|x| std::ptr::addr_eq(Arc::as_ptr(x), Arc::as_ptr(&h)))
+        {
+            v.push(h);
+        }
+    });
+}
+
+/// Send every request held back on this thread now (holding stays as it
+/// is). Cheap when nothing is held.
+pub fn send_held() {
+    loop {
+        let list = HELD.with(|v| std::mem::take(&mut *v.borrow_mut()));
+        if list.is_empty() {
+            return;
+        }
+        for h in list {
+            h.send_held();
+        }
+    }
 }
 
 /// Run `f` with the requests this thread starts marked as lane `lane`: a
@@ -159,6 +224,50 @@ mod tests {
         assert_eq!(
             std::thread::spawn(|| in_lane(4, lane)).join().unwrap(),
             Some(4)
+        );
+    }
+
+    struct Counted(std::sync::atomic::AtomicUsize);
+
+    impl Held for Counted {
+        fn send_held(&self) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    #[test]
+    fn held_requests_are_sent_once_per_holder_when_holding_ends_on_this_thread_only() {
+        use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+        let (a, b) = (
+            Arc::new(Counted(AtomicUsize::new(0))),
+            Arc::new(Counted(AtomicUsize::new(0))),
+        );
+        assert!(!holding());
+        hold_starts(true);
+        assert!(holding());
+        for _ in 0..3 {
+            held_by(a.clone());
+        }
+        held_by(b.clone());
+        // Another thread's send sends nothing of this one's.
+        std::thread::spawn(send_held).join().unwrap();
+        assert_eq!((a.0.load(Relaxed), b.0.load(Relaxed)), (0, 0));
+        send_held();
+        assert_eq!(
+            (a.0.load(Relaxed), b.0.load(Relaxed)),
+            (1, 1),
+            "each holder once"
+        );
+        assert!(holding(), "sending does not end holding");
+        held_by(a.clone());
+        hold_starts(false);
+        assert!(!holding());
+        assert_eq!(a.0.load(Relaxed), 2, "ending holding sends");
+        send_held();
+        assert_eq!(
+            (a.0.load(Relaxed), b.0.load(Relaxed)),
+            (2, 1),
+            "nothing left held"
         );
     }
 

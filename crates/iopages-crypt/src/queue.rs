@@ -213,7 +213,11 @@ impl<C: SectorCipher + 'static> CryptQueue<C> {
     }
 
     fn submit(&self, r: Request) {
-        self.shared.gate.admit();
+        if !self.shared.gate.try_admit() {
+            // Requests this thread holds back may be what frees a slot.
+            crate::async_io::send_held();
+            self.shared.gate.admit();
+        }
         if let Some(r) = start(&self.shared, r) {
             queue(&self.shared, r);
         }
@@ -990,6 +994,114 @@ mod tests {
             "every write ended before the drop returned"
         );
         assert!(later.started.load(Ordering::Relaxed) >= 8);
+        leak_check_soon(&alloc);
+    }
+
+    /// A backend that holds what a holding thread starts until that
+    /// thread sends it (`async_io::hold_starts`), then ends it there.
+    struct Holder {
+        disk: RamDisk,
+        held: parking_lot::Mutex<Vec<Box<dyn ReadInto>>>,
+        sends: AtomicUsize,
+        me: std::sync::Weak<Holder>,
+    }
+
+    impl crate::async_io::Held for Holder {
+        fn send_held(&self) {
+            self.sends.fetch_add(1, Ordering::Relaxed);
+            let held = std::mem::take(&mut *self.held.lock());
+            for mut into in held {
+                into.buf().fill(0);
+                into.end(Outcome::Done(Ok(())));
+            }
+        }
+    }
+
+    impl crate::backend::Backend for Holder {
+        fn size_bytes(&self) -> u64 {
+            self.disk.size_bytes()
+        }
+        fn write_at(&self, offset: u64, segs: &[&[u8]]) -> io::Result<()> {
+            self.disk.write_at(offset, segs)
+        }
+        fn read_at(&self, offset: u64, segs: &mut [&mut [u8]]) -> io::Result<()> {
+            self.disk.read_at(offset, segs)
+        }
+        fn flush(&self) -> io::Result<()> {
+            Ok(())
+        }
+        fn async_io(&self) -> Option<&dyn AsyncIo> {
+            Some(self)
+        }
+    }
+
+    impl AsyncIo for Holder {
+        fn start_write(&self, _: u64, _: Arc<dyn Segments>, _: bool, end: WriteEnd) {
+            end(Outcome::Again(declined("reads only")));
+        }
+        fn start_read(&self, _: u64, into: Box<dyn ReadInto>) {
+            assert!(crate::async_io::holding(), "started by the holding thread");
+            self.held.lock().push(into);
+            let me: Arc<dyn crate::async_io::Held> = self.me.upgrade().unwrap();
+            crate::async_io::held_by(me);
+        }
+    }
+
+    #[test]
+    fn a_thread_holding_started_requests_sends_them_before_it_waits_for_a_slot() {
+        let alloc = PageAllocator::builder()
+            .size_bytes(16 << 20)
+            .huge_pages(iopages::HugePages::Never)
+            .build()
+            .unwrap();
+        let holder = Arc::new_cyclic(|me| Holder {
+            disk: RamDisk::new(1 << 20).unwrap(),
+            held: parking_lot::Mutex::new(Vec::new()),
+            sends: AtomicUsize::new(0),
+            me: me.clone(),
+        });
+        let key: Vec<u8> = (0..64u8).collect();
+        let cipher = CipherPool::new(crate::XtsCipher::new(&key, 4096, 0).unwrap(), 1).unwrap();
+        let backend: Arc<dyn crate::backend::Backend> = holder.clone();
+        let t =
+            Arc::new(CryptTarget::new(&alloc, cipher, backend, TargetConfig::default()).unwrap());
+        let cfg = QueueConfig {
+            queue_depth: 4,
+            workers: 1,
+            preallocated_out: false,
+        };
+        let q = Arc::new(CryptQueue::new(t, cfg).unwrap());
+        let (tx, rx) = std::sync::mpsc::channel();
+        let q2 = Arc::clone(&q);
+        // Twelve reads through a gate of four on a thread that holds
+        // what it starts: the fifth finds the gate full, and only the
+        // held four can free it.
+        std::thread::spawn(move || {
+            crate::async_io::hold_starts(true);
+            for i in 0..12u64 {
+                let tx = tx.clone();
+                q2.submit_read_into(i * 4096, vec![1u8; 4096], move |r, _| {
+                    tx.send(r.is_ok()).unwrap()
+                });
+            }
+            crate::async_io::hold_starts(false);
+        });
+        for i in 0..12 {
+            let ok = rx
+                .recv_timeout(Duration::from_secs(10))
+                .unwrap_or_else(|_| {
+                    panic!(
+                        "read {i} of 12 never ended: the submitter waits on its own held requests"
+                    )
+                });
+            assert!(ok, "read {i}");
+        }
+        assert!(
+            holder.sends.load(Ordering::Relaxed) >= 3,
+            "sent at each full gate"
+        );
+        q.wait_idle();
+        drop(q);
         leak_check_soon(&alloc);
     }
 }

@@ -421,6 +421,37 @@ impl OutAllocator {
         out
     }
 
+    /// [`OutPageSource::alloc`] where serving needs no wait: below the
+    /// limit, `nr_pages` (≥ 1) taken from the allocator in one
+    /// non-blocking bulk call, whatever the strategy (counted as the bulk
+    /// strategy's direct pages); `None`, nothing taken, at the limit or
+    /// when the allocator is short. For a thread that holds requests back
+    /// ([`hold_starts`](crate::async_io::hold_starts)) and may not sleep
+    /// before it sends them.
+    pub fn try_alloc(&self, nr_pages: usize) -> Option<OutPages> {
+        let g = self.source_gfp()?;
+        let mut slots = vec![None; nr_pages];
+        let got = self.alloc.alloc_pages_bulk_array(g, &mut slots);
+        if got < nr_pages {
+            // SAFETY: the pages in the slots were allocated by this call
+            // alone and nobody else saw them.
+            unsafe { self.alloc.free_pages_bulk_array(&mut slots) };
+            return None;
+        }
+        self.direct_pages.add(got as i64);
+        let mut out = OutPages {
+            buf: FolioBuffer::with_capacity(&self.alloc, nr_pages),
+            nr_pages: 0,
+        };
+        for p in slots {
+            // SAFETY: each slot was filled by the bulk call above with an
+            // order-0 page of `self.alloc`, seen by nobody else.
+            unsafe { out.push_raw(p.expect("every slot filled"), 0) };
+        }
+        self.limit.allocated.add(out.nr_pages as i64);
+        Some(out)
+    }
+
     /// Flags for the strategies' own non-blocking attempts, or `None` at
     /// the limit (then the mempool serves, gated the same way).
     fn source_gfp(&self) -> Option<Gfp> {
@@ -703,6 +734,33 @@ mod tests {
         compound.free(o);
         drop(compound);
         alloc.leak_check().unwrap();
+    }
+
+    #[test]
+    fn try_alloc_serves_below_the_limit_and_takes_nothing_where_it_would_wait() {
+        let alloc = arena(8);
+        for s in [Strategy::PerPage, Strategy::Bulk, Strategy::Compound] {
+            let out = OutAllocator::new(&alloc, 32, Some(40), s, LimitCheck::Exact).unwrap();
+            let a = out
+                .try_alloc(24)
+                .expect("below the limit, the arena has room");
+            assert_eq!(a.nr_pages(), 24);
+            assert_eq!(distinct_pages(std::slice::from_ref(&a)), 24);
+            assert_eq!(out.allocated_pages(), 24);
+            let b = out.try_alloc(24).expect("below the limit still");
+            assert_eq!(out.allocated_pages(), 48);
+            // At the limit: nothing, and nothing counted.
+            assert!(out.try_alloc(1).is_none(), "{s:?}: at the limit");
+            assert_eq!(out.allocated_pages(), 48);
+            out.free(a);
+            out.free(b);
+            // More than the arena holds: nothing taken from it.
+            let big = OutAllocator::new(&alloc, 32, Some(1 << 20), s, LimitCheck::Exact).unwrap();
+            assert!(big.try_alloc(4096).is_none(), "{s:?}: the arena is short");
+            assert_eq!(big.allocated_pages(), 0);
+            drop((out, big));
+            alloc.leak_check().unwrap();
+        }
     }
 
     #[test]

@@ -733,7 +733,17 @@ impl<C: SectorCipher> CryptTarget<C> {
             || self.store_for(offset, data.len()).is_some();
         let sector = self.check(offset, data.len()).ok().filter(|_| !unfit)?;
         let start = now(self.timed.load(Ordering::Relaxed));
-        let mut out = self.out.alloc(data.len().div_ceil(PAGE_SIZE));
+        let pages = data.len().div_ceil(PAGE_SIZE);
+        // Requests this thread holds back may be what frees pages: it
+        // sends them before it may wait for one.
+        let held = crate::async_io::holding();
+        let mut out = held
+            .then(|| self.out.try_alloc(pages))
+            .flatten()
+            .unwrap_or_else(|| {
+                crate::async_io::send_held();
+                self.out.alloc(pages)
+            });
         account(&self.counters.alloc_ns, start);
         if self
             .encrypt(sector, data, out.buffer_mut(), |_| {})

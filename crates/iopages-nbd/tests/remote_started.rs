@@ -373,3 +373,134 @@ fn a_remote_dropped_with_started_requests_in_flight_ends_each_once() {
         }
     }
 }
+
+/// A store that hands every request it reads, as it reads it, to `tx`,
+/// and answers as [`memory_store`] does (all at offsets below
+/// [`FAILING`]).
+fn telling_store(tx: Sender<u64>) -> impl FnOnce(UnixStream) + Send + 'static {
+    move |s| {
+        let mut mem = vec![0u8; SIZE as usize];
+        let mut st = nbd_client::Store::new(s);
+        while let Ok(r) = st.read_request() {
+            let (at, n) = (r.offset as usize, r.length as usize);
+            let sent = match r.command {
+                CMD_WRITE => {
+                    let data = st.read_raw(n).unwrap();
+                    mem[at..at + n].copy_from_slice(&data);
+                    st.simple_reply(0, r.cookie, &[])
+                }
+                CMD_READ => st.simple_reply(0, r.cookie, &mem[at..at + n]),
+                _ => return,
+            };
+            if sent.is_err() || tx.send(r.offset).is_err() {
+                return;
+            }
+        }
+    }
+}
+
+#[test]
+fn requests_held_back_go_out_together_when_sent_or_when_a_batch_is_full() {
+    use iopages_crypt::async_io::hold_starts;
+    let (seen_tx, seen) = mpsc::channel();
+    let (_dir, spec) = fake_store(telling_store(seen_tx));
+    let r = client(&spec);
+    let (tx, rx): Ends = mpsc::channel();
+    // Held: nothing reaches the store until they are sent.
+    hold_starts(true);
+    for i in 0..8u64 {
+        start_write(&r, &tx, i, i * 4096, vec![i as u8 + 1; 4096]);
+    }
+    assert!(
+        seen.recv_timeout(Duration::from_millis(300)).is_err(),
+        "a held request reached the store before it was sent"
+    );
+    hold_starts(false);
+    assert_eq!(ends(&rx, 8, T * 2).len(), 8);
+    let got: Vec<u64> = (0..8).map(|_| seen.recv_timeout(T).unwrap()).collect();
+    assert_eq!(
+        got,
+        (0..8).map(|i| i * 4096).collect::<Vec<_>>(),
+        "in order"
+    );
+    // A full batch (32 requests) goes at once; the 33rd waits for its send.
+    hold_starts(true);
+    for i in 0..33u64 {
+        start_read(&r, &tx, i, i * 4096, 4096);
+    }
+    let first: Vec<u64> = (0..32).map(|_| seen.recv_timeout(T).unwrap()).collect();
+    assert_eq!(first, (0..32).map(|i| i * 4096).collect::<Vec<_>>());
+    assert!(
+        seen.recv_timeout(Duration::from_millis(300)).is_err(),
+        "the 33rd went out before it was sent"
+    );
+    hold_starts(false);
+    for (tag, ended, _) in ends(&rx, 33, T * 2) {
+        match ended {
+            Ended::Ok(data) if tag < 8 => assert!(data.iter().all(|&b| b == tag as u8 + 1)),
+            Ended::Ok(data) => assert!(data.iter().all(|&b| b == 0), "read {tag}"),
+            e => panic!("read {tag}: {e:?}"),
+        }
+    }
+    assert_eq!(seen.recv_timeout(T).unwrap(), 32 * 4096);
+    let h = r.health();
+    assert_eq!(h.started, 41, "every request started on the connection");
+    assert_eq!(h.resent + h.deadline_failures, 0);
+}
+
+#[test]
+fn a_thread_holding_requests_sends_them_before_it_blocks_on_the_store() {
+    let (seen_tx, _seen) = mpsc::channel();
+    let (_dir, spec) = fake_store(telling_store(seen_tx));
+    let r = client(&spec);
+    let (tx, rx): Ends = mpsc::channel();
+    iopages_crypt::async_io::hold_starts(true);
+    start_write(&r, &tx, 1, 0, vec![5u8; 4096]);
+    // A blocking call on the same thread: the held write goes first (the
+    // store answers in order), and nothing waits for the deadline.
+    let t0 = Instant::now();
+    let mut back = vec![0u8; 4096];
+    r.read_at(0, &mut [&mut back]).unwrap();
+    assert!(
+        t0.elapsed() < T,
+        "the blocking read waited for its deadline"
+    );
+    assert!(
+        back.iter().all(|&b| b == 5),
+        "the held write went out first"
+    );
+    assert!(matches!(ends(&rx, 1, T)[0].1, Ended::Ok(_)));
+    iopages_crypt::async_io::hold_starts(false);
+}
+
+#[test]
+fn requests_held_on_a_connection_that_dies_end_again_once() {
+    let (go_tx, go) = mpsc::channel::<()>();
+    let (_dir, spec) = fake_store(move |s| {
+        let _ = go.recv_timeout(T);
+        drop(s);
+    });
+    let r = client(&spec);
+    let (tx, rx): Ends = mpsc::channel();
+    iopages_crypt::async_io::hold_starts(true);
+    for i in 0..3u64 {
+        start_read(&r, &tx, i, i * 4096, 4096);
+    }
+    go_tx.send(()).unwrap();
+    // The reader sees the store go; the held requests were never sent.
+    let until = Instant::now() + T;
+    while r.health().connected > 0 && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        rx.recv_timeout(Duration::from_millis(100)).is_err(),
+        "a held request ended before it was sent"
+    );
+    iopages_crypt::async_io::hold_starts(false);
+    for (tag, ended, _) in ends(&rx, 3, T) {
+        match ended {
+            Ended::Again(msg) => assert!(msg.contains("held"), "read {tag}: {msg}"),
+            e => panic!("read {tag}: {e:?}"),
+        }
+    }
+}

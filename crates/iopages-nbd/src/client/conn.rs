@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::sys;
+use iopages_crypt::async_io;
 
 /// Whether `e` is a socket timeout (SO_RCVTIMEO / SO_SNDTIMEO expired).
 pub(super) fn is_timeout(e: &io::Error) -> bool {
@@ -393,6 +394,9 @@ pub(super) struct Conn {
     pub(super) durability: Arc<Durability>,
     /// The export's counters (round trips).
     pub(super) counters: Arc<RemoteCounters>,
+    /// Started requests registered and held back to be sent together
+    /// (`started.rs`, [`async_io::hold_starts`]).
+    pub(super) held: Mutex<Vec<HeldReq>>,
 }
 
 impl Conn {
@@ -434,6 +438,8 @@ impl Conn {
     /// `TimedOut` naming the request and what it waited for once its
     /// deadline passed.
     pub(super) fn call(&self, req: Req<'_, '_, '_>, deadline: Instant) -> io::Result<u32> {
+        // What this thread holds back may be what the store answers first.
+        async_io::send_held();
         let call = Call {
             command: req.command,
             offset: req.offset,

@@ -546,6 +546,7 @@ impl Dialer {
             timeout: self.timeout,
             durability: pool.durability.clone(),
             counters: pool.counters.clone(),
+            held: Mutex::new(Vec::new()),
         });
         Ok((conn, s))
     }

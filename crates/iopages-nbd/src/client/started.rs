@@ -19,8 +19,9 @@
 //! not passed, and with `TimedOut` after.
 
 use super::*;
+use crate::proto::REQUEST_BYTES;
 use crate::sys;
-use iopages_crypt::async_io::{Outcome, ReadInto, Segments, WriteEnd};
+use iopages_crypt::async_io::{self, declined, Outcome, ReadInto, Segments, WriteEnd};
 
 /// A started request: what it is, and how it ends.
 pub(super) struct Then {
@@ -51,6 +52,18 @@ impl Then {
         }
     }
 
+    /// Its request header, with `cookie`.
+    fn header(&self, cookie: u64) -> [u8; REQUEST_BYTES] {
+        Request {
+            flags: self.flags,
+            command: self.command,
+            cookie,
+            offset: self.offset,
+            length: self.length,
+        }
+        .encode()
+    }
+
     fn call(&self, deadline: Instant) -> Call {
         Call {
             command: self.command,
@@ -66,57 +79,34 @@ impl Conn {
     /// free slot and sent whole by this thread, its reply awaited by the
     /// reader thread. Only when the writer is free and the socket takes
     /// the request's first bytes at once; the rest of a request the socket
-    /// took in part is written by its deadline.
+    /// took in part is written by its deadline. While this thread holds
+    /// requests back ([`async_io::hold_starts`]) it is registered and held
+    /// instead, and sent with the others held here ([`Conn::send_held`]).
     ///
     /// **Returns:** `Err(then)`, nothing sent, when the connection was
     /// given up, has no free slot, or its writer or socket is busy;
     /// otherwise its end is called exactly once (here, when its sending
     /// failed or its reply came first).
-    pub(super) fn start(&self, mut then: Then) -> Result<(), Then> {
+    pub(super) fn start(self: &Arc<Self>, then: Then) -> Result<(), Then> {
+        if async_io::holding() {
+            return self.hold(then);
+        }
         let now = Instant::now();
         let deadline = now + self.timeout;
         let call = then.call(deadline);
         let data = then.data.clone();
-        let unflushed = matches!(then.command, CMD_WRITE | CMD_WRITE_ZEROES | CMD_TRIM)
-            && then.flags & CMD_FLAG_FUA == 0;
         let Some(w) = self.writer.try_lock() else {
             return Err(then);
         };
-        let (flags, command, offset, length) = (then.flags, then.command, then.offset, then.length);
-        then.sent_at = Some(now);
-        let cookie = {
-            let mut s = self.shared.lock();
-            if s.dead.is_some() || s.pending.len() >= self.max_in_flight {
-                return Err(then);
-            }
-            let cookie = s.next_cookie;
-            s.next_cookie += 1;
-            let pending = Pending {
-                deadline,
-                sent: false,
-                dest: None,
-                cv: Arc::new(Condvar::new()),
-                state: Slot::Waiting,
-                unflushed,
-                then: Some(then),
-            };
-            let was = s.pending.insert(cookie, pending);
-            assert!(was.is_none(), "cookie {cookie} is pending twice");
-            cookie
-        };
-        let header = Request {
-            flags,
-            command,
-            cookie,
-            offset,
-            length,
-        }
-        .encode();
+        let header = then.header(0);
+        let cookie = self.register(then, now, deadline)?;
+        let header = with_cookie(header, cookie);
         let parts = data.as_ref().map_or_else(Vec::new, |d| d.segments());
-        let sent = self.try_write(&w, &header, &parts, deadline);
+        let mut bufs = request_bufs(&header, &parts);
+        let sent = self.try_write(&w, &mut bufs, deadline);
         // The bytes are the request's own from here (in the map): the
         // last reference goes with it, before its end runs.
-        drop((w, parts));
+        drop((w, bufs, parts));
         drop(data);
         match sent {
             Some(sent) => {
@@ -128,34 +118,91 @@ impl Conn {
         Ok(())
     }
 
-    /// Write the request under the writer `w` (held): the first attempt
-    /// does not wait, and `None` means nothing of it was sent (the socket
-    /// took nothing, or the connection was given up); after a first part,
-    /// the rest is written by `deadline`.
+    /// Register `then` in a free slot, started at `now`.
+    ///
+    /// **Returns:** its cookie; `Err(then)` when the connection was given
+    /// up or has no free slot.
+    fn register(&self, mut then: Then, now: Instant, deadline: Instant) -> Result<u64, Then> {
+        let unflushed = matches!(then.command, CMD_WRITE | CMD_WRITE_ZEROES | CMD_TRIM)
+            && then.flags & CMD_FLAG_FUA == 0;
+        let mut s = self.shared.lock();
+        if s.dead.is_some() || s.pending.len() >= self.max_in_flight {
+            return Err(then);
+        }
+        then.sent_at = Some(now);
+        let cookie = s.next_cookie;
+        s.next_cookie += 1;
+        let pending = Pending {
+            deadline,
+            sent: false,
+            dest: None,
+            cv: Arc::new(Condvar::new()),
+            state: Slot::Waiting,
+            unflushed,
+            then: Some(then),
+        };
+        let was = s.pending.insert(cookie, pending);
+        assert!(was.is_none(), "cookie {cookie} is pending twice");
+        Ok(cookie)
+    }
+
+    /// Register `then` and hold it back with the others held on this
+    /// connection; they go out together at this thread's next
+    /// [`async_io::send_held`], or now when they fill a batch.
+    fn hold(self: &Arc<Self>, then: Then) -> Result<(), Then> {
+        let now = Instant::now();
+        let deadline = now + self.timeout;
+        let call = then.call(deadline);
+        let data = then.data.clone();
+        let header = then.header(0);
+        let cookie = self.register(then, now, deadline)?;
+        let full = {
+            let mut held = self.held.lock();
+            held.push(HeldReq {
+                cookie,
+                header: with_cookie(header, cookie),
+                data,
+                call,
+            });
+            let bytes: usize = held
+                .iter()
+                .filter_map(|r| r.data.as_ref())
+                .map(|d| d.len())
+                .sum();
+            held.len() >= HOLD_MAX_REQUESTS || bytes >= HOLD_MAX_BYTES
+        };
+        if full {
+            async_io::Held::send_held(&**self);
+        } else {
+            async_io::held_by(Arc::clone(self) as Arc<dyn async_io::Held>);
+        }
+        Ok(())
+    }
+
+    /// Write a request's buffers under the writer `w` (held): the first
+    /// attempt does not wait, and `None` means nothing of it was sent (the
+    /// socket took nothing, or the connection was given up); after a first
+    /// part, the rest is written by `deadline`.
     fn try_write(
         &self,
         w: &Stream,
-        header: &[u8],
-        parts: &[&[u8]],
+        bufs: &mut [IoSlice<'_>],
         deadline: Instant,
     ) -> Option<Result<(), Option<io::Error>>> {
-        let mut bufs: Vec<IoSlice<'_>> = std::iter::once(IoSlice::new(header))
-            .chain(parts.iter().map(|p| IoSlice::new(p)))
-            .collect();
         if !self.alive.load(Ordering::Acquire) {
             // Given up since it was picked: nothing sent, declined.
             return None;
         }
         if let Stream::Tls(_) = w {
-            return Some(write_all_by(w, &mut bufs, deadline).map_err(Some));
+            return Some(write_all_by(w, bufs, deadline).map_err(Some));
         }
-        let first = match sys::send_nowait(w.as_raw_fd(), &bufs) {
+        let first = match sys::send_nowait(w.as_raw_fd(), bufs) {
             Ok(0) => return Some(Err(Some(ErrorKind::WriteZero.into()))),
             Ok(n) => n,
             Err(e) if is_timeout(&e) || e.kind() == ErrorKind::Interrupted => return None,
             Err(e) => return Some(Err(Some(e))),
         };
-        let mut rest: &mut [IoSlice<'_>] = &mut bufs;
+        let mut rest: &mut [IoSlice<'_>] = bufs;
         IoSlice::advance_slices(&mut rest, first);
         Some(write_all_by(w, rest, deadline).map_err(Some))
     }
@@ -180,6 +227,50 @@ impl Conn {
         let mut then = p.then.expect("started");
         then.sent_at = None;
         Err(then)
+    }
+
+    /// Send every request held back here in one write (header and
+    /// payload after header), under the writer if it is free; each then
+    /// ends as a request sent alone would: declined (`Again`) when nothing
+    /// of them was sent, failed with the connection when the write failed.
+    fn send_held_now(&self) {
+        let held = std::mem::take(&mut *self.held.lock());
+        if held.is_empty() {
+            return;
+        }
+        let sent = self.writer.try_lock().and_then(|w| {
+            let parts: Vec<Vec<&[u8]>> = held
+                .iter()
+                .map(|r| r.data.as_ref().map_or_else(Vec::new, |d| d.segments()))
+                .collect();
+            let mut bufs =
+                Vec::with_capacity(held.len() + parts.iter().map(Vec::len).sum::<usize>());
+            for (r, p) in held.iter().zip(&parts) {
+                bufs.extend(request_bufs(&r.header, p));
+            }
+            let deadline = held.iter().map(|r| r.call.deadline).min()?;
+            self.try_write(&w, &mut bufs, deadline)
+        });
+        // The bytes are the requests' own from here (in the map).
+        let ends: Vec<(u64, Call)> = held.into_iter().map(|r| (r.cookie, r.call)).collect();
+        match sent {
+            None => {
+                for (cookie, _) in ends {
+                    if let Err(then) = self.unstart(cookie) {
+                        then.end(Outcome::Again(declined(
+                            "the store connection could not take the requests held for it",
+                        )));
+                    }
+                }
+            }
+            Some(sent) => {
+                let n = ends.len() as u64;
+                self.counters.started.fetch_add(n, Ordering::Relaxed);
+                for (cookie, call) in ends {
+                    self.after_send(&call, cookie, copy_sent(&sent));
+                }
+            }
+        }
     }
 
     /// The sender's side once its request was written (or not): mark it
@@ -353,6 +444,50 @@ impl Conn {
             }
             None => true,
         }
+    }
+}
+
+impl async_io::Held for Conn {
+    fn send_held(&self) {
+        self.send_held_now();
+    }
+}
+
+/// A started request registered on its connection and held back
+/// ([`async_io::hold_starts`]): sent with the others held there.
+pub(super) struct HeldReq {
+    cookie: u64,
+    header: [u8; REQUEST_BYTES],
+    /// A WRITE's bytes (the map's `Then` keeps them too).
+    data: Option<Arc<dyn Segments>>,
+    call: Call,
+}
+
+/// The most requests held back on one connection: the next one sends
+/// them all.
+const HOLD_MAX_REQUESTS: usize = 32;
+/// The most WRITE payload bytes held back on one connection.
+const HOLD_MAX_BYTES: usize = 256 << 10;
+
+/// `header` (an encoded request) with its cookie set to `cookie`.
+fn with_cookie(mut header: [u8; REQUEST_BYTES], cookie: u64) -> [u8; REQUEST_BYTES] {
+    header[8..16].copy_from_slice(&cookie.to_be_bytes());
+    header
+}
+
+/// A request's buffers: its header, then its payload's parts.
+fn request_bufs<'a>(header: &'a [u8], parts: &[&'a [u8]]) -> Vec<IoSlice<'a>> {
+    std::iter::once(IoSlice::new(header))
+        .chain(parts.iter().map(|p| IoSlice::new(p)))
+        .collect()
+}
+
+/// The outcome of one write of several requests, for each of them.
+fn copy_sent(sent: &Result<(), Option<io::Error>>) -> Result<(), Option<io::Error>> {
+    match sent {
+        Ok(()) => Ok(()),
+        Err(None) => Err(None),
+        Err(Some(e)) => Err(Some(io::Error::new(e.kind(), e.to_string()))),
     }
 }
 

@@ -59,6 +59,7 @@ use crate::server::shares::{BudgetWait, Claim, Look, PeerBudget};
 use crate::stats::Counters;
 use crate::transport::nonblocking::{Io, Transport};
 use crate::ExportInfo;
+use iopages_crypt::async_io;
 use iopages_crypt::backend::Extent;
 use parking_lot::Mutex;
 use std::collections::VecDeque;
@@ -524,6 +525,9 @@ impl Conn {
         ready: impl Fn() -> bool,
         lot: Option<RawFd>,
     ) -> io::Result<bool> {
+        // What this thread holds back for the store may be what it waits
+        // for.
+        async_io::send_held();
         self.flush_replies();
         self.discard_if_dead();
         let dead = self.dead.load(Ordering::Acquire);
@@ -1313,7 +1317,18 @@ pub(crate) fn transmit(conn: &Arc<Conn>, env: &ConnEnv<'_>, park_after: Option<D
     reader
         .stream
         .put_back(&std::mem::take(&mut *conn.unread.lock()));
-    let r = reader.run();
+    let r = {
+        // Requests held back for the store leave however `run` ends (an
+        // unwinding panic too): nothing held outlives the turn.
+        struct SendHeld;
+        impl Drop for SendHeld {
+            fn drop(&mut self) {
+                async_io::hold_starts(false);
+            }
+        }
+        let _send = SendHeld;
+        reader.run()
+    };
     DEFER_REPLIES.with(|d| d.set(false));
     if let Ok(idle @ Ended::Idle { .. }) = r {
         // Replies held back for a batch leave before the thread is given
@@ -1723,6 +1738,9 @@ impl Reader<'_, '_> {
         // may wait, the pump sends them.
         let more = self.stream.buffer().len() >= REQUEST_BYTES;
         DEFER_REPLIES.with(|d| d.set(more));
+        // So do requests this thread starts on a remote store: held back
+        // while more are buffered, sent together before anything waits.
+        async_io::hold_starts(more);
         if !more {
             self.conn.flush_replies();
         }
