@@ -30,7 +30,10 @@
 //! request, each with its own condition variable, under the connection's
 //! mutex). Requests are written whole (header and payload) under the
 //! connection's writer mutex by the calling thread, with sends that do
-//! not block, polled until the request's deadline. The reader reads
+//! not block, polled until the request's deadline; the started requests
+//! of a thread that holds them back
+//! ([`hold_starts`](iopages_crypt::async_io::hold_starts)) are written
+//! together, many per `sendmsg` (`started.rs`). The reader reads
 //! through a buffer ([`RECV_BUFFER_BYTES`]): one `read` brings in many
 //! small replies at once, and a large payload goes past the buffer
 //! straight into its destination; it waits for bytes with `poll` for
