@@ -52,16 +52,15 @@ impl Then {
         }
     }
 
-    /// Its request header, with `cookie`.
-    fn header(&self, cookie: u64) -> [u8; REQUEST_BYTES] {
+    /// Its request, cookie 0 (set once it is registered).
+    fn request(&self) -> Request {
         Request {
             flags: self.flags,
             command: self.command,
-            cookie,
+            cookie: 0,
             offset: self.offset,
             length: self.length,
         }
-        .encode()
     }
 
     fn call(&self, deadline: Instant) -> Call {
@@ -98,9 +97,9 @@ impl Conn {
         let Some(w) = self.writer.try_lock() else {
             return Err(then);
         };
-        let header = then.header(0);
-        let cookie = self.register(then, now, deadline)?;
-        let header = with_cookie(header, cookie);
+        let mut req = then.request();
+        req.cookie = self.register(then, now, deadline)?;
+        let (cookie, header) = (req.cookie, req.encode());
         let parts = data.as_ref().map_or_else(Vec::new, |d| d.segments());
         let mut bufs = request_bufs(&header, &parts);
         let sent = self.try_write(&w, &mut bufs, deadline);
@@ -154,13 +153,13 @@ impl Conn {
         let deadline = now + self.timeout;
         let call = then.call(deadline);
         let data = then.data.clone();
-        let header = then.header(0);
-        let cookie = self.register(then, now, deadline)?;
+        let mut req = then.request();
+        req.cookie = self.register(then, now, deadline)?;
         let full = {
             let mut held = self.held.lock();
             held.push(HeldReq {
-                cookie,
-                header: with_cookie(header, cookie),
+                cookie: req.cookie,
+                header: req.encode(),
                 data,
                 call,
             });
@@ -468,12 +467,6 @@ pub(super) struct HeldReq {
 const HOLD_MAX_REQUESTS: usize = 32;
 /// The most WRITE payload bytes held back on one connection.
 const HOLD_MAX_BYTES: usize = 256 << 10;
-
-/// `header` (an encoded request) with its cookie set to `cookie`.
-fn with_cookie(mut header: [u8; REQUEST_BYTES], cookie: u64) -> [u8; REQUEST_BYTES] {
-    header[8..16].copy_from_slice(&cookie.to_be_bytes());
-    header
-}
 
 /// A request's buffers: its header, then its payload's parts.
 fn request_bufs<'a>(header: &'a [u8], parts: &[&'a [u8]]) -> Vec<IoSlice<'a>> {
