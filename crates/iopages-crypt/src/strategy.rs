@@ -421,7 +421,7 @@ impl OutAllocator {
         out
     }
 
-    /// [`OutPageSource::alloc`] where serving needs no wait: below the
+    /// [`OutAllocator::alloc`] where serving needs no wait: below the
     /// limit, `nr_pages` (≥ 1) taken from the allocator in one
     /// non-blocking bulk call, whatever the strategy (counted as the bulk
     /// strategy's direct pages); `None`, nothing taken, at the limit or

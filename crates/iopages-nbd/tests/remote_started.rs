@@ -288,14 +288,15 @@ fn a_store_that_stops_answering_fails_started_requests_at_their_deadline() {
 }
 
 #[test]
-fn a_store_that_stops_reading_holds_one_sender_at_most_until_the_deadline() {
+fn a_store_that_stops_reading_holds_no_sender_and_fails_what_it_took() {
     let (_dir, spec) = fake_store(|_s| std::thread::sleep(Duration::from_secs(30)));
     let r = client(&spec);
     let (tx, rx): Ends = mpsc::channel();
     // 8 MiB of 128 KiB writes, far past what the socket holds: the
-    // socket takes the first ones whole, one in part (its sender waits
-    // for the deadline), and the rest find the socket full or the
-    // connection given up: declined, nothing of them sent.
+    // socket takes the first ones whole, one in part (its rest left to
+    // the reader, which fails it at its deadline), and the rest find the
+    // connection mid-request or given up: declined, nothing of them
+    // sent.
     let t0 = Instant::now();
     for i in 0..64u64 {
         start_write(&r, &tx, i, i * (128 << 10), vec![3u8; 128 << 10]);
@@ -503,4 +504,141 @@ fn requests_held_on_a_connection_that_dies_end_again_once() {
             e => panic!("read {tag}: {e:?}"),
         }
     }
+}
+
+/// A store that reads each WRITE's payload slowly (64 KiB at a time, 5 ms
+/// apart, after `go` says so), then answers as [`memory_store`] does.
+fn slow_reading_store(go: Receiver<()>) -> impl FnOnce(UnixStream) + Send + 'static {
+    move |s| {
+        let mut mem = vec![0u8; SIZE as usize];
+        let mut st = nbd_client::Store::new(s);
+        while let Ok(r) = st.read_request() {
+            let (at, n) = (r.offset as usize, r.length as usize);
+            let sent = match r.command {
+                CMD_WRITE => {
+                    let _ = go.recv_timeout(T * 2);
+                    let mut got = 0;
+                    while got < n {
+                        let k = (n - got).min(64 << 10);
+                        let part = st.read_raw(k).unwrap();
+                        mem[at + got..at + got + k].copy_from_slice(&part);
+                        got += k;
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                    st.simple_reply(0, r.cookie, &[])
+                }
+                CMD_READ => st.simple_reply(0, r.cookie, &mem[at..at + n]),
+                _ => return,
+            };
+            if sent.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// Start a WRITE of `data` at `offset`; its end reports the thread it
+/// ran on.
+fn start_write_on(
+    r: &NbdRemote,
+    tx: &Sender<(Ended, std::thread::ThreadId)>,
+    offset: u64,
+    data: Vec<u8>,
+) {
+    let tx = tx.clone();
+    let end = Box::new(move |o| {
+        let _ = tx.send((ended(o, Vec::new()), std::thread::current().id()));
+    });
+    let a = r.async_io().expect("a remote starts requests");
+    a.start_write(offset, Arc::new(Bytes(data)), false, end);
+}
+
+#[test]
+fn a_write_the_socket_takes_in_part_is_finished_by_the_reader_not_its_starter() {
+    let (go_tx, go) = mpsc::channel();
+    let (_dir, spec) = fake_store(slow_reading_store(go));
+    let r = client(&spec);
+    let (tx, rx) = mpsc::channel();
+    let data: Vec<u8> = (0..1u32 << 20).map(|i| (i % 253) as u8).collect();
+    // The store reads nothing of the payload until told: a starter that
+    // waited for it to be sent would never return to tell it.
+    start_write_on(&r, &tx, 4096, data.clone());
+    go_tx.send(()).unwrap();
+    let (e, on) = rx.recv_timeout(T * 2).expect("the write ended");
+    assert!(matches!(e, Ended::Ok(_)), "{e:?}");
+    assert_ne!(on, std::thread::current().id(), "ended by the reader");
+    // A blocking read of the same bytes: the store answers in order.
+    let mut back = vec![0u8; 1 << 20];
+    r.read_at(4096, &mut [&mut back]).unwrap();
+    assert!(back == data, "the store got the write's bytes");
+    assert_eq!(r.health().started, 1);
+}
+
+#[test]
+fn a_blocking_request_waits_for_a_write_left_in_part_and_follows_it() {
+    let (go_tx, go) = mpsc::channel();
+    let (_dir, spec) = fake_store(slow_reading_store(go));
+    let r = client(&spec);
+    let (tx, rx) = mpsc::channel();
+    start_write_on(&r, &tx, 0, vec![7u8; 1 << 20]);
+    go_tx.send(()).unwrap();
+    // Sent after the write's last byte on the one connection, never
+    // inside it: the store reads it as a request of its own.
+    let mut back = vec![0u8; 8192];
+    r.read_at((1 << 20) - 4096, &mut [&mut back]).unwrap();
+    assert!(back[..4096].iter().all(|&b| b == 7) && back[4096..].iter().all(|&b| b == 0));
+    let (e, _) = rx.recv_timeout(T).expect("the write ended");
+    assert!(matches!(e, Ended::Ok(_)), "{e:?}");
+}
+
+#[test]
+fn a_store_that_stops_reading_mid_write_fails_it_at_its_deadline_on_the_reader() {
+    let (_go_tx, go) = mpsc::channel::<()>();
+    // Told nothing, the store never reads the payload (it waits 2 × T).
+    let (_dir, spec) = fake_store(slow_reading_store(go));
+    let r = client(&spec);
+    let (tx, rx) = mpsc::channel();
+    let t0 = Instant::now();
+    start_write_on(&r, &tx, 0, vec![1u8; 1 << 20]);
+    let (e, on) = rx
+        .recv_timeout(T + Duration::from_secs(3))
+        .expect("the write ended by its deadline");
+    assert_ne!(on, std::thread::current().id(), "its starter did not wait");
+    match e {
+        Ended::Failed(ErrorKind::TimedOut, msg) => {
+            assert!(msg.contains("bytes left"), "{msg}");
+            assert!(t0.elapsed() >= T, "failed before its deadline");
+        }
+        e => panic!("{e:?}"),
+    }
+    assert!(
+        rx.recv_timeout(Duration::from_millis(200)).is_err(),
+        "ended once"
+    );
+}
+
+#[test]
+fn a_connection_that_ends_mid_write_ends_it_again_once() {
+    let (seen_tx, seen) = mpsc::channel();
+    let (_dir, spec) = fake_store(move |s| {
+        let mut st = nbd_client::Store::new(s);
+        let r = st.read_request().unwrap();
+        let _ = st.read_raw(64 << 10);
+        seen_tx.send(r.command).unwrap();
+        // Gone with most of the payload unread.
+    });
+    let r = client(&spec);
+    let (tx, rx) = mpsc::channel();
+    let t0 = Instant::now();
+    start_write_on(&r, &tx, 0, vec![2u8; 1 << 20]);
+    let (e, _) = rx.recv_timeout(T * 2).expect("the write ended");
+    match e {
+        Ended::Again(msg) => assert!(t0.elapsed() < T, "Again past the deadline: {msg}"),
+        e => panic!("{e:?}"),
+    }
+    assert!(
+        rx.recv_timeout(Duration::from_millis(200)).is_err(),
+        "ended once"
+    );
+    assert_eq!(seen.recv_timeout(T).unwrap(), CMD_WRITE, "it was started");
 }

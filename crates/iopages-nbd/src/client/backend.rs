@@ -489,11 +489,11 @@ impl Backend for NbdRemote {
 }
 
 /// The largest WRITE started without waiting: the submitting thread
-/// sends it itself, and a larger one could fill the socket's buffer and
-/// hold that thread while the store reads the rest (a store that stops
-/// reading would hold it until the deadline). Larger writes go to the
-/// crypt workers, which wait for the store instead.
-pub const ASYNC_WRITE_MAX_BYTES: usize = 128 << 10;
+/// encrypts it and sends what the socket takes at once; the connection's
+/// reader sends the rest as the store reads (`tail.rs`), so that no
+/// submitting thread waits on the store. Larger writes go to the crypt
+/// workers (their encryption is long work for a connection's thread).
+pub const ASYNC_WRITE_MAX_BYTES: usize = 1 << 20;
 
 /// The deadline of a request whose timeout is `timeout`: from `began`
 /// when it started before (never later than `now`), else from `now`.

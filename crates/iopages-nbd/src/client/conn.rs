@@ -100,6 +100,9 @@ pub(super) struct Recv {
     pub(super) end: usize,
     /// How long one wait for bytes lasts before `fill` asks its tick.
     tick: Duration,
+    /// The connection whose tail (`tail.rs`) this reader sends while it
+    /// waits for input.
+    tail_of: Option<Arc<Conn>>,
 }
 
 impl Recv {
@@ -110,7 +113,14 @@ impl Recv {
             pos: 0,
             end: 0,
             tick,
+            tail_of: None,
         }
+    }
+
+    /// The reader of `conn`: it sends the connection's tail while it waits.
+    pub(super) fn tending(mut self, conn: Arc<Conn>) -> Recv {
+        self.tail_of = Some(conn);
+        self
     }
 
     /// One read into `buf`; a wait for bytes lasts at most the tick and
@@ -119,15 +129,27 @@ impl Recv {
     /// also woken each time the store takes some of what the writer sends
     /// (the socket has one wait queue for both), five times or more for a
     /// 1 MiB write.
-    fn read_some(stream: &Stream, buf: &mut [u8], tick: Duration) -> io::Result<usize> {
+    fn read_some(
+        stream: &Stream,
+        tail_of: Option<&Conn>,
+        buf: &mut [u8],
+        tick: Duration,
+    ) -> io::Result<usize> {
         if let Stream::Tls(_) = stream {
             let mut s = stream;
             return s.read(buf);
         }
         let fd = stream.as_raw_fd();
+        if let Some(c) = tail_of {
+            c.tend_tail(true);
+        }
         match sys::recv_nowait(fd, buf) {
             Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                if sys::poll_until(fd, libc::POLLIN, Instant::now() + tick)? {
+                let input = match tail_of {
+                    Some(c) => c.wait_input(fd, tick)?,
+                    None => sys::poll_until(fd, libc::POLLIN, Instant::now() + tick)?,
+                };
+                if input {
                     sys::recv_nowait(fd, buf)
                 } else {
                     Err(e)
@@ -161,12 +183,13 @@ impl Recv {
                 continue;
             }
             let direct = out.len() - done >= self.buf.len();
+            let tail_of = self.tail_of.as_deref();
             let got = if direct {
-                Self::read_some(&self.stream, &mut out[done..], self.tick)
+                Self::read_some(&self.stream, tail_of, &mut out[done..], self.tick)
             } else {
                 self.pos = 0;
                 self.end = 0;
-                Self::read_some(&self.stream, &mut self.buf, self.tick)
+                Self::read_some(&self.stream, tail_of, &mut self.buf, self.tick)
             };
             match got {
                 Ok(0) => {
@@ -397,6 +420,14 @@ pub(super) struct Conn {
     /// Started requests registered and held back to be sent together
     /// (`started.rs`, [`async_io::hold_starts`]).
     pub(super) held: Mutex<Vec<HeldReq>>,
+    /// The rest of a write the socket took in part, sent by the reader
+    /// (`tail.rs`); `has_tail` says whether there is one.
+    pub(super) tail: Mutex<Option<Tail>>,
+    pub(super) has_tail: AtomicBool,
+    /// Writers waiting for the tail to go out wait here.
+    pub(super) tail_done: Condvar,
+    /// Written when a tail is left: the reader's wait ends.
+    pub(super) wake: std::os::fd::OwnedFd,
 }
 
 impl Conn {
@@ -518,7 +549,11 @@ impl Conn {
         // No caller is left; a writer stuck past its deadline gave the
         // connection up, so this waits for nothing long.
         let deadline = Instant::now() + self.timeout;
-        if let Some(w) = self.writer.try_lock_until(deadline) {
+        let w = self
+            .writer
+            .try_lock_until(deadline)
+            .and_then(|w| self.without_tail(w, deadline));
+        if let Some(w) = w {
             let _ = write_all_by(&w, &mut [IoSlice::new(&header)], deadline);
         }
         self.ctl.shutdown_how(Shutdown::Write);
@@ -625,7 +660,11 @@ impl Conn {
         let mut bufs: Vec<IoSlice<'_>> = std::iter::once(IoSlice::new(header))
             .chain(parts.iter().map(|p| IoSlice::new(p)))
             .collect();
-        match self.writer.try_lock_until(call.deadline) {
+        let w = self
+            .writer
+            .try_lock_until(call.deadline)
+            .and_then(|w| self.without_tail(w, call.deadline));
+        match w {
             None => Err(None),
             // Given up while this one waited: `kill` failed it already.
             Some(_) if !self.alive.load(Ordering::Acquire) => {
@@ -824,11 +863,12 @@ impl Conn {
     pub(super) fn reader(self: Arc<Conn>, stream: Stream) {
         self.read_replies(stream);
         self.sweep();
+        self.end_tail();
     }
 
-    fn read_replies(&self, stream: Stream) {
+    fn read_replies(self: &Arc<Conn>, stream: Stream) {
         let tick = (self.timeout / 8).clamp(Duration::from_millis(1), Duration::from_millis(250));
-        let mut rx = Recv::new(stream, RECV_BUFFER_BYTES, tick);
+        let mut rx = Recv::new(stream, RECV_BUFFER_BYTES, tick).tending(Arc::clone(self));
         let mut checked = Instant::now();
         loop {
             if !self.check_overdue(&mut checked, tick) {

@@ -547,6 +547,10 @@ impl Dialer {
             durability: pool.durability.clone(),
             counters: pool.counters.clone(),
             held: Mutex::new(Vec::new()),
+            tail: Mutex::new(None),
+            has_tail: AtomicBool::new(false),
+            tail_done: Condvar::new(),
+            wake: crate::sys::eventfd()?,
         });
         Ok((conn, s))
     }

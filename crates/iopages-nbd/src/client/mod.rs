@@ -51,7 +51,9 @@
 //! handshake (`wire.rs`), one connection and its reader thread
 //! (`conn.rs`), requests started without a waiting thread — the
 //! [`AsyncIo`](iopages_crypt::async_io::AsyncIo) the crypt queue starts
-//! reads and small writes through, ended by the reader (`started.rs`),
+//! reads and writes up to 1 MiB through, ended by the reader
+//! (`started.rs`), the rest of a write the socket took in part, which
+//! the reader sends as the store reads (`tail.rs`),
 //! the connections of a remote with their health and
 //! counters (`link.rs`), the URI's TLS settings and the connector
 //! (`tls.rs`), and the [`Backend`] itself (`backend.rs`); this file keeps
@@ -123,6 +125,7 @@ mod backend;
 mod conn;
 mod link;
 mod started;
+mod tail;
 #[cfg(test)]
 mod tests;
 pub(crate) mod tls;
@@ -134,6 +137,7 @@ use conn::*;
 pub use link::RemoteHealth;
 use link::*;
 use started::*;
+use tail::Tail;
 pub use uri::*;
 use wire::*;
 

@@ -90,31 +90,38 @@ impl Conn {
         if async_io::holding() {
             return self.hold(then);
         }
+        let Some(w) = self.writer.try_lock() else {
+            return Err(then);
+        };
+        let req = self.register_req(then)?;
+        let cookie = req.cookie;
+        match self.write_reqs(&w, vec![req]) {
+            Written::Declined(_) => {
+                drop(w);
+                self.unstart(cookie)
+            }
+            written => {
+                drop(w);
+                self.after_written(written);
+                Ok(())
+            }
+        }
+    }
+
+    /// Register `then` (see [`Conn::register`]) as a request to write.
+    fn register_req(&self, then: Then) -> Result<HeldReq, Then> {
         let now = Instant::now();
         let deadline = now + self.timeout;
         let call = then.call(deadline);
         let data = then.data.clone();
-        let Some(w) = self.writer.try_lock() else {
-            return Err(then);
-        };
         let mut req = then.request();
         req.cookie = self.register(then, now, deadline)?;
-        let (cookie, header) = (req.cookie, req.encode());
-        let parts = data.as_ref().map_or_else(Vec::new, |d| d.segments());
-        let mut bufs = request_bufs(&header, &parts);
-        let sent = self.try_write(&w, &mut bufs, deadline);
-        // The bytes are the request's own from here (in the map): the
-        // last reference goes with it, before its end runs.
-        drop((w, bufs, parts));
-        drop(data);
-        match sent {
-            Some(sent) => {
-                self.counters.started.fetch_add(1, Ordering::Relaxed);
-                self.after_send(&call, cookie, sent)
-            }
-            None => return self.unstart(cookie),
-        }
-        Ok(())
+        Ok(HeldReq {
+            cookie: req.cookie,
+            header: req.encode(),
+            data,
+            call,
+        })
     }
 
     /// Register `then` in a free slot, started at `now`.
@@ -149,20 +156,10 @@ impl Conn {
     /// connection; they go out together at this thread's next
     /// [`async_io::send_held`], or now when they fill a batch.
     fn hold(self: &Arc<Self>, then: Then) -> Result<(), Then> {
-        let now = Instant::now();
-        let deadline = now + self.timeout;
-        let call = then.call(deadline);
-        let data = then.data.clone();
-        let mut req = then.request();
-        req.cookie = self.register(then, now, deadline)?;
+        let req = self.register_req(then)?;
         let full = {
             let mut held = self.held.lock();
-            held.push(HeldReq {
-                cookie: req.cookie,
-                header: req.encode(),
-                data,
-                call,
-            });
+            held.push(req);
             let bytes: usize = held
                 .iter()
                 .filter_map(|r| r.data.as_ref())
@@ -178,32 +175,71 @@ impl Conn {
         Ok(())
     }
 
-    /// Write a request's buffers under the writer `w` (held): the first
-    /// attempt does not wait, and `None` means nothing of it was sent (the
-    /// socket took nothing, or the connection was given up); after a first
-    /// part, the rest is written by `deadline`.
-    fn try_write(
-        &self,
-        w: &Stream,
-        bufs: &mut [IoSlice<'_>],
-        deadline: Instant,
-    ) -> Option<Result<(), Option<io::Error>>> {
-        if !self.alive.load(Ordering::Acquire) {
-            // Given up since it was picked: nothing sent, declined.
-            return None;
+    /// Write `reqs` (headers and payloads in order, one `sendmsg`) under
+    /// the writer `w` (held). The first attempt does not wait. What a
+    /// plain socket did not take at once is left to the connection's
+    /// reader (`tail.rs`), which sends it as the store reads, by the
+    /// requests' deadline; a TLS stream is written whole here by then.
+    fn write_reqs(&self, w: &Stream, reqs: Vec<HeldReq>) -> Written {
+        if !self.alive.load(Ordering::Acquire) || self.tail_busy() {
+            // Given up since it was picked, or mid-request: nothing sent.
+            return Written::Declined(reqs);
         }
-        if let Stream::Tls(_) = w {
-            return Some(write_all_by(w, bufs, deadline).map_err(Some));
-        }
-        let first = match sys::send_nowait(w.as_raw_fd(), bufs) {
-            Ok(0) => return Some(Err(Some(ErrorKind::WriteZero.into()))),
-            Ok(n) => n,
-            Err(e) if is_timeout(&e) || e.kind() == ErrorKind::Interrupted => return None,
-            Err(e) => return Some(Err(Some(e))),
+        let Some(deadline) = reqs.iter().map(|r| r.call.deadline).min() else {
+            return Written::Ended(reqs, Ok(()));
         };
-        let mut rest: &mut [IoSlice<'_>] = bufs;
-        IoSlice::advance_slices(&mut rest, first);
-        Some(write_all_by(w, rest, deadline).map_err(Some))
+        let (first, total) = {
+            let parts: Vec<Vec<&[u8]>> = reqs.iter().map(HeldReq::parts).collect();
+            let mut bufs = reqs_bufs(&reqs, &parts);
+            let total: usize = bufs.iter().map(|b| b.len()).sum();
+            match w {
+                Stream::Tls(_) => (write_all_by(w, &mut bufs, deadline).map(|()| total), total),
+                _ => (sys::send_nowait(w.as_raw_fd(), &bufs), total),
+            }
+        };
+        if let (Stream::Tls(_), Err(e)) = (w, &first) {
+            let e = io::Error::new(e.kind(), e.to_string());
+            return Written::Ended(reqs, Err(Some(e)));
+        }
+        match first {
+            Ok(0) => Written::Ended(reqs, Err(Some(ErrorKind::WriteZero.into()))),
+            Ok(n) if n == total => Written::Ended(reqs, Ok(())),
+            Ok(n) => match self.leave_tail(reqs, n) {
+                Ok(()) => Written::Left,
+                Err((reqs, e)) => Written::Ended(reqs, Err(Some(e))),
+            },
+            Err(e) if is_timeout(&e) || e.kind() == ErrorKind::Interrupted => {
+                Written::Declined(reqs)
+            }
+            Err(e) => Written::Ended(reqs, Err(Some(e))),
+        }
+    }
+
+    /// Each request of a write that ended (`Written::Ended`) ends as its
+    /// sender's side says ([`Conn::after_send`]); declined ones end
+    /// `Again`.
+    pub(super) fn after_written(&self, written: Written) {
+        match written {
+            Written::Left => {}
+            Written::Declined(reqs) => {
+                for r in reqs {
+                    if let Err(then) = self.unstart(r.cookie) {
+                        then.end(Outcome::Again(declined(
+                            "the store connection could not take the requests held for it",
+                        )));
+                    }
+                }
+            }
+            Written::Ended(reqs, sent) => {
+                let n = reqs.len() as u64;
+                self.counters.started.fetch_add(n, Ordering::Relaxed);
+                // The bytes are the requests' own from here (in the map).
+                let ends: Vec<(u64, Call)> = reqs.into_iter().map(|r| (r.cookie, r.call)).collect();
+                for (cookie, call) in ends {
+                    self.after_send(&call, cookie, copy_sent(&sent));
+                }
+            }
+        }
     }
 
     /// Take back a request nothing of which was sent.
@@ -237,39 +273,11 @@ impl Conn {
         if held.is_empty() {
             return;
         }
-        let sent = self.writer.try_lock().and_then(|w| {
-            let parts: Vec<Vec<&[u8]>> = held
-                .iter()
-                .map(|r| r.data.as_ref().map_or_else(Vec::new, |d| d.segments()))
-                .collect();
-            let mut bufs =
-                Vec::with_capacity(held.len() + parts.iter().map(Vec::len).sum::<usize>());
-            for (r, p) in held.iter().zip(&parts) {
-                bufs.extend(request_bufs(&r.header, p));
-            }
-            let deadline = held.iter().map(|r| r.call.deadline).min()?;
-            self.try_write(&w, &mut bufs, deadline)
-        });
-        // The bytes are the requests' own from here (in the map).
-        let ends: Vec<(u64, Call)> = held.into_iter().map(|r| (r.cookie, r.call)).collect();
-        match sent {
-            None => {
-                for (cookie, _) in ends {
-                    if let Err(then) = self.unstart(cookie) {
-                        then.end(Outcome::Again(declined(
-                            "the store connection could not take the requests held for it",
-                        )));
-                    }
-                }
-            }
-            Some(sent) => {
-                let n = ends.len() as u64;
-                self.counters.started.fetch_add(n, Ordering::Relaxed);
-                for (cookie, call) in ends {
-                    self.after_send(&call, cookie, copy_sent(&sent));
-                }
-            }
-        }
+        let written = match self.writer.try_lock() {
+            Some(w) => self.write_reqs(&w, held),
+            None => Written::Declined(held),
+        };
+        self.after_written(written);
     }
 
     /// The sender's side once its request was written (or not): mark it
@@ -455,11 +463,29 @@ impl async_io::Held for Conn {
 /// A started request registered on its connection and held back
 /// ([`async_io::hold_starts`]): sent with the others held there.
 pub(super) struct HeldReq {
-    cookie: u64,
-    header: [u8; REQUEST_BYTES],
+    pub(super) cookie: u64,
+    pub(super) header: [u8; REQUEST_BYTES],
     /// A WRITE's bytes (the map's `Then` keeps them too).
-    data: Option<Arc<dyn Segments>>,
-    call: Call,
+    pub(super) data: Option<Arc<dyn Segments>>,
+    pub(super) call: Call,
+}
+
+impl HeldReq {
+    /// Its payload's parts (none but a WRITE's).
+    pub(super) fn parts(&self) -> Vec<&[u8]> {
+        self.data.as_ref().map_or_else(Vec::new, |d| d.segments())
+    }
+}
+
+/// What became of requests written together ([`Conn::write_reqs`]).
+pub(super) enum Written {
+    /// Nothing of them was sent: the socket took nothing, the writer was
+    /// mid-request, or the connection was given up.
+    Declined(Vec<HeldReq>),
+    /// Sent whole (`Ok`), or the write failed.
+    Ended(Vec<HeldReq>, Result<(), Option<io::Error>>),
+    /// Sent in part; the connection's reader sends the rest and ends them.
+    Left,
 }
 
 /// The most requests held back on one connection: the next one sends
@@ -468,15 +494,19 @@ const HOLD_MAX_REQUESTS: usize = 32;
 /// The most WRITE payload bytes held back on one connection.
 const HOLD_MAX_BYTES: usize = 256 << 10;
 
-/// A request's buffers: its header, then its payload's parts.
-fn request_bufs<'a>(header: &'a [u8], parts: &[&'a [u8]]) -> Vec<IoSlice<'a>> {
-    std::iter::once(IoSlice::new(header))
-        .chain(parts.iter().map(|p| IoSlice::new(p)))
-        .collect()
+/// Requests' buffers, in order: each one's header, then its payload's
+/// parts (`parts`, one list per request).
+pub(super) fn reqs_bufs<'a>(reqs: &'a [HeldReq], parts: &'a [Vec<&'a [u8]>]) -> Vec<IoSlice<'a>> {
+    let mut bufs = Vec::with_capacity(reqs.len() + parts.iter().map(Vec::len).sum::<usize>());
+    for (r, p) in reqs.iter().zip(parts) {
+        bufs.push(IoSlice::new(&r.header));
+        bufs.extend(p.iter().map(|x| IoSlice::new(x)));
+    }
+    bufs
 }
 
 /// The outcome of one write of several requests, for each of them.
-fn copy_sent(sent: &Result<(), Option<io::Error>>) -> Result<(), Option<io::Error>> {
+pub(super) fn copy_sent(sent: &Result<(), Option<io::Error>>) -> Result<(), Option<io::Error>> {
     match sent {
         Ok(()) => Ok(()),
         Err(None) => Err(None),
