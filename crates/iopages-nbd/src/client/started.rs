@@ -78,12 +78,14 @@ impl Conn {
     /// free slot and sent whole by this thread, its reply awaited by the
     /// reader thread. Only when the writer is free and the socket takes
     /// the request's first bytes at once; the rest of a request the socket
-    /// took in part is written by its deadline. While this thread holds
-    /// requests back ([`async_io::hold_starts`]) it is registered and held
-    /// instead, and sent with the others held here ([`Conn::send_held`]).
+    /// took in part is left to the reader (`tail.rs`). While this thread
+    /// holds requests back ([`async_io::hold_starts`]) it is registered
+    /// and held instead, and sent with the others held here
+    /// ([`Conn::send_held_now`]).
     ///
     /// **Returns:** `Err(then)`, nothing sent, when the connection was
-    /// given up, has no free slot, or its writer or socket is busy;
+    /// given up, has no free slot, or its writer or socket is busy (a
+    /// write left in part included);
     /// otherwise its end is called exactly once (here, when its sending
     /// failed or its reply came first).
     pub(super) fn start(self: &Arc<Self>, then: Then) -> Result<(), Then> {
@@ -156,6 +158,10 @@ impl Conn {
     /// connection; they go out together at this thread's next
     /// [`async_io::send_held`], or now when they fill a batch.
     fn hold(self: &Arc<Self>, then: Then) -> Result<(), Then> {
+        if self.tail_busy() {
+            // Mid-request: another connection may take it now.
+            return Err(then);
+        }
         let req = self.register_req(then)?;
         let full = {
             let mut held = self.held.lock();
