@@ -375,10 +375,14 @@ fn a_remote_dropped_with_started_requests_in_flight_ends_each_once() {
     }
 }
 
-/// A store that hands every request it reads, as it reads it, to `tx`,
-/// and answers as [`memory_store`] does (all at offsets below
-/// [`FAILING`]).
-fn telling_store(tx: Sender<u64>) -> impl FnOnce(UnixStream) + Send + 'static {
+/// A store that keeps the export in memory and answers in order (all at
+/// offsets below [`FAILING`]); with `tell`, it hands each request's
+/// offset there once answered; with `slow`, it reads each WRITE's payload
+/// only after `slow` says so, 64 KiB at a time, 5 ms apart.
+fn scripted_store(
+    tell: Option<Sender<u64>>,
+    slow: Option<Receiver<()>>,
+) -> impl FnOnce(UnixStream) + Send + 'static {
     move |s| {
         let mut mem = vec![0u8; SIZE as usize];
         let mut st = nbd_client::Store::new(s);
@@ -386,18 +390,36 @@ fn telling_store(tx: Sender<u64>) -> impl FnOnce(UnixStream) + Send + 'static {
             let (at, n) = (r.offset as usize, r.length as usize);
             let sent = match r.command {
                 CMD_WRITE => {
-                    let data = st.read_raw(n).unwrap();
-                    mem[at..at + n].copy_from_slice(&data);
+                    if let Some(go) = &slow {
+                        let _ = go.recv_timeout(T * 2);
+                    }
+                    let step = if slow.is_some() { 64 << 10 } else { n };
+                    let mut got = 0;
+                    while got < n {
+                        let k = (n - got).min(step);
+                        let part = st.read_raw(k).unwrap();
+                        mem[at + got..at + got + k].copy_from_slice(&part);
+                        got += k;
+                        if slow.is_some() {
+                            std::thread::sleep(Duration::from_millis(5));
+                        }
+                    }
                     st.simple_reply(0, r.cookie, &[])
                 }
                 CMD_READ => st.simple_reply(0, r.cookie, &mem[at..at + n]),
                 _ => return,
             };
-            if sent.is_err() || tx.send(r.offset).is_err() {
+            let told = tell.as_ref().map_or(Ok(()), |t| t.send(r.offset));
+            if sent.is_err() || told.is_err() {
                 return;
             }
         }
     }
+}
+
+/// [`scripted_store`] that tells each request's offset to `tx`.
+fn telling_store(tx: Sender<u64>) -> impl FnOnce(UnixStream) + Send + 'static {
+    scripted_store(Some(tx), None)
 }
 
 #[test]
@@ -506,35 +528,9 @@ fn requests_held_on_a_connection_that_dies_end_again_once() {
     }
 }
 
-/// A store that reads each WRITE's payload slowly (64 KiB at a time, 5 ms
-/// apart, after `go` says so), then answers as [`memory_store`] does.
+/// [`scripted_store`] that reads each WRITE's payload slowly, after `go`.
 fn slow_reading_store(go: Receiver<()>) -> impl FnOnce(UnixStream) + Send + 'static {
-    move |s| {
-        let mut mem = vec![0u8; SIZE as usize];
-        let mut st = nbd_client::Store::new(s);
-        while let Ok(r) = st.read_request() {
-            let (at, n) = (r.offset as usize, r.length as usize);
-            let sent = match r.command {
-                CMD_WRITE => {
-                    let _ = go.recv_timeout(T * 2);
-                    let mut got = 0;
-                    while got < n {
-                        let k = (n - got).min(64 << 10);
-                        let part = st.read_raw(k).unwrap();
-                        mem[at + got..at + got + k].copy_from_slice(&part);
-                        got += k;
-                        std::thread::sleep(Duration::from_millis(5));
-                    }
-                    st.simple_reply(0, r.cookie, &[])
-                }
-                CMD_READ => st.simple_reply(0, r.cookie, &mem[at..at + n]),
-                _ => return,
-            };
-            if sent.is_err() {
-                return;
-            }
-        }
-    }
+    scripted_store(None, Some(go))
 }
 
 /// Start a WRITE of `data` at `offset`; its end reports the thread it
