@@ -38,7 +38,8 @@
 //! small replies at once, and a large payload goes past the buffer
 //! straight into its destination; it waits for bytes with `poll` for
 //! input, not asleep in `recv` (which a Unix socket also wakes for every
-//! piece of a write the store takes). A read's data is put by the reader
+//! piece of a write the store takes), and for room while a write the
+//! socket took in part is left to it (`tail.rs`). A read's data is put by the reader
 //! into the waiting caller's own buffers (registered with the request),
 //! so a reply costs one wake-up of its caller and no hand-off of the
 //! socket; the caller does not return while the reader may be writing
