@@ -556,6 +556,15 @@ mod tests {
     use iopages::PageAllocator;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
+    /// A test arena of `bytes`, without huge pages.
+    fn arena(bytes: u64) -> PageAllocator {
+        PageAllocator::builder()
+            .size_bytes(bytes)
+            .huge_pages(iopages::HugePages::Never)
+            .build()
+            .unwrap()
+    }
+
     fn queue(workers: usize, depth: usize, store: bool) -> (PageAllocator, CryptQueue<CipherPool>) {
         queue_with(workers, depth, store, false)
     }
@@ -566,11 +575,7 @@ mod tests {
         store: bool,
         preallocated_out: bool,
     ) -> (PageAllocator, CryptQueue<CipherPool>) {
-        let alloc = PageAllocator::builder()
-            .size_bytes(64 << 20)
-            .huge_pages(iopages::HugePages::Never)
-            .build()
-            .unwrap();
+        let alloc = arena(64 << 20);
         let backend: Arc<dyn crate::backend::Backend> = if store {
             Arc::new(PageStore::new(&alloc, 8 << 20).unwrap())
         } else {
@@ -869,11 +874,7 @@ mod tests {
     }
 
     fn later_queue(delay: Duration) -> (PageAllocator, Arc<Later>, CryptQueue<CipherPool>) {
-        let alloc = PageAllocator::builder()
-            .size_bytes(64 << 20)
-            .huge_pages(iopages::HugePages::Never)
-            .build()
-            .unwrap();
+        let alloc = arena(64 << 20);
         let later = Later::new(delay);
         let key: Vec<u8> = (0..64u8).collect();
         let cipher = CipherPool::new(crate::XtsCipher::new(&key, 4096, 0).unwrap(), 2).unwrap();
@@ -1049,11 +1050,7 @@ mod tests {
 
     #[test]
     fn a_thread_holding_started_requests_sends_them_before_it_waits_for_a_slot() {
-        let alloc = PageAllocator::builder()
-            .size_bytes(16 << 20)
-            .huge_pages(iopages::HugePages::Never)
-            .build()
-            .unwrap();
+        let alloc = arena(16 << 20);
         let holder = Arc::new_cyclic(|me| Holder {
             disk: RamDisk::new(1 << 20).unwrap(),
             held: parking_lot::Mutex::new(Vec::new()),

@@ -152,6 +152,17 @@ impl OutPages {
         }
     }
 
+    /// Take ownership of the order-0 pages in `slots`, every one filled.
+    ///
+    /// # Safety
+    /// As [`OutPages::push_raw`] for each page.
+    unsafe fn push_slots(&mut self, slots: Vec<Option<Page>>) {
+        for p in slots {
+            // SAFETY: passed on: the caller owns each page and gives it up.
+            unsafe { self.push_raw(p.expect("every slot filled"), 0) };
+        }
+    }
+
     /// Take ownership of a page of the device's arena.
     ///
     /// # Safety
@@ -405,10 +416,7 @@ impl OutAllocator {
     /// allocator serves without reclaim; at the limit, or when it is short,
     /// the mempool's reserve serves or the call waits for a free).
     pub fn alloc(&self, nr_pages: usize) -> OutPages {
-        let mut out = OutPages {
-            buf: FolioBuffer::with_capacity(&self.alloc, nr_pages),
-            nr_pages: 0,
-        };
+        let mut out = self.empty_out(nr_pages);
         match self.strategy() {
             Strategy::PerPage => self.fill_per_page(&mut out, nr_pages),
             Strategy::Bulk => self.fill_bulk(&mut out, nr_pages),
@@ -439,17 +447,20 @@ impl OutAllocator {
             return None;
         }
         self.direct_pages.add(got as i64);
-        let mut out = OutPages {
-            buf: FolioBuffer::with_capacity(&self.alloc, nr_pages),
-            nr_pages: 0,
-        };
-        for p in slots {
-            // SAFETY: each slot was filled by the bulk call above with an
-            // order-0 page of `self.alloc`, seen by nobody else.
-            unsafe { out.push_raw(p.expect("every slot filled"), 0) };
-        }
+        let mut out = self.empty_out(nr_pages);
+        // SAFETY: every slot was filled by the bulk call above with an
+        // order-0 page of `self.alloc`, seen by nobody else.
+        unsafe { out.push_slots(slots) };
         self.limit.allocated.add(out.nr_pages as i64);
         Some(out)
+    }
+
+    /// An empty out buffer with room for `nr_pages`.
+    fn empty_out(&self, nr_pages: usize) -> OutPages {
+        OutPages {
+            buf: FolioBuffer::with_capacity(&self.alloc, nr_pages),
+            nr_pages: 0,
+        }
     }
 
     /// Flags for the strategies' own non-blocking attempts, or `None` at
@@ -496,12 +507,10 @@ impl OutAllocator {
                 at = end;
             }
         }
-        for p in slots {
-            // SAFETY: each slot was filled by this call, by the bulk
-            // allocator or the mempool (order-0 pages of `self.alloc`),
-            // and nobody else saw the page.
-            unsafe { out.push_raw(p.expect("every slot filled"), 0) };
-        }
+        // SAFETY: every slot was filled by this call, by the bulk
+        // allocator or the mempool (order-0 pages of `self.alloc`), and
+        // nobody else saw the page.
+        unsafe { out.push_slots(slots) };
     }
 
     fn fill_compound(&self, out: &mut OutPages, nr_pages: usize) {

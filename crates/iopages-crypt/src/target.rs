@@ -736,14 +736,13 @@ impl<C: SectorCipher> CryptTarget<C> {
         let pages = data.len().div_ceil(PAGE_SIZE);
         // Requests this thread holds back may be what frees pages: it
         // sends them before it may wait for one.
-        let held = crate::async_io::holding();
-        let mut out = held
+        let ready = crate::async_io::holding()
             .then(|| self.out.try_alloc(pages))
-            .flatten()
-            .unwrap_or_else(|| {
-                crate::async_io::send_held();
-                self.out.alloc(pages)
-            });
+            .flatten();
+        let mut out = ready.unwrap_or_else(|| {
+            crate::async_io::send_held();
+            self.out.alloc(pages)
+        });
         account(&self.counters.alloc_ns, start);
         if self
             .encrypt(sector, data, out.buffer_mut(), |_| {})

@@ -197,16 +197,14 @@ impl Conn {
         let (first, total) = {
             let parts: Vec<Vec<&[u8]>> = reqs.iter().map(HeldReq::parts).collect();
             let mut bufs = reqs_bufs(&reqs, &parts);
-            let total: usize = bufs.iter().map(|b| b.len()).sum();
-            match w {
-                Stream::Tls(_) => (write_all_by(w, &mut bufs, deadline).map(|()| total), total),
-                _ => (sys::send_nowait(w.as_raw_fd(), &bufs), total),
+            if let Stream::Tls(_) = w {
+                let sent = write_all_by(w, &mut bufs, deadline).map_err(Some);
+                drop(bufs);
+                return Written::Ended(reqs, sent);
             }
+            let total: usize = bufs.iter().map(|b| b.len()).sum();
+            (sys::send_nowait(w.as_raw_fd(), &bufs), total)
         };
-        if let (Stream::Tls(_), Err(e)) = (w, &first) {
-            let e = io::Error::new(e.kind(), e.to_string());
-            return Written::Ended(reqs, Err(Some(e)));
-        }
         match first {
             Ok(0) => Written::Ended(reqs, Err(Some(ErrorKind::WriteZero.into()))),
             Ok(n) if n == total => Written::Ended(reqs, Ok(())),
