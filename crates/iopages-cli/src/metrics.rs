@@ -473,6 +473,12 @@ fn server(f: &mut Families<'_>, t: &Stats) {
         "TLS handshakes that failed.",
         Counter,
         t.tls_failures,
+    );
+    f.one(
+        "iopages_reply_writes",
+        "Socket writes that carried replies to clients (replies per write: requests over this).",
+        Counter,
+        t.reply_writes,
     )
 }
 

@@ -25,6 +25,11 @@
 //! them ([`send_held`], or `hold_starts(false)`) before it waits for
 //! anything — a client, a free slot, a page — since what it waits for may
 //! be the end of a request it holds.
+//!
+//! The mirror on the completing side: a thread that ends many requests
+//! in a row (a store's reader, with a burst of replies in its buffer)
+//! lets what their ends produce — a server's replies — be held back too
+//! ([`batch_ends`]), and sends it the same way before it waits.
 
 use std::cell::{Cell, RefCell};
 use std::io;
@@ -40,6 +45,9 @@ thread_local! {
     static HOLDING: Cell<bool> = const { Cell::new(false) };
     /// What holds requests this thread started, each once.
     static HELD: RefCell<Vec<Arc<dyn Held>>> = const { RefCell::new(Vec::new()) };
+    /// Whether this thread ends requests in batches now (see
+    /// [`batch_ends`]).
+    static BATCHING: Cell<bool> = const { Cell::new(false) };
 }
 
 /// Requests started on a thread and held back, to go out together
@@ -65,6 +73,25 @@ pub fn hold_starts(on: bool) {
 /// Whether requests started on this thread now may be held back.
 pub fn holding() -> bool {
     HOLDING.with(Cell::get)
+}
+
+/// Mark this thread as one that ends many requests in a row (`true`): a
+/// store connection's reader, which ends every request whose reply the
+/// store sent in one burst. What those ends make for someone else (a
+/// server's replies to its clients) may then be held back with
+/// [`held_by`] and go out together at the thread's next [`send_held`],
+/// which it calls before it waits for anything. `false` sends everything
+/// held and holds no more.
+pub fn batch_ends(on: bool) {
+    BATCHING.with(|b| b.set(on));
+    if !on {
+        send_held();
+    }
+}
+
+/// Whether this thread now ends requests in batches ([`batch_ends`]).
+pub fn batching_ends() -> bool {
+    BATCHING.with(Cell::get)
 }
 
 /// `h` holds requests this thread started: the next [`send_held`] on this
@@ -233,6 +260,23 @@ mod tests {
         fn send_held(&self) {
             self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
+    }
+
+    #[test]
+    fn batched_ends_are_apart_from_holding_and_ending_the_batch_sends_what_it_held() {
+        use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+        let a = Arc::new(Counted(AtomicUsize::new(0)));
+        assert!(!batching_ends());
+        batch_ends(true);
+        assert!(batching_ends());
+        assert!(!holding(), "batching ends does not hold starts");
+        assert!(!std::thread::spawn(batching_ends).join().unwrap());
+        held_by(a.clone());
+        held_by(a.clone());
+        assert_eq!(a.0.load(Relaxed), 0);
+        batch_ends(false);
+        assert!(!batching_ends());
+        assert_eq!(a.0.load(Relaxed), 1, "ending the batch sends, once");
     }
 
     #[test]

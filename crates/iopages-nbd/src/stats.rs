@@ -82,6 +82,10 @@ pub struct Stats {
     pub payload_timeouts: u64,
     /// Connections closed after the idle timeout.
     pub idle_closes: u64,
+    /// Socket writes that carried replies to clients (a reply bigger
+    /// than one write's room counts each): replies over this is how many
+    /// replies one write carried.
+    pub reply_writes: u64,
     /// Requests that waited for the server's byte budget.
     pub budget_waits: u64,
     /// Requests answered ENOMEM: the budget stayed exhausted.
@@ -189,6 +193,7 @@ impl Stats {
         self.reply_timeouts += o.reply_timeouts;
         self.payload_timeouts += o.payload_timeouts;
         self.idle_closes += o.idle_closes;
+        self.reply_writes += o.reply_writes;
         self.budget_waits += o.budget_waits;
         self.budget_refusals += o.budget_refusals;
         self.budget_used_bytes += o.budget_used_bytes;
@@ -461,6 +466,7 @@ pub(crate) struct Counters {
     pub(crate) reply_timeouts: AtomicU64,
     pub(crate) payload_timeouts: AtomicU64,
     pub(crate) idle_closes: AtomicU64,
+    pub(crate) reply_writes: AtomicU64,
     pub(crate) budget_waits: AtomicU64,
     pub(crate) budget_refusals: AtomicU64,
     pub(crate) authorization_refusals: AtomicU64,
@@ -517,6 +523,7 @@ impl Counters {
             reply_timeouts: self.reply_timeouts.load(Ordering::Relaxed),
             payload_timeouts: self.payload_timeouts.load(Ordering::Relaxed),
             idle_closes: self.idle_closes.load(Ordering::Relaxed),
+            reply_writes: self.reply_writes.load(Ordering::Relaxed),
             budget_waits: self.budget_waits.load(Ordering::Relaxed),
             budget_refusals: self.budget_refusals.load(Ordering::Relaxed),
             budget_used_bytes: 0,

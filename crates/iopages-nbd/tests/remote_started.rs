@@ -638,3 +638,105 @@ fn a_connection_that_ends_mid_write_ends_it_again_once() {
     );
     assert_eq!(seen.recv_timeout(T).unwrap(), CMD_WRITE, "it was started");
 }
+
+/// A store that answers nothing until `n` requests are in, then every
+/// one of them in one write (a burst); again for the next `n`.
+fn bursting_store(n: usize) -> impl FnOnce(UnixStream) + Send + 'static {
+    move |s| {
+        let mut st = nbd_client::Store::new(s);
+        loop {
+            let mut burst = Vec::new();
+            for _ in 0..n {
+                let Ok(r) = st.read_request() else { return };
+                burst.extend_from_slice(&simple_reply_bytes(0, r.cookie));
+                burst.resize(burst.len() + r.length as usize, r.cookie as u8);
+            }
+            if st.send_raw(&burst).is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// What the ends of reads held ([`async_io::held_by`]), and how much of
+/// it each send found.
+struct Tally {
+    held: std::sync::atomic::AtomicUsize,
+    sends: std::sync::Mutex<Vec<usize>>,
+}
+
+impl iopages_crypt::async_io::Held for Tally {
+    fn send_held(&self) {
+        let held = self.held.load(std::sync::atomic::Ordering::SeqCst);
+        self.sends.lock().unwrap().push(held);
+    }
+}
+
+/// A read whose end tells whether its thread ends requests in batches,
+/// and holds something back there.
+struct Holding {
+    buf: Vec<u8>,
+    tally: Arc<Tally>,
+    tx: Sender<bool>,
+}
+
+impl ReadInto for Holding {
+    fn buf(&mut self) -> &mut [u8] {
+        &mut self.buf
+    }
+    fn end(self: Box<Self>, outcome: Outcome) {
+        use iopages_crypt::async_io;
+        assert!(matches!(outcome, Outcome::Done(Ok(()))), "{outcome:?}");
+        self.tally
+            .held
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        async_io::held_by(self.tally.clone());
+        let _ = self.tx.send(async_io::batching_ends());
+    }
+}
+
+/// The reader ends a burst of replies as a batch: each end sees
+/// `batching_ends`, and what the ends hold back goes out once the burst
+/// is read — before the reader waits for the store again, which then
+/// sends nothing more — in fewer sends than ends.
+#[test]
+fn the_reader_ends_a_burst_of_replies_as_a_batch_and_sends_what_it_held_before_it_waits() {
+    const N: usize = 16;
+    let (_dir, spec) = fake_store(bursting_store(N));
+    let r = client(&spec);
+    let a = r.async_io().expect("a remote starts requests");
+    let tally = Arc::new(Tally {
+        held: Default::default(),
+        sends: Default::default(),
+    });
+    let (tx, rx) = mpsc::channel();
+    for i in 0..N as u64 {
+        let into = Holding {
+            buf: vec![0; 512],
+            tally: tally.clone(),
+            tx: tx.clone(),
+        };
+        a.start_read(i * 512, Box::new(into));
+    }
+    for i in 0..N {
+        let batched = rx
+            .recv_timeout(T * 2)
+            .unwrap_or_else(|_| panic!("read {i} of {N} never ended"));
+        assert!(batched, "ended outside a batch");
+    }
+    let t = Instant::now();
+    while tally.sends.lock().unwrap().last() != Some(&N) {
+        assert!(t.elapsed() < T * 2, "what the ends held was never sent");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let sends = tally.sends.lock().unwrap().clone();
+    assert!(
+        sends.len() < N,
+        "{} sends for {N} ends: {sends:?}",
+        sends.len()
+    );
+    assert!(
+        !iopages_crypt::async_io::batching_ends(),
+        "the caller's thread is not the reader's"
+    );
+}

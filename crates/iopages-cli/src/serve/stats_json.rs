@@ -34,6 +34,7 @@ fn stats_json(s: &iopages_nbd::Stats, elapsed: Duration) -> serde_json::Value {
         "sessions": s.sessions,
         "tls_sessions": s.tls_sessions,
         "tls_failures": s.tls_failures,
+        "reply_writes": s.reply_writes,
         "read": cmd(&s.read),
         "write": cmd(&s.write),
         "flush": cmd(&s.flush),

@@ -136,6 +136,8 @@ impl Recv {
         tick: Duration,
     ) -> io::Result<usize> {
         if let Stream::Tls(_) = stream {
+            // Its read may wait: what this thread holds goes first.
+            async_io::send_held();
             let mut s = stream;
             return s.read(buf);
         }
@@ -145,6 +147,9 @@ impl Recv {
         }
         match sys::recv_nowait(fd, buf) {
             Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                // Nothing more to read now: what the ends of the replies
+                // read so far made goes out before the wait.
+                async_io::send_held();
                 let input = match tail_of {
                     Some(c) => c.wait_input(fd, tick)?,
                     None => sys::poll_until(fd, libc::POLLIN, Instant::now() + tick)?,
@@ -860,7 +865,20 @@ impl Conn {
 
     /// The reader thread: reply headers in, callers completed by cookie;
     /// at its end, the started requests left are ended.
+    ///
+    /// It ends requests in batches ([`async_io::batch_ends`]): what the
+    /// ends of a burst of replies make (a server's replies to its
+    /// clients) goes out together when the reader next waits for the
+    /// store ([`Recv`] sends it first), and at its end.
     pub(super) fn reader(self: Arc<Conn>, stream: Stream) {
+        struct Batch;
+        impl Drop for Batch {
+            fn drop(&mut self) {
+                async_io::batch_ends(false);
+            }
+        }
+        async_io::batch_ends(true);
+        let _batch = Batch;
         self.read_replies(stream);
         self.sweep();
         self.end_tail();

@@ -144,6 +144,15 @@ thread_local! {
     static DEFER_REPLIES: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
+/// Most replies a thread ending requests in batches holds back on one
+/// connection ([`Conn::reply`]); the next goes out with them.
+const HELD_REPLIES_MAX: usize = 32;
+
+/// Largest reply (head and data) held back that way: one 4 KiB read
+/// and more; a bigger reply goes out at once (its `sendmsg` is worth its
+/// bytes), with any held before it.
+const HELD_REPLY_BYTES: usize = 64 << 10;
+
 /// Bytes of the longest fixed reply head: a structured chunk header and a
 /// hole's offset and length.
 const HEAD_BYTES: usize = STRUCTURED_REPLY_BYTES + 12;
@@ -312,6 +321,19 @@ pub(crate) struct Conn {
     work: Mutex<Option<ZeroWork>>,
 }
 
+/// Replies held back by a thread ending requests in batches go out
+/// together, as any completion's do: without blocking, the connection's
+/// thread kicked to send what the socket does not take.
+impl async_io::Held for Conn {
+    fn send_held(&self) {
+        let ob = self.outbox.lock();
+        if ob.sending || ob.queue.is_empty() {
+            return;
+        }
+        self.drain(ob, true);
+    }
+}
+
 impl Conn {
     /// Queue the reply to a request (see [`Head::new`]) with `data` (a
     /// read's chunks, back to back);
@@ -325,7 +347,19 @@ impl Conn {
     /// meanwhile only queue theirs. Under load one `writev` carries many
     /// replies. What the socket does not take is left for the
     /// connection's thread.
-    fn reply(&self, error: u32, cookie: u64, kind: ReplyKind, data: Vec<Buf>, held_bytes: u64) {
+    ///
+    /// A thread that ends requests in batches (a remote store's reader,
+    /// [`async_io::batch_ends`]) holds a small reply back instead, up to
+    /// [`HELD_REPLIES_MAX`] on the connection: it sends them all at its
+    /// next [`async_io::send_held`], before it waits for anything.
+    fn reply(
+        self: &Arc<Self>,
+        error: u32,
+        cookie: u64,
+        kind: ReplyKind,
+        data: Vec<Buf>,
+        held_bytes: u64,
+    ) {
         let data_len: usize = data.iter().map(|d| d.as_ref().len()).sum();
         let head = Head::new(self.structured, error, cookie, kind, data_len);
         let r = Reply {
@@ -339,9 +373,15 @@ impl Conn {
             self.retire(r);
             return;
         }
+        let small = r.len <= HELD_REPLY_BYTES;
         let mut ob = self.outbox.lock();
         ob.queue.push_back(r);
         if ob.sending || DEFER_REPLIES.with(|d| d.get()) {
+            return;
+        }
+        if small && ob.queue.len() < HELD_REPLIES_MAX && async_io::batching_ends() {
+            drop(ob);
+            async_io::held_by(Arc::clone(self) as Arc<dyn async_io::Held>);
             return;
         }
         self.drain(ob, true);
@@ -439,7 +479,9 @@ impl Conn {
                         }
                     }
                 }
-                match self.t.try_write(&slices)? {
+                let wrote = self.t.try_write(&slices)?;
+                self.counters.reply_writes.fetch_add(1, Ordering::Relaxed);
+                match wrote {
                     Io::Done(n) => n,
                     Io::Blocked { .. } => return Ok(false),
                 }

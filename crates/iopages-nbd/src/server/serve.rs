@@ -1265,6 +1265,7 @@ impl Parked for Lot {
 mod tests {
     use super::*;
     use crate::proto::*;
+    use iopages_crypt::async_io;
     use iopages_crypt::backend::{Backend, RamDisk};
     use iopages_crypt::queue::QueueConfig;
     use iopages_crypt::target::{CipherPool, CryptTarget, TargetConfig};
@@ -2124,5 +2125,107 @@ mod tests {
         assert_eq!(s.shared.shares.snapshot(), Default::default());
         s.shutdown();
         alloc.leak_check().unwrap();
+    }
+    /// A volume whose reads start and wait until the test ends them, on
+    /// the test's thread (as a remote store's reader ends them).
+    struct Answered {
+        disk: RamDisk,
+        started: parking_lot::Mutex<Vec<Box<dyn async_io::ReadInto>>>,
+    }
+
+    impl Backend for Answered {
+        fn size_bytes(&self) -> u64 {
+            self.disk.size_bytes()
+        }
+        fn write_at(&self, offset: u64, segs: &[&[u8]]) -> std::io::Result<()> {
+            self.disk.write_at(offset, segs)
+        }
+        fn read_at(&self, offset: u64, segs: &mut [&mut [u8]]) -> std::io::Result<()> {
+            self.disk.read_at(offset, segs)
+        }
+        fn flush(&self) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn async_io(&self) -> Option<&dyn async_io::AsyncIo> {
+            Some(self)
+        }
+    }
+
+    impl async_io::AsyncIo for Answered {
+        fn start_write(
+            &self,
+            _: u64,
+            _: Arc<dyn async_io::Segments>,
+            _: bool,
+            end: async_io::WriteEnd,
+        ) {
+            end(async_io::Outcome::Again(async_io::declined("reads only")));
+        }
+        fn start_read(&self, _: u64, into: Box<dyn async_io::ReadInto>) {
+            self.started.lock().push(into);
+        }
+    }
+
+    impl Answered {
+        /// End `n` reads, once that many have started.
+        fn answer(&self, n: usize) {
+            let t = Instant::now();
+            while self.started.lock().len() < n {
+                assert!(
+                    t.elapsed() < Duration::from_secs(10),
+                    "{n} reads never started"
+                );
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            for into in std::mem::take(&mut *self.started.lock()) {
+                into.end(async_io::Outcome::Done(Ok(())));
+            }
+        }
+    }
+
+    /// Replies made by a thread ending requests in a batch (a store's
+    /// reader, `async_io::batch_ends`) wait and go out in one write when
+    /// the batch ends; ended one by one, each goes out in a write of its
+    /// own.
+    #[test]
+    fn replies_made_in_a_batch_of_ends_go_out_in_one_write() {
+        const N: u64 = 8;
+        let disk = Arc::new(Answered {
+            disk: RamDisk::new(1 << 20).unwrap(),
+            started: parking_lot::Mutex::new(Vec::new()),
+        });
+        let (alloc, s) = server_over(disk.clone(), ServerOptions::default());
+        let (mut c, _) = go(&s);
+        for (round, batched) in [(0u64, false), (1, true), (2, false)] {
+            let before = s.stats().reply_writes;
+            for i in 0..N {
+                send_read(&mut c, round * 100 + i, 512);
+            }
+            async_io::batch_ends(batched);
+            disk.answer(N as usize);
+            let held = s.stats().reply_writes - before;
+            async_io::batch_ends(false);
+            let mut got: Vec<u64> = (0..N)
+                .map(|_| {
+                    let (cookie, error) = recv_reply(&mut c, 512);
+                    assert_eq!(error, 0);
+                    cookie
+                })
+                .collect();
+            got.sort_unstable();
+            assert_eq!(got, (0..N).map(|i| round * 100 + i).collect::<Vec<_>>());
+            let writes = s.stats().reply_writes - before;
+            if batched {
+                assert_eq!(
+                    (held, writes),
+                    (0, 1),
+                    "held until the batch ended, then one write"
+                );
+            } else {
+                assert_eq!(writes, N, "one write per reply");
+            }
+        }
+        drop(c);
+        closed_and_clean(s, alloc);
     }
 }
