@@ -605,6 +605,16 @@ impl LocalAllocator {
         fill: impl FnOnce(&mut [MaybeUninit<Page>]) -> bool,
     ) -> bool {
         debug_assert!(nr <= self.cap - len && len == self.len());
+        if nr == 1 {
+            let mut one = [MaybeUninit::<Page>::uninit()];
+            if !fill(&mut one) {
+                return false;
+            }
+            // SAFETY: `fill` wrote the slot (the caller's promise); `len <
+            // cap` as `len + 1 <= cap`.
+            unsafe { self.push_unchecked(len, one[0].assume_init()) };
+            return true;
+        }
         if self.pack_small && (2..=SMALL).contains(&nr) && len + SMALL <= self.cap {
             // SAFETY: as below, for `SMALL` slots.
             return unsafe { self.fill_small(len, nr, fill) };
