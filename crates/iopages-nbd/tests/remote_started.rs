@@ -740,3 +740,45 @@ fn the_reader_ends_a_burst_of_replies_as_a_batch_and_sends_what_it_held_before_i
         "the caller's thread is not the reader's"
     );
 }
+
+/// A store that, once told, answers cookie 1 — the first request the
+/// client registers on the connection — whether or not it got it.
+fn guessing_store(go: Receiver<()>) -> impl FnOnce(UnixStream) + Send + 'static {
+    move |s| {
+        let mut st = nbd_client::Store::new(s);
+        if go.recv_timeout(T * 2).is_ok() {
+            let _ = st.send_raw(&simple_reply_bytes(0, 1));
+        }
+        // Keep the connection until the client gives it up.
+        while st.read_request().is_ok() {}
+    }
+}
+
+/// A reply to a request still held back (registered, not a byte of it
+/// written) answers what the store was never sent: the connection is
+/// given up with that said, and the held request ends `Again`, once.
+#[test]
+fn a_store_answering_a_request_it_was_not_sent_is_given_up() {
+    use iopages_crypt::async_io::hold_starts;
+    let (go_tx, go) = mpsc::channel();
+    let (_dir, spec) = fake_store(guessing_store(go));
+    let r = client(&spec);
+    let (tx, rx): Ends = mpsc::channel();
+    hold_starts(true);
+    start_write(&r, &tx, 0, 0, vec![7; 4096]);
+    go_tx.send(()).unwrap();
+    let t = Instant::now();
+    let said = loop {
+        if let Some(e) = r.health().last_error {
+            break e;
+        }
+        assert!(t.elapsed() < T * 2, "the connection was never given up");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert!(said.contains("which it was not sent"), "{said}");
+    hold_starts(false);
+    match ends(&rx, 1, T * 2).pop().unwrap().1 {
+        Ended::Again(_) => {}
+        e => panic!("the held write ended {e:?}"),
+    }
+}

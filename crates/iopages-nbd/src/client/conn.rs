@@ -321,6 +321,10 @@ pub(super) struct Pending {
     /// Sent whole: from now on only its reply is awaited (the reader's
     /// `overdue` check looks at these).
     pub(super) sent: bool,
+    /// Its sender may have begun writing it: false only while it is held
+    /// back (`started.rs`). A reply to a request not on the wire answers
+    /// something the store was never sent, and gives the connection up.
+    pub(super) on_wire: bool,
     /// A READ's destination: a successful reply carries data, which the
     /// reader puts there (taken when it starts).
     pub(super) dest: Option<Dest>,
@@ -606,6 +610,7 @@ impl Conn {
         let pending = Pending {
             deadline: call.deadline,
             sent: false,
+            on_wire: true,
             dest,
             cv: cv.clone(),
             state: Slot::Waiting,
@@ -917,6 +922,14 @@ impl Conn {
                 self.kill(&mut s, ErrorKind::InvalidData, msg);
                 return;
             };
+            if !p.on_wire {
+                let msg = format!(
+                    "{}: the remote answered cookie {cookie}, which it was not sent",
+                    self.name
+                );
+                self.kill(&mut s, ErrorKind::InvalidData, msg);
+                return;
+            }
             if errno == 0 && p.unflushed {
                 sh.last_ack = self.durability.acked();
             }

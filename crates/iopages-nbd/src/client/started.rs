@@ -95,7 +95,7 @@ impl Conn {
         let Some(w) = self.writer.try_lock() else {
             return Err(then);
         };
-        let req = self.register_req(then)?;
+        let req = self.register_req(then, true)?;
         let cookie = req.cookie;
         match self.write_reqs(&w, vec![req]) {
             Written::Declined(_) => {
@@ -110,14 +110,15 @@ impl Conn {
         }
     }
 
-    /// Register `then` (see [`Conn::register`]) as a request to write.
-    fn register_req(&self, then: Then) -> Result<HeldReq, Then> {
+    /// Register `then` (see [`Conn::register`]) as a request to write:
+    /// now (`on_wire`), or held back until its batch is sent.
+    fn register_req(&self, then: Then, on_wire: bool) -> Result<HeldReq, Then> {
         let now = Instant::now();
         let deadline = now + self.timeout;
         let call = then.call(deadline);
         let data = then.data.clone();
         let mut req = then.request();
-        req.cookie = self.register(then, now, deadline)?;
+        req.cookie = self.register(then, now, deadline, on_wire)?;
         Ok(HeldReq {
             cookie: req.cookie,
             header: req.encode(),
@@ -130,7 +131,13 @@ impl Conn {
     ///
     /// **Returns:** its cookie; `Err(then)` when the connection was given
     /// up or has no free slot.
-    fn register(&self, mut then: Then, now: Instant, deadline: Instant) -> Result<u64, Then> {
+    fn register(
+        &self,
+        mut then: Then,
+        now: Instant,
+        deadline: Instant,
+        on_wire: bool,
+    ) -> Result<u64, Then> {
         let unflushed = matches!(then.command, CMD_WRITE | CMD_WRITE_ZEROES | CMD_TRIM)
             && then.flags & CMD_FLAG_FUA == 0;
         let mut s = self.shared.lock();
@@ -143,6 +150,7 @@ impl Conn {
         let pending = Pending {
             deadline,
             sent: false,
+            on_wire,
             dest: None,
             cv: Arc::new(Condvar::new()),
             state: Slot::Waiting,
@@ -162,7 +170,7 @@ impl Conn {
             // Mid-request: another connection may take it now.
             return Err(then);
         }
-        let req = self.register_req(then)?;
+        let req = self.register_req(then, false)?;
         let full = {
             let mut held = self.held.lock();
             held.push(req);
@@ -278,10 +286,24 @@ impl Conn {
             return;
         }
         let written = match self.writer.try_lock() {
-            Some(w) => self.write_reqs(&w, held),
+            Some(w) => {
+                self.put_on_wire(&held);
+                self.write_reqs(&w, held)
+            }
             None => Written::Declined(held),
         };
         self.after_written(written);
+    }
+
+    /// Requests held back are about to be written: from now on the store
+    /// may answer them.
+    fn put_on_wire(&self, reqs: &[HeldReq]) {
+        let mut s = self.shared.lock();
+        for r in reqs {
+            if let Some(p) = s.pending.get_mut(&r.cookie) {
+                p.on_wire = true;
+            }
+        }
     }
 
     /// The sender's side once its request was written (or not): mark it
