@@ -1237,6 +1237,27 @@ int iopages_mempool_stats_get(const struct iopages_mempool *p, struct iopages_me
 #ifndef IOPAGES_FAST_BULK_MAX
 #define IOPAGES_FAST_BULK_MAX 16
 #endif
+/* The inline batch free converts four pages per step with SSE2 where the
+ * compiler targets x86-64 (every x86-64 CPU has it), as the library's
+ * vectorised loops do; define IOPAGES_FAST_NO_SIMD for the scalar loop
+ * alone. gcc -O2 leaves the scalar loop scalar: with it a batch of 8 cost
+ * 1.4x the library's Rust twin on an Intel Xeon. The batch allocation
+ * stays scalar: its 16-byte loads of slots stored one by one (by a
+ * single free, or a batch's scalar tail) failed to forward and made some
+ * batch sizes slower (16: 3.7 ns per page against 2.4). */
+#if defined(__SSE2__) && defined(__x86_64__) && !defined(IOPAGES_FAST_NO_SIMD)
+#include <emmintrin.h>
+#define IOPAGES_FAST__SIMD 1
+#else
+#define IOPAGES_FAST__SIMD 0
+#endif
+/* The batch paths inlined whatever the compiler's budget: gcc -O2 left the
+ * SSE2 free out of line, and the call cost more than the steps saved. */
+#if defined(__GNUC__)
+#define IOPAGES_FAST__BATCH static inline __attribute__((always_inline))
+#else
+#define IOPAGES_FAST__BATCH static inline
+#endif
 /* The handle's thread is the only writer of its length; other threads read
  * it, hence relaxed atomics (plain loads and stores on every common CPU).
  * A hit counts nothing and tests one bound: allocations need the length
@@ -1273,6 +1294,15 @@ static inline void *iopages_fast__addr_(uintptr_t below, uint32_t slot) {
     return (void *)(below + ((uintptr_t)slot << IOPAGES_FAST__PAGE_SHIFT));
 }
 
+/* The slot of the page at `p` for a batch free, its offset or-ed into
+ * *low (alignment) and whether it lies outside the arena into *out. */
+static inline uint32_t iopages_fast__slot_(const struct iopages_local_fast *f, void *p, size_t *low, size_t *out) {
+    size_t off = (size_t)((uintptr_t)p - (uintptr_t)f->base);
+    *low |= off;
+    *out |= off >= f->arena_bytes;
+    return (uint32_t)(off / IOPAGES_PAGE_SIZE) + 1;
+}
+
 /** Allocate one page by address from the handle's cache (else the full call). */
 static inline void *iopages_fast_alloc_page_ptr(const struct iopages_local_fast *f, uint32_t gfp_flags) {
     size_t len = iopages_fast__len_(f);
@@ -1307,7 +1337,7 @@ static inline int iopages_fast_free_page_ptr(const struct iopages_local_fast *f,
 }
 
 /** Allocate n pages by address from the handle's cache (else the full call). */
-static inline intptr_t iopages_fast_alloc_bulk_ptrs(const struct iopages_local_fast *f, uint32_t gfp_flags,
+IOPAGES_FAST__BATCH intptr_t iopages_fast_alloc_bulk_ptrs(const struct iopages_local_fast *f, uint32_t gfp_flags,
                                                     void **ptrs, size_t n) {
     size_t len = iopages_fast__len_(f);
     if (n > IOPAGES_FAST_BULK_MAX || ptrs == NULL || iopages_fast__careful_(f, gfp_flags) || n > len ||
@@ -1324,7 +1354,7 @@ static inline intptr_t iopages_fast_alloc_bulk_ptrs(const struct iopages_local_f
 
 /** Free n pages by address into the handle's cache (else the full call,
  *  which also reports a bad address; nothing is freed then). */
-static inline int iopages_fast_free_bulk_ptrs(const struct iopages_local_fast *f, void *const *ptrs, size_t n) {
+IOPAGES_FAST__BATCH int iopages_fast_free_bulk_ptrs(const struct iopages_local_fast *f, void *const *ptrs, size_t n) {
     size_t len = iopages_fast__len_(f);
     if (n > IOPAGES_FAST_BULK_MAX || len + n > f->cap || ptrs == NULL)
         return iopages_local_free_bulk_ptrs(f->local, ptrs, n);
@@ -1345,13 +1375,46 @@ static inline int iopages_fast_free_bulk_ptrs(const struct iopages_local_fast *f
      * huge one): cheap operations per page and one test, not two tests per
      * page. Both are or-ed flags: a running maximum made each page wait
      * for the one before (a compare and a conditional move each). */
-    size_t low = 0, out = 0;
-    for (size_t i = 0; i < n; i++) {
-        size_t off = (size_t)((uintptr_t)ptrs[i] - (uintptr_t)f->base);
-        low |= off;
-        out |= off >= f->arena_bytes;
-        slot[i] = (uint32_t)(off / IOPAGES_PAGE_SIZE) + 1; /* unused unless all pass */
+    size_t low = 0, out = 0, i = 0;
+    /* The first n % 4 pages one by one, then four a step. */
+    size_t head = IOPAGES_FAST__SIMD && !via_small ? n % 4 : n;
+    for (; i < head; i++)
+        slot[i] = iopages_fast__slot_(f, ptrs[i], &low, &out); /* unused unless all pass */
+#if IOPAGES_FAST__SIMD
+    /* Four pages a step: the offsets' low bits or-ed; an offset of 2^43
+     * or more (past any arena, or below the base) flagged by its frame's
+     * high bits; the others' frames, packed to 32 bits, compared with the
+     * arena's pages (fewer than 2^31: a signed compare is exact). The
+     * addresses are read 8 bytes at a time: a 16-byte read could straddle
+     * two of the stores that wrote them. */
+    if (i < n && f->arena_bytes / IOPAGES_PAGE_SIZE <= INT32_MAX) {
+        const __m128i vbase = _mm_set1_epi64x((long long)(uintptr_t)f->base);
+        const __m128i pages = _mm_set1_epi32((int)(f->arena_bytes / IOPAGES_PAGE_SIZE));
+        const __m128i one = _mm_set1_epi32(1);
+        __m128i vlow = _mm_setzero_si128(), vhigh = _mm_setzero_si128(), vin = _mm_set1_epi32(-1);
+        for (; i + 4 <= n; i += 4) {
+            __m128i a = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(ptrs + i)),
+                                           _mm_loadl_epi64((const __m128i *)(ptrs + i + 1)));
+            __m128i b = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(ptrs + i + 2)),
+                                           _mm_loadl_epi64((const __m128i *)(ptrs + i + 3)));
+            a = _mm_sub_epi64(a, vbase);
+            b = _mm_sub_epi64(b, vbase);
+            vlow = _mm_or_si128(vlow, _mm_or_si128(a, b));
+            a = _mm_srli_epi64(a, IOPAGES_FAST__PAGE_SHIFT);
+            b = _mm_srli_epi64(b, IOPAGES_FAST__PAGE_SHIFT);
+            vhigh = _mm_or_si128(vhigh, _mm_srli_epi64(_mm_or_si128(a, b), 31));
+            __m128i frames = _mm_unpacklo_epi64(_mm_shuffle_epi32(a, _MM_SHUFFLE(2, 0, 2, 0)),
+                                                _mm_shuffle_epi32(b, _MM_SHUFFLE(2, 0, 2, 0)));
+            vin = _mm_and_si128(vin, _mm_cmpgt_epi32(pages, frames));
+            _mm_storeu_si128((__m128i *)(slot + i), _mm_add_epi32(frames, one)); /* unused unless all pass */
+        }
+        low |= (size_t)_mm_cvtsi128_si64(_mm_or_si128(vlow, _mm_unpackhi_epi64(vlow, vlow)));
+        vhigh = _mm_or_si128(vhigh, _mm_unpackhi_epi64(vhigh, vhigh));
+        out |= _mm_cvtsi128_si64(vhigh) != 0 || _mm_movemask_epi8(vin) != 0xffff;
     }
+#endif
+    for (; i < n; i++) /* only where the steps do not apply */
+        slot[i] = iopages_fast__slot_(f, ptrs[i], &low, &out);
     if ((low % IOPAGES_PAGE_SIZE) != 0 || out)
         return iopages_local_free_bulk_ptrs(f->local, ptrs, n);
     if (via_small)

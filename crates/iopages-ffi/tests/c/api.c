@@ -388,7 +388,7 @@ static void fast_calls(void) {
         if (checks) CHECK(iopages_fast_free_page_ptr(f, z) == -EINVAL); /* double free caught */
         /* Bulk, inside and past the cache, every page distinct. */
         static void *v[600];
-        size_t sizes[] = {1, 8, 16, 17, 64, 300, 600};
+        size_t sizes[] = {1, 5, 7, 8, 16, 17, 64, 300, 600};
         for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++) {
             size_t n = sizes[k];
             CHECK(iopages_fast_alloc_bulk_ptrs(f, IOPAGES_GFP_KERNEL, v, n) == (intptr_t)n);
@@ -399,18 +399,25 @@ static void fast_calls(void) {
             for (size_t i = 0; i < n; i++) CHECK(*(size_t *)v[i] == i); /* no page twice */
             iopages_accounting acc;
             CHECK(iopages_leak_check(a, &acc) == -EBUSY && acc.in_use_pages == n);
-            void *saved = v[n / 2];
-            v[n / 2] = (char *)saved + 64;
-            CHECK(iopages_fast_free_bulk_ptrs(f, v, n) == -EINVAL);
-            CHECK(iopages_leak_check(a, &acc) == -EBUSY && acc.in_use_pages == n); /* nothing freed */
-            /* Page starts outside the arena: past its end, below its base. */
-            char *outside[] = {(char *)f->base + f->arena_bytes, (char *)f->base - 4096};
-            for (int o = 0; o < 2; o++) {
-                v[n / 2] = outside[o];
+            /* A bad address in the middle (the inline path's four-page
+             * steps), and last (its one-page tail), frees nothing. */
+            size_t at[] = {n / 2, n - 1};
+            for (int k2 = 0; k2 < 2; k2++) {
+                void *saved = v[at[k2]];
+                v[at[k2]] = (char *)saved + 64;
                 CHECK(iopages_fast_free_bulk_ptrs(f, v, n) == -EINVAL);
-                CHECK(iopages_leak_check(a, &acc) == -EBUSY && acc.in_use_pages == n);
+                CHECK(iopages_leak_check(a, &acc) == -EBUSY && acc.in_use_pages == n); /* nothing freed */
+                /* Page starts outside the arena: past its end, below its
+                 * base, and 2^43 bytes past it. */
+                char *outside[] = {(char *)f->base + f->arena_bytes, (char *)f->base - 4096,
+                                   (char *)f->base + ((size_t)1 << 43)};
+                for (int o = 0; o < 3; o++) {
+                    v[at[k2]] = outside[o];
+                    CHECK(iopages_fast_free_bulk_ptrs(f, v, n) == -EINVAL);
+                    CHECK(iopages_leak_check(a, &acc) == -EBUSY && acc.in_use_pages == n);
+                }
+                v[at[k2]] = saved;
             }
-            v[n / 2] = saved;
             CHECK(iopages_fast_free_bulk_ptrs(f, v, n) == 0);
             CHECK(iopages_leak_check(a, NULL) == 0);
         }
