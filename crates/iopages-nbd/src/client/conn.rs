@@ -909,27 +909,13 @@ impl Conn {
                     return;
                 }
             };
-            let sh = &mut *s;
-            let Some(p) = sh
-                .pending
-                .get_mut(&cookie)
-                .filter(|p| matches!(p.state, Slot::Waiting))
-            else {
-                let msg = format!(
-                    "{}: the remote answered cookie {cookie}, which is not in flight",
-                    self.name
-                );
-                self.kill(&mut s, ErrorKind::InvalidData, msg);
-                return;
-            };
-            if !p.on_wire {
-                let msg = format!(
-                    "{}: the remote answered cookie {cookie}, which it was not sent",
-                    self.name
-                );
+            if let Some(why) = unexpected(&s, cookie) {
+                let msg = format!("{}: the remote answered cookie {cookie}, {why}", self.name);
                 self.kill(&mut s, ErrorKind::InvalidData, msg);
                 return;
             }
+            let sh = &mut *s;
+            let p = sh.pending.get_mut(&cookie).expect("checked above");
             if errno == 0 && p.unflushed {
                 sh.last_ack = self.durability.acked();
             }
@@ -966,6 +952,16 @@ impl Conn {
                 }
             }
         }
+    }
+}
+
+/// Why a reply to `cookie` answers nothing this connection awaits: no
+/// request waits for it, or the one registered under it was not sent.
+fn unexpected(s: &Shared, cookie: u64) -> Option<&'static str> {
+    match s.pending.get(&cookie) {
+        Some(p) if matches!(p.state, Slot::Waiting) && p.on_wire => None,
+        Some(p) if matches!(p.state, Slot::Waiting) => Some("which it was not sent"),
+        _ => Some("which is not in flight"),
     }
 }
 
