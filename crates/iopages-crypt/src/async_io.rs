@@ -64,7 +64,12 @@ pub trait Held: Send + Sync {
 /// still send at once (its batch full). Whoever turns it on sends what is
 /// held ([`send_held`]) before the thread waits for anything.
 pub fn hold_starts(on: bool) {
-    HOLDING.with(|h| h.set(on));
+    set_or_send(&HOLDING, on);
+}
+
+/// Set a thread's flag; turned off, send what the thread holds.
+fn set_or_send(flag: &'static std::thread::LocalKey<Cell<bool>>, on: bool) {
+    flag.with(|f| f.set(on));
     if !on {
         send_held();
     }
@@ -83,9 +88,22 @@ pub fn holding() -> bool {
 /// which it calls before it waits for anything. `false` sends everything
 /// held and holds no more.
 pub fn batch_ends(on: bool) {
-    BATCHING.with(|b| b.set(on));
-    if !on {
-        send_held();
+    set_or_send(&BATCHING, on);
+}
+
+/// [`batch_ends`] for a scope: on now, and off (what is held sent) when
+/// the guard drops, on unwinding too.
+pub fn ends_batched() -> EndsBatched {
+    batch_ends(true);
+    EndsBatched(())
+}
+
+/// The guard of [`ends_batched`].
+pub struct EndsBatched(());
+
+impl Drop for EndsBatched {
+    fn drop(&mut self) {
+        batch_ends(false);
     }
 }
 

@@ -639,6 +639,19 @@ fn a_connection_that_ends_mid_write_ends_it_again_once() {
     assert_eq!(seen.recv_timeout(T).unwrap(), CMD_WRITE, "it was started");
 }
 
+/// What `f` gives once it gives something, asked every 5 ms; `what` is
+/// the failure past `limit`.
+fn within<V>(limit: Duration, what: &str, mut f: impl FnMut() -> Option<V>) -> V {
+    let t = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(t.elapsed() < limit, "{what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// A store that answers nothing until `n` requests are in, then every
 /// one of them in one write (a burst); again for the next `n`.
 fn bursting_store(n: usize) -> impl FnOnce(UnixStream) + Send + 'static {
@@ -724,11 +737,9 @@ fn the_reader_ends_a_burst_of_replies_as_a_batch_and_sends_what_it_held_before_i
             .unwrap_or_else(|_| panic!("read {i} of {N} never ended"));
         assert!(batched, "ended outside a batch");
     }
-    let t = Instant::now();
-    while tally.sends.lock().unwrap().last() != Some(&N) {
-        assert!(t.elapsed() < T * 2, "what the ends held was never sent");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    within(T * 2, "what the ends held was never sent", || {
+        (tally.sends.lock().unwrap().last() == Some(&N)).then_some(())
+    });
     let sends = tally.sends.lock().unwrap().clone();
     assert!(
         sends.len() < N,
@@ -767,14 +778,9 @@ fn a_store_answering_a_request_it_was_not_sent_is_given_up() {
     hold_starts(true);
     start_write(&r, &tx, 0, 0, vec![7; 4096]);
     go_tx.send(()).unwrap();
-    let t = Instant::now();
-    let said = loop {
-        if let Some(e) = r.health().last_error {
-            break e;
-        }
-        assert!(t.elapsed() < T * 2, "the connection was never given up");
-        std::thread::sleep(Duration::from_millis(5));
-    };
+    let said = within(T * 2, "the connection was never given up", || {
+        r.health().last_error
+    });
     assert!(said.contains("which it was not sent"), "{said}");
     hold_starts(false);
     match ends(&rx, 1, T * 2).pop().unwrap().1 {

@@ -876,14 +876,7 @@ impl Conn {
     /// clients) goes out together when the reader next waits for the
     /// store ([`Recv`] sends it first), and at its end.
     pub(super) fn reader(self: Arc<Conn>, stream: Stream) {
-        struct Batch;
-        impl Drop for Batch {
-            fn drop(&mut self) {
-                async_io::batch_ends(false);
-            }
-        }
-        async_io::batch_ends(true);
-        let _batch = Batch;
+        let _batch = async_io::ends_batched();
         self.read_replies(stream);
         self.sweep();
         self.end_tail();

@@ -43,11 +43,7 @@ impl Conn {
     ) -> Result<(), (Vec<HeldReq>, io::Error)> {
         let s = self.shared.lock();
         if s.reader_gone || s.dead.is_some() {
-            let e = io::Error::new(
-                ErrorKind::ConnectionAborted,
-                format!("{}: the connection ended mid-request", self.name),
-            );
-            return Err((reqs, e));
+            return Err((reqs, self.ended_mid_request()));
         }
         *self.tail.lock() = Some(Tail { reqs, sent });
         self.has_tail.store(true, Ordering::Release);
@@ -131,12 +127,18 @@ impl Conn {
         };
         self.tail_done.notify_all();
         if let Some(tail) = tail {
-            let e = io::Error::new(
-                ErrorKind::ConnectionAborted,
-                format!("{}: the connection ended mid-request", self.name),
-            );
+            let e = self.ended_mid_request();
             self.after_written(Written::Ended(tail.reqs, Err(Some(e))));
         }
+    }
+
+    /// What a write left in part fails with when nobody will send its
+    /// rest.
+    fn ended_mid_request(&self) -> io::Error {
+        io::Error::new(
+            ErrorKind::ConnectionAborted,
+            format!("{}: the connection ended mid-request", self.name),
+        )
     }
 
     /// Wait, under the writer lock `w` (given up meanwhile), until no

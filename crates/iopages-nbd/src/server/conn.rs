@@ -326,11 +326,7 @@ pub(crate) struct Conn {
 /// thread kicked to send what the socket does not take.
 impl async_io::Held for Conn {
     fn send_held(&self) {
-        let ob = self.outbox.lock();
-        if ob.sending || ob.queue.is_empty() {
-            return;
-        }
-        self.drain(ob, true);
+        self.flush(true);
     }
 }
 
@@ -392,11 +388,17 @@ impl Conn {
     /// next: it is not kicked (a kick to itself would end that wait at
     /// once, and a client that stops reading would have it spin).
     fn flush_replies(&self) {
+        self.flush(false);
+    }
+
+    /// Send what is queued without blocking, unless a thread is sending
+    /// (see [`Conn::drain`] for `kick`).
+    fn flush(&self, kick: bool) {
         let ob = self.outbox.lock();
         if ob.sending || ob.queue.is_empty() {
             return;
         }
-        self.drain(ob, false);
+        self.drain(ob, kick);
     }
 
     /// Become the sender: send until the queue is empty or the socket is
